@@ -1,0 +1,32 @@
+# Two commands on a fresh machine: `make run` and `make test`.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+# CPU torch pinned for dev/CI (a bare `torch` resolves to a multi-GB CUDA build).
+TORCH_PIN := torch==2.13.0
+
+.PHONY: run test bench clean
+
+$(VENV)/.base: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q $(TORCH_PIN)
+	$(PIP) install -q -e ".[triton]"
+	touch $@
+
+$(VENV)/.test: $(VENV)/.base
+	$(PIP) install -q -e ".[triton,test]"
+	touch $@
+
+run: $(VENV)/.base
+	$(VENV)/bin/attnplug run
+
+test: $(VENV)/.test
+	ATTNPLUG_VALIDATE=1 $(PY) -m pytest -q
+
+bench: $(VENV)/.base
+	$(VENV)/bin/attnplug bench step
+
+clean:
+	rm -rf $(VENV) build *.egg-info

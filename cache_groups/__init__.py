@@ -1,0 +1,1 @@
+"""attnplug.cache_groups."""

@@ -1,0 +1,142 @@
+"""KV-cache specs: what one layer keeps per token (attention) or per request (Mamba).
+
+Frozen dataclasses so that equal specs hash equal: layers with equal specs share a
+cache group (``attnplug.cache_groups.grouping``). Names follow vLLM V1's
+``vllm/v1/kv_cache_interface.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from attnplug.core.errors import KVCacheSpecError
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division of non-negative ints."""
+    return -(-a // b)
+
+
+def _dtype_bytes(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """Base of every spec. ``block_size`` is tokens per manager block."""
+
+    block_size: int
+
+    def __post_init__(self):
+        if not isinstance(self.block_size, int) or self.block_size <= 0:
+            raise KVCacheSpecError(f"block_size must be a positive int, got {self.block_size!r}")
+
+    @property
+    def kind(self) -> str:
+        """Cache-group kind used for backend selection: ``full_attention``, ``sliding_window``, ``mamba``."""
+        raise NotImplementedError
+
+    @property
+    def page_size_bytes(self) -> int:
+        """Bytes of one block (one layer)."""
+        raise NotImplementedError
+
+    def max_memory_usage_bytes(self, max_model_len: int, max_num_batched_tokens: int) -> int:
+        """Upper bound of one request's cache bytes (one layer)."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class AttentionSpec(KVCacheSpec):
+    """Paged K/V: each block holds ``block_size`` tokens of K and V for ``num_kv_heads``."""
+
+    num_kv_heads: int = 1
+    head_size: int = 64
+    dtype: torch.dtype = torch.float32
+
+    def __post_init__(self):
+        super().__post_init__()
+        for name in ("num_kv_heads", "head_size"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v <= 0:
+                raise KVCacheSpecError(f"{name} must be a positive int, got {v!r}")
+
+    @property
+    def page_size_bytes(self) -> int:
+        """``2 * block_size * num_kv_heads * head_size * dtype size`` (K and V)."""
+        return 2 * self.block_size * self.num_kv_heads * self.head_size * _dtype_bytes(self.dtype)
+
+
+@dataclass(frozen=True)
+class FullAttentionSpec(AttentionSpec):
+    """Full causal attention: a request keeps every token's K/V."""
+
+    @property
+    def kind(self) -> str:
+        return "full_attention"
+
+    def max_memory_usage_bytes(self, max_model_len: int, max_num_batched_tokens: int) -> int:
+        """``cdiv(max_model_len, block_size)`` blocks."""
+        return cdiv(max_model_len, self.block_size) * self.page_size_bytes
+
+
+@dataclass(frozen=True)
+class SlidingWindowSpec(AttentionSpec):
+    """Sliding-window attention over the last ``sliding_window`` tokens (current included).
+
+    Key k is visible to query p iff ``p - W < k <= p`` (HF ``config.sliding_window``).
+    """
+
+    sliding_window: int = 0
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not isinstance(self.sliding_window, int) or self.sliding_window <= 0:
+            raise KVCacheSpecError(f"sliding_window must be a positive int, got {self.sliding_window!r}")
+
+    @property
+    def kind(self) -> str:
+        return "sliding_window"
+
+    def max_memory_usage_bytes(self, max_model_len: int, max_num_batched_tokens: int) -> int:
+        """``cdiv(W - 1 + max_num_batched_tokens, block_size) + 1`` blocks, capped by the
+        full-attention need (design notes §4)."""
+        blocks = cdiv(self.sliding_window - 1 + max_num_batched_tokens, self.block_size) + 1
+        return min(blocks, cdiv(max_model_len, self.block_size)) * self.page_size_bytes
+
+
+@dataclass(frozen=True)
+class MambaSpec(KVCacheSpec):
+    """Mamba2 state: one slot per running request holding its conv and SSM states.
+
+    ``conv_state_shape`` is ``[conv_dim, d_conv - 1]``; ``ssm_state_shape`` is
+    ``[nheads, headdim, d_state]``. ``block_size`` is the manager's accounting unit
+    (usually ``max_model_len``: one block per request).
+    """
+
+    conv_state_shape: tuple[int, ...] = (1, 1)
+    ssm_state_shape: tuple[int, ...] = (1, 1, 1)
+    dtype: torch.dtype = torch.float32
+    ssm_dtype: torch.dtype = torch.float32
+    chunk_size: int = 256
+
+    @property
+    def kind(self) -> str:
+        return "mamba"
+
+    @property
+    def page_size_bytes(self) -> int:
+        """Bytes of one request's state: conv state plus SSM state."""
+        n_conv = 1
+        for s in self.conv_state_shape:
+            n_conv *= s
+        n_ssm = 1
+        for s in self.ssm_state_shape:
+            n_ssm *= s
+        return n_conv * _dtype_bytes(self.dtype) + n_ssm * _dtype_bytes(self.ssm_dtype)
+
+    def max_memory_usage_bytes(self, max_model_len: int, max_num_batched_tokens: int) -> int:
+        """One state slot, whatever the length."""
+        return self.page_size_bytes

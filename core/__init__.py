@@ -1,0 +1,35 @@
+"""Backend-agnostic metadata, the backend contract, errors and validation."""
+
+from attnplug.core.constants import NULL_BLOCK_ID, PAD_SLOT_ID
+from attnplug.core.contracts import (
+    PLUGIN_API_VERSION,
+    AttentionBackend,
+    AttentionCGSupport,
+    AttentionImpl,
+    AttentionLayerConfig,
+    AttentionMetadataBuilder,
+    AttentionType,
+    BuilderConfig,
+)
+from attnplug.core.errors import (
+    AttnplugError,
+    BackendUnsupportedError,
+    InvalidSchedulerOutput,
+    KVCacheSpecError,
+    MetadataError,
+    MetadataInvariantError,
+    PluginValidationError,
+    TraceFormatError,
+    UnknownBackendError,
+)
+from attnplug.core.metadata import CommonAttentionMetadata
+from attnplug.core.validation import BatchView, RowState, validate
+
+__all__ = [
+    "NULL_BLOCK_ID", "PAD_SLOT_ID", "PLUGIN_API_VERSION", "AttentionBackend", "AttentionCGSupport",
+    "AttentionImpl", "AttentionLayerConfig", "AttentionMetadataBuilder", "AttentionType",
+    "BuilderConfig", "AttnplugError", "BackendUnsupportedError", "InvalidSchedulerOutput",
+    "KVCacheSpecError", "MetadataError", "MetadataInvariantError", "PluginValidationError",
+    "TraceFormatError", "UnknownBackendError", "CommonAttentionMetadata", "BatchView", "RowState",
+    "validate",
+]

@@ -1,0 +1,309 @@
+"""The backend contract: ``AttentionBackend``, ``AttentionMetadataBuilder``, ``AttentionImpl``.
+
+A backend is a class (never instantiated) that names its builder and impl classes and
+declares its capabilities. Per step, for each KV-cache group, the runner calls the
+group's builder once (``build``) to lower the :class:`CommonAttentionMetadata` into the
+backend's own metadata; every layer of the group then calls ``AttentionImpl.forward``
+with that object. Shapes mirror vLLM V1 (``vllm/v1/attention/backend.py``).
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from attnplug.core.metadata import CommonAttentionMetadata
+
+PLUGIN_API_VERSION: tuple[int, int] = (1, 0)
+"""Version of this contract, ``(major, minor)``. A backend declares the version it was
+written against (``AttentionBackend.plugin_api_version``); a different major, or a newer
+minor than ours, is rejected at registration."""
+
+
+class AttentionType(str, enum.Enum):
+    """Which tokens attend to which (vLLM's ``AttentionType``)."""
+
+    DECODER = "decoder"
+    """Causal self-attention over the paged KV cache (the only kind the runner drives)."""
+    ENCODER = "encoder"
+    ENCODER_ONLY = "encoder_only"
+    ENCODER_DECODER = "encoder_decoder"
+
+
+class AttentionCGSupport(enum.IntEnum):
+    """How much of a step a builder's metadata lets a CUDA graph capture (higher = more).
+
+    The runner negotiates the graph mode from the minimum over all builders.
+    """
+
+    NEVER = 0
+    """No CUDA graphs over attention (run attention eagerly / piecewise)."""
+    UNIFORM_SINGLE_TOKEN_DECODE = 1
+    """Full graphs only for batches where every request has exactly one query token."""
+    UNIFORM_BATCH = 2
+    """Full graphs for batches where every request has the same query length."""
+    ALWAYS = 3
+    """Full graphs for any batch (mixed prefill and decode)."""
+
+
+@dataclass(frozen=True)
+class AttentionLayerConfig:
+    """What a builder or a capability check knows about the layers it serves.
+
+    ``head_size`` not ``head_dim`` (vLLM's term). ``sliding_window`` is W tokens, the
+    current token included (HF ``config.sliding_window``): key k is visible to query p iff
+    ``p - W < k <= p``. ``None`` means full attention.
+    """
+
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    dtype: torch.dtype = torch.float32
+    kv_cache_dtype: torch.dtype | None = None
+    block_size: int = 16
+    sliding_window: int | None = None
+    logits_soft_cap: float | None = None
+    attn_type: AttentionType = AttentionType.DECODER
+    device: str = "cpu"
+
+    @property
+    def effective_kv_cache_dtype(self) -> torch.dtype:
+        return self.kv_cache_dtype or self.dtype
+
+
+@dataclass(frozen=True)
+class BuilderConfig:
+    """Limits a metadata builder may size its persistent buffers by."""
+
+    max_num_reqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+
+
+class AttentionMetadataBuilder(ABC):
+    """Lowers a step's :class:`CommonAttentionMetadata` into one backend's metadata.
+
+    One instance per KV-cache group, created once at runner start:
+    ``Builder(kv_cache_spec, layer_names, config, device)``.
+
+    Class attributes:
+        cudagraph_support: the :class:`AttentionCGSupport` level of the metadata it builds.
+        reorder_batch_threshold: if set, the runner puts requests whose query length is
+            ``<= threshold`` (decodes) before the others before preparing inputs.
+        supports_update_block_table: ``update_block_table`` is implemented (groups with the
+            same spec and builder class then reuse one build per step).
+    """
+
+    cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+    reorder_batch_threshold: ClassVar[int | None] = None
+    supports_update_block_table: ClassVar[bool] = False
+
+    def __init__(self, kv_cache_spec: Any, layer_names: list[str], config: BuilderConfig,
+                 device: torch.device | str):
+        self.kv_cache_spec = kv_cache_spec
+        self.layer_names = list(layer_names)
+        self.config = config
+        self.device = torch.device(device)
+
+    @classmethod
+    def get_cudagraph_support(cls, kv_cache_spec: Any = None) -> AttentionCGSupport:
+        """The CUDA-graph support level for ``kv_cache_spec`` (default: the class attribute)."""
+        return cls.cudagraph_support
+
+    @abstractmethod
+    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
+              fast_build: bool = False) -> Any:
+        """Build this backend's metadata for one step. Must not mutate ``common_attn_metadata``.
+
+        Args:
+            common_prefix_len: tokens shared by every request's prefix (cascade attention);
+                0 when unknown or unused.
+            common_attn_metadata: the step's metadata, with this group's block table and
+                slot mapping.
+            fast_build: prefer a cheap build over a fast kernel (speculative drafts).
+
+        Returns:
+            The backend's metadata object, passed unchanged to every layer's ``forward``.
+
+        May synchronise with the host (it runs once per step, outside CUDA graphs unless
+        ``cudagraph_support`` says otherwise).
+        """
+
+    def build_for_cudagraph_capture(self, common_attn_metadata: CommonAttentionMetadata) -> Any:
+        """Build metadata for a dummy batch being captured in a CUDA graph (default: ``build``)."""
+        return self.build(0, common_attn_metadata)
+
+    def update_block_table(self, metadata: Any, block_table: torch.Tensor,
+                           slot_mapping: torch.Tensor) -> Any:
+        """Return a copy of ``metadata`` (built for another group with the same spec) that
+        uses ``block_table`` (``[num_reqs, max_num_blocks_per_req]``, int32) and
+        ``slot_mapping`` (``[num_tokens]``, int64). Must not mutate ``metadata``.
+
+        Raises:
+            NotImplementedError: when ``supports_update_block_table`` is False.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not support update_block_table")
+
+
+class AttentionImpl(ABC):
+    """Runs attention for one layer with the metadata its builder made.
+
+    ``Impl(num_heads, head_size, scale, num_kv_heads, sliding_window=None,
+    logits_soft_cap=None, attn_type=AttentionType.DECODER, kv_cache_dtype=None)``.
+    """
+
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
+                 sliding_window: int | None = None, logits_soft_cap: float | None = None,
+                 attn_type: AttentionType = AttentionType.DECODER,
+                 kv_cache_dtype: torch.dtype | None = None):
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = float(scale)
+        self.num_kv_heads = num_kv_heads
+        self.sliding_window = sliding_window
+        self.logits_soft_cap = logits_soft_cap
+        self.attn_type = attn_type
+        self.kv_cache_dtype = kv_cache_dtype
+
+    @abstractmethod
+    def forward(self, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                kv_cache: torch.Tensor, attn_metadata: Any, output: torch.Tensor) -> torch.Tensor:
+        """Write this step's K/V into ``kv_cache`` at the slot mapping, then attend.
+
+        Args:
+            layer: the calling layer module (may carry per-layer scales); may be ``None``.
+            query: ``[num_tokens, num_heads, head_size]``.
+            key, value: ``[num_tokens, num_kv_heads, head_size]``.
+            kv_cache: the backend's layout (``get_kv_cache_shape``).
+            attn_metadata: what this group's builder returned this step.
+            output: ``[num_tokens, num_heads, head_size]``, written in place for the first
+                ``num_actual_tokens`` rows.
+
+        Returns:
+            ``output``.
+
+        Must not synchronise with the host (no ``.item()``/``.tolist()``): runs per layer.
+        """
+
+
+class AttentionBackend(ABC):
+    """A named attention backend and its capabilities. Never instantiated.
+
+    Subclasses set the class attributes below and implement the ``get_*`` methods. The
+    default :meth:`validate_configuration` checks a layer against the declared capabilities;
+    override it to add checks, and call ``super()``.
+    """
+
+    plugin_api_version: ClassVar[tuple[int, int]] = PLUGIN_API_VERSION
+    supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float16, torch.bfloat16, torch.float32)
+    supported_head_sizes: ClassVar[tuple[int, ...] | None] = None
+    """Head sizes the kernels accept; ``None`` means any."""
+    supported_kernel_block_sizes: ClassVar[tuple[int, ...] | None] = None
+    """Kernel block sizes; ``None`` means any. A manager block size that is a multiple of one
+    of these is served by splitting manager blocks into kernel blocks."""
+    supported_devices: ClassVar[tuple[str, ...]] = ("cpu", "cuda")
+    supported_attn_types: ClassVar[tuple[AttentionType, ...]] = (AttentionType.DECODER,)
+    kv_cache_kind: ClassVar[str] = "attention"
+    """``"attention"`` (paged K/V) or ``"mamba"`` (state slots)."""
+
+    @classmethod
+    @abstractmethod
+    def get_name(cls) -> str:
+        """The registered name users select (``"torch_native"``, ``"triton"``...)."""
+
+    @classmethod
+    @abstractmethod
+    def get_builder_cls(cls) -> type[AttentionMetadataBuilder]:
+        """The metadata builder class."""
+
+    @classmethod
+    @abstractmethod
+    def get_impl_cls(cls) -> type[AttentionImpl]:
+        """The attention impl class."""
+
+    @classmethod
+    def get_kv_cache_shape(cls, num_blocks: int, block_size: int, num_kv_heads: int,
+                           head_size: int) -> tuple[int, ...]:
+        """Shape of one layer's KV cache; default ``[num_blocks, 2, block_size, num_kv_heads,
+        head_size]`` (K at index 0, V at index 1; NHD inside a block)."""
+        return (num_blocks, 2, block_size, num_kv_heads, head_size)
+
+    @classmethod
+    def supports_sliding_window(cls) -> bool:
+        return False
+
+    @classmethod
+    def supports_logits_soft_cap(cls) -> bool:
+        return False
+
+    @classmethod
+    def supports_mqa_gqa(cls) -> bool:
+        return True
+
+    @classmethod
+    def is_available(cls) -> tuple[bool, str]:
+        """Whether the backend can run on this machine, and if not why (missing package,
+        no CUDA...). Cheap; never raises."""
+        return True, ""
+
+    @classmethod
+    def features(cls) -> dict[str, bool]:
+        """The ``supports_*`` claims as a dict (what the conformance suite tests)."""
+        return {
+            "sliding_window": cls.supports_sliding_window(),
+            "logits_soft_cap": cls.supports_logits_soft_cap(),
+            "mqa_gqa": cls.supports_mqa_gqa(),
+        }
+
+    @classmethod
+    def get_supported_kernel_block_size(cls, block_size: int) -> int | None:
+        """The kernel block size for a manager ``block_size``: the largest declared size that
+        divides it, ``block_size`` itself when any size is allowed, ``None`` if none fits."""
+        sizes = cls.supported_kernel_block_sizes
+        if sizes is None or block_size in sizes:
+            return block_size
+        fits = [s for s in sizes if block_size % s == 0]
+        return max(fits) if fits else None
+
+    @classmethod
+    def validate_configuration(cls, layer: AttentionLayerConfig) -> list[str]:
+        """Every reason this backend cannot serve ``layer`` (empty list: it can).
+
+        Reasons are human-readable sentences that name the value and what is supported.
+        """
+        reasons: list[str] = []
+        ok, why = cls.is_available()
+        if not ok:
+            reasons.append(f"not available on this machine: {why}")
+        if cls.kv_cache_kind != "attention":
+            reasons.append(f"serves {cls.kv_cache_kind} state, not attention layers")
+            return reasons
+        if layer.dtype not in cls.supported_dtypes:
+            reasons.append(f"dtype {layer.dtype} not supported (supported: "
+                           f"{', '.join(str(d) for d in cls.supported_dtypes)})")
+        if cls.supported_head_sizes is not None and layer.head_size not in cls.supported_head_sizes:
+            reasons.append(f"head_size {layer.head_size} not supported (supported: "
+                           f"{list(cls.supported_head_sizes)})")
+        if cls.get_supported_kernel_block_size(layer.block_size) is None:
+            reasons.append(f"block_size {layer.block_size} is not a multiple of any supported kernel "
+                           f"block size {list(cls.supported_kernel_block_sizes or ())}")
+        if layer.sliding_window is not None and not cls.supports_sliding_window():
+            reasons.append(f"sliding window ({layer.sliding_window} tokens) not supported")
+        if layer.logits_soft_cap is not None and not cls.supports_logits_soft_cap():
+            reasons.append(f"logits soft-cap ({layer.logits_soft_cap}) not supported")
+        if layer.num_heads % layer.num_kv_heads != 0:
+            reasons.append(f"num_heads {layer.num_heads} is not a multiple of num_kv_heads "
+                           f"{layer.num_kv_heads}")
+        elif layer.num_heads != layer.num_kv_heads and not cls.supports_mqa_gqa():
+            reasons.append(f"GQA/MQA (num_heads {layer.num_heads} / num_kv_heads "
+                           f"{layer.num_kv_heads}) not supported")
+        dev = torch.device(layer.device).type
+        if dev not in cls.supported_devices:
+            reasons.append(f"device {dev!r} not supported (supported: {list(cls.supported_devices)})")
+        if layer.attn_type not in cls.supported_attn_types:
+            reasons.append(f"attention type {layer.attn_type.value!r} not supported")
+        return reasons

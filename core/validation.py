@@ -1,0 +1,215 @@
+"""``validate``: the eight batch invariants of design notes §3, as a debug check.
+
+The runner calls it every step when ``ATTNPLUG_VALIDATE=1``; the tests always do. Each
+failure raises :class:`MetadataInvariantError` naming the invariant, the row and values.
+
+1. ``req_ids[row]`` and ``req_id_to_index[req_id]`` are inverse maps.
+2. Every column of a row (tokens, counts, block table) belongs to one request.
+3. ``sum(num_scheduled_tokens) == num_actual_tokens``.
+4. ``query_start_loc[0] == 0``, non-decreasing, ``query_start_loc[num_reqs] == num_actual_tokens``.
+5. ``positions == num_computed_tokens[req] + offset within request``.
+6. ``seq_lens[i]`` <= capacity of its block-table row, and == last position + 1.
+7. Every non-padding slot lies in a (non-null) block owned by its request; padded tokens
+   carry ``PAD_SLOT_ID``.
+8. Logits of a partial prefill are discarded: ``discard[i] == (seq_lens[i] < num_tokens[i])``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from attnplug.core.constants import NULL_BLOCK_ID, PAD_SLOT_ID
+from attnplug.core.errors import MetadataInvariantError
+from attnplug.core.metadata import CommonAttentionMetadata
+
+
+@dataclass
+class RowState:
+    """The object view of one request (what its batch row must agree with)."""
+
+    req_id: str
+    token_ids: Sequence[int]
+    """All tokens the request holds: prompt then outputs."""
+    num_computed_tokens: int
+    block_ids: tuple[Sequence[int], ...]
+    """Manager block ids per cache group."""
+
+
+@dataclass
+class BatchView:
+    """The columnar view of the batch, as numpy arrays (rows ``0 .. num_reqs-1``)."""
+
+    req_ids: Sequence[str | None]
+    req_id_to_index: Mapping[str, int]
+    token_ids: np.ndarray
+    """``[max_num_reqs, max_model_len]`` token table."""
+    num_tokens: np.ndarray
+    """``[>= num_reqs]`` tokens held per row."""
+    num_computed_tokens: np.ndarray
+    block_ids: Sequence[np.ndarray]
+    """Per group: ``[>= num_reqs, max_num_blocks]`` manager block ids."""
+    num_blocks: Sequence[np.ndarray]
+    """Per group: ``[>= num_reqs]`` valid blocks per row."""
+    states: Mapping[str, RowState] = field(default_factory=dict)
+
+
+def _fail(inv: str, row: int | None, hint: str = "", **values) -> None:
+    raise MetadataInvariantError(inv, row, values, hint)
+
+
+def _first_bad(mask: np.ndarray) -> int:
+    return int(np.flatnonzero(mask)[0])
+
+
+def validate(
+    cm: CommonAttentionMetadata,
+    *,
+    block_size: int | None = None,
+    num_scheduled_tokens: Sequence[int] | np.ndarray | None = None,
+    num_tokens: Sequence[int] | np.ndarray | None = None,
+    discard: Sequence[bool] | np.ndarray | None = None,
+    batch: BatchView | None = None,
+) -> None:
+    """Check the eight invariants on one step's metadata (for one cache group).
+
+    Args:
+        cm: the step's metadata (``block_table_tensor`` / ``slot_mapping`` of the group whose
+            kernel block size is ``block_size``).
+        block_size: the kernel block size of ``cm.block_table_tensor``; invariants 6 and 7
+            need it and are skipped without it.
+        num_scheduled_tokens: ``[num_reqs]`` the scheduler's counts in row order (invariant 3).
+        num_tokens: ``[num_reqs]`` tokens each request holds (invariant 8, with ``discard``).
+        discard: ``[num_reqs]`` bools, the runner's discard mask (invariant 8).
+        batch: the input batch's columnar view (invariants 1 and 2).
+
+    Raises:
+        MetadataInvariantError: the first invariant that fails, with its row and values.
+
+    Synchronises with the host (reads device tensors); debug use only.
+    """
+    R, Q = cm.num_reqs, cm.num_actual_tokens
+    qsl = cm.query_start_loc_cpu.numpy().astype(np.int64)
+    seq_lens = cm.seq_lens_cpu.numpy().astype(np.int64)[:R]
+    computed = cm.num_computed_tokens_cpu.numpy().astype(np.int64)[:R]
+
+    # 1. inverse maps
+    if batch is not None:
+        for row in range(R):
+            rid = batch.req_ids[row] if row < len(batch.req_ids) else None
+            if rid is None or batch.req_id_to_index.get(rid) != row:
+                _fail("1 req_ids/req_id_to_index inverse", row, req_id=rid,
+                      req_id_to_index=None if rid is None else batch.req_id_to_index.get(rid))
+        for rid, row in batch.req_id_to_index.items():
+            if row >= len(batch.req_ids) or batch.req_ids[row] != rid:
+                _fail("1 req_ids/req_id_to_index inverse", row, req_id=rid,
+                      req_ids_at_row=batch.req_ids[row] if row < len(batch.req_ids) else None)
+        if len(batch.req_id_to_index) != R:
+            _fail("1 req_ids/req_id_to_index inverse", None,
+                  num_mapped=len(batch.req_id_to_index), num_reqs=R)
+        # 2. every column of the row belongs to the row's request
+        for row in range(R):
+            st = batch.states.get(batch.req_ids[row]) if batch.states else None
+            if st is None:
+                continue
+            n = len(st.token_ids)
+            if int(batch.num_tokens[row]) != n:
+                _fail("2 row columns", row, req_id=st.req_id, column="num_tokens",
+                      batch=int(batch.num_tokens[row]), request=n)
+            if not np.array_equal(batch.token_ids[row, :n], np.asarray(st.token_ids, dtype=batch.token_ids.dtype)):
+                _fail("2 row columns", row, req_id=st.req_id, column="token_ids")
+            if int(batch.num_computed_tokens[row]) != st.num_computed_tokens:
+                _fail("2 row columns", row, req_id=st.req_id, column="num_computed_tokens",
+                      batch=int(batch.num_computed_tokens[row]), request=st.num_computed_tokens)
+            for g, ids in enumerate(st.block_ids):
+                nb = int(batch.num_blocks[g][row])
+                if nb != len(ids) or not np.array_equal(batch.block_ids[g][row, :nb], np.asarray(ids)):
+                    _fail("2 row columns", row, req_id=st.req_id, column=f"block_table[group {g}]",
+                          batch=batch.block_ids[g][row, :nb].tolist(), request=list(ids))
+
+    # 3. token count
+    if num_scheduled_tokens is not None:
+        total = int(np.sum(np.asarray(num_scheduled_tokens, dtype=np.int64)[:R]))
+        if total != Q:
+            _fail("3 token count", None, sum_num_scheduled_tokens=total, num_actual_tokens=Q)
+
+    # 4. query_start_loc
+    if qsl.shape[0] < R + 1:
+        _fail("4 query_start_loc", None, length=int(qsl.shape[0]), num_reqs=R)
+    if qsl[0] != 0:
+        _fail("4 query_start_loc", 0, query_start_loc_0=int(qsl[0]))
+    d = np.diff(qsl)
+    if (d < 0).any():
+        r = _first_bad(d < 0)
+        _fail("4 query_start_loc", r, query_start_loc=qsl[r:r + 2].tolist(), hint="must be non-decreasing")
+    if qsl[R] != Q:
+        _fail("4 query_start_loc", R, query_start_loc_last=int(qsl[R]), num_actual_tokens=Q)
+    if num_scheduled_tokens is not None:
+        ns = np.asarray(num_scheduled_tokens, dtype=np.int64)[:R]
+        bad = d[:R] != ns
+        if bad.any():
+            r = _first_bad(bad)
+            _fail("4 query_start_loc", r, query_len=int(d[r]), num_scheduled_tokens=int(ns[r]))
+
+    query_lens = d[:R]
+    req_idx = np.repeat(np.arange(R), query_lens)
+    offsets = np.arange(Q) - qsl[:R][req_idx]
+    expected_pos = computed[req_idx] + offsets
+
+    # 5. positions
+    if cm.positions is not None:
+        pos = cm.positions.cpu().numpy().astype(np.int64)[:Q]
+        bad = pos != expected_pos
+        if bad.any():
+            t = _first_bad(bad)
+            _fail("5 positions", int(req_idx[t]), token=t, position=int(pos[t]),
+                  expected=int(expected_pos[t]))
+
+    # 6. seq_lens vs capacity and last position
+    last_pos_plus_1 = computed + query_lens
+    bad = seq_lens != last_pos_plus_1
+    if bad.any():
+        r = _first_bad(bad)
+        _fail("6 seq_lens", r, seq_len=int(seq_lens[r]), last_position_plus_1=int(last_pos_plus_1[r]))
+    bt = cm.block_table_tensor.cpu().numpy()[:R] if block_size is not None else None
+    if bt is not None:
+        # capacity: blocks up to the last non-null entry (freed sliding-window blocks are null
+        # but still occupy their logical index).
+        nonnull = bt != NULL_BLOCK_ID
+        has_any = nonnull.any(axis=1)
+        last = np.where(has_any, bt.shape[1] - np.argmax(nonnull[:, ::-1], axis=1), 0)
+        capacity = last * block_size
+        bad = seq_lens > capacity
+        if bad.any():
+            r = _first_bad(bad)
+            _fail("6 seq_lens", r, seq_len=int(seq_lens[r]), capacity=int(capacity[r]),
+                  block_size=block_size, hint="the block table row is too short")
+
+    # 7. slots
+    slots = cm.slot_mapping.cpu().numpy().astype(np.int64)
+    if (slots[Q:] != PAD_SLOT_ID).any():
+        t = Q + _first_bad(slots[Q:] != PAD_SLOT_ID)
+        _fail("7 slots", None, token=t, slot=int(slots[t]), hint="padded tokens must carry PAD_SLOT_ID")
+    if bt is not None and Q:
+        s = slots[:Q]
+        blk = s // block_size
+        logical = expected_pos // block_size
+        ok_range = (s >= 0) & (logical < bt.shape[1])
+        owner = np.where(ok_range, bt[req_idx, np.minimum(logical, bt.shape[1] - 1)], -1)
+        bad = ~ok_range | (owner != blk) | (blk == NULL_BLOCK_ID) | (s % block_size != expected_pos % block_size)
+        if bad.any():
+            t = _first_bad(bad)
+            _fail("7 slots", int(req_idx[t]), token=t, slot=int(s[t]), position=int(expected_pos[t]),
+                  owned_block=int(owner[t]), hint="slot must lie in the request's block for that position")
+
+    # 8. discard
+    if discard is not None and num_tokens is not None:
+        disc = np.asarray(discard, dtype=bool)[:R]
+        held = np.asarray(num_tokens, dtype=np.int64)[:R]
+        expected = seq_lens < held
+        bad = disc != expected
+        if bad.any():
+            r = _first_bad(bad)
+            _fail("8 discard", r, discard=bool(disc[r]), seq_len=int(seq_lens[r]), num_tokens=int(held[r]))

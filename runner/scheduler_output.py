@@ -1,0 +1,105 @@
+"""What the scheduler sends the runner each step: deltas, not full state.
+
+Mirrors vLLM V1's ``SchedulerOutput`` / ``NewRequestData`` / ``CachedRequestData``.
+``scheduled_new_reqs`` carry a request's full start state; ``scheduled_cached_reqs``
+carry only what changed for a request the runner already holds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick the next token. ``temperature == 0`` is greedy.
+
+    ``top_k <= 0`` disables top-k; ``top_p >= 1`` disables top-p. ``seed`` makes a
+    request's sampling reproducible whatever batch it runs in.
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    max_tokens: int = 16
+
+
+@dataclass
+class NewRequestData:
+    """A request entering the runner (first schedule, or re-sent in full).
+
+    Attributes:
+        req_id: unique request id.
+        prompt_token_ids: the prompt's token ids.
+        block_ids: per cache group, the manager block ids allocated so far (logical order).
+        num_computed_tokens: tokens whose K/V is already cached (prefix-cache hits).
+        sampling_params: sampling settings.
+        output_token_ids: tokens already generated (non-empty only when a preempted
+            request is re-sent in full).
+    """
+
+    req_id: str
+    prompt_token_ids: list[int]
+    block_ids: tuple[list[int], ...]
+    num_computed_tokens: int = 0
+    sampling_params: SamplingParams = field(default_factory=SamplingParams)
+    output_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class CachedRequestData:
+    """Per-step changes of requests the runner already holds, column-wise.
+
+    Entry i of every list belongs to ``req_ids[i]``.
+
+    Attributes:
+        req_ids: the requests.
+        resumed_from_preemption: True → ``new_block_ids`` REPLACE the request's block ids
+            (it was preempted and its blocks freed); False → they are appended.
+        new_token_ids: tokens appended to the request since its last step (sampled
+            outputs the runner does not know yet; usually empty, because the runner
+            appends its own samples).
+        new_block_ids: per request, per cache group, block ids to append (or the full
+            list when resumed); ``None`` means no change.
+        num_computed_tokens: per request, tokens already cached before this step.
+    """
+
+    req_ids: list[str] = field(default_factory=list)
+    resumed_from_preemption: list[bool] = field(default_factory=list)
+    new_token_ids: list[list[int]] = field(default_factory=list)
+    new_block_ids: list[tuple[list[int], ...] | None] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+
+    @classmethod
+    def make_empty(cls) -> "CachedRequestData":
+        return cls()
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's plan.
+
+    Attributes:
+        scheduled_new_reqs: requests the runner sees for the first time (or again in full).
+        scheduled_cached_reqs: changes of resident requests.
+        num_scheduled_tokens: ``{req_id: tokens to compute this step}`` for every scheduled
+            request (new and cached). Resident requests absent from it are *unscheduled*:
+            they leave the batch but keep their state.
+        total_num_scheduled_tokens: ``sum(num_scheduled_tokens.values())``.
+        finished_req_ids: requests to forget (their state is dropped).
+    """
+
+    scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
+    scheduled_cached_reqs: CachedRequestData = field(default_factory=CachedRequestData)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    total_num_scheduled_tokens: int = 0
+    finished_req_ids: set[str] = field(default_factory=set)
+
+    def __post_init__(self):
+        if not self.total_num_scheduled_tokens and self.num_scheduled_tokens:
+            self.total_num_scheduled_tokens = sum(self.num_scheduled_tokens.values())
