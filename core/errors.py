@@ -104,8 +104,27 @@ class TraceFormatError(AttnplugError, ValueError):
     """A trace file row is malformed or out of range."""
 
 
+class InvalidRequestError(AttnplugError, ValueError):
+    """A request the scheduler cannot accept (empty prompt, too long, duplicate id, ...).
+
+    Raised by ``Scheduler.add_request`` before anything changes.
+
+    Attributes:
+        req_id: the offending request's id.
+    """
+
+    def __init__(self, req_id: str, message: str):
+        self.req_id = req_id
+        super().__init__(f"request {req_id!r}: {message}")
+
+
+class SchedulingError(AttnplugError, RuntimeError):
+    """The scheduler or a block pool was driven out of protocol (e.g. a double free, sampled
+    tokens for a request that was not scheduled); the state is unchanged."""
+
+
 for _cls in (AttnplugError, MetadataError, MetadataInvariantError, InvalidSchedulerOutput,
              KVCacheSpecError, BackendUnsupportedError, UnknownBackendError,
-             PluginValidationError, TraceFormatError):
+             PluginValidationError, TraceFormatError, InvalidRequestError, SchedulingError):
     _cls.__module__ = "attnplug"
 del _cls
