@@ -118,9 +118,10 @@ class InvalidRequestError(AttnplugError, ValueError):
         super().__init__(f"request {req_id!r}: {message}")
 
 
-class SchedulingError(AttnplugError, RuntimeError):
-    """The scheduler or a block pool was driven out of protocol (e.g. a double free, sampled
-    tokens for a request that was not scheduled); the state is unchanged."""
+class SchedulingError(AttnplugError, ValueError):
+    """The scheduler or a block pool got bad input: an invalid config, or a call out of
+    protocol (a double free, sampled tokens for a request that was not scheduled, ...).
+    The state is unchanged."""
 
 
 for _cls in (AttnplugError, MetadataError, MetadataInvariantError, InvalidSchedulerOutput,

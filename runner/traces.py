@@ -1,0 +1,251 @@
+"""Request traces for ``attnplug run``: the bundled Azure LLM traces or a user CSV.
+
+Bundled data: Azure LLM inference traces 2023 (Azure Public Dataset,
+``AzureLLMInferenceTrace_conv.csv`` / ``_code.csv``), CC-BY 4.0; cite Patel et al.,
+"Splitwise: Efficient generative LLM inference using phase splitting", ISCA 2024. The
+files and their attribution live in ``attnplug/runner/data/`` (see its README.md).
+
+A trace is a CSV with a header naming at least the columns ``TIMESTAMP``,
+``ContextTokens`` and ``GeneratedTokens`` (any order, extra columns ignored), one request
+a row. ``TIMESTAMP`` is either ``YYYY-MM-DD HH:MM:SS[.fraction]`` or seconds as a number;
+arrivals are reported relative to the first loaded row.
+
+Scaling to the model. The Azure services ran models with a context of about
+``SOURCE_MAX_MODEL_LEN = 8192`` tokens; a small test model has far less. Each length is
+divided by ``scale`` and rounded to the nearest int (at least 1):
+``prompt_len = max(1, round(ContextTokens / scale))``, likewise ``output_len``. With
+``clamp`` a request still longer than ``max_model_len`` is cut:
+``output_len = min(output_len, max_model_len // 2)``, then
+``prompt_len = min(prompt_len, max_model_len - output_len)``, so
+``prompt_len + output_len <= max_model_len`` and ``prompt_len < max_model_len``.
+Defaults: the bundled traces use ``scale = max(1, SOURCE_MAX_MODEL_LEN / max_model_len)``
+and ``clamp=True``; a user file uses ``scale = 1`` and ``clamp=False``, so its lengths are
+taken as they are and a row longer than ``max_model_len`` is an error.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import os
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from importlib import resources
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from attnplug.core.errors import TraceFormatError
+
+BUNDLED_TRACES: dict[str, str] = {
+    "conv": "azure_llm_2023_conv.csv",
+    "code": "azure_llm_2023_code.csv",
+}
+"""Short name -> file in ``attnplug/runner/data``."""
+
+SOURCE_MAX_MODEL_LEN = 8192
+"""Context length the bundled traces' lengths are scaled down from (tokens)."""
+
+REQUIRED_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
+
+
+@dataclass(frozen=True)
+class TraceRequest:
+    """One request of a trace, already scaled to the model.
+
+    Attributes:
+        prompt_len: prompt tokens, ``>= 1``.
+        output_len: tokens to generate (``max_tokens``), ``>= 1``.
+        arrival_s: arrival time in seconds after the first loaded request (``>= 0`` for
+            time-ordered traces).
+    """
+
+    prompt_len: int
+    output_len: int
+    arrival_s: float
+
+
+@dataclass(frozen=True)
+class LoadedTrace(Sequence[TraceRequest]):
+    """The loaded requests (a sequence of :class:`TraceRequest`) plus how they were read.
+
+    Attributes:
+        requests: the requests in file order.
+        num_skipped: invalid rows skipped (only with ``skip_invalid=True``).
+        source: the file read.
+        scale: the divisor applied to the lengths.
+        num_clamped: requests cut to fit ``max_model_len`` (only with ``clamp``).
+    """
+
+    requests: tuple[TraceRequest, ...]
+    num_skipped: int
+    source: str
+    scale: float
+    num_clamped: int = 0
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    def __getitem__(self, i):  # type: ignore[override]
+        return self.requests[i]
+
+    def __iter__(self) -> Iterator[TraceRequest]:
+        return iter(self.requests)
+
+
+def resolve_trace_path(name_or_path: str) -> tuple[str, bool]:
+    """Map ``conv`` / ``code`` to the bundled file, else treat the argument as a path.
+
+    Returns:
+        ``(path, is_bundled)``.
+
+    Raises:
+        TraceFormatError: not a bundled name and no such file.
+    """
+    if name_or_path in BUNDLED_TRACES:
+        ref = resources.files("attnplug.runner.data").joinpath(BUNDLED_TRACES[name_or_path])
+        return str(ref), True
+    if not os.path.isfile(name_or_path):
+        raise TraceFormatError(
+            f"trace {name_or_path!r}: no such file; pass one of {', '.join(BUNDLED_TRACES)} or a CSV path")
+    return name_or_path, False
+
+
+def _parse_timestamp(text: str) -> float:
+    """Seconds (float) from ``YYYY-MM-DD HH:MM:SS[.fraction]`` or a plain number."""
+    text = text.strip()
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    base, _, frac = text.partition(".")
+    dt = datetime.strptime(base, "%Y-%m-%d %H:%M:%S")  # ValueError when malformed
+    if frac and not frac.isdigit():
+        raise ValueError(text)
+    return dt.replace(tzinfo=timezone.utc).timestamp() + (float("0." + frac) if frac else 0.0)
+
+
+def _positive_int(text: str, column: str) -> int:
+    try:
+        value = int(text.strip())
+    except (ValueError, AttributeError):
+        raise ValueError(f"{column} must be an integer, got {text!r}") from None
+    if value <= 0:
+        raise ValueError(f"{column} must be positive, got {value}")
+    return value
+
+
+def load_trace(name_or_path: str, num_requests: int | None = None, *, max_model_len: int,
+               scale: float | None = None, clamp: bool | None = None,
+               skip_invalid: bool = False) -> LoadedTrace:
+    """Read the first ``num_requests`` valid requests of a trace, scaled to the model.
+
+    Rows after the ``num_requests``-th valid one are not read (nor checked).
+
+    Args:
+        name_or_path: ``"conv"``, ``"code"`` (bundled) or a CSV path.
+        num_requests: how many requests to return; ``None`` for all.
+        max_model_len: the model's context length (tokens).
+        scale: divisor of both lengths (``>= 1`` shrinks); default per the module docstring.
+        clamp: cut requests longer than ``max_model_len`` instead of rejecting them; default
+            ``True`` for bundled traces, ``False`` for files.
+        skip_invalid: skip (and count) invalid rows instead of raising.
+
+    Returns:
+        A :class:`LoadedTrace` (a sequence of :class:`TraceRequest`, plus ``num_skipped``).
+
+    Raises:
+        TraceFormatError: unknown trace / missing file, a header without the required
+            columns, or (without ``skip_invalid``) a row with a malformed field, a zero or
+            negative length, or ``prompt_len + output_len > max_model_len`` after scaling.
+            The message is one line: ``FILE, line N: what is wrong; how to fix``
+            (N counts the header as line 1).
+    """
+    if not isinstance(max_model_len, int) or max_model_len < 2:
+        raise TraceFormatError(f"max_model_len must be an int >= 2, got {max_model_len!r}")
+    if num_requests is not None and num_requests < 0:
+        raise TraceFormatError(f"num_requests must be >= 0, got {num_requests}")
+    path, bundled = resolve_trace_path(name_or_path)
+    if scale is None:
+        scale = max(1.0, SOURCE_MAX_MODEL_LEN / max_model_len) if bundled else 1.0
+    if not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
+        raise TraceFormatError(f"scale must be a positive finite number, got {scale!r}")
+    if clamp is None:
+        clamp = bundled
+    hint = "fix the row, or pass --skip-invalid to skip invalid rows"
+    out: list[TraceRequest] = []
+    skipped = clamped = 0
+    t0: float | None = None
+    try:
+        fh = open(path, newline="", encoding="utf-8")
+    except OSError as e:
+        raise TraceFormatError(f"{path}: cannot open trace: {e.strerror}") from None
+    with fh:
+        reader = csv.reader(fh)
+        header = next(reader, None)
+        missing = [c for c in REQUIRED_COLUMNS if header is None or c not in header]
+        if missing:
+            raise TraceFormatError(
+                f"{path}, line 1: header {header!r} lacks column(s) {missing}; a trace needs "
+                f"{','.join(REQUIRED_COLUMNS)}")
+        col = {c: header.index(c) for c in REQUIRED_COLUMNS}
+        for row in reader:
+            if num_requests is not None and len(out) >= num_requests:
+                break
+            if not row or all(not f.strip() for f in row):
+                continue  # blank lines are not requests
+            try:
+                if len(row) != len(header):
+                    raise ValueError(f"expected {len(header)} fields, got {len(row)}")
+                try:
+                    ts = _parse_timestamp(row[col["TIMESTAMP"]])
+                except ValueError:
+                    raise ValueError(f"TIMESTAMP {row[col['TIMESTAMP']]!r} is neither "
+                                     "'YYYY-MM-DD HH:MM:SS[.f]' nor seconds") from None
+                ctx = _positive_int(row[col["ContextTokens"]], "ContextTokens")
+                gen = _positive_int(row[col["GeneratedTokens"]], "GeneratedTokens")
+                p = max(1, int(ctx / scale + 0.5))
+                o = max(1, int(gen / scale + 0.5))
+                if p + o > max_model_len:
+                    if not clamp:
+                        raise ValueError(
+                            f"request of {p} prompt + {o} output tokens (after scale {scale:g}) "
+                            f"is longer than max_model_len={max_model_len}")
+                    o = min(o, max_model_len // 2)
+                    p = min(p, max_model_len - o)
+                    clamped += 1
+            except ValueError as e:
+                if skip_invalid:
+                    skipped += 1
+                    continue
+                raise TraceFormatError(f"{path}, line {reader.line_num}: {e}; {hint}") from None
+            if t0 is None:
+                t0 = ts
+            out.append(TraceRequest(prompt_len=p, output_len=o, arrival_s=ts - t0))
+    return LoadedTrace(tuple(out), skipped, path, float(scale), clamped)
+
+
+def make_prompts(trace_requests: Sequence[TraceRequest], vocab_size: int,
+                 seed: int = 0) -> list[list[int]]:
+    """Deterministic random prompts of the trace's lengths.
+
+    Request ``i``'s tokens depend only on ``(seed, i)`` and its length (a numpy
+    ``default_rng([seed, i])`` stream), not on other requests.
+
+    Args:
+        trace_requests: the requests (their ``prompt_len``).
+        vocab_size: token ids are drawn uniformly from ``[0, vocab_size)``.
+        seed: a non-negative int.
+
+    Returns:
+        One list of ``prompt_len`` token ids (Python ints) per request.
+
+    Raises:
+        TraceFormatError: ``vocab_size < 1`` or a negative seed.
+    """
+    if not isinstance(vocab_size, int) or vocab_size < 1:
+        raise TraceFormatError(f"vocab_size must be a positive int, got {vocab_size!r}")
+    if not isinstance(seed, int) or seed < 0:
+        raise TraceFormatError(f"seed must be a non-negative int, got {seed!r}")
+    return [np.random.default_rng([seed, i]).integers(0, vocab_size, size=r.prompt_len).tolist()
+            for i, r in enumerate(trace_requests)]
