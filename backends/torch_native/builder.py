@@ -1,0 +1,258 @@
+"""``TorchNativeMetadata`` and its builder: the per-step index tensors ``forward`` needs.
+
+The builder runs once per step per cache group and turns the
+:class:`~attnplug.core.metadata.CommonAttentionMetadata` into plain index tensors, so
+that ``forward`` (once per layer) only gathers, multiplies and scatters, without host
+synchronisation.
+
+Requests are split into *segments* attended in one batched op each:
+
+* every single-token query (decode) goes into one segment, keys padded to the longest;
+* every multi-token query (prefill or chunked-prefill continuation) is its own segment.
+
+So no query is ever padded, and key padding only happens among decodes (cheap).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from attnplug.core.constants import PAD_SLOT_ID
+from attnplug.core.contracts import AttentionCGSupport, AttentionMetadataBuilder
+from attnplug.core.errors import MetadataError
+from attnplug.core.metadata import CommonAttentionMetadata
+
+
+@dataclass(frozen=True)
+class AttentionSegment:
+    """Requests attended together: same query length, keys padded to ``max_seq_len``.
+
+    ``n`` below is the number of requests in the segment. Every tensor is on the
+    compute device.
+    """
+
+    req_indices: torch.Tensor
+    """``[n]``, ``torch.int64``: the segment's rows in the batch (block-table rows)."""
+
+    query_len: int
+    """Query tokens per request in this segment (tokens)."""
+
+    max_seq_len: int
+    """Key columns: the longest ``seq_len`` in the segment (tokens)."""
+
+    query_token_indices: torch.Tensor
+    """``[n, query_len]``, ``torch.int64``: row of the flat token stream (``query``,
+    ``output``) of each query token."""
+
+    query_positions: torch.Tensor
+    """``[n, query_len]``, ``torch.int64``; units: token position in the request,
+    ``seq_len - query_len + j`` (bottom-right aligned)."""
+
+    seq_lens: torch.Tensor
+    """``[n]``, ``torch.int64``; units: tokens of KV per request after this step."""
+
+    key_slots: torch.Tensor
+    """``[n, max_seq_len]``, ``torch.int64``: flat slot of key position ``k`` of each
+    request (``block_table[req, k // block_size] * block_size + k % block_size``); 0 for
+    ``k >= seq_len`` (masked)."""
+
+
+@dataclass(frozen=True)
+class TorchNativeMetadata:
+    """What every ``torch_native`` layer of a cache group reads in one step."""
+
+    num_reqs: int
+    """Real (non-padded) requests."""
+    num_actual_tokens: int
+    """Real (non-padded) tokens; rows past it are never read or written."""
+    max_query_len: int
+    """Longest query this step (tokens)."""
+    max_seq_len: int
+    """Longest ``seq_len`` this step (tokens)."""
+    block_size: int
+    """Tokens per (kernel) block; must equal ``kv_cache.shape[2]``."""
+    causal: bool
+    """Bottom-right aligned causal attention (see ``attention.visibility_mask``)."""
+    query_start_loc: torch.Tensor
+    """``[num_reqs + 1]``, ``torch.int32``, compute device (as given; for inspection)."""
+    seq_lens: torch.Tensor
+    """``[num_reqs]``, ``torch.int32``, compute device (as given; for inspection)."""
+    block_table_tensor: torch.Tensor
+    """``[num_reqs, max_num_blocks_per_req]``, ``torch.int32``, compute device."""
+    slot_mapping: torch.Tensor
+    """``[num_tokens]``, ``torch.int64``, compute device; ``PAD_SLOT_ID`` = not written."""
+    write_token_indices: torch.Tensor
+    """``[num_writes]``, ``torch.int64``: token rows whose K/V is written (real slots only)."""
+    write_slots: torch.Tensor
+    """``[num_writes]``, ``torch.int64``: the slot each of those rows is written to."""
+    segments: tuple[AttentionSegment, ...]
+    """The attention work of the step, see the module docstring."""
+
+
+def _key_slots(block_table: torch.Tensor, req_indices: torch.Tensor, seq_lens: torch.Tensor,
+               max_seq_len: int, block_size: int) -> torch.Tensor:
+    """``[n, max_seq_len]`` int64 flat slots of key positions ``0 .. max_seq_len - 1``."""
+    key_pos = torch.arange(max_seq_len, device=block_table.device)
+    block_ids = block_table.index_select(0, req_indices)[:, key_pos // block_size].long()
+    slots = block_ids * block_size + key_pos % block_size
+    live = key_pos.unsqueeze(0) < seq_lens.unsqueeze(1)
+    return torch.where(live, slots, torch.zeros_like(slots))
+
+
+def _write_indices(slot_mapping: torch.Tensor, num_actual_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token rows with a real slot, and those slots (``PAD_SLOT_ID`` rows dropped).
+
+    Synchronises with the host (``nonzero``); runs once per step, in the builder.
+    """
+    real = slot_mapping[:num_actual_tokens]
+    token_indices = torch.nonzero(real != PAD_SLOT_ID).flatten()
+    return token_indices, real.index_select(0, token_indices).long()
+
+
+class TorchNativeMetadataBuilder(AttentionMetadataBuilder):
+    """Builds :class:`TorchNativeMetadata`; see the module docstring.
+
+    ``Builder(kv_cache_spec, layer_names, config, device)``: the block size is
+    ``kv_cache_spec.block_size`` (``torch_native`` accepts any kernel block size, so
+    kernel blocks are manager blocks).
+    """
+
+    cudagraph_support = AttentionCGSupport.NEVER
+    reorder_batch_threshold = None
+    supports_update_block_table = True
+
+    @property
+    def block_size(self) -> int:
+        return int(self.kv_cache_spec.block_size)
+
+    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
+              fast_build: bool = False) -> TorchNativeMetadata:
+        """Lower ``common_attn_metadata`` into :class:`TorchNativeMetadata` (never mutates it).
+
+        Args:
+            common_prefix_len: ignored (no cascade attention).
+            common_attn_metadata: the step's metadata for this group.
+            fast_build: ignored.
+
+        Returns:
+            The metadata every layer of the group passes to ``forward``.
+
+        Raises:
+            MetadataError: inconsistent sizes (see :meth:`_check`).
+
+        Synchronises with the host (reads the ``_cpu`` fields, one ``nonzero``).
+        """
+        cm = common_attn_metadata
+        self._check(cm)
+        num_reqs = cm.num_reqs
+        qsl = cm.query_start_loc_cpu[: num_reqs + 1].long()
+        query_lens = qsl[1:] - qsl[:-1]
+        seq_lens = cm.seq_lens_cpu[:num_reqs].long()
+        block_table = cm.block_table_tensor
+
+        groups = []
+        decodes = torch.nonzero(query_lens == 1).flatten()
+        if len(decodes):
+            groups.append((decodes, 1))
+        for i in torch.nonzero(query_lens > 1).flatten().tolist():
+            groups.append((torch.tensor([i]), int(query_lens[i])))
+
+        segments = []
+        for req_cpu, query_len in groups:
+            seg_seq_lens = seq_lens[req_cpu]
+            offsets = torch.arange(query_len)
+            token_idx = qsl[req_cpu].unsqueeze(1) + offsets
+            positions = (seg_seq_lens - query_len).unsqueeze(1) + offsets
+            max_seq_len = int(seg_seq_lens.max())
+            req_dev = req_cpu.to(self.device)
+            seq_dev = seg_seq_lens.to(self.device)
+            segments.append(AttentionSegment(
+                req_indices=req_dev,
+                query_len=query_len,
+                max_seq_len=max_seq_len,
+                query_token_indices=token_idx.to(self.device),
+                query_positions=positions.to(self.device),
+                seq_lens=seq_dev,
+                key_slots=_key_slots(block_table, req_dev, seq_dev, max_seq_len, self.block_size),
+            ))
+
+        write_tokens, write_slots = _write_indices(cm.slot_mapping, cm.num_actual_tokens)
+        return TorchNativeMetadata(
+            num_reqs=num_reqs,
+            num_actual_tokens=cm.num_actual_tokens,
+            max_query_len=cm.max_query_len,
+            max_seq_len=cm.max_seq_len,
+            block_size=self.block_size,
+            causal=cm.causal,
+            query_start_loc=cm.query_start_loc,
+            seq_lens=cm.seq_lens,
+            block_table_tensor=block_table,
+            slot_mapping=cm.slot_mapping,
+            write_token_indices=write_tokens,
+            write_slots=write_slots,
+            segments=tuple(segments),
+        )
+
+    def update_block_table(self, metadata: TorchNativeMetadata, block_table: torch.Tensor,
+                           slot_mapping: torch.Tensor) -> TorchNativeMetadata:
+        """A copy of ``metadata`` that reads ``block_table`` and writes ``slot_mapping``.
+
+        Args:
+            metadata: built by a builder of the same class for a group with the same spec.
+            block_table: ``[num_reqs, max_num_blocks_per_req]``, ``torch.int32``, device.
+            slot_mapping: ``[num_tokens]``, ``torch.int64``, device.
+
+        Raises:
+            MetadataError: a block table with too few rows or columns.
+
+        ``metadata`` is not mutated. Synchronises with the host (one ``nonzero``).
+        """
+        self._check_block_table(block_table, metadata.num_reqs, metadata.max_seq_len)
+        segments = tuple(
+            dataclasses.replace(seg, key_slots=_key_slots(block_table, seg.req_indices, seg.seq_lens,
+                                                          seg.max_seq_len, self.block_size))
+            for seg in metadata.segments)
+        write_tokens, write_slots = _write_indices(slot_mapping, metadata.num_actual_tokens)
+        return dataclasses.replace(metadata, block_table_tensor=block_table, slot_mapping=slot_mapping,
+                                   write_token_indices=write_tokens, write_slots=write_slots,
+                                   segments=segments)
+
+    def _check_block_table(self, block_table: torch.Tensor, num_reqs: int, max_seq_len: int) -> None:
+        if block_table.dim() != 2 or block_table.shape[0] < num_reqs:
+            raise MetadataError(
+                f"block_table_tensor has shape {tuple(block_table.shape)} but num_reqs={num_reqs}: "
+                "torch_native needs one row per request; pass [num_reqs, max_num_blocks_per_req].")
+        capacity = block_table.shape[1] * self.block_size
+        if max_seq_len > capacity:
+            raise MetadataError(
+                f"block_table_tensor has {block_table.shape[1]} blocks of {self.block_size} tokens "
+                f"per row ({capacity} tokens) but max_seq_len={max_seq_len}: the keys would be "
+                "unaddressable; allocate enough blocks per request (or check the block size).")
+
+    def _check(self, cm: CommonAttentionMetadata) -> None:
+        """Raise :class:`MetadataError` when the sizes of ``cm`` disagree."""
+        n = cm.num_reqs
+        if cm.query_start_loc_cpu.shape[0] < n + 1 or cm.seq_lens_cpu.shape[0] < n:
+            raise MetadataError(
+                f"query_start_loc_cpu has {cm.query_start_loc_cpu.shape[0]} entries and seq_lens_cpu "
+                f"{cm.seq_lens_cpu.shape[0]} but num_reqs={n}: expected >= num_reqs + 1 and >= num_reqs.")
+        qsl = cm.query_start_loc_cpu[: n + 1].long()
+        if int(qsl[-1]) != cm.num_actual_tokens:
+            raise MetadataError(
+                f"query_start_loc_cpu[num_reqs]={int(qsl[-1])} but num_actual_tokens="
+                f"{cm.num_actual_tokens}: they must agree (the flat token count).")
+        query_lens = qsl[1:] - qsl[:-1]
+        seq_lens = cm.seq_lens_cpu[:n].long()
+        if n and bool(((query_lens < 0) | (seq_lens < query_lens)).any()):
+            bad = int(torch.nonzero((query_lens < 0) | (seq_lens < query_lens))[0])
+            raise MetadataError(
+                f"request {bad}: query length {int(query_lens[bad])} with seq_len {int(seq_lens[bad])}: "
+                "need 0 <= query_len <= seq_len (seq_len = num_computed_tokens + query_len).")
+        if cm.slot_mapping.shape[0] < cm.num_actual_tokens:
+            raise MetadataError(
+                f"slot_mapping has {cm.slot_mapping.shape[0]} entries but num_actual_tokens="
+                f"{cm.num_actual_tokens}: one slot per scheduled token is required.")
+        self._check_block_table(cm.block_table_tensor, n, int(seq_lens.max()) if n else 0)

@@ -1,0 +1,124 @@
+"""``TorchNativeAttentionImpl``: write K/V into the paged cache, then attend through it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from attnplug.backends.torch_native.attention import (
+    attend,
+    gather_from_paged_cache,
+    visibility_mask,
+    write_to_paged_cache,
+)
+from attnplug.backends.torch_native.builder import TorchNativeMetadata
+from attnplug.core.contracts import AttentionImpl, AttentionType
+from attnplug.core.errors import BackendUnsupportedError, MetadataError
+
+
+class TorchNativeAttentionImpl(AttentionImpl):
+    """The reference attention of one layer (see ``attention.py`` for the math).
+
+    ``TorchNativeAttentionImpl(num_heads, head_size, scale, num_kv_heads,
+    sliding_window=None, logits_soft_cap=None, attn_type=AttentionType.DECODER,
+    kv_cache_dtype=None)``.
+
+    Raises:
+        BackendUnsupportedError: ``num_heads`` not a multiple of ``num_kv_heads``, a
+            non-positive window or cap, or an attention type other than decoder.
+
+    Examples:
+        >>> import torch
+        >>> from attnplug.backends.torch_native import TorchNativeBackend
+        >>> from attnplug.cache_groups.specs import FullAttentionSpec
+        >>> from attnplug.core import BuilderConfig, CommonAttentionMetadata
+        >>> spec = FullAttentionSpec(block_size=4, num_kv_heads=1, head_size=8)
+        >>> builder = TorchNativeBackend.get_builder_cls()(spec, ["l0"], BuilderConfig(2, 16, 16), "cpu")
+        >>> cm = CommonAttentionMetadata.from_lengths([0, 3], [3, 1], [[1, 0], [2, 0]], block_size=4)
+        >>> meta = builder.build(0, cm)
+        >>> impl = TorchNativeBackend.get_impl_cls()(2, 8, 8 ** -0.5, 1)
+        >>> kv_cache = torch.zeros(TorchNativeBackend.get_kv_cache_shape(3, 4, 1, 8))
+        >>> q, k, v = torch.randn(4, 2, 8), torch.randn(4, 1, 8), torch.randn(4, 1, 8)
+        >>> impl.forward(None, q, k, v, kv_cache, meta, torch.zeros(4, 2, 8)).shape
+        torch.Size([4, 2, 8])
+    """
+
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
+                 sliding_window: int | None = None, logits_soft_cap: float | None = None,
+                 attn_type: AttentionType = AttentionType.DECODER,
+                 kv_cache_dtype: torch.dtype | None = None):
+        reasons = []
+        if num_kv_heads <= 0 or num_heads % num_kv_heads != 0:
+            reasons.append(f"num_heads {num_heads} is not a positive multiple of num_kv_heads {num_kv_heads}")
+        if sliding_window is not None and sliding_window <= 0:
+            reasons.append(f"sliding_window must be a positive number of tokens, got {sliding_window!r}")
+        if logits_soft_cap is not None and logits_soft_cap <= 0:
+            reasons.append(f"logits_soft_cap must be > 0, got {logits_soft_cap!r}")
+        if attn_type != AttentionType.DECODER:
+            reasons.append(f"attention type {AttentionType(attn_type).value!r} not supported (decoder only)")
+        if reasons:
+            raise BackendUnsupportedError("torch_native", reasons, context="TorchNativeAttentionImpl")
+        super().__init__(num_heads, head_size, scale, num_kv_heads, sliding_window, logits_soft_cap,
+                         attn_type, kv_cache_dtype)
+
+    def forward(self, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                kv_cache: torch.Tensor, attn_metadata: TorchNativeMetadata,
+                output: torch.Tensor) -> torch.Tensor:
+        """Write this step's K/V at the slot mapping, then attend over the paged cache.
+
+        Args:
+            layer: the calling module (unused; may be ``None``).
+            query: ``[num_tokens, num_heads, head_size]``, float32/float16/bfloat16.
+            key, value: ``[num_tokens, num_kv_heads, head_size]``, same dtype and device.
+            kv_cache: ``[num_blocks, 2, block_size, num_kv_heads, head_size]`` (K at index
+                0, V at 1), same device; written in place at the real slots only.
+            attn_metadata: what :class:`TorchNativeMetadataBuilder` built this step.
+            output: ``[num_tokens, num_heads, head_size]``, same device; rows
+                ``< num_actual_tokens`` are overwritten, padded rows are left untouched.
+
+        Returns:
+            ``output``.
+
+        Raises:
+            MetadataError: shapes that disagree with each other or with the metadata.
+
+        Numerics: logits, softmax and the weighted sum run in float32; the result is cast
+        to ``output.dtype``. Does not synchronise with the host.
+        """
+        self._check(query, key, value, kv_cache, attn_metadata, output)
+        md = attn_metadata
+        write_to_paged_cache(key, value, kv_cache, md.write_slots, md.write_token_indices)
+        for seg in md.segments:
+            q = query[seg.query_token_indices]  # [n, query_len, num_heads, head_size]
+            k, v = gather_from_paged_cache(kv_cache, seg.key_slots)  # [n, max_seq_len, kv_heads, head_size]
+            mask = visibility_mask(seg.query_positions, seg.seq_lens, seg.max_seq_len,
+                                   causal=md.causal, sliding_window=self.sliding_window)
+            out = attend(q, k, v, mask, self.scale, self.logits_soft_cap)
+            output[seg.query_token_indices.flatten()] = out.flatten(0, 1).to(output.dtype)
+        return output
+
+    def _check(self, query, key, value, kv_cache, md, output) -> None:
+        problems = []
+        if not isinstance(md, TorchNativeMetadata):
+            raise MetadataError(
+                f"attn_metadata is a {type(md).__name__}, not TorchNativeMetadata: the layer's "
+                "metadata must come from the torch_native builder of its cache group.")
+        expect_q = (self.num_heads, self.head_size)
+        expect_kv = (self.num_kv_heads, self.head_size)
+        if query.dim() != 3 or tuple(query.shape[1:]) != expect_q:
+            problems.append(f"query {tuple(query.shape)} should be [num_tokens, {expect_q[0]}, {expect_q[1]}]")
+        for name, t in (("key", key), ("value", value)):
+            if t.dim() != 3 or tuple(t.shape[1:]) != expect_kv:
+                problems.append(f"{name} {tuple(t.shape)} should be [num_tokens, {expect_kv[0]}, {expect_kv[1]}]")
+        if output.shape != query.shape:
+            problems.append(f"output {tuple(output.shape)} should match query {tuple(query.shape)}")
+        n = md.num_actual_tokens
+        if min(query.shape[0], key.shape[0], value.shape[0]) < n:
+            problems.append(f"query/key/value have fewer rows than num_actual_tokens={n}")
+        shape = (2, md.block_size, self.num_kv_heads, self.head_size)
+        if kv_cache.dim() != 5 or tuple(kv_cache.shape[1:]) != shape:
+            problems.append(f"kv_cache {tuple(kv_cache.shape)} should be [num_blocks, {', '.join(map(str, shape))}]")
+        if problems:
+            raise MetadataError("torch_native forward: " + "; ".join(problems)
+                                + ". Pass tensors shaped as the layer config and the cache group's spec say.")
