@@ -20,7 +20,7 @@ aligned; ``W`` = sliding window in tokens, current token included)::
     causal:          k <= p
     sliding window:  p - W < k <= p
 
-    W = 3, query positions 4..6 over keys 0..6 (x = visible):
+    W = 3, query positions 4..6 over keys 0..6 (x = visible, . = masked):
 
               k: 0 1 2 3 4 5 6
         p = 4:   . . x x x . .
@@ -59,24 +59,59 @@ def write_to_paged_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch
     kv_cache[block_ids, 1, offsets] = value.index_select(0, token_indices).to(kv_cache.dtype)
 
 
-def gather_from_paged_cache(kv_cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Read K and V at flat slot indices.
+def gather_from_paged_cache(kv_cache: torch.Tensor, block_ids: torch.Tensor,
+                            key_used: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Read whole blocks through a block table into head-major K and V copies.
 
     Args:
         kv_cache: ``[num_blocks, 2, block_size, num_kv_heads, head_size]``.
-        slots: any shape ``S``, ``torch.int64``, same device; flat slot indices.
+        block_ids: ``[num_reqs, num_blocks_per_req]``, ``torch.int64``, same device;
+            physical block ids in logical order (rows of the block table).
+        key_used: ``[num_reqs, num_blocks_per_req * block_size]``, ``torch.bool``; False
+            where no query will see the key (past ``seq_len``, before every window, null
+            block). Those values are zeroed in the copy, so garbage, even NaN, cannot
+            leak through ``0 * value`` (their logits are masked to ``-inf``).
 
     Returns:
-        ``(key, value)``, each ``[*S, num_kv_heads, head_size]`` in the cache's dtype.
+        ``(key, value)``, each ``[num_kv_heads, num_reqs, num_blocks_per_req * block_size,
+        head_size]``, contiguous, in the cache's dtype: key position ``k`` of request
+        ``r`` for KV head ``h`` is ``[h, r, k]``. Fresh copies: the cache is not aliased.
     """
-    block_size = kv_cache.shape[2]
-    block_ids = torch.div(slots, block_size, rounding_mode="floor")
-    offsets = slots - block_ids * block_size
-    return kv_cache[block_ids, 0, offsets], kv_cache[block_ids, 1, offsets]
+    n, num_blocks_per_req = block_ids.shape
+    _, _, block_size, num_kv_heads, head_size = kv_cache.shape
+    shape = (num_kv_heads, n, num_blocks_per_req * block_size, head_size)
+    flat_ids = block_ids.flatten()
+    blocks = kv_cache.index_select(0, flat_ids)  # [n * blocks, 2, block_size, H_kv, D]
+    blocks = blocks.permute(1, 3, 0, 2, 4).contiguous()  # [2, H_kv, n * blocks, block_size, D]
+    key, value = blocks[0].view(shape), blocks[1].view(shape)
+    value.masked_fill_(~key_used.view(1, n, -1, 1), 0.0)
+    return key, value
 
 
-def visibility_mask(query_positions: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int,
-                    causal: bool = True, sliding_window: int | None = None) -> torch.Tensor:
+def keys_used(seq_lens: torch.Tensor, query_len: int, num_keys: int,
+              sliding_window: int | None = None) -> torch.Tensor:
+    """Which key positions at least one query of the request sees.
+
+    Args:
+        seq_lens: ``[num_reqs]``, ``torch.int64``; every request has ``query_len`` queries
+            at positions ``seq_len - query_len .. seq_len - 1``.
+        query_len: queries per request (tokens).
+        num_keys: key positions ``0 .. num_keys - 1`` to classify.
+        sliding_window: ``W`` tokens; the first query reaches back furthest, to
+            ``seq_len - query_len - W + 1``.
+
+    Returns:
+        ``[num_reqs, num_keys]``, ``torch.bool``.
+    """
+    key_pos = torch.arange(num_keys, device=seq_lens.device).unsqueeze(0)
+    used = key_pos < seq_lens.unsqueeze(1)
+    if sliding_window is not None:
+        used &= key_pos > (seq_lens - query_len - sliding_window).unsqueeze(1)
+    return used
+
+
+def visibility_mask(query_positions: torch.Tensor, seq_lens: torch.Tensor, key_start: int,
+                    key_end: int, causal: bool = True, sliding_window: int | None = None) -> torch.Tensor:
     """Which keys each query may attend to.
 
     Args:
@@ -84,21 +119,22 @@ def visibility_mask(query_positions: torch.Tensor, seq_lens: torch.Tensor, max_s
             query token within its request (``num_computed_tokens + j``).
         seq_lens: ``[num_reqs]``, ``torch.int64``, same device; keys ``0 .. seq_len - 1``
             exist for each request.
-        max_seq_len: number of key columns (>= every ``seq_lens`` entry).
+        key_start, key_end: the key positions ``key_start .. key_end - 1`` (end exclusive)
+            that form the mask's columns.
         causal: bottom-right aligned causal mask (key ``k`` visible iff ``k <= p``);
             ``False`` lets every query see all of its request's keys.
         sliding_window: ``W`` tokens (current included): also require ``k > p - W``.
 
     Returns:
-        ``[num_reqs, query_len, max_seq_len]``, ``torch.bool``; True = visible.
+        ``[num_reqs, query_len, key_end - key_start]``, ``torch.bool``; True = visible.
     """
-    key_pos = torch.arange(max_seq_len, device=query_positions.device)
-    mask = key_pos.view(1, 1, -1) < seq_lens.view(-1, 1, 1)
+    key_pos = torch.arange(key_start, key_end, device=query_positions.device).view(1, 1, -1)
     q = query_positions.unsqueeze(-1)
+    mask = key_pos < seq_lens.view(-1, 1, 1)
     if causal:
-        mask = mask & (key_pos.view(1, 1, -1) <= q)
+        mask = mask & (key_pos <= q)
     if sliding_window is not None:
-        mask = mask & (key_pos.view(1, 1, -1) > q - sliding_window)
+        mask = mask & (key_pos > q - sliding_window)
     return mask
 
 
@@ -108,32 +144,33 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: to
 
     Args:
         query: ``[num_reqs, query_len, num_heads, head_size]``.
-        key, value: ``[num_reqs, max_seq_len, num_kv_heads, head_size]``;
+        key, value: ``[num_kv_heads, num_reqs, num_keys, head_size]`` (head-major, as
+            :func:`gather_from_paged_cache` returns; a slice along ``num_keys`` is fine);
             ``num_heads % num_kv_heads == 0``; query head ``h`` uses KV head
-            ``h // (num_heads // num_kv_heads)`` (HF ``repeat_kv`` order).
-        mask: ``[num_reqs, query_len, max_seq_len]``, ``torch.bool``, True = visible. Every
+            ``h // (num_heads // num_kv_heads)`` (HF ``repeat_kv`` order). Values of keys
+            no query sees must be finite (keys may hold anything).
+        mask: ``[num_reqs, query_len, num_keys]``, ``torch.bool``, True = visible. Every
             query row must see at least one key (a fully masked row gives NaN).
-        scale: multiplies ``q . k`` (usually ``head_size ** -0.5``).
+        scale: multiplies ``q . k`` (usually ``head_size ** -0.5``); applied to ``q``
+            before the product.
         logits_soft_cap: if set, logits become ``cap * tanh(logits / cap)`` after scaling
             and before masking (Gemma-2 convention).
 
     Returns:
         ``[num_reqs, query_len, num_heads, head_size]``, float32.
-
-    Keys masked for every query are zeroed before use, so garbage (even NaN) in unused
-    cache slots such as the null block never leaks into the result.
     """
     n, q_len, num_heads, head_size = query.shape
-    num_kv_heads = key.shape[2]
+    num_kv_heads = key.shape[0]
     group = num_heads // num_kv_heads
-    q = query.float().reshape(n, q_len, num_kv_heads, group, head_size)
-    used = mask.any(dim=1).view(n, -1, 1, 1)  # [n, max_seq_len, 1, 1]: seen by some query
-    k = torch.where(used, key.float(), 0.0)
-    v = torch.where(used, value.float(), 0.0)
-    logits = torch.einsum("nqhgd,nkhd->nhgqk", q, k) * scale
+    # [H_kv, n, group * q_len, D]: the query heads of one KV head stacked along the rows.
+    q = (query.float() * scale).view(n, q_len, num_kv_heads, group, head_size)
+    q = q.permute(2, 0, 3, 1, 4).reshape(num_kv_heads, n, group * q_len, head_size)
+    logits = torch.matmul(q, key.float().transpose(-1, -2))  # [H_kv, n, group * q_len, keys]
     if logits_soft_cap is not None:
-        logits = logits_soft_cap * torch.tanh(logits / logits_soft_cap)
-    logits = logits.masked_fill(~mask.view(n, 1, 1, q_len, -1), float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    out = torch.einsum("nhgqk,nkhd->nqhgd", probs, v)
+        logits = logits.div_(logits_soft_cap).tanh_().mul_(logits_soft_cap)
+    logits = logits.view(num_kv_heads, n, group, q_len, -1)
+    logits.masked_fill_(~mask.view(1, n, 1, q_len, -1), float("-inf"))
+    probs = torch.softmax(logits, dim=-1).view(num_kv_heads, n, group * q_len, -1)
+    out = torch.matmul(probs, value.float())  # [H_kv, n, group * q_len, D]
+    out = out.view(num_kv_heads, n, group, q_len, head_size).permute(1, 3, 0, 2, 4)
     return out.reshape(n, q_len, num_heads, head_size)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from attnplug.core.constants import PAD_SLOT_ID
+from attnplug.core.constants import NULL_BLOCK_ID, PAD_SLOT_ID
 from attnplug.core.contracts import AttentionCGSupport, AttentionMetadataBuilder
 from attnplug.core.errors import MetadataError
 from attnplug.core.metadata import CommonAttentionMetadata
@@ -43,6 +43,9 @@ class AttentionSegment:
     max_seq_len: int
     """Key columns: the longest ``seq_len`` in the segment (tokens)."""
 
+    min_seq_len: int
+    """The shortest ``seq_len`` in the segment (tokens); bounds the keys a window can see."""
+
     query_token_indices: torch.Tensor
     """``[n, query_len]``, ``torch.int64``: row of the flat token stream (``query``,
     ``output``) of each query token."""
@@ -54,10 +57,10 @@ class AttentionSegment:
     seq_lens: torch.Tensor
     """``[n]``, ``torch.int64``; units: tokens of KV per request after this step."""
 
-    key_slots: torch.Tensor
-    """``[n, max_seq_len]``, ``torch.int64``: flat slot of key position ``k`` of each
-    request (``block_table[req, k // block_size] * block_size + k % block_size``); 0 for
-    ``k >= seq_len`` (masked)."""
+    key_block_ids: torch.Tensor
+    """``[n, cdiv(max_seq_len, block_size)]``, ``torch.int64``: each request's physical
+    blocks in logical order (its block-table row, cut to the segment's key range). Blocks
+    past a request's ``cdiv(seq_len, block_size)`` hold ``NULL_BLOCK_ID`` (masked)."""
 
 
 @dataclass(frozen=True)
@@ -92,14 +95,15 @@ class TorchNativeMetadata:
     """The attention work of the step, see the module docstring."""
 
 
-def _key_slots(block_table: torch.Tensor, req_indices: torch.Tensor, seq_lens: torch.Tensor,
-               max_seq_len: int, block_size: int) -> torch.Tensor:
-    """``[n, max_seq_len]`` int64 flat slots of key positions ``0 .. max_seq_len - 1``."""
-    key_pos = torch.arange(max_seq_len, device=block_table.device)
-    block_ids = block_table.index_select(0, req_indices)[:, key_pos // block_size].long()
-    slots = block_ids * block_size + key_pos % block_size
-    live = key_pos.unsqueeze(0) < seq_lens.unsqueeze(1)
-    return torch.where(live, slots, torch.zeros_like(slots))
+def _key_block_ids(block_table: torch.Tensor, req_indices: torch.Tensor, seq_lens: torch.Tensor,
+                   max_seq_len: int, block_size: int) -> torch.Tensor:
+    """``[n, cdiv(max_seq_len, block_size)]`` int64 block ids; ``NULL_BLOCK_ID`` past each
+    request's last block (whatever the block table holds there)."""
+    num_key_blocks = -(-max_seq_len // block_size)
+    block_ids = block_table.index_select(0, req_indices)[:, :num_key_blocks].long()
+    blocks_needed = (seq_lens + block_size - 1) // block_size
+    live = torch.arange(num_key_blocks, device=block_table.device).unsqueeze(0) < blocks_needed.unsqueeze(1)
+    return torch.where(live, block_ids, torch.full_like(block_ids, NULL_BLOCK_ID))
 
 
 def _write_indices(slot_mapping: torch.Tensor, num_actual_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -173,10 +177,11 @@ class TorchNativeMetadataBuilder(AttentionMetadataBuilder):
                 req_indices=req_dev,
                 query_len=query_len,
                 max_seq_len=max_seq_len,
+                min_seq_len=int(seg_seq_lens.min()),
                 query_token_indices=token_idx.to(self.device),
                 query_positions=positions.to(self.device),
                 seq_lens=seq_dev,
-                key_slots=_key_slots(block_table, req_dev, seq_dev, max_seq_len, self.block_size),
+                key_block_ids=_key_block_ids(block_table, req_dev, seq_dev, max_seq_len, self.block_size),
             ))
 
         write_tokens, write_slots = _write_indices(cm.slot_mapping, cm.num_actual_tokens)
@@ -212,8 +217,8 @@ class TorchNativeMetadataBuilder(AttentionMetadataBuilder):
         """
         self._check_block_table(block_table, metadata.num_reqs, metadata.max_seq_len)
         segments = tuple(
-            dataclasses.replace(seg, key_slots=_key_slots(block_table, seg.req_indices, seg.seq_lens,
-                                                          seg.max_seq_len, self.block_size))
+            dataclasses.replace(seg, key_block_ids=_key_block_ids(block_table, seg.req_indices, seg.seq_lens,
+                                                                  seg.max_seq_len, self.block_size))
             for seg in metadata.segments)
         write_tokens, write_slots = _write_indices(slot_mapping, metadata.num_actual_tokens)
         return dataclasses.replace(metadata, block_table_tensor=block_table, slot_mapping=slot_mapping,

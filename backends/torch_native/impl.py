@@ -9,12 +9,18 @@ import torch
 from attnplug.backends.torch_native.attention import (
     attend,
     gather_from_paged_cache,
+    keys_used,
     visibility_mask,
     write_to_paged_cache,
 )
-from attnplug.backends.torch_native.builder import TorchNativeMetadata
+from attnplug.backends.torch_native.builder import AttentionSegment, TorchNativeMetadata
 from attnplug.core.contracts import AttentionImpl, AttentionType
 from attnplug.core.errors import BackendUnsupportedError, MetadataError
+
+QUERY_TILE_TOKENS: int = 256
+"""Queries of one request attended per op. Bounds the float32 logits temporary (a 4096-token
+prompt would otherwise need ``num_heads * 4096 * 4096 * 4`` bytes per temporary); never
+changes the result."""
 
 
 class TorchNativeAttentionImpl(AttentionImpl):
@@ -90,13 +96,39 @@ class TorchNativeAttentionImpl(AttentionImpl):
         md = attn_metadata
         write_to_paged_cache(key, value, kv_cache, md.write_slots, md.write_token_indices)
         for seg in md.segments:
-            q = query[seg.query_token_indices]  # [n, query_len, num_heads, head_size]
-            k, v = gather_from_paged_cache(kv_cache, seg.key_slots)  # [n, max_seq_len, kv_heads, head_size]
-            mask = visibility_mask(seg.query_positions, seg.seq_lens, seg.max_seq_len,
-                                   causal=md.causal, sliding_window=self.sliding_window)
-            out = attend(q, k, v, mask, self.scale, self.logits_soft_cap)
-            output[seg.query_token_indices.flatten()] = out.flatten(0, 1).to(output.dtype)
+            num_keys = seg.key_block_ids.shape[1] * md.block_size  # >= max_seq_len
+            used = keys_used(seg.seq_lens, seg.query_len, num_keys, self.sliding_window)
+            keys, values = gather_from_paged_cache(kv_cache, seg.key_block_ids, used)  # [H_kv, n, keys, D]
+            for q_lo, q_hi, k_lo, k_hi in self._tiles(seg, md.causal):
+                tokens = seg.query_token_indices[:, q_lo:q_hi]
+                q = query[tokens]  # [n, tile, num_heads, head_size]
+                mask = visibility_mask(seg.query_positions[:, q_lo:q_hi], seg.seq_lens, k_lo, k_hi,
+                                       causal=md.causal, sliding_window=self.sliding_window)
+                out = attend(q, keys[:, :, k_lo:k_hi], values[:, :, k_lo:k_hi], mask, self.scale,
+                             self.logits_soft_cap)
+                output[tokens.flatten()] = out.flatten(0, 1).to(output.dtype)
         return output
+
+    def _tiles(self, seg: AttentionSegment, causal: bool) -> list[tuple[int, int, int, int]]:
+        """Split a segment into query tiles, each with the key range it can see.
+
+        Returns ``(q_lo, q_hi, k_lo, k_hi)`` tuples (ends exclusive): queries ``q_lo ..
+        q_hi - 1`` of every request in the segment need at most keys ``k_lo .. k_hi - 1``.
+        Query ``j`` of a request with ``seq_len`` tokens sits at ``seq_len - query_len + j``,
+        so a causal tile needs no key past ``max_seq_len - query_len + q_hi - 1``, and a
+        window ``W`` none before ``min_seq_len - query_len + q_lo - W + 1``. This bounds
+        the float32 logits of one tile to ``n * num_heads * QUERY_TILE_TOKENS * keys``;
+        the keys skipped would be masked anyway, so tiling never changes the result's math.
+        """
+        tiles = []
+        for q_lo in range(0, seg.query_len, QUERY_TILE_TOKENS):
+            q_hi = min(q_lo + QUERY_TILE_TOKENS, seg.query_len)
+            k_hi = seg.max_seq_len - seg.query_len + q_hi if causal else seg.max_seq_len
+            k_lo = 0
+            if self.sliding_window is not None:
+                k_lo = max(0, seg.min_seq_len - seg.query_len + q_lo - self.sliding_window + 1)
+            tiles.append((q_lo, q_hi, k_lo, k_hi))
+        return tiles
 
     def _check(self, query, key, value, kv_cache, md, output) -> None:
         problems = []

@@ -205,6 +205,14 @@ def test_window_and_softcap_together_with_mqa():
     check(Case([2, 11], [7, 1], num_heads=4, num_kv_heads=1, window=3, softcap=2.0, q_scale=4.0))
 
 
+@pytest.mark.parametrize("window", [None, 4])
+def test_query_tiling_does_not_change_results(monkeypatch, window):
+    """Long queries are attended in tiles of QUERY_TILE_TOKENS with a trimmed key range."""
+    import attnplug.backends.torch_native.impl as impl_mod
+    monkeypatch.setattr(impl_mod, "QUERY_TILE_TOKENS", 3)
+    check(Case([0, 6, 2, 9], [10, 1, 8, 1], window=window, softcap=3.0))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_dtypes(dtype):
     case = Case([0, 4, 9], [6, 1, 3], dtype=dtype, window=6)
@@ -277,9 +285,9 @@ def test_builder_never_mutates_common_metadata_and_update_block_table():
     other.kv_cache[remap] = case.kv_cache.clone()
     other.block_table = remap[torch.tensor(case.block_table)].tolist()
     other_common = other.common()
-    md_slots_before = md.segments[0].key_slots.clone()
+    md_blocks_before = md.segments[0].key_block_ids.clone()
     md2 = builder.update_block_table(md, other_common.block_table_tensor, other_common.slot_mapping)
-    assert torch.equal(md.segments[0].key_slots, md_slots_before), "update_block_table mutated its input"
+    assert torch.equal(md.segments[0].key_block_ids, md_blocks_before), "update_block_table mutated its input"
     check(other, other.run(md2))
     check(case, case.run(md))
 
