@@ -1,45 +1,45 @@
 """Attention backends, one sub-package each.
 
-:func:`get_backend` is a deliberately tiny built-in lookup over :data:`BUILTIN_BACKENDS`
-(name -> ``"module:Class"``, imported lazily). It is a stopgap: the pluggy registry in
-``attnplug.plugins`` replaces it as the way backends are found, and will itself list
-these built-ins. Code that selects backends should go through that registry once it
-exists; this function stays only for the built-ins.
+Backends are found through the plugin registry (``attnplug.plugins``), never by
+importing a backend package directly. :data:`BUILTIN_BACKENDS` lists the built-in
+ones as ``"module:Class"`` paths; the built-in plugin (``attnplug.plugins.builtin``)
+registers them through the same hook third-party plugins use. :func:`get_backend` is
+a convenience that looks a name up in that registry.
 """
 
 from __future__ import annotations
 
-import importlib
-
 from attnplug.core.contracts import AttentionBackend
-from attnplug.core.errors import UnknownBackendError
 
 BUILTIN_BACKENDS: dict[str, str] = {
     "torch_native": "attnplug.backends.torch_native.backend:TorchNativeBackend",
 }
-"""Built-in backend name -> ``"module:ClassName"`` of its :class:`AttentionBackend`."""
+"""Built-in backend name -> ``"module:ClassName"`` of its :class:`AttentionBackend`.
+
+Each module must import without the backend's optional packages (the class reports
+whether it can run through ``is_available()``)."""
 
 
 def get_backend(name: str) -> type[AttentionBackend]:
-    """The built-in backend class registered as ``name``.
+    """The backend class registered as ``name`` (built-in or from an installed plugin).
 
     Args:
-        name: a key of :data:`BUILTIN_BACKENDS`, e.g. ``"torch_native"``.
+        name: a registered backend name, e.g. ``"torch_native"``.
 
     Returns:
         The backend class (never instantiated).
 
     Raises:
-        UnknownBackendError: ``name`` is not a built-in backend; the message lists them.
+        UnknownBackendError: no plugin registered ``name``; the message lists the known
+            names (``attnplug backends`` shows them with their sources).
 
     Examples:
         >>> get_backend("torch_native").get_name()
         'torch_native'
     """
-    if name not in BUILTIN_BACKENDS:
-        raise UnknownBackendError(name, BUILTIN_BACKENDS)
-    module_name, cls_name = BUILTIN_BACKENDS[name].split(":")
-    return getattr(importlib.import_module(module_name), cls_name)
+    from attnplug.plugins.registry import get_registry
+
+    return get_registry().get(name)
 
 
 __all__ = ["BUILTIN_BACKENDS", "get_backend"]

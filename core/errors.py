@@ -100,6 +100,20 @@ class PluginValidationError(AttnplugError):
         super().__init__(f"plugin {plugin!r}: {message}")
 
 
+class ConfigError(AttnplugError, ValueError):
+    """A configuration value is invalid: a backend choice on the command line, in an
+    ``ATTNPLUG_*`` environment variable, or in ``attnplug.toml`` / ``[tool.attnplug]``.
+
+    Attributes:
+        origin: where the value came from (``"--backend"``, ``"env ATTNPLUG_BACKEND"``,
+            ``"/path/attnplug.toml"``...).
+    """
+
+    def __init__(self, origin: str, message: str):
+        self.origin = origin
+        super().__init__(f"{origin}: {message}")
+
+
 class TraceFormatError(AttnplugError, ValueError):
     """A trace file row is malformed or out of range."""
 
@@ -126,6 +140,6 @@ class SchedulingError(AttnplugError, ValueError):
 
 for _cls in (AttnplugError, MetadataError, MetadataInvariantError, InvalidSchedulerOutput,
              KVCacheSpecError, BackendUnsupportedError, UnknownBackendError,
-             PluginValidationError, TraceFormatError, InvalidRequestError, SchedulingError):
+             PluginValidationError, ConfigError, TraceFormatError, InvalidRequestError, SchedulingError):
     _cls.__module__ = "attnplug"
 del _cls
