@@ -99,7 +99,8 @@ def rejection_reasons(backend_cls: type[AttentionBackend], layer_cfg: Any, kind:
     """
     want = KIND_CACHE_KIND[kind]
     if backend_cls.kv_cache_kind != want:
-        return [f"serves {backend_cls.kv_cache_kind!r} caches, but {kind} groups need a {want!r} backend"]
+        return [f"serves {backend_cls.kv_cache_kind!r} caches; {kind} groups need a backend with "
+                f"kv_cache_kind {want!r}"]
     try:
         reasons = backend_cls.validate_configuration(layer_cfg)
     except Exception as exc:
@@ -210,7 +211,7 @@ class BackendSelector:
                 return SelectionResult(backend_cls, name, kind, "auto", origin, tuple(rejections))
             rejections.append(Rejection(name, tuple(reasons)))
         raise BackendUnsupportedError(
-            "(automatic)", [str(r) for r in rejections] or ["no backends are registered"],
+            "(any registered backend)", [str(r) for r in rejections] or ["no backends are registered"],
             context=f"{kind} layers ({layer_desc}): no registered backend can serve them; install or "
                     "enable a plugin that can, or change the layer configuration")
 
