@@ -1,0 +1,54 @@
+"""``CpuGpuBuffer``: a persistent host tensor, its numpy view and its device twin.
+
+Allocated once at the maximum size; each step fills a prefix on the host (through the
+numpy view) and copies that prefix to the device with one non-blocking copy. When the
+device is the CPU the "device" tensor *is* the host tensor: no copy happens at all.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+def pin_memory_available(device: torch.device) -> bool:
+    """Whether host buffers feeding ``device`` should be pinned (CUDA present and targeted)."""
+    return device.type == "cuda" and torch.cuda.is_available()
+
+
+class CpuGpuBuffer:
+    """A host/device pair of equal-shape tensors.
+
+    Attributes:
+        cpu: the host tensor (pinned when the device is CUDA).
+        np: a numpy view of ``cpu`` (shares memory).
+        gpu: the device tensor; ``gpu is cpu`` when the device is the CPU.
+
+    Args:
+        shape: the full (maximum) shape.
+        dtype: the torch dtype.
+        device: where ``gpu`` lives.
+        fill: the initial value of every element.
+    """
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str,
+                 fill: int | float = 0):
+        self.device = torch.device(device)
+        pin = pin_memory_available(self.device)
+        self.cpu = torch.full(shape, fill, dtype=dtype, pin_memory=pin)
+        self.np = self.cpu.numpy()
+        self.aliased = self.device.type == "cpu"
+        self.gpu = self.cpu if self.aliased else torch.full(shape, fill, dtype=dtype, device=self.device)
+
+    def copy_to_gpu(self, n: int | None = None) -> torch.Tensor:
+        """Copy the first ``n`` rows (all when ``None``) host → device; return that device slice.
+
+        Non-blocking from pinned memory (no host sync); a no-op when the device is the CPU.
+        """
+        if n is None:
+            if not self.aliased:
+                self.gpu.copy_(self.cpu, non_blocking=True)
+            return self.gpu
+        if not self.aliased:
+            self.gpu[:n].copy_(self.cpu[:n], non_blocking=True)
+        return self.gpu[:n]

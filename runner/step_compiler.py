@@ -1,0 +1,270 @@
+"""``StepCompiler``: scheduler deltas in, one step's flat inputs and metadata out.
+
+It owns the runner's persistent request state — ``requests`` (object view,
+:class:`CachedRequestState`) and ``input_batch`` (columnar view, :class:`InputBatch`) —
+and nothing model-specific, so a model runner composes it:
+
+.. code-block:: python
+
+    sc.update_states(scheduler_output)             # validate, then apply the deltas
+    inputs = sc.prepare_inputs(scheduler_output)   # tokens, positions, metadata per group
+    hidden = model(inputs.input_ids, inputs.positions, ...)   # builders read
+    #        inputs.common_attn_metadata[g] for cache group g
+    keep = ~inputs.discard                         # partial prefills produce no token
+    sc.append_output_tokens([inputs.req_ids[i] for i in np.flatnonzero(keep)], sampled)
+
+The scheduler never re-sends the runner's own samples: ``append_output_tokens`` is how
+they enter the token history. Everything ``prepare_inputs`` returns is a view of a
+persistent buffer, valid until the next ``update_states``.
+
+With ``ATTNPLUG_VALIDATE=1`` (read at construction) ``prepare_inputs`` checks the eight
+invariants (``attnplug.core.validate``) for every cache group each step.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from attnplug.cache_groups.grouping import KVCacheConfig
+from attnplug.cache_groups.specs import cdiv
+from attnplug.core.errors import InvalidSchedulerOutput, KVCacheSpecError, MetadataError
+from attnplug.core.validation import BatchView, RowState, validate
+from attnplug.runner.input_batch import InputBatch
+from attnplug.runner.prepare_inputs import InputPreparer, StepInputs, build_common_attn_metadata
+from attnplug.runner.request_state import CachedRequestState
+from attnplug.runner.scheduler_output import SchedulerOutput
+from attnplug.runner.update_states import IntPacker, apply_update, plan_update
+
+_GROUP_KINDS = ("full_attention", "sliding_window", "mamba")
+
+
+class StepCompiler:
+    """Validates and applies scheduler outputs; prepares each step's inputs.
+
+    Args:
+        block_sizes: manager block size per cache group, or a :class:`KVCacheConfig`
+            (then block sizes, ``num_blocks`` and group kinds come from it).
+        max_num_reqs: most requests in one step (batch rows).
+        max_model_len: most tokens a request may hold.
+        max_num_batched_tokens: most tokens in one step.
+        device: where device tensors live (``"cpu"``: host buffers are used directly).
+        kernel_block_sizes: per group, the kernel block size (divides the manager size).
+        reorder_batch_threshold: if set, rows with ``num_scheduled_tokens <= threshold``
+            are moved before the others each step (decodes first).
+        num_blocks: blocks per group's pool (valid ids ``[1, num_blocks)``); default: any
+            id whose kernel expansion fits ``int32``.
+        group_kinds: per group ``"full_attention"`` (default), ``"sliding_window"`` (the
+            null block is legitimate in a request's initial or replacement block list) or
+            ``"mamba"`` (one state block per request; no slot mapping).
+        validate: run ``attnplug.core.validate`` every step; ``None`` reads
+            ``ATTNPLUG_VALIDATE=1`` from the environment.
+
+    Attributes:
+        requests: ``{req_id: CachedRequestState}``, every request the runner holds
+            (scheduled or not).
+        input_batch: the rows of the current step.
+
+    Raises:
+        KVCacheSpecError: inconsistent group configuration.
+    """
+
+    def __init__(self, block_sizes: Sequence[int] | KVCacheConfig, max_num_reqs: int, max_model_len: int,
+                 max_num_batched_tokens: int, device: torch.device | str = "cpu",
+                 kernel_block_sizes: Sequence[int] | None = None,
+                 reorder_batch_threshold: int | None = None, *, num_blocks: int | None = None,
+                 group_kinds: Sequence[str] | None = None, validate: bool | None = None):
+        if isinstance(block_sizes, KVCacheConfig):
+            cfg = block_sizes
+            block_sizes = cfg.block_sizes
+            num_blocks = cfg.num_blocks if num_blocks is None else num_blocks
+            group_kinds = [g.kv_cache_spec.kind for g in cfg.groups] if group_kinds is None else group_kinds
+        self.block_sizes = [int(b) for b in block_sizes]
+        self.num_groups = len(self.block_sizes)
+        self.kernel_block_sizes = list(self.block_sizes if kernel_block_sizes is None else kernel_block_sizes)
+        self.group_kinds = list(group_kinds or ["full_attention"] * self.num_groups)
+        if len(self.group_kinds) != self.num_groups or any(k not in _GROUP_KINDS for k in self.group_kinds):
+            raise KVCacheSpecError(f"group_kinds {self.group_kinds!r}: need one of {_GROUP_KINDS} per group")
+        self.null_block_allowed = [k == "sliding_window" for k in self.group_kinds]
+        self.max_num_reqs = max_num_reqs
+        self.max_model_len = max_model_len
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.reorder_batch_threshold = reorder_batch_threshold
+        self.device = torch.device(device)
+        self.input_batch = InputBatch(max_num_reqs, max_model_len, max_num_batched_tokens, self.block_sizes,
+                                      self.device, self.kernel_block_sizes)
+        kmax = max(b // k for b, k in zip(self.block_sizes, self.kernel_block_sizes))
+        self.num_blocks = (2**31 - 1) // kmax if num_blocks is None else int(num_blocks)
+        if self.num_blocks < 2:
+            raise KVCacheSpecError(f"num_blocks must be >= 2 (block 0 is the null block), got {num_blocks}")
+        self.max_num_blocks_per_req = [cdiv(max_model_len, b) for b in self.block_sizes]
+        self.requests: dict[str, CachedRequestState] = {}
+        self._preparer = InputPreparer(max_num_reqs, max_model_len, max_num_batched_tokens, self.device)
+        self._prompt_packer = IntPacker()
+        self._delta_packer = IntPacker(1024)
+        self.validate = os.environ.get("ATTNPLUG_VALIDATE") == "1" if validate is None else bool(validate)
+
+    # --- the step -----------------------------------------------------------------------
+    def update_states(self, scheduler_output: SchedulerOutput) -> None:
+        """Validate ``scheduler_output`` in full, then apply it (see ``runner.update_states``).
+
+        Raises:
+            InvalidSchedulerOutput: unknown or duplicate request ids, a new request that is
+                already resident, negative or oversized counts, inconsistent
+                ``num_computed_tokens``, block ids outside the pool (or null where it is not
+                legitimate), more tokens than ``max_num_batched_tokens`` or
+                ``max_model_len``, a block table too short for ``seq_lens``, unknown
+                finished ids. The state is then exactly as before the call.
+        """
+        apply_update(self, plan_update(self, scheduler_output))
+
+    def prepare_inputs(self, scheduler_output: SchedulerOutput | None = None,
+                       num_tokens_padded: int | None = None, *, build_metadata: bool = True) -> StepInputs:
+        """The step's inputs for the rows ``update_states`` left (see ``runner.prepare_inputs``).
+
+        Args:
+            scheduler_output: the output just applied (checked for the token count only).
+            num_tokens_padded: pad the token dimension to this many (``>= num_actual_tokens``,
+                ``<= max_num_batched_tokens``).
+            build_metadata: also build ``common_attn_metadata`` (one per group).
+
+        Returns:
+            :class:`StepInputs`; its tensors are views valid until the next ``update_states``.
+
+        Raises:
+            InvalidSchedulerOutput: ``scheduler_output`` is not the one just applied.
+            MetadataError: a bad ``num_tokens_padded``.
+            MetadataInvariantError: with validation on, a broken invariant.
+        """
+        Q = int(self.input_batch.num_scheduled_tokens[:self.input_batch.num_reqs].sum())
+        if scheduler_output is not None and scheduler_output.total_num_scheduled_tokens != Q:
+            raise InvalidSchedulerOutput(None, "total_num_scheduled_tokens", (
+                f"is {scheduler_output.total_num_scheduled_tokens} but the batch holds {Q} scheduled "
+                "tokens: call update_states with this output first"))
+        if num_tokens_padded is not None and not Q <= num_tokens_padded <= self.max_num_batched_tokens:
+            raise MetadataError(f"num_tokens_padded={num_tokens_padded} must lie in [{Q}, "
+                                f"{self.max_num_batched_tokens}] (num_actual_tokens .. max_num_batched_tokens)")
+        inputs = self._preparer.prepare(self.input_batch, self.group_kinds, num_tokens_padded)
+        if build_metadata or self.validate:
+            self.build_common_attn_metadata(inputs)
+        if self.validate:
+            self.check(inputs)
+        return inputs
+
+    def build_common_attn_metadata(self, inputs: StepInputs):
+        """Build (and store in ``inputs``) the per-group :class:`CommonAttentionMetadata`."""
+        return build_common_attn_metadata(inputs, self.input_batch.num_computed_tokens_cpu_tensor)
+
+    def check(self, inputs: StepInputs) -> None:
+        """Run ``attnplug.core.validate`` on every group's metadata of ``inputs``.
+
+        Raises:
+            MetadataInvariantError: the first broken invariant.
+        """
+        view = self.batch_view()
+        for g, cm in enumerate(inputs.common_attn_metadata):
+            bs = None if self.group_kinds[g] == "mamba" else self.kernel_block_sizes[g]
+            validate(cm, block_size=bs, num_scheduled_tokens=inputs.num_scheduled_tokens,
+                     num_tokens=inputs.num_tokens, discard=inputs.discard, batch=view)
+
+    def append_output_tokens(self, req_ids_or_rows, token_ids) -> None:
+        """Append sampled tokens to requests of this step (both views: the row is the state).
+
+        Args:
+            req_ids_or_rows: request ids, or batch rows (ints), of this step; distinct.
+            token_ids: one token per request (``[n]`` ints), or per request a list of tokens.
+
+        Raises:
+            MetadataError: an id not in the batch, a repeated request, a row whose logits are
+                discarded this step (partial prefill, or tokens already appended), a bad
+                token id, or more tokens than ``max_model_len`` (nothing changes).
+        """
+        b = self.input_batch
+        n = len(req_ids_or_rows)
+        if n == 0:
+            return
+        if isinstance(req_ids_or_rows[0], str):
+            try:
+                rows = np.fromiter(map(b.req_id_to_index.__getitem__, req_ids_or_rows), np.int64, n)
+            except KeyError as e:
+                raise MetadataError(f"append_output_tokens: request {e.args[0]!r} is not in this step's "
+                                    "batch; only scheduled requests can receive tokens") from None
+        else:
+            rows = np.asarray(req_ids_or_rows, dtype=np.int64).reshape(n)
+            if rows.min() < 0 or rows.max() >= b.num_reqs:
+                raise MetadataError(f"append_output_tokens: rows must lie in [0, {b.num_reqs}), got {rows.tolist()}")
+        if len(token_ids) != n:
+            raise MetadataError(f"append_output_tokens: {len(token_ids)} token entries for {n} requests")
+        ragged = n and isinstance(token_ids[0], (list, tuple, np.ndarray))
+        lens = (np.fromiter(map(len, token_ids), np.int64, n) if ragged else np.ones(n, np.int64))
+        try:
+            flat = np.asarray([t for ts in token_ids for t in ts] if ragged else token_ids, dtype=np.int64)
+        except (TypeError, ValueError, OverflowError):
+            raise MetadataError(f"append_output_tokens: token ids must be ints, got {token_ids!r}") from None
+        if flat.shape != (int(lens.sum()),) or (flat.shape[0] and (flat.min() < 0 or flat.max() >= 2**31)):
+            raise MetadataError(f"append_output_tokens: token ids must be ints in [0, 2**31), got {token_ids!r}")
+        if np.unique(rows).shape[0] != n:
+            raise MetadataError("append_output_tokens: a request appears twice; pass each request once "
+                                "with all its tokens")
+        held = b.num_tokens[rows].astype(np.int64)
+        seq = b.num_computed_tokens_cpu[rows].astype(np.int64) + b.num_scheduled_tokens[rows]
+        if (seq != held).any():
+            i = int(np.argmax(seq != held))
+            raise MetadataError(
+                f"append_output_tokens: request {b._req_ids[rows[i]]!r} has seq_len {int(seq[i])} < "
+                f"num_tokens {int(held[i])}: its logits are discarded this step (partial prefill or "
+                "recompute), or its token was already appended; append only to rows with discard False")
+        if (held + lens > self.max_model_len).any():
+            i = int(np.argmax(held + lens > self.max_model_len))
+            raise MetadataError(f"append_output_tokens: request {b._req_ids[rows[i]]!r} would hold "
+                                f"{int(held[i] + lens[i])} tokens > max_model_len {self.max_model_len}")
+        if not ragged or (lens == 1).all():
+            b.token_ids_cpu[rows, held] = flat
+        else:
+            off = 0
+            for r, h, k in zip(rows.tolist(), held.tolist(), lens.tolist()):
+                b.token_ids_cpu[r, h:h + k] = flat[off:off + k]
+                off += k
+        b.num_tokens[rows] = held + lens
+
+    # --- views for checks and tests -----------------------------------------------------
+    def batch_view(self) -> BatchView:
+        """The columnar view for ``attnplug.core.validate`` (rows and object view). Debug use."""
+        b = self.input_batch
+        R = b.num_reqs
+        states = {}
+        for rid in b._req_ids[:R]:
+            st = self.requests.get(rid) if rid is not None else None
+            if st is not None:
+                tokens = list(st.prompt_token_ids) + list(st.output_token_ids)
+                states[rid] = RowState(rid, tokens, st.num_computed_tokens, st.block_ids)
+        return BatchView(
+            req_ids=list(b._req_ids[:R]), req_id_to_index=dict(b.req_id_to_index),
+            token_ids=b.token_ids_cpu, num_tokens=b.num_tokens,
+            num_computed_tokens=b.num_computed_tokens_cpu,
+            block_ids=[bt.block_table_np for bt in b.block_table],
+            num_blocks=[bt.num_blocks_per_row for bt in b.block_table], states=states)
+
+    def snapshot(self) -> dict:
+        """A deep copy of every piece of state (both views), for before/after comparisons
+        in tests. Not for the hot path: it copies the whole token table."""
+        b = self.input_batch
+        snap = {
+            "token_ids": b.token_ids_cpu.copy(),
+            "columns": [c.copy() for c in b.row_columns],
+            "req_ids": list(b._req_ids),
+            "states_by_row": [None if s is None else id(s) for s in b._states],
+            "req_id_to_index": dict(b.req_id_to_index),
+            "holes": sorted(b._holes),
+            "num_rows": b._num_rows,
+            "generators": {r: id(g) for r, g in b.generators.items()},
+            "block_tables": [(bt.block_table_np.copy(), bt.kernel_block_table.np.copy(),
+                              bt.num_blocks_per_row.copy()) for bt in b.block_table],
+            "requests": {rid: (id(st), st.row, st.all_token_ids, st.num_computed_tokens, st.block_ids,
+                               st.sampling_params, id(st.generator))
+                         for rid, st in self.requests.items()},
+        }
+        return snap
