@@ -2,10 +2,35 @@
 
 The step's data flow: scheduler output → input batch → prepare inputs → common
 metadata → per-group builder → attention impl. See ``docs/architecture.md``.
+
+The public names of :mod:`attnplug.core` are re-exported here, *lazily* (PEP 562): a
+plain ``import attnplug`` does not import torch. That keeps the conformance suite's
+pytest plugin (``attnplug.plugins.conformance.pytest_plugin``, loaded by every pytest
+run of an environment where attnplug is installed) cheap.
 """
 
-from attnplug.core import *  # noqa: F401,F403
-from attnplug.core import __all__ as _core_all
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 __version__ = "0.1.0"
-__all__ = list(_core_all) + ["__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    if name.startswith("__") and name != "__all__":
+        raise AttributeError(name)
+    core = importlib.import_module("attnplug.core")
+    if name == "__all__":
+        return list(core.__all__) + ["__version__"]
+    if name in core.__all__:
+        value = getattr(core, name)
+        globals()[name] = value
+        return value
+    if name in globals():  # a submodule the import above just bound (e.g. ``core``)
+        return globals()[name]
+    raise AttributeError(f"module 'attnplug' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__getattr__("__all__")))

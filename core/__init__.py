@@ -14,6 +14,7 @@ from attnplug.core.contracts import (
 from attnplug.core.errors import (
     AttnplugError,
     BackendUnsupportedError,
+    ConfigError,
     InvalidSchedulerOutput,
     KVCacheSpecError,
     MetadataError,
@@ -28,7 +29,7 @@ from attnplug.core.validation import BatchView, RowState, validate
 __all__ = [
     "NULL_BLOCK_ID", "PAD_SLOT_ID", "PLUGIN_API_VERSION", "AttentionBackend", "AttentionCGSupport",
     "AttentionImpl", "AttentionLayerConfig", "AttentionMetadataBuilder", "AttentionType",
-    "BuilderConfig", "AttnplugError", "BackendUnsupportedError", "InvalidSchedulerOutput",
+    "BuilderConfig", "AttnplugError", "BackendUnsupportedError", "ConfigError", "InvalidSchedulerOutput",
     "KVCacheSpecError", "MetadataError", "MetadataInvariantError", "PluginValidationError",
     "TraceFormatError", "UnknownBackendError", "CommonAttentionMetadata", "BatchView", "RowState",
     "validate",

@@ -233,6 +233,22 @@ class AttentionBackend(ABC):
         return (num_blocks, 2, block_size, num_kv_heads, head_size)
 
     @classmethod
+    def split_kv_cache(cls, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of the K and V halves of one layer's cache, whatever the backend's layout.
+
+        Args:
+            kv_cache: a tensor shaped as :meth:`get_kv_cache_shape` says.
+
+        Returns:
+            ``(key_cache, value_cache)``, each ``[num_blocks, block_size, num_kv_heads,
+            head_size]`` (kernel blocks, NHD), views sharing ``kv_cache``'s storage
+            (writing through them writes the cache). The conformance suite and debugging
+            tools read and poison caches through this; a backend whose
+            ``get_kv_cache_shape`` differs from the default must override it.
+        """
+        return kv_cache[:, 0], kv_cache[:, 1]
+
+    @classmethod
     def supports_sliding_window(cls) -> bool:
         return False
 

@@ -1,0 +1,114 @@
+"""What a case needs from a backend, and what the backend declares it has.
+
+The suite skips a case only for a limitation the backend *declares*: its
+``kv_cache_kind``, ``is_available()``, ``supported_devices``, ``supported_dtypes``,
+``supported_head_sizes``, ``supported_kernel_block_sizes`` and ``features()`` (a case
+needing feature ``f`` runs only when ``features()[f]`` is True). Everything declared is
+tested: when the declarations cover a case but ``validate_configuration`` still rejects
+it, the case fails (the claims and the behaviour disagree).
+
+New features need no change here: a case lists the ``features()`` names it needs
+(``ConformanceCase.features``), and a backend declaring a new name is held to it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from attnplug.core.contracts import AttentionBackend, AttentionLayerConfig
+from attnplug.plugins.conformance.cases import ConformanceCase
+
+
+@dataclass(frozen=True)
+class Assessment:
+    """Whether a case runs on a backend.
+
+    Attributes:
+        skip_reasons: declared limitations that rule the case out (empty: it runs).
+        claim_mismatch: set when the declarations cover the case but
+            ``validate_configuration`` rejects it: the case must fail with this text.
+        kernel_block_size: the kernel block size to run with (when it runs).
+        layer_cfg: the layer configuration the case describes.
+    """
+
+    skip_reasons: tuple[str, ...]
+    claim_mismatch: str | None
+    kernel_block_size: int | None
+    layer_cfg: AttentionLayerConfig
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[name]
+
+
+def resolve_device(backend_cls: type[AttentionBackend], requested: str) -> str:
+    """``"auto"`` -> ``"cuda"`` when torch has CUDA and the backend declares it, else ``"cpu"``."""
+    if requested != "auto":
+        return requested
+    if torch.cuda.is_available() and "cuda" in backend_cls.supported_devices:
+        return "cuda"
+    return "cpu"
+
+
+def layer_config(case: ConformanceCase, device: str) -> AttentionLayerConfig:
+    """The :class:`AttentionLayerConfig` of ``case`` (``block_size`` is the manager's)."""
+    return AttentionLayerConfig(
+        num_heads=case.num_heads, num_kv_heads=case.num_kv_heads, head_size=case.head_size,
+        dtype=torch_dtype(case.dtype), block_size=case.block_size, sliding_window=case.sliding_window,
+        logits_soft_cap=case.logits_soft_cap, device=device)
+
+
+def _kernel_block_size(backend_cls: type[AttentionBackend], case: ConformanceCase) -> tuple[int | None, str | None]:
+    sizes = backend_cls.supported_kernel_block_sizes
+    if case.kernel_block_size is not None:
+        if sizes is None or case.kernel_block_size in sizes:
+            return case.kernel_block_size, None
+        return None, (f"the case runs kernel block size {case.kernel_block_size} under manager block size "
+                      f"{case.block_size}; the backend declares kernel block sizes {list(sizes)}")
+    kbs = backend_cls.get_supported_kernel_block_size(case.block_size)
+    if kbs is None:
+        return None, (f"manager block size {case.block_size} is not a multiple of any declared kernel "
+                      f"block size {list(sizes or ())}")
+    return kbs, None
+
+
+def assess(backend_cls: type[AttentionBackend], case: ConformanceCase, device: str) -> Assessment:
+    """Decide whether ``case`` runs on ``backend_cls`` (see the module docstring)."""
+    cfg = layer_config(case, device)
+    skips: list[str] = []
+    if backend_cls.kv_cache_kind != "attention":
+        skips.append(f"the backend serves {backend_cls.kv_cache_kind!r} caches; this case is an "
+                     "attention case")
+        return Assessment(tuple(skips), None, None, cfg)
+    ok, why = backend_cls.is_available()
+    if not ok:
+        skips.append(f"the backend is not available on this machine: {why}")
+    dev = torch.device(device).type
+    if dev not in backend_cls.supported_devices:
+        skips.append(f"the case runs on {dev!r}; the backend declares devices {list(backend_cls.supported_devices)}")
+    if cfg.dtype not in backend_cls.supported_dtypes:
+        skips.append(f"the case needs dtype {case.dtype}; the backend declares "
+                     f"{[str(d).replace('torch.', '') for d in backend_cls.supported_dtypes]}")
+    sizes = backend_cls.supported_head_sizes
+    if sizes is not None and case.head_size not in sizes:
+        skips.append(f"the case needs head_size {case.head_size}; the backend declares {list(sizes)}")
+    kbs, why_kbs = _kernel_block_size(backend_cls, case)
+    if why_kbs:
+        skips.append(why_kbs)
+    declared = backend_cls.features()
+    for feat in case.features:
+        if not declared.get(feat, False):
+            skips.append(f"the case needs {feat!r}; the backend declares features()[{feat!r}] = "
+                         f"{declared.get(feat, 'absent')}")
+    if skips:
+        return Assessment(tuple(skips), None, kbs, cfg)
+    reasons = backend_cls.validate_configuration(cfg)
+    mismatch = None
+    if reasons:
+        mismatch = (f"case {case.name!r}: the backend's declarations (dtypes, head sizes, kernel block sizes, "
+                    f"devices, features() = {declared}) cover this case, but validate_configuration rejects "
+                    f"it: {'; '.join(reasons)}. Make the declarations say what validate_configuration "
+                    "enforces, or accept the configuration.")
+    return Assessment((), mismatch, kbs, cfg)

@@ -1,0 +1,89 @@
+"""One pytest session's conformance state: resolved backends and cached case runs.
+
+Each (backend, case) is run once and every check reads the same record; the torch_native
+reference run of each case is shared by all backends under test.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+
+from attnplug.core.contracts import AttentionBackend
+from attnplug.plugins.conformance.cases import ConformanceCase
+from attnplug.plugins.conformance.harness import CaseRun, run_case
+from attnplug.plugins.conformance.requirements import Assessment, assess, resolve_device
+from attnplug.plugins.registry import check_backend_class, get_registry
+
+REFERENCE = "torch_native"
+
+
+def resolve_backend(spec: str) -> type[AttentionBackend]:
+    """A registered backend name, or ``"package.module:Class"`` for a backend class that is
+    not (yet) installed as a plugin (it is validated as the registry would).
+
+    Raises:
+        UnknownBackendError: an unregistered name (the message lists the known ones).
+        PluginValidationError: a ``module:Class`` that is not a valid backend.
+        ImportError, AttributeError: a ``module:Class`` that cannot be imported.
+    """
+    from attnplug.core.errors import PluginValidationError
+
+    if ":" not in spec:
+        return get_registry().get(spec)
+    module_name, _, attr = spec.partition(":")
+    obj = importlib.import_module(module_name)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    _, problems = check_backend_class(obj)
+    if problems:
+        raise PluginValidationError(spec, "; ".join(problems))
+    return obj
+
+
+class ConformanceSession:
+    """Backends named by ``--attnplug-backend``, the device option, and cached runs."""
+
+    def __init__(self, specs: list[str], device: str):
+        self.backends = {spec: resolve_backend(spec) for spec in specs}
+        self.device_option = device
+        self._runs: dict[tuple, CaseRun] = {}
+
+    def device(self, backend: type[AttentionBackend]) -> str:
+        return resolve_device(backend, self.device_option)
+
+    def assessment(self, backend: type[AttentionBackend], case: ConformanceCase) -> Assessment:
+        return assess(backend, case, self.device(backend))
+
+    def prepare(self, spec: str, case: ConformanceCase) -> tuple[type[AttentionBackend], Assessment]:
+        """The backend and the assessment of ``case``; skips or fails the test as declared."""
+        backend = self.backends[spec]
+        a = self.assessment(backend, case)
+        if a.skip_reasons:
+            pytest.skip(f"case {case.name!r}: " + "; ".join(a.skip_reasons))
+        if a.claim_mismatch:
+            pytest.fail(a.claim_mismatch, pytrace=False)
+        return backend, a
+
+    def run(self, backend: type[AttentionBackend], case: ConformanceCase, kbs: int, *, repeat: int = 0) -> CaseRun:
+        key = (backend, case, self.device(backend), kbs, repeat)
+        if key not in self._runs:
+            self._runs[key] = run_case(backend, case, self.device(backend), kbs)
+        return self._runs[key]
+
+    def reference(self, backend: type[AttentionBackend], case: ConformanceCase) -> CaseRun | None:
+        """The torch_native run of ``case`` (``None`` when ``backend`` is torch_native: it is
+        then held to the dense oracle instead)."""
+        ref = get_registry().get(REFERENCE)
+        if backend is ref:
+            return None
+        device = self.device(backend)
+        kbs = case.kernel_block_size or case.block_size
+        key = (ref, case, device, kbs, 0)
+        if key not in self._runs:
+            self._runs[key] = run_case(ref, case, device, kbs)
+        run = self._runs[key]
+        if run.error:
+            pytest.fail(f"case {case.name!r}: the torch_native reference itself failed ({run.error})", pytrace=False)
+        return run

@@ -1,0 +1,73 @@
+"""Deliberately broken backends: the conformance suite must fail each of them.
+
+Each is torch_native with one realistic bug. Imported by module path
+(``--attnplug-backend broken_backends:Name``) from the teeth tests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from attnplug.backends.torch_native import (
+    TorchNativeAttentionImpl,
+    TorchNativeBackend,
+    TorchNativeMetadataBuilder,
+)
+
+
+def _backend(name: str, builder=None, impl=None) -> type:
+    ns = {"get_name": classmethod(lambda cls: name)}
+    if builder is not None:
+        ns["get_builder_cls"] = classmethod(lambda cls: builder)
+    if impl is not None:
+        ns["get_impl_cls"] = classmethod(lambda cls: impl)
+    return type(name, (TorchNativeBackend,), ns)
+
+
+class _OffByOneBuilder(TorchNativeMetadataBuilder):
+    """Writes every token's K/V one slot too far."""
+
+    def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
+        md = super().build(common_prefix_len, common_attn_metadata, fast_build)
+        return dataclasses.replace(md, write_slots=md.write_slots + 1)
+
+
+class _WritesPaddingBuilder(TorchNativeMetadataBuilder):
+    """Writes every row of slot_mapping, padded tokens (PAD_SLOT_ID) included."""
+
+    def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
+        md = super().build(common_prefix_len, common_attn_metadata, fast_build)
+        sm = common_attn_metadata.slot_mapping
+        return dataclasses.replace(md, write_slots=sm.clone(), write_token_indices=torch.arange(sm.shape[0]))
+
+
+class _MutatingBuilder(TorchNativeMetadataBuilder):
+    """Correct metadata, but scribbles on the CommonAttentionMetadata it was given."""
+
+    def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
+        md = super().build(common_prefix_len, common_attn_metadata, fast_build)
+        common_attn_metadata.max_seq_len += 1
+        return md
+
+
+class _NoWindowImpl(TorchNativeAttentionImpl):
+    """Claims sliding-window support but attends over the whole sequence."""
+
+    def __init__(self, num_heads, head_size, scale, num_kv_heads, sliding_window=None, *args, **kwargs):
+        super().__init__(num_heads, head_size, scale, num_kv_heads, None, *args, **kwargs)
+
+
+class _WrongScaleImpl(TorchNativeAttentionImpl):
+    """Uses 1.25x the softmax scale it was given."""
+
+    def __init__(self, num_heads, head_size, scale, *args, **kwargs):
+        super().__init__(num_heads, head_size, scale * 1.25, *args, **kwargs)
+
+
+OffByOneSlots = _backend("off_by_one_slots", builder=_OffByOneBuilder)
+WritesPaddedSlots = _backend("writes_padded_slots", builder=_WritesPaddingBuilder)
+MutatesMetadata = _backend("mutates_metadata", builder=_MutatingBuilder)
+IgnoresWindow = _backend("ignores_window", impl=_NoWindowImpl)
+WrongScale = _backend("wrong_scale", impl=_WrongScaleImpl)
