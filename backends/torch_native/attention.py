@@ -61,7 +61,7 @@ def write_to_paged_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch
 
 def gather_from_paged_cache(kv_cache: torch.Tensor, block_ids: torch.Tensor,
                             key_used: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Read whole blocks through a block table into head-major K and V copies.
+    """Read whole blocks through a block table into K and V copies, tokens in order.
 
     Args:
         kv_cache: ``[num_blocks, 2, block_size, num_kv_heads, head_size]``.
@@ -73,18 +73,17 @@ def gather_from_paged_cache(kv_cache: torch.Tensor, block_ids: torch.Tensor,
             leak through ``0 * value`` (their logits are masked to ``-inf``).
 
     Returns:
-        ``(key, value)``, each ``[num_kv_heads, num_reqs, num_blocks_per_req * block_size,
+        ``(key, value)``, each ``[num_reqs, num_blocks_per_req * block_size, num_kv_heads,
         head_size]``, contiguous, in the cache's dtype: key position ``k`` of request
-        ``r`` for KV head ``h`` is ``[h, r, k]``. Fresh copies: the cache is not aliased.
+        ``r`` is ``[r, k]``. Fresh copies: the cache is not aliased.
     """
     n, num_blocks_per_req = block_ids.shape
     _, _, block_size, num_kv_heads, head_size = kv_cache.shape
-    shape = (num_kv_heads, n, num_blocks_per_req * block_size, head_size)
+    shape = (n, num_blocks_per_req * block_size, num_kv_heads, head_size)
     flat_ids = block_ids.flatten()
-    blocks = kv_cache.index_select(0, flat_ids)  # [n * blocks, 2, block_size, H_kv, D]
-    blocks = blocks.permute(1, 3, 0, 2, 4).contiguous()  # [2, H_kv, n * blocks, block_size, D]
-    key, value = blocks[0].view(shape), blocks[1].view(shape)
-    value.masked_fill_(~key_used.view(1, n, -1, 1), 0.0)
+    key = kv_cache[:, 0].index_select(0, flat_ids).view(shape)  # whole blocks: contiguous copies
+    value = kv_cache[:, 1].index_select(0, flat_ids).view(shape)
+    value.masked_fill_(~key_used.view(n, -1, 1, 1), 0.0)
     return key, value
 
 
@@ -144,8 +143,8 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: to
 
     Args:
         query: ``[num_reqs, query_len, num_heads, head_size]``.
-        key, value: ``[num_kv_heads, num_reqs, num_keys, head_size]`` (head-major, as
-            :func:`gather_from_paged_cache` returns; a slice along ``num_keys`` is fine);
+        key, value: ``[num_reqs, num_keys, num_kv_heads, head_size]`` (any strides, e.g. a
+            slice of what :func:`gather_from_paged_cache` returns);
             ``num_heads % num_kv_heads == 0``; query head ``h`` uses KV head
             ``h // (num_heads // num_kv_heads)`` (HF ``repeat_kv`` order). Values of keys
             no query sees must be finite (keys may hold anything).
@@ -160,17 +159,22 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: to
         ``[num_reqs, query_len, num_heads, head_size]``, float32.
     """
     n, q_len, num_heads, head_size = query.shape
-    num_kv_heads = key.shape[0]
+    num_kv_heads = key.shape[2]
     group = num_heads // num_kv_heads
-    # [H_kv, n, group * q_len, D]: the query heads of one KV head stacked along the rows.
+    # [n, num_kv_heads, group * q_len, D]: the query heads of one KV head stacked along the rows.
     q = (query.float() * scale).view(n, q_len, num_kv_heads, group, head_size)
-    q = q.permute(2, 0, 3, 1, 4).reshape(num_kv_heads, n, group * q_len, head_size)
-    logits = torch.matmul(q, key.float().transpose(-1, -2))  # [H_kv, n, group * q_len, keys]
-    if logits_soft_cap is not None:
-        logits = logits.div_(logits_soft_cap).tanh_().mul_(logits_soft_cap)
-    logits = logits.view(num_kv_heads, n, group, q_len, -1)
-    logits.masked_fill_(~mask.view(1, n, 1, q_len, -1), float("-inf"))
-    probs = torch.softmax(logits, dim=-1).view(num_kv_heads, n, group * q_len, -1)
-    out = torch.matmul(probs, value.float())  # [H_kv, n, group * q_len, D]
-    out = out.view(num_kv_heads, n, group, q_len, head_size).permute(1, 3, 0, 2, 4)
-    return out.reshape(n, q_len, num_heads, head_size)
+    q = q.permute(0, 2, 3, 1, 4).reshape(n, num_kv_heads, group * q_len, head_size)
+    value = value.float()
+    hidden_mask = ~mask.unsqueeze(1)  # [n, 1, q_len, keys], broadcast over the group
+    out = torch.empty(n, q_len, num_kv_heads, group, head_size, dtype=torch.float32, device=query.device)
+    for h in range(num_kv_heads):  # one KV head and its `group` query heads at a time
+        # A contiguous [n, keys, D] copy: bmm against a strided K^T is several times slower.
+        k = key[:, :, h].to(torch.float32, memory_format=torch.contiguous_format)
+        logits = torch.bmm(q[:, h], k.transpose(1, 2))  # [n, group * q_len, keys]
+        if logits_soft_cap is not None:
+            logits = logits.div_(logits_soft_cap).tanh_().mul_(logits_soft_cap)
+        logits = logits.view(n, group, q_len, -1).masked_fill_(hidden_mask, float("-inf"))
+        probs = torch.softmax(logits, dim=-1).view(n, group * q_len, -1)
+        head_out = torch.bmm(probs, value[:, :, h])  # [n, group * q_len, D]
+        out[:, :, h] = head_out.view(n, group, q_len, head_size).transpose(1, 2)
+    return out.view(n, q_len, num_heads, head_size)

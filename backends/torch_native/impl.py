@@ -98,13 +98,13 @@ class TorchNativeAttentionImpl(AttentionImpl):
         for seg in md.segments:
             num_keys = seg.key_block_ids.shape[1] * md.block_size  # >= max_seq_len
             used = keys_used(seg.seq_lens, seg.query_len, num_keys, self.sliding_window)
-            keys, values = gather_from_paged_cache(kv_cache, seg.key_block_ids, used)  # [H_kv, n, keys, D]
+            keys, values = gather_from_paged_cache(kv_cache, seg.key_block_ids, used)  # [n, keys, H_kv, D]
             for q_lo, q_hi, k_lo, k_hi in self._tiles(seg, md.causal):
                 tokens = seg.query_token_indices[:, q_lo:q_hi]
                 q = query[tokens]  # [n, tile, num_heads, head_size]
                 mask = visibility_mask(seg.query_positions[:, q_lo:q_hi], seg.seq_lens, k_lo, k_hi,
                                        causal=md.causal, sliding_window=self.sliding_window)
-                out = attend(q, keys[:, :, k_lo:k_hi], values[:, :, k_lo:k_hi], mask, self.scale,
+                out = attend(q, keys[:, k_lo:k_hi], values[:, k_lo:k_hi], mask, self.scale,
                              self.logits_soft_cap)
                 output[tokens.flatten()] = out.flatten(0, 1).to(output.dtype)
         return output

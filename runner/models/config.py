@@ -1,0 +1,171 @@
+"""``DecoderModelConfig``: the normalized facts of a Llama-family HF config.
+
+Hugging Face configs spell the same fact several ways across versions (``rope_theta`` at
+the top level or inside ``rope_parameters``; ``rope_scaling`` with ``type`` or
+``rope_type``; ``head_dim`` present, null or absent). The family parsers in
+``registry.py`` read a plain dict with the helpers here and produce one frozen
+:class:`DecoderModelConfig` the model is built from. ``transformers`` is not needed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from attnplug.core.errors import AttnplugError
+
+
+class ModelConfigError(AttnplugError, ValueError):
+    """A model config is unreadable, inconsistent, or uses a feature we do not implement."""
+
+
+ModelConfigError.__module__ = "attnplug"
+
+SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "linear", "llama3")
+"""RoPE scaling types :func:`attnplug.runner.models.layers.rope_inv_freq` implements."""
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """RoPE frequency scaling (HF ``rope_scaling`` / ``rope_parameters``).
+
+    ``default``: none. ``linear``: positions divided by ``factor`` (inverse frequencies
+    divided by ``factor``). ``llama3``: wavelengths longer than
+    ``original_max_position_embeddings / low_freq_factor`` divided by ``factor``, shorter
+    than ``... / high_freq_factor`` kept, smooth interpolation in between.
+    """
+
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int | None = None
+
+
+@dataclass(frozen=True)
+class DecoderModelConfig:
+    """A Llama-family decoder (Llama, Qwen2, Mistral), normalized.
+
+    ``head_size`` is HF ``head_dim`` (``hidden_size // num_attention_heads`` when absent).
+    ``sliding_windows[i]`` is layer i's window W in tokens (current token included: key k
+    visible to query p iff ``p - W < k <= p``), ``None`` for full attention.
+    """
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_size: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: RopeScaling
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_proj_bias: bool
+    mlp_bias: bool
+    sliding_windows: tuple[int | None, ...]
+    initializer_range: float = 0.02
+    hidden_act: str = "silu"
+
+    def __post_init__(self):
+        problems = []
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_size", "max_position_embeddings"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v <= 0:
+                problems.append(f"{name} must be a positive int, got {v!r}")
+        if not problems and self.num_attention_heads % self.num_key_value_heads:
+            problems.append(f"num_attention_heads {self.num_attention_heads} is not a multiple of "
+                            f"num_key_value_heads {self.num_key_value_heads}")
+        if self.head_size % 2:
+            problems.append(f"head_dim {self.head_size} must be even for RoPE")
+        if len(self.sliding_windows) != self.num_hidden_layers:
+            problems.append(f"{len(self.sliding_windows)} per-layer windows for {self.num_hidden_layers} layers")
+        if any(w is not None and (not isinstance(w, int) or w <= 0) for w in self.sliding_windows):
+            problems.append(f"sliding windows must be positive ints or None, got {sorted(set(self.sliding_windows), key=str)}")
+        if self.hidden_act != "silu":
+            problems.append(f"hidden_act {self.hidden_act!r} not supported (only 'silu', the SwiGLU MLP)")
+        if problems:
+            raise ModelConfigError(f"invalid {self.model_type} config: " + "; ".join(problems)
+                                   + ". Fix the config.json values.")
+
+
+def load_config_dict(config: Any) -> dict[str, Any]:
+    """Read a config given as a ``PretrainedConfig``, a mapping, or a path.
+
+    Args:
+        config: a ``transformers.PretrainedConfig`` (anything with ``to_dict()``), a
+            mapping, a path to a ``config.json``, or a directory containing one.
+
+    Returns:
+        A plain dict copy.
+
+    Raises:
+        ModelConfigError: the file is missing or not a JSON object, or the type is unknown.
+    """
+    if hasattr(config, "to_dict") and callable(config.to_dict):
+        return dict(config.to_dict())
+    if isinstance(config, Mapping):
+        return dict(config)
+    if isinstance(config, (str, os.PathLike)):
+        path = os.fspath(config)
+        if os.path.isdir(path):
+            path = os.path.join(path, "config.json")
+        try:
+            with open(path, encoding="utf-8") as f:
+                data = json.load(f)
+        except OSError as e:
+            raise ModelConfigError(f"cannot read model config {path!r}: {e.strerror}. "
+                                   "Pass a config.json path or the model directory.") from None
+        except json.JSONDecodeError as e:
+            raise ModelConfigError(f"model config {path!r} is not valid JSON ({e.msg} at line {e.lineno}).") from None
+        if not isinstance(data, dict):
+            raise ModelConfigError(f"model config {path!r} holds a JSON {type(data).__name__}, not an object.")
+        return data
+    raise ModelConfigError(f"cannot read a model config from a {type(config).__name__}: pass a "
+                           "PretrainedConfig, a dict, or a path to config.json.")
+
+
+def parse_rope(cfg: Mapping[str, Any]) -> tuple[float, RopeScaling]:
+    """``(rope_theta, RopeScaling)`` from either HF spelling.
+
+    transformers >= 5 puts everything in ``rope_parameters`` (``rope_theta`` included);
+    older configs have ``rope_theta`` at the top level and an optional ``rope_scaling``
+    whose kind is ``rope_type`` or the legacy ``type``.
+
+    Raises:
+        ModelConfigError: an unsupported scaling type or missing scaling fields.
+    """
+    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    if not isinstance(params, Mapping):
+        raise ModelConfigError(f"rope parameters must be an object, got {params!r}")
+    if params and all(isinstance(v, Mapping) for v in params.values()):
+        raise ModelConfigError(f"per-layer-type rope parameters ({sorted(params)}) are not supported "
+                               "by the Llama family models")
+    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ModelConfigError(f"rope scaling type {rope_type!r} is not supported (supported: "
+                               f"{', '.join(SUPPORTED_ROPE_TYPES)}); dynamic NTK would make logits "
+                               "depend on the batch, so it is deliberately left out.")
+    if cfg.get("partial_rotary_factor", 1.0) not in (None, 1.0):
+        raise ModelConfigError(f"partial_rotary_factor {cfg['partial_rotary_factor']!r} not supported (only 1.0)")
+    if rope_type == "default":
+        return theta, RopeScaling()
+    if "factor" not in params:
+        raise ModelConfigError(f"rope scaling {rope_type!r} needs a 'factor' (got {dict(params)!r})")
+    scaling = RopeScaling(rope_type=rope_type, factor=float(params["factor"]))
+    if rope_type == "llama3":
+        missing = [k for k in ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+                   if k not in params]
+        if missing:
+            raise ModelConfigError(f"llama3 rope scaling needs {missing} (got {dict(params)!r})")
+        scaling = RopeScaling("llama3", float(params["factor"]), float(params["low_freq_factor"]),
+                              float(params["high_freq_factor"]), int(params["original_max_position_embeddings"]))
+    return theta, scaling

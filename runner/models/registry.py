@@ -1,0 +1,164 @@
+"""Which HF architectures we implement, and how each family's config is read.
+
+A config is matched by ``model_type`` first, then by ``architectures``. All three
+families share one model class (``llama.DecoderModel``); they differ only in biases
+and in which layers use a sliding window:
+
+============  ======================  ==================================================
+model_type    architectures           differences
+============  ======================  ==================================================
+``llama``     ``LlamaForCausalLM``    optional ``attention_bias`` (q/k/v/o), ``mlp_bias``
+``qwen2``     ``Qwen2ForCausalLM``    q/k/v bias; window on layers ``>= max_window_layers``
+                                      when ``use_sliding_window`` (or per ``layer_types``)
+``mistral``   ``MistralForCausalLM``  ``sliding_window`` (may be null) on every layer
+============  ======================  ==================================================
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping
+
+from attnplug.runner.models.config import (
+    DecoderModelConfig,
+    ModelConfigError,
+    load_config_dict,
+    parse_rope,
+)
+
+
+class UnsupportedModelError(ModelConfigError):
+    """The config's ``model_type`` / ``architectures`` name no family we implement.
+
+    Attributes:
+        model_type: the config's ``model_type`` (or ``None``).
+        architectures: the config's ``architectures`` list.
+        supported: the supported ``model_type`` -> architecture names.
+    """
+
+    def __init__(self, model_type: str | None, architectures: list[str]):
+        self.model_type = model_type
+        self.architectures = list(architectures)
+        self.supported = {t: arch for t, (arch, _) in _FAMILIES.items()}
+        listing = ", ".join(f"{t} ({a})" for t, a in self.supported.items())
+        super().__init__(
+            f"unsupported model: model_type={model_type!r}, architectures={self.architectures!r}. "
+            f"Supported: {listing}. Use a config of one of these architectures.")
+
+
+UnsupportedModelError.__module__ = "attnplug"
+
+
+def _windows_all_layers(cfg: Mapping[str, Any], num_layers: int) -> tuple[int | None, ...]:
+    return (cfg.get("sliding_window"),) * num_layers
+
+
+def _windows_by_layer_types(cfg: Mapping[str, Any], num_layers: int) -> tuple[int | None, ...] | None:
+    types = cfg.get("layer_types")
+    if types is None:
+        return None
+    if len(types) != num_layers or not set(types) <= {"full_attention", "sliding_attention"}:
+        raise ModelConfigError(f"layer_types {types!r} must list 'full_attention'/'sliding_attention' "
+                               f"for each of the {num_layers} layers")
+    window = cfg.get("sliding_window")
+    if "sliding_attention" in types and window is None:
+        raise ModelConfigError("layer_types has sliding_attention layers but sliding_window is null")
+    return tuple(window if t == "sliding_attention" else None for t in types)
+
+
+def _qwen2_windows(cfg: Mapping[str, Any], num_layers: int) -> tuple[int | None, ...]:
+    by_types = _windows_by_layer_types(cfg, num_layers)
+    if by_types is not None:
+        return by_types
+    if not cfg.get("use_sliding_window", False) or cfg.get("sliding_window") is None:
+        return (None,) * num_layers
+    first = cfg.get("max_window_layers", num_layers)
+    return tuple(cfg["sliding_window"] if i >= first else None for i in range(num_layers))
+
+
+def _llama_windows(cfg: Mapping[str, Any], num_layers: int) -> tuple[int | None, ...]:
+    return (None,) * num_layers
+
+
+def _mistral_windows(cfg: Mapping[str, Any], num_layers: int) -> tuple[int | None, ...]:
+    return _windows_by_layer_types(cfg, num_layers) or _windows_all_layers(cfg, num_layers)
+
+
+_FAMILIES: dict[str, tuple[str, Callable[[Mapping[str, Any], int], tuple[int | None, ...]]]] = {
+    "llama": ("LlamaForCausalLM", _llama_windows),
+    "qwen2": ("Qwen2ForCausalLM", _qwen2_windows),
+    "mistral": ("MistralForCausalLM", _mistral_windows),
+}
+
+SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(_FAMILIES)
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(arch for arch, _ in _FAMILIES.values())
+
+
+def model_type_of(cfg: Mapping[str, Any]) -> str:
+    """The family key of a config dict (by ``model_type``, else ``architectures``).
+
+    Raises:
+        UnsupportedModelError: neither names a supported family.
+    """
+    model_type = cfg.get("model_type")
+    archs = list(cfg.get("architectures") or [])
+    if model_type in _FAMILIES:
+        return model_type
+    for t, (arch, _) in _FAMILIES.items():
+        if arch in archs:
+            return t
+    raise UnsupportedModelError(model_type, archs)
+
+
+def resolve_model_config(config: Any) -> DecoderModelConfig:
+    """Normalize an HF config of a supported architecture.
+
+    Args:
+        config: a ``PretrainedConfig``, a dict, a ``config.json`` path or its directory.
+
+    Returns:
+        The frozen :class:`DecoderModelConfig`.
+
+    Raises:
+        UnsupportedModelError: not a Llama / Qwen2 / Mistral config.
+        ModelConfigError: missing or invalid fields, unsupported RoPE scaling.
+
+    Examples:
+        >>> cfg = resolve_model_config({"model_type": "qwen2", "vocab_size": 64, "hidden_size": 32,
+        ...     "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+        ...     "num_key_value_heads": 2})
+        >>> cfg.head_size, cfg.qkv_bias, cfg.sliding_windows
+        (8, True, (None, None))
+    """
+    cfg = load_config_dict(config)
+    model_type = model_type_of(cfg)
+    _, windows_of = _FAMILIES[model_type]
+    required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+    missing = [k for k in required if cfg.get(k) is None]
+    if missing:
+        raise ModelConfigError(f"{model_type} config lacks {missing}: a config.json of the model is needed")
+    num_layers = int(cfg["num_hidden_layers"])
+    num_heads = int(cfg["num_attention_heads"])
+    head_size = cfg.get("head_dim") or int(cfg["hidden_size"]) // num_heads
+    theta, scaling = parse_rope(cfg)
+    attention_bias = bool(cfg.get("attention_bias", False))
+    return DecoderModelConfig(
+        model_type=model_type,
+        vocab_size=int(cfg["vocab_size"]),
+        hidden_size=int(cfg["hidden_size"]),
+        intermediate_size=int(cfg["intermediate_size"]),
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=int(cfg.get("num_key_value_heads") or num_heads),
+        head_size=int(head_size),
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        qkv_bias=True if model_type == "qwen2" else attention_bias,
+        o_proj_bias=attention_bias if model_type == "llama" else False,
+        mlp_bias=bool(cfg.get("mlp_bias", False)) if model_type == "llama" else False,
+        sliding_windows=windows_of(cfg, num_layers),
+        initializer_range=float(cfg.get("initializer_range", 0.02)),
+        hidden_act=str(cfg.get("hidden_act", "silu")),
+    )
