@@ -36,7 +36,7 @@ TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 POISON = float("nan")
 
 
-def naive_attention(q, k, v, num_computed, scale, window=None, softcap=None):
+def naive_attention(q, k, v, num_computed, scale, window=None, softcap=None, causal=True):
     """One request: q [q_len, H, D]; k, v [seq_len, H_kv, D] (all of its keys), float64."""
     q_len, num_heads, _ = q.shape
     seq_len, num_kv_heads, _ = k.shape
@@ -45,7 +45,7 @@ def naive_attention(q, k, v, num_computed, scale, window=None, softcap=None):
     for j in range(q_len):
         p = num_computed + j
         for key_pos in range(seq_len):
-            visible = key_pos <= p
+            visible = key_pos <= p or not causal
             if window is not None:
                 visible = visible and key_pos > p - window
             mask[j, key_pos] = visible
@@ -65,8 +65,9 @@ class Case:
 
     def __init__(self, num_computed, query_lens, num_heads=4, num_kv_heads=2, head_size=8,
                  block_size=4, dtype=torch.float32, window=None, softcap=None, seed=0,
-                 null_out_of_window=False, q_scale=1.0):
+                 null_out_of_window=False, q_scale=1.0, device="cpu"):
         g = torch.Generator().manual_seed(seed)
+        self.device = device
         self.c, self.q_lens = list(num_computed), list(query_lens)
         self.seq_lens = [c + q for c, q in zip(self.c, self.q_lens)]
         self.H, self.H_kv, self.D, self.B = num_heads, num_kv_heads, head_size, block_size
@@ -91,7 +92,7 @@ class Case:
                 for b in range(skippable // block_size):
                     self.block_table[i][b] = NULL_BLOCK_ID
         self.kv_cache = torch.full((self.num_blocks, 2, block_size, num_kv_heads, head_size), POISON,
-                                   dtype=dtype)
+                                   dtype=dtype, device=device)
         for i, c in enumerate(self.c):  # the context K/V was written by earlier steps
             for pos in range(c):
                 blk = self.block_table[i][pos // block_size]
@@ -105,17 +106,18 @@ class Case:
         return SlidingWindowSpec(self.B, self.H_kv, self.D, self.dtype, sliding_window=self.window)
 
     def common(self):
-        return CommonAttentionMetadata.from_lengths(self.c, self.q_lens, self.block_table, self.B)
+        return CommonAttentionMetadata.from_lengths(self.c, self.q_lens, self.block_table, self.B,
+                                                    device=self.device)
 
     def new_tokens(self):
         """Flat ``query``, ``key``, ``value`` of this step's tokens."""
-        return (torch.cat(self.q),
-                torch.cat([k[c:] for k, c in zip(self.k, self.c)]),
-                torch.cat([v[c:] for v, c in zip(self.v, self.c)]))
+        return (torch.cat(self.q).to(self.device),
+                torch.cat([k[c:] for k, c in zip(self.k, self.c)]).to(self.device),
+                torch.cat([v[c:] for v, c in zip(self.v, self.c)]).to(self.device))
 
     def builder(self):
         cls = TorchNativeBackend.get_builder_cls()
-        return cls(self.spec(), ["layer.0"], BuilderConfig(8, 256, 256), "cpu")
+        return cls(self.spec(), ["layer.0"], BuilderConfig(8, 256, 256), self.device)
 
     def impl(self):
         return TorchNativeBackend.get_impl_cls()(self.H, self.D, self.scale, self.H_kv,
@@ -127,14 +129,14 @@ class Case:
         out = torch.zeros_like(q)
         return self.impl().forward(None, q, k, v, self.kv_cache, md, out)
 
-    def expected(self):
+    def expected(self, causal=True):
         return torch.cat([naive_attention(self.q[i], self.k[i], self.v[i], self.c[i], self.scale,
-                                          self.window, self.softcap) for i in range(len(self.c))])
+                                          self.window, self.softcap, causal) for i in range(len(self.c))])
 
 
-def check(case, out=None):
+def check(case, out=None, causal=True):
     out = case.run() if out is None else out
-    err = (out.double() - case.expected()).abs().max().item()
+    err = (out.double().cpu() - case.expected(causal)).abs().max().item()
     assert err <= TOL[case.dtype], f"max abs error {err} > {TOL[case.dtype]} for {case.dtype}"
 
 
@@ -330,16 +332,38 @@ def test_capabilities_and_lookup():
     assert len(TorchNativeBackend.validate_configuration(bad)) == 2
 
 
+def test_non_causal_sees_every_key_of_its_request():
+    case = Case([4, 0], [3, 5])
+    md = case.builder().build(0, case.common().replace(causal=False))
+    check(case, case.run(md), causal=False)
+
+
+def test_empty_batch_builds_and_runs():
+    case = Case([0], [2])
+    common = CommonAttentionMetadata.from_lengths([], [], torch.zeros(0, 1, dtype=torch.int64), case.B)
+    md = case.builder().build(0, common)
+    assert md.segments == () and md.write_slots.numel() == 0
+    q = torch.zeros(0, case.H, case.D)
+    kv = torch.zeros(0, case.H_kv, case.D)
+    assert case.impl().forward(None, q, kv, kv, case.kv_cache, md, q.clone()).shape == (0, case.H, case.D)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="requires CUDA")
-def test_cuda_matches_cpu():
-    case = Case([0, 5, 9], [6, 1, 3], window=4, softcap=3.0)
-    cpu_out = case.run()
-    cuda_case = Case([0, 5, 9], [6, 1, 3], window=4, softcap=3.0)
-    cuda_case.kv_cache = cuda_case.kv_cache.cuda()
-    builder = TorchNativeBackend.get_builder_cls()(cuda_case.spec(), ["l"], BuilderConfig(8, 256, 256), "cuda")
-    md = builder.build(0, CommonAttentionMetadata.from_lengths(
-        cuda_case.c, cuda_case.q_lens, cuda_case.block_table, cuda_case.B, device="cuda"))
-    q, k, v = (t.cuda() for t in cuda_case.new_tokens())
-    out = cuda_case.impl().forward(None, q, k, v, cuda_case.kv_cache, md, torch.zeros_like(q))
-    assert (out.cpu() - cpu_out).abs().max() < 1e-5
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_matches_reference_without_host_syncs(dtype):
+    """On CUDA the builder may sync; forward must not (sync debug mode turns syncs into errors)."""
+    case = Case([0, 5, 9, 300], [6, 1, 3, 1], window=4, softcap=3.0, dtype=dtype, device="cuda",
+                null_out_of_window=True)
+    md = case.builder().build(0, case.common())
+    q, k, v = case.new_tokens()
+    out = torch.zeros_like(q)
+    impl = case.impl()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        impl.forward(None, q, k, v, case.kv_cache, md, out)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert out.device.type == "cuda"
+    check(case, out)
