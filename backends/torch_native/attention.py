@@ -1,8 +1,11 @@
 """Paged KV-cache write and paged varlen attention, as pure torch functions.
 
-These two functions are the whole numerical content of the ``torch_native`` backend,
-the golden reference every other backend is checked against. They favour clarity over
-speed: every step is a plain tensor op, softmax runs in float32.
+These functions are the whole numerical content of the ``torch_native`` backend, the
+golden reference every other backend is checked against: write K/V at slots
+(:func:`write_to_paged_cache`), read a request's blocks back
+(:func:`gather_from_paged_cache`), say which keys each query sees
+(:func:`visibility_mask`), and attend (:func:`attend`). They favour clarity over speed:
+every step is a plain tensor op; logits, softmax and the weighted sum run in float32.
 
 KV-cache layout (one layer)::
 
