@@ -13,6 +13,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "explain": ("attnplug.runner.explain", "print one step's metadata per JSONL step"),
     "bench": ("attnplug.runner.bench", "benchmarks: `bench step`"),
     "parity": ("attnplug.runner.parity", "compare greedy tokens and logits with HF transformers"),
+    "backends": ("attnplug.plugins.cli_backends", "list registered backends; --explain --model X: selection"),
+    "check": ("attnplug.plugins.cli_check", "run the conformance suite against a backend"),
 }
 
 

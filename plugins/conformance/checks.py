@@ -93,7 +93,7 @@ def check_cache_writes(run: CaseRun, backend: type[AttentionBackend]) -> list[st
             if torch.equal(grp.cache_after, expected):
                 continue
             slot_of_token = {int(x): t for t, x in enumerate(grp.slot_mapping[:n].tolist())}
-            found = []
+            missing, stray = [], []
             for half, (got_v, exp_v) in zip("KV", zip(backend.split_kv_cache(grp.cache_after),
                                                     backend.split_kv_cache(expected))):
                 differs = (got_v != exp_v).flatten(2).any(dim=2)  # [num_blocks, block_size]
@@ -101,16 +101,22 @@ def check_cache_writes(run: CaseRun, backend: type[AttentionBackend]) -> list[st
                     slot = blk * kbs + off
                     if slot in slot_of_token:
                         t = slot_of_token[slot]
-                        found.append(f"{half} at slot {slot} should hold the {half} of token {t} "
-                                     f"({_where(step, t)}) but does not")
+                        missing.append(f"{half} at slot {slot} should hold the {half} of token {t} "
+                                       f"({_where(step, t)}) but does not")
                     else:
-                        found.append(f"{half} at slot {slot} (block {blk}, offset {off}) changed although no real "
-                                     "token maps to it (a padded token's write, or a stray write)")
-            if not found:
-                found.append("bytes outside the split_kv_cache() views changed")
+                        stray.append(f"{half} at slot {slot} (block {blk}, offset {off})")
+            parts = []
+            if missing:
+                parts.append(f"{len(missing)} real slot(s) do not hold their token's K/V: "
+                             + "; ".join(missing[:MAX_LISTED]) + (" ..." if len(missing) > MAX_LISTED else ""))
+            if stray:
+                parts.append(f"{len(stray)} slot(s) changed although no real token maps to them (a padded "
+                             "token's write, or a stray write): "
+                             + "; ".join(stray[:MAX_LISTED]) + (" ..." if len(stray) > MAX_LISTED else ""))
+            if not parts:
+                parts.append("bytes outside the split_kv_cache() views changed")
             problems.append(f"step {s}, cache group {g}: the KV cache after forward() is not the cache before with "
-                            f"exactly the real tokens' K/V written at slot_mapping; {len(found)} wrong slot(s): "
-                            + "; ".join(found[:MAX_LISTED]) + (" ..." if len(found) > MAX_LISTED else ""))
+                            "exactly the real tokens' K/V written at slot_mapping. " + " | ".join(parts))
     return problems
 
 

@@ -1,0 +1,62 @@
+"""The conformance suite has teeth: each deliberately broken backend FAILS, and the failure
+names the case; a correct backend passes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+pytest_plugins = ["pytester"]
+
+HERE = Path(__file__).resolve().parent
+
+BROKEN = [
+    # (backend class in broken_backends.py, -k selection, failing test, case named, text in the message)
+    ("OffByOneSlots", "decode_only", "test_kv_written_exactly_at_slot_mapping", "decode_only",
+     "real slot(s) do not hold their token's K/V: K at slot"),
+    ("WritesPaddedSlots", "prefill_only", "test_kv_written_exactly_at_slot_mapping", "prefill_only",
+     "slot(s) changed although no real token maps to them (a padded token's write"),
+    ("IgnoresWindow", "window_5_block_4", "test_outputs_match_reference", "window_5_block_4",
+     "differ from the torch_native reference"),
+    ("WrongScale", "decode_only", "test_outputs_match_reference", "decode_only",
+     "differ from the torch_native reference"),
+    ("MutatesMetadata", "decode_only", "test_builders_do_not_mutate_metadata", "decode_only",
+     "build() mutated CommonAttentionMetadata.max_seq_len"),
+]
+
+
+def _run_suite(pytester, backend: str, keyword: str):
+    pytester.syspathinsert(HERE)
+    return pytester.runpytest_inprocess("-p", "no:cacheprovider", "--pyargs", "attnplug.plugins.conformance",
+                                        "--attnplug-backend", backend, "-k", keyword)
+
+
+@pytest.mark.parametrize("cls, keyword, test, case, needle", BROKEN, ids=[b[0] for b in BROKEN])
+def test_broken_backend_fails_naming_the_case(pytester, cls, keyword, test, case, needle):
+    result = _run_suite(pytester, f"broken_backends:{cls}", keyword)
+    assert result.ret == pytest.ExitCode.TESTS_FAILED, result.stdout.str()
+    result.stdout.fnmatch_lines([f"FAILED *{test}?broken_backends:{cls}-{case}]*"])
+    out = result.stdout.str()
+    assert f"case {case!r} on backend" in out and needle in out, out
+
+
+def test_correct_backend_passes_the_same_selection(pytester):
+    result = _run_suite(pytester, "torch_native", "decode_only or window_5_block_4")
+    assert result.ret == pytest.ExitCode.OK, result.stdout.str()
+    outcomes = result.parseoutcomes()
+    assert outcomes.get("passed", 0) >= 8 and not outcomes.get("failed")
+
+
+def test_without_the_option_the_suite_does_nothing(pytester):
+    result = pytester.runpytest_inprocess("-p", "no:cacheprovider", "--pyargs", "attnplug.plugins.conformance")
+    assert result.ret == pytest.ExitCode.OK
+    outcomes = result.parseoutcomes()
+    assert outcomes.get("skipped", 0) > 0 and not outcomes.get("passed") and not outcomes.get("failed")
+
+
+def test_unknown_backend_is_a_usage_error(pytester):
+    result = pytester.runpytest_inprocess("-p", "no:cacheprovider", "--pyargs", "attnplug.plugins.conformance",
+                                          "--attnplug-backend", "no_such_backend")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    assert "known backends" in result.stderr.str()
