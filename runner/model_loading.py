@@ -1,0 +1,78 @@
+"""Build a model for a command: the bundled preset or an HF ``config.json``, with the
+backend of every attention layer chosen through ``attnplug.plugins.selection``.
+
+The chosen backend classes are kept on the model as ``model.attnplug_backends``
+(``{layer_name: backend class}``) so the runner can give each cache group its builder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Callable
+
+import torch
+
+from attnplug.core.errors import AttnplugError
+
+
+def read_hf_config(path: str) -> dict[str, Any]:
+    """Read an HF ``config.json`` (a file, or a directory holding one) into a dict.
+
+    Raises:
+        AttnplugError: missing file or invalid JSON (the message names the path).
+    """
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            cfg = json.load(f)
+    except FileNotFoundError:
+        raise AttnplugError(f"model config {path!r} not found: pass 'preset' or a path to an HF config.json") from None
+    except json.JSONDecodeError as e:
+        raise AttnplugError(f"model config {path!r} is not valid JSON: {e}") from None
+    if not isinstance(cfg, dict):
+        raise AttnplugError(f"model config {path!r} must hold a JSON object")
+    return cfg
+
+
+def build_with_backends(config: Any, *, backend: str | None, block_size: int, resolve: Callable,
+                        dtype: torch.dtype = torch.float32, device: str = "cpu",
+                        seed: int | None = 0) -> torch.nn.Module:
+    """Build a ``runner.models`` model whose attention layers use the selected backends.
+
+    Args:
+        config: an HF ``PretrainedConfig``, a config dict, or our preset config.
+        backend: explicit backend name for every layer, or ``None`` (automatic/config/env).
+        block_size: the KV-cache manager block size (checked by each backend).
+        resolve: ``resolve(name, layer_cfgs, kind_of) -> {layer: backend class}``.
+        seed: the random weights' seed.
+    """
+    from attnplug.runner.models import build_model
+
+    chosen: dict[str, type] = {}
+
+    def backend_for_layer(layer_name, layer_cfg):
+        if layer_name not in chosen:
+            kind = "sliding_window" if layer_cfg.sliding_window else "full_attention"
+            chosen.update(resolve(backend, {layer_name: layer_cfg}, {layer_name: kind}))
+        return chosen[layer_name]
+
+    model = build_model(config, backend_for_layer=backend_for_layer, dtype=dtype, device=device,
+                        block_size=block_size, seed=seed)
+    model.attnplug_backends = chosen
+    return model
+
+
+def load_model_for_run(model: str, *, backend: str | None, block_size: int, seed: int,
+                       resolve: Callable, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """``'preset'`` → the bundled small preset; else an HF ``config.json`` path with random
+    weights from ``seed``."""
+    from attnplug.runner.models import presets
+
+    if model == "preset":
+        config = presets.preset_config()
+    else:
+        config = read_hf_config(model)
+    return build_with_backends(config, backend=backend, block_size=block_size, resolve=resolve,
+                               dtype=dtype, seed=seed)

@@ -1,0 +1,78 @@
+"""`attnplug run`: the main job end to end on the bundled trace."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from attnplug.runner.run_cmd import main as run_main
+
+TINY = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 256, "hidden_size": 32,
+        "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "max_position_embeddings": 1024, "initializer_range": 0.1}
+
+
+def _run_json(capsys, argv) -> dict:
+    assert run_main(argv + ["--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_run_json_counts(capsys):
+    s = _run_json(capsys, ["--num-requests", "16", "--max-model-len", "512"])
+    assert s["requests"] == 16
+    assert s["steps"] > 0 and s["generated_tokens"] >= 16
+    assert s["batch_invariance"] == {"identical": 8, "checked": 8}
+    assert s["cache_groups"][0]["backend"] == "torch_native"
+    assert s["prompt_tokens"] + s["generated_tokens"] >= s["scheduled_tokens"] - s["prompt_tokens"] * 0
+    assert set(s["median_us_per_step"]) == {"update_states", "prepare_inputs", "metadata_build", "forward", "sample"}
+    assert all(v > 0 for v in s["median_us_per_step"].values())
+    assert 0 < s["peak_kv_blocks_per_group"][0] < s["num_blocks_per_group"]
+
+
+def test_engine_validates_every_step_on_hundreds_of_requests(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("ATTNPLUG_VALIDATE", "1")
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(TINY))
+    s = _run_json(capsys, ["--model", str(cfg), "--num-requests", "300", "--max-model-len", "256",
+                           "--max-num-batched-tokens", "256", "--max-num-seqs", "32", "--block-size", "8",
+                           "--num-blocks", "300", "--invariance-requests", "2"])
+    assert s["requests"] == 300
+    assert s["batch_invariance"]["identical"] == 2
+
+
+def test_run_with_preemption_under_a_small_pool(capsys, tmp_path):
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(TINY))
+    s = _run_json(capsys, ["--model", str(cfg), "--num-requests", "24", "--max-model-len", "256",
+                           "--max-num-seqs", "16", "--block-size", "8", "--num-blocks", "20",
+                           "--invariance-requests", "4"])
+    assert s["requests"] == 24
+    assert s["preemptions"] > 0
+    assert s["batch_invariance"]["identical"] == 4
+
+
+@pytest.mark.parametrize("row,msg", [("2023-11-16 18:15:46.68,abc,4", "line 3"),
+                                     ("2023-11-16 18:15:46.68,-5,4", "line 3"),
+                                     ("2023-11-16 18:15:46.68,5,0", "line 3"),
+                                     ("2023-11-16 18:15:46.68,5000,4", "line 3")])
+def test_bad_trace_row_is_one_clear_line(tmp_path, capsys, row, msg):
+    trace = tmp_path / "t.csv"
+    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.60,10,3\n" + row + "\n")
+    assert run_main(["--trace", str(trace), "--num-requests", "2", "--max-model-len", "512"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and msg in err and str(trace) in err
+
+
+def test_skip_invalid_counts(tmp_path, capsys):
+    trace = tmp_path / "t.csv"
+    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.60,10,3\n"
+                     "2023-11-16 18:15:46.70,oops,3\n2023-11-16 18:15:46.80,12,2\n")
+    s = _run_json(capsys, ["--trace", str(trace), "--skip-invalid", "--max-model-len", "512",
+                           "--invariance-requests", "1"])
+    assert s["requests"] == 2 and s["trace"]["skipped_rows"] == 1
+
+
+def test_unknown_backend_is_an_error(capsys):
+    assert run_main(["--backend", "nope", "--num-requests", "1"]) == 2
+    assert "torch_native" in capsys.readouterr().err
