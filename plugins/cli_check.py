@@ -28,8 +28,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("-k", dest="keyword", default=None, help="only tests matching this pytest -k expression")
     p.add_argument("-x", "--exitfirst", action="store_true", help="stop at the first failure")
     p.add_argument("-v", "--verbose", action="count", default=0, help="more output (repeatable)")
-    p.add_argument("pytest_args", nargs=argparse.REMAINDER, help="-- then extra pytest arguments")
     return p
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    """Parse ``attnplug check`` arguments; everything after ``--`` is kept for pytest."""
+    cut = argv.index("--") if "--" in argv else len(argv)
+    args = _parser().parse_args(argv[:cut])
+    args.pytest_args = list(argv[cut + 1:])
+    return args
 
 
 def _plugin_autoloaded() -> bool:
@@ -41,7 +48,7 @@ def _plugin_autoloaded() -> bool:
 def pytest_args(args: argparse.Namespace, ini_path: str) -> list[str]:
     """The ``pytest.main`` arguments for parsed ``attnplug check`` options."""
     out = ["-c", ini_path, "--rootdir", os.path.dirname(ini_path), "-p", "no:cacheprovider",
-           "--pyargs", SUITE, "--attnplug-device", args.device, "-rs" if args.verbose else "-q"]
+           "--pyargs", SUITE, "--attnplug-device", args.device, "-rs" if args.verbose else "-q"]  # -v: list skip reasons
     if not _plugin_autoloaded():
         out += ["-p", PLUGIN]
     for name in args.backends:
@@ -53,14 +60,11 @@ def pytest_args(args: argparse.Namespace, ini_path: str) -> list[str]:
     if args.exitfirst:
         out.append("-x")
     out += ["-v"] * args.verbose
-    extra = list(args.pytest_args)
-    if extra[:1] == ["--"]:
-        extra = extra[1:]
-    return out + extra
+    return out + list(args.pytest_args)
 
 
 def main(argv: list[str]) -> int:
-    args = _parser().parse_args(argv)
+    args = parse(argv)
     import pytest
 
     with tempfile.TemporaryDirectory(prefix="attnplug-check-") as tmp:

@@ -230,13 +230,13 @@ class _Runner:
         for g, md in enumerate((md0, md1)):
             before = self.caches[g].clone()
             out = torch.zeros(P, case.num_heads, case.head_size, dtype=q.dtype, device=self.device)
-            self.impl.forward(None, q, k, v, self.caches[g], md, out)
+            self._forward(q, k, v, self.caches[g], md, out)
             record.groups.append(GroupStep(out[:Q].cpu().clone(), before.cpu(), self.caches[g].cpu().clone(),
                                            cms[g].slot_mapping.cpu().clone()))
             if g == 1 and md1_fresh is not md1:
                 fresh_cache = before.clone()
                 fresh_out = torch.zeros_like(out)
-                self.impl.forward(None, q, k, v, fresh_cache, md1_fresh, fresh_out)
+                self._forward(q, k, v, fresh_cache, md1_fresh, fresh_out)
                 if not (torch.equal(fresh_out[:Q], out[:Q]) and torch.equal(fresh_cache, self.caches[g])):
                     record.update_vs_fresh.append("forward() with update_block_table() metadata differs from "
                                                   "forward() with a fresh build()")
@@ -246,6 +246,19 @@ class _Runner:
         for i, n in step.items():
             self.computed[i] += n
         return record
+
+    def _forward(self, q, k, v, kv_cache, md, out) -> None:
+        """``impl.forward``; on CUDA under ``torch.cuda.set_sync_debug_mode("error")``, so a
+        forward that synchronises with the host (``.item()``, ``.tolist()``...) fails."""
+        if self.device.type != "cuda":
+            self.impl.forward(None, q, k, v, kv_cache, md, out)
+            return
+        previous = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            self.impl.forward(None, q, k, v, kv_cache, md, out)
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
 
     def _padded(self, t: torch.Tensor, P: int) -> torch.Tensor:
         if P > t.shape[0]:

@@ -1,0 +1,106 @@
+"""`attnplug backends` and `attnplug check`."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from attnplug.plugins import reset_registry
+from attnplug.plugins.cli_check import parse as check_parse
+from attnplug.plugins.cli_check import pytest_args
+from attnplug.runner.cli import main as cli
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch, tmp_path):
+    for var in ("ATTNPLUG_PLUGINS", "ATTNPLUG_DISABLE_PLUGINS", "ATTNPLUG_BACKEND",
+                "ATTNPLUG_BACKEND_FULL_ATTENTION", "ATTNPLUG_BACKEND_SLIDING_WINDOW", "ATTNPLUG_BACKEND_MAMBA"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.chdir(tmp_path)
+    reset_registry()
+    yield
+    reset_registry()
+
+
+def _json(capsys, *argv) -> tuple[int, dict]:
+    rc = cli(list(argv))
+    return rc, json.loads(capsys.readouterr().out)
+
+
+def test_backends_table_and_json(capsys):
+    assert cli(["backends"]) == 0
+    out = capsys.readouterr().out
+    assert "torch_native" in out and "built-in" in out and "yes" in out
+    rc, data = _json(capsys, "backends", "--json")
+    (row,) = [r for r in data["backends"] if r["name"] == "torch_native"]
+    assert row["builtin"] and row["available"] and row["features"]["sliding_window"]
+    assert row["plugin_api_version"] == "1.0" and row["dtypes"] == ["float32", "float16", "bfloat16"]
+
+
+def test_backends_json_reports_plugin_faults(capsys, dists):
+    mod = dists.module_name("brokenplug")
+    dists.add("broken-dist", "3.1", {"brokenplug": mod}, {mod: "raise RuntimeError('cannot import me')\n"})
+    rc, data = _json(capsys, "backends", "--json")
+    (fault,) = data["faults"]
+    assert fault["plugin"] == "brokenplug" and fault["distribution"] == "broken-dist 3.1"
+    assert "cannot import me" in fault["reason"] and fault["entry_point"] == f"brokenplug = {mod}"
+    cli(["backends"])
+    out = capsys.readouterr().out
+    assert "plugin problems" in out and "brokenplug" in out
+
+
+def test_explain_preset(capsys):
+    rc, report = _json(capsys, "backends", "--explain", "--model", "preset", "--device", "cpu", "--json")
+    assert rc == 0
+    (group,) = report["groups"]
+    assert group["kind"] == "full_attention" and group["chosen"] == "torch_native" and group["source"] == "auto"
+    assert group["num_layers"] == 4
+    assert cli(["backends", "--explain", "--model", "preset", "--device", "cpu"]) == 0
+    assert "chosen: torch_native" in capsys.readouterr().out
+
+
+def test_explain_hf_config_with_window_softcap_and_mamba(capsys, tmp_path):
+    cfg = {"model_type": "hybrid_demo", "num_hidden_layers": 6, "num_attention_heads": 8, "num_key_value_heads": 4,
+           "head_dim": 64, "hidden_size": 512, "sliding_window": 100, "attn_logit_softcapping": 50.0,
+           "layer_types": ["sliding_attention", "full_attention", "mamba", "sliding_attention", "full_attention",
+                           "mamba"]}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    rc, report = _json(capsys, "backends", "--explain", "--model", str(path), "--device", "cpu", "--json")
+    kinds = {g["kind"]: g for g in report["groups"]}
+    assert set(kinds) == {"sliding_window", "full_attention", "mamba"}
+    assert kinds["sliding_window"]["chosen"] == "torch_native" and kinds["sliding_window"]["num_layers"] == 2
+    assert "sliding_window=100" in kinds["sliding_window"]["layer"] and "logits_soft_cap=50.0" in kinds["full_attention"]["layer"]
+    assert kinds["mamba"]["chosen"] is None and "mamba" in kinds["mamba"]["error"]
+    assert rc == 1, "a group no backend can serve makes --explain fail"
+
+
+def test_explain_errors(capsys):
+    assert cli(["backends", "--explain"]) == 2
+    assert "--model" in capsys.readouterr().err
+    assert cli(["backends", "--explain", "--model", "preset", "--backend", "nope"]) == 2
+    assert "known backends: torch_native" in capsys.readouterr().err
+    assert cli(["backends", "--explain", "--model", "no/such/config.json"]) == 2
+    assert "neither a preset" in capsys.readouterr().err
+
+
+def test_check_builds_an_isolated_pytest_command():
+    args = check_parse(["a", "b", "--device", "cpu", "-k", "mixed", "-x", "-v", "--", "--tb=short"])
+    assert args.verbose == 1 and args.pytest_args == ["--tb=short"]
+    out = pytest_args(args, "/tmp/x/pytest.ini")
+    assert out[:4] == ["-c", "/tmp/x/pytest.ini", "--rootdir", "/tmp/x"]
+    assert ["--attnplug-backend", "a"] == out[out.index("a") - 1: out.index("a") + 1]
+    assert "b" in out and "--tb=short" in out and out[out.index("-k") + 1] == "mixed"
+    assert out[out.index("--pyargs") + 1] == "attnplug.plugins.conformance"
+
+
+def test_attnplug_check_torch_native_passes(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # tiny tensors: one thread avoids oversubscription
+    res = subprocess.run([sys.executable, "-m", "attnplug", "check", "torch_native"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-2000:]
+    assert " passed" in res.stdout and "failed" not in res.stdout
