@@ -47,7 +47,9 @@ def _plugin_autoloaded() -> bool:
 
 def pytest_args(args: argparse.Namespace, ini_path: str) -> list[str]:
     """The ``pytest.main`` arguments for parsed ``attnplug check`` options."""
-    out = ["-c", ini_path, "--rootdir", os.path.dirname(ini_path), "-p", "no:cacheprovider",
+    from attnplug.plugins.conformance.pytest_plugin import SUITE_DIR
+
+    out = ["-c", ini_path, "--rootdir", str(SUITE_DIR), "-p", "no:cacheprovider",
            "--pyargs", SUITE, "--attnplug-device", args.device, "-rs" if args.verbose else "-q"]  # -v: list skip reasons
     if not _plugin_autoloaded():
         out += ["-p", PLUGIN]

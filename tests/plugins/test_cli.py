@@ -92,7 +92,7 @@ def test_check_builds_an_isolated_pytest_command():
     args = check_parse(["a", "b", "--device", "cpu", "-k", "mixed", "-x", "-v", "--", "--tb=short"])
     assert args.verbose == 1 and args.pytest_args == ["--tb=short"]
     out = pytest_args(args, "/tmp/x/pytest.ini")
-    assert out[:4] == ["-c", "/tmp/x/pytest.ini", "--rootdir", "/tmp/x"]
+    assert out[:3] == ["-c", "/tmp/x/pytest.ini", "--rootdir"] and out[3].endswith("conformance")
     assert ["--attnplug-backend", "a"] == out[out.index("a") - 1: out.index("a") + 1]
     assert "b" in out and "--tb=short" in out and out[out.index("-k") + 1] == "mixed"
     assert out[out.index("--pyargs") + 1] == "attnplug.plugins.conformance"
