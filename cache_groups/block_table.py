@@ -69,6 +69,8 @@ class BlockTable:
         device: where ``block_table_tensor`` and ``slot_mapping`` live.
         kernel_block_size: the kernel's block size; ``B`` must be a multiple of it.
             ``None`` means ``B``.
+        num_blocks_per_row: optional ``[max_num_reqs]`` ``int32`` zeroed array to use as
+            ``num_blocks_per_row`` (``MultiGroupBlockTable`` passes rows of one 2-D array).
 
     Attributes:
         block_table_np: ``[max_num_reqs, max_num_blocks_per_req]`` ``int32``, CPU; manager ids.
@@ -83,7 +85,7 @@ class BlockTable:
 
     def __init__(self, block_size: int, max_num_reqs: int, max_num_blocks_per_req: int,
                  max_num_batched_tokens: int, device: torch.device | str = "cpu",
-                 kernel_block_size: int | None = None):
+                 kernel_block_size: int | None = None, num_blocks_per_row: np.ndarray | None = None):
         kbs = block_size if kernel_block_size is None else kernel_block_size
         for name, v in (("block_size", block_size), ("kernel_block_size", kbs),
                         ("max_num_reqs", max_num_reqs), ("max_num_blocks_per_req", max_num_blocks_per_req),
@@ -108,7 +110,8 @@ class BlockTable:
         else:
             self.block_table_np = np.full((max_num_reqs, max_num_blocks_per_req), NULL_BLOCK_ID, np.int32)
         self._flat_np = self.block_table_np.reshape(-1)
-        self.num_blocks_per_row = np.zeros(max_num_reqs, dtype=np.int32)
+        self.num_blocks_per_row = (np.zeros(max_num_reqs, dtype=np.int32) if num_blocks_per_row is None
+                                   else num_blocks_per_row)
         self.slot_mapping = CpuGpuBuffer((max_num_batched_tokens,), torch.int64, self.device,
                                          fill=PAD_SLOT_ID)
         self._kernel_offsets = np.arange(k, dtype=np.int64)
@@ -140,8 +143,10 @@ class BlockTable:
             return
         start = int(self.num_blocks_per_row[row])
         self._check_capacity(row, start + n)
-        cols = np.arange(start, start + n, dtype=np.int64)
-        self._write(np.full(n, row, dtype=np.int64), cols, np.asarray(block_ids, dtype=np.int32))
+        self.block_table_np[row, start:start + n] = block_ids
+        k = self.kernel_blocks_per_block
+        if k > 1:
+            self.kernel_block_table.np[row, start * k:(start + n) * k] = expand_to_kernel_block_ids(block_ids, k)
         self.num_blocks_per_row[row] = start + n
 
     def append_rows(self, rows: np.ndarray, counts: np.ndarray, flat_block_ids: np.ndarray) -> None:
@@ -153,16 +158,22 @@ class BlockTable:
         """
         rows = np.asarray(rows, dtype=np.int64)
         counts = np.asarray(counts, dtype=np.int64)
-        if rows.shape[0] == 0:
+        m = rows.shape[0]
+        if m == 0:
             return
         starts = self.num_blocks_per_row[rows].astype(np.int64)
         ends = starts + counts
         if ends.max() > self.max_num_blocks_per_req:
             bad = int(np.argmax(ends > self.max_num_blocks_per_req))
             self._check_capacity(int(rows[bad]), int(ends[bad]))
+        flat = np.asarray(flat_block_ids, dtype=np.int32)
+        if flat.shape[0] == m:  # one block per row (the common decode case)
+            if counts.min() == 1:
+                self._write(rows, starts, flat)
+                self.num_blocks_per_row[rows] = ends
+                return
         _, offsets = cumsum_and_arange(counts)
-        cols = np.repeat(starts, counts) + offsets
-        self._write(np.repeat(rows, counts), cols, np.asarray(flat_block_ids, dtype=np.int32))
+        self._write(np.repeat(rows, counts), np.repeat(starts, counts) + offsets, flat)
         self.num_blocks_per_row[rows] = ends
 
     def add_row(self, block_ids: Sequence[int], row: int) -> None:
@@ -172,7 +183,8 @@ class BlockTable:
             MetadataError: more than ``max_num_blocks_per_req`` ids (nothing changes).
         """
         self._check_capacity(row, len(block_ids))
-        self.clear_row(row)
+        if self.num_blocks_per_row[row]:
+            self.clear_row(row)
         self.append_row(block_ids, row)
 
     def clear_row(self, row: int) -> None:
@@ -230,7 +242,7 @@ class BlockTable:
         """``block_table_tensor``: ``[num_reqs, max_num_blocks_per_req * k]``, ``torch.int32``,
         on the device; kernel block ids, ``NULL_BLOCK_ID`` past each row's blocks. A view
         of a persistent buffer: valid until the rows are next changed and committed."""
-        return self.kernel_block_table.gpu[:num_reqs]
+        return self.kernel_block_table.gpu_view(num_reqs)
 
     def compute_slot_mapping(self, req_indices: np.ndarray, positions: np.ndarray,
                              num_tokens_padded: int | None = None) -> torch.Tensor:
@@ -282,9 +294,12 @@ class MultiGroupBlockTable:
             raise KVCacheSpecError(
                 f"{len(kernel_block_sizes)} kernel block sizes for {len(block_sizes)} cache groups: "
                 "give one per group")
+        self.num_blocks_per_row = np.zeros((len(block_sizes), max_num_reqs), dtype=np.int32)
+        """``[num_groups, max_num_reqs]`` ``int32``: row ``g`` is group ``g``'s ``num_blocks_per_row``."""
         self.block_tables = [
-            BlockTable(bs, max_num_reqs, -(-max_model_len // bs), max_num_batched_tokens, device, kbs)
-            for bs, kbs in zip(block_sizes, kernel_block_sizes)]
+            BlockTable(bs, max_num_reqs, -(-max_model_len // bs), max_num_batched_tokens, device, kbs,
+                       self.num_blocks_per_row[g])
+            for g, (bs, kbs) in enumerate(zip(block_sizes, kernel_block_sizes))]
 
     def __len__(self) -> int:
         return len(self.block_tables)

@@ -39,6 +39,21 @@ class CpuGpuBuffer:
         self.np = self.cpu.numpy()
         self.aliased = self.device.type == "cpu"
         self.gpu = self.cpu if self.aliased else torch.full(shape, fill, dtype=dtype, device=self.device)
+        self._cpu_view: tuple[int, torch.Tensor] = (-1, self.cpu)
+        self._gpu_view: tuple[int, torch.Tensor] = (-1, self.gpu)
+
+    def cpu_view(self, n: int) -> torch.Tensor:
+        """``cpu[:n]`` (the same view object while ``n`` does not change: slicing a tensor
+        costs more than the arithmetic of a small step)."""
+        if self._cpu_view[0] != n:
+            self._cpu_view = (n, self.cpu[:n])
+        return self._cpu_view[1]
+
+    def gpu_view(self, n: int) -> torch.Tensor:
+        """``gpu[:n]``, cached like :meth:`cpu_view`."""
+        if self._gpu_view[0] != n:
+            self._gpu_view = (n, self.gpu[:n])
+        return self._gpu_view[1]
 
     def copy_to_gpu(self, n: int | None = None) -> torch.Tensor:
         """Copy the first ``n`` rows (all when ``None``) host → device; return that device slice.
@@ -49,6 +64,7 @@ class CpuGpuBuffer:
             if not self.aliased:
                 self.gpu.copy_(self.cpu, non_blocking=True)
             return self.gpu
+        view = self.gpu_view(n)
         if not self.aliased:
-            self.gpu[:n].copy_(self.cpu[:n], non_blocking=True)
-        return self.gpu[:n]
+            view.copy_(self.cpu_view(n), non_blocking=True)
+        return view

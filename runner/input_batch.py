@@ -65,6 +65,7 @@ class InputBatch:
         self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int32)
         self.num_computed_tokens_cpu = np.zeros(max_num_reqs, dtype=np.int32)
         self.num_computed_tokens_cpu_tensor = torch.from_numpy(self.num_computed_tokens_cpu)
+        self._ncc_view: tuple[int, torch.Tensor] = (-1, self.num_computed_tokens_cpu_tensor)
         self.num_scheduled_tokens = np.zeros(max_num_reqs, dtype=np.int32)
         self.temperature = np.zeros(max_num_reqs, dtype=np.float32)
         self.top_k = np.zeros(max_num_reqs, dtype=np.int32)
@@ -94,6 +95,12 @@ class InputBatch:
     def req_ids(self) -> list[str]:
         """Request ids of rows ``0 .. num_reqs-1`` (call after ``condense``)."""
         return self._req_ids[:self.num_reqs]  # type: ignore[return-value]
+
+    def num_computed_tokens_cpu_view(self, n: int) -> torch.Tensor:
+        """``num_computed_tokens_cpu_tensor[:n]`` (cached while ``n`` is unchanged)."""
+        if self._ncc_view[0] != n:
+            self._ncc_view = (n, self.num_computed_tokens_cpu_tensor[:n])
+        return self._ncc_view[1]
 
     def state_at(self, row: int) -> CachedRequestState | None:
         return self._states[row]
@@ -147,48 +154,57 @@ class InputBatch:
                 f"input batch has {self.num_free_rows} free rows of {self.max_num_reqs}: cannot add "
                 f"{len(states)} requests; the scheduler must not run more than max_num_reqs at once")
         rows = []
-        for _ in states:
-            if self._holes:
-                rows.append(heapq.heappop(self._holes))
-            else:
-                rows.append(self._num_rows)
-                self._num_rows += 1
         toks = self.token_ids_cpu
-        for st, row in zip(states, rows):
+        num_tokens, num_prompt, ncc = self.num_tokens, self.num_prompt_tokens, self.num_computed_tokens_cpu
+        temperature, top_k, top_p = self.temperature, self.top_k, self.top_p
+        tables = self.block_table.block_tables
+        for st in states:
+            if self._holes:
+                row = heapq.heappop(self._holes)
+            else:
+                row = self._num_rows
+                self._num_rows += 1
+            rows.append(row)
             t = st._token_ids_np
-            toks[row, :t.shape[0]] = t
+            n = t.shape[0]
+            toks[row, :n] = t
+            num_tokens[row] = n
+            num_prompt[row] = st._num_prompt_tokens
+            ncc[row] = st._num_computed_tokens
+            self.num_scheduled_tokens[row] = 0
+            sp = st.sampling_params
+            temperature[row] = sp.temperature
+            top_k[row] = sp.top_k
+            top_p[row] = sp.top_p
             if st.generator is not None:
                 self.generators[row] = st.generator
+            for bt, ids in zip(tables, st._block_ids_np):
+                bt.add_row(ids, row)  # a vacant row holds no blocks: a plain slice write
             self._req_ids[row] = st.req_id
             self._states[row] = st
             self.req_id_to_index[st.req_id] = row
-        r = np.asarray(rows, dtype=np.int64)
-        self.num_tokens[r] = [st._token_ids_np.shape[0] for st in states]
-        self.num_prompt_tokens[r] = [st._num_prompt_tokens for st in states]
-        self.num_computed_tokens_cpu[r] = [st._num_computed_tokens for st in states]
-        self.num_scheduled_tokens[r] = 0
-        sps = [st.sampling_params for st in states]
-        self.temperature[r] = [sp.temperature for sp in sps]
-        self.top_k[r] = [sp.top_k for sp in sps]
-        self.top_p[r] = [sp.top_p for sp in sps]
-        for g, bt in enumerate(self.block_table):
-            ids = [st._block_ids_np[g] for st in states]
-            # vacant rows hold no blocks, so appending to them is adding
-            bt.append_rows(r, [a.shape[0] for a in ids], np.concatenate(ids))
-        for st, row in zip(states, rows):
             st._attach(self, row)
         return rows
 
-    def remove_request(self, req_id: str) -> int | None:
+    def remove_request(self, req_id: str, keep_state: bool = True) -> int | None:
         """Take ``req_id`` out of the batch, leaving a hole; return its old row.
 
-        The request's row values are written back into its state first (it may return).
-        ``None`` when the request is not in the batch.
+        Args:
+            req_id: the request.
+            keep_state: write the row's values back into the request's state (it may
+                return: unscheduled, preempted). ``False`` for a finished request, whose
+                state is dropped (reading it afterwards raises).
+
+        Returns:
+            The freed row, or ``None`` when the request is not in the batch.
         """
         row = self.req_id_to_index.pop(req_id, None)
         if row is None:
             return None
-        self._states[row]._detach()
+        if keep_state:
+            self._states[row]._detach()
+        else:
+            self._states[row]._drop()
         self._states[row] = None
         self._req_ids[row] = None
         self.generators.pop(row, None)

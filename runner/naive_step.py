@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from attnplug.core.constants import NULL_BLOCK_ID, PAD_SLOT_ID
@@ -110,6 +111,7 @@ class NaiveStepCompiler:
             if rid is not None and rid not in so.num_scheduled_tokens:
                 self.rows[i] = None
         to_add = []
+        in_rows = set(self.rows)
         for nr in so.scheduled_new_reqs:
             self.reqs[nr.req_id] = {
                 "prompt": list(nr.prompt_token_ids),
@@ -129,7 +131,7 @@ class NaiveStepCompiler:
             elif nb is not None:
                 for g, ids in enumerate(nb):
                     st["blocks"][g].extend(ids)
-            if rid not in self.rows:
+            if rid not in in_rows:
                 to_add.append(rid)
         for rid in to_add:
             if None in self.rows:
@@ -183,9 +185,12 @@ class NaiveStepCompiler:
             out.is_prefilling.append(c < len(st["prompt"]))
             for g, (B, kb) in enumerate(zip(self.block_sizes, self.kernel_block_sizes)):
                 k = B // kb
-                row = []
-                for b in st["blocks"][g]:
-                    row.extend([NULL_BLOCK_ID] * k if b == NULL_BLOCK_ID else range(b * k, b * k + k))
+                if k == 1:
+                    row = list(st["blocks"][g])
+                else:
+                    row = []
+                    for b in st["blocks"][g]:
+                        row.extend([NULL_BLOCK_ID] * k if b == NULL_BLOCK_ID else range(b * k, b * k + k))
                 out.block_table[g].append(row)
         out.num_actual_tokens = out.query_start_loc[-1]
         out.max_query_len = max(out.num_scheduled_tokens, default=0)
@@ -199,7 +204,9 @@ class NaiveStepCompiler:
         for g, B in enumerate(self.block_sizes):
             k = B // self.kernel_block_sizes[g]
             width = -(-self.max_model_len // B) * k
-            table = [row + [NULL_BLOCK_ID] * (width - len(row)) for row in inp.block_table[g]]
+            table = np.full((len(inp.req_ids), width), NULL_BLOCK_ID, dtype=np.int32)
+            for i, row in enumerate(inp.block_table[g]):
+                table[i, :len(row)] = row
             out.append(CommonAttentionMetadata(
                 query_start_loc=torch.tensor(inp.query_start_loc, dtype=torch.int32, device=dev),
                 query_start_loc_cpu=torch.tensor(inp.query_start_loc, dtype=torch.int32),
@@ -208,7 +215,7 @@ class NaiveStepCompiler:
                 num_computed_tokens_cpu=torch.tensor(inp.num_computed_tokens, dtype=torch.int32),
                 num_reqs=len(inp.req_ids), num_actual_tokens=inp.num_actual_tokens,
                 max_query_len=inp.max_query_len, max_seq_len=inp.max_seq_len,
-                block_table_tensor=torch.tensor(table, dtype=torch.int32, device=dev).reshape(-1, width),
+                block_table_tensor=torch.from_numpy(table).to(dev),
                 slot_mapping=torch.tensor(inp.slot_mapping[g], dtype=torch.int64, device=dev),
                 causal=True,
                 positions=torch.tensor(inp.positions, dtype=torch.int64, device=dev),

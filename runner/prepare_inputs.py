@@ -99,8 +99,7 @@ class InputPreparer:
         self.seq_lens = CpuGpuBuffer((max_num_reqs,), torch.int32, device)
         self.logits_indices = CpuGpuBuffer((max_num_reqs,), torch.int64, device)
         self._arange = np.arange(max(max_num_batched_tokens, max_num_reqs) + 1, dtype=np.int64)
-        self._flat_idx = torch.zeros(max_num_batched_tokens, dtype=torch.int64)
-        self._flat_idx_np = self._flat_idx.numpy()
+        self._flat_idx_np = np.zeros(max_num_batched_tokens, dtype=np.int64)
 
     def prepare(self, batch: InputBatch, group_kinds: list[str],
                 num_tokens_padded: int | None = None) -> StepInputs:
@@ -135,8 +134,8 @@ class InputPreparer:
         flat = self._flat_idx_np[:Q]
         np.multiply(req_indices, self.max_model_len, out=flat)
         flat += pos[:Q]
-        torch.index_select(batch.token_ids_cpu_tensor.view(-1), 0, self._flat_idx[:Q],
-                           out=self.input_ids.cpu[:Q])
+        # index-select from the flattened token table into the persistent buffer
+        np.take(batch.token_ids_cpu.reshape(-1), flat, out=self.input_ids.np[:Q])
         if P > Q:
             pos[Q:P] = 0
             self.input_ids.np[Q:P] = 0
@@ -167,14 +166,14 @@ class InputPreparer:
             num_tokens=batch.num_tokens[:R],
             req_indices=req_indices,
             query_start_loc=self.query_start_loc.copy_to_gpu(R + 1),
-            query_start_loc_cpu=self.query_start_loc.cpu[:R + 1],
+            query_start_loc_cpu=self.query_start_loc.cpu_view(R + 1),
             positions=self.positions.copy_to_gpu(P),
-            positions_cpu=self.positions.cpu[:P],
+            positions_cpu=self.positions.cpu_view(P),
             input_ids=self.input_ids.copy_to_gpu(P),
             seq_lens=self.seq_lens.copy_to_gpu(R),
-            seq_lens_cpu=self.seq_lens.cpu[:R],
+            seq_lens_cpu=self.seq_lens.cpu_view(R),
             logits_indices=self.logits_indices.copy_to_gpu(R),
-            logits_indices_cpu=self.logits_indices.cpu[:R],
+            logits_indices_cpu=self.logits_indices.cpu_view(R),
             discard=discard,
             is_prefilling=is_prefilling,
             slot_mapping=slot_mappings,
@@ -188,7 +187,7 @@ def build_common_attn_metadata(inputs: StepInputs, num_computed_tokens_cpu: torc
 
     Args:
         inputs: the step's inputs.
-        num_computed_tokens_cpu: the batch's ``int32`` CPU column (``[max_num_reqs]``).
+        num_computed_tokens_cpu: ``[num_reqs]`` ``int32`` CPU view of the batch column.
 
     Returns:
         Per cache group, the step's metadata with that group's ``block_table_tensor`` and
@@ -200,7 +199,7 @@ def build_common_attn_metadata(inputs: StepInputs, num_computed_tokens_cpu: torc
         query_start_loc_cpu=inputs.query_start_loc_cpu,
         seq_lens=inputs.seq_lens,
         seq_lens_cpu=inputs.seq_lens_cpu,
-        num_computed_tokens_cpu=num_computed_tokens_cpu[:R],
+        num_computed_tokens_cpu=num_computed_tokens_cpu,
         num_reqs=R,
         num_actual_tokens=inputs.num_actual_tokens,
         max_query_len=inputs.max_query_len,

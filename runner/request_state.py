@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 import torch
 
+from attnplug.core.errors import MetadataError
 from attnplug.runner.scheduler_output import SamplingParams
 
 if TYPE_CHECKING:
@@ -87,6 +88,17 @@ class CachedRequestState:
                                    for bt in b.block_table)
         self._batch, self._row = None, -1
 
+    def _drop(self) -> None:
+        """The request finished while in the batch: its state is gone, not written back."""
+        self._batch, self._row = None, -1
+        self._token_ids_np = None
+
+    def _detached_tokens(self) -> np.ndarray:
+        if self._token_ids_np is None:
+            raise MetadataError(f"request {self.req_id!r} finished and its state was dropped; keep what "
+                                "you need before it finishes")
+        return self._token_ids_np
+
     # --- the object view ----------------------------------------------------------------
     @property
     def row(self) -> int | None:
@@ -109,13 +121,13 @@ class CachedRequestState:
         """All tokens the request holds: prompt plus outputs."""
         if self._batch is not None:
             return int(self._batch.num_tokens[self._row])
-        return int(self._token_ids_np.shape[0])
+        return int(self._detached_tokens().shape[0])
 
     def token_ids_np(self) -> np.ndarray:
         """``[num_tokens]`` ``int32``: prompt then outputs (a copy while in the batch)."""
         if self._batch is not None:
             return self._batch.token_ids_cpu[self._row, :self._batch.num_tokens[self._row]].copy()
-        return self._token_ids_np
+        return self._detached_tokens()
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -133,6 +145,7 @@ class CachedRequestState:
         """Per cache group, the manager block ids in logical order (fresh lists)."""
         if self._batch is not None:
             return tuple(bt.row_block_ids(self._row) for bt in self._batch.block_table)
+        self._detached_tokens()
         return tuple(b.tolist() for b in self._block_ids_np)
 
     def block_ids_np(self) -> tuple[np.ndarray, ...]:
@@ -140,6 +153,7 @@ class CachedRequestState:
         if self._batch is not None:
             return tuple(bt.block_table_np[self._row, :bt.num_blocks_per_row[self._row]]
                          for bt in self._batch.block_table)
+        self._detached_tokens()
         return self._block_ids_np
 
     def __repr__(self) -> str:

@@ -37,7 +37,8 @@ from attnplug.runner.input_batch import InputBatch
 from attnplug.runner.prepare_inputs import InputPreparer, StepInputs, build_common_attn_metadata
 from attnplug.runner.request_state import CachedRequestState
 from attnplug.runner.scheduler_output import SchedulerOutput
-from attnplug.runner.update_states import IntPacker, apply_update, plan_update
+from attnplug.runner.int_packer import IntPacker
+from attnplug.runner.update_states import apply_update, plan_update
 
 _GROUP_KINDS = ("full_attention", "sliding_window", "mamba")
 
@@ -101,10 +102,16 @@ class StepCompiler:
         if self.num_blocks < 2:
             raise KVCacheSpecError(f"num_blocks must be >= 2 (block 0 is the null block), got {num_blocks}")
         self.max_num_blocks_per_req = [cdiv(max_model_len, b) for b in self.block_sizes]
+        self._max_blocks_col = np.asarray(self.max_num_blocks_per_req, dtype=np.int64)[:, None]
+        # tokens one block covers, per group, for the "block table too short" check; a Mamba
+        # group's single state block covers any length.
+        self._capacity_col = np.asarray([max_model_len if k == "mamba" else b for b, k in
+                                         zip(self.block_sizes, self.group_kinds)], dtype=np.int64)[:, None]
         self.requests: dict[str, CachedRequestState] = {}
         self._preparer = InputPreparer(max_num_reqs, max_model_len, max_num_batched_tokens, self.device)
         self._prompt_packer = IntPacker()
-        self._delta_packer = IntPacker(1024)
+        self._block_packer = IntPacker(1 << 12)
+        self._delta_packer = IntPacker(1 << 10)
         self.validate = os.environ.get("ATTNPLUG_VALIDATE") == "1" if validate is None else bool(validate)
 
     # --- the step -----------------------------------------------------------------------
@@ -156,7 +163,8 @@ class StepCompiler:
 
     def build_common_attn_metadata(self, inputs: StepInputs):
         """Build (and store in ``inputs``) the per-group :class:`CommonAttentionMetadata`."""
-        return build_common_attn_metadata(inputs, self.input_batch.num_computed_tokens_cpu_tensor)
+        return build_common_attn_metadata(
+            inputs, self.input_batch.num_computed_tokens_cpu_view(inputs.num_reqs))
 
     def check(self, inputs: StepInputs) -> None:
         """Run ``attnplug.core.validate`` on every group's metadata of ``inputs``.
@@ -206,7 +214,9 @@ class StepCompiler:
             raise MetadataError(f"append_output_tokens: token ids must be ints, got {token_ids!r}") from None
         if flat.shape != (int(lens.sum()),) or (flat.shape[0] and (flat.min() < 0 or flat.max() >= 2**31)):
             raise MetadataError(f"append_output_tokens: token ids must be ints in [0, 2**31), got {token_ids!r}")
-        if np.unique(rows).shape[0] != n:
+        seen = np.zeros(b.max_num_reqs, dtype=bool)
+        seen[rows] = True
+        if np.count_nonzero(seen) != n:
             raise MetadataError("append_output_tokens: a request appears twice; pass each request once "
                                 "with all its tokens")
         held = b.num_tokens[rows].astype(np.int64)

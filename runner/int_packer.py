@@ -1,0 +1,70 @@
+"""``IntPacker``: many Python int lists → ``int32`` numpy views, fast, range-checked.
+
+``struct.pack_into`` converts a list of Python ints at ~10 ns per int, about twice as
+fast as ``np.array(list)``, and rejects non-ints and values outside ``[0, 2**32)`` on
+its own. All sequences of one call land back to back in one reusable buffer, so one
+reduction checks the whole batch for values ``>= 2**31`` (they read back negative).
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Sequence
+
+import numpy as np
+
+INT32_MAX = 2**31 - 1
+
+
+class IntPacker:
+    """Packs int sequences into one reusable ``int32`` buffer.
+
+    Returned views are valid until the next :meth:`pack` call on the same packer.
+
+    Args:
+        capacity: initial buffer size (ints); the buffer grows as needed.
+    """
+
+    def __init__(self, capacity: int = 1 << 16):
+        self._buf = np.empty(capacity, dtype=np.int32)
+        self.flat = self._buf[:0]
+        """All values of the latest ``pack`` call, back to back."""
+        self.min = 0
+        """Smallest value of the latest ``pack`` call (0 when empty)."""
+
+    def pack(self, seqs: Sequence[Sequence[int]]) -> list[np.ndarray] | int:
+        """Pack ``seqs`` (lists of ints or 1-D integer arrays).
+
+        Returns:
+            One ``int32`` view per sequence, or the index of the first sequence holding
+            something that is not an int in ``[0, 2**31)``.
+        """
+        lens = [len(s) for s in seqs]
+        total = sum(lens)
+        if total > self._buf.shape[0]:
+            self._buf = np.empty(max(total, 2 * self._buf.shape[0]), dtype=np.int32)
+        buf = self._buf
+        mv = memoryview(buf).cast("B")
+        off = 0
+        for i, s in enumerate(seqs):
+            n = lens[i]
+            try:
+                if isinstance(s, np.ndarray):
+                    if s.ndim != 1 or s.dtype.kind not in "iu" or (n and (s.min() < 0 or s.max() > INT32_MAX)):
+                        return i
+                    buf[off:off + n] = s
+                elif n:
+                    struct.pack_into(f"{n}I", mv, off * 4, *s)
+            except (struct.error, TypeError, ValueError, OverflowError):
+                return i
+            off += n
+        self.flat = flat = buf[:total]
+        self.min = int(flat.min()) if total else 0
+        views, off = [], 0
+        for i, n in enumerate(lens):
+            v = buf[off:off + n]
+            if self.min < 0 and n and v.min() < 0:  # a value in [2**31, 2**32) read back negative
+                return i
+            views.append(v)
+            off += n
+        return views
