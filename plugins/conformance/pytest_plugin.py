@@ -36,10 +36,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="extra conformance cases: a JSON list of case objects (repeatable)")
 
 
+_SESSION_KEY = pytest.StashKey["object"]()
+
+
 def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "attnplug_conformance: a test of the attnplug conformance suite")
     if not config.getoption("attnplug_backend"):
         return
-    config.addinivalue_line("markers", "attnplug_conformance: a test of the attnplug conformance suite")
     from attnplug.core.errors import AttnplugError
     from attnplug.plugins.conformance.session import ConformanceSession
 
@@ -48,9 +51,6 @@ def pytest_configure(config: pytest.Config) -> None:
     except (AttnplugError, ImportError, AttributeError) as exc:
         raise pytest.UsageError(f"--attnplug-backend: {exc}") from None
     config.stash[_SESSION_KEY] = session
-
-
-_SESSION_KEY = pytest.StashKey["object"]()
 
 
 class _SuiteModule(pytest.Module):
