@@ -57,12 +57,12 @@ def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     try:
         setup = build_engine(args)
+        engine = setup.engine
+        for rid, prompt in setup.prompts.items():
+            engine.add_request(rid, prompt, setup.sampling_params[rid])
     except AttnplugError as e:
         print(f"attnplug run: {e}", file=sys.stderr)
         return 2
-    engine = setup.engine
-    for rid, prompt in setup.prompts.items():
-        engine.add_request(rid, prompt, setup.sampling_params[rid])
 
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn

@@ -44,8 +44,8 @@ def test_engine_validates_every_step_on_hundreds_of_requests(capsys, tmp_path, m
 def test_run_with_preemption_under_a_small_pool(capsys, tmp_path):
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps(TINY))
-    s = _run_json(capsys, ["--model", str(cfg), "--num-requests", "24", "--max-model-len", "256",
-                           "--max-num-seqs", "16", "--block-size", "8", "--num-blocks", "20",
+    s = _run_json(capsys, ["--model", str(cfg), "--num-requests", "24", "--max-model-len", "1024",
+                           "--max-num-seqs", "16", "--block-size", "8", "--num-blocks", "70",
                            "--invariance-requests", "4"])
     assert s["requests"] == 24
     assert s["preemptions"] > 0
@@ -71,6 +71,15 @@ def test_skip_invalid_counts(tmp_path, capsys):
     s = _run_json(capsys, ["--trace", str(trace), "--skip-invalid", "--max-model-len", "512",
                            "--invariance-requests", "1"])
     assert s["requests"] == 2 and s["trace"]["skipped_rows"] == 1
+
+
+def test_pool_too_small_for_a_request_is_one_clear_error(capsys, tmp_path):
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(TINY))
+    assert run_main(["--model", str(cfg), "--num-requests", "24", "--max-model-len", "1024",
+                     "--block-size", "8", "--num-blocks", "20"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("attnplug run: ") and "num_blocks" in err and "Traceback" not in err
 
 
 def test_unknown_backend_is_an_error(capsys):
