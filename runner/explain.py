@@ -67,7 +67,7 @@ def _get(obj: dict, key: str, kind: type | tuple, default: Any = ..., where: str
     return v
 
 
-def parse_step(obj: Any, num_groups: int) -> SchedulerOutput:
+def parse_step(obj: Any) -> SchedulerOutput:
     """One JSON step object → :class:`SchedulerOutput`.
 
     Raises:
@@ -188,7 +188,7 @@ def run(f: TextIO, out: TextIO, err: TextIO, check: bool = False) -> int:
     for step, (lineno, line) in enumerate(lines, 1):
         where = f"step {step} (line {lineno})"
         try:
-            so = parse_step(json.loads(line), sc.num_groups)
+            so = parse_step(json.loads(line))
             sc.update_states(so)
             inputs = sc.prepare_inputs(so)
         except json.JSONDecodeError as e:
