@@ -115,6 +115,10 @@ class BlockTable:
         self.slot_mapping = CpuGpuBuffer((max_num_batched_tokens,), torch.int64, self.device,
                                          fill=PAD_SLOT_ID)
         self._kernel_offsets = np.arange(k, dtype=np.int64)
+        self._row_starts = np.arange(max_num_reqs, dtype=np.int64) * max_num_blocks_per_req
+        """Offset of each row in the flattened manager table."""
+        self._scratch_idx = np.zeros(max_num_batched_tokens, dtype=np.int64)
+        self._scratch_blk = np.zeros(max_num_batched_tokens, dtype=np.int32)
 
     # --- writing rows -------------------------------------------------------------------
     def _write(self, rows: np.ndarray, cols: np.ndarray, ids: np.ndarray) -> None:
@@ -131,6 +135,14 @@ class BlockTable:
                 f"block table row {row} would hold {new_len} blocks but max_num_blocks_per_req is "
                 f"{self.max_num_blocks_per_req}: a request cannot own more than "
                 "cdiv(max_model_len, block_size) blocks; check the block ids sent for it")
+
+    def write_blocks(self, rows: np.ndarray, cols: np.ndarray, block_ids: np.ndarray) -> None:
+        """Write manager ids at ``(rows[i], cols[i])`` and their kernel expansion, unchecked.
+
+        For callers that validated capacity and update ``num_blocks_per_row`` themselves
+        (the step compiler's batched appends).
+        """
+        self._write(rows, cols, block_ids)
 
     def append_row(self, block_ids: Sequence[int], row: int) -> None:
         """Append manager ``block_ids`` after row ``row``'s current blocks.
@@ -244,16 +256,21 @@ class BlockTable:
         of a persistent buffer: valid until the rows are next changed and committed."""
         return self.kernel_block_table.gpu_view(num_reqs)
 
-    def compute_slot_mapping(self, req_indices: np.ndarray, positions: np.ndarray,
-                             num_tokens_padded: int | None = None) -> torch.Tensor:
+    def compute_slot_mapping(self, req_indices: np.ndarray | None, positions: np.ndarray,
+                             num_tokens_padded: int | None = None, *,
+                             block_index: np.ndarray | None = None,
+                             block_offset: np.ndarray | None = None) -> torch.Tensor:
         """Fill the slot mapping for the step's tokens and copy it to the device.
 
         Args:
-            req_indices: ``[num_tokens]`` ``int64``, CPU: the row of each token.
+            req_indices: ``[num_tokens]`` ``int64``, CPU: the row of each token; ``None``
+                when token ``t`` belongs to row ``t`` (one token per row: a decode step).
             positions: ``[num_tokens]`` ``int64``, CPU: each token's position in its request.
                 Precondition (checked by the step compiler): ``positions[t] // B <
                 num_blocks_per_row[req_indices[t]]``.
             num_tokens_padded: pad the mapping to this length with ``PAD_SLOT_ID``.
+            block_index, block_offset: ``positions // B`` and ``positions % B`` when the
+                caller already has them (groups with equal block sizes share them).
 
         Returns:
             ``slot_mapping``: ``[num_tokens_padded or num_tokens]``, ``torch.int64``, on the
@@ -262,10 +279,15 @@ class BlockTable:
         """
         n = int(positions.shape[0])
         B = self.block_size
+        if block_index is None:
+            block_index = positions // B
+            block_offset = positions % B
+        starts = self._row_starts[:n] if req_indices is None else self._row_starts[req_indices]
+        flat_idx = np.add(starts, block_index, out=self._scratch_idx[:n])
+        blocks = np.take(self._flat_np, flat_idx, out=self._scratch_blk[:n])
         out = self.slot_mapping.np
-        blocks = self._flat_np[req_indices * self.max_num_blocks_per_req + positions // B]
         np.multiply(blocks, B, out=out[:n], dtype=np.int64)
-        out[:n] += positions % B
+        np.add(out[:n], block_offset, out=out[:n])
         total = n if num_tokens_padded is None else int(num_tokens_padded)
         if total > n:
             out[n:total] = PAD_SLOT_ID

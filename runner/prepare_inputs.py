@@ -100,6 +100,7 @@ class InputPreparer:
         self.logits_indices = CpuGpuBuffer((max_num_reqs,), torch.int64, device)
         self._arange = np.arange(max(max_num_batched_tokens, max_num_reqs) + 1, dtype=np.int64)
         self._flat_idx_np = np.zeros(max_num_batched_tokens, dtype=np.int64)
+        self._row_starts = np.arange(max_num_reqs, dtype=np.int64) * max_model_len
 
     def prepare(self, batch: InputBatch, group_kinds: list[str],
                 num_tokens_padded: int | None = None) -> StepInputs:
@@ -120,24 +121,24 @@ class InputPreparer:
         ncc = batch.num_computed_tokens_cpu[:R]
         qsl = self.query_start_loc.np
         qsl[0] = 0
-        np.cumsum(sched, out=qsl[1:R + 1])
+        np.add.accumulate(sched, dtype=np.int32, out=qsl[1:R + 1])
         Q = int(qsl[R])
         P = Q if num_tokens_padded is None else int(num_tokens_padded)
-        pos = self.positions.np
-        if Q == R:  # every row schedules one token (pure decode): no repeat needed
+        pos = self.positions.np[:Q]
+        flat = self._flat_idx_np[:Q]
+        if Q == R:  # every row schedules one token (pure decode): token t is row t
             req_indices = self._arange[:R]
-            pos[:Q] = ncc
+            pos[:] = ncc
+            np.add(self._row_starts[:R], pos, out=flat)
         else:
             req_indices = np.repeat(self._arange[:R], sched)
             offsets = self._arange[:Q] - np.repeat(qsl[:R], sched)
-            np.add(ncc[req_indices], offsets, out=pos[:Q])
-        flat = self._flat_idx_np[:Q]
-        np.multiply(req_indices, self.max_model_len, out=flat)
-        flat += pos[:Q]
+            np.add(ncc[req_indices], offsets, out=pos)
+            np.add(self._row_starts[req_indices], pos, out=flat)
         # index-select from the flattened token table into the persistent buffer
         np.take(batch.token_ids_cpu.reshape(-1), flat, out=self.input_ids.np[:Q])
         if P > Q:
-            pos[Q:P] = 0
+            self.positions.np[Q:P] = 0
             self.input_ids.np[Q:P] = 0
         seq_lens = self.seq_lens.np[:R]
         np.add(ncc, sched, out=seq_lens)
@@ -146,20 +147,26 @@ class InputPreparer:
         is_prefilling = ncc < batch.num_prompt_tokens[:R]
 
         block_tables, slot_mappings = [], []
+        split: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        rows = None if Q == R else req_indices
         for bt, kind in zip(batch.block_table, group_kinds):
             bt.commit(R)
             block_tables.append(bt.get_device_tensor(R))
             if kind == "mamba":
                 bt.slot_mapping.np[:P] = PAD_SLOT_ID
                 slot_mappings.append(bt.slot_mapping.copy_to_gpu(P))
-            else:
-                slot_mappings.append(bt.compute_slot_mapping(req_indices, pos[:Q], P))
+                continue
+            B = bt.block_size
+            if B not in split:
+                split[B] = np.divmod(pos, B)
+            idx, off = split[B]
+            slot_mappings.append(bt.compute_slot_mapping(rows, pos, P, block_index=idx, block_offset=off))
         return StepInputs(
             req_ids=batch.req_ids,
             num_reqs=R,
             num_actual_tokens=Q,
             num_padded_tokens=P,
-            max_query_len=int(sched.max()) if R else 0,
+            max_query_len=(1 if Q == R else int(sched.max())) if R else 0,
             max_seq_len=int(seq_lens.max()) if R else 0,
             num_scheduled_tokens=sched,
             num_computed_tokens=ncc,

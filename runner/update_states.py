@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from attnplug.cache_groups.ragged import cumsum_and_arange
 from attnplug.core.constants import NULL_BLOCK_ID
 from attnplug.runner.int_packer import INT32_MAX
 from attnplug.runner.plan_new_requests import check_block_list, err, group_lists, plan_new_requests
@@ -34,6 +35,24 @@ from attnplug.runner.scheduler_output import SchedulerOutput
 if TYPE_CHECKING:
     from attnplug.runner.input_batch import InputBatch
     from attnplug.runner.step_compiler import StepCompiler
+
+
+@dataclass
+class BlockAppends:
+    """Validated block appends of ``m`` cached requests, all groups at once."""
+
+    sel: np.ndarray
+    """``[m]`` indices into ``scheduled_cached_reqs``."""
+    starts: np.ndarray
+    """``[num_groups, m]`` blocks each row holds before the append."""
+    lens: np.ndarray
+    """``[num_groups, m]`` blocks appended."""
+    after: np.ndarray
+    """``[num_groups, m]`` blocks each row holds after the append."""
+    flat: np.ndarray
+    """The appended ids, group-major, then in ``sel`` order."""
+    one_each: bool
+    """Every row gets exactly one block in every group."""
 
 
 @dataclass
@@ -54,9 +73,8 @@ class UpdatePlan:
     ncts_c: np.ndarray
     token_deltas: list[tuple[int, np.ndarray]] = field(default_factory=list)
     resumed: list[tuple[int, tuple[np.ndarray, ...]]] = field(default_factory=list)
-    appends: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
-    """Appended blocks: ``(cached indices [m], counts [num_groups, m], flat ids)``, ids
-    group-major then in ``cached indices`` order; ``None`` when there are none."""
+    appends: BlockAppends | None = None
+    """Blocks appended to non-resumed cached requests; ``None`` when there are none."""
 
 
 def _int_array(rid, fname: str, g: int, ids) -> np.ndarray:
@@ -126,10 +144,13 @@ def plan_update(sc: "StepCompiler", so: SchedulerOutput) -> UpdatePlan:
 
     # --- cached request rows (one dict lookup each) ------------------------------------------
     try:
+        rows_c = np.fromiter(map(idx.__getitem__, C), np.int64, nC)
+        readd = []
+    except KeyError:  # some are resident but not in the batch (or unknown): look them up again
         rows_c = np.fromiter(map(idx.get, C, repeat(-1)), np.int64, nC)
+        readd = np.flatnonzero(rows_c < 0).tolist()
     except TypeError:
         err(None, "scheduled_cached_reqs.req_ids", "request ids must be hashable strings")
-    readd = [] if not nC or rows_c.min() >= 0 else np.flatnonzero(rows_c < 0).tolist()
     readd_ids: list[str] = []
     for i in readd:
         rid = C[i]
@@ -263,13 +284,15 @@ def plan_update(sc: "StepCompiler", so: SchedulerOutput) -> UpdatePlan:
                 f"[{NULL_BLOCK_ID + 1}, {sc.num_blocks}): a newly appended block is never the null block and "
                 "must lie in the pool")
         sel_arr = np.asarray(sel, dtype=np.int64)
-        after = before[:, sel_arr] + lens
+        starts = before[:, sel_arr]
+        after = starts + lens
         if (after > sc._max_blocks_col).any():
             g, j = np.argwhere(after > sc._max_blocks_col)[0]
             err(C[sel[j]], "new_block_ids", f"group {g}: request would hold {int(after[g, j])} blocks but at "
                 f"most {sc.max_num_blocks_per_req[g]} fit (cdiv(max_model_len, block_size))")
         before[:, sel_arr] = after
-        appends = (sel_arr, lens, flat)
+        one_each = flat.shape[0] == G * m and lens.min() == 1
+        appends = BlockAppends(sel_arr, starts, lens, after, flat, one_each)
     if nC and (before * sc._capacity_col < seq_c).any():
         g, i = np.argwhere(before * sc._capacity_col < seq_c)[0]
         err(C[i], "new_block_ids", f"group {g}: {int(before[g, i])} blocks of {sc.block_sizes[g]} tokens "
@@ -313,11 +336,22 @@ def apply_update(sc: "StepCompiler", plan: UpdatePlan) -> None:
     for i, arrs in plan.resumed:
         batch.block_table.add_row(arrs, int(rows_c[i]))
     if plan.appends is not None:
-        sel, lens, flat = plan.appends
-        rows = rows_c[sel]
-        ends = np.cumsum(lens.sum(axis=1))
-        for g, bt in enumerate(batch.block_table):
-            bt.append_rows(rows, lens[g], flat[ends[g] - lens[g].sum():ends[g]])
+        ap = plan.appends
+        rows = rows_c[ap.sel]
+        m = rows.shape[0]
+        if ap.one_each:  # one new block per row and group (decode crossing a block boundary)
+            for g, bt in enumerate(batch.block_table):
+                bt.write_blocks(rows, ap.starts[g], ap.flat[g * m:(g + 1) * m])
+        else:
+            off = 0
+            for g, bt in enumerate(batch.block_table):
+                lens = ap.lens[g]
+                _, offsets = cumsum_and_arange(lens)
+                n = offsets.shape[0]
+                bt.write_blocks(np.repeat(rows, lens), np.repeat(ap.starts[g], lens) + offsets,
+                                ap.flat[off:off + n])
+                off += n
+        batch.block_table.num_blocks_per_row[:, rows] = ap.after
     batch.condense()
     if sc.reorder_batch_threshold is not None:
         reorder_decodes_first(batch, sc.reorder_batch_threshold)

@@ -1,0 +1,162 @@
+"""``attnplug bench step``: median microseconds per step of the step compiler's stages.
+
+Stages: ``update_states``, ``prepare_inputs`` (including slot mapping and block-table
+commit) and ``common metadata`` (the per-group ``CommonAttentionMetadata``), for the
+optimized :class:`StepCompiler` and the naive per-request Python implementation
+(:mod:`attnplug.runner.naive_step`) side by side, on the same recorded steps, in the same
+process, with ``torch.set_num_threads(1)``. Workloads are in
+:mod:`attnplug.runner.bench_workloads`. Appending the sampled tokens after each step is
+not timed. The garbage collector is paused while a workload is timed (as ``timeit`` does).
+
+Targets (issue "Foundation"): steady decode, two cache groups, update_states +
+prepare_inputs (+ metadata here) ≤ 150 µs at N=256 and ≤ 400 µs at N=1024.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import time
+from typing import Callable
+
+import numpy as np
+import torch
+
+from attnplug.runner.bench_workloads import Workload, steady_decode, trace_replay
+from attnplug.runner.naive_step import NaiveStepCompiler
+from attnplug.runner.step_compiler import StepCompiler
+
+STAGES = ("update_states", "prepare_inputs", "common metadata")
+TARGETS_US = {256: 150.0, 1024: 400.0}
+"""Steady-decode target of update_states + prepare_inputs per N (µs)."""
+
+
+def _run(workload: Workload, steps: int, step_fn: Callable) -> dict[str, float]:
+    """Replay ``num_warmup + steps`` steps; return the median µs per stage (and total)."""
+    times = np.zeros((steps, len(STAGES)), dtype=np.int64)
+    gc.collect()
+    gc.disable()
+    try:
+        for i, so in enumerate(workload.steps[:workload.num_warmup + steps]):
+            t = step_fn(so)
+            if i >= workload.num_warmup:
+                times[i - workload.num_warmup] = t
+    finally:
+        gc.enable()
+    n = max(0, min(steps, len(workload.steps) - workload.num_warmup))
+    times = times[:n] / 1e3
+    out = {s: float(np.median(times[:, j])) for j, s in enumerate(STAGES)}
+    out["total"] = float(np.median(times.sum(axis=1)))
+    out["steps"] = n
+    return out
+
+
+def time_optimized(workload: Workload, steps: int) -> dict[str, float]:
+    cfg = dict(workload.config)
+    sc = StepCompiler(cfg.pop("block_sizes"), validate=False, **cfg)
+    clock = time.perf_counter_ns
+
+    def step(so):
+        t0 = clock()
+        sc.update_states(so)
+        t1 = clock()
+        inputs = sc.prepare_inputs(so, build_metadata=False)
+        t2 = clock()
+        sc.build_common_attn_metadata(inputs)
+        t3 = clock()
+        keep = np.flatnonzero(~inputs.discard)
+        sc.append_output_tokens(keep, np.ones(keep.shape[0], dtype=np.int64))
+        return t1 - t0, t2 - t1, t3 - t2
+
+    return _run(workload, steps, step)
+
+
+def time_naive(workload: Workload, steps: int) -> dict[str, float]:
+    cfg = dict(workload.config)
+    bs = cfg.pop("block_sizes")
+    if not isinstance(bs, list):  # a KVCacheConfig
+        cfg.update(num_blocks=bs.num_blocks, group_kinds=[g.kv_cache_spec.kind for g in bs.groups])
+        bs = bs.block_sizes
+    nc = NaiveStepCompiler(bs, **cfg)
+    clock = time.perf_counter_ns
+
+    def step(so):
+        t0 = clock()
+        nc.update_states(so)
+        t1 = clock()
+        inputs = nc.prepare_inputs(so)
+        t2 = clock()
+        nc.build_common_attn_metadata(inputs)
+        t3 = clock()
+        keep = [rid for rid, d in zip(inputs.req_ids, inputs.discard) if not d]
+        nc.append_output_tokens(keep, [1] * len(keep))
+        return t1 - t0, t2 - t1, t3 - t2
+
+    return _run(workload, steps, step)
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:,.1f}"
+
+
+def render(rows: list[tuple[str, dict, dict | None, float | None]], markdown: bool) -> str:
+    """The table as markdown, or printed with ``rich`` (returns "")."""
+    header = ["workload", "stage", "ours µs", "naive µs", "naive / ours", "target µs"]
+    lines = []
+    for name, ours, naive, target in rows:
+        for stage in (*STAGES, "total"):
+            nv = naive[stage] if naive else None
+            ratio = f"{nv / ours[stage]:,.1f}×" if nv else "-"
+            tgt = ""
+            if stage == "total" and target is not None:
+                tgt = f"{target:.0f} ({'met' if ours['total'] <= target else 'missed'})"
+            lines.append([name if stage == STAGES[0] else "", stage, _fmt(ours[stage]), _fmt(nv), ratio, tgt])
+    if markdown:
+        out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        out += ["| " + " | ".join(cells) + " |" for cells in lines]
+        return "\n".join(out)
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="attnplug bench step — median µs per step (1 torch thread)")
+    for h in header:
+        table.add_column(h, justify="left" if h in ("workload", "stage") else "right")
+    for cells in lines:
+        table.add_row(*cells, end_section=cells[1] == "total")
+    Console().print(table)
+    return ""
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``attnplug bench step [--steps N] [--sizes 16,64,...] [--trace-steps N] ...``"""
+    parser = argparse.ArgumentParser(prog="attnplug bench", description=__doc__.split("\n\n")[0])
+    parser.add_argument("which", choices=["step"], help="the benchmark to run")
+    parser.add_argument("--steps", type=int, default=300, help="timed steady-decode steps per size (default 300)")
+    parser.add_argument("--sizes", default="16,64,256,1024", help="steady-decode batch sizes N")
+    parser.add_argument("--trace-steps", type=int, default=300, help="trace-replay steps (0 skips it)")
+    parser.add_argument("--naive-steps", type=int, default=60,
+                        help="timed steps for the naive implementation (it is slow; default 60)")
+    parser.add_argument("--no-naive", action="store_true", help="skip the naive implementation")
+    parser.add_argument("--markdown", action="store_true", help="print a markdown table instead of rich")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
+    rows = []
+    for n in sizes:
+        w = steady_decode(n, max(args.steps, 0 if args.no_naive else args.naive_steps))
+        ours = time_optimized(w, args.steps)
+        naive = None if args.no_naive else time_naive(w, min(args.naive_steps, args.steps))
+        rows.append((w.name, ours, naive, TARGETS_US.get(n)))
+    if args.trace_steps > 0:
+        w = trace_replay(args.trace_steps + 10)
+        ours = time_optimized(w, args.trace_steps)
+        naive = None if args.no_naive else time_naive(w, min(args.naive_steps, args.trace_steps))
+        rows.append((w.name, ours, naive, None))
+    text = render(rows, args.markdown)
+    if text:
+        print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
