@@ -179,7 +179,7 @@ class InputBatch:
             if st.generator is not None:
                 self.generators[row] = st.generator
             for bt, ids in zip(tables, st._block_ids_np):
-                bt.add_row(ids, row)  # a vacant row holds no blocks: a plain slice write
+                bt.fill_vacant_row(ids, row)  # vacant rows hold no blocks; capacity checked above
             self._req_ids[row] = st.req_id
             self._states[row] = st
             self.req_id_to_index[st.req_id] = row
@@ -211,6 +211,33 @@ class InputBatch:
         self.block_table.clear_row(row)
         heapq.heappush(self._holes, row)
         return row
+
+    def remove_requests(self, req_ids: Sequence[str], keep_state: bool = True) -> list[int]:
+        """Batched :meth:`remove_request` (block rows cleared in one operation per group).
+
+        Returns:
+            The freed rows of the requests that were in the batch.
+        """
+        rows = []
+        tables = self.block_table.block_tables
+        for rid in req_ids:
+            row = self.req_id_to_index.pop(rid, None)
+            if row is None:
+                continue
+            st = self._states[row]
+            if keep_state:
+                st._detach()
+            else:
+                st._drop()
+            self._states[row] = None
+            self._req_ids[row] = None
+            if st.generator is not None:
+                self.generators.pop(row, None)
+            for bt in tables:  # one slice per row: cheaper than a fancy clear for a few rows
+                bt.clear_row(row)
+            heapq.heappush(self._holes, row)
+            rows.append(row)
+        return rows
 
     # --- moving rows --------------------------------------------------------------------
     def _move_rows(self, srcs: list[int], dsts: list[int]) -> None:

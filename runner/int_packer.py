@@ -50,7 +50,11 @@ class IntPacker:
             n = lens[i]
             try:
                 if isinstance(s, np.ndarray):
-                    if s.ndim != 1 or s.dtype.kind not in "iu" or (n and (s.min() < 0 or s.max() > INT32_MAX)):
+                    if s.ndim != 1 or s.dtype.kind not in "iu":
+                        return i
+                    if n and s.dtype.kind == "i" and s.min() < 0:
+                        return i
+                    if n and s.dtype.itemsize >= 4 and s.dtype != np.int32 and s.max() > INT32_MAX:
                         return i
                     buf[off:off + n] = s
                 elif n:

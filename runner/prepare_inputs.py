@@ -161,25 +161,32 @@ class InputPreparer:
                 split[B] = np.divmod(pos, B)
             idx, off = split[B]
             slot_mappings.append(bt.compute_slot_mapping(rows, pos, P, block_index=idx, block_offset=off))
+        req_ids = batch.req_ids
+        max_seq_len = int(seq_lens.max()) if R else 0
+        qsl_dev = self.query_start_loc.copy_to_gpu(R + 1)
+        pos_dev = self.positions.copy_to_gpu(P)
+        ids_dev = self.input_ids.copy_to_gpu(P)
+        sl_dev = self.seq_lens.copy_to_gpu(R)
+        li_dev = self.logits_indices.copy_to_gpu(R)
         return StepInputs(
-            req_ids=batch.req_ids,
+            req_ids=req_ids,
             num_reqs=R,
             num_actual_tokens=Q,
             num_padded_tokens=P,
             max_query_len=(1 if Q == R else int(sched.max())) if R else 0,
-            max_seq_len=int(seq_lens.max()) if R else 0,
+            max_seq_len=max_seq_len,
             num_scheduled_tokens=sched,
             num_computed_tokens=ncc,
             num_tokens=batch.num_tokens[:R],
             req_indices=req_indices,
-            query_start_loc=self.query_start_loc.copy_to_gpu(R + 1),
+            query_start_loc=qsl_dev,
             query_start_loc_cpu=self.query_start_loc.cpu_view(R + 1),
-            positions=self.positions.copy_to_gpu(P),
+            positions=pos_dev,
             positions_cpu=self.positions.cpu_view(P),
-            input_ids=self.input_ids.copy_to_gpu(P),
-            seq_lens=self.seq_lens.copy_to_gpu(R),
+            input_ids=ids_dev,
+            seq_lens=sl_dev,
             seq_lens_cpu=self.seq_lens.cpu_view(R),
-            logits_indices=self.logits_indices.copy_to_gpu(R),
+            logits_indices=li_dev,
             logits_indices_cpu=self.logits_indices.cpu_view(R),
             discard=discard,
             is_prefilling=is_prefilling,

@@ -45,8 +45,8 @@ class BlockAppends:
     """``[m]`` indices into ``scheduled_cached_reqs``."""
     starts: np.ndarray
     """``[num_groups, m]`` blocks each row holds before the append."""
-    lens: np.ndarray
-    """``[num_groups, m]`` blocks appended."""
+    lens: np.ndarray | int
+    """``[num_groups, m]`` blocks appended (``1`` when ``one_each``)."""
     after: np.ndarray
     """``[num_groups, m]`` blocks each row holds after the append."""
     flat: np.ndarray
@@ -254,7 +254,8 @@ def plan_update(sc: "StepCompiler", so: SchedulerOutput) -> UpdatePlan:
                 for g, a in enumerate(arrs):
                     check_block_list(sc, C[i], "new_block_ids", g, a, int(ncts_c[i]), int(seq_c[i]))
                 resumed.append((i, arrs))
-    before = batch.block_table.num_blocks_per_row[:, rows_c]
+    # np.take along axis 1: 2-D fancy indexing with a leading slice is ~5x slower
+    before = np.take(batch.block_table.num_blocks_per_row, rows_c, axis=1)
     for i in readd:
         before[:, i] = [a.shape[0] for a in reqs[C[i]].block_ids_np()]
     for i, arrs in resumed:
@@ -271,27 +272,29 @@ def plan_update(sc: "StepCompiler", so: SchedulerOutput) -> UpdatePlan:
                 group_lists(sc, C[i], "new_block_ids", e)
         per = [e[g] for g in range(G) for e in entries]  # group-major
         m = len(sel)
-        lens = np.fromiter(map(len, per), np.int64, G * m).reshape(G, m)
+        lens_list = [len(p) for p in per]
+        one_each = lens_list.count(1) == G * m  # the decode case: one new block per group
         try:
-            flat = np.fromiter(chain.from_iterable(per), np.int64, int(lens.sum()))
+            flat = np.fromiter(chain.from_iterable(per), np.int64, sum(lens_list))
         except (TypeError, ValueError, OverflowError):
             j = next(j for j, p in enumerate(per) if not all(isinstance(b, (int, np.integer)) for b in p))
             err(C[sel[j % m]], "new_block_ids", f"group {j // m}: block ids must be ints")
         if flat.shape[0] and (flat.min() <= NULL_BLOCK_ID or flat.max() >= sc.num_blocks):
             t = int(np.argmax((flat <= NULL_BLOCK_ID) | (flat >= sc.num_blocks)))
-            j = int(np.searchsorted(np.cumsum(lens), t, side="right"))
+            j = int(np.searchsorted(np.cumsum(lens_list), t, side="right"))
             err(C[sel[j % m]], "new_block_ids", f"group {j // m}: appended block id {int(flat[t])} is not in "
                 f"[{NULL_BLOCK_ID + 1}, {sc.num_blocks}): a newly appended block is never the null block and "
                 "must lie in the pool")
         sel_arr = np.asarray(sel, dtype=np.int64)
-        starts = before[:, sel_arr]
+        starts = np.take(before, sel_arr, axis=1)
+        lens = 1 if one_each else np.asarray(lens_list, dtype=np.int64).reshape(G, m)
         after = starts + lens
         if (after > sc._max_blocks_col).any():
             g, j = np.argwhere(after > sc._max_blocks_col)[0]
             err(C[sel[j]], "new_block_ids", f"group {g}: request would hold {int(after[g, j])} blocks but at "
                 f"most {sc.max_num_blocks_per_req[g]} fit (cdiv(max_model_len, block_size))")
-        before[:, sel_arr] = after
-        one_each = flat.shape[0] == G * m and lens.min() == 1
+        for g in range(G):
+            before[g][sel_arr] = after[g]
         appends = BlockAppends(sel_arr, starts, lens, after, flat, one_each)
     if nC and (before * sc._capacity_col < seq_c).any():
         g, i = np.argwhere(before * sc._capacity_col < seq_c)[0]
@@ -309,11 +312,11 @@ def plan_update(sc: "StepCompiler", so: SchedulerOutput) -> UpdatePlan:
 def apply_update(sc: "StepCompiler", plan: UpdatePlan) -> None:
     """Apply a validated plan (see the module docstring for the order)."""
     batch, reqs = sc.input_batch, sc.requests
+    batch.remove_requests(plan.finished, keep_state=False)
     for rid in plan.finished:
-        batch.remove_request(rid, keep_state=False)
         del reqs[rid]
-    for rid in plan.unscheduled:
-        batch.remove_request(rid)
+    if plan.unscheduled:
+        batch.remove_requests(plan.unscheduled)
     for st in plan.new_states:
         reqs[st.req_id] = st
     states = plan.new_states + [reqs[rid] for rid in plan.readd_ids] if plan.readd_ids else plan.new_states
@@ -351,7 +354,8 @@ def apply_update(sc: "StepCompiler", plan: UpdatePlan) -> None:
                 bt.write_blocks(np.repeat(rows, lens), np.repeat(ap.starts[g], lens) + offsets,
                                 ap.flat[off:off + n])
                 off += n
-        batch.block_table.num_blocks_per_row[:, rows] = ap.after
+        for counts, after in zip(batch.block_table.num_blocks_per_row, ap.after):
+            counts[rows] = after
     batch.condense()
     if sc.reorder_batch_threshold is not None:
         reorder_decodes_first(batch, sc.reorder_batch_threshold)
