@@ -13,6 +13,8 @@ from attnplug.core.contracts import AttentionBackend
 
 BUILTIN_BACKENDS: dict[str, str] = {
     "torch_native": "attnplug.backends.torch_native.backend:TorchNativeBackend",
+    "mamba2_torch": "attnplug.backends.mamba2.backend:Mamba2Backend",
+    "triton": "attnplug.backends.triton.backend:TritonBackend",
 }
 """Built-in backend name -> ``"module:ClassName"`` of its :class:`AttentionBackend`.
 

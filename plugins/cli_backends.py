@@ -93,7 +93,7 @@ def print_backends(registry) -> None:
     console = _console()
     table = Table(title="attnplug backends", show_lines=False)
     for col in ("name", "source", "available", "kind", "features", "dtypes", "head sizes", "kernel blocks", "API"):
-        table.add_column(col, overflow="fold")
+        table.add_column(col, overflow="fold", no_wrap=col in ("name", "source"))  # identifiers stay whole
     for r in backend_rows(registry):
         feats = " ".join(f"{k}{'+' if v else '-'}" for k, v in r["features"].items())
         avail = "[green]yes[/green]" if r["available"] else f"[red]no[/red]: {r['unavailable_reason']}"

@@ -7,7 +7,7 @@ import logging
 import pytest
 
 from attnplug import PLUGIN_API_VERSION
-from attnplug.backends import get_backend
+from attnplug.backends import BUILTIN_BACKENDS, get_backend
 from attnplug.backends.torch_native import TorchNativeBackend
 from attnplug.core.errors import PluginValidationError, UnknownBackendError
 from attnplug.plugins import get_registry, reset_registry
@@ -42,7 +42,7 @@ def test_third_party_backend_is_recorded_with_its_distribution(dists, good_plugi
     assert entry.source.distribution == "good-dist" and entry.source.version == "1.2.3"
     assert entry.source.entry_point == f"good = {mod}"
     assert entry.source.describe() == "good-dist 1.2.3"
-    assert reg.names() == ["torch_native", "good_backend"]
+    assert reg.names() == [*BUILTIN_BACKENDS, "good_backend"]
     assert reg.faults == []
 
 
@@ -81,7 +81,7 @@ def test_hook_error_discards_everything_the_plugin_staged(dists):
     '''})
     reg = _load(dists)
     _assert_fault(reg, "raiser", "raiser 1.0", "RuntimeError", "boom in hook")
-    assert "partial" not in reg and reg.names() == ["torch_native"]
+    assert "partial" not in reg and reg.names() == [*BUILTIN_BACKENDS]
 
 
 def test_duplicate_name_keeps_the_first_registration(dists, good_plugin_src):
@@ -177,13 +177,13 @@ def test_allow_and_disable_lists(dists, good_plugin_src):
     dists.add("dist-a", "1.0", {"plug_a": a}, {a: good_plugin_src("A", "backend_a")})
     dists.add("dist-b", "1.0", {"plug_b": b}, {b: good_plugin_src("B", "backend_b")})
     reg = _load(dists, {"ATTNPLUG_PLUGINS": "plug_a"})
-    assert reg.names() == ["torch_native", "backend_a"]
+    assert reg.names() == [*BUILTIN_BACKENDS, "backend_a"]
     assert [(s.source.plugin, s.reason) for s in reg.skipped] == [("plug_b", "not listed in ATTNPLUG_PLUGINS")]
     reg = _load(dists, {"ATTNPLUG_DISABLE_PLUGINS": "DIST_B"})  # distribution names match loosely
-    assert reg.names() == ["torch_native", "backend_a"]
+    assert reg.names() == [*BUILTIN_BACKENDS, "backend_a"]
     assert "disabled by ATTNPLUG_DISABLE_PLUGINS" in reg.skipped[0].reason
     reg = _load(dists, {"ATTNPLUG_PLUGINS": "plug_a, plug_b", "ATTNPLUG_DISABLE_PLUGINS": "plug_b"})
-    assert reg.names() == ["torch_native", "backend_a"], "disable wins over allow"
+    assert reg.names() == [*BUILTIN_BACKENDS, "backend_a"], "disable wins over allow"
     reg = _load(dists, {"ATTNPLUG_PLUGINS": "plug_a,typo_plugin"})
     assert any("typo_plugin" in n and "ATTNPLUG_PLUGINS" in n for n in reg.notes)
 

@@ -1,0 +1,196 @@
+"""``paged_attention``: the Python entry point of the unified and split-KV attention kernels.
+
+Chooses the tile sizes (:func:`choose_tiles`), then launches
+
+* ``NUM_SEGMENTS == 1`` (unified): ONE launch of ``paged_attention_kernel`` for the whole
+  varlen batch (prefills, chunked-prefill continuations and decodes mixed), output
+  normalised in place;
+* ``num_kv_splits > 1`` (split-KV, for decode-heavy batches with long contexts): the same
+  kernel over ``num_kv_splits`` key segments per (query tile, KV head), writing fp32
+  partials, then ``reduce_segments_kernel`` combining them (two launches).
+
+See ``attention_kernels.py`` for the work decomposition. Nothing here synchronises with
+the host: the grid depends only on ``query.shape[0]``, ``num_reqs`` and the heads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from attnplug.backends.triton.runtime import kernel_module
+from attnplug.core.errors import MetadataError
+
+MAX_HEAD_SIZE = 256
+"""Largest head size the kernels take (the fp32 accumulator is ``BLOCK_M x head_size``)."""
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """Launch parameters of one attention call.
+
+    Attributes:
+        block_m: query rows per program (``block_q`` tokens x the query heads of one KV head).
+        block_q: query tokens per program, ``block_m // num_queries_per_kv``.
+        tile_n: keys per inner-loop iteration.
+        num_warps, num_stages: Triton launch options (ignored by the interpreter).
+    """
+
+    block_m: int
+    block_q: int
+    tile_n: int
+    num_warps: int
+    num_stages: int
+
+
+def choose_tiles(max_query_len: int, num_queries_per_kv: int, head_size: int,
+                 dtype: torch.dtype = torch.float16) -> TileConfig:
+    """Tile sizes for a batch whose longest query has ``max_query_len`` tokens.
+
+    Decode-like batches (``max_query_len`` no more than the tokens a 16-row tile holds)
+    use the smallest tile that holds every query head of a KV head, so no rows are wasted
+    on absent query tokens; longer queries use 64-row tiles (32 for heads over 128 and for
+    float32). Keys per iteration: 64 for 16-bit heads up to 128, else 32; float32 (an
+    exact, non-tensor-core ``tl.dot``) uses 32 keys up to 64 dims and 16 beyond. These
+    sizes compile without register spills for sm_80/sm_90 (checked ahead of time by
+    ``tests/backends/triton/test_gpu_compile.py``).
+    """
+    group_rows = _next_pow2(max(num_queries_per_kv, 1))
+    small = max(16, group_rows)
+    fp32 = dtype == torch.float32
+    if max_query_len <= small // num_queries_per_kv:
+        block_m = small
+    else:
+        block_m = max(32 if (fp32 or head_size > 128) else 64, group_rows)
+    if fp32:
+        tile_n = 32 if head_size <= 64 else 16
+    else:
+        tile_n = 64 if head_size <= 128 else 32
+    num_warps = 8 if block_m * max(head_size, 16) >= (2048 if fp32 else 16384) else 4
+    return TileConfig(block_m, block_m // num_queries_per_kv, tile_n, num_warps, num_stages=2)
+
+
+def num_query_tiles(num_tokens: int, num_reqs: int, block_q: int) -> int:
+    """Programs along grid axis 0: ``num_tokens // block_q + num_reqs`` (covers every
+    request's ``cdiv(query_len, block_q)`` tiles; see ``attention_kernels``)."""
+    return num_tokens // block_q + num_reqs
+
+
+def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                    output: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                    block_table: torch.Tensor, *, num_reqs: int, max_query_len: int, scale: float,
+                    causal: bool = True, sliding_window: int | None = None,
+                    logits_soft_cap: float | None = None, num_kv_splits: int = 1) -> torch.Tensor:
+    """Attention of a varlen batch over a paged KV cache (GQA/MQA, causal bottom-right).
+
+    Query ``j`` of request ``i`` sits at position ``seq_lens[i] - query_len_i + j`` and
+    sees key ``k`` iff ``k <= position`` (causal) and ``position - W < k`` (window ``W``).
+
+    Args:
+        query: ``[num_tokens, num_heads, head_size]``, float32/float16/bfloat16; last dim
+            contiguous. Rows past ``query_start_loc[num_reqs]`` are padding (ignored).
+        key_cache: ``[num_blocks, block_size, num_kv_heads, head_size]``, query's dtype and
+            device (e.g. ``kv_cache[:, 0]``: any strides with a contiguous last dim).
+        value_cache: same as ``key_cache`` (e.g. ``kv_cache[:, 1]``).
+        output: ``[num_tokens, num_heads, head_size]``, same device; rows of real tokens
+            are overwritten, padded rows are untouched.
+        query_start_loc: ``[num_reqs + 1]``, ``torch.int32``, device; tokens.
+        seq_lens: ``[num_reqs]``, ``torch.int32``, device; tokens of KV per request,
+            ``>= query_len``.
+        block_table: ``[num_reqs, >= cdiv(max_seq_len, block_size)]``, ``torch.int32``,
+            device; kernel block ids, last dim contiguous.
+        num_reqs: requests (Python int).
+        max_query_len: longest query (Python int; picks the tile sizes only).
+        scale: softmax scale applied to ``q . k``.
+        causal: bottom-right aligned causal mask.
+        sliding_window: ``W`` tokens, current included, or ``None``.
+        logits_soft_cap: ``cap * tanh(logits / cap)`` after scaling, or ``None``.
+        num_kv_splits: 1 for the unified single-launch path; ``> 1`` (a power of two)
+            splits each request's visible keys into that many segments plus a reduce.
+
+    Returns:
+        ``output``.
+
+    Raises:
+        MetadataError: shapes, dtypes or parameters the kernels cannot take.
+
+    Numerics: fp32 logits, base-2 online softmax and accumulator; probabilities are cast
+    to the cache dtype for the ``P @ V`` product. Does not synchronise with the host;
+    graph-capturable for a fixed ``(query.shape[0], num_reqs, num_kv_splits)``.
+    """
+    num_tokens, num_heads, head_size = query.shape
+    num_kv_heads = key_cache.shape[2]
+    _check(query, key_cache, value_cache, output, block_table, num_kv_splits)
+    if num_reqs == 0 or num_tokens == 0:
+        return output
+    group = num_heads // num_kv_heads
+    cfg = choose_tiles(max_query_len, group, head_size, query.dtype)
+    padded = max(16, _next_pow2(head_size))
+    kernels = kernel_module("attention_kernels")
+    grid = (num_query_tiles(num_tokens, num_reqs, cfg.block_q), num_kv_heads, num_kv_splits)
+    if num_kv_splits > 1:
+        part_acc = torch.empty(num_tokens, num_heads, num_kv_splits, padded, dtype=torch.float32, device=query.device)
+        part_max = torch.empty(num_tokens, num_heads, num_kv_splits, dtype=torch.float32, device=query.device)
+        part_sum = torch.empty_like(part_max)
+    else:
+        part_acc = part_max = part_sum = output  # never touched when NUM_SEGMENTS == 1
+    kernels.paged_attention_kernel[grid](
+        query, key_cache, value_cache, output, part_acc, part_max, part_sum,
+        query_start_loc, seq_lens, block_table, num_reqs, float(scale),
+        float(logits_soft_cap) if logits_soft_cap is not None else 0.0,
+        query.stride(0), query.stride(1), output.stride(0), output.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        block_table.stride(0),
+        NUM_QUERIES_PER_KV=group, HEAD_SIZE=head_size, HEAD_SIZE_PADDED=padded,
+        BLOCK_SIZE=key_cache.shape[1], BLOCK_M=cfg.block_m, BLOCK_Q=cfg.block_q, TILE_N=cfg.tile_n,
+        CAUSAL=bool(causal), SLIDING_WINDOW=int(sliding_window or 0),
+        USE_SOFT_CAP=logits_soft_cap is not None, NUM_SEGMENTS=num_kv_splits,
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if num_kv_splits > 1:
+        kernels.reduce_segments_kernel[(num_tokens, num_heads)](
+            output, part_acc, part_max, part_sum, query_start_loc, num_reqs, num_heads,
+            output.stride(0), output.stride(1),
+            HEAD_SIZE=head_size, HEAD_SIZE_PADDED=padded, NUM_SEGMENTS=num_kv_splits,
+            num_warps=4 if padded * num_kv_splits <= 4096 else 8,
+        )
+    return output
+
+
+def _check(query, key_cache, value_cache, output, block_table, num_kv_splits: int) -> None:
+    problems = []
+    if query.dim() != 3 or key_cache.dim() != 4:
+        raise MetadataError(f"paged_attention: query {tuple(query.shape)} must be [num_tokens, num_heads, "
+                            f"head_size] and key_cache {tuple(key_cache.shape)} [num_blocks, block_size, "
+                            "num_kv_heads, head_size]")
+    num_tokens, num_heads, head_size = query.shape
+    num_kv_heads = key_cache.shape[2]
+    if key_cache.shape[3] != head_size or value_cache.shape != key_cache.shape:
+        problems.append(f"key_cache {tuple(key_cache.shape)} / value_cache {tuple(value_cache.shape)} do not "
+                        f"match head_size {head_size}")
+    if num_kv_heads == 0 or num_heads % num_kv_heads:
+        problems.append(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    if head_size > MAX_HEAD_SIZE:
+        problems.append(f"head_size {head_size} > {MAX_HEAD_SIZE}")
+    if output.shape != query.shape or output.device != query.device:
+        problems.append(f"output {tuple(output.shape)} on {output.device} must match query "
+                        f"{tuple(query.shape)} on {query.device}")
+    if key_cache.dtype != query.dtype or value_cache.dtype != query.dtype:
+        problems.append(f"cache dtype {key_cache.dtype} differs from query dtype {query.dtype}")
+    for name, t in (("query", query), ("output", output), ("key_cache", key_cache),
+                    ("value_cache", value_cache), ("block_table", block_table)):
+        if t.numel() and t.stride(-1) != 1:
+            problems.append(f"{name}'s last dim must be contiguous")
+    if block_table.dtype != torch.int32:
+        problems.append(f"block_table must be int32, got {block_table.dtype}")
+    if num_kv_splits < 1 or num_kv_splits & (num_kv_splits - 1):
+        problems.append(f"num_kv_splits must be a power of two >= 1, got {num_kv_splits}")
+    if problems:
+        raise MetadataError("paged_attention: " + "; ".join(problems) + ".")

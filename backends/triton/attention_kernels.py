@@ -1,0 +1,221 @@
+"""Triton kernels of the paged attention: the unified kernel and the split-KV reduce.
+
+Imported only through :func:`attnplug.backends.triton.runtime.kernel_module` (the
+decoration mode, compiled or interpreted, is fixed when this module is executed). The
+launch logic and the choice of tile sizes live in ``attention.py``.
+
+Work decomposition of :func:`paged_attention_kernel` (grid ``(num_q_tiles, num_kv_heads,
+NUM_SEGMENTS)``)::
+
+    program (tile, kv_head, segment)
+      request r     = the request whose query tiles contain `tile` (binary search over
+                      tile_start(i) = query_start_loc[i] // BLOCK_Q + i)
+      query rows    = BLOCK_Q query tokens of r  x  the NUM_QUERIES_PER_KV query heads of
+                      kv_head, flattened to BLOCK_M rows (token-major): one K/V load serves
+                      every query head of the KV head (GQA/MQA)
+      keys          = [key_lo, key_hi) of r: key_hi = last query position + 1 (causal,
+                      bottom-right aligned), key_lo = first query position - W + 1 (sliding
+                      window); key tiles wholly outside are never visited (loop bounds)
+      segment       = NUM_SEGMENTS == 1: all of those key tiles, normalised output
+                      written to `output`; NUM_SEGMENTS > 1: the segment-th contiguous share
+                      of the key tiles, unnormalised fp32 partials (acc, running max, running
+                      sum) written for :func:`reduce_segments_kernel`
+
+``tile_start(i+1) - tile_start(i) >= cdiv(query_len_i, BLOCK_Q)``, so launching
+``num_tokens // BLOCK_Q + num_reqs`` tiles covers every query; surplus tiles return at
+once. Logits, softmax (base 2, online) and the accumulator are fp32.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from attnplug.backends.triton.runtime import interpreting
+
+INTERPRETED: bool = interpreting()
+"""Whether the kernels below were decorated for the Triton interpreter."""
+
+@triton.jit
+def _soft_cap(s, cap):
+    """``cap * tanh(s / cap)``, with ``tanh(x) = sign(x) * (1 - 2 / (exp(2|x|) + 1))`` and
+    ``2|x|`` clamped at 40 (where tanh is 1 in fp32), so nothing overflows."""
+    x = s / cap
+    e = tl.exp(tl.minimum(2.0 * tl.abs(x), 40.0))
+    t = 1.0 - 2.0 / (e + 1.0)
+    return cap * tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def _find_request(query_start_loc_ptr, num_reqs, tile, BLOCK_Q: tl.constexpr):
+    """The largest request index ``i`` with ``query_start_loc[i] // BLOCK_Q + i <= tile``."""
+    lo = tl.program_id(0) * 0  # int32 scalar 0 (loop-carried types must not change)
+    hi = lo + num_reqs
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        start = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+        if start <= tile:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+@triton.jit
+def paged_attention_kernel(
+    query_ptr,            # [num_tokens, num_heads, HEAD_SIZE], fp32/fp16/bf16, last dim contiguous
+    key_cache_ptr,        # [num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_SIZE] (strided view), query's dtype
+    value_cache_ptr,      # [num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_SIZE] (strided view), query's dtype
+    output_ptr,           # [num_tokens, num_heads, HEAD_SIZE], written when NUM_SEGMENTS == 1
+    part_acc_ptr,         # [num_tokens, num_heads, NUM_SEGMENTS, HEAD_SIZE_PADDED] fp32 (NUM_SEGMENTS > 1)
+    part_max_ptr,         # [num_tokens, num_heads, NUM_SEGMENTS] fp32, base-2 running max
+    part_sum_ptr,         # [num_tokens, num_heads, NUM_SEGMENTS] fp32, running sum of exp2
+    query_start_loc_ptr,  # [num_reqs + 1] int32, tokens
+    seq_lens_ptr,         # [num_reqs] int32, tokens
+    block_table_ptr,      # [num_reqs, >= cdiv(max_seq_len, BLOCK_SIZE)] int32, kernel block ids
+    num_reqs,             # int32
+    scale,                # fp32, softmax scale (natural-log domain)
+    soft_cap,             # fp32, logits soft-cap (read only when USE_SOFT_CAP)
+    stride_q_tok, stride_q_head,
+    stride_o_tok, stride_o_head,
+    stride_k_blk, stride_k_tok, stride_k_head,
+    stride_v_blk, stride_v_tok, stride_v_head,
+    stride_bt_req,
+    NUM_QUERIES_PER_KV: tl.constexpr,  # num_heads // num_kv_heads
+    HEAD_SIZE: tl.constexpr,
+    HEAD_SIZE_PADDED: tl.constexpr,    # next power of two >= max(HEAD_SIZE, 16)
+    BLOCK_SIZE: tl.constexpr,          # tokens per kernel block (page)
+    BLOCK_M: tl.constexpr,             # query rows per program (power of two >= 16)
+    BLOCK_Q: tl.constexpr,             # query tokens per program: BLOCK_M // NUM_QUERIES_PER_KV
+    TILE_N: tl.constexpr,              # keys per inner iteration (power of two >= 16)
+    CAUSAL: tl.constexpr,
+    SLIDING_WINDOW: tl.constexpr,      # W tokens (current included); 0 = full attention
+    USE_SOFT_CAP: tl.constexpr,
+    NUM_SEGMENTS: tl.constexpr,        # 1: unified single pass; > 1: split-KV partials
+    DOT_PRECISION: tl.constexpr,       # "ieee" for fp32 inputs (no TF32), "tf32" otherwise (ignored)
+):
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    segment = tl.program_id(2)
+
+    req = _find_request(query_start_loc_ptr, num_reqs, tile, BLOCK_Q)
+    q_begin = tl.load(query_start_loc_ptr + req)
+    q_len = tl.load(query_start_loc_ptr + req + 1) - q_begin
+    first_q = (tile - (q_begin // BLOCK_Q + req)) * BLOCK_Q  # first query index of this tile
+    if first_q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + req)
+    ctx_len = seq_len - q_len  # position of query 0 (bottom-right alignment)
+
+    rows = tl.arange(0, BLOCK_M)
+    q_idx = first_q + rows // NUM_QUERIES_PER_KV
+    head = kv_head * NUM_QUERIES_PER_KV + rows % NUM_QUERIES_PER_KV
+    row_valid = (rows < BLOCK_Q * NUM_QUERIES_PER_KV) & (q_idx < q_len)
+    q_pos = ctx_len + q_idx
+    token = (q_begin + q_idx).to(tl.int64)
+    dims = tl.arange(0, HEAD_SIZE_PADDED)
+    dim_valid = dims < HEAD_SIZE
+
+    q = tl.load(query_ptr + token[:, None] * stride_q_tok + head[:, None] * stride_q_head + dims[None, :],
+                mask=row_valid[:, None] & dim_valid[None, :], other=0.0)
+
+    # Keys any row of the tile may see: [key_lo, key_hi).
+    last_q = tl.minimum(first_q + BLOCK_Q, q_len) - 1
+    if CAUSAL:
+        key_hi = ctx_len + last_q + 1
+    else:
+        key_hi = seq_len
+    if SLIDING_WINDOW > 0:
+        key_lo = tl.maximum(ctx_len + first_q - SLIDING_WINDOW + 1, 0)
+    else:
+        key_lo = seq_len * 0
+    tile_lo = key_lo // TILE_N
+    tile_hi = tl.cdiv(key_hi, TILE_N)
+    if NUM_SEGMENTS > 1:
+        per_segment = tl.cdiv(tile_hi - tile_lo, NUM_SEGMENTS)
+        tile_lo = tile_lo + segment * per_segment
+        tile_hi = tl.minimum(tile_lo + per_segment, tile_hi)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_SIZE_PADDED], dtype=tl.float32)
+    key_offsets = tl.arange(0, TILE_N)
+    bt_row = block_table_ptr + req.to(tl.int64) * stride_bt_req
+    qk_scale = scale * 1.4426950408889634  # log2(e): logits go to base 2 for exp2
+
+    for t in range(tile_lo, tile_hi):
+        keys = t * TILE_N + key_offsets
+        key_live = (keys >= key_lo) & (keys < key_hi)
+        block = tl.load(bt_row + keys // BLOCK_SIZE, mask=key_live, other=0).to(tl.int64)
+        in_block = keys % BLOCK_SIZE
+        kv_mask = key_live[:, None] & dim_valid[None, :]
+        k = tl.load(key_cache_ptr + block[:, None] * stride_k_blk + in_block[:, None] * stride_k_tok
+                    + kv_head * stride_k_head + dims[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, TILE_N] fp32
+        if USE_SOFT_CAP:
+            s = _soft_cap(s * scale, soft_cap) * 1.4426950408889634
+        else:
+            s = s * qk_scale
+        visible = row_valid[:, None] & key_live[None, :]
+        if CAUSAL:
+            visible = visible & (keys[None, :] <= q_pos[:, None])
+        if SLIDING_WINDOW > 0:
+            visible = visible & (keys[None, :] > q_pos[:, None] - SLIDING_WINDOW)
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet
+        p = tl.exp2(s - m_ref[:, None])
+        alpha = tl.exp2(m_i - m_ref)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(value_cache_ptr + block[:, None] * stride_v_blk + in_block[:, None] * stride_v_tok
+                    + kv_head * stride_v_head + dims[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    if NUM_SEGMENTS == 1:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(output_ptr + token[:, None] * stride_o_tok + head[:, None] * stride_o_head + dims[None, :],
+                 out.to(output_ptr.dtype.element_ty), mask=row_valid[:, None] & dim_valid[None, :])
+    else:
+        part = (token * tl.num_programs(1) * NUM_QUERIES_PER_KV + head) * NUM_SEGMENTS + segment
+        tl.store(part_max_ptr + part, m_i, mask=row_valid)
+        tl.store(part_sum_ptr + part, l_i, mask=row_valid)
+        tl.store(part_acc_ptr + part[:, None] * HEAD_SIZE_PADDED + dims[None, :], acc,
+                 mask=row_valid[:, None])
+
+
+@triton.jit
+def reduce_segments_kernel(
+    output_ptr,           # [num_tokens, num_heads, HEAD_SIZE]
+    part_acc_ptr,         # [num_tokens, num_heads, NUM_SEGMENTS, HEAD_SIZE_PADDED] fp32
+    part_max_ptr,         # [num_tokens, num_heads, NUM_SEGMENTS] fp32
+    part_sum_ptr,         # [num_tokens, num_heads, NUM_SEGMENTS] fp32
+    query_start_loc_ptr,  # [num_reqs + 1] int32
+    num_reqs,             # int32
+    num_heads,            # int32
+    stride_o_tok, stride_o_head,
+    HEAD_SIZE: tl.constexpr,
+    HEAD_SIZE_PADDED: tl.constexpr,
+    NUM_SEGMENTS: tl.constexpr,
+):
+    """Grid ``(num_tokens, num_heads)``: combine the segments of one (token, head).
+
+    ``out = sum_s acc_s * 2^(m_s - M) / sum_s l_s * 2^(m_s - M)`` with ``M = max_s m_s``;
+    empty segments have ``m_s = -inf`` and weigh 0. Tokens past ``query_start_loc[num_reqs]``
+    (padding) are skipped: their partials were never written."""
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    if token >= tl.load(query_start_loc_ptr + num_reqs):
+        return
+    base = (token.to(tl.int64) * num_heads + head) * NUM_SEGMENTS
+    segs = tl.arange(0, NUM_SEGMENTS)
+    dims = tl.arange(0, HEAD_SIZE_PADDED)
+    m = tl.load(part_max_ptr + base + segs)
+    l = tl.load(part_sum_ptr + base + segs)
+    m_all = tl.max(m, axis=0)
+    w = tl.exp2(m - m_all)
+    total = tl.sum(l * w, axis=0)
+    acc = tl.load(part_acc_ptr + (base + segs)[:, None] * HEAD_SIZE_PADDED + dims[None, :])
+    out = tl.sum(acc * w[:, None], axis=0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(output_ptr + token.to(tl.int64) * stride_o_tok + head * stride_o_head + dims,
+             out.to(output_ptr.dtype.element_ty), mask=dims < HEAD_SIZE)

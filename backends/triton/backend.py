@@ -1,0 +1,119 @@
+"""``TritonBackend``: attnplug's own paged attention kernels in Triton (GPU, or the
+Triton interpreter on the CPU).
+
+Two declarations depend on how the kernels would run *now*, so they are computed on
+access (class properties through :class:`_TritonBackendMeta`) rather than frozen at
+import: ``supported_devices`` (``"cuda"``, plus ``"cpu"`` under ``TRITON_INTERPRET=1``)
+and ``supported_dtypes`` (bfloat16 only when compiling: the interpreter's ``tl.dot``
+treats bfloat16 operands as raw ``uint16``, so bfloat16 results would be wrong there).
+"""
+
+from __future__ import annotations
+
+from abc import ABCMeta
+
+import torch
+
+from attnplug.backends.triton.attention import MAX_HEAD_SIZE
+from attnplug.backends.triton.runtime import cuda_available, interpreting, unavailable_reason
+from attnplug.core.contracts import AttentionBackend, AttentionImpl, AttentionLayerConfig, AttentionMetadataBuilder
+
+KERNEL_BLOCK_SIZES: tuple[int, ...] = (16, 32, 64)
+"""Kernel block (page) sizes, tokens. A manager block size that is a multiple of one of
+these is served by splitting each manager block into kernel blocks (128 -> 64, 48 -> 16)."""
+
+HEAD_SIZES: tuple[int, ...] = tuple(range(16, MAX_HEAD_SIZE + 1, 16))
+"""Head sizes the kernels take: multiples of 16 (the tensor-core K granularity) up to 256;
+inside the kernel a head is padded to the next power of two (masked loads)."""
+
+
+class _TritonBackendMeta(ABCMeta):
+    """Computes the mode-dependent declarations on access (see the module docstring)."""
+
+    @property
+    def supported_devices(cls) -> tuple[str, ...]:
+        return ("cuda", "cpu") if interpreting() else ("cuda",)
+
+    @property
+    def supported_dtypes(cls) -> tuple[torch.dtype, ...]:
+        if interpreting():
+            return (torch.float16, torch.float32)
+        return (torch.float16, torch.bfloat16, torch.float32)
+
+
+class TritonBackend(AttentionBackend, metaclass=_TritonBackendMeta):
+    """Paged varlen attention in Triton: one kernel launch for mixed prefill/decode
+    batches, split-KV (segments + reduce) for decode-heavy batches with long contexts.
+
+    Capabilities: float16/bfloat16/float32 (bfloat16 not under the interpreter), head
+    sizes that are multiples of 16 up to 256, kernel block sizes 16/32/64, GQA/MQA,
+    sliding window, logits soft-cap, decoder (causal) attention; CUDA, or the CPU under
+    ``TRITON_INTERPRET=1``. CUDA graphs: ``ALWAYS`` (persistent metadata buffers).
+
+    KV cache per layer: ``[num_blocks, 2, block_size, num_kv_heads, head_size]`` (K at
+    index 0 and V at 1 of dim 1, NHD inside a block), the default layout.
+
+    Examples:
+        >>> TritonBackend.get_name()
+        'triton'
+        >>> TritonBackend.get_supported_kernel_block_size(128)
+        64
+        >>> TritonBackend.get_kv_cache_shape(num_blocks=8, block_size=16, num_kv_heads=2, head_size=64)
+        (8, 2, 16, 2, 64)
+    """
+
+    supported_head_sizes = HEAD_SIZES
+    supported_kernel_block_sizes = KERNEL_BLOCK_SIZES
+
+    @classmethod
+    def get_name(cls) -> str:
+        return "triton"
+
+    @classmethod
+    def get_builder_cls(cls) -> type[AttentionMetadataBuilder]:
+        from attnplug.backends.triton.builder import TritonMetadataBuilder
+        return TritonMetadataBuilder
+
+    @classmethod
+    def get_impl_cls(cls) -> type[AttentionImpl]:
+        from attnplug.backends.triton.impl import TritonAttentionImpl
+        return TritonAttentionImpl
+
+    @classmethod
+    def supports_sliding_window(cls) -> bool:
+        return True
+
+    @classmethod
+    def supports_logits_soft_cap(cls) -> bool:
+        return True
+
+    @classmethod
+    def supports_mqa_gqa(cls) -> bool:
+        return True
+
+    @classmethod
+    def is_available(cls) -> tuple[bool, str]:
+        """Available when Triton imports and there is a CUDA device or ``TRITON_INTERPRET=1``.
+        Cheap (imports triton once); never raises."""
+        why = unavailable_reason()
+        return (why is None), (why or "")
+
+    @classmethod
+    def validate_configuration(cls, layer: AttentionLayerConfig) -> list[str]:
+        """The base checks (declared dtypes, head sizes, block sizes, features, device),
+        with the reason behind the mode-dependent ones, plus: the KV cache dtype must be
+        the activation dtype, and a CUDA layer needs a CUDA build of torch."""
+        reasons = super().validate_configuration(layer)
+        dev = torch.device(layer.device).type
+        if dev == "cpu" and not interpreting():
+            reasons.append("on the CPU the Triton kernels run only in the Triton interpreter: set "
+                           "TRITON_INTERPRET=1 before the first launch (slow; for tests)")
+        if layer.dtype == torch.bfloat16 and interpreting():
+            reasons.append("bfloat16 is not supported under TRITON_INTERPRET=1: the interpreter's tl.dot "
+                           "multiplies bfloat16 operands as raw uint16 bits; use float16/float32 there, or a GPU")
+        if dev == "cuda" and not cuda_available():
+            reasons.append("device 'cuda' requested but torch.cuda.is_available() is False")
+        if layer.effective_kv_cache_dtype != layer.dtype:
+            reasons.append(f"kv_cache_dtype {layer.effective_kv_cache_dtype} differs from dtype {layer.dtype}: "
+                           "the kernels read the cache in the activation dtype (no quantized caches)")
+        return reasons

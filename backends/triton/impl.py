@@ -1,0 +1,135 @@
+"""``TritonAttentionImpl``: write this step's K/V with the cache kernel, then run the paged
+attention kernels (unified, or split-KV + reduce)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from attnplug.backends.triton.attention import paged_attention
+from attnplug.backends.triton.cache_ops import write_kv_cache
+from attnplug.backends.triton.metadata import TritonAttentionMetadata
+from attnplug.backends.triton.runtime import interpreting
+from attnplug.core.contracts import AttentionImpl, AttentionType
+from attnplug.core.errors import BackendUnsupportedError, MetadataError
+
+
+class TritonAttentionImpl(AttentionImpl):
+    """The attention of one layer with the Triton kernels.
+
+    ``TritonAttentionImpl(num_heads, head_size, scale, num_kv_heads, sliding_window=None,
+    logits_soft_cap=None, attn_type=AttentionType.DECODER, kv_cache_dtype=None)``.
+
+    Raises:
+        BackendUnsupportedError: ``num_heads`` not a multiple of ``num_kv_heads``, a head
+            size the kernels do not take, a non-positive window or cap, or an attention
+            type other than decoder.
+
+    Examples (on the CPU this needs ``TRITON_INTERPRET=1`` in the environment):
+        >>> import torch
+        >>> from attnplug.backends.triton import TritonBackend
+        >>> from attnplug.cache_groups.specs import FullAttentionSpec
+        >>> from attnplug.core import BuilderConfig, CommonAttentionMetadata
+        >>> spec = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=16)
+        >>> builder = TritonBackend.get_builder_cls()(spec, ["l0"], BuilderConfig(2, 16, 32), "cpu")
+        >>> cm = CommonAttentionMetadata.from_lengths([0, 3], [3, 1], [[1, 0], [2, 0]], block_size=16)
+        >>> meta = builder.build(0, cm)
+        >>> impl = TritonBackend.get_impl_cls()(2, 16, 16 ** -0.5, 1)
+        >>> kv_cache = torch.zeros(TritonBackend.get_kv_cache_shape(3, 16, 1, 16))
+        >>> q, k, v = torch.randn(4, 2, 16), torch.randn(4, 1, 16), torch.randn(4, 1, 16)
+        >>> impl.forward(None, q, k, v, kv_cache, meta, torch.zeros(4, 2, 16)).shape
+        torch.Size([4, 2, 16])
+    """
+
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
+                 sliding_window: int | None = None, logits_soft_cap: float | None = None,
+                 attn_type: AttentionType = AttentionType.DECODER,
+                 kv_cache_dtype: torch.dtype | None = None):
+        from attnplug.backends.triton.backend import HEAD_SIZES
+
+        reasons = []
+        if num_kv_heads <= 0 or num_heads % num_kv_heads != 0:
+            reasons.append(f"num_heads {num_heads} is not a positive multiple of num_kv_heads {num_kv_heads}")
+        if head_size not in HEAD_SIZES:
+            reasons.append(f"head_size {head_size} not supported (multiples of 16 up to {HEAD_SIZES[-1]})")
+        if sliding_window is not None and sliding_window <= 0:
+            reasons.append(f"sliding_window must be a positive number of tokens, got {sliding_window!r}")
+        if logits_soft_cap is not None and logits_soft_cap <= 0:
+            reasons.append(f"logits_soft_cap must be > 0, got {logits_soft_cap!r}")
+        if attn_type != AttentionType.DECODER:
+            reasons.append(f"attention type {AttentionType(attn_type).value!r} not supported (decoder only)")
+        if reasons:
+            raise BackendUnsupportedError("triton", reasons, context="TritonAttentionImpl")
+        super().__init__(num_heads, head_size, scale, num_kv_heads, sliding_window, logits_soft_cap,
+                         attn_type, kv_cache_dtype)
+
+    def forward(self, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                kv_cache: torch.Tensor, attn_metadata: TritonAttentionMetadata,
+                output: torch.Tensor) -> torch.Tensor:
+        """Write this step's K/V at the slot mapping, then attend over the paged cache.
+
+        Args:
+            layer: the calling module (unused; may be ``None``).
+            query: ``[num_tokens, num_heads, head_size]``, float32/float16/bfloat16.
+            key, value: ``[num_tokens, num_kv_heads, head_size]``, same dtype and device.
+            kv_cache: ``[num_blocks, 2, block_size, num_kv_heads, head_size]`` (K at index
+                0, V at 1), same dtype and device; written in place at the real slots only.
+            attn_metadata: what :class:`TritonMetadataBuilder` built this step.
+            output: ``[num_tokens, num_heads, head_size]``, same device; rows of real tokens
+                are overwritten, padded rows are left untouched.
+
+        Returns:
+            ``output``.
+
+        Raises:
+            MetadataError: shapes, dtypes or devices that disagree with each other or with
+                the metadata, or CPU tensors while the kernels are compiled for a GPU.
+
+        Numerics: fp32 logits, online softmax and accumulator; result cast to
+        ``output.dtype``. Does not synchronise with the host (two or three kernel launches).
+        """
+        md = attn_metadata
+        self._check(query, key, value, kv_cache, md, output)
+        key_cache, value_cache = kv_cache[:, 0], kv_cache[:, 1]
+        num_writes = min(key.shape[0], md.slot_mapping.shape[0])
+        write_kv_cache(key[:num_writes], value[:num_writes], key_cache, value_cache, md.slot_mapping[:num_writes])
+        return paged_attention(
+            query, key_cache, value_cache, output, md.query_start_loc, md.seq_lens, md.block_table_tensor,
+            num_reqs=md.num_reqs, max_query_len=md.max_query_len, scale=self.scale, causal=md.causal,
+            sliding_window=self.sliding_window, logits_soft_cap=self.logits_soft_cap,
+            num_kv_splits=md.num_kv_splits)
+
+    def _check(self, query, key, value, kv_cache, md, output) -> None:
+        if not isinstance(md, TritonAttentionMetadata):
+            raise MetadataError(
+                f"attn_metadata is a {type(md).__name__}, not TritonAttentionMetadata: the layer's metadata "
+                "must come from the triton builder of its cache group.")
+        problems = []
+        expect_q = (self.num_heads, self.head_size)
+        expect_kv = (self.num_kv_heads, self.head_size)
+        if query.dim() != 3 or tuple(query.shape[1:]) != expect_q:
+            problems.append(f"query {tuple(query.shape)} should be [num_tokens, {expect_q[0]}, {expect_q[1]}]")
+        for name, t in (("key", key), ("value", value)):
+            if t.dim() != 3 or tuple(t.shape[1:]) != expect_kv:
+                problems.append(f"{name} {tuple(t.shape)} should be [num_tokens, {expect_kv[0]}, {expect_kv[1]}]")
+        if output.shape != query.shape:
+            problems.append(f"output {tuple(output.shape)} should match query {tuple(query.shape)}")
+        if min(query.shape[0], key.shape[0], value.shape[0]) < md.num_actual_tokens:
+            problems.append(f"query/key/value have fewer rows than num_actual_tokens={md.num_actual_tokens}")
+        shape = (2, md.block_size, self.num_kv_heads, self.head_size)
+        if kv_cache.dim() != 5 or tuple(kv_cache.shape[1:]) != shape:
+            problems.append(f"kv_cache {tuple(kv_cache.shape)} should be [num_blocks, {', '.join(map(str, shape))}]")
+        dtypes = {t.dtype for t in (query, key, value, kv_cache, output)}
+        if len(dtypes) != 1:
+            problems.append(f"query/key/value/kv_cache/output dtypes differ ({sorted(map(str, dtypes))}); the "
+                            "kernels need one dtype")
+        devices = {t.device for t in (query, key, value, kv_cache, output, md.query_start_loc)}
+        if len(devices) != 1:
+            problems.append(f"tensors on several devices ({sorted(map(str, devices))})")
+        elif query.device.type == "cpu" and not interpreting():
+            problems.append("CPU tensors but the Triton kernels are compiled for a GPU; set TRITON_INTERPRET=1 "
+                            "to run them in the Triton interpreter")
+        if problems:
+            raise MetadataError("triton forward: " + "; ".join(problems)
+                                + ". Pass tensors shaped as the layer config and the cache group's spec say.")

@@ -1,0 +1,96 @@
+"""``TritonAttentionMetadata`` and the split-KV decision.
+
+The metadata is what every ``triton`` layer of a cache group reads in one step; its
+tensors are views of the builder's persistent buffers (see ``builder.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class TritonAttentionMetadata:
+    """One step of one cache group, lowered for the Triton kernels.
+
+    Every tensor lives on the compute device, in a persistent buffer of the builder that
+    made it: the addresses are the same every step (CUDA graphs replay them), the
+    contents are valid until that builder's next ``build``/``update_block_table``.
+    """
+
+    num_reqs: int
+    """Real (non-padded) requests."""
+    num_actual_tokens: int
+    """Real (non-padded) tokens; query rows past it are padding and never written."""
+    max_query_len: int
+    """Longest query this step (tokens); picks the kernel's tile sizes."""
+    max_seq_len: int
+    """Longest ``seq_len`` this step (tokens)."""
+    block_size: int
+    """Tokens per kernel block; equals ``kv_cache.shape[2]``."""
+    causal: bool
+    """Bottom-right aligned causal attention (query ``j`` of request ``i`` sees keys up to
+    position ``seq_lens[i] - query_len_i + j``)."""
+    query_start_loc: torch.Tensor
+    """``[num_reqs + 1]``, ``torch.int32``; tokens. Exclusive prefix sum of query lengths."""
+    seq_lens: torch.Tensor
+    """``[num_reqs]``, ``torch.int32``; tokens of KV per request after this step."""
+    block_table_tensor: torch.Tensor
+    """``[num_reqs, >= cdiv(max_seq_len, block_size)]``, ``torch.int32``; kernel block ids
+    in logical order, ``NULL_BLOCK_ID`` past each request's blocks (never read)."""
+    slot_mapping: torch.Tensor
+    """``[num_tokens]`` (padded length), ``torch.int64``; flat slot of each token's K/V,
+    ``PAD_SLOT_ID`` for padded tokens (not written)."""
+    num_kv_splits: int
+    """1: the unified kernel in one launch. ``> 1`` (a power of two): the split-KV path,
+    every request's visible keys in ``num_kv_splits`` segments, then a reduce."""
+
+    @property
+    def use_split_kv(self) -> bool:
+        """Whether ``forward`` takes the split-KV path (segments + reduce)."""
+        return self.num_kv_splits > 1
+
+
+@dataclass(frozen=True)
+class SplitKVPolicy:
+    """When the builder picks the split-KV path, and how many segments.
+
+    A decode step gives one program per (request, KV head); with few requests that
+    leaves most of a GPU idle while each program walks a long context. Splitting every
+    request's keys into segments multiplies the programs; a reduce combines them.
+
+    Attributes:
+        max_query_len: split only when no query is longer (decode-heavy batches).
+        min_seq_len: ... and the longest context has at least this many tokens.
+        min_tokens_per_split: segments of the longest context hold at least this many keys.
+        max_splits: upper bound (a power of two).
+        programs_per_sm: aim for this many programs per streaming multiprocessor.
+    """
+
+    max_query_len: int = 1
+    min_seq_len: int = 1024
+    min_tokens_per_split: int = 256
+    max_splits: int = 16
+    programs_per_sm: int = 4
+
+    def num_kv_splits(self, *, num_reqs: int, num_kv_heads: int, max_query_len: int, max_seq_len: int,
+                      num_sms: int) -> int:
+        """The ``num_kv_splits`` for a step (1 = unified path). Host ints only; no sync.
+
+        Examples:
+            >>> p = SplitKVPolicy()
+            >>> p.num_kv_splits(num_reqs=4, num_kv_heads=8, max_query_len=1, max_seq_len=8192, num_sms=132)
+            16
+            >>> p.num_kv_splits(num_reqs=256, num_kv_heads=8, max_query_len=1, max_seq_len=8192, num_sms=132)
+            1
+            >>> p.num_kv_splits(num_reqs=4, num_kv_heads=8, max_query_len=7, max_seq_len=8192, num_sms=132)
+            1
+        """
+        if num_reqs == 0 or max_query_len > self.max_query_len or max_seq_len < self.min_seq_len:
+            return 1
+        programs = max(1, num_reqs * num_kv_heads)
+        want = -(-num_sms * self.programs_per_sm // programs)
+        splits = min(want, max(1, max_seq_len // self.min_tokens_per_split), self.max_splits)
+        return 1 << (max(1, splits).bit_length() - 1)  # round down to a power of two
