@@ -209,18 +209,6 @@ class BlockTable:
             self.kernel_block_table.np[row, :n * k] = expand_to_kernel_block_ids(block_ids, k)
         self.num_blocks_per_row[row] = n
 
-    def clear_rows(self, rows: np.ndarray) -> None:
-        """Batched ``clear_row``."""
-        if rows.shape[0] == 0:
-            return
-        w = int(self.num_blocks_per_row[rows].max())
-        if w:
-            self.block_table_np[rows, :w] = NULL_BLOCK_ID
-            k = self.kernel_blocks_per_block
-            if k > 1:
-                self.kernel_block_table.np[rows, :w * k] = NULL_BLOCK_ID
-            self.num_blocks_per_row[rows] = 0
-
     def clear_row(self, row: int) -> None:
         """Forget row ``row``'s blocks (entries back to ``NULL_BLOCK_ID``)."""
         n = int(self.num_blocks_per_row[row])

@@ -198,22 +198,11 @@ class InputBatch:
         Returns:
             The freed row, or ``None`` when the request is not in the batch.
         """
-        row = self.req_id_to_index.pop(req_id, None)
-        if row is None:
-            return None
-        if keep_state:
-            self._states[row]._detach()
-        else:
-            self._states[row]._drop()
-        self._states[row] = None
-        self._req_ids[row] = None
-        self.generators.pop(row, None)
-        self.block_table.clear_row(row)
-        heapq.heappush(self._holes, row)
-        return row
+        rows = self.remove_requests([req_id], keep_state)
+        return rows[0] if rows else None
 
     def remove_requests(self, req_ids: Sequence[str], keep_state: bool = True) -> list[int]:
-        """Batched :meth:`remove_request` (block rows cleared in one operation per group).
+        """Batched :meth:`remove_request`; ids not in the batch are skipped.
 
         Returns:
             The freed rows of the requests that were in the batch.

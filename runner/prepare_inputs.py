@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from attnplug.cache_groups.buffers import CpuGpuBuffer
+from attnplug.cache_groups.ragged import cumsum_and_arange, repeat_indices
 from attnplug.core.constants import PAD_SLOT_ID
 from attnplug.core.metadata import CommonAttentionMetadata
 from attnplug.runner.input_batch import InputBatch
@@ -131,8 +132,8 @@ class InputPreparer:
             pos[:] = ncc
             np.add(self._row_starts[:R], pos, out=flat)
         else:
-            req_indices = np.repeat(self._arange[:R], sched)
-            offsets = self._arange[:Q] - np.repeat(qsl[:R], sched)
+            req_indices = repeat_indices(sched, self._arange)
+            _, offsets = cumsum_and_arange(sched, self._arange)
             np.add(ncc[req_indices], offsets, out=pos)
             np.add(self._row_starts[req_indices], pos, out=flat)
         # index-select from the flattened token table into the persistent buffer

@@ -65,15 +65,29 @@ def rope_inv_freq(head_size: int, theta: float, scaling: RopeScaling) -> torch.T
 
 
 class RotaryEmbedding(nn.Module):
-    """Applies RoPE to queries and keys at given positions."""
+    """Applies RoPE to queries and keys at given positions.
 
-    def __init__(self, head_size: int, theta: float, scaling: RopeScaling, device: torch.device | str):
+    ``rotary_dim`` (default ``head_size``) leading dimensions of each head are rotated
+    (frequencies computed for ``rotary_dim``, HF ``partial_rotary_factor``); the rest
+    pass through.
+    """
+
+    def __init__(self, head_size: int, theta: float, scaling: RopeScaling, device: torch.device | str,
+                 rotary_dim: int | None = None):
         super().__init__()
         self.head_size = head_size
-        self.register_buffer("inv_freq", rope_inv_freq(head_size, theta, scaling).to(device), persistent=False)
+        self.rotary_dim = head_size if rotary_dim is None else rotary_dim
+        self.register_buffer("inv_freq", rope_inv_freq(self.rotary_dim, theta, scaling).to(device), persistent=False)
+
+    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """:meth:`rotate` the first ``rotary_dim`` dimensions of ``x``, keep the rest."""
+        if self.rotary_dim == self.head_size:
+            return self.rotate(x, cos, sin)
+        r = self.rotary_dim
+        return torch.cat([self.rotate(x[..., :r], cos, sin), x[..., r:]], dim=-1)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """``positions`` ``[num_tokens]`` int64 -> ``cos``, ``sin`` ``[num_tokens, 1, head_size // 2]``."""
+        """``positions`` ``[num_tokens]`` int64 -> ``cos``, ``sin`` ``[num_tokens, 1, rotary_dim // 2]``."""
         angles = positions.float().unsqueeze(-1) * self.inv_freq  # float32, as HF
         return angles.cos().to(dtype).unsqueeze(1), angles.sin().to(dtype).unsqueeze(1)
 
@@ -137,7 +151,7 @@ class Attention(nn.Module):
         k = self.k_proj(hidden).view(n, self.num_kv_heads, self.head_size)
         v = self.v_proj(hidden).view(n, self.num_kv_heads, self.head_size)
         cos, sin = self.rope.cos_sin(positions, hidden.dtype)
-        q, k = RotaryEmbedding.rotate(q, cos, sin), RotaryEmbedding.rotate(k, cos, sin)
+        q, k = self.rope.apply(q, cos, sin), self.rope.apply(k, cos, sin)
         out = torch.zeros_like(q)  # padded rows stay zero
         self.impl.forward(self, q, k, v, kv_cache, attn_metadata, out)
         return self.o_proj(out.view(n, self.num_heads * self.head_size))
