@@ -52,9 +52,9 @@ class IntPacker:
                 if isinstance(s, np.ndarray):
                     if s.ndim != 1 or s.dtype.kind not in "iu":
                         return i
-                    if n and s.dtype.kind == "i" and s.min() < 0:
-                        return i
-                    if n and s.dtype.itemsize >= 4 and s.dtype != np.int32 and s.max() > INT32_MAX:
+                    # values that fit int32 need no check here: negatives show in the final min
+                    if n and (s.dtype.itemsize > 4 or s.dtype == np.uint32) and (
+                            s.max() > INT32_MAX or (s.dtype.kind == "i" and s.min() < 0)):
                         return i
                     buf[off:off + n] = s
                 elif n:
