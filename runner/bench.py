@@ -142,7 +142,7 @@ def render(rows: list[tuple[str, dict, dict | None, float | None]], markdown: bo
 def main(argv: list[str] | None = None) -> int:
     """``attnplug bench step [--steps N] [--sizes 16,64,...] [--trace-steps N] ...``"""
     parser = argparse.ArgumentParser(prog="attnplug bench", description=__doc__.split("\n\n")[0])
-    parser.add_argument("which", choices=["step"], help="the benchmark to run")
+    parser.add_argument("which", nargs="?", default="step", choices=["step"], help="the benchmark to run (default: step)")
     parser.add_argument("--steps", type=int, default=300, help="timed steady-decode steps per size (default 300)")
     parser.add_argument("--sizes", default="16,64,256,1024", help="steady-decode batch sizes N")
     parser.add_argument("--trace-steps", type=int, default=300, help="trace-replay steps (0 skips it)")
