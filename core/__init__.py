@@ -23,6 +23,7 @@ from attnplug.core.errors import (
     TraceFormatError,
     UnknownBackendError,
 )
+from attnplug.core.mamba import MambaBackend, MambaImpl, MambaLayerConfig, MambaStateCache
 from attnplug.core.metadata import CommonAttentionMetadata
 from attnplug.core.validation import BatchView, RowState, validate
 
@@ -32,5 +33,5 @@ __all__ = [
     "BuilderConfig", "AttnplugError", "BackendUnsupportedError", "ConfigError", "InvalidSchedulerOutput",
     "KVCacheSpecError", "MetadataError", "MetadataInvariantError", "PluginValidationError",
     "TraceFormatError", "UnknownBackendError", "CommonAttentionMetadata", "BatchView", "RowState",
-    "validate",
+    "validate", "MambaBackend", "MambaImpl", "MambaLayerConfig", "MambaStateCache",
 ]

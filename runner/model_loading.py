@@ -14,6 +14,7 @@ from typing import Any, Callable
 import torch
 
 from attnplug.core.errors import AttnplugError
+from attnplug.core.mamba import MambaLayerConfig
 
 
 def read_hf_config(path: str) -> dict[str, Any]:
@@ -54,7 +55,10 @@ def build_with_backends(config: Any, *, backend: str | None, block_size: int, re
 
     def backend_for_layer(layer_name, layer_cfg):
         if layer_name not in chosen:
-            kind = "sliding_window" if layer_cfg.sliding_window else "full_attention"
+            if isinstance(layer_cfg, MambaLayerConfig):
+                kind = "mamba"
+            else:
+                kind = "sliding_window" if layer_cfg.sliding_window else "full_attention"
             chosen.update(resolve(backend, {layer_name: layer_cfg}, {layer_name: kind}))
         return chosen[layer_name]
 

@@ -20,6 +20,7 @@ import torch
 from attnplug.cache_groups.grouping import KVCacheConfig
 from attnplug.core.contracts import AttentionBackend, BuilderConfig
 from attnplug.core.errors import BackendUnsupportedError
+from attnplug.core.mamba import MambaBackend
 from attnplug.runner.attn_metadata import GroupMetadataBuilder
 from attnplug.runner.sampler import Sampler
 from attnplug.runner.scheduler_output import SchedulerOutput
@@ -108,6 +109,7 @@ class ModelRunner:
             device=self.device,
             kernel_block_sizes=kernel_block_sizes,
             reorder_batch_threshold=min(threshold) if threshold else None,
+            group_kinds=[g.kv_cache_spec.kind for g in groups],
         )
         self.metadata_builder = GroupMetadataBuilder(
             builders, [list(g.layer_names) for g in groups], enable_caching=enable_builder_cache)
@@ -115,10 +117,22 @@ class ModelRunner:
         self.sampler = Sampler(default_seed=seed)
         self.timings_ns: dict[str, list[int]] = {s: [] for s in STAGES}
 
-    def _allocate_kv_caches(self) -> dict[str, torch.Tensor]:
-        caches: dict[str, torch.Tensor] = {}
-        for group, backend, kbs in zip(self.kv_cache_config.groups, self.backends, self.kernel_block_sizes):
+    def _allocate_kv_caches(self) -> dict[str, Any]:
+        """Per layer: a paged KV tensor (``backend.get_kv_cache_shape``) for attention groups,
+        the backend's state (``backend.allocate_state_cache``, one slot per block id) for
+        Mamba groups."""
+        caches: dict[str, Any] = {}
+        for g, (group, backend, kbs) in enumerate(zip(self.kv_cache_config.groups, self.backends,
+                                                     self.kernel_block_sizes)):
             spec = group.kv_cache_spec
+            if spec.kind == "mamba":
+                if not isinstance(backend, type) or not issubclass(backend, MambaBackend):
+                    raise BackendUnsupportedError(backend.get_name(), [
+                        "cache group is a Mamba state group but the backend is not a MambaBackend "
+                        "(it cannot allocate state slots)"], f"cache group {g}")
+                for name in group.layer_names:
+                    caches[name] = backend.allocate_state_cache(spec, self.kv_cache_config.num_blocks, self.device)
+                continue
             num_kernel_blocks = self.kv_cache_config.num_blocks * (spec.block_size // kbs)
             shape = backend.get_kv_cache_shape(num_kernel_blocks, kbs, spec.num_kv_heads, spec.head_size)
             for name in group.layer_names:
@@ -156,7 +170,7 @@ class ModelRunner:
         sampled: dict[str, list[int]] = {}
         logits_out: dict[str, torch.Tensor] = {}
         if len(keep):
-            idx = torch.as_tensor(np.asarray(inputs.logits_indices)[keep], dtype=torch.int64, device=hidden.device)
+            idx = inputs.logits_indices_cpu[torch.from_numpy(keep)].to(hidden.device, non_blocking=True)
             logits = self.model.compute_logits(hidden.index_select(0, idx))
             states = [self.compiler.requests[rid] for rid in req_ids]
             params = [st.sampling_params for st in states]

@@ -1,13 +1,16 @@
-"""Llama-family decoder models (Llama, Qwen2, Mistral) over pluggable attention backends.
+"""Decoder models over pluggable backends: the Llama family (Llama, Qwen2, Mistral) and the
+Bamba hybrid (Mamba2 + attention).
 
 Build from an HF config with :func:`build_model`, load HF weights with
 ``model.load_hf_state_dict``, or get a bundled random-weight preset with
 :func:`make_preset_model`. ``transformers`` is not needed (only the parity tests use it).
 """
 
+from attnplug.runner.models.bamba import BambaModel, mamba_layer_name
+from attnplug.runner.models.bamba_config import BambaModelConfig
 from attnplug.runner.models.config import DecoderModelConfig, ModelConfigError, RopeScaling
 from attnplug.runner.models.llama import DecoderModel, attention_layer_name, layer_configs
-from attnplug.runner.models.loader import WeightLoadError, build_model, load_hf_state_dict
+from attnplug.runner.models.loader import WeightLoadError, build_model, load_hf_state_dict, model_layer_configs
 from attnplug.runner.models.presets import DEFAULT_PRESET, PRESETS, make_preset_model, preset_config
 from attnplug.runner.models.registry import (
     SUPPORTED_ARCHITECTURES,
@@ -17,6 +20,7 @@ from attnplug.runner.models.registry import (
 )
 
 __all__ = [
+    "BambaModel", "BambaModelConfig", "mamba_layer_name", "model_layer_configs",
     "DEFAULT_PRESET", "PRESETS", "SUPPORTED_ARCHITECTURES", "SUPPORTED_MODEL_TYPES", "DecoderModel",
     "DecoderModelConfig", "ModelConfigError", "RopeScaling", "UnsupportedModelError", "WeightLoadError",
     "attention_layer_name", "build_model", "layer_configs", "load_hf_state_dict", "make_preset_model",

@@ -9,7 +9,11 @@ import torch
 
 from attnplug.core.contracts import AttentionLayerConfig
 from attnplug.core.errors import AttnplugError, BackendUnsupportedError
-from attnplug.runner.models.llama import BackendForLayer, DecoderModel, attention_layer_name, layer_configs
+from attnplug.core.mamba import MambaLayerConfig
+from attnplug.runner.models.bamba import BambaModel, bamba_layer_configs
+from attnplug.runner.models.bamba_config import BambaModelConfig
+from attnplug.runner.models.config import DecoderModelConfig
+from attnplug.runner.models.llama import BackendForLayer, DecoderModel, layer_configs
 from attnplug.runner.models.registry import resolve_model_config
 
 
@@ -48,22 +52,34 @@ IGNORED_HF_KEYS = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
 """Keys some HF checkpoints carry that are recomputed here (RoPE inverse frequencies)."""
 
 
-def _torch_native(layer_name: str, layer_cfg: AttentionLayerConfig):
+def _default_backend(layer_name: str, layer_cfg: AttentionLayerConfig | MambaLayerConfig):
     from attnplug.backends import get_backend
-    return get_backend("torch_native")
+    return get_backend("mamba2_torch" if isinstance(layer_cfg, MambaLayerConfig) else "torch_native")
+
+
+def model_layer_configs(cfg: DecoderModelConfig | BambaModelConfig, dtype: torch.dtype,
+                        device: torch.device | str, block_size: int
+                        ) -> dict[str, AttentionLayerConfig | MambaLayerConfig]:
+    """``{layer_name: layer config}`` in model order for any supported family (a Mamba2
+    layer gets a :class:`~attnplug.core.mamba.MambaLayerConfig`)."""
+    if isinstance(cfg, BambaModelConfig):
+        return bamba_layer_configs(cfg, dtype, device, block_size)
+    return layer_configs(cfg, dtype, device, block_size)
 
 
 def build_model(config: Any, *, backend_for_layer: BackendForLayer | None = None,
                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                block_size: int = 16, seed: int | None = 0) -> DecoderModel:
-    """Build a Llama / Qwen2 / Mistral model whose attention layers use chosen backends.
+                block_size: int = 16, seed: int | None = 0) -> DecoderModel | BambaModel:
+    """Build a Llama / Qwen2 / Mistral / Bamba model whose layers use chosen backends.
 
     Args:
         config: a ``transformers.PretrainedConfig``, a dict, or a ``config.json`` path (or
             its directory) of a supported architecture.
         backend_for_layer: ``(layer_name, layer_cfg) -> AttentionBackend`` subclass, called
-            once per attention layer; ``None`` uses ``torch_native`` everywhere. Each
-            layer's impl is ``backend.get_impl_cls()(...)``.
+            once per attention or Mamba2 layer (``layer_cfg`` is then a
+            :class:`~attnplug.core.mamba.MambaLayerConfig`); ``None`` uses ``torch_native``
+            for attention and ``mamba2_torch`` for Mamba2. Each layer's impl is
+            ``backend.get_impl_cls()(...)``.
         dtype: parameter / activation / KV-cache dtype (float32, float16, bfloat16).
         device: where parameters live.
         block_size: the KV block size put into the ``layer_cfg`` given to
@@ -72,7 +88,7 @@ def build_model(config: Any, *, backend_for_layer: BackendForLayer | None = None
             ``None`` uses the global RNG.
 
     Returns:
-        The :class:`DecoderModel` in eval mode.
+        The :class:`DecoderModel` (or :class:`BambaModel`) in eval mode.
 
     Raises:
         UnsupportedModelError: not a supported architecture (lists the supported ones).
@@ -87,22 +103,23 @@ def build_model(config: Any, *, backend_for_layer: BackendForLayer | None = None
         ['model.layers.0.self_attn.attn', 'model.layers.1.self_attn.attn']
     """
     cfg = resolve_model_config(config)
-    choose = backend_for_layer or _torch_native
-    layer_cfgs = layer_configs(cfg, dtype, device, block_size)
+    choose = backend_for_layer or _default_backend
     backends = []
-    for i in range(cfg.num_hidden_layers):
-        name = attention_layer_name(i)
-        backend = choose(name, layer_cfgs[name])
-        reasons = backend.validate_configuration(layer_cfgs[name])
+    for name, layer_cfg in model_layer_configs(cfg, dtype, device, block_size).items():
+        backend = choose(name, layer_cfg)
+        reasons = backend.validate_configuration(layer_cfg)
         if reasons:
             raise BackendUnsupportedError(backend.get_name(), reasons, context=f"layer {name}")
         backends.append(backend)
-    model = DecoderModel(cfg, backends, dtype=dtype, device=device)
+    if isinstance(cfg, BambaModelConfig):
+        model = BambaModel(cfg, backends, dtype=dtype, device=device, block_size=block_size)
+    else:
+        model = DecoderModel(cfg, backends, dtype=dtype, device=device)
     model.init_weights(seed)
     return model.eval()
 
 
-def load_hf_state_dict(model: DecoderModel, state_dict: Mapping[str, torch.Tensor]) -> None:
+def load_hf_state_dict(model: DecoderModel | BambaModel, state_dict: Mapping[str, torch.Tensor]) -> None:
     """Copy HF weights into ``model``, strictly: validate everything first, then copy.
 
     Args:

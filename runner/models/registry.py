@@ -12,12 +12,20 @@ model_type    architectures           differences
                                       when ``use_sliding_window`` (or per ``layer_types``)
 ``mistral``   ``MistralForCausalLM``  ``sliding_window`` (may be null) on every layer
 ============  ======================  ==================================================
+
+Hybrids have their own model class and config:
+
+============  ======================  ==================================================
+``bamba``     ``BambaForCausalLM``    Mamba2 layers + attention at ``attn_layer_indices``
+                                      (``bamba.BambaModel``, ``bamba_config``)
+============  ======================  ==================================================
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable, Mapping
 
+from attnplug.runner.models.bamba_config import BambaModelConfig, parse_bamba_config
 from attnplug.runner.models.config import (
     DecoderModelConfig,
     ModelConfigError,
@@ -39,6 +47,7 @@ class UnsupportedModelError(ModelConfigError):
         self.model_type = model_type
         self.architectures = list(architectures)
         self.supported = {t: arch for t, (arch, _) in _FAMILIES.items()}
+        self.supported.update({t: arch for t, (arch, _) in _HYBRIDS.items()})
         listing = ", ".join(f"{t} ({a})" for t, a in self.supported.items())
         super().__init__(
             f"unsupported model: model_type={model_type!r}, architectures={self.architectures!r}. "
@@ -89,8 +98,13 @@ _FAMILIES: dict[str, tuple[str, Callable[[Mapping[str, Any], int], tuple[int | N
     "mistral": ("MistralForCausalLM", _mistral_windows),
 }
 
-SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(_FAMILIES)
-SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(arch for arch, _ in _FAMILIES.values())
+_HYBRIDS: dict[str, tuple[str, Callable[[Mapping[str, Any]], Any]]] = {
+    "bamba": ("BambaForCausalLM", parse_bamba_config),
+}
+"""Hybrid families: model_type -> (architecture, parser of the config dict)."""
+
+SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(_FAMILIES) + tuple(_HYBRIDS)
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(arch for arch, _ in (*_FAMILIES.values(), *_HYBRIDS.values()))
 
 
 def model_type_of(cfg: Mapping[str, Any]) -> str:
@@ -101,25 +115,26 @@ def model_type_of(cfg: Mapping[str, Any]) -> str:
     """
     model_type = cfg.get("model_type")
     archs = list(cfg.get("architectures") or [])
-    if model_type in _FAMILIES:
+    if model_type in _FAMILIES or model_type in _HYBRIDS:
         return model_type
-    for t, (arch, _) in _FAMILIES.items():
+    for t, (arch, _) in (*_FAMILIES.items(), *_HYBRIDS.items()):
         if arch in archs:
             return t
     raise UnsupportedModelError(model_type, archs)
 
 
-def resolve_model_config(config: Any) -> DecoderModelConfig:
+def resolve_model_config(config: Any) -> DecoderModelConfig | BambaModelConfig:
     """Normalize an HF config of a supported architecture.
 
     Args:
         config: a ``PretrainedConfig``, a dict, a ``config.json`` path or its directory.
 
     Returns:
-        The frozen :class:`DecoderModelConfig`.
+        The frozen :class:`DecoderModelConfig` (Llama family) or
+        :class:`~attnplug.runner.models.bamba_config.BambaModelConfig` (Bamba).
 
     Raises:
-        UnsupportedModelError: not a Llama / Qwen2 / Mistral config.
+        UnsupportedModelError: not a Llama / Qwen2 / Mistral / Bamba config.
         ModelConfigError: missing or invalid fields, unsupported RoPE scaling.
 
     Examples:
@@ -131,6 +146,8 @@ def resolve_model_config(config: Any) -> DecoderModelConfig:
     """
     cfg = load_config_dict(config)
     model_type = model_type_of(cfg)
+    if model_type in _HYBRIDS:
+        return _HYBRIDS[model_type][1](cfg)
     _, windows_of = _FAMILIES[model_type]
     required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
     missing = [k for k in required if cfg.get(k) is None]

@@ -75,15 +75,16 @@ def test_explain_hf_config_with_window_softcap_and_mamba(capsys, tmp_path):
     assert set(kinds) == {"sliding_window", "full_attention", "mamba"}
     assert kinds["sliding_window"]["chosen"] == "torch_native" and kinds["sliding_window"]["num_layers"] == 2
     assert "sliding_window=100" in kinds["sliding_window"]["layer"] and "logits_soft_cap=50.0" in kinds["full_attention"]["layer"]
-    assert kinds["mamba"]["chosen"] is None and "mamba" in kinds["mamba"]["error"]
-    assert rc == 1, "a group no backend can serve makes --explain fail"
+    assert kinds["mamba"]["chosen"] == "mamba2_torch" and kinds["mamba"]["num_layers"] == 2
+    assert rc == 0
 
 
 def test_explain_errors(capsys):
     assert cli(["backends", "--explain"]) == 2
     assert "--model" in capsys.readouterr().err
     assert cli(["backends", "--explain", "--model", "preset", "--backend", "nope"]) == 2
-    assert "known backends: torch_native" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "known backends: " in err and "torch_native" in err.split("known backends: ")[1]
     assert cli(["backends", "--explain", "--model", "no/such/config.json"]) == 2
     assert "neither a preset" in capsys.readouterr().err
 

@@ -1,0 +1,160 @@
+"""``Mamba2Impl``: conv1d + SSM of one Mamba2 layer over its state slots, one step.
+
+Decode rows (the first ``num_decodes``) take the recurrent path: one conv1d step and one
+state update per row. The prefill part takes the varlen causal conv1d and the chunked SSD
+scan, each sequence starting from its slot's state when ``has_initial_state`` (a
+chunked-prefill continuation) and from zeros otherwise. Final states are written back to
+the slots. A decode row without an initial state (a one-token prompt, or a one-token
+first chunk) also starts from zeros, so a slot's stale contents are never read.
+
+Math in float32; states are stored in the cache's dtypes (conv: ``MambaSpec.dtype``,
+SSM: ``MambaSpec.ssm_dtype``). On CUDA, when ``mamba_ssm`` and ``causal_conv1d`` import,
+the decode conv/update and the per-request prefill scans use their kernels
+(``backends.mamba2.kernels``; untested here).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from attnplug.backends.mamba2 import ops
+from attnplug.backends.mamba2.kernels import MambaKernels, load_kernels
+from attnplug.backends.mamba2.metadata import Mamba2Metadata
+from attnplug.core.errors import BackendUnsupportedError
+from attnplug.core.mamba import MambaImpl, MambaLayerConfig, MambaStateCache
+
+
+def _initial(cache: torch.Tensor, slots: torch.Tensor, has_initial_state: torch.Tensor) -> torch.Tensor:
+    """Rows ``slots`` of ``cache`` as float32, zeros where ``has_initial_state`` is False."""
+    st = cache.index_select(0, slots).float()
+    keep = has_initial_state.view(-1, *([1] * (st.dim() - 1)))
+    return torch.where(keep, st, torch.zeros((), dtype=st.dtype, device=st.device))
+
+
+class Mamba2Impl(MambaImpl):
+    """The torch Mamba2 mixer core (see :class:`~attnplug.core.mamba.MambaImpl`).
+
+    Args:
+        layer_config: the layer's :class:`MambaLayerConfig`.
+        use_kernels: ``None`` (default) uses the upstream kernels when the layer is on CUDA
+            and they import; ``False`` never; ``True`` requires them.
+
+    Raises:
+        BackendUnsupportedError: ``use_kernels=True`` but the kernels are unavailable.
+    """
+
+    def __init__(self, layer_config: MambaLayerConfig, use_kernels: bool | None = None):
+        super().__init__(layer_config)
+        on_cuda = torch.device(layer_config.device).type == "cuda"
+        kernels = load_kernels() if on_cuda and use_kernels is not False else None
+        if use_kernels and kernels is None:
+            raise BackendUnsupportedError("mamba2_torch", [
+                "use_kernels=True needs a CUDA layer and importable mamba_ssm + causal_conv1d "
+                "(pip install 'attnplug[mamba]')"])
+        self.kernels: MambaKernels | None = kernels
+        lo, hi = layer_config.time_step_limit
+        self._clamp = None if (lo, hi) == (0.0, math.inf) else (float(lo), float(hi))
+
+    def forward(self, layer: Any, hidden_states_B_C: torch.Tensor, dt: torch.Tensor,
+                state: MambaStateCache, attn_metadata: Mamba2Metadata, output: torch.Tensor) -> torch.Tensor:
+        """See :meth:`MambaImpl.forward`. No host synchronisation."""
+        md = attn_metadata
+        if md.num_actual_tokens == 0:
+            return output
+        cfg = self.layer_config
+        weight = layer.conv1d.weight.reshape(cfg.conv_dim, cfg.conv_kernel_size).float()
+        bias = None if layer.conv1d.bias is None else layer.conv1d.bias.float()
+        params = (weight, bias, -torch.exp(layer.A_log.float()), layer.D.float(), layer.dt_bias.float())
+        slots = md.state_indices[:md.num_reqs].long()
+        nd, T = md.num_decodes, md.num_actual_tokens
+        if nd:
+            y = self._decode(hidden_states_B_C[:nd], dt[:nd], state, slots[:nd], md.has_initial_state[:nd], params)
+            output[:nd] = y.reshape(nd, cfg.intermediate_size).to(output.dtype)
+        if md.num_prefills:
+            y = self._prefill(hidden_states_B_C[nd:T], dt[nd:T], state, slots[nd:], md.has_initial_state[nd:],
+                              params, md)
+            output[nd:T] = y.reshape(T - nd, cfg.intermediate_size).to(output.dtype)
+        return output
+
+    # --- shared pieces ----------------------------------------------------------------------
+    def _time_step(self, dt: torch.Tensor, dt_bias: torch.Tensor) -> torch.Tensor:
+        dt = F.softplus(dt.float() + dt_bias)
+        return dt if self._clamp is None else dt.clamp(*self._clamp)
+
+    def _split(self, xbc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        cfg = self.layer_config
+        n = xbc.shape[0]
+        gs = cfg.n_groups * cfg.state_size
+        x, B, C = xbc.split([cfg.intermediate_size, gs, gs], dim=-1)
+        return (x.reshape(n, cfg.num_heads, cfg.head_size), B.reshape(n, cfg.n_groups, cfg.state_size),
+                C.reshape(n, cfg.n_groups, cfg.state_size))
+
+    # --- decode rows --------------------------------------------------------------------------
+    def _decode(self, xbc, dt, state: MambaStateCache, slots, has_init, params) -> torch.Tensor:
+        weight, bias, A, D, dt_bias = params
+        conv = _initial(state.conv_state, slots, has_init)
+        ssm = _initial(state.ssm_state, slots, has_init)
+        if self.kernels is not None:
+            y = self._decode_kernels(xbc, dt, conv, ssm, params)
+        else:
+            out, conv = ops.causal_conv1d_decode(xbc.float(), weight, bias, conv)
+            x, B, C = self._split(F.silu(out))
+            y, ssm = ops.selective_state_update(ssm, x, self._time_step(dt, dt_bias), A, B, C)
+            y = y + D[:, None] * x
+        state.conv_state.index_copy_(0, slots, conv.to(state.conv_state.dtype))
+        state.ssm_state.index_copy_(0, slots, ssm.to(state.ssm_state.dtype))
+        return y
+
+    def _decode_kernels(self, xbc, dt, conv, ssm, params) -> torch.Tensor:
+        """Upstream kernels; ``conv`` and ``ssm`` (gathered copies) are updated in place."""
+        weight, bias, A, D, dt_bias = params
+        cfg = self.layer_config
+        h, p, n = cfg.ssm_state_shape
+        out = self.kernels.causal_conv1d_update(xbc.float(), conv, weight, bias, activation="silu")
+        x, B, C = self._split(out)
+        return self.kernels.selective_state_update(
+            ssm, x, dt.float()[:, :, None].expand(-1, h, p), A[:, None, None].expand(h, p, n), B, C,
+            D=D[:, None].expand(h, p), z=None, dt_bias=dt_bias[:, None].expand(h, p), dt_softplus=True)
+
+    # --- prefill part ---------------------------------------------------------------------------
+    def _prefill(self, xbc, dt, state: MambaStateCache, slots, has_init, params, md: Mamba2Metadata) -> torch.Tensor:
+        weight, bias, A, D, dt_bias = params
+        conv0 = _initial(state.conv_state, slots, has_init)
+        ssm0 = _initial(state.ssm_state, slots, has_init)
+        out, conv = ops.causal_conv1d_prefill(xbc.float(), weight, bias, conv0, md.conv_token_pos,
+                                              md.conv_state_pos, md.conv_final_pos, md.conv_window_pos)
+        x, B, C = self._split(F.silu(out))
+        if self.kernels is not None:
+            y, ssm = self._prefill_kernels(x, dt, A, B, C, ssm0, params, md)
+        else:
+            y, ssm = ops.ssd_chunk_scan(x, self._time_step(dt, dt_bias), A, B, C, ssm0, md.chunk_token_index,
+                                        md.token_chunk_index, md.chunk_grid_index, chunk_size=md.chunk_size,
+                                        max_chunks_per_seq=md.max_chunks_per_seq)
+            y = y + D[:, None] * x
+        state.conv_state.index_copy_(0, slots, conv.to(state.conv_state.dtype))
+        state.ssm_state.index_copy_(0, slots, ssm.to(state.ssm_state.dtype))
+        return y
+
+    def _prefill_kernels(self, x, dt, A, B, C, ssm0, params, md: Mamba2Metadata):
+        """One upstream chunked scan per prefill request (bounds from the host copy)."""
+        _, _, _, D, dt_bias = params
+        qsl = md.query_start_loc_p_cpu
+        limit = self._clamp or (0.0, math.inf)
+        y = torch.empty_like(x)
+        finals = []
+        for i in range(md.num_prefills):
+            s, e = int(qsl[i]), int(qsl[i + 1])
+            if e == s:
+                finals.append(ssm0[i])
+                continue
+            y_i, f_i = self.kernels.mamba_chunk_scan_combined(
+                x[None, s:e], dt.float()[None, s:e], A, B[None, s:e], C[None, s:e], md.chunk_size, D=D, z=None,
+                dt_bias=dt_bias, initial_states=ssm0[i:i + 1], dt_softplus=True, dt_limit=limit,
+                return_final_states=True)
+            y[s:e] = y_i[0]
+            finals.append(f_i[0])
+        return y, torch.stack(finals)

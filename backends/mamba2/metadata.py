@@ -1,0 +1,246 @@
+"""``Mamba2Metadata`` and its builder: per-step state slots, decode/prefill split, chunk layout.
+
+Rows are split decodes-first (``reorder_batch_threshold = 1``: the runner moves every
+one-token row before the others): rows ``0 .. num_decodes - 1`` take one token each and
+use the recurrent update; the remaining rows (the *prefill part*) use the varlen causal
+conv1d and the chunked SSD scan. ``num_decodes`` is the length of the leading run of
+one-token rows, so a batch the runner did not reorder is still served correctly (a
+one-token row behind a prefill row goes through the prefill path).
+
+A row's state slot is its block id in the group's block table (column 0): the Mamba
+group's block manager gives each request exactly one block, from admission until it
+finishes or is preempted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from attnplug.backends.mamba2.layout import PrefillLayout, compute_prefill_layout, max_num_chunks
+from attnplug.cache_groups.buffers import CpuGpuBuffer
+from attnplug.core.constants import PAD_SLOT_ID
+from attnplug.core.contracts import AttentionCGSupport, AttentionMetadataBuilder, BuilderConfig
+from attnplug.core.errors import KVCacheSpecError, MetadataError
+from attnplug.core.metadata import CommonAttentionMetadata
+
+_LAYOUT_FIELDS = ("seq_idx", "cu_chunk_seqlen", "chunk_seq_idx", "last_chunk_indices", "chunk_grid_index",
+                  "chunk_token_index", "token_chunk_index", "conv_token_pos", "conv_state_pos",
+                  "conv_final_pos", "conv_window_pos")
+
+
+@dataclass(frozen=True)
+class Mamba2Metadata:
+    """What every Mamba2 layer of a cache group reads in one step.
+
+    Tensors are on the compute device unless marked CPU; index tensors are ``torch.int64``
+    unless stated. Token indices of the prefill part count from its first token
+    (``num_decode_tokens`` in the step's flat stream).
+    """
+
+    num_reqs: int
+    """Real (non-padded) rows."""
+    num_actual_tokens: int
+    """Real tokens; rows past it are never read or written."""
+    num_decodes: int
+    """Rows ``0 .. num_decodes - 1``: one token each, recurrent update."""
+    num_prefills: int
+    """Rows ``num_decodes .. num_reqs - 1``: varlen conv1d + chunked scan."""
+    num_decode_tokens: int
+    """``== num_decodes`` (tokens)."""
+    num_prefill_tokens: int
+    """``num_actual_tokens - num_decode_tokens`` (tokens)."""
+    chunk_size: int
+    """Scan chunk length (tokens), from the spec; boundaries at absolute positions that
+    are multiples of it."""
+    num_chunks: int
+    """Chunks of the prefill part."""
+    max_chunks_per_seq: int
+    """Most chunks of one prefill sequence (width of the inter-chunk grid)."""
+    state_indices: torch.Tensor
+    """``[num_reqs_padded]``, ``torch.int32``: each row's state slot (block-table column 0);
+    rows ``>= num_reqs`` of a padded block table hold ``PAD_SLOT_ID``."""
+    has_initial_state: torch.Tensor
+    """``[num_reqs]``, ``torch.bool``: ``num_computed_tokens > 0`` (the slot holds the
+    state after the request's computed tokens; else the step starts from zeros)."""
+    query_start_loc_p: torch.Tensor
+    """``[num_prefills + 1]``, ``torch.int32``: exclusive prefix sum of the prefill rows'
+    query lengths, from 0 (prefill-part token offsets)."""
+    query_start_loc_p_cpu: np.ndarray
+    """``[num_prefills + 1]``, ``int64``, CPU numpy: host copy of ``query_start_loc_p``."""
+    seq_idx: torch.Tensor
+    """``[num_prefill_tokens]``: prefill sequence (0-based) of each prefill token."""
+    cu_chunk_seqlen: torch.Tensor
+    """``[num_chunks + 1]``: prefill-token offset where each chunk starts (last: the count)."""
+    chunk_seq_idx: torch.Tensor
+    """``[num_chunks]``: the prefill sequence of each chunk."""
+    last_chunk_indices: torch.Tensor
+    """``[num_prefills]``: each sequence's last chunk (``-1`` if it has no token)."""
+    chunk_grid_index: torch.Tensor
+    """``[num_chunks]``: ``seq * max_chunks_per_seq + j`` for chunk ``j`` of ``seq``."""
+    chunk_token_index: torch.Tensor
+    """``[num_chunks * chunk_size]``: prefill token in each chunk row; padding rows hold
+    ``num_prefill_tokens`` (a zero row)."""
+    token_chunk_index: torch.Tensor
+    """``[num_prefill_tokens]``: each token's chunk row (inverse of ``chunk_token_index``)."""
+    conv_token_pos: torch.Tensor
+    """``[num_prefill_tokens]``: row of each token in the extended conv stream (every
+    sequence preceded by its ``conv_kernel_size - 1`` state columns)."""
+    conv_state_pos: torch.Tensor
+    """``[num_prefills * (conv_kernel_size - 1)]``: extended rows of the initial states."""
+    conv_final_pos: torch.Tensor
+    """``[num_prefills * (conv_kernel_size - 1)]``: extended rows of the new conv states."""
+    conv_window_pos: torch.Tensor
+    """``[num_prefill_tokens * conv_kernel_size]``: each token's conv window, oldest first."""
+    block_table_tensor: torch.Tensor
+    """``[num_reqs_padded, max_num_blocks_per_req]``, ``torch.int32``: the group's table."""
+
+
+class Mamba2MetadataBuilder(AttentionMetadataBuilder):
+    """Builds :class:`Mamba2Metadata` for one Mamba cache group.
+
+    Args:
+        kv_cache_spec: the group's :class:`~attnplug.cache_groups.specs.MambaSpec`
+            (``chunk_size``; ``conv_state_shape[-1]`` is ``conv_kernel_size - 1``).
+        layer_names: the group's layers.
+        config: buffer limits.
+        device: the compute device.
+
+    Raises:
+        KVCacheSpecError: a spec without ``chunk_size`` / ``conv_state_shape``.
+    """
+
+    cudagraph_support = AttentionCGSupport.NEVER
+    reorder_batch_threshold = 1
+    supports_update_block_table = True
+
+    def __init__(self, kv_cache_spec, layer_names: list[str], config: BuilderConfig,
+                 device: torch.device | str):
+        super().__init__(kv_cache_spec, layer_names, config, device)
+        try:
+            self.chunk_size = int(kv_cache_spec.chunk_size)
+            self.conv_state_len = int(kv_cache_spec.conv_state_shape[-1])
+        except (AttributeError, IndexError, TypeError):
+            raise KVCacheSpecError(
+                f"Mamba2MetadataBuilder needs a MambaSpec (chunk_size, conv_state_shape), got "
+                f"{kv_cache_spec!r}; select a Mamba backend only for 'mamba' cache groups") from None
+        if self.chunk_size <= 0:
+            raise KVCacheSpecError(f"MambaSpec.chunk_size must be positive, got {self.chunk_size}")
+        R, T = config.max_num_reqs, config.max_num_batched_tokens
+        K = max_num_chunks(R, T, self.chunk_size)
+        d = self.conv_state_len
+        self._bound = R + T + (K + 1) + K + R + K + K * self.chunk_size + T + T + 2 * R * d + T * (d + 1)
+        self._index = CpuGpuBuffer((self._bound,), torch.int64, self.device)
+        self._state_indices = torch.full((R,), PAD_SLOT_ID, dtype=torch.int32, device=self.device)
+
+    # --- state slots ----------------------------------------------------------------------
+    def _state_indices_from(self, block_table: torch.Tensor, num_reqs: int, out: torch.Tensor) -> torch.Tensor:
+        if block_table.dim() != 2 or block_table.shape[0] < num_reqs or block_table.shape[1] < 1:
+            raise MetadataError(
+                f"block_table_tensor has shape {tuple(block_table.shape)} but num_reqs={num_reqs}: a Mamba "
+                "group needs one row per request with its state slot in column 0.")
+        rows = block_table.shape[0]
+        if rows > out.shape[0]:
+            raise MetadataError(f"block_table_tensor has {rows} rows but the builder was sized for "
+                                f"max_num_reqs={out.shape[0]}; raise max_num_reqs")
+        out[:num_reqs].copy_(block_table[:num_reqs, 0])
+        out[num_reqs:rows].fill_(PAD_SLOT_ID)
+        return out[:rows]
+
+    # --- build ----------------------------------------------------------------------------
+    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
+              fast_build: bool = False) -> Mamba2Metadata:
+        """Build the step's :class:`Mamba2Metadata` (see :class:`AttentionMetadataBuilder`).
+
+        Reads only CPU tensors of ``common_attn_metadata`` (``query_start_loc_cpu``,
+        ``num_computed_tokens_cpu``) plus the device block table (state slots copied
+        device-side): no device→host synchronisation. One host→device copy of the packed
+        index arrays.
+
+        Raises:
+            MetadataError: inconsistent sizes (query_start_loc vs num_reqs /
+                num_actual_tokens, a block table without a row per request), or more
+                requests/tokens than the builder was sized for.
+        """
+        cm = common_attn_metadata
+        R = cm.num_reqs
+        if cm.query_start_loc_cpu.shape[0] < R + 1 or cm.num_computed_tokens_cpu.shape[0] < R:
+            raise MetadataError(
+                f"query_start_loc_cpu has {cm.query_start_loc_cpu.shape[0]} entries and num_computed_tokens_cpu "
+                f"{cm.num_computed_tokens_cpu.shape[0]} but num_reqs={R}: need num_reqs + 1 and num_reqs.")
+        qsl = cm.query_start_loc_cpu[:R + 1].numpy().astype(np.int64)
+        T = int(qsl[-1]) if R else 0
+        if T != cm.num_actual_tokens:
+            raise MetadataError(f"query_start_loc_cpu[num_reqs]={T} but num_actual_tokens={cm.num_actual_tokens}: "
+                                "they must agree (the flat token count).")
+        if R > self.config.max_num_reqs or T > self.config.max_num_batched_tokens:
+            raise MetadataError(f"{R} requests / {T} tokens exceed the builder's limits (max_num_reqs="
+                                f"{self.config.max_num_reqs}, max_num_batched_tokens={self.config.max_num_batched_tokens})")
+        query_lens = np.diff(qsl)
+        if (query_lens < 0).any():
+            raise MetadataError(f"query_start_loc_cpu {qsl.tolist()} decreases: query lengths must be >= 0")
+        computed = cm.num_computed_tokens_cpu[:R].numpy().astype(np.int64)
+        not_one = np.flatnonzero(query_lens != 1)
+        nd = int(not_one[0]) if not_one.shape[0] else R
+        layout = compute_prefill_layout(query_lens[nd:], computed[nd:], self.chunk_size, self.conv_state_len)
+        views = self._upload(computed > 0, layout)
+        state_indices = self._state_indices_from(cm.block_table_tensor, R, self._state_indices)
+        qsl_p = cm.query_start_loc[nd:R + 1] - int(qsl[nd])
+        return Mamba2Metadata(
+            num_reqs=R, num_actual_tokens=T, num_decodes=nd, num_prefills=R - nd,
+            num_decode_tokens=nd, num_prefill_tokens=T - nd, chunk_size=self.chunk_size,
+            num_chunks=layout.num_chunks, max_chunks_per_seq=layout.max_chunks_per_seq,
+            state_indices=state_indices, has_initial_state=views.pop("has_initial_state"),
+            query_start_loc_p=qsl_p.to(torch.int32), query_start_loc_p_cpu=layout.query_start_loc,
+            block_table_tensor=cm.block_table_tensor, **views)
+
+    def _upload(self, has_initial_state: np.ndarray, layout: PrefillLayout) -> dict[str, torch.Tensor]:
+        """Pack the index arrays into the persistent host buffer, copy once, return views."""
+        arrays = [("has_initial_state", has_initial_state)] + [(f, getattr(layout, f)) for f in _LAYOUT_FIELDS]
+        total = sum(a.shape[0] for _, a in arrays)
+        assert total <= self._bound, f"index arrays ({total}) exceed the buffer bound ({self._bound})"
+        host = self._index.np
+        off = 0
+        spans = []
+        for _, a in arrays:
+            n = a.shape[0]
+            host[off:off + n] = a
+            spans.append((off, n))
+            off += n
+        dev = self._index.copy_to_gpu(total)
+        views = {name: dev[o:o + n] for (name, _), (o, n) in zip(arrays, spans)}
+        views["has_initial_state"] = views["has_initial_state"] > 0
+        return views
+
+    def update_block_table(self, metadata: Mamba2Metadata, block_table: torch.Tensor,
+                           slot_mapping: torch.Tensor) -> Mamba2Metadata:
+        """A copy of ``metadata`` (built for another group with the same spec) whose state
+        slots come from ``block_table``.
+
+        The state indices are *recomputed* from ``block_table`` into this builder's own
+        buffer (never the buffer ``metadata`` points at, which another group still reads);
+        everything else depends only on the common metadata and is shared.
+
+        Args:
+            metadata: built by a builder of this class for a group with the same spec.
+            block_table: ``[num_reqs_padded, max_num_blocks_per_req]``, ``torch.int32``,
+                device; column 0 holds each row's state slot.
+            slot_mapping: ignored (Mamba groups write no paged K/V).
+
+        Raises:
+            MetadataError: a block table without a row per request.
+
+        ``metadata`` is not mutated; no host synchronisation.
+        """
+        out = self._state_indices
+        if _shares_storage(metadata.state_indices, out):
+            out = torch.full_like(out, PAD_SLOT_ID)
+        state_indices = self._state_indices_from(block_table, metadata.num_reqs, out)
+        return dataclasses.replace(metadata, state_indices=state_indices, block_table_tensor=block_table)
+
+
+def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
