@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from attnplug.backends.triton.runtime import kernel_module
+from attnplug.backends.triton.runtime import kernel_module, launch
 from attnplug.core.errors import MetadataError
 
 MAX_HEAD_SIZE = 256
@@ -85,7 +85,8 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                     output: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                     block_table: torch.Tensor, *, num_reqs: int, max_query_len: int, scale: float,
                     causal: bool = True, sliding_window: int | None = None,
-                    logits_soft_cap: float | None = None, num_kv_splits: int = 1) -> torch.Tensor:
+                    logits_soft_cap: float | None = None, num_kv_splits: int = 1,
+                    visited_tiles: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of a varlen batch over a paged KV cache (GQA/MQA, causal bottom-right).
 
     Query ``j`` of request ``i`` sits at position ``seq_lens[i] - query_len_i + j`` and
@@ -112,6 +113,10 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         logits_soft_cap: ``cap * tanh(logits / cap)`` after scaling, or ``None``.
         num_kv_splits: 1 for the unified single-launch path; ``> 1`` (a power of two)
             splits each request's visible keys into that many segments plus a reduce.
+        visited_tiles: a test aid: ``[num_query_tiles(...), num_kv_heads, num_kv_splits]``,
+            ``torch.int32``, same device; each program stores how many key tiles (of
+            ``choose_tiles(...).tile_n`` keys) it visited. Programs without queries leave
+            their entry unchanged.
 
     Returns:
         ``output``.
@@ -139,9 +144,10 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         part_sum = torch.empty_like(part_max)
     else:
         part_acc = part_max = part_sum = output  # never touched when NUM_SEGMENTS == 1
-    kernels.paged_attention_kernel[grid](
+    launch(kernels, "paged_attention_kernel", grid,
         query, key_cache, value_cache, output, part_acc, part_max, part_sum,
-        query_start_loc, seq_lens, block_table, num_reqs, float(scale),
+        query_start_loc, seq_lens, block_table, visited_tiles if visited_tiles is not None else seq_lens,
+        num_reqs, float(scale),
         float(logits_soft_cap) if logits_soft_cap is not None else 0.0,
         query.stride(0), query.stride(1), output.stride(0), output.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
@@ -152,10 +158,11 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         CAUSAL=bool(causal), SLIDING_WINDOW=int(sliding_window or 0),
         USE_SOFT_CAP=logits_soft_cap is not None, NUM_SEGMENTS=num_kv_splits,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        RECORD_VISITED=visited_tiles is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if num_kv_splits > 1:
-        kernels.reduce_segments_kernel[(num_tokens, num_heads)](
+        launch(kernels, "reduce_segments_kernel", (num_tokens, num_heads),
             output, part_acc, part_max, part_sum, query_start_loc, num_reqs, num_heads,
             output.stride(0), output.stride(1),
             HEAD_SIZE=head_size, HEAD_SIZE_PADDED=padded, NUM_SEGMENTS=num_kv_splits,

@@ -73,6 +73,7 @@ def paged_attention_kernel(
     query_start_loc_ptr,  # [num_reqs + 1] int32, tokens
     seq_lens_ptr,         # [num_reqs] int32, tokens
     block_table_ptr,      # [num_reqs, >= cdiv(max_seq_len, BLOCK_SIZE)] int32, kernel block ids
+    visited_tiles_ptr,    # [num_q_tiles, num_kv_heads, NUM_SEGMENTS] int32 (RECORD_VISITED only; a test aid)
     num_reqs,             # int32
     scale,                # fp32, softmax scale (natural-log domain)
     soft_cap,             # fp32, logits soft-cap (read only when USE_SOFT_CAP)
@@ -93,6 +94,7 @@ def paged_attention_kernel(
     USE_SOFT_CAP: tl.constexpr,
     NUM_SEGMENTS: tl.constexpr,        # 1: unified single pass; > 1: split-KV partials
     DOT_PRECISION: tl.constexpr,       # "ieee" for fp32 inputs (no TF32), "tf32" otherwise (ignored)
+    RECORD_VISITED: tl.constexpr,      # store how many key tiles each program visited
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -135,6 +137,10 @@ def paged_attention_kernel(
         per_segment = tl.cdiv(tile_hi - tile_lo, NUM_SEGMENTS)
         tile_lo = tile_lo + segment * per_segment
         tile_hi = tl.minimum(tile_lo + per_segment, tile_hi)
+
+    if RECORD_VISITED:
+        tl.store(visited_tiles_ptr + (tile * tl.num_programs(1) + kv_head) * NUM_SEGMENTS + segment,
+                 tl.maximum(tile_hi - tile_lo, 0))
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)

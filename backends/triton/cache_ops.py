@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from attnplug.backends.triton.runtime import kernel_module
+from attnplug.backends.triton.runtime import kernel_module, launch
 from attnplug.core.constants import PAD_SLOT_ID
 from attnplug.core.errors import MetadataError
 
@@ -57,7 +57,7 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tens
     rows_per_program = max(1, WRITE_ELEMENTS_PER_PROGRAM // padded)
     num_rows = num_tokens * num_kv_heads
     kernels = kernel_module("cache_kernels")
-    kernels.write_kv_cache_kernel[(-(-num_rows // rows_per_program),)](
+    launch(kernels, "write_kv_cache_kernel", (-(-num_rows // rows_per_program),),
         key, value, key_cache, value_cache, slot_mapping, num_rows,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
@@ -128,7 +128,7 @@ def compute_slot_mapping(query_start_loc: torch.Tensor, positions: torch.Tensor,
     if problems:
         raise MetadataError("compute_slot_mapping: " + "; ".join(problems) + ". Pass the runner's device buffers.")
     kernels = kernel_module("cache_kernels")
-    kernels.slot_mapping_kernel[(num_reqs + 1,)](
+    launch(kernels, "slot_mapping_kernel", (num_reqs + 1,),
         query_start_loc, positions, block_table, slot_mapping, num_reqs, total, block_table.stride(0),
         BLOCK_SIZE=int(block_size), PAD_SLOT=PAD_SLOT_ID, TOKENS_PER_ITER=256,
     )

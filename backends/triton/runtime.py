@@ -1,30 +1,31 @@
-"""Where the Triton kernels can run, and loading them in the right mode.
+"""Where the Triton kernels can run, and importing them in the mode Triton runs in.
 
-Triton decides at *decoration* time (``@triton.jit``, i.e. when a kernel module is
-imported) whether a kernel is compiled for the GPU or run by the interpreter on the CPU:
-the installed Triton reads ``TRITON_INTERPRET`` through ``triton.knobs.runtime.interpret``
-then. Importing ``triton`` itself is harmless. So that the environment variable can be
-set at any point before the first launch (a test's conftest, a CLI wrapper), the kernel
-modules of this package are never imported at package import time: :func:`kernel_module`
-imports them on first use, and if the mode has changed since (the variable was set or
-cleared after a first import) it loads a second copy of the module decorated in the
-current mode. Both copies live side by side; each launch uses the copy of the current
-mode.
+How the installed Triton (3.x) handles ``TRITON_INTERPRET``: it reads the variable (through
+``triton.knobs.runtime.interpret``) each time a function is *decorated* with
+``@triton.jit``, and decides there whether the function is compiled for a GPU or run by
+the interpreter on the CPU. Triton's own device library (``tl.max``, ``tl.sum``,
+``tl.cdiv``, ``tl.zeros``...) is decorated when ``triton`` is first imported, and an
+interpreted kernel cannot call a compiled library function (nor the reverse). So the
+mode of a process is fixed by the environment at the first ``import triton``:
+``TRITON_INTERPRET=1`` must be set before that (in the shell, or before anything imports
+triton); setting it later has no effect except an explanation from
+:func:`unavailable_reason`.
 
-Nothing here imports ``triton`` at module import time: the backend class must load (and
-report itself unavailable) on machines without Triton.
+This module reads the effective mode from Triton's library (:func:`interpreting`) and
+imports the kernel modules of this package decorated in that same mode
+(:func:`kernel_module`), whatever the variable says by then. Nothing here imports
+``triton`` at module import time: the backend class must load (and report itself
+unavailable) on machines without Triton, and importing the backend must not fix the mode.
 """
 
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import os
 import sys
 from types import ModuleType
 
 _PACKAGE = "attnplug.backends.triton"
-_INTERPRETED_SUFFIX = "_interpreted"
 
 
 def triton_import_error() -> str | None:
@@ -38,21 +39,27 @@ def triton_import_error() -> str | None:
     return None
 
 
+def env_requests_interpreter() -> bool:
+    """Whether ``TRITON_INTERPRET`` is set to a true value in the environment now."""
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
+
+
 def interpreting() -> bool:
-    """True when kernels decorated now would run in the Triton interpreter.
+    """True when Triton kernels run in the interpreter in this process.
 
-    Reads ``TRITON_INTERPRET`` the way the installed Triton does (through
-    ``triton.knobs`` when available, else the environment variable). Never raises; False
-    without Triton.
+    Before ``triton`` is imported: what ``TRITON_INTERPRET`` says now (the import will
+    fix that mode). After: the mode Triton's own library was decorated in. Never raises;
+    False without Triton.
     """
-    if triton_import_error() is not None:
-        return False
+    if "triton" not in sys.modules:
+        return env_requests_interpreter() and triton_import_error() is None
     try:
-        import triton
+        from triton.language import standard
+        from triton.runtime.interpreter import InterpretedFunction
 
-        return bool(triton.knobs.runtime.interpret)
-    except AttributeError:  # older Triton without knobs: it read the variable directly
-        return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
+        return isinstance(standard.cdiv, InterpretedFunction)
+    except Exception:  # an unusual Triton layout: trust the variable
+        return env_requests_interpreter()
 
 
 def cuda_available() -> bool:
@@ -72,34 +79,56 @@ def unavailable_reason() -> str | None:
         return f"{why}; install it with `pip install 'attnplug[triton]'`"
     if cuda_available() or interpreting():
         return None
+    if env_requests_interpreter():
+        return ("TRITON_INTERPRET=1 was set after triton was imported; Triton fixes the mode at import, "
+                "so set it in the environment before the process imports triton")
     return "no CUDA device (on the CPU, set TRITON_INTERPRET=1: Triton interpreter, slow)"
 
 
 def kernel_module(name: str) -> ModuleType:
-    """The kernel module ``attnplug.backends.triton.<name>`` decorated in the current mode.
+    """The kernel module ``attnplug.backends.triton.<name>``, decorated in the mode of
+    :func:`interpreting` (the first import forces ``triton.knobs.runtime.interpret`` to it
+    for its duration, so a variable changed after ``import triton`` cannot split the modes).
 
     Args:
         name: ``"attention_kernels"`` or ``"cache_kernels"``.
-
-    Returns:
-        The module whose ``INTERPRETED`` attribute equals :func:`interpreting` now.
 
     Raises:
         ImportError: Triton is not importable.
     """
     full = f"{_PACKAGE}.{name}"
-    want = interpreting()
-    module = sys.modules.get(full) or importlib.import_module(full)
-    if module.INTERPRETED == want:
+    module = sys.modules.get(full)
+    if module is not None:
         return module
-    alt_name = full + _INTERPRETED_SUFFIX if want else full + "_compiled"
-    alt = sys.modules.get(alt_name)
-    if alt is None or alt.INTERPRETED != want:
-        spec = importlib.util.spec_from_file_location(alt_name, module.__file__)
-        alt = importlib.util.module_from_spec(spec)
-        sys.modules[alt_name] = alt
-        spec.loader.exec_module(alt)
-    return alt
+    import triton
+
+    mode = interpreting()
+    with triton.knobs.runtime.scope():
+        triton.knobs.runtime.interpret = mode
+        return importlib.import_module(full)
 
 
-__all__ = ["cuda_available", "interpreting", "kernel_module", "triton_import_error", "unavailable_reason"]
+def launch(module: ModuleType, kernel_name: str, grid: tuple[int, ...], *args, **kwargs) -> None:
+    """Launch ``module.<kernel_name>[grid](*args, **kwargs)``.
+
+    In interpreter mode the knob ``triton.knobs.runtime.interpret`` is held True for the
+    launch even when the variable has been unset since ``import triton``: the interpreter
+    imports parts of Triton lazily at launch and checks the knob then. Compiled launches
+    go straight through (no overhead).
+    """
+    kernel = getattr(module, kernel_name)
+    if not module.INTERPRETED:
+        kernel[grid](*args, **kwargs)
+        return
+    import triton
+
+    if triton.knobs.runtime.interpret:
+        kernel[grid](*args, **kwargs)
+        return
+    with triton.knobs.runtime.scope():
+        triton.knobs.runtime.interpret = True
+        kernel[grid](*args, **kwargs)
+
+
+__all__ = ["cuda_available", "env_requests_interpreter", "interpreting", "kernel_module", "launch",
+           "triton_import_error", "unavailable_reason"]
