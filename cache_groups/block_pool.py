@@ -25,6 +25,7 @@ from typing import Iterable, Protocol
 import numpy as np
 
 from attnplug.cache_groups.grouping import KVCacheConfig
+from attnplug.cache_groups.sliding_window import max_live_blocks, num_skipped_blocks
 from attnplug.cache_groups.specs import (
     FullAttentionSpec,
     KVCacheSpec,
@@ -243,7 +244,7 @@ class SlidingWindowManager(SingleTypeBlockManager):
         self.sliding_window = spec.sliding_window
 
     def _num_skipped_blocks(self, num_computed_tokens: int) -> int:
-        return max(0, num_computed_tokens - self.sliding_window + 1) // self.block_size
+        return num_skipped_blocks(num_computed_tokens, self.sliding_window, self.block_size)
 
     def _skippable_live(self, req_id: str, num_computed_tokens: int) -> list[int]:
         blocks = self.block_ids(req_id)
@@ -270,7 +271,7 @@ class SlidingWindowManager(SingleTypeBlockManager):
             blocks[i] = NULL_BLOCK_ID
 
     def max_blocks_per_request(self, max_num_tokens: int, max_num_batched_tokens: int) -> int:
-        window_bound = cdiv(self.sliding_window - 1 + max_num_batched_tokens, self.block_size) + 1
+        window_bound = max_live_blocks(self.sliding_window, max_num_batched_tokens, self.block_size)
         return min(window_bound, self.num_blocks_needed(max_num_tokens))
 
 

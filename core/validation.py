@@ -10,7 +10,9 @@ failure raises :class:`MetadataInvariantError` naming the invariant, the row and
 5. ``positions == num_computed_tokens[req] + offset within request``.
 6. ``seq_lens[i]`` <= capacity of its block-table row, and == last position + 1.
 7. Every non-padding slot lies in a (non-null) block owned by its request; padded tokens
-   carry ``PAD_SLOT_ID``.
+   carry ``PAD_SLOT_ID``. For a sliding-window group (``sliding_window`` given), the
+   blocks wholly before ``max(0, num_computed_tokens - W + 1)`` are ``NULL_BLOCK_ID``:
+   they were freed and no kernel may read them.
 8. Logits of a partial prefill are discarded: ``discard[i] == (seq_lens[i] < num_tokens[i])``.
 """
 
@@ -72,6 +74,8 @@ def validate(
     num_tokens: Sequence[int] | np.ndarray | None = None,
     discard: Sequence[bool] | np.ndarray | None = None,
     batch: BatchView | None = None,
+    sliding_window: int | None = None,
+    manager_block_size: int | None = None,
 ) -> None:
     """Check the eight invariants on one step's metadata (for one cache group).
 
@@ -84,6 +88,11 @@ def validate(
         num_tokens: ``[num_reqs]`` tokens each request holds (invariant 8, with ``discard``).
         discard: ``[num_reqs]`` bools, the runner's discard mask (invariant 8).
         batch: the input batch's columnar view (invariants 1 and 2).
+        sliding_window: ``W`` of a sliding-window group: also check (invariant 7) that the
+            manager blocks no query can see are null in the block table (needs
+            ``block_size``).
+        manager_block_size: the group's manager block size (a multiple of ``block_size``);
+            default ``block_size``.
 
     Raises:
         MetadataInvariantError: the first invariant that fails, with its row and values.
@@ -203,6 +212,16 @@ def validate(
             t = _first_bad(bad)
             _fail("7 slots", int(req_idx[t]), token=t, slot=int(s[t]), position=int(expected_pos[t]),
                   owned_block=int(owner[t]), hint="slot must lie in the request's block for that position")
+
+    if bt is not None and sliding_window is not None and R:
+        mb = manager_block_size or block_size
+        skipped = np.maximum(computed - sliding_window + 1, 0) // mb * (mb // block_size)
+        cols = np.arange(bt.shape[1])
+        bad = (cols[None, :] < skipped[:, None]) & (bt != NULL_BLOCK_ID)
+        if bad.any():
+            r, c = (int(x) for x in np.argwhere(bad)[0])
+            _fail("7 slots", r, kernel_block_index=c, block=int(bt[r, c]), num_computed_tokens=int(computed[r]),
+                  sliding_window=sliding_window, hint="blocks before the window were freed and must be null")
 
     # 8. discard
     if discard is not None and num_tokens is not None:

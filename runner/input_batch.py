@@ -48,6 +48,8 @@ class InputBatch:
         num_prompt_tokens: ``[max_num_reqs]`` ``int32``.
         num_computed_tokens_cpu: ``[max_num_reqs]`` ``int32``; tokens with cached K/V.
         num_scheduled_tokens: ``[max_num_reqs]`` ``int32``; this step's query lengths.
+        num_computed_tokens_nulled: ``[max_num_reqs]`` ``int32``; how far the row's
+            sliding-window blocks are nulled (see ``runner.skipped_blocks``).
         temperature, top_p: ``[max_num_reqs]`` ``float32``; top_k: ``int32``.
         generators: ``{row: torch.Generator}`` for seeded requests.
         block_table: the rows' block ids per cache group.
@@ -67,12 +69,16 @@ class InputBatch:
         self.num_computed_tokens_cpu_tensor = torch.from_numpy(self.num_computed_tokens_cpu)
         self._ncc_view: tuple[int, torch.Tensor] = (-1, self.num_computed_tokens_cpu_tensor)
         self.num_scheduled_tokens = np.zeros(max_num_reqs, dtype=np.int32)
+        self.num_computed_tokens_nulled = np.zeros(max_num_reqs, dtype=np.int32)
+        """Per row, the ``num_computed_tokens`` up to which the sliding-window groups' skipped
+        blocks are already ``NULL_BLOCK_ID`` in the row (0 for a row just filled); see
+        ``attnplug.runner.skipped_blocks``."""
         self.temperature = np.zeros(max_num_reqs, dtype=np.float32)
         self.top_k = np.zeros(max_num_reqs, dtype=np.int32)
         self.top_p = np.ones(max_num_reqs, dtype=np.float32)
         self.row_columns: tuple[np.ndarray, ...] = (
             self.num_tokens, self.num_prompt_tokens, self.num_computed_tokens_cpu,
-            self.num_scheduled_tokens, self.temperature, self.top_k, self.top_p)
+            self.num_scheduled_tokens, self.num_computed_tokens_nulled, self.temperature, self.top_k, self.top_p)
         """Every 1-D per-row column; moved together by every row move."""
         self.generators: dict[int, torch.Generator] = {}
         self.block_table = MultiGroupBlockTable(block_sizes, max_num_reqs, max_model_len,
@@ -172,6 +178,7 @@ class InputBatch:
             num_prompt[row] = st._num_prompt_tokens
             ncc[row] = st._num_computed_tokens
             self.num_scheduled_tokens[row] = 0
+            self.num_computed_tokens_nulled[row] = 0
             sp = st.sampling_params
             temperature[row] = sp.temperature
             top_k[row] = sp.top_k

@@ -110,6 +110,7 @@ class ModelRunner:
             kernel_block_sizes=kernel_block_sizes,
             reorder_batch_threshold=min(threshold) if threshold else None,
             group_kinds=[g.kv_cache_spec.kind for g in groups],
+            sliding_windows=[getattr(g.kv_cache_spec, "sliding_window", None) for g in groups],
         )
         self.metadata_builder = GroupMetadataBuilder(
             builders, [list(g.layer_names) for g in groups], enable_caching=enable_builder_cache)

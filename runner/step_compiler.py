@@ -63,6 +63,11 @@ class StepCompiler:
             ``"mamba"`` (one state block per request; no slot mapping).
         validate: run ``attnplug.core.validate`` every step; ``None`` reads
             ``ATTNPLUG_VALIDATE=1`` from the environment.
+        sliding_windows: per group, the window ``W`` (tokens) of a ``"sliding_window"``
+            group, ``None`` otherwise. Given a window, the compiler nulls the blocks no
+            query can see in the group's block table each step, as the block pool frees
+            them (``runner.skipped_blocks``); without one it keeps whatever ids the
+            scheduler sent. Default: from the specs of a :class:`KVCacheConfig`, else none.
 
     Attributes:
         requests: ``{req_id: CachedRequestState}``, every request the runner holds
@@ -77,12 +82,15 @@ class StepCompiler:
                  max_num_batched_tokens: int, device: torch.device | str = "cpu",
                  kernel_block_sizes: Sequence[int] | None = None,
                  reorder_batch_threshold: int | None = None, *, num_blocks: int | None = None,
-                 group_kinds: Sequence[str] | None = None, validate: bool | None = None):
+                 group_kinds: Sequence[str] | None = None, validate: bool | None = None,
+                 sliding_windows: Sequence[int | None] | None = None):
         if isinstance(block_sizes, KVCacheConfig):
             cfg = block_sizes
             block_sizes = cfg.block_sizes
             num_blocks = cfg.num_blocks if num_blocks is None else num_blocks
             group_kinds = [g.kv_cache_spec.kind for g in cfg.groups] if group_kinds is None else group_kinds
+            if sliding_windows is None:
+                sliding_windows = [getattr(g.kv_cache_spec, "sliding_window", None) for g in cfg.groups]
         self.block_sizes = [int(b) for b in block_sizes]
         self.num_groups = len(self.block_sizes)
         self.kernel_block_sizes = list(self.block_sizes if kernel_block_sizes is None else kernel_block_sizes)
@@ -90,6 +98,13 @@ class StepCompiler:
         if len(self.group_kinds) != self.num_groups or any(k not in _GROUP_KINDS for k in self.group_kinds):
             raise KVCacheSpecError(f"group_kinds {self.group_kinds!r}: need one of {_GROUP_KINDS} per group")
         self.null_block_allowed = [k == "sliding_window" for k in self.group_kinds]
+        self.sliding_windows = list(sliding_windows or [None] * self.num_groups)
+        if len(self.sliding_windows) != self.num_groups or any(
+                w is not None and (k != "sliding_window" or isinstance(w, bool) or not isinstance(w, int) or w <= 0)
+                for w, k in zip(self.sliding_windows, self.group_kinds)):
+            raise KVCacheSpecError(f"sliding_windows {self.sliding_windows!r}: need one entry per group, a positive "
+                                   "int only for 'sliding_window' groups and None for the others")
+        self.has_sliding_windows = any(w is not None for w in self.sliding_windows)
         self.max_num_reqs = max_num_reqs
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -176,7 +191,8 @@ class StepCompiler:
         for g, cm in enumerate(inputs.common_attn_metadata):
             bs = None if self.group_kinds[g] == "mamba" else self.kernel_block_sizes[g]
             validate(cm, block_size=bs, num_scheduled_tokens=inputs.num_scheduled_tokens,
-                     num_tokens=inputs.num_tokens, discard=inputs.discard, batch=view)
+                     num_tokens=inputs.num_tokens, discard=inputs.discard, batch=view,
+                     sliding_window=self.sliding_windows[g], manager_block_size=self.block_sizes[g])
 
     def append_output_tokens(self, req_ids_or_rows, token_ids) -> None:
         """Append sampled tokens to requests of this step (both views: the row is the state).

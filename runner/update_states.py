@@ -10,7 +10,8 @@ Two phases (design notes §1.2), so that a bad output changes nothing:
    returning requests (lowest free rows first), merge the cached deltas (rows looked up
    once, counts written with fancy indexing, block appends batched per group;
    ``resumed_from_preemption`` replaces block ids), ``condense()``, then the optional
-   decodes-first reorder. Nothing changes rows after that.
+   decodes-first reorder. Nothing changes rows after that; last, sliding-window groups
+   get ``NULL_BLOCK_ID`` over the blocks the pool freed (``runner.skipped_blocks``).
 
 Per-request Python work is limited to what the data structure forces (one dict lookup
 per scheduled request, a loop over the few requests that carry token or block payloads);
@@ -26,11 +27,13 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from attnplug.cache_groups.ragged import cumsum_and_arange
+from attnplug.cache_groups.sliding_window import num_skipped_blocks
 from attnplug.core.constants import NULL_BLOCK_ID
 from attnplug.runner.int_packer import INT32_MAX
 from attnplug.runner.plan_new_requests import check_block_list, err, group_lists, plan_new_requests
 from attnplug.runner.request_state import CachedRequestState
 from attnplug.runner.scheduler_output import SchedulerOutput
+from attnplug.runner.skipped_blocks import null_skipped_blocks
 
 if TYPE_CHECKING:
     from attnplug.runner.input_batch import InputBatch
@@ -104,6 +107,27 @@ def _counts_slow(nst: dict, C: list, new_reqs, new_ids: set) -> tuple[np.ndarray
         err(next(r for r in nst if r not in known), "num_scheduled_tokens",
             "request is in neither scheduled_new_reqs nor scheduled_cached_reqs")
     return np.asarray(counts, dtype=np.int64).reshape(len(C)), new_counts, sum(counts) + sum(new_counts)
+
+
+def _check_not_behind_nulled(sc: "StepCompiler", C: list, rows_c: np.ndarray, ncts_c: np.ndarray,
+                             resumed: set[int]) -> None:
+    """A non-resumed cached request must not schedule positions in sliding-window blocks the
+    runner already nulled (its ``num_computed_tokens`` went back without a preemption)."""
+    done = sc.input_batch.num_computed_tokens_nulled[np.maximum(rows_c, 0)]
+    check = rows_c >= 0
+    if resumed:
+        check[list(resumed)] = False
+    for g, window in enumerate(sc.sliding_windows):
+        if window is None:
+            continue
+        B = sc.block_sizes[g]
+        bad = check & (num_skipped_blocks(done, window, B) > ncts_c // B)
+        if bad.any():
+            i = int(np.argmax(bad))
+            err(C[i], "num_computed_tokens", f"group {g}: {int(ncts_c[i])} is behind the sliding window the "
+                f"runner already applied ({int(done[i])} tokens computed, window {window}): its first "
+                "blocks were freed and nulled; a request that recomputes must be resumed_from_preemption "
+                "with fresh block ids")
 
 
 def plan_update(sc: "StepCompiler", so: SchedulerOutput) -> UpdatePlan:
@@ -296,6 +320,8 @@ def plan_update(sc: "StepCompiler", so: SchedulerOutput) -> UpdatePlan:
         for g in range(G):
             before[g][sel_arr] = after[g]
         appends = BlockAppends(sel_arr, starts, lens, after, flat, one_each)
+    if nC and sc.has_sliding_windows:
+        _check_not_behind_nulled(sc, C, rows_c, ncts_c, {i for i, _ in resumed})
     if nC and (before * sc._capacity_col < seq_c).any():
         g, i = np.argwhere(before * sc._capacity_col < seq_c)[0]
         err(C[i], "new_block_ids", f"group {g}: {int(before[g, i])} blocks of {sc.block_sizes[g]} tokens "
@@ -338,6 +364,7 @@ def apply_update(sc: "StepCompiler", plan: UpdatePlan) -> None:
         n_tok[r] = n + arr.shape[0]
     for i, arrs in plan.resumed:
         batch.block_table.add_row(arrs, int(rows_c[i]))
+        batch.num_computed_tokens_nulled[rows_c[i]] = 0  # fresh blocks: nothing nulled yet
     if plan.appends is not None:
         ap = plan.appends
         rows = rows_c[ap.sel]
@@ -359,6 +386,8 @@ def apply_update(sc: "StepCompiler", plan: UpdatePlan) -> None:
     batch.condense()
     if sc.reorder_batch_threshold is not None:
         reorder_decodes_first(batch, sc.reorder_batch_threshold)
+    if sc.has_sliding_windows:
+        null_skipped_blocks(batch, sc.sliding_windows)
 
 
 def reorder_decodes_first(batch: "InputBatch", threshold: int) -> list[tuple[int, int]]:
