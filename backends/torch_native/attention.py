@@ -91,21 +91,25 @@ def gather_from_paged_cache(kv_cache: torch.Tensor, block_ids: torch.Tensor,
 
 
 def keys_used(seq_lens: torch.Tensor, query_len: int, num_keys: int,
-              sliding_window: int | None = None) -> torch.Tensor:
-    """Which key positions at least one query of the request sees.
+              sliding_window: int | None = None, key_offsets: torch.Tensor | None = None) -> torch.Tensor:
+    """Which key columns at least one query of the request sees.
 
     Args:
         seq_lens: ``[num_reqs]``, ``torch.int64``; every request has ``query_len`` queries
             at positions ``seq_len - query_len .. seq_len - 1``.
         query_len: queries per request (tokens).
-        num_keys: key positions ``0 .. num_keys - 1`` to classify.
+        num_keys: key columns ``0 .. num_keys - 1`` to classify.
         sliding_window: ``W`` tokens; the first query reaches back furthest, to
             ``seq_len - query_len - W + 1``.
+        key_offsets: ``[num_reqs]``, ``torch.int64``, same device: column ``j`` of request
+            ``r`` is key position ``key_offsets[r] + j``; ``None`` means all zero.
 
     Returns:
         ``[num_reqs, num_keys]``, ``torch.bool``.
     """
     key_pos = torch.arange(num_keys, device=seq_lens.device).unsqueeze(0)
+    if key_offsets is not None:
+        key_pos = key_pos + key_offsets.unsqueeze(1)
     used = key_pos < seq_lens.unsqueeze(1)
     if sliding_window is not None:
         used &= key_pos > (seq_lens - query_len - sliding_window).unsqueeze(1)
@@ -113,7 +117,8 @@ def keys_used(seq_lens: torch.Tensor, query_len: int, num_keys: int,
 
 
 def visibility_mask(query_positions: torch.Tensor, seq_lens: torch.Tensor, key_start: int,
-                    key_end: int, causal: bool = True, sliding_window: int | None = None) -> torch.Tensor:
+                    key_end: int, causal: bool = True, sliding_window: int | None = None,
+                    key_offsets: torch.Tensor | None = None) -> torch.Tensor:
     """Which keys each query may attend to.
 
     Args:
@@ -126,11 +131,16 @@ def visibility_mask(query_positions: torch.Tensor, seq_lens: torch.Tensor, key_s
         causal: bottom-right aligned causal mask (key ``k`` visible iff ``k <= p``);
             ``False`` lets every query see all of its request's keys.
         sliding_window: ``W`` tokens (current included): also require ``k > p - W``.
+        key_offsets: ``[num_reqs]``, ``torch.int64``, same device: then ``key_start ..
+            key_end - 1`` are key *columns*, column ``j`` of request ``r`` being key
+            position ``key_offsets[r] + j`` (key ranges that start at a window).
 
     Returns:
         ``[num_reqs, query_len, key_end - key_start]``, ``torch.bool``; True = visible.
     """
     key_pos = torch.arange(key_start, key_end, device=query_positions.device).view(1, 1, -1)
+    if key_offsets is not None:
+        key_pos = key_pos + key_offsets.view(-1, 1, 1)
     q = query_positions.unsqueeze(-1)
     mask = key_pos < seq_lens.view(-1, 1, 1)
     if causal:

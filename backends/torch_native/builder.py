@@ -11,6 +11,13 @@ Requests are split into *segments* attended in one batched op each:
 * every multi-token query (prefill or chunked-prefill continuation) is its own segment.
 
 So no query is ever padded, and key padding only happens among decodes (cheap).
+
+Sliding-window groups (a :class:`~attnplug.cache_groups.specs.SlidingWindowSpec`): a
+segment's key range starts at each request's window, not at position 0. Request ``r``'s
+keys begin at its first block any of its queries can see,
+``num_skipped_blocks(seq_len - query_len, W, B)`` — exactly the blocks the block pool
+has not freed — so the impl never reads a freed (null, possibly reused) block, and a
+decode reads ``O(W)`` keys (at most ``cdiv(W, B) + 1`` blocks), not ``O(seq_len)``.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from attnplug.cache_groups.sliding_window import num_skipped_blocks
 from attnplug.core.constants import NULL_BLOCK_ID, PAD_SLOT_ID
 from attnplug.core.contracts import AttentionCGSupport, AttentionMetadataBuilder
 from attnplug.core.errors import MetadataError
@@ -58,9 +66,23 @@ class AttentionSegment:
     """``[n]``, ``torch.int64``; units: tokens of KV per request after this step."""
 
     key_block_ids: torch.Tensor
-    """``[n, cdiv(max_seq_len, block_size)]``, ``torch.int64``: each request's physical
-    blocks in logical order (its block-table row, cut to the segment's key range). Blocks
-    past a request's ``cdiv(seq_len, block_size)`` hold ``NULL_BLOCK_ID`` (masked)."""
+    """``[n, num_key_blocks]``, ``torch.int64``: each request's physical blocks in logical
+    order from logical block ``key_offsets[r] // block_size`` on (its block-table row, cut
+    to the segment's key range). Blocks past a request's ``cdiv(seq_len, block_size)``
+    hold ``NULL_BLOCK_ID`` (masked). Full attention: ``num_key_blocks =
+    cdiv(max_seq_len, block_size)``; sliding window: at most ``cdiv(W + query_len - 1,
+    block_size) + 1``."""
+
+    key_offsets: torch.Tensor
+    """``[n]``, ``torch.int64``; units: token positions, multiples of ``block_size``. Key
+    column ``j`` of request ``r`` is key position ``key_offsets[r] + j``. All zero for
+    full attention; the first block of the window for a sliding-window group."""
+
+    min_key_offset: int
+    """``min(key_offsets)`` (tokens)."""
+
+    max_key_offset: int
+    """``max(key_offsets)`` (tokens)."""
 
 
 @dataclass(frozen=True)
@@ -77,6 +99,9 @@ class TorchNativeMetadata:
     """Longest ``seq_len`` this step (tokens)."""
     block_size: int
     """Tokens per (kernel) block; must equal ``kv_cache.shape[2]``."""
+    sliding_window: int | None
+    """``W`` of the group's spec (tokens, current included) when the key ranges were
+    trimmed to the window; ``None`` for full attention (keys start at 0)."""
     causal: bool
     """Bottom-right aligned causal attention (see ``attention.visibility_mask``)."""
     query_start_loc: torch.Tensor
@@ -96,13 +121,15 @@ class TorchNativeMetadata:
 
 
 def _key_block_ids(block_table: torch.Tensor, req_indices: torch.Tensor, seq_lens: torch.Tensor,
-                   max_seq_len: int, block_size: int) -> torch.Tensor:
-    """``[n, cdiv(max_seq_len, block_size)]`` int64 block ids; ``NULL_BLOCK_ID`` past each
-    request's last block (whatever the block table holds there)."""
-    num_key_blocks = -(-max_seq_len // block_size)
-    block_ids = block_table.index_select(0, req_indices)[:, :num_key_blocks].long()
+                   first_blocks: torch.Tensor, num_key_blocks: int, block_size: int) -> torch.Tensor:
+    """``[n, num_key_blocks]`` int64 block ids: row ``r`` holds logical blocks
+    ``first_blocks[r] ..`` of its block-table row; ``NULL_BLOCK_ID`` past the request's last
+    block (whatever the block table holds there)."""
+    rows = block_table.index_select(0, req_indices)
+    cols = first_blocks.unsqueeze(1) + torch.arange(num_key_blocks, device=block_table.device).unsqueeze(0)
     blocks_needed = (seq_lens + block_size - 1) // block_size
-    live = torch.arange(num_key_blocks, device=block_table.device).unsqueeze(0) < blocks_needed.unsqueeze(1)
+    live = cols < blocks_needed.unsqueeze(1)
+    block_ids = rows.gather(1, torch.where(live, cols, torch.zeros_like(cols))).long()
     return torch.where(live, block_ids, torch.full_like(block_ids, NULL_BLOCK_ID))
 
 
@@ -131,6 +158,11 @@ class TorchNativeMetadataBuilder(AttentionMetadataBuilder):
     @property
     def block_size(self) -> int:
         return int(self.kv_cache_spec.block_size)
+
+    @property
+    def sliding_window(self) -> int | None:
+        """``W`` of a sliding-window spec (key ranges start at the window), else ``None``."""
+        return getattr(self.kv_cache_spec, "sliding_window", None)
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> TorchNativeMetadata:
@@ -164,6 +196,7 @@ class TorchNativeMetadataBuilder(AttentionMetadataBuilder):
         for i in torch.nonzero(query_lens > 1).flatten().tolist():
             groups.append((torch.tensor([i]), int(query_lens[i])))
 
+        B, window = self.block_size, self.sliding_window
         segments = []
         for req_cpu, query_len in groups:
             seg_seq_lens = seq_lens[req_cpu]
@@ -171,8 +204,15 @@ class TorchNativeMetadataBuilder(AttentionMetadataBuilder):
             token_idx = qsl[req_cpu].unsqueeze(1) + offsets
             positions = (seg_seq_lens - query_len).unsqueeze(1) + offsets
             max_seq_len = int(seg_seq_lens.max())
+            if window is None:
+                first_blocks = torch.zeros_like(seg_seq_lens)
+            else:  # the first block the request's first query can see (the pool freed the rest)
+                first_blocks = torch.from_numpy(num_skipped_blocks((seg_seq_lens - query_len).numpy(), window, B))
+            num_key_blocks = int(((seg_seq_lens + B - 1) // B - first_blocks).max())
+            key_offsets = first_blocks * B
             req_dev = req_cpu.to(self.device)
             seq_dev = seg_seq_lens.to(self.device)
+            first_dev = first_blocks.to(self.device)
             segments.append(AttentionSegment(
                 req_indices=req_dev,
                 query_len=query_len,
@@ -181,7 +221,10 @@ class TorchNativeMetadataBuilder(AttentionMetadataBuilder):
                 query_token_indices=token_idx.to(self.device),
                 query_positions=positions.to(self.device),
                 seq_lens=seq_dev,
-                key_block_ids=_key_block_ids(block_table, req_dev, seq_dev, max_seq_len, self.block_size),
+                key_block_ids=_key_block_ids(block_table, req_dev, seq_dev, first_dev, num_key_blocks, B),
+                key_offsets=key_offsets.to(self.device),
+                min_key_offset=int(key_offsets.min()),
+                max_key_offset=int(key_offsets.max()),
             ))
 
         write_tokens, write_slots = _write_indices(cm.slot_mapping, cm.num_actual_tokens)
@@ -191,6 +234,7 @@ class TorchNativeMetadataBuilder(AttentionMetadataBuilder):
             max_query_len=cm.max_query_len,
             max_seq_len=cm.max_seq_len,
             block_size=self.block_size,
+            sliding_window=window,
             causal=cm.causal,
             query_start_loc=cm.query_start_loc,
             seq_lens=cm.seq_lens,
@@ -216,9 +260,10 @@ class TorchNativeMetadataBuilder(AttentionMetadataBuilder):
         ``metadata`` is not mutated. Synchronises with the host (one ``nonzero``).
         """
         self._check_block_table(block_table, metadata.num_reqs, metadata.max_seq_len)
+        B = self.block_size
         segments = tuple(
-            dataclasses.replace(seg, key_block_ids=_key_block_ids(block_table, seg.req_indices, seg.seq_lens,
-                                                                  seg.max_seq_len, self.block_size))
+            dataclasses.replace(seg, key_block_ids=_key_block_ids(
+                block_table, seg.req_indices, seg.seq_lens, seg.key_offsets // B, seg.key_block_ids.shape[1], B))
             for seg in metadata.segments)
         write_tokens, write_slots = _write_indices(slot_mapping, metadata.num_actual_tokens)
         return dataclasses.replace(metadata, block_table_tensor=block_table, slot_mapping=slot_mapping,

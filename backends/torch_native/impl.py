@@ -96,29 +96,33 @@ class TorchNativeAttentionImpl(AttentionImpl):
         md = attn_metadata
         write_to_paged_cache(key, value, kv_cache, md.write_slots, md.write_token_indices)
         for seg in md.segments:
-            num_keys = seg.key_block_ids.shape[1] * md.block_size  # >= max_seq_len
-            used = keys_used(seg.seq_lens, seg.query_len, num_keys, self.sliding_window)
+            num_keys = seg.key_block_ids.shape[1] * md.block_size  # key columns, from key_offsets on
+            offsets = seg.key_offsets if seg.max_key_offset else None
+            used = keys_used(seg.seq_lens, seg.query_len, num_keys, self.sliding_window, offsets)
             keys, values = gather_from_paged_cache(kv_cache, seg.key_block_ids, used)  # [n, keys, H_kv, D]
-            for q_lo, q_hi, k_lo, k_hi in self._tiles(seg, md.causal):
+            for q_lo, q_hi, k_lo, k_hi in self._tiles(seg, md.causal, num_keys):
                 tokens = seg.query_token_indices[:, q_lo:q_hi]
                 q = query[tokens]  # [n, tile, num_heads, head_size]
                 mask = visibility_mask(seg.query_positions[:, q_lo:q_hi], seg.seq_lens, k_lo, k_hi,
-                                       causal=md.causal, sliding_window=self.sliding_window)
+                                       causal=md.causal, sliding_window=self.sliding_window, key_offsets=offsets)
                 out = attend(q, keys[:, k_lo:k_hi], values[:, k_lo:k_hi], mask, self.scale,
                              self.logits_soft_cap)
                 output[tokens.flatten()] = out.flatten(0, 1).to(output.dtype)
         return output
 
-    def _tiles(self, seg: AttentionSegment, causal: bool) -> list[tuple[int, int, int, int]]:
-        """Split a segment into query tiles, each with the key range it can see.
+    def _tiles(self, seg: AttentionSegment, causal: bool, num_keys: int) -> list[tuple[int, int, int, int]]:
+        """Split a segment into query tiles, each with the key columns it can see.
 
         Returns ``(q_lo, q_hi, k_lo, k_hi)`` tuples (ends exclusive): queries ``q_lo ..
-        q_hi - 1`` of every request in the segment need at most keys ``k_lo .. k_hi - 1``.
-        Query ``j`` of a request with ``seq_len`` tokens sits at ``seq_len - query_len + j``,
-        so a causal tile needs no key past ``max_seq_len - query_len + q_hi - 1``, and a
-        window ``W`` none before ``min_seq_len - query_len + q_lo - W + 1``. This bounds
-        the float32 logits of one tile to ``n * num_heads * QUERY_TILE_TOKENS * keys``;
-        the keys skipped would be masked anyway, so tiling never changes the result's math.
+        q_hi - 1`` of every request in the segment need at most key columns ``k_lo ..
+        k_hi - 1``. Query ``j`` of a request with ``seq_len`` tokens sits at ``seq_len -
+        query_len + j``, so a causal tile needs no key position past ``max_seq_len -
+        query_len + q_hi - 1``, and a window ``W`` none before ``min_seq_len - query_len +
+        q_lo - W + 1``; column ``c`` of request ``r`` is position ``key_offsets[r] + c``, so
+        the positions become columns by subtracting the largest (low end) and smallest
+        (high end) offset. This bounds the float32 logits of one tile to ``n * num_heads *
+        QUERY_TILE_TOKENS * keys``; the keys skipped would be masked anyway, so tiling never
+        changes the result's math.
         """
         tiles = []
         for q_lo in range(0, seg.query_len, QUERY_TILE_TOKENS):
@@ -127,7 +131,9 @@ class TorchNativeAttentionImpl(AttentionImpl):
             k_lo = 0
             if self.sliding_window is not None:
                 k_lo = max(0, seg.min_seq_len - seg.query_len + q_lo - self.sliding_window + 1)
-            tiles.append((q_lo, q_hi, k_lo, k_hi))
+            k_lo = max(0, k_lo - seg.max_key_offset)
+            k_hi = min(num_keys, k_hi - seg.min_key_offset)
+            tiles.append((q_lo, q_hi, k_lo, max(k_hi, k_lo + 1)))
         return tiles
 
     def _check(self, query, key, value, kv_cache, md, output) -> None:
@@ -136,6 +142,12 @@ class TorchNativeAttentionImpl(AttentionImpl):
             raise MetadataError(
                 f"attn_metadata is a {type(md).__name__}, not TorchNativeMetadata: the layer's "
                 "metadata must come from the torch_native builder of its cache group.")
+        if md.sliding_window is not None and (self.sliding_window is None
+                                              or self.sliding_window > md.sliding_window):
+            raise MetadataError(
+                f"the metadata's key ranges start at a {md.sliding_window}-token window but this layer "
+                f"attends with sliding_window={self.sliding_window}: it would miss keys. A layer must sit "
+                "in a cache group whose SlidingWindowSpec has its window (or a FullAttentionSpec group).")
         expect_q = (self.num_heads, self.head_size)
         expect_kv = (self.num_kv_heads, self.head_size)
         if query.dim() != 3 or tuple(query.shape[1:]) != expect_q:

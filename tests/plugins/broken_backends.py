@@ -52,6 +52,13 @@ class _MutatingBuilder(TorchNativeMetadataBuilder):
         return md
 
 
+class _NoWindowBuilder(TorchNativeMetadataBuilder):
+    """Key ranges from position 0 even for a sliding-window spec (pairs with ``_NoWindowImpl``;
+    torch_native's own builder would start them at the window, which its impl checks)."""
+
+    sliding_window = None
+
+
 class _NoWindowImpl(TorchNativeAttentionImpl):
     """Claims sliding-window support but attends over the whole sequence."""
 
@@ -69,5 +76,5 @@ class _WrongScaleImpl(TorchNativeAttentionImpl):
 OffByOneSlots = _backend("off_by_one_slots", builder=_OffByOneBuilder)
 WritesPaddedSlots = _backend("writes_padded_slots", builder=_WritesPaddingBuilder)
 MutatesMetadata = _backend("mutates_metadata", builder=_MutatingBuilder)
-IgnoresWindow = _backend("ignores_window", impl=_NoWindowImpl)
+IgnoresWindow = _backend("ignores_window", builder=_NoWindowBuilder, impl=_NoWindowImpl)
 WrongScale = _backend("wrong_scale", impl=_WrongScaleImpl)
