@@ -2,7 +2,7 @@
 
 ``model`` is a preset name (``"preset"`` means the default preset) or a path to an HF
 ``config.json``. Models the runner supports go through ``attnplug.runner.models``
-(``resolve_model_config`` + ``layer_configs``), so the groups are exactly the runner's.
+(``resolve_model_config`` + ``model_layer_configs``), so the groups are exactly the runner's.
 Any other HF config (a hybrid the runner cannot build yet, say) is read generically:
 heads, KV heads, ``head_dim``, ``attn_logit_softcapping``, and per-layer kinds from
 ``layer_types`` / ``layers_block_type`` / ``sliding_window`` (+ ``sliding_window_pattern``).
@@ -119,7 +119,8 @@ def model_layer_groups(model: str, *, dtype: torch.dtype | None = None, device: 
     Raises:
         ConfigError: an unknown model, or a config without the basic attention fields.
     """
-    from attnplug.runner.models import UnsupportedModelError, layer_configs, resolve_model_config
+    from attnplug.core.mamba import MambaLayerConfig as ModelMambaLayerConfig
+    from attnplug.runner.models import UnsupportedModelError, model_layer_configs, resolve_model_config
 
     what, cfg = _load(model)
     if dtype is None:
@@ -130,6 +131,8 @@ def model_layer_groups(model: str, *, dtype: torch.dtype | None = None, device: 
     except UnsupportedModelError:
         return f"{what} (read generically: the runner has no {cfg.get('model_type')!r} model)", \
             _generic(cfg, dtype, device, block_size)
-    layers = layer_configs(model_cfg, dtype, device, block_size)
-    per_layer = {name: ("sliding_window" if c.sliding_window else "full_attention", c) for name, c in layers.items()}
+    layers = model_layer_configs(model_cfg, dtype, device, block_size)
+    per_layer = {name: ("mamba" if isinstance(c, ModelMambaLayerConfig)
+                        else "sliding_window" if c.sliding_window else "full_attention", c)
+                 for name, c in layers.items()}
     return what, _group(per_layer)

@@ -4,8 +4,9 @@ Decode rows (the first ``num_decodes``) take the recurrent path: one conv1d step
 state update per row. The prefill part takes the varlen causal conv1d and the chunked SSD
 scan, each sequence starting from its slot's state when ``has_initial_state`` (a
 chunked-prefill continuation) and from zeros otherwise. Final states are written back to
-the slots. A decode row without an initial state (a one-token prompt, or a one-token
-first chunk) also starts from zeros, so a slot's stale contents are never read.
+the slots. The slots of rows without an initial state (``fresh_rows``: new requests,
+including one-token prompts on the decode path) are zeroed first, so a slot's stale
+contents from its previous owner are never read.
 
 Math in float32; states are stored in the cache's dtypes (conv: ``MambaSpec.dtype``,
 SSM: ``MambaSpec.ssm_dtype``). On CUDA, when ``mamba_ssm`` and ``causal_conv1d`` import,
@@ -28,11 +29,10 @@ from attnplug.core.errors import BackendUnsupportedError
 from attnplug.core.mamba import MambaImpl, MambaLayerConfig, MambaStateCache
 
 
-def _initial(cache: torch.Tensor, slots: torch.Tensor, has_initial_state: torch.Tensor) -> torch.Tensor:
-    """Rows ``slots`` of ``cache`` as float32, zeros where ``has_initial_state`` is False."""
-    st = cache.index_select(0, slots).float()
-    keep = has_initial_state.view(-1, *([1] * (st.dim() - 1)))
-    return torch.where(keep, st, torch.zeros((), dtype=st.dtype, device=st.device))
+def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """Rows ``slots`` of ``cache`` as a fresh float32 tensor (safe to update in place)."""
+    st = cache.index_select(0, slots)
+    return st if st.dtype == torch.float32 else st.float()
 
 
 class Mamba2Impl(MambaImpl):
@@ -70,13 +70,15 @@ class Mamba2Impl(MambaImpl):
         bias = None if layer.conv1d.bias is None else layer.conv1d.bias.float()
         params = (weight, bias, -torch.exp(layer.A_log.float()), layer.D.float(), layer.dt_bias.float())
         slots = md.state_indices[:md.num_reqs].long()
+        fresh = slots.index_select(0, md.fresh_rows)
+        state.conv_state.index_fill_(0, fresh, 0)   # a new owner starts from zeros
+        state.ssm_state.index_fill_(0, fresh, 0)
         nd, T = md.num_decodes, md.num_actual_tokens
         if nd:
-            y = self._decode(hidden_states_B_C[:nd], dt[:nd], state, slots[:nd], md.has_initial_state[:nd], params)
+            y = self._decode(hidden_states_B_C[:nd], dt[:nd], state, slots[:nd], params)
             output[:nd] = y.reshape(nd, cfg.intermediate_size).to(output.dtype)
         if md.num_prefills:
-            y = self._prefill(hidden_states_B_C[nd:T], dt[nd:T], state, slots[nd:], md.has_initial_state[nd:],
-                              params, md)
+            y = self._prefill(hidden_states_B_C[nd:T], dt[nd:T], state, slots[nd:], params, md)
             output[nd:T] = y.reshape(T - nd, cfg.intermediate_size).to(output.dtype)
         return output
 
@@ -94,10 +96,10 @@ class Mamba2Impl(MambaImpl):
                 C.reshape(n, cfg.n_groups, cfg.state_size))
 
     # --- decode rows --------------------------------------------------------------------------
-    def _decode(self, xbc, dt, state: MambaStateCache, slots, has_init, params) -> torch.Tensor:
+    def _decode(self, xbc, dt, state: MambaStateCache, slots, params) -> torch.Tensor:
         weight, bias, A, D, dt_bias = params
-        conv = _initial(state.conv_state, slots, has_init)
-        ssm = _initial(state.ssm_state, slots, has_init)
+        conv = _gather(state.conv_state, slots)
+        ssm = _gather(state.ssm_state, slots)
         if self.kernels is not None:
             y = self._decode_kernels(xbc, dt, conv, ssm, params)
         else:
@@ -121,10 +123,10 @@ class Mamba2Impl(MambaImpl):
             D=D[:, None].expand(h, p), z=None, dt_bias=dt_bias[:, None].expand(h, p), dt_softplus=True)
 
     # --- prefill part ---------------------------------------------------------------------------
-    def _prefill(self, xbc, dt, state: MambaStateCache, slots, has_init, params, md: Mamba2Metadata) -> torch.Tensor:
+    def _prefill(self, xbc, dt, state: MambaStateCache, slots, params, md: Mamba2Metadata) -> torch.Tensor:
         weight, bias, A, D, dt_bias = params
-        conv0 = _initial(state.conv_state, slots, has_init)
-        ssm0 = _initial(state.ssm_state, slots, has_init)
+        conv0 = _gather(state.conv_state, slots)
+        ssm0 = _gather(state.ssm_state, slots)
         out, conv = ops.causal_conv1d_prefill(xbc.float(), weight, bias, conv0, md.conv_token_pos,
                                               md.conv_state_pos, md.conv_final_pos, md.conv_window_pos)
         x, B, C = self._split(F.silu(out))

@@ -66,6 +66,9 @@ class Mamba2Metadata:
     has_initial_state: torch.Tensor
     """``[num_reqs]``, ``torch.bool``: ``num_computed_tokens > 0`` (the slot holds the
     state after the request's computed tokens; else the step starts from zeros)."""
+    fresh_rows: torch.Tensor
+    """``[num_fresh]``: the rows with ``has_initial_state`` False (their slots are zeroed
+    before use: a slot's previous owner left stale values)."""
     query_start_loc_p: torch.Tensor
     """``[num_prefills + 1]``, ``torch.int32``: exclusive prefix sum of the prefill rows'
     query lengths, from 0 (prefill-part token offsets)."""
@@ -132,7 +135,7 @@ class Mamba2MetadataBuilder(AttentionMetadataBuilder):
         R, T = config.max_num_reqs, config.max_num_batched_tokens
         K = max_num_chunks(R, T, self.chunk_size)
         d = self.conv_state_len
-        self._bound = R + T + (K + 1) + K + R + K + K * self.chunk_size + T + T + 2 * R * d + T * (d + 1)
+        self._bound = 2 * R + T + (K + 1) + K + R + K + K * self.chunk_size + T + T + 2 * R * d + T * (d + 1)
         self._index = CpuGpuBuffer((self._bound,), torch.int64, self.device)
         self._state_indices = torch.full((R,), PAD_SLOT_ID, dtype=torch.int32, device=self.device)
 
@@ -186,20 +189,22 @@ class Mamba2MetadataBuilder(AttentionMetadataBuilder):
         not_one = np.flatnonzero(query_lens != 1)
         nd = int(not_one[0]) if not_one.shape[0] else R
         layout = compute_prefill_layout(query_lens[nd:], computed[nd:], self.chunk_size, self.conv_state_len)
-        views = self._upload(computed > 0, layout)
+        views = self._upload(computed > 0, np.flatnonzero(computed == 0), layout)
         state_indices = self._state_indices_from(cm.block_table_tensor, R, self._state_indices)
         qsl_p = cm.query_start_loc[nd:R + 1] - int(qsl[nd])
         return Mamba2Metadata(
             num_reqs=R, num_actual_tokens=T, num_decodes=nd, num_prefills=R - nd,
             num_decode_tokens=nd, num_prefill_tokens=T - nd, chunk_size=self.chunk_size,
             num_chunks=layout.num_chunks, max_chunks_per_seq=layout.max_chunks_per_seq,
-            state_indices=state_indices, has_initial_state=views.pop("has_initial_state"),
+            state_indices=state_indices,
             query_start_loc_p=qsl_p.to(torch.int32), query_start_loc_p_cpu=layout.query_start_loc,
             block_table_tensor=cm.block_table_tensor, **views)
 
-    def _upload(self, has_initial_state: np.ndarray, layout: PrefillLayout) -> dict[str, torch.Tensor]:
+    def _upload(self, has_initial_state: np.ndarray, fresh_rows: np.ndarray,
+                layout: PrefillLayout) -> dict[str, torch.Tensor]:
         """Pack the index arrays into the persistent host buffer, copy once, return views."""
-        arrays = [("has_initial_state", has_initial_state)] + [(f, getattr(layout, f)) for f in _LAYOUT_FIELDS]
+        arrays = ([("has_initial_state", has_initial_state), ("fresh_rows", fresh_rows)]
+                  + [(f, getattr(layout, f)) for f in _LAYOUT_FIELDS])
         total = sum(a.shape[0] for _, a in arrays)
         assert total <= self._bound, f"index arrays ({total}) exceed the buffer bound ({self._bound})"
         host = self._index.np

@@ -71,7 +71,7 @@ def causal_conv1d_prefill(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     if dm1:
         ext.index_copy_(0, conv_state_pos, initial_state.transpose(1, 2).reshape(P * dm1, C))
     windows = ext.index_select(0, conv_window_pos).view(T, dm1 + 1, C)
-    out = torch.einsum("tkc,ck->tc", windows, weight)
+    out = (windows * weight.t()).sum(dim=1)   # depthwise: no per-channel matmuls
     if bias is not None:
         out = out + bias
     final = ext.index_select(0, conv_final_pos).view(P, dm1, C).transpose(1, 2)
@@ -100,9 +100,11 @@ def causal_conv1d_decode(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
 
 
 def _chunked(t: torch.Tensor, chunk_token_index: torch.Tensor, num_chunks: int, chunk_size: int) -> torch.Tensor:
-    """``[T, ...]`` -> ``[num_chunks, chunk_size, ...]``; padding rows read an appended zero row."""
+    """``[T, D1, *rest]`` -> ``[num_chunks, D1, chunk_size, *rest]``, contiguous (heads or
+    groups before the chunk rows); padding rows read an appended zero row."""
     padded = torch.cat([t, t.new_zeros((1, *t.shape[1:]))])
-    return padded.index_select(0, chunk_token_index).view(num_chunks, chunk_size, *t.shape[1:])
+    c = padded.index_select(0, chunk_token_index).view(num_chunks, chunk_size, *t.shape[1:])
+    return c.transpose(1, 2).contiguous()
 
 
 def ssd_chunk_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
@@ -129,6 +131,10 @@ def ssd_chunk_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.
         ``(y, final_state)``: ``y`` ``[num_prefill_tokens, num_heads, head_size]`` and
         ``final_state`` ``[num_prefills, num_heads, head_size, state_size]`` (the state
         after each sequence's last token; the initial state for an empty sequence).
+
+    Inside a chunk the decay ``exp(a_{s+1} + .. + a_l)`` is ``exp(cum_l - cum_s)`` of the
+    chunk's prefix sums (as the mamba_ssm kernels compute it). Memory: ``[num_chunks,
+    num_heads, chunk_size, chunk_size]`` float32 for the in-chunk scores.
     """
     T, H, Pd = x.shape
     G, N = B.shape[1], B.shape[2]
@@ -136,48 +142,54 @@ def ssd_chunk_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.
     S, M = initial_state.shape[0], max_chunks_per_seq
     cs = chunk_size
     rep = H // G
-    xdt = _chunked(x * dt.unsqueeze(-1), chunk_token_index, K, cs)              # [K, cs, H, Pd]
-    a = _chunked(dt * A, chunk_token_index, K, cs).transpose(1, 2)              # [K, H, cs]
-    Bc = _chunked(B, chunk_token_index, K, cs).repeat_interleave(rep, dim=2)    # [K, cs, H, N]
-    Cc = _chunked(C, chunk_token_index, K, cs).repeat_interleave(rep, dim=2)
-    a_cum = a.cumsum(dim=-1)                                                    # [K, H, cs]
-    decay = torch.exp(segsum(a))                                                # [K, H, l, s]
+    xdt = _chunked(x * dt.unsqueeze(-1), chunk_token_index, K, cs)             # [K, H, cs, Pd]
+    a_cum = _chunked(dt * A, chunk_token_index, K, cs).cumsum(dim=-1)          # [K, H, cs]
+    Bg = _chunked(B, chunk_token_index, K, cs).unsqueeze(2)                    # [K, G, 1, cs, N]
+    Cg = _chunked(C, chunk_token_index, K, cs).unsqueeze(2)
+    causal = torch.ones(cs, cs, dtype=torch.bool, device=x.device).tril()
+    decay = torch.exp((a_cum.unsqueeze(-1) - a_cum.unsqueeze(-2)).masked_fill_(~causal, float("-inf")))
 
-    # 1. inside each chunk: masked "attention" C_l . B_s with decay s -> l
-    scores = torch.einsum("klhn,kshn->khls", Cc, Bc) * decay
-    y = torch.einsum("khls,kshp->klhp", scores, xdt)
-    # 2. each chunk's state at its end, starting from zero
-    chunk_states = torch.einsum("kshn,khs,kshp->khpn", Bc, decay[:, :, -1, :], xdt)
+    # 1. inside each chunk: masked "attention" (C_l . B_s) * decay(s -> l), per group, per head
+    scores = (Cg @ Bg.transpose(-1, -2)) * decay.view(K, G, rep, cs, cs)      # [K, G, rep, l, s]
+    y = scores @ xdt.view(K, G, rep, cs, Pd)                                   # [K, G, rep, cs, Pd]
+    # 2. each chunk's state at its end, starting from zero: sum_s decay(s -> end) x_s dt_s B_s^T
+    to_end = decay[..., -1, :].view(K, G, rep, cs, 1)
+    chunk_states = (xdt.view(K, G, rep, cs, Pd) * to_end).transpose(-1, -2) @ Bg   # [K, G, rep, Pd, N]
     # 3. carry states across the chunks of each sequence: grid [S, M] of chunk totals
-    totals = x.new_zeros((S * M, H)).index_copy_(0, chunk_grid_index, a_cum[:, :, -1]).view(S, M, H)
-    grid = x.new_zeros((S * M, H, Pd, N)).index_copy_(0, chunk_grid_index, chunk_states).view(S, M, H, Pd, N)
-    states = torch.cat([initial_state.unsqueeze(1), grid], dim=1)              # [S, M + 1, H, Pd, N]
-    carry = torch.exp(segsum(F.pad(totals.transpose(1, 2), (1, 0))))           # [S, H, M + 1, M + 1]
-    entering = torch.einsum("shzy,syhpn->szhpn", carry, states)                # state entering chunk z
-    start = entering[:, :M].reshape(S * M, H, Pd, N).index_select(0, chunk_grid_index)
-    final_state = entering[:, M]
-    # 4. the entering state's contribution to every output of the chunk
-    y = y + torch.einsum("klhn,khpn->klhp", Cc, start) * torch.exp(a_cum).transpose(1, 2).unsqueeze(-1)
-    return y.reshape(K * cs, H, Pd).index_select(0, token_chunk_index), final_state
+    totals = x.new_zeros((S * M, H)).index_copy_(0, chunk_grid_index, a_cum[..., -1]).view(S, M, H)
+    grid = x.new_zeros((S * M, H, Pd * N)).index_copy_(0, chunk_grid_index, chunk_states.view(K, H, Pd * N))
+    states = torch.cat([initial_state.reshape(S, 1, H, Pd * N), grid.view(S, M, H, Pd * N)], dim=1)
+    carry = torch.exp(segsum(F.pad(totals.transpose(1, 2), (1, 0))))          # [S, H, M + 1, M + 1]
+    entering = carry @ states.transpose(1, 2)                                  # [S, H, M + 1, Pd * N]
+    final_state = entering[:, :, M].reshape(S, H, Pd, N)
+    start = entering[:, :, :M].transpose(1, 2).reshape(S * M, H, Pd, N).index_select(0, chunk_grid_index)
+    # 4. the entering state's contribution to every output of the chunk: exp(cum_l) C_l . S
+    y_off = Cg @ start.view(K, G, rep, Pd, N).transpose(-1, -2)                # [K, G, rep, cs, Pd]
+    y = y + y_off * torch.exp(a_cum).view(K, G, rep, cs, 1)
+    y = y.view(K, H, cs, Pd).transpose(1, 2).reshape(K * cs, H, Pd)
+    return y.index_select(0, token_chunk_index), final_state
 
 
 def selective_state_update(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor,
                            B: torch.Tensor, C: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One recurrent step per sequence (no ``D`` skip).
+    """One recurrent step per sequence (no ``D`` skip), updating ``state`` IN PLACE.
 
     Args:
-        state: ``[num_decodes, num_heads, head_size, state_size]``, float32.
+        state: ``[num_decodes, num_heads, head_size, state_size]``, float32, contiguous
+            (a gathered copy: it is overwritten with the new state).
         x: ``[num_decodes, num_heads, head_size]``, float32.
         dt: ``[num_decodes, num_heads]``, float32, final time steps.
         A: ``[num_heads]``, float32, negative.
         B, C: ``[num_decodes, n_groups, state_size]``, float32.
 
     Returns:
-        ``(y [num_decodes, num_heads, head_size], new_state)``.
+        ``(y [num_decodes, num_heads, head_size], state)``.
     """
-    rep = x.shape[1] // B.shape[1]
-    Bh = B.repeat_interleave(rep, dim=1)
-    Ch = C.repeat_interleave(rep, dim=1)
-    decay = torch.exp(dt * A)[..., None, None]
-    new_state = state * decay + (dt.unsqueeze(-1) * x).unsqueeze(-1) * Bh.unsqueeze(2)
-    return torch.einsum("dhpn,dhn->dhp", new_state, Ch), new_state
+    D, H, Pd = x.shape
+    G, N = B.shape[1], B.shape[2]
+    rep = H // G
+    st = state.view(D, G, rep, Pd, N)
+    st.mul_(torch.exp(dt * A).view(D, G, rep, 1, 1))
+    st.add_((dt.unsqueeze(-1) * x).view(D, G, rep, Pd, 1) * B.view(D, G, 1, 1, N))
+    y = st @ C.view(D, G, 1, N, 1)                                             # [D, G, rep, Pd, 1]
+    return y.view(D, H, Pd), state

@@ -70,10 +70,12 @@ def test_selective_state_update_is_one_recurrence_step():
     gen = torch.Generator().manual_seed(3)
     x, dt, A, B, C = _inputs(gen, 1)
     state = torch.randn(4, 3, 5, generator=gen)
-    y, new = ops.selective_state_update(state[None], x, dt, A, B, C)
+    work = state[None].clone()
+    y, new = ops.selective_state_update(work, x, dt, A, B, C)
     y_ref, new_ref = _recurrence(x, dt, A, B, C, state)
     torch.testing.assert_close(y, y_ref)
     torch.testing.assert_close(new[0], new_ref)
+    assert new is work, "the update is in place on the gathered copy"
 
 
 def test_conv_prefill_matches_conv1d_over_state_and_inputs():
