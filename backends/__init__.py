@@ -15,6 +15,8 @@ BUILTIN_BACKENDS: dict[str, str] = {
     "torch_native": "attnplug.backends.torch_native.backend:TorchNativeBackend",
     "mamba2_torch": "attnplug.backends.mamba2.backend:Mamba2Backend",
     "triton": "attnplug.backends.triton.backend:TritonBackend",
+    "flash_attn": "attnplug.backends.flash_attn.backend:FlashAttnBackend",
+    "flashinfer": "attnplug.backends.flashinfer.backend:FlashInferBackend",
 }
 """Built-in backend name -> ``"module:ClassName"`` of its :class:`AttentionBackend`.
 

@@ -1,0 +1,34 @@
+"""CPU emulators of the FlashAttention and FlashInfer kernel contracts — TEST TOOLS.
+
+Nothing here is registered or selectable: the registry never lists these classes (they
+are not in ``BUILTIN_BACKENDS`` and no plugin registers them). They are reached only by
+import path, e.g. ``attnplug check attnplug.backends.emulators:FlashInferEmulatedBackend``.
+
+* ``flash_attn_kernels.py`` — :class:`FlashAttnEmulator`: FA2 ``flash_attn_varlen_func``
+  (paged), FA3 ``flash_attn_with_kvcache`` and ``get_scheduler_metadata``;
+* ``flashinfer_kernels.py`` — emulated ``BatchDecodeWithPagedKVCacheWrapper`` and
+  ``BatchPrefillWithPagedKVCacheWrapper`` (``plan``/``run``, CUDA-graph buffers);
+* ``reference.py`` — the shared arithmetic (attention over explicit key ranges);
+* ``backends.py`` — the real builders and impls wired to the emulators.
+"""
+
+from attnplug.backends.emulators.backends import (
+    FA2_EMULATOR,
+    FA3_EMULATOR,
+    FlashAttn2EmulatedBackend,
+    FlashAttn3EmulatedBackend,
+    FlashInferEmulatedBackend,
+)
+from attnplug.backends.emulators.flash_attn_kernels import FlashAttnContractError, FlashAttnEmulator
+from attnplug.backends.emulators.flashinfer_kernels import (
+    EMULATED_FLASHINFER,
+    BatchDecodeWithPagedKVCacheWrapper,
+    BatchPrefillWithPagedKVCacheWrapper,
+    FlashInferContractError,
+)
+
+__all__ = [
+    "EMULATED_FLASHINFER", "FA2_EMULATOR", "FA3_EMULATOR", "BatchDecodeWithPagedKVCacheWrapper",
+    "BatchPrefillWithPagedKVCacheWrapper", "FlashAttn2EmulatedBackend", "FlashAttn3EmulatedBackend",
+    "FlashAttnContractError", "FlashAttnEmulator", "FlashInferContractError", "FlashInferEmulatedBackend",
+]

@@ -1,0 +1,227 @@
+"""A CPU emulator of FlashInfer's paged-KV wrappers' contract (a test tool).
+
+``BatchDecodeWithPagedKVCacheWrapper`` and ``BatchPrefillWithPagedKVCacheWrapper`` with
+FlashInfer's ``plan()``/``run()`` split: ``plan()`` takes the step's int32 page metadata
+and the attention parameters, ``run()`` takes the query and the cache. Attention is
+computed from those arguments only:
+
+* request ``i`` owns pages ``indices[indptr[i] : indptr[i+1]]`` and has
+  ``page_size * (num_pages - 1) + last_page_len[i]`` keys (0 with no pages), with
+  ``1 <= last_page_len <= page_size``;
+* prefill: request ``i``'s queries are rows ``qo_indptr[i] : qo_indptr[i+1]``; query ``j``
+  of ``qo_len`` sits at position ``p = kv_len - qo_len + j`` and (``causal``) sees keys
+  ``<= p``; decode: one query per request at ``p = kv_len - 1``, seeing keys ``<= p``;
+* ``window_left >= 0`` also requires keys ``>= p - window_left`` (inclusive);
+* logits are ``sm_scale * q . k``, then ``logits_soft_cap * tanh(logits / cap)`` if a cap
+  is set; a query that sees no key outputs zeros.
+
+Cache layouts: ``"NHD"`` ``[num_pages, 2, page_size, num_kv_heads, head_dim]`` or
+``"HND"`` ``[num_pages, 2, num_kv_heads, page_size, head_dim]``, or a ``(k, v)`` tuple.
+With ``use_cuda_graph=True`` the wrappers keep the caller's fixed buffers and ``plan()``
+copies into them (the batch size is then fixed), as FlashInfer's CUDA-graph mode does.
+Preconditions are checked (dtypes, shapes, ``last_page_len`` range, ``run()`` before
+``plan()``, heads and dtypes matching the plan).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import torch
+
+from attnplug.backends.emulators.reference import attend_ranges, gather_pages
+
+
+class FlashInferContractError(ValueError):
+    """The arguments break FlashInfer's documented contract."""
+
+
+def _require(cond: bool, what: str) -> None:
+    if not cond:
+        raise FlashInferContractError(what)
+
+
+def _int32_1d(name: str, t) -> None:
+    _require(isinstance(t, torch.Tensor) and t.dtype == torch.int32 and t.dim() == 1,
+             f"{name} must be a 1-D int32 tensor, got {getattr(t, 'dtype', type(t))} "
+             f"{tuple(getattr(t, 'shape', ()))}")
+
+
+@dataclass
+class _Plan:
+    qo_indptr: list[int] | None
+    indptr: list[int]
+    indices: torch.Tensor
+    last_page_len: list[int]
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+    causal: bool
+    window_left: int
+    logits_soft_cap: float
+    sm_scale: float
+    q_data_type: torch.dtype
+    kv_data_type: torch.dtype
+
+
+def _dtype(d, default: torch.dtype) -> torch.dtype:
+    if d is None:
+        return default
+    return getattr(torch, d) if isinstance(d, str) else d
+
+
+class _Wrapper:
+    _decode = False
+
+    def __init__(self, float_workspace_buffer: torch.Tensor, kv_layout: str = "NHD", use_cuda_graph: bool = False,
+                 indptr_buf=None, indices_buf=None, last_page_len_buf=None, qo_indptr_buf=None):
+        _require(kv_layout in ("NHD", "HND"), f"kv_layout must be 'NHD' or 'HND', got {kv_layout!r}")
+        _require(isinstance(float_workspace_buffer, torch.Tensor), "float_workspace_buffer must be a tensor")
+        self.kv_layout = kv_layout
+        self.use_cuda_graph = use_cuda_graph
+        if use_cuda_graph:
+            for name, buf in (("paged_kv_indptr_buffer", indptr_buf), ("paged_kv_indices_buffer", indices_buf),
+                              ("paged_kv_last_page_len_buffer", last_page_len_buf)):
+                _int32_1d(name, buf)
+            _require(indptr_buf.shape[0] == last_page_len_buf.shape[0] + 1,
+                     "The size of paged_kv_indptr_buffer should be batch_size + 1")
+            if qo_indptr_buf is not None:
+                _int32_1d("qo_indptr_buf", qo_indptr_buf)
+        self._bufs = SimpleNamespace(indptr=indptr_buf, indices=indices_buf, last_page_len=last_page_len_buf,
+                                     qo_indptr=qo_indptr_buf)
+        self._plan: _Plan | None = None
+        self.num_plans = 0
+
+    def _store(self, qo_indptr, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
+               causal, window_left, logits_soft_cap, sm_scale, q_data_type, kv_data_type) -> None:
+        for name, t in (("indptr", indptr), ("indices", indices), ("last_page_len", last_page_len)):
+            _int32_1d(name, t)
+        B = last_page_len.shape[0]
+        _require(indptr.shape[0] == B + 1, f"indptr has {indptr.shape[0]} entries for a batch of {B}")
+        ptr, last = indptr.tolist(), last_page_len.tolist()
+        _require(ptr[0] == 0 and all(a <= b for a, b in zip(ptr, ptr[1:])) and ptr[-1] <= indices.shape[0],
+                 f"indptr {ptr} must start at 0, be non-decreasing and end <= len(indices) {indices.shape[0]}")
+        _require(page_size > 0 and all(1 <= x <= page_size for x, a, b in zip(last, ptr, ptr[1:]) if b > a),
+                 f"last_page_len {last} must lie in 1..page_size={page_size} for requests with pages")
+        _require(num_qo_heads % num_kv_heads == 0, f"num_qo_heads {num_qo_heads} % num_kv_heads {num_kv_heads} != 0")
+        _require(isinstance(window_left, int) and window_left >= -1, f"window_left must be an int >= -1, got "
+                                                                      f"{window_left!r}")
+        qo = None
+        if qo_indptr is not None:
+            _int32_1d("qo_indptr", qo_indptr)
+            qo = qo_indptr.tolist()
+            _require(len(qo) == B + 1 and qo[0] == 0 and all(a <= b for a, b in zip(qo, qo[1:])),
+                     f"qo_indptr {qo} must have batch_size + 1 = {B + 1} non-decreasing entries from 0")
+        if self.use_cuda_graph:
+            _require(B + 1 == self._bufs.indptr.shape[0], f"The batch size should be fixed in cudagraph mode: plan "
+                     f"got {B}, the buffers hold {self._bufs.indptr.shape[0] - 1}")
+            _require(ptr[-1] <= self._bufs.indices.shape[0], "indices exceed paged_kv_indices_buffer")
+            self._bufs.indptr.copy_(indptr)
+            self._bufs.last_page_len.copy_(last_page_len)
+            self._bufs.indices[: ptr[-1]].copy_(indices[: ptr[-1]])
+            if qo is not None and self._bufs.qo_indptr is not None:
+                self._bufs.qo_indptr.copy_(qo_indptr)
+        self._plan = _Plan(qo, ptr, indices[: ptr[-1]].clone(), last, int(num_qo_heads), int(num_kv_heads),
+                           int(head_dim), int(page_size), bool(causal), int(window_left),
+                           float(logits_soft_cap or 0.0), head_dim ** -0.5 if sm_scale is None else float(sm_scale),
+                           _dtype(q_data_type, torch.float16), _dtype(kv_data_type, _dtype(q_data_type, torch.float16)))
+        self.num_plans += 1
+
+    def _run(self, q: torch.Tensor, paged_kv_cache, out: torch.Tensor | None, return_lse: bool):
+        p = self._plan
+        _require(p is not None, "run() called before plan()")
+        if isinstance(paged_kv_cache, tuple):
+            k_cache, v_cache = paged_kv_cache
+        else:
+            _require(paged_kv_cache.dim() == 5 and paged_kv_cache.shape[1] == 2,
+                     f"paged_kv_cache must be [num_pages, 2, ...], got {tuple(paged_kv_cache.shape)}")
+            k_cache, v_cache = paged_kv_cache[:, 0], paged_kv_cache[:, 1]
+        if self.kv_layout == "HND":
+            k_cache, v_cache = k_cache.transpose(1, 2), v_cache.transpose(1, 2)
+        _require(tuple(k_cache.shape[1:]) == (p.page_size, p.num_kv_heads, p.head_dim),
+                 f"cache pages {tuple(k_cache.shape[1:])} (as NHD) do not match the plan "
+                 f"(page_size {p.page_size}, {p.num_kv_heads} KV heads, head_dim {p.head_dim})")
+        _require(q.dtype == p.q_data_type and k_cache.dtype == p.kv_data_type,
+                 f"q/kv dtypes {q.dtype}/{k_cache.dtype} differ from the plan's {p.q_data_type}/{p.kv_data_type}")
+        B = len(p.last_page_len)
+        rows = p.qo_indptr if p.qo_indptr is not None else list(range(B + 1))
+        _require(q.dim() == 3 and q.shape[0] == rows[-1] and tuple(q.shape[1:]) == (p.num_qo_heads, p.head_dim),
+                 f"q {tuple(q.shape)} must be [{rows[-1]}, {p.num_qo_heads}, {p.head_dim}] for this plan")
+        res = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        lse = torch.full((q.shape[0], p.num_qo_heads), float("-inf"), device=q.device)
+        for i in range(B):
+            n_pages = p.indptr[i + 1] - p.indptr[i]
+            kv_len = 0 if n_pages == 0 else p.page_size * (n_pages - 1) + p.last_page_len[i]
+            qo_len = rows[i + 1] - rows[i]
+            if qo_len == 0:
+                continue
+            pages = p.indices[p.indptr[i]: p.indptr[i + 1]]
+            k, v = gather_pages(k_cache, pages, kv_len), gather_pages(v_cache, pages, kv_len)
+            pos = torch.arange(qo_len, device=q.device) + kv_len - qo_len
+            hi = pos if (p.causal or self._decode) else torch.full_like(pos, kv_len - 1)
+            lo = pos - p.window_left if p.window_left >= 0 else torch.zeros_like(pos)
+            o, s = attend_ranges(q[rows[i]:rows[i + 1]], k, v, lo, hi, p.sm_scale, p.logits_soft_cap)
+            res[rows[i]:rows[i + 1]] = o
+            lse[rows[i]:rows[i + 1]] = s.transpose(0, 1)
+        if out is None:
+            out = res.to(q.dtype)
+        else:
+            _require(out.shape == q.shape, f"out {tuple(out.shape)} must match q {tuple(q.shape)}")
+            out.copy_(res)
+        return (out, lse) if return_lse else out
+
+
+class BatchDecodeWithPagedKVCacheWrapper(_Wrapper):
+    """Emulated ``flashinfer.BatchDecodeWithPagedKVCacheWrapper`` (one query per request)."""
+
+    _decode = True
+
+    def __init__(self, float_workspace_buffer, kv_layout="NHD", use_cuda_graph=False, use_tensor_cores=False,
+                 paged_kv_indptr_buffer=None, paged_kv_indices_buffer=None, paged_kv_last_page_len_buffer=None,
+                 **_ignored):
+        super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph, paged_kv_indptr_buffer,
+                         paged_kv_indices_buffer, paged_kv_last_page_len_buffer)
+
+    def plan(self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
+             pos_encoding_mode="NONE", window_left=-1, logits_soft_cap=None, q_data_type="float16",
+             kv_data_type=None, data_type=None, sm_scale=None, rope_scale=None, rope_theta=None, **_ignored):
+        _require(pos_encoding_mode == "NONE", "the emulator covers pos_encoding_mode='NONE' only")
+        self._store(None, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size, False,
+                    window_left, logits_soft_cap, sm_scale, q_data_type or data_type, kv_data_type or data_type)
+
+    def run(self, q, paged_kv_cache, *args, q_rope_offset=None, k_scale=None, v_scale=None, out=None, lse=None,
+            return_lse=False, **_ignored):
+        return self._run(q, paged_kv_cache, out, return_lse)
+
+
+class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
+    """Emulated ``flashinfer.BatchPrefillWithPagedKVCacheWrapper`` (varlen queries)."""
+
+    def __init__(self, float_workspace_buffer, kv_layout="NHD", use_cuda_graph=False, qo_indptr_buf=None,
+                 paged_kv_indptr_buf=None, paged_kv_indices_buf=None, paged_kv_last_page_len_buf=None, **_ignored):
+        super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph, paged_kv_indptr_buf,
+                         paged_kv_indices_buf, paged_kv_last_page_len_buf, qo_indptr_buf)
+
+    def plan(self, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads, num_kv_heads,
+             head_dim_qk, page_size, head_dim_vo=None, custom_mask=None, packed_custom_mask=None, causal=False,
+             pos_encoding_mode="NONE", use_fp16_qk_reduction=False, sm_scale=None, window_left=-1,
+             logits_soft_cap=None, rope_scale=None, rope_theta=None, q_data_type="float16", kv_data_type=None,
+             **_ignored):
+        _require(custom_mask is None and packed_custom_mask is None and pos_encoding_mode == "NONE"
+                 and head_dim_vo in (None, head_dim_qk), "the emulator covers causal/full masks without RoPE only")
+        self._store(qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads, num_kv_heads,
+                    head_dim_qk, page_size, causal, window_left, logits_soft_cap, sm_scale, q_data_type, kv_data_type)
+
+    def run(self, q, paged_kv_cache, *args, k_scale=None, v_scale=None, out=None, lse=None, return_lse=False,
+            **_ignored):
+        return self._run(q, paged_kv_cache, out, return_lse)
+
+
+EMULATED_FLASHINFER = SimpleNamespace(
+    BatchDecodeWithPagedKVCacheWrapper=BatchDecodeWithPagedKVCacheWrapper,
+    BatchPrefillWithPagedKVCacheWrapper=BatchPrefillWithPagedKVCacheWrapper,
+    __version__="emulated",
+)
+"""A stand-in for the ``flashinfer`` module (what the flashinfer builder asks for)."""

@@ -1,0 +1,114 @@
+"""``FlashAttnBackend``: paged varlen attention with the flash-attn kernels (CUDA only).
+
+Declarations that depend on the installed version are computed on access (class
+properties through :class:`_FlashAttnBackendMeta`): ``supported_kernel_block_sizes``
+is any size under FlashAttention 3 and multiples of 256 under FlashAttention 2 (or when
+nothing is installed, the FA2 default), so the runner splits manager blocks into kernel
+blocks the installed kernel accepts, or selection rejects the layer with the reason.
+"""
+
+from __future__ import annotations
+
+from abc import ABCMeta
+
+import torch
+
+from attnplug.backends.flash_attn.kernels import (
+    installed_version,
+    kernel_block_sizes_for,
+    unavailable_reason,
+)
+from attnplug.core.contracts import AttentionBackend, AttentionImpl, AttentionLayerConfig, AttentionMetadataBuilder
+
+HEAD_SIZES: tuple[int, ...] = tuple(range(8, 257, 8))
+"""Head sizes: multiples of 8 up to 256 (both versions round up to their compiled sizes)."""
+
+
+class _FlashAttnBackendMeta(ABCMeta):
+    @property
+    def supported_kernel_block_sizes(cls) -> tuple[int, ...] | None:
+        return kernel_block_sizes_for(cls.kernels_version())
+
+
+class FlashAttnBackend(AttentionBackend, metaclass=_FlashAttnBackendMeta):
+    """FlashAttention (2 or 3) over attnplug's paged KV cache.
+
+    Capabilities: float16/bfloat16, head sizes that are multiples of 8 up to 256, GQA/MQA,
+    sliding window (``window_size=(W-1, 0)``), logits soft-cap, decoder (causal)
+    attention, cascade attention over a shared prefix; CUDA only. Kernel block sizes:
+    any under FA3, multiples of 256 under FA2. CUDA graphs: ``ALWAYS`` under FA3,
+    ``UNIFORM_BATCH`` under FA2 (its kernel choice depends on host-side query lengths).
+
+    KV cache per layer: ``[2, num_blocks, block_size, num_kv_heads, head_size]`` — K and V
+    each a contiguous ``[num_blocks, block_size, num_kv_heads, head_size]`` tensor, the
+    separate paged K/V the kernels take (:meth:`split_kv_cache`).
+
+    Examples:
+        >>> FlashAttnBackend.get_name()
+        'flash_attn'
+        >>> FlashAttnBackend.get_kv_cache_shape(num_blocks=8, block_size=256, num_kv_heads=2, head_size=64)
+        (2, 8, 256, 2, 64)
+    """
+
+    supported_dtypes = (torch.float16, torch.bfloat16)
+    supported_head_sizes = HEAD_SIZES
+    supported_devices = ("cuda",)
+
+    @classmethod
+    def get_name(cls) -> str:
+        return "flash_attn"
+
+    @classmethod
+    def kernels_version(cls) -> int | None:
+        """2 or 3 (the installed flash-attn), ``None`` when not installed."""
+        return installed_version()
+
+    @classmethod
+    def get_builder_cls(cls) -> type[AttentionMetadataBuilder]:
+        from attnplug.backends.flash_attn.builder import FlashAttnMetadataBuilder
+        return FlashAttnMetadataBuilder
+
+    @classmethod
+    def get_impl_cls(cls) -> type[AttentionImpl]:
+        from attnplug.backends.flash_attn.impl import FlashAttnImpl
+        return FlashAttnImpl
+
+    @classmethod
+    def get_kv_cache_shape(cls, num_blocks: int, block_size: int, num_kv_heads: int,
+                           head_size: int) -> tuple[int, ...]:
+        """``[2, num_blocks, block_size, num_kv_heads, head_size]`` (K at index 0, V at 1)."""
+        return (2, num_blocks, block_size, num_kv_heads, head_size)
+
+    @classmethod
+    def split_kv_cache(cls, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(kv_cache[0], kv_cache[1])``: contiguous ``[num_blocks, block_size, num_kv_heads,
+        head_size]`` views (what ``k_cache``/``v_cache`` of the kernels are)."""
+        return kv_cache[0], kv_cache[1]
+
+    @classmethod
+    def supports_sliding_window(cls) -> bool:
+        return True
+
+    @classmethod
+    def supports_logits_soft_cap(cls) -> bool:
+        return True
+
+    @classmethod
+    def supports_mqa_gqa(cls) -> bool:
+        return True
+
+    @classmethod
+    def is_available(cls) -> tuple[bool, str]:
+        """Available when flash-attn (FA3, or FA2 >= 2.6) imports and CUDA is present."""
+        why = unavailable_reason()
+        return why is None, why or ""
+
+    @classmethod
+    def validate_configuration(cls, layer: AttentionLayerConfig) -> list[str]:
+        """The base checks plus: the KV cache dtype must be the activation dtype (the kernels
+        read the cache in the query dtype)."""
+        reasons = super().validate_configuration(layer)
+        if layer.effective_kv_cache_dtype != layer.dtype:
+            reasons.append(f"kv_cache_dtype {layer.effective_kv_cache_dtype} differs from dtype {layer.dtype}: "
+                           "this backend has no quantized KV cache")
+        return reasons

@@ -1,0 +1,326 @@
+"""``FlashAttnMetadataBuilder``: lowers each step into FlashAttention's arguments.
+
+``cu_seqlens_q`` is ``query_start_loc``; ``seqused_k`` is ``seq_lens`` (and FA2's
+``cu_seqlens_k`` its exclusive prefix sum); ``max_seqlen_q/k`` are the step's bounds;
+the block table is copied as int32; the window is ``(W - 1, 0)``. With FlashAttention 3
+the builder also runs ``get_scheduler_metadata`` for the step's shapes, and with
+``common_prefix_len > 0`` it emits the cascade fields. Everything is copied into
+persistent buffers allocated once from the :class:`BuilderConfig`, so a CUDA graph
+captured over the layers replays with the next step's contents.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from attnplug.backends.common.window import fa_window_size
+from attnplug.backends.flash_attn.kernels import (
+    FA2_PAGE_SIZE_MULTIPLE,
+    LIVE_LAYER_PARAMS,
+    FlashAttnKernels,
+    installed_kernels,
+)
+from attnplug.backends.flash_attn.metadata import FlashAttnCascadeMetadata, FlashAttnMetadata
+from attnplug.cache_groups.specs import cdiv
+from attnplug.core.constants import NULL_BLOCK_ID, PAD_SLOT_ID
+from attnplug.core.contracts import AttentionCGSupport, AttentionMetadataBuilder, BuilderConfig
+from attnplug.core.errors import BackendUnsupportedError, MetadataError
+from attnplug.core.metadata import CommonAttentionMetadata
+
+
+class FlashAttnMetadataBuilder(AttentionMetadataBuilder):
+    """Builds :class:`FlashAttnMetadata` into persistent buffers (see the module docstring).
+
+    ``FlashAttnMetadataBuilder(kv_cache_spec, layer_names, config, device)``: the kernel
+    block size is ``kv_cache_spec.block_size``; a ``sliding_window`` on the spec sets the
+    window. Buffers hold ``config.max_num_reqs`` requests (padded ones included),
+    ``config.max_num_batched_tokens`` tokens and ``cdiv(config.max_model_len,
+    block_size)`` blocks per request.
+
+    Raises:
+        MetadataError: non-positive limits, or (under FlashAttention 2) a block size that
+            is not a multiple of 256.
+    """
+
+    cudagraph_support = AttentionCGSupport.UNIFORM_BATCH
+    reorder_batch_threshold = None
+    supports_update_block_table = True
+
+    @classmethod
+    def load_kernels(cls) -> FlashAttnKernels:
+        """The kernels this builder plans for (installed flash-attn; emulators override).
+
+        Raises:
+            BackendUnsupportedError: flash-attn is not installed.
+        """
+        kernels = installed_kernels()
+        if kernels is None:
+            from attnplug.backends.flash_attn.kernels import unavailable_reason
+            raise BackendUnsupportedError("flash_attn", [unavailable_reason() or "flash-attn unavailable"],
+                                          context="FlashAttnMetadataBuilder")
+        return kernels
+
+    @classmethod
+    def kernels_version(cls) -> int:
+        """2 or 3; 2 (the default declaration) when nothing is installed."""
+        kernels = installed_kernels()
+        return 2 if kernels is None else kernels.version
+
+    @classmethod
+    def get_cudagraph_support(cls, kv_cache_spec=None) -> AttentionCGSupport:
+        """``ALWAYS`` under FlashAttention 3 (scheduler metadata in a persistent buffer);
+        ``UNIFORM_BATCH`` under FA2, whose kernel choice depends on host-side lengths."""
+        return AttentionCGSupport.ALWAYS if cls.kernels_version() == 3 else AttentionCGSupport.UNIFORM_BATCH
+
+    def __init__(self, kv_cache_spec, layer_names: list[str], config: BuilderConfig,
+                 device: torch.device | str):
+        super().__init__(kv_cache_spec, layer_names, config, device)
+        self.block_size = int(kv_cache_spec.block_size)
+        self.sliding_window = getattr(kv_cache_spec, "sliding_window", None)
+        self.window_size = fa_window_size(self.sliding_window)
+        if min(config.max_num_reqs, config.max_num_batched_tokens, config.max_model_len) <= 0:
+            raise MetadataError(f"FlashAttnMetadataBuilder: BuilderConfig limits must be positive, got {config}")
+        if self.kernels_version() == 2 and self.block_size % FA2_PAGE_SIZE_MULTIPLE:
+            raise MetadataError(
+                f"FlashAttnMetadataBuilder got block_size {self.block_size}: FlashAttention 2 pages K/V in "
+                f"multiples of {FA2_PAGE_SIZE_MULTIPLE} tokens; use a manager block size that is a multiple of "
+                f"{FA2_PAGE_SIZE_MULTIPLE}, install FlashAttention 3, or pick another backend")
+        dev = self.device
+        self.max_num_blocks_per_req = cdiv(config.max_model_len, self.block_size)
+        n = config.max_num_reqs
+        self._query_start_loc = torch.zeros(n + 1, dtype=torch.int32, device=dev)
+        self._seq_lens = torch.zeros(n, dtype=torch.int32, device=dev)
+        self._cu_seqlens_k = torch.zeros(n + 1, dtype=torch.int32, device=dev)
+        self._block_table = torch.full((n, self.max_num_blocks_per_req), NULL_BLOCK_ID, dtype=torch.int32,
+                                       device=dev)
+        self._slot_mapping = torch.full((config.max_num_batched_tokens,), PAD_SLOT_ID, dtype=torch.int64,
+                                        device=dev)
+        self._scheduler_metadata = torch.zeros(n + 1, dtype=torch.int32, device=dev)
+
+    # --- build ---------------------------------------------------------------------------
+    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
+              fast_build: bool = False) -> FlashAttnMetadata:
+        """Lower the step's metadata (never mutates it).
+
+        Args:
+            common_prefix_len: tokens every request shares at the start of its KV (cascade
+                attention). It is rounded down to whole blocks and to the smallest
+                ``num_computed_tokens``; cascade is off with a sliding window. Precondition:
+                the requests' block tables really share those first blocks.
+            common_attn_metadata: the step's metadata for this group (kernel block table);
+                may be padded (``query_start_loc`` longer than ``num_reqs + 1``).
+            fast_build: skip FA3 scheduler metadata.
+
+        Returns:
+            The metadata every layer of the group passes to ``forward``.
+
+        Raises:
+            MetadataError: sizes that disagree or exceed the buffers (nothing is copied).
+
+        Reads host ints and ``_cpu`` tensors; the device work is copies and one cumsum.
+        """
+        cm = common_attn_metadata
+        return self._build(cm, common_prefix_len, cm.max_query_len, cm.max_seq_len, fast_build)
+
+    def build_for_cudagraph_capture(self, common_attn_metadata: CommonAttentionMetadata) -> FlashAttnMetadata:
+        """Metadata for a CUDA-graph step (capture, and the replays of the same padded shape).
+
+        The host ints a graph bakes in are replaced by bounds that hold for every replay:
+        ``max_seqlen_k = max_model_len`` and ``max_seqlen_q = 1`` for single-token batches,
+        else the padded token count. No cascade.
+        """
+        cm = common_attn_metadata
+        max_q = 1 if cm.max_query_len <= 1 else int(cm.slot_mapping.shape[0])
+        return self._build(cm, 0, max_q, self.config.max_model_len, False)
+
+    def _build(self, cm: CommonAttentionMetadata, common_prefix_len: int, max_query_len: int,
+               max_seq_len: int, fast_build: bool) -> FlashAttnMetadata:
+        self._check(cm)
+        B = cm.query_start_loc.shape[0] - 1
+        qsl = self._query_start_loc[: B + 1]
+        qsl.copy_(cm.query_start_loc, non_blocking=True)
+        seq_lens = self._seq_lens[:B]
+        seq_lens.copy_(cm.seq_lens[:B], non_blocking=True)
+        cu_k = self._cu_seqlens_k[: B + 1]
+        torch.cumsum(seq_lens, 0, dtype=torch.int32, out=cu_k[1:])
+        block_table = self._copy_block_table(cm.block_table_tensor, B)
+        slot_mapping = self._copy_slot_mapping(cm.slot_mapping)
+        md = FlashAttnMetadata(
+            num_reqs=cm.num_reqs, num_actual_tokens=cm.num_actual_tokens, max_query_len=int(max_query_len),
+            max_seq_len=int(max_seq_len), block_size=self.block_size, causal=cm.causal, query_start_loc=qsl,
+            seq_lens=seq_lens, cu_seqlens_k=cu_k, block_table=block_table, slot_mapping=slot_mapping,
+            window_size=self.window_size)
+        cascade = self._cascade(md, cm, common_prefix_len)
+        sched = None if (fast_build or cascade is not None) else self._scheduler_metadata_for(md)
+        return dataclasses.replace(md, cascade=cascade, scheduler_metadata=sched)
+
+    def update_block_table(self, metadata: FlashAttnMetadata, block_table: torch.Tensor,
+                           slot_mapping: torch.Tensor) -> FlashAttnMetadata:
+        """A copy of ``metadata`` (built by a builder of this class for a group with the same
+        spec) reading ``block_table`` and writing ``slot_mapping``, in this builder's buffers.
+
+        Args:
+            metadata: the other group's metadata; not mutated.
+            block_table: ``[>= B, max_num_blocks_per_req]``, ``torch.int32``, device.
+            slot_mapping: ``[num_tokens]``, ``torch.int64``, device.
+
+        Raises:
+            MetadataError: a block table or slot mapping that does not fit ``metadata``.
+
+        Does not synchronise with the host; graph-safe.
+        """
+        B = metadata.batch_size
+        self._check_block_table(block_table, B, metadata.max_seq_len)
+        self._check_slot_mapping(slot_mapping, metadata.num_actual_tokens)
+        if metadata.block_size != self.block_size:
+            raise MetadataError(f"update_block_table: metadata has block_size {metadata.block_size}, this builder "
+                                f"{self.block_size}: only groups with the same spec may share a build")
+        own = {}
+        for name, buf, n in (("query_start_loc", self._query_start_loc, B + 1), ("seq_lens", self._seq_lens, B),
+                             ("cu_seqlens_k", self._cu_seqlens_k, B + 1)):
+            view = buf[:n]
+            if view.data_ptr() != getattr(metadata, name).data_ptr():
+                view.copy_(getattr(metadata, name), non_blocking=True)
+            own[name] = view
+        sched = metadata.scheduler_metadata
+        if sched is not None:
+            sched = self._keep_scheduler_metadata(sched)
+        md = dataclasses.replace(metadata, block_table=self._copy_block_table(block_table, B),
+                                 slot_mapping=self._copy_slot_mapping(slot_mapping), scheduler_metadata=sched,
+                                 cascade=None, **own)
+        if metadata.cascade is not None:
+            md = dataclasses.replace(md, cascade=self._cascade_fields(md, metadata.cascade.common_prefix_len))
+        return md
+
+    # --- cascade and FA3 scheduling ------------------------------------------------------
+    def _cascade(self, md: FlashAttnMetadata, cm: CommonAttentionMetadata,
+                 common_prefix_len: int) -> FlashAttnCascadeMetadata | None:
+        n = cm.num_reqs
+        if common_prefix_len <= 0 or n == 0 or self.sliding_window is not None:
+            return None
+        prefix = min(int(common_prefix_len), int(cm.num_computed_tokens_cpu[:n].min()))
+        prefix = prefix // self.block_size * self.block_size
+        return self._cascade_fields(md, prefix) if prefix > 0 else None
+
+    def _cascade_fields(self, md: FlashAttnMetadata, prefix: int) -> FlashAttnCascadeMetadata:
+        dev, B = self.device, md.batch_size
+        num_prefix_blocks = prefix // self.block_size
+        suffix = (md.seq_lens - prefix).clamp_(min=0)
+        cu_suffix = torch.zeros(B + 1, dtype=torch.int32, device=dev)
+        torch.cumsum(suffix, 0, dtype=torch.int32, out=cu_suffix[1:])
+        return FlashAttnCascadeMetadata(
+            common_prefix_len=prefix,
+            cu_prefix_query_lens=torch.tensor([0, md.num_actual_tokens], dtype=torch.int32, device=dev),
+            prefix_kv_lens=torch.tensor([prefix], dtype=torch.int32, device=dev),
+            cu_prefix_kv_lens=torch.tensor([0, prefix], dtype=torch.int32, device=dev),
+            prefix_block_table=md.block_table[:1, :num_prefix_blocks],
+            suffix_kv_lens=suffix, cu_suffix_kv_lens=cu_suffix,
+            suffix_block_table=md.block_table[:, num_prefix_blocks:],
+            max_suffix_kv_len=max(0, md.max_seq_len - prefix))
+
+    def _scheduler_metadata_for(self, md: FlashAttnMetadata) -> torch.Tensor | None:
+        """FA3 ``get_scheduler_metadata`` for one step, in a persistent buffer when it fits.
+
+        Only when the group's layers agree on (query heads, soft-cap on/off): the call plans
+        one kernel configuration. Otherwise ``None`` (the kernel schedules by itself).
+        """
+        if self.kernels_version() != 3:
+            return None
+        kernels = self.load_kernels()
+        if kernels.get_scheduler_metadata is None:
+            return None
+        layers = {(p.num_heads, p.logits_soft_cap is not None) for p in LIVE_LAYER_PARAMS.for_spec(self.kv_cache_spec)}
+        if len(layers) != 1:
+            return None
+        (num_heads, has_softcap), = layers
+        sched = kernels.get_scheduler_metadata(
+            batch_size=md.batch_size, max_seqlen_q=md.max_query_len, max_seqlen_k=md.max_seq_len,
+            num_heads_q=num_heads, num_heads_kv=int(self.kv_cache_spec.num_kv_heads),
+            headdim=int(self.kv_cache_spec.head_size), cache_seqlens=md.seq_lens,
+            qkv_dtype=self.kv_cache_spec.dtype, cu_seqlens_q=md.query_start_loc, page_size=self.block_size,
+            causal=md.causal, window_size=md.window_size, has_softcap=has_softcap)
+        return self._keep_scheduler_metadata(sched)
+
+    def _keep_scheduler_metadata(self, sched: torch.Tensor) -> torch.Tensor:
+        n = sched.shape[0]
+        if n > self._scheduler_metadata.shape[0]:
+            return sched  # larger than the persistent buffer: eager steps only
+        view = self._scheduler_metadata[:n]
+        if view.data_ptr() != sched.data_ptr():
+            view.copy_(sched, non_blocking=True)
+            self._scheduler_metadata[n:].zero_()
+        return view
+
+    # --- copies into the persistent buffers (after validation) ---------------------------
+    def _copy_block_table(self, block_table: torch.Tensor, B: int) -> torch.Tensor:
+        width = min(block_table.shape[1], self.max_num_blocks_per_req)
+        view = self._block_table[:B, :width]
+        view.copy_(block_table[:B, :width], non_blocking=True)
+        return view
+
+    def _copy_slot_mapping(self, slot_mapping: torch.Tensor) -> torch.Tensor:
+        view = self._slot_mapping[: slot_mapping.shape[0]]
+        view.copy_(slot_mapping, non_blocking=True)
+        return view
+
+    # --- validation (raises before anything is copied) ----------------------------------
+    def _check(self, cm: CommonAttentionMetadata) -> None:
+        n, cap = cm.num_reqs, self.config.max_num_reqs
+        B = cm.query_start_loc.shape[0] - 1
+        if not n <= B <= cap:
+            raise MetadataError(
+                f"query_start_loc has {B + 1} entries for num_reqs={n}: need num_reqs + 1 <= entries <= "
+                f"BuilderConfig.max_num_reqs + 1 = {cap + 1} (padded requests included); raise max_num_reqs or "
+                "pass query_start_loc[:num_reqs + 1].")
+        if cm.seq_lens.shape[0] < B or cm.query_start_loc_cpu.shape[0] < n + 1 or cm.seq_lens_cpu.shape[0] < n:
+            raise MetadataError(
+                f"seq_lens has {cm.seq_lens.shape[0]} entries for a batch of {B} (num_reqs={n}): need one per "
+                "request, padded ones included (0 keys), and host copies for the real ones.")
+        for name, t in (("query_start_loc", cm.query_start_loc), ("seq_lens", cm.seq_lens)):
+            if t.dtype != torch.int32 or t.device != self.device:
+                raise MetadataError(f"{name} is {t.dtype} on {t.device}; flash_attn needs torch.int32 on "
+                                    f"{self.device} (the compute device).")
+        qsl = cm.query_start_loc_cpu[: n + 1].long()
+        if int(qsl[-1]) != cm.num_actual_tokens:
+            raise MetadataError(f"query_start_loc_cpu[num_reqs]={int(qsl[-1])} but num_actual_tokens="
+                                f"{cm.num_actual_tokens}: they must agree (the flat token count).")
+        query_lens = qsl[1:] - qsl[:-1]
+        seq_lens = cm.seq_lens_cpu[:n].long()
+        bad = (query_lens < 0) | (seq_lens < query_lens)
+        if n and bool(bad.any()):
+            i = int(torch.nonzero(bad)[0])
+            raise MetadataError(f"request {i}: query length {int(query_lens[i])} with seq_len {int(seq_lens[i])}: "
+                                "need 0 <= query_len <= seq_len (seq_len = num_computed_tokens + query_len).")
+        if n and (int(seq_lens.max()) > cm.max_seq_len or int(query_lens.max()) > cm.max_query_len):
+            raise MetadataError(f"max_seq_len={cm.max_seq_len} / max_query_len={cm.max_query_len} do not bound "
+                                f"seq_lens (max {int(seq_lens.max())}) / query lengths (max {int(query_lens.max())}).")
+        if n and int(seq_lens.max()) > self.config.max_model_len:
+            raise MetadataError(f"a seq_len of {int(seq_lens.max())} exceeds BuilderConfig.max_model_len="
+                                f"{self.config.max_model_len}.")
+        self._check_slot_mapping(cm.slot_mapping, cm.num_actual_tokens)
+        self._check_block_table(cm.block_table_tensor, B, cm.max_seq_len)
+
+    def _check_slot_mapping(self, slot_mapping: torch.Tensor, num_actual_tokens: int) -> None:
+        cap = self._slot_mapping.shape[0]
+        if slot_mapping.dim() != 1 or slot_mapping.dtype != torch.int64 or slot_mapping.device != self.device:
+            raise MetadataError(f"slot_mapping is {slot_mapping.dtype} {tuple(slot_mapping.shape)} on "
+                                f"{slot_mapping.device}; need int64 [num_tokens] on {self.device}.")
+        if not num_actual_tokens <= slot_mapping.shape[0] <= cap:
+            raise MetadataError(
+                f"slot_mapping has {slot_mapping.shape[0]} entries; need >= num_actual_tokens={num_actual_tokens} "
+                f"and <= BuilderConfig.max_num_batched_tokens={cap} (the persistent buffer's size).")
+
+    def _check_block_table(self, block_table: torch.Tensor, B: int, max_seq_len: int) -> None:
+        if (block_table.dim() != 2 or block_table.shape[0] < B or block_table.dtype != torch.int32
+                or block_table.device != self.device):
+            raise MetadataError(
+                f"block_table_tensor is {block_table.dtype} {tuple(block_table.shape)} on {block_table.device} for "
+                f"a batch of {B}: flash_attn needs int32 [batch, max_num_blocks_per_req] on {self.device}.")
+        need = cdiv(max_seq_len, self.block_size)
+        if need > min(block_table.shape[1], self.max_num_blocks_per_req):
+            raise MetadataError(
+                f"max_seq_len={max_seq_len} needs {need} blocks of {self.block_size} tokens per request but the "
+                f"block table has {block_table.shape[1]} columns (BuilderConfig.max_model_len allows "
+                f"{self.max_num_blocks_per_req}): the keys would be unaddressable.")

@@ -1,0 +1,166 @@
+"""``FlashAttnImpl``: write this step's K/V, then call the FlashAttention kernel.
+
+FlashAttention 2: ``flash_attn_varlen_func(q, k_cache, v_cache, cu_seqlens_q,
+cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=, causal=, window_size=,
+softcap=, block_table=)``. FlashAttention 3: ``flash_attn_with_kvcache(q, k_cache,
+v_cache, cache_seqlens=, page_table=, cu_seqlens_q=, max_seqlen_q=, softmax_scale=,
+causal=, window_size=, softcap=, scheduler_metadata=)``. ``k_cache``/``v_cache`` are the
+two halves of the layer's cache (``FlashAttnBackend.split_kv_cache``). There is no
+fallback: without the kernels the impl cannot be created.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from attnplug.backends.common.cache_write import write_kv_by_slot
+from attnplug.backends.common.merge import merge_attn_states
+from attnplug.backends.common.window import fa_window_size
+from attnplug.backends.flash_attn.kernels import LIVE_LAYER_PARAMS, FlashAttnKernels, installed_kernels
+from attnplug.backends.flash_attn.metadata import FlashAttnMetadata
+from attnplug.core.contracts import AttentionImpl, AttentionType
+from attnplug.core.errors import BackendUnsupportedError, MetadataError
+
+
+class FlashAttnImpl(AttentionImpl):
+    """The attention of one layer with FlashAttention (see the module docstring).
+
+    ``FlashAttnImpl(num_heads, head_size, scale, num_kv_heads, sliding_window=None,
+    logits_soft_cap=None, attn_type=AttentionType.DECODER, kv_cache_dtype=None)``.
+
+    Raises:
+        BackendUnsupportedError: flash-attn is not installed, ``num_heads`` not a multiple
+            of ``num_kv_heads``, a non-positive window or cap, or a non-decoder type.
+    """
+
+    backend_name = "flash_attn"
+
+    @classmethod
+    def load_kernels(cls) -> FlashAttnKernels:
+        """The kernels this impl calls (installed flash-attn; the emulators override this).
+
+        Raises:
+            BackendUnsupportedError: flash-attn is not installed.
+        """
+        kernels = installed_kernels()
+        if kernels is None:
+            from attnplug.backends.flash_attn.kernels import unavailable_reason
+            raise BackendUnsupportedError(cls.backend_name, [unavailable_reason() or "flash-attn unavailable"],
+                                          context="FlashAttnImpl")
+        return kernels
+
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
+                 sliding_window: int | None = None, logits_soft_cap: float | None = None,
+                 attn_type: AttentionType = AttentionType.DECODER,
+                 kv_cache_dtype: torch.dtype | None = None):
+        reasons = []
+        if num_kv_heads <= 0 or num_heads % num_kv_heads != 0:
+            reasons.append(f"num_heads {num_heads} is not a positive multiple of num_kv_heads {num_kv_heads}")
+        if sliding_window is not None and sliding_window <= 0:
+            reasons.append(f"sliding_window must be a positive number of tokens, got {sliding_window!r}")
+        if logits_soft_cap is not None and logits_soft_cap <= 0:
+            reasons.append(f"logits_soft_cap must be > 0, got {logits_soft_cap!r}")
+        if attn_type != AttentionType.DECODER:
+            reasons.append(f"attention type {AttentionType(attn_type).value!r} not supported (decoder only)")
+        if reasons:
+            raise BackendUnsupportedError(self.backend_name, reasons, context=type(self).__name__)
+        super().__init__(num_heads, head_size, scale, num_kv_heads, sliding_window, logits_soft_cap,
+                         attn_type, kv_cache_dtype)
+        self.kernels = self.load_kernels()
+        self.window_size = fa_window_size(sliding_window)
+        self.softcap = float(logits_soft_cap or 0.0)
+        LIVE_LAYER_PARAMS.add(self)
+
+    def forward(self, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                kv_cache: torch.Tensor, attn_metadata: FlashAttnMetadata,
+                output: torch.Tensor) -> torch.Tensor:
+        """Write this step's K/V at the slot mapping, then attend over the paged cache.
+
+        Args:
+            layer: the calling module (unused; may be ``None``).
+            query: ``[num_tokens, num_heads, head_size]``, float16/bfloat16.
+            key, value: ``[num_tokens, num_kv_heads, head_size]``, same dtype and device.
+            kv_cache: ``[2, num_blocks, block_size, num_kv_heads, head_size]``, same dtype and
+                device; written in place at the real slots only.
+            attn_metadata: what :class:`FlashAttnMetadataBuilder` built this step.
+            output: ``[num_tokens, num_heads, head_size]``; the first ``len(slot_mapping)``
+                rows are overwritten (rows of padded tokens hold unspecified values).
+
+        Returns:
+            ``output``.
+
+        Raises:
+            MetadataError: shapes that disagree with each other or with the metadata.
+
+        Does not synchronise with the host; graph-capturable when the metadata is.
+        """
+        md = attn_metadata
+        self._check(query, key, value, kv_cache, md, output)
+        key_cache, value_cache = kv_cache[0], kv_cache[1]
+        num_tokens = md.slot_mapping.shape[0]
+        write_kv_by_slot(key, value, key_cache, value_cache, md.slot_mapping)
+        q = query[:num_tokens]
+        if md.cascade is None:
+            out = self._attend(q, key_cache, value_cache, md.query_start_loc, md.seq_lens, md.cu_seqlens_k,
+                               md.block_table, md.max_query_len, md.max_seq_len, md.causal, md.window_size,
+                               md.scheduler_metadata)
+        else:
+            c = md.cascade
+            prefix_out, prefix_lse = self._attend(
+                q, key_cache, value_cache, c.cu_prefix_query_lens, c.prefix_kv_lens, c.cu_prefix_kv_lens,
+                c.prefix_block_table, md.num_actual_tokens, c.common_prefix_len, False, (-1, -1), None,
+                return_lse=True)
+            suffix_out, suffix_lse = self._attend(
+                q, key_cache, value_cache, md.query_start_loc, c.suffix_kv_lens, c.cu_suffix_kv_lens,
+                c.suffix_block_table, md.max_query_len, c.max_suffix_kv_len, md.causal, md.window_size, None,
+                return_lse=True)
+            out = merge_attn_states(suffix_out, suffix_lse, prefix_out, prefix_lse)
+        output[:num_tokens].copy_(out)
+        return output
+
+    def _attend(self, q, key_cache, value_cache, cu_seqlens_q, seqused_k, cu_seqlens_k, block_table,
+                max_seqlen_q, max_seqlen_k, causal, window_size, scheduler_metadata, return_lse=False):
+        """One kernel call in the installed version's convention; ``(out, lse)`` with
+        ``return_lse`` (``lse``: ``[num_heads, num_tokens]`` float32, natural log)."""
+        k = self.kernels
+        if k.version == 3:
+            res = k.with_kvcache(
+                q, key_cache, value_cache, cache_seqlens=seqused_k, page_table=block_table,
+                cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q, softmax_scale=self.scale, causal=causal,
+                window_size=window_size, softcap=self.softcap, scheduler_metadata=scheduler_metadata,
+                return_softmax_lse=return_lse)
+        else:
+            res = k.varlen_func(
+                q, key_cache, value_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                dropout_p=0.0, softmax_scale=self.scale, causal=causal, window_size=window_size,
+                softcap=self.softcap, return_attn_probs=return_lse, block_table=block_table)
+        return (res[0], res[1]) if return_lse else res
+
+    def _check(self, query, key, value, kv_cache, md, output) -> None:
+        if not isinstance(md, FlashAttnMetadata):
+            raise MetadataError(f"attn_metadata is a {type(md).__name__}, not FlashAttnMetadata: the layer's "
+                                "metadata must come from the flash_attn builder of its cache group.")
+        problems = []
+        expect_q, expect_kv = (self.num_heads, self.head_size), (self.num_kv_heads, self.head_size)
+        if query.dim() != 3 or tuple(query.shape[1:]) != expect_q:
+            problems.append(f"query {tuple(query.shape)} should be [num_tokens, {expect_q[0]}, {expect_q[1]}]")
+        for name, t in (("key", key), ("value", value)):
+            if t.dim() != 3 or tuple(t.shape[1:]) != expect_kv:
+                problems.append(f"{name} {tuple(t.shape)} should be [num_tokens, {expect_kv[0]}, {expect_kv[1]}]")
+        if output.shape != query.shape:
+            problems.append(f"output {tuple(output.shape)} should match query {tuple(query.shape)}")
+        if min(query.shape[0], key.shape[0], value.shape[0]) < md.slot_mapping.shape[0]:
+            problems.append(f"query/key/value have fewer rows than the slot mapping ({md.slot_mapping.shape[0]})")
+        shape = (2, md.block_size, self.num_kv_heads, self.head_size)
+        if kv_cache.dim() != 5 or (kv_cache.shape[0], *kv_cache.shape[2:]) != shape:
+            problems.append(f"kv_cache {tuple(kv_cache.shape)} should be [2, num_blocks, {md.block_size}, "
+                            f"{self.num_kv_heads}, {self.head_size}]")
+        if md.window_size != self.window_size:
+            problems.append(f"the metadata's window_size {md.window_size} differs from this layer's "
+                            f"{self.window_size} (sliding_window={self.sliding_window}): the cache group's spec "
+                            "and the layer disagree")
+        if problems:
+            raise MetadataError("flash_attn forward: " + "; ".join(problems)
+                                + ". Pass tensors shaped as the layer config and the cache group's spec say.")

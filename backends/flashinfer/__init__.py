@@ -1,0 +1,21 @@
+"""``flashinfer``: paged attention with FlashInfer's decode/prefill wrappers (optional extra).
+
+Importing this package never imports ``flashinfer``: :class:`FlashInferBackend`
+registers everywhere and says through ``is_available()`` why it cannot run (missing
+package, no CUDA). On machines without a GPU its lowering is checked against a CPU
+emulator of the wrappers' contract (``attnplug.backends.emulators``).
+
+Modules: ``backend.py`` (capabilities), ``kernels.py`` (finding flashinfer, the live
+layer parameters), ``metadata.py`` and ``builder.py`` (page metadata and planning),
+``impl.py`` (``run()`` on the two slices).
+"""
+
+from attnplug.backends.flashinfer.backend import FlashInferBackend
+from attnplug.backends.flashinfer.builder import FlashInferMetadataBuilder, gather_page_indices, page_metadata
+from attnplug.backends.flashinfer.impl import FlashInferImpl
+from attnplug.backends.flashinfer.metadata import FlashInferMetadata, FlashInferPlan, FlashInferPlanKey
+
+__all__ = [
+    "FlashInferBackend", "FlashInferImpl", "FlashInferMetadata", "FlashInferMetadataBuilder", "FlashInferPlan",
+    "FlashInferPlanKey", "gather_page_indices", "page_metadata",
+]

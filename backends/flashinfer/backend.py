@@ -1,0 +1,79 @@
+"""``FlashInferBackend``: paged attention with FlashInfer's decode and prefill wrappers."""
+
+from __future__ import annotations
+
+import torch
+
+from attnplug.backends.flashinfer.kernels import unavailable_reason
+from attnplug.core.contracts import AttentionBackend, AttentionImpl, AttentionLayerConfig, AttentionMetadataBuilder
+
+HEAD_SIZES: tuple[int, ...] = (64, 128, 256)
+"""Head sizes FlashInfer's prebuilt kernels cover (others need its JIT for that size)."""
+
+
+class FlashInferBackend(AttentionBackend):
+    """FlashInfer over attnplug's paged KV cache: decodes first (one decode wrapper),
+    prefills last (one prefill wrapper), each planned once per step.
+
+    Capabilities: float16/bfloat16, head sizes 64/128/256, any kernel block (page) size,
+    GQA/MQA, sliding window (``window_left = W - 1``), logits soft-cap, decoder (causal)
+    attention; CUDA only. CUDA graphs: ``UNIFORM_SINGLE_TOKEN_DECODE`` (pure-decode
+    batches run on CUDA-graph decode wrappers with fixed buffers; ``plan()`` itself runs
+    outside graphs, in the builder).
+
+    KV cache per layer: ``[num_blocks, 2, block_size, num_kv_heads, head_size]``, exactly
+    FlashInfer's ``NHD`` paged layout ``[num_pages, 2, page_size, num_kv_heads, head_dim]``
+    (the attnplug default), passed to ``run()`` as is.
+
+    Examples:
+        >>> FlashInferBackend.get_name()
+        'flashinfer'
+        >>> FlashInferBackend.get_kv_cache_shape(num_blocks=8, block_size=16, num_kv_heads=2, head_size=64)
+        (8, 2, 16, 2, 64)
+    """
+
+    supported_dtypes = (torch.float16, torch.bfloat16)
+    supported_head_sizes = HEAD_SIZES
+    supported_kernel_block_sizes = None
+    supported_devices = ("cuda",)
+
+    @classmethod
+    def get_name(cls) -> str:
+        return "flashinfer"
+
+    @classmethod
+    def get_builder_cls(cls) -> type[AttentionMetadataBuilder]:
+        from attnplug.backends.flashinfer.builder import FlashInferMetadataBuilder
+        return FlashInferMetadataBuilder
+
+    @classmethod
+    def get_impl_cls(cls) -> type[AttentionImpl]:
+        from attnplug.backends.flashinfer.impl import FlashInferImpl
+        return FlashInferImpl
+
+    @classmethod
+    def supports_sliding_window(cls) -> bool:
+        return True
+
+    @classmethod
+    def supports_logits_soft_cap(cls) -> bool:
+        return True
+
+    @classmethod
+    def supports_mqa_gqa(cls) -> bool:
+        return True
+
+    @classmethod
+    def is_available(cls) -> tuple[bool, str]:
+        """Available when ``flashinfer`` imports and CUDA is present."""
+        why = unavailable_reason()
+        return why is None, why or ""
+
+    @classmethod
+    def validate_configuration(cls, layer: AttentionLayerConfig) -> list[str]:
+        """The base checks plus: the KV cache dtype must be the activation dtype."""
+        reasons = super().validate_configuration(layer)
+        if layer.effective_kv_cache_dtype != layer.dtype:
+            reasons.append(f"kv_cache_dtype {layer.effective_kv_cache_dtype} differs from dtype {layer.dtype}: "
+                           "this backend plans q and kv in one dtype (no quantized KV cache)")
+        return reasons

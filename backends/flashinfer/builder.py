@@ -1,0 +1,264 @@
+"""``FlashInferMetadataBuilder``: page metadata from the block table, then ``plan()``.
+
+Per step: the decode/prefill split (decodes first, ``reorder_batch_threshold = 1``);
+int32 ``paged_kv_indptr`` / ``paged_kv_indices`` / ``paged_kv_last_page_len`` computed
+vectorized from the block table and ``seq_lens`` (host arithmetic on the ``_cpu``
+copies, one device gather for the indices); ``qo_indptr`` of the prefill slice; then one
+decode and one prefill ``plan()`` per distinct layer configuration (query heads,
+``window_left = W - 1``, soft-cap, scale) of the group's live impls. Pure-decode steps use
+CUDA-graph decode wrappers (one per batch size, all on the builder's fixed buffers).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from attnplug.backends.common.window import flashinfer_window_left
+from attnplug.backends.flashinfer.kernels import LIVE_LAYER_PARAMS, installed_module, unavailable_reason
+from attnplug.backends.flashinfer.metadata import FlashInferMetadata, FlashInferPlan, FlashInferPlanKey
+from attnplug.cache_groups.specs import cdiv
+from attnplug.core.contracts import AttentionCGSupport, AttentionMetadataBuilder, BuilderConfig
+from attnplug.core.errors import BackendUnsupportedError, MetadataError
+from attnplug.core.metadata import CommonAttentionMetadata
+
+WORKSPACE_BYTES = 128 << 20
+"""FlashInfer's float workspace (shared by every wrapper of a builder)."""
+
+
+def page_metadata(seq_lens: np.ndarray, page_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """FlashInfer's per-request page counts as CSR arrays, vectorized.
+
+    Args:
+        seq_lens: ``[B]`` int, keys per request (0 for padded requests).
+        page_size: tokens per page.
+
+    Returns:
+        ``(indptr [B + 1], last_page_len [B], num_pages [B])``, int32: request ``i`` owns
+        ``num_pages[i] = cdiv(seq_lens[i], page_size)`` pages and ``page_size *
+        (num_pages - 1) + last_page_len == seq_lens`` whenever it owns any;
+        ``1 <= last_page_len <= page_size`` always.
+
+    Examples:
+        >>> ptr, last, n = page_metadata(np.array([5, 16, 1, 0]), 4)
+        >>> ptr.tolist(), last.tolist(), n.tolist()
+        ([0, 2, 6, 7, 7], [1, 4, 1, 4], [2, 4, 1, 0])
+    """
+    lens = np.asarray(seq_lens, dtype=np.int64)
+    num_pages = (lens + page_size - 1) // page_size
+    indptr = np.zeros(lens.shape[0] + 1, dtype=np.int32)
+    np.cumsum(num_pages, out=indptr[1:])
+    last_page_len = (lens - 1) % page_size + 1
+    return indptr, last_page_len.astype(np.int32), num_pages.astype(np.int32)
+
+
+def gather_page_indices(block_table: torch.Tensor, indptr: np.ndarray, num_pages: np.ndarray) -> torch.Tensor:
+    """``paged_kv_indices``: each request's first ``num_pages`` block-table entries, in order.
+
+    Args:
+        block_table: ``[>= B, max_num_blocks_per_req]``, ``torch.int32``, device.
+        indptr, num_pages: from :func:`page_metadata` (``[B + 1]``, ``[B]``).
+
+    Returns:
+        ``[indptr[B]]``, ``torch.int32``, on ``block_table``'s device. One gather; the
+        index arithmetic is vectorized numpy on the host (no per-token loop, no sync).
+    """
+    B = num_pages.shape[0]
+    total = int(indptr[B])
+    rows = np.repeat(np.arange(B, dtype=np.int64), num_pages)
+    cols = np.arange(total, dtype=np.int64) - indptr[:B].astype(np.int64)[rows]
+    dev = block_table.device
+    rows_t = torch.from_numpy(rows).to(dev, non_blocking=True)
+    cols_t = torch.from_numpy(cols).to(dev, non_blocking=True)
+    return block_table[rows_t, cols_t].to(torch.int32)
+
+
+class FlashInferMetadataBuilder(AttentionMetadataBuilder):
+    """Builds :class:`FlashInferMetadata` and plans the wrappers (module docstring).
+
+    ``FlashInferMetadataBuilder(kv_cache_spec, layer_names, config, device)``: the page
+    size is ``kv_cache_spec.block_size``; a ``sliding_window`` on the spec sets
+    ``window_left``. The group's impls must exist before the first ``build`` (their
+    parameters are what is planned).
+
+    Raises:
+        MetadataError: non-positive limits.
+    """
+
+    cudagraph_support = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+    reorder_batch_threshold = 1
+    supports_update_block_table = False
+    workspace_bytes = WORKSPACE_BYTES
+
+    @classmethod
+    def load_flashinfer(cls) -> Any:
+        """The ``flashinfer`` module (the emulators override this with a stand-in).
+
+        Raises:
+            BackendUnsupportedError: flashinfer is not installed.
+        """
+        module = installed_module()
+        if module is None:
+            raise BackendUnsupportedError("flashinfer", [unavailable_reason() or "flashinfer unavailable"],
+                                          context="FlashInferMetadataBuilder")
+        return module
+
+    def __init__(self, kv_cache_spec, layer_names: list[str], config: BuilderConfig,
+                 device: torch.device | str):
+        super().__init__(kv_cache_spec, layer_names, config, device)
+        if min(config.max_num_reqs, config.max_num_batched_tokens, config.max_model_len) <= 0:
+            raise MetadataError(f"FlashInferMetadataBuilder: BuilderConfig limits must be positive, got {config}")
+        self.page_size = int(kv_cache_spec.block_size)
+        self.sliding_window = getattr(kv_cache_spec, "sliding_window", None)
+        self.window_left = flashinfer_window_left(self.sliding_window)
+        self.dtype = kv_cache_spec.dtype
+        self.max_num_blocks_per_req = cdiv(config.max_model_len, self.page_size)
+        n, dev = config.max_num_reqs, self.device
+        self._indptr_buf = torch.zeros(n + 1, dtype=torch.int32, device=dev)
+        self._indices_buf = torch.zeros(n * self.max_num_blocks_per_req, dtype=torch.int32, device=dev)
+        self._last_page_len_buf = torch.ones(n, dtype=torch.int32, device=dev)
+        self._workspace: torch.Tensor | None = None
+        self._wrappers: dict[tuple, Any] = {}
+
+    # --- build ---------------------------------------------------------------------------
+    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
+              fast_build: bool = False) -> FlashInferMetadata:
+        """Compute the page metadata and plan the wrappers (never mutates the input).
+
+        Args:
+            common_prefix_len: ignored (no cascade).
+            common_attn_metadata: the step's metadata for this group, decodes first; may be
+                padded (padded requests own no pages).
+            fast_build: ignored.
+
+        Returns:
+            The metadata every layer of the group passes to ``forward``. Its wrappers are
+            re-planned by this builder's next ``build``.
+
+        Raises:
+            MetadataError: sizes that disagree, or prefills before decodes (the runner did
+                not honour ``reorder_batch_threshold``).
+
+        Synchronises with the host (``plan()`` does); never runs inside a CUDA graph.
+        """
+        cm = common_attn_metadata
+        n, qlens, seq_lens = self._check(cm)
+        num_decodes = int(np.count_nonzero(qlens == 1))
+        B_padded = cm.query_start_loc.shape[0] - 1
+        pure_decode = num_decodes == n and n > 0 and B_padded <= cm.slot_mapping.shape[0]
+        B = B_padded if pure_decode else n
+        lens = np.zeros(B, dtype=np.int64)
+        lens[:n] = seq_lens
+        indptr, last_page_len, num_pages = page_metadata(lens, self.page_size)
+        indices = gather_page_indices(cm.block_table_tensor, indptr, num_pages)
+        qsl = cm.query_start_loc_cpu[: n + 1].numpy()
+        qo_indptr = (qsl[num_decodes:] - qsl[num_decodes]).astype(np.int32)
+        indptr_t, last_t = torch.from_numpy(indptr), torch.from_numpy(last_page_len)
+        num_decode_tokens = B if pure_decode else num_decodes
+        plans = {}
+        for key in self.plan_keys():
+            decode = prefill = None
+            if num_decode_tokens:
+                decode = self._plan_decode(key, indptr_t[: num_decode_tokens + 1], indices,
+                                           last_t[:num_decode_tokens], graph=pure_decode)
+            if num_decodes < n:
+                lo = int(indptr[num_decodes])
+                prefill = self._plan_prefill(key, torch.from_numpy(qo_indptr),
+                                             indptr_t[num_decodes: n + 1] - lo, indices[lo: int(indptr[n])],
+                                             last_t[num_decodes:n])
+            plans[key] = FlashInferPlan(decode, prefill)
+        return FlashInferMetadata(
+            num_reqs=n, num_actual_tokens=cm.num_actual_tokens, num_decodes=num_decodes,
+            num_decode_tokens=num_decode_tokens, num_prefills=n - num_decodes,
+            num_prefill_tokens=cm.num_actual_tokens - num_decodes, page_size=self.page_size,
+            slot_mapping=cm.slot_mapping, paged_kv_indptr=indptr_t, paged_kv_indices=indices,
+            paged_kv_last_page_len=last_t, qo_indptr=torch.from_numpy(qo_indptr), plans=plans)
+
+    def plan_keys(self) -> list[FlashInferPlanKey]:
+        """One key per distinct configuration of the live impls matching this group's spec."""
+        keys = {FlashInferPlanKey(p.num_heads, flashinfer_window_left(p.sliding_window),
+                                  float(p.logits_soft_cap or 0.0), float(p.scale))
+                for p in LIVE_LAYER_PARAMS.for_spec(self.kv_cache_spec)}
+        return sorted(keys, key=lambda k: (k.num_qo_heads, k.logits_soft_cap, k.sm_scale))
+
+    # --- wrappers ------------------------------------------------------------------------
+    def _workspace_buffer(self) -> torch.Tensor:
+        if self._workspace is None:
+            self._workspace = torch.zeros(self.workspace_bytes, dtype=torch.uint8, device=self.device)
+        return self._workspace
+
+    def _plan_decode(self, key: FlashInferPlanKey, indptr, indices, last_page_len, graph: bool):
+        fi = self.load_flashinfer()
+        B = last_page_len.shape[0]
+        wkey = ("decode", key, B if graph else None)
+        wrapper = self._wrappers.get(wkey)
+        if wrapper is None:
+            tensor_cores = key.num_qo_heads // int(self.kv_cache_spec.num_kv_heads) > 4
+            if graph:
+                wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(
+                    self._workspace_buffer(), "NHD", use_cuda_graph=True, use_tensor_cores=tensor_cores,
+                    paged_kv_indptr_buffer=self._indptr_buf[: B + 1], paged_kv_indices_buffer=self._indices_buf,
+                    paged_kv_last_page_len_buffer=self._last_page_len_buf[:B])
+            else:
+                wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(self._workspace_buffer(), "NHD",
+                                                                use_tensor_cores=tensor_cores)
+            self._wrappers[wkey] = wrapper
+        wrapper.plan(indptr, indices, last_page_len, key.num_qo_heads, int(self.kv_cache_spec.num_kv_heads),
+                     int(self.kv_cache_spec.head_size), self.page_size, window_left=key.window_left,
+                     logits_soft_cap=key.logits_soft_cap or None, q_data_type=self.dtype, kv_data_type=self.dtype,
+                     sm_scale=key.sm_scale)
+        return wrapper
+
+    def _plan_prefill(self, key: FlashInferPlanKey, qo_indptr, indptr, indices, last_page_len):
+        fi = self.load_flashinfer()
+        wkey = ("prefill", key)
+        wrapper = self._wrappers.get(wkey)
+        if wrapper is None:
+            wrapper = fi.BatchPrefillWithPagedKVCacheWrapper(self._workspace_buffer(), "NHD")
+            self._wrappers[wkey] = wrapper
+        wrapper.plan(qo_indptr, indptr, indices, last_page_len, key.num_qo_heads,
+                     int(self.kv_cache_spec.num_kv_heads), int(self.kv_cache_spec.head_size), self.page_size,
+                     causal=True, sm_scale=key.sm_scale, window_left=key.window_left,
+                     logits_soft_cap=key.logits_soft_cap or None, q_data_type=self.dtype, kv_data_type=self.dtype)
+        return wrapper
+
+    # --- validation (raises before anything is planned) ----------------------------------
+    def _check(self, cm: CommonAttentionMetadata) -> tuple[int, np.ndarray, np.ndarray]:
+        n, cap = cm.num_reqs, self.config.max_num_reqs
+        B = cm.query_start_loc.shape[0] - 1
+        if not n <= B <= cap or cm.query_start_loc_cpu.shape[0] < n + 1 or cm.seq_lens_cpu.shape[0] < n:
+            raise MetadataError(
+                f"query_start_loc has {B + 1} entries (host copy {cm.query_start_loc_cpu.shape[0]}), seq_lens_cpu "
+                f"{cm.seq_lens_cpu.shape[0]}, for num_reqs={n}: need num_reqs + 1 <= entries <= "
+                f"BuilderConfig.max_num_reqs + 1 = {cap + 1}.")
+        qsl = cm.query_start_loc_cpu[: n + 1].numpy().astype(np.int64)
+        if int(qsl[-1]) != cm.num_actual_tokens:
+            raise MetadataError(f"query_start_loc_cpu[num_reqs]={int(qsl[-1])} but num_actual_tokens="
+                                f"{cm.num_actual_tokens}: they must agree.")
+        qlens = np.diff(qsl)
+        seq_lens = cm.seq_lens_cpu[:n].numpy().astype(np.int64)
+        bad = (qlens < 1) | (seq_lens < qlens)
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise MetadataError(f"request {i}: query length {int(qlens[i])} with seq_len {int(seq_lens[i])}: need "
+                                "1 <= query_len <= seq_len for every real request.")
+        decode = qlens == 1
+        if decode.any() and not decode[: int(decode.sum())].all():
+            i = int(np.argmax(~decode))
+            raise MetadataError(
+                f"request {i} is a prefill ({int(qlens[i])} query tokens) but a decode follows it: flashinfer runs "
+                "decodes first and prefills last; the runner must honour reorder_batch_threshold = 1 "
+                "(StepCompiler(reorder_batch_threshold=...)).")
+        bt = cm.block_table_tensor
+        if bt.dim() != 2 or bt.shape[0] < B or bt.dtype != torch.int32 or bt.device != self.device:
+            raise MetadataError(f"block_table_tensor is {bt.dtype} {tuple(bt.shape)} on {bt.device}: flashinfer needs "
+                                f"int32 [>= {B}, max_num_blocks_per_req] on {self.device}.")
+        if n and cdiv(int(seq_lens.max()), self.page_size) > bt.shape[1]:
+            raise MetadataError(f"seq_len {int(seq_lens.max())} needs more than the block table's {bt.shape[1]} "
+                                f"pages of {self.page_size} tokens.")
+        if cm.slot_mapping.shape[0] < cm.num_actual_tokens:
+            raise MetadataError(f"slot_mapping has {cm.slot_mapping.shape[0]} entries but num_actual_tokens="
+                                f"{cm.num_actual_tokens}.")
+        return n, qlens, seq_lens

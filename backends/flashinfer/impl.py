@@ -1,0 +1,114 @@
+"""``FlashInferImpl``: write this step's K/V, then ``run()`` the planned wrappers on the
+decode slice and the prefill slice."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from attnplug.backends.common.cache_write import write_kv_by_slot
+from attnplug.backends.common.window import flashinfer_window_left
+from attnplug.backends.flashinfer.kernels import LIVE_LAYER_PARAMS
+from attnplug.backends.flashinfer.metadata import FlashInferMetadata, FlashInferPlanKey
+from attnplug.core.contracts import AttentionImpl, AttentionType
+from attnplug.core.errors import BackendUnsupportedError, MetadataError
+
+
+class FlashInferImpl(AttentionImpl):
+    """The attention of one layer with FlashInfer.
+
+    ``FlashInferImpl(num_heads, head_size, scale, num_kv_heads, sliding_window=None,
+    logits_soft_cap=None, attn_type=AttentionType.DECODER, kv_cache_dtype=None)``.
+    Creating it registers its parameters for the group's builder to plan.
+
+    Raises:
+        BackendUnsupportedError: ``num_heads`` not a multiple of ``num_kv_heads``, a
+            non-positive window or cap, or a non-decoder attention type.
+    """
+
+    backend_name = "flashinfer"
+
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
+                 sliding_window: int | None = None, logits_soft_cap: float | None = None,
+                 attn_type: AttentionType = AttentionType.DECODER,
+                 kv_cache_dtype: torch.dtype | None = None):
+        reasons = []
+        if num_kv_heads <= 0 or num_heads % num_kv_heads != 0:
+            reasons.append(f"num_heads {num_heads} is not a positive multiple of num_kv_heads {num_kv_heads}")
+        if sliding_window is not None and sliding_window <= 0:
+            reasons.append(f"sliding_window must be a positive number of tokens, got {sliding_window!r}")
+        if logits_soft_cap is not None and logits_soft_cap <= 0:
+            reasons.append(f"logits_soft_cap must be > 0, got {logits_soft_cap!r}")
+        if attn_type != AttentionType.DECODER:
+            reasons.append(f"attention type {AttentionType(attn_type).value!r} not supported (decoder only)")
+        if reasons:
+            raise BackendUnsupportedError(self.backend_name, reasons, context=type(self).__name__)
+        super().__init__(num_heads, head_size, scale, num_kv_heads, sliding_window, logits_soft_cap,
+                         attn_type, kv_cache_dtype)
+        self.plan_key = FlashInferPlanKey(num_heads, flashinfer_window_left(sliding_window),
+                                          float(logits_soft_cap or 0.0), float(scale))
+        LIVE_LAYER_PARAMS.add(self)
+
+    def forward(self, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                kv_cache: torch.Tensor, attn_metadata: FlashInferMetadata,
+                output: torch.Tensor) -> torch.Tensor:
+        """Write this step's K/V at the slot mapping, then run the decode and prefill wrappers.
+
+        Args:
+            layer: the calling module (unused; may be ``None``).
+            query: ``[num_tokens, num_heads, head_size]``, float16/bfloat16 (the planned dtype).
+            key, value: ``[num_tokens, num_kv_heads, head_size]``, same dtype and device.
+            kv_cache: ``[num_blocks, 2, block_size, num_kv_heads, head_size]`` (FlashInfer NHD),
+                written in place at the real slots only.
+            attn_metadata: what :class:`FlashInferMetadataBuilder` built this step.
+            output: ``[num_tokens, num_heads, head_size]``, contiguous; the decode rows
+                ``[0, num_decode_tokens)`` and the prefill rows are overwritten.
+
+        Returns:
+            ``output``.
+
+        Raises:
+            MetadataError: shapes that disagree, or no plan for this layer's parameters
+                (the impl was created after the builder's ``build``).
+
+        Does not synchronise with the host (``run()`` only); graph-capturable for
+        pure-decode steps.
+        """
+        md = attn_metadata
+        plan = self._check(query, key, value, kv_cache, md, output)
+        write_kv_by_slot(key, value, kv_cache[:, 0], kv_cache[:, 1], md.slot_mapping)
+        nd = md.num_decode_tokens
+        if plan.decode is not None:
+            plan.decode.run(query[:nd], kv_cache, out=output[:nd])
+        if plan.prefill is not None:
+            lo = md.num_decodes
+            plan.prefill.run(query[lo: md.num_actual_tokens], kv_cache, out=output[lo: md.num_actual_tokens])
+        return output
+
+    def _check(self, query, key, value, kv_cache, md, output):
+        if not isinstance(md, FlashInferMetadata):
+            raise MetadataError(f"attn_metadata is a {type(md).__name__}, not FlashInferMetadata: the layer's "
+                                "metadata must come from the flashinfer builder of its cache group.")
+        problems = []
+        expect_q, expect_kv = (self.num_heads, self.head_size), (self.num_kv_heads, self.head_size)
+        if query.dim() != 3 or tuple(query.shape[1:]) != expect_q:
+            problems.append(f"query {tuple(query.shape)} should be [num_tokens, {expect_q[0]}, {expect_q[1]}]")
+        for name, t in (("key", key), ("value", value)):
+            if t.dim() != 3 or tuple(t.shape[1:]) != expect_kv:
+                problems.append(f"{name} {tuple(t.shape)} should be [num_tokens, {expect_kv[0]}, {expect_kv[1]}]")
+        if output.shape != query.shape or not output.is_contiguous():
+            problems.append(f"output {tuple(output.shape)} should be contiguous and match query {tuple(query.shape)}")
+        need = max(md.num_actual_tokens, md.num_decode_tokens, md.slot_mapping.shape[0])
+        if min(query.shape[0], key.shape[0], value.shape[0]) < need:
+            problems.append(f"query/key/value have fewer than {need} rows (tokens of the step, padding included)")
+        shape = (2, md.page_size, self.num_kv_heads, self.head_size)
+        if kv_cache.dim() != 5 or tuple(kv_cache.shape[1:]) != shape:
+            problems.append(f"kv_cache {tuple(kv_cache.shape)} should be [num_blocks, {', '.join(map(str, shape))}]")
+        plan = md.plans.get(self.plan_key)
+        if plan is None and not problems:
+            problems.append(f"no plan for this layer's parameters {self.plan_key} (planned: {sorted(map(str, md.plans))}); "
+                            "create every layer's impl before the first build(): the builder plans the live impls'")
+        if problems:
+            raise MetadataError("flashinfer forward: " + "; ".join(problems) + ".")
+        return plan

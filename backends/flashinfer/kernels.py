@@ -1,0 +1,57 @@
+"""Finding the installed FlashInfer package, lazily, and why it may be missing.
+
+The builder needs two wrapper classes of the ``flashinfer`` module,
+``BatchDecodeWithPagedKVCacheWrapper`` and ``BatchPrefillWithPagedKVCacheWrapper``
+(design notes §4). Nothing here imports ``flashinfer`` at module import time;
+:func:`installed_module` imports once and caches. ``plan()`` needs CUDA (FlashInfer
+fails on CPU-only torch), so the backend is unavailable without a GPU. Never raises.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+from typing import Any
+
+import torch
+
+from attnplug.backends.common.layer_params import LiveLayerParams
+
+INSTALL_HINT = "pip install flashinfer-python, the attnplug extra 'flashinfer' (the wheel matching your CUDA torch)"
+
+LIVE_LAYER_PARAMS = LiveLayerParams()
+"""The parameters of every live ``FlashInferImpl`` (weakly held): the builder plans one
+decode and one prefill wrapper per distinct (query heads, ``window_left``, soft-cap,
+scale) of its group's layers (see ``attnplug.backends.common.layer_params``)."""
+
+
+@functools.lru_cache(maxsize=1)
+def _probe() -> tuple[Any, str]:
+    if importlib.util.find_spec("flashinfer") is None:
+        return None, f"the flashinfer package is not installed ({INSTALL_HINT})"
+    try:
+        module = importlib.import_module("flashinfer")
+    except Exception as exc:  # a broken install must not break the registry
+        return None, f"flashinfer failed to import: {type(exc).__name__}: {exc}"
+    missing = [n for n in ("BatchDecodeWithPagedKVCacheWrapper", "BatchPrefillWithPagedKVCacheWrapper")
+               if not hasattr(module, n)]
+    if missing:
+        return None, (f"flashinfer {getattr(module, '__version__', '?')} lacks {', '.join(missing)}; "
+                      f"upgrade ({INSTALL_HINT})")
+    return module, ""
+
+
+def installed_module() -> Any | None:
+    """The ``flashinfer`` module, or ``None`` when it is missing or broken."""
+    return _probe()[0]
+
+
+def unavailable_reason() -> str | None:
+    """Why the real backend cannot run here (missing package, no CUDA), or ``None``."""
+    module, why = _probe()
+    reasons = [] if module is not None else [why]
+    if not torch.cuda.is_available():
+        reasons.append("no CUDA device (torch.cuda.is_available() is False): FlashInfer's plan() and kernels "
+                       "need a CUDA GPU")
+    return "; ".join(reasons) or None
