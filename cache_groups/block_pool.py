@@ -303,7 +303,7 @@ class KVCacheManager:
     """Coordinates one :class:`BlockPool` and one block policy per cache group.
 
     Args:
-        kv_cache_config: the groups and ``num_blocks`` (per group's pool).
+        kv_cache_config: the groups and their pool sizes (``num_blocks_of``).
 
     Raises:
         KVCacheSpecError: a group's spec has no block policy, or ``num_blocks < 2``.
@@ -311,7 +311,7 @@ class KVCacheManager:
 
     def __init__(self, kv_cache_config: KVCacheConfig):
         self.kv_cache_config = kv_cache_config
-        self.pools = [BlockPool(kv_cache_config.num_blocks) for _ in kv_cache_config.groups]
+        self.pools = [BlockPool(kv_cache_config.num_blocks_of(g)) for g in range(len(kv_cache_config.groups))]
         self.managers = [make_block_manager(g.kv_cache_spec, p)
                          for g, p in zip(kv_cache_config.groups, self.pools)]
 

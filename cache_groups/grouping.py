@@ -24,15 +24,25 @@ class KVCacheGroupSpec:
 
 @dataclass(frozen=True)
 class KVCacheConfig:
-    """The whole model's cache: ``num_blocks`` per group's pool, and the groups."""
+    """The whole model's cache: ``num_blocks`` per group's pool, and the groups.
+
+    ``num_state_slots`` (optional) sizes the pools of Mamba state groups (``kind ==
+    "mamba"``) instead: a request holds one slot there whatever its length, so
+    ``max_num_seqs + 1`` slots (the null block included) suffice, while each slot holds a
+    whole request's state. ``None``: ``num_blocks`` like every other group.
+    """
 
     num_blocks: int
     groups: tuple[KVCacheGroupSpec, ...]
+    num_state_slots: int | None = None
 
     def __post_init__(self):
         if self.num_blocks < 2:
             raise KVCacheSpecError(
                 f"num_blocks must be >= 2 (block 0 is the reserved null block), got {self.num_blocks}")
+        if self.num_state_slots is not None and self.num_state_slots < 2:
+            raise KVCacheSpecError(
+                f"num_state_slots must be >= 2 (slot 0 is the reserved null block), got {self.num_state_slots}")
         names = [n for g in self.groups for n in g.layer_names]
         if len(names) != len(set(names)):
             dup = sorted({n for n in names if names.count(n) > 1})
@@ -41,6 +51,12 @@ class KVCacheConfig:
     @property
     def block_sizes(self) -> list[int]:
         return [g.kv_cache_spec.block_size for g in self.groups]
+
+    def num_blocks_of(self, group: int) -> int:
+        """Blocks in group ``group``'s pool (``num_state_slots`` for a Mamba group when set)."""
+        if self.num_state_slots is not None and self.groups[group].kv_cache_spec.kind == "mamba":
+            return self.num_state_slots
+        return self.num_blocks
 
 
 def group_layers_by_spec(layer_specs: Mapping[str, KVCacheSpec],

@@ -111,6 +111,11 @@ class MambaBackend(AttentionBackend):
     """SSM state dtypes the backend accepts."""
 
     @classmethod
+    def supports_mqa_gqa(cls) -> bool:
+        """Attention-only features (windows, soft-cap, GQA) do not apply to state layers."""
+        return False
+
+    @classmethod
     def allocate_state_cache(cls, kv_cache_spec: Any, num_slots: int,
                              device: torch.device | str) -> MambaStateCache:
         """Allocate one layer's state for ``num_slots`` slots, zero-filled.

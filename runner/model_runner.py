@@ -132,7 +132,8 @@ class ModelRunner:
                         "cache group is a Mamba state group but the backend is not a MambaBackend "
                         "(it cannot allocate state slots)"], f"cache group {g}")
                 for name in group.layer_names:
-                    caches[name] = backend.allocate_state_cache(spec, self.kv_cache_config.num_blocks, self.device)
+                    caches[name] = backend.allocate_state_cache(spec, self.kv_cache_config.num_blocks_of(g),
+                                                                self.device)
                 continue
             num_kernel_blocks = self.kv_cache_config.num_blocks * (spec.block_size // kbs)
             shape = backend.get_kv_cache_shape(num_kernel_blocks, kbs, spec.num_kv_heads, spec.head_size)

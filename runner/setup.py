@@ -96,7 +96,7 @@ def build_engine(args, *, alone: bool = False, model: torch.nn.Module | None = N
     max_num_seqs = 1 if alone else args.max_num_seqs
     budget = max_model_len if alone else args.max_num_batched_tokens
     num_blocks = args.num_blocks or (max_num_seqs * cdiv(max_model_len, args.block_size) + 1)
-    kv_cfg = KVCacheConfig(num_blocks, groups)
+    kv_cfg = KVCacheConfig(num_blocks, groups, num_state_slots=max_num_seqs + 1)  # Mamba: 1 slot per request
     backends = [model.attnplug_backends[g.layer_names[0]] for g in groups]
     sched = Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
                                       max_model_len=max_model_len, enable_chunked_prefill=not alone,

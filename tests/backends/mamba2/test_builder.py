@@ -122,7 +122,7 @@ def test_layout_handles_empty_sequences_and_chunk_size_one():
 
 def _hybrid_compiler(threshold):
     groups = (KVCacheGroupSpec(("attn",), FullAttentionSpec(block_size=4)), KVCacheGroupSpec(("m",), SPEC))
-    kv = KVCacheConfig(64, groups)
+    kv = KVCacheConfig(64, groups, num_state_slots=7)   # 6 running requests + the null slot
     sched = Scheduler(SchedulerConfig(max_num_batched_tokens=12, max_num_seqs=6, max_model_len=64,
                                       force_preemption_every=4), kv)
     sc = StepCompiler(kv, max_num_reqs=6, max_model_len=64, max_num_batched_tokens=12,
@@ -138,6 +138,7 @@ def test_step_compiler_puts_decodes_first_and_slots_follow_the_scheduler(thresho
         sched.add_request(f"r{i}", rng.integers(0, 50, size=int(rng.integers(2, 14))).tolist(),
                           SamplingParams(max_tokens=4))
     builder = Mamba2MetadataBuilder(SPEC, ["m"], BuilderConfig(6, 12, 64), "cpu")
+    assert [p.num_blocks for p in sched.kv_cache_manager.pools] == [64, 7]
     misordered = 0
     while sched.has_unfinished_requests():
         out = sched.schedule()
@@ -151,7 +152,7 @@ def test_step_compiler_puts_decodes_first_and_slots_follow_the_scheduler(thresho
         assert (q[:md.num_decodes] == 1).all() and (md.num_decodes == len(q) or q[md.num_decodes] != 1)
         slots = [sched.get_request(rid).block_ids[1] for rid in inputs.req_ids]
         assert all(len(s) == 1 for s in slots), "a running request holds exactly one state slot"
-        assert md.state_indices.tolist() == [s[0] for s in slots]
+        assert md.state_indices.tolist() == [s[0] for s in slots] and max(s[0] for s in slots) < 7
         assert md.has_initial_state.tolist() == (np.asarray(inputs.num_computed_tokens) > 0).tolist()
         keep = np.flatnonzero(~inputs.discard)
         ids = [inputs.req_ids[i] for i in keep]
