@@ -8,10 +8,12 @@ the slots. The slots of rows without an initial state (``fresh_rows``: new reque
 including one-token prompts on the decode path) are zeroed first, so a slot's stale
 contents from its previous owner are never read.
 
-Math in float32; states are stored in the cache's dtypes (conv: ``MambaSpec.dtype``,
-SSM: ``MambaSpec.ssm_dtype``). On CUDA, when ``mamba_ssm`` and ``causal_conv1d`` import,
-the decode conv/update and the per-request prefill scans use their kernels
-(``backends.mamba2.kernels``; untested here).
+Time steps are ``clamp(softplus(dt + dt_bias), *time_step_limit)`` on both paths (HF and
+mamba_ssm clamp only in the chunked scan; one definition keeps a decode step equal to the
+same token inside a prefill). Math in float32; states are stored in the cache's dtypes
+(conv: ``MambaSpec.dtype``, SSM: ``MambaSpec.ssm_dtype``). On CUDA, when ``mamba_ssm``
+and ``causal_conv1d`` import, the decode conv/update and the per-request prefill scans
+use their kernels (``backends.mamba2.kernels``; untested here).
 """
 
 from __future__ import annotations
@@ -118,9 +120,10 @@ class Mamba2Impl(MambaImpl):
         h, p, n = cfg.ssm_state_shape
         out = self.kernels.causal_conv1d_update(xbc.float(), conv, weight, bias, activation="silu")
         x, B, C = self._split(out)
+        dt = self._time_step(dt, dt_bias)  # bias, softplus and clamp here: the kernel cannot clamp
         return self.kernels.selective_state_update(
-            ssm, x, dt.float()[:, :, None].expand(-1, h, p), A[:, None, None].expand(h, p, n), B, C,
-            D=D[:, None].expand(h, p), z=None, dt_bias=dt_bias[:, None].expand(h, p), dt_softplus=True)
+            ssm, x, dt[:, :, None].expand(-1, h, p), A[:, None, None].expand(h, p, n), B, C,
+            D=D[:, None].expand(h, p), z=None, dt_bias=None, dt_softplus=False)
 
     # --- prefill part ---------------------------------------------------------------------------
     def _prefill(self, xbc, dt, state: MambaStateCache, slots, params, md: Mamba2Metadata) -> torch.Tensor:

@@ -38,8 +38,8 @@ class Layer(nn.Module):
 class Stepper:
     """Runs impl steps for (slot, num_computed, xbc, dt) rows, like the runner would."""
 
-    def __init__(self, dtype=torch.float32, num_slots=8):
-        self.impl = Mamba2Backend.get_impl_cls()(LCFG)
+    def __init__(self, dtype=torch.float32, num_slots=8, layer_cfg=LCFG):
+        self.impl = Mamba2Backend.get_impl_cls()(layer_cfg)
         self.builder = Mamba2MetadataBuilder(SPEC, ["m"], BuilderConfig(8, 64, 128), "cpu")
         self.state = Mamba2Backend.allocate_state_cache(dataclasses.replace(SPEC, dtype=dtype), num_slots, "cpu")
         self.layer = Layer(dtype=dtype)
@@ -120,3 +120,13 @@ def test_validate_configuration_lists_every_reason():
     text = " | ".join(reasons)
     assert "n_groups" in text and "chunk_size" in text and "gelu" in text and "ssm state dtype" in text
     assert Mamba2Backend.validate_configuration(LCFG) == []
+
+
+def test_time_step_limit_clamps_decode_and_prefill_alike():
+    clamped = dataclasses.replace(LCFG, time_step_limit=(0.2, 0.6))
+    xa, da = _seq(5, 6)
+    one, split = Stepper(layer_cfg=clamped), Stepper(layer_cfg=clamped)
+    y_one = one.step([(1, 0, xa, da)])[0]
+    y_split = torch.cat([split.step([(1, i, xa[i:i + 1], da[i:i + 1])])[0] for i in range(6)])
+    torch.testing.assert_close(y_split, y_one, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(y_one, Stepper().step([(1, 0, xa, da)])[0]), "the clamp had no effect"
