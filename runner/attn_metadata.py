@@ -46,13 +46,15 @@ class GroupMetadataBuilder:
     counters: BuildCounters = field(default_factory=BuildCounters)
 
     def build(self, common: Sequence[CommonAttentionMetadata],
-              common_prefix_len: int = 0) -> tuple[list[Any], dict[str, Any]]:
+              common_prefix_len: int = 0, *, for_cudagraph: bool = False) -> tuple[list[Any], dict[str, Any]]:
         """Build this step's metadata.
 
         Args:
             common: per group, the step's common metadata (group ``g``'s block table and
                 slot mapping).
             common_prefix_len: forwarded to ``build``.
+            for_cudagraph: the step captures or replays a CUDA graph: builders run
+                ``build_for_cudagraph_capture`` instead of ``build``.
 
         Returns:
             ``(per_group, per_layer)``: the metadata of each group, and ``{layer_name:
@@ -69,7 +71,8 @@ class GroupMetadataBuilder:
                 md = builder.update_block_table(hit, cm.block_table_tensor, cm.slot_mapping)
                 self.counters.reuses += 1
             else:
-                md = builder.build(common_prefix_len, cm)
+                md = (builder.build_for_cudagraph_capture(cm) if for_cudagraph
+                      else builder.build(common_prefix_len, cm))
                 cache[key] = md
                 self.counters.builds += 1
             per_group.append(md)

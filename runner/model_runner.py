@@ -22,6 +22,8 @@ from attnplug.core.contracts import AttentionBackend, BuilderConfig
 from attnplug.core.errors import BackendUnsupportedError
 from attnplug.core.mamba import MambaBackend
 from attnplug.runner.attn_metadata import GroupMetadataBuilder
+from attnplug.runner.cudagraph import CUDAGraphMode
+from attnplug.runner.cudagraph_capture import StepGraphs
 from attnplug.runner.sampler import Sampler
 from attnplug.runner.scheduler_output import SchedulerOutput
 from attnplug.runner.step_compiler import StepCompiler
@@ -68,6 +70,12 @@ class ModelRunner:
         record_logits: keep the sampled rows' logits in each output (parity checks).
         enable_builder_cache: reuse one metadata build across groups with the same spec
             and builder class.
+        cudagraph_mode: ``None``/``"none"`` (default: no padding, no graphs), or the
+            requested :class:`~attnplug.runner.cudagraph.CUDAGraphMode`; the runner
+            negotiates it down to what every builder supports (``self.cudagraphs.decision``
+            says why) and pads steps to ``cudagraph_capture_sizes``. Graphs are captured
+            on CUDA only; on a CPU steps are just padded.
+        cudagraph_capture_sizes: default ``runner.cudagraph.DEFAULT_CAPTURE_SIZES``.
 
     Raises:
         BackendUnsupportedError: a backend cannot serve a group's block size.
@@ -76,7 +84,9 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_cache_config: KVCacheConfig,
                  backends: Sequence[type[AttentionBackend]], config: RunnerConfig,
                  device: torch.device | str = "cpu", *, record_logits: bool = False,
-                 enable_builder_cache: bool = True, seed: int = 0):
+                 enable_builder_cache: bool = True, seed: int = 0,
+                 cudagraph_mode: CUDAGraphMode | str | None = None,
+                 cudagraph_capture_sizes: Sequence[int] | None = None):
         self.model = model
         self.kv_cache_config = kv_cache_config
         self.backends = list(backends)
@@ -114,6 +124,11 @@ class ModelRunner:
         )
         self.metadata_builder = GroupMetadataBuilder(
             builders, [list(g.layer_names) for g in groups], enable_caching=enable_builder_cache)
+        self.cudagraphs: StepGraphs | None = None
+        if CUDAGraphMode.parse(cudagraph_mode) is not CUDAGraphMode.NONE:
+            self.cudagraphs = StepGraphs(builders, [b.get_name() for b in self.backends], cudagraph_mode,
+                                         self.device, config.max_num_reqs, config.max_num_batched_tokens,
+                                         cudagraph_capture_sizes)
         self.kv_caches = self._allocate_kv_caches()
         self.sampler = Sampler(default_seed=seed)
         self.timings_ns: dict[str, list[int]] = {s: [] for s in STAGES}
@@ -159,12 +174,17 @@ class ModelRunner:
         t = self._time("update_states", t)
         if scheduler_output.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput([], {})
-        inputs = self.compiler.prepare_inputs(scheduler_output)
+        graphs = self.cudagraphs
+        batch = graphs.dispatch(self.compiler.input_batch.num_scheduled_tokens[:self.compiler.input_batch.num_reqs]) \
+            if graphs else None
+        inputs = self.compiler.prepare_inputs(scheduler_output, batch.num_tokens_padded if batch else None)
         t = self._time("prepare_inputs", t)
-        _, per_layer = self.metadata_builder.build(inputs.common_attn_metadata)
+        common = graphs.common_metadata(inputs.common_attn_metadata, batch) if batch else inputs.common_attn_metadata
+        _, per_layer = self.metadata_builder.build(common, for_cudagraph=bool(batch and batch.use_graph))
         t = self._time("metadata_build", t)
-        n = inputs.num_actual_tokens
-        hidden = self.model(inputs.input_ids[:n], inputs.positions[:n], per_layer, self.kv_caches)
+        n = inputs.num_padded_tokens
+        forward = lambda: self.model(inputs.input_ids[:n], inputs.positions[:n], per_layer, self.kv_caches)  # noqa: E731
+        hidden = graphs.forward(batch, forward) if batch else forward()
         t = self._time("forward", t)
 
         keep = np.flatnonzero(~np.asarray(inputs.discard))
