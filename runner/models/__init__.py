@@ -1,5 +1,5 @@
-"""Decoder models over pluggable backends: the Llama family (Llama, Qwen2, Mistral) and the
-Bamba hybrid (Mamba2 + attention).
+"""Decoder models over pluggable backends: the Llama family (Llama, Qwen2, Mistral), Gemma3
+(interleaved sliding and global attention) and the Bamba hybrid (Mamba2 + attention).
 
 Build from an HF config with :func:`build_model`, load HF weights with
 ``model.load_hf_state_dict``, or get a bundled random-weight preset with
@@ -9,6 +9,8 @@ Build from an HF config with :func:`build_model`, load HF weights with
 from attnplug.runner.models.bamba import BambaModel, mamba_layer_name
 from attnplug.runner.models.bamba_config import BambaModelConfig
 from attnplug.runner.models.config import DecoderModelConfig, ModelConfigError, RopeScaling
+from attnplug.runner.models.gemma3 import Gemma3Model
+from attnplug.runner.models.gemma3_config import Gemma3ModelConfig
 from attnplug.runner.models.llama import DecoderModel, attention_layer_name, layer_configs
 from attnplug.runner.models.loader import WeightLoadError, build_model, load_hf_state_dict, model_layer_configs
 from attnplug.runner.models.presets import DEFAULT_PRESET, PRESETS, make_preset_model, preset_config
@@ -20,7 +22,7 @@ from attnplug.runner.models.registry import (
 )
 
 __all__ = [
-    "BambaModel", "BambaModelConfig", "mamba_layer_name", "model_layer_configs",
+    "BambaModel", "BambaModelConfig", "mamba_layer_name", "model_layer_configs", "Gemma3Model", "Gemma3ModelConfig",
     "DEFAULT_PRESET", "PRESETS", "SUPPORTED_ARCHITECTURES", "SUPPORTED_MODEL_TYPES", "DecoderModel",
     "DecoderModelConfig", "ModelConfigError", "RopeScaling", "UnsupportedModelError", "WeightLoadError",
     "attention_layer_name", "build_model", "layer_configs", "load_hf_state_dict", "make_preset_model",

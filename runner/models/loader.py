@@ -13,6 +13,8 @@ from attnplug.core.mamba import MambaLayerConfig
 from attnplug.runner.models.bamba import BambaModel, bamba_layer_configs
 from attnplug.runner.models.bamba_config import BambaModelConfig
 from attnplug.runner.models.config import DecoderModelConfig
+from attnplug.runner.models.gemma3 import Gemma3Model, gemma3_layer_configs
+from attnplug.runner.models.gemma3_config import Gemma3ModelConfig
 from attnplug.runner.models.llama import BackendForLayer, DecoderModel, layer_configs
 from attnplug.runner.models.registry import resolve_model_config
 
@@ -57,20 +59,22 @@ def _default_backend(layer_name: str, layer_cfg: AttentionLayerConfig | MambaLay
     return get_backend("mamba2_torch" if isinstance(layer_cfg, MambaLayerConfig) else "torch_native")
 
 
-def model_layer_configs(cfg: DecoderModelConfig | BambaModelConfig, dtype: torch.dtype,
+def model_layer_configs(cfg: DecoderModelConfig | BambaModelConfig | Gemma3ModelConfig, dtype: torch.dtype,
                         device: torch.device | str, block_size: int
                         ) -> dict[str, AttentionLayerConfig | MambaLayerConfig]:
     """``{layer_name: layer config}`` in model order for any supported family (a Mamba2
     layer gets a :class:`~attnplug.core.mamba.MambaLayerConfig`)."""
     if isinstance(cfg, BambaModelConfig):
         return bamba_layer_configs(cfg, dtype, device, block_size)
+    if isinstance(cfg, Gemma3ModelConfig):
+        return gemma3_layer_configs(cfg, dtype, device, block_size)
     return layer_configs(cfg, dtype, device, block_size)
 
 
 def build_model(config: Any, *, backend_for_layer: BackendForLayer | None = None,
                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                block_size: int = 16, seed: int | None = 0) -> DecoderModel | BambaModel:
-    """Build a Llama / Qwen2 / Mistral / Bamba model whose layers use chosen backends.
+                block_size: int = 16, seed: int | None = 0) -> DecoderModel | BambaModel | Gemma3Model:
+    """Build a Llama / Qwen2 / Mistral / Bamba / Gemma3 model whose layers use chosen backends.
 
     Args:
         config: a ``transformers.PretrainedConfig``, a dict, or a ``config.json`` path (or
@@ -88,7 +92,7 @@ def build_model(config: Any, *, backend_for_layer: BackendForLayer | None = None
             ``None`` uses the global RNG.
 
     Returns:
-        The :class:`DecoderModel` (or :class:`BambaModel`) in eval mode.
+        The :class:`DecoderModel` (or :class:`BambaModel`, :class:`Gemma3Model`) in eval mode.
 
     Raises:
         UnsupportedModelError: not a supported architecture (lists the supported ones).
@@ -113,13 +117,15 @@ def build_model(config: Any, *, backend_for_layer: BackendForLayer | None = None
         backends.append(backend)
     if isinstance(cfg, BambaModelConfig):
         model = BambaModel(cfg, backends, dtype=dtype, device=device, block_size=block_size)
+    elif isinstance(cfg, Gemma3ModelConfig):
+        model = Gemma3Model(cfg, backends, dtype=dtype, device=device)
     else:
         model = DecoderModel(cfg, backends, dtype=dtype, device=device)
     model.init_weights(seed)
     return model.eval()
 
 
-def load_hf_state_dict(model: DecoderModel | BambaModel, state_dict: Mapping[str, torch.Tensor]) -> None:
+def load_hf_state_dict(model: DecoderModel | BambaModel | Gemma3Model, state_dict: Mapping[str, torch.Tensor]) -> None:
     """Copy HF weights into ``model``, strictly: validate everything first, then copy.
 
     Args:

@@ -13,12 +13,15 @@ model_type    architectures           differences
 ``mistral``   ``MistralForCausalLM``  ``sliding_window`` (may be null) on every layer
 ============  ======================  ==================================================
 
-Hybrids have their own model class and config:
+Families with their own model class and config:
 
-============  ======================  ==================================================
-``bamba``     ``BambaForCausalLM``    Mamba2 layers + attention at ``attn_layer_indices``
-                                      (``bamba.BambaModel``, ``bamba_config``)
-============  ======================  ==================================================
+===============  ======================  ===============================================
+``bamba``        ``BambaForCausalLM``    Mamba2 layers + attention at ``attn_layer_indices``
+                                         (``bamba.BambaModel``, ``bamba_config``)
+``gemma3_text``  ``Gemma3ForCausalLM``   sliding and global layers interleaved (``layer_types``
+                                         / ``sliding_window_pattern``), Gemma norms and scaling
+                                         (``gemma3.Gemma3Model``, ``gemma3_config``)
+===============  ======================  ===============================================
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from __future__ import annotations
 from typing import Any, Callable, Mapping
 
 from attnplug.runner.models.bamba_config import BambaModelConfig, parse_bamba_config
+from attnplug.runner.models.gemma3_config import Gemma3ModelConfig, parse_gemma3_config
 from attnplug.runner.models.config import (
     DecoderModelConfig,
     ModelConfigError,
@@ -100,6 +104,7 @@ _FAMILIES: dict[str, tuple[str, Callable[[Mapping[str, Any], int], tuple[int | N
 
 _HYBRIDS: dict[str, tuple[str, Callable[[Mapping[str, Any]], Any]]] = {
     "bamba": ("BambaForCausalLM", parse_bamba_config),
+    "gemma3_text": ("Gemma3ForCausalLM", parse_gemma3_config),
 }
 """Hybrid families: model_type -> (architecture, parser of the config dict)."""
 
@@ -123,18 +128,19 @@ def model_type_of(cfg: Mapping[str, Any]) -> str:
     raise UnsupportedModelError(model_type, archs)
 
 
-def resolve_model_config(config: Any) -> DecoderModelConfig | BambaModelConfig:
+def resolve_model_config(config: Any) -> DecoderModelConfig | BambaModelConfig | Gemma3ModelConfig:
     """Normalize an HF config of a supported architecture.
 
     Args:
         config: a ``PretrainedConfig``, a dict, a ``config.json`` path or its directory.
 
     Returns:
-        The frozen :class:`DecoderModelConfig` (Llama family) or
-        :class:`~attnplug.runner.models.bamba_config.BambaModelConfig` (Bamba).
+        The frozen :class:`DecoderModelConfig` (Llama family),
+        :class:`~attnplug.runner.models.bamba_config.BambaModelConfig` (Bamba) or
+        :class:`~attnplug.runner.models.gemma3_config.Gemma3ModelConfig` (Gemma3).
 
     Raises:
-        UnsupportedModelError: not a Llama / Qwen2 / Mistral / Bamba config.
+        UnsupportedModelError: not a Llama / Qwen2 / Mistral / Bamba / Gemma3 config.
         ModelConfigError: missing or invalid fields, unsupported RoPE scaling.
 
     Examples:
