@@ -14,10 +14,15 @@ libraries count the keys *left of* the query, inclusive bounds:
 ::
 
     W = 3, query at p = 6:   keys 4 5 6 visible      FA (2, 0)   FlashInfer window_left = 2
+
+The arithmetic is ``attnplug.cache_groups.sliding_window``'s (one formula for the whole
+project, next to the block pool's skip rule); this module adds the backends' error type
+and FlashAttention's non-causal variant.
 """
 
 from __future__ import annotations
 
+from attnplug.cache_groups import sliding_window as _sw
 from attnplug.core.errors import MetadataError
 
 UNBOUNDED: int = -1
@@ -48,9 +53,8 @@ def fa_window_size(sliding_window: int | None, causal: bool = True) -> tuple[int
         ((2, 0), (-1, -1), (0, 0))
     """
     _check(sliding_window)
-    if sliding_window is None:
-        return (UNBOUNDED, UNBOUNDED)
-    return (sliding_window - 1, 0 if causal else UNBOUNDED)
+    left, right = _sw.flash_attn_window_size(sliding_window)
+    return (left, right if causal or sliding_window is None else UNBOUNDED)
 
 
 def flashinfer_window_left(sliding_window: int | None) -> int:
@@ -67,4 +71,4 @@ def flashinfer_window_left(sliding_window: int | None) -> int:
         (2, -1)
     """
     _check(sliding_window)
-    return UNBOUNDED if sliding_window is None else sliding_window - 1
+    return _sw.flashinfer_window_left(sliding_window)
