@@ -59,13 +59,16 @@ class LiveLayerParams:
     """A weak registry of live impls of one backend (see the module docstring).
 
     Examples:
-        >>> from types import SimpleNamespace
-        >>> reg = LiveLayerParams()
-        >>> impl = SimpleNamespace(num_heads=4, num_kv_heads=2, head_size=8, scale=0.5,
-        ...                        sliding_window=None, logits_soft_cap=None, kv_cache_dtype=None)
+        >>> class Impl:  # any object with an AttentionImpl's attributes
+        ...     num_heads, num_kv_heads, head_size, scale = 4, 2, 8, 0.5
+        ...     sliding_window = logits_soft_cap = kv_cache_dtype = None
+        >>> reg, impl = LiveLayerParams(), Impl()
         >>> reg.add(impl)
         >>> [p.num_heads for p in reg.matching(num_kv_heads=2, head_size=8, sliding_window=None)]
         [4]
+        >>> del impl  # dropped impls drop out
+        >>> reg.matching(num_kv_heads=2, head_size=8, sliding_window=None)
+        []
     """
 
     def __init__(self) -> None:

@@ -1,0 +1,172 @@
+"""The flash_attn builder lowers a step into FlashAttention's arguments: checked field by
+field, through the emulator against torch_native (padded batches, cascade), and for the
+FA3 scheduler metadata and the CUDA-graph build."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from attnplug.backends.emulators import FA3_EMULATOR, FlashAttn2EmulatedBackend, FlashAttn3EmulatedBackend
+from attnplug.backends.emulators.testing import make_paged_batch, torch_native_reference
+from attnplug.backends.flash_attn import FlashAttnBackend, FlashAttnMetadataBuilder
+from attnplug.cache_groups.specs import FullAttentionSpec, SlidingWindowSpec
+from attnplug.core.contracts import AttentionCGSupport, BuilderConfig
+from attnplug.core.errors import BackendUnsupportedError, MetadataError
+from attnplug.runner.cudagraph import PaddedMetadata
+
+
+def _spec(b, window=None):
+    kw = dict(block_size=b.block_size, num_kv_heads=b.num_kv_heads, head_size=b.head_size, dtype=b.key_cache.dtype)
+    return SlidingWindowSpec(sliding_window=window, **kw) if window else FullAttentionSpec(**kw)
+
+
+def _setup(b, backend=FlashAttn3EmulatedBackend, window=None, softcap=None, scale=None, max_reqs=8, max_len=256):
+    builder = backend.get_builder_cls()(_spec(b, window), ["l0"], BuilderConfig(max_reqs, 64, max_len), "cpu")
+    impl = backend.get_impl_cls()(b.num_heads, b.head_size, scale or b.head_size ** -0.5, b.num_kv_heads,
+                                  sliding_window=window, logits_soft_cap=softcap)
+    return builder, impl
+
+
+def _forward(impl, b, md, backend=FlashAttn3EmulatedBackend, num_tokens=None):
+    kv = torch.stack([b.key_cache, b.value_cache])  # the backend's [2, num_blocks, ...] layout
+    n = num_tokens or b.query.shape[0]
+    pad = n - b.query.shape[0]
+    q, k, v = (torch.cat([t, torch.full((pad, *t.shape[1:]), -7.0)]) for t in (b.query, b.key, b.value))
+    out = torch.zeros_like(q)
+    impl.forward(None, q, k, v, kv, md, out)
+    return out, kv
+
+
+def test_fields_are_flash_attention_arguments():
+    b = make_paged_batch([5, 0, 16], [1, 3, 2], block_size=4)
+    builder, _ = _setup(b, window=3)
+    md = builder.build(0, b.cm)
+    cm = b.cm
+    assert torch.equal(md.cu_seqlens_q, cm.query_start_loc) and md.cu_seqlens_q.dtype == torch.int32
+    assert torch.equal(md.seqused_k, cm.seq_lens) and md.seqused_k.dtype == torch.int32
+    assert md.cu_seqlens_k.tolist() == [0, 6, 9, 27]
+    assert md.block_table.dtype == torch.int32 and torch.equal(md.block_table, cm.block_table_tensor)
+    assert (md.max_seqlen_q, md.max_seqlen_k) == (3, 18)
+    assert md.window_size == (2, 0)  # W = 3 tokens -> (W - 1, 0)
+    assert md.cascade is None
+    again = builder.build(0, b.cm)  # persistent buffers: same addresses every step
+    assert again.query_start_loc.data_ptr() == md.query_start_loc.data_ptr()
+    assert again.block_table.data_ptr() == md.block_table.data_ptr()
+
+
+@pytest.mark.parametrize("window, softcap", [(None, None), (4, 2.5)])
+def test_padded_step_equals_torch_native_and_writes_no_padded_slot(window, softcap):
+    b = make_paged_batch([7, 0, 3], [1, 5, 1], block_size=4, seed=2)
+    builder, impl = _setup(b, window=window, softcap=softcap)
+    cm = b.cm.replace(slot_mapping=torch.cat([b.cm.slot_mapping, torch.full((9,), -1)]))  # 7 real + 9 padded tokens
+    padded = PaddedMetadata(8, "cpu").pad([cm], 8)[0]
+    md = builder.build(0, padded)
+    assert md.batch_size == 8 and md.num_reqs == 3
+    assert md.cu_seqlens_q.tolist() == [0, 1, 6, 7, 7, 7, 7, 7, 7]
+    assert md.seqused_k.tolist()[3:] == [0] * 5
+    kv_before = torch.stack([b.key_cache, b.value_cache])
+    out, kv_after = _forward(impl, b, md, num_tokens=16)
+    torch.testing.assert_close(out[:7], torch_native_reference(b, None, window, softcap), atol=1e-5, rtol=1e-5)
+    assert torch.equal(kv_after, kv_before)  # the real K/V were already there; padding wrote nothing
+
+
+def test_cascade_fields_and_result():
+    # three requests share their first 2 blocks (8 tokens); prefix is capped by the smallest
+    # num_computed_tokens (9) and rounded down to whole blocks
+    b = make_paged_batch([9, 12, 10], [1, 2, 3], block_size=4, seed=4, shared_prefix_blocks=2)
+    builder, impl = _setup(b)
+    md = builder.build(11, b.cm)
+    c = md.cascade
+    assert c is not None and c.common_prefix_len == 8
+    assert c.cu_prefix_query_lens.tolist() == [0, 6] and c.prefix_kv_lens.tolist() == [8]
+    assert c.prefix_block_table.tolist() == [b.block_ids[0][:2]]
+    assert c.suffix_kv_lens.tolist() == [2, 6, 5] and c.cu_suffix_kv_lens.tolist() == [0, 2, 8, 13]
+    assert c.suffix_block_table[1].tolist()[:2] == b.block_ids[1][2:4]
+    out, _ = _forward(impl, b, md)
+    torch.testing.assert_close(out, torch_native_reference(b), atol=1e-5, rtol=1e-5)
+    assert builder.build(3, b.cm).cascade is None  # less than a block: no cascade
+    wbuilder, _ = _setup(b, window=4)
+    assert wbuilder.build(8, b.cm).cascade is None  # no cascade with a sliding window
+
+
+def test_fa3_scheduler_metadata_uses_the_layers_parameters():
+    b = make_paged_batch([5, 0], [1, 3], block_size=4)
+    builder, impl = _setup(b, window=6, softcap=3.0)
+    FA3_EMULATOR.calls.clear()
+    md = builder.build(0, b.cm)
+    name, call = FA3_EMULATOR.calls[-1]
+    assert name == "get_scheduler_metadata"
+    assert (call["batch_size"], call["num_heads_q"], call["num_heads_kv"], call["headdim"], call["page_size"]) == (
+        2, b.num_heads, b.num_kv_heads, b.head_size, 4)
+    assert call["window_size"] == (5, 0) and call["has_softcap"] is True and call["causal"] is True
+    assert md.scheduler_metadata is not None and md.scheduler_metadata.dtype == torch.int32
+    _forward(impl, b, md)
+    name, call = FA3_EMULATOR.calls[-1]
+    assert name == "flash_attn_with_kvcache" and call["scheduler_metadata"] is md.scheduler_metadata
+    assert call["window_size"] == (5, 0) and call["softcap"] == 3.0
+    del impl
+
+
+def test_cudagraph_build_bakes_bounds_not_step_values():
+    b = make_paged_batch([5, 0], [1, 3], block_size=4)
+    builder, _ = _setup(b, max_len=64)
+    md = builder.build_for_cudagraph_capture(b.cm.replace(slot_mapping=torch.cat([b.cm.slot_mapping,
+                                                                                   torch.full((4,), -1)])))
+    assert (md.max_seqlen_q, md.max_seqlen_k, md.cascade) == (8, 64, None)
+    d = make_paged_batch([5, 6], [1, 1], block_size=4)
+    assert builder.build_for_cudagraph_capture(d.cm).max_seqlen_q == 1
+
+
+def test_update_block_table_equals_a_fresh_build():
+    b = make_paged_batch([5, 0, 16], [1, 3, 2], block_size=4, seed=1)
+    other = make_paged_batch([5, 0, 16], [1, 3, 2], block_size=4, seed=9)  # same lengths, other blocks
+    b0, _ = _setup(b)
+    b1, _ = _setup(b)
+    md0 = b0.build(0, b.cm)
+    snapshot = md0.block_table.clone()
+    updated = b1.update_block_table(md0, other.cm.block_table_tensor, other.cm.slot_mapping)
+    fresh = b1.build(0, other.cm)
+    for f in dataclasses.fields(fresh):
+        x, y = getattr(updated, f.name), getattr(fresh, f.name)
+        assert torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y, f.name
+    assert torch.equal(md0.block_table, snapshot)
+
+
+def test_fa2_builder_needs_pages_of_256_and_passes_cumulative_key_lengths():
+    small = make_paged_batch([5], [1], block_size=16)
+    with pytest.raises(MetadataError, match="multiples of 256"):
+        _setup(small, backend=FlashAttn2EmulatedBackend)
+    b = make_paged_batch([300, 0], [1, 20], block_size=256, num_heads=2, num_kv_heads=1, head_size=8)
+    builder, impl = _setup(b, backend=FlashAttn2EmulatedBackend, max_len=512)
+    assert FlashAttn2EmulatedBackend.get_builder_cls().get_cudagraph_support() is AttentionCGSupport.UNIFORM_BATCH
+    assert FlashAttn3EmulatedBackend.get_builder_cls().get_cudagraph_support() is AttentionCGSupport.ALWAYS
+    md = builder.build(0, b.cm)
+    assert md.scheduler_metadata is None and md.cu_seqlens_k.tolist() == [0, 301, 321]
+    out, _ = _forward(impl, b, md, backend=FlashAttn2EmulatedBackend)
+    torch.testing.assert_close(out, torch_native_reference(b), atol=1e-5, rtol=1e-5)
+
+
+def test_bad_metadata_is_rejected_before_any_copy():
+    b = make_paged_batch([5, 0, 1], [1, 3, 1], block_size=4)
+    builder, _ = _setup(b, max_reqs=2)
+    before = builder._query_start_loc.clone()
+    with pytest.raises(MetadataError, match="max_num_reqs"):
+        builder.build(0, b.cm)
+    with pytest.raises(MetadataError, match="int32"):
+        _setup(b)[0].build(0, b.cm.replace(seq_lens=b.cm.seq_lens.long()))
+    assert torch.equal(builder._query_start_loc, before)
+
+
+def test_real_backend_without_flash_attn_says_why():
+    from attnplug.backends.flash_attn.kernels import installed_kernels
+
+    if installed_kernels() is not None:
+        pytest.skip("flash-attn is installed here")
+    with pytest.raises(BackendUnsupportedError, match="flash-attn package is not installed"):
+        FlashAttnBackend.get_impl_cls()(4, 64, 0.125, 2)
+    assert FlashAttnMetadataBuilder.get_cudagraph_support() is AttentionCGSupport.UNIFORM_BATCH
+    spec = FullAttentionSpec(block_size=256, num_kv_heads=2, head_size=64, dtype=torch.float16)
+    FlashAttnMetadataBuilder(spec, ["l0"], BuilderConfig(2, 16, 512), "cpu")  # the lowering needs no kernels
