@@ -12,6 +12,10 @@ not timed. The garbage collector is paused while a workload is timed (as ``timei
 
 Targets (issue "Foundation"): steady decode, two cache groups, update_states +
 prepare_inputs (+ metadata here) ≤ 150 µs at N=256 and ≤ 400 µs at N=1024.
+
+A second table (``--hybrid-steps``, :mod:`attnplug.runner.bench_metadata`): a 48-layer
+hybrid in 6 cache groups, the per-step time of the backends' metadata builders with
+builder caching on and off, side by side.
 """
 
 from __future__ import annotations
@@ -151,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-naive", action="store_true", help="skip the naive implementation")
     parser.add_argument("--prompt-arrays", action="store_true",
                         help="steady decode: send prompts as int32 numpy arrays instead of Python lists")
+    parser.add_argument("--hybrid-steps", type=int, default=100,
+                        help="hybrid metadata row (48 layers, 6 groups): timed steps (0 skips it)")
     parser.add_argument("--markdown", action="store_true", help="print a markdown table instead of rich")
     parser.add_argument("--repeat", type=int, default=3,
                         help="replay each workload this many times and report the run with the lowest "
@@ -170,9 +176,15 @@ def main(argv: list[str] | None = None) -> int:
         ours = best_of(args.repeat, lambda: time_optimized(w, args.trace_steps))
         naive = None if args.no_naive else time_naive(w, min(args.naive_steps, args.trace_steps))
         rows.append((w.name, ours, naive, None))
-    text = render(rows, args.markdown)
+    text = render(rows, args.markdown) if rows else ""
     if text:
         print(text)
+    if args.hybrid_steps > 0:
+        from attnplug.runner.bench_metadata import render_hybrid, run_hybrid
+
+        text = render_hybrid(*run_hybrid(args.hybrid_steps, args.repeat), args.markdown)
+        if text:
+            print("\n" + text)
     return 0
 
 

@@ -257,7 +257,10 @@ class TorchNativeMetadataBuilder(AttentionMetadataBuilder):
         Raises:
             MetadataError: a block table with too few rows or columns.
 
-        ``metadata`` is not mutated. Synchronises with the host (one ``nonzero``).
+        ``metadata`` is not mutated. No host synchronisation: which tokens carry a real
+        slot is a fact of the step (only padded tokens carry ``PAD_SLOT_ID``), the same in
+        every attention group, so ``write_token_indices`` is reused and only the slots are
+        gathered anew.
         """
         self._check_block_table(block_table, metadata.num_reqs, metadata.max_seq_len)
         B = self.block_size
@@ -265,10 +268,9 @@ class TorchNativeMetadataBuilder(AttentionMetadataBuilder):
             dataclasses.replace(seg, key_block_ids=_key_block_ids(
                 block_table, seg.req_indices, seg.seq_lens, seg.key_offsets // B, seg.key_block_ids.shape[1], B))
             for seg in metadata.segments)
-        write_tokens, write_slots = _write_indices(slot_mapping, metadata.num_actual_tokens)
+        write_slots = slot_mapping.index_select(0, metadata.write_token_indices).long()
         return dataclasses.replace(metadata, block_table_tensor=block_table, slot_mapping=slot_mapping,
-                                   write_token_indices=write_tokens, write_slots=write_slots,
-                                   segments=segments)
+                                   write_slots=write_slots, segments=segments)
 
     def _check_block_table(self, block_table: torch.Tensor, num_reqs: int, max_seq_len: int) -> None:
         if block_table.dim() != 2 or block_table.shape[0] < num_reqs:
