@@ -112,7 +112,7 @@ class ModelRunner:
         threshold = [b.reorder_batch_threshold for b in builders if b.reorder_batch_threshold is not None]
         self.compiler = StepCompiler(
             block_sizes=[g.kv_cache_spec.block_size for g in groups],
-            num_blocks=kv_cache_config.num_blocks,
+            num_blocks=[kv_cache_config.num_blocks_of(g) for g in range(len(groups))],
             max_num_reqs=config.max_num_reqs,
             max_model_len=config.max_model_len,
             max_num_batched_tokens=config.max_num_batched_tokens,

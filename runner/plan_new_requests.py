@@ -47,13 +47,14 @@ def check_block_list(sc: "StepCompiler", req_id: str, fname: str, g: int, ids: n
     if sc.group_kinds[g] != "mamba" and n * B < seq_len:
         err(req_id, fname, f"group {g}: {n} blocks of {B} tokens cannot hold seq_len {seq_len} "
             "(num_computed_tokens + num_scheduled_tokens); the block table is too short")
-    if n and (int(ids.min()) <= NULL_BLOCK_ID or int(ids.max()) >= sc.num_blocks):
+    pool = sc.num_blocks_per_group[g]
+    if n and (int(ids.min()) <= NULL_BLOCK_ID or int(ids.max()) >= pool):
         low = NULL_BLOCK_ID if sc.null_block_allowed[g] else NULL_BLOCK_ID + 1
-        bad = ids[(ids < low) | (ids >= sc.num_blocks)]
+        bad = ids[(ids < low) | (ids >= pool)]
         if bad.shape[0]:
             why = ("the reserved null block, legitimate only in a sliding-window group's skipped prefix"
                    if int(bad[0]) == NULL_BLOCK_ID else "outside the pool")
-            err(req_id, fname, f"group {g}: block id {int(bad[0])} is {why}; valid ids are [{low}, {sc.num_blocks})")
+            err(req_id, fname, f"group {g}: block id {int(bad[0])} is {why}; valid ids are [{low}, {pool})")
         span = ids[start // B:(seq_len - 1) // B + 1] if seq_len > start else ids[:0]
         if (span == NULL_BLOCK_ID).any():
             err(req_id, fname, f"group {g}: positions [{start}, {seq_len}) fall in the null block; only "

@@ -87,7 +87,8 @@ class StepCompiler:
         if isinstance(block_sizes, KVCacheConfig):
             cfg = block_sizes
             block_sizes = cfg.block_sizes
-            num_blocks = cfg.num_blocks if num_blocks is None else num_blocks
+            if num_blocks is None:
+                num_blocks = [cfg.num_blocks_of(g) for g in range(len(cfg.groups))]
             group_kinds = [g.kv_cache_spec.kind for g in cfg.groups] if group_kinds is None else group_kinds
             if sliding_windows is None:
                 sliding_windows = [getattr(g.kv_cache_spec, "sliding_window", None) for g in cfg.groups]
@@ -113,9 +114,16 @@ class StepCompiler:
         self.input_batch = InputBatch(max_num_reqs, max_model_len, max_num_batched_tokens, self.block_sizes,
                                       self.device, self.kernel_block_sizes)
         kmax = max(b // k for b, k in zip(self.block_sizes, self.kernel_block_sizes))
-        self.num_blocks = (2**31 - 1) // kmax if num_blocks is None else int(num_blocks)
-        if self.num_blocks < 2:
-            raise KVCacheSpecError(f"num_blocks must be >= 2 (block 0 is the null block), got {num_blocks}")
+        if num_blocks is None:
+            num_blocks = (2**31 - 1) // kmax
+        per_group = [int(n) for n in num_blocks] if isinstance(num_blocks, (list, tuple)) else \
+            [int(num_blocks)] * self.num_groups
+        if len(per_group) != self.num_groups or min(per_group) < 2:
+            raise KVCacheSpecError(f"num_blocks must be >= 2 (block 0 is the null block) per group, got {num_blocks}")
+        self.num_blocks_per_group = per_group
+        """Valid block ids of group g are ``[1, num_blocks_per_group[g])`` (Mamba groups: state slots)."""
+        self.num_blocks = min(per_group)
+        """The smallest pool: ids below it are valid in every group (the fast path's check)."""
         self.max_num_blocks_per_req = [cdiv(max_model_len, b) for b in self.block_sizes]
         self._max_blocks_col = np.asarray(self.max_num_blocks_per_req, dtype=np.int64)[:, None]
         # tokens one block covers, per group, for the "block table too short" check; a Mamba

@@ -304,11 +304,16 @@ def plan_update(sc: "StepCompiler", so: SchedulerOutput) -> UpdatePlan:
             j = next(j for j, p in enumerate(per) if not all(isinstance(b, (int, np.integer)) for b in p))
             err(C[sel[j % m]], "new_block_ids", f"group {j // m}: block ids must be ints")
         if flat.shape[0] and (flat.min() <= NULL_BLOCK_ID or flat.max() >= sc.num_blocks):
-            t = int(np.argmax((flat <= NULL_BLOCK_ID) | (flat >= sc.num_blocks)))
-            j = int(np.searchsorted(np.cumsum(lens_list), t, side="right"))
-            err(C[sel[j % m]], "new_block_ids", f"group {j // m}: appended block id {int(flat[t])} is not in "
-                f"[{NULL_BLOCK_ID + 1}, {sc.num_blocks}): a newly appended block is never the null block and "
-                "must lie in the pool")
+            per_group_len = np.add.reduceat(np.asarray(lens_list, dtype=np.int64), np.arange(0, G * m, m)) \
+                if m else np.zeros(G, dtype=np.int64)
+            bound = np.repeat(np.asarray(sc.num_blocks_per_group, dtype=np.int64), per_group_len)
+            bad = (flat <= NULL_BLOCK_ID) | (flat >= bound)
+            if bad.any():
+                t = int(np.argmax(bad))
+                j = int(np.searchsorted(np.cumsum(lens_list), t, side="right"))
+                err(C[sel[j % m]], "new_block_ids", f"group {j // m}: appended block id {int(flat[t])} is not in "
+                    f"[{NULL_BLOCK_ID + 1}, {sc.num_blocks_per_group[j // m]}): a newly appended block is never "
+                    "the null block and must lie in the pool")
         sel_arr = np.asarray(sel, dtype=np.int64)
         starts = np.take(before, sel_arr, axis=1)
         lens = 1 if one_each else np.asarray(lens_list, dtype=np.int64).reshape(G, m)

@@ -219,3 +219,23 @@ def test_finished_state_is_dropped_and_reading_it_raises():
     with pytest.raises(MetadataError, match="finished"):
         st.all_token_ids
     assert copy.copy(sc.input_batch.req_ids) == ["B"]
+
+
+def test_state_slot_beyond_a_mamba_pool_is_rejected_with_its_group():
+    """Mamba groups have their own (smaller) pool of state slots: an id valid for the
+    attention pool but not for the state pool is a clear error naming the group."""
+    from attnplug.cache_groups.grouping import KVCacheConfig, KVCacheGroupSpec
+    from attnplug.cache_groups.specs import FullAttentionSpec, MambaSpec
+
+    cfg = KVCacheConfig(64, (KVCacheGroupSpec(("attn",), FullAttentionSpec(block_size=4)),
+                             KVCacheGroupSpec(("mamba",), MambaSpec(block_size=64))), num_state_slots=4)
+    sc = StepCompiler(cfg, max_num_reqs=4, max_model_len=64, max_num_batched_tokens=64)
+    assert sc.num_blocks_per_group == [64, 4]
+    before = sc.snapshot()
+    bad = NewRequestData("b", [1, 2, 3], ([6], [9]), 0)
+    with pytest.raises(InvalidSchedulerOutput) as e:
+        sc.update_states(SchedulerOutput([bad], num_scheduled_tokens={"b": 3}))
+    assert e.value.req_id == "b" and "group 1" in str(e.value) and "[1, 4)" in str(e.value)
+    assert_same(before, sc.snapshot())
+    sc.update_states(SchedulerOutput([NewRequestData("b", [1, 2, 3], ([9], [3]), 0)], num_scheduled_tokens={"b": 3}))
+    assert sc.input_batch.num_reqs == 1
