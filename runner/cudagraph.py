@@ -199,8 +199,9 @@ class CUDAGraphDispatcher:
 
     Examples:
         >>> d = CUDAGraphDispatcher(CUDAGraphMode.FULL, [1, 2, 4, 8, 16], 16, 16)
-        >>> d.dispatch(num_tokens=9, num_reqs=5, max_query_len=5)
-        PaddedBatch(num_tokens=9, num_reqs=5, num_tokens_padded=16, num_reqs_padded=8, uniform_decode=False, use_graph=True)
+        >>> b = d.dispatch(num_tokens=9, num_reqs=5, max_query_len=5)
+        >>> (b.num_tokens_padded, b.num_reqs_padded, b.use_graph)
+        (16, 8, True)
         >>> d.dispatch(num_tokens=3, num_reqs=3, max_query_len=1).key
         (4, 4, True)
     """

@@ -174,9 +174,10 @@ class ModelRunner:
         t = self._time("update_states", t)
         if scheduler_output.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput([], {})
-        graphs = self.cudagraphs
-        batch = graphs.dispatch(self.compiler.input_batch.num_scheduled_tokens[:self.compiler.input_batch.num_reqs]) \
-            if graphs else None
+        graphs, batch = self.cudagraphs, None
+        if graphs is not None:  # pad for CUDA graphs (runner/cudagraph.py)
+            rows = self.compiler.input_batch
+            batch = graphs.dispatch(rows.num_scheduled_tokens[:rows.num_reqs])
         inputs = self.compiler.prepare_inputs(scheduler_output, batch.num_tokens_padded if batch else None)
         t = self._time("prepare_inputs", t)
         common = graphs.common_metadata(inputs.common_attn_metadata, batch) if batch else inputs.common_attn_metadata

@@ -53,7 +53,8 @@ def _int32(name: str, t: torch.Tensor | None, dims: int) -> None:
 
 
 def paged_varlen_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                           kv_lens: torch.Tensor, block_table: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int | None,
+                           kv_lens: torch.Tensor, block_table: torch.Tensor, max_seqlen_q: int,
+                           max_seqlen_k: int | None,
                            softmax_scale: float | None, causal: bool, window_size, softcap: float,
                            page_multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """The common contract of both versions; returns ``(out, softmax_lse)``."""

@@ -35,7 +35,8 @@ FA2_KERNEL_BLOCK_SIZES: tuple[int, ...] = (256, 512, 1024, 2048)
 """Kernel block sizes declared under FA2 (the multiples of 256 a manager block is likely to
 be split into)."""
 
-INSTALL_HINT = "pip install flash-attn --no-build-isolation, the attnplug extra 'flash-attn' (builds against the installed CUDA torch)"
+INSTALL_HINT = ("pip install flash-attn --no-build-isolation, the attnplug extra 'flash-attn' "
+                "(builds against the installed CUDA torch)")
 
 
 @dataclass(frozen=True)

@@ -107,7 +107,8 @@ class FlashInferImpl(AttentionImpl):
             problems.append(f"kv_cache {tuple(kv_cache.shape)} should be [num_blocks, {', '.join(map(str, shape))}]")
         plan = md.plans.get(self.plan_key)
         if plan is None and not problems:
-            problems.append(f"no plan for this layer's parameters {self.plan_key} (planned: {sorted(map(str, md.plans))}); "
+            planned = sorted(map(str, md.plans))
+            problems.append(f"no plan for this layer's parameters {self.plan_key} (planned: {planned}); "
                             "create every layer's impl before the first build(): the builder plans the live impls'")
         if problems:
             raise MetadataError("flashinfer forward: " + "; ".join(problems) + ".")

@@ -36,7 +36,8 @@ def test_module_doctests():
 
 
 def test_negotiation_takes_the_least_capable_builder_and_says_why():
-    fa3, fi, fa2, tn = FlashAttn3EmulatedBackend, FlashInferEmulatedBackend, FlashAttn2EmulatedBackend, TorchNativeBackend
+    fa3, fi, fa2 = FlashAttn3EmulatedBackend, FlashInferEmulatedBackend, FlashAttn2EmulatedBackend
+    tn = TorchNativeBackend
     assert negotiate_cudagraph_mode(_builders(fa3), "full", "cpu").mode is FULL
     d = negotiate_cudagraph_mode(_builders(fa3, fi), "full", "cuda", names=["flash_attn", "flashinfer"])
     assert d.mode is DECODE and d.capture
