@@ -70,12 +70,15 @@ def build_with_backends(config: Any, *, backend: str | None, block_size: int, re
 
 def load_model_for_run(model: str, *, backend: str | None, block_size: int, seed: int,
                        resolve: Callable, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    """``'preset'`` → the bundled small preset; else an HF ``config.json`` path with random
-    weights from ``seed``."""
+    """``'preset'`` → the default bundled preset (``presets.DEFAULT_PRESET``); a preset name
+    (``presets.PRESETS``) → that preset; else an HF ``config.json`` path. Random weights
+    from ``seed``."""
     from attnplug.runner.models import presets
 
     if model == "preset":
         config = presets.preset_config()
+    elif model in presets.PRESETS:
+        config = presets.preset_config(model)
     else:
         config = read_hf_config(model)
     return build_with_backends(config, backend=backend, block_size=block_size, resolve=resolve,

@@ -9,7 +9,10 @@ from rich.table import Table
 
 
 def print_run_table(summary: dict[str, Any], console: Console | None = None) -> None:
-    """Render a ``setup.EngineSetup.summary`` dict as two tables (run, cache groups)."""
+    """Render a ``setup.EngineSetup.summary`` dict as two tables: the run (counts, median
+    µs per stage, metadata builds / reuses per step, batch invariance) and the cache groups
+    (kind and window, layers, backend, peak KV blocks or Mamba state slots in use against
+    the group's pool)."""
     console = console or Console()
     t = Table(title="attnplug run", show_header=True)
     t.add_column("metric")
@@ -31,9 +34,14 @@ def print_run_table(summary: dict[str, Any], console: Console | None = None) -> 
     console.print(t)
 
     g = Table(title="cache groups", show_header=True)
-    for col in ("group", "kind", "layers", "block size", "backend", "peak KV blocks"):
-        g.add_column(col)
+    for col in ("group", "kind", "layers", "block", "backend", "peak / pool"):
+        g.add_column(col, no_wrap=True)
     for i, (grp, peak) in enumerate(zip(summary["cache_groups"], summary["peak_kv_blocks_per_group"])):
-        g.add_row(str(i), grp["kind"], str(grp["layers"]), str(grp["block_size"]), grp["backend"],
-                  f"{peak} / {summary['num_blocks_per_group'] - 1}")
+        kind = {"full_attention": "full", "sliding_window": "sliding"}.get(grp["kind"], grp["kind"])
+        if grp.get("sliding_window"):
+            kind += f" W={grp['sliding_window']}"
+        capacity = grp.get("capacity", summary["num_blocks_per_group"] - 1)
+        unit = "state slots" if grp["kind"] == "mamba" else "KV blocks"
+        block = "-" if grp["kind"] == "mamba" else str(grp["block_size"])
+        g.add_row(str(i), kind, str(grp["layers"]), block, grp["backend"], f"{peak}/{capacity} {unit}")
     console.print(g)

@@ -17,6 +17,7 @@ import sys
 import time
 
 from attnplug.core.errors import AttnplugError
+from attnplug.runner.models.presets import PRESETS, RUN_PRESET
 from attnplug.runner.setup import EngineSetup, build_engine
 
 
@@ -30,7 +31,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--num-blocks", type=int, default=None,
                    help="blocks per cache group (default: enough for max-num-seqs full requests)")
     p.add_argument("--max-model-len", type=int, default=1024)
-    p.add_argument("--model", default="preset", help="'preset' or PATH/config.json (HF config, random weights)")
+    p.add_argument("--model", default=RUN_PRESET,
+                   help=f"a preset ({', '.join(PRESETS)}; default {RUN_PRESET}: full, sliding-window and Mamba2 "
+                        "layers), 'preset' (= tiny-llama) or PATH/config.json (HF config, random weights)")
     p.add_argument("--backend", default=None, help="attention backend for every group (default: automatic)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--invariance-requests", type=int, default=8,

@@ -51,8 +51,10 @@ class EngineSetup:
             "num_blocks_per_group": self.kv_cache_config.num_blocks,
             "cache_groups": [
                 {"kind": g.kv_cache_spec.kind, "layers": len(g.layer_names), "backend": b.get_name(),
-                 "block_size": g.kv_cache_spec.block_size}
-                for g, b in zip(self.kv_cache_config.groups, self.backends)
+                 "block_size": g.kv_cache_spec.block_size,
+                 "sliding_window": getattr(g.kv_cache_spec, "sliding_window", None),
+                 "capacity": self.kv_cache_config.num_blocks_of(i) - 1}
+                for i, (g, b) in enumerate(zip(self.kv_cache_config.groups, self.backends))
             ],
             "metadata_builds_per_step": round(counters.total_builds / max(counters.steps, 1), 2),
             "metadata_reuses_per_step": round(counters.total_reuses / max(counters.steps, 1), 2),

@@ -15,6 +15,7 @@ from attnplug.runner.models.bamba_config import BambaModelConfig
 from attnplug.runner.models.config import DecoderModelConfig
 from attnplug.runner.models.gemma3 import Gemma3Model, gemma3_layer_configs
 from attnplug.runner.models.gemma3_config import Gemma3ModelConfig
+from attnplug.runner.models.hybrid import HybridModel, HybridModelConfig, hybrid_layer_configs
 from attnplug.runner.models.llama import BackendForLayer, DecoderModel, layer_configs
 from attnplug.runner.models.registry import resolve_model_config
 
@@ -64,6 +65,8 @@ def model_layer_configs(cfg: DecoderModelConfig | BambaModelConfig | Gemma3Model
                         ) -> dict[str, AttentionLayerConfig | MambaLayerConfig]:
     """``{layer_name: layer config}`` in model order for any supported family (a Mamba2
     layer gets a :class:`~attnplug.core.mamba.MambaLayerConfig`)."""
+    if isinstance(cfg, HybridModelConfig):
+        return hybrid_layer_configs(cfg, dtype, device, block_size)
     if isinstance(cfg, BambaModelConfig):
         return bamba_layer_configs(cfg, dtype, device, block_size)
     if isinstance(cfg, Gemma3ModelConfig):
@@ -115,7 +118,9 @@ def build_model(config: Any, *, backend_for_layer: BackendForLayer | None = None
         if reasons:
             raise BackendUnsupportedError(backend.get_name(), reasons, context=f"layer {name}")
         backends.append(backend)
-    if isinstance(cfg, BambaModelConfig):
+    if isinstance(cfg, HybridModelConfig):
+        model = HybridModel(cfg, backends, dtype=dtype, device=device, block_size=block_size)
+    elif isinstance(cfg, BambaModelConfig):
         model = BambaModel(cfg, backends, dtype=dtype, device=device, block_size=block_size)
     elif isinstance(cfg, Gemma3ModelConfig):
         model = Gemma3Model(cfg, backends, dtype=dtype, device=device)

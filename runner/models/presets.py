@@ -34,11 +34,47 @@ PRESETS: dict[str, dict[str, Any]] = {
         # then do not hinge on float rounding (batch-invariance checks stay meaningful).
         "initializer_range": 0.08,
     },
+    "tiny-hybrid": {
+        "model_type": "attnplug_hybrid",
+        "architectures": ["AttnplugHybridForCausalLM"],
+        "vocab_size": 2048,
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        # layers: 0 sliding window, 1 Mamba2, 2 full attention, 3 Mamba2
+        "attn_layer_indices": [0, 2],
+        "sliding_attn_layer_indices": [0],
+        "sliding_window": 64,
+        "mamba_n_heads": 8,
+        "mamba_d_head": 64,
+        "mamba_n_groups": 1,
+        "mamba_d_state": 32,
+        "mamba_d_conv": 4,
+        "mamba_expand": 2,
+        "mamba_chunk_size": 64,
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+        "initializer_range": 0.08,
+    },
 }
-"""Preset name -> HF-style config dict. ``tiny-llama``: hidden 256, 4 layers, 8 query
-heads / 2 KV heads of 32, vocab 2048, 4096 positions (about 3.4 M parameters)."""
+"""Preset name -> HF-style config dict.
+
+* ``tiny-llama``: hidden 256, 4 layers, 8 query heads / 2 KV heads of 32, vocab 2048,
+  4096 positions (about 3.4 M parameters).
+* ``tiny-hybrid`` (``attnplug_hybrid``, see ``hybrid.py``): the same sizes over 4 layers —
+  a sliding-window (W = 64), a Mamba2, a full-attention and a Mamba2 layer (8 heads of
+  64, state 32, chunk 64) — so every step serves three kinds of cache group."""
 
 DEFAULT_PRESET = "tiny-llama"
+"""What ``--model preset`` means (``attnplug backends --explain``, ``attnplug run --model preset``)."""
+
+RUN_PRESET = "tiny-hybrid"
+"""The model ``attnplug run`` uses by default."""
 DEFAULT_SEED = 0
 
 

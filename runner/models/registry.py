@@ -15,13 +15,15 @@ model_type    architectures           differences
 
 Families with their own model class and config:
 
-===============  ======================  ===============================================
-``bamba``        ``BambaForCausalLM``    Mamba2 layers + attention at ``attn_layer_indices``
-                                         (``bamba.BambaModel``, ``bamba_config``)
-``gemma3_text``  ``Gemma3ForCausalLM``   sliding and global layers interleaved (``layer_types``
-                                         / ``sliding_window_pattern``), Gemma norms and scaling
-                                         (``gemma3.Gemma3Model``, ``gemma3_config``)
-===============  ======================  ===============================================
+===================  =============================  ========================================
+``bamba``            ``BambaForCausalLM``           Mamba2 layers + attention at
+                                                    ``attn_layer_indices`` (``bamba``)
+``gemma3_text``      ``Gemma3ForCausalLM``          sliding and global layers interleaved,
+                                                    Gemma norms and scaling (``gemma3``)
+``attnplug_hybrid``  ``AttnplugHybridForCausalLM``  not an HF architecture: Bamba with some
+                                                    attention layers windowed (``hybrid``);
+                                                    the default ``attnplug run`` preset
+===================  =============================  ========================================
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from typing import Any, Callable, Mapping
 
 from attnplug.runner.models.bamba_config import BambaModelConfig, parse_bamba_config
 from attnplug.runner.models.gemma3_config import Gemma3ModelConfig, parse_gemma3_config
+from attnplug.runner.models.hybrid import parse_hybrid_config
 from attnplug.runner.models.config import (
     DecoderModelConfig,
     ModelConfigError,
@@ -105,6 +108,7 @@ _FAMILIES: dict[str, tuple[str, Callable[[Mapping[str, Any], int], tuple[int | N
 _HYBRIDS: dict[str, tuple[str, Callable[[Mapping[str, Any]], Any]]] = {
     "bamba": ("BambaForCausalLM", parse_bamba_config),
     "gemma3_text": ("Gemma3ForCausalLM", parse_gemma3_config),
+    "attnplug_hybrid": ("AttnplugHybridForCausalLM", parse_hybrid_config),
 }
 """Hybrid families: model_type -> (architecture, parser of the config dict)."""
 
