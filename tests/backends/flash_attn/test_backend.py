@@ -80,3 +80,14 @@ def test_real_backends_are_registered_and_emulators_are_not():
     assert not any("emulated" in n for n in names)
     for cls in (FlashAttn2EmulatedBackend, FlashAttn3EmulatedBackend, FlashInferEmulatedBackend):
         assert cls.get_name() not in names
+
+
+def test_attnplug_backends_lists_both_with_the_reason_they_are_unavailable():
+    from attnplug.plugins.cli_backends import backend_rows
+
+    rows = {r["name"]: r for r in backend_rows(get_registry())}
+    for name, module in (("flash_attn", "flash_attn"), ("flashinfer", "flashinfer")):
+        ok, why = get_registry().get(name).is_available()
+        assert rows[name]["available"] is ok and rows[name]["unavailable_reason"] == ("" if ok else why)
+        if not torch.cuda.is_available():
+            assert not ok and "no CUDA device" in why
