@@ -19,11 +19,15 @@ from dataclasses import dataclass
 
 import torch
 
-from attnplug.backends.triton.runtime import kernel_module, launch
+from attnplug.backends.triton.runtime import interpreting, kernel_module, launch
 from attnplug.core.errors import MetadataError
 
 MAX_HEAD_SIZE = 256
 """Largest head size the kernels take (the fp32 accumulator is ``BLOCK_M x head_size``)."""
+
+REDUCE_ELEMENTS_PER_PROGRAM = 4096
+"""fp32 partial-output elements one split-KV reduce program combines (heads x segments x
+padded head size): bounds its registers on a GPU and its launches in the interpreter."""
 
 
 def _next_pow2(n: int) -> int:
@@ -49,25 +53,36 @@ class TileConfig:
 
 
 def choose_tiles(max_query_len: int, num_queries_per_kv: int, head_size: int,
-                 dtype: torch.dtype = torch.float16) -> TileConfig:
+                 dtype: torch.dtype = torch.float16, *, interpreter: bool | None = None) -> TileConfig:
     """Tile sizes for a batch whose longest query has ``max_query_len`` tokens.
 
-    Decode-like batches (``max_query_len`` no more than the tokens a 16-row tile holds)
-    use the smallest tile that holds every query head of a KV head, so no rows are wasted
-    on absent query tokens; longer queries use 64-row tiles (32 for heads over 128 and for
-    float32). Keys per iteration: 64 for 16-bit heads up to 128, else 32; float32 (an
-    exact, non-tensor-core ``tl.dot``) uses 32 keys up to 64 dims and 16 beyond. These
-    sizes compile without register spills for sm_80/sm_90 (checked ahead of time by
-    ``tests/backends/triton/test_gpu_compile.py``).
+    GPU (``interpreter=False``): decode-like batches (``max_query_len`` no more than the
+    tokens a 16-row tile holds) use the smallest tile that holds every query head of a KV
+    head, so no rows are wasted on absent query tokens; longer queries use 64-row tiles
+    (32 for heads over 128 and for float32). Keys per iteration: 64 for 16-bit heads up
+    to 128, else 32; float32 (an exact, non-tensor-core ``tl.dot``) uses 32 keys up to 64
+    dims and 16 beyond. These sizes compile without register spills for sm_80/sm_90
+    (checked ahead of time by ``tests/backends/triton/test_gpu_compile.py``).
+
+    Interpreter (``interpreter=True``; default: whatever mode the process runs in): the
+    cost is per operation, not per element, so queries longer than a decode tile use
+    128-row tiles and every iteration takes 128 keys: fewer programs and iterations, the
+    same results.
     """
+    if interpreter is None:
+        interpreter = interpreting()
     group_rows = _next_pow2(max(num_queries_per_kv, 1))
     small = max(16, group_rows)
     fp32 = dtype == torch.float32
     if max_query_len <= small // num_queries_per_kv:
         block_m = small
+    elif interpreter:
+        block_m = max(128, group_rows)
     else:
         block_m = max(32 if (fp32 or head_size > 128) else 64, group_rows)
-    if fp32:
+    if interpreter:
+        tile_n = 128
+    elif fp32:
         tile_n = 32 if head_size <= 64 else 16
     else:
         tile_n = 64 if head_size <= 128 else 32
@@ -86,7 +101,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                     block_table: torch.Tensor, *, num_reqs: int, max_query_len: int, scale: float,
                     causal: bool = True, sliding_window: int | None = None,
                     logits_soft_cap: float | None = None, num_kv_splits: int = 1,
-                    visited_tiles: torch.Tensor | None = None) -> torch.Tensor:
+                    tiles: TileConfig | None = None, visited_tiles: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of a varlen batch over a paged KV cache (GQA/MQA, causal bottom-right).
 
     Query ``j`` of request ``i`` sits at position ``seq_lens[i] - query_len_i + j`` and
@@ -113,6 +128,8 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         logits_soft_cap: ``cap * tanh(logits / cap)`` after scaling, or ``None``.
         num_kv_splits: 1 for the unified single-launch path; ``> 1`` (a power of two)
             splits each request's visible keys into that many segments plus a reduce.
+        tiles: tile sizes to use instead of :func:`choose_tiles`'s (tests run the GPU
+            sizes in the interpreter with it).
         visited_tiles: a test aid: ``[num_query_tiles(...), num_kv_heads, num_kv_splits]``,
             ``torch.int32``, same device; each program stores how many key tiles (of
             ``choose_tiles(...).tile_n`` keys) it visited. Programs without queries leave
@@ -134,7 +151,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     if num_reqs == 0 or num_tokens == 0:
         return output
     group = num_heads // num_kv_heads
-    cfg = choose_tiles(max_query_len, group, head_size, query.dtype)
+    cfg = tiles or choose_tiles(max_query_len, group, head_size, query.dtype)
     padded = max(16, _next_pow2(head_size))
     kernels = kernel_module("attention_kernels")
     grid = (num_query_tiles(num_tokens, num_reqs, cfg.block_q), num_kv_heads, num_kv_splits)
@@ -145,29 +162,29 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     else:
         part_acc = part_max = part_sum = output  # never touched when NUM_SEGMENTS == 1
     launch(kernels, "paged_attention_kernel", grid,
-        query, key_cache, value_cache, output, part_acc, part_max, part_sum,
-        query_start_loc, seq_lens, block_table, visited_tiles if visited_tiles is not None else seq_lens,
-        num_reqs, float(scale),
-        float(logits_soft_cap) if logits_soft_cap is not None else 0.0,
-        query.stride(0), query.stride(1), output.stride(0), output.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
-        block_table.stride(0),
-        NUM_QUERIES_PER_KV=group, HEAD_SIZE=head_size, HEAD_SIZE_PADDED=padded,
-        BLOCK_SIZE=key_cache.shape[1], BLOCK_M=cfg.block_m, BLOCK_Q=cfg.block_q, TILE_N=cfg.tile_n,
-        CAUSAL=bool(causal), SLIDING_WINDOW=int(sliding_window or 0),
-        USE_SOFT_CAP=logits_soft_cap is not None, NUM_SEGMENTS=num_kv_splits,
-        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        RECORD_VISITED=visited_tiles is not None,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+           query, key_cache, value_cache, output, part_acc, part_max, part_sum,
+           query_start_loc, seq_lens, block_table, visited_tiles if visited_tiles is not None else seq_lens,
+           num_reqs, float(scale),
+           float(logits_soft_cap) if logits_soft_cap is not None else 0.0,
+           query.stride(0), query.stride(1), output.stride(0), output.stride(1),
+           key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+           value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+           block_table.stride(0),
+           NUM_QUERIES_PER_KV=group, HEAD_SIZE=head_size, HEAD_SIZE_PADDED=padded,
+           BLOCK_SIZE=key_cache.shape[1], BLOCK_M=cfg.block_m, BLOCK_Q=cfg.block_q, TILE_N=cfg.tile_n,
+           CAUSAL=bool(causal), SLIDING_WINDOW=int(sliding_window or 0),
+           USE_SOFT_CAP=logits_soft_cap is not None, NUM_SEGMENTS=num_kv_splits,
+           DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+           RECORD_VISITED=visited_tiles is not None,
+           KV_SAME_STRIDES=key_cache.stride()[:2] == value_cache.stride()[:2],
+           num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if num_kv_splits > 1:
-        launch(kernels, "reduce_segments_kernel", (num_tokens, num_heads),
-            output, part_acc, part_max, part_sum, query_start_loc, num_reqs, num_heads,
-            output.stride(0), output.stride(1),
-            HEAD_SIZE=head_size, HEAD_SIZE_PADDED=padded, NUM_SEGMENTS=num_kv_splits,
-            num_warps=4 if padded * num_kv_splits <= 4096 else 8,
-        )
+        heads_per_program = max(1, min(_next_pow2(num_heads), REDUCE_ELEMENTS_PER_PROGRAM // (padded * num_kv_splits)))
+        launch(kernels, "reduce_segments_kernel", (num_tokens, -(-num_heads // heads_per_program)),
+               output, part_acc, part_max, part_sum, query_start_loc, num_reqs, num_heads,
+               output.stride(0), output.stride(1),
+               HEAD_SIZE=head_size, HEAD_SIZE_PADDED=padded, NUM_SEGMENTS=num_kv_splits,
+               HEADS_PER_PROGRAM=heads_per_program, num_warps=4)
     return output
 
 

@@ -37,31 +37,6 @@ INTERPRETED: bool = interpreting()
 """Whether the kernels below were decorated for the Triton interpreter."""
 
 @triton.jit
-def _soft_cap(s, cap):
-    """``cap * tanh(s / cap)``, with ``tanh(x) = sign(x) * (1 - 2 / (exp(2|x|) + 1))`` and
-    ``2|x|`` clamped at 40 (where tanh is 1 in fp32), so nothing overflows."""
-    x = s / cap
-    e = tl.exp(tl.minimum(2.0 * tl.abs(x), 40.0))
-    t = 1.0 - 2.0 / (e + 1.0)
-    return cap * tl.where(x < 0, -t, t)
-
-
-@triton.jit
-def _find_request(query_start_loc_ptr, num_reqs, tile, BLOCK_Q: tl.constexpr):
-    """The largest request index ``i`` with ``query_start_loc[i] // BLOCK_Q + i <= tile``."""
-    lo = tl.program_id(0) * 0  # int32 scalar 0 (loop-carried types must not change)
-    hi = lo + num_reqs
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        start = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
-        if start <= tile:
-            lo = mid
-        else:
-            hi = mid
-    return lo
-
-
-@triton.jit
 def paged_attention_kernel(
     query_ptr,            # [num_tokens, num_heads, HEAD_SIZE], fp32/fp16/bf16, last dim contiguous
     key_cache_ptr,        # [num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_SIZE] (strided view), query's dtype
@@ -95,12 +70,22 @@ def paged_attention_kernel(
     NUM_SEGMENTS: tl.constexpr,        # 1: unified single pass; > 1: split-KV partials
     DOT_PRECISION: tl.constexpr,       # "ieee" for fp32 inputs (no TF32), "tf32" otherwise (ignored)
     RECORD_VISITED: tl.constexpr,      # store how many key tiles each program visited
+    KV_SAME_STRIDES: tl.constexpr,     # value_cache strides == key_cache strides (blocks, tokens)
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     segment = tl.program_id(2)
 
-    req = _find_request(query_start_loc_ptr, num_reqs, tile, BLOCK_Q)
+    # The request of this tile: the largest i with query_start_loc[i] // BLOCK_Q + i <= tile
+    # (binary search; helpers are inlined: the interpreter pays a lot per device-function call).
+    req = tl.program_id(0) * 0  # int32 scalar (loop-carried types must not change)
+    hi = req + num_reqs
+    while hi - req > 1:
+        mid = (req + hi) // 2
+        if tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid <= tile:
+            req = mid
+        else:
+            hi = mid
     q_begin = tl.load(query_start_loc_ptr + req)
     q_len = tl.load(query_start_loc_ptr + req + 1) - q_begin
     first_q = (tile - (q_begin // BLOCK_Q + req)) * BLOCK_Q  # first query index of this tile
@@ -132,9 +117,9 @@ def paged_attention_kernel(
     else:
         key_lo = seq_len * 0
     tile_lo = key_lo // TILE_N
-    tile_hi = tl.cdiv(key_hi, TILE_N)
+    tile_hi = (key_hi + TILE_N - 1) // TILE_N
     if NUM_SEGMENTS > 1:
-        per_segment = tl.cdiv(tile_hi - tile_lo, NUM_SEGMENTS)
+        per_segment = (tile_hi - tile_lo + NUM_SEGMENTS - 1) // NUM_SEGMENTS
         tile_lo = tile_lo + segment * per_segment
         tile_hi = tl.minimum(tile_lo + per_segment, tile_hi)
 
@@ -143,38 +128,54 @@ def paged_attention_kernel(
                  tl.maximum(tile_hi - tile_lo, 0))
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_SIZE_PADDED], dtype=tl.float32)
+    l_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
+    acc = tl.full([BLOCK_M, HEAD_SIZE_PADDED], 0.0, dtype=tl.float32)
+    qk_scale = scale * 1.4426950408889634  # log2(e): logits go to base 2 for exp2
+    # Loop invariants (hoisted by hand: the interpreter pays per operation).
     key_offsets = tl.arange(0, TILE_N)
     bt_row = block_table_ptr + req.to(tl.int64) * stride_bt_req
-    qk_scale = scale * 1.4426950408889634  # log2(e): logits go to base 2 for exp2
+    k_head = key_cache_ptr + kv_head * stride_k_head
+    v_head = value_cache_ptr + kv_head * stride_v_head
+    dims_row = dims[None, :]
+    dim_valid_row = dim_valid[None, :]
+    row_valid_col = row_valid[:, None]
+    q_pos_col = q_pos[:, None]
+    oldest_col = q_pos_col - SLIDING_WINDOW  # keys must be > this (window rows only)
 
     for t in range(tile_lo, tile_hi):
         keys = t * TILE_N + key_offsets
         key_live = (keys >= key_lo) & (keys < key_hi)
         block = tl.load(bt_row + keys // BLOCK_SIZE, mask=key_live, other=0).to(tl.int64)
         in_block = keys % BLOCK_SIZE
-        kv_mask = key_live[:, None] & dim_valid[None, :]
-        k = tl.load(key_cache_ptr + block[:, None] * stride_k_blk + in_block[:, None] * stride_k_tok
-                    + kv_head * stride_k_head + dims[None, :], mask=kv_mask, other=0.0)
+        k_rows = block * stride_k_blk + in_block * stride_k_tok
+        kv_mask = key_live[:, None] & dim_valid_row
+        k = tl.load(k_head + k_rows[:, None] + dims_row, mask=kv_mask, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, TILE_N] fp32
         if USE_SOFT_CAP:
-            s = _soft_cap(s * scale, soft_cap) * 1.4426950408889634
+            # cap * tanh(x / cap) with tanh(y) = sign(y) * (1 - 2 / (exp(2|y|) + 1)), 2|y| clamped
+            # at 40 (tanh is 1 in fp32 there) so nothing overflows
+            y = s * (scale / soft_cap)
+            th = 1.0 - 2.0 / (tl.exp(tl.minimum(2.0 * tl.abs(y), 40.0)) + 1.0)
+            s = tl.where(y < 0, -th, th) * (soft_cap * 1.4426950408889634)
         else:
             s = s * qk_scale
-        visible = row_valid[:, None] & key_live[None, :]
+        keys_row = keys[None, :]
+        visible = row_valid_col & key_live[None, :]
         if CAUSAL:
-            visible = visible & (keys[None, :] <= q_pos[:, None])
+            visible = visible & (keys_row <= q_pos_col)
         if SLIDING_WINDOW > 0:
-            visible = visible & (keys[None, :] > q_pos[:, None] - SLIDING_WINDOW)
+            visible = visible & (keys_row > oldest_col)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet
         p = tl.exp2(s - m_ref[:, None])
         alpha = tl.exp2(m_i - m_ref)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(value_cache_ptr + block[:, None] * stride_v_blk + in_block[:, None] * stride_v_tok
-                    + kv_head * stride_v_head + dims[None, :], mask=kv_mask, other=0.0)
+        if KV_SAME_STRIDES:  # K and V halves of one cache: same row offsets
+            v_rows = k_rows
+        else:
+            v_rows = block * stride_v_blk + in_block * stride_v_tok
+        v = tl.load(v_head + v_rows[:, None] + dims_row, mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
@@ -203,25 +204,30 @@ def reduce_segments_kernel(
     HEAD_SIZE: tl.constexpr,
     HEAD_SIZE_PADDED: tl.constexpr,
     NUM_SEGMENTS: tl.constexpr,
+    HEADS_PER_PROGRAM: tl.constexpr,  # power of two
 ):
-    """Grid ``(num_tokens, num_heads)``: combine the segments of one (token, head).
+    """Grid ``(num_tokens, cdiv(num_heads, HEADS_PER_PROGRAM))``: combine the segments of
+    ``HEADS_PER_PROGRAM`` heads of one token.
 
     ``out = sum_s acc_s * 2^(m_s - M) / sum_s l_s * 2^(m_s - M)`` with ``M = max_s m_s``;
     empty segments have ``m_s = -inf`` and weigh 0. Tokens past ``query_start_loc[num_reqs]``
     (padding) are skipped: their partials were never written."""
     token = tl.program_id(0)
-    head = tl.program_id(1)
     if token >= tl.load(query_start_loc_ptr + num_reqs):
         return
-    base = (token.to(tl.int64) * num_heads + head) * NUM_SEGMENTS
+    heads = tl.program_id(1) * HEADS_PER_PROGRAM + tl.arange(0, HEADS_PER_PROGRAM)
+    head_ok = heads < num_heads
+    base = (token.to(tl.int64) * num_heads + heads) * NUM_SEGMENTS  # [HEADS_PER_PROGRAM]
     segs = tl.arange(0, NUM_SEGMENTS)
     dims = tl.arange(0, HEAD_SIZE_PADDED)
-    m = tl.load(part_max_ptr + base + segs)
-    l = tl.load(part_sum_ptr + base + segs)
-    m_all = tl.max(m, axis=0)
-    w = tl.exp2(m - m_all)
-    total = tl.sum(l * w, axis=0)
-    acc = tl.load(part_acc_ptr + (base + segs)[:, None] * HEAD_SIZE_PADDED + dims[None, :])
-    out = tl.sum(acc * w[:, None], axis=0) / tl.where(total == 0.0, 1.0, total)
-    tl.store(output_ptr + token.to(tl.int64) * stride_o_tok + head * stride_o_head + dims,
-             out.to(output_ptr.dtype.element_ty), mask=dims < HEAD_SIZE)
+    part = base[:, None] + segs[None, :]  # [HEADS_PER_PROGRAM, NUM_SEGMENTS]
+    m = tl.load(part_max_ptr + part, mask=head_ok[:, None], other=0.0)
+    l = tl.load(part_sum_ptr + part, mask=head_ok[:, None], other=0.0)
+    m_all = tl.max(m, axis=1)
+    w = tl.exp2(m - tl.where(m_all == float("-inf"), 0.0, m_all)[:, None])
+    total = tl.sum(l * w, axis=1)
+    acc = tl.load(part_acc_ptr + part[:, :, None] * HEAD_SIZE_PADDED + dims[None, None, :],
+                  mask=head_ok[:, None, None], other=0.0)
+    out = tl.sum(acc * w[:, :, None], axis=1) / tl.where(total == 0.0, 1.0, total)[:, None]
+    tl.store(output_ptr + token.to(tl.int64) * stride_o_tok + heads[:, None] * stride_o_head + dims[None, :],
+             out.to(output_ptr.dtype.element_ty), mask=head_ok[:, None] & (dims[None, :] < HEAD_SIZE))

@@ -7,6 +7,11 @@ any test runs, imports triton with the variable set and then restores the enviro
 the process stays in interpreter mode (``runtime.interpreting()`` reads the mode from
 Triton itself), and subprocesses of other tests do not inherit the variable.
 
+Tests marked ``slow`` (larger interpreter runs: more conformance cases, the split-KV
+path through the whole suite, the CLI with its batch-invariance re-runs) are skipped unless
+``ATTNPLUG_SLOW=1`` is set or ``-m`` selects them (``pytest -m slow tests/backends/triton``),
+so the default run stays within a few minutes on two busy cores.
+
 On a machine with CUDA these CPU tests are skipped (``tests/gpu/`` runs the compiled
 kernels there; to run these too: ``TRITON_INTERPRET=1 CUDA_VISIBLE_DEVICES= pytest
 tests/backends/triton``). If triton was already imported in compiled mode before this
@@ -52,11 +57,14 @@ _MODE_PROBLEM = _enter_interpreter_mode()
 
 
 @pytest.fixture(autouse=True)
-def triton_interpreter():
+def triton_interpreter(request):
     """Every test here runs its kernels in the Triton interpreter (see the module docstring)."""
     if _MODE_PROBLEM is not None:
         kind, reason = _MODE_PROBLEM
         (pytest.skip if kind == "skip" else pytest.fail)(reason)
+    if request.node.get_closest_marker("slow") and os.environ.get("ATTNPLUG_SLOW") != "1" \
+            and "slow" not in (request.config.getoption("markexpr") or ""):
+        pytest.skip("slow interpreter run: set ATTNPLUG_SLOW=1 or select it with -m slow")
 
 
 def dense_reference(query, keys, values, query_start_loc, seq_lens, scale, *, sliding_window=None,
@@ -130,9 +138,18 @@ class PagedBatch:
         return dense_reference(self.query[:self.num_actual_tokens], self.keys, self.values,
                                self.query_start_loc, self.seq_lens, self.scale, **kw)
 
+    def tiles(self, interpreter=False):
+        """The tile sizes a GPU would use (default), or the interpreter's."""
+        from attnplug.backends.triton import choose_tiles
+
+        return choose_tiles(self.max_query_len, self.query.shape[1] // self.kv_cache.shape[3], self.query.shape[2],
+                            self.query.dtype, interpreter=interpreter)
+
     def run(self, output=None, **kw):
+        """``paged_attention`` over the batch, with the GPU tile sizes unless ``tiles=`` says."""
         from attnplug.backends.triton import paged_attention
 
+        kw.setdefault("tiles", self.tiles())
         out = torch.zeros_like(self.query) if output is None else output
         return paged_attention(self.query, self.kv_cache[:, 0], self.kv_cache[:, 1], out, self.query_start_loc,
                                self.seq_lens, self.block_table, num_reqs=len(self.requests),

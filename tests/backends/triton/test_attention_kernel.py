@@ -22,6 +22,7 @@ def _close(got, want, dtype, n):
 def test_mixed_prefill_decode_batch_in_one_launch(paged_batch, dtype):
     b = paged_batch(MIXED, num_heads=8, num_kv_heads=2, head_size=64, dtype=dtype)
     _close(b.run(), b.reference(), dtype, b.num_actual_tokens)
+    _close(b.run(tiles=b.tiles(interpreter=True)), b.reference(), dtype, b.num_actual_tokens)
 
 
 @pytest.mark.parametrize("heads, kv_heads", [(4, 4), (8, 1), (6, 2), (12, 2)], ids=["mha", "mqa", "group3", "group6"])
@@ -65,7 +66,7 @@ def test_key_tiles_outside_the_window_are_not_visited(paged_batch):
     """Loop bounds, not masks: a decode at position 999 with a 40-token window visits only
     the key tiles overlapping [960, 999]; a causal prefill tile visits none past its last query."""
     b = paged_batch([(999, 1), (0, 64)], num_heads=2, num_kv_heads=1, block_size=64)
-    cfg = choose_tiles(b.max_query_len, 2, 32, torch.float32)
+    cfg = b.tiles()
     tiles = num_query_tiles(b.query.shape[0], 2, cfg.block_q)
     visited = torch.full((tiles, 1, 1), -1, dtype=torch.int32)
     b.run(sliding_window=40, visited_tiles=visited)
@@ -142,11 +143,14 @@ def test_bad_inputs_raise_before_launching(paged_batch):
 
 
 def test_tile_choice():
-    decode = choose_tiles(1, 4, 128, torch.float16)
+    gpu = dict(interpreter=False)
+    decode = choose_tiles(1, 4, 128, torch.float16, **gpu)
     assert (decode.block_m, decode.block_q, decode.tile_n) == (16, 4, 64)
-    prefill = choose_tiles(500, 4, 128, torch.bfloat16)
+    prefill = choose_tiles(500, 4, 128, torch.bfloat16, **gpu)
     assert (prefill.block_m, prefill.block_q) == (64, 16)
-    mqa = choose_tiles(1, 64, 64, torch.float16)
+    mqa = choose_tiles(1, 64, 64, torch.float16, **gpu)
     assert (mqa.block_m, mqa.block_q) == (64, 1)
-    assert choose_tiles(500, 1, 256, torch.float16).block_m == 32
-    assert choose_tiles(500, 2, 128, torch.float32).tile_n == 16
+    assert choose_tiles(500, 1, 256, torch.float16, **gpu).block_m == 32
+    assert choose_tiles(500, 2, 128, torch.float32, **gpu).tile_n == 16
+    interp = choose_tiles(500, 4, 64, torch.float32)  # this process runs the interpreter
+    assert (interp.block_m, interp.tile_n) == (128, 128)
