@@ -86,7 +86,7 @@ def test_attnplug_backends_lists_both_with_the_reason_they_are_unavailable():
     from attnplug.plugins.cli_backends import backend_rows
 
     rows = {r["name"]: r for r in backend_rows(get_registry())}
-    for name, module in (("flash_attn", "flash_attn"), ("flashinfer", "flashinfer")):
+    for name in ("flash_attn", "flashinfer"):
         ok, why = get_registry().get(name).is_available()
         assert rows[name]["available"] is ok and rows[name]["unavailable_reason"] == ("" if ok else why)
         if not torch.cuda.is_available():
