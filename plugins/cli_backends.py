@@ -88,6 +88,7 @@ def _console():
 
 
 def print_backends(registry) -> None:
+    from rich.markup import escape
     from rich.table import Table
 
     console = _console()
@@ -96,7 +97,7 @@ def print_backends(registry) -> None:
         table.add_column(col, overflow="fold", no_wrap=col in ("name", "source"))  # identifiers stay whole
     for r in backend_rows(registry):
         feats = " ".join(f"{k}{'+' if v else '-'}" for k, v in r["features"].items())
-        avail = "[green]yes[/green]" if r["available"] else f"[red]no[/red]: {r['unavailable_reason']}"
+        avail = "[green]yes[/green]" if r["available"] else f"[red]no[/red]: {escape(r['unavailable_reason'])}"
         table.add_row(r["name"], r["source"], avail, r["kv_cache_kind"], feats, ", ".join(r["dtypes"]),
                       "any" if r["head_sizes"] is None else ", ".join(map(str, r["head_sizes"])),
                       "any" if r["kernel_block_sizes"] is None else ", ".join(map(str, r["kernel_block_sizes"])),
@@ -108,13 +109,13 @@ def print_backends(registry) -> None:
         for col in ("plugin", "entry point", "distribution", "backend", "reason"):
             ft.add_column(col, overflow="fold")
         for f in probs["faults"]:
-            ft.add_row(f["plugin"], f["entry_point"] or "(built-in)", f["distribution"] or "(built-in)",
-                       f["backend"] or "", f["reason"])
+            ft.add_row(escape(f["plugin"]), escape(f["entry_point"] or "(built-in)"),
+                       escape(f["distribution"] or "(built-in)"), escape(f["backend"] or ""), escape(f["reason"]))
         console.print(ft)
     for s in probs["skipped"]:
-        console.print(f"skipped plugin {s['plugin']} ({s['distribution']}): {s['reason']}")
+        console.print(f"skipped plugin {s['plugin']} ({s['distribution']}): {s['reason']}", markup=False)
     for note in probs["notes"]:
-        console.print(f"note: {note}")
+        console.print(f"note: {note}", markup=False)
 
 
 def explain(registry, args) -> tuple[dict[str, Any], int]:
