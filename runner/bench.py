@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
 
         text = render_hybrid(*run_hybrid(args.hybrid_steps, args.repeat), args.markdown)
         if text:
-            print("\n" + text)
+            print(("\n" if rows else "") + text)
     return 0
 
 

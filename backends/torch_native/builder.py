@@ -84,6 +84,15 @@ class AttentionSegment:
     max_key_offset: int
     """``max(key_offsets)`` (tokens)."""
 
+    key_block_columns: torch.Tensor
+    """``[n, num_key_blocks]``, ``torch.int64``: the block-table column each entry of
+    ``key_block_ids`` comes from (0 where ``key_block_live`` is False). The same for every
+    group with this spec, so ``update_block_table`` only gathers new ids."""
+
+    key_block_live: torch.Tensor
+    """``[n, num_key_blocks]``, ``torch.bool``: the entry is one of the request's blocks
+    (False past its ``cdiv(seq_len, block_size)``: ``NULL_BLOCK_ID`` there)."""
+
 
 @dataclass(frozen=True)
 class TorchNativeMetadata:
@@ -120,17 +129,21 @@ class TorchNativeMetadata:
     """The attention work of the step, see the module docstring."""
 
 
-def _key_block_ids(block_table: torch.Tensor, req_indices: torch.Tensor, seq_lens: torch.Tensor,
-                   first_blocks: torch.Tensor, num_key_blocks: int, block_size: int) -> torch.Tensor:
-    """``[n, num_key_blocks]`` int64 block ids: row ``r`` holds logical blocks
-    ``first_blocks[r] ..`` of its block-table row; ``NULL_BLOCK_ID`` past the request's last
-    block (whatever the block table holds there)."""
-    rows = block_table.index_select(0, req_indices)
-    cols = first_blocks.unsqueeze(1) + torch.arange(num_key_blocks, device=block_table.device).unsqueeze(0)
-    blocks_needed = (seq_lens + block_size - 1) // block_size
-    live = cols < blocks_needed.unsqueeze(1)
-    block_ids = rows.gather(1, torch.where(live, cols, torch.zeros_like(cols))).long()
-    return torch.where(live, block_ids, torch.full_like(block_ids, NULL_BLOCK_ID))
+def _key_block_layout(seq_lens: torch.Tensor, first_blocks: torch.Tensor, num_key_blocks: int,
+                      block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(columns, live)``, each ``[n, num_key_blocks]``: row ``r`` reads block-table columns
+    ``first_blocks[r] ..``; ``live`` is False past the request's last block (column 0 there)."""
+    cols = first_blocks.unsqueeze(1) + torch.arange(num_key_blocks, device=seq_lens.device).unsqueeze(0)
+    live = cols < ((seq_lens + block_size - 1) // block_size).unsqueeze(1)
+    return torch.where(live, cols, torch.zeros_like(cols)), live
+
+
+def _key_block_ids(block_table: torch.Tensor, req_indices: torch.Tensor, columns: torch.Tensor,
+                   live: torch.Tensor) -> torch.Tensor:
+    """``[n, num_key_blocks]`` int64 block ids at ``columns`` of the requests' block-table
+    rows; ``NULL_BLOCK_ID`` where not ``live`` (whatever the block table holds there)."""
+    block_ids = block_table.index_select(0, req_indices).gather(1, columns).long()
+    return block_ids.masked_fill_(~live, NULL_BLOCK_ID)
 
 
 def _write_indices(slot_mapping: torch.Tensor, num_actual_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -212,7 +225,7 @@ class TorchNativeMetadataBuilder(AttentionMetadataBuilder):
             key_offsets = first_blocks * B
             req_dev = req_cpu.to(self.device)
             seq_dev = seg_seq_lens.to(self.device)
-            first_dev = first_blocks.to(self.device)
+            columns, live = _key_block_layout(seq_dev, first_blocks.to(self.device), num_key_blocks, B)
             segments.append(AttentionSegment(
                 req_indices=req_dev,
                 query_len=query_len,
@@ -221,10 +234,12 @@ class TorchNativeMetadataBuilder(AttentionMetadataBuilder):
                 query_token_indices=token_idx.to(self.device),
                 query_positions=positions.to(self.device),
                 seq_lens=seq_dev,
-                key_block_ids=_key_block_ids(block_table, req_dev, seq_dev, first_dev, num_key_blocks, B),
+                key_block_ids=_key_block_ids(block_table, req_dev, columns, live),
                 key_offsets=key_offsets.to(self.device),
                 min_key_offset=int(key_offsets.min()),
                 max_key_offset=int(key_offsets.max()),
+                key_block_columns=columns,
+                key_block_live=live,
             ))
 
         write_tokens, write_slots = _write_indices(cm.slot_mapping, cm.num_actual_tokens)
@@ -263,10 +278,9 @@ class TorchNativeMetadataBuilder(AttentionMetadataBuilder):
         gathered anew.
         """
         self._check_block_table(block_table, metadata.num_reqs, metadata.max_seq_len)
-        B = self.block_size
         segments = tuple(
-            dataclasses.replace(seg, key_block_ids=_key_block_ids(
-                block_table, seg.req_indices, seg.seq_lens, seg.key_offsets // B, seg.key_block_ids.shape[1], B))
+            dataclasses.replace(seg, key_block_ids=_key_block_ids(block_table, seg.req_indices,
+                                                                  seg.key_block_columns, seg.key_block_live))
             for seg in metadata.segments)
         write_slots = slot_mapping.index_select(0, metadata.write_token_indices).long()
         return dataclasses.replace(metadata, block_table_tensor=block_table, slot_mapping=slot_mapping,
