@@ -4,7 +4,8 @@ The scheduler's block pool frees a sliding-window request's leading blocks once 
 future query can see them (``attnplug.cache_groups.sliding_window``) and may hand them
 to another request at once. It never tells the runner: the deltas only ever append block
 ids. The runner derives the same set itself — logical blocks
-``0 .. num_skipped_blocks(num_computed_tokens, W, B) - 1`` of every row — and writes
+``0 .. num_skipped_blocks(num_computed_tokens, W, B) - 1`` of every row
+(``attnplug.cache_groups.sliding_window``) — and writes
 ``NULL_BLOCK_ID`` there, in the manager table and its kernel-block expansion, each step
 before the block tables are committed. So a kernel that reads the block table can never
 reach a freed (possibly reused) block, the block table never shifts (logical block ``i``
@@ -24,7 +25,6 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 
 from attnplug.cache_groups.ragged import cumsum_and_arange
-from attnplug.cache_groups.sliding_window import num_skipped_blocks
 from attnplug.core.constants import NULL_BLOCK_ID
 
 if TYPE_CHECKING:
@@ -56,15 +56,25 @@ def null_skipped_blocks(batch: "InputBatch", sliding_windows: Sequence[int | Non
         if window is None:
             continue
         B = bt.block_size
-        hi = np.minimum(num_skipped_blocks(ncc, window, B), bt.num_blocks_per_row[:R])
-        lo = num_skipped_blocks(done, window, B)
-        count = hi - lo
-        if count.max() <= 0:
+        # num_skipped_blocks of ncc and of done, inline with in-place ops (few numpy calls):
+        # max(0, n - W + 1) // B. hi <= num_blocks_per_row: the row's blocks hold seq_len > ncc.
+        hi = ncc - (window - 1)
+        np.maximum(hi, 0, out=hi)
+        hi //= B
+        lo = done - (window - 1)
+        np.maximum(lo, 0, out=lo)
+        lo //= B
+        rows = np.flatnonzero(hi > lo)
+        if rows.shape[0] == 0:
             continue
-        rows = np.flatnonzero(count > 0)
-        counts = count[rows].astype(np.int64)
+        lo_r = lo[rows]
+        counts = hi[rows] - lo_r
+        if counts.max() == 1:  # the usual case: each row crossed one block boundary
+            bt.write_blocks(rows, lo_r, np.full(rows.shape[0], NULL_BLOCK_ID, dtype=np.int32))
+            total += int(rows.shape[0])
+            continue
         _, offsets = cumsum_and_arange(counts)
-        bt.write_blocks(np.repeat(rows, counts), np.repeat(lo[rows].astype(np.int64), counts) + offsets,
+        bt.write_blocks(np.repeat(rows, counts), np.repeat(lo_r, counts) + offsets,
                         np.full(offsets.shape[0], NULL_BLOCK_ID, dtype=np.int32))
         total += int(offsets.shape[0])
     done[:] = ncc

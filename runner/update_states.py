@@ -113,7 +113,9 @@ def _check_not_behind_nulled(sc: "StepCompiler", C: list, rows_c: np.ndarray, nc
                              resumed: set[int]) -> None:
     """A non-resumed cached request must not schedule positions in sliding-window blocks the
     runner already nulled (its ``num_computed_tokens`` went back without a preemption)."""
-    done = sc.input_batch.num_computed_tokens_nulled[np.maximum(rows_c, 0)]
+    done = sc.input_batch.num_computed_tokens_nulled[rows_c]  # rows_c -1 (re-added rows): masked below
+    if not (ncts_c < done).any():  # the common case: nobody went back
+        return
     check = rows_c >= 0
     if resumed:
         check[list(resumed)] = False
