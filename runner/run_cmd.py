@@ -2,11 +2,13 @@
 
 Defaults need no argument: the first requests of the bundled Azure conversation trace
 (CC-BY 4.0, Patel et al., ISCA 2024; see ``runner/data/README.md``), lengths scaled to the
-model, on the bundled small preset model (random weights from a fixed seed, no
+model, on the bundled ``tiny-hybrid`` preset (full-attention, sliding-window and Mamba2
+layers: three kinds of cache group in every step; random weights from a fixed seed, no
 download), with the backend chosen for this machine. Prints a progress bar, then a table
-of counts, per-stage median times, peak KV blocks per cache group and the backend of each
-group, and a batch-invariance check (K requests re-run alone must give identical greedy
-tokens).
+of counts, per-stage median times and metadata builds / reuses per step, a table of the
+cache groups (kind and window, backend, peak KV blocks or Mamba state slots against the
+group's pool), and a batch-invariance check (K requests re-run alone must give identical
+greedy tokens).
 """
 
 from __future__ import annotations
