@@ -294,7 +294,7 @@ class BlockTable:
             block_offset = positions % B
         starts = self._row_starts[:n] if req_indices is None else self._row_starts[req_indices]
         flat_idx = np.add(starts, block_index, out=self._scratch_idx[:n])
-        blocks = np.take(self._flat_np, flat_idx, out=self._scratch_blk[:n])
+        blocks = self._flat_np.take(flat_idx, out=self._scratch_blk[:n])
         out = self.slot_mapping.np
         np.multiply(blocks, B, out=out[:n], dtype=np.int64)
         np.add(out[:n], block_offset, out=out[:n])

@@ -137,7 +137,7 @@ class InputPreparer:
             np.add(ncc[req_indices], offsets, out=pos)
             np.add(self._row_starts[req_indices], pos, out=flat)
         # index-select from the flattened token table into the persistent buffer
-        np.take(batch.token_ids_cpu.reshape(-1), flat, out=self.input_ids.np[:Q])
+        batch.token_ids_cpu.reshape(-1).take(flat, out=self.input_ids.np[:Q])  # method: no wrapper
         if P > Q:
             self.positions.np[Q:P] = 0
             self.input_ids.np[Q:P] = 0

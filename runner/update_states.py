@@ -20,8 +20,10 @@ there is no per-token Python loop.
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass, field
 from itertools import chain, compress, repeat
+from operator import itemgetter
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -78,6 +80,16 @@ class UpdatePlan:
     resumed: list[tuple[int, tuple[np.ndarray, ...]]] = field(default_factory=list)
     appends: BlockAppends | None = None
     """Blocks appended to non-resumed cached requests; ``None`` when there are none."""
+
+
+def _int64s(values, n: int) -> np.ndarray:
+    """``n`` Python ints → ``[n]`` ``int64`` with one ``struct`` call (2-3x faster than
+    ``np.fromiter`` here). Raises ``struct.error`` / ``TypeError`` for a value that is not
+    an int (floats included) or does not fit ``int64``."""
+    out = np.empty(n, dtype=np.int64)
+    if n:
+        struct.pack_into(f"{n}q", out, 0, *values)
+    return out
 
 
 def _int_array(rid, fname: str, g: int, ids) -> np.ndarray:
@@ -169,8 +181,8 @@ def plan_update(sc: "StepCompiler", so: SchedulerOutput) -> UpdatePlan:
         new_ids.add(rid)
 
     # --- cached request rows (one dict lookup each) ------------------------------------------
-    try:
-        rows_c = np.fromiter(map(idx.__getitem__, C), np.int64, nC)
+    try:  # itemgetter looks all ids up in one C call (it returns a bare value for one id)
+        rows_c = _int64s(itemgetter(*C)(idx), nC) if nC > 1 else np.fromiter(map(idx.__getitem__, C), np.int64, nC)
         readd = []
     except KeyError:  # some are resident but not in the batch (or unknown): look them up again
         rows_c = np.fromiter(map(idx.get, C, repeat(-1)), np.int64, nC)
@@ -215,7 +227,7 @@ def plan_update(sc: "StepCompiler", so: SchedulerOutput) -> UpdatePlan:
     else:
         counts_c, new_counts, total = _counts_slow(nst, C, new_reqs, new_ids)
         vals = counts_c
-    if vals.shape[0] and vals.min() < 1:
+    if vals.shape[0] and np.count_nonzero(vals < 1):
         bad = next(r for r in [*C, *(nr.req_id for nr in new_reqs)] if nst[r] < 1)
         err(bad, "num_scheduled_tokens", f"must be >= 1, got {nst[bad]!r}")
     if total > sc.max_num_batched_tokens:
@@ -230,14 +242,15 @@ def plan_update(sc: "StepCompiler", so: SchedulerOutput) -> UpdatePlan:
 
     # --- num_computed_tokens and token deltas --------------------------------------------------
     ncts_list = cached.num_computed_tokens
-    try:
-        ok = type(sum(ncts_list)) is int
-    except TypeError:
-        ok = False
-    if not ok:
-        bad = next(i for i, v in enumerate(ncts_list) if not isinstance(v, (int, np.integer)) or isinstance(v, bool))
-        err(C[bad], "num_computed_tokens", f"must be an int, got {ncts_list[bad]!r}")
-    ncts_c = np.fromiter(ncts_list, np.int64, nC)
+    try:  # converts and type-checks in one pass: struct rejects floats, strings, None
+        ncts_c = _int64s(ncts_list, nC)
+    except (struct.error, TypeError, ValueError, OverflowError):
+        bad = next((i for i, v in enumerate(ncts_list) if not isinstance(v, (int, np.integer))
+                    or isinstance(v, bool)), None)
+        if bad is not None:
+            err(C[bad], "num_computed_tokens", f"must be an int, got {ncts_list[bad]!r}")
+        bad = next(i for i, v in enumerate(ncts_list) if not -2**63 <= v < 2**63)
+        err(C[bad], "num_computed_tokens", f"{ncts_list[bad]} is out of range")
     held_c = batch.num_tokens[rows_c]
     for i in readd:
         held_c[i] = reqs[C[i]].num_tokens
@@ -260,7 +273,7 @@ def plan_update(sc: "StepCompiler", so: SchedulerOutput) -> UpdatePlan:
             err(C[i], "new_token_ids", f"request would hold {int(held_c[i])} tokens but max_model_len is "
                 f"{sc.max_model_len}")
     seq_c = ncts_c + counts_c
-    if nC and (ncts_c.min() < 0 or (seq_c > held_c).any()):
+    if nC and (np.count_nonzero(ncts_c < 0) or np.count_nonzero(seq_c > held_c)):
         i = int(np.argmax((ncts_c < 0) | (seq_c > held_c)))
         if not 0 <= ncts_c[i] <= held_c[i]:
             err(C[i], "num_computed_tokens", f"{int(ncts_c[i])} is not in [0, {int(held_c[i])}] (the "
@@ -281,7 +294,7 @@ def plan_update(sc: "StepCompiler", so: SchedulerOutput) -> UpdatePlan:
                     check_block_list(sc, C[i], "new_block_ids", g, a, int(ncts_c[i]), int(seq_c[i]))
                 resumed.append((i, arrs))
     # np.take along axis 1: 2-D fancy indexing with a leading slice is ~5x slower
-    before = np.take(batch.block_table.num_blocks_per_row, rows_c, axis=1)
+    before = batch.block_table.num_blocks_per_row.take(rows_c, axis=1)
     for i in readd:
         before[:, i] = [a.shape[0] for a in reqs[C[i]].block_ids_np()]
     for i, arrs in resumed:
@@ -305,7 +318,7 @@ def plan_update(sc: "StepCompiler", so: SchedulerOutput) -> UpdatePlan:
         except (TypeError, ValueError, OverflowError):
             j = next(j for j, p in enumerate(per) if not all(isinstance(b, (int, np.integer)) for b in p))
             err(C[sel[j % m]], "new_block_ids", f"group {j // m}: block ids must be ints")
-        if flat.shape[0] and (flat.min() <= NULL_BLOCK_ID or flat.max() >= sc.num_blocks):
+        if np.count_nonzero(flat <= NULL_BLOCK_ID) or np.count_nonzero(flat >= sc.num_blocks):
             per_group_len = np.add.reduceat(np.asarray(lens_list, dtype=np.int64), np.arange(0, G * m, m)) \
                 if m else np.zeros(G, dtype=np.int64)
             bound = np.repeat(np.asarray(sc.num_blocks_per_group, dtype=np.int64), per_group_len)
@@ -317,19 +330,18 @@ def plan_update(sc: "StepCompiler", so: SchedulerOutput) -> UpdatePlan:
                     f"[{NULL_BLOCK_ID + 1}, {sc.num_blocks_per_group[j // m]}): a newly appended block is never "
                     "the null block and must lie in the pool")
         sel_arr = np.asarray(sel, dtype=np.int64)
-        starts = np.take(before, sel_arr, axis=1)
+        starts = before.take(sel_arr, axis=1)
         lens = 1 if one_each else np.asarray(lens_list, dtype=np.int64).reshape(G, m)
         after = starts + lens
-        if (after > sc._max_blocks_col).any():
+        if np.count_nonzero(after > sc._max_blocks_col):
             g, j = np.argwhere(after > sc._max_blocks_col)[0]
             err(C[sel[j]], "new_block_ids", f"group {g}: request would hold {int(after[g, j])} blocks but at "
                 f"most {sc.max_num_blocks_per_req[g]} fit (cdiv(max_model_len, block_size))")
-        for g in range(G):
-            before[g][sel_arr] = after[g]
+        before[:, sel_arr] = after
         appends = BlockAppends(sel_arr, starts, lens, after, flat, one_each)
     if nC and sc.has_sliding_windows:
         _check_not_behind_nulled(sc, C, rows_c, ncts_c, {i for i, _ in resumed})
-    if nC and (before * sc._capacity_col < seq_c).any():
+    if nC and np.count_nonzero(before * sc._capacity_col < seq_c):
         g, i = np.argwhere(before * sc._capacity_col < seq_c)[0]
         err(C[i], "new_block_ids", f"group {g}: {int(before[g, i])} blocks of {sc.block_sizes[g]} tokens "
             f"cannot hold seq_len {int(seq_c[i])}; the block table is too short")
