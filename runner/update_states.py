@@ -221,7 +221,10 @@ def plan_update(sc: "StepCompiler", so: SchedulerOutput) -> UpdatePlan:
     if type(total) is int and len(keys) == nC + nN and keys[:nC] == C and (
             not nN or keys[nC:] == [nr.req_id for nr in new_reqs]):
         # fast path: the dict lists cached then new requests in delta order (as schedulers do)
-        vals = np.fromiter(nst.values(), np.int64, nC + nN)
+        try:
+            vals = _int64s(nst.values(), nC + nN)
+        except struct.error:  # an int beyond int64: let numpy raise as it always did
+            vals = np.fromiter(nst.values(), np.int64, nC + nN)
         counts_c = vals[:nC]
         new_counts = vals[nC:].tolist()
     else:
