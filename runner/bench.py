@@ -145,8 +145,12 @@ def render(rows: list[tuple[str, dict, dict | None, float | None]], markdown: bo
 
 def main(argv: list[str] | None = None) -> int:
     """``attnplug bench step [--steps N] [--sizes 16,64,...] [--trace-steps N] ...``"""
+    if argv and argv[0] == "attention":  # `attnplug bench attention ...`: runner/bench_attention.py
+        from attnplug.runner.bench_attention import main as attention_main
+        return attention_main(list(argv[1:]))
     parser = argparse.ArgumentParser(prog="attnplug bench", description=__doc__.split("\n\n")[0])
-    parser.add_argument("which", nargs="?", default="step", choices=["step"], help="the benchmark to run (default: step)")
+    parser.add_argument("which", nargs="?", default="step", choices=["step", "attention"],
+                        help="the benchmark to run (default: step; `attention --help` for its options)")
     parser.add_argument("--steps", type=int, default=300, help="timed steady-decode steps per size (default 300)")
     parser.add_argument("--sizes", default="16,64,256,1024", help="steady-decode batch sizes N")
     parser.add_argument("--trace-steps", type=int, default=300, help="trace-replay steps (0 skips it)")

@@ -60,9 +60,11 @@ def choose_tiles(max_query_len: int, num_queries_per_kv: int, head_size: int,
     tokens a 16-row tile holds) use the smallest tile that holds every query head of a KV
     head, so no rows are wasted on absent query tokens; longer queries use 64-row tiles
     (32 for heads over 128 and for float32). Keys per iteration: 64 for 16-bit heads up
-    to 128, else 32; float32 (an exact, non-tensor-core ``tl.dot``) uses 32 keys up to 64
-    dims and 16 beyond. These sizes compile without register spills for sm_80/sm_90
-    (checked ahead of time by ``tests/backends/triton/test_gpu_compile.py``).
+    to 128; 32 (16 in decode tiles) beyond; 16 for float32 (an exact, non-tensor-core
+    ``tl.dot``). Warps: 8 for float32 heads from 128, 16-bit heads of 256 and tiles of
+    ``block_m * head_size >= 8192``, else 4. These sizes compile without register spills
+    for sm_80 and sm_90 (``python -m attnplug.backends.triton.aot_check --full``; a quick
+    subset runs in ``tests/backends/triton/test_gpu_compile.py``).
 
     Interpreter (``interpreter=True``; default: whatever mode the process runs in): the
     cost is per operation, not per element, so queries longer than a decode tile use
@@ -83,10 +85,12 @@ def choose_tiles(max_query_len: int, num_queries_per_kv: int, head_size: int,
     if interpreter:
         tile_n = 128
     elif fp32:
-        tile_n = 32 if head_size <= 64 else 16
+        tile_n = 16
+    elif head_size <= 128:
+        tile_n = 64
     else:
-        tile_n = 64 if head_size <= 128 else 32
-    num_warps = 8 if block_m * max(head_size, 16) >= (2048 if fp32 else 16384) else 4
+        tile_n = 32 if block_m >= 32 else 16
+    num_warps = 8 if head_size >= (128 if fp32 else 256) or block_m * head_size >= 8192 else 4
     return TileConfig(block_m, block_m // num_queries_per_kv, tile_n, num_warps, num_stages=2)
 
 

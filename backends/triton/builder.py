@@ -88,11 +88,28 @@ class TritonMetadataBuilder(AttentionMetadataBuilder):
                 is copied then.
 
         Does not synchronise with the host (reads host ints and ``_cpu`` tensors only);
-        graph-safe: the returned tensors are views of persistent buffers.
+        the returned tensors are views of persistent buffers.
         """
         cm = common_attn_metadata
-        self._check(cm)
-        n = cm.num_reqs
+        return self._build(cm, cm.num_reqs, cm.max_seq_len)
+
+    def build_for_cudagraph_capture(self, common_attn_metadata: CommonAttentionMetadata) -> TritonAttentionMetadata:
+        """Build for a step that captures or replays a CUDA graph (the runner's padded metadata).
+
+        A graph bakes in the host ints of the capture, so they are bounds that hold for every
+        replay of the same padded shape: ``num_reqs`` is the padded request count (rows of
+        ``query_start_loc`` - 1; padded requests have empty queries and are skipped by the
+        kernel), and the split-KV decision assumes contexts up to ``max_model_len``. Any
+        tile size or split count gives the same result; only speed depends on them.
+
+        Raises:
+            MetadataError: as :meth:`build`.
+        """
+        cm = common_attn_metadata
+        return self._build(cm, cm.query_start_loc.shape[0] - 1, self.config.max_model_len)
+
+    def _build(self, cm: CommonAttentionMetadata, n: int, split_seq_len: int) -> TritonAttentionMetadata:
+        self._check(cm, n)
         qsl = self._query_start_loc[: n + 1]
         qsl.copy_(cm.query_start_loc[: n + 1], non_blocking=True)
         seq_lens = self._seq_lens[:n]
@@ -101,7 +118,7 @@ class TritonMetadataBuilder(AttentionMetadataBuilder):
         slot_mapping = self._copy_slot_mapping(cm.slot_mapping)
         splits = self.split_kv_policy.num_kv_splits(
             num_reqs=n, num_kv_heads=self.num_kv_heads, max_query_len=cm.max_query_len,
-            max_seq_len=cm.max_seq_len, num_sms=self.num_sms)
+            max_seq_len=split_seq_len, num_sms=self.num_sms)
         return TritonAttentionMetadata(
             num_reqs=n, num_actual_tokens=cm.num_actual_tokens, max_query_len=cm.max_query_len,
             max_seq_len=cm.max_seq_len, block_size=self.block_size, causal=cm.causal,
@@ -154,11 +171,11 @@ class TritonMetadataBuilder(AttentionMetadataBuilder):
         return view
 
     # --- validation (raises before anything is copied) ---------------------------------
-    def _check(self, cm: CommonAttentionMetadata) -> None:
-        n, cfg = cm.num_reqs, self.config
+    def _check(self, cm: CommonAttentionMetadata, n: int) -> None:
+        cfg = self.config
         if n > cfg.max_num_reqs:
             raise MetadataError(
-                f"num_reqs={n} exceeds BuilderConfig.max_num_reqs={cfg.max_num_reqs}: the persistent buffers "
+                f"{n} request rows exceed BuilderConfig.max_num_reqs={cfg.max_num_reqs}: the persistent buffers "
                 "hold that many requests; raise max_num_reqs (max_num_seqs) when creating the runner.")
         if cm.query_start_loc.shape[0] < n + 1 or cm.seq_lens.shape[0] < n or cm.query_start_loc_cpu.shape[0] < n + 1:
             raise MetadataError(

@@ -1,38 +1,74 @@
 #!/usr/bin/env bash
 # GPU checks, on a CUDA machine, from the repository root:  bash tests/gpu/run_all.sh
-# Each section appends its results; the script exits non-zero if any command failed.
-# Environment: PY (default .venv/bin/python), WHEELS (directory of prebuilt wheels, default ./wheels).
+# Runs every GPU test (marker gpu), the conformance suite of each available GPU backend, and
+# `attnplug bench attention` over all available backends; writes $RESULTS/summary.md (one row
+# per section: status and seconds) and $RESULTS/bench_attention.{md,json}. Budget: under 8
+# minutes on one H100/H200 with a cold Triton cache (each section has its own timeout).
+# Exits non-zero if any section failed.
+# Environment: PY (default .venv/bin/python), WHEELS (prebuilt wheels, default ./wheels),
+#              RESULTS (default gpu_results; "$OUT" on the project's device machine).
 set -uo pipefail
 PY=${PY:-.venv/bin/python}
 ATTNPLUG=${ATTNPLUG:-$(dirname "$PY")/attnplug}
 WHEELS=${WHEELS:-wheels}
+RESULTS=${RESULTS:-${OUT:-gpu_results}}
+mkdir -p "$RESULTS"
+SUMMARY="$RESULTS/summary.md"
 status=0
-run() { echo "== $*"; "$@" || { echo "!! FAILED: $*"; status=1; }; }
+unset TRITON_INTERPRET  # compiled kernels only (the interpreter is for the CPU tests)
+export TRITON_DEFAULT_FP_FUSION=${TRITON_DEFAULT_FP_FUSION:-1}
+
+# section NAME TIMEOUT_S CMD...: run, log to $RESULTS/NAME.log, record status and seconds.
+section() {
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS rc
+  echo "== $name: $*"
+  timeout "$limit" "$@" > "$RESULTS/$name.log" 2>&1
+  rc=$?
+  tail -n 25 "$RESULTS/$name.log"
+  local verdict=passed
+  if [ $rc -eq 124 ]; then verdict="TIMED OUT after ${limit}s"; status=1
+  elif [ $rc -ne 0 ]; then verdict="FAILED (exit $rc)"; status=1; fi
+  echo "| $name | $verdict | $((SECONDS - t0)) |" >> "$SUMMARY"
+  echo "-- $name: $verdict in $((SECONDS - t0)) s"
+}
 
 "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" \
   || { echo "no CUDA device: nothing to run"; exit 0; }
 
-# --- flash_attn / flashinfer backends, CUDA-graph padding ---------------------------------------
+{
+  echo "# GPU results ($(date -u +%Y-%m-%dT%H:%MZ), $("$PY" -c 'import torch; print(torch.cuda.get_device_name())'))"
+  echo
+  echo "| section | result | seconds |"
+  echo "|---|---|---|"
+} > "$SUMMARY"
+
 # The extras are installed from local wheels when present (the machine may be offline).
 for pattern in "flash_attn-*.whl" "flash_attn_3-*.whl" "flashinfer_python-*.whl"; do
   for whl in "$WHEELS"/$pattern; do
-    [ -e "$whl" ] && run "$PY" -m pip install -q --no-deps "$whl"
+    [ -e "$whl" ] && "$PY" -m pip install -q --no-deps "$whl"
   done
 done
-run "$ATTNPLUG" backends
-run "$PY" -m pytest -q -m gpu tests/gpu/test_flash_cudagraph.py tests/gpu/test_flash_runner_cudagraph.py
+"$ATTNPLUG" backends | tee "$RESULTS/backends.txt"
+
+# Every GPU test: triton (conformance at realistic sizes in fp16/bf16, CUDA graphs, long
+# contexts, slot mapping) and flash_attn/flashinfer (CUDA-graph padding, runner graphs).
+section gpu_tests 330 "$PY" -m pytest -q -m gpu -rs tests/gpu
+
+# The conformance suite of the vendor backends that are installed (triton's runs above).
 for backend in flash_attn flashinfer; do
   if "$PY" -c "from attnplug.backends import get_backend as g; import sys; sys.exit(0 if g('$backend').is_available()[0] else 1)"; then
-    run "$ATTNPLUG" check "$backend" --device cuda --cases tests/gpu/cases_flash.json
-    if "$ATTNPLUG" bench --help 2>/dev/null | grep -q attention; then
-      run "$ATTNPLUG" bench attention --backend "$backend"
-    else
-      echo "-- attnplug bench attention is not available in this checkout: skipped for $backend"
-    fi
+    section "check_$backend" 120 "$ATTNPLUG" check "$backend" --device cuda --cases tests/gpu/cases_flash.json
   else
     echo "-- $backend unavailable: $("$PY" -c "from attnplug.backends import get_backend as g; print(g('$backend').is_available()[1])")"
+    echo "| check_$backend | skipped: not installed | 0 |" >> "$SUMMARY"
   fi
 done
-# (The emulated backends are CPU tools: they synchronise with the host, which the suite forbids on CUDA.)
 
+# One table for every available backend (so each row can be compared with flash_attn).
+section bench_attention 150 "$ATTNPLUG" bench attention --markdown --json "$RESULTS/bench_attention.json"
+sed -n '/^Device:/,$p' "$RESULTS/bench_attention.log" > "$RESULTS/bench_attention.md"
+{ echo; echo "## attnplug bench attention"; echo; cat "$RESULTS/bench_attention.md"; } >> "$SUMMARY"
+
+echo; cat "$SUMMARY"
 exit $status

@@ -126,7 +126,7 @@ def test_padding_rows_and_empty_requests_are_left_untouched(paged_batch):
     seq_lens = torch.cat([b.seq_lens, torch.ones(1, dtype=torch.int32)])
     bt = torch.cat([b.block_table, torch.zeros(1, b.block_table.shape[1], dtype=torch.int32)])
     out2 = paged_attention(b.query, b.kv_cache[:, 0], b.kv_cache[:, 1], sentinel.clone(), qsl, seq_lens, bt,
-                           num_reqs=3, max_query_len=3, scale=b.scale)
+                           num_reqs=3, max_query_len=3, scale=b.scale, tiles=b.tiles())
     assert torch.equal(out2, out)
 
 
@@ -152,5 +152,6 @@ def test_tile_choice():
     assert (mqa.block_m, mqa.block_q) == (64, 1)
     assert choose_tiles(500, 1, 256, torch.float16, **gpu).block_m == 32
     assert choose_tiles(500, 2, 128, torch.float32, **gpu).tile_n == 16
+    assert choose_tiles(1, 8, 256, torch.bfloat16, **gpu).tile_n == 16
     interp = choose_tiles(500, 4, 64, torch.float32)  # this process runs the interpreter
     assert (interp.block_m, interp.tile_n) == (128, 128)

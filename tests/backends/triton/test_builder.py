@@ -63,7 +63,7 @@ def test_update_block_table_copies_into_its_own_buffers_and_leaves_the_source_al
 
 
 @pytest.mark.parametrize("change, needle", [
-    (dict(num_reqs=5), "exceeds BuilderConfig.max_num_reqs"),
+    (dict(num_reqs=5), "exceed BuilderConfig.max_num_reqs"),
     (dict(slot_mapping=torch.zeros(65, dtype=torch.int64)), "max_num_batched_tokens=64"),
     (dict(slot_mapping=torch.zeros(3, dtype=torch.int64)), "need >= num_actual_tokens=8"),
     (dict(block_table_tensor=torch.ones(2, 2, dtype=torch.int64)), "needs int32"),
@@ -156,3 +156,24 @@ def test_impl_doctest():
 
 def test_metadata_type_is_exported():
     assert TritonAttentionMetadata.__module__ == "attnplug.backends.triton.metadata"
+
+
+def test_cuda_graph_builds_use_the_padded_request_count_and_match_eager():
+    """The runner pads a graph step (empty-query requests, seq_len 0, null rows, PAD slots);
+    ``build_for_cudagraph_capture`` bakes the padded count, and the real tokens' output and
+    cache writes equal an eager build's."""
+    from attnplug.runner.cudagraph import PaddedMetadata
+
+    cm = _cm([5, 0, 20], [1, 7, 2], [[1, 0], [2, 3], [4, 5]], pad=6)  # 10 real tokens padded to 16
+    (padded,) = PaddedMetadata(4, "cpu").pad([cm], 4)
+    b = TritonMetadataBuilder(SPEC, ["l0"], CFG, "cpu")
+    g = b.build_for_cudagraph_capture(padded)
+    assert (g.num_reqs, g.num_actual_tokens) == (4, 10) and g.query_start_loc.tolist() == [0, 1, 8, 10, 10]
+    impl = TritonBackend.get_impl_cls()(4, 32, 32 ** -0.5, 2)
+    q, k, v = torch.randn(16, 4, 32), torch.randn(16, 2, 32), torch.randn(16, 2, 32)
+    kv_graph, kv_eager = (torch.zeros(TritonBackend.get_kv_cache_shape(6, 16, 2, 32)) for _ in range(2))
+    out_graph = impl.forward(None, q, k, v, kv_graph, g, torch.zeros_like(q))
+    eager = TritonMetadataBuilder(SPEC, ["l0"], CFG, "cpu").build(0, cm)
+    out_eager = impl.forward(None, q, k, v, kv_eager, eager, torch.zeros_like(q))
+    assert torch.equal(out_graph, out_eager) and torch.equal(kv_graph, kv_eager)
+    assert not out_graph[10:].any(), "padded tokens are not written"

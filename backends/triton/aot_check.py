@@ -1,0 +1,188 @@
+"""Compile the Triton kernels for NVIDIA GPU targets ahead of time, without a GPU.
+
+``python -m attnplug.backends.triton.aot_check [--arch 80,90] [--full] [--json]``
+
+Triton's compiler runs on the CPU down to a cubin (``ptxas`` ships with the triton
+wheel), so a machine without a GPU can still check that every kernel variant the
+launchers pick is valid compiled Triton (the interpreter is more permissive: it does not
+type-check loop-carried values, dot shapes or layouts) and see its resource use. Each
+variant is compiled with the specialisation a launch would get (16-byte aligned pointers,
+strides divisible by 16) and its registers, stack (spill) bytes and shared memory are
+read back with ``cuobjdump -res-usage``.
+
+Needs a process in compiled mode: run it without ``TRITON_INTERPRET=1``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict, dataclass
+
+import torch
+
+from attnplug.backends.triton.attention import REDUCE_ELEMENTS_PER_PROGRAM, choose_tiles
+from attnplug.backends.triton.runtime import interpreting, kernel_module
+
+_TL_TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One kernel specialisation: the kernel, its pointer element types and constexprs."""
+
+    name: str
+    kernel: str
+    pointer_types: dict
+    constexprs: dict
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+@dataclass
+class CompileReport:
+    """What compiling one variant for one architecture gave."""
+
+    variant: str
+    arch: int
+    ok: bool
+    registers: int = 0
+    stack_bytes: int = 0
+    shared_bytes: int = 0
+    error: str = ""
+
+
+def attention_variant(dtype: torch.dtype, head_size: int, group: int, max_query_len: int, *,
+                      window: int = 0, soft_cap: bool = False, segments: int = 1) -> Variant:
+    """The ``paged_attention_kernel`` variant ``paged_attention`` launches for these inputs on a GPU."""
+    cfg = choose_tiles(max_query_len, group, head_size, dtype, interpreter=False)
+    t = _TL_TYPES[dtype]
+    padded = max(16, 1 << (head_size - 1).bit_length())
+    ptrs = dict(query_ptr=t, key_cache_ptr=t, value_cache_ptr=t, output_ptr=t, part_acc_ptr="fp32",
+                part_max_ptr="fp32", part_sum_ptr="fp32", query_start_loc_ptr="i32", seq_lens_ptr="i32",
+                block_table_ptr="i32", visited_tiles_ptr="i32")
+    ce = dict(NUM_QUERIES_PER_KV=group, HEAD_SIZE=head_size, HEAD_SIZE_PADDED=padded, BLOCK_SIZE=16,
+              BLOCK_M=cfg.block_m, BLOCK_Q=cfg.block_q, TILE_N=cfg.tile_n, CAUSAL=True, SLIDING_WINDOW=window,
+              USE_SOFT_CAP=soft_cap, NUM_SEGMENTS=segments, DOT_PRECISION="ieee" if t == "fp32" else "tf32",
+              RECORD_VISITED=False, KV_SAME_STRIDES=True)
+    kind = "decode" if max_query_len == 1 else "prefill"
+    extra = (f" window={window}" if window else "") + (" softcap" if soft_cap else "") + \
+        (f" splits={segments}" if segments > 1 else "")
+    return Variant(f"attention {t} d={head_size} group={group} {kind}{extra} (m={cfg.block_m} n={cfg.tile_n})",
+                   "paged_attention_kernel", ptrs, ce, cfg.num_warps, cfg.num_stages)
+
+
+def support_variants(dtype: torch.dtype = torch.float16, head_size: int = 128, num_heads: int = 32,
+                     segments: int = 16) -> list[Variant]:
+    """The reduce, KV-write and slot-mapping kernels as their launchers specialise them."""
+    t = _TL_TYPES[dtype]
+    padded = 1 << (head_size - 1).bit_length()
+    heads_per_program = max(1, min(num_heads, REDUCE_ELEMENTS_PER_PROGRAM // (padded * segments)))
+    return [
+        Variant(f"reduce {t} d={head_size} splits={segments}", "reduce_segments_kernel",
+                dict(output_ptr=t, part_acc_ptr="fp32", part_max_ptr="fp32", part_sum_ptr="fp32",
+                     query_start_loc_ptr="i32"),
+                dict(HEAD_SIZE=head_size, HEAD_SIZE_PADDED=padded, NUM_SEGMENTS=segments,
+                     HEADS_PER_PROGRAM=heads_per_program)),
+        Variant(f"write_kv_cache {t} d={head_size}", "write_kv_cache_kernel",
+                dict(key_ptr=t, value_ptr=t, key_cache_ptr=t, value_cache_ptr=t, slot_mapping_ptr="i64"),
+                dict(NUM_KV_HEADS=8, HEAD_SIZE=head_size, HEAD_SIZE_PADDED=padded,
+                     ROWS_PER_PROGRAM=max(1, 2048 // padded), BLOCK_SIZE=16)),
+        Variant("slot_mapping", "slot_mapping_kernel",
+                dict(query_start_loc_ptr="i32", positions_ptr="i64", block_table_ptr="i32", slot_mapping_ptr="i64"),
+                dict(BLOCK_SIZE=16, PAD_SLOT=-1, TOKENS_PER_ITER=256)),
+    ]
+
+
+def variants(full: bool = False) -> list[Variant]:
+    """The quick set (one of each path), or every combination of dtype, head size and path."""
+    if not full:
+        return [attention_variant(torch.float16, 128, 4, 1), attention_variant(torch.bfloat16, 128, 4, 512),
+                attention_variant(torch.float32, 64, 4, 512), attention_variant(torch.float16, 128, 4, 1, segments=16),
+                *support_variants()]
+    out = []
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        for head_size in (64, 128, 256):
+            for group in (1, 4, 8):
+                for q in (1, 512):
+                    out.append(attention_variant(dtype, head_size, group, q))
+            out.append(attention_variant(dtype, head_size, 4, 512, window=1024, soft_cap=True))
+            out.append(attention_variant(dtype, head_size, 8, 1, segments=16))
+            out += support_variants(dtype, head_size)[:2]
+    return out + support_variants()[2:]
+
+
+def _resource_usage(cubin: bytes) -> tuple[int, int, int]:
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(cubin)
+    try:
+        text = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, timeout=60).stdout
+    finally:
+        os.unlink(f.name)
+    m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+)", text)
+    if not m:
+        raise RuntimeError(f"cuobjdump -res-usage gave no resource line: {text[:200]!r}")
+    return int(m.group(1)), int(m.group(2)), int(m.group(3))
+
+
+def compile_variant(v: Variant, arch: int) -> CompileReport:
+    """Compile ``v`` for ``sm_<arch>``; never raises (the error goes to the report)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    module = "attention_kernels" if v.kernel in ("paged_attention_kernel", "reduce_segments_kernel") else "cache_kernels"
+    fn = getattr(kernel_module(module), v.kernel)
+    signature, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in v.constexprs:
+            signature[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            signature[name] = "*" + v.pointer_types[name]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif name in ("scale", "soft_cap"):
+            signature[name] = "fp32"
+        else:
+            signature[name] = "i32"
+            if name.startswith("stride"):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    try:
+        src = ASTSource(fn, signature=signature, constexprs=dict(v.constexprs), attrs=attrs)
+        k = triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                           options=dict(num_warps=v.num_warps, num_stages=v.num_stages))
+        regs, stack, _ = _resource_usage(k.asm["cubin"])
+        return CompileReport(v.name, arch, True, regs, stack, int(k.metadata.shared))
+    except Exception as exc:  # report, keep going
+        return CompileReport(v.name, arch, False, error=f"{type(exc).__name__}: {str(exc)[:500]}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m attnplug.backends.triton.aot_check", description=__doc__.split("\n")[0])
+    p.add_argument("--arch", default="80,90", help="comma-separated SM versions (default 80,90)")
+    p.add_argument("--full", action="store_true", help="every dtype x head size x path (slow)")
+    p.add_argument("--json", action="store_true", help="print the reports as JSON")
+    args = p.parse_args(argv)
+    if interpreting():
+        print("aot_check compiles for GPUs: run it without TRITON_INTERPRET=1", file=sys.stderr)
+        return 2
+    reports = [compile_variant(v, int(a)) for a in args.arch.split(",") for v in variants(args.full)]
+    if args.json:
+        print(json.dumps([asdict(r) for r in reports], indent=1))
+    else:
+        for r in reports:
+            state = (f"regs {r.registers:3d}  stack {r.stack_bytes:5d} B  shared {r.shared_bytes:6d} B" if r.ok
+                     else f"FAILED {r.error}")
+            print(f"sm_{r.arch}  {r.variant:60s} {state}")
+    return 0 if all(r.ok and r.stack_bytes == 0 for r in reports) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
