@@ -36,6 +36,7 @@ from attnplug.backends.triton.runtime import interpreting
 INTERPRETED: bool = interpreting()
 """Whether the kernels below were decorated for the Triton interpreter."""
 
+
 @triton.jit
 def paged_attention_kernel(
     query_ptr,            # [num_tokens, num_heads, HEAD_SIZE], fp32/fp16/bf16, last dim contiguous

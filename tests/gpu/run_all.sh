@@ -51,9 +51,10 @@ for pattern in "flash_attn-*.whl" "flash_attn_3-*.whl" "flashinfer_python-*.whl"
 done
 "$ATTNPLUG" backends | tee "$RESULTS/backends.txt"
 
-# Every GPU test: triton (conformance at realistic sizes in fp16/bf16, CUDA graphs, long
-# contexts, slot mapping) and flash_attn/flashinfer (CUDA-graph padding, runner graphs).
-section gpu_tests 330 "$PY" -m pytest -q -m gpu -rs tests/gpu
+# Every GPU test of the repository (marker gpu): tests/gpu/ — triton (conformance at realistic
+# sizes in fp16/bf16, CUDA graphs, long contexts, slot mapping), flash_attn/flashinfer
+# (CUDA-graph padding, runner graphs) — and the CUDA checks of the other test directories.
+section gpu_tests 330 "$PY" -m pytest -q -m gpu -rs tests
 
 # The conformance suite of the vendor backends that are installed (triton's runs above).
 for backend in flash_attn flashinfer; do

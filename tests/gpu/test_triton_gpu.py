@@ -124,7 +124,7 @@ def test_cuda_graph_replays_new_batches_from_persistent_buffers(requests):
         at, table = 0, []
         for c, s in requests:
             n = -(-(c + s) // bs)
-            table.append(list(ids[at:at + n]) + [0] * (8192 // bs - n))
+            table.append([int(x) for x in ids[at:at + n]] + [0] * (8192 // bs - n))
             at += n
         cm = CommonAttentionMetadata.from_lengths([c for c, _ in requests], [s for _, s in requests], table, bs,
                                                   device=DEV)
