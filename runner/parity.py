@@ -63,7 +63,10 @@ def _hf_model(cfg_dict: dict, seed: int, dtype: torch.dtype):
     resolve_model_config(cfg_dict)  # unsupported architecture -> error listing the supported ones
     cfg = transformers.AutoConfig.for_model(**cfg_dict)
     torch.manual_seed(seed)
-    hf = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", torch_dtype=dtype)
+    # transformers >= 4.56 names the argument ``dtype`` (``torch_dtype`` is deprecated there).
+    major_minor = tuple(int(x) for x in transformers.__version__.split(".")[:2])
+    kw = {"dtype": dtype} if major_minor >= (4, 56) else {"torch_dtype": dtype}
+    hf = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", **kw)
     return cfg, hf.eval()
 
 
