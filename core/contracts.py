@@ -169,6 +169,26 @@ class AttentionImpl(ABC):
         self.attn_type = attn_type
         self.kv_cache_dtype = kv_cache_dtype
 
+    @staticmethod
+    def decoder_argument_problems(num_heads: int, num_kv_heads: int, sliding_window: int | None,
+                                  logits_soft_cap: float | None, attn_type: AttentionType) -> list[str]:
+        """Reasons a decoder-only impl rejects its constructor arguments (empty: fine).
+
+        Checks the GQA ratio (``num_heads`` a positive multiple of ``num_kv_heads``), a
+        positive window (tokens) and soft-cap, and ``AttentionType.DECODER``. Impls extend the
+        list with their own limits and raise ``BackendUnsupportedError`` if it is non-empty.
+        """
+        reasons = []
+        if num_kv_heads <= 0 or num_heads % num_kv_heads != 0:
+            reasons.append(f"num_heads {num_heads} is not a positive multiple of num_kv_heads {num_kv_heads}")
+        if sliding_window is not None and sliding_window <= 0:
+            reasons.append(f"sliding_window must be a positive number of tokens, got {sliding_window!r}")
+        if logits_soft_cap is not None and logits_soft_cap <= 0:
+            reasons.append(f"logits_soft_cap must be > 0, got {logits_soft_cap!r}")
+        if attn_type != AttentionType.DECODER:
+            reasons.append(f"attention type {AttentionType(attn_type).value!r} not supported (decoder only)")
+        return reasons
+
     @abstractmethod
     def forward(self, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: Any, output: torch.Tensor) -> torch.Tensor:

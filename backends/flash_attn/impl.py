@@ -55,15 +55,8 @@ class FlashAttnImpl(AttentionImpl):
                  sliding_window: int | None = None, logits_soft_cap: float | None = None,
                  attn_type: AttentionType = AttentionType.DECODER,
                  kv_cache_dtype: torch.dtype | None = None):
-        reasons = []
-        if num_kv_heads <= 0 or num_heads % num_kv_heads != 0:
-            reasons.append(f"num_heads {num_heads} is not a positive multiple of num_kv_heads {num_kv_heads}")
-        if sliding_window is not None and sliding_window <= 0:
-            reasons.append(f"sliding_window must be a positive number of tokens, got {sliding_window!r}")
-        if logits_soft_cap is not None and logits_soft_cap <= 0:
-            reasons.append(f"logits_soft_cap must be > 0, got {logits_soft_cap!r}")
-        if attn_type != AttentionType.DECODER:
-            reasons.append(f"attention type {AttentionType(attn_type).value!r} not supported (decoder only)")
+        reasons = self.decoder_argument_problems(num_heads, num_kv_heads, sliding_window, logits_soft_cap,
+                                                 attn_type)
         if reasons:
             raise BackendUnsupportedError(self.backend_name, reasons, context=type(self).__name__)
         super().__init__(num_heads, head_size, scale, num_kv_heads, sliding_window, logits_soft_cap,
