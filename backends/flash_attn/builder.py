@@ -15,6 +15,7 @@ import dataclasses
 
 import torch
 
+from attnplug.backends.common.buffer_checks import check_block_table, check_slot_mapping
 from attnplug.backends.common.window import fa_window_size
 from attnplug.backends.flash_attn.kernels import (
     FA2_PAGE_SIZE_MULTIPLE,
@@ -303,24 +304,9 @@ class FlashAttnMetadataBuilder(AttentionMetadataBuilder):
         self._check_block_table(cm.block_table_tensor, B, cm.max_seq_len)
 
     def _check_slot_mapping(self, slot_mapping: torch.Tensor, num_actual_tokens: int) -> None:
-        cap = self._slot_mapping.shape[0]
-        if slot_mapping.dim() != 1 or slot_mapping.dtype != torch.int64 or slot_mapping.device != self.device:
-            raise MetadataError(f"slot_mapping is {slot_mapping.dtype} {tuple(slot_mapping.shape)} on "
-                                f"{slot_mapping.device}; need int64 [num_tokens] on {self.device}.")
-        if not num_actual_tokens <= slot_mapping.shape[0] <= cap:
-            raise MetadataError(
-                f"slot_mapping has {slot_mapping.shape[0]} entries; need >= num_actual_tokens={num_actual_tokens} "
-                f"and <= BuilderConfig.max_num_batched_tokens={cap} (the persistent buffer's size).")
+        check_slot_mapping(slot_mapping, num_actual_tokens, self._slot_mapping.shape[0], self.device)
 
-    def _check_block_table(self, block_table: torch.Tensor, B: int, max_seq_len: int) -> None:
-        if (block_table.dim() != 2 or block_table.shape[0] < B or block_table.dtype != torch.int32
-                or block_table.device != self.device):
-            raise MetadataError(
-                f"block_table_tensor is {block_table.dtype} {tuple(block_table.shape)} on {block_table.device} for "
-                f"a batch of {B}: flash_attn needs int32 [batch, max_num_blocks_per_req] on {self.device}.")
-        need = cdiv(max_seq_len, self.block_size)
-        if need > min(block_table.shape[1], self.max_num_blocks_per_req):
-            raise MetadataError(
-                f"max_seq_len={max_seq_len} needs {need} blocks of {self.block_size} tokens per request but the "
-                f"block table has {block_table.shape[1]} columns (BuilderConfig.max_model_len allows "
-                f"{self.max_num_blocks_per_req}): the keys would be unaddressable.")
+    def _check_block_table(self, block_table: torch.Tensor, num_reqs: int, max_seq_len: int) -> None:
+        check_block_table(block_table, num_reqs, max_seq_len, block_size=self.block_size,
+                          max_num_blocks_per_req=self.max_num_blocks_per_req,
+                          max_model_len=self.config.max_model_len, device=self.device, backend="flash_attn")

@@ -14,6 +14,7 @@ from typing import ClassVar
 
 import torch
 
+from attnplug.backends.common.buffer_checks import check_block_table, check_slot_mapping
 from attnplug.backends.triton.metadata import SplitKVPolicy, TritonAttentionMetadata
 from attnplug.cache_groups.specs import cdiv
 from attnplug.core.constants import NULL_BLOCK_ID, PAD_SLOT_ID
@@ -209,27 +210,9 @@ class TritonMetadataBuilder(AttentionMetadataBuilder):
         self._check_block_table(cm.block_table_tensor, n, cm.max_seq_len)
 
     def _check_slot_mapping(self, slot_mapping: torch.Tensor, num_actual_tokens: int) -> None:
-        cap = self._slot_mapping.shape[0]
-        if slot_mapping.dim() != 1 or slot_mapping.dtype != torch.int64 or slot_mapping.device != self.device:
-            raise MetadataError(f"slot_mapping is {slot_mapping.dtype} {tuple(slot_mapping.shape)} on "
-                                f"{slot_mapping.device}; need int64 [num_tokens] on {self.device}.")
-        if not num_actual_tokens <= slot_mapping.shape[0] <= cap:
-            raise MetadataError(
-                f"slot_mapping has {slot_mapping.shape[0]} entries; need >= num_actual_tokens={num_actual_tokens} "
-                f"and <= BuilderConfig.max_num_batched_tokens={cap} (the persistent buffer's size).")
+        check_slot_mapping(slot_mapping, num_actual_tokens, self._slot_mapping.shape[0], self.device)
 
     def _check_block_table(self, block_table: torch.Tensor, num_reqs: int, max_seq_len: int) -> None:
-        if (block_table.dim() != 2 or block_table.shape[0] < num_reqs or block_table.dtype != torch.int32
-                or block_table.device != self.device):
-            raise MetadataError(
-                f"block_table_tensor is {block_table.dtype} {tuple(block_table.shape)} on {block_table.device} "
-                f"but num_reqs={num_reqs}: the triton builder needs int32 [num_reqs, max_num_blocks_per_req] on "
-                f"{self.device}.")
-        need = cdiv(max_seq_len, self.block_size)
-        have = min(block_table.shape[1], self.max_num_blocks_per_req)
-        if need > have:
-            raise MetadataError(
-                f"max_seq_len={max_seq_len} needs {need} blocks of {self.block_size} tokens per request but the "
-                f"block table has {block_table.shape[1]} columns and BuilderConfig.max_model_len="
-                f"{self.config.max_model_len} allows {self.max_num_blocks_per_req}: the keys would be "
-                "unaddressable; check max_model_len and the kernel block size.")
+        check_block_table(block_table, num_reqs, max_seq_len, block_size=self.block_size,
+                          max_num_blocks_per_req=self.max_num_blocks_per_req,
+                          max_model_len=self.config.max_model_len, device=self.device, backend="triton")
