@@ -4,6 +4,10 @@
 fast as ``np.array(list)``, and rejects non-ints and values outside ``[0, 2**32)`` on
 its own. All sequences of one call land back to back in one reusable buffer, so one
 reduction checks the whole batch for values ``>= 2**31`` (they read back negative).
+
+With the compiled fast path (``runner.native``) one call packs and range-checks lists
+and tuples at ~2 ns per int; anything else it declines (numpy arrays, or a bad value)
+takes the ``struct`` loop, which also words which sequence is at fault.
 """
 
 from __future__ import annotations
@@ -12,6 +16,8 @@ import struct
 from typing import Sequence
 
 import numpy as np
+
+from attnplug.runner.native import NATIVE
 
 INT32_MAX = 2**31 - 1
 
@@ -25,12 +31,15 @@ class IntPacker:
         capacity: initial buffer size (ints); the buffer grows as needed.
     """
 
-    def __init__(self, capacity: int = 1 << 16):
+    def __init__(self, capacity: int = 1 << 16, native: bool = True):
+        self._native = NATIVE if native else None
         self._buf = np.empty(capacity, dtype=np.int32)
         self.flat = self._buf[:0]
         """All values of the latest ``pack`` call, back to back."""
         self.min = 0
         """Smallest value of the latest ``pack`` call (0 when empty)."""
+        self.max = 0
+        """Largest value of the latest ``pack`` call (0 when empty)."""
 
     def pack(self, seqs: Sequence[Sequence[int]]) -> list[np.ndarray] | int:
         """Pack ``seqs`` (lists of ints or 1-D integer arrays).
@@ -44,6 +53,16 @@ class IntPacker:
         if total > self._buf.shape[0]:
             self._buf = np.empty(max(total, 2 * self._buf.shape[0]), dtype=np.int32)
         buf = self._buf
+        if self._native is not None:
+            packed, lo, hi = self._native.pack_int32(seqs if type(seqs) is list else list(seqs), buf)
+            if packed == total:  # else: arrays, or a bad value (the loop below finds which)
+                self.flat = buf[:total]
+                self.min, self.max = lo, hi
+                views, off = [], 0
+                for n in lens:
+                    views.append(buf[off:off + n])
+                    off += n
+                return views
         mv = memoryview(buf).cast("B")
         off = 0
         for i, s in enumerate(seqs):
@@ -64,6 +83,7 @@ class IntPacker:
             off += n
         self.flat = flat = buf[:total]
         self.min = int(flat.min()) if total else 0
+        self.max = int(flat.max()) if total else 0
         views, off = [], 0
         for i, n in enumerate(lens):
             v = buf[off:off + n]

@@ -103,7 +103,7 @@ def plan_new_requests(sc: "StepCompiler", new_reqs: Sequence[NewRequestData],
     if isinstance(blocks, int):
         err(new_reqs[blocks // G].req_id, "block_ids", f"group {blocks % G}: block ids must be ints in [0, 2**31)")
     packer = sc._block_packer
-    suspicious = packer.min <= NULL_BLOCK_ID or (packer.flat.shape[0] and int(packer.flat.max()) >= sc.num_blocks)
+    suspicious = packer.min <= NULL_BLOCK_ID or packer.max >= sc.num_blocks
     states, k = [], 0
     for i, (nr, cnt) in enumerate(zip(new_reqs, new_counts)):
         rid = nr.req_id

@@ -24,6 +24,7 @@ from attnplug.cache_groups.ragged import cumsum_and_arange, repeat_indices
 from attnplug.core.constants import PAD_SLOT_ID
 from attnplug.core.metadata import CommonAttentionMetadata
 from attnplug.runner.input_batch import InputBatch
+from attnplug.runner.native import NATIVE
 
 
 @dataclass
@@ -91,7 +92,7 @@ class InputPreparer:
     """
 
     def __init__(self, max_num_reqs: int, max_model_len: int, max_num_batched_tokens: int,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", native: bool = False):
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens
         self.query_start_loc = CpuGpuBuffer((max_num_reqs + 1,), torch.int32, device)
@@ -102,6 +103,26 @@ class InputPreparer:
         self._arange = np.arange(max(max_num_batched_tokens, max_num_reqs) + 1, dtype=np.int64)
         self._flat_idx_np = np.zeros(max_num_batched_tokens, dtype=np.int64)
         self._row_starts = np.arange(max_num_reqs, dtype=np.int64) * max_model_len
+        self._req_indices = np.zeros(max_num_batched_tokens, dtype=np.int64)
+        self._discard = np.zeros(max_num_reqs, dtype=bool)
+        self._is_prefilling = np.zeros(max_num_reqs, dtype=bool)
+        self._native = NATIVE if native else None
+        self._bound: tuple[InputBatch, tuple, object] | None = None
+        """``(batch, group_kinds, NATIVE.Prepare)`` bound to that batch's columns."""
+
+    def _native_for(self, batch: InputBatch, group_kinds: list[str]):
+        """The compiled ``Prepare`` bound to ``batch`` (built on first use)."""
+        kinds = tuple(group_kinds)
+        if self._bound is None or self._bound[0] is not batch or self._bound[1] != kinds:
+            tables = list(batch.block_table)
+            prep = self._native.Prepare(
+                batch.num_scheduled_tokens, batch.num_computed_tokens_cpu, batch.num_tokens,
+                batch.num_prompt_tokens, batch.token_ids_cpu, self.query_start_loc.np, self.positions.np,
+                self.input_ids.np, self.seq_lens.np, self.logits_indices.np, self._req_indices, self._discard,
+                self._is_prefilling, [None if k == "mamba" else bt.block_table_np for bt, k in zip(tables, kinds)],
+                [bt.slot_mapping.np for bt in tables], [bt.block_size for bt in tables])
+            self._bound = (batch, kinds, prep)
+        return self._bound[2]
 
     def prepare(self, batch: InputBatch, group_kinds: list[str],
                 num_tokens_padded: int | None = None) -> StepInputs:
@@ -120,6 +141,8 @@ class InputPreparer:
         R = batch.num_reqs
         sched = batch.num_scheduled_tokens[:R]
         ncc = batch.num_computed_tokens_cpu[:R]
+        if self._native is not None:
+            return self._prepare_native(batch, group_kinds, num_tokens_padded, R, sched, ncc)
         qsl = self.query_start_loc.np
         qsl[0] = 0
         np.add.accumulate(sched, dtype=np.int32, out=qsl[1:R + 1])
@@ -144,8 +167,8 @@ class InputPreparer:
         seq_lens = self.seq_lens.np[:R]
         np.add(ncc, sched, out=seq_lens)
         np.subtract(qsl[1:R + 1], 1, out=self.logits_indices.np[:R])
-        discard = seq_lens < batch.num_tokens[:R]
-        is_prefilling = ncc < batch.num_prompt_tokens[:R]
+        discard = np.less(seq_lens, batch.num_tokens[:R], out=self._discard[:R])
+        is_prefilling = np.less(ncc, batch.num_prompt_tokens[:R], out=self._is_prefilling[:R])
 
         block_tables, slot_mappings = [], []
         split: dict[int, tuple[np.ndarray, np.ndarray]] = {}
@@ -162,32 +185,47 @@ class InputPreparer:
                 split[B] = np.divmod(pos, B)
             idx, off = split[B]
             slot_mappings.append(bt.compute_slot_mapping(rows, pos, P, block_index=idx, block_offset=off))
-        req_ids = batch.req_ids
         max_seq_len = int(seq_lens.max()) if R else 0
-        qsl_dev = self.query_start_loc.copy_to_gpu(R + 1)
-        pos_dev = self.positions.copy_to_gpu(P)
-        ids_dev = self.input_ids.copy_to_gpu(P)
-        sl_dev = self.seq_lens.copy_to_gpu(R)
-        li_dev = self.logits_indices.copy_to_gpu(R)
+        max_query_len = (1 if Q == R else int(sched.max())) if R else 0
+        return self._step_inputs(batch, R, Q, P, max_query_len, max_seq_len, sched, ncc, req_indices,
+                                 discard, is_prefilling, slot_mappings, block_tables)
+
+    def _prepare_native(self, batch: InputBatch, group_kinds: list[str], num_tokens_padded: int | None,
+                        R: int, sched: np.ndarray, ncc: np.ndarray) -> StepInputs:
+        """:meth:`prepare` through the compiled loop (``runner/_native.pyx``)."""
+        Q, max_query_len, max_seq_len = self._native_for(batch, group_kinds).prepare(
+            R, -1 if num_tokens_padded is None else num_tokens_padded)
+        P = Q if num_tokens_padded is None else int(num_tokens_padded)
+        block_tables, slot_mappings = [], []
+        for bt in batch.block_table:
+            bt.commit(R)
+            block_tables.append(bt.get_device_tensor(R))
+            slot_mappings.append(bt.slot_mapping.copy_to_gpu(P))
+        return self._step_inputs(batch, R, Q, P, max_query_len, max_seq_len, sched, ncc, self._req_indices[:Q],
+                                 self._discard[:R], self._is_prefilling[:R], slot_mappings, block_tables)
+
+    def _step_inputs(self, batch, R, Q, P, max_query_len, max_seq_len, sched, ncc, req_indices, discard,
+                     is_prefilling, slot_mappings, block_tables) -> StepInputs:
+        """Wrap the filled buffers (host → device copies of their prefixes)."""
         return StepInputs(
-            req_ids=req_ids,
+            req_ids=batch.req_ids,
             num_reqs=R,
             num_actual_tokens=Q,
             num_padded_tokens=P,
-            max_query_len=(1 if Q == R else int(sched.max())) if R else 0,
+            max_query_len=max_query_len,
             max_seq_len=max_seq_len,
             num_scheduled_tokens=sched,
             num_computed_tokens=ncc,
             num_tokens=batch.num_tokens[:R],
             req_indices=req_indices,
-            query_start_loc=qsl_dev,
+            query_start_loc=self.query_start_loc.copy_to_gpu(R + 1),
             query_start_loc_cpu=self.query_start_loc.cpu_view(R + 1),
-            positions=pos_dev,
+            positions=self.positions.copy_to_gpu(P),
             positions_cpu=self.positions.cpu_view(P),
-            input_ids=ids_dev,
-            seq_lens=sl_dev,
+            input_ids=self.input_ids.copy_to_gpu(P),
+            seq_lens=self.seq_lens.copy_to_gpu(R),
             seq_lens_cpu=self.seq_lens.cpu_view(R),
-            logits_indices=li_dev,
+            logits_indices=self.logits_indices.copy_to_gpu(R),
             logits_indices_cpu=self.logits_indices.cpu_view(R),
             discard=discard,
             is_prefilling=is_prefilling,

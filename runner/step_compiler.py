@@ -38,6 +38,7 @@ from attnplug.runner.prepare_inputs import InputPreparer, StepInputs, build_comm
 from attnplug.runner.request_state import CachedRequestState
 from attnplug.runner.scheduler_output import SchedulerOutput
 from attnplug.runner.int_packer import IntPacker
+from attnplug.runner.native import NATIVE
 from attnplug.runner.update_states import apply_update, plan_update
 
 _GROUP_KINDS = ("full_attention", "sliding_window", "mamba")
@@ -68,6 +69,9 @@ class StepCompiler:
             query can see in the group's block table each step, as the block pool frees
             them (``runner.skipped_blocks``); without one it keeps whatever ids the
             scheduler sent. Default: from the specs of a :class:`KVCacheConfig`, else none.
+        native: use the compiled fast paths (``runner.native``) when they are built;
+            ``None`` (default) uses them unless ``ATTNPLUG_NATIVE=0``. Results are the
+            same either way; ``False`` runs the numpy paths only.
 
     Attributes:
         requests: ``{req_id: CachedRequestState}``, every request the runner holds
@@ -83,7 +87,7 @@ class StepCompiler:
                  kernel_block_sizes: Sequence[int] | None = None,
                  reorder_batch_threshold: int | None = None, *, num_blocks: int | None = None,
                  group_kinds: Sequence[str] | None = None, validate: bool | None = None,
-                 sliding_windows: Sequence[int | None] | None = None):
+                 sliding_windows: Sequence[int | None] | None = None, native: bool | None = None):
         if isinstance(block_sizes, KVCacheConfig):
             cfg = block_sizes
             block_sizes = cfg.block_sizes
@@ -131,10 +135,23 @@ class StepCompiler:
         self._capacity_col = np.asarray([max_model_len if k == "mamba" else b for b, k in
                                          zip(self.block_sizes, self.group_kinds)], dtype=np.int64)[:, None]
         self.requests: dict[str, CachedRequestState] = {}
-        self._preparer = InputPreparer(max_num_reqs, max_model_len, max_num_batched_tokens, self.device)
-        self._prompt_packer = IntPacker()
-        self._block_packer = IntPacker(1 << 12)
-        self._delta_packer = IntPacker(1 << 10)
+        use_native = NATIVE is not None and native is not False
+        self.native = use_native
+        """Whether the compiled fast paths run (``runner.native``)."""
+        self._preparer = InputPreparer(max_num_reqs, max_model_len, max_num_batched_tokens, self.device,
+                                       native=use_native)
+        self._prompt_packer = IntPacker(native=use_native)
+        self._block_packer = IntPacker(1 << 12, native=use_native)
+        self._delta_packer = IntPacker(1 << 10, native=use_native)
+        self._cached_scan = None
+        if use_native:
+            b = self.input_batch
+            tables = list(b.block_table)
+            self._cached_scan = NATIVE.CachedScan(
+                b.num_tokens, b.num_computed_tokens_nulled, b.num_computed_tokens_cpu, b.num_scheduled_tokens,
+                b.block_table.num_blocks_per_row, [bt.block_table_np for bt in tables],
+                [bt.kernel_block_table.np for bt in tables], [bt.kernel_blocks_per_block for bt in tables],
+                self._capacity_col[:, 0], self.num_blocks_per_group)
         self.validate = os.environ.get("ATTNPLUG_VALIDATE") == "1" if validate is None else bool(validate)
 
     # --- the step -----------------------------------------------------------------------

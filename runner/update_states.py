@@ -21,7 +21,6 @@ there is no per-token Python loop.
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass, field
 from itertools import chain, compress, repeat
 from operator import itemgetter
 from typing import TYPE_CHECKING
@@ -32,54 +31,16 @@ from attnplug.cache_groups.ragged import cumsum_and_arange
 from attnplug.cache_groups.sliding_window import num_skipped_blocks
 from attnplug.core.constants import NULL_BLOCK_ID
 from attnplug.runner.int_packer import INT32_MAX
+from attnplug.runner.native_update import plan_update_native
 from attnplug.runner.plan_new_requests import check_block_list, err, group_lists, plan_new_requests
 from attnplug.runner.request_state import CachedRequestState
 from attnplug.runner.scheduler_output import SchedulerOutput
 from attnplug.runner.skipped_blocks import null_skipped_blocks
+from attnplug.runner.update_plan import BlockAppends, UpdatePlan
 
 if TYPE_CHECKING:
     from attnplug.runner.input_batch import InputBatch
     from attnplug.runner.step_compiler import StepCompiler
-
-
-@dataclass
-class BlockAppends:
-    """Validated block appends of ``m`` cached requests, all groups at once."""
-
-    sel: np.ndarray
-    """``[m]`` indices into ``scheduled_cached_reqs``."""
-    starts: np.ndarray
-    """``[num_groups, m]`` blocks each row holds before the append."""
-    lens: np.ndarray | int
-    """``[num_groups, m]`` blocks appended (``1`` when ``one_each``)."""
-    after: np.ndarray
-    """``[num_groups, m]`` blocks each row holds after the append."""
-    flat: np.ndarray
-    """The appended ids, group-major, then in ``sel`` order."""
-    one_each: bool
-    """Every row gets exactly one block in every group."""
-
-
-@dataclass
-class UpdatePlan:
-    """Everything :func:`apply_update` needs, already validated and converted."""
-
-    finished: list[str]
-    unscheduled: list[str]
-    new_states: list[CachedRequestState]
-    new_counts: list[int]
-    readd_ids: list[str]
-    """Cached requests that are resident but not in the batch (they get rows again)."""
-    readd: list[int]
-    """Their indices in ``scheduled_cached_reqs``."""
-    rows_c: np.ndarray
-    """``[num_cached]`` int64 batch rows of the cached requests (-1 for ``readd`` ones)."""
-    counts_c: np.ndarray
-    ncts_c: np.ndarray
-    token_deltas: list[tuple[int, np.ndarray]] = field(default_factory=list)
-    resumed: list[tuple[int, tuple[np.ndarray, ...]]] = field(default_factory=list)
-    appends: BlockAppends | None = None
-    """Blocks appended to non-resumed cached requests; ``None`` when there are none."""
 
 
 def _int64s(values, n: int) -> np.ndarray:
@@ -144,18 +105,17 @@ def _check_not_behind_nulled(sc: "StepCompiler", C: list, rows_c: np.ndarray, nc
                 "with fresh block ids")
 
 
-def plan_update(sc: "StepCompiler", so: SchedulerOutput) -> UpdatePlan:
-    """Validate ``so`` against the compiler's state; change nothing.
+def check_finished_and_new(sc: "StepCompiler", so: SchedulerOutput) -> tuple[list[str], set[str], set[str]]:
+    """The checks both planning paths run first: container shapes, finished ids, new ids.
 
-    Raises:
-        InvalidSchedulerOutput: the first problem found, with its request id and field.
+    Returns:
+        ``(finished, fin_set, new_ids)``: finished ids deduplicated in order, as a set,
+        and the new requests' ids.
     """
-    batch, reqs = sc.input_batch, sc.requests
-    idx = batch.req_id_to_index
+    reqs = sc.requests
     nst = so.num_scheduled_tokens
     cached = so.scheduled_cached_reqs
-    C = cached.req_ids
-    nC = len(C)
+    nC = len(cached.req_ids)
     if not isinstance(nst, dict):
         err(None, "num_scheduled_tokens", f"expected a dict {{req_id: int}}, got {type(nst).__name__}")
     for name in ("resumed_from_preemption", "new_token_ids", "new_block_ids", "num_computed_tokens"):
@@ -179,6 +139,30 @@ def plan_update(sc: "StepCompiler", so: SchedulerOutput) -> UpdatePlan:
         if rid in new_ids:
             err(rid, "scheduled_new_reqs", "request listed twice")
         new_ids.add(rid)
+    return finished, fin_set, new_ids
+
+
+def plan_update(sc: "StepCompiler", so: SchedulerOutput) -> UpdatePlan:
+    """Validate ``so`` against the compiler's state; change nothing.
+
+    Takes the compiled fast path (``runner.native_update``) when it is available and
+    the output is regular; this numpy path otherwise.
+
+    Raises:
+        InvalidSchedulerOutput: the first problem found, with its request id and field.
+    """
+    finished, fin_set, new_ids = check_finished_and_new(sc, so)
+    if sc._cached_scan is not None:
+        plan = plan_update_native(sc, so, finished, fin_set)
+        if plan is not None:
+            return plan
+    batch, reqs = sc.input_batch, sc.requests
+    idx = batch.req_id_to_index
+    nst = so.num_scheduled_tokens
+    cached = so.scheduled_cached_reqs
+    C = cached.req_ids
+    nC = len(C)
+    new_reqs = so.scheduled_new_reqs
 
     # --- cached request rows (one dict lookup each) ------------------------------------------
     try:  # itemgetter looks all ids up in one C call (it returns a bare value for one id)
@@ -376,6 +360,20 @@ def apply_update(sc: "StepCompiler", plan: UpdatePlan) -> None:
     sched = batch.num_scheduled_tokens
     for row, c in zip(rows, plan.new_counts):
         sched[row] = c
+    if plan.native:
+        sc._cached_scan.apply()
+    else:
+        _merge_cached(batch, plan, rows_c)
+    batch.condense()
+    if sc.reorder_batch_threshold is not None:
+        reorder_decodes_first(batch, sc.reorder_batch_threshold)
+    if sc.has_sliding_windows:
+        null_skipped_blocks(batch, sc.sliding_windows)
+
+
+def _merge_cached(batch: "InputBatch", plan: UpdatePlan, rows_c: np.ndarray) -> None:
+    """The numpy path's merge of the cached requests' deltas into their rows."""
+    sched = batch.num_scheduled_tokens
     batch.num_computed_tokens_cpu[rows_c] = plan.ncts_c
     sched[rows_c] = plan.counts_c
     toks, n_tok = batch.token_ids_cpu, batch.num_tokens
@@ -405,11 +403,6 @@ def apply_update(sc: "StepCompiler", plan: UpdatePlan) -> None:
                 off += n
         for counts, after in zip(batch.block_table.num_blocks_per_row, ap.after):
             counts[rows] = after
-    batch.condense()
-    if sc.reorder_batch_threshold is not None:
-        reorder_decodes_first(batch, sc.reorder_batch_threshold)
-    if sc.has_sliding_windows:
-        null_skipped_blocks(batch, sc.sliding_windows)
 
 
 def reorder_decodes_first(batch: "InputBatch", threshold: int) -> list[tuple[int, int]]:

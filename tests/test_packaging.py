@@ -59,7 +59,7 @@ def test_console_script_and_extras():
 def test_wheel_contains_only_the_package(tmp_path):
     src = tmp_path / "src"
     shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(".venv", ".git", "build", "*.egg-info",
-                                                              "__pycache__", ".hypothesis"))
+                                                              "__pycache__", ".hypothesis", "*.so", "_native.c"))
     out = tmp_path / "wheel"
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
                     "-w", str(out), str(src)], check=True, capture_output=True)
@@ -71,6 +71,8 @@ def test_wheel_contains_only_the_package(tmp_path):
     assert "attnplug/core/metadata.py" in names
     assert "attnplug/runner/data/azure_llm_2023_conv.csv" in names
     assert "attnplug/runner/data/README.md" in names
+    # the compiled fast paths are built from runner/_native.pyx (Cython) into the wheel
+    assert [n for n in names if n.startswith("attnplug/runner/_native.") and n.endswith(".so")], names
 
 
 def test_python_dash_m_runs_the_cli():

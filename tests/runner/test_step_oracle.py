@@ -25,11 +25,13 @@ from attnplug.runner.scheduler_output import (
     SamplingParams,
     SchedulerOutput,
 )
+from attnplug.runner.native import NATIVE
 from attnplug.runner.step_compiler import StepCompiler
+from attnplug.runner.update_states import apply_update, plan_update
 
 STEPS_PER_EXAMPLE = 25
 MAX_EXAMPLES = 90
-STEP_COUNT = {"steps": 0}
+STEP_COUNT = {"steps": 0, "native": 0, "numpy": 0}
 
 LAYOUTS = [
     # (block_sizes, kernel_block_sizes, group_kinds)
@@ -45,8 +47,10 @@ MAX_NUM_REQS, MAX_MODEL_LEN, MAX_TOKENS, NUM_BLOCKS = 6, 48, 40, 400
 class RandomScheduler:
     """Emits valid, varied SchedulerOutputs by reading the oracle's state."""
 
-    def __init__(self, rng: random.Random, layout, oracle: NaiveStepCompiler):
+    def __init__(self, rng: random.Random, layout, oracle: NaiveStepCompiler, regular: bool = False):
         self.rng = rng
+        self.regular = regular
+        """Mostly regular outputs (no token deltas, rare resumes): the compiled fast path."""
         self.block_sizes, _, self.kinds = layout
         self.oracle = oracle
         self.free = [list(range(1, NUM_BLOCKS)) for _ in self.block_sizes]
@@ -98,11 +102,11 @@ class RandomScheduler:
             if len(sched) >= MAX_NUM_REQS or budget == 0 or rng.random() < 0.15:
                 continue  # unscheduled this step (state kept)
             held = len(st_["tokens"])
-            new_tokens = [rng.randrange(1000) for _ in range(rng.choice([0, 0, 0, 1, 2]))]
+            new_tokens = [] if self.regular else [rng.randrange(1000) for _ in range(rng.choice([0, 0, 0, 1, 2]))]
             if held + len(new_tokens) > MAX_MODEL_LEN:
                 new_tokens = []
             held += len(new_tokens)
-            resumed = rng.random() < 0.1
+            resumed = rng.random() < (0.02 if self.regular else 0.1)
             if resumed:
                 ncc = rng.randrange(0, held)
             else:
@@ -187,17 +191,21 @@ def compare(sc: StepCompiler, oracle: NaiveStepCompiler, inp, ref) -> None:
 
 @settings(max_examples=MAX_EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
 @given(rng=st.randoms(use_true_random=False), layout=st.sampled_from(LAYOUTS),
-       threshold=st.sampled_from([None, None, 1, 2]))
-def test_random_steps_match_naive_oracle(rng, layout, threshold):
+       threshold=st.sampled_from([None, None, 1, 2]), regular=st.booleans(),
+       native=st.sampled_from([None, None, False]))
+def test_random_steps_match_naive_oracle(rng, layout, threshold, regular, native):
+    """``native=None``: the compiled fast paths when built; ``False``: numpy paths only."""
     block_sizes, kernel_sizes, kinds = layout
     kw = dict(kernel_block_sizes=kernel_sizes, reorder_batch_threshold=threshold,
               num_blocks=NUM_BLOCKS, group_kinds=kinds)
-    sc = StepCompiler(block_sizes, MAX_NUM_REQS, MAX_MODEL_LEN, MAX_TOKENS, validate=True, **kw)
+    sc = StepCompiler(block_sizes, MAX_NUM_REQS, MAX_MODEL_LEN, MAX_TOKENS, validate=True, native=native, **kw)
     oracle = NaiveStepCompiler(block_sizes, MAX_NUM_REQS, MAX_MODEL_LEN, MAX_TOKENS, **kw)
-    sched = RandomScheduler(rng, layout, oracle)
+    sched = RandomScheduler(rng, layout, oracle, regular)
     for _ in range(STEPS_PER_EXAMPLE):
         so = sched.step()
-        sc.update_states(so)
+        plan = plan_update(sc, so)
+        apply_update(sc, plan)
+        STEP_COUNT["native" if plan.native else "numpy"] += 1
         oracle.update_states(so)
         inp = sc.prepare_inputs(so)
         ref = oracle.prepare_inputs(so)
@@ -221,3 +229,7 @@ def test_zz_enough_random_steps_ran():
         import pytest
         pytest.skip("run together with test_random_steps_match_naive_oracle")
     assert STEP_COUNT["steps"] >= 2000, STEP_COUNT
+    # both planning paths ran often (the compiled one only where it is built)
+    assert STEP_COUNT["numpy"] >= 500, STEP_COUNT
+    if NATIVE is not None:
+        assert STEP_COUNT["native"] >= 300, STEP_COUNT

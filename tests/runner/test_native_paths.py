@@ -1,0 +1,140 @@
+"""The compiled fast paths (``runner/_native.pyx``) against the numpy paths.
+
+The contract: a fast path handles an input completely or declines it and changes
+nothing; the numpy path then accepts it or words the error. So on every input below the
+compiled and the numpy step compilers end in the same state, or raise the same
+``InvalidSchedulerOutput`` (request id and field) and leave the state unchanged.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from attnplug.core.errors import InvalidSchedulerOutput
+from attnplug.runner.int_packer import IntPacker
+from attnplug.runner.native import NATIVE
+from attnplug.runner.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+from attnplug.runner.step_compiler import StepCompiler
+from attnplug.runner.update_states import plan_update
+
+pytestmark = pytest.mark.skipif(NATIVE is None, reason="the compiled extension is not built")
+
+# group 0: full attention, block 4; group 1: full attention, block 8 with 4-token kernel blocks
+KW = dict(max_num_reqs=4, max_model_len=32, max_num_batched_tokens=16, kernel_block_sizes=[4, 4],
+          num_blocks=[20, 10], validate=True)
+
+
+def make(native: bool) -> StepCompiler:
+    """A (6 tokens, 2+1 blocks) and B (3 tokens, 1+1 blocks) decoding; C unscheduled."""
+    sc = StepCompiler([4, 8], native=native, **KW)
+    sc.update_states(SchedulerOutput([
+        NewRequestData("A", [1, 2, 3, 4, 5, 6], ([1, 2], [1])),
+        NewRequestData("B", [7, 8, 9], ([3], [2])),
+        NewRequestData("C", [10, 11], ([4], [3]))], CachedRequestData(), {"A": 6, "B": 3, "C": 2}))
+    sc.prepare_inputs()
+    sc.append_output_tokens(["A", "B", "C"], [60, 70, 80])
+    sc.update_states(SchedulerOutput([], CachedRequestData(
+        ["A", "B"], [False, False], [[], []], [None, None], [6, 3]), {"A": 1, "B": 1}))
+    sc.prepare_inputs()
+    sc.append_output_tokens(["A", "B"], [61, 71])
+    return sc
+
+
+def regular_step(**change) -> SchedulerOutput:
+    """A and B decode one token each (B crosses into a new block of group 0, A gets one
+    ahead of need); a new D."""
+    c = dict(req_ids=["A", "B"], resumed=[False, False], tokens=[[], []], blocks=[([5], []), ([7], [])],
+             ncts=[7, 4], nst={"A": 1, "B": 1, "D": 2}, finished=set(), new_ids=[9, 9, 9])
+    c.update(change)
+    return SchedulerOutput(
+        [NewRequestData("D", c["new_ids"], ([6], [4]))],
+        CachedRequestData(c["req_ids"], c["resumed"], c["tokens"], c["blocks"], c["ncts"]),
+        c["nst"], finished_req_ids=c["finished"])
+
+
+def test_a_regular_step_takes_the_compiled_path_and_matches_numpy():
+    fast, slow = make(True), make(False)
+    so = regular_step()
+    assert plan_update(fast, so).native and not plan_update(slow, so).native
+    for sc in (fast, slow):
+        sc.update_states(so)
+    a, b = fast.prepare_inputs(so), slow.prepare_inputs(so)
+    assert a.req_ids == b.req_ids == ["A", "B", "D"]
+    for name in ("query_start_loc", "positions", "input_ids", "seq_lens", "logits_indices"):
+        assert getattr(a, name).tolist() == getattr(b, name).tolist(), name
+    assert (a.discard == b.discard).all() and (a.is_prefilling == b.is_prefilling).all()
+    for g in range(2):
+        assert a.slot_mapping[g].tolist() == b.slot_mapping[g].tolist()
+        assert a.block_table_tensor[g].tolist() == b.block_table_tensor[g].tolist()
+    assert fast.requests["A"].block_ids == slow.requests["A"].block_ids == ([1, 2, 5], [1])
+    assert fast.requests["B"].block_ids == slow.requests["B"].block_ids == ([3, 7], [2])
+    assert a.slot_mapping[0].tolist()[:2] == [2 * 4 + 3, 7 * 4 + 0]  # A at 7, B at 4
+
+
+BAD = [  # (change to the regular step, request id, field)
+    (dict(req_ids=["A", "X"], nst={"A": 1, "X": 1, "D": 2}), "X", "scheduled_cached_reqs"),
+    (dict(req_ids=["A", "A"], nst={"A": 1, "D": 2}), "A", "scheduled_cached_reqs"),  # listed twice
+    (dict(ncts=[-1, 4]), "A", "num_computed_tokens"),
+    (dict(ncts=[7.0, 4]), "A", "num_computed_tokens"),
+    (dict(ncts=[True, 4]), None, None),  # declined by the scan; numpy reads True as 1
+    (dict(nst={"A": 0, "B": 1, "D": 2}), "A", "num_scheduled_tokens"),
+    (dict(nst={"A": 1.0, "B": 1, "D": 2}), "A", "num_scheduled_tokens"),
+    (dict(nst={"A": 2, "B": 1, "D": 2}), "A", "num_scheduled_tokens"),  # seq 9 > 8 held
+    (dict(nst={"A": 1, "D": 2}), "B", "num_scheduled_tokens"),
+    (dict(blocks=[([20], []), ([7], [])]), "A", "new_block_ids"),  # outside group 0's pool
+    (dict(blocks=[([0], []), ([7], [])]), "A", "new_block_ids"),  # the null block
+    (dict(blocks=[([5], [10]), ([7], [])]), "A", "new_block_ids"),  # outside group 1's pool
+    (dict(blocks=[([5.0], []), ([7], [])]), None, None),  # declined; numpy reads 5.0 as 5
+    (dict(blocks=[([5],), ([7], [])]), "A", "new_block_ids"),  # one list for two groups
+    (dict(blocks=[None, None]), "B", "new_block_ids"),  # B's 1 block cannot hold seq_len 5
+    (dict(blocks=[([5, 6, 8, 9, 10, 11, 12], []), ([7], [])]), "A", "new_block_ids"),  # > 8 blocks
+    (dict(finished={"B"}), "B", "finished_req_ids"),  # finished and scheduled
+    (dict(resumed=[False, 1]), None, None),  # not exactly False: numpy path (valid there)
+    (dict(new_ids=[9, -1, 9]), "D", "prompt_token_ids"),
+]
+
+
+@pytest.mark.parametrize("change,req_id,field", BAD)
+def test_irregular_or_bad_cached_parts_fall_back_to_the_same_outcome(change, req_id, field):
+    outcomes = []
+    for native in (True, False):
+        sc = make(native)
+        so = regular_step(**change)
+        before = sc.snapshot()
+        try:
+            sc.update_states(so)
+        except InvalidSchedulerOutput as e:
+            assert sc.snapshot().keys() == before.keys()
+            for k in before:
+                assert repr(sc.snapshot()[k]) == repr(before[k]), k
+            outcomes.append((e.req_id, e.field))
+        else:
+            inp = sc.prepare_inputs(so)
+            outcomes.append((inp.req_ids, inp.positions.tolist(), [s.tolist() for s in inp.slot_mapping]))
+    assert outcomes[0] == outcomes[1]
+    if field is not None:
+        assert outcomes[0] == (req_id, field)
+
+
+@pytest.mark.parametrize("seqs,expect", [
+    ([[1, 2], (3,), []], [[1, 2], [3], []]),
+    ([[0, 2**31 - 1]], [[0, 2**31 - 1]]),
+    ([[1], [2**31]], 1),
+    ([[1], [-1]], 1),
+    ([[True]], [[1]]),  # declined by the compiled loop; struct reads True as 1
+    ([[1.0]], 0),
+    ([[1], [2**70]], 1),
+    ([[1], "ab"], 1),
+    ([np.array([4, 5], np.int64), [6]], [[4, 5], [6]]),  # arrays take the struct loop
+])
+def test_pack_int32_agrees_with_the_struct_loop(seqs, expect):
+    for native in (True, False):
+        out = IntPacker(4, native=native).pack(seqs)
+        assert (out if isinstance(out, int) else [v.tolist() for v in out]) == expect
+
+
+def test_pack_reports_min_and_max_of_the_batch():
+    p = IntPacker(native=True)
+    p.pack([[5, 9], [3]])
+    assert (p.min, p.max) == (3, 9)
