@@ -352,27 +352,11 @@ class MultiGroupBlockTable:
         for bt, ids in zip(self.block_tables, block_ids):
             bt.append_row(ids, row)
 
-    def fill_vacant_row(self, block_ids: np.ndarray, row: int) -> None:
-        """``add_row`` for a row that holds no blocks, without the checks (the caller
-        checked ``len(block_ids) <= max_num_blocks_per_req``)."""
-        n = block_ids.shape[0]
-        self.block_table_np[row, :n] = block_ids
-        k = self.kernel_blocks_per_block
-        if k > 1:
-            self.kernel_block_table.np[row, :n * k] = expand_to_kernel_block_ids(block_ids, k)
-        self.num_blocks_per_row[row] = n
-
-    def clear_rows(self, rows: np.ndarray) -> None:
-        """Batched ``clear_row``."""
-        if rows.shape[0] == 0:
-            return
-        w = int(self.num_blocks_per_row[rows].max())
-        if w:
-            self.block_table_np[rows, :w] = NULL_BLOCK_ID
-            k = self.kernel_blocks_per_block
-            if k > 1:
-                self.kernel_block_table.np[rows, :w * k] = NULL_BLOCK_ID
-            self.num_blocks_per_row[rows] = 0
+    def clear_rows(self, rows: list[int]) -> None:
+        """``clear_row`` for each of ``rows`` in every group."""
+        for bt in self.block_tables:
+            for row in rows:
+                bt.clear_row(row)
 
     def clear_row(self, row: int) -> None:
         for bt in self.block_tables:

@@ -1,10 +1,12 @@
 """``attnplug bench step``: median microseconds per step of the step compiler's stages.
 
 Stages: ``update_states``, ``prepare_inputs`` (including slot mapping and block-table
-commit) and ``common metadata`` (the per-group ``CommonAttentionMetadata``), for the
-optimized :class:`StepCompiler` and the naive per-request Python implementation
-(:mod:`attnplug.runner.naive_step`) side by side, on the same recorded steps, in the same
-process, with ``torch.set_num_threads(1)``. Each workload is replayed ``--repeat`` times
+commit) and ``common metadata`` (the per-group ``CommonAttentionMetadata``), for our
+:class:`StepCompiler` with its compiled fast paths ("ours"), the same compiler on its
+numpy paths only ("numpy path", ``native=False``; what runs where the extension is not
+built) and the naive per-request Python implementation (:mod:`attnplug.runner.naive_step`)
+side by side, on the same recorded steps, in the same process, with
+``torch.set_num_threads(1)``. Each workload is replayed ``--repeat`` times
 and the run with the lowest median total is reported ("best of N", as ``timeit`` does:
 the machine is shared and noisy). Workloads are in
 :mod:`attnplug.runner.bench_workloads`. Appending the sampled tokens after each step is
@@ -30,6 +32,7 @@ import torch
 
 from attnplug.runner.bench_workloads import Workload, steady_decode, trace_replay
 from attnplug.runner.naive_step import NaiveStepCompiler
+from attnplug.runner.native import NATIVE
 from attnplug.runner.step_compiler import StepCompiler
 
 STAGES = ("update_states", "prepare_inputs", "common metadata")
@@ -67,9 +70,11 @@ def best_of(repeat: int, fn: Callable[[], dict[str, float]]) -> dict[str, float]
     return min(runs, key=lambda r: r["total"])
 
 
-def time_optimized(workload: Workload, steps: int) -> dict[str, float]:
+def time_optimized(workload: Workload, steps: int, native: bool | None = None) -> dict[str, float]:
+    """Our ``StepCompiler``: compiled fast paths when built (``native=None``), or the numpy
+    paths only (``native=False``)."""
     cfg = dict(workload.config)
-    sc = StepCompiler(cfg.pop("block_sizes"), validate=False, **cfg)
+    sc = StepCompiler(cfg.pop("block_sizes"), validate=False, native=native, **cfg)
     clock = time.perf_counter_ns
 
     def step(so):
@@ -115,18 +120,24 @@ def _fmt(x: float | None) -> str:
     return "-" if x is None else f"{x:,.1f}"
 
 
-def render(rows: list[tuple[str, dict, dict | None, float | None]], markdown: bool) -> str:
-    """The table as markdown, or printed with ``rich`` (returns "")."""
-    header = ["workload", "stage", "ours µs", "naive µs", "naive / ours", "target µs"]
+def render(rows: list[tuple[str, dict, dict | None, dict | None, float | None]], markdown: bool) -> str:
+    """The table as markdown, or printed with ``rich`` (returns "").
+
+    Each row: ``(workload, ours, numpy_path, naive, target)``; ``numpy_path`` / ``naive``
+    may be ``None`` (not run)."""
+    header = ["workload", "stage", "ours µs", "numpy path µs", "naive µs", "numpy / ours", "naive / ours",
+              "target µs"]
     lines = []
-    for name, ours, naive, target in rows:
+    for name, ours, numpy_path, naive, target in rows:
         for stage in (*STAGES, "total"):
+            np_ = numpy_path[stage] if numpy_path else None
             nv = naive[stage] if naive else None
-            ratio = f"{nv / ours[stage]:,.1f}×" if nv else "-"
             tgt = ""
             if stage == "total" and target is not None:
                 tgt = f"{target:.0f} ({'met' if ours['total'] <= target else 'missed'})"
-            lines.append([name if stage == STAGES[0] else "", stage, _fmt(ours[stage]), _fmt(nv), ratio, tgt])
+            lines.append([name if stage == STAGES[0] else "", stage, _fmt(ours[stage]), _fmt(np_), _fmt(nv),
+                          f"{np_ / ours[stage]:,.1f}×" if np_ else "-", f"{nv / ours[stage]:,.1f}×" if nv else "-",
+                          tgt])
     if markdown:
         out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
         out += ["| " + " | ".join(cells) + " |" for cells in lines]
@@ -134,13 +145,23 @@ def render(rows: list[tuple[str, dict, dict | None, float | None]], markdown: bo
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title="attnplug bench step — median µs per step (1 torch thread)")
+    title = "attnplug bench step — median µs per step (1 torch thread)"
+    table = Table(title=title)
     for h in header:
         table.add_column(h, justify="left" if h in ("workload", "stage") else "right")
     for cells in lines:
         table.add_row(*cells, end_section=cells[1] == "total")
     Console().print(table)
     return ""
+
+
+def _ours_and_numpy(args, w: Workload, steps: int) -> tuple[dict, dict | None]:
+    """Best-of-``repeat`` of our compiler with and without the compiled paths, the two
+    replays interleaved so that both see the same machine weather."""
+    if NATIVE is None or args.no_numpy:
+        return best_of(args.repeat, lambda: time_optimized(w, steps)), None
+    runs = [(time_optimized(w, steps), time_optimized(w, steps, native=False)) for _ in range(max(1, args.repeat))]
+    return min((r[0] for r in runs), key=lambda r: r["total"]), min((r[1] for r in runs), key=lambda r: r["total"])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -157,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--naive-steps", type=int, default=60,
                         help="timed steps for the naive implementation (it is slow; default 60)")
     parser.add_argument("--no-naive", action="store_true", help="skip the naive implementation")
+    parser.add_argument("--no-numpy", action="store_true",
+                        help="skip the numpy-path column (our compiler without the compiled fast paths)")
     parser.add_argument("--prompt-arrays", action="store_true",
                         help="steady decode: send prompts as int32 numpy arrays instead of Python lists")
     parser.add_argument("--hybrid-steps", type=int, default=100,
@@ -172,14 +195,14 @@ def main(argv: list[str] | None = None) -> int:
     for n in sizes:
         w = steady_decode(n, max(args.steps, 0 if args.no_naive else args.naive_steps),
                           prompt_arrays=args.prompt_arrays)
-        ours = best_of(args.repeat, lambda: time_optimized(w, args.steps))
+        ours, numpy_path = _ours_and_numpy(args, w, args.steps)
         naive = None if args.no_naive else time_naive(w, min(args.naive_steps, args.steps))
-        rows.append((w.name, ours, naive, TARGETS_US.get(n)))
+        rows.append((w.name, ours, numpy_path, naive, TARGETS_US.get(n)))
     if args.trace_steps > 0:
         w = trace_replay(args.trace_steps + 10)
-        ours = best_of(args.repeat, lambda: time_optimized(w, args.trace_steps))
+        ours, numpy_path = _ours_and_numpy(args, w, args.trace_steps)
         naive = None if args.no_naive else time_naive(w, min(args.naive_steps, args.trace_steps))
-        rows.append((w.name, ours, naive, None))
+        rows.append((w.name, ours, numpy_path, naive, None))
     text = render(rows, args.markdown) if rows else ""
     if text:
         print(text)

@@ -27,6 +27,7 @@ import torch
 
 from attnplug.cache_groups.block_table import MultiGroupBlockTable
 from attnplug.core.errors import MetadataError
+from attnplug.runner.native import NATIVE
 from attnplug.runner.request_state import CachedRequestState
 
 
@@ -40,6 +41,7 @@ class InputBatch:
         block_sizes: manager block size per cache group.
         device: where block tables and slot mappings go.
         kernel_block_sizes: kernel block size per group (``None``: same as manager).
+        native: use the compiled row operations when they are built (``runner.native``).
 
     Attributes (all CPU, row-indexed, valid for occupied rows):
         token_ids_cpu: ``[max_num_reqs, max_model_len]`` ``int32``; prompt then outputs
@@ -58,7 +60,7 @@ class InputBatch:
 
     def __init__(self, max_num_reqs: int, max_model_len: int, max_num_batched_tokens: int,
                  block_sizes: Sequence[int], device: torch.device | str = "cpu",
-                 kernel_block_sizes: Sequence[int] | None = None):
+                 kernel_block_sizes: Sequence[int] | None = None, native: bool = True):
         self.max_num_reqs = max_num_reqs
         self.max_model_len = max_model_len
         self.token_ids_cpu_tensor = torch.zeros((max_num_reqs, max_model_len), dtype=torch.int32)
@@ -83,6 +85,11 @@ class InputBatch:
         self.generators: dict[int, torch.Generator] = {}
         self.block_table = MultiGroupBlockTable(block_sizes, max_num_reqs, max_model_len,
                                                 max_num_batched_tokens, device, kernel_block_sizes)
+        tables = self.block_table.block_tables
+        self._row_ops = None if not native or NATIVE is None else NATIVE.BlockRows(
+            self.block_table.num_blocks_per_row, [bt.block_table_np for bt in tables],
+            [bt.kernel_block_table.np for bt in tables], [bt.kernel_blocks_per_block for bt in tables])
+        """The compiled ``BlockRows`` (``runner/_native.pyx``), or ``None``."""
         self._req_ids: list[str | None] = [None] * max_num_reqs
         self._states: list[CachedRequestState | None] = [None] * max_num_reqs
         self.req_id_to_index: dict[str, int] = {}
@@ -162,11 +169,14 @@ class InputBatch:
         rows = []
         toks = self.token_ids_cpu
         num_tokens, num_prompt, ncc = self.num_tokens, self.num_prompt_tokens, self.num_computed_tokens_cpu
+        sched, nulled = self.num_scheduled_tokens, self.num_computed_tokens_nulled
         temperature, top_k, top_p = self.temperature, self.top_k, self.top_p
         tables = self.block_table.block_tables
+        holes, req_ids, row_states, index = self._holes, self._req_ids, self._states, self.req_id_to_index
+        nblocks = self.block_table.num_blocks_per_row
         for st in states:
-            if self._holes:
-                row = heapq.heappop(self._holes)
+            if holes:
+                row = heapq.heappop(holes)
             else:
                 row = self._num_rows
                 self._num_rows += 1
@@ -177,20 +187,25 @@ class InputBatch:
             num_tokens[row] = n
             num_prompt[row] = st._num_prompt_tokens
             ncc[row] = st._num_computed_tokens
-            self.num_scheduled_tokens[row] = 0
-            self.num_computed_tokens_nulled[row] = 0
+            sched[row] = 0
+            nulled[row] = 0
             sp = st.sampling_params
             temperature[row] = sp.temperature
             top_k[row] = sp.top_k
             top_p[row] = sp.top_p
             if st.generator is not None:
                 self.generators[row] = st.generator
-            for bt, ids in zip(tables, st._block_ids_np):
-                bt.fill_vacant_row(ids, row)  # vacant rows hold no blocks; capacity checked above
-            self._req_ids[row] = st.req_id
-            self._states[row] = st
-            self.req_id_to_index[st.req_id] = row
-            st._attach(self, row)
+            for bt, ids, counts in zip(tables, st._block_ids_np, nblocks):
+                if bt.kernel_blocks_per_block == 1:  # fill_vacant_row, inline (the common case)
+                    n = ids.shape[0]
+                    bt.block_table_np[row, :n] = ids
+                    counts[row] = n
+                else:
+                    bt.fill_vacant_row(ids, row)  # vacant rows hold no blocks; capacity checked above
+            req_ids[row] = st.req_id
+            row_states[row] = st
+            index[st.req_id] = row
+            st._batch, st._row, st._token_ids_np, st._block_ids_np = self, row, None, None  # st._attach
         return rows
 
     def remove_request(self, req_id: str, keep_state: bool = True) -> int | None:
@@ -215,24 +230,24 @@ class InputBatch:
             The freed rows of the requests that were in the batch.
         """
         rows = []
-        tables = self.block_table.block_tables
+        index, row_states, ids = self.req_id_to_index, self._states, self._req_ids
         for rid in req_ids:
-            row = self.req_id_to_index.pop(rid, None)
+            row = index.pop(rid, None)
             if row is None:
                 continue
-            st = self._states[row]
+            st = row_states[row]
             if keep_state:
                 st._detach()
             else:
                 st._drop()
-            self._states[row] = None
-            self._req_ids[row] = None
+            row_states[row] = None
+            ids[row] = None
             if st.generator is not None:
                 self.generators.pop(row, None)
-            for bt in tables:  # one slice per row: cheaper than a fancy clear for a few rows
-                bt.clear_row(row)
             heapq.heappush(self._holes, row)
             rows.append(row)
+        if rows:
+            (self._row_ops or self.block_table).clear_rows(rows)
         return rows
 
     # --- moving rows --------------------------------------------------------------------

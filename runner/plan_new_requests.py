@@ -105,6 +105,10 @@ def plan_new_requests(sc: "StepCompiler", new_reqs: Sequence[NewRequestData],
     packer = sc._block_packer
     suspicious = packer.min <= NULL_BLOCK_ID or packer.max >= sc.num_blocks
     states, k = [], 0
+    max_len = sc.max_model_len
+    # per group: blocks a row holds at most, and tokens a block covers (0: any, Mamba)
+    limits = [(m, 0 if kind == "mamba" else b) for m, b, kind in
+              zip(sc.max_num_blocks_per_req, sc.block_sizes, sc.group_kinds)]
     for i, (nr, cnt) in enumerate(zip(new_reqs, new_counts)):
         rid = nr.req_id
         tokens = toks[k]
@@ -113,22 +117,23 @@ def plan_new_requests(sc: "StepCompiler", new_reqs: Sequence[NewRequestData],
             tokens = np.concatenate((tokens, toks[k]))
             k += 1
         held = tokens.shape[0]
-        if held > sc.max_model_len:
-            err(rid, "prompt_token_ids", f"request holds {held} tokens but max_model_len is {sc.max_model_len}")
+        if held > max_len:
+            err(rid, "prompt_token_ids", f"request holds {held} tokens but max_model_len is {max_len}")
         ncts = nr.num_computed_tokens
-        if not isinstance(ncts, (int, np.integer)) or isinstance(ncts, bool) or ncts < 0:
+        if type(ncts) is not int and (not isinstance(ncts, (int, np.integer)) or isinstance(ncts, bool)) or ncts < 0:
             err(rid, "num_computed_tokens", f"must be an int >= 0, got {ncts!r}")
-        seq = int(ncts) + cnt
+        ncts = int(ncts)
+        seq = ncts + cnt
         if seq > held:
             err(rid, "num_scheduled_tokens", f"schedules positions [{ncts}, {seq}) but the request holds "
                 f"only {held} tokens")
-        arrs = blocks[i * G:(i + 1) * G]
-        for g, a in enumerate(arrs):
+        arrs = tuple(blocks[i * G:(i + 1) * G])
+        for g, (a, (most, per_block)) in enumerate(zip(arrs, limits)):
             n = a.shape[0]
-            if suspicious or n > sc.max_num_blocks_per_req[g] or (
-                    n * sc.block_sizes[g] < seq and sc.group_kinds[g] != "mamba"):
-                check_block_list(sc, rid, "block_ids", g, a, int(ncts), seq)
-        check_sampling(rid, nr.sampling_params)
-        states.append(CachedRequestState(rid, nr.prompt_token_ids, arrs, int(ncts), nr.sampling_params,
-                                         token_ids_np=tokens))
+            if suspicious or n > most or n * per_block < seq and per_block:
+                check_block_list(sc, rid, "block_ids", g, a, ncts, seq)
+        sp = nr.sampling_params
+        check_sampling(rid, sp)
+        states.append(CachedRequestState(rid, nr.prompt_token_ids, arrs, ncts, sp, token_ids_np=tokens,
+                                         block_ids_np=arrs))
     return states

@@ -48,6 +48,9 @@ class CachedRequestState:
         output_token_ids: tokens generated so far (non-empty for a request re-sent in full).
         generator: per-request RNG; ``None`` creates one from ``sampling_params.seed`` (or
             none when unseeded).
+        token_ids_np, block_ids_np: the same tokens (``[num_tokens]`` ``int32``) and block
+            ids (per group ``[n]`` ``int32``) already converted (the step compiler's
+            packers); then ``output_token_ids`` / ``block_ids`` are not read again.
 
     Attributes:
         req_id, prompt_token_ids, sampling_params, generator: as given.
@@ -59,17 +62,18 @@ class CachedRequestState:
     def __init__(self, req_id: str, prompt_token_ids: Sequence[int], block_ids: Sequence[Sequence[int]],
                  num_computed_tokens: int = 0, sampling_params: SamplingParams | None = None,
                  output_token_ids: Sequence[int] = (), generator: torch.Generator | None = None,
-                 *, token_ids_np: np.ndarray | None = None):
+                 *, token_ids_np: np.ndarray | None = None, block_ids_np: tuple[np.ndarray, ...] | None = None):
         self.req_id = req_id
         self.prompt_token_ids = prompt_token_ids
-        self.sampling_params = SamplingParams() if sampling_params is None else sampling_params
-        self.generator = make_generator(self.sampling_params) if generator is None else generator
+        sp = self.sampling_params = SamplingParams() if sampling_params is None else sampling_params
+        self.generator = generator if generator is not None or sp.seed is None else make_generator(sp)
         self._num_prompt_tokens = len(prompt_token_ids)
         if token_ids_np is None:
             token_ids_np = np.asarray([*prompt_token_ids, *output_token_ids], dtype=np.int32)
         self._token_ids_np = token_ids_np
         """Detached storage: prompt then outputs, ``[num_tokens]`` int32 (``None`` while attached)."""
-        self._block_ids_np = tuple(np.asarray(b, dtype=np.int32) for b in block_ids)
+        self._block_ids_np = (tuple(np.asarray(b, dtype=np.int32) for b in block_ids)
+                              if block_ids_np is None else block_ids_np)
         self._num_computed_tokens = int(num_computed_tokens)
         self._batch: InputBatch | None = None
         self._row = -1

@@ -115,8 +115,9 @@ class StepCompiler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.reorder_batch_threshold = reorder_batch_threshold
         self.device = torch.device(device)
+        use_native = NATIVE is not None and native is not False
         self.input_batch = InputBatch(max_num_reqs, max_model_len, max_num_batched_tokens, self.block_sizes,
-                                      self.device, self.kernel_block_sizes)
+                                      self.device, self.kernel_block_sizes, use_native)
         kmax = max(b // k for b, k in zip(self.block_sizes, self.kernel_block_sizes))
         if num_blocks is None:
             num_blocks = (2**31 - 1) // kmax
@@ -135,7 +136,6 @@ class StepCompiler:
         self._capacity_col = np.asarray([max_model_len if k == "mamba" else b for b, k in
                                          zip(self.block_sizes, self.group_kinds)], dtype=np.int64)[:, None]
         self.requests: dict[str, CachedRequestState] = {}
-        use_native = NATIVE is not None and native is not False
         self.native = use_native
         """Whether the compiled fast paths run (``runner.native``)."""
         self._preparer = InputPreparer(max_num_reqs, max_model_len, max_num_batched_tokens, self.device,
