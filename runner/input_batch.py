@@ -208,6 +208,35 @@ class InputBatch:
             st._batch, st._row, st._token_ids_np, st._block_ids_np = self, row, None, None  # st._attach
         return rows
 
+    def admit_scanned(self, new_reqs: Sequence, scan, requests: dict[str, CachedRequestState]) -> list[int]:
+        """Admit fresh requests that ``scan`` (the compiled ``NewScan``) validated and staged.
+
+        Rows are assigned as :meth:`add_requests` does (lowest free row first, in order);
+        ``scan.write_rows`` writes tokens, counts, sampling columns and block ids; then each
+        request gets its (attached) :class:`CachedRequestState`, also stored in ``requests``.
+        The caller guarantees the ids are not in the batch and the rows suffice.
+        """
+        rows = []
+        holes = self._holes
+        for _ in new_reqs:
+            if holes:
+                rows.append(heapq.heappop(holes))
+            else:
+                rows.append(self._num_rows)
+                self._num_rows += 1
+        scan.write_rows(rows)
+        req_ids, row_states, index = self._req_ids, self._states, self.req_id_to_index
+        for nr, row in zip(new_reqs, rows):
+            st = CachedRequestState._admitted(nr, self, row)
+            rid = st.req_id
+            requests[rid] = st
+            req_ids[row] = rid
+            row_states[row] = st
+            index[rid] = row
+            if st.generator is not None:
+                self.generators[row] = st.generator
+        return rows
+
     def remove_request(self, req_id: str, keep_state: bool = True) -> int | None:
         """Take ``req_id`` out of the batch, leaving a hole; return its old row.
 

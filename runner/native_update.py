@@ -58,9 +58,14 @@ def plan_update_native(sc: "StepCompiler", so: SchedulerOutput, finished: list[s
         return None
     # C and the new ids are disjoint and duplicate-free (scan + check_finished_and_new), all
     # found in nst, and len(nst) == nC + nN: nst holds exactly the scheduled requests.
-    new_states = plan_new_requests(sc, new_reqs, new_counts)
+    new_scanned = None
+    if new_reqs and sc._new_scan.scan(new_reqs if type(new_reqs) is list else list(new_reqs), new_counts):
+        new_states, new_scanned = [], new_reqs
+    else:
+        new_states = plan_new_requests(sc, new_reqs, new_counts)
     fin_in_batch = sum(1 for rid in finished if rid in idx)
     unscheduled: list[str] = []
     if batch.num_reqs - fin_in_batch > nC:
         unscheduled = [rid for rid, r in idx.items() if not scan.is_scheduled(r) and rid not in fin_set]
-    return UpdatePlan(finished, unscheduled, new_states, new_counts, [], [], None, None, None, native=True)
+    return UpdatePlan(finished, unscheduled, new_states, new_counts, [], [], None, None, None,
+                      new_scanned=new_scanned, native=True)

@@ -78,6 +78,21 @@ class CachedRequestState:
         self._batch: InputBatch | None = None
         self._row = -1
 
+    @classmethod
+    def _admitted(cls, new_req, batch: "InputBatch", row: int) -> "CachedRequestState":
+        """The state of a fresh request whose row ``InputBatch.admit_scanned`` already
+        wrote (``new_req``: its ``NewRequestData``, validated)."""
+        st = cls.__new__(cls)
+        st.req_id = new_req.req_id
+        st.prompt_token_ids = new_req.prompt_token_ids
+        sp = st.sampling_params = new_req.sampling_params
+        st.generator = None if sp.seed is None else make_generator(sp)
+        st._num_prompt_tokens = len(new_req.prompt_token_ids)
+        st._token_ids_np = st._block_ids_np = None
+        st._num_computed_tokens = new_req.num_computed_tokens
+        st._batch, st._row = batch, row
+        return st
+
     # --- batch attachment (used by InputBatch only) -------------------------------------
     def _attach(self, batch: "InputBatch", row: int) -> None:
         self._batch, self._row = batch, row

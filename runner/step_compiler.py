@@ -36,7 +36,7 @@ from attnplug.core.validation import BatchView, RowState, validate
 from attnplug.runner.input_batch import InputBatch
 from attnplug.runner.prepare_inputs import InputPreparer, StepInputs, build_common_attn_metadata
 from attnplug.runner.request_state import CachedRequestState
-from attnplug.runner.scheduler_output import SchedulerOutput
+from attnplug.runner.scheduler_output import SamplingParams, SchedulerOutput
 from attnplug.runner.int_packer import IntPacker
 from attnplug.runner.native import NATIVE
 from attnplug.runner.update_states import apply_update, plan_update
@@ -143,7 +143,7 @@ class StepCompiler:
         self._prompt_packer = IntPacker(native=use_native)
         self._block_packer = IntPacker(1 << 12, native=use_native)
         self._delta_packer = IntPacker(1 << 10, native=use_native)
-        self._cached_scan = None
+        self._cached_scan = self._new_scan = None
         if use_native:
             b = self.input_batch
             tables = list(b.block_table)
@@ -152,6 +152,13 @@ class StepCompiler:
                 b.block_table.num_blocks_per_row, [bt.block_table_np for bt in tables],
                 [bt.kernel_block_table.np for bt in tables], [bt.kernel_blocks_per_block for bt in tables],
                 self._capacity_col[:, 0], self.num_blocks_per_group)
+            self._new_scan = NATIVE.NewScan(
+                b.token_ids_cpu, b.num_tokens, b.num_prompt_tokens, b.num_computed_tokens_cpu, b.num_scheduled_tokens,
+                b.num_computed_tokens_nulled, b.temperature, b.top_k, b.top_p, b.block_table.num_blocks_per_row,
+                [bt.block_table_np for bt in tables], [bt.kernel_block_table.np for bt in tables],
+                [bt.kernel_blocks_per_block for bt in tables],
+                [0 if k == "mamba" else bs for bs, k in zip(self.block_sizes, self.group_kinds)],
+                self.num_blocks_per_group, SamplingParams)
         self.validate = os.environ.get("ATTNPLUG_VALIDATE") == "1" if validate is None else bool(validate)
 
     # --- the step -----------------------------------------------------------------------

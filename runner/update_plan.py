@@ -47,6 +47,9 @@ class UpdatePlan:
     resumed: list[tuple[int, tuple[np.ndarray, ...]]] = field(default_factory=list)
     appends: BlockAppends | None = None
     """Blocks appended to non-resumed cached requests; ``None`` when there are none."""
+    new_scanned: list | None = None
+    """The fresh requests (``NewRequestData``) staged by the compiled ``NewScan``; then
+    ``new_states`` is empty and ``InputBatch.admit_scanned`` admits them."""
     native: bool = False
     """Planned by the compiled scan (``runner.native_update``): the cached requests' merge
     is ``StepCompiler._cached_scan.apply()``, and ``rows_c`` … ``appends`` are unused."""

@@ -351,6 +351,8 @@ def apply_update(sc: "StepCompiler", plan: UpdatePlan) -> None:
         batch.remove_requests(plan.unscheduled)
     for st in plan.new_states:
         reqs[st.req_id] = st
+    if plan.new_scanned is not None:  # compiled path: rows written from NewScan's staging
+        batch.admit_scanned(plan.new_scanned, sc._new_scan, reqs)
     states = plan.new_states + [reqs[rid] for rid in plan.readd_ids] if plan.readd_ids else plan.new_states
     rows = batch.add_requests(states)
     rows_c = plan.rows_c

@@ -1,0 +1,48 @@
+# BlockRows: row operations on every cache group's block table — included by _native.pyx (shares its cimports and helpers)
+
+cdef class BlockRows:
+    """Row operations on every group of a ``MultiGroupBlockTable``, bound to its arrays.
+
+    Args:
+        num_blocks_per_row: ``[G, max_num_reqs]`` ``int32``.
+        block_tables, kernel_tables: per group, the manager and kernel tables (the same
+            array when ``k == 1``).
+        kernel_blocks_per_block: per group, ``k``.
+    """
+
+    cdef int32_t[:, ::1] nblocks
+    cdef list tables, ktables
+    cdef int64_t[::1] kpb
+
+    def __init__(self, num_blocks_per_row, list block_tables, list kernel_tables, kernel_blocks_per_block):
+        self.nblocks = num_blocks_per_row
+        self.tables, self.ktables = block_tables, kernel_tables
+        self.kpb = np.asarray(kernel_blocks_per_block, dtype=np.int64)
+
+    def clear_rows(self, list rows):
+        """Set the blocks of ``rows`` (Python ints) to ``NULL_BLOCK_ID`` in every group and
+        their counts to 0.
+
+        Raises:
+            IndexError: a row outside the table (nothing after it is cleared).
+        """
+        cdef Py_ssize_t g, i, r, n, M = self.nblocks.shape[1], t
+        cdef int64_t k
+        cdef int32_t[:, ::1] tab, ktab
+        for i in range(len(rows)):
+            r = rows[i]
+            if r < 0 or r >= M:
+                raise IndexError(f"row {r} is outside the block table ({M} rows)")
+        for g in range(self.nblocks.shape[0]):
+            tab = self.tables[g]
+            ktab = self.ktables[g]
+            k = self.kpb[g]
+            for i in range(len(rows)):
+                r = rows[i]
+                n = self.nblocks[g, r]
+                for t in range(n):
+                    tab[r, t] = NULL_BLOCK
+                if k > 1:
+                    for t in range(n * k):
+                        ktab[r, t] = NULL_BLOCK
+                self.nblocks[g, r] = 0
