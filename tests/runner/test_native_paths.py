@@ -14,7 +14,7 @@ import pytest
 from attnplug.core.errors import InvalidSchedulerOutput
 from attnplug.runner.int_packer import IntPacker
 from attnplug.runner.native import NATIVE
-from attnplug.runner.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+from attnplug.runner.scheduler_output import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
 from attnplug.runner.step_compiler import StepCompiler
 from attnplug.runner.update_states import plan_update
 
@@ -45,10 +45,11 @@ def regular_step(**change) -> SchedulerOutput:
     """A and B decode one token each (B crosses into a new block of group 0, A gets one
     ahead of need); a new D."""
     c = dict(req_ids=["A", "B"], resumed=[False, False], tokens=[[], []], blocks=[([5], []), ([7], [])],
-             ncts=[7, 4], nst={"A": 1, "B": 1, "D": 2}, finished=set(), new_ids=[9, 9, 9])
+             ncts=[7, 4], nst={"A": 1, "B": 1, "D": 2}, finished=set(), new_ids=[9, 9, 9], new_blocks=([6], [4]),
+             new_ncts=0, new_outs=[], sp=SamplingParams())
     c.update(change)
     return SchedulerOutput(
-        [NewRequestData("D", c["new_ids"], ([6], [4]))],
+        [NewRequestData("D", c["new_ids"], c["new_blocks"], c["new_ncts"], c["sp"], c["new_outs"])],
         CachedRequestData(c["req_ids"], c["resumed"], c["tokens"], c["blocks"], c["ncts"]),
         c["nst"], finished_req_ids=c["finished"])
 
@@ -56,7 +57,9 @@ def regular_step(**change) -> SchedulerOutput:
 def test_a_regular_step_takes_the_compiled_path_and_matches_numpy():
     fast, slow = make(True), make(False)
     so = regular_step()
-    assert plan_update(fast, so).native and not plan_update(slow, so).native
+    plan = plan_update(fast, so)
+    assert plan.native and plan.new_scanned is not None and not plan.new_states  # NewScan staged D
+    assert not plan_update(slow, so).native
     for sc in (fast, slow):
         sc.update_states(so)
     a, b = fast.prepare_inputs(so), slow.prepare_inputs(so)
@@ -91,7 +94,23 @@ BAD = [  # (change to the regular step, request id, field)
     (dict(blocks=[([5, 6, 8, 9, 10, 11, 12], []), ([7], [])]), "A", "new_block_ids"),  # > 8 blocks
     (dict(finished={"B"}), "B", "finished_req_ids"),  # finished and scheduled
     (dict(resumed=[False, 1]), None, None),  # not exactly False: numpy path (valid there)
+    # the new request D (NewScan, or plan_new_requests when it declines)
     (dict(new_ids=[9, -1, 9]), "D", "prompt_token_ids"),
+    (dict(new_ids=[9, 2**31, 9]), "D", "prompt_token_ids"),
+    (dict(new_ids=[]), "D", "prompt_token_ids"),
+    (dict(new_ids=list(range(33))), "D", "prompt_token_ids"),  # > max_model_len
+    (dict(new_ids=(9, 8, 7)), None, None),  # a tuple prompt is fine
+    (dict(new_outs=[5, 6], nst={"A": 1, "B": 1, "D": 5}), None, None),  # re-sent outputs
+    (dict(new_outs=[5, -6]), "D", "output_token_ids"),
+    (dict(new_ncts=2, nst={"A": 1, "B": 1, "D": 2}), "D", "num_scheduled_tokens"),  # seq 4 > 3 held
+    (dict(new_ncts=-1), "D", "num_computed_tokens"),
+    (dict(new_blocks=([6], [])), "D", "block_ids"),  # group 1 has no block for seq_len 2
+    (dict(new_blocks=([0], [4])), "D", "block_ids"),  # the null block
+    (dict(new_blocks=([6], [10])), "D", "block_ids"),  # outside group 1's pool
+    (dict(new_blocks=([6],)), "D", "block_ids"),
+    (dict(sp=SamplingParams(temperature=-1.0)), "D", "sampling_params"),
+    (dict(sp=SamplingParams(top_p=0.0)), "D", "sampling_params"),
+    (dict(sp=SamplingParams(temperature=0.7, top_k=5, top_p=0.9, seed=11)), None, None),
 ]
 
 
@@ -111,7 +130,12 @@ def test_irregular_or_bad_cached_parts_fall_back_to_the_same_outcome(change, req
             outcomes.append((e.req_id, e.field))
         else:
             inp = sc.prepare_inputs(so)
-            outcomes.append((inp.req_ids, inp.positions.tolist(), [s.tolist() for s in inp.slot_mapping]))
+            b, R = sc.input_batch, inp.num_reqs
+            d = sc.requests["D"]
+            outcomes.append((inp.req_ids, inp.positions.tolist(), inp.input_ids.tolist(),
+                             [s.tolist() for s in inp.slot_mapping], d.all_token_ids, d.num_prompt_tokens,
+                             d.block_ids, d.generator is None, sorted(b.generators),
+                             [c[:R].tolist() for c in b.row_columns]))
     assert outcomes[0] == outcomes[1]
     if field is not None:
         assert outcomes[0] == (req_id, field)
