@@ -107,6 +107,9 @@ class InputPreparer:
         self._discard = np.zeros(max_num_reqs, dtype=bool)
         self._is_prefilling = np.zeros(max_num_reqs, dtype=bool)
         self._native = NATIVE if native else None
+        self._cached_views: tuple | None = None
+        """On a CPU device (buffers aliased: nothing to copy), the compiled path's views of
+        the last ``(batch, R, Q, P)``, reused while those sizes repeat (steady decode)."""
         self._bound: tuple[InputBatch, tuple, object] | None = None
         """``(batch, group_kinds, NATIVE.Prepare)`` bound to that batch's columns."""
 
@@ -196,17 +199,31 @@ class InputPreparer:
         Q, max_query_len, max_seq_len = self._native_for(batch, group_kinds).prepare(
             R, -1 if num_tokens_padded is None else num_tokens_padded)
         P = Q if num_tokens_padded is None else int(num_tokens_padded)
-        block_tables, slot_mappings = [], []
-        for bt in batch.block_table:
-            bt.commit(R)
-            block_tables.append(bt.get_device_tensor(R))
-            slot_mappings.append(bt.slot_mapping.copy_to_gpu(P))
-        return self._step_inputs(batch, R, Q, P, max_query_len, max_seq_len, sched, ncc, self._req_indices[:Q],
-                                 self._discard[:R], self._is_prefilling[:R], slot_mappings, block_tables)
+        key = (batch, R, Q, P)
+        if self._cached_views is not None and self._cached_views[0] == key:
+            views = self._cached_views[1]  # CPU device: views of the same prefixes as last step
+        else:
+            block_tables, slot_mappings = [], []
+            for bt in batch.block_table:
+                bt.commit(R)
+                block_tables.append(bt.get_device_tensor(R))
+                slot_mappings.append(bt.slot_mapping.copy_to_gpu(P))
+            views = (self._req_indices[:Q], self._discard[:R], self._is_prefilling[:R], slot_mappings, block_tables,
+                     self._buffer_views(R, P))
+            self._cached_views = (key, views) if self.query_start_loc.aliased else None
+        return self._step_inputs(batch, R, Q, P, max_query_len, max_seq_len, sched, ncc, *views)
+
+    def _buffer_views(self, R: int, P: int) -> tuple[torch.Tensor, ...]:
+        """Host → device copies of the step's prefixes; returns the device and host views
+        (query_start_loc, positions, input_ids, seq_lens, logits_indices)."""
+        qsl, pos, sl, li = self.query_start_loc, self.positions, self.seq_lens, self.logits_indices
+        return (qsl.copy_to_gpu(R + 1), qsl.cpu_view(R + 1), pos.copy_to_gpu(P), pos.cpu_view(P),
+                self.input_ids.copy_to_gpu(P), sl.copy_to_gpu(R), sl.cpu_view(R), li.copy_to_gpu(R), li.cpu_view(R))
 
     def _step_inputs(self, batch, R, Q, P, max_query_len, max_seq_len, sched, ncc, req_indices, discard,
-                     is_prefilling, slot_mappings, block_tables) -> StepInputs:
-        """Wrap the filled buffers (host → device copies of their prefixes)."""
+                     is_prefilling, slot_mappings, block_tables, buffer_views=None) -> StepInputs:
+        """Wrap the filled buffers (``buffer_views``: :meth:`_buffer_views`, made here when ``None``)."""
+        qsl, qsl_cpu, pos, pos_cpu, ids, sl, sl_cpu, li, li_cpu = buffer_views or self._buffer_views(R, P)
         return StepInputs(
             req_ids=batch.req_ids,
             num_reqs=R,
@@ -218,19 +235,19 @@ class InputPreparer:
             num_computed_tokens=ncc,
             num_tokens=batch.num_tokens[:R],
             req_indices=req_indices,
-            query_start_loc=self.query_start_loc.copy_to_gpu(R + 1),
-            query_start_loc_cpu=self.query_start_loc.cpu_view(R + 1),
-            positions=self.positions.copy_to_gpu(P),
-            positions_cpu=self.positions.cpu_view(P),
-            input_ids=self.input_ids.copy_to_gpu(P),
-            seq_lens=self.seq_lens.copy_to_gpu(R),
-            seq_lens_cpu=self.seq_lens.cpu_view(R),
-            logits_indices=self.logits_indices.copy_to_gpu(R),
-            logits_indices_cpu=self.logits_indices.cpu_view(R),
+            query_start_loc=qsl,
+            query_start_loc_cpu=qsl_cpu,
+            positions=pos,
+            positions_cpu=pos_cpu,
+            input_ids=ids,
+            seq_lens=sl,
+            seq_lens_cpu=sl_cpu,
+            logits_indices=li,
+            logits_indices_cpu=li_cpu,
             discard=discard,
             is_prefilling=is_prefilling,
-            slot_mapping=slot_mappings,
-            block_table_tensor=block_tables,
+            slot_mapping=list(slot_mappings),  # own lists: the tensors may be shared with
+            block_table_tensor=list(block_tables),  # the previous step's (cached views)
         )
 
 

@@ -193,7 +193,23 @@ class StepCompiler:
             MetadataError: a bad ``num_tokens_padded``.
             MetadataInvariantError: with validation on, a broken invariant.
         """
-        Q = int(self.input_batch.num_scheduled_tokens[:self.input_batch.num_reqs].sum())
+        b = self.input_batch
+        if self.native and (num_tokens_padded is None or 0 <= num_tokens_padded <= self.max_num_batched_tokens):
+            # the compiled loop counts the tokens as it goes: check its count afterwards
+            # (it writes only the step's output buffers, no request state)
+            inputs = self._preparer.prepare(b, self.group_kinds, num_tokens_padded)
+            self._check_step_size(scheduler_output, inputs.num_actual_tokens, num_tokens_padded)
+        else:
+            self._check_step_size(scheduler_output, int(b.num_scheduled_tokens[:b.num_reqs].sum()),
+                                  num_tokens_padded)
+            inputs = self._preparer.prepare(b, self.group_kinds, num_tokens_padded)
+        if build_metadata or self.validate:
+            self.build_common_attn_metadata(inputs)
+        if self.validate:
+            self.check(inputs)
+        return inputs
+
+    def _check_step_size(self, scheduler_output: SchedulerOutput | None, Q: int, num_tokens_padded: int | None):
         if scheduler_output is not None and scheduler_output.total_num_scheduled_tokens != Q:
             raise InvalidSchedulerOutput(None, "total_num_scheduled_tokens", (
                 f"is {scheduler_output.total_num_scheduled_tokens} but the batch holds {Q} scheduled "
@@ -201,12 +217,6 @@ class StepCompiler:
         if num_tokens_padded is not None and not Q <= num_tokens_padded <= self.max_num_batched_tokens:
             raise MetadataError(f"num_tokens_padded={num_tokens_padded} must lie in [{Q}, "
                                 f"{self.max_num_batched_tokens}] (num_actual_tokens .. max_num_batched_tokens)")
-        inputs = self._preparer.prepare(self.input_batch, self.group_kinds, num_tokens_padded)
-        if build_metadata or self.validate:
-            self.build_common_attn_metadata(inputs)
-        if self.validate:
-            self.check(inputs)
-        return inputs
 
     def build_common_attn_metadata(self, inputs: StepInputs):
         """Build (and store in ``inputs``) the per-group :class:`CommonAttentionMetadata`."""
