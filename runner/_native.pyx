@@ -60,20 +60,21 @@ NATIVE_API = 1
 
 cdef extern from *:
     """
+    #include <stdint.h>
     /* An exact int (not a bool or subclass) that fits int64 -> 1 and *out; else 0.
        Small ints (one digit / "compact") are read inline: ~2.5x faster than the C API. */
-    static inline int attnplug_exact_int(PyObject *o, long long *out) {
+    static inline int attnplug_exact_int(PyObject *o, int64_t *out) {
         if (!PyLong_CheckExact(o)) return 0;
     #if PY_VERSION_HEX >= 0x030C0000
         if (PyUnstable_Long_IsCompact((PyLongObject *)o)) {
-            *out = (long long)PyUnstable_Long_CompactValue((PyLongObject *)o);
+            *out = (int64_t)PyUnstable_Long_CompactValue((PyLongObject *)o);
             return 1;
         }
     #else
         Py_ssize_t size = Py_SIZE(o);
         if (size == 0) { *out = 0; return 1; }
-        if (size == 1) { *out = (long long)((PyLongObject *)o)->ob_digit[0]; return 1; }
-        if (size == -1) { *out = -(long long)((PyLongObject *)o)->ob_digit[0]; return 1; }
+        if (size == 1) { *out = (int64_t)((PyLongObject *)o)->ob_digit[0]; return 1; }
+        if (size == -1) { *out = -(int64_t)((PyLongObject *)o)->ob_digit[0]; return 1; }
     #endif
         int overflow = 0;
         long long v = PyLong_AsLongLongAndOverflow(o, &overflow);
@@ -83,6 +84,36 @@ cdef extern from *:
     }
     """
     bint _exact_int "attnplug_exact_int"(object o, int64_t* out) noexcept
+
+
+cdef extern from *:
+    """
+    /* The items of a list or tuple (1, with *items and *n), or 0 for anything else. */
+    static inline int attnplug_items(PyObject *s, PyObject ***items, Py_ssize_t *n) {
+        if (PyList_CheckExact(s)) { *items = ((PyListObject *)s)->ob_item; *n = PyList_GET_SIZE(s); return 1; }
+        if (PyTuple_CheckExact(s)) { *items = ((PyTupleObject *)s)->ob_item; *n = PyTuple_GET_SIZE(s); return 1; }
+        return 0;
+    }
+    /* Ints items[0:n], each in [lo, hi), into out[0:n], widening [*vmin, *vmax] to cover
+       them. Prefetches 64 items ahead (the int objects of a step are usually cold: the
+       best distance of 8..128 measured on cold prompts). Returns n, or the index of the
+       first item that is not an int in range. */
+    static inline Py_ssize_t attnplug_pack(PyObject **items, Py_ssize_t n, int32_t *out, int64_t lo,
+                                           int64_t hi, int64_t *vmin, int64_t *vmax) {
+        for (Py_ssize_t j = 0; j < n; j++) {
+            int64_t v;
+            if (j + 64 < n) attnplug_prefetch(items[j + 64]);
+            if (!attnplug_exact_int(items[j], &v) || v < lo || v >= hi) return j;
+            out[j] = (int32_t)v;
+            if (v < *vmin) *vmin = v;
+            if (v > *vmax) *vmax = v;
+        }
+        return n;
+    }
+    """
+    bint _items "attnplug_items"(object s, PyObject*** items, Py_ssize_t* n) noexcept
+    Py_ssize_t _pack "attnplug_pack"(PyObject** items, Py_ssize_t n, int32_t* out, int64_t lo, int64_t hi,
+                                     int64_t* vmin, int64_t* vmax) noexcept
 
 
 cdef inline Py_ssize_t _seq_len(object s):
@@ -114,25 +145,16 @@ def pack_int32(list seqs, int32_t[::1] out, int64_t lo=0, int64_t hi=INT32_MAX +
         holds something that is not an ``int``, or a value out of range (what was written
         before it is garbage), ``(-(len(seqs) + 1), 0, 0)`` when ``out`` is too small.
     """
-    cdef Py_ssize_t k, i, n, off = 0, cap = out.shape[0]
-    cdef int64_t v, vmin = hi, vmax = lo
-    cdef object s, o
+    cdef Py_ssize_t k, n, off = 0, cap = out.shape[0]
+    cdef int64_t vmin = hi, vmax = lo
+    cdef PyObject** items
     for k in range(len(seqs)):
-        s = <object>PyList_GET_ITEM(seqs, k)
-        n = _seq_len(s)
-        if n < 0:
+        if not _items(<object>PyList_GET_ITEM(seqs, k), &items, &n):
             return -(k + 1), 0, 0
         if off + n > cap:
             return -(len(seqs) + 1), 0, 0
-        for i in range(n):
-            o = _item(s, i)
-            if not _exact_int(o, &v) or v < lo or v >= hi:
-                return -(k + 1), 0, 0
-            out[off + i] = <int32_t>v
-            if v < vmin:
-                vmin = v
-            if v > vmax:
-                vmax = v
+        if n and _pack(items, n, &out[off], lo, hi, &vmin, &vmax) != n:
+            return -(k + 1), 0, 0
         off += n
     if off == 0:
         vmin = vmax = 0

@@ -64,26 +64,6 @@ cdef class NewScan:
         self._blk_off, self._blk_len = np.zeros((self.G, M), np.int64), np.zeros((self.G, M), np.int64)
         self._boff = np.zeros(self.G, np.int64)
 
-    cdef bint _pack(self, object seq, Py_ssize_t n, Py_ssize_t off):
-        """Tokens ``seq[0:n]`` into the staging buffer at ``off`` (room checked by the caller)."""
-        cdef Py_ssize_t j
-        cdef int64_t v
-        cdef PyObject** items
-        if PyList_CheckExact(seq):  # prefetch ahead: the int objects are usually cold
-            items = (<PyListObject*>seq).ob_item
-            for j in range(n):
-                if j + 16 < n:
-                    _prefetch(items[j + 16])
-                if not _exact_int(<object>items[j], &v) or v < 0 or v > INT32_MAX:
-                    return False
-                self._tok[off + j] = <int32_t>v
-            return True
-        for j in range(n):
-            if not _exact_int(_item(seq, j), &v) or v < 0 or v > INT32_MAX:
-                return False
-            self._tok[off + j] = <int32_t>v
-        return True
-
     def scan(self, list new_reqs, list new_counts):
         """Check and stage ``new_reqs`` (their counts already checked ``>= 1``); change
         nothing in the batch.
@@ -93,9 +73,12 @@ cdef class NewScan:
         """
         cdef Py_ssize_t k = len(new_reqs), i, g, j, n_p, n_o, held, off = 0, n
         cdef Py_ssize_t max_len = self.tokens.shape[1]
-        cdef int64_t v, c, seq, bid, tk
+        cdef int64_t v, c, seq, tk, lo, hi
         cdef double t, p
-        cdef object nr, prompt, outs, blocks, lst, sp, x
+        cdef object nr, prompt, outs, blocks, sp, x
+        cdef PyObject** pitems
+        cdef PyObject** oitems
+        cdef PyObject** bitems
         cdef int64_t[::1] boff = self._boff
         if k > self.M or len(new_counts) != k:
             return False
@@ -105,8 +88,7 @@ cdef class NewScan:
             nr = new_reqs[i]
             prompt = nr.prompt_token_ids
             outs = nr.output_token_ids
-            n_p, n_o = _seq_len(prompt), _seq_len(outs)
-            if n_p < 1 or n_o < 0:
+            if not _items(prompt, &pitems, &n_p) or not _items(outs, &oitems, &n_o) or n_p < 1:
                 return False
             held = n_p + n_o
             if held > max_len:
@@ -122,7 +104,9 @@ cdef class NewScan:
                 grown = np.zeros(max(2 * self._tok.shape[0], off + held), np.int32)
                 grown[:off] = np.asarray(self._tok)[:off]
                 self._tok = grown
-            if not self._pack(prompt, n_p, off) or not self._pack(outs, n_o, off + n_p):
+            lo, hi = INT32_MAX, 0
+            if _pack(pitems, n_p, &self._tok[off], 0, INT32_MAX + 1, &lo, &hi) != n_p or (
+                    n_o and _pack(oitems, n_o, &self._tok[off + n_p], 0, INT32_MAX + 1, &lo, &hi) != n_o):
                 return False
             self._tok_off[i], self._tok_len[i], self._nprompt[i] = off, held, n_p
             self._ncts[i], self._count[i] = v, c
@@ -131,18 +115,16 @@ cdef class NewScan:
             if _seq_len(blocks) != self.G:
                 return False
             for g in range(self.G):
-                lst = _item(blocks, g)
-                n = _seq_len(lst)
-                if n < 0 or n > self.maxb[g] or (self.capacity[g] > 0 and n * self.capacity[g] < seq):
+                if not _items(_item(blocks, g), &bitems, &n):
+                    return False
+                if n > self.maxb[g] or (self.capacity[g] > 0 and n * self.capacity[g] < seq):
                     return False
                 if boff[g] + n > self._blk.shape[1]:
                     grown = np.zeros((self.G, max(2 * self._blk.shape[1], boff[g] + n)), np.int32)
                     grown[:, :self._blk.shape[1]] = np.asarray(self._blk)
                     self._blk = grown
-                for j in range(n):
-                    if not _exact_int(_item(lst, j), &bid) or bid < 1 or bid >= self.pool[g]:
-                        return False
-                    self._blk[g, boff[g] + j] = <int32_t>bid
+                if n and _pack(bitems, n, &self._blk[g, boff[g]], 1, self.pool[g], &lo, &hi) != n:
+                    return False
                 self._blk_off[g, i], self._blk_len[g, i] = boff[g], n
                 boff[g] += n
             sp = nr.sampling_params

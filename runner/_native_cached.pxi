@@ -75,12 +75,13 @@ cdef class CachedScan:
             ``False`` otherwise (take the numpy path).
         """
         cdef Py_ssize_t n = len(req_ids), i, g, j, m = 0, L, nb, r
-        cdef int64_t v, c, seq, total = 0, bid
+        cdef int64_t v, c, seq, total = 0, lo = 0, hi = 0
+        cdef PyObject** bitems
         cdef PyObject* p
         cdef PyObject* key
         cdef Py_ssize_t pos = 0
         cdef bint in_order = True
-        cdef object rid, e, lst
+        cdef object rid, e
         cdef int G = self.G
         if (len(num_computed_tokens) != n or len(new_token_ids) != n or len(new_block_ids) != n
                 or len(resumed_from_preemption) != n or n > self.max_num_reqs):
@@ -133,19 +134,15 @@ cdef class CachedScan:
                 if _seq_len(e) != G:
                     return False
                 for g in range(G):
-                    lst = _item(e, g)
-                    L = _seq_len(lst)
-                    if L < 0:
+                    if not _items(_item(e, g), &bitems, &L):
                         return False
                     nb = self.nblocks[g, r] + L
                     if nb > self.maxb[g] or nb * self.capacity[g] < seq:
                         return False
                     if self._ntot[g] + L > self._ids.shape[1]:
                         return False
-                    for j in range(L):
-                        if not _exact_int(_item(lst, j), &bid) or bid < 1 or bid >= self.pool[g]:
-                            return False
-                        self._ids[g, self._ntot[g] + j] = <int32_t>bid
+                    if L and _pack(bitems, L, &self._ids[g, self._ntot[g]], 1, self.pool[g], &lo, &hi) != L:
+                        return False
                     self._start[g, m] = self.nblocks[g, r]
                     self._len[g, m] = L
                     self._ntot[g] += L
