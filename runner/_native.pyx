@@ -54,7 +54,7 @@ cdef Py_ssize_t PREFETCH = 8  # objects this many requests ahead are prefetched
 cdef int64_t PAD_SLOT = -1  # core.constants.PAD_SLOT_ID
 cdef int32_t NULL_BLOCK = 0  # core.constants.NULL_BLOCK_ID
 
-NATIVE_API = 1
+NATIVE_API = 2
 """Bumped whenever a signature here changes (``runner.native`` checks it)."""
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from types import ModuleType
 
-_EXPECTED_API = 1
+_EXPECTED_API = 2
 
 
 def load_native() -> ModuleType | None:
@@ -23,7 +23,8 @@ def load_native() -> ModuleType | None:
     except ImportError:
         return None
     if getattr(_native, "NATIVE_API", None) != _EXPECTED_API:
-        return None  # built from another version of the source: rebuild with `pip install -e .`
+        return None  # built from another version of the source: rebuild (`pip install -e .`; `make`
+        # does it when runner/_native*.pyx or .pxi change). Bump NATIVE_API with any interface change.
     return _native
 
 

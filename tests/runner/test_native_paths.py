@@ -162,3 +162,16 @@ def test_pack_reports_min_and_max_of_the_batch():
     p = IntPacker(native=True)
     p.pack([[5, 9], [3]])
     assert (p.min, p.max) == (3, 9)
+
+
+def test_the_extension_can_be_disabled_and_a_stale_build_is_ignored(monkeypatch):
+    from attnplug.runner import _native
+    from attnplug.runner.native import load_native
+
+    assert load_native() is _native
+    monkeypatch.setenv("ATTNPLUG_NATIVE", "0")
+    assert load_native() is None
+    monkeypatch.delenv("ATTNPLUG_NATIVE")
+    monkeypatch.setattr(_native, "NATIVE_API", _native.NATIVE_API - 1)  # built from older source
+    assert load_native() is None
+    assert StepCompiler([4], 2, 16, 8, native=False).native is False
