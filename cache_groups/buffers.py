@@ -7,7 +7,6 @@ device is the CPU the "device" tensor *is* the host tensor: no copy happens at a
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 

@@ -38,6 +38,8 @@ cdef extern from "Python.h":
     bint PyLong_CheckExact(object o)
     bint PyList_CheckExact(object o)
     bint PyTuple_CheckExact(object o)
+    bint PyFloat_CheckExact(object o)
+    double PyFloat_AS_DOUBLE(object o)
 
 cdef extern from *:
     """
@@ -50,6 +52,7 @@ cdef extern from *:
     void _prefetch "attnplug_prefetch"(const void* p) noexcept
 
 cdef int64_t INT32_MAX = 2147483647
+cdef double FLOAT32_MAX = 3.4028234663852886e38
 cdef Py_ssize_t PREFETCH = 8  # objects this many requests ahead are prefetched
 cdef int64_t PAD_SLOT = -1  # core.constants.PAD_SLOT_ID
 cdef int32_t NULL_BLOCK = 0  # core.constants.NULL_BLOCK_ID
@@ -114,6 +117,18 @@ cdef extern from *:
     bint _items "attnplug_items"(object s, PyObject*** items, Py_ssize_t* n) noexcept
     Py_ssize_t _pack "attnplug_pack"(PyObject** items, Py_ssize_t n, int32_t* out, int64_t lo, int64_t hi,
                                      int64_t* vmin, int64_t* vmax) noexcept
+
+
+cdef inline bint _real(object x, double* out):
+    """``x`` is an exact ``float`` or an ``int64`` ``int`` with a finite value; store it."""
+    cdef int64_t v
+    if PyFloat_CheckExact(x):
+        out[0] = PyFloat_AS_DOUBLE(x)
+    elif _exact_int(x, &v):
+        out[0] = <double>v
+    else:
+        return False
+    return out[0] - out[0] == 0  # false for inf and nan
 
 
 cdef inline Py_ssize_t _seq_len(object s):

@@ -10,8 +10,10 @@ cdef class NewScan:
     and outputs as lists or tuples of ints in ``[0, 2**31)`` that fit ``max_model_len``;
     ``num_computed_tokens`` an ``int >= 0`` with ``num_computed_tokens + count`` within
     the tokens held; per group a list of ints in ``[1, pool)`` (no null block) that fits
-    a row and covers ``seq_len``; ``SamplingParams`` with ``temperature >= 0``, ``top_p``
-    in ``(0, 1]`` and an ``int32`` ``top_k``. Anything else: ``scan`` returns ``False``.
+    a row and covers ``seq_len``; ``SamplingParams`` (exactly) with a ``temperature`` in
+    ``[0, float32 max]`` and ``top_p`` in ``(0, 1]`` (``float`` or ``int``), an ``int32``
+    ``top_k`` and a ``seed`` that is ``None`` or an ``int64``. Anything else: ``scan``
+    returns ``False``.
 
     Args:
         tokens: the ``[max_num_reqs, max_model_len]`` ``int32`` token table.
@@ -68,54 +70,69 @@ cdef class NewScan:
         """Check and stage ``new_reqs`` (their counts already checked ``>= 1``); change
         nothing in the batch.
 
+        Memory safety against arbitrary objects: the lists are copied first, and a
+        sequence's item array is taken right before it is read, with no Python code
+        (attribute access, allocation) in between.
+
         Returns:
             ``True`` when every request is regular (see the class docstring), else ``False``.
         """
-        cdef Py_ssize_t k = len(new_reqs), i, g, j, n_p, n_o, held, off = 0, n
+        cdef list reqs = list(new_reqs), counts = list(new_counts)
+        cdef Py_ssize_t k = len(reqs), i, g, n_p, n_o, held, off = 0, n, n2
         cdef Py_ssize_t max_len = self.tokens.shape[1]
-        cdef int64_t v, c, seq, tk, lo, hi
+        cdef int64_t v, c, seq, tk, lo, hi, seed
         cdef double t, p
-        cdef object nr, prompt, outs, blocks, sp, x
-        cdef PyObject** pitems
-        cdef PyObject** oitems
-        cdef PyObject** bitems
+        cdef object nr, prompt, outs, sp, lst, x
+        cdef tuple blocks
+        cdef PyObject** items
         cdef int64_t[::1] boff = self._boff
-        if k > self.M or len(new_counts) != k:
+        if k > self.M or len(counts) != k:
             return False
         for g in range(self.G):
             boff[g] = 0
         for i in range(k):
-            nr = new_reqs[i]
-            prompt = nr.prompt_token_ids
-            outs = nr.output_token_ids
-            if not _items(prompt, &pitems, &n_p) or not _items(outs, &oitems, &n_o) or n_p < 1:
+            nr = reqs[i]
+            # every attribute first (any of them may run Python code) ...
+            prompt, outs, blocks = nr.prompt_token_ids, nr.output_token_ids, None
+            x = nr.block_ids
+            if type(x) is tuple or type(x) is list:
+                blocks = tuple(x)  # our own: its lists stay alive while we read them
+            if (blocks is None or len(blocks) != self.G or not _exact_int(nr.num_computed_tokens, &v)
+                    or v < 0 or not _exact_int(counts[i], &c) or c < 1):
+                return False
+            sp = nr.sampling_params
+            if type(sp) is not self.sp_type or not _real(sp.temperature, &t) or not (0 <= t <= FLOAT32_MAX) \
+                    or not _real(sp.top_p, &p) or not (0 < p <= 1) \
+                    or not _exact_int(sp.top_k, &tk) or tk < -INT32_MAX - 1 or tk > INT32_MAX:
+                return False
+            x = sp.seed
+            if x is not None and not _exact_int(x, &seed):  # torch.Generator takes any int64
+                return False
+            # ... then sizes, room, and the reads (no Python code between _items and _pack)
+            if not _items(prompt, &items, &n_p) or not _items(outs, &items, &n_o) or n_p < 1:
                 return False
             held = n_p + n_o
-            if held > max_len:
-                return False
-            if not _exact_int(nr.num_computed_tokens, &v) or v < 0:
-                return False
-            if not _exact_int(new_counts[i], &c) or c < 1:
-                return False
             seq = v + c
-            if seq > held:
+            if held > max_len or seq > held:
                 return False
             if off + held > self._tok.shape[0]:
                 grown = np.zeros(max(2 * self._tok.shape[0], off + held), np.int32)
                 grown[:off] = np.asarray(self._tok)[:off]
                 self._tok = grown
             lo, hi = INT32_MAX, 0
-            if _pack(pitems, n_p, &self._tok[off], 0, INT32_MAX + 1, &lo, &hi) != n_p or (
-                    n_o and _pack(oitems, n_o, &self._tok[off + n_p], 0, INT32_MAX + 1, &lo, &hi) != n_o):
+            if not _items(prompt, &items, &n2) or n2 != n_p \
+                    or _pack(items, n_p, &self._tok[off], 0, INT32_MAX + 1, &lo, &hi) != n_p:
+                return False
+            if n_o and (not _items(outs, &items, &n2) or n2 != n_o
+                        or _pack(items, n_o, &self._tok[off + n_p], 0, INT32_MAX + 1, &lo, &hi) != n_o):
                 return False
             self._tok_off[i], self._tok_len[i], self._nprompt[i] = off, held, n_p
             self._ncts[i], self._count[i] = v, c
+            self._temp[i], self._topp[i], self._topk[i] = t, p, tk
             off += held
-            blocks = nr.block_ids
-            if _seq_len(blocks) != self.G:
-                return False
             for g in range(self.G):
-                if not _items(_item(blocks, g), &bitems, &n):
+                lst = blocks[g]
+                if not _items(lst, &items, &n):
                     return False
                 if n > self.maxb[g] or (self.capacity[g] > 0 and n * self.capacity[g] < seq):
                     return False
@@ -123,24 +140,11 @@ cdef class NewScan:
                     grown = np.zeros((self.G, max(2 * self._blk.shape[1], boff[g] + n)), np.int32)
                     grown[:, :self._blk.shape[1]] = np.asarray(self._blk)
                     self._blk = grown
-                if n and _pack(bitems, n, &self._blk[g, boff[g]], 1, self.pool[g], &lo, &hi) != n:
+                if n and (not _items(lst, &items, &n2) or n2 != n
+                          or _pack(items, n, &self._blk[g, boff[g]], 1, self.pool[g], &lo, &hi) != n):
                     return False
                 self._blk_off[g, i], self._blk_len[g, i] = boff[g], n
                 boff[g] += n
-            sp = nr.sampling_params
-            if type(sp) is not self.sp_type:
-                return False
-            x = sp.temperature
-            if type(x) is not float and type(x) is not int:
-                return False
-            t = x
-            x = sp.top_p
-            if type(x) is not float and type(x) is not int:
-                return False
-            p = x
-            if not (t >= 0) or not (0 < p <= 1) or not _exact_int(sp.top_k, &tk) or tk < -INT32_MAX or tk > INT32_MAX:
-                return False
-            self._temp[i], self._topp[i], self._topk[i] = t, p, tk
         self.num_new = k
         return True
 

@@ -15,6 +15,8 @@ cdef class CachedScan:
         kernel_blocks_per_block: per group, ``k``.
         capacity: per group, tokens one block covers (``max_model_len`` for Mamba).
         pool: per group, the exclusive upper bound of block ids.
+        null_ok: per group, whether the row may hold ``NULL_BLOCK_ID`` (a sliding-window
+            group's skipped prefix); scheduled positions must not fall in one.
         append_capacity: appended block ids per group one step may carry (more: irregular).
     """
 
@@ -22,6 +24,7 @@ cdef class CachedScan:
     cdef int32_t[:, ::1] nblocks
     cdef list tables, ktables
     cdef int64_t[::1] kpb, capacity, pool, maxb
+    cdef list null_ok
     cdef int64_t[::1] stamp
     cdef int64_t gen
     cdef readonly int G, max_num_reqs
@@ -34,7 +37,7 @@ cdef class CachedScan:
 
     def __init__(self, num_tokens, nulled, num_computed_tokens, num_scheduled_tokens, num_blocks_per_row,
                  list block_tables, list kernel_tables, kernel_blocks_per_block, capacity, pool,
-                 Py_ssize_t append_capacity=4096):
+                 null_ok, Py_ssize_t append_capacity=4096):
         self.num_tokens, self.nulled = num_tokens, nulled
         self.ncc, self.sched = num_computed_tokens, num_scheduled_tokens
         self.nblocks = num_blocks_per_row
@@ -45,6 +48,7 @@ cdef class CachedScan:
         self.capacity = np.asarray(capacity, dtype=np.int64)
         self.pool = np.asarray(pool, dtype=np.int64)
         self.maxb = np.asarray([t.shape[1] for t in block_tables], dtype=np.int64)
+        self.null_ok = [bool(x) for x in null_ok]
         self.stamp = np.zeros(self.max_num_reqs, dtype=np.int64)
         self.gen = 0
         M = self.max_num_reqs
@@ -82,10 +86,13 @@ cdef class CachedScan:
         cdef Py_ssize_t pos = 0
         cdef bint in_order = True
         cdef object rid, e
+        cdef int32_t[:, ::1] tab
+        cdef int64_t B
         cdef int G = self.G
         if (len(num_computed_tokens) != n or len(new_token_ids) != n or len(new_block_ids) != n
-                or len(resumed_from_preemption) != n or n > self.max_num_reqs):
-            return False
+                or len(resumed_from_preemption) != n or n > self.max_num_reqs
+                or type(num_scheduled_tokens) is not dict or type(req_id_to_index) is not dict):
+            return False  # (a dict subclass may override lookups, which PyDict_* bypass)
         self.gen += 1
         for g in range(G):
             self._ntot[g] = 0
@@ -151,6 +158,18 @@ cdef class CachedScan:
             self._rows[i] = r
             self._ncts[i] = v
             self._counts[i] = c
+        for g in range(G):  # no scheduled position in a null block the row already holds
+            if not self.null_ok[g]:
+                continue
+            tab = self.tables[g]
+            B = self.capacity[g]
+            for i in range(n):
+                r = self._rows[i]
+                v = self._ncts[i]
+                seq = min((v + self._counts[i] - 1) // B, <int64_t>self.nblocks[g, r] - 1)
+                for j in range(v // B, seq + 1):
+                    if tab[r, j] == NULL_BLOCK:
+                        return False
         for rid in finished:
             p = PyDict_GetItem(req_id_to_index, rid)
             if p is not NULL:

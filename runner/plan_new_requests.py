@@ -8,6 +8,7 @@ batched ``IntPacker`` calls (prompts, block ids) and wrapped in detached
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any, NoReturn, Sequence
 
 import numpy as np
@@ -26,13 +27,39 @@ def err(req_id: Any, field_name: str, message: str) -> NoReturn:
     raise InvalidSchedulerOutput(req_id, field_name, message)
 
 
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+def _real(x: Any) -> float | None:
+    """``x`` as a finite float, or ``None`` (not a real number, a bool, or not finite)."""
+    if isinstance(x, bool) or not isinstance(x, (int, float, np.integer, np.floating)):
+        return None
+    try:
+        v = float(x)
+    except OverflowError:
+        return None
+    return v if math.isfinite(v) else None
+
+
 def check_sampling(req_id: str, sp: Any) -> None:
+    """``sp`` is a :class:`SamplingParams` the batch columns can hold: a ``temperature``
+    in ``[0, float32 max]``, finite ``top_p`` in ``(0, 1]``, an ``int32`` ``top_k``, and a
+    ``seed`` that is ``None`` or an int ``torch.Generator.manual_seed`` accepts."""
     if not isinstance(sp, SamplingParams):
         err(req_id, "sampling_params", f"expected SamplingParams, got {type(sp).__name__}")
-    if not sp.temperature >= 0:
-        err(req_id, "sampling_params", f"temperature must be >= 0 (0 is greedy), got {sp.temperature!r}")
-    if not 0 < sp.top_p <= 1:
-        err(req_id, "sampling_params", f"top_p must be in (0, 1], got {sp.top_p!r}")
+    t, p = _real(sp.temperature), _real(sp.top_p)
+    if t is None or not 0 <= t <= FLOAT32_MAX:
+        err(req_id, "sampling_params", f"temperature must be a number in [0, {FLOAT32_MAX:.4g}] (0 is greedy; "
+            f"the batch column is float32), got {sp.temperature!r}")
+    if p is None or not 0 < p <= 1:
+        err(req_id, "sampling_params", f"top_p must be a number in (0, 1], got {sp.top_p!r}")
+    k = sp.top_k
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not -2**31 <= k < 2**31:
+        err(req_id, "sampling_params", f"top_k must be an int32 (<= 0 disables it), got {k!r}")
+    seed = sp.seed
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer))
+                             or not -2**63 <= seed < 2**64):
+        err(req_id, "sampling_params", f"seed must be None or an int in [-2**63, 2**64), got {seed!r}")
 
 
 def check_block_list(sc: "StepCompiler", req_id: str, fname: str, g: int, ids: np.ndarray,
@@ -87,6 +114,9 @@ def plan_new_requests(sc: "StepCompiler", new_reqs: Sequence[NewRequestData],
     G = sc.num_groups
     seqs, owners, block_lists = [], [], []
     for i, nr in enumerate(new_reqs):
+        for fname in ("prompt_token_ids", "output_token_ids"):
+            if not isinstance(getattr(nr, fname), (list, tuple, np.ndarray)):
+                err(nr.req_id, fname, f"expected a list of token ids, got {getattr(nr, fname)!r}")
         if not len(nr.prompt_token_ids):
             err(nr.req_id, "prompt_token_ids", "prompt is empty; a request needs at least one token")
         seqs.append(nr.prompt_token_ids)

@@ -6,7 +6,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 
 from attnplug.cache_groups.grouping import KVCacheConfig, group_layers_by_spec

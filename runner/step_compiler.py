@@ -23,6 +23,7 @@ invariants (``attnplug.core.validate``) for every cache group each step.
 
 from __future__ import annotations
 
+import operator
 import os
 from typing import Sequence
 
@@ -151,7 +152,7 @@ class StepCompiler:
                 b.num_tokens, b.num_computed_tokens_nulled, b.num_computed_tokens_cpu, b.num_scheduled_tokens,
                 b.block_table.num_blocks_per_row, [bt.block_table_np for bt in tables],
                 [bt.kernel_block_table.np for bt in tables], [bt.kernel_blocks_per_block for bt in tables],
-                self._capacity_col[:, 0], self.num_blocks_per_group)
+                self._capacity_col[:, 0], self.num_blocks_per_group, self.null_block_allowed)
             self._new_scan = NATIVE.NewScan(
                 b.token_ids_cpu, b.num_tokens, b.num_prompt_tokens, b.num_computed_tokens_cpu, b.num_scheduled_tokens,
                 b.num_computed_tokens_nulled, b.temperature, b.top_k, b.top_p, b.block_table.num_blocks_per_row,
@@ -194,6 +195,11 @@ class StepCompiler:
             MetadataInvariantError: with validation on, a broken invariant.
         """
         b = self.input_batch
+        if num_tokens_padded is not None:
+            try:
+                num_tokens_padded = operator.index(num_tokens_padded)
+            except TypeError:
+                raise MetadataError(f"num_tokens_padded must be an int, got {num_tokens_padded!r}") from None
         if self.native and (num_tokens_padded is None or 0 <= num_tokens_padded <= self.max_num_batched_tokens):
             # the compiled loop counts the tokens as it goes: check its count afterwards
             # (it writes only the step's output buffers, no request state)
@@ -336,3 +342,20 @@ class StepCompiler:
                          for rid, st in self.requests.items()},
         }
         return snap
+
+
+def snapshot_diff(a, b, path: str = "state") -> list[str]:
+    """Where two :meth:`StepCompiler.snapshot` results differ (paths like
+    ``state['columns'][2]``); empty when they are identical (arrays: same dtype and values)."""
+    if isinstance(a, np.ndarray):
+        same = isinstance(b, np.ndarray) and a.dtype == b.dtype and np.array_equal(a, b)
+        return [] if same else [path]
+    if isinstance(a, dict):
+        if not isinstance(b, dict) or a.keys() != b.keys():
+            return [path]
+        return [d for k in a for d in snapshot_diff(a[k], b[k], f"{path}[{k!r}]")]
+    if isinstance(a, (list, tuple)):
+        if type(a) is not type(b) or len(a) != len(b):
+            return [path]
+        return [d for i, (x, y) in enumerate(zip(a, b)) for d in snapshot_diff(x, y, f"{path}[{i}]")]
+    return [] if a == b else [path]

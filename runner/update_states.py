@@ -33,7 +33,6 @@ from attnplug.core.constants import NULL_BLOCK_ID
 from attnplug.runner.int_packer import INT32_MAX
 from attnplug.runner.native_update import plan_update_native
 from attnplug.runner.plan_new_requests import check_block_list, err, group_lists, plan_new_requests
-from attnplug.runner.request_state import CachedRequestState
 from attnplug.runner.scheduler_output import SchedulerOutput
 from attnplug.runner.skipped_blocks import null_skipped_blocks
 from attnplug.runner.update_plan import BlockAppends, UpdatePlan
@@ -63,14 +62,17 @@ def _int_array(rid, fname: str, g: int, ids) -> np.ndarray:
     return a.astype(np.int32)
 
 
-def _counts_slow(nst: dict, C: list, new_reqs, new_ids: set) -> tuple[np.ndarray, list[int], int]:
-    """``num_scheduled_tokens`` in any order: look every request up, check every value."""
+def _counts_slow(nst: dict, C: list, new_reqs, new_ids: set, budget: int) -> tuple[np.ndarray, list[int], int]:
+    """``num_scheduled_tokens`` in any order: look every request up, check every value
+    (``budget``: ``max_num_batched_tokens``, no single count can exceed it)."""
     def count_of(rid, kind: str) -> int:
         c = nst.get(rid)
         if c is None:
             err(rid, "num_scheduled_tokens", f"{kind} request has no entry")
         if not isinstance(c, (int, np.integer)) or isinstance(c, bool) or c < 1:
             err(rid, "num_scheduled_tokens", f"must be an int >= 1, got {c!r}")
+        if c > budget:
+            err(rid, "num_scheduled_tokens", f"{c} tokens but max_num_batched_tokens is {budget}")
         return int(c)
 
     counts = [count_of(rid, "scheduled cached") for rid in C]
@@ -103,6 +105,42 @@ def _check_not_behind_nulled(sc: "StepCompiler", C: list, rows_c: np.ndarray, nc
                 f"runner already applied ({int(done[i])} tokens computed, window {window}): its first "
                 "blocks were freed and nulled; a request that recomputes must be resumed_from_preemption "
                 "with fresh block ids")
+
+
+def _check_span_not_null(sc: "StepCompiler", C: list, rows_c: np.ndarray, ncts_c: np.ndarray, seq_c: np.ndarray,
+                         before: np.ndarray, readd: list[int], resumed: set[int]) -> None:
+    """No scheduled position of a cached request may fall in a ``NULL_BLOCK_ID`` its row
+    already holds (a sliding-window group's skipped prefix, sent by the scheduler or
+    nulled by the runner): a request that goes back to recompute must be resumed with
+    fresh blocks. Appended blocks are never null (checked with the appends); resumed
+    requests' fresh lists are checked with ``check_block_list``."""
+    batch = sc.input_batch
+    for g, allowed in enumerate(sc.null_block_allowed):
+        if not allowed:
+            continue
+        B = sc.block_sizes[g]
+        first = ncts_c // B
+        cnt = np.minimum((seq_c - 1) // B, before[g].astype(np.int64) - 1) - first + 1
+        np.maximum(cnt, 0, out=cnt)
+        cnt[rows_c < 0] = 0  # re-added rows: checked below from their state
+        if resumed:
+            cnt[list(resumed)] = 0
+        bad = None
+        if cnt.any():
+            _, offs = cumsum_and_arange(cnt)
+            owner = np.repeat(np.arange(cnt.shape[0]), cnt)
+            hit = batch.block_table[g].block_table_np[rows_c[owner], first[owner] + offs] == NULL_BLOCK_ID
+            if hit.any():
+                bad = int(owner[np.argmax(hit)])
+        for i in readd:
+            if bad is None and i not in resumed:
+                ids = sc.requests[C[i]].block_ids_np()[g]
+                if (ids[int(first[i]):(int(seq_c[i]) - 1) // B + 1] == NULL_BLOCK_ID).any():
+                    bad = i
+        if bad is not None:
+            err(C[bad], "num_computed_tokens", f"group {g}: positions [{int(ncts_c[bad])}, {int(seq_c[bad])}) fall "
+                "in the null block (a skipped sliding-window prefix); a request that recomputes must be "
+                "resumed_from_preemption with fresh block ids")
 
 
 def check_finished_and_new(sc: "StepCompiler", so: SchedulerOutput) -> tuple[list[str], set[str], set[str]]:
@@ -202,17 +240,19 @@ def plan_update(sc: "StepCompiler", so: SchedulerOutput) -> UpdatePlan:
         total = sum(nst.values())
     except TypeError:
         total = None
+    vals = None
     if type(total) is int and len(keys) == nC + nN and keys[:nC] == C and (
             not nN or keys[nC:] == [nr.req_id for nr in new_reqs]):
         # fast path: the dict lists cached then new requests in delta order (as schedulers do)
         try:
             vals = _int64s(nst.values(), nC + nN)
-        except struct.error:  # an int beyond int64: let numpy raise as it always did
-            vals = np.fromiter(nst.values(), np.int64, nC + nN)
+        except struct.error:  # an int beyond int64: the checked slow path words it
+            vals = None
+    if vals is not None:
         counts_c = vals[:nC]
         new_counts = vals[nC:].tolist()
     else:
-        counts_c, new_counts, total = _counts_slow(nst, C, new_reqs, new_ids)
+        counts_c, new_counts, total = _counts_slow(nst, C, new_reqs, new_ids, sc.max_num_batched_tokens)
         vals = counts_c
     if vals.shape[0] and np.count_nonzero(vals < 1):
         bad = next(r for r in [*C, *(nr.req_id for nr in new_reqs)] if nst[r] < 1)
@@ -248,6 +288,9 @@ def plan_update(sc: "StepCompiler", so: SchedulerOutput) -> UpdatePlan:
         has_tokens = True
     if has_tokens:
         held_c = held_c.astype(np.int64)
+        for i, t in enumerate(cached.new_token_ids):
+            if not isinstance(t, (list, tuple, np.ndarray)):
+                err(C[i], "new_token_ids", f"expected a list of token ids (empty for none), got {t!r}")
         tok_idx = [i for i, t in enumerate(cached.new_token_ids) if len(t)]
         packed = sc._delta_packer.pack([cached.new_token_ids[i] for i in tok_idx])
         if isinstance(packed, int):
@@ -286,7 +329,15 @@ def plan_update(sc: "StepCompiler", so: SchedulerOutput) -> UpdatePlan:
         before[:, i] = [a.shape[0] for a in reqs[C[i]].block_ids_np()]
     for i, arrs in resumed:
         before[:, i] = [a.shape[0] for a in arrs]
-    sel = list(compress(range(nC), nb))
+    if nC and sc.has_sliding_windows:
+        _check_not_behind_nulled(sc, C, rows_c, ncts_c, {i for i, _ in resumed})
+    if nC and any(sc.null_block_allowed):
+        _check_span_not_null(sc, C, rows_c, ncts_c, seq_c, before, readd, {i for i, _ in resumed})
+    try:
+        sel = list(compress(range(nC), nb))
+    except (ValueError, TypeError):  # an entry that is neither None nor a tuple/list (e.g. an array)
+        i = next(i for i, e in enumerate(nb) if e is not None and not isinstance(e, (tuple, list)))
+        group_lists(sc, C[i], "new_block_ids", nb[i])
     if resumed:
         skip = {i for i, _ in resumed}
         sel = [i for i in sel if i not in skip]
@@ -298,13 +349,18 @@ def plan_update(sc: "StepCompiler", so: SchedulerOutput) -> UpdatePlan:
                 group_lists(sc, C[i], "new_block_ids", e)
         per = [e[g] for g in range(G) for e in entries]  # group-major
         m = len(sel)
+        for j, p in enumerate(per):
+            if not isinstance(p, (list, tuple, np.ndarray)):
+                err(C[sel[j % m]], "new_block_ids", f"group {j // m}: expected a list of block ids, got {p!r}")
         lens_list = [len(p) for p in per]
         one_each = lens_list.count(1) == G * m  # the decode case: one new block per group
         try:
             flat = np.fromiter(chain.from_iterable(per), np.int64, sum(lens_list))
         except (TypeError, ValueError, OverflowError):
-            j = next(j for j, p in enumerate(per) if not all(isinstance(b, (int, np.integer)) for b in p))
-            err(C[sel[j % m]], "new_block_ids", f"group {j // m}: block ids must be ints")
+            j = next(j for j, p in enumerate(per) if not all(
+                isinstance(b, (int, np.integer)) and not isinstance(b, bool) and -2**63 <= b < 2**63 for b in p))
+            err(C[sel[j % m]], "new_block_ids", f"group {j // m}: block ids must be ints in "
+                f"[{NULL_BLOCK_ID + 1}, {sc.num_blocks_per_group[j // m]})")
         if np.count_nonzero(flat <= NULL_BLOCK_ID) or np.count_nonzero(flat >= sc.num_blocks):
             per_group_len = np.add.reduceat(np.asarray(lens_list, dtype=np.int64), np.arange(0, G * m, m)) \
                 if m else np.zeros(G, dtype=np.int64)
@@ -326,8 +382,6 @@ def plan_update(sc: "StepCompiler", so: SchedulerOutput) -> UpdatePlan:
                 f"most {sc.max_num_blocks_per_req[g]} fit (cdiv(max_model_len, block_size))")
         before[:, sel_arr] = after
         appends = BlockAppends(sel_arr, starts, lens, after, flat, one_each)
-    if nC and sc.has_sliding_windows:
-        _check_not_behind_nulled(sc, C, rows_c, ncts_c, {i for i, _ in resumed})
     if nC and np.count_nonzero(before * sc._capacity_col < seq_c):
         g, i = np.argwhere(before * sc._capacity_col < seq_c)[0]
         err(C[i], "new_block_ids", f"group {g}: {int(before[g, i])} blocks of {sc.block_sizes[g]} tokens "

@@ -97,7 +97,7 @@ class BambaModelConfig:
         if self.hidden_act != "silu":
             problems.append(f"hidden_act {self.hidden_act!r} not supported (only 'silu')")
         if problems:
-            raise ModelConfigError(f"invalid bamba config: " + "; ".join(problems) + ". Fix the config.json values.")
+            raise ModelConfigError("invalid bamba config: " + "; ".join(problems) + ". Fix the config.json values.")
 
 
 def parse_bamba_config(cfg: Mapping[str, Any]) -> BambaModelConfig:

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import copy
 
-import numpy as np
 import pytest
 
 from attnplug.core.errors import InvalidSchedulerOutput, MetadataError
 from attnplug.runner.scheduler_output import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
-from attnplug.runner.step_compiler import StepCompiler
+from attnplug.runner.step_compiler import StepCompiler, snapshot_diff
 
 # two groups: full attention (block 4) and sliding window (block 8, 4-token kernel blocks)
 KW = dict(kernel_block_sizes=[4, 4], num_blocks=32, group_kinds=["full_attention", "sliding_window"],
@@ -55,19 +54,8 @@ def build(cached, nst, new, finished, total=None) -> SchedulerOutput:
     return so
 
 
-def assert_same(a, b, path="state"):
-    if isinstance(a, np.ndarray):
-        assert isinstance(b, np.ndarray) and a.dtype == b.dtype and np.array_equal(a, b), path
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys(), path
-        for k in a:
-            assert_same(a[k], b[k], f"{path}[{k!r}]")
-    elif isinstance(a, (list, tuple)):
-        assert type(a) is type(b) and len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_same(x, y, f"{path}[{i}]")
-    else:
-        assert a == b, path
+def assert_same(a, b):
+    assert not snapshot_diff(a, b), snapshot_diff(a, b)
 
 
 def case(fn, req_id, field):

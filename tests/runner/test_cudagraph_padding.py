@@ -14,7 +14,7 @@ from attnplug.backends.emulators import FlashAttn2EmulatedBackend, FlashAttn3Emu
 from attnplug.backends.torch_native import TorchNativeBackend
 from attnplug.cache_groups.specs import FullAttentionSpec
 from attnplug.core.constants import NULL_BLOCK_ID, PAD_SLOT_ID
-from attnplug.core.contracts import AttentionCGSupport, BuilderConfig
+from attnplug.core.contracts import BuilderConfig
 from attnplug.core.errors import ConfigError, MetadataError
 from attnplug.core.metadata import CommonAttentionMetadata
 from attnplug.runner import cudagraph as cg

@@ -15,7 +15,7 @@ from attnplug.core.errors import InvalidSchedulerOutput
 from attnplug.runner.int_packer import IntPacker
 from attnplug.runner.native import NATIVE
 from attnplug.runner.scheduler_output import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
-from attnplug.runner.step_compiler import StepCompiler
+from attnplug.runner.step_compiler import StepCompiler, snapshot_diff
 from attnplug.runner.update_states import plan_update
 
 pytestmark = pytest.mark.skipif(NATIVE is None, reason="the compiled extension is not built")
@@ -111,6 +111,26 @@ BAD = [  # (change to the regular step, request id, field)
     (dict(sp=SamplingParams(temperature=-1.0)), "D", "sampling_params"),
     (dict(sp=SamplingParams(top_p=0.0)), "D", "sampling_params"),
     (dict(sp=SamplingParams(temperature=0.7, top_k=5, top_p=0.9, seed=11)), None, None),
+    (dict(sp=SamplingParams(seed=2**64 - 1)), None, None),  # beyond int64: numpy path, still valid
+    # found by a differential fuzzer: each once escaped as a non-InvalidSchedulerOutput
+    # error, or (seed) changed state before raising on the compiled path
+    (dict(sp=SamplingParams(seed=float("nan"))), "D", "sampling_params"),
+    (dict(sp=SamplingParams(seed="a")), "D", "sampling_params"),
+    (dict(sp=SamplingParams(seed=2**64)), "D", "sampling_params"),
+    (dict(sp=SamplingParams(top_p=10**400)), "D", "sampling_params"),
+    (dict(sp=SamplingParams(temperature=10**400)), "D", "sampling_params"),
+    (dict(sp=SamplingParams(temperature=1e39)), "D", "sampling_params"),  # beyond float32
+    (dict(sp=SamplingParams(temperature=float("inf"))), "D", "sampling_params"),
+    (dict(sp=SamplingParams(temperature=None)), "D", "sampling_params"),
+    (dict(sp=SamplingParams(top_k=2**40)), "D", "sampling_params"),
+    (dict(sp=SamplingParams(top_k=None)), "D", "sampling_params"),
+    (dict(new_ids=None), "D", "prompt_token_ids"),
+    (dict(new_outs=None), "D", "output_token_ids"),
+    (dict(tokens=[None, []]), "A", "new_token_ids"),
+    (dict(blocks=[np.array([5]), ([7], [])]), "A", "new_block_ids"),
+    (dict(blocks=[([5], None), ([7], [])]), "A", "new_block_ids"),
+    (dict(blocks=[([2**63], []), ([7], [])]), "A", "new_block_ids"),
+    (dict(nst={"A": 2**63, "B": 1, "D": 2}), "A", "num_scheduled_tokens"),
 ]
 
 
@@ -124,9 +144,7 @@ def test_irregular_or_bad_cached_parts_fall_back_to_the_same_outcome(change, req
         try:
             sc.update_states(so)
         except InvalidSchedulerOutput as e:
-            assert sc.snapshot().keys() == before.keys()
-            for k in before:
-                assert repr(sc.snapshot()[k]) == repr(before[k]), k
+            assert not snapshot_diff(sc.snapshot(), before)
             outcomes.append((e.req_id, e.field))
         else:
             inp = sc.prepare_inputs(so)
@@ -175,3 +193,59 @@ def test_the_extension_can_be_disabled_and_a_stale_build_is_ignored(monkeypatch)
     monkeypatch.setattr(_native, "NATIVE_API", _native.NATIVE_API - 1)  # built from older source
     assert load_native() is None
     assert StepCompiler([4], 2, 16, 8, native=False).native is False
+
+
+@pytest.mark.parametrize("pad", [8.0, np.float64(8.0), "8"])
+def test_a_padding_that_is_not_an_int_is_refused_on_both_paths(pad):
+    from attnplug.core.errors import MetadataError
+
+    for native in (True, False):
+        sc = make(native)
+        so = regular_step()
+        sc.update_states(so)
+        with pytest.raises(MetadataError, match="must be an int"):
+            sc.prepare_inputs(so, num_tokens_padded=pad)
+        assert sc.prepare_inputs(so, num_tokens_padded=np.int64(8)).num_padded_tokens == 8
+
+
+def test_a_request_object_that_mutates_itself_cannot_crash_the_compiled_scan():
+    """A duck-typed request whose property empties its own prompt while the compiled scan
+    runs: the scan takes a list's items only right before reading them (it once held a
+    stale pointer across the attribute access, and crashed under ``python -X dev``)."""
+
+    class Hostile:
+        def __init__(self):
+            self.req_id, self.prompt_token_ids, self.output_token_ids = "H", [7] * 4, []
+            self.block_ids, self.sampling_params = ([8], [5]), SamplingParams()
+
+        @property
+        def num_computed_tokens(self):
+            self.prompt_token_ids.clear()
+            [object() for _ in range(100)]
+            return 0
+
+    sc = StepCompiler([4, 8], native=True, **KW)
+    before = sc.snapshot()
+    with pytest.raises(InvalidSchedulerOutput) as info:
+        sc.update_states(SchedulerOutput([Hostile()], CachedRequestData(), {"H": 4}))
+    assert (info.value.req_id, info.value.field) == ("H", "prompt_token_ids")
+    assert not snapshot_diff(sc.snapshot(), before)
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_going_back_into_a_null_block_the_scheduler_sent_is_rejected(native):
+    """A sliding-window group's skipped prefix arrives as NULL_BLOCK_ID; a cached request
+    that later schedules positions there (without being resumed with fresh blocks) would
+    read and write the null block. Both paths reject it before changing anything."""
+    sc = StepCompiler([4, 4], max_num_reqs=2, max_model_len=32, max_num_batched_tokens=16, num_blocks=20,
+                      group_kinds=["full_attention", "sliding_window"], validate=True, native=native)
+    sc.update_states(SchedulerOutput([NewRequestData("S", list(range(12)), ([1, 2, 3], [0, 0, 5]), 8)],
+                                     CachedRequestData(), {"S": 4}))
+    sc.prepare_inputs()
+    before = sc.snapshot()
+    back = SchedulerOutput([], CachedRequestData(["S"], [False], [[]], [None], [4]), {"S": 1})
+    with pytest.raises(InvalidSchedulerOutput) as info:
+        sc.update_states(back)
+    assert (info.value.req_id, info.value.field) == ("S", "num_computed_tokens")
+    assert "null block" in str(info.value)
+    assert not snapshot_diff(sc.snapshot(), before)
