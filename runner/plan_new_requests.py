@@ -92,6 +92,9 @@ def group_lists(sc: "StepCompiler", req_id: str, fname: str, value: Any) -> Sequ
     """``value`` as one block-id list per cache group."""
     if not isinstance(value, (tuple, list)) or len(value) != sc.num_groups:
         err(req_id, fname, f"expected one block-id list per cache group ({sc.num_groups}), got {value!r}")
+    for g, ids in enumerate(value):
+        if not isinstance(ids, (tuple, list, np.ndarray)):
+            err(req_id, fname, f"group {g}: expected a list of block ids, got {ids!r}")
     return value
 
 

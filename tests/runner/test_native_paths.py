@@ -125,6 +125,7 @@ BAD = [  # (change to the regular step, request id, field)
     (dict(sp=SamplingParams(top_k=2**40)), "D", "sampling_params"),
     (dict(sp=SamplingParams(top_k=None)), "D", "sampling_params"),
     (dict(new_ids=None), "D", "prompt_token_ids"),
+    (dict(new_blocks=([6], None)), "D", "block_ids"),
     (dict(new_outs=None), "D", "output_token_ids"),
     (dict(tokens=[None, []]), "A", "new_token_ids"),
     (dict(blocks=[np.array([5]), ([7], [])]), "A", "new_block_ids"),
