@@ -13,7 +13,8 @@ the machine is shared and noisy). Workloads are in
 not timed. The garbage collector is paused while a workload is timed (as ``timeit`` does).
 
 Targets (issue "Foundation"): steady decode, two cache groups, update_states +
-prepare_inputs (+ metadata here) ≤ 150 µs at N=256 and ≤ 400 µs at N=1024.
+prepare_inputs ≤ 150 µs at N=256 and ≤ 400 µs at N=1024 (row "update + prepare": the
+median of the per-step sum; "total" adds the metadata).
 
 A second table (``--hybrid-steps``, :mod:`attnplug.runner.bench_metadata`): a 48-layer
 hybrid in 6 cache groups, the per-step time of the backends' metadata builders with
@@ -37,7 +38,8 @@ from attnplug.runner.step_compiler import StepCompiler
 
 STAGES = ("update_states", "prepare_inputs", "common metadata")
 TARGETS_US = {256: 150.0, 1024: 400.0}
-"""Steady-decode target of update_states + prepare_inputs per N (µs)."""
+"""Steady-decode target of update_states + prepare_inputs per N (µs): compared with the
+median over steps of their per-step sum (row "update + prepare")."""
 
 
 def _run(workload: Workload, steps: int, step_fn: Callable) -> dict[str, float]:
@@ -55,6 +57,7 @@ def _run(workload: Workload, steps: int, step_fn: Callable) -> dict[str, float]:
     n = max(0, min(steps, len(workload.steps) - workload.num_warmup))
     times = times[:n] / 1e3
     out = {s: float(np.median(times[:, j])) for j, s in enumerate(STAGES)}
+    out["update + prepare"] = float(np.median(times[:, 0] + times[:, 1]))
     out["total"] = float(np.median(times.sum(axis=1)))
     out["steps"] = n
     return out
@@ -129,12 +132,12 @@ def render(rows: list[tuple[str, dict, dict | None, dict | None, float | None]],
               "target µs"]
     lines = []
     for name, ours, numpy_path, naive, target in rows:
-        for stage in (*STAGES, "total"):
+        for stage in (*STAGES, "update + prepare", "total"):
             np_ = numpy_path[stage] if numpy_path else None
             nv = naive[stage] if naive else None
             tgt = ""
-            if stage == "total" and target is not None:
-                tgt = f"{target:.0f} ({'met' if ours['total'] <= target else 'missed'})"
+            if stage == "update + prepare" and target is not None:
+                tgt = f"{target:.0f} ({'met' if ours[stage] <= target else 'missed'})"
             lines.append([name if stage == STAGES[0] else "", stage, _fmt(ours[stage]), _fmt(np_), _fmt(nv),
                           f"{np_ / ours[stage]:,.1f}×" if np_ else "-", f"{nv / ours[stage]:,.1f}×" if nv else "-",
                           tgt])
