@@ -131,6 +131,52 @@ cdef inline bint _real(object x, double* out):
     return out[0] - out[0] == 0  # false for inf and nan
 
 
+cdef Py_ssize_t _token_len(object s):
+    """Length of a list, tuple, or 1-D ``int32`` / ``int64`` numpy array; -1 for anything else."""
+    cdef PyObject** items
+    cdef Py_ssize_t n
+    if _items(s, &items, &n):
+        return n
+    if type(s) is np.ndarray and s.ndim == 1 and (s.dtype == np.int32 or s.dtype == np.int64):
+        return s.shape[0]
+    return -1
+
+
+cdef bint _pack_tokens(object s, Py_ssize_t n, int32_t* out):
+    """Token ids ``s`` (as :func:`_token_len` accepts, of length ``n``) into ``out``, each
+    checked to lie in ``[0, 2**31)``. Holds the array's buffer (or takes the list's items)
+    only while reading it."""
+    cdef PyObject** items
+    cdef Py_ssize_t m, j
+    cdef int64_t lo = INT32_MAX, hi = 0
+    cdef const int32_t[::1] a32
+    cdef const int64_t[::1] a64
+    if _items(s, &items, &m):
+        return m == n and _pack(items, n, out, 0, INT32_MAX + 1, &lo, &hi) == n
+    if type(s) is not np.ndarray:
+        return False
+    try:
+        if s.dtype == np.int32:
+            a32 = s
+            if a32.shape[0] != n:
+                return False
+            for j in range(n):
+                if a32[j] < 0:
+                    return False
+                out[j] = a32[j]
+            return True
+        a64 = s
+    except (ValueError, TypeError, BufferError):  # not contiguous, or another dtype
+        return False
+    if a64.shape[0] != n:
+        return False
+    for j in range(n):
+        if a64[j] < 0 or a64[j] > INT32_MAX:
+            return False
+        out[j] = <int32_t>a64[j]
+    return True
+
+
 cdef inline Py_ssize_t _seq_len(object s):
     """Length of a list or tuple; -1 for anything else (numpy arrays take the numpy path)."""
     if PyList_CheckExact(s):

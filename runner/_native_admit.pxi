@@ -109,7 +109,8 @@ cdef class NewScan:
             if x is not None and not _exact_int(x, &seed):  # torch.Generator takes any int64
                 return False
             # ... then sizes, room, and the reads (no Python code between _items and _pack)
-            if not _items(prompt, &items, &n_p) or not _items(outs, &items, &n_o) or n_p < 1:
+            n_p, n_o = _token_len(prompt), _token_len(outs)
+            if n_p < 1 or n_o < 0:
                 return False
             held = n_p + n_o
             seq = v + c
@@ -119,12 +120,8 @@ cdef class NewScan:
                 grown = np.zeros(max(2 * self._tok.shape[0], off + held), np.int32)
                 grown[:off] = np.asarray(self._tok)[:off]
                 self._tok = grown
-            lo, hi = INT32_MAX, 0
-            if not _items(prompt, &items, &n2) or n2 != n_p \
-                    or _pack(items, n_p, &self._tok[off], 0, INT32_MAX + 1, &lo, &hi) != n_p:
-                return False
-            if n_o and (not _items(outs, &items, &n2) or n2 != n_o
-                        or _pack(items, n_o, &self._tok[off + n_p], 0, INT32_MAX + 1, &lo, &hi) != n_o):
+            if not _pack_tokens(prompt, n_p, &self._tok[off]) or (
+                    n_o and not _pack_tokens(outs, n_o, &self._tok[off + n_p])):
                 return False
             self._tok_off[i], self._tok_len[i], self._nprompt[i] = off, held, n_p
             self._ncts[i], self._count[i] = v, c

@@ -100,6 +100,13 @@ BAD = [  # (change to the regular step, request id, field)
     (dict(new_ids=[]), "D", "prompt_token_ids"),
     (dict(new_ids=list(range(33))), "D", "prompt_token_ids"),  # > max_model_len
     (dict(new_ids=(9, 8, 7)), None, None),  # a tuple prompt is fine
+    (dict(new_ids=np.array([9, 8, 7], np.int32)), None, None),  # so are int32 / int64 arrays
+    (dict(new_ids=np.array([9, 8, 7], np.int64), new_outs=np.array([5], np.int32),
+          nst={"A": 1, "B": 1, "D": 4}), None, None),
+    (dict(new_ids=np.arange(6, dtype=np.int32)[::2]), None, None),  # strided: numpy path
+    (dict(new_ids=np.array([9, -1, 9], np.int32)), "D", "prompt_token_ids"),
+    (dict(new_ids=np.array([9, 2**31, 9], np.int64)), "D", "prompt_token_ids"),
+    (dict(new_ids=np.array([9.0, 8.0, 7.0])), "D", "prompt_token_ids"),
     (dict(new_outs=[5, 6], nst={"A": 1, "B": 1, "D": 5}), None, None),  # re-sent outputs
     (dict(new_outs=[5, -6]), "D", "output_token_ids"),
     (dict(new_ncts=2, nst={"A": 1, "B": 1, "D": 2}), "D", "num_scheduled_tokens"),  # seq 4 > 3 held
