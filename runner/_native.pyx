@@ -1,16 +1,20 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True, initializedcheck=False
 """Compiled fast paths of the step compiler (Cython; optional, see ``runner.native``).
 
-Three loops that numpy cannot vectorize without many small calls, each a single pass:
+The loops that numpy cannot vectorize without many small calls, each a single pass (one
+``.pxi`` file per concept, included below):
 
 * :func:`pack_int32` — Python int lists (prompts, block ids) → one ``int32`` buffer,
-  type- and range-checked per element.
-* :class:`CachedScan` — the ``scheduled_cached_reqs`` of a step: row lookup, type and
-  range checks of every field, block-append capacity, all in one pass (``scan``); then,
-  after the rest of the output was validated, the merge into the batch (``apply``).
-* :class:`Prepare` — ``prepare_inputs``' per-token arithmetic: ``query_start_loc``,
-  positions, ``input_ids``, ``seq_lens``, ``logits_indices``, discard and prefill masks,
-  and every group's slot mapping.
+  type- and range-checked per element (``IntPacker``).
+* :class:`CachedScan` (``_native_cached.pxi``) — a step's ``scheduled_cached_reqs``:
+  row lookup, type and range checks of every field, block-append capacity, in one pass
+  (``scan``); after the rest of the output was validated, the merge (``apply``).
+* :class:`NewScan` (``_native_admit.pxi``) — a step's ``scheduled_new_reqs``: checked
+  and staged in one pass (``scan``), written into their rows (``write_rows``).
+* :class:`BlockRows` (``_native_rows.pxi``) — finished rows cleared in every group.
+* :class:`Prepare` (``_native_prepare.pxi``) — ``prepare_inputs``' per-token arithmetic:
+  ``query_start_loc``, positions, ``input_ids``, ``seq_lens``, ``logits_indices``,
+  discard and prefill masks, and every group's slot mapping.
 
 The contract that keeps them simple: a fast path either handles its input completely or
 reports it *irregular* and changes nothing; the caller then runs the vectorized numpy
@@ -25,10 +29,6 @@ from cpython.dict cimport PyDict_GetItem, PyDict_Next
 from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE
 from cpython.long cimport PyLong_AsSsize_t
 from cpython.object cimport PyObject
-
-cdef extern from "Python.h":
-    ctypedef struct PyListObject:
-        PyObject** ob_item
 from cpython.tuple cimport PyTuple_GET_ITEM, PyTuple_GET_SIZE
 from libc.stdint cimport int32_t, int64_t, uint8_t
 

@@ -39,7 +39,7 @@ cdef class BlockRows:
             k = self.kpb[g]
             for i in range(len(rows)):
                 r = rows[i]
-                n = self.nblocks[g, r]
+                n = min(self.nblocks[g, r], tab.shape[1])  # (a count is never wider; memory safety)
                 for t in range(n):
                     tab[r, t] = NULL_BLOCK
                 if k > 1:
