@@ -2,12 +2,14 @@
 
 A regular output is what a scheduler sends almost every step: every cached request is
 in the batch, scheduled once, not resumed, carries no token deltas, and appends block
-ids (lists of ints) that fit. ``CachedScan.scan`` (``runner/_native.pyx``) checks all of
-that in one pass over the cached requests and plans their merge; everything else —
-finished and new requests — goes through the same Python code as the numpy path. When
-the scan declines (anything irregular, including every invalid input), ``plan_update``
-runs the numpy path, which accepts every valid output and words every error. The two
-paths produce the same state (the step oracle tests run both).
+ids (lists of ints) that fit. ``CachedScan.scan`` (``runner/_native_cached.pxi``) checks
+all of that in one pass over the cached requests and plans their merge; ``NewScan.scan``
+(``runner/_native_admit.pxi``) checks and stages the new requests (when it declines,
+``plan_new_requests`` plans them as on the numpy path); finished ids were checked by
+``check_finished_and_new`` for both paths. When the cached scan declines (anything
+irregular, including every invalid input), ``plan_update`` runs the numpy path, which
+accepts every valid output and words every error. The two paths produce the same state
+(``tests/runner/test_native_paths.py`` and the step-oracle tests run both).
 """
 
 from __future__ import annotations
