@@ -26,10 +26,10 @@ caller's validation).
 """
 
 from cpython.dict cimport PyDict_GetItem, PyDict_Next
-from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE
+from cpython.list cimport PyList_GET_ITEM
 from cpython.long cimport PyLong_AsSsize_t
 from cpython.object cimport PyObject
-from cpython.tuple cimport PyTuple_GET_ITEM, PyTuple_GET_SIZE
+from cpython.tuple cimport PyTuple_GET_ITEM
 from libc.stdint cimport int32_t, int64_t, uint8_t
 
 import numpy as np
@@ -179,11 +179,9 @@ cdef bint _pack_tokens(object s, Py_ssize_t n, int32_t* out):
 
 cdef inline Py_ssize_t _seq_len(object s):
     """Length of a list or tuple; -1 for anything else (numpy arrays take the numpy path)."""
-    if PyList_CheckExact(s):
-        return PyList_GET_SIZE(s)
-    if PyTuple_CheckExact(s):
-        return PyTuple_GET_SIZE(s)
-    return -1
+    cdef PyObject** items
+    cdef Py_ssize_t n
+    return n if _items(s, &items, &n) else -1
 
 
 cdef inline object _item(object s, Py_ssize_t i):

@@ -205,7 +205,7 @@ class InputBatch:
             req_ids[row] = st.req_id
             row_states[row] = st
             index[st.req_id] = row
-            st._batch, st._row, st._token_ids_np, st._block_ids_np = self, row, None, None  # st._attach
+            st._attach(self, row)
         return rows
 
     def admit_scanned(self, new_reqs: Sequence, scan, requests: dict[str, CachedRequestState]) -> list[int]:
