@@ -3,24 +3,36 @@
 # Runs every GPU test (marker gpu), the conformance suite of each available GPU backend, and
 # `attnplug bench attention` over all available backends; writes $RESULTS/summary.md (one row
 # per section: status and seconds) and $RESULTS/bench_attention.{md,json}. Budget: under 8
-# minutes on one H100/H200 with a cold Triton cache (each section has its own timeout).
+# minutes on one H100/H200 with a cold Triton cache; each section has its own timeout
+# (300 + 90 + 90 + 120 s at worst, about 7 minutes without the flash extras).
 # Exits non-zero if any section failed.
 # Environment: PY (default .venv/bin/python), WHEELS (prebuilt wheels, default ./wheels),
-#              RESULTS (default gpu_results; "$OUT" on the project's device machine).
+#              RESULTS (default gpu_results; "$OUT" on the project's device machine),
+#              SECTIONS (comma-separated subset to rerun: gpu_tests, check_flash_attn,
+#              check_flashinfer, bench_attention; default all),
+#              PYTEST_ARGS (extra pytest arguments for gpu_tests, e.g. "-k cudagraph").
+# On the project's offline device machine use tests/gpu/device_run.sh, which installs
+# this checkout into the machine's python first.
 set -uo pipefail
 PY=${PY:-.venv/bin/python}
-ATTNPLUG=${ATTNPLUG:-$(dirname "$PY")/attnplug}
+ATTNPLUG=${ATTNPLUG:-"$PY -m attnplug"}
 WHEELS=${WHEELS:-wheels}
 RESULTS=${RESULTS:-${OUT:-gpu_results}}
+SECTIONS=${SECTIONS:-gpu_tests,check_flash_attn,check_flashinfer,bench_attention}
+PYTEST_ARGS=${PYTEST_ARGS:-}
 mkdir -p "$RESULTS"
 SUMMARY="$RESULTS/summary.md"
 status=0
 unset TRITON_INTERPRET  # compiled kernels only (the interpreter is for the CPU tests)
 export TRITON_DEFAULT_FP_FUSION=${TRITON_DEFAULT_FP_FUSION:-1}
 
+# wanted NAME: whether SECTIONS selects it.
+wanted() { case ",$SECTIONS," in *",$1,"*) return 0;; *) return 1;; esac; }
+
 # section NAME TIMEOUT_S CMD...: run, log to $RESULTS/NAME.log, record status and seconds.
 section() {
   local name=$1 limit=$2; shift 2
+  wanted "$name" || return 0
   local t0=$SECONDS rc
   echo "== $name: $*"
   timeout "$limit" "$@" > "$RESULTS/$name.log" 2>&1
@@ -49,27 +61,30 @@ for pattern in "flash_attn-*.whl" "flash_attn_3-*.whl" "flashinfer_python-*.whl"
     [ -e "$whl" ] && "$PY" -m pip install -q --no-deps "$whl"
   done
 done
-"$ATTNPLUG" backends | tee "$RESULTS/backends.txt"
+$ATTNPLUG backends | tee "$RESULTS/backends.txt"
 
 # Every GPU test of the repository (marker gpu): tests/gpu/ — triton (conformance at realistic
 # sizes in fp16/bf16, CUDA graphs, long contexts, slot mapping), flash_attn/flashinfer
 # (CUDA-graph padding, runner graphs) — and the CUDA checks of the other test directories.
-section gpu_tests 330 "$PY" -m pytest -q -m gpu -rs tests
+# shellcheck disable=SC2086  # PYTEST_ARGS is split on purpose
+section gpu_tests 300 "$PY" -m pytest -q -m gpu -rs $PYTEST_ARGS tests
 
 # The conformance suite of the vendor backends that are installed (triton's runs above).
 for backend in flash_attn flashinfer; do
   if "$PY" -c "from attnplug.backends import get_backend as g; import sys; sys.exit(0 if g('$backend').is_available()[0] else 1)"; then
-    section "check_$backend" 120 "$ATTNPLUG" check "$backend" --device cuda --cases tests/gpu/cases_flash.json
-  else
+    section "check_$backend" 90 $ATTNPLUG check "$backend" --device cuda --cases tests/gpu/cases_flash.json
+  elif wanted "check_$backend"; then
     echo "-- $backend unavailable: $("$PY" -c "from attnplug.backends import get_backend as g; print(g('$backend').is_available()[1])")"
     echo "| check_$backend | skipped: not installed | 0 |" >> "$SUMMARY"
   fi
 done
 
 # One table for every available backend (so each row can be compared with flash_attn).
-section bench_attention 150 "$ATTNPLUG" bench attention --markdown --json "$RESULTS/bench_attention.json"
-sed -n '/^Device:/,$p' "$RESULTS/bench_attention.log" > "$RESULTS/bench_attention.md"
-{ echo; echo "## attnplug bench attention"; echo; cat "$RESULTS/bench_attention.md"; } >> "$SUMMARY"
+section bench_attention 120 $ATTNPLUG bench attention --markdown --json "$RESULTS/bench_attention.json"
+if wanted bench_attention; then
+  sed -n '/^Device:/,$p' "$RESULTS/bench_attention.log" > "$RESULTS/bench_attention.md"
+  { echo; echo "## attnplug bench attention"; echo; cat "$RESULTS/bench_attention.md"; } >> "$SUMMARY"
+fi
 
 echo; cat "$SUMMARY"
 exit $status

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# The GPU check in ONE call of the project's device machine (an offline CUDA host whose
+# `python3` already holds torch, triton, pytest, hypothesis, pluggy, rich and Cython):
+#
+#     run(command="bash tests/gpu/device_run.sh", timeout_s=570)            # everything
+#     run(command="SECTIONS=bench_attention bash tests/gpu/device_run.sh")  # rerun a part
+#
+# 1. installs this checkout into that python without network or build isolation, so the
+#    `attnplug` entry points (backend plugins, the pytest11 conformance plugin) exist and
+#    the Cython fast path is built; if that install fails it falls back to PYTHONPATH plus
+#    PYTEST_PLUGINS (same code, the install log says why);
+# 2. installs the wheels carried in .whl/ (flash-attn, flashinfer and their missing
+#    dependencies; name .whl in `carry`), when there are any;
+# 3. runs tests/gpu/run_all.sh (SECTIONS, PYTEST_ARGS pass through) into a scratch folder
+#    and copies back to $OUT at most 8 files (the device tool's limit): summary.md,
+#    bench_attention.md/.json, gpu_tests.log, install.log and everything in one tarball.
+# Exit status: run_all.sh's (non-zero if a section failed), 3 if attnplug cannot be imported.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+PY=${PY:-python3}
+OUTDIR=${OUT:-gpu_results}
+WORK=${WORK:-/tmp/attnplug_gpu}
+rm -rf "$WORK" && mkdir -p "$WORK/results" "$OUTDIR"
+LOG="$WORK/results/install.log"
+
+{
+  echo "# $(date -u +%FT%TZ) $(uname -m), $("$PY" -c 'import sys; print(sys.version.split()[0], sys.executable)')"
+  "$PY" -c 'import torch, triton; print("torch", torch.__version__, "cuda", torch.version.cuda, "triton", triton.__version__)'
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader 2>&1 || true
+  if compgen -G ".whl/*.whl" > /dev/null; then
+    echo "== carried wheels: $(ls .whl)"
+    "$PY" -m pip install --no-index --no-deps --no-compile --no-cache-dir .whl/*.whl
+  fi
+  echo "== installing attnplug (editable, offline, no build isolation)"
+  "$PY" -m pip install --no-index --no-deps --no-build-isolation -e .
+} > "$LOG" 2>&1
+if ! "$PY" -c "import importlib.metadata as m; m.distribution('attnplug'); import attnplug.runner.cli" >> "$LOG" 2>&1; then
+  echo "== the install failed (above): running from the source tree via PYTHONPATH" >> "$LOG"
+  mkdir -p "$WORK/site" && ln -sfn "$PWD" "$WORK/site/attnplug"
+  export PYTHONPATH="$WORK/site${PYTHONPATH:+:$PYTHONPATH}"
+  export PYTEST_PLUGINS=attnplug.plugins.conformance.pytest_plugin
+fi
+"$PY" -c "import attnplug.runner.native as n; print('compiled fast path:', n.NATIVE is not None)" >> "$LOG" 2>&1 \
+  || { cat "$LOG"; echo "attnplug cannot be imported"; cp "$LOG" "$OUTDIR/"; exit 3; }
+tail -n 4 "$LOG"
+
+PY="$PY" RESULTS="$WORK/results" bash tests/gpu/run_all.sh
+status=$?
+
+for f in summary.md bench_attention.md bench_attention.json gpu_tests.log install.log; do
+  [ -e "$WORK/results/$f" ] && cp "$WORK/results/$f" "$OUTDIR/"
+done
+tar -czf "$OUTDIR/gpu_results.tar.gz" -C "$WORK" results
+exit $status
