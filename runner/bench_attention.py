@@ -17,7 +17,10 @@ outputs and new K/V written — the least traffic any kernel needs), and those a
 of the device's matmul rate (a large ``torch.matmul`` in the same dtype) and copy bandwidth
 (a large ``Tensor.copy_``, read + write bytes), both measured in the same run. Each
 backend's output is compared with ``torch_native``'s (``max |Δ|``) so no number is for a
-wrong answer; decode rows also give throughput relative to ``flash_attn`` when it ran.
+wrong answer. Every row also gives its throughput relative to FlashAttention on the same
+batch ("vs flash"): ``flash_attn`` where that backend ran, else a yardstick row timing
+PyTorch's bundled FlashAttention-2 kernel on contiguous K/V (``bench_flash_reference``;
+``--no-flash-reference`` drops it).
 
 Needs CUDA: on a CPU-only machine it says so and exits with status 2 (timing the Triton
 interpreter would measure Python, not kernels).
@@ -32,6 +35,8 @@ import sys
 from dataclasses import asdict, dataclass, field
 
 import torch
+
+from attnplug.runner import bench_flash_reference as flash_ref
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -66,7 +71,8 @@ class Result:
     frac_matmul: float | None = None
     frac_copy: float | None = None
     max_abs_diff: float | None = None
-    vs_flash_attn: float | None = None
+    vs_flash: float | None = None
+    flash_baseline: str | None = None
     note: str = ""
 
 
@@ -159,6 +165,15 @@ def dense_kv(batch: Batch, args, dtype) -> tuple[torch.Tensor, torch.Tensor]:
             torch.randn(shape, device=args.device, generator=g).to(dtype))
 
 
+def step_qkv(batch: Batch, args, dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The step's q ``[num_tokens, num_heads, head_size]`` and new k, v ``[num_tokens,
+    num_kv_heads, head_size]``: the same for every backend (seeded)."""
+    gen = torch.Generator(device=args.device).manual_seed(2)
+    shapes = [(batch.num_tokens, h, args.head_size) for h in (args.num_heads, args.num_kv_heads, args.num_kv_heads)]
+    q, k, v = (torch.randn(shape, device=args.device, generator=gen).to(dtype) for shape in shapes)
+    return q, k, v
+
+
 def _inputs(batch: Batch, backend, args, dtype, kv_dense):
     """Builder, metadata, impl, cache and q/k/v for ``backend`` (its own page size and layout)."""
     from attnplug.cache_groups.specs import FullAttentionSpec
@@ -193,11 +208,7 @@ def _inputs(batch: Batch, backend, args, dtype, kv_dense):
     blocks = table[req, pos // bs]
     for half, dense in zip(backend.split_kv_cache(kv), kv_dense):
         half[blocks, pos % bs] = dense
-    gen = torch.Generator(device=args.device).manual_seed(2)
-    q = torch.randn(batch.num_tokens, args.num_heads, args.head_size, device=args.device, generator=gen).to(dtype)
-    k = torch.randn(batch.num_tokens, args.num_kv_heads, args.head_size, device=args.device, generator=gen).to(dtype)
-    v = torch.randn(batch.num_tokens, args.num_kv_heads, args.head_size, device=args.device, generator=gen).to(dtype)
-    return impl, md, kv, q, k, v, bs
+    return impl, md, kv, *step_qkv(batch, args, dtype), bs
 
 
 def time_backend(batch: Batch, backend, args, dtype, kv_dense) -> tuple[float, torch.Tensor, int]:
@@ -206,6 +217,25 @@ def time_backend(batch: Batch, backend, args, dtype, kv_dense) -> tuple[float, t
     out = torch.zeros_like(q)
     ms = _cuda_time_ms(lambda: impl.forward(None, q, k, v, kv, md, out), args.iters, args.warmup)
     return ms, out, bs
+
+
+def time_flash_reference(batch: Batch, args, dtype, kv_dense, peaks: DevicePeaks) -> tuple[Result, torch.Tensor | None]:
+    """The FlashAttention yardstick's row (``runner/bench_flash_reference.py``): the same
+    q, K/V and softmax scale as the backends, timed like them; a build or device without the
+    kernel gives a ``skipped:`` row, not an error."""
+    res = Result(batch.name, flash_ref.NAME, note=flash_ref.NOTE)
+    try:
+        q, k, v = step_qkv(batch, args, dtype)
+        key, value = flash_ref.contiguous_kv(batch.requests, kv_dense, k, v)
+        call = flash_ref.flash_reference(batch.requests, q, key, value, args.head_size ** -0.5)
+        out = call()
+    except (RuntimeError, NotImplementedError) as exc:
+        res.note = f"skipped: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+        return res, None
+    res.ms = _cuda_time_ms(call, args.iters, args.warmup)
+    res.tflops, res.gbps = _metrics(batch, res.ms, args, torch.empty((), dtype=dtype).element_size())
+    res.frac_matmul, res.frac_copy = res.tflops / peaks.matmul_tflops, res.gbps / peaks.copy_gbps
+    return res, out
 
 
 def _metrics(batch: Batch, ms: float, args, elem: int) -> tuple[float, float]:
@@ -251,12 +281,15 @@ def run(args) -> tuple[DevicePeaks, list[Result]]:
                 reference = out.float()
             rows.append((res, out))
             torch.cuda.empty_cache()
-        fa = next((r.ms for r, _ in rows if r.backend == "flash_attn" and r.ms), None)
+        if args.flash_reference:
+            rows.append(time_flash_reference(batch, args, dtype, kv_dense, peaks))
+        baseline = next((r for r, _ in rows if r.backend == "flash_attn" and r.ms), None) or \
+            next((r for r, _ in rows if r.backend == flash_ref.NAME and r.ms), None)
         for res, out in rows:
             if out is not None and reference is not None:
                 res.max_abs_diff = float((out.float() - reference).abs().max())
-            if fa and res.ms:
-                res.vs_flash_attn = fa / res.ms
+            if baseline is not None and res.ms:
+                res.vs_flash, res.flash_baseline = baseline.ms / res.ms, baseline.backend
             results.append(res)
         del kv_dense
         torch.cuda.empty_cache()
@@ -269,12 +302,17 @@ def render(peaks: DevicePeaks, results: list[Result], args) -> str:
     lines = [f"Device: {peaks.name}; measured copy bandwidth {peaks.copy_gbps:,.0f} GB/s, {args.dtype} matmul "
              f"{peaks.matmul_tflops:,.0f} TFLOP/s. Layer: {args.num_heads} heads / {args.num_kv_heads} KV heads x "
              f"{args.head_size}, {args.dtype}, block {args.block_size}; median of {args.iters} calls.", "",
-             "| workload | backend | ms | TFLOP/s | GB/s | % matmul | % copy BW | vs flash_attn | max abs diff | note |",
+             "| workload | backend | ms | TFLOP/s | GB/s | % matmul | % copy BW | vs flash | max abs diff | note |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         lines.append(f"| {r.workload} | {r.backend} | {f(r.ms, '.3f')} | {f(r.tflops, '.1f')} | {f(r.gbps, ',.0f')} | "
                      f"{f(r.frac_matmul and 100 * r.frac_matmul, '.1f')} | {f(r.frac_copy and 100 * r.frac_copy, '.1f')} | "
-                     f"{f(r.vs_flash_attn, '.2f')} | {f(r.max_abs_diff, '.2e')} | {r.note} |")
+                     f"{f(r.vs_flash, '.2f')} | {f(r.max_abs_diff, '.2e')} | {r.note} |")
+    baselines = sorted({r.flash_baseline for r in results if r.flash_baseline})
+    if baselines:
+        lines += ["", "vs flash: throughput relative to " + " / ".join(f"`{b}`" for b in baselines) +
+                  " on the same batch (flash_attn where it ran, else PyTorch's bundled FlashAttention-2 kernel on "
+                  "contiguous K/V, which skips the paging and the K/V write that a backend's forward does)."]
     return "\n".join(lines)
 
 
@@ -300,6 +338,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--no-flash-reference", dest="flash_reference", action="store_false",
+                   help="skip the FlashAttention yardstick row (PyTorch's bundled FlashAttention-2 kernel)")
     p.add_argument("--markdown", action="store_true", help="print the markdown table (default: rich table)")
     p.add_argument("--json", metavar="PATH", default=None, help="also write device peaks and results as JSON")
     p.set_defaults(device="cuda")  # the tests drive run() on the CPU with stubbed timers

@@ -5,8 +5,10 @@ are produced), so the GPU run only adds the timings."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from attnplug.runner import bench_attention as ba
+from attnplug.runner import bench_flash_reference as flash_ref
 from attnplug.runner.bench import main as bench_main
 
 TINY = ["--decode-batch", "3,5", "--prefill-tokens", "40", "--mixed-budget", "24", "--mixed-decodes", "4",
@@ -61,11 +63,67 @@ def test_run_times_every_backend_through_the_contract(monkeypatch):
     args = _args("--backend", "triton,torch_native", "--backend", "flash_attn", "--decode-batch", "3")
     peaks, results = ba.run(args)
     by = {(r.workload.split()[0], r.backend): r for r in results}
-    assert len(results) == 3 * 3 and len(calls) == 3 * 2
+    assert len(results) == 3 * 4 and len(calls) == 3 * 2
     for workload in ("decode", "prefill", "mixed"):
         tri, ref, fa = by[(workload, "triton")], by[(workload, "torch_native")], by[(workload, "flash_attn")]
         assert tri.ms == 1.0 and tri.max_abs_diff is not None and tri.max_abs_diff < 1e-4, tri
         assert ref.max_abs_diff == 0.0 and tri.frac_copy == pytest.approx(tri.gbps / 100.0)
         assert fa.ms is None and fa.note.startswith("skipped:"), fa
+        yardstick = by[(workload, flash_ref.NAME)]  # the CPU build has no FlashAttention kernel
+        assert yardstick.ms is None and yardstick.note.startswith("skipped: NotImplementedError"), yardstick
+        assert tri.vs_flash is None
     table = ba.render(peaks, results, args)
-    assert "| decode B=3 | triton | 1.000 |" in table and "skipped" in table
+    assert "| decode B=3 | triton | 1.000 |" in table and "skipped" in table and "vs flash:" not in table
+
+
+def _flash_varlen_contract(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal,
+                           return_debug_mask, *, scale=None):
+    """``aten::_flash_attention_forward``'s documented varlen contract, computed densely: packed
+    q/k/v, int32 prefix sums, GQA by head groups, causal aligned bottom-right, fp16/bf16 only."""
+    assert query.dtype in (torch.float16, torch.bfloat16) and key.dtype == value.dtype == query.dtype
+    assert cum_seq_q.dtype == cum_seq_k.dtype == torch.int32 and cum_seq_q.shape == cum_seq_k.shape
+    assert dropout_p == 0.0 and is_causal and not return_debug_mask
+    q_lens, k_lens = cum_seq_q.diff().tolist(), cum_seq_k.diff().tolist()
+    assert max_q == max(q_lens) and max_k == max(k_lens) and cum_seq_k[-1] == key.shape[0]
+    group = query.shape[1] // key.shape[1]
+    out = torch.empty_like(query)
+    for i, (nq, nk) in enumerate(zip(q_lens, k_lens)):
+        q0, k0 = int(cum_seq_q[i]), int(cum_seq_k[i])
+        q = query[q0:q0 + nq].float().transpose(0, 1)
+        k = key[k0:k0 + nk].float().repeat_interleave(group, 1).transpose(0, 1)
+        v = value[k0:k0 + nk].float().repeat_interleave(group, 1).transpose(0, 1)
+        visible = torch.arange(nk)[None, :] <= torch.arange(nq)[:, None] + (nk - nq)  # bottom-right
+        logits = (q @ k.transpose(1, 2) * scale).masked_fill(~visible, float("-inf"))
+        out[q0:q0 + nq] = (logits.softmax(-1) @ v).transpose(0, 1).to(query.dtype)
+    return out, None, None, None, None
+
+
+def test_flash_yardstick_sets_vs_flash_and_matches_the_reference(monkeypatch):
+    monkeypatch.setattr(ba, "_cuda_time_ms", lambda fn, iters, warmup: (fn(), 2.0)[1])
+    monkeypatch.setattr(ba, "measure_device", lambda dtype: ba.DevicePeaks("stub", 100.0, 10.0))
+    monkeypatch.setattr(flash_ref, "_operator", lambda: _flash_varlen_contract)
+    # float16: the kernel's dtypes; mixed rows put the new tokens mid-request (c > 0, s > 1)
+    args = _args("--backend", "torch_native", "--decode-batch", "3", "--dtype", "float16")
+    peaks, results = ba.run(args)
+    by = {(r.workload.split()[0], r.backend): r for r in results}
+    for workload in ("decode", "prefill", "mixed"):
+        ref, yardstick = by[(workload, "torch_native")], by[(workload, flash_ref.NAME)]
+        assert yardstick.ms == 2.0 and yardstick.note == flash_ref.NOTE
+        assert yardstick.max_abs_diff is not None and yardstick.max_abs_diff < 2e-3, yardstick
+        assert ref.vs_flash == pytest.approx(1.0) and ref.flash_baseline == flash_ref.NAME
+        assert yardstick.vs_flash == pytest.approx(1.0)
+    table = ba.render(peaks, results, args)
+    assert f"| {flash_ref.NAME} | 2.000 |" in table and f"vs flash: throughput relative to `{flash_ref.NAME}`" in table
+    assert not any(r.backend == flash_ref.NAME for r in ba.run(_args("--no-flash-reference", "--decode-batch", "3"))[1])
+
+
+def test_contiguous_kv_places_the_new_tokens_after_each_context():
+    requests = [(2, 1), (0, 3), (1, 2)]
+    dense = torch.arange(9.0).view(9, 1, 1)
+    new = -torch.arange(1.0, 7.0).view(6, 1, 1)
+    key, value = flash_ref.contiguous_kv(requests, (dense, dense + 100), new, new - 100)
+    # request 0 = rows 0-2: context 0, 1, then new 0; request 1 = rows 3-5: new 1-3;
+    # request 2 = rows 6-8: context 6, then new 4, 5
+    assert key.flatten().tolist() == [0, 1, -1, -2, -3, -4, 6, -5, -6]
+    assert value.flatten().tolist() == [100, 101, -101, -102, -103, -104, 106, -105, -106]
+    assert dense.flatten().tolist() == list(range(9)), "the bench's dense cache is left as it was"
