@@ -30,6 +30,7 @@ from attnplug.cache_groups.buffers import CpuGpuBuffer
 from attnplug.cache_groups.ragged import cumsum_and_arange
 from attnplug.core.constants import NULL_BLOCK_ID, PAD_SLOT_ID
 from attnplug.core.errors import KVCacheSpecError, MetadataError
+from attnplug.core.devices import resolve_device
 
 
 def expand_to_kernel_block_ids(block_ids, kernel_blocks_per_block: int) -> np.ndarray:
@@ -102,7 +103,7 @@ class BlockTable:
         self.kernel_blocks_per_block = k = self.block_size // self.kernel_block_size
         self.max_num_reqs = int(max_num_reqs)
         self.max_num_blocks_per_req = int(max_num_blocks_per_req)
-        self.device = torch.device(device)
+        self.device = resolve_device(device)
         self.kernel_block_table = CpuGpuBuffer((max_num_reqs, max_num_blocks_per_req * k), torch.int32,
                                                self.device, fill=NULL_BLOCK_ID)
         if k == 1:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from attnplug.core.devices import resolve_device
+
 
 def pin_memory_available(device: torch.device) -> bool:
     """Whether host buffers feeding ``device`` should be pinned (CUDA present and targeted)."""
@@ -32,7 +34,7 @@ class CpuGpuBuffer:
 
     def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str,
                  fill: int | float = 0):
-        self.device = torch.device(device)
+        self.device = resolve_device(device)
         pin = pin_memory_available(self.device)
         self.cpu = torch.full(shape, fill, dtype=dtype, pin_memory=pin)
         self.np = self.cpu.numpy()

@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 import torch
 
 from attnplug.core.metadata import CommonAttentionMetadata
+from attnplug.core.devices import resolve_device
 
 PLUGIN_API_VERSION: tuple[int, int] = (1, 0)
 """Version of this contract, ``(major, minor)``. A backend declares the version it was
@@ -107,7 +108,7 @@ class AttentionMetadataBuilder(ABC):
         self.kv_cache_spec = kv_cache_spec
         self.layer_names = list(layer_names)
         self.config = config
-        self.device = torch.device(device)
+        self.device = resolve_device(device)
 
     @classmethod
     def get_cudagraph_support(cls, kv_cache_spec: Any = None) -> AttentionCGSupport:

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from attnplug.core.devices import resolve_device
+
 
 @dataclass
 class CommonAttentionMetadata:
@@ -161,7 +163,7 @@ class CommonAttentionMetadata:
             is_prefilling = sched > 1
         else:
             is_prefilling = computed < torch.as_tensor(num_prompt_tokens, dtype=torch.int64)
-        dev = torch.device(device)
+        dev = resolve_device(device)
         return cls(
             query_start_loc=qsl.to(torch.int32).to(dev),
             query_start_loc_cpu=qsl.to(torch.int32),

@@ -45,6 +45,7 @@ from attnplug.core.constants import NULL_BLOCK_ID
 from attnplug.core.contracts import AttentionCGSupport, AttentionMetadataBuilder
 from attnplug.core.errors import ConfigError, MetadataError
 from attnplug.core.metadata import CommonAttentionMetadata
+from attnplug.core.devices import resolve_device
 
 DEFAULT_CAPTURE_SIZES: tuple[int, ...] = (1, 2, 4) + tuple(range(8, 513, 8))
 """Token counts (and request counts) graphs are captured for: 1, 2, 4, then every 8 up to 512."""
@@ -253,7 +254,7 @@ class PaddedMetadata:
     """
 
     def __init__(self, max_num_reqs: int, device: torch.device | str):
-        self.device = torch.device(device)
+        self.device = resolve_device(device)
         self.max_num_reqs = int(max_num_reqs)
         self._qsl = CpuGpuBuffer((max_num_reqs + 1,), torch.int32, self.device)
         self._seq_lens = CpuGpuBuffer((max_num_reqs,), torch.int32, self.device)

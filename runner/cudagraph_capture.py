@@ -29,6 +29,7 @@ from attnplug.runner.cudagraph import (
     batch_shape,
     negotiate_cudagraph_mode,
 )
+from attnplug.core.devices import resolve_device
 
 
 class CUDAGraphRunner:
@@ -42,7 +43,7 @@ class CUDAGraphRunner:
     """
 
     def __init__(self, device: torch.device | str):
-        self.device = torch.device(device)
+        self.device = resolve_device(device)
         self._graphs: dict[Any, tuple[torch.cuda.CUDAGraph, Any]] = {}
         self._pool = None
         self.num_captures = 0

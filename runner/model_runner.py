@@ -27,6 +27,7 @@ from attnplug.runner.cudagraph_capture import StepGraphs
 from attnplug.runner.sampler import Sampler
 from attnplug.runner.scheduler_output import SchedulerOutput
 from attnplug.runner.step_compiler import StepCompiler
+from attnplug.core.devices import resolve_device
 
 STAGES = ("update_states", "prepare_inputs", "metadata_build", "forward", "sample")
 
@@ -91,7 +92,7 @@ class ModelRunner:
         self.kv_cache_config = kv_cache_config
         self.backends = list(backends)
         self.config = config
-        self.device = torch.device(device)
+        self.device = resolve_device(device)
         self.record_logits = record_logits
         groups = kv_cache_config.groups
         kernel_block_sizes = []

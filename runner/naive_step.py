@@ -18,6 +18,7 @@ from attnplug.core.constants import NULL_BLOCK_ID, PAD_SLOT_ID
 from attnplug.core.errors import InvalidSchedulerOutput
 from attnplug.core.metadata import CommonAttentionMetadata
 from attnplug.runner.scheduler_output import SchedulerOutput
+from attnplug.core.devices import resolve_device
 
 
 @dataclass
@@ -58,7 +59,7 @@ class NaiveStepCompiler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.reorder_batch_threshold = reorder_batch_threshold
         self.num_blocks = num_blocks if num_blocks is not None else 2**30
-        self.device = torch.device(device)
+        self.device = resolve_device(device)
         self.reqs: dict[str, dict] = {}
         self.rows: list[str | None] = []
         self.sched: dict[str, int] = {}

@@ -41,6 +41,7 @@ from attnplug.runner.scheduler_output import SamplingParams, SchedulerOutput
 from attnplug.runner.int_packer import IntPacker
 from attnplug.runner.native import NATIVE
 from attnplug.runner.update_states import apply_update, plan_update
+from attnplug.core.devices import resolve_device
 
 _GROUP_KINDS = ("full_attention", "sliding_window", "mamba")
 
@@ -115,7 +116,7 @@ class StepCompiler:
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens
         self.reorder_batch_threshold = reorder_batch_threshold
-        self.device = torch.device(device)
+        self.device = resolve_device(device)
         use_native = NATIVE is not None and native is not False
         self.input_batch = InputBatch(max_num_reqs, max_model_len, max_num_batched_tokens, self.block_sizes,
                                       self.device, self.kernel_block_sizes, use_native)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from attnplug.cache_groups.specs import cdiv
+from attnplug.core.devices import same_device
 from attnplug.core.errors import MetadataError
 
 
@@ -17,7 +18,8 @@ def check_slot_mapping(slot_mapping: torch.Tensor, num_actual_tokens: int, capac
     Raises:
         MetadataError: otherwise, with the values and the limit.
     """
-    if slot_mapping.dim() != 1 or slot_mapping.dtype != torch.int64 or slot_mapping.device != device:
+    if (slot_mapping.dim() != 1 or slot_mapping.dtype != torch.int64
+            or not same_device(slot_mapping.device, device)):
         raise MetadataError(f"slot_mapping is {slot_mapping.dtype} {tuple(slot_mapping.shape)} on "
                             f"{slot_mapping.device}; need int64 [num_tokens] on {device}.")
     if not num_actual_tokens <= slot_mapping.shape[0] <= capacity:
@@ -36,7 +38,7 @@ def check_block_table(block_table: torch.Tensor, num_rows: int, max_seq_len: int
         MetadataError: otherwise, naming ``backend``, the values and the limits.
     """
     if (block_table.dim() != 2 or block_table.shape[0] < num_rows or block_table.dtype != torch.int32
-            or block_table.device != device):
+            or not same_device(block_table.device, device)):
         raise MetadataError(
             f"block_table_tensor is {block_table.dtype} {tuple(block_table.shape)} on {block_table.device} "
             f"but num_reqs={num_rows}: the {backend} builder needs int32 [num_reqs, max_num_blocks_per_req] on "

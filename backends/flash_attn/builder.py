@@ -27,6 +27,7 @@ from attnplug.backends.flash_attn.metadata import FlashAttnCascadeMetadata, Flas
 from attnplug.cache_groups.specs import cdiv
 from attnplug.core.constants import NULL_BLOCK_ID, PAD_SLOT_ID
 from attnplug.core.contracts import AttentionCGSupport, AttentionMetadataBuilder, BuilderConfig
+from attnplug.core.devices import same_device
 from attnplug.core.errors import BackendUnsupportedError, MetadataError
 from attnplug.core.metadata import CommonAttentionMetadata
 
@@ -280,7 +281,7 @@ class FlashAttnMetadataBuilder(AttentionMetadataBuilder):
                 f"seq_lens has {cm.seq_lens.shape[0]} entries for a batch of {B} (num_reqs={n}): need one per "
                 "request, padded ones included (0 keys), and host copies for the real ones.")
         for name, t in (("query_start_loc", cm.query_start_loc), ("seq_lens", cm.seq_lens)):
-            if t.dtype != torch.int32 or t.device != self.device:
+            if t.dtype != torch.int32 or not same_device(t.device, self.device):
                 raise MetadataError(f"{name} is {t.dtype} on {t.device}; flash_attn needs torch.int32 on "
                                     f"{self.device} (the compute device).")
         qsl = cm.query_start_loc_cpu[: n + 1].long()

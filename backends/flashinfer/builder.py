@@ -21,6 +21,7 @@ from attnplug.backends.flashinfer.kernels import LIVE_LAYER_PARAMS, installed_mo
 from attnplug.backends.flashinfer.metadata import FlashInferMetadata, FlashInferPlan, FlashInferPlanKey
 from attnplug.cache_groups.specs import cdiv
 from attnplug.core.contracts import AttentionCGSupport, AttentionMetadataBuilder, BuilderConfig
+from attnplug.core.devices import same_device
 from attnplug.core.errors import BackendUnsupportedError, MetadataError
 from attnplug.core.metadata import CommonAttentionMetadata
 
@@ -252,7 +253,7 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder):
                 "decodes first and prefills last; the runner must honour reorder_batch_threshold = 1 "
                 "(StepCompiler(reorder_batch_threshold=...)).")
         bt = cm.block_table_tensor
-        if bt.dim() != 2 or bt.shape[0] < B or bt.dtype != torch.int32 or bt.device != self.device:
+        if bt.dim() != 2 or bt.shape[0] < B or bt.dtype != torch.int32 or not same_device(bt.device, self.device):
             raise MetadataError(f"block_table_tensor is {bt.dtype} {tuple(bt.shape)} on {bt.device}: flashinfer needs "
                                 f"int32 [>= {B}, max_num_blocks_per_req] on {self.device}.")
         if n and cdiv(int(seq_lens.max()), self.page_size) > bt.shape[1]:

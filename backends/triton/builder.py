@@ -19,6 +19,7 @@ from attnplug.backends.triton.metadata import SplitKVPolicy, TritonAttentionMeta
 from attnplug.cache_groups.specs import cdiv
 from attnplug.core.constants import NULL_BLOCK_ID, PAD_SLOT_ID
 from attnplug.core.contracts import AttentionCGSupport, AttentionMetadataBuilder, BuilderConfig
+from attnplug.core.devices import same_device
 from attnplug.core.errors import MetadataError
 from attnplug.core.metadata import CommonAttentionMetadata
 
@@ -184,7 +185,7 @@ class TritonMetadataBuilder(AttentionMetadataBuilder):
                 f"but num_reqs={n}: expected >= num_reqs + 1 and >= num_reqs.")
         for name, t, dtype in (("query_start_loc", cm.query_start_loc, torch.int32),
                                ("seq_lens", cm.seq_lens, torch.int32)):
-            if t.dtype != dtype or t.device != self.device:
+            if t.dtype != dtype or not same_device(t.device, self.device):
                 raise MetadataError(f"{name} is {t.dtype} on {t.device}; the triton builder needs {dtype} on "
                                     f"{self.device} (the compute device).")
         qsl = cm.query_start_loc_cpu[: n + 1].long()

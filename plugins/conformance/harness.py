@@ -28,6 +28,7 @@ from attnplug.plugins.conformance.cases import ConformanceCase
 from attnplug.plugins.conformance.oracle import CaseInputs
 from attnplug.plugins.conformance.requirements import torch_dtype
 from attnplug.plugins.conformance.snapshots import changes_since, snapshot, value_differences
+from attnplug.core.devices import resolve_device
 
 POISON = 1000.0
 """Initial value of every KV-cache element; reading it unmasked ruins the output."""
@@ -126,7 +127,7 @@ class _Runner:
         from attnplug.runner.step_compiler import StepCompiler
 
         self._types = (CachedRequestData, NewRequestData, SchedulerOutput)
-        self.backend, self.case, self.device, self.kbs = backend_cls, case, torch.device(device), kbs
+        self.backend, self.case, self.device, self.kbs = backend_cls, case, resolve_device(device), kbs
         dtype = torch_dtype(case.dtype)
         lens = [c + s for c, s in case.requests]
         needed = [cdiv(n, case.block_size) for n in lens]

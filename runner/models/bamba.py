@@ -30,6 +30,7 @@ from attnplug.runner.models.bamba_config import BambaModelConfig
 from attnplug.runner.models.layers import Attention, RMSNorm, RotaryEmbedding, SwiGLUMLP, lookup_layer
 from attnplug.runner.models.llama import attention_layer_name
 from attnplug.runner.models.mamba2 import Mamba2Mixer
+from attnplug.core.devices import resolve_device
 
 SSM_STATE_DTYPE = torch.float32
 """SSM states are kept in float32 whatever the activation dtype (HF's torch path computes
@@ -125,7 +126,7 @@ class BambaModel(nn.Module):
         super().__init__()
         self.config = cfg
         self.dtype = dtype
-        self.device = torch.device(device)
+        self.device = resolve_device(device)
         layer_cfgs = list(bamba_layer_configs(cfg, dtype, device, block_size).values())
         self.model = BambaBody(cfg, layer_cfgs, backends, dtype, device)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, device=device)

@@ -42,6 +42,7 @@ from attnplug.runner.models.gemma3_config import Gemma3ModelConfig
 from attnplug.runner.models.layers import RotaryEmbedding, lookup_layer
 from attnplug.runner.models.llama import attention_layer_name
 from attnplug.runner.models.config import RopeScaling
+from attnplug.core.devices import resolve_device
 
 
 def gemma3_layer_configs(cfg: Gemma3ModelConfig, dtype: torch.dtype, device: torch.device | str,
@@ -180,7 +181,7 @@ class Gemma3Model(nn.Module):
         super().__init__()
         self.config = cfg
         self.dtype = dtype
-        self.device = torch.device(device)
+        self.device = resolve_device(device)
         self.model = Gemma3Body(cfg, backends, dtype, device)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, device=device)
         if cfg.tie_word_embeddings:

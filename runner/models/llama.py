@@ -26,6 +26,7 @@ from attnplug.cache_groups.specs import FullAttentionSpec, KVCacheSpec, SlidingW
 from attnplug.core.contracts import AttentionBackend, AttentionLayerConfig, AttentionType
 from attnplug.runner.models.config import DecoderModelConfig
 from attnplug.runner.models.layers import Attention, RMSNorm, RotaryEmbedding, SwiGLUMLP, lookup_layer
+from attnplug.core.devices import resolve_device
 
 BackendForLayer = Callable[[str, AttentionLayerConfig], type[AttentionBackend]]
 """``backend_for_layer(layer_name, layer_cfg) -> backend class``."""
@@ -107,7 +108,7 @@ class DecoderModel(nn.Module):
         super().__init__()
         self.config = cfg
         self.dtype = dtype
-        self.device = torch.device(device)
+        self.device = resolve_device(device)
         self.model = DecoderBody(cfg, backends, dtype, device)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, device=device)
         if cfg.tie_word_embeddings:
