@@ -197,10 +197,12 @@ def _inputs(batch: Batch, backend, args, dtype, kv_dense):
     spec = FullAttentionSpec(block_size=bs, num_kv_heads=args.num_kv_heads, head_size=args.head_size, dtype=dtype)
     cfg = BuilderConfig(max_num_reqs=len(batch.requests), max_num_batched_tokens=batch.num_tokens,
                         max_model_len=args.max_model_len)
-    builder = backend.get_builder_cls()(spec, ["bench"], cfg, args.device)
-    md = builder.build(0, cm)
+    # the impl first: builders that plan per layer configuration (flashinfer, FA3's scheduler
+    # metadata) read the live impls of their group at build time
     impl = backend.get_impl_cls()(args.num_heads, args.head_size, args.head_size ** -0.5, args.num_kv_heads,
                                   kv_cache_dtype=dtype)
+    builder = backend.get_builder_cls()(spec, ["bench"], cfg, args.device)
+    md = builder.build(0, cm)
     kv = torch.zeros(backend.get_kv_cache_shape(1 + int(nblk.sum()), bs, args.num_kv_heads, args.head_size),
                      dtype=dtype, device=args.device)
     req = torch.repeat_interleave(torch.arange(len(lens), device=args.device), lens)

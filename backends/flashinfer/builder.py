@@ -5,8 +5,10 @@ int32 ``paged_kv_indptr`` / ``paged_kv_indices`` / ``paged_kv_last_page_len`` co
 vectorized from the block table and ``seq_lens`` (host arithmetic on the ``_cpu``
 copies, one device gather for the indices); ``qo_indptr`` of the prefill slice; then one
 decode and one prefill ``plan()`` per distinct layer configuration (query heads,
-``window_left = W - 1``, soft-cap, scale) of the group's live impls. Pure-decode steps use
-CUDA-graph decode wrappers (one per batch size, all on the builder's fixed buffers).
+``window_left = W - 1``, soft-cap, scale) of the group's live impls. CUDA-graph builds
+(``build_for_cudagraph_capture``: pure single-token decodes only) use graph decode wrappers,
+one per padded batch size, all on the builder's fixed buffers, and copy the slot mapping
+into a persistent buffer; eager builds use one ordinary decode wrapper per configuration.
 """
 
 from __future__ import annotations
@@ -16,10 +18,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from attnplug.backends.common.buffer_checks import check_slot_mapping
 from attnplug.backends.common.window import flashinfer_window_left
 from attnplug.backends.flashinfer.kernels import LIVE_LAYER_PARAMS, installed_module, unavailable_reason
 from attnplug.backends.flashinfer.metadata import FlashInferMetadata, FlashInferPlan, FlashInferPlanKey
 from attnplug.cache_groups.specs import cdiv
+from attnplug.core.constants import PAD_SLOT_ID
 from attnplug.core.contracts import AttentionCGSupport, AttentionMetadataBuilder, BuilderConfig
 from attnplug.core.devices import same_device
 from attnplug.core.errors import BackendUnsupportedError, MetadataError
@@ -120,6 +124,8 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder):
         self._indptr_buf = torch.zeros(n + 1, dtype=torch.int32, device=dev)
         self._indices_buf = torch.zeros(n * self.max_num_blocks_per_req, dtype=torch.int32, device=dev)
         self._last_page_len_buf = torch.ones(n, dtype=torch.int32, device=dev)
+        self._slot_mapping_buf = torch.full((config.max_num_batched_tokens,), PAD_SLOT_ID, dtype=torch.int64,
+                                            device=dev)
         self._workspace: torch.Tensor | None = None
         self._wrappers: dict[tuple, Any] = {}
 
@@ -144,11 +150,32 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder):
 
         Synchronises with the host (``plan()`` does); never runs inside a CUDA graph.
         """
-        cm = common_attn_metadata
+        return self._build(common_attn_metadata, graph=False)
+
+    def build_for_cudagraph_capture(self, common_attn_metadata: CommonAttentionMetadata) -> FlashInferMetadata:
+        """Metadata for a CUDA-graph step (capture, and every replay of the same padded shape).
+
+        Plans the graph decode wrapper of this padded batch size (its indptr / indices /
+        last-page-length live in the builder's fixed buffers) and copies the slot mapping
+        into the builder's persistent buffer, so the captured metadata reads each replay's
+        values.
+
+        Raises:
+            MetadataError: as :meth:`build`, and for a step that is not a pure single-token
+                decode (this backend declares ``UNIFORM_SINGLE_TOKEN_DECODE``).
+        """
+        return self._build(common_attn_metadata, graph=True)
+
+    def _build(self, cm: CommonAttentionMetadata, graph: bool) -> FlashInferMetadata:
         n, qlens, seq_lens = self._check(cm)
         num_decodes = int(np.count_nonzero(qlens == 1))
         B_padded = cm.query_start_loc.shape[0] - 1
         pure_decode = num_decodes == n and n > 0 and B_padded <= cm.slot_mapping.shape[0]
+        if graph and not pure_decode:
+            raise MetadataError(
+                f"build_for_cudagraph_capture got {n - num_decodes} prefill request(s) among {n}: flashinfer's "
+                "CUDA graphs hold pure single-token decode batches only (UNIFORM_SINGLE_TOKEN_DECODE); build "
+                "mixed steps eagerly with build().")
         B = B_padded if pure_decode else n
         lens = np.zeros(B, dtype=np.int64)
         lens[:n] = seq_lens
@@ -163,18 +190,22 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder):
             decode = prefill = None
             if num_decode_tokens:
                 decode = self._plan_decode(key, indptr_t[: num_decode_tokens + 1], indices,
-                                           last_t[:num_decode_tokens], graph=pure_decode)
+                                           last_t[:num_decode_tokens], graph=graph)
             if num_decodes < n:
                 lo = int(indptr[num_decodes])
                 prefill = self._plan_prefill(key, torch.from_numpy(qo_indptr),
                                              indptr_t[num_decodes: n + 1] - lo, indices[lo: int(indptr[n])],
                                              last_t[num_decodes:n])
             plans[key] = FlashInferPlan(decode, prefill)
+        slot_mapping = cm.slot_mapping
+        if graph:
+            slot_mapping = self._slot_mapping_buf[: slot_mapping.shape[0]]
+            slot_mapping.copy_(cm.slot_mapping, non_blocking=True)
         return FlashInferMetadata(
             num_reqs=n, num_actual_tokens=cm.num_actual_tokens, num_decodes=num_decodes,
             num_decode_tokens=num_decode_tokens, num_prefills=n - num_decodes,
             num_prefill_tokens=cm.num_actual_tokens - num_decodes, page_size=self.page_size,
-            slot_mapping=cm.slot_mapping, paged_kv_indptr=indptr_t, paged_kv_indices=indices,
+            slot_mapping=slot_mapping, paged_kv_indptr=indptr_t, paged_kv_indices=indices,
             paged_kv_last_page_len=last_t, qo_indptr=torch.from_numpy(qo_indptr), plans=plans)
 
     def plan_keys(self) -> list[FlashInferPlanKey]:
@@ -259,7 +290,5 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder):
         if n and cdiv(int(seq_lens.max()), self.page_size) > bt.shape[1]:
             raise MetadataError(f"seq_len {int(seq_lens.max())} needs more than the block table's {bt.shape[1]} "
                                 f"pages of {self.page_size} tokens.")
-        if cm.slot_mapping.shape[0] < cm.num_actual_tokens:
-            raise MetadataError(f"slot_mapping has {cm.slot_mapping.shape[0]} entries but num_actual_tokens="
-                                f"{cm.num_actual_tokens}.")
+        check_slot_mapping(cm.slot_mapping, cm.num_actual_tokens, self.config.max_num_batched_tokens, self.device)
         return n, qlens, seq_lens

@@ -162,10 +162,12 @@ class TritonMetadataBuilder(AttentionMetadataBuilder):
 
     # --- copies into the persistent buffers (after validation) ---------------------------
     def _copy_block_table(self, block_table: torch.Tensor, n: int) -> torch.Tensor:
+        # The step's columns are copied, but the whole persistent width is returned: a CUDA
+        # graph captured on a narrow step must replay wider ones (the kernels read only the
+        # pages that seq_lens needs, so columns left from earlier steps are never read).
         width = min(block_table.shape[1], self.max_num_blocks_per_req)
-        view = self._block_table[:n, :width]
-        view.copy_(block_table[:n, :width], non_blocking=True)
-        return view
+        self._block_table[:n, :width].copy_(block_table[:n, :width], non_blocking=True)
+        return self._block_table[:n]
 
     def _copy_slot_mapping(self, slot_mapping: torch.Tensor) -> torch.Tensor:
         view = self._slot_mapping[: slot_mapping.shape[0]]

@@ -14,7 +14,7 @@ from attnplug.backends.emulators import FlashAttn2EmulatedBackend, FlashAttn3Emu
 from attnplug.backends.torch_native import TorchNativeBackend
 from attnplug.cache_groups.specs import FullAttentionSpec
 from attnplug.core.constants import NULL_BLOCK_ID, PAD_SLOT_ID
-from attnplug.core.contracts import BuilderConfig
+from attnplug.core.contracts import AttentionCGSupport, BuilderConfig
 from attnplug.core.errors import ConfigError, MetadataError
 from attnplug.core.metadata import CommonAttentionMetadata
 from attnplug.runner import cudagraph as cg
@@ -131,9 +131,10 @@ def _step(backend, requests, padded: bool, seed=0):
     cm = inputs.common_attn_metadata[0]
     if batch.use_graph:
         cm = PaddedMetadata(8, "cpu").pad([cm], batch.num_reqs_padded)[0]
-        md = builder.build_for_cudagraph_capture(cm)
-    else:
-        md = builder.build(0, cm)
+    # a graph build where the backend captures this batch; else the padded step runs eagerly
+    # (flashinfer captures pure decodes only: its padded mixed step is built like a PIECEWISE one)
+    captured = builder_cls.get_cudagraph_support(spec) == AttentionCGSupport.ALWAYS or all(s == 1 for _, s in requests)
+    md = builder.build_for_cudagraph_capture(cm) if batch.use_graph and captured else builder.build(0, cm)
     cache = torch.full(backend.get_kv_cache_shape(40, BLOCK, H_kv, D), POISON)
     kc, vc = backend.split_kv_cache(cache)
     Q, P = inputs.num_actual_tokens, inputs.num_padded_tokens

@@ -48,7 +48,9 @@ def test_fields_are_flash_attention_arguments():
     assert torch.equal(md.cu_seqlens_q, cm.query_start_loc) and md.cu_seqlens_q.dtype == torch.int32
     assert torch.equal(md.seqused_k, cm.seq_lens) and md.seqused_k.dtype == torch.int32
     assert md.cu_seqlens_k.tolist() == [0, 6, 9, 27]
-    assert md.block_table.dtype == torch.int32 and torch.equal(md.block_table, cm.block_table_tensor)
+    width = cm.block_table_tensor.shape[1]  # the step's columns; the rest of the persistent width is unread
+    assert md.block_table.dtype == torch.int32 and torch.equal(md.block_table[:, :width], cm.block_table_tensor)
+    assert md.block_table.shape[1] == builder.max_num_blocks_per_req
     assert (md.max_seqlen_q, md.max_seqlen_k) == (3, 18)
     assert md.window_size == (2, 0)  # W = 3 tokens -> (W - 1, 0)
     assert md.cascade is None

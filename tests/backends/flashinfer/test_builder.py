@@ -81,19 +81,31 @@ def test_one_plan_per_distinct_layer_configuration_and_window_left():
         torch.testing.assert_close(out, torch_native_reference(b, scale, 5, cap), atol=1e-5, rtol=1e-5)
 
 
-def test_pure_decode_padded_step_uses_graph_wrappers_on_fixed_buffers():
+def test_pure_decode_padded_graph_step_uses_graph_wrappers_on_fixed_buffers():
     b = make_paged_batch([7, 12, 3], [1, 1, 1], block_size=4, seed=5)
     builder, (impl,) = _setup(b)
     cm = b.cm.replace(slot_mapping=torch.cat([b.cm.slot_mapping, torch.full((1,), -1)]))
-    md = builder.build(0, PaddedMetadata(8, "cpu").pad([cm], 4)[0])
+    md = builder.build_for_cudagraph_capture(PaddedMetadata(8, "cpu").pad([cm], 4)[0])
     ptr = md.paged_kv_indptr.tolist()
     assert md.num_decode_tokens == 4 and len(ptr) == 5 and ptr[4] == ptr[3]  # the padded request owns no page
     wrapper = next(iter(md.plans.values())).decode
     assert wrapper.use_cuda_graph and builder._indptr_buf[:5].tolist() == md.paged_kv_indptr.tolist()
+    assert md.slot_mapping.data_ptr() == builder._slot_mapping_buf.data_ptr()
     out, kv = _forward(impl, b, md, num_tokens=4)
     torch.testing.assert_close(out[:3], torch_native_reference(b), atol=1e-5, rtol=1e-5)
-    again = builder.build(0, PaddedMetadata(8, "cpu").pad([cm], 4)[0])
+    again = builder.build_for_cudagraph_capture(PaddedMetadata(8, "cpu").pad([cm], 4)[0])
     assert next(iter(again.plans.values())).decode is wrapper  # one graph wrapper per batch size, re-planned
+    # eager builds of the same padded shape plan the ordinary wrapper: no graph wrapper per batch size
+    eager = builder.build(0, PaddedMetadata(8, "cpu").pad([cm], 4)[0])
+    assert not next(iter(eager.plans.values())).decode.use_cuda_graph
+    assert eager.slot_mapping.data_ptr() == cm.slot_mapping.data_ptr() or torch.equal(eager.slot_mapping, cm.slot_mapping)
+
+
+def test_graph_builds_take_pure_decodes_only():
+    b = make_paged_batch([7, 0], [1, 5], block_size=4, seed=5)
+    builder, _ = _setup(b)
+    with pytest.raises(MetadataError, match="UNIFORM_SINGLE_TOKEN_DECODE"):
+        builder.build_for_cudagraph_capture(b.cm)
 
 
 def test_decodes_after_a_prefill_are_rejected():
