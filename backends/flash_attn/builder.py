@@ -99,7 +99,10 @@ class FlashAttnMetadataBuilder(AttentionMetadataBuilder):
                                        device=dev)
         self._slot_mapping = torch.full((config.max_num_batched_tokens,), PAD_SLOT_ID, dtype=torch.int64,
                                         device=dev)
-        self._scheduler_metadata = torch.zeros(n + 1, dtype=torch.int32, device=dev)
+        # FA3's get_scheduler_metadata returns 1 + k * round_up(batch, 4) int32 (k <= 4 in
+        # the versions we know; the exact length varies): room for the largest, so that graph
+        # replays find it in the same place
+        self._scheduler_metadata = torch.zeros(1 + 4 * cdiv(n, 4) * 4 + 64, dtype=torch.int32, device=dev)
 
     # --- build ---------------------------------------------------------------------------
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
@@ -135,10 +138,10 @@ class FlashAttnMetadataBuilder(AttentionMetadataBuilder):
         """
         cm = common_attn_metadata
         max_q = 1 if cm.max_query_len <= 1 else int(cm.slot_mapping.shape[0])
-        return self._build(cm, 0, max_q, self.config.max_model_len, False)
+        return self._build(cm, 0, max_q, self.config.max_model_len, False, graph=True)
 
     def _build(self, cm: CommonAttentionMetadata, common_prefix_len: int, max_query_len: int,
-               max_seq_len: int, fast_build: bool) -> FlashAttnMetadata:
+               max_seq_len: int, fast_build: bool, graph: bool = False) -> FlashAttnMetadata:
         self._check(cm)
         B = cm.query_start_loc.shape[0] - 1
         qsl = self._query_start_loc[: B + 1]
@@ -155,7 +158,7 @@ class FlashAttnMetadataBuilder(AttentionMetadataBuilder):
             seq_lens=seq_lens, cu_seqlens_k=cu_k, block_table=block_table, slot_mapping=slot_mapping,
             window_size=self.window_size)
         cascade = self._cascade(md, cm, common_prefix_len)
-        sched = None if (fast_build or cascade is not None) else self._scheduler_metadata_for(md)
+        sched = None if (fast_build or cascade is not None) else self._scheduler_metadata_for(md, graph)
         return dataclasses.replace(md, cascade=cascade, scheduler_metadata=sched)
 
     def update_block_table(self, metadata: FlashAttnMetadata, block_table: torch.Tensor,
@@ -222,7 +225,7 @@ class FlashAttnMetadataBuilder(AttentionMetadataBuilder):
             suffix_block_table=md.block_table[:, num_prefix_blocks:],
             max_suffix_kv_len=max(0, md.max_seq_len - prefix))
 
-    def _scheduler_metadata_for(self, md: FlashAttnMetadata) -> torch.Tensor | None:
+    def _scheduler_metadata_for(self, md: FlashAttnMetadata, graph: bool = False) -> torch.Tensor | None:
         """FA3 ``get_scheduler_metadata`` for one step, in a persistent buffer when it fits.
 
         Only when the group's layers agree on (query heads, soft-cap on/off): the call plans
@@ -243,11 +246,16 @@ class FlashAttnMetadataBuilder(AttentionMetadataBuilder):
             headdim=int(self.kv_cache_spec.head_size), cache_seqlens=md.seq_lens,
             qkv_dtype=self.kv_cache_spec.dtype, cu_seqlens_q=md.query_start_loc, page_size=self.block_size,
             causal=md.causal, window_size=md.window_size, has_softcap=has_softcap)
-        return self._keep_scheduler_metadata(sched)
+        return self._keep_scheduler_metadata(sched, graph)
 
-    def _keep_scheduler_metadata(self, sched: torch.Tensor) -> torch.Tensor:
+    def _keep_scheduler_metadata(self, sched: torch.Tensor, graph: bool = False) -> torch.Tensor:
         n = sched.shape[0]
         if n > self._scheduler_metadata.shape[0]:
+            if graph:  # a captured graph would keep reading a freed, stale tensor
+                raise MetadataError(
+                    f"FA3 scheduler metadata has {n} entries, more than the persistent buffer's "
+                    f"{self._scheduler_metadata.shape[0]}: this flash-attn version cannot be used with CUDA graphs "
+                    "by this builder; run without graphs or report the version")
             return sched  # larger than the persistent buffer: eager steps only
         view = self._scheduler_metadata[:n]
         if view.data_ptr() != sched.data_ptr():

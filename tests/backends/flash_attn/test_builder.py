@@ -112,6 +112,22 @@ def test_fa3_scheduler_metadata_uses_the_layers_parameters():
     del impl
 
 
+def test_fa3_scheduler_metadata_sits_in_the_persistent_buffer_and_graphs_refuse_an_oversized_one(monkeypatch):
+    b = make_paged_batch([5, 0], [1, 3], block_size=4)
+    builder, impl = _setup(b)
+    md = builder.build(0, b.cm)
+    assert md.scheduler_metadata.data_ptr() == builder._scheduler_metadata.data_ptr()
+    size = builder._scheduler_metadata.shape[0]
+    assert size >= 1 + 4 * 8, "room for 1 + 4 * round_up(max_num_reqs, 4) entries (FA3's largest layout)"
+    big = lambda *a, **k: torch.ones(size + 1, dtype=torch.int32)  # noqa: E731
+    monkeypatch.setattr(FA3_EMULATOR, "get_scheduler_metadata", big)
+    eager = builder.build(0, b.cm)  # eager steps may use a fresh tensor
+    assert eager.scheduler_metadata.shape[0] == size + 1
+    with pytest.raises(MetadataError, match="CUDA graphs"):
+        builder.build_for_cudagraph_capture(b.cm)
+    del impl
+
+
 def test_cudagraph_build_bakes_bounds_not_step_values():
     b = make_paged_batch([5, 0], [1, 3], block_size=4)
     builder, _ = _setup(b, max_len=64)
