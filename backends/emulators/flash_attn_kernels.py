@@ -151,6 +151,17 @@ class FlashAttnEmulator:
         _require(cu_seqlens_k.shape == cu_seqlens_q.shape and int(cu_seqlens_k[0]) == 0,
                  f"cu_seqlens_k {tuple(cu_seqlens_k.shape)} must match cu_seqlens_q and start at 0")
         kv_lens = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).to(torch.int32)
+        # FA2's mha_varlen_fwd (csrc/flash_attn/flash_api.cpp): single-query GQA batches without
+        # a window are run as one fixed-length batch, q viewed as [batch, nheads_k, groups, d]
+        # ("seqlenq_ngroups_swapped"; causal is moot at one query): q needs exactly one row
+        # per request, and row i is request i's query whatever cu_seqlens_q says.
+        left, right = window_size
+        swapped = (max_seqlen_q == 1 and q.shape[1] > k.shape[2] and q.shape[2] % 8 == 0
+                   and left < 0 and right < 0)
+        if swapped:
+            B = cu_seqlens_q.shape[0] - 1
+            _require(q.shape[0] == B, f"max_seqlen_q == 1 with GQA: FA2 views q as [batch, ...], so q needs exactly "
+                                      f"batch_size = {B} rows, got {q.shape[0]}")
         out, lse = paged_varlen_attention(q, k, v, cu_seqlens_q, kv_lens, block_table, max_seqlen_q, max_seqlen_k,
                                           softmax_scale, causal, tuple(window_size), float(softcap or 0.0),
                                           page_multiple=FA2_PAGE_SIZE_MULTIPLE)

@@ -94,6 +94,11 @@ class FlashAttnImpl(AttentionImpl):
         key_cache, value_cache = kv_cache[0], kv_cache[1]
         num_tokens = md.slot_mapping.shape[0]
         write_kv_by_slot(key, value, key_cache, value_cache, md.slot_mapping)
+        batch = md.query_start_loc.shape[0] - 1
+        if self.kernels.version == 2 and md.max_query_len == 1 and num_tokens > batch:
+            # FA2 runs single-query GQA batches with q viewed as [batch, ...] (mha_varlen_fwd's
+            # "seqlenq_ngroups_swapped"): the rows past the requests are padding; drop them
+            num_tokens = batch
         q = query[:num_tokens]
         if md.cascade is None:
             out = self._attend(q, key_cache, value_cache, md.query_start_loc, md.seq_lens, md.cu_seqlens_k,

@@ -188,3 +188,16 @@ def test_real_backend_without_flash_attn_says_why():
     assert FlashAttnMetadataBuilder.get_cudagraph_support() is AttentionCGSupport.UNIFORM_BATCH
     spec = FullAttentionSpec(block_size=256, num_kv_heads=2, head_size=64, dtype=torch.float16)
     FlashAttnMetadataBuilder(spec, ["l0"], BuilderConfig(2, 16, 512), "cpu")  # the lowering needs no kernels
+
+
+def test_fa2_single_query_gqa_step_with_padded_tokens():
+    """FA2 runs single-query GQA batches with q viewed as [batch, ...] (its emulator checks
+    this): an eager decode step whose tokens are padded beyond its requests passes the
+    requests' rows only, and the real rows equal torch_native."""
+    b = make_paged_batch([300, 17, 290], [1, 1, 1], block_size=256, num_heads=4, num_kv_heads=2, head_size=16)
+    builder, impl = _setup(b, backend=FlashAttn2EmulatedBackend, max_len=512)
+    padded = b.cm.replace(slot_mapping=torch.cat([b.cm.slot_mapping, torch.full((5,), -1)]))  # 8 tokens, 3 requests
+    md = builder.build(0, padded)
+    out, kv = _forward(impl, b, md, backend=FlashAttn2EmulatedBackend, num_tokens=8)
+    torch.testing.assert_close(out[:3], torch_native_reference(b), atol=1e-5, rtol=1e-5)
+    del impl
