@@ -5,7 +5,7 @@
 # per section: status and seconds) and $RESULTS/bench_attention.{md,json}. Budget: under 8
 # minutes on one H100/H200 with a cold Triton cache; each section has its own timeout
 # (300 + 90 + 90 + 120 s at worst, about 7 minutes without the flash extras).
-# Exits non-zero if any section failed.
+# Exits non-zero if any section failed, or if $PY sees no CUDA device (nothing ran).
 # Environment: PY (default .venv/bin/python), WHEELS (prebuilt wheels, default ./wheels),
 #              RESULTS (default gpu_results; "$OUT" on the project's device machine),
 #              SECTIONS (comma-separated subset to rerun: gpu_tests, check_flash_attn,
@@ -46,7 +46,8 @@ section() {
 }
 
 "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" \
-  || { echo "no CUDA device: nothing to run"; exit 0; }
+  || { echo "no CUDA device visible to $PY (torch $("$PY" -c 'import torch; print(torch.__version__)' 2>&1)):" \
+            "nothing ran; set PY to a CUDA python"; exit 1; }
 
 {
   echo "# GPU results ($(date -u +%Y-%m-%dT%H:%MZ), $("$PY" -c 'import torch; print(torch.cuda.get_device_name())'))"
