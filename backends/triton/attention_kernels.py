@@ -37,7 +37,7 @@ INTERPRETED: bool = interpreting()
 """Whether the kernels below were decorated for the Triton interpreter."""
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_reqs"])  # one compile for every batch size (1 and multiples of 16 too)
 def paged_attention_kernel(
     query_ptr,            # [num_tokens, num_heads, HEAD_SIZE], fp32/fp16/bf16, last dim contiguous
     key_cache_ptr,        # [num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_SIZE] (strided view), query's dtype
@@ -192,7 +192,7 @@ def paged_attention_kernel(
                  mask=row_valid[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_reqs"])
 def reduce_segments_kernel(
     output_ptr,           # [num_tokens, num_heads, HEAD_SIZE]
     part_acc_ptr,         # [num_tokens, num_heads, NUM_SEGMENTS, HEAD_SIZE_PADDED] fp32

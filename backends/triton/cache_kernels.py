@@ -16,7 +16,7 @@ INTERPRETED: bool = interpreting()
 """Whether the kernels below were decorated for the Triton interpreter."""
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])  # one compile for every token count
 def write_kv_cache_kernel(
     key_ptr,            # [num_tokens, NUM_KV_HEADS, HEAD_SIZE], last dim contiguous
     value_ptr,          # [num_tokens, NUM_KV_HEADS, HEAD_SIZE], last dim contiguous
@@ -56,7 +56,7 @@ def write_kv_cache_kernel(
     tl.store(value_cache_ptr + v_dst[:, None] + dims[None, :], v.to(value_cache_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_reqs", "num_tokens_padded"])
 def slot_mapping_kernel(
     query_start_loc_ptr,  # [num_reqs + 1] int32, tokens
     positions_ptr,        # [num_tokens] int64, position of each token in its request
