@@ -68,7 +68,7 @@ $ATTNPLUG backends | tee "$RESULTS/backends.txt"
 # sizes in fp16/bf16, CUDA graphs, long contexts, slot mapping), flash_attn/flashinfer
 # (CUDA-graph padding, runner graphs) — and the CUDA checks of the other test directories.
 # shellcheck disable=SC2086  # PYTEST_ARGS is split on purpose
-section gpu_tests 300 "$PY" -m pytest -q -m gpu -rs $PYTEST_ARGS tests
+section gpu_tests 300 "$PY" -m pytest -q -m gpu -rs --durations=25 -o faulthandler_timeout=200 $PYTEST_ARGS tests
 
 # The conformance suite of the vendor backends that are installed (triton's runs above).
 for backend in flash_attn flashinfer; do
