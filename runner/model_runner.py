@@ -58,6 +58,28 @@ class RunnerConfig:
     max_num_batched_tokens: int
 
 
+class HostBufferFence:
+    """A CUDA event marking when a step's host-to-device input copies have been queued.
+
+    ``mark()`` records it on the current stream after the step's copies; ``wait()`` blocks
+    the host until the device has passed it, i.e. until those copies have read the pinned
+    host buffers that the next step is about to overwrite (vLLM V1's runner waits on a
+    similar event before preparing inputs under asynchronous scheduling).
+    """
+
+    def __init__(self) -> None:
+        self._event = torch.cuda.Event()
+        self._marked = False
+
+    def mark(self) -> None:
+        self._event.record()
+        self._marked = True
+
+    def wait(self) -> None:
+        if self._marked:
+            self._event.synchronize()
+
+
 class ModelRunner:
     """Executes scheduler outputs on a model whose attention layers use pluggable backends.
 
@@ -132,6 +154,11 @@ class ModelRunner:
                                          cudagraph_capture_sizes)
         self.kv_caches = self._allocate_kv_caches()
         self.sampler = Sampler(default_seed=seed)
+        # Each step's inputs reach the device by non-blocking copies out of pinned host buffers
+        # that the next step rewrites; a step that samples nothing never waits for the device,
+        # so the next one first waits for this fence (CUDA only; None on the CPU).
+        self.host_buffer_fence: HostBufferFence | None = (
+            HostBufferFence() if self.device.type == "cuda" else None)
         self.timings_ns: dict[str, list[int]] = {s: [] for s in STAGES}
 
     def _allocate_kv_caches(self) -> dict[str, Any]:
@@ -171,6 +198,8 @@ class ModelRunner:
             MetadataInvariantError: with ``ATTNPLUG_VALIDATE=1``, a broken invariant.
         """
         t = time.perf_counter_ns()
+        if self.host_buffer_fence is not None:
+            self.host_buffer_fence.wait()  # the last step's copies out of the host buffers are done
         self.compiler.update_states(scheduler_output)
         t = self._time("update_states", t)
         if scheduler_output.total_num_scheduled_tokens == 0:
@@ -183,6 +212,8 @@ class ModelRunner:
         t = self._time("prepare_inputs", t)
         common = graphs.common_metadata(inputs.common_attn_metadata, batch) if batch else inputs.common_attn_metadata
         _, per_layer = self.metadata_builder.build(common, for_cudagraph=bool(batch and batch.use_graph))
+        if self.host_buffer_fence is not None:
+            self.host_buffer_fence.mark()  # after every copy out of the host buffers is queued
         t = self._time("metadata_build", t)
         n = inputs.num_padded_tokens
         forward = lambda: self.model(inputs.input_ids[:n], inputs.positions[:n], per_layer, self.kv_caches)  # noqa: E731

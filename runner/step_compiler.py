@@ -189,6 +189,9 @@ class StepCompiler:
 
         Returns:
             :class:`StepInputs`; its tensors are views valid until the next ``update_states``.
+            On CUDA the device tensors are filled by non-blocking copies out of pinned host
+            buffers that the next step rewrites: a caller must let those copies run before
+            its next ``update_states`` (``ModelRunner`` waits on a ``HostBufferFence``).
 
         Raises:
             InvalidSchedulerOutput: ``scheduler_output`` is not the one just applied.
