@@ -22,12 +22,29 @@ def _generate(backend, mode, prompts, block_size, max_tokens=8):
     groups = group_layers_by_spec(model.kv_cache_specs(block_size))
     kv = KVCacheConfig(64, groups)
     runner = ModelRunner(model, kv, [backend] * len(groups), RunnerConfig(8, 1024, 128), device="cuda",
-                         cudagraph_mode=mode)
+                         cudagraph_mode=mode, record_logits=True)
     engine = LLMEngine(Scheduler(SchedulerConfig(max_num_batched_tokens=128, max_num_seqs=8, max_model_len=1024),
                                  kv), runner)
     for i, p in enumerate(prompts):
         engine.add_request(f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=max_tokens))
-    return runner, {k: r.output_token_ids for k, r in engine.run().items()}
+    return runner, {k: (r.output_token_ids, r.logits) for k, r in engine.run().items()}
+
+
+def assert_same_greedy_run(got, want, atol=3e-2):
+    """Graph and eager runs pad differently, so fp16 sums may round differently: every step's
+    logits must agree within ``atol`` until the tokens part, and they may part only at a
+    near tie (the eager top-2 logits closer than ``2 * atol``)."""
+    assert got.keys() == want.keys()
+    for rid in want:
+        (g_tokens, g_logits), (w_tokens, w_logits) = got[rid], want[rid]
+        for step, (gt, wt) in enumerate(zip(g_tokens, w_tokens)):
+            torch.testing.assert_close(g_logits[step], w_logits[step], atol=atol, rtol=0)
+            if gt != wt:
+                top2 = w_logits[step].topk(2).values
+                assert float(top2[0] - top2[1]) < 2 * atol, (rid, step, gt, wt, top2)
+                break
+        else:
+            assert g_tokens == w_tokens, rid
 
 
 @pytest.mark.parametrize("name", ["flash_attn", "flashinfer", "triton"])
@@ -45,4 +62,4 @@ def test_runner_with_graphs_generates_the_eager_tokens(name):
     assert runner.cudagraphs.decision.capture, runner.cudagraphs.decision.reason
     assert runner.cudagraphs.graphs.num_captures > 0 and runner.cudagraphs.graphs.num_replays > 0
     _, want = _generate(backend, None, prompts, block_size)
-    assert got == want
+    assert_same_greedy_run(got, want)
