@@ -13,7 +13,8 @@
 #    dependencies; name .whl in `carry`), when there are any;
 # 3. runs tests/gpu/run_all.sh (SECTIONS, PYTEST_ARGS pass through) into a scratch folder
 #    and copies back to $OUT at most 8 files (the device tool's limit): summary.md,
-#    bench_attention.md/.json, gpu_tests.log, install.log and everything in one tarball.
+#    bench_attention.md/.json, gpu_conformance.log, gpu_tests.log, install.log and every
+#    log in one tarball.
 # Exit status: run_all.sh's (non-zero if a section failed), 3 if attnplug cannot be imported.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -47,7 +48,7 @@ tail -n 4 "$LOG"
 PY="$PY" RESULTS="$WORK/results" bash tests/gpu/run_all.sh
 status=$?
 
-for f in summary.md bench_attention.md bench_attention.json gpu_tests.log install.log; do
+for f in summary.md bench_attention.md bench_attention.json gpu_conformance.log gpu_tests.log install.log; do
   [ -e "$WORK/results/$f" ] && cp "$WORK/results/$f" "$OUTDIR/"
 done
 tar -czf "$OUTDIR/gpu_results.tar.gz" -C "$WORK" results

@@ -4,13 +4,14 @@
 # `attnplug bench attention` over all available backends; writes $RESULTS/summary.md (one row
 # per section: status and seconds) and $RESULTS/bench_attention.{md,json}. Budget: under 8
 # minutes on one H100/H200 with a cold Triton cache; each section has its own timeout
-# (300 + 90 + 90 + 120 s at worst, about 7 minutes without the flash extras).
+# (180 + 200 + 120 s at worst without the flash extras; with them add 2 x 60 s, or run
+# them in a second call with SECTIONS).
 # Exits non-zero if any section failed, or if $PY sees no CUDA device (nothing ran).
 # Environment: PY (default .venv/bin/python), WHEELS (prebuilt wheels, default ./wheels),
 #              RESULTS (default gpu_results; "$OUT" on the project's device machine),
-#              SECTIONS (comma-separated subset to rerun: gpu_tests, check_flash_attn,
-#              check_flashinfer, bench_attention; default all),
-#              PYTEST_ARGS (extra pytest arguments for gpu_tests, e.g. "-k cudagraph").
+#              SECTIONS (comma-separated subset to rerun: gpu_conformance, gpu_tests,
+#              check_flash_attn, check_flashinfer, bench_attention; default all),
+#              PYTEST_ARGS (extra pytest arguments for both pytest sections, e.g. "-x").
 # On the project's offline device machine use tests/gpu/device_run.sh, which installs
 # this checkout into the machine's python first.
 set -uo pipefail
@@ -18,7 +19,7 @@ PY=${PY:-.venv/bin/python}
 ATTNPLUG=${ATTNPLUG:-"$PY -m attnplug"}
 WHEELS=${WHEELS:-wheels}
 RESULTS=${RESULTS:-${OUT:-gpu_results}}
-SECTIONS=${SECTIONS:-gpu_tests,check_flash_attn,check_flashinfer,bench_attention}
+SECTIONS=${SECTIONS:-gpu_conformance,gpu_tests,check_flash_attn,check_flashinfer,bench_attention}
 PYTEST_ARGS=${PYTEST_ARGS:-}
 mkdir -p "$RESULTS"
 SUMMARY="$RESULTS/summary.md"
@@ -64,16 +65,21 @@ for pattern in "flash_attn-*.whl" "flash_attn_3-*.whl" "flashinfer_python-*.whl"
 done
 $ATTNPLUG backends | tee "$RESULTS/backends.txt"
 
-# Every GPU test of the repository (marker gpu): tests/gpu/ — triton (conformance at realistic
-# sizes in fp16/bf16, CUDA graphs, long contexts, slot mapping), flash_attn/flashinfer
-# (CUDA-graph padding, runner graphs) — and the CUDA checks of the other test directories.
+# Every GPU test of the repository (marker gpu), in two sections so that a timeout loses
+# only one: the triton conformance suite at realistic sizes (fp16/bf16, the longest part on
+# a cold Triton cache), then the rest — triton CUDA graphs, long contexts and slot mapping,
+# flash_attn/flashinfer CUDA-graph padding, runner graphs, and the CUDA checks of the other
+# test directories.
+PYTEST=("$PY" -m pytest -q -m gpu -rs --durations=15 -o faulthandler_timeout=170)
 # shellcheck disable=SC2086  # PYTEST_ARGS is split on purpose
-section gpu_tests 300 "$PY" -m pytest -q -m gpu -rs --durations=25 -o faulthandler_timeout=200 $PYTEST_ARGS tests
+section gpu_conformance 180 "${PYTEST[@]}" $PYTEST_ARGS -k conformance_suite tests/gpu/test_triton_gpu.py
+# shellcheck disable=SC2086
+section gpu_tests 200 "${PYTEST[@]}" $PYTEST_ARGS -k "not conformance_suite" tests
 
 # The conformance suite of the vendor backends that are installed (triton's runs above).
 for backend in flash_attn flashinfer; do
   if "$PY" -c "from attnplug.backends import get_backend as g; import sys; sys.exit(0 if g('$backend').is_available()[0] else 1)"; then
-    section "check_$backend" 90 $ATTNPLUG check "$backend" --device cuda --cases tests/gpu/cases_flash.json
+    section "check_$backend" 60 $ATTNPLUG check "$backend" --device cuda --cases tests/gpu/cases_flash.json
   elif wanted "check_$backend"; then
     echo "-- $backend unavailable: $("$PY" -c "from attnplug.backends import get_backend as g; print(g('$backend').is_available()[1])")"
     echo "| check_$backend | skipped: not installed | 0 |" >> "$SUMMARY"
