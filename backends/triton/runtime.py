@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
 import sys
 from types import ModuleType
 
@@ -72,13 +73,43 @@ def cuda_available() -> bool:
         return False
 
 
+def _major_minor(version: str) -> tuple[int, int]:
+    parts = [int(p) for p in re.findall(r"\d+", version)[:2]]
+    return (parts + [0, 0])[0], (parts + [0, 0])[1]
+
+
+def interpreter_incompatibility() -> str | None:
+    """Why this Triton's interpreter cannot run the kernels with this NumPy, or ``None``.
+
+    Triton < 3.7's interpreter turns a scalar, which it keeps as a 1-element array, into a
+    Python int with ``int(array)``; NumPy >= 2.4 refuses ``int()`` of a 1-d array, so every
+    ``range()`` over runtime bounds in a kernel fails (Triton 3.7 squeezes the array first).
+    Never raises.
+    """
+    try:
+        import numpy
+        import triton
+
+        old_triton = _major_minor(triton.__version__) < (3, 7)
+        new_numpy = _major_minor(numpy.__version__) >= (2, 4)
+    except Exception:
+        return None
+    if old_triton and new_numpy:
+        return (f"the interpreter of triton {triton.__version__} cannot run these kernels with numpy "
+                f"{numpy.__version__} (it calls int() on 1-element arrays, which numpy >= 2.4 refuses); on the CPU "
+                "use triton >= 3.7 or numpy < 2.4")
+    return None
+
+
 def unavailable_reason() -> str | None:
     """``None`` when the Triton kernels can run here, else a sentence saying why not."""
     why = triton_import_error()
     if why is not None:
         return f"{why}; install it with `pip install 'attnplug[triton]'`"
-    if cuda_available() or interpreting():
+    if cuda_available():
         return None
+    if interpreting():
+        return interpreter_incompatibility()
     if env_requests_interpreter():
         return ("TRITON_INTERPRET=1 was set after triton was imported; Triton fixes the mode at import, "
                 "so set it in the environment before the process imports triton")
@@ -130,5 +161,5 @@ def launch(module: ModuleType, kernel_name: str, grid: tuple[int, ...], *args, *
         kernel[grid](*args, **kwargs)
 
 
-__all__ = ["cuda_available", "env_requests_interpreter", "interpreting", "kernel_module", "launch",
-           "triton_import_error", "unavailable_reason"]
+__all__ = ["cuda_available", "env_requests_interpreter", "interpreter_incompatibility", "interpreting",
+           "kernel_module", "launch", "triton_import_error", "unavailable_reason"]

@@ -45,12 +45,13 @@ def _enter_interpreter_mode() -> tuple[str, str] | None:
                 del os.environ["TRITON_INTERPRET"]
             else:
                 os.environ["TRITON_INTERPRET"] = previous
-    from attnplug.backends.triton.runtime import interpreting
+    from attnplug.backends.triton.runtime import interpreter_incompatibility, interpreting
 
     if not interpreting():
         return "fail", ("triton was imported in compiled mode before tests/backends/triton/conftest.py ran; run "
                         "the tests with TRITON_INTERPRET=1 in the environment")
-    return None
+    why = interpreter_incompatibility()
+    return None if why is None else ("fail", why)
 
 
 _MODE_PROBLEM = _enter_interpreter_mode()

@@ -67,6 +67,26 @@ def test_variable_set_after_import_is_explained(monkeypatch):
     assert not ok and "set after triton was imported" in why
 
 
+@pytest.mark.parametrize("triton_version, numpy_version, broken", [
+    ("3.6.0", "2.5.5", True), ("3.6.0", "2.4.0", True), ("3.6.0", "2.3.4", False), ("3.7.0", "2.5.5", False),
+    ("3.10.0", "2.5.5", False)])
+def test_old_triton_interpreter_with_new_numpy_is_explained(monkeypatch, triton_version, numpy_version, broken):
+    """Triton < 3.7's interpreter calls int() on 1-element arrays; NumPy >= 2.4 refuses it."""
+    import numpy
+    import triton
+
+    monkeypatch.setattr(triton, "__version__", triton_version)
+    monkeypatch.setattr(numpy, "__version__", numpy_version)
+    why = runtime.interpreter_incompatibility()
+    assert (why is not None) == broken
+    if broken:
+        assert f"triton {triton_version}" in why and "triton >= 3.7 or numpy < 2.4" in why
+        ok, reason = TritonBackend.is_available()  # this process runs the interpreter, without CUDA
+        assert not ok and reason == why
+    else:
+        assert TritonBackend.is_available() == (True, "")
+
+
 def test_no_triton_package(monkeypatch):
     monkeypatch.setattr(runtime, "triton_import_error", lambda: "importing triton failed (ImportError: nope)")
     ok, why = TritonBackend.is_available()
