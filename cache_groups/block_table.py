@@ -29,8 +29,8 @@ import torch
 from attnplug.cache_groups.buffers import CpuGpuBuffer
 from attnplug.cache_groups.ragged import cumsum_and_arange
 from attnplug.core.constants import NULL_BLOCK_ID, PAD_SLOT_ID
-from attnplug.core.errors import KVCacheSpecError, MetadataError
 from attnplug.core.devices import resolve_device
+from attnplug.core.errors import KVCacheSpecError, MetadataError
 
 
 def expand_to_kernel_block_ids(block_ids, kernel_blocks_per_block: int) -> np.ndarray:

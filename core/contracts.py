@@ -16,8 +16,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from attnplug.core.metadata import CommonAttentionMetadata
 from attnplug.core.devices import resolve_device
+from attnplug.core.metadata import CommonAttentionMetadata
 
 PLUGIN_API_VERSION: tuple[int, int] = (1, 0)
 """Version of this contract, ``(major, minor)``. A backend declares the version it was

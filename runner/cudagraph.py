@@ -43,9 +43,9 @@ import torch
 from attnplug.cache_groups.buffers import CpuGpuBuffer
 from attnplug.core.constants import NULL_BLOCK_ID
 from attnplug.core.contracts import AttentionCGSupport, AttentionMetadataBuilder
+from attnplug.core.devices import resolve_device
 from attnplug.core.errors import ConfigError, MetadataError
 from attnplug.core.metadata import CommonAttentionMetadata
-from attnplug.core.devices import resolve_device
 
 DEFAULT_CAPTURE_SIZES: tuple[int, ...] = (1, 2, 4) + tuple(range(8, 513, 8))
 """Token counts (and request counts) graphs are captured for: 1, 2, 4, then every 8 up to 512."""

@@ -18,6 +18,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from attnplug.core.contracts import AttentionMetadataBuilder
+from attnplug.core.devices import resolve_device
 from attnplug.core.metadata import CommonAttentionMetadata
 from attnplug.runner.cudagraph import (
     DEFAULT_CAPTURE_SIZES,
@@ -29,7 +30,6 @@ from attnplug.runner.cudagraph import (
     batch_shape,
     negotiate_cudagraph_mode,
 )
-from attnplug.core.devices import resolve_device
 
 
 class CUDAGraphRunner:

@@ -19,6 +19,7 @@ import torch
 
 from attnplug.cache_groups.grouping import KVCacheConfig
 from attnplug.core.contracts import AttentionBackend, BuilderConfig
+from attnplug.core.devices import resolve_device
 from attnplug.core.errors import BackendUnsupportedError
 from attnplug.core.mamba import MambaBackend
 from attnplug.runner.attn_metadata import GroupMetadataBuilder
@@ -27,7 +28,6 @@ from attnplug.runner.cudagraph_capture import StepGraphs
 from attnplug.runner.sampler import Sampler
 from attnplug.runner.scheduler_output import SchedulerOutput
 from attnplug.runner.step_compiler import StepCompiler
-from attnplug.core.devices import resolve_device
 
 STAGES = ("update_states", "prepare_inputs", "metadata_build", "forward", "sample")
 

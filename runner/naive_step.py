@@ -15,10 +15,10 @@ import numpy as np
 import torch
 
 from attnplug.core.constants import NULL_BLOCK_ID, PAD_SLOT_ID
+from attnplug.core.devices import resolve_device
 from attnplug.core.errors import InvalidSchedulerOutput
 from attnplug.core.metadata import CommonAttentionMetadata
 from attnplug.runner.scheduler_output import SchedulerOutput
-from attnplug.core.devices import resolve_device
 
 
 @dataclass

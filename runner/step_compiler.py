@@ -32,6 +32,7 @@ import torch
 
 from attnplug.cache_groups.grouping import KVCacheConfig
 from attnplug.cache_groups.specs import cdiv
+from attnplug.core.devices import resolve_device
 from attnplug.core.errors import InvalidSchedulerOutput, KVCacheSpecError, MetadataError
 from attnplug.core.validation import BatchView, RowState, validate
 from attnplug.runner.input_batch import InputBatch
@@ -41,7 +42,6 @@ from attnplug.runner.scheduler_output import SamplingParams, SchedulerOutput
 from attnplug.runner.int_packer import IntPacker
 from attnplug.runner.native import NATIVE
 from attnplug.runner.update_states import apply_update, plan_update
-from attnplug.core.devices import resolve_device
 
 _GROUP_KINDS = ("full_attention", "sliding_window", "mamba")
 

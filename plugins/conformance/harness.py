@@ -24,11 +24,11 @@ import torch
 from attnplug.cache_groups.specs import FullAttentionSpec, SlidingWindowSpec, cdiv
 from attnplug.core.constants import PAD_SLOT_ID
 from attnplug.core.contracts import AttentionBackend, AttentionType, BuilderConfig
+from attnplug.core.devices import resolve_device
 from attnplug.plugins.conformance.cases import ConformanceCase
 from attnplug.plugins.conformance.oracle import CaseInputs
 from attnplug.plugins.conformance.requirements import torch_dtype
 from attnplug.plugins.conformance.snapshots import changes_since, snapshot, value_differences
-from attnplug.core.devices import resolve_device
 
 POISON = 1000.0
 """Initial value of every KV-cache element; reading it unmasked ruins the output."""

@@ -25,12 +25,12 @@ from torch import nn
 
 from attnplug.cache_groups.specs import FullAttentionSpec, KVCacheSpec, MambaSpec
 from attnplug.core.contracts import AttentionBackend, AttentionLayerConfig, AttentionType
+from attnplug.core.devices import resolve_device
 from attnplug.core.mamba import MambaLayerConfig
 from attnplug.runner.models.bamba_config import BambaModelConfig
 from attnplug.runner.models.layers import Attention, RMSNorm, RotaryEmbedding, SwiGLUMLP, lookup_layer
 from attnplug.runner.models.llama import attention_layer_name
 from attnplug.runner.models.mamba2 import Mamba2Mixer
-from attnplug.core.devices import resolve_device
 
 SSM_STATE_DTYPE = torch.float32
 """SSM states are kept in float32 whatever the activation dtype (HF's torch path computes

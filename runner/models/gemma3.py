@@ -38,11 +38,11 @@ from torch import nn
 
 from attnplug.cache_groups.specs import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 from attnplug.core.contracts import AttentionBackend, AttentionLayerConfig, AttentionType
+from attnplug.core.devices import resolve_device
 from attnplug.runner.models.gemma3_config import Gemma3ModelConfig
 from attnplug.runner.models.layers import RotaryEmbedding, lookup_layer
 from attnplug.runner.models.llama import attention_layer_name
 from attnplug.runner.models.config import RopeScaling
-from attnplug.core.devices import resolve_device
 
 
 def gemma3_layer_configs(cfg: Gemma3ModelConfig, dtype: torch.dtype, device: torch.device | str,

@@ -24,9 +24,9 @@ from torch import nn
 
 from attnplug.cache_groups.specs import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 from attnplug.core.contracts import AttentionBackend, AttentionLayerConfig, AttentionType
+from attnplug.core.devices import resolve_device
 from attnplug.runner.models.config import DecoderModelConfig
 from attnplug.runner.models.layers import Attention, RMSNorm, RotaryEmbedding, SwiGLUMLP, lookup_layer
-from attnplug.core.devices import resolve_device
 
 BackendForLayer = Callable[[str, AttentionLayerConfig], type[AttentionBackend]]
 """``backend_for_layer(layer_name, layer_cfg) -> backend class``."""
