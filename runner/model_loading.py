@@ -69,10 +69,11 @@ def build_with_backends(config: Any, *, backend: str | None, block_size: int, re
 
 
 def load_model_for_run(model: str, *, backend: str | None, block_size: int, seed: int,
-                       resolve: Callable, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+                       resolve: Callable, dtype: torch.dtype = torch.float32,
+                       device: str = "cpu") -> torch.nn.Module:
     """``'preset'`` → the default bundled preset (``presets.DEFAULT_PRESET``); a preset name
     (``presets.PRESETS``) → that preset; else an HF ``config.json`` path. Random weights
-    from ``seed``."""
+    from ``seed`` (the same on any ``device``)."""
     from attnplug.runner.models import presets
 
     if model == "preset":
@@ -82,4 +83,4 @@ def load_model_for_run(model: str, *, backend: str | None, block_size: int, seed
     else:
         config = read_hf_config(model)
     return build_with_backends(config, backend=backend, block_size=block_size, resolve=resolve,
-                               dtype=dtype, seed=seed)
+                               dtype=dtype, device=device, seed=seed)

@@ -37,6 +37,8 @@ def _parser() -> argparse.ArgumentParser:
                    help=f"a preset ({', '.join(PRESETS)}; default {RUN_PRESET}: full, sliding-window and Mamba2 "
                         "layers), 'preset' (= tiny-llama) or PATH/config.json (HF config, random weights)")
     p.add_argument("--backend", default=None, help="attention backend for every group (default: automatic)")
+    p.add_argument("--device", default="cpu",
+                   help="where the model and its caches live: cpu (default) or cuda; backends are chosen for it")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--invariance-requests", type=int, default=8,
                    help="requests re-run alone for the batch-invariance check (0 disables)")

@@ -88,9 +88,10 @@ def build_engine(args, *, alone: bool = False, model: torch.nn.Module | None = N
     from attnplug.runner.model_loading import load_model_for_run
 
     torch.manual_seed(args.seed)
+    device = getattr(args, "device", "cpu")
     if model is None:
         model = load_model_for_run(args.model, backend=args.backend, block_size=args.block_size,
-                                   seed=args.seed, resolve=resolve_backend)
+                                   seed=args.seed, resolve=resolve_backend, device=device)
     specs = model.kv_cache_specs(args.block_size)
     groups = group_layers_by_spec(specs)
     max_model_len = args.max_model_len
@@ -106,7 +107,7 @@ def build_engine(args, *, alone: bool = False, model: torch.nn.Module | None = N
     runner = ModelRunner(model, kv_cfg, backends,
                          RunnerConfig(max_num_reqs=max_num_seqs, max_model_len=max_model_len,
                                       max_num_batched_tokens=budget),
-                         record_logits=getattr(args, "record_logits", False), seed=args.seed)
+                         device=device, record_logits=getattr(args, "record_logits", False), seed=args.seed)
     setup = EngineSetup(model, LLMEngine(sched, runner), kv_cfg, backends)
     if requests and not alone:
         from attnplug.runner.traces import load_trace, make_prompts

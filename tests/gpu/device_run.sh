@@ -2,7 +2,7 @@
 # The GPU check in ONE call of the project's device machine (an offline CUDA host whose
 # `python3` already holds torch, triton, pytest, hypothesis, pluggy, rich and Cython):
 #
-#     run(command="bash tests/gpu/device_run.sh", timeout_s=570)            # everything
+#     run(command="bash tests/gpu/device_run.sh", timeout_s=560)            # everything
 #     run(command="SECTIONS=bench_attention bash tests/gpu/device_run.sh")  # rerun a part
 #
 # 1. installs this checkout into that python without network or build isolation, so the
@@ -11,7 +11,9 @@
 #    PYTEST_PLUGINS (same code, the install log says why);
 # 2. installs the wheels carried in .whl/ (flash-attn, flashinfer and their missing
 #    dependencies; name .whl in `carry`), when there are any;
-# 3. runs tests/gpu/run_all.sh (SECTIONS, PYTEST_ARGS pass through) into a scratch folder
+# 3. runs tests/gpu/run_all.sh (SECTIONS, PYTEST_ARGS pass through) into a scratch folder,
+#    with a deadline BUDGET_S seconds away (default 480: no section runs past it), so that
+#    the copy-back below always runs inside the call's timeout
 #    and copies back to $OUT at most 8 files (the device tool's limit): summary.md,
 #    bench_attention.md/.json, gpu_conformance.log, gpu_tests.log, install.log and every
 #    log in one tarball.
@@ -45,10 +47,10 @@ fi
   || { cat "$LOG"; echo "attnplug cannot be imported"; cp "$LOG" "$OUTDIR/"; exit 3; }
 tail -n 4 "$LOG"
 
-PY="$PY" RESULTS="$WORK/results" bash tests/gpu/run_all.sh
+PY="$PY" RESULTS="$WORK/results" DEADLINE=$(( $(date +%s) + ${BUDGET_S:-480} )) bash tests/gpu/run_all.sh
 status=$?
 
-for f in summary.md bench_attention.md bench_attention.json gpu_conformance.log gpu_tests.log install.log; do
+for f in summary.md bench_attention.md bench_attention.json gpu_conformance.log gpu_tests.log install.log; do  # + tarball: 7 files
   [ -e "$WORK/results/$f" ] && cp "$WORK/results/$f" "$OUTDIR/"
 done
 tar -czf "$OUTDIR/gpu_results.tar.gz" -C "$WORK" results

@@ -4,14 +4,15 @@
 # `attnplug bench attention` over all available backends; writes $RESULTS/summary.md (one row
 # per section: status and seconds) and $RESULTS/bench_attention.{md,json}. Budget: under 8
 # minutes on one H100/H200 with a cold Triton cache; each section has its own timeout
-# (180 + 200 + 120 s at worst without the flash extras; with them add 2 x 60 s, or run
-# them in a second call with SECTIONS).
+# (150 + 170 + 60 + 100 s at worst without the flash extras; with them add 2 x 60 s, or
+# run them in a second call with SECTIONS).
 # Exits non-zero if any section failed, or if $PY sees no CUDA device (nothing ran).
 # Environment: PY (default .venv/bin/python), WHEELS (prebuilt wheels, default ./wheels),
 #              RESULTS (default gpu_results; "$OUT" on the project's device machine),
 #              SECTIONS (comma-separated subset to rerun: gpu_conformance, gpu_tests,
-#              check_flash_attn, check_flashinfer, bench_attention; default all),
-#              PYTEST_ARGS (extra pytest arguments for both pytest sections, e.g. "-x").
+#              run_cuda, check_flash_attn, check_flashinfer, bench_attention; default all),
+#              PYTEST_ARGS (extra pytest arguments for both pytest sections, e.g. "-x"),
+#              DEADLINE (epoch seconds: no section runs past it; sections left are reported).
 # On the project's offline device machine use tests/gpu/device_run.sh, which installs
 # this checkout into the machine's python first.
 set -uo pipefail
@@ -19,7 +20,7 @@ PY=${PY:-.venv/bin/python}
 ATTNPLUG=${ATTNPLUG:-"$PY -m attnplug"}
 WHEELS=${WHEELS:-wheels}
 RESULTS=${RESULTS:-${OUT:-gpu_results}}
-SECTIONS=${SECTIONS:-gpu_conformance,gpu_tests,check_flash_attn,check_flashinfer,bench_attention}
+SECTIONS=${SECTIONS:-gpu_conformance,gpu_tests,run_cuda,check_flash_attn,check_flashinfer,bench_attention}
 PYTEST_ARGS=${PYTEST_ARGS:-}
 mkdir -p "$RESULTS"
 SUMMARY="$RESULTS/summary.md"
@@ -34,6 +35,14 @@ wanted() { case ",$SECTIONS," in *",$1,"*) return 0;; *) return 1;; esac; }
 section() {
   local name=$1 limit=$2; shift 2
   wanted "$name" || return 0
+  if [ -n "${DEADLINE:-}" ]; then  # an overall deadline (epoch seconds) caps every section
+    local left=$((DEADLINE - $(date +%s)))
+    if [ "$left" -lt 15 ]; then
+      echo "| $name | not run: out of time (DEADLINE) | 0 |" >> "$SUMMARY"; status=1
+      echo "-- $name: not run, out of time"; return 0
+    fi
+    [ "$left" -lt "$limit" ] && limit=$left
+  fi
   local t0=$SECONDS rc
   echo "== $name: $*"
   timeout "$limit" "$@" > "$RESULTS/$name.log" 2>&1
@@ -70,11 +79,15 @@ $ATTNPLUG backends | tee "$RESULTS/backends.txt"
 # a cold Triton cache), then the rest — triton CUDA graphs, long contexts and slot mapping,
 # flash_attn/flashinfer CUDA-graph padding, runner graphs, and the CUDA checks of the other
 # test directories.
-PYTEST=("$PY" -m pytest -q -m gpu -rs --durations=15 -o faulthandler_timeout=170)
+PYTEST=("$PY" -m pytest -q -m gpu -rs --durations=15 -o faulthandler_timeout=140)
 # shellcheck disable=SC2086  # PYTEST_ARGS is split on purpose
-section gpu_conformance 180 "${PYTEST[@]}" $PYTEST_ARGS -k conformance_suite tests/gpu/test_triton_gpu.py
+section gpu_conformance 150 "${PYTEST[@]}" $PYTEST_ARGS -k conformance_suite tests/gpu/test_triton_gpu.py
 # shellcheck disable=SC2086
-section gpu_tests 200 "${PYTEST[@]}" $PYTEST_ARGS -k "not conformance_suite" tests
+section gpu_tests 170 "${PYTEST[@]}" $PYTEST_ARGS -k "not conformance_suite" tests
+
+# The main job on the GPU: the default hybrid model (full, sliding-window and Mamba2 layers)
+# with the backends chosen for CUDA, and its batch-invariance check (exit 1 on a mismatch).
+section run_cuda 60 $ATTNPLUG run --device cuda --num-requests 8 --invariance-requests 4
 
 # The conformance suite of the vendor backends that are installed (triton's runs above).
 for backend in flash_attn flashinfer; do
@@ -87,8 +100,8 @@ for backend in flash_attn flashinfer; do
 done
 
 # One table for every available backend (so each row can be compared with flash_attn).
-section bench_attention 120 $ATTNPLUG bench attention --markdown --json "$RESULTS/bench_attention.json"
-if wanted bench_attention; then
+section bench_attention 100 $ATTNPLUG bench attention --markdown --json "$RESULTS/bench_attention.json"
+if wanted bench_attention && [ -e "$RESULTS/bench_attention.log" ]; then
   sed -n '/^Device:/,$p' "$RESULTS/bench_attention.log" > "$RESULTS/bench_attention.md"
   { echo; echo "## attnplug bench attention"; echo; cat "$RESULTS/bench_attention.md"; } >> "$SUMMARY"
 fi

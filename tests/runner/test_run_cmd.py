@@ -85,3 +85,17 @@ def test_pool_too_small_for_a_request_is_one_clear_error(capsys, tmp_path):
 def test_unknown_backend_is_an_error(capsys):
     assert run_main(["--backend", "nope", "--num-requests", "1"]) == 2
     assert "torch_native" in capsys.readouterr().err
+
+
+def test_device_option_builds_everything_on_that_device(capsys, monkeypatch):
+    """``--device`` reaches the model, the backend selection and the runner: on a machine
+    without CUDA, ``--device cuda`` is refused with the reasons (exit 2), ``--device cpu`` runs."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("needs a machine without CUDA (tests/gpu/run_all.sh runs --device cuda)")
+    assert run_main(["--device", "cuda", "--num-requests", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "device=cuda" in err and "torch.cuda.is_available() is False" in err
+    s = _run_json(capsys, ["--device", "cpu", "--num-requests", "2", "--invariance-requests", "1"])
+    assert s["requests"] == 2 and s["batch_invariance"] == {"identical": 1, "checked": 1}
