@@ -11,7 +11,7 @@ import sys
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "run": ("attnplug.runner.run_cmd", "replay a trace through the engine (the main job)"),
     "explain": ("attnplug.runner.explain", "print one step's metadata per JSONL step"),
-    "bench": ("attnplug.runner.bench", "benchmarks: `bench step`"),
+    "bench": ("attnplug.runner.bench", "benchmarks: `bench step`, `bench attention` (CUDA)"),
     "parity": ("attnplug.runner.parity", "compare greedy tokens and logits with HF transformers"),
     "backends": ("attnplug.plugins.cli_backends", "list registered backends; --explain --model X: selection"),
     "check": ("attnplug.plugins.cli_check", "run the conformance suite against a backend"),

@@ -3,17 +3,21 @@
 # `python3` already holds torch, triton, pytest, hypothesis, pluggy, rich and Cython):
 #
 #     run(command="bash tests/gpu/device_run.sh", timeout_s=560)            # everything
-#     run(command="SECTIONS=bench_attention bash tests/gpu/device_run.sh")  # rerun a part
+#     run(command="SECTIONS=bench_attention BUDGET_S=120 bash tests/gpu/device_run.sh",
+#         timeout_s=180)     # rerun a part at once, while the machine is warm (30 s)
+#
+# A session has 15 minutes of device time in all, the machine's start (1-2 min) included.
 #
 # 1. installs this checkout into that python without network or build isolation, so the
 #    `attnplug` entry points (backend plugins, the pytest11 conformance plugin) exist and
 #    the Cython fast path is built; if that install fails it falls back to PYTHONPATH plus
 #    PYTEST_PLUGINS (same code, the install log says why);
-# 2. installs the wheels carried in .whl/ (flash-attn, flashinfer and their missing
-#    dependencies; name .whl in `carry`), when there are any;
+# 2. installs the wheels carried in .whl/ (ignored by git; name it in `carry`), e.g.
+#    flashinfer-python and its missing dependency apache-tvm-ffi (see docs/backends.md:
+#    no flash-attn wheel exists for the machine's torch), when there are any;
 # 3. runs tests/gpu/run_all.sh (SECTIONS, PYTEST_ARGS pass through) into a scratch folder,
-#    with a deadline BUDGET_S seconds away (default 480: no section runs past it), so that
-#    the copy-back below always runs inside the call's timeout
+#    with a deadline BUDGET_S seconds after the install (default 480: no section runs past
+#    it), so that the copy-back below always runs inside the call's timeout
 #    and copies back to $OUT at most 8 files (the device tool's limit): summary.md,
 #    bench_attention.md/.json, gpu_conformance.log, gpu_tests.log, install.log and every
 #    log in one tarball.
@@ -47,7 +51,8 @@ fi
   || { cat "$LOG"; echo "attnplug cannot be imported"; cp "$LOG" "$OUTDIR/"; exit 3; }
 tail -n 4 "$LOG"
 
-PY="$PY" RESULTS="$WORK/results" DEADLINE=$(( $(date +%s) + ${BUDGET_S:-480} )) bash tests/gpu/run_all.sh
+PY="$PY" RESULTS="$WORK/results" WHEELS="" DEADLINE=$(( $(date +%s) + ${BUDGET_S:-480} )) \
+  bash tests/gpu/run_all.sh
 status=$?
 
 for f in summary.md bench_attention.md bench_attention.json gpu_conformance.log gpu_tests.log install.log; do  # + tarball: 7 files
