@@ -15,7 +15,8 @@
 #              SECTIONS (comma-separated subset to rerun: gpu_conformance, gpu_tests,
 #              run_cuda, check_flash_attn, check_flashinfer, bench_attention; default all),
 #              PYTEST_ARGS (extra pytest arguments for both pytest sections, e.g. "-x"),
-#              DEADLINE (epoch seconds: no section runs past it; sections left are reported).
+#              DEADLINE (epoch seconds: no section runs past it; sections left are reported),
+#              WORKERS (pytest-xdist workers when xdist is installed, default 8).
 # On the project's offline device machine use tests/gpu/device_run.sh, which installs
 # this checkout into the machine's python first.
 set -uo pipefail
@@ -81,11 +82,26 @@ $ATTNPLUG backends | tee "$RESULTS/backends.txt"
 # a cold Triton cache), then the rest — triton CUDA graphs, long contexts and slot mapping,
 # flash_attn/flashinfer CUDA-graph padding, runner graphs, and the CUDA checks of the other
 # test directories.
+# With pytest-xdist installed (the device machine has it), tests run in parallel worker
+# processes, so the cold-cache Triton compiles of different kernel variants overlap.
 PYTEST=("$PY" -m pytest -q -m gpu -rs --durations=15 -o faulthandler_timeout=140)
-# shellcheck disable=SC2086  # PYTEST_ARGS is split on purpose
-section gpu_conformance 150 "${PYTEST[@]}" $PYTEST_ARGS -k conformance_suite tests/gpu/test_triton_gpu.py
+XDIST=()
+"$PY" -c "import xdist" 2> /dev/null && XDIST=(-n "${WORKERS:-8}")
+if [ ${#XDIST[@]} -gt 0 ]; then  # the suite itself, spread over the workers
+  # shellcheck disable=SC2086  # PYTEST_ARGS is split on purpose
+  section gpu_conformance 150 $ATTNPLUG check triton --device cuda --cases tests/gpu/cases_triton.json -- \
+    -rs "${XDIST[@]}" $PYTEST_ARGS
+  # as the in-process test asserts: most cases must have run, not been skipped
+  passed=$(grep -Eo '[0-9]+ passed' "$RESULTS/gpu_conformance.log" 2> /dev/null | tail -n 1 | grep -Eo '[0-9]+')
+  if wanted gpu_conformance && [ -z "$PYTEST_ARGS" ] && [ "${passed:-0}" -lt 100 ]; then
+    echo "| gpu_conformance | FAILED: ${passed:-0} cases passed, expected >= 100 | 0 |" >> "$SUMMARY"; status=1
+  fi
+else  # the test that runs the suite in-process (one worker)
+  # shellcheck disable=SC2086
+  section gpu_conformance 150 "${PYTEST[@]}" $PYTEST_ARGS -k conformance_suite tests/gpu/test_triton_gpu.py
+fi
 # shellcheck disable=SC2086
-section gpu_tests 170 "${PYTEST[@]}" $PYTEST_ARGS -k "not conformance_suite" tests
+section gpu_tests 170 "${PYTEST[@]}" "${XDIST[@]}" $PYTEST_ARGS -k "not conformance_suite" tests
 
 # The main job on the GPU: the default hybrid model (full, sliding-window and Mamba2 layers)
 # with the backends chosen for CUDA, and its batch-invariance check (exit 1 on a mismatch).
