@@ -234,10 +234,15 @@ def time_flash_reference(batch: Batch, args, dtype, kv_dense, peaks: DevicePeaks
     except (RuntimeError, NotImplementedError) as exc:
         res.note = f"skipped: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
         return res, None
-    res.ms = _cuda_time_ms(call, args.iters, args.warmup)
-    res.tflops, res.gbps = _metrics(batch, res.ms, args, torch.empty((), dtype=dtype).element_size())
-    res.frac_matmul, res.frac_copy = res.tflops / peaks.matmul_tflops, res.gbps / peaks.copy_gbps
+    _set_timing(res, batch, _cuda_time_ms(call, args.iters, args.warmup), args, dtype, peaks)
     return res, out
+
+
+def _set_timing(res: Result, batch: Batch, ms: float, args, dtype, peaks: DevicePeaks) -> None:
+    """``res``'s milliseconds and the rates and fractions of the device's peaks they give."""
+    res.ms = ms
+    res.tflops, res.gbps = _metrics(batch, ms, args, torch.empty((), dtype=dtype).element_size())
+    res.frac_matmul, res.frac_copy = res.tflops / peaks.matmul_tflops, res.gbps / peaks.copy_gbps
 
 
 def _metrics(batch: Batch, ms: float, args, elem: int) -> tuple[float, float]:
@@ -275,9 +280,7 @@ def run(args) -> tuple[DevicePeaks, list[Result]]:
                 res.note = f"error: {type(exc).__name__}: {str(exc)[:200]}"
                 rows.append((res, None))
                 continue
-            res.ms = ms
-            res.tflops, res.gbps = _metrics(batch, ms, args, torch.empty((), dtype=dtype).element_size())
-            res.frac_matmul, res.frac_copy = res.tflops / peaks.matmul_tflops, res.gbps / peaks.copy_gbps
+            _set_timing(res, batch, ms, args, dtype, peaks)
             res.note = f"page {bs}" if bs != args.block_size else ""
             if name == "torch_native":
                 reference = out.float()

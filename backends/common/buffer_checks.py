@@ -1,5 +1,6 @@
 """Checks of the tensors a persistent-buffer builder copies from (``build`` and
-``update_block_table``): shared by the triton and flash_attn builders."""
+``update_block_table``), and the block-table copy itself: shared by the triton and
+flash_attn builders."""
 
 from __future__ import annotations
 
@@ -50,3 +51,22 @@ def check_block_table(block_table: torch.Tensor, num_rows: int, max_seq_len: int
             f"block table has {block_table.shape[1]} columns and BuilderConfig.max_model_len="
             f"{max_model_len} allows {max_num_blocks_per_req}: the keys would be "
             "unaddressable; check max_model_len and the kernel block size.")
+
+
+def copy_block_table(buffer: torch.Tensor, block_table: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """Copy the step's ``block_table`` rows into the persistent ``buffer`` and return
+    ``buffer[:num_rows]`` at its whole width.
+
+    The step's columns are copied (non-blocking), but the whole persistent width is returned:
+    a CUDA graph captured on a narrow step must replay wider ones, and the kernels read only
+    the pages ``seq_lens`` needs, so columns left from earlier steps are never read (vLLM's
+    ``BlockTable`` hands out full-width rows the same way).
+
+    Args:
+        buffer: ``[max_num_reqs, max_num_blocks_per_req]`` int32, the builder's.
+        block_table: ``[>= num_rows, any width]`` int32 on ``buffer``'s device (checked by
+            :func:`check_block_table`).
+    """
+    width = min(block_table.shape[1], buffer.shape[1])
+    buffer[:num_rows, :width].copy_(block_table[:num_rows, :width], non_blocking=True)
+    return buffer[:num_rows]

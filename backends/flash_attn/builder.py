@@ -15,7 +15,7 @@ import dataclasses
 
 import torch
 
-from attnplug.backends.common.buffer_checks import check_block_table, check_slot_mapping
+from attnplug.backends.common.buffer_checks import check_block_table, check_slot_mapping, copy_block_table
 from attnplug.backends.common.window import fa_window_size
 from attnplug.backends.flash_attn.kernels import (
     FA2_PAGE_SIZE_MULTIPLE,
@@ -150,7 +150,7 @@ class FlashAttnMetadataBuilder(AttentionMetadataBuilder):
         seq_lens.copy_(cm.seq_lens[:B], non_blocking=True)
         cu_k = self._cu_seqlens_k[: B + 1]
         torch.cumsum(seq_lens, 0, dtype=torch.int32, out=cu_k[1:])
-        block_table = self._copy_block_table(cm.block_table_tensor, B)
+        block_table = copy_block_table(self._block_table, cm.block_table_tensor, B)
         slot_mapping = self._copy_slot_mapping(cm.slot_mapping)
         md = FlashAttnMetadata(
             num_reqs=cm.num_reqs, num_actual_tokens=cm.num_actual_tokens, max_query_len=int(max_query_len),
@@ -192,7 +192,7 @@ class FlashAttnMetadataBuilder(AttentionMetadataBuilder):
         sched = metadata.scheduler_metadata
         if sched is not None:
             sched = self._keep_scheduler_metadata(sched)
-        md = dataclasses.replace(metadata, block_table=self._copy_block_table(block_table, B),
+        md = dataclasses.replace(metadata, block_table=copy_block_table(self._block_table, block_table, B),
                                  slot_mapping=self._copy_slot_mapping(slot_mapping), scheduler_metadata=sched,
                                  cascade=None, **own)
         if metadata.cascade is not None:
@@ -264,14 +264,6 @@ class FlashAttnMetadataBuilder(AttentionMetadataBuilder):
         return view
 
     # --- copies into the persistent buffers (after validation) ---------------------------
-    def _copy_block_table(self, block_table: torch.Tensor, B: int) -> torch.Tensor:
-        # The step's columns are copied, but the whole persistent width is returned: a CUDA
-        # graph captured on a narrow step must replay wider ones (the kernels read only the
-        # pages that seq_lens needs, so columns left from earlier steps are never read).
-        width = min(block_table.shape[1], self.max_num_blocks_per_req)
-        self._block_table[:B, :width].copy_(block_table[:B, :width], non_blocking=True)
-        return self._block_table[:B]
-
     def _copy_slot_mapping(self, slot_mapping: torch.Tensor) -> torch.Tensor:
         view = self._slot_mapping[: slot_mapping.shape[0]]
         view.copy_(slot_mapping, non_blocking=True)

@@ -14,7 +14,7 @@ from typing import ClassVar
 
 import torch
 
-from attnplug.backends.common.buffer_checks import check_block_table, check_slot_mapping
+from attnplug.backends.common.buffer_checks import check_block_table, check_slot_mapping, copy_block_table
 from attnplug.backends.triton.metadata import SplitKVPolicy, TritonAttentionMetadata
 from attnplug.cache_groups.specs import cdiv
 from attnplug.core.constants import NULL_BLOCK_ID, PAD_SLOT_ID
@@ -116,7 +116,7 @@ class TritonMetadataBuilder(AttentionMetadataBuilder):
         qsl.copy_(cm.query_start_loc[: n + 1], non_blocking=True)
         seq_lens = self._seq_lens[:n]
         seq_lens.copy_(cm.seq_lens[:n], non_blocking=True)
-        block_table = self._copy_block_table(cm.block_table_tensor, n)
+        block_table = copy_block_table(self._block_table, cm.block_table_tensor, n)
         slot_mapping = self._copy_slot_mapping(cm.slot_mapping)
         splits = self.split_kv_policy.num_kv_splits(
             num_reqs=n, num_kv_heads=self.num_kv_heads, max_query_len=cm.max_query_len,
@@ -157,18 +157,10 @@ class TritonMetadataBuilder(AttentionMetadataBuilder):
             seq_lens.copy_(metadata.seq_lens, non_blocking=True)
         return dataclasses.replace(
             metadata, query_start_loc=qsl, seq_lens=seq_lens,
-            block_table_tensor=self._copy_block_table(block_table, n),
+            block_table_tensor=copy_block_table(self._block_table, block_table, n),
             slot_mapping=self._copy_slot_mapping(slot_mapping))
 
     # --- copies into the persistent buffers (after validation) ---------------------------
-    def _copy_block_table(self, block_table: torch.Tensor, n: int) -> torch.Tensor:
-        # The step's columns are copied, but the whole persistent width is returned: a CUDA
-        # graph captured on a narrow step must replay wider ones (the kernels read only the
-        # pages that seq_lens needs, so columns left from earlier steps are never read).
-        width = min(block_table.shape[1], self.max_num_blocks_per_req)
-        self._block_table[:n, :width].copy_(block_table[:n, :width], non_blocking=True)
-        return self._block_table[:n]
-
     def _copy_slot_mapping(self, slot_mapping: torch.Tensor) -> torch.Tensor:
         view = self._slot_mapping[: slot_mapping.shape[0]]
         view.copy_(slot_mapping, non_blocking=True)
