@@ -8,19 +8,27 @@ bundled Azure conversation trace (CC-BY 4.0, Patel et al., ISCA 2024; see
 ``torch_native``, ``flash_attn``, ``flashinfer``, any plugin; or those named by
 ``--backend``) runs one layer's ``forward`` through the attnplug contract: its own
 builder (built once, not timed), its own KV-cache layout and kernel block size, its own
-impl. The time is the median over ``--iters`` CUDA-event timed calls after warm-up; a
-``forward`` includes writing the step's K/V into the cache.
+impl. The time is the median GPU time of ``--iters`` calls after ``--warmup`` calls, each
+started from a cold L2 with the host's launch overhead kept out of it (a lead kernel lets
+the host queue the whole call first: ``runner/bench_timing.py``); the host's time to queue
+one call is reported beside it ("launch ms"). A ``forward`` includes writing the step's
+K/V into the cache; the build is not timed.
 
 Reported per (workload, backend): milliseconds, TFLOP/s (``4 * num_heads * head_size`` per
-visible query-key pair, causal), GB/s (K/V of every request read once, queries read,
-outputs and new K/V written — the least traffic any kernel needs), and those as fractions
-of the device's matmul rate (a large ``torch.matmul`` in the same dtype) and copy bandwidth
-(a large ``Tensor.copy_``, read + write bytes), both measured in the same run. Each
-backend's output is compared with ``torch_native``'s (``max |Δ|``) so no number is for a
-wrong answer. Every row also gives its throughput relative to FlashAttention on the same
-batch ("vs flash"): ``flash_attn`` where that backend ran, else a yardstick row timing
-PyTorch's bundled FlashAttention-2 kernel on contiguous K/V (``bench_flash_reference``;
-``--no-flash-reference`` drops it).
+visible query-key pair, causal), GB/s (the least traffic any kernel needs: cached K/V read
+once, the step's new K/V read and written to the cache, queries read, outputs written),
+and those as fractions of the device's matmul rate (an 8192^3 ``torch.matmul`` in the same
+dtype) and copy bandwidth (a 1 GiB ``Tensor.copy_``, read + write bytes), both measured in
+the same run and timed the same way. Each backend's output is compared with
+``torch_native``'s (``max |Δ|``); a row beyond :data:`TOLERANCE` is marked ``error: wrong
+result`` and the command exits 1. Every row also gives its throughput relative to
+FlashAttention on the same batch ("vs flash", > 1 is faster): ``flash_attn`` where that
+backend ran, else a yardstick row timing PyTorch's bundled FlashAttention-2 kernel on
+contiguous K/V (``bench_flash_reference``; ``--no-flash-reference`` drops it).
+
+With ``--markdown`` each workload's rows are printed as soon as they are final, and
+``--json`` is rewritten after each workload (``"complete": false`` until the end), so a
+run cut off by a timeout keeps what it finished.
 
 Needs CUDA: on a CPU-only machine it says so and exits with status 2 (timing the Triton
 interpreter would measure Python, not kernels).
@@ -29,16 +37,21 @@ interpreter would measure Python, not kernels).
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
+from attnplug.runner import bench_attention_report as report
 from attnplug.runner import bench_flash_reference as flash_ref
+from attnplug.runner.bench_timing import Timing, time_gpu
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+TOLERANCE = {torch.float32: 1e-3, torch.float16: 1e-2, torch.bfloat16: 3e-2}
+"""Largest ``max |Δ|`` against ``torch_native``'s output that is not an error, per dtype:
+a few units in the last place of outputs of magnitude ~1 (bf16 keeps 8 bits, fp16 11)."""
 
 
 @dataclass
@@ -58,7 +71,12 @@ class Batch:
         return sum(s * c + s * (s + 1) // 2 for c, s in self.requests)
 
     def kv_tokens(self) -> int:
+        """Tokens in the cache after the step: context plus new, over all requests."""
         return sum(c + s for c, s in self.requests)
+
+    def context_tokens(self) -> int:
+        """Tokens already cached before the step (read from the cache, not written)."""
+        return sum(c for c, _ in self.requests)
 
 
 @dataclass
@@ -66,6 +84,7 @@ class Result:
     workload: str
     backend: str
     ms: float | None = None
+    launch_ms: float | None = None
     tflops: float | None = None
     gbps: float | None = None
     frac_matmul: float | None = None
@@ -115,32 +134,19 @@ def trace_batches(args) -> list[Batch]:
     return [b for b in out if b.name.split()[0] in args.workload]
 
 
-def _cuda_time_ms(fn, iters: int, warmup: int) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
 def measure_device(dtype: torch.dtype, iters: int = 10) -> DevicePeaks:
     """Copy bandwidth (GB/s, read + write) of a 1 GiB ``copy_`` and the matmul rate (TFLOP/s)
-    of an 8192^3 ``torch.matmul`` in ``dtype``, best of ``iters`` after warm-up."""
+    of an 8192^3 ``torch.matmul`` in ``dtype``: the fastest of ``iters`` calls after one
+    warm-up call, timed like the kernels (:func:`attnplug.runner.bench_timing.time_gpu`)."""
     n_bytes = 1 << 30
     src = torch.empty(n_bytes // 2, dtype=torch.float16, device="cuda").normal_()
     dst = torch.empty_like(src)
-    copy_ms = min(_cuda_time_ms(lambda: dst.copy_(src), 1, 0) for _ in range(iters + 2))
+    copy_ms = time_gpu(lambda: dst.copy_(src), iters).min_ms
     del src, dst
     n = 8192
     a = torch.randn(n, n, device="cuda", dtype=dtype)
     b = torch.randn(n, n, device="cuda", dtype=dtype)
-    mm_ms = min(_cuda_time_ms(lambda: torch.matmul(a, b), 1, 0) for _ in range(iters + 2))
+    mm_ms = time_gpu(lambda: torch.matmul(a, b), iters).min_ms
     del a, b
     torch.cuda.empty_cache()
     return DevicePeaks(torch.cuda.get_device_name(), 2 * n_bytes / copy_ms / 1e6, 2 * n ** 3 / mm_ms / 1e9,
@@ -213,47 +219,76 @@ def _inputs(batch: Batch, backend, args, dtype, kv_dense):
     return impl, md, kv, *step_qkv(batch, args, dtype), bs
 
 
-def time_backend(batch: Batch, backend, args, dtype, kv_dense) -> tuple[float, torch.Tensor, int]:
-    """Median ms of one ``forward``, its output and the block size used."""
+def time_backend(batch: Batch, backend, args, dtype, kv_dense) -> tuple[Timing, torch.Tensor, int]:
+    """The GPU timing of one ``forward``, its output and the block size used."""
     impl, md, kv, q, k, v, bs = _inputs(batch, backend, args, dtype, kv_dense)
     out = torch.zeros_like(q)
-    ms = _cuda_time_ms(lambda: impl.forward(None, q, k, v, kv, md, out), args.iters, args.warmup)
-    return ms, out, bs
+    timing = time_gpu(lambda: impl.forward(None, q, k, v, kv, md, out), args.iters, args.warmup)
+    return timing, out, bs
 
 
 def time_flash_reference(batch: Batch, args, dtype, kv_dense, peaks: DevicePeaks) -> tuple[Result, torch.Tensor | None]:
     """The FlashAttention yardstick's row (``runner/bench_flash_reference.py``): the same
     q, K/V and softmax scale as the backends, timed like them; a build or device without the
-    kernel gives a ``skipped:`` row, not an error."""
+    kernel (or a failure while timing it) gives a ``skipped:`` row, not an error."""
     res = Result(batch.name, flash_ref.NAME, note=flash_ref.NOTE)
     try:
         q, k, v = step_qkv(batch, args, dtype)
         key, value = flash_ref.contiguous_kv(batch.requests, kv_dense, k, v)
         call = flash_ref.flash_reference(batch.requests, q, key, value, args.head_size ** -0.5)
         out = call()
-    except (RuntimeError, NotImplementedError) as exc:
+        timing = time_gpu(call, args.iters, args.warmup)
+    except (RuntimeError, NotImplementedError) as exc:  # torch.cuda.OutOfMemoryError is a RuntimeError
         res.note = f"skipped: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
         return res, None
-    _set_timing(res, batch, _cuda_time_ms(call, args.iters, args.warmup), args, dtype, peaks)
+    _set_timing(res, batch, timing, args, dtype, peaks)
     return res, out
 
 
-def _set_timing(res: Result, batch: Batch, ms: float, args, dtype, peaks: DevicePeaks) -> None:
-    """``res``'s milliseconds and the rates and fractions of the device's peaks they give."""
-    res.ms = ms
-    res.tflops, res.gbps = _metrics(batch, ms, args, torch.empty((), dtype=dtype).element_size())
+def _set_timing(res: Result, batch: Batch, timing: Timing, args, dtype, peaks: DevicePeaks) -> None:
+    """``res``'s GPU milliseconds, host launch time, and the rates and fractions of the
+    device's peaks they give."""
+    res.ms, res.launch_ms = timing.median_ms, timing.launch_ms
+    res.tflops, res.gbps = _metrics(batch, res.ms, args, torch.empty((), dtype=dtype).element_size())
     res.frac_matmul, res.frac_copy = res.tflops / peaks.matmul_tflops, res.gbps / peaks.copy_gbps
+    if timing.host_bound:
+        res.note = "; ".join(x for x in (res.note, "host-bound: ms includes GPU idle time waiting for the host") if x)
 
 
 def _metrics(batch: Batch, ms: float, args, elem: int) -> tuple[float, float]:
+    """TFLOP/s and GB/s of a ``forward`` that took ``ms``; bytes are the least traffic any
+    kernel needs: cached K/V (the context) read once, the step's new K/V read from the input
+    and written to the cache, queries read, outputs written."""
     flops = 4 * args.num_heads * args.head_size * batch.visible_pairs()
     kv_row = args.num_kv_heads * args.head_size * elem
     q_row = args.num_heads * args.head_size * elem
-    bytes_ = 2 * kv_row * batch.kv_tokens() + 2 * q_row * batch.num_tokens + 2 * 2 * kv_row * batch.num_tokens
+    bytes_ = 2 * kv_row * batch.context_tokens() + 2 * 2 * kv_row * batch.num_tokens + 2 * q_row * batch.num_tokens
     return flops / ms / 1e9, bytes_ / ms / 1e6
 
 
-def run(args) -> tuple[DevicePeaks, list[Result]]:
+def _check_against_reference(res: Result, out: torch.Tensor | None, reference: torch.Tensor | None, dtype) -> None:
+    """``res.max_abs_diff`` against ``torch_native``; a row beyond ``TOLERANCE`` becomes an
+    ``error:`` (so the command exits 1): no figure stands for a wrong answer unflagged."""
+    if out is None or reference is None:
+        return
+    res.max_abs_diff = float((out.float() - reference).abs().max())
+    if not res.max_abs_diff <= TOLERANCE[dtype]:  # also catches NaN
+        res.note = "; ".join(x for x in (f"error: wrong result, max |Δ| {res.max_abs_diff:.2e} > {TOLERANCE[dtype]:.0e} "
+                                         "against torch_native", res.note) if x)
+
+
+def run(args, on_workload: Callable[[DevicePeaks, list[Result]], None] | None = None
+        ) -> tuple[DevicePeaks, list[Result]]:
+    """Measure the device's peaks, then time every backend on every workload.
+
+    Args:
+        args: the parsed command line (:func:`parser`).
+        on_workload: called with the peaks and each workload's finished rows, in order (the
+            command prints and saves them as they come).
+
+    Returns:
+        The device's peaks and every row, workload by workload.
+    """
     dtype = DTYPES[args.dtype]
     peaks = measure_device(dtype)
     from attnplug.core.contracts import AttentionLayerConfig
@@ -275,13 +310,13 @@ def run(args) -> tuple[DevicePeaks, list[Result]]:
                 rows.append((res, None))
                 continue
             try:
-                ms, out, bs = time_backend(batch, backend, args, dtype, kv_dense)
+                timing, out, bs = time_backend(batch, backend, args, dtype, kv_dense)
             except Exception as exc:  # one backend's failure must not hide the others
                 res.note = f"error: {type(exc).__name__}: {str(exc)[:200]}"
                 rows.append((res, None))
                 continue
-            _set_timing(res, batch, ms, args, dtype, peaks)
             res.note = f"page {bs}" if bs != args.block_size else ""
+            _set_timing(res, batch, timing, args, dtype, peaks)
             if name == "torch_native":
                 reference = out.float()
             rows.append((res, out))
@@ -291,34 +326,15 @@ def run(args) -> tuple[DevicePeaks, list[Result]]:
         baseline = next((r for r, _ in rows if r.backend == "flash_attn" and r.ms), None) or \
             next((r for r, _ in rows if r.backend == flash_ref.NAME and r.ms), None)
         for res, out in rows:
-            if out is not None and reference is not None:
-                res.max_abs_diff = float((out.float() - reference).abs().max())
+            _check_against_reference(res, out, reference, dtype)
             if baseline is not None and res.ms:
                 res.vs_flash, res.flash_baseline = baseline.ms / res.ms, baseline.backend
-            results.append(res)
+        results.extend(res for res, _ in rows)
         del kv_dense
         torch.cuda.empty_cache()
+        if on_workload is not None:
+            on_workload(peaks, [res for res, _ in rows])
     return peaks, results
-
-
-def render(peaks: DevicePeaks, results: list[Result], args) -> str:
-    """A markdown table (what ``--markdown`` prints and ``tests/gpu/run_all.sh`` records)."""
-    f = lambda x, fmt: "-" if x is None else format(x, fmt)  # noqa: E731
-    lines = [f"Device: {peaks.name}; measured copy bandwidth {peaks.copy_gbps:,.0f} GB/s, {args.dtype} matmul "
-             f"{peaks.matmul_tflops:,.0f} TFLOP/s. Layer: {args.num_heads} heads / {args.num_kv_heads} KV heads x "
-             f"{args.head_size}, {args.dtype}, block {args.block_size}; median of {args.iters} calls.", "",
-             "| workload | backend | ms | TFLOP/s | GB/s | % matmul | % copy BW | vs flash | max abs diff | note |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in results:
-        lines.append(f"| {r.workload} | {r.backend} | {f(r.ms, '.3f')} | {f(r.tflops, '.1f')} | {f(r.gbps, ',.0f')} | "
-                     f"{f(r.frac_matmul and 100 * r.frac_matmul, '.1f')} | {f(r.frac_copy and 100 * r.frac_copy, '.1f')} | "
-                     f"{f(r.vs_flash, '.2f')} | {f(r.max_abs_diff, '.2e')} | {r.note} |")
-    baselines = sorted({r.flash_baseline for r in results if r.flash_baseline})
-    if baselines:
-        lines += ["", "vs flash: throughput relative to " + " / ".join(f"`{b}`" for b in baselines) +
-                  " on the same batch (flash_attn where it ran, else PyTorch's bundled FlashAttention-2 kernel on "
-                  "contiguous K/V, which skips the paging and the K/V write that a backend's forward does)."]
-    return "\n".join(lines)
 
 
 def _csv_ints(text: str) -> list[int]:
@@ -362,19 +378,28 @@ def main(argv: list[str]) -> int:
               "Triton kernels only run in the interpreter, whose timings measure Python, so nothing is reported. "
               "Run it on a GPU machine (tests/gpu/run_all.sh does).", file=sys.stderr)
         return 2
-    peaks, results = run(args)
-    table = render(peaks, results, args)
+    done: list[Result] = []
+
+    def on_workload(peaks: DevicePeaks, rows: list[Result]) -> None:
+        if args.markdown:  # streamed, so a run cut off by a timeout keeps its finished workloads
+            print("\n".join((report.render_header(peaks, args) if not done else []) + report.render_rows(rows)),
+                  flush=True)
+        done.extend(rows)
+        if args.json:
+            report.write_json(args.json, peaks, done, args, complete=False)
+
+    peaks, results = run(args, on_workload)
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump({"device": asdict(peaks), "args": {k: v for k, v in vars(args).items()},
-                       "results": [asdict(r) for r in results]}, f, indent=1)
+        report.write_json(args.json, peaks, results, args, complete=True)
     if args.markdown:
-        print(table)
+        if not results:
+            print("\n".join(report.render_header(peaks, args)))
+        print("\n".join(report.render_footer(results)), flush=True)
     else:
         from rich.console import Console
         from rich.markdown import Markdown
 
-        Console().print(Markdown(table))
+        Console().print(Markdown(report.render(peaks, results, args)))
     return 0 if all(not r.note.startswith("error") for r in results) else 1
 
 

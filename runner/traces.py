@@ -43,6 +43,10 @@ BUNDLED_TRACES: dict[str, str] = {
 }
 """Short name -> file in ``attnplug/runner/data``."""
 
+BUNDLED_ATTRIBUTION = ("Azure LLM inference traces 2023 (Azure Public Dataset), CC-BY 4.0; Patel et al., "
+                       "\"Splitwise: Efficient generative LLM inference using phase splitting\", ISCA 2024")
+"""The line to print wherever figures or data from a bundled trace go (the licence asks for it)."""
+
 SOURCE_MAX_MODEL_LEN = 8192
 """Context length the bundled traces' lengths are scaled down from (tokens)."""
 

@@ -8,12 +8,24 @@ import pytest
 import torch
 
 from attnplug.runner import bench_attention as ba
+from attnplug.runner import bench_attention_report as report
 from attnplug.runner import bench_flash_reference as flash_ref
+from attnplug.runner.bench_timing import Timing
 from attnplug.runner.bench import main as bench_main
 
 TINY = ["--decode-batch", "3,5", "--prefill-tokens", "40", "--mixed-budget", "24", "--mixed-decodes", "4",
         "--max-model-len", "256", "--num-heads", "4", "--num-kv-heads", "2", "--head-size", "32", "--dtype", "float32",
         "--iters", "1", "--warmup", "0"]
+
+
+def _fake_timer(ms: float, calls: list | None = None):
+    """Stands in for ``time_gpu`` on the CPU: runs the call once, reports ``ms``."""
+    def timer(fn, iters, warmup=1):
+        if calls is not None:
+            calls.append(1)
+        fn()
+        return Timing((ms,), launch_ms=0.25, lead_ms=0.5, host_bound=False)
+    return timer
 
 
 def _args(*extra):
@@ -43,22 +55,17 @@ def test_trace_batches_shapes():
 def test_metrics_formulas():
     args = _args()
     b = ba.Batch("x", [(3, 1), (0, 2)])
-    assert b.visible_pairs() == 4 + 3 and b.kv_tokens() == 6
+    assert b.visible_pairs() == 4 + 3 and b.kv_tokens() == 6 and b.context_tokens() == 3
     tflops, gbps = ba._metrics(b, 1.0, args, 4)
     assert tflops == pytest.approx(4 * 4 * 32 * 7 / 1e9)
     kv_row, q_row = 2 * 32 * 4, 4 * 32 * 4
-    assert gbps == pytest.approx((2 * kv_row * 6 + 2 * q_row * 3 + 4 * kv_row * 3) / 1e6)
+    # cached K/V (3 tokens) read; the 3 new tokens' K/V read and written; q read, out written
+    assert gbps == pytest.approx((2 * kv_row * 3 + 2 * 2 * kv_row * 3 + 2 * q_row * 3) / 1e6)
 
 
 def test_run_times_every_backend_through_the_contract(monkeypatch):
     calls = []
-
-    def fake_timer(fn, iters, warmup):
-        calls.append(1)
-        fn()
-        return 1.0
-
-    monkeypatch.setattr(ba, "_cuda_time_ms", fake_timer)
+    monkeypatch.setattr(ba, "time_gpu", _fake_timer(1.0, calls))
     monkeypatch.setattr(ba, "measure_device", lambda dtype: ba.DevicePeaks("stub", 100.0, 10.0))
     args = _args("--backend", "triton,torch_native", "--backend", "flash_attn", "--decode-batch", "3")
     peaks, results = ba.run(args)
@@ -72,8 +79,8 @@ def test_run_times_every_backend_through_the_contract(monkeypatch):
         yardstick = by[(workload, flash_ref.NAME)]  # the CPU build has no FlashAttention kernel
         assert yardstick.ms is None and yardstick.note.startswith("skipped: NotImplementedError"), yardstick
         assert tri.vs_flash is None
-    table = ba.render(peaks, results, args)
-    assert "| decode B=3 | triton | 1.000 |" in table and "skipped" in table and "vs flash:" not in table
+    table = report.render(peaks, results, args)
+    assert "| decode B=3 | triton | 1.000 | 0.250 |" in table and "CC-BY 4.0" in table and "skipped" in table and "vs flash:" not in table
 
 
 def _flash_varlen_contract(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal,
@@ -99,7 +106,7 @@ def _flash_varlen_contract(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k
 
 
 def test_flash_yardstick_sets_vs_flash_and_matches_the_reference(monkeypatch):
-    monkeypatch.setattr(ba, "_cuda_time_ms", lambda fn, iters, warmup: (fn(), 2.0)[1])
+    monkeypatch.setattr(ba, "time_gpu", _fake_timer(2.0))
     monkeypatch.setattr(ba, "measure_device", lambda dtype: ba.DevicePeaks("stub", 100.0, 10.0))
     monkeypatch.setattr(flash_ref, "_operator", lambda: _flash_varlen_contract)
     # float16: the kernel's dtypes; mixed rows put the new tokens mid-request (c > 0, s > 1)
@@ -112,8 +119,8 @@ def test_flash_yardstick_sets_vs_flash_and_matches_the_reference(monkeypatch):
         assert yardstick.max_abs_diff is not None and yardstick.max_abs_diff < 2e-3, yardstick
         assert ref.vs_flash == pytest.approx(1.0) and ref.flash_baseline == flash_ref.NAME
         assert yardstick.vs_flash == pytest.approx(1.0)
-    table = ba.render(peaks, results, args)
-    assert f"| {flash_ref.NAME} | 2.000 |" in table and f"vs flash: throughput relative to `{flash_ref.NAME}`" in table
+    table = report.render(peaks, results, args)
+    assert f"| {flash_ref.NAME} | 2.000 | 0.250 |" in table and f"vs flash: throughput relative to `{flash_ref.NAME}`" in table
     assert not any(r.backend == flash_ref.NAME for r in ba.run(_args("--no-flash-reference", "--decode-batch", "3"))[1])
 
 
@@ -137,11 +144,71 @@ def test_flashinfer_plans_for_the_bench_impl(monkeypatch):
     from attnplug.backends.emulators.backends import FlashInferEmulatedBackend
 
     backend = FlashInferEmulatedBackend
-    monkeypatch.setattr(ba, "_cuda_time_ms", lambda fn, iters, warmup: (fn(), 1.0)[1])
+    monkeypatch.setattr(ba, "time_gpu", _fake_timer(1.0))
     gc.collect()  # no impl of an earlier test may stand in for the bench's own
     args = _args("--dtype", "float16", "--decode-batch", "3")
     for batch in ba.trace_batches(args):
         kv_dense = ba.dense_kv(batch, args, torch.float16)
-        ms, out, _ = ba.time_backend(batch, backend, args, torch.float16, kv_dense)
-        assert ms == 1.0 and torch.isfinite(out).all()
+        timing, out, _ = ba.time_backend(batch, backend, args, torch.float16, kv_dense)
+        assert timing.median_ms == 1.0 and torch.isfinite(out).all()
         gc.collect()
+
+
+def test_a_wrong_result_is_an_error_row():
+    ref = torch.zeros(4, 2, 8)
+    for dtype, off, wrong in ((torch.bfloat16, 2e-2, False), (torch.bfloat16, 5e-2, True),
+                              (torch.float16, 5e-3, False), (torch.float16, 2e-2, True), (torch.float32, 1e-2, True)):
+        res = ba.Result("decode B=4", "x", note="page 32")
+        ba._check_against_reference(res, (ref + off).to(dtype), ref, dtype)
+        assert res.max_abs_diff == pytest.approx(off, rel=1e-2)
+        assert res.note.startswith("error: wrong result") == wrong and res.note.endswith("page 32"), (dtype, res.note)
+    res = ba.Result("decode B=4", "x")
+    ba._check_against_reference(res, torch.full_like(ref, float("nan")), ref, torch.float32)
+    assert res.note.startswith("error: wrong result"), "NaN is not within any tolerance"
+
+
+def _cpu_main(monkeypatch):
+    """``main`` on the CPU: CUDA claimed, the CPU as the bench device, timers stubbed."""
+    parser = ba.parser
+
+    def cpu_parser():
+        p = parser()
+        p.set_defaults(device="cpu")
+        return p
+
+    monkeypatch.setattr(ba, "parser", cpu_parser)
+    monkeypatch.setattr(ba.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(ba.torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(ba, "measure_device", lambda dtype: ba.DevicePeaks("stub", 100.0, 10.0))
+
+
+def test_markdown_and_json_are_written_workload_by_workload(monkeypatch, tmp_path, capsys):
+    """A run cut off mid-way (the GPU script's section timeout) keeps the finished workloads."""
+    import json
+
+    _cpu_main(monkeypatch)
+    calls = []
+    timer = _fake_timer(1.0, calls)
+
+    def dies_on_the_third_workload(fn, iters, warmup=1):
+        if len(calls) == 2:  # decode B=3 and B=5 are done (one backend each)
+            raise KeyboardInterrupt  # what a SIGINT/timeout looks like from inside
+        return timer(fn, iters, warmup)
+
+    monkeypatch.setattr(ba, "time_gpu", dies_on_the_third_workload)
+    out = tmp_path / "bench.json"
+    with pytest.raises(KeyboardInterrupt):
+        ba.main([*TINY, "--backend", "torch_native", "--no-flash-reference", "--markdown", "--json", str(out)])
+    printed = capsys.readouterr().out
+    assert printed.count("Device: stub") == 1 and "| decode B=3 | torch_native | 1.000 |" in printed
+    assert "| decode B=5 | torch_native |" in printed and "prefill" not in printed
+    saved = json.loads(out.read_text())
+    assert saved["complete"] is False and [r["workload"] for r in saved["results"]] == ["decode B=3", "decode B=5"]
+    assert "CC-BY 4.0" in saved["source"] and "Patel et al." in saved["source"]
+
+    monkeypatch.setattr(ba, "time_gpu", _fake_timer(1.0))
+    assert ba.main([*TINY, "--backend", "torch_native", "--no-flash-reference", "--markdown", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert printed.count("| torch_native |") == 4 and printed.count("Device: stub") == 1
+    saved = json.loads(out.read_text())
+    assert saved["complete"] is True and len(saved["results"]) == 4
