@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from attnplug.runner.bench_workloads import Workload, steady_decode, trace_replay
+from attnplug.runner.traces import BUNDLED_ATTRIBUTION
 from attnplug.runner.naive_step import NaiveStepCompiler
 from attnplug.runner.native import NATIVE
 from attnplug.runner.step_compiler import StepCompiler
@@ -209,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     text = render(rows, args.markdown) if rows else ""
     if text:
         print(text)
+    if args.trace_steps > 0:
+        print(f"trace replay: request lengths from the bundled trace `conv`, {BUNDLED_ATTRIBUTION}.")
     if args.hybrid_steps > 0:
         from attnplug.runner.bench_metadata import render_hybrid, run_hybrid
 

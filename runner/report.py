@@ -45,3 +45,6 @@ def print_run_table(summary: dict[str, Any], console: Console | None = None) -> 
         block = "-" if grp["kind"] == "mamba" else str(grp["block_size"])
         g.add_row(str(i), kind, str(grp["layers"]), block, grp["backend"], f"{peak}/{capacity} {unit}")
     console.print(g)
+    trace = summary.get("trace") or {}
+    if trace.get("attribution"):
+        console.print(f"Request lengths: bundled trace `{trace['source']}`, {trace['attribution']}.")

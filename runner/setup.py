@@ -15,6 +15,7 @@ from attnplug.runner.engine import LLMEngine
 from attnplug.runner.model_runner import ModelRunner, RunnerConfig
 from attnplug.runner.scheduler import Scheduler, SchedulerConfig
 from attnplug.runner.scheduler_output import SamplingParams
+from attnplug.runner.traces import BUNDLED_ATTRIBUTION, BUNDLED_TRACES
 
 
 @dataclass
@@ -121,4 +122,6 @@ def build_engine(args, *, alone: bool = False, model: torch.nn.Module | None = N
             setup.sampling_params[rid] = SamplingParams(temperature=0.0, max_tokens=tr.output_len)
         setup.trace_info = {"source": args.trace, "requests": len(trace), "skipped_rows": trace.num_skipped,
                             "scale": trace.scale}
+        if args.trace in BUNDLED_TRACES:  # the licence (CC-BY 4.0) travels with what the data produced
+            setup.trace_info["attribution"] = BUNDLED_ATTRIBUTION
     return setup

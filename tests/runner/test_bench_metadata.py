@@ -32,3 +32,11 @@ def test_caching_on_builds_once_per_spec_and_off_builds_every_group():
 
 def test_bench_cli_can_skip_everything_but_runs(capsys):
     assert bench_main(["--sizes", "", "--trace-steps", "0", "--hybrid-steps", "0", "--no-naive"]) == 0
+    assert "CC-BY" not in capsys.readouterr().out, "no trace, no attribution line"
+
+
+def test_bench_trace_replay_names_the_trace_and_its_licence(capsys):
+    assert bench_main(["--sizes", "", "--trace-steps", "3", "--hybrid-steps", "0", "--no-naive", "--repeat", "1",
+                       "--markdown"]) == 0
+    out = capsys.readouterr().out
+    assert "trace replay: request lengths from the bundled trace `conv`" in out and "CC-BY 4.0" in out

@@ -28,6 +28,13 @@ def test_run_json_counts(capsys):
     assert set(s["median_us_per_step"]) == {"update_states", "prepare_inputs", "metadata_build", "forward", "sample"}
     assert all(v > 0 for v in s["median_us_per_step"].values())
     assert 0 < s["peak_kv_blocks_per_group"][0] < s["num_blocks_per_group"]
+    assert "CC-BY 4.0" in s["trace"]["attribution"] and "Patel et al." in s["trace"]["attribution"]
+
+
+def test_run_table_names_the_bundled_trace_and_its_licence(capsys):
+    assert run_main(["--num-requests", "2", "--max-model-len", "512", "--invariance-requests", "0"]) == 0
+    out = " ".join(capsys.readouterr().out.split())  # rich wraps lines
+    assert "Request lengths: bundled trace `conv`" in out and "CC-BY 4.0" in out
 
 
 def test_engine_validates_every_step_on_hundreds_of_requests(capsys, tmp_path, monkeypatch):
@@ -71,6 +78,7 @@ def test_skip_invalid_counts(tmp_path, capsys):
     s = _run_json(capsys, ["--trace", str(trace), "--skip-invalid", "--max-model-len", "512",
                            "--invariance-requests", "1"])
     assert s["requests"] == 2 and s["trace"]["skipped_rows"] == 1
+    assert "attribution" not in s["trace"], "a user's own file needs no attribution of ours"
 
 
 def test_pool_too_small_for_a_request_is_one_clear_error(capsys, tmp_path):
