@@ -126,6 +126,10 @@ def negotiate_cudagraph_mode(builders: Sequence[AttentionMetadataBuilder], reque
     Returns:
         The decision, its reason naming the limiting builder.
 
+    Raises:
+        ConfigError: an unknown ``requested`` mode.
+        ValueError: ``names`` not one per builder.
+
     Examples:
         >>> negotiate_cudagraph_mode([], "full", "cpu").mode.value
         'full'
@@ -136,6 +140,8 @@ def negotiate_cudagraph_mode(builders: Sequence[AttentionMetadataBuilder], reque
     if requested is CUDAGraphMode.NONE:
         return GraphModeDecision(CUDAGraphMode.NONE, "CUDA graphs are off (cudagraph_mode='none')", None, False)
     labels = list(names) if names is not None else [type(b).__name__ for b in builders]
+    if len(labels) != len(builders):
+        raise ValueError(f"names has {len(labels)} labels for {len(builders)} builders: give one per builder")
     worst = None
     for g, (b, label) in enumerate(zip(builders, labels)):
         support = AttentionCGSupport(type(b).get_cudagraph_support(b.kv_cache_spec))
@@ -195,8 +201,15 @@ class CUDAGraphDispatcher:
             ``max_num_batched_tokens`` are kept.
         max_num_reqs, max_num_batched_tokens: the runner's limits.
 
+    A uniform decode batch pads its requests with its tokens (``num_reqs_padded ==
+    num_tokens_padded``), so it runs in a graph only while that size is at most
+    ``max_num_reqs``: with ``max_num_reqs`` not itself a capture size, the decodes just
+    below it run eagerly (add it to ``capture_sizes`` to graph them).
+
     Raises:
-        ConfigError: no usable capture size.
+        ConfigError: an unknown mode, a capture size that is not a positive int, limits
+            that are not positive ints, or no capture size in ``[1,
+            max_num_batched_tokens]`` (unless the mode is ``NONE``).
 
     Examples:
         >>> d = CUDAGraphDispatcher(CUDAGraphMode.FULL, [1, 2, 4, 8, 16], 16, 16)
@@ -209,7 +222,14 @@ class CUDAGraphDispatcher:
 
     def __init__(self, mode: CUDAGraphMode, capture_sizes: Sequence[int], max_num_reqs: int,
                  max_num_batched_tokens: int):
-        sizes = sorted({int(s) for s in capture_sizes if 0 < int(s) <= max_num_batched_tokens})
+        mode = CUDAGraphMode.parse(mode)
+        for name, value in (("max_num_reqs", max_num_reqs), ("max_num_batched_tokens", max_num_batched_tokens)):
+            if not _is_int(value) or value < 1:
+                raise ConfigError(name, f"{value!r} must be a positive int")
+        if isinstance(capture_sizes, (str, bytes)) or not all(_is_int(s) and s > 0 for s in capture_sizes):
+            raise ConfigError("cudagraph_capture_sizes", f"{capture_sizes!r} must be a sequence of positive ints "
+                                                         "(token counts)")
+        sizes = sorted({int(s) for s in capture_sizes if s <= max_num_batched_tokens})
         if mode is not CUDAGraphMode.NONE and not sizes:
             raise ConfigError("cudagraph_capture_sizes", f"{list(capture_sizes)!r} has no size in [1, "
                               f"{max_num_batched_tokens}] (max_num_batched_tokens): give at least one")
@@ -229,7 +249,23 @@ class CUDAGraphDispatcher:
         A step runs in a graph when the mode allows its kind (any step under FULL,
         pure decodes under FULL_DECODE_ONLY) and its padded sizes fit the capture sizes
         and ``max_num_reqs``; otherwise it runs eagerly, unpadded.
+
+        Raises:
+            MetadataError: counts no step can have: negative, more requests than tokens
+                (every scheduled request has a token), ``max_query_len`` outside
+                ``[1, num_tokens]`` for a non-empty step, or counts past the runner's limits.
         """
+        problems = []
+        if not all(_is_int(x) and x >= 0 for x in (num_tokens, num_reqs, max_query_len)):
+            problems.append("counts must be non-negative ints")
+        elif num_reqs > num_tokens or (num_tokens and not 1 <= max_query_len <= num_tokens):
+            problems.append("every request has 1..num_tokens query tokens")
+        elif num_reqs > self.max_num_reqs or num_tokens > self.max_num_batched_tokens:
+            problems.append(f"the runner's limits are max_num_reqs={self.max_num_reqs}, "
+                            f"max_num_batched_tokens={self.max_num_batched_tokens}")
+        if problems:
+            raise MetadataError(f"dispatch(num_tokens={num_tokens!r}, num_reqs={num_reqs!r}, "
+                                f"max_query_len={max_query_len!r}): {problems[0]}")
         uniform = num_reqs > 0 and max_query_len == 1 and num_tokens == num_reqs
         eager = PaddedBatch(num_tokens, num_reqs, num_tokens, num_reqs, uniform, False)
         if num_tokens == 0 or self.mode is CUDAGraphMode.NONE or self.mode is CUDAGraphMode.PIECEWISE:
@@ -241,6 +277,11 @@ class CUDAGraphDispatcher:
         if P is None or R is None or R > self.max_num_reqs:
             return eager
         return PaddedBatch(num_tokens, num_reqs, P, R, uniform, True)
+
+
+def _is_int(x) -> bool:
+    """An integer (Python or numpy), not a bool."""
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
 
 
 class PaddedMetadata:

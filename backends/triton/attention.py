@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from attnplug.backends.triton.runtime import interpreting, kernel_module, launch
+from attnplug.backends.triton.value_checks import check_batch, values_checked
 from attnplug.core.errors import MetadataError
 
 MAX_HEAD_SIZE = 256
@@ -143,7 +144,13 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         ``output``.
 
     Raises:
-        MetadataError: shapes, dtypes or parameters the kernels cannot take.
+        MetadataError: shapes, dtypes or parameters the kernels cannot take (a head size
+            not a multiple of 16 or over 256, a window or soft-cap that is not positive,
+            ``num_reqs`` beyond the metadata tensors, bfloat16 under the interpreter, whose
+            bf16 ``tl.dot`` is wrong); and, where values are checked
+            (:mod:`~attnplug.backends.triton.value_checks`: CPU tensors always, a GPU with
+            ``ATTNPLUG_VALIDATE=1``), a ``query_start_loc``/``seq_lens``/block table that
+            disagree with each other or point outside the cache. Nothing is written then.
 
     Numerics: fp32 logits, base-2 online softmax and accumulator; probabilities are cast
     to the cache dtype for the ``P @ V`` product. Does not synchronise with the host;
@@ -151,9 +158,13 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     """
     num_tokens, num_heads, head_size = query.shape
     num_kv_heads = key_cache.shape[2]
-    _check(query, key_cache, value_cache, output, block_table, num_kv_splits)
+    _check(query, key_cache, value_cache, output, query_start_loc, seq_lens, block_table, num_reqs, num_kv_splits,
+           sliding_window, logits_soft_cap)
     if num_reqs == 0 or num_tokens == 0:
         return output
+    if values_checked(query.device):
+        check_batch(query_start_loc, seq_lens, block_table, num_reqs=num_reqs, num_tokens=num_tokens,
+                    num_blocks=key_cache.shape[0], block_size=key_cache.shape[1], where="paged_attention")
     group = num_heads // num_kv_heads
     cfg = tiles or choose_tiles(max_query_len, group, head_size, query.dtype)
     padded = max(16, _next_pow2(head_size))
@@ -192,7 +203,8 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     return output
 
 
-def _check(query, key_cache, value_cache, output, block_table, num_kv_splits: int) -> None:
+def _check(query, key_cache, value_cache, output, query_start_loc, seq_lens, block_table, num_reqs: int,
+           num_kv_splits: int, sliding_window: int | None, logits_soft_cap: float | None) -> None:
     problems = []
     if query.dim() != 3 or key_cache.dim() != 4:
         raise MetadataError(f"paged_attention: query {tuple(query.shape)} must be [num_tokens, num_heads, "
@@ -205,11 +217,27 @@ def _check(query, key_cache, value_cache, output, block_table, num_kv_splits: in
                         f"match head_size {head_size}")
     if num_kv_heads == 0 or num_heads % num_kv_heads:
         problems.append(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
-    if head_size > MAX_HEAD_SIZE:
-        problems.append(f"head_size {head_size} > {MAX_HEAD_SIZE}")
-    if output.shape != query.shape or output.device != query.device:
-        problems.append(f"output {tuple(output.shape)} on {output.device} must match query "
-                        f"{tuple(query.shape)} on {query.device}")
+    if head_size % 16 or not 0 < head_size <= MAX_HEAD_SIZE:
+        problems.append(f"head_size {head_size} is not a multiple of 16 in [16, {MAX_HEAD_SIZE}]")
+    if query.dtype == torch.bfloat16 and interpreting():
+        problems.append("bfloat16 under TRITON_INTERPRET=1: the interpreter's bf16 tl.dot gives wrong results; "
+                        "use float16 or float32 on the CPU (bfloat16 runs on a GPU)")
+    if num_reqs < 0 or query_start_loc.shape[0] < num_reqs + 1 or seq_lens.shape[0] < num_reqs \
+            or block_table.dim() != 2 or block_table.shape[0] < num_reqs:
+        problems.append(f"num_reqs {num_reqs} needs query_start_loc [>= num_reqs + 1], seq_lens [>= num_reqs] and "
+                        f"block_table [>= num_reqs, blocks]; got [{query_start_loc.shape[0]}], [{seq_lens.shape[0]}], "
+                        f"{tuple(block_table.shape)}")
+    if query_start_loc.dtype != torch.int32 or seq_lens.dtype != torch.int32:
+        problems.append(f"query_start_loc and seq_lens must be int32, got {query_start_loc.dtype} and {seq_lens.dtype}")
+    if sliding_window is not None and sliding_window <= 0:
+        problems.append(f"sliding_window must be a positive number of tokens or None, got {sliding_window}")
+    if logits_soft_cap is not None and not logits_soft_cap > 0:
+        problems.append(f"logits_soft_cap must be positive or None, got {logits_soft_cap}")
+    devices = {t.device for t in (query, key_cache, value_cache, output, query_start_loc, seq_lens, block_table)}
+    if len(devices) != 1:
+        problems.append(f"tensors on several devices ({sorted(map(str, devices))})")
+    if output.shape != query.shape:
+        problems.append(f"output {tuple(output.shape)} must match query {tuple(query.shape)}")
     if key_cache.dtype != query.dtype or value_cache.dtype != query.dtype:
         problems.append(f"cache dtype {key_cache.dtype} differs from query dtype {query.dtype}")
     for name, t in (("query", query), ("output", output), ("key_cache", key_cache),

@@ -86,7 +86,7 @@ def slot_mapping_kernel(
     row = block_table_ptr + r.to(tl.int64) * stride_bt_req
     for start in range(begin, end, TOKENS_PER_ITER):
         t = start + offsets
-        live = t < end
+        live = (t < end) & (t < num_tokens_padded)  # never past the view the caller gets back
         pos = tl.load(positions_ptr + t, mask=live, other=0)
         block = tl.load(row + pos // BLOCK_SIZE, mask=live, other=0).to(tl.int64)
         tl.store(slot_mapping_ptr + t, block * BLOCK_SIZE + pos % BLOCK_SIZE, mask=live)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from attnplug.backends.triton.runtime import kernel_module, launch
+from attnplug.backends.triton.value_checks import check_slots, values_checked
 from attnplug.core.constants import PAD_SLOT_ID
 from attnplug.core.errors import MetadataError
 
@@ -37,21 +38,27 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tens
             skipped (nothing is written for them).
 
     Raises:
-        MetadataError: shapes that disagree.
+        MetadataError: shapes that disagree, a slot mapping that is not int64; where values are checked (CPU tensors always,
+            a GPU with ``ATTNPLUG_VALIDATE=1``: :mod:`~attnplug.backends.triton.value_checks`),
+            a slot outside the cache that is not ``PAD_SLOT_ID``. Nothing is written then.
 
     Only the addressed slots change. Does not synchronise with the host; graph-capturable.
     """
     num_tokens = slot_mapping.shape[0]
     _, block_size, num_kv_heads, head_size = key_cache.shape
     if (key.shape[0] < num_tokens or tuple(key.shape[1:]) != (num_kv_heads, head_size)
-            or value.shape != key.shape or value_cache.shape != key_cache.shape):
+            or value.shape != key.shape or value_cache.shape != key_cache.shape
+            or slot_mapping.dtype != torch.int64):
         raise MetadataError(
             f"write_kv_cache: key {tuple(key.shape)}, value {tuple(value.shape)}, key_cache "
             f"{tuple(key_cache.shape)}, value_cache {tuple(value_cache.shape)}, slot_mapping [{num_tokens}]: need "
             f"key/value [>= num_tokens, num_kv_heads, head_size] matching the caches' "
-            f"[num_blocks, block_size, num_kv_heads, head_size]")
+            f"[num_blocks, block_size, num_kv_heads, head_size], and an int64 slot_mapping (got "
+            f"{slot_mapping.dtype})")
     if num_tokens == 0:
         return
+    if values_checked(key_cache.device):
+        check_slots(slot_mapping, key_cache.shape[0], block_size, "write_kv_cache")
     key, value = _last_dim_contiguous(key), _last_dim_contiguous(value)
     padded = _next_pow2(head_size)
     rows_per_program = max(1, WRITE_ELEMENTS_PER_PROGRAM // padded)
@@ -97,7 +104,10 @@ def compute_slot_mapping(query_start_loc: torch.Tensor, positions: torch.Tensor,
         ``slot_mapping[:num_tokens_padded]`` (a view of the output buffer).
 
     Raises:
-        MetadataError: a buffer too small or a dtype other than the ones above.
+        MetadataError: a buffer too small or a dtype other than the ones above; where
+            values are checked (CPU tensors always, a GPU with ``ATTNPLUG_VALIDATE=1``), real
+            tokens past ``num_tokens_padded`` or ``positions``, or a position past the block
+            table. The kernel itself never writes past ``num_tokens_padded``.
 
     Does not synchronise with the host; graph-capturable.
 
@@ -125,6 +135,16 @@ def compute_slot_mapping(query_start_loc: torch.Tensor, positions: torch.Tensor,
                         f"[{slot_mapping.shape[0]}]")
     if block_table.stride(-1) != 1:
         problems.append("block_table's last dim must be contiguous")
+    if not problems and num_reqs and values_checked(positions.device):
+        num_real = int(query_start_loc[num_reqs])
+        if num_real > min(total, positions.shape[0]):
+            problems.append(f"query_start_loc[num_reqs] = {num_real} real tokens, more than num_tokens_padded = "
+                            f"{total} or positions [{positions.shape[0]}]")
+        else:
+            blocks = positions[:num_real] // block_size
+            if bool(((blocks < 0) | (blocks >= block_table.shape[1])).any()):
+                problems.append(f"a position outside [0, {block_table.shape[1] * block_size}): the block table has "
+                                f"{block_table.shape[1]} blocks of {block_size} per request")
     if problems:
         raise MetadataError("compute_slot_mapping: " + "; ".join(problems) + ". Pass the runner's device buffers.")
     kernels = kernel_module("cache_kernels")

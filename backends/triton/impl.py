@@ -11,6 +11,7 @@ from attnplug.backends.triton.attention import paged_attention
 from attnplug.backends.triton.cache_ops import write_kv_cache
 from attnplug.backends.triton.metadata import TritonAttentionMetadata
 from attnplug.backends.triton.runtime import interpreting
+from attnplug.backends.triton.value_checks import check_batch, check_slots, values_checked
 from attnplug.core.contracts import AttentionImpl, AttentionType
 from attnplug.core.errors import BackendUnsupportedError, MetadataError
 
@@ -69,23 +70,33 @@ class TritonAttentionImpl(AttentionImpl):
             kv_cache: ``[num_blocks, 2, block_size, num_kv_heads, head_size]`` (K at index
                 0, V at 1), same dtype and device; written in place at the real slots only.
             attn_metadata: what :class:`TritonMetadataBuilder` built this step.
-            output: ``[num_tokens, num_heads, head_size]``, same device; rows of real tokens
-                are overwritten, padded rows are left untouched.
+            output: ``[num_tokens, num_heads, head_size]``, same dtype and device; rows of
+                real tokens are overwritten, padded rows are left untouched.
 
         Returns:
             ``output``.
 
         Raises:
             MetadataError: shapes, dtypes or devices that disagree with each other or with
-                the metadata, or CPU tensors while the kernels are compiled for a GPU.
+                the metadata, CPU tensors while the kernels are compiled for a GPU,
+                bfloat16 under the interpreter; and where index values are checked (CPU
+                tensors always, a GPU with ``ATTNPLUG_VALIDATE=1``:
+                :mod:`~attnplug.backends.triton.value_checks`) a slot or block id outside
+                ``kv_cache`` or lengths that disagree. The cache is unchanged then.
 
-        Numerics: fp32 logits, online softmax and accumulator; result cast to
-        ``output.dtype``. Does not synchronise with the host (two or three kernel launches).
+        Numerics: fp32 logits, online softmax and accumulator; the result is stored in the
+        query's dtype. Does not synchronise with the host on a GPU unless
+        ``ATTNPLUG_VALIDATE=1`` (two or three kernel launches).
         """
         md = attn_metadata
         self._check(query, key, value, kv_cache, md, output)
         key_cache, value_cache = kv_cache[:, 0], kv_cache[:, 1]
         num_writes = min(key.shape[0], md.slot_mapping.shape[0])
+        if values_checked(query.device):  # before the write: a bad batch changes nothing
+            check_slots(md.slot_mapping[:num_writes], kv_cache.shape[0], md.block_size, "triton forward")
+            check_batch(md.query_start_loc, md.seq_lens, md.block_table_tensor, num_reqs=md.num_reqs,
+                        num_tokens=query.shape[0], num_blocks=kv_cache.shape[0], block_size=md.block_size,
+                        where="triton forward")
         write_kv_cache(key[:num_writes], value[:num_writes], key_cache, value_cache, md.slot_mapping[:num_writes])
         return paged_attention(
             query, key_cache, value_cache, output, md.query_start_loc, md.seq_lens, md.block_table_tensor,
@@ -123,6 +134,9 @@ class TritonAttentionImpl(AttentionImpl):
         elif query.device.type == "cpu" and not interpreting():
             problems.append("CPU tensors but the Triton kernels are compiled for a GPU; set TRITON_INTERPRET=1 "
                             "to run them in the Triton interpreter")
+        if query.dtype == torch.bfloat16 and interpreting():
+            problems.append("bfloat16 under TRITON_INTERPRET=1: the interpreter's bf16 tl.dot gives wrong results; "
+                            "use float16 or float32 on the CPU (bfloat16 runs on a GPU)")
         if problems:
             raise MetadataError("triton forward: " + "; ".join(problems)
                                 + ". Pass tensors shaped as the layer config and the cache group's spec say.")

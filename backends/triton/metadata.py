@@ -21,7 +21,9 @@ class TritonAttentionMetadata:
     """
 
     num_reqs: int
-    """Real (non-padded) requests."""
+    """Requests the kernels walk: the real ones in an eager build; in a CUDA-graph build
+    (``build_for_cudagraph_capture``) the padded count the graph was captured with, the
+    padding requests having empty queries (``query_start_loc`` repeats its last value)."""
     num_actual_tokens: int
     """Real (non-padded) tokens; query rows past it are padding and never written."""
     max_query_len: int

@@ -64,7 +64,8 @@ def test_dispatcher_pads_tokens_and_requests_to_the_next_capture_size():
     assert b.key == (4, 4, True)  # uniform decode: one padded request per padded token
     assert d.dispatch(8, 8, 1).padded is False  # already a capture size
     assert d.dispatch(33, 2, 20).use_graph is False  # beyond the largest size: eager, unpadded
-    assert d.dispatch(20, 20, 1).use_graph is False  # 32 padded requests > max_num_reqs
+    small = CUDAGraphDispatcher(FULL, [1, 2, 4, 8, 16, 32], max_num_reqs=12, max_num_batched_tokens=40)
+    assert small.dispatch(10, 10, 1).use_graph is False  # 16 padded requests > max_num_reqs
     assert d.dispatch(0, 0, 0).use_graph is False
     decode_only = CUDAGraphDispatcher(DECODE, [1, 2, 4, 8], 8, 8)
     assert decode_only.dispatch(5, 2, 4).use_graph is False and decode_only.dispatch(5, 5, 1).key == (8, 8, True)
@@ -74,6 +75,40 @@ def test_dispatcher_pads_tokens_and_requests_to_the_next_capture_size():
     assert CUDAGraphDispatcher(FULL, [64, 1, 2, 2], 8, 8).capture_sizes == (1, 2)
     with pytest.raises(ConfigError, match="no size"):
         CUDAGraphDispatcher(FULL, [64], 8, 8)
+
+
+@pytest.mark.parametrize("args, message", [
+    ((-3, 0, 0), "non-negative ints"), ((2.0, 1, 1), "non-negative ints"),
+    ((2, 5, 1), "every request has 1..num_tokens"), ((4, 2, 5), "every request has 1..num_tokens"),
+    ((4, 2, 0), "every request has 1..num_tokens"),
+    ((41, 2, 20), "max_num_batched_tokens=40"), ((17, 17, 1), "max_num_reqs=16"),
+])
+def test_dispatch_refuses_counts_no_step_can_have(args, message):
+    d = CUDAGraphDispatcher(FULL, [1, 2, 4, 8, 16, 32], max_num_reqs=16, max_num_batched_tokens=40)
+    with pytest.raises(MetadataError, match=message):
+        d.dispatch(*args)
+
+
+@pytest.mark.parametrize("mode, sizes, limits, message", [
+    ("fulll", [1, 2], (8, 8), "not a CUDA-graph mode"),
+    ("full", [0, 2], (8, 8), "positive ints"), ("full", [2.7], (8, 8), "positive ints"),
+    ("full", "12", (8, 8), "positive ints"), ("full", [True], (8, 8), "positive ints"),
+    ("full", [1, 2], (0, 8), "max_num_reqs"), ("full", [1, 2], (8, 8.5), "max_num_batched_tokens"),
+])
+def test_dispatcher_refuses_bad_configuration(mode, sizes, limits, message):
+    with pytest.raises(ConfigError, match=message):
+        CUDAGraphDispatcher(mode, sizes, *limits)
+
+
+def test_dispatcher_takes_mode_names_and_numpy_sizes():
+    d = CUDAGraphDispatcher("FULL_DECODE_ONLY", np.array([1, 2, 4]), 4, 4)
+    assert d.mode is DECODE and d.capture_sizes == (1, 2, 4) and d.dispatch(3, 3, 1).key == (4, 4, True)
+    assert CUDAGraphDispatcher("none", [], 4, 4).dispatch(3, 3, 1).use_graph is False
+
+
+def test_negotiation_wants_one_name_per_builder():
+    with pytest.raises(ValueError, match="one per builder"):
+        negotiate_cudagraph_mode([object(), object()], "full", "cpu", names=["a"])
 
 
 def test_padded_metadata_repeats_query_start_loc_and_zeroes_padded_requests():
