@@ -1,4 +1,4 @@
-"""Helpers shared by the kernel-library backends (``flash_attn``, ``flashinfer``).
+"""Helpers shared by the kernel backends (``flash_attn``, ``flashinfer``, ``triton``).
 
 Not a backend: nothing here is registered. Each module is one concept:
 
@@ -6,7 +6,10 @@ Not a backend: nothing here is registered. Each module is one concept:
 * ``cache_write.py`` — a graph-safe torch scatter of K/V into a paged cache by slot;
 * ``layer_params.py`` — the live impls' per-layer attention parameters (scale, soft-cap,
   window, heads), which builders need to plan kernels before any layer runs;
-* ``merge.py`` — merging two partial attention results by their log-sum-exp (cascade).
+* ``merge.py`` — merging two partial attention results by their log-sum-exp (cascade);
+* ``buffer_checks.py`` — copies into persistent (CUDA-graph) buffers, with their checks;
+* ``value_checks.py`` — slots, block ids and lengths checked against the cache before a
+  kernel indexes memory with them (CPU always, a GPU with ``ATTNPLUG_VALIDATE=1``).
 """
 
 from attnplug.backends.common.cache_write import write_kv_by_slot

@@ -17,6 +17,7 @@ import torch
 
 from attnplug.backends.common.cache_write import write_kv_by_slot
 from attnplug.backends.common.merge import merge_attn_states
+from attnplug.backends.common.value_checks import check_batch, check_slots, values_checked
 from attnplug.backends.common.window import fa_window_size
 from attnplug.backends.flash_attn.kernels import LIVE_LAYER_PARAMS, FlashAttnKernels, installed_kernels
 from attnplug.backends.flash_attn.metadata import FlashAttnMetadata
@@ -85,14 +86,24 @@ class FlashAttnImpl(AttentionImpl):
             ``output``.
 
         Raises:
-            MetadataError: shapes that disagree with each other or with the metadata.
+            MetadataError: shapes that disagree with each other or with the metadata; and
+                where index values are checked (CPU tensors always, a GPU with
+                ``ATTNPLUG_VALIDATE=1``: :mod:`~attnplug.backends.common.value_checks`) a slot
+                or block id outside ``kv_cache`` or lengths that disagree (the cache is
+                unchanged then).
 
-        Does not synchronise with the host; graph-capturable when the metadata is.
+        Does not synchronise with the host (unless ``ATTNPLUG_VALIDATE=1``);
+        graph-capturable when the metadata is.
         """
         md = attn_metadata
         self._check(query, key, value, kv_cache, md, output)
         key_cache, value_cache = kv_cache[0], kv_cache[1]
         num_tokens = md.slot_mapping.shape[0]
+        if values_checked(query.device):  # the kernels trust these values; checked before the write
+            check_slots(md.slot_mapping, key_cache.shape[0], md.block_size, "flash_attn forward")
+            check_batch(md.query_start_loc, md.seq_lens, md.block_table, num_reqs=md.query_start_loc.shape[0] - 1,
+                        num_tokens=query.shape[0], num_blocks=key_cache.shape[0], block_size=md.block_size,
+                        where="flash_attn forward")
         write_kv_by_slot(key, value, key_cache, value_cache, md.slot_mapping)
         batch = md.query_start_loc.shape[0] - 1
         if self.kernels.version == 2 and md.max_query_len == 1 and num_tokens > batch:

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from attnplug.backends.common.cache_write import write_kv_by_slot
+from attnplug.backends.common.value_checks import check_page_ids, check_slots, values_checked
 from attnplug.backends.common.window import flashinfer_window_left
 from attnplug.backends.flashinfer.kernels import LIVE_LAYER_PARAMS
 from attnplug.backends.flashinfer.metadata import FlashInferMetadata, FlashInferPlanKey
@@ -63,13 +64,19 @@ class FlashInferImpl(AttentionImpl):
 
         Raises:
             MetadataError: shapes that disagree, or no plan for this layer's parameters
-                (the impl was created after the builder's ``build``).
+                (the impl was created after the builder's ``build``); and where index values
+                are checked (CPU tensors always, a GPU with ``ATTNPLUG_VALIDATE=1``:
+                :mod:`~attnplug.backends.common.value_checks`) a slot or page id outside
+                ``kv_cache`` (the cache is unchanged then).
 
         Does not synchronise with the host (``run()`` only); graph-capturable for
         pure-decode steps.
         """
         md = attn_metadata
         plan = self._check(query, key, value, kv_cache, md, output)
+        if values_checked(query.device):  # the kernels trust these values; checked before the write
+            check_slots(md.slot_mapping, kv_cache.shape[0], kv_cache.shape[2], "flashinfer forward")
+            check_page_ids(md.paged_kv_indices, kv_cache.shape[0], "flashinfer forward")
         write_kv_by_slot(key, value, kv_cache[:, 0], kv_cache[:, 1], md.slot_mapping)
         nd = md.num_decode_tokens
         if plan.decode is not None:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from attnplug.backends.triton.runtime import interpreting, kernel_module, launch
-from attnplug.backends.triton.value_checks import check_batch, values_checked
+from attnplug.backends.common.value_checks import check_batch, values_checked
 from attnplug.core.errors import MetadataError
 
 MAX_HEAD_SIZE = 256
@@ -148,7 +148,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
             not a multiple of 16 or over 256, a window or soft-cap that is not positive,
             ``num_reqs`` beyond the metadata tensors, bfloat16 under the interpreter, whose
             bf16 ``tl.dot`` is wrong); and, where values are checked
-            (:mod:`~attnplug.backends.triton.value_checks`: CPU tensors always, a GPU with
+            (:mod:`~attnplug.backends.common.value_checks`: CPU tensors always, a GPU with
             ``ATTNPLUG_VALIDATE=1``), a ``query_start_loc``/``seq_lens``/block table that
             disagree with each other or point outside the cache. Nothing is written then.
 

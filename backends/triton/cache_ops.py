@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from attnplug.backends.triton.runtime import kernel_module, launch
-from attnplug.backends.triton.value_checks import check_slots, values_checked
+from attnplug.backends.common.value_checks import check_slots, values_checked
 from attnplug.core.constants import PAD_SLOT_ID
 from attnplug.core.errors import MetadataError
 
@@ -39,7 +39,7 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tens
 
     Raises:
         MetadataError: shapes that disagree, a slot mapping that is not int64; where values are checked (CPU tensors always,
-            a GPU with ``ATTNPLUG_VALIDATE=1``: :mod:`~attnplug.backends.triton.value_checks`),
+            a GPU with ``ATTNPLUG_VALIDATE=1``: :mod:`~attnplug.backends.common.value_checks`),
             a slot outside the cache that is not ``PAD_SLOT_ID``. Nothing is written then.
 
     Only the addressed slots change. Does not synchronise with the host; graph-capturable.

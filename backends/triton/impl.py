@@ -11,7 +11,7 @@ from attnplug.backends.triton.attention import paged_attention
 from attnplug.backends.triton.cache_ops import write_kv_cache
 from attnplug.backends.triton.metadata import TritonAttentionMetadata
 from attnplug.backends.triton.runtime import interpreting
-from attnplug.backends.triton.value_checks import check_batch, check_slots, values_checked
+from attnplug.backends.common.value_checks import check_batch, check_slots, values_checked
 from attnplug.core.contracts import AttentionImpl, AttentionType
 from attnplug.core.errors import BackendUnsupportedError, MetadataError
 
@@ -81,7 +81,7 @@ class TritonAttentionImpl(AttentionImpl):
                 the metadata, CPU tensors while the kernels are compiled for a GPU,
                 bfloat16 under the interpreter; and where index values are checked (CPU
                 tensors always, a GPU with ``ATTNPLUG_VALIDATE=1``:
-                :mod:`~attnplug.backends.triton.value_checks`) a slot or block id outside
+                :mod:`~attnplug.backends.common.value_checks`) a slot or block id outside
                 ``kv_cache`` or lengths that disagree. The cache is unchanged then.
 
         Numerics: fp32 logits, online softmax and accumulator; the result is stored in the

@@ -201,3 +201,24 @@ def test_fa2_single_query_gqa_step_with_padded_tokens():
     out, kv = _forward(impl, b, md, backend=FlashAttn2EmulatedBackend, num_tokens=8)
     torch.testing.assert_close(out[:3], torch_native_reference(b), atol=1e-5, rtol=1e-5)
     del impl
+
+
+def test_a_block_id_or_slot_outside_the_cache_is_refused_before_the_write():
+    """The FlashAttention kernels index the cache with the block table unchecked; on CPU
+    tensors (and on a GPU with ATTNPLUG_VALIDATE=1) the impl checks them first."""
+    b = make_paged_batch([5, 0, 1], [1, 3, 1], block_size=4)
+    builder, impl = _setup(b)
+    num_blocks = b.key_cache.shape[0]
+    table = b.cm.block_table_tensor.clone()
+    table[0, 0] = num_blocks + 3
+    md = builder.build(0, b.cm.replace(block_table_tensor=table))
+    kv = torch.stack([b.key_cache, b.value_cache])
+    before = kv.clone()
+    with pytest.raises(MetadataError, match=rf"block_table\[0, 0\] = {num_blocks + 3} is not a block of the cache"):
+        impl.forward(None, b.query, b.key, b.value, kv, md, torch.zeros_like(b.query))
+    slots = b.cm.slot_mapping.clone()
+    slots[1] = num_blocks * 4 + 1
+    md = builder.build(0, b.cm.replace(slot_mapping=slots))
+    with pytest.raises(MetadataError, match=r"slot_mapping\[1\]"):
+        impl.forward(None, b.query, b.key, b.value, kv, md, torch.zeros_like(b.query))
+    assert torch.equal(kv, before), "nothing was written"

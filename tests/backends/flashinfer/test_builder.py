@@ -139,3 +139,24 @@ def test_cudagraph_support_and_missing_plans():
     impl = FlashInferImpl(b.num_heads, b.head_size, 0.25, b.num_kv_heads)  # created after the build
     with pytest.raises(MetadataError, match="create every layer's impl before the first build"):
         _forward(impl, b, md)
+
+
+def test_a_page_or_slot_outside_the_cache_is_refused_before_the_write():
+    """FlashInfer's kernels index the cache with paged_kv_indices unchecked; on CPU tensors
+    (and on a GPU with ATTNPLUG_VALIDATE=1) the impl checks them and the slots first."""
+    b = make_paged_batch([5, 1, 0], [1, 1, 3], block_size=4)  # decodes first, as flashinfer wants
+    builder, (impl,) = _setup(b)
+    num_blocks = b.key_cache.shape[0]
+    table = b.cm.block_table_tensor.clone()
+    table[1, 0] = num_blocks
+    md = builder.build(0, b.cm.replace(block_table_tensor=table))
+    kv = torch.stack([b.key_cache, b.value_cache], dim=1)
+    before = kv.clone()
+    with pytest.raises(MetadataError, match=rf"page id {num_blocks} \(entry \d+\) is not a block of the cache"):
+        impl.forward(None, b.query, b.key, b.value, kv, md, torch.zeros_like(b.query))
+    slots = b.cm.slot_mapping.clone()
+    slots[0] = -3
+    md = builder.build(0, b.cm.replace(slot_mapping=slots))
+    with pytest.raises(MetadataError, match=r"slot_mapping\[0\] = -3"):
+        impl.forward(None, b.query, b.key, b.value, kv, md, torch.zeros_like(b.query))
+    assert torch.equal(kv, before), "nothing was written"

@@ -1,5 +1,5 @@
 """Bad slots, block ids and lengths reach no Triton kernel: a clear ``MetadataError`` and an
-unchanged cache (``backends/triton/value_checks.py``; CPU tensors are always checked, a GPU
+unchanged cache (``backends/common/value_checks.py``; CPU tensors are always checked, a GPU
 with ``ATTNPLUG_VALIDATE=1``). Found by a user trial: a slot past the cache used to be
 written outside the cache tensor."""
 
@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from attnplug.backends.triton import TritonBackend, compute_slot_mapping, paged_attention, write_kv_cache
-from attnplug.backends.triton import cache_ops, value_checks
+from attnplug.backends.common import value_checks
+from attnplug.backends.triton import cache_ops
 from attnplug.cache_groups.specs import FullAttentionSpec
 from attnplug.core import BuilderConfig, CommonAttentionMetadata
 from attnplug.core.errors import MetadataError

@@ -53,6 +53,20 @@ def check_slots(slot_mapping: torch.Tensor, num_blocks: int, block_size: int, wh
             "must only hold ids of blocks of this cache")
 
 
+def check_page_ids(page_ids: torch.Tensor, num_blocks: int, where: str) -> None:
+    """Every id of a flat page list (FlashInfer's ``paged_kv_indices``) is a block of the
+    cache: ``0 <= id < num_blocks``.
+
+    Raises:
+        MetadataError: naming the first offending entry.
+    """
+    bad = (page_ids < 0) | (page_ids >= num_blocks)
+    if page_ids.numel() and bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        raise MetadataError(f"{where}: page id {int(page_ids[i])} (entry {i}) is not a block of the cache "
+                            f"(0 <= id < {num_blocks}); the block table must only hold ids of blocks of this cache")
+
+
 def check_batch(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor, *,
                 num_reqs: int, num_tokens: int, num_blocks: int, block_size: int, where: str) -> None:
     """The batch description the attention kernel walks is consistent with the cache.
@@ -96,4 +110,4 @@ def check_batch(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tab
         raise MetadataError(f"{where}: " + "; ".join(problems) + ".")
 
 
-__all__ = ["check_batch", "check_slots", "values_checked"]
+__all__ = ["check_batch", "check_page_ids", "check_slots", "values_checked"]
