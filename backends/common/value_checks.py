@@ -10,7 +10,9 @@ for it on every call. The checks run:
 
 * always for CPU tensors (the interpreter; nothing to synchronise with), and
 * on a GPU when ``ATTNPLUG_VALIDATE=1`` is set (the test suite sets it), except while a
-  CUDA graph is being captured (a host read is illegal there).
+  CUDA graph is being captured (a host read is illegal there) and while
+  ``torch.cuda.set_sync_debug_mode`` is on (the conformance suite runs ``forward`` under
+  ``"error"`` to prove it does not synchronise: that proof takes precedence).
 
 Each raises :class:`~attnplug.core.errors.MetadataError` before any kernel runs, so a
 failed call changes nothing.
@@ -32,7 +34,9 @@ def values_checked(device: torch.device) -> bool:
         return True
     if os.environ.get("ATTNPLUG_VALIDATE") != "1":
         return False
-    return not (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+    if device.type != "cuda":
+        return True
+    return not torch.cuda.is_current_stream_capturing() and torch.cuda.get_sync_debug_mode() == 0
 
 
 def check_slots(slot_mapping: torch.Tensor, num_blocks: int, block_size: int, where: str) -> None:

@@ -120,9 +120,13 @@ def test_write_kv_cache_wants_int64_slots():
 def test_when_values_are_checked(monkeypatch):
     cuda = torch.device("cuda", 0)
     monkeypatch.setattr(value_checks.torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(value_checks.torch.cuda, "get_sync_debug_mode", lambda: 0)
     monkeypatch.delenv("ATTNPLUG_VALIDATE", raising=False)
     assert value_checks.values_checked(torch.device("cpu")) and not value_checks.values_checked(cuda)
     monkeypatch.setenv("ATTNPLUG_VALIDATE", "1")
     assert value_checks.values_checked(cuda)
+    monkeypatch.setattr(value_checks.torch.cuda, "get_sync_debug_mode", lambda: 2)
+    assert not value_checks.values_checked(cuda), "the conformance suite's no-sync proof takes precedence"
+    monkeypatch.setattr(value_checks.torch.cuda, "get_sync_debug_mode", lambda: 0)
     monkeypatch.setattr(value_checks.torch.cuda, "is_current_stream_capturing", lambda: True)
     assert not value_checks.values_checked(cuda), "no host read while a CUDA graph is captured"
