@@ -80,7 +80,8 @@ class TorchNativeAttentionImpl(AttentionImpl):
             ``output``.
 
         Raises:
-            MetadataError: shapes that disagree with each other or with the metadata.
+            MetadataError: shapes that disagree with each other or with the metadata, or a
+                tensor that is not floating point.
 
         Numerics: logits, softmax and the weighted sum run in float32; the result is cast
         to ``output.dtype``. Does not synchronise with the host.
@@ -156,6 +157,11 @@ class TorchNativeAttentionImpl(AttentionImpl):
         shape = (2, md.block_size, self.num_kv_heads, self.head_size)
         if kv_cache.dim() != 5 or tuple(kv_cache.shape[1:]) != shape:
             problems.append(f"kv_cache {tuple(kv_cache.shape)} should be [num_blocks, {', '.join(map(str, shape))}]")
+        not_float = [name for name, t in (("query", query), ("key", key), ("value", value), ("kv_cache", kv_cache),
+                                          ("output", output)) if not t.is_floating_point()]
+        if not_float:
+            problems.append(f"{'/'.join(not_float)} must be floating point (got "
+                            f"{', '.join(str(t.dtype) for t in (query, key, value, kv_cache, output))})")
         if problems:
             raise MetadataError("torch_native forward: " + "; ".join(problems)
                                 + ". Pass tensors shaped as the layer config and the cache group's spec say.")
