@@ -23,6 +23,7 @@ from attnplug.core.errors import AttnplugError, BackendUnsupportedError
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="attnplug backends", description=__doc__.split("::")[0].strip(),
+                                epilog=__doc__.split("\n\n")[-1].strip().replace("``", ""),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.add_argument("--explain", action="store_true", help="explain backend selection for --model")
@@ -151,22 +152,26 @@ def explain(registry, args) -> tuple[dict[str, Any], int]:
 
 
 def print_explain(report: dict[str, Any]) -> None:
+    """Print an :func:`explain` report; every text that comes from the model, the
+    configuration or a backend is escaped, so only our own markup is rendered."""
+    from rich.markup import escape as e
+
     console = _console()
-    console.print(f"[bold]model[/bold] {report['model']} on {report['device']}")
+    console.print(f"[bold]model[/bold] {e(report['model'])} on {e(report['device'])}", highlight=False)
     for item in report["groups"]:
-        layers = item["layers"]
+        layers, n = item["layers"], item["num_layers"]
         span = layers[0] if len(layers) == 1 else f"{layers[0]} .. {layers[-1]}"
-        console.print(f"\n[bold]cache group {item['group']}[/bold] ({item['kind']}, {item['num_layers']} layers: "
-                      f"{span})\n  layer: {item['layer']}")
+        console.print(f"\n[bold]cache group {item['group']}[/bold] ({e(item['kind'])}, "
+                      f"{n} layer{'' if n == 1 else 's'}: {e(span)})\n  layer: {e(item['layer'])}", highlight=False)
         if item["chosen"] is None:
-            console.print(f"  [red]no backend[/red]: {item['error']}", markup=False, highlight=False)
+            console.print(f"  [red]no backend[/red]: {e(item['error'])}", highlight=False)
             continue
-        console.print(f"  chosen: [green]{item['chosen']}[/green] ({item['origin']})")
+        console.print(f"  chosen: [green]{e(item['chosen'])}[/green] ({e(item['origin'])})", highlight=False)
         for r in item["rejections"]:
-            console.print(f"  rejected {r['backend']}: " + "; ".join(r["reasons"]), markup=False, highlight=False)
+            console.print(f"  rejected {e(r['backend'])}: " + e("; ".join(r["reasons"])), highlight=False)
         for r in item.get("others", []):
             verdict = ("could also serve" if not r["reasons"] else "cannot serve: " + "; ".join(r["reasons"]))
-            console.print(f"  not tried {r['backend']}: {verdict}", markup=False, highlight=False)
+            console.print(f"  not tried {e(r['backend'])}: {e(verdict)}", highlight=False)
 
 
 def main(argv: list[str]) -> int:

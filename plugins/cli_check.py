@@ -5,7 +5,17 @@ NAME``: it isolates the run from the working directory's pytest configuration (i
 ``addopts``, ``filterwarnings``...) and makes sure the suite's pytest plugin is loaded
 even when attnplug's entry points are not installed. Options after ``--`` go to pytest.
 
-Exit status: pytest's (0: every case passed or was skipped for a declared limitation).
+Before pytest starts, the arguments are checked, and a backend that cannot run here is
+refused with its reason (``is_available()``'s, or the devices it declares): a run that
+would skip every case would pass having tested nothing.
+
+Exit status: 0 when every case passed or was skipped for a declared limitation and at
+least one case ran on each backend; 1 when a case failed; 2 for bad arguments (an unknown
+backend, a device this machine lacks such as ``--device cuda`` without CUDA, pytest not
+installed); 6 (:data:`EXIT_NOTHING_TESTED`) when a backend cannot run here (unavailable,
+or no declared device matches, or not an attention backend) or no case ran on it; other
+pytest statuses as pytest defines them (4: a pytest usage error, 5: ``-k`` selected no
+test).
 """
 
 from __future__ import annotations
@@ -13,14 +23,24 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import os
+import sys
 import tempfile
 
 SUITE = "attnplug.plugins.conformance"
 PLUGIN = "attnplug.plugins.conformance.pytest_plugin"
+EXIT_USAGE = 2
+EXIT_NOTHING_TESTED = 6  # = pytest_plugin.EXIT_NOTHING_TESTED (not imported: it needs pytest)
+NO_PYTEST = ("pytest is not installed, and the conformance suite runs under pytest; install the test extra: "
+             "pip install 'attnplug[test]' (in a checkout of attnplug: make test)")
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="attnplug check", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="attnplug check", description=__doc__.split("\n\n")[0].replace("``", ""),
+        epilog=f"exit status: 0 passed (at least one case ran on each backend); 1 a case failed; {EXIT_USAGE} bad "
+               f"arguments (unknown backend, --device this machine lacks, pytest not installed); "
+               f"{EXIT_NOTHING_TESTED} nothing tested (a backend unavailable here, or every case skipped); "
+               "4, 5: pytest's usage error, no test selected")
     p.add_argument("backends", nargs="+", metavar="NAME",
                    help="registered backend name, or package.module:Class")
     p.add_argument("--device", default="auto", help="auto (default), cpu, cuda, cuda:1 ...")
@@ -65,9 +85,48 @@ def pytest_args(args: argparse.Namespace, ini_path: str) -> list[str]:
     return out + list(args.pytest_args)
 
 
+def preflight(args: argparse.Namespace) -> tuple[int, str] | None:
+    """``(exit status, one-line reason)`` when ``attnplug check`` must not run pytest, else ``None``.
+
+    Bad arguments (an unknown or invalid backend, a device this machine lacks) give
+    :data:`EXIT_USAGE`; a backend that cannot run any case here gives
+    :data:`EXIT_NOTHING_TESTED`.
+    """
+    from attnplug.core.errors import AttnplugError
+    from attnplug.plugins.conformance.requirements import device_option_problem, resolve_device, untestable_reason
+    from attnplug.plugins.conformance.session import resolve_backend
+
+    why = device_option_problem(args.device, "--device")
+    if why:
+        return EXIT_USAGE, why
+    backends = {}
+    for spec in args.backends:
+        try:
+            backends[spec] = resolve_backend(spec)
+        except AttnplugError as exc:
+            return EXIT_USAGE, str(exc)
+        except (ImportError, AttributeError) as exc:
+            return EXIT_USAGE, f"cannot import backend {spec!r}: {type(exc).__name__}: {exc}"
+    for spec, backend in backends.items():
+        why = untestable_reason(backend, resolve_device(backend, args.device))
+        if why:
+            return EXIT_NOTHING_TESTED, (f"no conformance case can run on backend {spec!r} here, so nothing "
+                                         f"would be tested: {why}")
+    return None
+
+
 def main(argv: list[str]) -> int:
+    """Run ``attnplug check``; returns the exit status (see the module docstring)."""
     args = parse(argv)
-    import pytest
+    try:
+        import pytest
+    except ImportError:
+        print(f"attnplug check: {NO_PYTEST}", file=sys.stderr)
+        return EXIT_USAGE
+    refused = preflight(args)
+    if refused:
+        print(f"attnplug check: {refused[1]}", file=sys.stderr)
+        return refused[0]
 
     with tempfile.TemporaryDirectory(prefix="attnplug-check-") as tmp:
         ini = os.path.join(tmp, "pytest.ini")

@@ -83,6 +83,11 @@ class ChoiceSet:
     def empty(self) -> bool:
         return self.default is None and not self.per_kind
 
+    @property
+    def choices(self) -> tuple[BackendChoice, ...]:
+        """Every choice of this source: the default (if any), then the per-kind ones."""
+        return ((self.default,) if self.default is not None else ()) + tuple(self.per_kind.values())
+
 
 def _check_name(name: Any, origin: str) -> str:
     if not isinstance(name, str) or not name.strip():

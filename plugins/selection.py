@@ -13,7 +13,10 @@ For a cache group of kind ``kind`` whose layers look like ``layer_cfg``:
    The winner and the reasons each earlier candidate was rejected are logged (INFO, logger
    ``attnplug.plugins.selection``) and returned.
 
-A name no plugin registered raises :class:`UnknownBackendError` listing the known names.
+Every name of every source (CLI, env, config file; every kind, even a kind no group has,
+even in a source a higher one overrides) is looked up when the selector is built: a name no
+plugin registered raises :class:`UnknownBackendError` listing the known names and saying
+where the name was written.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from attnplug.core.contracts import AttentionBackend
-from attnplug.core.errors import BackendUnsupportedError, ConfigError
+from attnplug.core.errors import BackendUnsupportedError, ConfigError, UnknownBackendError
 from attnplug.plugins.config import CACHE_GROUP_KINDS, KIND_CACHE_KIND, BackendChoice, ChoiceSet, resolve_choices
 from attnplug.plugins.registry import BackendRegistry, get_registry
 
@@ -115,6 +118,22 @@ def _device_type(layer_cfg: Any) -> str:
         return str(getattr(layer_cfg, "device", "cpu"))
 
 
+class UnknownBackendChoiceError(UnknownBackendError):
+    """An :class:`UnknownBackendError` for a name written in a choice source.
+
+    Attributes:
+        origin: where the name was written (``"--backend mamba="``, ``"env
+            ATTNPLUG_BACKEND_MAMBA"``, ``"/work/attnplug.toml [backend] mamba"``).
+    """
+
+    def __init__(self, choice: BackendChoice, known: Sequence[str]):
+        super().__init__(choice.name, known)
+        self.origin = choice.origin
+        where = choice.origin + choice.name if choice.origin.endswith("=") else choice.origin
+        self.args = (f"unknown backend {choice.name!r} (chosen by {where}); known backends: "
+                     f"{', '.join(self.known) or '(none)'}",)
+
+
 class BackendSelector:
     """Selects backends for cache groups; reads the choices once (CLI, env, config file).
 
@@ -128,6 +147,8 @@ class BackendSelector:
 
     Raises:
         ConfigError: a malformed choice in any source.
+        UnknownBackendError: a name in any source (any kind, even one a higher source
+            overrides) that no plugin registered; the message says where it was written.
     """
 
     def __init__(self, cli_choice: str | Mapping[str, str] | None = None, *,
@@ -135,6 +156,10 @@ class BackendSelector:
                  registry: BackendRegistry | None = None):
         self.registry = registry if registry is not None else get_registry()
         self.choice_sets: list[ChoiceSet] = resolve_choices(cli_choice, env, cwd)
+        for cs in self.choice_sets:
+            for choice in cs.choices:
+                if choice.name not in self.registry:
+                    raise UnknownBackendChoiceError(choice, self.registry.names())
 
     def explicit_choice(self, kind: str) -> BackendChoice | None:
         """The explicit choice that governs ``kind``, or ``None`` (then: automatic).

@@ -10,7 +10,8 @@ from rich.table import Table
 
 def print_run_table(summary: dict[str, Any], console: Console | None = None) -> None:
     """Render a ``setup.EngineSetup.summary`` dict as two tables: the run (counts, median
-    µs per stage, metadata builds / reuses per step, batch invariance) and the cache groups
+    µs per stage, metadata builds / reuses per step, batch invariance: "K/N identical", or
+    "not checked" when no request was re-run) and the cache groups
     (kind and window, layers, backend, peak KV blocks or Mamba state slots in use against
     the group's pool)."""
     console = console or Console()
@@ -29,8 +30,9 @@ def print_run_table(summary: dict[str, Any], console: Console | None = None) -> 
     t.add_row("metadata builds / reuses per step",
               f"{summary['metadata_builds_per_step']} / {summary['metadata_reuses_per_step']}")
     inv = summary.get("batch_invariance")
-    if inv:
-        t.add_row("batch invariance", f"{inv['identical']}/{inv['checked']} identical")
+    if inv is not None:
+        checked = inv.get("checked", 0)
+        t.add_row("batch invariance", f"{inv['identical']}/{checked} identical" if checked else "not checked")
     console.print(t)
 
     g = Table(title="cache groups", show_header=True)

@@ -36,7 +36,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=RUN_PRESET,
                    help=f"a preset ({', '.join(PRESETS)}; default {RUN_PRESET}: full, sliding-window and Mamba2 "
                         "layers), 'preset' (= tiny-llama) or PATH/config.json (HF config, random weights)")
-    p.add_argument("--backend", default=None, help="attention backend for every group (default: automatic)")
+    p.add_argument("--backend", default=None, metavar="CHOICE",
+                   help="NAME (every cache group its backend serves) or KIND=NAME[,KIND=NAME...] per "
+                        "cache-group kind (full_attention, sliding_window, mamba; default=NAME), e.g. "
+                        "full_attention=triton,sliding_window=torch_native; beats ATTNPLUG_BACKEND* and "
+                        "attnplug.toml (docs/configuration.md); default: those, then automatic")
     p.add_argument("--device", default="cpu",
                    help="where the model and its caches live: cpu (default) or cuda; backends are chosen for it")
     p.add_argument("--seed", type=int, default=0)

@@ -11,6 +11,11 @@ Usage::
     attnplug check NAME            # the same, through pytest.main
 
 ``NAME`` is a registered backend name or ``package.module:Class``.
+
+A run that tests nothing must not pass: when every case test of a backend was skipped
+(it is unavailable here, or its declarations rule every selected case out), the session
+exits with :data:`EXIT_NOTHING_TESTED` instead of 0 and says why. A device option this
+machine cannot use (``cuda`` without CUDA) is a usage error.
 """
 
 from __future__ import annotations
@@ -22,6 +27,10 @@ import pytest
 
 SUITE_DIR = pathlib.Path(__file__).resolve().parent
 SUITE_PACKAGE = "attnplug.plugins.conformance"
+EXIT_NOTHING_TESTED = 6
+"""Exit status of a run in which some ``--attnplug-backend`` ran no case (every case test of
+it was skipped); pytest's own statuses are 0-5."""
+_PROP = "attnplug_backend"
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -44,13 +53,64 @@ def pytest_configure(config: pytest.Config) -> None:
     if not config.getoption("attnplug_backend"):
         return
     from attnplug.core.errors import AttnplugError
+    from attnplug.plugins.conformance.requirements import device_option_problem
     from attnplug.plugins.conformance.session import ConformanceSession
 
+    why = device_option_problem(config.getoption("attnplug_device"))
+    if why:
+        raise pytest.UsageError(why)
     try:
         session = ConformanceSession(config.getoption("attnplug_backend"), config.getoption("attnplug_device"))
     except (AttnplugError, ImportError, AttributeError) as exc:
         raise pytest.UsageError(f"--attnplug-backend: {exc}") from None
     config.stash[_SESSION_KEY] = session
+    config.pluginmanager.register(_CaseTally(), "attnplug-conformance-tally")
+
+
+class _CaseTally:
+    """Counts, per ``--attnplug-backend``, the case tests that ran (passed or failed) and
+    those skipped; from the test reports, so it also works under pytest-xdist (the items
+    carry their backend in ``user_properties``, which travel with the reports)."""
+
+    def __init__(self) -> None:
+        self.ran: dict[str, int] = {}
+        self.first_skip: dict[str, str] = {}
+        self.failed_run = False
+
+    def pytest_itemcollected(self, item: pytest.Item) -> None:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if isinstance(params.get("attnplug_backend"), str) and "conformance_case" in params:
+            item.user_properties.append((_PROP, params["attnplug_backend"]))
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        spec = next((v for k, v in report.user_properties if k == _PROP), None)
+        if spec is None or (report.when != "call" and not report.skipped and not report.failed):
+            return
+        self.ran.setdefault(spec, 0)
+        if not report.skipped:
+            self.ran[spec] += 1
+        elif spec not in self.first_skip:
+            longrepr = report.longrepr
+            reason = longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
+            self.first_skip[spec] = reason.removeprefix("Skipped: ")
+
+    def untested(self) -> list[str]:
+        return [spec for spec, n in self.ran.items() if n == 0]
+
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        if hasattr(session.config, "workerinput"):  # an xdist worker: the controller decides
+            return
+        if session.exitstatus == pytest.ExitCode.OK and self.untested():
+            session.exitstatus = EXIT_NOTHING_TESTED
+            self.failed_run = True
+
+    def pytest_terminal_summary(self, terminalreporter) -> None:
+        if not self.failed_run:
+            return
+        for spec in self.untested():
+            terminalreporter.write_line(
+                f"attnplug conformance: no case ran on backend {spec!r}, so nothing was tested (exit status "
+                f"{EXIT_NOTHING_TESTED}); every case was skipped, e.g. {self.first_skip.get(spec, '')}", red=True)
 
 
 class _SuiteModule(pytest.Module):

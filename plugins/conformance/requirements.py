@@ -52,6 +52,42 @@ def resolve_device(backend_cls: type[AttentionBackend], requested: str) -> str:
     return "cpu"
 
 
+def device_option_problem(requested: str, option: str = "--attnplug-device") -> str | None:
+    """Why the device option ``requested`` cannot be used on this machine (``None``: it can).
+
+    ``auto`` always can; otherwise ``requested`` must be a device torch understands, and a
+    CUDA device needs ``torch.cuda.is_available()`` (and an index below the device count).
+    """
+    if requested == "auto":
+        return None
+    try:
+        dev = torch.device(requested)
+    except (RuntimeError, TypeError, ValueError) as exc:
+        return f"{option} {requested!r} is not a device torch understands ({exc}); use auto, cpu, cuda or cuda:N"
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            return f"{option} {requested} requested but torch.cuda.is_available() is False"
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            return (f"{option} {requested} requested but torch.cuda.device_count() is "
+                    f"{torch.cuda.device_count()}")
+    return None
+
+
+def untestable_reason(backend_cls: type[AttentionBackend], device: str) -> str | None:
+    """Why no case of the suite can run on ``backend_cls`` on ``device`` (a resolved device),
+    whatever the case (``None``: the declarations leave cases to run)."""
+    if backend_cls.kv_cache_kind != "attention":
+        return (f"it serves {backend_cls.kv_cache_kind!r} caches; the conformance suite has attention "
+                "cases only")
+    ok, why = backend_cls.is_available()
+    if not ok:
+        return f"is_available() is False: {why}"
+    dev = torch.device(device).type
+    if dev not in backend_cls.supported_devices:
+        return f"the suite would run on {dev!r}; the backend declares devices {list(backend_cls.supported_devices)}"
+    return None
+
+
 def layer_config(case: ConformanceCase, device: str) -> AttentionLayerConfig:
     """The :class:`AttentionLayerConfig` of ``case`` (``block_size`` is the manager's)."""
     return AttentionLayerConfig(

@@ -1,7 +1,9 @@
 """Deliberately broken backends: the conformance suite must fail each of them.
 
 Each is torch_native with one realistic bug. Imported by module path
-(``--attnplug-backend broken_backends:Name``) from the teeth tests.
+(``--attnplug-backend broken_backends:Name``) from the teeth tests. The last two are
+correct but cannot be tested here (unavailable; declarations that rule out every case):
+a run must not pass on them either, since it would have tested nothing.
 """
 
 from __future__ import annotations
@@ -78,3 +80,9 @@ WritesPaddedSlots = _backend("writes_padded_slots", builder=_WritesPaddingBuilde
 MutatesMetadata = _backend("mutates_metadata", builder=_MutatingBuilder)
 IgnoresWindow = _backend("ignores_window", builder=_NoWindowBuilder, impl=_NoWindowImpl)
 WrongScale = _backend("wrong_scale", impl=_WrongScaleImpl)
+
+Unavailable = type("unavailable", (TorchNativeBackend,), {
+    "get_name": classmethod(lambda cls: "unavailable"),
+    "is_available": classmethod(lambda cls: (False, "needs the moon"))})
+HeadSize8Only = type("head_size_8_only", (TorchNativeBackend,), {
+    "get_name": classmethod(lambda cls: "head_size_8_only"), "supported_head_sizes": (8,)})

@@ -105,3 +105,60 @@ def test_attnplug_check_torch_native_passes(tmp_path):
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-2000:]
     assert " passed" in res.stdout and "failed" not in res.stdout
+
+
+def _check_refused(capsys, monkeypatch, *argv) -> tuple[int, str]:
+    """Run ``attnplug check`` in-process; pytest must not be started (the refusal is up-front)."""
+    monkeypatch.setattr(pytest, "main", lambda *a, **k: pytest.fail("pytest.main ran"))
+    rc = cli(["check", *argv])
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and err.startswith("attnplug check: "), err
+    return rc, err
+
+
+def test_check_refuses_a_backend_that_cannot_run_here(capsys, monkeypatch):
+    from attnplug.plugins.cli_check import EXIT_NOTHING_TESTED
+    from attnplug.plugins.conformance.pytest_plugin import EXIT_NOTHING_TESTED as PLUGIN_CODE
+
+    assert EXIT_NOTHING_TESTED == PLUGIN_CODE == 6
+    monkeypatch.syspath_prepend(os.path.dirname(__file__))
+    rc, err = _check_refused(capsys, monkeypatch, "broken_backends:Unavailable")
+    assert rc == EXIT_NOTHING_TESTED and "is_available() is False: needs the moon" in err
+    rc, err = _check_refused(capsys, monkeypatch, "torch_native", "mamba2_torch")
+    assert rc == EXIT_NOTHING_TESTED and "'mamba2_torch'" in err and "attention cases only" in err
+    from attnplug.backends import get_backend
+    for name in ("flash_attn", "triton"):  # the trial's cases, where they cannot run
+        ok, why = get_backend(name).is_available()
+        if not ok:
+            rc, err = _check_refused(capsys, monkeypatch, name)
+            assert rc == EXIT_NOTHING_TESTED and why in err
+
+
+def test_check_bad_arguments_exit_2_before_pytest(capsys, monkeypatch):
+    import torch
+
+    rc, err = _check_refused(capsys, monkeypatch, "no_such_backend")
+    assert rc == 2 and "unknown backend 'no_such_backend'" in err and "torch_native" in err
+    rc, err = _check_refused(capsys, monkeypatch, "torch_native", "--device", "gpu")
+    assert rc == 2 and "--device 'gpu' is not a device" in err
+    if not torch.cuda.is_available():
+        rc, err = _check_refused(capsys, monkeypatch, "torch_native", "--device", "cuda")
+        assert rc == 2 and "--device cuda requested but torch.cuda.is_available() is False" in err
+
+
+def test_check_without_pytest_says_to_install_the_test_extra(capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "pytest", None)  # `import pytest` now raises ModuleNotFoundError
+    assert cli(["check", "torch_native"]) == 2
+    err = capsys.readouterr().err
+    assert "pytest is not installed" in err and "pip install 'attnplug[test]'" in err and "make test" in err
+
+
+def test_explain_renders_its_markup_escapes_ours_and_exits_1_without_a_backend(capsys, tmp_path):
+    (tmp_path / "attnplug.toml").write_text('[backend]\ndefault = "torch_native"\nfull_attention = "flash_attn"\n')
+    rc = cli(["backends", "--explain", "--model", "tiny-hybrid", "--device", "cpu"])
+    out = " ".join(capsys.readouterr().out.split())  # rich wraps long lines
+    assert rc == 1, out  # flash_attn takes no float32: the full-attention group has no backend
+    assert "[red]" not in out and " no backend: backend 'flash_attn' cannot serve" in out
+    assert f"({tmp_path / 'attnplug.toml'} [backend] default)" in out  # "[backend]" is text, not a tag
+    assert "(sliding_window, 1 layer: " in out and "(mamba, 2 layers: " in out
+    assert cli(["backends", "--explain", "--model", "tiny-hybrid", "--device", "cpu", "--json"]) == 1

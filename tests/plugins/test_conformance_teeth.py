@@ -60,3 +60,32 @@ def test_unknown_backend_is_a_usage_error(pytester):
                                           "--attnplug-backend", "no_such_backend")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     assert "known backends" in result.stderr.str()
+
+
+@pytest.mark.parametrize("cls, why", [
+    ("Unavailable", "the backend is not available on this machine: needs the moon"),
+    ("HeadSize8Only", "the case needs head_size 32; the backend declares [8]"),
+])
+def test_a_run_that_tests_no_case_fails(pytester, cls, why):
+    """Every case skipped (unavailable, or declarations that rule every case out): nothing
+    was tested, so the run must not pass, and says why."""
+    from attnplug.plugins.conformance.pytest_plugin import EXIT_NOTHING_TESTED
+
+    result = _run_suite(pytester, f"broken_backends:{cls}", "decode_only or mixed or declarations")
+    assert result.ret == EXIT_NOTHING_TESTED, result.stdout.str()
+    assert not result.parseoutcomes().get("failed")
+    out = " ".join(result.stdout.str().split())
+    assert f"no case ran on backend 'broken_backends:{cls}', so nothing was tested" in out and why in out, out
+    # no case test selected at all (only the declarations): nothing was meant to run, it passes
+    assert _run_suite(pytester, f"broken_backends:{cls}", "declarations").ret == pytest.ExitCode.OK
+
+
+def test_device_the_machine_lacks_is_a_usage_error(pytester):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("needs a machine without CUDA")
+    result = pytester.runpytest_inprocess("-p", "no:cacheprovider", "--pyargs", "attnplug.plugins.conformance",
+                                          "--attnplug-backend", "torch_native", "--attnplug-device", "cuda")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    assert "--attnplug-device cuda requested but torch.cuda.is_available() is False" in result.stderr.str()

@@ -116,6 +116,28 @@ def test_unknown_name_lists_known_names(reg, tmp_path):
         _sel(reg, "mamba", CFG, env={"ATTNPLUG_BACKEND": "nope"}, cwd=tmp_path)
 
 
+@pytest.mark.parametrize("cli, env, config, where", [
+    ("mamba=nope", {}, None, "--backend mamba=nope"),
+    ("alpha,sliding_window=nope", {}, None, "--backend sliding_window=nope"),
+    (None, {"ATTNPLUG_BACKEND_MAMBA": "nope"}, None, "env ATTNPLUG_BACKEND_MAMBA"),
+    (None, {"ATTNPLUG_BACKEND": "full_attention=alpha,mamba=nope"}, None, "env ATTNPLUG_BACKEND"),
+    (None, {}, '[backend]\nmamba = "nope"\n', "attnplug.toml [backend] mamba"),
+    (None, {}, '[backend]\nsliding_window = "nope"\n', "attnplug.toml [backend] sliding_window"),
+    ("alpha", {}, 'backend = "nope"\n', "attnplug.toml [backend] default"),  # overridden by the CLI: still checked
+    ("full_attention=alpha", {"ATTNPLUG_BACKEND_FULL_ATTENTION": "nope"}, None, "env ATTNPLUG_BACKEND_FULL_ATTENTION"),
+])
+def test_every_name_of_every_source_is_checked_and_its_origin_named(reg, tmp_path, cli, env, config, where):
+    """A bad name is an error even for a kind that is not selected and in a source a higher one
+    overrides; the message says where the name was written."""
+    if config:
+        _write(tmp_path, "attnplug.toml", config)
+    with pytest.raises(UnknownBackendError) as ei:
+        _sel(reg, "full_attention", CFG, cli_choice=cli, env=env, cwd=tmp_path)
+    msg = str(ei.value)
+    assert where in msg and "unknown backend 'nope'" in msg and "known backends: alpha" in msg, msg
+    assert ei.value.name == "nope" and where.split(" [")[0].split("=")[0] in ei.value.origin
+
+
 def test_auto_logs_the_winner_and_each_rejection(make_backend, make_registry, tmp_path, caplog):
     from attnplug.plugins import selection
     unavailable = make_backend("torch_native", is_available=(False, "needs the moon"))

@@ -107,3 +107,33 @@ def test_device_option_builds_everything_on_that_device(capsys, monkeypatch):
     assert "device=cuda" in err and "torch.cuda.is_available() is False" in err
     s = _run_json(capsys, ["--device", "cpu", "--num-requests", "2", "--invariance-requests", "1"])
     assert s["requests"] == 2 and s["batch_invariance"] == {"identical": 1, "checked": 1}
+
+
+def test_disabled_invariance_check_says_not_checked(capsys):
+    assert run_main(["--model", "tiny-llama", "--num-requests", "1", "--max-model-len", "512",
+                     "--invariance-requests", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "not checked" in out and "0/0" not in out
+
+
+def test_backend_help_documents_the_per_kind_form():
+    from attnplug.runner.run_cmd import _parser
+
+    text = " ".join(_parser().format_help().split())
+    assert "KIND=NAME[,KIND=NAME...]" in text and "full_attention=triton,sliding_window=torch_native" in text
+    assert "attention backend for every group" not in text
+
+
+def test_unknown_name_for_a_kind_the_model_lacks_is_an_error(capsys, monkeypatch, tmp_path):
+    """tiny-llama has no Mamba and no sliding-window group: bad names for them still fail, naming the source."""
+    monkeypatch.chdir(tmp_path)
+    assert run_main(["--model", "tiny-llama", "--backend", "mamba=nonexistent", "--num-requests", "1"]) == 2
+    assert "--backend mamba=nonexistent" in capsys.readouterr().err
+    monkeypatch.setenv("ATTNPLUG_BACKEND_MAMBA", "nonexistent")
+    assert run_main(["--model", "tiny-llama", "--num-requests", "1"]) == 2
+    assert "env ATTNPLUG_BACKEND_MAMBA" in capsys.readouterr().err
+    monkeypatch.delenv("ATTNPLUG_BACKEND_MAMBA")
+    (tmp_path / "attnplug.toml").write_text('[backend]\nsliding_window = "nonexistent"\n')
+    assert run_main(["--model", "tiny-llama", "--num-requests", "1"]) == 2
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'attnplug.toml'} [backend] sliding_window" in err and "unknown backend 'nonexistent'" in err
