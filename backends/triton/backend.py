@@ -105,7 +105,7 @@ class TritonBackend(AttentionBackend, metaclass=_TritonBackendMeta):
         the activation dtype, and a CUDA layer needs a CUDA build of torch."""
         reasons = super().validate_configuration(layer)
         dev = torch.device(layer.device).type
-        if dev == "cpu" and not interpreting():
+        if dev == "cpu" and not interpreting() and cls.is_available()[0]:  # else the base's reason says it
             reasons.append("on the CPU the Triton kernels run only in the Triton interpreter: set "
                            "TRITON_INTERPRET=1 before the first launch (slow; for tests)")
         if layer.dtype == torch.bfloat16 and interpreting():
