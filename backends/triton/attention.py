@@ -106,7 +106,8 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                     block_table: torch.Tensor, *, num_reqs: int, max_query_len: int, scale: float,
                     causal: bool = True, sliding_window: int | None = None,
                     logits_soft_cap: float | None = None, num_kv_splits: int = 1,
-                    tiles: TileConfig | None = None, visited_tiles: torch.Tensor | None = None) -> torch.Tensor:
+                    tiles: TileConfig | None = None, visited_tiles: torch.Tensor | None = None,
+                    check_values: bool = True) -> torch.Tensor:
     """Attention of a varlen batch over a paged KV cache (GQA/MQA, causal bottom-right).
 
     Query ``j`` of request ``i`` sits at position ``seq_lens[i] - query_len_i + j`` and
@@ -139,6 +140,9 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
             ``torch.int32``, same device; each program stores how many key tiles (of
             ``choose_tiles(...).tile_n`` keys) it visited. Programs without queries leave
             their entry unchanged.
+        check_values: check the index values where they are checked (below); ``False``
+            when the caller already did (``TritonAttentionImpl`` checks before its K/V
+            write).
 
     Returns:
         ``output``.
@@ -162,7 +166,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
            sliding_window, logits_soft_cap)
     if num_reqs == 0 or num_tokens == 0:
         return output
-    if values_checked(query.device):
+    if check_values and values_checked(query.device):
         check_batch(query_start_loc, seq_lens, block_table, num_reqs=num_reqs, num_tokens=num_tokens,
                     num_blocks=key_cache.shape[0], block_size=key_cache.shape[1], where="paged_attention")
     group = num_heads // num_kv_heads

@@ -23,7 +23,7 @@ def _next_pow2(n: int) -> int:
 
 
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
-                   value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+                   value_cache: torch.Tensor, slot_mapping: torch.Tensor, *, check_values: bool = True) -> None:
     """Write each token's K and V at its slot of the paged cache, in place.
 
     Args:
@@ -36,6 +36,8 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tens
         slot_mapping: ``[num_tokens]``, ``torch.int64``, same device; units: flat slot
             ``block_id * block_size + offset``. Tokens whose slot is ``PAD_SLOT_ID`` are
             skipped (nothing is written for them).
+        check_values: check the slots where they are checked (below); ``False`` when the
+            caller already did.
 
     Raises:
         MetadataError: shapes that disagree, a slot mapping that is not int64; where values are checked (CPU tensors always,
@@ -57,7 +59,7 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tens
             f"{slot_mapping.dtype})")
     if num_tokens == 0:
         return
-    if values_checked(key_cache.device):
+    if check_values and values_checked(key_cache.device):
         check_slots(slot_mapping, key_cache.shape[0], block_size, "write_kv_cache")
     key, value = _last_dim_contiguous(key), _last_dim_contiguous(value)
     padded = _next_pow2(head_size)

@@ -97,12 +97,13 @@ class TritonAttentionImpl(AttentionImpl):
             check_batch(md.query_start_loc, md.seq_lens, md.block_table_tensor, num_reqs=md.num_reqs,
                         num_tokens=query.shape[0], num_blocks=kv_cache.shape[0], block_size=md.block_size,
                         where="triton forward")
-        write_kv_cache(key[:num_writes], value[:num_writes], key_cache, value_cache, md.slot_mapping[:num_writes])
+        write_kv_cache(key[:num_writes], value[:num_writes], key_cache, value_cache, md.slot_mapping[:num_writes],
+                       check_values=False)
         return paged_attention(
             query, key_cache, value_cache, output, md.query_start_loc, md.seq_lens, md.block_table_tensor,
             num_reqs=md.num_reqs, max_query_len=md.max_query_len, scale=self.scale, causal=md.causal,
             sliding_window=self.sliding_window, logits_soft_cap=self.logits_soft_cap,
-            num_kv_splits=md.num_kv_splits)
+            num_kv_splits=md.num_kv_splits, check_values=False)
 
     def _check(self, query, key, value, kv_cache, md, output) -> None:
         if not isinstance(md, TritonAttentionMetadata):
