@@ -32,7 +32,8 @@ FLUSH_BYTES = 256 << 20
 """Bytes zeroed before each timed call to evict the L2 cache (Triton ``do_bench``'s size)."""
 
 MIN_LEAD_MS = 0.5
-"""The shortest lead kernel; longer when warm-up shows a slower host (3x its enqueue time)."""
+"""The shortest lead kernel; longer when warm-up shows a slower host (3x its enqueue time in
+the warm-up calls after the first, which compiles)."""
 
 MAX_LEAD_MS = 100.0
 """The longest lead kernel: a call whose host part takes longer than this is host-bound anyway."""
@@ -105,7 +106,8 @@ def time_gpu(fn: Callable[[], object], iters: int, warmup: int = 1, flush_l2: bo
         fn: a call that queues GPU work (its return value is ignored).
         iters: timed calls, >= 1.
         warmup: untimed calls first (compiles, autotuning, allocator growth); at least one is
-            always made, since the lead kernel is sized from the host's time in warm-up.
+            always made, since the lead kernel is sized from the host's time in warm-up
+            (of the calls after the first, when there are several).
         flush_l2: zero :data:`FLUSH_BYTES` before each timed call (see the module docstring).
 
     Returns:
@@ -125,7 +127,8 @@ def time_gpu(fn: Callable[[], object], iters: int, warmup: int = 1, flush_l2: bo
         fn()
         host.append((time.perf_counter() - t0) * 1e3)
         torch.cuda.synchronize()
-    lead_ms = min(max(3 * max(host), MIN_LEAD_MS), MAX_LEAD_MS)
+    settled = host[1:] or host  # the first call compiles, autotunes, allocates: not the steady host time
+    lead_ms = min(max(3 * max(settled), MIN_LEAD_MS), MAX_LEAD_MS)
     lead_cycles = int(lead_ms * sleep_cycles_per_ms())
     flush = _flush_buffer() if flush_l2 else None
     samples, launch, host_bound = [], [], False

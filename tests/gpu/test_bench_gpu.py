@@ -21,9 +21,10 @@ def test_time_gpu_measures_the_kernels_not_the_host():
         time.sleep(0.003)  # 3 ms of host work before the launch
         torch.cuda._sleep(kernel_cycles)
 
-    timing = time_gpu(call, iters=5, warmup=1)
+    timing = time_gpu(call, iters=10, warmup=2)
     assert not timing.host_bound and timing.launch_ms >= 3.0, timing
-    assert 0.15 < timing.median_ms < 0.6, f"the 3 ms of host work leaked into the GPU time: {timing}"
+    # the fastest call: other xdist workers share the GPU and can delay single calls
+    assert 0.1 < timing.min_ms < 1.0, f"the 3 ms of host work leaked into the GPU time: {timing}"
 
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda.synchronize()

@@ -103,7 +103,9 @@ def test_long_context_decode_and_prefill_against_dense(dtype, splits, window):
 
 @pytest.mark.parametrize("requests", [[(700, 1)] * 8 + [(0, 40), (100, 20)], [(3000, 1), (6000, 1)]],
                          ids=["unified_mixed", "split_kv_decode"])
-def test_cuda_graph_replays_new_batches_from_persistent_buffers(requests):
+def test_cuda_graph_replays_new_batches_from_persistent_buffers(requests, monkeypatch):
+    # index values checked on the GPU in the eager calls (host reads), skipped during capture
+    monkeypatch.setenv("ATTNPLUG_VALIDATE", "1")
     from attnplug.backends.triton import TritonBackend
     from attnplug.cache_groups.specs import FullAttentionSpec
     from attnplug.core.contracts import BuilderConfig
@@ -150,6 +152,19 @@ def test_cuda_graph_replays_new_batches_from_persistent_buffers(requests):
         impl.forward(None, qn, kn, vn, kv_eager, md_new, eager)
         torch.cuda.synchronize()
         assert torch.equal(out, eager) and torch.equal(kv, kv_eager)
+
+
+def test_bad_slot_is_refused_on_the_gpu_with_validation(monkeypatch):
+    from attnplug.backends.triton import write_kv_cache
+    from attnplug.core.errors import MetadataError
+
+    cache = torch.zeros(4, 16, 2, 64, device=DEV, dtype=torch.float16)
+    key = torch.ones(2, 2, 64, device=DEV, dtype=torch.float16)
+    slots = torch.tensor([3, 4 * 16], device=DEV)
+    monkeypatch.setenv("ATTNPLUG_VALIDATE", "1")
+    with pytest.raises(MetadataError, match=r"slot_mapping\[1\] = 64 is outside the cache's 64 slots"):
+        write_kv_cache(key, key, cache, cache.clone(), slots)
+    assert not cache.any()
 
 
 def test_slot_mapping_kernel_matches_the_numpy_path():

@@ -1,5 +1,5 @@
 """``runner/bench_timing.time_gpu``'s protocol, with CUDA's calls replaced by recorders (the
-GPU test ``tests/gpu/test_bench_timing_gpu.py`` checks the timings themselves): per timed
+GPU test ``tests/gpu/test_bench_gpu.py`` checks the timings themselves): per timed
 call, cold L2, then a lead kernel long enough to cover the host's queueing, then the
 events around the call alone."""
 
@@ -51,13 +51,13 @@ def test_each_timed_call_runs_cold_behind_a_lead_kernel(monkeypatch):
     def fn():
         calls.append(len(rec.log))
         rec.log.append(("fn",))
-        time.sleep(0.002)  # 2 ms of host work per call
+        time.sleep(0.05 if len(calls) == 1 else 0.002 if len(calls) == 2 else 0.0005)  # compile, warm, timed
 
     timing = bt.time_gpu(fn, iters=3, warmup=2)
     assert len(calls) == 2 + 3 and timing.samples_ms == (0.25, 0.25, 0.25) and timing.median_ms == 0.25
     assert bt._cycles_per_ms == {0: 2_000_000.0}, "10M cycles took 5 ms"
-    assert timing.lead_ms >= 3 * 2.0 and not timing.host_bound, timing
-    assert 2.0 <= timing.launch_ms < timing.lead_ms
+    assert 3 * 2.0 <= timing.lead_ms < 3 * 50, "sized from the warm-up after the first (compiling) call"
+    assert not timing.host_bound and 0.5 <= timing.launch_ms < timing.lead_ms, timing
     timed = rec.log[calls[2] - 4:]  # the first timed call onwards
     lead = ("sleep", int(timing.lead_ms * 2_000_000))
     for i in range(3):
@@ -70,13 +70,13 @@ def test_host_work_beyond_the_lead_is_reported(monkeypatch):
     _Recorder(monkeypatch)
     state = {"n": 0}
 
-    def fn():  # fast in warm-up, then slower than the lead (as a call that syncs inside is)
+    def fn():  # fast in warm-up, then far slower than the lead (as a call that syncs inside is)
         state["n"] += 1
         if state["n"] > 1:
-            time.sleep((bt.MIN_LEAD_MS + 1.0) / 1e3)
+            time.sleep(0.02)
 
     timing = bt.time_gpu(fn, iters=2, warmup=1)
-    assert timing.lead_ms == bt.MIN_LEAD_MS and timing.host_bound
+    assert timing.lead_ms < 20 and timing.host_bound, timing
 
 
 def test_no_flush_and_bad_iters(monkeypatch):

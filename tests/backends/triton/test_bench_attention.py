@@ -162,6 +162,10 @@ def test_a_wrong_result_is_an_error_row():
         ba._check_against_reference(res, (ref + off).to(dtype), ref, dtype)
         assert res.max_abs_diff == pytest.approx(off, rel=1e-2)
         assert res.note.startswith("error: wrong result") == wrong and res.note.endswith("page 32"), (dtype, res.note)
+    big = torch.full_like(ref, 6.0)  # bf16's last place is 1/32 there: relative beyond magnitude 1
+    res = ba.Result("decode B=4", "x")
+    ba._check_against_reference(res, (big + 0.03125).to(torch.bfloat16), big, torch.bfloat16)
+    assert res.max_abs_diff == pytest.approx(0.03125) and not res.note, res.note
     res = ba.Result("decode B=4", "x")
     ba._check_against_reference(res, torch.full_like(ref, float("nan")), ref, torch.float32)
     assert res.note.startswith("error: wrong result"), "NaN is not within any tolerance"
