@@ -149,6 +149,8 @@ class BackendSelector:
         ConfigError: a malformed choice in any source.
         UnknownBackendError: a name in any source (any kind, even one a higher source
             overrides) that no plugin registered; the message says where it was written.
+        ConfigError: also a per-kind choice whose backend serves another kind of cache
+            (``mamba = "torch_native"``), whether or not the model has a group of that kind.
     """
 
     def __init__(self, cli_choice: str | Mapping[str, str] | None = None, *,
@@ -160,6 +162,11 @@ class BackendSelector:
             for choice in cs.choices:
                 if choice.name not in self.registry:
                     raise UnknownBackendChoiceError(choice, self.registry.names())
+            for kind, choice in cs.per_kind.items():
+                serves = self.registry.get(choice.name).kv_cache_kind
+                if serves != KIND_CACHE_KIND[kind]:
+                    raise ConfigError(choice.origin, f"backend {choice.name!r} serves {serves} caches, not {kind} "
+                                                     f"cache groups ({KIND_CACHE_KIND[kind]} caches)")
 
     def explicit_choice(self, kind: str) -> BackendChoice | None:
         """The explicit choice that governs ``kind``, or ``None`` (then: automatic).

@@ -95,8 +95,23 @@ def test_explicit_choice_that_cannot_serve_raises_with_reasons(reg, tmp_path):
     assert err.backend_name == "nowindow"
     assert any("sliding window (100 tokens) not supported" in r for r in err.reasons)
     assert "env ATTNPLUG_BACKEND" in str(err) and "never falls back" in str(err)
-    with pytest.raises(BackendUnsupportedError, match="need a backend with kv_cache_kind 'attention'"):
+    with pytest.raises(ConfigError, match="--backend.*'ssm' serves mamba caches, not full_attention cache groups"):
         _sel(reg, cli_choice="full_attention=ssm", cwd=tmp_path)
+
+
+@pytest.mark.parametrize("cli, env, config, where", [
+    ("mamba=alpha", {}, None, "--backend"),
+    (None, {"ATTNPLUG_BACKEND_MAMBA": "torch_native"}, None, "env ATTNPLUG_BACKEND_MAMBA"),
+    (None, {}, '[backend]\nsliding_window = "ssm"\n', "attnplug.toml [backend] sliding_window"),
+])
+def test_a_per_kind_choice_of_the_wrong_cache_kind_is_refused_whatever_the_model(reg, tmp_path, cli, env, config,
+                                                                                 where):
+    """Found by a user trial: `mamba = "torch_native"` passed unnoticed for a model without Mamba layers."""
+    if config:
+        _write(tmp_path, "attnplug.toml", config)
+    with pytest.raises(ConfigError, match="serves .* caches, not .* cache groups") as ei:
+        _sel(reg, "full_attention", CFG, cli_choice=cli, env=env, cwd=tmp_path)
+    assert where in str(ei.value)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
