@@ -137,17 +137,18 @@ def trace_batches(args) -> list[Batch]:
 
 def measure_device(dtype: torch.dtype, iters: int = 10) -> DevicePeaks:
     """Copy bandwidth (GB/s, read + write) of a 1 GiB ``copy_`` and the matmul rate (TFLOP/s)
-    of an 8192^3 ``torch.matmul`` in ``dtype``: the fastest of ``iters`` calls after one
-    warm-up call, timed like the kernels (:func:`attnplug.runner.bench_timing.time_gpu`)."""
+    of an 8192^3 ``torch.matmul`` in ``dtype``: the fastest of ``iters`` calls after two
+    warm-up calls (the first starts cuBLAS), timed like the kernels
+    (:func:`attnplug.runner.bench_timing.time_gpu`)."""
     n_bytes = 1 << 30
     src = torch.empty(n_bytes // 2, dtype=torch.float16, device="cuda").normal_()
     dst = torch.empty_like(src)
-    copy_ms = time_gpu(lambda: dst.copy_(src), iters).min_ms
+    copy_ms = time_gpu(lambda: dst.copy_(src), iters, warmup=2).min_ms
     del src, dst
     n = 8192
     a = torch.randn(n, n, device="cuda", dtype=dtype)
     b = torch.randn(n, n, device="cuda", dtype=dtype)
-    mm_ms = time_gpu(lambda: torch.matmul(a, b), iters).min_ms
+    mm_ms = time_gpu(lambda: torch.matmul(a, b), iters, warmup=2).min_ms
     del a, b
     torch.cuda.empty_cache()
     return DevicePeaks(torch.cuda.get_device_name(), 2 * n_bytes / copy_ms / 1e6, 2 * n ** 3 / mm_ms / 1e9,
