@@ -19,7 +19,9 @@ def merge_attn_states(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Ten
     Args:
         out_a: ``[num_tokens, num_heads, head_size]``, any float dtype; result over keys A.
         lse_a: ``[num_heads, num_tokens]``, float32; natural-log sum-exp of A's logits
-            (``-inf`` where a query saw no key of A). FlashAttention's ``softmax_lse`` layout.
+            (FlashAttention's ``softmax_lse`` layout). A query that saw no key of A has
+            ``-inf``, or ``+inf`` as FlashAttention's non-split kernels write it
+            (``softmax.h``: ``Split ? -INFINITY : INFINITY`` for an empty row): both mean empty.
         out_b, lse_b: the same for key set B (disjoint from A).
 
     Returns:
@@ -34,8 +36,9 @@ def merge_attn_states(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Ten
         >>> merge_attn_states(o, lse, 3 * o, lse)[0, 0].tolist()   # equal weights
         [2.0, 2.0, 2.0, 2.0]
     """
-    la = lse_a.float().transpose(0, 1).unsqueeze(-1)  # [num_tokens, num_heads, 1]
-    lb = lse_b.float().transpose(0, 1).unsqueeze(-1)
+    neg_inf = torch.tensor(float("-inf"), device=out_a.device)
+    la, lb = (torch.where(lse == float("inf"), neg_inf, lse.float()).transpose(0, 1).unsqueeze(-1)  # [T, H, 1]
+              for lse in (lse_a, lse_b))
     top = torch.maximum(la, lb)
     top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
     wa, wb = torch.exp(la - top), torch.exp(lb - top)

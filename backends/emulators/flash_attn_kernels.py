@@ -17,7 +17,8 @@ Conventions (FlashAttention's docstrings): causal is bottom-right aligned; with
 ``window_size=(left, right)`` query ``i`` of a sequence with ``Lq`` queries and ``Lk``
 keys sees keys ``[i + Lk - Lq - left, i + Lk - Lq + right]`` inclusive (``-1`` =
 unbounded; causal forces ``right = 0``); a query row that sees no key outputs zeros.
-``softmax_lse`` is ``[nheads, total_q]``, natural log. Output rows of tokens outside
+``softmax_lse`` is ``[nheads, total_q]``, natural log, ``+inf`` for a row that saw no key
+(what the real non-split kernels write). Output rows of tokens outside
 every sequence (padding) are zeros here (the real kernels leave them unspecified).
 
 Preconditions the real kernels rely on are *checked* (int32 metadata, shapes, page size,
@@ -111,7 +112,33 @@ def paged_varlen_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         o, s = attend_ranges(q[cu[i]:cu[i + 1]], k, v, lo, hi.clamp(max=lk - 1), scale, softcap)
         out[cu[i]:cu[i + 1]] = o
         lse[:, cu[i]:cu[i + 1]] = s
-    return out.to(q.dtype), lse
+    # a row that saw no key: FlashAttention's non-split kernels write +inf (softmax.h), not -inf
+    return out.to(q.dtype), torch.where(torch.isneginf(lse), torch.full_like(lse, float("inf")), lse)
+
+
+def fa3_plan(batch_size: int, max_seqlen_q: int, seqlen_k: int, num_heads_q: int, num_heads_kv: int,
+             headdim: int, page_size: int | None, causal: bool, window_size: tuple[int, int],
+             has_softcap: bool) -> tuple[tuple, int]:
+    """What an FA3 schedule is planned for, and the scheduler metadata's length.
+
+    FA3 plans (``get_scheduler_metadata``) and runs (``mha_fwd``) from the same normalised
+    arguments: a left window reaching past ``seqlen_k - 1`` keys is no window, causal forces
+    ``right = 0``, and a remaining window makes the call local rather than causal. The
+    metadata holds ``1 + round_up(batch, 4) * (2 + !local + (causal || local))`` int32
+    entries (newer FA3 requires that exact length). ``flash_attn_with_kvcache`` takes no
+    ``max_seqlen_k``: its ``seqlen_k`` is ``page_table.shape[1] * page_size``.
+    """
+    left, right = window_size
+    if causal:
+        right = 0
+    if left >= seqlen_k - 1:
+        left = -1
+    local = left >= 0 or (right >= 0 and not causal)
+    is_causal = causal and not local
+    length = 1 + -(-batch_size // 4) * 4 * (2 + (not local) + (is_causal or local))
+    plan = (batch_size, max_seqlen_q, seqlen_k, num_heads_q, num_heads_kv, headdim, page_size, is_causal, local,
+            left, right, has_softcap)
+    return plan, length
 
 
 @dataclass
@@ -125,6 +152,7 @@ class FlashAttnEmulator:
 
     version: int = 3
     calls: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+    _plans: dict[int, tuple] = field(default_factory=dict, repr=False)
 
     def kernels(self) -> FlashAttnKernels:
         """These entry points as :class:`~attnplug.backends.flash_attn.kernels.FlashAttnKernels`."""
@@ -162,6 +190,8 @@ class FlashAttnEmulator:
             B = cu_seqlens_q.shape[0] - 1
             _require(q.shape[0] == B, f"max_seqlen_q == 1 with GQA: FA2 views q as [batch, ...], so q needs exactly "
                                       f"batch_size = {B} rows, got {q.shape[0]}")
+            _int32("cu_seqlens_q", cu_seqlens_q, 1)
+            cu_seqlens_q = torch.arange(B + 1, dtype=torch.int32, device=q.device)  # the kernel drops it
         out, lse = paged_varlen_attention(q, k, v, cu_seqlens_q, kv_lens, block_table, max_seqlen_q, max_seqlen_k,
                                           softmax_scale, causal, tuple(window_size), float(softcap or 0.0),
                                           page_multiple=FA2_PAGE_SIZE_MULTIPLE)
@@ -186,16 +216,27 @@ class FlashAttnEmulator:
         _int32("cache_seqlens", cache_seqlens, 1)
         if scheduler_metadata is not None:
             _int32("scheduler_metadata", scheduler_metadata, 1)
+            plan, length = fa3_plan(cache_seqlens.shape[0], max_seqlen_q, page_table.shape[1] * k_cache.shape[1],
+                                    q.shape[1], k_cache.shape[2], q.shape[2], k_cache.shape[1], causal,
+                                    tuple(window_size), float(softcap or 0.0) > 0)
+            planned = self._plans.get(int(scheduler_metadata[0]))
+            _require(scheduler_metadata.shape[0] == length and planned == plan,
+                     f"scheduler_metadata [{scheduler_metadata.shape[0]}] was planned for {planned}, but this call "
+                     f"runs {plan} (needs [{length}] entries): get_scheduler_metadata must get the arguments the "
+                     "attention call derives (max_seqlen_k = page_table.shape[1] * page_size, as "
+                     "flash_attn_with_kvcache passes none)")
         out, lse = paged_varlen_attention(q, k_cache, v_cache, cu_seqlens_q, cache_seqlens, page_table, max_seqlen_q,
                                           None, softmax_scale, causal, tuple(window_size), float(softcap or 0.0))
-        return (out, lse) if return_softmax_lse else out
+        return (out, lse, None) if return_softmax_lse else out  # upstream: (out, softmax_lse, *rest)
 
     def get_scheduler_metadata(self, batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, num_heads_kv, headdim,
                                cache_seqlens, qkv_dtype=torch.bfloat16, headdim_v=None, cu_seqlens_q=None,
                                cu_seqlens_k_new=None, cache_leftpad=None, page_size=None, max_seqlen_k_new=0,
                                causal=False, window_size=(-1, -1), attention_chunk=0, has_softcap=False, num_splits=0,
                                pack_gqa=None, sm_margin=0):
-        """FA3's signature; checks the arguments, returns ``zeros(batch_size + 1)`` int32."""
+        """FA3's signature; checks the arguments and returns an int32 tensor of the length
+        FA3 gives the plan (:func:`fa3_plan`) whose entry 0 names the plan, so that
+        ``flash_attn_with_kvcache`` can check it was planned for the call it serves."""
         self._log("get_scheduler_metadata", batch_size=batch_size, max_seqlen_q=max_seqlen_q,
                   max_seqlen_k=max_seqlen_k, num_heads_q=num_heads_q, num_heads_kv=num_heads_kv, headdim=headdim,
                   cache_seqlens=cache_seqlens, cu_seqlens_q=cu_seqlens_q, page_size=page_size, causal=causal,
@@ -207,4 +248,10 @@ class FlashAttnEmulator:
         if cu_seqlens_q is not None:
             _int32("cu_seqlens_q", cu_seqlens_q, 1)
             _require(cu_seqlens_q.shape[0] == batch_size + 1, "cu_seqlens_q must have batch_size + 1 entries")
-        return torch.zeros(batch_size + 1, dtype=torch.int32, device=cache_seqlens.device)
+        plan, length = fa3_plan(batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, num_heads_kv, headdim,
+                                page_size, causal, tuple(window_size), bool(has_softcap))
+        tag = hash(plan) & 0x7FFFFFFF
+        self._plans[tag] = plan
+        sched = torch.zeros(length, dtype=torch.int32, device=cache_seqlens.device)
+        sched[0] = tag
+        return sched

@@ -240,8 +240,12 @@ class FlashAttnMetadataBuilder(AttentionMetadataBuilder):
         if len(layers) != 1:
             return None
         (num_heads, has_softcap), = layers
+        # flash_attn_with_kvcache takes no max_seqlen_k: FA3 derives seqlen_k from the page
+        # table's width, and the plan must be made for the seqlen_k the kernel will use (it
+        # decides causal vs local, the splits and the metadata's length)
         sched = kernels.get_scheduler_metadata(
-            batch_size=md.batch_size, max_seqlen_q=md.max_query_len, max_seqlen_k=md.max_seq_len,
+            batch_size=md.batch_size, max_seqlen_q=md.max_query_len,
+            max_seqlen_k=int(md.block_table.shape[1]) * self.block_size,
             num_heads_q=num_heads, num_heads_kv=int(self.kv_cache_spec.num_kv_heads),
             headdim=int(self.kv_cache_spec.head_size), cache_seqlens=md.seq_lens,
             qkv_dtype=self.kv_cache_spec.dtype, cu_seqlens_q=md.query_start_loc, page_size=self.block_size,

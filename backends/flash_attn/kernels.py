@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
+import inspect
 from dataclasses import dataclass
 from typing import Callable
 
@@ -70,15 +71,36 @@ def _version_tuple(text: str) -> tuple[int, ...]:
     return tuple(parts)
 
 
+FA3_KVCACHE_PARAMETERS = ("page_table", "cu_seqlens_q", "max_seqlen_q", "softcap", "scheduler_metadata",
+                          "return_softmax_lse")
+"""Keywords of FA3's ``flash_attn_with_kvcache`` the impl passes (older FA3 builds lack some)."""
+
+
+def _missing_parameters(fn: Callable, names: tuple[str, ...]) -> list[str]:
+    """Which of ``names`` ``fn`` does not take (none when its signature cannot be read)."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return []
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return []
+    return [n for n in names if n not in params]
+
+
 @functools.lru_cache(maxsize=1)
 def _probe() -> tuple[FlashAttnKernels | None, str]:
     problems = []
     if importlib.util.find_spec("flash_attn_interface") is not None:
         try:
             fa3 = importlib.import_module("flash_attn_interface")
-            return FlashAttnKernels(3, "flash_attn_interface (FlashAttention 3)",
-                                    with_kvcache=fa3.flash_attn_with_kvcache,
-                                    get_scheduler_metadata=getattr(fa3, "get_scheduler_metadata", None)), ""
+            missing = _missing_parameters(fa3.flash_attn_with_kvcache, FA3_KVCACHE_PARAMETERS)
+            if missing:
+                problems.append(f"flash_attn_interface (FA3) is too old: flash_attn_with_kvcache lacks "
+                                f"{', '.join(missing)}, which varlen paged attention needs ({INSTALL_HINT})")
+            else:
+                return FlashAttnKernels(3, "flash_attn_interface (FlashAttention 3)",
+                                        with_kvcache=fa3.flash_attn_with_kvcache,
+                                        get_scheduler_metadata=getattr(fa3, "get_scheduler_metadata", None)), ""
         except Exception as exc:  # a broken build must not break the registry
             problems.append(f"flash_attn_interface (FA3) failed to import: {type(exc).__name__}: {exc}")
     if importlib.util.find_spec("flash_attn") is not None:

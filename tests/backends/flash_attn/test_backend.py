@@ -91,3 +91,33 @@ def test_attnplug_backends_lists_both_with_the_reason_they_are_unavailable():
         assert rows[name]["available"] is ok and rows[name]["unavailable_reason"] == ("" if ok else why)
         if not torch.cuda.is_available():
             assert not ok and "no CUDA device" in why
+
+
+def test_an_fa3_build_without_the_varlen_paged_keywords_is_unavailable_with_the_reason(monkeypatch):
+    """Older FA3 builds have flash_attn_with_kvcache without page_table / cu_seqlens_q /
+    scheduler_metadata: a clear reason at probe time, not a TypeError at the first forward."""
+    import importlib
+    import importlib.util
+    import sys
+    import types
+
+    from attnplug.backends.flash_attn import kernels
+
+    old = types.ModuleType("flash_attn_interface")
+    old.flash_attn_with_kvcache = lambda q, k_cache, v_cache, cache_seqlens=None, softmax_scale=None, causal=False: q
+    new = types.ModuleType("flash_attn_interface")
+    new.flash_attn_with_kvcache = lambda q, k_cache, v_cache, **kwargs: q  # unreadable: trusted
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(kernels.importlib.util, "find_spec",
+                        lambda name, *a: object() if name == "flash_attn_interface" else
+                        (None if name == "flash_attn" else real_find_spec(name, *a)))
+    for module, available in ((old, False), (new, True)):
+        monkeypatch.setitem(sys.modules, "flash_attn_interface", module)
+        kernels._probe.cache_clear()
+        try:
+            found, why = kernels._probe()
+        finally:
+            kernels._probe.cache_clear()
+        assert (found is not None) == available, why
+        if not available:
+            assert "too old" in why and "page_table, cu_seqlens_q, max_seqlen_q" in why, why

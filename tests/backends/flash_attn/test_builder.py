@@ -104,6 +104,10 @@ def test_fa3_scheduler_metadata_uses_the_layers_parameters():
     assert (call["batch_size"], call["num_heads_q"], call["num_heads_kv"], call["headdim"], call["page_size"]) == (
         2, b.num_heads, b.num_kv_heads, b.head_size, 4)
     assert call["window_size"] == (5, 0) and call["has_softcap"] is True and call["causal"] is True
+    # the kernel's seqlen_k is page_table.shape[1] * page_size (flash_attn_with_kvcache takes no
+    # max_seqlen_k), not the step's longest sequence: planned with 6 keys, the 6-token window
+    # would be dropped (local planned as causal) while the kernel runs it local
+    assert call["max_seqlen_k"] == md.block_table.shape[1] * 4 > max(5 + 1, 3)
     assert md.scheduler_metadata is not None and md.scheduler_metadata.dtype == torch.int32
     _forward(impl, b, md)
     name, call = FA3_EMULATOR.calls[-1]

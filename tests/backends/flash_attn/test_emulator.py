@@ -101,3 +101,26 @@ def test_contract_violations_are_reported():
                                     **{**kw, "cache_seqlens": cm.seq_lens + 100})
     with pytest.raises(FlashAttnContractError, match="window_size"):
         FA3.flash_attn_with_kvcache(b.query, b.key_cache, b.value_cache, **{**kw, "window_size": (-2, 0)})
+
+
+def test_fa3_checks_the_schedule_was_planned_for_the_call():
+    """FA3's plan and run share normalised arguments; the emulator refuses metadata planned
+    with another seqlen_k (found by reading hopper/flash_api.cpp: flash_attn_with_kvcache's
+    seqlen_k is page_table.shape[1] * page_size)."""
+    from attnplug.backends.emulators.flash_attn_kernels import FlashAttnEmulator, fa3_plan
+
+    b = make_paged_batch([5, 0], [1, 3], block_size=4, num_heads=4, num_kv_heads=2, head_size=16)
+    fa3 = FlashAttnEmulator(version=3)
+    width = b.cm.block_table_tensor.shape[1]
+    kw = dict(batch_size=2, max_seqlen_q=3, num_heads_q=4, num_heads_kv=2, headdim=16, cache_seqlens=b.cm.seq_lens,
+              cu_seqlens_q=b.cm.query_start_loc, page_size=4, causal=True, window_size=(5, 0))
+    call = dict(cache_seqlens=b.cm.seq_lens, page_table=b.cm.block_table_tensor, cu_seqlens_q=b.cm.query_start_loc,
+                max_seqlen_q=3, causal=True, window_size=(5, 0))
+    good = fa3.get_scheduler_metadata(max_seqlen_k=width * 4, **kw)
+    fa3.flash_attn_with_kvcache(b.query, b.key_cache, b.value_cache, scheduler_metadata=good, **call)
+    stale = fa3.get_scheduler_metadata(max_seqlen_k=6, **kw)  # the step's longest sequence
+    assert stale.shape[0] != good.shape[0], "planned causal (window dropped) vs run local: other layouts"
+    with pytest.raises(FlashAttnContractError, match="was planned for"):
+        fa3.flash_attn_with_kvcache(b.query, b.key_cache, b.value_cache, scheduler_metadata=stale, **call)
+    assert fa3_plan(1, 1, 64, 4, 2, 16, 4, True, (-1, -1), False)[1] == 1 + 4 * 4  # causal: 4 rows per 4 requests
+    assert fa3_plan(1, 1, 64, 4, 2, 16, 4, True, (70, 0), False)[0][7:9] == (True, False), "window past seqlen_k"
