@@ -20,11 +20,15 @@ Cache layouts: ``"NHD"`` ``[num_pages, 2, page_size, num_kv_heads, head_dim]`` o
 With ``use_cuda_graph=True`` the wrappers keep the caller's fixed buffers and ``plan()``
 copies into them (the batch size is then fixed), as FlashInfer's CUDA-graph mode does.
 Preconditions are checked (dtypes, shapes, ``last_page_len`` range, ``run()`` before
-``plan()``, heads and dtypes matching the plan).
+``plan()``, heads and dtypes matching the plan, ``out``'s dtype and device, the CUDA-core
+decode kernel's group sizes). The wrappers take flashinfer-python 0.6.18's parameter
+names exactly (no catch-all ``**kwargs``), so a misspelt or misplaced keyword fails here as
+on a GPU. ``return_lse`` gives FlashInfer's base-2 log-sum-exp.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -64,6 +68,7 @@ class _Plan:
     sm_scale: float
     q_data_type: torch.dtype
     kv_data_type: torch.dtype
+    o_data_type: torch.dtype
 
 
 def _dtype(d, default: torch.dtype) -> torch.dtype:
@@ -95,7 +100,7 @@ class _Wrapper:
         self.num_plans = 0
 
     def _store(self, qo_indptr, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
-               causal, window_left, logits_soft_cap, sm_scale, q_data_type, kv_data_type) -> None:
+               causal, window_left, logits_soft_cap, sm_scale, q_data_type, kv_data_type, o_data_type=None) -> None:
         for name, t in (("indptr", indptr), ("indices", indices), ("last_page_len", last_page_len)):
             _int32_1d(name, t)
         B = last_page_len.shape[0]
@@ -126,7 +131,8 @@ class _Wrapper:
         self._plan = _Plan(qo, ptr, indices[: ptr[-1]].clone(), last, int(num_qo_heads), int(num_kv_heads),
                            int(head_dim), int(page_size), bool(causal), int(window_left),
                            float(logits_soft_cap or 0.0), head_dim ** -0.5 if sm_scale is None else float(sm_scale),
-                           _dtype(q_data_type, torch.float16), _dtype(kv_data_type, _dtype(q_data_type, torch.float16)))
+                           _dtype(q_data_type, torch.float16), _dtype(kv_data_type, _dtype(q_data_type, torch.float16)),
+                           _dtype(o_data_type, _dtype(q_data_type, torch.float16)))
         self.num_plans += 1
 
     def _run(self, q: torch.Tensor, paged_kv_cache, out: torch.Tensor | None, return_lse: bool):
@@ -168,39 +174,83 @@ class _Wrapper:
         if out is None:
             out = res.to(q.dtype)
         else:
-            _require(out.shape == q.shape, f"out {tuple(out.shape)} must match q {tuple(q.shape)}")
+            _require(out.shape == q.shape and out.dtype == p.o_data_type and out.device == q.device,
+                     f"out {tuple(out.shape)} {out.dtype} on {out.device} must be q's shape {tuple(q.shape)}, the "
+                     f"plan's o_data_type {p.o_data_type} and q's device {q.device}")
             out.copy_(res)
-        return (out, lse) if return_lse else out
+        # FlashInfer's lse is base 2 (prefill.cuh: log2(d) + m), not natural log
+        return (out, lse / math.log(2.0)) if return_lse else out
+
+
+DECODE_GROUP_SIZES_WITHOUT_TENSOR_CORES = (1, 2, 3, 4, 6, 8)
+"""Query heads per KV head FlashInfer's CUDA-core decode kernel takes (``utils.cuh``,
+``DISPATCH_GQA_GROUP_SIZE``: "Unsupported group_size" otherwise); tensor cores take any."""
+
+
+def _unsupported(**given) -> None:
+    """The emulator covers the paths attnplug uses; any other option must stay at its default."""
+    defaults = (False, 0, "auto", "NONE", 1, -1)
+    used = [name for name, value in given.items()
+            if not (value is None or (isinstance(value, (bool, int, str)) and value in defaults))]
+    _require(not used, f"the emulator does not cover {', '.join(used)}")
 
 
 class BatchDecodeWithPagedKVCacheWrapper(_Wrapper):
-    """Emulated ``flashinfer.BatchDecodeWithPagedKVCacheWrapper`` (one query per request)."""
+    """Emulated ``flashinfer.BatchDecodeWithPagedKVCacheWrapper`` (one query per request).
+
+    Parameter names and kinds are flashinfer-python 0.6.18's (``decode.py``): ``plan()``
+    forwards its options to the keyword-only ``_plan_impl``, so an unknown keyword is a
+    ``TypeError`` here as there.
+    """
 
     _decode = True
 
     def __init__(self, float_workspace_buffer, kv_layout="NHD", use_cuda_graph=False, use_tensor_cores=False,
                  paged_kv_indptr_buffer=None, paged_kv_indices_buffer=None, paged_kv_last_page_len_buffer=None,
-                 **_ignored):
+                 backend="auto", jit_args=None):
+        _unsupported(jit_args=jit_args)
         super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph, paged_kv_indptr_buffer,
                          paged_kv_indices_buffer, paged_kv_last_page_len_buffer)
+        self.use_tensor_cores = bool(use_tensor_cores)
 
-    def plan(self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
-             pos_encoding_mode="NONE", window_left=-1, logits_soft_cap=None, q_data_type="float16",
-             kv_data_type=None, data_type=None, sm_scale=None, rope_scale=None, rope_theta=None, **_ignored):
+    def plan(self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size, *,
+             pos_encoding_mode="NONE", window_left=-1, window_right=-1, logits_soft_cap=None,
+             q_data_type="float16", kv_data_type=None, o_data_type=None, data_type=None, sm_scale=None,
+             rope_scale=None, rope_theta=None, non_blocking=True, block_tables=None, seq_lens=None,
+             fixed_split_size=None, disable_split_kv=False, q_len_per_req=1):
         _require(pos_encoding_mode == "NONE", "the emulator covers pos_encoding_mode='NONE' only")
+        _unsupported(window_right=window_right, rope_scale=rope_scale, rope_theta=rope_theta,
+                     block_tables=block_tables, seq_lens=seq_lens, q_len_per_req=q_len_per_req)
+        group = num_qo_heads // max(num_kv_heads, 1)
+        _require(self.use_tensor_cores or group in DECODE_GROUP_SIZES_WITHOUT_TENSOR_CORES,
+                 f"Unsupported group_size: {group} (num_qo_heads / num_kv_heads) without use_tensor_cores; the "
+                 f"CUDA-core decode kernel takes {DECODE_GROUP_SIZES_WITHOUT_TENSOR_CORES}")
         self._store(None, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size, False,
-                    window_left, logits_soft_cap, sm_scale, q_data_type or data_type, kv_data_type or data_type)
+                    window_left, logits_soft_cap, sm_scale, q_data_type or data_type, kv_data_type or data_type,
+                    o_data_type)
 
-    def run(self, q, paged_kv_cache, *args, q_rope_offset=None, k_scale=None, v_scale=None, out=None, lse=None,
-            return_lse=False, **_ignored):
+    def run(self, q, paged_kv_cache, *args, q_scale=None, k_scale=None, v_scale=None, out=None, lse=None,
+            return_lse=False, enable_pdl=None, window_left=None, sinks=None, q_len_per_req=1,
+            skip_softmax_threshold_scale_factor=None, kv_cache_sf=None):
+        _unsupported(positional_options=len(args), q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, lse=lse,
+                     window_left=window_left, sinks=sinks, q_len_per_req=q_len_per_req,
+                     skip_softmax_threshold_scale_factor=skip_softmax_threshold_scale_factor, kv_cache_sf=kv_cache_sf)
         return self._run(q, paged_kv_cache, out, return_lse)
 
 
 class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
-    """Emulated ``flashinfer.BatchPrefillWithPagedKVCacheWrapper`` (varlen queries)."""
+    """Emulated ``flashinfer.BatchPrefillWithPagedKVCacheWrapper`` (varlen queries).
+
+    Parameter names and order are flashinfer-python 0.6.18's (``prefill.py``); CUDA-graph
+    mode needs ``qo_indptr_buf`` as there.
+    """
 
     def __init__(self, float_workspace_buffer, kv_layout="NHD", use_cuda_graph=False, qo_indptr_buf=None,
-                 paged_kv_indptr_buf=None, paged_kv_indices_buf=None, paged_kv_last_page_len_buf=None, **_ignored):
+                 paged_kv_indptr_buf=None, paged_kv_indices_buf=None, paged_kv_last_page_len_buf=None,
+                 custom_mask_buf=None, mask_indptr_buf=None, backend="auto", jit_args=None, jit_kwargs=None):
+        _unsupported(custom_mask_buf=custom_mask_buf, mask_indptr_buf=mask_indptr_buf, jit_args=jit_args,
+                     jit_kwargs=jit_kwargs)
+        _require(not use_cuda_graph or qo_indptr_buf is not None, "CUDA-graph prefill needs qo_indptr_buf")
         super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph, paged_kv_indptr_buf,
                          paged_kv_indices_buf, paged_kv_last_page_len_buf, qo_indptr_buf)
 
@@ -208,14 +258,26 @@ class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
              head_dim_qk, page_size, head_dim_vo=None, custom_mask=None, packed_custom_mask=None, causal=False,
              pos_encoding_mode="NONE", use_fp16_qk_reduction=False, sm_scale=None, window_left=-1,
              logits_soft_cap=None, rope_scale=None, rope_theta=None, q_data_type="float16", kv_data_type=None,
-             **_ignored):
+             o_data_type=None, non_blocking=True, prefix_len_ptr=None, token_pos_in_items_ptr=None,
+             token_pos_in_items_len=0, max_item_len_ptr=None, seq_lens=None, seq_lens_q=None, block_tables=None,
+             max_token_per_sequence=None, max_sequence_kv=None, fixed_split_size=None, disable_split_kv=False):
         _require(custom_mask is None and packed_custom_mask is None and pos_encoding_mode == "NONE"
                  and head_dim_vo in (None, head_dim_qk), "the emulator covers causal/full masks without RoPE only")
+        _unsupported(use_fp16_qk_reduction=use_fp16_qk_reduction, rope_scale=rope_scale, rope_theta=rope_theta,
+                     prefix_len_ptr=prefix_len_ptr, token_pos_in_items_ptr=token_pos_in_items_ptr,
+                     token_pos_in_items_len=token_pos_in_items_len, max_item_len_ptr=max_item_len_ptr,
+                     seq_lens=seq_lens, seq_lens_q=seq_lens_q, block_tables=block_tables)
         self._store(qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads, num_kv_heads,
-                    head_dim_qk, page_size, causal, window_left, logits_soft_cap, sm_scale, q_data_type, kv_data_type)
+                    head_dim_qk, page_size, causal, window_left, logits_soft_cap, sm_scale, q_data_type, kv_data_type,
+                    o_data_type)
 
-    def run(self, q, paged_kv_cache, *args, k_scale=None, v_scale=None, out=None, lse=None, return_lse=False,
-            **_ignored):
+    def run(self, q, paged_kv_cache, *args, q_scale=None, k_scale=None, v_scale=None, out=None, lse=None,
+            return_lse=False, enable_pdl=None, window_left=None, sinks=None, kv_cache_sf=None,
+            skip_softmax_threshold_scale_factor=None, use_fp16_softmax=False, uses_spcompress=False):
+        _unsupported(positional_options=len(args), q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, lse=lse,
+                     window_left=window_left, sinks=sinks, kv_cache_sf=kv_cache_sf,
+                     skip_softmax_threshold_scale_factor=skip_softmax_threshold_scale_factor,
+                     use_fp16_softmax=use_fp16_softmax, uses_spcompress=uses_spcompress)
         return self._run(q, paged_kv_cache, out, return_lse)
 
 

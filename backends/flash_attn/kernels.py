@@ -25,6 +25,8 @@ from typing import Callable
 
 import torch
 
+from attnplug.backends.common.versions import version_tuple
+
 FA2_MIN_VERSION: tuple[int, int] = (2, 6)
 """First flash-attn 2 release whose ``flash_attn_varlen_func`` takes ``block_table`` and
 ``softcap``."""
@@ -59,16 +61,6 @@ class FlashAttnKernels:
     with_kvcache: Callable | None = None
     get_scheduler_metadata: Callable | None = None
     emulated: bool = False
-
-
-def _version_tuple(text: str) -> tuple[int, ...]:
-    parts = []
-    for p in text.split("+")[0].split("."):
-        digits = "".join(ch for ch in p if ch.isdigit())
-        if not digits:
-            break
-        parts.append(int(digits))
-    return tuple(parts)
 
 
 FA3_KVCACHE_PARAMETERS = ("page_table", "cu_seqlens_q", "max_seqlen_q", "softcap", "scheduler_metadata",
@@ -107,7 +99,7 @@ def _probe() -> tuple[FlashAttnKernels | None, str]:
         try:
             fa2 = importlib.import_module("flash_attn")
             version = str(getattr(fa2, "__version__", "0"))
-            if _version_tuple(version) < FA2_MIN_VERSION:
+            if version_tuple(version) < FA2_MIN_VERSION:
                 problems.append(f"flash_attn {version} is too old: paged varlen attention with soft-cap needs "
                                 f">= {'.'.join(map(str, FA2_MIN_VERSION))}; upgrade ({INSTALL_HINT})")
             else:

@@ -8,7 +8,7 @@ from attnplug.backends.flashinfer.kernels import unavailable_reason
 from attnplug.core.contracts import AttentionBackend, AttentionImpl, AttentionLayerConfig, AttentionMetadataBuilder
 
 HEAD_SIZES: tuple[int, ...] = (64, 128, 256)
-"""Head sizes FlashInfer's prebuilt kernels cover (others need its JIT for that size)."""
+"""Head sizes FlashInfer's kernels are built for (its ahead-of-time kernel package, or its JIT at first use)."""
 
 
 class FlashInferBackend(AttentionBackend):

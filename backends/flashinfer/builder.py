@@ -148,7 +148,11 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder):
             MetadataError: sizes that disagree, or prefills before decodes (the runner did
                 not honour ``reorder_batch_threshold``).
 
-        Synchronises with the host (``plan()`` does); never runs inside a CUDA graph.
+        Runs ``plan()`` outside CUDA graphs. ``plan()`` (flashinfer 0.6.x) reads the host
+        copies of the metadata and queues a non-blocking copy of its schedule from a pinned
+        buffer of the wrapper: planning the same wrapper again before that copy ran would
+        overwrite it, so successive builds need a fence between them (``ModelRunner`` waits on
+        its ``HostBufferFence`` before every step's build).
         """
         return self._build(common_attn_metadata, graph=False)
 

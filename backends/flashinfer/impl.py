@@ -56,7 +56,8 @@ class FlashInferImpl(AttentionImpl):
             kv_cache: ``[num_blocks, 2, block_size, num_kv_heads, head_size]`` (FlashInfer NHD),
                 written in place at the real slots only.
             attn_metadata: what :class:`FlashInferMetadataBuilder` built this step.
-            output: ``[num_tokens, num_heads, head_size]``, contiguous; the decode rows
+            output: ``[num_tokens, num_heads, head_size]``, contiguous, query's dtype and
+                device (FlashInfer's ``o_data_type`` is the query's); the decode rows
                 ``[0, num_decode_tokens)`` and the prefill rows are overwritten.
 
         Returns:
@@ -99,6 +100,9 @@ class FlashInferImpl(AttentionImpl):
                 problems.append(f"{name} {tuple(t.shape)} should be [num_tokens, {expect_kv[0]}, {expect_kv[1]}]")
         if output.shape != query.shape or not output.is_contiguous():
             problems.append(f"output {tuple(output.shape)} should be contiguous and match query {tuple(query.shape)}")
+        if output.dtype != query.dtype or output.device != query.device:
+            problems.append(f"output is {output.dtype} on {output.device}; run() writes query's dtype {query.dtype} "
+                            f"on {query.device}")
         need = max(md.num_actual_tokens, md.num_decode_tokens, md.slot_mapping.shape[0])
         if min(query.shape[0], key.shape[0], value.shape[0]) < need:
             problems.append(f"query/key/value have fewer than {need} rows (tokens of the step, padding included)")

@@ -17,8 +17,13 @@ from typing import Any
 import torch
 
 from attnplug.backends.common.layer_params import LiveLayerParams
+from attnplug.backends.common.versions import version_tuple
 
 INSTALL_HINT = "pip install flashinfer-python, the attnplug extra 'flashinfer' (the wheel matching your CUDA torch)"
+
+MIN_VERSION = (0, 6, 18)
+"""The oldest flashinfer-python whose wrapper signatures attnplug's calls were checked
+against (0.6.18.post1 and 0.7.4 were; the ``flashinfer`` extra pins ``>=0.6.18,<0.8``)."""
 
 LIVE_LAYER_PARAMS = LiveLayerParams()
 """The parameters of every live ``FlashInferImpl`` (weakly held): the builder plans one
@@ -36,9 +41,12 @@ def _probe() -> tuple[Any, str]:
         return None, f"flashinfer failed to import: {type(exc).__name__}: {exc}"
     missing = [n for n in ("BatchDecodeWithPagedKVCacheWrapper", "BatchPrefillWithPagedKVCacheWrapper")
                if not hasattr(module, n)]
+    version = str(getattr(module, "__version__", "?"))
     if missing:
-        return None, (f"flashinfer {getattr(module, '__version__', '?')} lacks {', '.join(missing)}; "
-                      f"upgrade ({INSTALL_HINT})")
+        return None, f"flashinfer {version} lacks {', '.join(missing)}; upgrade ({INSTALL_HINT})"
+    if version_tuple(version) < MIN_VERSION:
+        return None, (f"flashinfer {version} is older than {'.'.join(map(str, MIN_VERSION))}, the oldest whose "
+                      f"plan()/run() signatures attnplug was checked against; upgrade ({INSTALL_HINT})")
     return module, ""
 
 

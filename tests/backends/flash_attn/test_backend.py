@@ -9,7 +9,7 @@ import doctest
 import pytest
 import torch
 
-from attnplug.backends.common import cache_write, layer_params, merge, window
+from attnplug.backends.common import cache_write, layer_params, merge, versions, window
 from attnplug.backends.emulators import FlashAttn2EmulatedBackend, FlashAttn3EmulatedBackend, FlashInferEmulatedBackend
 from attnplug.backends.flash_attn import FlashAttnBackend, backend as fa_backend
 from attnplug.backends.flash_attn.kernels import installed_kernels
@@ -20,7 +20,7 @@ from attnplug.plugins.registry import get_registry
 needs_no_flash_attn = pytest.mark.skipif(installed_kernels() is not None, reason="flash-attn is installed here")
 
 
-@pytest.mark.parametrize("module", [cache_write, layer_params, merge, window, fa_backend])
+@pytest.mark.parametrize("module", [cache_write, layer_params, merge, versions, window, fa_backend])
 def test_doctests(module):
     assert doctest.testmod(module).failed == 0
 

@@ -111,3 +111,22 @@ def test_contract_violations_are_reported():
         w.run(torch.zeros(1, 1, 8), torch.zeros(2, 2, 4, 1, 8))
     with pytest.raises(FlashInferContractError, match="kv_layout"):
         BatchDecodeWithPagedKVCacheWrapper(WS, "NDH")
+
+
+def test_the_emulated_wrappers_take_flashinfer_0_6_18s_keywords_only():
+    """No catch-all **kwargs: a misspelt keyword, or the decode wrapper's buffer names given to
+    the prefill wrapper, fails on the CPU as it would on a GPU."""
+    from attnplug.backends.emulators.flashinfer_kernels import (BatchDecodeWithPagedKVCacheWrapper,
+                                                                BatchPrefillWithPagedKVCacheWrapper)
+
+    ws = torch.zeros(16, dtype=torch.uint8)
+    buf = torch.zeros(3, dtype=torch.int32)
+    with pytest.raises(TypeError):
+        BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", use_cuda_graph=True, paged_kv_indptr_buffer=buf)
+    decode = BatchDecodeWithPagedKVCacheWrapper(ws, "NHD")
+    indptr, indices, last = (torch.tensor(x, dtype=torch.int32) for x in ([0, 1], [1], [3]))
+    with pytest.raises(TypeError):
+        decode.plan(indptr, indices, last, 4, 1, 16, 4, window_lft=3)
+    with pytest.raises(FlashInferContractError, match="Unsupported group_size: 16"):
+        BatchDecodeWithPagedKVCacheWrapper(ws, "NHD").plan(indptr, indices, last, 16, 1, 16, 4)
+    BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=True).plan(indptr, indices, last, 16, 1, 16, 4)
