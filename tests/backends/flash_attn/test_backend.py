@@ -93,12 +93,9 @@ def test_attnplug_backends_lists_both_with_the_reason_they_are_unavailable():
             assert not ok and "no CUDA device" in why
 
 
-def test_an_fa3_build_without_the_varlen_paged_keywords_is_unavailable_with_the_reason(monkeypatch):
+def test_an_fa3_build_without_the_varlen_paged_keywords_is_unavailable_with_the_reason(probe_with):
     """Older FA3 builds have flash_attn_with_kvcache without page_table / cu_seqlens_q /
     scheduler_metadata: a clear reason at probe time, not a TypeError at the first forward."""
-    import importlib
-    import importlib.util
-    import sys
     import types
 
     from attnplug.backends.flash_attn import kernels
@@ -107,17 +104,8 @@ def test_an_fa3_build_without_the_varlen_paged_keywords_is_unavailable_with_the_
     old.flash_attn_with_kvcache = lambda q, k_cache, v_cache, cache_seqlens=None, softmax_scale=None, causal=False: q
     new = types.ModuleType("flash_attn_interface")
     new.flash_attn_with_kvcache = lambda q, k_cache, v_cache, **kwargs: q  # unreadable: trusted
-    real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr(kernels.importlib.util, "find_spec",
-                        lambda name, *a: object() if name == "flash_attn_interface" else
-                        (None if name == "flash_attn" else real_find_spec(name, *a)))
     for module, available in ((old, False), (new, True)):
-        monkeypatch.setitem(sys.modules, "flash_attn_interface", module)
-        kernels._probe.cache_clear()
-        try:
-            found, why = kernels._probe()
-        finally:
-            kernels._probe.cache_clear()
+        found, why = probe_with(kernels, {"flash_attn_interface": module, "flash_attn": None})
         assert (found is not None) == available, why
         if not available:
             assert "too old" in why and "page_table, cu_seqlens_q, max_seqlen_q" in why, why

@@ -61,26 +61,16 @@ def test_the_real_builder_cannot_plan_without_flashinfer():
         builder.build(0, b.cm)
 
 
-def test_a_flashinfer_older_than_the_checked_signatures_is_unavailable_with_the_reason(monkeypatch):
-    import importlib.util
-    import sys
+def test_a_flashinfer_older_than_the_checked_signatures_is_unavailable_with_the_reason(probe_with):
     import types
 
     from attnplug.backends.flashinfer import kernels
 
-    real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr(kernels.importlib.util, "find_spec",
-                        lambda name, *a: object() if name == "flashinfer" else real_find_spec(name, *a))
     for version, available in (("0.2.5", False), ("0.6.18.post1", True), ("0.7.4", True)):
         fake = types.ModuleType("flashinfer")
         fake.__version__ = version
         fake.BatchDecodeWithPagedKVCacheWrapper = fake.BatchPrefillWithPagedKVCacheWrapper = object
-        monkeypatch.setitem(sys.modules, "flashinfer", fake)
-        kernels._probe.cache_clear()
-        try:
-            module, why = kernels._probe()
-        finally:
-            kernels._probe.cache_clear()
+        module, why = probe_with(kernels, {"flashinfer": fake})
         assert (module is not None) == available, (version, why)
         if not available:
             assert "older than 0.6.18" in why, why
