@@ -310,7 +310,8 @@ class AttentionBackend(ABC):
     def validate_configuration(cls, layer: AttentionLayerConfig) -> list[str]:
         """Every reason this backend cannot serve ``layer`` (empty list: it can).
 
-        Reasons are human-readable sentences that name the value and what is supported.
+        Reasons are human-readable sentences that name the value and what is supported. The
+        base checks the declarations, and that a CUDA layer has a CUDA build of torch.
         """
         reasons: list[str] = []
         ok, why = cls.is_available()
@@ -341,6 +342,8 @@ class AttentionBackend(ABC):
         dev = torch.device(layer.device).type
         if dev not in cls.supported_devices:
             reasons.append(f"device {dev!r} not supported (supported: {list(cls.supported_devices)})")
+        elif dev == "cuda" and ok and not torch.cuda.is_available():  # unavailable: its reason says why
+            reasons.append("device 'cuda' requested but torch.cuda.is_available() is False")
         if layer.attn_type not in cls.supported_attn_types:
             reasons.append(f"attention type {layer.attn_type.value!r} not supported")
         return reasons

@@ -60,9 +60,3 @@ class TorchNativeBackend(AttentionBackend):
         (checked per layer by ``validate_configuration``)."""
         return True, ""
 
-    @classmethod
-    def validate_configuration(cls, layer) -> list[str]:
-        reasons = super().validate_configuration(layer)
-        if torch.device(layer.device).type == "cuda" and not torch.cuda.is_available():
-            reasons.append("device 'cuda' requested but torch.cuda.is_available() is False")
-        return reasons

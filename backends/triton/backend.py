@@ -15,7 +15,7 @@ from abc import ABCMeta
 import torch
 
 from attnplug.backends.triton.attention import MAX_HEAD_SIZE
-from attnplug.backends.triton.runtime import cuda_available, interpreting, unavailable_reason
+from attnplug.backends.triton.runtime import interpreting, unavailable_reason
 from attnplug.core.contracts import AttentionBackend, AttentionImpl, AttentionLayerConfig, AttentionMetadataBuilder
 
 KERNEL_BLOCK_SIZES: tuple[int, ...] = (16, 32, 64)
@@ -102,7 +102,7 @@ class TritonBackend(AttentionBackend, metaclass=_TritonBackendMeta):
     def validate_configuration(cls, layer: AttentionLayerConfig) -> list[str]:
         """The base checks (declared dtypes, head sizes, block sizes, features, device),
         with the reason behind the mode-dependent ones, plus: the KV cache dtype must be
-        the activation dtype, and a CUDA layer needs a CUDA build of torch."""
+        the activation dtype."""
         reasons = super().validate_configuration(layer)
         dev = torch.device(layer.device).type
         if dev == "cpu" and not interpreting() and cls.is_available()[0]:  # else the base's reason says it
@@ -111,8 +111,6 @@ class TritonBackend(AttentionBackend, metaclass=_TritonBackendMeta):
         if layer.dtype == torch.bfloat16 and interpreting():
             reasons.append("bfloat16 is not supported under TRITON_INTERPRET=1: the interpreter's tl.dot "
                            "multiplies bfloat16 operands as raw uint16 bits; use float16/float32 there, or a GPU")
-        if dev == "cuda" and not cuda_available():
-            reasons.append("device 'cuda' requested but torch.cuda.is_available() is False")
         if layer.effective_kv_cache_dtype != layer.dtype:
             reasons.append(f"kv_cache_dtype {layer.effective_kv_cache_dtype} differs from dtype {layer.dtype}: "
                            "the kernels read the cache in the activation dtype (no quantized caches)")

@@ -26,7 +26,7 @@ LAYER = AttentionLayerConfig(num_heads=8, num_kv_heads=2, head_size=64, dtype=to
 def _compiled_mode_without_cuda(monkeypatch, env_set: bool = False):
     for mod in (runtime, backend_mod):
         monkeypatch.setattr(mod, "interpreting", lambda: False)
-        monkeypatch.setattr(mod, "cuda_available", lambda: False)
+    monkeypatch.setattr(runtime, "cuda_available", lambda: False)
     if env_set:
         monkeypatch.setenv("TRITON_INTERPRET", "1")
     else:
