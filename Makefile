@@ -8,7 +8,7 @@ TORCH_PIN := torch==2.13.0
 
 .PHONY: run test bench clean
 
-$(VENV)/.base: pyproject.toml $(wildcard runner/_native*.pyx runner/_native*.pxi)
+$(VENV)/.base: pyproject.toml $(wildcard runner/step/fast/_native*.pyx runner/step/fast/_native*.pxi)
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q $(TORCH_PIN)

@@ -1,5 +1,5 @@
 """``python -m attnplug`` → the ``attnplug`` command line."""
 
-from attnplug.runner.cli import main
+from attnplug.runner.commands.cli import main
 
 raise SystemExit(main())

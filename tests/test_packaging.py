@@ -45,7 +45,7 @@ def test_every_package_dir_is_listed():
 
 def test_console_script_and_extras():
     proj = _pyproject()["project"]
-    assert proj["scripts"]["attnplug"] == "attnplug.runner.cli:main"
+    assert proj["scripts"]["attnplug"] == "attnplug.runner.commands.cli:main"
     deps = " ".join(proj["dependencies"])
     for dep in ("torch", "numpy", "pluggy"):
         assert dep in deps
@@ -71,8 +71,8 @@ def test_wheel_contains_only_the_package(tmp_path):
     assert "attnplug/core/metadata.py" in names
     assert "attnplug/runner/data/azure_llm_2023_conv.csv" in names
     assert "attnplug/runner/data/README.md" in names
-    # the compiled fast paths are built from runner/_native.pyx (Cython) into the wheel
-    assert [n for n in names if n.startswith("attnplug/runner/_native.") and n.endswith(".so")], names
+    # the compiled fast paths are built from runner/step/fast/_native.pyx (Cython) into the wheel
+    assert [n for n in names if n.startswith("attnplug/runner/step/fast/_native.") and n.endswith(".so")], names
 
 
 def test_python_dash_m_runs_the_cli():

@@ -123,8 +123,8 @@ class _Runner:
     """State of one run: the step compiler, builders, impl and caches of both groups."""
 
     def __init__(self, backend_cls: type[AttentionBackend], case: ConformanceCase, device: str, kbs: int):
-        from attnplug.runner.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
-        from attnplug.runner.step_compiler import StepCompiler
+        from attnplug.runner.step.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+        from attnplug.runner.step.compiler import StepCompiler
 
         self._types = (CachedRequestData, NewRequestData, SchedulerOutput)
         self.backend, self.case, self.device, self.kbs = backend_cls, case, resolve_device(device), kbs

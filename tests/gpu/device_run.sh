@@ -41,13 +41,13 @@ LOG="$WORK/results/install.log"
   echo "== installing attnplug (editable, offline, no build isolation)"
   "$PY" -m pip install --no-index --no-deps --no-build-isolation -e .
 } > "$LOG" 2>&1
-if ! "$PY" -c "import importlib.metadata as m; m.distribution('attnplug'); import attnplug.runner.cli" >> "$LOG" 2>&1; then
+if ! "$PY" -c "import importlib.metadata as m; m.distribution('attnplug'); import attnplug.runner.commands.cli" >> "$LOG" 2>&1; then
   echo "== the install failed (above): running from the source tree via PYTHONPATH" >> "$LOG"
   mkdir -p "$WORK/site" && ln -sfn "$PWD" "$WORK/site/attnplug"
   export PYTHONPATH="$WORK/site${PYTHONPATH:+:$PYTHONPATH}"
   export PYTEST_PLUGINS=attnplug.plugins.conformance.pytest_plugin
 fi
-"$PY" -c "import attnplug.runner.native as n; print('compiled fast path:', n.NATIVE is not None)" >> "$LOG" 2>&1 \
+"$PY" -c "import attnplug.runner.step.fast as n; print('compiled fast path:', n.NATIVE is not None)" >> "$LOG" 2>&1 \
   || { cat "$LOG"; echo "attnplug cannot be imported"; cp "$LOG" "$OUTDIR/"; exit 3; }
 tail -n 4 "$LOG"
 

@@ -13,7 +13,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 
 def test_time_gpu_measures_the_kernels_not_the_host():
-    from attnplug.runner.bench_timing import sleep_cycles_per_ms, time_gpu
+    from attnplug.runner.commands.bench.timing import sleep_cycles_per_ms, time_gpu
 
     kernel_cycles = int(0.2 * sleep_cycles_per_ms())  # a 0.2 ms kernel
 
@@ -36,7 +36,7 @@ def test_time_gpu_measures_the_kernels_not_the_host():
 
 
 def test_small_bench_runs_every_row_correct(tmp_path):
-    from attnplug.runner.bench_attention import main
+    from attnplug.runner.commands.bench.attention import main
 
     out = tmp_path / "bench.json"
     rc = main(["--backend", "triton,torch_native", "--decode-batch", "4", "--prefill-tokens", "512",

@@ -12,7 +12,7 @@ from attnplug.cache_groups.specs import FullAttentionSpec
 from attnplug.core.constants import PAD_SLOT_ID
 from attnplug.core.contracts import AttentionCGSupport, BuilderConfig
 from attnplug.core.metadata import CommonAttentionMetadata
-from attnplug.runner.cudagraph import PaddedMetadata
+from attnplug.runner.execute.cudagraph import PaddedMetadata
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="requires CUDA")]
 

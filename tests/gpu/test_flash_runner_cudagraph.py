@@ -11,11 +11,11 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 def _generate(backend, mode, prompts, block_size, max_tokens=8):
     from attnplug.cache_groups.grouping import KVCacheConfig, group_layers_by_spec
-    from attnplug.runner.engine import LLMEngine
-    from attnplug.runner.model_runner import ModelRunner, RunnerConfig
+    from attnplug.runner.serve.engine import LLMEngine
+    from attnplug.runner.execute.model_runner import ModelRunner, RunnerConfig
     from attnplug.runner.models.presets import make_preset_model
-    from attnplug.runner.sampler import SamplingParams
-    from attnplug.runner.scheduler import Scheduler, SchedulerConfig
+    from attnplug.runner.execute.sampler import SamplingParams
+    from attnplug.runner.serve.scheduler import Scheduler, SchedulerConfig
 
     model = make_preset_model(backend_for_layer=lambda name, cfg: backend, block_size=block_size,
                               dtype=torch.float16, device="cuda")

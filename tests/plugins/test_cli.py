@@ -10,9 +10,9 @@ import sys
 import pytest
 
 from attnplug.plugins import reset_registry
-from attnplug.plugins.cli_check import parse as check_parse
-from attnplug.plugins.cli_check import pytest_args
-from attnplug.runner.cli import main as cli
+from attnplug.runner.commands.check import parse as check_parse
+from attnplug.runner.commands.check import pytest_args
+from attnplug.runner.commands.cli import main as cli
 
 
 @pytest.fixture(autouse=True)
@@ -117,7 +117,7 @@ def _check_refused(capsys, monkeypatch, *argv) -> tuple[int, str]:
 
 
 def test_check_refuses_a_backend_that_cannot_run_here(capsys, monkeypatch):
-    from attnplug.plugins.cli_check import EXIT_NOTHING_TESTED
+    from attnplug.runner.commands.check import EXIT_NOTHING_TESTED
     from attnplug.plugins.conformance.pytest_plugin import EXIT_NOTHING_TESTED as PLUGIN_CODE
 
     assert EXIT_NOTHING_TESTED == PLUGIN_CODE == 6

@@ -8,8 +8,8 @@ import copy
 import pytest
 
 from attnplug.core.errors import InvalidSchedulerOutput, MetadataError
-from attnplug.runner.scheduler_output import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
-from attnplug.runner.step_compiler import StepCompiler, snapshot_diff
+from attnplug.runner.step.scheduler_output import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
+from attnplug.runner.step.compiler import StepCompiler, snapshot_diff
 
 # two groups: full attention (block 4) and sliding window (block 8, 4-token kernel blocks)
 KW = dict(kernel_block_sizes=[4, 4], num_blocks=32, group_kinds=["full_attention", "sliding_window"],

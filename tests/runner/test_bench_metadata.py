@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from attnplug.cache_groups.grouping import group_layers_by_spec
-from attnplug.runner.bench import main as bench_main
-from attnplug.runner.bench_metadata import (
+from attnplug.runner.commands.bench.step import main as bench_main
+from attnplug.runner.commands.bench.metadata import (
     LAYERS_PER_GROUP,
     hybrid_layer_specs,
     hybrid_trace_replay,

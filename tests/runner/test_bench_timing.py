@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from attnplug.runner import bench_timing as bt
+from attnplug.runner.commands.bench import timing as bt
 
 
 class _Recorder:

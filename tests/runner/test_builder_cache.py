@@ -17,11 +17,11 @@ import torch
 
 from attnplug.backends.torch_native import TorchNativeBackend
 from attnplug.cache_groups.grouping import KVCacheConfig, group_layers_by_spec
-from attnplug.runner.engine import LLMEngine
-from attnplug.runner.model_runner import ModelRunner, RunnerConfig
+from attnplug.runner.serve.engine import LLMEngine
+from attnplug.runner.execute.model_runner import ModelRunner, RunnerConfig
 from attnplug.runner.models import build_model
-from attnplug.runner.scheduler import Scheduler, SchedulerConfig
-from attnplug.runner.scheduler_output import SamplingParams
+from attnplug.runner.serve.scheduler import Scheduler, SchedulerConfig
+from attnplug.runner.step.scheduler_output import SamplingParams
 
 CFG = {"model_type": "gemma3_text", "vocab_size": 96, "hidden_size": 32, "intermediate_size": 48,
        "num_hidden_layers": 12, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16,

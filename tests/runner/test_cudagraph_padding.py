@@ -17,8 +17,8 @@ from attnplug.core.constants import NULL_BLOCK_ID, PAD_SLOT_ID
 from attnplug.core.contracts import AttentionCGSupport, BuilderConfig
 from attnplug.core.errors import ConfigError, MetadataError
 from attnplug.core.metadata import CommonAttentionMetadata
-from attnplug.runner import cudagraph as cg
-from attnplug.runner.cudagraph import CUDAGraphDispatcher, CUDAGraphMode, PaddedMetadata, negotiate_cudagraph_mode
+from attnplug.runner.execute import cudagraph as cg
+from attnplug.runner.execute.cudagraph import CUDAGraphDispatcher, CUDAGraphMode, PaddedMetadata, negotiate_cudagraph_mode
 
 FULL, DECODE, PIECEWISE, NONE = (CUDAGraphMode.FULL, CUDAGraphMode.FULL_DECODE_ONLY, CUDAGraphMode.PIECEWISE,
                                  CUDAGraphMode.NONE)
@@ -140,8 +140,8 @@ def _step(backend, requests, padded: bool, seed=0):
     is pre-filled with random K/V. Returns (output rows of real tokens in request order,
     cache before, cache after, real slots).
     """
-    from attnplug.runner.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
-    from attnplug.runner.step_compiler import StepCompiler
+    from attnplug.runner.step.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+    from attnplug.runner.step.compiler import StepCompiler
 
     H, H_kv, D = 4, 2, 16
     g = torch.Generator().manual_seed(seed)
@@ -219,11 +219,11 @@ def test_padded_step_changes_no_kv_byte_but_the_real_slots(backend, requests):
 # --- the ModelRunner option ------------------------------------------------------------------
 def _generate(backend, mode, prompts, max_tokens=3):
     from attnplug.cache_groups.grouping import KVCacheConfig, group_layers_by_spec
-    from attnplug.runner.engine import LLMEngine
-    from attnplug.runner.model_runner import ModelRunner, RunnerConfig
+    from attnplug.runner.serve.engine import LLMEngine
+    from attnplug.runner.execute.model_runner import ModelRunner, RunnerConfig
     from attnplug.runner.models.presets import make_preset_model
-    from attnplug.runner.sampler import SamplingParams
-    from attnplug.runner.scheduler import Scheduler, SchedulerConfig
+    from attnplug.runner.execute.sampler import SamplingParams
+    from attnplug.runner.serve.scheduler import Scheduler, SchedulerConfig
 
     model = make_preset_model(backend_for_layer=lambda name, cfg: backend, block_size=16)
     groups = group_layers_by_spec(model.kv_cache_specs(16))

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from attnplug.runner import cli, explain as explain_mod
-from attnplug.runner.explain import OUTPUT_KEYS, main, run
+from attnplug.runner.commands import cli, explain as explain_mod
+from attnplug.runner.commands.explain import OUTPUT_KEYS, main, run
 
 CONFIG = {"config": {"block_sizes": [4], "max_num_reqs": 8, "max_model_len": 64, "max_num_batched_tokens": 64}}
 STEP1 = {"new": [{"req_id": "A", "prompt_token_ids": [1, 2, 3], "block_ids": [[1]], "num_computed_tokens": 0}],
@@ -89,7 +89,7 @@ def test_check_failure_exits_1(monkeypatch):
     def broken(*args, **kwargs):
         raise MetadataInvariantError("5 positions", 0, {"position": 7, "expected": 3})
 
-    monkeypatch.setattr("attnplug.runner.step_compiler.validate", broken)
+    monkeypatch.setattr("attnplug.runner.step.compiler.validate", broken)
     rc, steps, err = explain(jsonl(CONFIG, STEP1), check=True)
     assert rc == 1 and steps == [] and "step 1" in err and "5 positions" in err
     assert explain_mod.OUTPUT_KEYS[0] == "req_ids"

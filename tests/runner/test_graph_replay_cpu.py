@@ -24,7 +24,7 @@ from attnplug.cache_groups.specs import FullAttentionSpec
 from attnplug.core.constants import PAD_SLOT_ID
 from attnplug.core.contracts import AttentionCGSupport, BuilderConfig
 from attnplug.core.metadata import CommonAttentionMetadata
-from attnplug.runner.cudagraph import PaddedMetadata
+from attnplug.runner.execute.cudagraph import PaddedMetadata
 
 H, H_KV, D, NUM_BLOCKS, BLOCK = 4, 2, 32, 24, 256
 DTYPE = torch.float16

@@ -8,11 +8,11 @@ import torch
 
 from attnplug.backends.torch_native import TorchNativeBackend
 from attnplug.cache_groups.grouping import KVCacheConfig, group_layers_by_spec
-from attnplug.runner.engine import LLMEngine
-from attnplug.runner.model_runner import HostBufferFence, ModelRunner, RunnerConfig
+from attnplug.runner.serve.engine import LLMEngine
+from attnplug.runner.execute.model_runner import HostBufferFence, ModelRunner, RunnerConfig
 from attnplug.runner.models.presets import make_preset_model
-from attnplug.runner.sampler import SamplingParams
-from attnplug.runner.scheduler import Scheduler, SchedulerConfig
+from attnplug.runner.execute.sampler import SamplingParams
+from attnplug.runner.serve.scheduler import Scheduler, SchedulerConfig
 
 
 class RecordingFence:

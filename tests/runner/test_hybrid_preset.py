@@ -12,7 +12,7 @@ from attnplug.cache_groups.specs import MambaSpec, SlidingWindowSpec
 from attnplug.runner.models import ModelConfigError, build_model, preset_config, resolve_model_config
 from attnplug.runner.models.hybrid import HybridModel, HybridModelConfig
 from attnplug.runner.models.presets import RUN_PRESET
-from attnplug.runner.run_cmd import main as run_main
+from attnplug.runner.commands.run import main as run_main
 
 
 def test_run_preset_has_full_sliding_and_mamba_groups():

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from attnplug.core.errors import MetadataError
-from attnplug.runner.input_batch import InputBatch
-from attnplug.runner.request_state import CachedRequestState
-from attnplug.runner.scheduler_output import SamplingParams
+from attnplug.runner.step.input_batch import InputBatch
+from attnplug.runner.step.request_state import CachedRequestState
+from attnplug.runner.step.scheduler_output import SamplingParams
 
 
 def state(i: int, seed=None) -> CachedRequestState:

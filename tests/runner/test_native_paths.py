@@ -1,4 +1,4 @@
-"""The compiled fast paths (``runner/_native.pyx``) against the numpy paths.
+"""The compiled fast paths (``runner/step/fast/_native.pyx``) against the numpy paths.
 
 The contract: a fast path handles an input completely or declines it and changes
 nothing; the numpy path then accepts it or words the error. So on every input below the
@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 
 from attnplug.core.errors import InvalidSchedulerOutput
-from attnplug.runner.int_packer import IntPacker
-from attnplug.runner.native import NATIVE
-from attnplug.runner.scheduler_output import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
-from attnplug.runner.step_compiler import StepCompiler, snapshot_diff
-from attnplug.runner.update_states import plan_update
+from attnplug.runner.step.int_packer import IntPacker
+from attnplug.runner.step.fast import NATIVE
+from attnplug.runner.step.scheduler_output import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
+from attnplug.runner.step.compiler import StepCompiler, snapshot_diff
+from attnplug.runner.step.check import plan_update
 
 pytestmark = pytest.mark.skipif(NATIVE is None, reason="the compiled extension is not built")
 
@@ -191,8 +191,8 @@ def test_pack_reports_min_and_max_of_the_batch():
 
 
 def test_the_extension_can_be_disabled_and_a_stale_build_is_ignored(monkeypatch):
-    from attnplug.runner import _native
-    from attnplug.runner.native import load_native
+    from attnplug.runner.step.fast import _native
+    from attnplug.runner.step.fast import load_native
 
     assert load_native() is _native
     monkeypatch.setenv("ATTNPLUG_NATIVE", "0")

@@ -9,8 +9,8 @@ import pytest
 pytest.importorskip("transformers")
 
 from attnplug.core.errors import AttnplugError
-from attnplug.runner.parity import main as parity_main
-from attnplug.runner.parity import run_parity
+from attnplug.runner.commands.parity import main as parity_main
+from attnplug.runner.commands.parity import run_parity
 
 BASE = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
         "num_attention_heads": 4, "max_position_embeddings": 256, "rms_norm_eps": 1e-6,

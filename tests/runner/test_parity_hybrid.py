@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from attnplug.runner.parity import run_parity
+from attnplug.runner.commands.parity import run_parity
 
 CHUNK = 8
 BAMBA = {"model_type": "bamba", "architectures": ["BambaForCausalLM"], "vocab_size": 128, "hidden_size": 32,

@@ -15,7 +15,7 @@ import pytest
 pytest.importorskip("transformers")
 
 from attnplug.runner.models import Gemma3ModelConfig, ModelConfigError, build_model, resolve_model_config
-from attnplug.runner.parity import run_parity
+from attnplug.runner.commands.parity import run_parity
 
 WINDOW, BLOCK = 7, 4
 PROMPTS = (3, 40)

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from attnplug.runner.run_cmd import main as run_main
+from attnplug.runner.commands.run import main as run_main
 
 TINY = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 256, "hidden_size": 32,
         "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -117,7 +117,7 @@ def test_disabled_invariance_check_says_not_checked(capsys):
 
 
 def test_backend_help_documents_the_per_kind_form():
-    from attnplug.runner.run_cmd import _parser
+    from attnplug.runner.commands.run import _parser
 
     text = " ".join(_parser().format_help().split())
     assert "KIND=NAME[,KIND=NAME...]" in text and "full_attention=triton,sliding_window=torch_native" in text

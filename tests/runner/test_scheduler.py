@@ -16,9 +16,9 @@ from attnplug.cache_groups.grouping import KVCacheConfig, KVCacheGroupSpec
 from attnplug.cache_groups.specs import FullAttentionSpec, SlidingWindowSpec, cdiv
 from attnplug.core.constants import NULL_BLOCK_ID
 from attnplug.core.errors import InvalidRequestError, SchedulingError
-from attnplug.runner.request import RequestStatus
-from attnplug.runner.scheduler import Scheduler, SchedulerConfig
-from attnplug.runner.scheduler_output import SamplingParams, SchedulerOutput
+from attnplug.runner.serve.request import RequestStatus
+from attnplug.runner.serve.scheduler import Scheduler, SchedulerConfig
+from attnplug.runner.step.scheduler_output import SamplingParams, SchedulerOutput
 
 
 def kv_config(num_blocks, *specs):

@@ -13,10 +13,10 @@ import pytest
 
 from attnplug.cache_groups.grouping import KVCacheConfig, KVCacheGroupSpec
 from attnplug.cache_groups.specs import FullAttentionSpec
-from attnplug.runner.scheduler import Scheduler, SchedulerConfig
-from attnplug.runner.scheduler_output import SamplingParams
-from attnplug.runner.step_compiler import StepCompiler
-from attnplug.runner.traces import load_trace, make_prompts
+from attnplug.runner.serve.scheduler import Scheduler, SchedulerConfig
+from attnplug.runner.step.scheduler_output import SamplingParams
+from attnplug.runner.step.compiler import StepCompiler
+from attnplug.runner.commands.traces import load_trace, make_prompts
 
 
 def agree(sched: Scheduler, sc: StepCompiler, scheduled) -> None:

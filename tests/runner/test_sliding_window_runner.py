@@ -26,11 +26,11 @@ from attnplug.cache_groups.specs import FullAttentionSpec, SlidingWindowSpec, cd
 from attnplug.core.constants import NULL_BLOCK_ID
 from attnplug.core.errors import InvalidSchedulerOutput, KVCacheSpecError, MetadataInvariantError
 from attnplug.core.validation import validate
-from attnplug.runner.scheduler import Scheduler, SchedulerConfig
-from attnplug.runner.scheduler_output import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
-from attnplug.runner.skipped_blocks import null_skipped_blocks
-from attnplug.runner.step_compiler import StepCompiler
-from attnplug.runner.traces import load_trace, make_prompts
+from attnplug.runner.serve.scheduler import Scheduler, SchedulerConfig
+from attnplug.runner.step.scheduler_output import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
+from attnplug.runner.step.apply_windows import null_skipped_blocks
+from attnplug.runner.step.compiler import StepCompiler
+from attnplug.runner.commands.traces import load_trace, make_prompts
 
 
 # --- the arithmetic and the kernel conventions ---------------------------------------------

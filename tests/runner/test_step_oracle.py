@@ -18,16 +18,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from attnplug.core.constants import NULL_BLOCK_ID
-from attnplug.runner.naive_step import NaiveStepCompiler
-from attnplug.runner.scheduler_output import (
+from attnplug.runner.step.oracle import NaiveStepCompiler
+from attnplug.runner.step.scheduler_output import (
     CachedRequestData,
     NewRequestData,
     SamplingParams,
     SchedulerOutput,
 )
-from attnplug.runner.native import NATIVE
-from attnplug.runner.step_compiler import StepCompiler
-from attnplug.runner.update_states import apply_update, plan_update
+from attnplug.runner.step.fast import NATIVE
+from attnplug.runner.step.compiler import StepCompiler
+from attnplug.runner.step.check import apply_update, plan_update
 
 STEPS_PER_EXAMPLE = 25
 MAX_EXAMPLES = 90

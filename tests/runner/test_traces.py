@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from attnplug.core.errors import TraceFormatError
-from attnplug.runner.traces import (
+from attnplug.runner.commands.traces import (
     SOURCE_MAX_MODEL_LEN,
     LoadedTrace,
     TraceRequest,

@@ -10,11 +10,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from attnplug.runner.explain import run
-from attnplug.runner.input_batch import InputBatch
-from attnplug.runner.request_state import CachedRequestState
-from attnplug.runner.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
-from attnplug.runner.step_compiler import StepCompiler
+from attnplug.runner.commands.explain import run
+from attnplug.runner.step.input_batch import InputBatch
+from attnplug.runner.step.request_state import CachedRequestState
+from attnplug.runner.step.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+from attnplug.runner.step.compiler import StepCompiler
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "docs" / "examples"
 
@@ -104,7 +104,7 @@ def test_example_3_condense_through_explain():
 def test_example_3_condense_through_the_input_batch():
     batch = InputBatch(4, 16, 16, [4])
     for rid, blk, temp in (("A", 1, 0.1), ("B", 2, 0.2), ("C", 3, 0.3), ("D", 4, 0.4)):
-        from attnplug.runner.scheduler_output import SamplingParams
+        from attnplug.runner.step.scheduler_output import SamplingParams
         batch.add_request(CachedRequestState(rid, [blk * 10, blk * 10 + 1], ([blk],), 1,
                                              SamplingParams(temperature=temp)))
     assert batch.req_ids == ["A", "B", "C", "D"]

@@ -83,7 +83,7 @@ def test_real_backends_are_registered_and_emulators_are_not():
 
 
 def test_attnplug_backends_lists_both_with_the_reason_they_are_unavailable():
-    from attnplug.plugins.cli_backends import backend_rows
+    from attnplug.runner.commands.backends import backend_rows
 
     rows = {r["name"]: r for r in backend_rows(get_registry())}
     for name in ("flash_attn", "flashinfer"):

@@ -15,7 +15,7 @@ from attnplug.backends.flash_attn import FlashAttnBackend, FlashAttnMetadataBuil
 from attnplug.cache_groups.specs import FullAttentionSpec, SlidingWindowSpec
 from attnplug.core.contracts import AttentionCGSupport, BuilderConfig
 from attnplug.core.errors import BackendUnsupportedError, MetadataError
-from attnplug.runner.cudagraph import PaddedMetadata
+from attnplug.runner.execute.cudagraph import PaddedMetadata
 
 
 def _spec(b, window=None):

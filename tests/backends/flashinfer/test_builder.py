@@ -15,7 +15,7 @@ from attnplug.backends.flashinfer import FlashInferImpl, FlashInferMetadataBuild
 from attnplug.cache_groups.specs import FullAttentionSpec, SlidingWindowSpec
 from attnplug.core.contracts import AttentionCGSupport, BuilderConfig
 from attnplug.core.errors import MetadataError
-from attnplug.runner.cudagraph import PaddedMetadata
+from attnplug.runner.execute.cudagraph import PaddedMetadata
 
 
 def _setup(b, window=None, params=((None, None),), max_reqs=8):
@@ -116,8 +116,8 @@ def test_decodes_after_a_prefill_are_rejected():
 
 
 def test_the_step_compiler_honours_reorder_batch_threshold():
-    from attnplug.runner.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
-    from attnplug.runner.step_compiler import StepCompiler
+    from attnplug.runner.step.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+    from attnplug.runner.step.compiler import StepCompiler
 
     assert FlashInferMetadataBuilder.reorder_batch_threshold == 1
     sc = StepCompiler([4], max_num_reqs=4, max_model_len=64, max_num_batched_tokens=32,

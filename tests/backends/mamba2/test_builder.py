@@ -15,9 +15,9 @@ from attnplug.core.constants import PAD_SLOT_ID
 from attnplug.core.contracts import BuilderConfig
 from attnplug.core.errors import KVCacheSpecError, MetadataError
 from attnplug.core.metadata import CommonAttentionMetadata
-from attnplug.runner.scheduler import Scheduler, SchedulerConfig
-from attnplug.runner.scheduler_output import SamplingParams
-from attnplug.runner.step_compiler import StepCompiler
+from attnplug.runner.serve.scheduler import Scheduler, SchedulerConfig
+from attnplug.runner.step.scheduler_output import SamplingParams
+from attnplug.runner.step.compiler import StepCompiler
 
 SPEC = MambaSpec(block_size=4, conv_state_shape=(6, 3), ssm_state_shape=(2, 3, 4), chunk_size=4)
 CFG = BuilderConfig(max_num_reqs=8, max_num_batched_tokens=32, max_model_len=64)
@@ -93,7 +93,7 @@ def test_update_block_table_recomputes_state_indices_and_equals_a_fresh_build():
 
 
 def test_group_builder_reuses_one_build_for_equal_mamba_specs():
-    from attnplug.runner.attn_metadata import GroupMetadataBuilder
+    from attnplug.runner.execute.group_metadata import GroupMetadataBuilder
 
     cm = _common([0, 2], [3, 1], [1, 2])
     other = cm.replace(block_table_tensor=torch.tensor([[7, 0], [8, 0]], dtype=torch.int32))

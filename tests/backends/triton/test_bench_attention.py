@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attnplug.runner import bench_attention as ba
-from attnplug.runner import bench_attention_report as report
-from attnplug.runner import bench_flash_reference as flash_ref
-from attnplug.runner.bench_timing import Timing
-from attnplug.runner.bench import main as bench_main
+from attnplug.runner.commands.bench import attention as ba
+from attnplug.runner.commands.bench import attention_report as report
+from attnplug.runner.commands.bench import flash_reference as flash_ref
+from attnplug.runner.commands.bench.timing import Timing
+from attnplug.runner.commands.bench.step import main as bench_main
 
 TINY = ["--decode-batch", "3,5", "--prefill-tokens", "40", "--mixed-budget", "24", "--mixed-decodes", "4",
         "--max-model-len", "256", "--num-heads", "4", "--num-kv-heads", "2", "--head-size", "32", "--dtype", "float32",

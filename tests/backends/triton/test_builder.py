@@ -162,7 +162,7 @@ def test_cuda_graph_builds_use_the_padded_request_count_and_match_eager():
     """The runner pads a graph step (empty-query requests, seq_len 0, null rows, PAD slots);
     ``build_for_cudagraph_capture`` bakes the padded count, and the real tokens' output and
     cache writes equal an eager build's."""
-    from attnplug.runner.cudagraph import PaddedMetadata
+    from attnplug.runner.execute.cudagraph import PaddedMetadata
 
     cm = _cm([5, 0, 20], [1, 7, 2], [[1, 0], [2, 3], [4, 5]], pad=6)  # 10 real tokens padded to 16
     (padded,) = PaddedMetadata(4, "cpu").pad([cm], 4)

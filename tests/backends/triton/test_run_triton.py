@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from attnplug.runner import run_cmd
-from attnplug.runner.setup import build_engine
+from attnplug.runner.commands import run as run_cmd
+from attnplug.runner.commands.assemble import build_engine
 
 ARGS = ["--num-requests", "4", "--invariance-requests", "0"]
 

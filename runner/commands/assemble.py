@@ -1,0 +1,127 @@
+"""Assemble an engine from command-line style options: model, cache groups, backends,
+scheduler, runner, and the trace's requests. Used by ``attnplug run`` and ``parity``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from attnplug.cache_groups.grouping import KVCacheConfig, group_layers_by_spec
+from attnplug.cache_groups.specs import cdiv
+from attnplug.core.contracts import AttentionBackend, AttentionLayerConfig
+from attnplug.runner.serve.engine import LLMEngine
+from attnplug.runner.execute.model_runner import ModelRunner, RunnerConfig
+from attnplug.runner.serve.scheduler import Scheduler, SchedulerConfig
+from attnplug.runner.step.scheduler_output import SamplingParams
+from attnplug.runner.commands.traces import BUNDLED_ATTRIBUTION, BUNDLED_TRACES
+
+
+@dataclass
+class EngineSetup:
+    """An engine and everything a command reports about it."""
+
+    model: torch.nn.Module
+    engine: LLMEngine
+    kv_cache_config: KVCacheConfig
+    backends: list[type[AttentionBackend]]
+    prompts: dict[str, list[int]] = field(default_factory=dict)
+    sampling_params: dict[str, SamplingParams] = field(default_factory=dict)
+    trace_info: dict[str, Any] = field(default_factory=dict)
+
+    def summary(self, results: dict, wall_s: float) -> dict[str, Any]:
+        """Machine-readable summary of a finished run (what ``--json`` prints)."""
+        eng = self.engine
+        runner = eng.runner
+        counters = runner.metadata_builder.counters
+        generated = sum(len(r.output_token_ids) for r in results.values())
+        return {
+            "requests": len(results),
+            "steps": eng.stats.num_steps,
+            "prompt_tokens": sum(len(r.prompt_token_ids) for r in results.values()),
+            "generated_tokens": generated,
+            "scheduled_tokens": eng.stats.num_scheduled_tokens,
+            "wall_time_s": round(wall_s, 3),
+            "tokens_per_s": round(eng.stats.num_scheduled_tokens / wall_s, 1) if wall_s else 0.0,
+            "generated_tokens_per_s": round(generated / wall_s, 1) if wall_s else 0.0,
+            "preemptions": eng.scheduler.num_preemptions,
+            "median_us_per_step": {k: round(v, 1) for k, v in runner.median_stage_us().items()},
+            "peak_kv_blocks_per_group": list(eng.scheduler.peak_blocks_per_group),
+            "num_blocks_per_group": self.kv_cache_config.num_blocks,
+            "cache_groups": [
+                {"kind": g.kv_cache_spec.kind, "layers": len(g.layer_names), "backend": b.get_name(),
+                 "block_size": g.kv_cache_spec.block_size,
+                 "sliding_window": getattr(g.kv_cache_spec, "sliding_window", None),
+                 "capacity": self.kv_cache_config.num_blocks_of(i) - 1}
+                for i, (g, b) in enumerate(zip(self.kv_cache_config.groups, self.backends))
+            ],
+            "metadata_builds_per_step": round(counters.total_builds / max(counters.steps, 1), 2),
+            "metadata_reuses_per_step": round(counters.total_reuses / max(counters.steps, 1), 2),
+            "trace": self.trace_info,
+        }
+
+
+def resolve_backend(name: str | None, layer_cfgs: dict[str, AttentionLayerConfig],
+                    kind_of: dict[str, str]) -> dict[str, type[AttentionBackend]]:
+    """The backend of every attention layer (explicit ``name`` for all, else automatic)."""
+    from attnplug.plugins.selection import select_backend
+
+    chosen: dict[str, type[AttentionBackend]] = {}
+    memo: dict[tuple, type[AttentionBackend]] = {}
+    for layer, cfg in layer_cfgs.items():
+        key = (cfg, kind_of[layer])
+        if key not in memo:
+            memo[key] = select_backend(cfg, kind_of[layer], cli_choice=name).backend_cls
+        chosen[layer] = memo[key]
+    return chosen
+
+
+def build_engine(args, *, alone: bool = False, model: torch.nn.Module | None = None,
+                 requests: bool = True) -> EngineSetup:
+    """Build model (unless given), cache config, backends, scheduler, runner and requests.
+
+    ``alone=True`` makes a batch-of-one engine without chunking (the invariance check).
+
+    Raises:
+        AttnplugError: bad options, an unsupported model or backend, a bad trace.
+    """
+    from attnplug.runner.commands.model_loading import load_model_for_run
+
+    torch.manual_seed(args.seed)
+    device = getattr(args, "device", "cpu")
+    if model is None:
+        model = load_model_for_run(args.model, backend=args.backend, block_size=args.block_size,
+                                   seed=args.seed, resolve=resolve_backend, device=device)
+    specs = model.kv_cache_specs(args.block_size)
+    groups = group_layers_by_spec(specs)
+    max_model_len = args.max_model_len
+    max_num_seqs = 1 if alone else args.max_num_seqs
+    budget = max_model_len if alone else args.max_num_batched_tokens
+    num_blocks = args.num_blocks or (max_num_seqs * cdiv(max_model_len, args.block_size) + 1)
+    kv_cfg = KVCacheConfig(num_blocks, groups, num_state_slots=max_num_seqs + 1)  # Mamba: 1 slot per request
+    backends = [model.attnplug_backends[g.layer_names[0]] for g in groups]
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
+                                      max_model_len=max_model_len, enable_chunked_prefill=not alone,
+                                      force_preemption_every=getattr(args, "force_preemption_every", None)),
+                      kv_cfg)
+    runner = ModelRunner(model, kv_cfg, backends,
+                         RunnerConfig(max_num_reqs=max_num_seqs, max_model_len=max_model_len,
+                                      max_num_batched_tokens=budget),
+                         device=device, record_logits=getattr(args, "record_logits", False), seed=args.seed)
+    setup = EngineSetup(model, LLMEngine(sched, runner), kv_cfg, backends)
+    if requests and not alone:
+        from attnplug.runner.commands.traces import load_trace, make_prompts
+
+        trace = load_trace(args.trace, args.num_requests, max_model_len=max_model_len,
+                           skip_invalid=args.skip_invalid)
+        prompts = make_prompts(trace, model.config.vocab_size, seed=args.seed)
+        for i, (tr, prompt) in enumerate(zip(trace, prompts)):
+            rid = f"req-{i}"
+            setup.prompts[rid] = prompt
+            setup.sampling_params[rid] = SamplingParams(temperature=0.0, max_tokens=tr.output_len)
+        setup.trace_info = {"source": args.trace, "requests": len(trace), "skipped_rows": trace.num_skipped,
+                            "scale": trace.scale}
+        if args.trace in BUNDLED_TRACES:  # the licence (CC-BY 4.0) travels with what the data produced
+            setup.trace_info["attribution"] = BUNDLED_ATTRIBUTION
+    return setup

@@ -1,0 +1,200 @@
+"""``attnplug backends``: the registered backends, and ``--explain`` for a model's selection.
+
+::
+
+    attnplug backends                       # table: name, source, available (or why not), features
+    attnplug backends --json                # the same, machine-readable, plus plugin faults
+    attnplug backends --explain --model preset [--backend CHOICE] [--device cuda] [--dtype float16]
+                                            # per cache group: the chosen backend, every rejection
+
+Exit status: 0; 1 when ``--explain`` finds a cache group no backend can serve (or whose
+explicit choice cannot serve it); 2 for bad arguments or configuration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from attnplug.core.errors import AttnplugError, BackendUnsupportedError
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="attnplug backends", description=__doc__.split("::")[0].strip(),
+                                epilog=__doc__.split("\n\n")[-1].strip().replace("``", ""),
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    p.add_argument("--explain", action="store_true", help="explain backend selection for --model")
+    p.add_argument("--model", default=None, help="'preset', a preset name, or a path to an HF config.json")
+    p.add_argument("--backend", default=None, help="as `attnplug run --backend`: NAME or KIND=NAME[,KIND=NAME]")
+    p.add_argument("--device", default=None, help="device the model would run on (default: cuda if available)")
+    p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
+                   help="activation/KV dtype (default: the config's torch_dtype, else float32)")
+    p.add_argument("--block-size", type=int, default=16, help="manager block size in tokens (default 16)")
+    return p
+
+
+def _dtype_names(dtypes) -> list[str]:
+    return [str(d).replace("torch.", "") for d in dtypes]
+
+
+def backend_rows(registry) -> list[dict[str, Any]]:
+    """One JSON-able dict per registered backend (what the table shows)."""
+    rows = []
+    for entry in registry:
+        cls = entry.backend_cls
+        try:
+            ok, why = cls.is_available()
+        except Exception as exc:  # a plugin bug must not break the listing
+            ok, why = False, f"is_available() raised {type(exc).__name__}: {exc}"
+        try:
+            feats = dict(cls.features())
+        except Exception as exc:
+            feats = {"error": f"features() raised {type(exc).__name__}: {exc}"}
+        src = entry.source
+        rows.append({
+            "name": entry.name, "source": src.describe(), "builtin": src.builtin,
+            "distribution": src.distribution, "version": src.version, "entry_point": src.entry_point,
+            "available": bool(ok), "unavailable_reason": "" if ok else why,
+            "kv_cache_kind": cls.kv_cache_kind, "features": feats,
+            "dtypes": _dtype_names(cls.supported_dtypes),
+            "head_sizes": None if cls.supported_head_sizes is None else list(cls.supported_head_sizes),
+            "kernel_block_sizes": (None if cls.supported_kernel_block_sizes is None
+                                   else list(cls.supported_kernel_block_sizes)),
+            "devices": list(cls.supported_devices),
+            "plugin_api_version": ".".join(map(str, cls.plugin_api_version)),
+            "class": f"{cls.__module__}.{cls.__qualname__}",
+        })
+    return rows
+
+
+def _problems(registry) -> dict[str, list]:
+    return {
+        "faults": [{"plugin": f.plugin, "entry_point": f.entry_point, "distribution": f.distribution,
+                    "backend": f.backend, "reason": f.reason} for f in registry.faults],
+        "skipped": [{"plugin": s.source.plugin, "distribution": s.source.describe(), "reason": s.reason}
+                    for s in registry.skipped],
+        "notes": list(registry.notes),
+    }
+
+
+def _console():
+    from rich.console import Console
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=160)
+    return console
+
+
+def print_backends(registry) -> None:
+    from rich.markup import escape
+    from rich.table import Table
+
+    console = _console()
+    table = Table(title="attnplug backends", show_lines=False)
+    for col in ("name", "source", "available", "kind", "features", "dtypes", "head sizes", "kernel blocks", "API"):
+        table.add_column(col, overflow="fold", no_wrap=col in ("name", "source"))  # identifiers stay whole
+    for r in backend_rows(registry):
+        feats = " ".join(f"{k}{'+' if v else '-'}" for k, v in r["features"].items())
+        avail = "[green]yes[/green]" if r["available"] else f"[red]no[/red]: {escape(r['unavailable_reason'])}"
+        table.add_row(r["name"], r["source"], avail, r["kv_cache_kind"], feats, ", ".join(r["dtypes"]),
+                      "any" if r["head_sizes"] is None else ", ".join(map(str, r["head_sizes"])),
+                      "any" if r["kernel_block_sizes"] is None else ", ".join(map(str, r["kernel_block_sizes"])),
+                      r["plugin_api_version"])
+    console.print(table)
+    probs = _problems(registry)
+    if probs["faults"]:
+        ft = Table(title="plugin problems (skipped)")
+        for col in ("plugin", "entry point", "distribution", "backend", "reason"):
+            ft.add_column(col, overflow="fold")
+        for f in probs["faults"]:
+            ft.add_row(escape(f["plugin"]), escape(f["entry_point"] or "(built-in)"),
+                       escape(f["distribution"] or "(built-in)"), escape(f["backend"] or ""), escape(f["reason"]))
+        console.print(ft)
+    for s in probs["skipped"]:
+        console.print(f"skipped plugin {s['plugin']} ({s['distribution']}): {s['reason']}", markup=False)
+    for note in probs["notes"]:
+        console.print(f"note: {note}", markup=False)
+
+
+def explain(registry, args) -> tuple[dict[str, Any], int]:
+    """Selection for every cache group of ``args.model``; returns (JSON-able report, status)."""
+    import torch
+
+    from attnplug.runner.commands.model_layers import model_layer_groups
+    from attnplug.plugins.selection import BackendSelector, describe_layer, rejection_reasons
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = getattr(torch, args.dtype) if args.dtype else None
+    what, groups = model_layer_groups(args.model, dtype=dtype, device=device, block_size=args.block_size)
+    selector = BackendSelector(args.backend, registry=registry)
+    report: dict[str, Any] = {"model": what, "device": device, "groups": []}
+    status = 0
+    for g, group in enumerate(groups):
+        item: dict[str, Any] = {"group": g, "kind": group.kind, "num_layers": len(group.layer_names),
+                                "layers": list(group.layer_names), "layer": describe_layer(group.layer_cfg)}
+        try:
+            res = selector.select(group.layer_cfg, group.kind)
+        except BackendUnsupportedError as exc:
+            status = 1
+            item.update(chosen=None, error=str(exc), rejections=[{"backend": exc.backend_name, "reasons": exc.reasons}])
+        else:
+            item.update(chosen=res.name, source=res.source, origin=res.origin,
+                        rejections=[{"backend": r.backend, "reasons": list(r.reasons)} for r in res.rejections])
+        considered = {item.get("chosen")} | {r["backend"] for r in item["rejections"]}
+        item["others"] = [{"backend": name, "reasons": rejection_reasons(registry.get(name), group.layer_cfg,
+                                                                          group.kind)}
+                          for name in registry.names() if name not in considered]
+        report["groups"].append(item)
+    return report, status
+
+
+def print_explain(report: dict[str, Any]) -> None:
+    """Print an :func:`explain` report; every text that comes from the model, the
+    configuration or a backend is escaped, so only our own markup is rendered."""
+    from rich.markup import escape as e
+
+    console = _console()
+    console.print(f"[bold]model[/bold] {e(report['model'])} on {e(report['device'])}", highlight=False)
+    for item in report["groups"]:
+        layers, n = item["layers"], item["num_layers"]
+        span = layers[0] if len(layers) == 1 else f"{layers[0]} .. {layers[-1]}"
+        console.print(f"\n[bold]cache group {item['group']}[/bold] ({e(item['kind'])}, "
+                      f"{n} layer{'' if n == 1 else 's'}: {e(span)})\n  layer: {e(item['layer'])}", highlight=False)
+        if item["chosen"] is None:
+            console.print(f"  [red]no backend[/red]: {e(item['error'])}", highlight=False)
+            continue
+        console.print(f"  chosen: [green]{e(item['chosen'])}[/green] ({e(item['origin'])})", highlight=False)
+        for r in item["rejections"]:
+            console.print(f"  rejected {e(r['backend'])}: " + e("; ".join(r["reasons"])), highlight=False)
+        for r in item.get("others", []):
+            verdict = ("could also serve" if not r["reasons"] else "cannot serve: " + "; ".join(r["reasons"]))
+            console.print(f"  not tried {e(r['backend'])}: {e(verdict)}", highlight=False)
+
+
+def main(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
+    from attnplug.plugins.registry import get_registry
+
+    registry = get_registry()
+    if args.explain:
+        if not args.model:
+            print("attnplug backends: --explain needs --model (e.g. --model preset)", file=sys.stderr)
+            return 2
+        try:
+            report, status = explain(registry, args)
+        except AttnplugError as exc:
+            print(f"attnplug backends: {exc}", file=sys.stderr)
+            return 2
+        if args.json:
+            print(json.dumps(report, indent=2))
+        else:
+            print_explain(report)
+        return status
+    if args.json:
+        print(json.dumps({"backends": backend_rows(registry), **_problems(registry)}, indent=2))
+    else:
+        print_backends(registry)
+    return 0

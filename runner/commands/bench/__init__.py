@@ -1,0 +1,1 @@
+"""attnplug.runner.commands.bench."""

@@ -1,0 +1,170 @@
+"""``attnplug parity``: our engine against HF transformers on the same random weights.
+
+Builds the HF model from a ``config.json`` with seeded random weights, loads the same
+weights into our model, runs N requests of different prompt lengths through our engine
+(continuous batching, chunked prefill under a small token budget, optionally forced
+preemption) and through HF greedy decoding one request at a time (``attn_implementation
+="eager"``, full recompute each step), then compares every generated token and the logits
+that chose it.
+
+Tolerances on ``max |dlogit|`` (absolute, logits of the whole vocabulary), per dtype:
+``float32`` 2e-3, ``bfloat16`` 0.5, ``float16`` 0.1. Tokens must be identical.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import torch
+
+from attnplug.core.errors import AttnplugError
+
+TOLERANCES = {torch.float32: 2e-3, torch.bfloat16: 0.5, torch.float16: 0.1}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class ParityResult:
+    """Outcome of a parity run."""
+
+    ok: bool
+    num_identical: int
+    num_requests: int
+    max_abs_dlogit: float
+    tolerance: float
+    first_divergence: dict[str, Any] | None = None
+    preemptions: int = 0
+    steps: int = 0
+    details: list[str] = field(default_factory=list)
+
+    def line(self) -> str:
+        if self.ok:
+            return (f"parity: OK tokens {self.num_identical}/{self.num_requests} identical, "
+                    f"max |dlogit| = {self.max_abs_dlogit:.3g} (tolerance {self.tolerance:g}; "
+                    f"{self.steps} steps, {self.preemptions} preemptions)")
+        d = self.first_divergence or {}
+        where = ", ".join(f"{k}={v}" for k, v in d.items())
+        return (f"parity: FAIL tokens {self.num_identical}/{self.num_requests} identical, "
+                f"max |dlogit| = {self.max_abs_dlogit:.3g} (tolerance {self.tolerance:g}); first divergence: {where}")
+
+
+def _hf_model(cfg_dict: dict, seed: int, dtype: torch.dtype):
+    try:
+        import transformers
+    except ImportError:
+        raise AttnplugError("attnplug parity needs transformers: pip install 'attnplug[parity]'") from None
+    from attnplug.runner.models import resolve_model_config
+
+    resolve_model_config(cfg_dict)  # unsupported architecture -> error listing the supported ones
+    cfg = transformers.AutoConfig.for_model(**cfg_dict)
+    torch.manual_seed(seed)
+    # transformers >= 4.56 names the argument ``dtype`` (``torch_dtype`` is deprecated there).
+    major_minor = tuple(int(x) for x in transformers.__version__.split(".")[:2])
+    kw = {"dtype": dtype} if major_minor >= (4, 56) else {"torch_dtype": dtype}
+    hf = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", **kw)
+    return cfg, hf.eval()
+
+
+@torch.inference_mode()
+def _hf_greedy(hf, prompt: list[int], num_tokens: int) -> tuple[list[int], list[torch.Tensor]]:
+    ids = torch.tensor([prompt], dtype=torch.long)
+    out, logits = [], []
+    for _ in range(num_tokens):
+        step = hf(input_ids=ids).logits[0, -1].float()
+        tok = int(step.argmax())
+        out.append(tok)
+        logits.append(step)
+        ids = torch.cat([ids, torch.tensor([[tok]])], dim=1)
+    return out, logits
+
+
+def run_parity(cfg_dict: dict, *, num_requests: int = 6, seed: int = 0, force_preemption: bool = False,
+               dtype: str = "float32", max_num_batched_tokens: int = 24, max_tokens: int = 6,
+               block_size: int = 4, backend: str | None = None,
+               prompt_len_range: tuple[int, int] = (3, 40)) -> ParityResult:
+    """Run the comparison (see the module docstring).
+
+    Raises:
+        AttnplugError: unsupported architecture (lists the supported ones), missing
+            transformers, bad options.
+    """
+    from attnplug.runner.commands.model_loading import build_with_backends
+    from attnplug.runner.commands.assemble import build_engine, resolve_backend
+    from attnplug.runner.step.scheduler_output import SamplingParams
+
+    if dtype not in DTYPES:
+        raise AttnplugError(f"dtype {dtype!r} not supported; choose one of {sorted(DTYPES)}")
+    tdtype = DTYPES[dtype]
+    cfg, hf = _hf_model(cfg_dict, seed, tdtype)
+    model = build_with_backends(cfg, backend=backend, block_size=block_size, resolve=resolve_backend, dtype=tdtype)
+    model.load_hf_state_dict(hf.state_dict())
+
+    rng = np.random.default_rng(seed)
+    lo, hi = prompt_len_range
+    lengths = rng.integers(lo, hi + 1, size=num_requests)
+    vocab = int(cfg.vocab_size)
+    prompts = {f"req-{i}": rng.integers(0, vocab, size=int(n)).tolist() for i, n in enumerate(lengths)}
+    max_model_len = int(hi + max_tokens + block_size)
+    args = SimpleNamespace(
+        model=None, backend=backend, block_size=block_size, seed=seed, max_model_len=max_model_len,
+        max_num_seqs=num_requests, max_num_batched_tokens=max_num_batched_tokens, num_blocks=None,
+        force_preemption_every=3 if force_preemption else None, record_logits=True)
+    setup = build_engine(args, model=model, requests=False)
+    for rid, p in prompts.items():
+        setup.engine.add_request(rid, p, SamplingParams(temperature=0.0, max_tokens=max_tokens))
+    results = setup.engine.run()
+
+    tol = TOLERANCES[tdtype]
+    max_d = 0.0
+    identical = 0
+    first = None
+    for rid, prompt in prompts.items():
+        ours = results[rid]
+        ref_tokens, ref_logits = _hf_greedy(hf, prompt, max_tokens)
+        same = ours.output_token_ids == ref_tokens
+        identical += same
+        for j, (a, b) in enumerate(zip(ours.logits, ref_logits)):
+            max_d = max(max_d, float((a.float() - b.float()).abs().max()))
+        if not same and first is None:
+            j = next((j for j, (a, b) in enumerate(zip(ours.output_token_ids, ref_tokens)) if a != b),
+                     min(len(ours.output_token_ids), len(ref_tokens)))
+            first = {"request": rid, "prompt_len": len(prompt), "output_step": j,
+                     "ours": ours.output_token_ids[j] if j < len(ours.output_token_ids) else None,
+                     "hf": ref_tokens[j] if j < len(ref_tokens) else None}
+    ok = identical == len(prompts) and max_d <= tol
+    if first is None and not ok:
+        first = {"reason": f"max |dlogit| {max_d:.3g} above tolerance {tol:g}"}
+    return ParityResult(ok, identical, len(prompts), max_d, tol, first,
+                        preemptions=setup.engine.scheduler.num_preemptions, steps=setup.engine.stats.num_steps)
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="attnplug parity", description=__doc__.splitlines()[0])
+    p.add_argument("--hf-config", required=True, help="path to an HF config.json (or its directory)")
+    p.add_argument("--num-requests", type=int, default=6)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--force-preemption", action="store_true")
+    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    p.add_argument("--max-num-batched-tokens", type=int, default=24)
+    p.add_argument("--max-tokens", type=int, default=6)
+    p.add_argument("--block-size", type=int, default=4)
+    p.add_argument("--backend", default=None)
+    args = p.parse_args(argv)
+    from attnplug.runner.commands.model_loading import read_hf_config
+
+    try:
+        cfg = read_hf_config(args.hf_config)
+        res = run_parity(cfg, num_requests=args.num_requests, seed=args.seed,
+                         force_preemption=args.force_preemption, dtype=args.dtype,
+                         max_num_batched_tokens=args.max_num_batched_tokens, max_tokens=args.max_tokens,
+                         block_size=args.block_size, backend=args.backend)
+    except AttnplugError as e:
+        print(f"attnplug parity: {e}", file=sys.stderr)
+        return 2
+    print(res.line())
+    return 0 if res.ok else 1

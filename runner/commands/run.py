@@ -1,0 +1,98 @@
+"""``attnplug run``: replay a trace through the engine — the main job (``make run``).
+
+Defaults need no argument: the first requests of the bundled Azure conversation trace
+(CC-BY 4.0, Patel et al., ISCA 2024; see ``runner/data/README.md``), lengths scaled to the
+model, on the bundled ``tiny-hybrid`` preset (full-attention, sliding-window and Mamba2
+layers: three kinds of cache group in every step; random weights from a fixed seed, no
+download), with the backend chosen for this machine. Prints a progress bar, then a table
+of counts, per-stage median times and metadata builds / reuses per step, a table of the
+cache groups (kind and window, backend, peak KV blocks or Mamba state slots against the
+group's pool), and a batch-invariance check (K requests re-run alone must give identical
+greedy tokens).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from attnplug.core.errors import AttnplugError
+from attnplug.runner.models.presets import PRESETS, RUN_PRESET
+from attnplug.runner.commands.assemble import EngineSetup, build_engine
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="attnplug run", description=__doc__.splitlines()[0])
+    p.add_argument("--trace", default="conv", help="conv, code (bundled Azure traces) or a CSV PATH")
+    p.add_argument("--num-requests", type=int, default=48)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--max-num-seqs", type=int, default=16)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-blocks", type=int, default=None,
+                   help="blocks per cache group (default: enough for max-num-seqs full requests)")
+    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--model", default=RUN_PRESET,
+                   help=f"a preset ({', '.join(PRESETS)}; default {RUN_PRESET}: full, sliding-window and Mamba2 "
+                        "layers), 'preset' (= tiny-llama) or PATH/config.json (HF config, random weights)")
+    p.add_argument("--backend", default=None, metavar="CHOICE",
+                   help="NAME (every cache group its backend serves) or KIND=NAME[,KIND=NAME...] per "
+                        "cache-group kind (full_attention, sliding_window, mamba; default=NAME), e.g. "
+                        "full_attention=triton,sliding_window=torch_native; beats ATTNPLUG_BACKEND* and "
+                        "attnplug.toml (docs/configuration.md); default: those, then automatic")
+    p.add_argument("--device", default="cpu",
+                   help="where the model and its caches live: cpu (default) or cuda; backends are chosen for it")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--invariance-requests", type=int, default=8,
+                   help="requests re-run alone for the batch-invariance check (0 disables)")
+    p.add_argument("--skip-invalid", action="store_true", help="skip (and count) invalid trace rows")
+    p.add_argument("--json", action="store_true", help="print a machine-readable summary on stdout")
+    return p
+
+
+def _invariance(args, setup: EngineSetup, results: dict) -> tuple[int, int]:
+    """Re-run the first K finished requests alone (batch of one, no chunking)."""
+    ids = sorted(results, key=lambda r: int(r.split("-")[1]))[: args.invariance_requests]
+    same = 0
+    for rid in ids:
+        res = results[rid]
+        solo = build_engine(args, alone=True, model=setup.model)
+        solo.engine.add_request(rid, res.prompt_token_ids, setup.sampling_params[rid])
+        out = solo.engine.run()
+        same += out[rid].output_token_ids == res.output_token_ids
+    return same, len(ids)
+
+
+def main(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        setup = build_engine(args)
+        engine = setup.engine
+        for rid, prompt in setup.prompts.items():
+            engine.add_request(rid, prompt, setup.sampling_params[rid])
+    except AttnplugError as e:
+        print(f"attnplug run: {e}", file=sys.stderr)
+        return 2
+
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    err = Console(stderr=True)
+    t0 = time.perf_counter()
+    with Progress(TextColumn("[bold]run"), BarColumn(), MofNCompleteColumn(), TextColumn("requests"),
+                  TimeElapsedColumn(), console=err, transient=args.json, disable=not err.is_terminal and args.json) as bar:
+        task = bar.add_task("requests", total=len(setup.prompts))
+        results = engine.run(on_step=lambda fin: bar.advance(task, len(fin)))
+    wall = time.perf_counter() - t0
+
+    same, k = _invariance(args, setup, results) if args.invariance_requests else (0, 0)
+    summary = setup.summary(results, wall)
+    summary["batch_invariance"] = {"identical": same, "checked": k}
+    if args.json:
+        print(json.dumps(summary, indent=2))
+    else:
+        from attnplug.runner.commands.report import print_run_table
+
+        print_run_table(summary)
+    return 0 if same == k else 1

@@ -1,0 +1,244 @@
+"""``ModelRunner``: one step, in order — update_states → prepare_inputs → common metadata →
+per-group builders → model forward (every attention layer calls its backend impl) →
+logits at ``logits_indices`` → sample → drop discarded rows.
+
+It is a thin coordinator: the step compiler (``step_compiler.StepCompiler``) owns the
+persistent batch state, ``attn_metadata.GroupMetadataBuilder`` the builders, the model
+its layers, ``sampler.Sampler`` the draws.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from attnplug.cache_groups.grouping import KVCacheConfig
+from attnplug.core.contracts import AttentionBackend, BuilderConfig
+from attnplug.core.devices import resolve_device
+from attnplug.core.errors import BackendUnsupportedError
+from attnplug.core.mamba import MambaBackend
+from attnplug.runner.execute.group_metadata import GroupMetadataBuilder
+from attnplug.runner.execute.cudagraph import CUDAGraphMode
+from attnplug.runner.execute.cudagraph_capture import StepGraphs
+from attnplug.runner.execute.sampler import Sampler
+from attnplug.runner.step.scheduler_output import SchedulerOutput
+from attnplug.runner.step.compiler import StepCompiler
+
+STAGES = ("update_states", "prepare_inputs", "metadata_build", "forward", "sample")
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What one step produced.
+
+    Attributes:
+        req_ids: the step's requests in batch-row order.
+        sampled_token_ids: ``{req_id: [token]}`` for rows that were not discarded (partial
+            prefills and recomputes produce nothing).
+        logits: ``{req_id: [vocab_size] float32 CPU}`` for the same rows, when the runner
+            was created with ``record_logits=True``.
+    """
+
+    req_ids: list[str]
+    sampled_token_ids: dict[str, list[int]]
+    logits: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    """Limits the runner sizes its persistent buffers by."""
+
+    max_num_reqs: int
+    max_model_len: int
+    max_num_batched_tokens: int
+
+
+class HostBufferFence:
+    """A CUDA event marking when a step's host-to-device input copies have been queued.
+
+    ``mark()`` records it on the current stream after the step's copies; ``wait()`` blocks
+    the host until the device has passed it, i.e. until those copies have read the pinned
+    host buffers that the next step is about to overwrite (vLLM V1's runner waits on a
+    similar event before preparing inputs under asynchronous scheduling).
+    """
+
+    def __init__(self) -> None:
+        self._event = torch.cuda.Event()
+        self._marked = False
+
+    def mark(self) -> None:
+        self._event.record()
+        self._marked = True
+
+    def wait(self) -> None:
+        if self._marked:
+            self._event.synchronize()
+
+
+class ModelRunner:
+    """Executes scheduler outputs on a model whose attention layers use pluggable backends.
+
+    Args:
+        model: a ``runner.models`` decoder model (``forward``, ``compute_logits``,
+            ``kv_cache_specs``), its attention impls already created from the backends.
+        kv_cache_config: the cache groups (layer names and specs) and blocks per group.
+        backends: one backend class per cache group (group order).
+        config: the buffer limits.
+        device: the compute device.
+        record_logits: keep the sampled rows' logits in each output (parity checks).
+        enable_builder_cache: reuse one metadata build across groups with the same spec
+            and builder class.
+        cudagraph_mode: ``None``/``"none"`` (default: no padding, no graphs), or the
+            requested :class:`~attnplug.runner.execute.cudagraph.CUDAGraphMode`; the runner
+            negotiates it down to what every builder supports (``self.cudagraphs.decision``
+            says why) and pads steps to ``cudagraph_capture_sizes``. Graphs are captured
+            on CUDA only; on a CPU steps are just padded.
+        cudagraph_capture_sizes: default ``runner.execute.cudagraph.DEFAULT_CAPTURE_SIZES``.
+
+    Raises:
+        BackendUnsupportedError: a backend cannot serve a group's block size.
+    """
+
+    def __init__(self, model: torch.nn.Module, kv_cache_config: KVCacheConfig,
+                 backends: Sequence[type[AttentionBackend]], config: RunnerConfig,
+                 device: torch.device | str = "cpu", *, record_logits: bool = False,
+                 enable_builder_cache: bool = True, seed: int = 0,
+                 cudagraph_mode: CUDAGraphMode | str | None = None,
+                 cudagraph_capture_sizes: Sequence[int] | None = None):
+        self.model = model
+        self.kv_cache_config = kv_cache_config
+        self.backends = list(backends)
+        self.config = config
+        self.device = resolve_device(device)
+        self.record_logits = record_logits
+        groups = kv_cache_config.groups
+        kernel_block_sizes = []
+        for g, (group, backend) in enumerate(zip(groups, self.backends)):
+            kbs = backend.get_supported_kernel_block_size(group.kv_cache_spec.block_size)
+            if kbs is None:
+                raise BackendUnsupportedError(backend.get_name(), [
+                    f"block_size {group.kv_cache_spec.block_size} is not a multiple of any kernel "
+                    f"block size {list(backend.supported_kernel_block_sizes or ())}"], f"cache group {g}")
+            kernel_block_sizes.append(kbs)
+        self.kernel_block_sizes = kernel_block_sizes
+        builder_cfg = BuilderConfig(config.max_num_reqs, config.max_num_batched_tokens, config.max_model_len)
+        builders = []
+        for group, backend, kbs in zip(groups, self.backends, kernel_block_sizes):
+            spec = group.kv_cache_spec
+            kernel_spec = dataclasses.replace(spec, block_size=kbs) if kbs != spec.block_size else spec
+            builders.append(backend.get_builder_cls()(kernel_spec, list(group.layer_names), builder_cfg, self.device))
+        threshold = [b.reorder_batch_threshold for b in builders if b.reorder_batch_threshold is not None]
+        self.compiler = StepCompiler(
+            block_sizes=[g.kv_cache_spec.block_size for g in groups],
+            num_blocks=[kv_cache_config.num_blocks_of(g) for g in range(len(groups))],
+            max_num_reqs=config.max_num_reqs,
+            max_model_len=config.max_model_len,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            device=self.device,
+            kernel_block_sizes=kernel_block_sizes,
+            reorder_batch_threshold=min(threshold) if threshold else None,
+            group_kinds=[g.kv_cache_spec.kind for g in groups],
+            sliding_windows=[getattr(g.kv_cache_spec, "sliding_window", None) for g in groups],
+        )
+        self.metadata_builder = GroupMetadataBuilder(
+            builders, [list(g.layer_names) for g in groups], enable_caching=enable_builder_cache)
+        self.cudagraphs: StepGraphs | None = None
+        if CUDAGraphMode.parse(cudagraph_mode) is not CUDAGraphMode.NONE:
+            self.cudagraphs = StepGraphs(builders, [b.get_name() for b in self.backends], cudagraph_mode,
+                                         self.device, config.max_num_reqs, config.max_num_batched_tokens,
+                                         cudagraph_capture_sizes)
+        self.kv_caches = self._allocate_kv_caches()
+        self.sampler = Sampler(default_seed=seed)
+        # Each step's inputs reach the device by non-blocking copies out of pinned host buffers
+        # that the next step rewrites; a step that samples nothing never waits for the device,
+        # so the next one first waits for this fence (CUDA only; None on the CPU).
+        self.host_buffer_fence: HostBufferFence | None = (
+            HostBufferFence() if self.device.type == "cuda" else None)
+        self.timings_ns: dict[str, list[int]] = {s: [] for s in STAGES}
+
+    def _allocate_kv_caches(self) -> dict[str, Any]:
+        """Per layer: a paged KV tensor (``backend.get_kv_cache_shape``) for attention groups,
+        the backend's state (``backend.allocate_state_cache``, one slot per block id) for
+        Mamba groups."""
+        caches: dict[str, Any] = {}
+        for g, (group, backend, kbs) in enumerate(zip(self.kv_cache_config.groups, self.backends,
+                                                     self.kernel_block_sizes)):
+            spec = group.kv_cache_spec
+            if spec.kind == "mamba":
+                if not isinstance(backend, type) or not issubclass(backend, MambaBackend):
+                    raise BackendUnsupportedError(backend.get_name(), [
+                        "cache group is a Mamba state group but the backend is not a MambaBackend "
+                        "(it cannot allocate state slots)"], f"cache group {g}")
+                for name in group.layer_names:
+                    caches[name] = backend.allocate_state_cache(spec, self.kv_cache_config.num_blocks_of(g),
+                                                                self.device)
+                continue
+            num_kernel_blocks = self.kv_cache_config.num_blocks * (spec.block_size // kbs)
+            shape = backend.get_kv_cache_shape(num_kernel_blocks, kbs, spec.num_kv_heads, spec.head_size)
+            for name in group.layer_names:
+                caches[name] = torch.zeros(shape, dtype=spec.dtype, device=self.device)
+        return caches
+
+    def _time(self, stage: str, t0: int) -> int:
+        t1 = time.perf_counter_ns()
+        self.timings_ns[stage].append(t1 - t0)
+        return t1
+
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step.
+
+        Raises:
+            InvalidSchedulerOutput: the output cannot be applied (state unchanged).
+            MetadataInvariantError: with ``ATTNPLUG_VALIDATE=1``, a broken invariant.
+        """
+        t = time.perf_counter_ns()
+        if self.host_buffer_fence is not None:
+            self.host_buffer_fence.wait()  # the last step's copies out of the host buffers are done
+        self.compiler.update_states(scheduler_output)
+        t = self._time("update_states", t)
+        if scheduler_output.total_num_scheduled_tokens == 0:
+            return ModelRunnerOutput([], {})
+        graphs, batch = self.cudagraphs, None
+        if graphs is not None:  # pad for CUDA graphs (runner/execute/cudagraph.py)
+            rows = self.compiler.input_batch
+            batch = graphs.dispatch(rows.num_scheduled_tokens[:rows.num_reqs])
+        inputs = self.compiler.prepare_inputs(scheduler_output, batch.num_tokens_padded if batch else None)
+        t = self._time("prepare_inputs", t)
+        common = graphs.common_metadata(inputs.common_attn_metadata, batch) if batch else inputs.common_attn_metadata
+        _, per_layer = self.metadata_builder.build(common, for_cudagraph=bool(batch and batch.use_graph))
+        if self.host_buffer_fence is not None:
+            self.host_buffer_fence.mark()  # after every copy out of the host buffers is queued
+        t = self._time("metadata_build", t)
+        n = inputs.num_padded_tokens
+        forward = lambda: self.model(inputs.input_ids[:n], inputs.positions[:n], per_layer, self.kv_caches)  # noqa: E731
+        hidden = graphs.forward(batch, forward) if batch else forward()
+        t = self._time("forward", t)
+
+        keep = np.flatnonzero(~np.asarray(inputs.discard))
+        req_ids = [inputs.req_ids[i] for i in keep]
+        sampled: dict[str, list[int]] = {}
+        logits_out: dict[str, torch.Tensor] = {}
+        if len(keep):
+            idx = inputs.logits_indices_cpu[torch.from_numpy(keep)].to(hidden.device, non_blocking=True)
+            logits = self.model.compute_logits(hidden.index_select(0, idx))
+            states = [self.compiler.requests[rid] for rid in req_ids]
+            params = [st.sampling_params for st in states]
+            gens = [st.generator for st in states]
+            tokens = self.sampler(logits, params, gens).cpu().tolist()
+            self.compiler.append_output_tokens(req_ids, [[tok] for tok in tokens])
+            sampled = {rid: [tok] for rid, tok in zip(req_ids, tokens)}
+            if self.record_logits:
+                logits_cpu = logits.float().cpu()
+                logits_out = {rid: logits_cpu[i] for i, rid in enumerate(req_ids)}
+        self._time("sample", t)
+        return ModelRunnerOutput(list(inputs.req_ids), sampled, logits_out)
+
+    def median_stage_us(self) -> dict[str, float]:
+        """Median microseconds per step of each stage (steps that ran it)."""
+        return {s: (float(np.median(v)) / 1e3 if v else 0.0) for s, v in self.timings_ns.items()}

@@ -1,0 +1,86 @@
+"""Sampling: greedy, and seeded temperature / top-k / top-p.
+
+A request's draw depends only on its own logits and its own ``torch.Generator`` (seeded
+from ``SamplingParams.seed``), never on which other requests share the batch — the
+property the batch-invariance check of ``attnplug run`` relies on.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from attnplug.runner.step.scheduler_output import SamplingParams
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Mask logits outside each row's top-k / nucleus to ``-inf`` (vectorized over rows).
+
+    Args:
+        logits: ``[num_rows, vocab_size]``, float.
+        top_k: ``[num_rows]`` int64; ``<= 0`` disables top-k for the row.
+        top_p: ``[num_rows]`` float; ``>= 1`` disables top-p. The smallest set of tokens whose
+            probability mass reaches ``top_p`` is kept (at least one token).
+
+    Returns:
+        A new tensor of the same shape and dtype.
+    """
+    vocab = logits.shape[-1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(vocab, device=logits.device).expand_as(sorted_logits)
+    k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab)).clamp(max=vocab)
+    drop = ranks >= k.unsqueeze(1)
+    probs = torch.softmax(sorted_logits.float().masked_fill(drop, float("-inf")), dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    drop |= mass_before >= top_p.to(probs.dtype).unsqueeze(1)
+    drop[:, 0] = False
+    masked_sorted = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, masked_sorted)
+
+
+class Sampler:
+    """Turns the logits of the rows that produce tokens into next-token ids."""
+
+    def __init__(self, default_seed: int = 0):
+        self._default_generator = torch.Generator().manual_seed(default_seed)
+
+    def __call__(self, logits: torch.Tensor, params: Sequence[SamplingParams],
+                 generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+        """Sample one token per row.
+
+        Args:
+            logits: ``[num_rows, vocab_size]``, float32, CPU or CUDA.
+            params: one ``SamplingParams`` per row.
+            generators: one ``torch.Generator`` per row (a seeded request), or ``None`` (draws
+                come from the sampler's own generator).
+
+        Returns:
+            ``[num_rows]`` int64 token ids, on ``logits``' device.
+
+        Synchronises with the host only for rows that sample with a per-request generator.
+        """
+        n = logits.shape[0]
+        if n == 0:
+            return torch.empty(0, dtype=torch.int64, device=logits.device)
+        temps = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=logits.device)
+        greedy = logits.argmax(dim=-1)
+        if bool((temps <= 0).all()):
+            return greedy
+        top_k = torch.tensor([p.top_k for p in params], dtype=torch.int64, device=logits.device)
+        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=logits.device)
+        scaled = logits.float() / torch.where(temps > 0, temps, torch.ones_like(temps)).unsqueeze(1)
+        probs = torch.softmax(apply_top_k_top_p(scaled, top_k, top_p), dim=-1)
+        # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p; each row's E comes
+        # from its own generator, so its draw does not depend on the other rows.
+        noise = torch.empty_like(probs)
+        shared_rows = [i for i, g in enumerate(generators) if g is None]
+        if shared_rows:
+            draw = torch.empty((len(shared_rows), probs.shape[1]), device="cpu")
+            draw.exponential_(generator=self._default_generator)
+            noise[shared_rows] = draw.to(probs.device)
+        for i, g in enumerate(generators):
+            if g is not None:
+                noise[i] = torch.empty(probs.shape[1], device="cpu").exponential_(generator=g).to(probs.device)
+        sampled = (probs / noise).argmax(dim=-1)
+        return torch.where(temps > 0, sampled, greedy)

@@ -1,0 +1,1 @@
+"""attnplug.runner.serve."""

@@ -1,0 +1,96 @@
+"""The scheduler's view of one request: its tokens, progress, status and blocks.
+
+The runner keeps its own copy (``CachedRequestState``); the two agree because the
+scheduler sends every change as a ``SchedulerOutput`` delta
+(``attnplug.runner.step.scheduler_output``). Field names follow vLLM V1's ``Request``.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from attnplug.runner.step.scheduler_output import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    """Lifecycle: ``WAITING -> RUNNING -> (PREEMPTED -> RUNNING)* -> FINISHED``."""
+
+    WAITING = "waiting"
+    """Added, never scheduled yet."""
+    RUNNING = "running"
+    """Admitted: owns blocks, scheduled every step the budget allows."""
+    PREEMPTED = "preempted"
+    """Blocks freed and ``num_computed_tokens`` reset; waits to be recomputed."""
+    FINISHED = "finished"
+    """Produced ``max_tokens`` outputs or reached ``max_model_len``; blocks freed."""
+
+
+@dataclass(eq=False)
+class Request:
+    """One request as the scheduler tracks it.
+
+    Attributes:
+        req_id: unique id.
+        prompt_token_ids: the prompt (never empty).
+        sampling_params: sampling settings; ``max_tokens`` ends the request.
+        arrival_index: order of ``add_request`` calls (0, 1, ...): FIFO order of admission.
+        output_token_ids: sampled tokens so far.
+        num_computed_tokens: tokens whose K/V is cached (units: tokens; reset to 0 by
+            preemption).
+        status: see :class:`RequestStatus`.
+        block_ids: per cache group, the manager block ids the request owns, logical order
+            (empty lists while it owns none).
+        num_preemptions: times this request was preempted.
+        sent_to_runner: the runner holds this request's state (set when first scheduled;
+            it stays set across preemption, because the runner keeps the state of
+            unscheduled requests, and is cleared only when the request finishes).
+    """
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_index: int = 0
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    block_ids: tuple[list[int], ...] = ()
+    num_preemptions: int = 0
+    sent_to_runner: bool = False
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """All tokens the request holds: prompt plus outputs so far."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        """Prompt then outputs (a new list)."""
+        return [*self.prompt_token_ids, *self.output_token_ids]
+
+    @property
+    def num_tokens_to_compute(self) -> int:
+        """``num_tokens - num_computed_tokens``: what is left before the next sample."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_prefill(self) -> bool:
+        """Still computing the prompt (or, after preemption, prompt plus outputs)."""
+        return self.num_tokens_to_compute > 1
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def remaining_output_tokens(self, max_model_len: int) -> int:
+        """Tokens it may still sample: bounded by ``max_tokens`` and by ``max_model_len``."""
+        return max(0, min(self.sampling_params.max_tokens - self.num_output_tokens,
+                          max_model_len - self.num_tokens))

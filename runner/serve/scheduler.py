@@ -1,0 +1,403 @@
+"""Continuous batching: decide each step which requests compute how many tokens.
+
+The :class:`Scheduler` keeps waiting and running queues, a token budget
+(``max_num_batched_tokens``), a cap on running requests (``max_num_seqs``) and one block
+pool per cache group (``attnplug.cache_groups.block_pool``). Each ``schedule()`` emits
+exactly the deltas of ``attnplug.runner.step.scheduler_output``; ``update_from_output`` feeds
+the step's sampled tokens back. Semantics follow vLLM V1's scheduler (no prefix caching,
+no speculative decoding):
+
+* A request computes ``num_tokens - num_computed_tokens`` tokens (prompt plus outputs
+  minus what is cached), capped by what is left of the budget (chunked prefill). After
+  its last prompt chunk it computes one token a step (decode).
+* Order each step: running decodes, then running prefills (both in admission order),
+  then waiting requests FIFO while the budget, ``max_num_seqs`` and the pools allow.
+* When a running request's blocks cannot be allocated, the most recently admitted running
+  request is preempted by recompute: its blocks are freed, ``num_computed_tokens`` reset
+  to 0, and it goes to the front of the waiting queue. No waiting request is admitted in a
+  step that preempted (unless the step would otherwise be empty). When scheduled again
+  it is sent as a cached request with ``resumed_from_preemption=True``, replacement block
+  ids and ``num_computed_tokens == 0``; the runner kept its token history and recomputes
+  prompt plus generated tokens (chunked if needed, even with chunked prefill disabled).
+* A request finishes when it has ``sampling_params.max_tokens`` outputs or its length
+  reaches ``max_model_len``; its blocks are freed at once and its id is sent in the next
+  step's ``finished_req_ids``.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from attnplug.cache_groups.block_pool import KVCacheManager
+from attnplug.cache_groups.grouping import KVCacheConfig
+from attnplug.core.errors import InvalidRequestError, SchedulingError
+from attnplug.runner.serve.request import Request, RequestStatus
+from attnplug.runner.step.scheduler_output import (
+    CachedRequestData,
+    NewRequestData,
+    SamplingParams,
+    SchedulerOutput,
+)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Limits of one scheduling step.
+
+    Attributes:
+        max_num_batched_tokens: token budget of a step (all requests together).
+        max_num_seqs: most running requests at once.
+        max_model_len: most tokens (prompt plus outputs) a request may hold.
+        enable_chunked_prefill: split prompts longer than what is left of the budget
+            across steps. Without it a new prompt is scheduled whole or waits.
+        force_preemption_every: test hook: every this many steps, preempt the most
+            recently admitted running request that has sampled at least one token and was
+            never preempted (only while at least two requests run, so progress is
+            guaranteed). ``None`` disables it.
+
+    Raises:
+        SchedulingError: a limit that is not a positive int.
+    """
+
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    max_model_len: int = 2048
+    enable_chunked_prefill: bool = True
+    force_preemption_every: int | None = None
+
+    def __post_init__(self):
+        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise SchedulingError(f"SchedulerConfig.{name} must be a positive int, got {v!r}")
+        f = self.force_preemption_every
+        if f is not None and (not isinstance(f, int) or f <= 0):
+            raise SchedulingError(
+                f"SchedulerConfig.force_preemption_every must be None or a positive int, got {f!r}")
+
+
+class Scheduler:
+    """Continuous-batching scheduler with chunked prefill and preemption by recompute.
+
+    Args:
+        config: the step limits.
+        kv_cache_config: the cache groups; one block pool of ``num_blocks`` per group.
+
+    Raises:
+        KVCacheSpecError: a group's spec has no block policy.
+
+    Examples:
+        >>> from attnplug.cache_groups.grouping import KVCacheConfig, KVCacheGroupSpec
+        >>> from attnplug.cache_groups.specs import FullAttentionSpec
+        >>> kv = KVCacheConfig(16, (KVCacheGroupSpec(("l0",), FullAttentionSpec(block_size=4)),))
+        >>> s = Scheduler(SchedulerConfig(max_num_batched_tokens=8, max_model_len=64), kv)
+        >>> s.add_request("a", list(range(10)), SamplingParams(max_tokens=2))
+        >>> out = s.schedule(); out.num_scheduled_tokens, out.scheduled_new_reqs[0].block_ids
+        ({'a': 8}, ([1, 2],))
+        >>> s.update_from_output(out, {})   # partial prefill: nothing sampled
+        []
+    """
+
+    def __init__(self, config: SchedulerConfig, kv_cache_config: KVCacheConfig):
+        self.config = config
+        self.kv_cache_manager = KVCacheManager(kv_cache_config)
+        self.requests: dict[str, Request] = {}
+        """Every request ever added, finished ones included (see ``get_request``)."""
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        """Admitted requests in admission order (the last one is preempted first)."""
+        self.num_steps = 0
+        self.num_preemptions = 0
+        self._next_arrival = 0
+        self._finished_since_schedule: set[str] = set()
+        self._in_flight: SchedulerOutput | None = None
+
+    # --- requests -----------------------------------------------------------------------
+    def add_request(self, req_id: str, prompt_token_ids: list[int],
+                    sampling_params: SamplingParams | None = None) -> None:
+        """Queue a request (FIFO). Validates first; a rejected request changes nothing.
+
+        Args:
+            req_id: a new, unique id (ids of finished requests are not reused).
+            prompt_token_ids: the prompt's token ids, ``1 <= len < max_model_len``.
+            sampling_params: defaults to ``SamplingParams()``; ``max_tokens >= 1``.
+
+        Raises:
+            InvalidRequestError: duplicate id, empty or too long prompt, negative token id,
+                ``max_tokens < 1``, a prompt that can never be scheduled (longer than the
+                budget with chunked prefill off) or a request that cannot fit in some
+                group's pool even alone.
+        """
+        sp = SamplingParams() if sampling_params is None else sampling_params
+        cfg = self.config
+        if not isinstance(req_id, str) or not req_id:
+            raise InvalidRequestError(str(req_id), "req_id must be a non-empty str")
+        if req_id in self.requests:
+            raise InvalidRequestError(req_id, "duplicate request id; every request needs a new id")
+        prompt = [int(t) for t in prompt_token_ids]
+        n = len(prompt)
+        if n == 0:
+            raise InvalidRequestError(req_id, "empty prompt; a request needs at least one token")
+        if n >= cfg.max_model_len:
+            raise InvalidRequestError(
+                req_id, f"prompt has {n} tokens but max_model_len={cfg.max_model_len} leaves no "
+                "room for an output token; shorten the prompt or raise max_model_len")
+        if min(prompt) < 0:
+            raise InvalidRequestError(req_id, f"negative token id {min(prompt)} in the prompt")
+        if not isinstance(sp.max_tokens, int) or sp.max_tokens < 1:
+            raise InvalidRequestError(req_id, f"sampling_params.max_tokens must be >= 1, got {sp.max_tokens!r}")
+        if not cfg.enable_chunked_prefill and n > cfg.max_num_batched_tokens:
+            raise InvalidRequestError(
+                req_id, f"prompt has {n} tokens > max_num_batched_tokens={cfg.max_num_batched_tokens} "
+                "with chunked prefill disabled, so it can never be scheduled; enable chunked prefill "
+                "or raise max_num_batched_tokens")
+        # The last sampled token is never computed: at most this many tokens get K/V.
+        max_cached = min(n + sp.max_tokens, cfg.max_model_len) - 1
+        need = self.kv_cache_manager.max_blocks_per_request(max_cached, cfg.max_num_batched_tokens)
+        cap = self.kv_cache_manager.capacity_per_group
+        for g, (nb, c) in enumerate(zip(need, cap)):
+            if nb > c:
+                raise InvalidRequestError(
+                    req_id, f"needs up to {nb} blocks in cache group {g} but its pool has only {c} "
+                    "(num_blocks - 1), so it could never finish; raise num_blocks or lower max_tokens")
+        req = Request(req_id, prompt, sp, arrival_index=self._next_arrival,
+                      block_ids=tuple([] for _ in range(self.kv_cache_manager.num_groups)))
+        self._next_arrival += 1
+        self.requests[req_id] = req
+        self.waiting.append(req)
+
+    def get_request(self, req_id: str) -> Request:
+        """The request (finished ones included). Raises KeyError for an unknown id."""
+        return self.requests[req_id]
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    @property
+    def peak_blocks_per_group(self) -> list[int]:
+        """Per cache group, the most blocks owned by requests at once so far."""
+        return self.kv_cache_manager.peak_blocks_per_group
+
+    # --- preemption ---------------------------------------------------------------------
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv_cache_manager.free(req)
+        req.block_ids = tuple([] for _ in range(self.kv_cache_manager.num_groups))
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def preempt(self, req_id: str) -> None:
+        """Test hook: preempt a running request now, between steps (as if out of blocks).
+
+        Raises:
+            SchedulingError: the request is not running, or a step is in flight (call
+                ``update_from_output`` first).
+        """
+        if self._in_flight is not None:
+            raise SchedulingError("preempt() during a step: call update_from_output() first")
+        req = self.requests.get(req_id)
+        if req is None or req.status is not RequestStatus.RUNNING:
+            status = None if req is None else req.status.value
+            raise SchedulingError(f"cannot preempt {req_id!r}: status {status}, only running requests")
+        self._preempt(req)
+
+    def _maybe_force_preemption(self) -> Request | None:
+        every = self.config.force_preemption_every
+        if every is None or (self.num_steps + 1) % every or len(self.running) < 2:
+            return None
+        for req in reversed(self.running):
+            if req.num_output_tokens >= 1 and req.num_preemptions == 0:
+                self._preempt(req)
+                return req
+        return None
+
+    # --- one step -----------------------------------------------------------------------
+    def _allocate(self, req: Request, n: int) -> tuple[list[int], ...] | None:
+        new = self.kv_cache_manager.allocate_slots(req, n)
+        if new is not None:
+            req.block_ids = self.kv_cache_manager.get_block_ids(req.req_id)
+        return new
+
+    def schedule(self) -> SchedulerOutput:
+        """Plan one step and return its deltas.
+
+        Returns:
+            The step's ``SchedulerOutput``: first-time requests in ``scheduled_new_reqs``
+            (full prompt, initial block ids per group, ``num_computed_tokens == 0``);
+            resident ones in ``scheduled_cached_reqs`` (new block ids per group, ``None``
+            when none; full replacement ids when resumed; ``num_computed_tokens`` before
+            this step; ``new_token_ids`` empty because the runner appends its own samples);
+            ``num_scheduled_tokens`` with ``total <= max_num_batched_tokens``; and the
+            ids finished since the previous ``schedule()``.
+
+        Raises:
+            SchedulingError: the previous step's ``update_from_output`` was not called.
+        """
+        if self._in_flight is not None:
+            raise SchedulingError(
+                "schedule() called again before update_from_output() of the previous step")
+        cfg = self.config
+        budget = cfg.max_num_batched_tokens
+        sched: dict[str, int] = {}
+        new_blocks: dict[str, tuple[list[int], ...]] = {}
+        preempted: list[Request] = []
+        forced = self._maybe_force_preemption()
+        if forced is not None:
+            preempted.append(forced)
+
+        # 1. running requests: decodes first, then unfinished prefills (admission order each).
+        order = ([r for r in self.running if r.num_tokens_to_compute <= 1]
+                 + [r for r in self.running if r.num_tokens_to_compute > 1])
+        for req in order:
+            if budget == 0:
+                break
+            if req.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            n = min(req.num_tokens_to_compute, budget)
+            assert n > 0, f"running request {req.req_id} has nothing to compute"
+            while (blocks := self._allocate(req, n)) is None:
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim.req_id in sched:  # already scheduled this step: take it back
+                    budget += sched.pop(victim.req_id)
+                    del new_blocks[victim.req_id]
+                if victim is req:
+                    break
+            if blocks is None:
+                continue
+            sched[req.req_id] = n
+            new_blocks[req.req_id] = blocks
+            budget -= n
+
+        # 2. waiting requests, FIFO (none after a preemption unless the step is empty).
+        new_reqs: list[Request] = []
+        resumed: list[Request] = []
+        if not preempted or not sched:
+            while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
+                req = self.waiting[0]
+                total = req.num_tokens_to_compute
+                if not cfg.enable_chunked_prefill and not req.sent_to_runner and total > budget:
+                    break
+                n = min(total, budget)
+                if self._allocate(req, n) is None:
+                    break
+                self.waiting.popleft()
+                self.running.append(req)
+                req.status = RequestStatus.RUNNING
+                (resumed if req.sent_to_runner else new_reqs).append(req)
+                req.sent_to_runner = True
+                sched[req.req_id] = n
+                budget -= n
+
+        out = self._make_output(sched, new_blocks, new_reqs, resumed)
+        self.num_steps += 1
+        self._in_flight = out if sched else None
+        return out
+
+    def _make_output(self, sched: dict[str, int], new_blocks: dict[str, tuple[list[int], ...]],
+                     new_reqs: list[Request], resumed: list[Request]) -> SchedulerOutput:
+        cached = CachedRequestData()
+
+        def add_cached(req: Request, is_resumed: bool, blocks: tuple[list[int], ...] | None):
+            cached.req_ids.append(req.req_id)
+            cached.resumed_from_preemption.append(is_resumed)
+            cached.new_token_ids.append([])
+            cached.new_block_ids.append(blocks)
+            cached.num_computed_tokens.append(req.num_computed_tokens)
+
+        for req_id, blocks in new_blocks.items():
+            add_cached(self.requests[req_id], False,
+                       tuple(list(b) for b in blocks) if any(blocks) else None)
+        for req in resumed:
+            add_cached(req, True, tuple(list(b) for b in req.block_ids))
+        new_data = [NewRequestData(req_id=r.req_id, prompt_token_ids=list(r.prompt_token_ids),
+                                   block_ids=tuple(list(b) for b in r.block_ids),
+                                   num_computed_tokens=r.num_computed_tokens,
+                                   sampling_params=r.sampling_params)
+                    for r in new_reqs]
+        # Order num_scheduled_tokens like the deltas: cached (running, resumed), then new.
+        order = [*cached.req_ids, *(r.req_id for r in new_reqs)]
+        num_scheduled = {rid: sched[rid] for rid in order}
+        finished, self._finished_since_schedule = self._finished_since_schedule, set()
+        return SchedulerOutput(scheduled_new_reqs=new_data, scheduled_cached_reqs=cached,
+                               num_scheduled_tokens=num_scheduled,
+                               total_num_scheduled_tokens=sum(num_scheduled.values()),
+                               finished_req_ids=finished)
+
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           sampled_token_ids: dict[str, list[int]]) -> list[str]:
+        """Advance the step's requests and take their sampled tokens.
+
+        Every scheduled request advances ``num_computed_tokens`` by its scheduled count.
+        A request whose scheduled tokens reached its full length must get sampled tokens;
+        a partial prefill must not (the engine discards those). Tokens beyond what the
+        request may still produce are dropped.
+
+        Args:
+            scheduler_output: the output of the latest ``schedule()``.
+            sampled_token_ids: ``{req_id: [token ids]}`` (usually one token) for the
+                non-discarded requests of the step.
+
+        Returns:
+            Ids of the requests that finished this step (blocks already freed; the ids
+            go out in the next ``schedule()``'s ``finished_req_ids``).
+
+        Raises:
+            SchedulingError: not the latest step's output, or sampled tokens missing for a
+                complete request / given for a partial prefill or an unscheduled request;
+                nothing changes.
+        """
+        if scheduler_output is not self._in_flight:
+            if not scheduler_output.num_scheduled_tokens and not sampled_token_ids:
+                return []  # an empty step needs no update
+            raise SchedulingError(
+                "update_from_output() got a SchedulerOutput that is not the latest schedule()'s "
+                "(or was already applied); pass each step's output exactly once")
+        scheduled = scheduler_output.num_scheduled_tokens
+        for req_id, toks in sampled_token_ids.items():
+            if req_id not in scheduled:
+                raise SchedulingError(f"sampled tokens for {req_id!r}, which was not scheduled this step")
+            if not toks:
+                raise SchedulingError(f"empty sampled token list for {req_id!r}; omit the key instead")
+        for req_id, n in scheduled.items():
+            req = self.requests[req_id]
+            complete = req.num_computed_tokens + n >= req.num_tokens
+            if complete and req_id not in sampled_token_ids:
+                raise SchedulingError(
+                    f"{req_id!r} computed all its {req.num_tokens} tokens this step but no sampled "
+                    "token was given; pass its sample (only partial prefills are discarded)")
+            if not complete and req_id in sampled_token_ids:
+                raise SchedulingError(
+                    f"{req_id!r} is a partial prefill ({req.num_computed_tokens + n} of "
+                    f"{req.num_tokens} tokens); its sampled tokens must be discarded")
+
+        finished: list[str] = []
+        max_len = self.config.max_model_len
+        for req_id, n in scheduled.items():
+            req = self.requests[req_id]
+            req.num_computed_tokens += n
+            toks = sampled_token_ids.get(req_id)
+            if not toks:
+                continue
+            req.output_token_ids.extend(int(t) for t in toks[:req.remaining_output_tokens(max_len)])
+            if req.remaining_output_tokens(max_len) == 0:
+                self._finish(req)
+                finished.append(req_id)
+        self._in_flight = None
+        return finished
+
+    def _finish(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv_cache_manager.free(req)
+        req.block_ids = tuple([] for _ in range(self.kv_cache_manager.num_groups))
+        req.status = RequestStatus.FINISHED
+        req.sent_to_runner = False
+        self._finished_since_schedule.add(req.req_id)
