@@ -8,6 +8,7 @@ conformance suite's pytest plugin lives below it and loads in every pytest run):
 * :func:`get_registry`, :func:`reset_registry`, :func:`load_registry`,
   :class:`BackendRegistry`, :class:`RegisteredBackend`, :class:`PluginSource`,
   :class:`PluginFault` — the registry.
+* :func:`get_backend` — the backend class registered under a name.
 * :func:`select_backend`, :class:`SelectionResult`, :class:`Rejection`,
   :func:`parse_backend_choice`, :data:`CACHE_GROUP_KINDS` — selection.
 
@@ -27,9 +28,10 @@ _EXPORTS: dict[str, str] = {
     "RegisteredBackend": "attnplug.plugins.registry",
     "PluginSource": "attnplug.plugins.registry",
     "PluginFault": "attnplug.plugins.registry",
-    "get_registry": "attnplug.plugins.registry",
-    "reset_registry": "attnplug.plugins.registry",
+    "get_registry": "attnplug.plugins.discovery",
+    "reset_registry": "attnplug.plugins.discovery",
     "load_registry": "attnplug.plugins.discovery",
+    "get_backend": "attnplug.plugins.discovery",
     "CACHE_GROUP_KINDS": "attnplug.plugins.config",
     "parse_backend_choice": "attnplug.plugins.config",
     "select_backend": "attnplug.plugins.selection",

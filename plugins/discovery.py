@@ -27,6 +27,7 @@ from typing import Any, Iterable, Mapping
 
 import pluggy
 
+from attnplug.core.contracts import AttentionBackend
 from attnplug.core.errors import PluginValidationError
 from attnplug.plugins import hookspecs
 from attnplug.plugins.registry import (
@@ -204,3 +205,37 @@ def cached_registry() -> BackendRegistry:
 
 def clear_cache() -> None:
     _CACHE.clear()
+
+
+def get_registry() -> BackendRegistry:
+    """The process-wide registry, loaded on first use (see :func:`load_registry`).
+
+    It is reloaded when ``ATTNPLUG_PLUGINS``, ``ATTNPLUG_DISABLE_PLUGINS`` or ``sys.path``
+    changed since the last load; :func:`reset_registry` forces a reload.
+    """
+    return cached_registry()
+
+
+def reset_registry() -> None:
+    """Forget the process-wide registry; the next :func:`get_registry` reloads it."""
+    clear_cache()
+
+
+def get_backend(name: str) -> type[AttentionBackend]:
+    """The backend class registered as ``name`` (built-in or from an installed plugin).
+
+    Args:
+        name: a registered backend name, e.g. ``"torch_native"``.
+
+    Returns:
+        The backend class (never instantiated).
+
+    Raises:
+        UnknownBackendError: no plugin registered ``name``; the message lists the known
+            names (``attnplug backends`` shows them with their sources).
+
+    Examples:
+        >>> get_backend("torch_native").get_name()
+        'torch_native'
+    """
+    return get_registry().get(name)

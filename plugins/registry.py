@@ -4,7 +4,8 @@ A :class:`BackendRegistry` is filled by :func:`attnplug.plugins.discovery.load_r
 (built-in plugin first, then the ``attnplug`` entry points of installed distributions).
 Everything that goes wrong while loading a plugin becomes a :class:`PluginFault` in
 ``registry.faults`` instead of an exception: one broken plugin never takes the others
-down. :func:`get_registry` returns the process-wide registry, loaded on first use.
+down. The process-wide registry (:func:`attnplug.plugins.discovery.get_registry`) is
+loaded by the discovery module; this module imports nothing else of ``attnplug.plugins``.
 
 Validation of a registered class (:func:`check_backend_class`) is strict and collects
 every problem: an :class:`~attnplug.core.contracts.AttentionBackend` subclass, not
@@ -273,18 +274,3 @@ class BackendRegistrar:
     def __repr__(self) -> str:
         return f"<BackendRegistrar for plugin {self.source.plugin!r}>"
 
-
-def get_registry() -> BackendRegistry:
-    """The process-wide registry, loaded on first use (see ``discovery.load_registry``).
-
-    It is reloaded when ``ATTNPLUG_PLUGINS``, ``ATTNPLUG_DISABLE_PLUGINS`` or ``sys.path``
-    changed since the last load; :func:`reset_registry` forces a reload.
-    """
-    from attnplug.plugins.discovery import cached_registry
-    return cached_registry()
-
-
-def reset_registry() -> None:
-    """Forget the process-wide registry; the next :func:`get_registry` reloads it."""
-    from attnplug.plugins.discovery import clear_cache
-    clear_cache()

@@ -31,7 +31,8 @@ import torch
 from attnplug.core.contracts import AttentionBackend
 from attnplug.core.errors import BackendUnsupportedError, ConfigError, UnknownBackendError
 from attnplug.plugins.config import CACHE_GROUP_KINDS, KIND_CACHE_KIND, BackendChoice, ChoiceSet, resolve_choices
-from attnplug.plugins.registry import BackendRegistry, get_registry
+from attnplug.plugins.discovery import get_registry
+from attnplug.plugins.registry import BackendRegistry
 
 logger = logging.getLogger("attnplug.plugins.selection")
 

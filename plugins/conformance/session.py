@@ -14,7 +14,8 @@ from attnplug.core.contracts import AttentionBackend
 from attnplug.plugins.conformance.cases import ConformanceCase
 from attnplug.plugins.conformance.harness import CaseRun, run_case
 from attnplug.plugins.conformance.requirements import Assessment, assess, resolve_device
-from attnplug.plugins.registry import check_backend_class, get_registry
+from attnplug.plugins.discovery import get_registry
+from attnplug.plugins.registry import check_backend_class
 
 REFERENCE = "torch_native"
 

@@ -176,7 +176,7 @@ def print_explain(report: dict[str, Any]) -> None:
 
 def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
-    from attnplug.plugins.registry import get_registry
+    from attnplug.plugins.discovery import get_registry
 
     registry = get_registry()
     if args.explain:

@@ -56,7 +56,7 @@ IGNORED_HF_KEYS = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
 
 
 def _default_backend(layer_name: str, layer_cfg: AttentionLayerConfig | MambaLayerConfig):
-    from attnplug.backends import get_backend
+    from attnplug.plugins.discovery import get_backend
     return get_backend("mamba2_torch" if isinstance(layer_cfg, MambaLayerConfig) else "torch_native")
 
 

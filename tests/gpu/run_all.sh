@@ -121,10 +121,10 @@ section run_cuda 60 $ATTNPLUG run --device cuda --num-requests 8 --invariance-re
 
 # The conformance suite of the vendor backends that are installed (triton's runs above).
 for backend in flash_attn flashinfer; do
-  if "$PY" -c "from attnplug.backends import get_backend as g; import sys; sys.exit(0 if g('$backend').is_available()[0] else 1)"; then
+  if "$PY" -c "from attnplug.plugins import get_backend as g; import sys; sys.exit(0 if g('$backend').is_available()[0] else 1)"; then
     section "check_$backend" 60 $ATTNPLUG check "$backend" --device cuda --cases tests/gpu/cases_flash.json
   elif wanted "check_$backend"; then
-    echo "-- $backend unavailable: $("$PY" -c "from attnplug.backends import get_backend as g; print(g('$backend').is_available()[1])")"
+    echo "-- $backend unavailable: $("$PY" -c "from attnplug.plugins import get_backend as g; print(g('$backend').is_available()[1])")"
     echo "| check_$backend | skipped: not installed | 0 |" >> "$SUMMARY"
   fi
 done

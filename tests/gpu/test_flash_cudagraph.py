@@ -21,7 +21,7 @@ DTYPE = torch.float16
 
 
 def _backend(name: str):
-    from attnplug.backends import get_backend
+    from attnplug.plugins import get_backend
 
     cls = get_backend(name)
     ok, why = cls.is_available()

@@ -49,7 +49,7 @@ def assert_same_greedy_run(got, want, atol=3e-2):
 
 @pytest.mark.parametrize("name", ["flash_attn", "flashinfer", "triton"])
 def test_runner_with_graphs_generates_the_eager_tokens(name):
-    from attnplug.backends import get_backend
+    from attnplug.plugins import get_backend
 
     backend = get_backend(name)
     ok, why = backend.is_available()

@@ -7,10 +7,10 @@ import logging
 import pytest
 
 from attnplug import PLUGIN_API_VERSION
-from attnplug.backends import BUILTIN_BACKENDS, get_backend
+from attnplug.backends import BUILTIN_BACKENDS
 from attnplug.backends.torch_native import TorchNativeBackend
 from attnplug.core.errors import PluginValidationError, UnknownBackendError
-from attnplug.plugins import get_registry, reset_registry
+from attnplug.plugins import get_backend, get_registry, reset_registry
 from attnplug.plugins.discovery import load_registry
 from attnplug.plugins.registry import BUILTIN_SOURCE, BackendRegistry, check_api_version
 

@@ -157,7 +157,7 @@ def measure_device(dtype: torch.dtype, iters: int = 10) -> DevicePeaks:
 
 def candidate_backends(names: list[str] | None):
     """Registered attention backends to time: ``names`` (in order), else all of them."""
-    from attnplug.plugins.registry import get_registry
+    from attnplug.plugins.discovery import get_registry
 
     reg = get_registry()
     chosen = names or [n for n in reg.names() if reg.get(n).kv_cache_kind == "attention"]

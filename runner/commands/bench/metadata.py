@@ -87,7 +87,7 @@ def hybrid_trace_replay(num_steps: int, num_requests: int = 2000, budget: int = 
 
 
 def _builders(kv: KVCacheConfig, config: dict, device: str = "cpu"):
-    from attnplug.backends import get_backend
+    from attnplug.plugins.discovery import get_backend
 
     cfg = BuilderConfig(config["max_num_reqs"], config["max_num_batched_tokens"], config["max_model_len"])
     out = []

@@ -15,7 +15,7 @@ from attnplug.backends.flash_attn import FlashAttnBackend, backend as fa_backend
 from attnplug.backends.flash_attn.kernels import installed_kernels
 from attnplug.core.contracts import AttentionLayerConfig
 from attnplug.core.errors import BackendUnsupportedError
-from attnplug.plugins.registry import get_registry
+from attnplug.plugins import get_registry
 
 needs_no_flash_attn = pytest.mark.skipif(installed_kernels() is not None, reason="flash-attn is installed here")
 

@@ -17,7 +17,7 @@ import math
 import pytest
 import torch
 
-from attnplug.backends import BUILTIN_BACKENDS, get_backend
+from attnplug.backends import BUILTIN_BACKENDS
 from attnplug.backends.torch_native import TorchNativeBackend, TorchNativeMetadata
 from attnplug.cache_groups.specs import FullAttentionSpec, SlidingWindowSpec
 from attnplug.core import (
@@ -31,6 +31,7 @@ from attnplug.core import (
     MetadataError,
     UnknownBackendError,
 )
+from attnplug.plugins import get_backend
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 POISON = float("nan")

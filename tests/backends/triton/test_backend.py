@@ -14,10 +14,11 @@ import torch
 import attnplug.backends.triton.backend as backend_mod
 import attnplug.backends.triton.metadata as metadata_mod
 import attnplug.backends.triton.runtime as runtime
-from attnplug.backends import BUILTIN_BACKENDS, get_backend
+from attnplug.backends import BUILTIN_BACKENDS
 from attnplug.backends.triton import TritonAttentionImpl, TritonBackend
 from attnplug.core.contracts import AttentionLayerConfig, AttentionType
 from attnplug.core.errors import BackendUnsupportedError
+from attnplug.plugins import get_backend
 from attnplug.plugins.selection import select_backend
 
 LAYER = AttentionLayerConfig(num_heads=8, num_kv_heads=2, head_size=64, dtype=torch.float16, block_size=16)
