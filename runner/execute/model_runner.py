@@ -9,10 +9,9 @@ its layers, ``sampler.Sampler`` the draws.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -20,9 +19,8 @@ import torch
 from attnplug.cache_groups.grouping import KVCacheConfig
 from attnplug.core.contracts import AttentionBackend, BuilderConfig
 from attnplug.core.devices import resolve_device
-from attnplug.core.errors import BackendUnsupportedError
-from attnplug.core.mamba import MambaBackend
 from attnplug.runner.execute.group_metadata import GroupMetadataBuilder
+from attnplug.runner.execute.kv_caches import allocate_kv_caches, kernel_kv_cache_spec, negotiate_kernel_block_sizes
 from attnplug.runner.execute.cudagraph import CUDAGraphMode
 from attnplug.runner.execute.cudagraph_capture import StepGraphs
 from attnplug.runner.execute.sampler import Sampler
@@ -101,7 +99,9 @@ class ModelRunner:
         cudagraph_capture_sizes: default ``runner.execute.cudagraph.DEFAULT_CAPTURE_SIZES``.
 
     Raises:
-        BackendUnsupportedError: a backend cannot serve a group's block size.
+        BackendUnsupportedError: a backend cannot serve a group's block size, or a Mamba
+            group's backend is not a ``MambaBackend`` (``runner.execute.kv_caches``).
+        KVCacheSpecError: not one backend per cache group.
     """
 
     def __init__(self, model: torch.nn.Module, kv_cache_config: KVCacheConfig,
@@ -117,21 +117,13 @@ class ModelRunner:
         self.device = resolve_device(device)
         self.record_logits = record_logits
         groups = kv_cache_config.groups
-        kernel_block_sizes = []
-        for g, (group, backend) in enumerate(zip(groups, self.backends)):
-            kbs = backend.get_supported_kernel_block_size(group.kv_cache_spec.block_size)
-            if kbs is None:
-                raise BackendUnsupportedError(backend.get_name(), [
-                    f"block_size {group.kv_cache_spec.block_size} is not a multiple of any kernel "
-                    f"block size {list(backend.supported_kernel_block_sizes or ())}"], f"cache group {g}")
-            kernel_block_sizes.append(kbs)
+        kernel_block_sizes = negotiate_kernel_block_sizes(kv_cache_config, self.backends)
         self.kernel_block_sizes = kernel_block_sizes
         builder_cfg = BuilderConfig(config.max_num_reqs, config.max_num_batched_tokens, config.max_model_len)
         builders = []
         for group, backend, kbs in zip(groups, self.backends, kernel_block_sizes):
-            spec = group.kv_cache_spec
-            kernel_spec = dataclasses.replace(spec, block_size=kbs) if kbs != spec.block_size else spec
-            builders.append(backend.get_builder_cls()(kernel_spec, list(group.layer_names), builder_cfg, self.device))
+            builders.append(backend.get_builder_cls()(kernel_kv_cache_spec(group.kv_cache_spec, kbs),
+                                                      list(group.layer_names), builder_cfg, self.device))
         threshold = [b.reorder_batch_threshold for b in builders if b.reorder_batch_threshold is not None]
         self.compiler = StepCompiler(
             block_sizes=[g.kv_cache_spec.block_size for g in groups],
@@ -152,7 +144,7 @@ class ModelRunner:
             self.cudagraphs = StepGraphs(builders, [b.get_name() for b in self.backends], cudagraph_mode,
                                          self.device, config.max_num_reqs, config.max_num_batched_tokens,
                                          cudagraph_capture_sizes)
-        self.kv_caches = self._allocate_kv_caches()
+        self.kv_caches = allocate_kv_caches(kv_cache_config, self.backends, kernel_block_sizes, self.device)
         self.sampler = Sampler(default_seed=seed)
         # Each step's inputs reach the device by non-blocking copies out of pinned host buffers
         # that the next step rewrites; a step that samples nothing never waits for the device,
@@ -160,29 +152,6 @@ class ModelRunner:
         self.host_buffer_fence: HostBufferFence | None = (
             HostBufferFence() if self.device.type == "cuda" else None)
         self.timings_ns: dict[str, list[int]] = {s: [] for s in STAGES}
-
-    def _allocate_kv_caches(self) -> dict[str, Any]:
-        """Per layer: a paged KV tensor (``backend.get_kv_cache_shape``) for attention groups,
-        the backend's state (``backend.allocate_state_cache``, one slot per block id) for
-        Mamba groups."""
-        caches: dict[str, Any] = {}
-        for g, (group, backend, kbs) in enumerate(zip(self.kv_cache_config.groups, self.backends,
-                                                     self.kernel_block_sizes)):
-            spec = group.kv_cache_spec
-            if spec.kind == "mamba":
-                if not isinstance(backend, type) or not issubclass(backend, MambaBackend):
-                    raise BackendUnsupportedError(backend.get_name(), [
-                        "cache group is a Mamba state group but the backend is not a MambaBackend "
-                        "(it cannot allocate state slots)"], f"cache group {g}")
-                for name in group.layer_names:
-                    caches[name] = backend.allocate_state_cache(spec, self.kv_cache_config.num_blocks_of(g),
-                                                                self.device)
-                continue
-            num_kernel_blocks = self.kv_cache_config.num_blocks * (spec.block_size // kbs)
-            shape = backend.get_kv_cache_shape(num_kernel_blocks, kbs, spec.num_kv_heads, spec.head_size)
-            for name in group.layer_names:
-                caches[name] = torch.zeros(shape, dtype=spec.dtype, device=self.device)
-        return caches
 
     def _time(self, stage: str, t0: int) -> int:
         t1 = time.perf_counter_ns()
