@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from attnplug.cache_groups.kinds import GroupKind
 from attnplug.core.errors import KVCacheSpecError
 
 
@@ -34,8 +35,9 @@ class KVCacheSpec:
             raise KVCacheSpecError(f"block_size must be a positive int, got {self.block_size!r}")
 
     @property
-    def kind(self) -> str:
-        """Cache-group kind used for backend selection: ``full_attention``, ``sliding_window``, ``mamba``."""
+    def kind(self) -> GroupKind:
+        """The group's :class:`~attnplug.cache_groups.kinds.GroupKind` (a ``str`` enum:
+        ``"full_attention"``, ``"sliding_window"``, ``"mamba"``)."""
         raise NotImplementedError
 
     @property
@@ -74,8 +76,8 @@ class FullAttentionSpec(AttentionSpec):
     """Full causal attention: a request keeps every token's K/V."""
 
     @property
-    def kind(self) -> str:
-        return "full_attention"
+    def kind(self) -> GroupKind:
+        return GroupKind.FULL_ATTENTION
 
     def max_memory_usage_bytes(self, max_model_len: int, max_num_batched_tokens: int) -> int:
         """``cdiv(max_model_len, block_size)`` blocks."""
@@ -97,12 +99,13 @@ class SlidingWindowSpec(AttentionSpec):
             raise KVCacheSpecError(f"sliding_window must be a positive int, got {self.sliding_window!r}")
 
     @property
-    def kind(self) -> str:
-        return "sliding_window"
+    def kind(self) -> GroupKind:
+        return GroupKind.SLIDING_WINDOW
 
     def max_memory_usage_bytes(self, max_model_len: int, max_num_batched_tokens: int) -> int:
         """``cdiv(W - 1 + max_num_batched_tokens, block_size) + 1`` blocks, capped by the
-        full-attention need (design notes §4)."""
+        full-attention need: the window plus one step's tokens, and one block of slack
+        because the window's first token rarely starts a block."""
         blocks = cdiv(self.sliding_window - 1 + max_num_batched_tokens, self.block_size) + 1
         return min(blocks, cdiv(max_model_len, self.block_size)) * self.page_size_bytes
 
@@ -123,8 +126,8 @@ class MambaSpec(KVCacheSpec):
     chunk_size: int = 256
 
     @property
-    def kind(self) -> str:
-        return "mamba"
+    def kind(self) -> GroupKind:
+        return GroupKind.MAMBA
 
     @property
     def page_size_bytes(self) -> int:

@@ -1,31 +1,24 @@
-"""Validation of ``scheduled_new_reqs``: checks and conversion, no mutation.
+"""Stage 1, new requests: check ``scheduled_new_reqs`` and convert them; change nothing.
 
-Part of the validate phase of ``update_states``: every new request's prompt (and
-re-sent outputs), block ids and counts are checked, converted to ``int32`` arrays in two
-batched ``IntPacker`` calls (prompts, block ids) and wrapped in detached
-:class:`CachedRequestState` objects that ``apply_update`` then admits.
+Every new request's prompt (and re-sent outputs), block ids and counts are checked,
+converted to ``int32`` arrays in two batched ``IntPacker`` calls (prompts, block ids)
+and wrapped in detached :class:`CachedRequestState` objects that stage 2
+(``runner/step/apply.py``) admits.
 """
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, NoReturn, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
 from attnplug.core.constants import NULL_BLOCK_ID
-from attnplug.core.errors import InvalidSchedulerOutput
+from attnplug.runner.step.check_lists import check_block_list, err, group_lists
+from attnplug.runner.step.groups import StepLayout
+from attnplug.runner.step.int_packer import IntPacker
 from attnplug.runner.step.request_state import CachedRequestState
 from attnplug.runner.step.scheduler_output import NewRequestData, SamplingParams
-
-if TYPE_CHECKING:
-    from attnplug.runner.step.compiler import StepCompiler
-
-
-def err(req_id: Any, field_name: str, message: str) -> NoReturn:
-    """Raise :class:`InvalidSchedulerOutput` (the runner state is untouched at this point)."""
-    raise InvalidSchedulerOutput(req_id, field_name, message)
-
 
 FLOAT32_MAX = float(np.finfo(np.float32).max)
 
@@ -62,48 +55,14 @@ def check_sampling(req_id: str, sp: Any) -> None:
         err(req_id, "sampling_params", f"seed must be None or an int in [-2**63, 2**64), got {seed!r}")
 
 
-def check_block_list(sc: "StepCompiler", req_id: str, fname: str, g: int, ids: np.ndarray,
-                     start: int, seq_len: int) -> None:
-    """An initial or replacement block list of group ``g`` for a request that computes
-    positions ``[start, seq_len)`` this step: length, pool range, null blocks."""
-    n = ids.shape[0]
-    B = sc.block_sizes[g]
-    if n > sc.max_num_blocks_per_req[g]:
-        err(req_id, fname, f"group {g}: {n} blocks but a request holds at most "
-            f"{sc.max_num_blocks_per_req[g]} (cdiv(max_model_len={sc.max_model_len}, block_size={B}))")
-    if sc.group_kinds[g] != "mamba" and n * B < seq_len:
-        err(req_id, fname, f"group {g}: {n} blocks of {B} tokens cannot hold seq_len {seq_len} "
-            "(num_computed_tokens + num_scheduled_tokens); the block table is too short")
-    pool = sc.num_blocks_per_group[g]
-    if n and (int(ids.min()) <= NULL_BLOCK_ID or int(ids.max()) >= pool):
-        low = NULL_BLOCK_ID if sc.null_block_allowed[g] else NULL_BLOCK_ID + 1
-        bad = ids[(ids < low) | (ids >= pool)]
-        if bad.shape[0]:
-            why = ("the reserved null block, legitimate only in a sliding-window group's skipped prefix"
-                   if int(bad[0]) == NULL_BLOCK_ID else "outside the pool")
-            err(req_id, fname, f"group {g}: block id {int(bad[0])} is {why}; valid ids are [{low}, {pool})")
-        span = ids[start // B:(seq_len - 1) // B + 1] if seq_len > start else ids[:0]
-        if (span == NULL_BLOCK_ID).any():
-            err(req_id, fname, f"group {g}: positions [{start}, {seq_len}) fall in the null block; only "
-                "blocks no query can see may be null")
-
-
-def group_lists(sc: "StepCompiler", req_id: str, fname: str, value: Any) -> Sequence[Sequence[int]]:
-    """``value`` as one block-id list per cache group."""
-    if not isinstance(value, (tuple, list)) or len(value) != sc.num_groups:
-        err(req_id, fname, f"expected one block-id list per cache group ({sc.num_groups}), got {value!r}")
-    for g, ids in enumerate(value):
-        if not isinstance(ids, (tuple, list, np.ndarray)):
-            err(req_id, fname, f"group {g}: expected a list of block ids, got {ids!r}")
-    return value
-
-
-def plan_new_requests(sc: "StepCompiler", new_reqs: Sequence[NewRequestData],
-                      new_counts: Sequence[int]) -> list[CachedRequestState]:
+def plan_new_requests(lay: StepLayout, prompt_packer: IntPacker, block_packer: IntPacker,
+                      new_reqs: Sequence[NewRequestData], new_counts: Sequence[int]) -> list[CachedRequestState]:
     """Check the new requests and build their (detached) states.
 
     Args:
-        sc: the step compiler (limits and packers).
+        lay: the step layout (limits, groups).
+        prompt_packer, block_packer: the packers for prompts and block ids (their views
+            stay valid until the next step's stage 1).
         new_reqs: ``scheduler_output.scheduled_new_reqs`` (ids already checked).
         new_counts: their ``num_scheduled_tokens`` (already checked ``>= 1``).
 
@@ -114,7 +73,7 @@ def plan_new_requests(sc: "StepCompiler", new_reqs: Sequence[NewRequestData],
     """
     if not new_reqs:
         return []
-    G = sc.num_groups
+    G = lay.num_groups
     seqs, owners, block_lists = [], [], []
     for i, nr in enumerate(new_reqs):
         for fname in ("prompt_token_ids", "output_token_ids"):
@@ -127,21 +86,21 @@ def plan_new_requests(sc: "StepCompiler", new_reqs: Sequence[NewRequestData],
         if len(nr.output_token_ids):
             seqs.append(nr.output_token_ids)
             owners.append((i, "output_token_ids"))
-        block_lists.extend(group_lists(sc, nr.req_id, "block_ids", nr.block_ids))
-    toks = sc._prompt_packer.pack(seqs)
+        block_lists.extend(group_lists(lay, nr.req_id, "block_ids", nr.block_ids))
+    toks = prompt_packer.pack(seqs)
     if isinstance(toks, int):
         i, fname = owners[toks]
         err(new_reqs[i].req_id, fname, "token ids must be ints in [0, 2**31)")
-    blocks = sc._block_packer.pack(block_lists)
+    blocks = block_packer.pack(block_lists)
     if isinstance(blocks, int):
         err(new_reqs[blocks // G].req_id, "block_ids", f"group {blocks % G}: block ids must be ints in [0, 2**31)")
-    packer = sc._block_packer
-    suspicious = packer.min <= NULL_BLOCK_ID or packer.max >= sc.num_blocks
+    packer = block_packer
+    suspicious = packer.min <= NULL_BLOCK_ID or packer.max >= lay.num_blocks
     states, k = [], 0
-    max_len = sc.max_model_len
+    max_len = lay.max_model_len
     # per group: blocks a row holds at most, and tokens a block covers (0: any, Mamba)
-    limits = [(m, 0 if kind == "mamba" else b) for m, b, kind in
-              zip(sc.max_num_blocks_per_req, sc.block_sizes, sc.group_kinds)]
+    limits = [(m, b if g.writes_slots else 0) for m, b, g in
+              zip(lay.max_num_blocks_per_req, lay.block_sizes, lay.groups)]
     for i, (nr, cnt) in enumerate(zip(new_reqs, new_counts)):
         rid = nr.req_id
         tokens = toks[k]
@@ -164,7 +123,7 @@ def plan_new_requests(sc: "StepCompiler", new_reqs: Sequence[NewRequestData],
         for g, (a, (most, per_block)) in enumerate(zip(arrs, limits)):
             n = a.shape[0]
             if suspicious or n > most or n * per_block < seq and per_block:
-                check_block_list(sc, rid, "block_ids", g, a, ncts, seq)
+                check_block_list(lay, rid, "block_ids", g, a, ncts, seq)
         sp = nr.sampling_params
         check_sampling(rid, sp)
         states.append(CachedRequestState(rid, nr.prompt_token_ids, arrs, ncts, sp, token_ids_np=tokens,

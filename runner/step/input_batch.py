@@ -1,7 +1,7 @@
 """``InputBatch``: the columnar view of the requests in the current step.
 
 One row per request, rows ``0 .. num_reqs-1`` compact after ``condense()``. A row is the
-common key of many columns (design notes §1.2): the ``[max_num_reqs, max_model_len]``
+common key of many columns (docs/architecture.md): the ``[max_num_reqs, max_model_len]``
 token table, the per-row counts, the sampling columns, the generators and one block-table
 row per cache group. Every operation that moves a row moves all of them:
 :attr:`InputBatch.row_columns` lists the 1-D columns, and ``_move_rows`` / ``swap_states``
@@ -27,7 +27,7 @@ import torch
 
 from attnplug.cache_groups.block_table import MultiGroupBlockTable
 from attnplug.core.errors import MetadataError
-from attnplug.runner.step.fast import NATIVE
+from attnplug.runner.step.fast.bind import bind_block_rows
 from attnplug.runner.step.request_state import CachedRequestState
 
 
@@ -85,11 +85,8 @@ class InputBatch:
         self.generators: dict[int, torch.Generator] = {}
         self.block_table = MultiGroupBlockTable(block_sizes, max_num_reqs, max_model_len,
                                                 max_num_batched_tokens, device, kernel_block_sizes)
-        tables = self.block_table.block_tables
-        self._row_ops = None if not native or NATIVE is None else NATIVE.BlockRows(
-            self.block_table.num_blocks_per_row, [bt.block_table_np for bt in tables],
-            [bt.kernel_block_table.np for bt in tables], [bt.kernel_blocks_per_block for bt in tables])
-        """The compiled ``BlockRows`` (``runner/step/fast/_native.pyx``), or ``None``."""
+        self._row_ops = bind_block_rows(self) if native else None
+        """The compiled ``BlockRows`` (``runner/step/fast/bind.py``), or ``None``."""
         self._req_ids: list[str | None] = [None] * max_num_reqs
         self._states: list[CachedRequestState | None] = [None] * max_num_reqs
         self.req_id_to_index: dict[str, int] = {}

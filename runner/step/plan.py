@@ -1,4 +1,4 @@
-"""``UpdatePlan``: what ``plan_update`` hands ``apply_update`` (validated, converted)."""
+"""``UpdatePlan``: what stage 1 (``UpdateChecker.plan``) hands stage 2 (``apply_update``) (validated, converted)."""
 
 from __future__ import annotations
 
@@ -51,5 +51,5 @@ class UpdatePlan:
     """The fresh requests (``NewRequestData``) staged by the compiled ``NewScan``; then
     ``new_states`` is empty and ``InputBatch.admit_scanned`` admits them."""
     native: bool = False
-    """Planned by the compiled scan (``runner.step.check_fast``): the cached requests' merge
-    is ``StepCompiler._cached_scan.apply()``, and ``rows_c`` … ``appends`` are unused."""
+    """Planned by the compiled scan (``runner/step/check_fast.py``): the cached requests' merge
+    is ``Scans.cached.apply()`` (``runner/step/fast/bind.py``), and ``rows_c`` … ``appends`` are unused."""

@@ -1,12 +1,14 @@
-"""``prepare_inputs``: turn the (stable) batch layout into the step's flat token stream.
+"""Stage 3 of a step: turn the (stable) batch layout into the step's flat token stream.
 
-Runs after ``update_states`` has finished every row move (design notes §1.3). From the
+Runs after stage 2 (``runner/step/apply.py``) has finished every row move. From the
 per-row ``num_scheduled_tokens`` it derives, with the shared cumsum/arange helper and no
-Python loop over tokens: ``query_start_loc``, ``req_indices``, ``positions``,
-``input_ids`` (one ``index_select`` from the flattened token table into a persistent
-buffer), ``seq_lens``, ``logits_indices``, the ``discard`` mask, each group's slot mapping
-and block table, and then ONE :class:`CommonAttentionMetadata` for group 0 with
-``replace``d copies for the other groups.
+Python loop over tokens (e.g. ``num_scheduled_tokens = [2, 5, 3]`` gives
+``query_start_loc = [0, 2, 7, 10]``, ``req_indices = [0,0,1,1,1,1,1,2,2,2]``, offsets
+within the request ``[0,1,0,1,2,3,4,0,1,2]``, ``logits_indices = [1, 6, 9]``):
+``positions`` (``num_computed_tokens[req] + offset``), ``input_ids`` (one ``take`` from
+the flattened token table into a persistent buffer), ``seq_lens``, the ``discard`` mask,
+and each group's slot mapping and block table. Stage 4
+(``runner/step/common_metadata.py``) wraps them in ``CommonAttentionMetadata``.
 
 Every tensor in :class:`StepInputs` is a view of a persistent buffer: it stays valid
 until the next ``update_states``.
@@ -20,11 +22,13 @@ import numpy as np
 import torch
 
 from attnplug.cache_groups.buffers import CpuGpuBuffer
+from attnplug.cache_groups.kinds import GroupKind
 from attnplug.cache_groups.ragged import cumsum_and_arange, repeat_indices
 from attnplug.core.constants import PAD_SLOT_ID
 from attnplug.core.metadata import CommonAttentionMetadata
 from attnplug.runner.step.input_batch import InputBatch
 from attnplug.runner.step.fast import NATIVE
+from attnplug.runner.step.fast.bind import bind_prepare
 
 
 @dataclass
@@ -117,13 +121,7 @@ class InputPreparer:
         """The compiled ``Prepare`` bound to ``batch`` (built on first use)."""
         kinds = tuple(group_kinds)
         if self._bound is None or self._bound[0] is not batch or self._bound[1] != kinds:
-            tables = list(batch.block_table)
-            prep = self._native.Prepare(
-                batch.num_scheduled_tokens, batch.num_computed_tokens_cpu, batch.num_tokens,
-                batch.num_prompt_tokens, batch.token_ids_cpu, self.query_start_loc.np, self.positions.np,
-                self.input_ids.np, self.seq_lens.np, self.logits_indices.np, self._req_indices, self._discard,
-                self._is_prefilling, [None if k == "mamba" else bt.block_table_np for bt, k in zip(tables, kinds)],
-                [bt.slot_mapping.np for bt in tables], [bt.block_size for bt in tables])
+            prep = bind_prepare(batch, self, tuple(k != GroupKind.MAMBA for k in kinds))
             self._bound = (batch, kinds, prep)
         return self._bound[2]
 
@@ -179,7 +177,7 @@ class InputPreparer:
         for bt, kind in zip(batch.block_table, group_kinds):
             bt.commit(R)
             block_tables.append(bt.get_device_tensor(R))
-            if kind == "mamba":
+            if kind == GroupKind.MAMBA:
                 bt.slot_mapping.np[:P] = PAD_SLOT_ID
                 slot_mappings.append(bt.slot_mapping.copy_to_gpu(P))
                 continue
@@ -249,39 +247,3 @@ class InputPreparer:
             slot_mapping=list(slot_mappings),  # own lists: the tensors may be shared with
             block_table_tensor=list(block_tables),  # the previous step's (cached views)
         )
-
-
-def build_common_attn_metadata(inputs: StepInputs, num_computed_tokens_cpu: torch.Tensor
-                               ) -> list[CommonAttentionMetadata]:
-    """ONE :class:`CommonAttentionMetadata` for group 0, ``replace``d copies for the others.
-
-    Args:
-        inputs: the step's inputs.
-        num_computed_tokens_cpu: ``[num_reqs]`` ``int32`` CPU view of the batch column.
-
-    Returns:
-        Per cache group, the step's metadata with that group's ``block_table_tensor`` and
-        ``slot_mapping``; every other tensor is shared.
-    """
-    R = inputs.num_reqs
-    cm = CommonAttentionMetadata(
-        query_start_loc=inputs.query_start_loc,
-        query_start_loc_cpu=inputs.query_start_loc_cpu,
-        seq_lens=inputs.seq_lens,
-        seq_lens_cpu=inputs.seq_lens_cpu,
-        num_computed_tokens_cpu=num_computed_tokens_cpu,
-        num_reqs=R,
-        num_actual_tokens=inputs.num_actual_tokens,
-        max_query_len=inputs.max_query_len,
-        max_seq_len=inputs.max_seq_len,
-        block_table_tensor=inputs.block_table_tensor[0],
-        slot_mapping=inputs.slot_mapping[0],
-        causal=True,
-        positions=inputs.positions,
-        is_prefilling=torch.from_numpy(inputs.is_prefilling),
-    )
-    out = [cm]
-    for bt, sm in zip(inputs.block_table_tensor[1:], inputs.slot_mapping[1:]):
-        out.append(cm.replace(block_table_tensor=bt, slot_mapping=sm))
-    inputs.common_attn_metadata = out
-    return out

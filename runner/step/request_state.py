@@ -1,6 +1,6 @@
 """``CachedRequestState``: the runner's object view of one request.
 
-The runner keeps two views of its requests (design notes §1.2): this object view, one per
+The runner keeps two views of its requests (docs/architecture.md): this object view, one per
 request id, which survives being *unscheduled*; and the columnar ``InputBatch``, one row
 per request of the current step. They are not two copies of the truth. While a request
 holds a batch row, the row's columns ARE its ``num_computed_tokens``, token history and
@@ -15,7 +15,7 @@ Mutate a request through the step compiler (``StepCompiler.update_states`` /
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import Any, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -23,8 +23,19 @@ import torch
 from attnplug.core.errors import MetadataError
 from attnplug.runner.step.scheduler_output import SamplingParams
 
-if TYPE_CHECKING:
-    from attnplug.runner.step.input_batch import InputBatch
+
+class BatchRows(Protocol):
+    """What a request reads of the batch that holds its row (``InputBatch`` implements
+    it): the token table, the counts and the block tables, indexed by row."""
+
+    token_ids_cpu: np.ndarray
+    """``[max_num_reqs, max_model_len]`` ``int32``."""
+    num_tokens: np.ndarray
+    """``[max_num_reqs]`` ``int32``."""
+    num_computed_tokens_cpu: np.ndarray
+    """``[max_num_reqs]`` ``int32``."""
+    block_table: Any
+    """A ``MultiGroupBlockTable``: iterates over the groups' ``BlockTable``."""
 
 
 def make_generator(sampling_params: SamplingParams | None) -> torch.Generator | None:
@@ -75,11 +86,11 @@ class CachedRequestState:
         self._block_ids_np = (tuple(np.asarray(b, dtype=np.int32) for b in block_ids)
                               if block_ids_np is None else block_ids_np)
         self._num_computed_tokens = int(num_computed_tokens)
-        self._batch: InputBatch | None = None
+        self._batch: BatchRows | None = None
         self._row = -1
 
     @classmethod
-    def _admitted(cls, new_req, batch: "InputBatch", row: int) -> "CachedRequestState":
+    def _admitted(cls, new_req, batch: BatchRows, row: int) -> "CachedRequestState":
         """The state of a fresh request whose row ``InputBatch.admit_scanned`` already
         wrote (``new_req``: its ``NewRequestData``, validated)."""
         st = cls.__new__(cls)
@@ -94,7 +105,7 @@ class CachedRequestState:
         return st
 
     # --- batch attachment (used by InputBatch only) -------------------------------------
-    def _attach(self, batch: "InputBatch", row: int) -> None:
+    def _attach(self, batch: BatchRows, row: int) -> None:
         self._batch, self._row = batch, row
         self._token_ids_np = None
         self._block_ids_np = None

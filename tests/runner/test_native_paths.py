@@ -16,7 +16,6 @@ from attnplug.runner.step.int_packer import IntPacker
 from attnplug.runner.step.fast import NATIVE
 from attnplug.runner.step.scheduler_output import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
 from attnplug.runner.step.compiler import StepCompiler, snapshot_diff
-from attnplug.runner.step.check import plan_update
 
 pytestmark = pytest.mark.skipif(NATIVE is None, reason="the compiled extension is not built")
 
@@ -57,9 +56,9 @@ def regular_step(**change) -> SchedulerOutput:
 def test_a_regular_step_takes_the_compiled_path_and_matches_numpy():
     fast, slow = make(True), make(False)
     so = regular_step()
-    plan = plan_update(fast, so)
+    plan = fast.checker.plan(so)
     assert plan.native and plan.new_scanned is not None and not plan.new_states  # NewScan staged D
-    assert not plan_update(slow, so).native
+    assert not slow.checker.plan(so).native
     for sc in (fast, slow):
         sc.update_states(so)
     a, b = fast.prepare_inputs(so), slow.prepare_inputs(so)

@@ -27,7 +27,6 @@ from attnplug.runner.step.scheduler_output import (
 )
 from attnplug.runner.step.fast import NATIVE
 from attnplug.runner.step.compiler import StepCompiler
-from attnplug.runner.step.check import apply_update, plan_update
 
 STEPS_PER_EXAMPLE = 25
 MAX_EXAMPLES = 90
@@ -203,8 +202,8 @@ def test_random_steps_match_naive_oracle(rng, layout, threshold, regular, native
     sched = RandomScheduler(rng, layout, oracle, regular)
     for _ in range(STEPS_PER_EXAMPLE):
         so = sched.step()
-        plan = plan_update(sc, so)
-        apply_update(sc, plan)
+        plan = sc.checker.plan(so)
+        sc.apply(plan)
         STEP_COUNT["native" if plan.native else "numpy"] += 1
         oracle.update_states(so)
         inp = sc.prepare_inputs(so)

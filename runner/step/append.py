@@ -1,0 +1,74 @@
+"""Stage 8 of a step: the sampled tokens enter the token history (the next step's input)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from attnplug.core.errors import MetadataError
+from attnplug.runner.step.input_batch import InputBatch
+
+
+def append_output_tokens(batch: InputBatch, max_model_len: int, req_ids_or_rows, token_ids) -> None:
+    """Append sampled tokens to requests of this step (both views: the row is the state).
+
+    The scheduler never re-sends the runner's own samples: this is how they enter the
+    token history (``StepCompiler.append_output_tokens`` calls it).
+
+    Args:
+        req_ids_or_rows: request ids, or batch rows (ints), of this step; distinct.
+        token_ids: one token per request (``[n]`` ints), or per request a list of tokens.
+
+    Raises:
+        MetadataError: an id not in the batch, a repeated request, a row whose logits are
+            discarded this step (partial prefill, or tokens already appended), a bad
+            token id, or more tokens than ``max_model_len`` (nothing changes).
+    """
+    b = batch
+    n = len(req_ids_or_rows)
+    if n == 0:
+        return
+    if isinstance(req_ids_or_rows[0], str):
+        try:
+            rows = np.fromiter(map(b.req_id_to_index.__getitem__, req_ids_or_rows), np.int64, n)
+        except KeyError as e:
+            raise MetadataError(f"append_output_tokens: request {e.args[0]!r} is not in this step's "
+                                "batch; only scheduled requests can receive tokens") from None
+    else:
+        rows = np.asarray(req_ids_or_rows, dtype=np.int64).reshape(n)
+        if rows.min() < 0 or rows.max() >= b.num_reqs:
+            raise MetadataError(f"append_output_tokens: rows must lie in [0, {b.num_reqs}), got {rows.tolist()}")
+    if len(token_ids) != n:
+        raise MetadataError(f"append_output_tokens: {len(token_ids)} token entries for {n} requests")
+    ragged = n and isinstance(token_ids[0], (list, tuple, np.ndarray))
+    lens = (np.fromiter(map(len, token_ids), np.int64, n) if ragged else np.ones(n, np.int64))
+    try:
+        flat = np.asarray([t for ts in token_ids for t in ts] if ragged else token_ids, dtype=np.int64)
+    except (TypeError, ValueError, OverflowError):
+        raise MetadataError(f"append_output_tokens: token ids must be ints, got {token_ids!r}") from None
+    if flat.shape != (int(lens.sum()),) or (flat.shape[0] and (flat.min() < 0 or flat.max() >= 2**31)):
+        raise MetadataError(f"append_output_tokens: token ids must be ints in [0, 2**31), got {token_ids!r}")
+    seen = np.zeros(b.max_num_reqs, dtype=bool)
+    seen[rows] = True
+    if np.count_nonzero(seen) != n:
+        raise MetadataError("append_output_tokens: a request appears twice; pass each request once "
+                            "with all its tokens")
+    held = b.num_tokens[rows].astype(np.int64)
+    seq = b.num_computed_tokens_cpu[rows].astype(np.int64) + b.num_scheduled_tokens[rows]
+    if (seq != held).any():
+        i = int(np.argmax(seq != held))
+        raise MetadataError(
+            f"append_output_tokens: request {b._req_ids[rows[i]]!r} has seq_len {int(seq[i])} < "
+            f"num_tokens {int(held[i])}: its logits are discarded this step (partial prefill or "
+            "recompute), or its token was already appended; append only to rows with discard False")
+    if (held + lens > max_model_len).any():
+        i = int(np.argmax(held + lens > max_model_len))
+        raise MetadataError(f"append_output_tokens: request {b._req_ids[rows[i]]!r} would hold "
+                            f"{int(held[i] + lens[i])} tokens > max_model_len {max_model_len}")
+    if not ragged or (lens == 1).all():
+        b.token_ids_cpu[rows, held] = flat
+    else:
+        off = 0
+        for r, h, k in zip(rows.tolist(), held.tolist(), lens.tolist()):
+            b.token_ids_cpu[r, h:h + k] = flat[off:off + k]
+            off += k
+    b.num_tokens[rows] = held + lens

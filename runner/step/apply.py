@@ -1,0 +1,117 @@
+"""Stage 2 of a step: apply a checked ``UpdatePlan`` to both views of the state.
+
+:func:`apply_update` mutates, in this order: drop finished requests (object view AND
+batch), drop unscheduled ones from the batch (their state is kept), add new and
+returning requests (lowest free rows first), merge the cached deltas (rows looked up
+once, counts written with fancy indexing, block appends batched per group;
+``resumed_from_preemption`` replaces block ids), ``condense()``, then the optional
+decodes-first reorder. Nothing changes rows after that; last, sliding-window groups get
+``NULL_BLOCK_ID`` over the blocks the pool freed (``runner/step/apply_windows.py``).
+Every row move ends here, before stage 3 (``runner/step/prepare.py``) reads the rows.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from attnplug.cache_groups.ragged import cumsum_and_arange
+from attnplug.runner.step.apply_windows import null_skipped_blocks
+from attnplug.runner.step.fast.bind import Scans
+from attnplug.runner.step.groups import StepLayout
+from attnplug.runner.step.input_batch import InputBatch
+from attnplug.runner.step.plan import UpdatePlan
+from attnplug.runner.step.request_state import CachedRequestState
+
+
+def apply_update(lay: StepLayout, batch: InputBatch, reqs: dict[str, CachedRequestState], plan: UpdatePlan,
+                 scans: Scans | None = None, reorder_batch_threshold: int | None = None) -> None:
+    """Apply a plan from stage 1 (see the module docstring for the order).
+
+    Args:
+        lay: the step layout (windows).
+        batch, reqs: the two views of the state, changed in place.
+        plan: what :meth:`UpdateChecker.plan` returned for this step's output.
+        scans: the compiled scans that planned it (a plan with ``native`` set needs them).
+        reorder_batch_threshold: if set, decodes (rows with ``num_scheduled_tokens <=
+            threshold``) are moved before the others.
+    """
+    batch.remove_requests(plan.finished, keep_state=False)
+    for rid in plan.finished:
+        del reqs[rid]
+    if plan.unscheduled:
+        batch.remove_requests(plan.unscheduled)
+    for st in plan.new_states:
+        reqs[st.req_id] = st
+    if plan.new_scanned is not None:  # compiled path: rows written from NewScan's staging
+        batch.admit_scanned(plan.new_scanned, scans.new, reqs)
+    states = plan.new_states + [reqs[rid] for rid in plan.readd_ids] if plan.readd_ids else plan.new_states
+    rows = batch.add_requests(states)
+    rows_c = plan.rows_c
+    n_new = len(plan.new_states)
+    if plan.readd:
+        rows_c[plan.readd] = rows[n_new:]
+    sched = batch.num_scheduled_tokens
+    for row, c in zip(rows, plan.new_counts):
+        sched[row] = c
+    if plan.native:
+        scans.cached.apply()
+    else:
+        _merge_cached(batch, plan, rows_c)
+    batch.condense()
+    if reorder_batch_threshold is not None:
+        reorder_decodes_first(batch, reorder_batch_threshold)
+    if lay.has_sliding_windows:
+        null_skipped_blocks(batch, lay.sliding_windows)
+
+
+def _merge_cached(batch: InputBatch, plan: UpdatePlan, rows_c: np.ndarray) -> None:
+    """The numpy path's merge of the cached requests' deltas into their rows."""
+    sched = batch.num_scheduled_tokens
+    batch.num_computed_tokens_cpu[rows_c] = plan.ncts_c
+    sched[rows_c] = plan.counts_c
+    toks, n_tok = batch.token_ids_cpu, batch.num_tokens
+    for i, arr in plan.token_deltas:
+        r = rows_c[i]
+        n = n_tok[r]
+        toks[r, n:n + arr.shape[0]] = arr
+        n_tok[r] = n + arr.shape[0]
+    for i, arrs in plan.resumed:
+        batch.block_table.add_row(arrs, int(rows_c[i]))
+        batch.num_computed_tokens_nulled[rows_c[i]] = 0  # fresh blocks: nothing nulled yet
+    if plan.appends is not None:
+        ap = plan.appends
+        rows = rows_c[ap.sel]
+        m = rows.shape[0]
+        if ap.one_each:  # one new block per row and group (decode crossing a block boundary)
+            for g, bt in enumerate(batch.block_table):
+                bt.write_blocks(rows, ap.starts[g], ap.flat[g * m:(g + 1) * m])
+        else:
+            off = 0
+            for g, bt in enumerate(batch.block_table):
+                lens = ap.lens[g]
+                _, offsets = cumsum_and_arange(lens)
+                n = offsets.shape[0]
+                bt.write_blocks(np.repeat(rows, lens), np.repeat(ap.starts[g], lens) + offsets,
+                                ap.flat[off:off + n])
+                off += n
+        for counts, after in zip(batch.block_table.num_blocks_per_row, ap.after):
+            counts[rows] = after
+
+
+def reorder_decodes_first(batch: InputBatch, threshold: int) -> list[tuple[int, int]]:
+    """Put rows with ``num_scheduled_tokens <= threshold`` (decodes) before the others.
+
+    Pairs the first misplaced prefill with the last misplaced decode and swaps each pair
+    (vLLM's ``reorder_batch_to_split_decodes_and_prefills``). Returns the swaps.
+    """
+    R = batch.num_reqs
+    is_dec = batch.num_scheduled_tokens[:R] <= threshold
+    d = int(np.count_nonzero(is_dec))
+    if d == 0 or d == R or is_dec[:d].all():
+        return []
+    front = np.flatnonzero(~is_dec[:d])
+    back = (np.flatnonzero(is_dec[d:]) + d)[::-1]
+    swaps = list(zip(front.tolist(), back.tolist()))
+    for a, b in swaps:
+        batch.swap_states(a, b)
+    return swaps

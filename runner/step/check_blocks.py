@@ -1,0 +1,123 @@
+"""Stage 1, block deltas of cached requests: replacements (resumed), appends, capacity.
+
+All groups at once: ``[num_groups, num_cached]`` arrays of the blocks each row holds
+before and after the step, checked against the pools, the table width and ``seq_lens``.
+"""
+
+from __future__ import annotations
+
+from itertools import chain, compress
+
+import numpy as np
+
+from attnplug.core.constants import NULL_BLOCK_ID
+from attnplug.runner.step.check_lists import block_id_array, check_block_list, err, group_lists
+from attnplug.runner.step.check_windows import check_not_behind_nulled, check_span_not_null
+from attnplug.runner.step.groups import StepLayout
+from attnplug.runner.step.input_batch import InputBatch
+from attnplug.runner.step.plan import BlockAppends
+from attnplug.runner.step.request_state import CachedRequestState
+from attnplug.runner.step.scheduler_output import CachedRequestData
+
+Resumed = list[tuple[int, tuple[np.ndarray, ...]]]
+
+
+def resumed_lists(lay: StepLayout, cached: CachedRequestData, ncts_c: np.ndarray, seq_c: np.ndarray) -> Resumed:
+    """The replacement block lists of the ``resumed_from_preemption`` requests, checked
+    as initial lists are (``check_block_list``)."""
+    resumed: Resumed = []
+    if not any(cached.resumed_from_preemption):
+        return resumed
+    C, nb, G = cached.req_ids, cached.new_block_ids, lay.num_groups
+    for i, flag in enumerate(cached.resumed_from_preemption):
+        if flag:
+            groups = [[]] * G if nb[i] is None else group_lists(lay, C[i], "new_block_ids", nb[i])
+            arrs = tuple(block_id_array(C[i], "new_block_ids", g, ids) for g, ids in enumerate(groups))
+            for g, a in enumerate(arrs):
+                check_block_list(lay, C[i], "new_block_ids", g, a, int(ncts_c[i]), int(seq_c[i]))
+            resumed.append((i, arrs))
+    return resumed
+
+
+def block_appends(lay: StepLayout, cached: CachedRequestData, sel: list[int], before: np.ndarray) -> BlockAppends:
+    """The appended block ids of requests ``sel`` (indices into the cached requests):
+    one list per group each, ids in the pool and never null, rows not overfull.
+    Updates ``before`` (the ``[G, num_cached]`` counts) to the counts after the append."""
+    C, nb, G = cached.req_ids, cached.new_block_ids, lay.num_groups
+    entries = [nb[i] for i in sel]
+    for e, i in zip(entries, sel):
+        if not isinstance(e, (tuple, list)) or len(e) != G:
+            group_lists(lay, C[i], "new_block_ids", e)
+    per = [e[g] for g in range(G) for e in entries]  # group-major
+    m = len(sel)
+    for j, p in enumerate(per):
+        if not isinstance(p, (list, tuple, np.ndarray)):
+            err(C[sel[j % m]], "new_block_ids", f"group {j // m}: expected a list of block ids, got {p!r}")
+    lens_list = [len(p) for p in per]
+    one_each = lens_list.count(1) == G * m  # the decode case: one new block per group
+    try:
+        flat = np.fromiter(chain.from_iterable(per), np.int64, sum(lens_list))
+    except (TypeError, ValueError, OverflowError):
+        j = next(j for j, p in enumerate(per) if not all(
+            isinstance(b, (int, np.integer)) and not isinstance(b, bool) and -2**63 <= b < 2**63 for b in p))
+        err(C[sel[j % m]], "new_block_ids", f"group {j // m}: block ids must be ints in "
+            f"[{NULL_BLOCK_ID + 1}, {lay.num_blocks_per_group[j // m]})")
+    if np.count_nonzero(flat <= NULL_BLOCK_ID) or np.count_nonzero(flat >= lay.num_blocks):
+        per_group_len = np.add.reduceat(np.asarray(lens_list, dtype=np.int64), np.arange(0, G * m, m)) \
+            if m else np.zeros(G, dtype=np.int64)
+        bound = np.repeat(np.asarray(lay.num_blocks_per_group, dtype=np.int64), per_group_len)
+        bad = (flat <= NULL_BLOCK_ID) | (flat >= bound)
+        if bad.any():
+            t = int(np.argmax(bad))
+            j = int(np.searchsorted(np.cumsum(lens_list), t, side="right"))
+            err(C[sel[j % m]], "new_block_ids", f"group {j // m}: appended block id {int(flat[t])} is not in "
+                f"[{NULL_BLOCK_ID + 1}, {lay.num_blocks_per_group[j // m]}): a newly appended block is never "
+                "the null block and must lie in the pool")
+    sel_arr = np.asarray(sel, dtype=np.int64)
+    starts = before.take(sel_arr, axis=1)
+    lens = 1 if one_each else np.asarray(lens_list, dtype=np.int64).reshape(G, m)
+    after = starts + lens
+    if np.count_nonzero(after > lay.max_blocks_col):
+        g, j = np.argwhere(after > lay.max_blocks_col)[0]
+        err(C[sel[j]], "new_block_ids", f"group {g}: request would hold {int(after[g, j])} blocks but at "
+            f"most {lay.max_num_blocks_per_req[g]} fit (cdiv(max_model_len, block_size))")
+    before[:, sel_arr] = after
+    return BlockAppends(sel_arr, starts, lens, after, flat, one_each)
+
+
+def block_deltas(lay: StepLayout, batch: InputBatch, reqs: dict[str, CachedRequestState], cached: CachedRequestData,
+                 rows_c: np.ndarray, readd: list[int], ncts_c: np.ndarray, seq_c: np.ndarray
+                 ) -> tuple[Resumed, BlockAppends | None]:
+    """The cached requests' ``new_block_ids``: replacements, appends, windows, capacity.
+
+    Returns:
+        ``(resumed, appends)``: the replacement lists per resumed request, and the
+        appends of the others (``None`` when there are none).
+    """
+    C, nb = cached.req_ids, cached.new_block_ids
+    nC = len(C)
+    resumed = resumed_lists(lay, cached, ncts_c, seq_c)
+    # np.take along axis 1: 2-D fancy indexing with a leading slice is ~5x slower
+    before = batch.block_table.num_blocks_per_row.take(rows_c, axis=1)
+    for i in readd:
+        before[:, i] = [a.shape[0] for a in reqs[C[i]].block_ids_np()]
+    for i, arrs in resumed:
+        before[:, i] = [a.shape[0] for a in arrs]
+    if nC and lay.has_sliding_windows:
+        check_not_behind_nulled(lay, batch, C, rows_c, ncts_c, {i for i, _ in resumed})
+    if nC and any(lay.null_block_allowed):
+        check_span_not_null(lay, batch, reqs, C, rows_c, ncts_c, seq_c, before, readd, {i for i, _ in resumed})
+    try:
+        sel = list(compress(range(nC), nb))
+    except (ValueError, TypeError):  # an entry that is neither None nor a tuple/list (e.g. an array)
+        i = next(i for i, e in enumerate(nb) if e is not None and not isinstance(e, (tuple, list)))
+        group_lists(lay, C[i], "new_block_ids", nb[i])
+    if resumed:
+        skip = {i for i, _ in resumed}
+        sel = [i for i in sel if i not in skip]
+    appends = block_appends(lay, cached, sel, before) if sel else None
+    if nC and np.count_nonzero(before * lay.capacity_col < seq_c):
+        g, i = np.argwhere(before * lay.capacity_col < seq_c)[0]
+        err(C[i], "new_block_ids", f"group {g}: {int(before[g, i])} blocks of {lay.block_sizes[g]} tokens "
+            f"cannot hold seq_len {int(seq_c[i])}; the block table is too short")
+    return resumed, appends

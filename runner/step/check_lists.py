@@ -1,0 +1,81 @@
+"""Stage 1 helpers: the error every check raises, and checks of one block-id list.
+
+Shared by the checks of new requests (``check_new``) and of cached requests' block
+deltas (``check_blocks``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NoReturn, Sequence
+
+import numpy as np
+
+from attnplug.core.constants import NULL_BLOCK_ID
+from attnplug.core.errors import InvalidSchedulerOutput
+from attnplug.runner.step.groups import INT32_MAX, StepLayout
+
+
+def err(req_id: Any, field_name: str, message: str) -> NoReturn:
+    """Raise :class:`InvalidSchedulerOutput` (stage 1 has changed nothing at this point)."""
+    raise InvalidSchedulerOutput(req_id, field_name, message)
+
+
+def group_lists(lay: StepLayout, req_id: str, fname: str, value: Any) -> Sequence[Sequence[int]]:
+    """``value`` as one block-id list per cache group.
+
+    Raises:
+        InvalidSchedulerOutput: not a tuple/list with one list (or 1-D array) per group.
+    """
+    if not isinstance(value, (tuple, list)) or len(value) != lay.num_groups:
+        err(req_id, fname, f"expected one block-id list per cache group ({lay.num_groups}), got {value!r}")
+    for g, ids in enumerate(value):
+        if not isinstance(ids, (tuple, list, np.ndarray)):
+            err(req_id, fname, f"group {g}: expected a list of block ids, got {ids!r}")
+    return value
+
+
+def block_id_array(rid: Any, fname: str, g: int, ids) -> np.ndarray:
+    """``ids`` (one group's list) as ``[n]`` ``int32``, each in ``[0, 2**31)``.
+
+    Raises:
+        InvalidSchedulerOutput: an entry that is not an int, or out of range.
+    """
+    try:
+        a = np.asarray(ids, dtype=np.int64).reshape(len(ids))
+    except (TypeError, ValueError, OverflowError):
+        err(rid, fname, f"group {g}: block ids must be a list of ints, got {ids!r}")
+    if a.shape[0] and (a.min() < 0 or a.max() > INT32_MAX):
+        err(rid, fname, f"group {g}: block ids must be in [0, 2**31), got {a.tolist()}")
+    return a.astype(np.int32)
+
+
+def check_block_list(lay: StepLayout, req_id: str, fname: str, g: int, ids: np.ndarray,
+                     start: int, seq_len: int) -> None:
+    """An initial or replacement block list of group ``g`` for a request that computes
+    positions ``[start, seq_len)`` this step: length, pool range, null blocks.
+
+    Raises:
+        InvalidSchedulerOutput: more blocks than ``cdiv(max_model_len, block_size)``, too
+            few to hold ``seq_len``, an id outside the pool, the null block where it is
+            not legitimate or where a position of this step falls.
+    """
+    n = ids.shape[0]
+    B = lay.block_sizes[g]
+    if n > lay.max_num_blocks_per_req[g]:
+        err(req_id, fname, f"group {g}: {n} blocks but a request holds at most "
+            f"{lay.max_num_blocks_per_req[g]} (cdiv(max_model_len={lay.max_model_len}, block_size={B}))")
+    if lay.groups[g].writes_slots and n * B < seq_len:
+        err(req_id, fname, f"group {g}: {n} blocks of {B} tokens cannot hold seq_len {seq_len} "
+            "(num_computed_tokens + num_scheduled_tokens); the block table is too short")
+    pool = lay.num_blocks_per_group[g]
+    if n and (int(ids.min()) <= NULL_BLOCK_ID or int(ids.max()) >= pool):
+        low = NULL_BLOCK_ID if lay.null_block_allowed[g] else NULL_BLOCK_ID + 1
+        bad = ids[(ids < low) | (ids >= pool)]
+        if bad.shape[0]:
+            why = ("the reserved null block, legitimate only in a sliding-window group's skipped prefix"
+                   if int(bad[0]) == NULL_BLOCK_ID else "outside the pool")
+            err(req_id, fname, f"group {g}: block id {int(bad[0])} is {why}; valid ids are [{low}, {pool})")
+        span = ids[start // B:(seq_len - 1) // B + 1] if seq_len > start else ids[:0]
+        if (span == NULL_BLOCK_ID).any():
+            err(req_id, fname, f"group {g}: positions [{start}, {seq_len}) fall in the null block; only "
+                "blocks no query can see may be null")
