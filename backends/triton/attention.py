@@ -19,12 +19,10 @@ from dataclasses import dataclass
 
 import torch
 
+from attnplug.backends.triton.constants import MAX_HEAD_SIZE
 from attnplug.backends.triton.runtime import interpreting, kernel_module, launch
 from attnplug.backends.common.value_checks import check_batch, values_checked
 from attnplug.core.errors import MetadataError
-
-MAX_HEAD_SIZE = 256
-"""Largest head size the kernels take (the fp32 accumulator is ``BLOCK_M x head_size``)."""
 
 REDUCE_ELEMENTS_PER_PROGRAM = 4096
 """fp32 partial-output elements one split-KV reduce program combines (heads x segments x

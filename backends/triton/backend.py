@@ -14,17 +14,9 @@ from abc import ABCMeta
 
 import torch
 
-from attnplug.backends.triton.attention import MAX_HEAD_SIZE
+from attnplug.backends.triton.constants import HEAD_SIZES, KERNEL_BLOCK_SIZES
 from attnplug.backends.triton.runtime import interpreting, unavailable_reason
 from attnplug.core.contracts import AttentionBackend, AttentionImpl, AttentionLayerConfig, AttentionMetadataBuilder
-
-KERNEL_BLOCK_SIZES: tuple[int, ...] = (16, 32, 64)
-"""Kernel block (page) sizes, tokens. A manager block size that is a multiple of one of
-these is served by splitting each manager block into kernel blocks (128 -> 64, 48 -> 16)."""
-
-HEAD_SIZES: tuple[int, ...] = tuple(range(16, MAX_HEAD_SIZE + 1, 16))
-"""Head sizes the kernels take: multiples of 16 (the tensor-core K granularity) up to 256;
-inside the kernel a head is padded to the next power of two (masked loads)."""
 
 
 class _TritonBackendMeta(ABCMeta):

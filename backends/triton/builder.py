@@ -15,6 +15,7 @@ from typing import ClassVar
 import torch
 
 from attnplug.backends.common.buffer_checks import check_block_table, check_slot_mapping, copy_block_table
+from attnplug.backends.triton.constants import KERNEL_BLOCK_SIZES
 from attnplug.backends.triton.metadata import SplitKVPolicy, TritonAttentionMetadata
 from attnplug.cache_groups.specs import cdiv
 from attnplug.core.constants import NULL_BLOCK_ID, PAD_SLOT_ID
@@ -50,8 +51,6 @@ class TritonMetadataBuilder(AttentionMetadataBuilder):
     def __init__(self, kv_cache_spec, layer_names: list[str], config: BuilderConfig,
                  device: torch.device | str):
         super().__init__(kv_cache_spec, layer_names, config, device)
-        from attnplug.backends.triton.backend import KERNEL_BLOCK_SIZES
-
         self.block_size = int(kv_cache_spec.block_size)
         self.num_kv_heads = int(getattr(kv_cache_spec, "num_kv_heads", 1))
         if self.block_size not in KERNEL_BLOCK_SIZES:

@@ -9,6 +9,7 @@ import torch
 
 from attnplug.backends.triton.attention import paged_attention
 from attnplug.backends.triton.cache_ops import write_kv_cache
+from attnplug.backends.triton.constants import HEAD_SIZES
 from attnplug.backends.triton.metadata import TritonAttentionMetadata
 from attnplug.backends.triton.runtime import interpreting
 from attnplug.backends.common.value_checks import check_batch, check_slots, values_checked
@@ -47,8 +48,6 @@ class TritonAttentionImpl(AttentionImpl):
                  sliding_window: int | None = None, logits_soft_cap: float | None = None,
                  attn_type: AttentionType = AttentionType.DECODER,
                  kv_cache_dtype: torch.dtype | None = None):
-        from attnplug.backends.triton.backend import HEAD_SIZES
-
         reasons = self.decoder_argument_problems(num_heads, num_kv_heads, sliding_window, logits_soft_cap,
                                                  attn_type)
         if head_size not in HEAD_SIZES:
