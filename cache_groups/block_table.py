@@ -11,7 +11,7 @@ sends); the kernel table ``kernel_block_table`` holds each manager block ``b`` e
 the columns past a row's blocks stay null). The expansion is done when rows are written,
 so ``commit`` is a plain prefix copy. With ``k == 1`` both tables share one buffer.
 
-Slot mapping (design notes §1.4): ``slot = block_table[req, pos // B] * B + pos % B``,
+Slot mapping (docs/architecture.md, "Conventions"): ``slot = block_table[req, pos // B] * B + pos % B``,
 vectorized over the step's tokens into a persistent buffer; padded tokens get
 ``PAD_SLOT_ID``. The slot is the same whether computed in manager or kernel blocks.
 

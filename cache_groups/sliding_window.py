@@ -13,7 +13,8 @@ later, so keys ``0 .. n - W`` — :func:`num_skipped_tokens` ``= max(0, n - W + 
 never reads them. The block table never shifts: logical block ``i`` always covers tokens
 ``[i * B, (i + 1) * B)``. A request then holds at most :func:`max_live_blocks` blocks.
 
-Kernel conventions (design notes §4). For a ``W``-token window:
+Kernel conventions (upstream: flash-attn's ``window_size=(left, right)``, FlashInfer's
+``window_left`` in its ``plan()`` docstrings; docs/backends.md). For a ``W``-token window:
 
 ==================================  ================================  ==================
 kernel                              argument                          value

@@ -18,7 +18,7 @@ class MetadataError(AttnplugError, ValueError):
 
 
 class MetadataInvariantError(MetadataError):
-    """One of the eight batch invariants (design notes §3) does not hold.
+    """One of the eight batch invariants (listed in ``attnplug.core.validation``) does not hold.
 
     Attributes:
         invariant: the invariant's number (1-8) and short name, e.g. ``"5 positions"``.

@@ -1,4 +1,4 @@
-"""``validate``: the eight batch invariants of design notes §3, as a debug check.
+"""``validate``: the eight batch invariants of the step (below), as a debug check.
 
 The runner calls it every step when ``ATTNPLUG_VALIDATE=1``; the tests always do. Each
 failure raises :class:`MetadataInvariantError` naming the invariant, the row and values.

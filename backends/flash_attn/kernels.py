@@ -1,6 +1,6 @@
 """Finding the installed FlashAttention kernels, lazily, and why they may be missing.
 
-Two packages provide them (design notes §4):
+Two packages provide them (docs/backends.md):
 
 * **FlashAttention 3** (``hopper/`` of flash-attention, module ``flash_attn_interface``):
   ``flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=, page_table=,

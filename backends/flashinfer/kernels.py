@@ -2,7 +2,7 @@
 
 The builder needs two wrapper classes of the ``flashinfer`` module,
 ``BatchDecodeWithPagedKVCacheWrapper`` and ``BatchPrefillWithPagedKVCacheWrapper``
-(design notes §4). Nothing here imports ``flashinfer`` at module import time;
+(docs/backends.md). Nothing here imports ``flashinfer`` at module import time;
 :func:`installed_module` imports once and caches. ``plan()`` needs CUDA (FlashInfer
 fails on CPU-only torch), so the backend is unavailable without a GPU. Never raises.
 """

@@ -82,7 +82,7 @@ def compute_slot_mapping(query_start_loc: torch.Tensor, positions: torch.Tensor,
     """The flat KV slot of every scheduled token of one cache group, on the device.
 
     ``slot = block_table[req, pos // block_size] * block_size + pos % block_size``
-    (design notes §1.4), one program per request (plus one that pads). This is the GPU
+    (docs/architecture.md, "Conventions"), one program per request (plus one that pads). This is the GPU
     counterpart of the runner's numpy path (``BlockTable.compute_slot_mapping``), for a
     runner whose positions and block table already live on the GPU.
 

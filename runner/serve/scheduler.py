@@ -27,12 +27,12 @@ no speculative decoding):
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
 
 from attnplug.cache_groups.block_pool import KVCacheManager
 from attnplug.cache_groups.grouping import KVCacheConfig
 from attnplug.core.errors import InvalidRequestError, SchedulingError
 from attnplug.runner.serve.request import Request, RequestStatus
+from attnplug.runner.serve.scheduler_config import SchedulerConfig
 from attnplug.runner.step.scheduler_output import (
     CachedRequestData,
     NewRequestData,
@@ -40,41 +40,7 @@ from attnplug.runner.step.scheduler_output import (
     SchedulerOutput,
 )
 
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    """Limits of one scheduling step.
-
-    Attributes:
-        max_num_batched_tokens: token budget of a step (all requests together).
-        max_num_seqs: most running requests at once.
-        max_model_len: most tokens (prompt plus outputs) a request may hold.
-        enable_chunked_prefill: split prompts longer than what is left of the budget
-            across steps. Without it a new prompt is scheduled whole or waits.
-        force_preemption_every: test hook: every this many steps, preempt the most
-            recently admitted running request that has sampled at least one token and was
-            never preempted (only while at least two requests run, so progress is
-            guaranteed). ``None`` disables it.
-
-    Raises:
-        SchedulingError: a limit that is not a positive int.
-    """
-
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 64
-    max_model_len: int = 2048
-    enable_chunked_prefill: bool = True
-    force_preemption_every: int | None = None
-
-    def __post_init__(self):
-        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-                raise SchedulingError(f"SchedulerConfig.{name} must be a positive int, got {v!r}")
-        f = self.force_preemption_every
-        if f is not None and (not isinstance(f, int) or f <= 0):
-            raise SchedulingError(
-                f"SchedulerConfig.force_preemption_every must be None or a positive int, got {f!r}")
+__all__ = ["Scheduler", "SchedulerConfig"]
 
 
 class Scheduler:
