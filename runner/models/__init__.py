@@ -12,7 +12,7 @@ from attnplug.runner.models.config import DecoderModelConfig, ModelConfigError, 
 from attnplug.runner.models.gemma3 import Gemma3Model
 from attnplug.runner.models.gemma3_config import Gemma3ModelConfig
 from attnplug.runner.models.llama import DecoderModel, attention_layer_name, layer_configs
-from attnplug.runner.models.loader import WeightLoadError, build_model, load_hf_state_dict, model_layer_configs
+from attnplug.runner.models.loader import build_model, model_layer_configs
 from attnplug.runner.models.presets import DEFAULT_PRESET, PRESETS, make_preset_model, preset_config
 from attnplug.runner.models.registry import (
     SUPPORTED_ARCHITECTURES,
@@ -20,6 +20,7 @@ from attnplug.runner.models.registry import (
     UnsupportedModelError,
     resolve_model_config,
 )
+from attnplug.runner.models.weights import WeightLoadError, load_hf_state_dict
 
 __all__ = [
     "BambaModel", "BambaModelConfig", "mamba_layer_name", "model_layer_configs", "Gemma3Model", "Gemma3ModelConfig",

@@ -31,6 +31,7 @@ from attnplug.runner.models.bamba_config import BambaModelConfig
 from attnplug.runner.models.layers import Attention, RMSNorm, RotaryEmbedding, SwiGLUMLP, lookup_layer
 from attnplug.runner.models.llama import attention_layer_name
 from attnplug.runner.models.mamba2 import Mamba2Mixer
+from attnplug.runner.models.weights import load_hf_state_dict
 
 SSM_STATE_DTYPE = torch.float32
 """SSM states are kept in float32 whatever the activation dtype (HF's torch path computes
@@ -192,8 +193,7 @@ class BambaModel(nn.Module):
 
     def load_hf_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         """Copy an HF ``BambaForCausalLM`` state dict into this model (strict; see
-        :func:`attnplug.runner.models.loader.load_hf_state_dict`)."""
-        from attnplug.runner.models.loader import load_hf_state_dict
+        :func:`attnplug.runner.models.weights.load_hf_state_dict`)."""
         load_hf_state_dict(self, state_dict)
 
     @torch.no_grad()

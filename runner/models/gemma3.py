@@ -43,6 +43,7 @@ from attnplug.runner.models.gemma3_config import Gemma3ModelConfig
 from attnplug.runner.models.layers import RotaryEmbedding, lookup_layer
 from attnplug.runner.models.llama import attention_layer_name
 from attnplug.runner.models.config import RopeScaling
+from attnplug.runner.models.weights import load_hf_state_dict
 
 
 def gemma3_layer_configs(cfg: Gemma3ModelConfig, dtype: torch.dtype, device: torch.device | str,
@@ -243,8 +244,7 @@ class Gemma3Model(nn.Module):
 
     def load_hf_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         """Copy an HF ``Gemma3ForCausalLM`` state dict into this model (strict; see
-        :func:`attnplug.runner.models.loader.load_hf_state_dict`)."""
-        from attnplug.runner.models.loader import load_hf_state_dict
+        :func:`attnplug.runner.models.weights.load_hf_state_dict`)."""
         load_hf_state_dict(self, state_dict)
 
     @torch.no_grad()

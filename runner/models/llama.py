@@ -27,6 +27,7 @@ from attnplug.core.contracts import AttentionBackend, AttentionLayerConfig, Atte
 from attnplug.core.devices import resolve_device
 from attnplug.runner.models.config import DecoderModelConfig
 from attnplug.runner.models.layers import Attention, RMSNorm, RotaryEmbedding, SwiGLUMLP, lookup_layer
+from attnplug.runner.models.weights import load_hf_state_dict
 
 BackendForLayer = Callable[[str, AttentionLayerConfig], type[AttentionBackend]]
 """``backend_for_layer(layer_name, layer_cfg) -> backend class``."""
@@ -176,9 +177,8 @@ class DecoderModel(nn.Module):
     def load_hf_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         """Copy an HF ``*ForCausalLM`` state dict into this model (strict).
 
-        See :func:`attnplug.runner.models.loader.load_hf_state_dict`.
+        See :func:`attnplug.runner.models.weights.load_hf_state_dict`.
         """
-        from attnplug.runner.models.loader import load_hf_state_dict
         load_hf_state_dict(self, state_dict)
 
     @torch.no_grad()

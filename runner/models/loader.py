@@ -1,14 +1,22 @@
-"""``build_model`` (config -> model with per-layer backends) and strict HF weight loading."""
+"""``build_model``: a config -> a model whose layers use chosen backends.
+
+Each supported config class maps to its family in :data:`MODEL_FAMILIES` (the model class
+and the function giving its per-layer configs). This module imports the families; no
+family imports it. HF weight loading lives in :mod:`attnplug.runner.models.weights`
+(:func:`load_hf_state_dict`, :class:`WeightLoadError` and :data:`IGNORED_HF_KEYS` are
+imported here too, for callers that import them from this module).
+"""
 
 from __future__ import annotations
 
-import re
-from typing import Any, Mapping
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
+from torch import nn
 
 from attnplug.core.contracts import AttentionLayerConfig
-from attnplug.core.errors import AttnplugError, BackendUnsupportedError
+from attnplug.core.errors import BackendUnsupportedError
 from attnplug.core.mamba import MambaLayerConfig
 from attnplug.runner.models.bamba import BambaModel, bamba_layer_configs
 from attnplug.runner.models.bamba_config import BambaModelConfig
@@ -18,41 +26,46 @@ from attnplug.runner.models.gemma3_config import Gemma3ModelConfig
 from attnplug.runner.models.hybrid import HybridModel, HybridModelConfig, hybrid_layer_configs
 from attnplug.runner.models.llama import BackendForLayer, DecoderModel, layer_configs
 from attnplug.runner.models.registry import resolve_model_config
+from attnplug.runner.models.weights import IGNORED_HF_KEYS, WeightLoadError, load_hf_state_dict
+
+LayerConfigs = Callable[[Any, torch.dtype, torch.device | str, int],
+                        dict[str, AttentionLayerConfig | MambaLayerConfig]]
+"""``(cfg, dtype, device, block_size) -> {layer_name: layer config}`` in model order."""
 
 
-class WeightLoadError(AttnplugError, ValueError):
-    """A state dict does not match the model: missing, unexpected or misshapen tensors.
+@dataclass(frozen=True)
+class ModelFamily:
+    """How :func:`build_model` builds one config class's model.
 
     Attributes:
-        missing: parameter names the model needs that the state dict lacks.
-        unexpected: state-dict keys the model has no parameter for.
-        mismatched: ``(name, expected_shape, given_shape)`` triples.
+        model_cls: the model class, called as ``model_cls(cfg, backends, dtype=, device=)``.
+        layer_configs: the family's per-layer configs (:data:`LayerConfigs`).
+        takes_block_size: ``model_cls`` also takes ``block_size=`` (the Mamba2 families).
     """
 
-    def __init__(self, missing: list[str], unexpected: list[str], mismatched: list[tuple[str, tuple, tuple]]):
-        self.missing, self.unexpected, self.mismatched = missing, unexpected, mismatched
-
-        def listing(items, limit=8):
-            shown = ", ".join(map(str, items[:limit]))
-            return shown + (f", ... ({len(items) - limit} more)" if len(items) > limit else "")
-
-        parts = []
-        if missing:
-            parts.append(f"missing {len(missing)} keys: {listing(missing)}")
-        if unexpected:
-            parts.append(f"unexpected {len(unexpected)} keys: {listing(unexpected)}")
-        if mismatched:
-            parts.append(f"{len(mismatched)} shape mismatches: "
-                         + listing([f"{n} expects {list(e)} got {list(g)}" for n, e, g in mismatched]))
-        super().__init__("state dict does not match the model: " + "; ".join(parts)
-                         + ". The weights must come from an HF model of the same config "
-                           "(same architecture, sizes and tie_word_embeddings). Nothing was loaded.")
+    model_cls: type[nn.Module]
+    layer_configs: LayerConfigs
+    takes_block_size: bool = False
 
 
-WeightLoadError.__module__ = "attnplug"
+MODEL_FAMILIES: dict[type, ModelFamily] = {
+    DecoderModelConfig: ModelFamily(DecoderModel, layer_configs),
+    BambaModelConfig: ModelFamily(BambaModel, bamba_layer_configs, takes_block_size=True),
+    HybridModelConfig: ModelFamily(HybridModel, hybrid_layer_configs, takes_block_size=True),
+    Gemma3ModelConfig: ModelFamily(Gemma3Model, gemma3_layer_configs),
+}
+"""Config class -> its :class:`ModelFamily`. A config's family is that of the nearest
+class in its MRO (``HybridModelConfig`` subclasses ``BambaModelConfig``); a config of no
+listed class is treated as a :class:`DecoderModelConfig`."""
 
-IGNORED_HF_KEYS = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
-"""Keys some HF checkpoints carry that are recomputed here (RoPE inverse frequencies)."""
+
+def model_family(cfg: Any) -> ModelFamily:
+    """The :class:`ModelFamily` of ``cfg`` (see :data:`MODEL_FAMILIES`)."""
+    for klass in type(cfg).__mro__:
+        family = MODEL_FAMILIES.get(klass)
+        if family is not None:
+            return family
+    return MODEL_FAMILIES[DecoderModelConfig]
 
 
 def _default_backend(layer_name: str, layer_cfg: AttentionLayerConfig | MambaLayerConfig):
@@ -65,13 +78,7 @@ def model_layer_configs(cfg: DecoderModelConfig | BambaModelConfig | Gemma3Model
                         ) -> dict[str, AttentionLayerConfig | MambaLayerConfig]:
     """``{layer_name: layer config}`` in model order for any supported family (a Mamba2
     layer gets a :class:`~attnplug.core.mamba.MambaLayerConfig`)."""
-    if isinstance(cfg, HybridModelConfig):
-        return hybrid_layer_configs(cfg, dtype, device, block_size)
-    if isinstance(cfg, BambaModelConfig):
-        return bamba_layer_configs(cfg, dtype, device, block_size)
-    if isinstance(cfg, Gemma3ModelConfig):
-        return gemma3_layer_configs(cfg, dtype, device, block_size)
-    return layer_configs(cfg, dtype, device, block_size)
+    return model_family(cfg).layer_configs(cfg, dtype, device, block_size)
 
 
 def build_model(config: Any, *, backend_for_layer: BackendForLayer | None = None,
@@ -110,51 +117,20 @@ def build_model(config: Any, *, backend_for_layer: BackendForLayer | None = None
         ['model.layers.0.self_attn.attn', 'model.layers.1.self_attn.attn']
     """
     cfg = resolve_model_config(config)
+    family = model_family(cfg)
     choose = backend_for_layer or _default_backend
     backends = []
-    for name, layer_cfg in model_layer_configs(cfg, dtype, device, block_size).items():
+    for name, layer_cfg in family.layer_configs(cfg, dtype, device, block_size).items():
         backend = choose(name, layer_cfg)
         reasons = backend.validate_configuration(layer_cfg)
         if reasons:
             raise BackendUnsupportedError(backend.get_name(), reasons, context=f"layer {name}")
         backends.append(backend)
-    if isinstance(cfg, HybridModelConfig):
-        model = HybridModel(cfg, backends, dtype=dtype, device=device, block_size=block_size)
-    elif isinstance(cfg, BambaModelConfig):
-        model = BambaModel(cfg, backends, dtype=dtype, device=device, block_size=block_size)
-    elif isinstance(cfg, Gemma3ModelConfig):
-        model = Gemma3Model(cfg, backends, dtype=dtype, device=device)
-    else:
-        model = DecoderModel(cfg, backends, dtype=dtype, device=device)
+    extra = {"block_size": block_size} if family.takes_block_size else {}
+    model = family.model_cls(cfg, backends, dtype=dtype, device=device, **extra)
     model.init_weights(seed)
     return model.eval()
 
 
-def load_hf_state_dict(model: DecoderModel | BambaModel | Gemma3Model, state_dict: Mapping[str, torch.Tensor]) -> None:
-    """Copy HF weights into ``model``, strictly: validate everything first, then copy.
-
-    Args:
-        model: the target.
-        state_dict: HF ``*ForCausalLM.state_dict()`` (or a checkpoint's tensors), same
-            parameter names. With tied embeddings ``lm_head.weight`` may be absent (it is
-            ``model.embed_tokens.weight``) or present (then ignored). Keys matching
-            :data:`IGNORED_HF_KEYS` are ignored. Tensors are cast to the model's dtype and
-            device.
-
-    Raises:
-        WeightLoadError: missing, unexpected, or wrongly shaped tensors (all listed); the
-            model is unchanged.
-    """
-    params = dict(model.named_parameters())  # tied lm_head.weight appears once, as embed_tokens
-    tied = model.config.tie_word_embeddings
-    given = {k: v for k, v in state_dict.items()
-             if not IGNORED_HF_KEYS.search(k) and not (tied and k == "lm_head.weight")}
-    missing = sorted(set(params) - set(given))
-    unexpected = sorted(set(given) - set(params))
-    mismatched = [(k, tuple(params[k].shape), tuple(given[k].shape)) for k in sorted(set(params) & set(given))
-                  if tuple(params[k].shape) != tuple(given[k].shape)]
-    if missing or unexpected or mismatched:
-        raise WeightLoadError(missing, unexpected, mismatched)
-    with torch.no_grad():
-        for name, p in params.items():
-            p.copy_(given[name].to(device=p.device, dtype=p.dtype))
+__all__ = ["IGNORED_HF_KEYS", "MODEL_FAMILIES", "ModelFamily", "WeightLoadError", "build_model",
+           "load_hf_state_dict", "model_family", "model_layer_configs"]

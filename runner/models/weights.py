@@ -1,0 +1,85 @@
+"""Strict loading of HF state dicts into attnplug's models.
+
+A leaf of ``runner.models``: it imports no model family, so every family's
+``load_hf_state_dict`` method can call :func:`load_hf_state_dict` here without an import
+cycle (``loader`` imports the families; the families import this module).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Mapping
+
+import torch
+from torch import nn
+
+from attnplug.core.errors import AttnplugError
+
+
+class WeightLoadError(AttnplugError, ValueError):
+    """A state dict does not match the model: missing, unexpected or misshapen tensors.
+
+    Attributes:
+        missing: parameter names the model needs that the state dict lacks.
+        unexpected: state-dict keys the model has no parameter for.
+        mismatched: ``(name, expected_shape, given_shape)`` triples.
+    """
+
+    def __init__(self, missing: list[str], unexpected: list[str], mismatched: list[tuple[str, tuple, tuple]]):
+        self.missing, self.unexpected, self.mismatched = missing, unexpected, mismatched
+
+        def listing(items, limit=8):
+            shown = ", ".join(map(str, items[:limit]))
+            return shown + (f", ... ({len(items) - limit} more)" if len(items) > limit else "")
+
+        parts = []
+        if missing:
+            parts.append(f"missing {len(missing)} keys: {listing(missing)}")
+        if unexpected:
+            parts.append(f"unexpected {len(unexpected)} keys: {listing(unexpected)}")
+        if mismatched:
+            parts.append(f"{len(mismatched)} shape mismatches: "
+                         + listing([f"{n} expects {list(e)} got {list(g)}" for n, e, g in mismatched]))
+        super().__init__("state dict does not match the model: " + "; ".join(parts)
+                         + ". The weights must come from an HF model of the same config "
+                           "(same architecture, sizes and tie_word_embeddings). Nothing was loaded.")
+
+
+WeightLoadError.__module__ = "attnplug"
+
+IGNORED_HF_KEYS = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
+"""Keys some HF checkpoints carry that are recomputed here (RoPE inverse frequencies)."""
+
+
+def load_hf_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor]) -> None:
+    """Copy HF weights into ``model``, strictly: validate everything first, then copy.
+
+    Args:
+        model: the target: a ``DecoderModel``, ``BambaModel`` or ``Gemma3Model`` (any
+            module with a ``config.tie_word_embeddings``).
+        state_dict: HF ``*ForCausalLM.state_dict()`` (or a checkpoint's tensors), same
+            parameter names. With tied embeddings ``lm_head.weight`` may be absent (it is
+            ``model.embed_tokens.weight``) or present (then ignored). Keys matching
+            :data:`IGNORED_HF_KEYS` are ignored. Tensors are cast to the model's dtype and
+            device.
+
+    Raises:
+        WeightLoadError: missing, unexpected, or wrongly shaped tensors (all listed); the
+            model is unchanged.
+    """
+    params = dict(model.named_parameters())  # tied lm_head.weight appears once, as embed_tokens
+    tied = model.config.tie_word_embeddings
+    given = {k: v for k, v in state_dict.items()
+             if not IGNORED_HF_KEYS.search(k) and not (tied and k == "lm_head.weight")}
+    missing = sorted(set(params) - set(given))
+    unexpected = sorted(set(given) - set(params))
+    mismatched = [(k, tuple(params[k].shape), tuple(given[k].shape)) for k in sorted(set(params) & set(given))
+                  if tuple(params[k].shape) != tuple(given[k].shape)]
+    if missing or unexpected or mismatched:
+        raise WeightLoadError(missing, unexpected, mismatched)
+    with torch.no_grad():
+        for name, p in params.items():
+            p.copy_(given[name].to(device=p.device, dtype=p.dtype))
+
+
+__all__ = ["IGNORED_HF_KEYS", "WeightLoadError", "load_hf_state_dict"]
