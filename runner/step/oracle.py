@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from attnplug.cache_groups.kinds import GroupKind
 from attnplug.core.constants import NULL_BLOCK_ID, PAD_SLOT_ID
 from attnplug.core.devices import resolve_device
 from attnplug.core.errors import InvalidSchedulerOutput
@@ -53,7 +54,7 @@ class NaiveStepCompiler:
                  num_blocks=None, group_kinds=None):
         self.block_sizes = list(block_sizes)
         self.kernel_block_sizes = list(kernel_block_sizes or self.block_sizes)
-        self.group_kinds = list(group_kinds or ["full_attention"] * len(self.block_sizes))
+        self.group_kinds = [GroupKind(k) for k in group_kinds or [GroupKind.FULL_ATTENTION] * len(self.block_sizes)]
         self.max_num_reqs = max_num_reqs
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -97,7 +98,7 @@ class NaiveStepCompiler:
                 self._fail(rid, "num_scheduled_tokens", "bad count")
             for g, ids in enumerate(cached.new_block_ids[i] or ()):
                 lo = NULL_BLOCK_ID if (cached.resumed_from_preemption[i]
-                                       and self.group_kinds[g] == "sliding_window") else NULL_BLOCK_ID + 1
+                                       and self.group_kinds[g] is GroupKind.SLIDING_WINDOW) else NULL_BLOCK_ID + 1
                 if any(b < lo or b >= self.num_blocks for b in ids):
                     self._fail(rid, "new_block_ids", "outside the pool")
             total += n
@@ -176,7 +177,7 @@ class NaiveStepCompiler:
                 out.positions.append(pos)
                 out.input_ids.append(st["tokens"][pos])
                 for g, B in enumerate(self.block_sizes):
-                    if self.group_kinds[g] == "mamba":
+                    if self.group_kinds[g] is GroupKind.MAMBA:
                         out.slot_mapping[g].append(PAD_SLOT_ID)
                     else:
                         out.slot_mapping[g].append(st["blocks"][g][pos // B] * B + pos % B)

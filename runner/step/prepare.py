@@ -177,7 +177,7 @@ class InputPreparer:
         for bt, kind in zip(batch.block_table, group_kinds):
             bt.commit(R)
             block_tables.append(bt.get_device_tensor(R))
-            if kind == GroupKind.MAMBA:
+            if kind is GroupKind.MAMBA:
                 bt.slot_mapping.np[:P] = PAD_SLOT_ID
                 slot_mappings.append(bt.slot_mapping.copy_to_gpu(P))
                 continue
