@@ -32,19 +32,24 @@ run cut off by a timeout keeps what it finished.
 
 Needs CUDA: on a CPU-only machine it says so and exits with status 2 (timing the Triton
 interpreter would measure Python, not kernels).
+
+The batches and what each backend is given for them are built in
+``runner/commands/bench/attention_inputs.py``; the rows, table and JSON are
+``runner/commands/bench/attention_report.py``'s.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
 from attnplug.runner.commands.bench import attention_report as report
 from attnplug.runner.commands.bench import flash_reference as flash_ref
+from attnplug.runner.commands.bench.attention_inputs import Batch, backend_inputs, dense_kv, step_qkv, trace_batches
+from attnplug.runner.commands.bench.attention_report import DevicePeaks, Result
 from attnplug.runner.commands.bench.timing import Timing, time_gpu
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -53,86 +58,6 @@ TOLERANCE = {torch.float32: 1e-3, torch.float16: 1e-2, torch.bfloat16: 3e-2}
 """Largest difference from ``torch_native``'s output that is not an error, per dtype, for
 outputs of magnitude up to 1 and relative beyond (``|Δ| <= tol * max(1, |reference|)``): a
 few units in the last place (bf16 keeps 8 bits, fp16 11)."""
-
-
-@dataclass
-class Batch:
-    """One step's shape: per request (num_computed_tokens, num_scheduled_tokens), decodes first."""
-
-    name: str
-    requests: list[tuple[int, int]]
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(s for _, s in self.requests)
-
-    def visible_pairs(self) -> int:
-        """Query-key pairs a causal kernel must compute: query j of a request with context c
-        sees c + j + 1 keys."""
-        return sum(s * c + s * (s + 1) // 2 for c, s in self.requests)
-
-    def kv_tokens(self) -> int:
-        """Tokens in the cache after the step: context plus new, over all requests."""
-        return sum(c + s for c, s in self.requests)
-
-    def context_tokens(self) -> int:
-        """Tokens already cached before the step (read from the cache, not written)."""
-        return sum(c for c, _ in self.requests)
-
-
-@dataclass
-class Result:
-    workload: str
-    backend: str
-    ms: float | None = None
-    launch_ms: float | None = None
-    tflops: float | None = None
-    gbps: float | None = None
-    frac_matmul: float | None = None
-    frac_copy: float | None = None
-    max_abs_diff: float | None = None
-    vs_flash: float | None = None
-    flash_baseline: str | None = None
-    note: str = ""
-
-
-@dataclass
-class DevicePeaks:
-    name: str
-    copy_gbps: float
-    matmul_tflops: float
-    extra: dict = field(default_factory=dict)
-
-
-def trace_batches(args) -> list[Batch]:
-    """Decode / prefill / mixed batches from the trace's lengths (see the module docstring)."""
-    from attnplug.runner.commands.traces import load_trace
-
-    trace = load_trace(args.trace, 4000, max_model_len=args.max_model_len, skip_invalid=True)
-    cap = args.max_model_len - 1
-    mid = [min(r.prompt_len + r.output_len // 2, cap) for r in trace]
-    prompts = [min(r.prompt_len, cap) for r in trace]
-    out = []
-    for n in args.decode_batch:
-        out.append(Batch(f"decode B={n}", [(mid[i % len(mid)], 1) for i in range(n)]))
-    reqs, left, i = [], args.prefill_tokens, 0
-    while left > 0:
-        take = min(prompts[i % len(prompts)], left)
-        reqs.append((0, take))
-        left -= take
-        i += 1
-    out.append(Batch(f"prefill {args.prefill_tokens} tok", reqs))
-    decodes = [(mid[(i * 7) % len(mid)], 1) for i in range(args.mixed_decodes)]
-    left, chunks, i = args.mixed_budget - len(decodes), [], 0
-    while left > 0:
-        p = prompts[(i * 13 + 5) % len(prompts)]
-        done = p // 2 if i == 0 else 0  # one chunked-prefill continuation, then new prompts
-        take = min(p - done, left)
-        chunks.append((done, take))
-        left -= take
-        i += 1
-    out.append(Batch(f"mixed {len(decodes)}d+{len(chunks)}p/{args.mixed_budget} tok", decodes + chunks))
-    return [b for b in out if b.name.split()[0] in args.workload]
 
 
 def measure_device(dtype: torch.dtype, iters: int = 10) -> DevicePeaks:
@@ -164,66 +89,9 @@ def candidate_backends(names: list[str] | None):
     return [(n, reg.get(n)) for n in chosen]
 
 
-def dense_kv(batch: Batch, args, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every request's cached K and V, ``[kv_tokens, num_kv_heads, head_size]`` each, requests
-    in order: the same logical cache for every backend, whatever its layout or page size."""
-    g = torch.Generator(device=args.device).manual_seed(1)
-    shape = (batch.kv_tokens(), args.num_kv_heads, args.head_size)
-    return (torch.randn(shape, device=args.device, generator=g).to(dtype),
-            torch.randn(shape, device=args.device, generator=g).to(dtype))
-
-
-def step_qkv(batch: Batch, args, dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The step's q ``[num_tokens, num_heads, head_size]`` and new k, v ``[num_tokens,
-    num_kv_heads, head_size]``: the same for every backend (seeded)."""
-    gen = torch.Generator(device=args.device).manual_seed(2)
-    shapes = [(batch.num_tokens, h, args.head_size) for h in (args.num_heads, args.num_kv_heads, args.num_kv_heads)]
-    q, k, v = (torch.randn(shape, device=args.device, generator=gen).to(dtype) for shape in shapes)
-    return q, k, v
-
-
-def _inputs(batch: Batch, backend, args, dtype, kv_dense):
-    """Builder, metadata, impl, cache and q/k/v for ``backend`` (its own page size and layout)."""
-    from attnplug.cache_groups.specs import FullAttentionSpec
-    from attnplug.core.contracts import BuilderConfig
-    from attnplug.core.metadata import CommonAttentionMetadata
-
-    bs = args.block_size
-    if backend.get_supported_kernel_block_size(bs) != bs:  # e.g. FlashAttention 2 pages by 256
-        sizes = backend.supported_kernel_block_sizes or (bs,)
-        bs = min(sizes, key=lambda s: (s < bs, abs(s - bs)))
-    lens = torch.tensor([c + s for c, s in batch.requests], device=args.device)
-    nblk = (lens + bs - 1) // bs
-    width = -(-args.max_model_len // bs)
-    perm_gen = torch.Generator(device=args.device).manual_seed(0)
-    ids = torch.randperm(int(nblk.sum()), device=args.device, generator=perm_gen) + 1
-    table = torch.zeros(len(batch.requests), width, dtype=torch.int64, device=args.device)
-    cols = torch.arange(width, device=args.device)
-    table[cols[None, :] < nblk[:, None]] = ids  # row-major fill: request i gets the next nblk[i] ids
-    cm = CommonAttentionMetadata.from_lengths([c for c, _ in batch.requests], [s for _, s in batch.requests],
-                                              table.cpu(), bs, device=args.device)
-    spec = FullAttentionSpec(block_size=bs, num_kv_heads=args.num_kv_heads, head_size=args.head_size, dtype=dtype)
-    cfg = BuilderConfig(max_num_reqs=len(batch.requests), max_num_batched_tokens=batch.num_tokens,
-                        max_model_len=args.max_model_len)
-    # the impl first: builders that plan per layer configuration (flashinfer, FA3's scheduler
-    # metadata) read the live impls of their group at build time
-    impl = backend.get_impl_cls()(args.num_heads, args.head_size, args.head_size ** -0.5, args.num_kv_heads,
-                                  kv_cache_dtype=dtype)
-    builder = backend.get_builder_cls()(spec, ["bench"], cfg, args.device)
-    md = builder.build(0, cm)
-    kv = torch.zeros(backend.get_kv_cache_shape(1 + int(nblk.sum()), bs, args.num_kv_heads, args.head_size),
-                     dtype=dtype, device=args.device)
-    req = torch.repeat_interleave(torch.arange(len(lens), device=args.device), lens)
-    pos = torch.arange(int(lens.sum()), device=args.device) - (torch.cumsum(lens, 0) - lens)[req]
-    blocks = table[req, pos // bs]
-    for half, dense in zip(backend.split_kv_cache(kv), kv_dense):
-        half[blocks, pos % bs] = dense
-    return impl, md, kv, *step_qkv(batch, args, dtype), bs
-
-
 def time_backend(batch: Batch, backend, args, dtype, kv_dense) -> tuple[Timing, torch.Tensor, int]:
     """The GPU timing of one ``forward``, its output and the block size used."""
-    impl, md, kv, q, k, v, bs = _inputs(batch, backend, args, dtype, kv_dense)
+    impl, md, kv, q, k, v, bs = backend_inputs(batch, backend, args, dtype, kv_dense)
     out = torch.zeros_like(q)
     timing = time_gpu(lambda: impl.forward(None, q, k, v, kv, md, out), args.iters, args.warmup)
     return timing, out, bs

@@ -3,19 +3,46 @@
 The markdown is written piece by piece — header, each workload's rows as soon as they are
 final, then the footer — and the JSON is rewritten after every workload, so a run cut off
 by a timeout still leaves every finished workload behind (``tests/gpu/run_all.sh`` records
-both).
+both). :class:`Result` (one row) and :class:`DevicePeaks` are defined here, the rows and
+peaks this module renders; the command fills them.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
-from typing import TYPE_CHECKING
+from dataclasses import asdict, dataclass, field
 
 from attnplug.runner.commands.traces import BUNDLED_ATTRIBUTION, BUNDLED_TRACES
 
-if TYPE_CHECKING:  # pragma: no cover
-    from attnplug.runner.commands.bench.attention import DevicePeaks, Result
+
+@dataclass
+class Result:
+    """One (workload, backend) row: its timing, rates, fractions of the device's peaks,
+    difference from ``torch_native`` and note (``None`` where not measured)."""
+
+    workload: str
+    backend: str
+    ms: float | None = None
+    launch_ms: float | None = None
+    tflops: float | None = None
+    gbps: float | None = None
+    frac_matmul: float | None = None
+    frac_copy: float | None = None
+    max_abs_diff: float | None = None
+    vs_flash: float | None = None
+    flash_baseline: str | None = None
+    note: str = ""
+
+
+@dataclass
+class DevicePeaks:
+    """The device's name and measured copy bandwidth (GB/s) and matmul rate (TFLOP/s)."""
+
+    name: str
+    copy_gbps: float
+    matmul_tflops: float
+    extra: dict = field(default_factory=dict)
+
 
 COLUMNS = ("workload", "backend", "ms", "launch ms", "TFLOP/s", "GB/s", "% matmul", "% copy BW", "vs flash",
            "max abs diff", "note")
@@ -78,4 +105,4 @@ def write_json(path: str, peaks: DevicePeaks, results: list[Result], args, *, co
                    "source": source_line(args), "results": [asdict(r) for r in results]}, f, indent=1)
 
 
-__all__ = ["COLUMNS", "render", "render_footer", "render_header", "render_rows", "source_line", "write_json"]
+__all__ = ["COLUMNS", "DevicePeaks", "Result", "render", "render_footer", "render_header", "render_rows", "source_line", "write_json"]
