@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping
 
+from attnplug.cache_groups.kinds import GroupKind
 from attnplug.cache_groups.specs import KVCacheSpec
 from attnplug.core.errors import KVCacheSpecError
 
@@ -54,7 +55,7 @@ class KVCacheConfig:
 
     def num_blocks_of(self, group: int) -> int:
         """Blocks in group ``group``'s pool (``num_state_slots`` for a Mamba group when set)."""
-        if self.num_state_slots is not None and self.groups[group].kv_cache_spec.kind == "mamba":
+        if self.num_state_slots is not None and self.groups[group].kv_cache_spec.kind is GroupKind.MAMBA:
             return self.num_state_slots
         return self.num_blocks
 

@@ -30,10 +30,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+from attnplug.cache_groups.kinds import GROUP_KIND_NAMES
 from attnplug.core.errors import ConfigError
 
-CACHE_GROUP_KINDS: tuple[str, ...] = ("full_attention", "sliding_window", "mamba")
-"""Cache-group kinds a backend is selected for (``KVCacheSpec.kind``)."""
+CACHE_GROUP_KINDS: tuple[str, ...] = GROUP_KIND_NAMES
+"""Cache-group kinds a backend is selected for (``KVCacheSpec.kind``; defined once in
+``attnplug.cache_groups.kinds``)."""
 
 KIND_CACHE_KIND: dict[str, str] = {"full_attention": "attention", "sliding_window": "attention",
                                    "mamba": "mamba"}

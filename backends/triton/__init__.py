@@ -14,7 +14,8 @@ Modules:
 * ``attention.py`` — :func:`paged_attention` (tile choice, launches);
 * ``cache_ops.py`` — :func:`write_kv_cache`, :func:`compute_slot_mapping`;
 * ``attention_kernels.py``, ``cache_kernels.py`` — the ``@triton.jit`` kernels;
-* ``runtime.py`` — availability and mode-aware kernel loading.
+* ``runtime.py`` — availability and mode-aware kernel loading;
+* ``constants.py`` — the size limits (head sizes, kernel block sizes) every module above reads.
 """
 
 from attnplug.backends.triton.attention import TileConfig, choose_tiles, paged_attention

@@ -28,6 +28,7 @@ from typing import Sequence, Union
 import torch
 
 from attnplug.cache_groups.grouping import KVCacheConfig
+from attnplug.cache_groups.kinds import GroupKind
 from attnplug.cache_groups.specs import KVCacheSpec
 from attnplug.core.contracts import AttentionBackend
 from attnplug.core.devices import resolve_device
@@ -107,7 +108,7 @@ def allocate_kv_caches(kv_cache_config: KVCacheConfig, backends: Sequence[type[A
       kernel_block_size, num_kv_heads, head_size]`` (K at index 0 of dim 1, V at 1), dtype
       ``spec.dtype``. Kernel blocks ``0 .. k-1`` are manager block 0, the null block,
       which the block pool never hands to a request.
-    * Mamba groups (``spec.kind == "mamba"``): ``backend.allocate_state_cache(spec,
+    * Mamba groups (``spec.kind is GroupKind.MAMBA``): ``backend.allocate_state_cache(spec,
       num_blocks_of(g), device)``, one state slot per block id (a
       :class:`~attnplug.core.mamba.MambaStateCache`; conv state in ``spec.dtype``, SSM
       state in ``spec.ssm_dtype``).
@@ -139,7 +140,7 @@ def allocate_kv_caches(kv_cache_config: KVCacheConfig, backends: Sequence[type[A
     for g, (group, backend, kbs) in enumerate(zip(kv_cache_config.groups, backends, kernel_block_sizes)):
         spec = group.kv_cache_spec
         num_blocks = kv_cache_config.num_blocks_of(g)
-        if spec.kind == "mamba":
+        if spec.kind is GroupKind.MAMBA:
             if not isinstance(backend, type) or not issubclass(backend, MambaBackend):
                 raise BackendUnsupportedError(backend.get_name(), [
                     "cache group is a Mamba state group but the backend is not a MambaBackend "

@@ -70,6 +70,10 @@ class NaiveStepCompiler:
 
     def update_states(self, so: SchedulerOutput) -> None:
         """Check the output request by request, then apply it."""
+        self._check(so)
+        self._apply(so)
+
+    def _check(self, so: SchedulerOutput) -> None:
         cached = so.scheduled_cached_reqs
         total = 0
         for rid in so.finished_req_ids:
@@ -105,6 +109,8 @@ class NaiveStepCompiler:
         if total > self.max_num_batched_tokens or len(seen) != len(so.num_scheduled_tokens):
             self._fail(None, "num_scheduled_tokens", "bad total")
 
+    def _apply(self, so: SchedulerOutput) -> None:
+        cached = so.scheduled_cached_reqs
         for rid in so.finished_req_ids:
             self.reqs.pop(rid)
             if rid in self.rows:

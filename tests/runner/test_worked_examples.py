@@ -1,4 +1,4 @@
-"""The seed's worked examples (design notes §2), exactly: through ``attnplug explain`` (the
+"""The seed's worked examples (the seed document, `../shared/seed/`), exactly: through ``attnplug explain`` (the
 shipped files under docs/examples) and through the StepCompiler API."""
 
 from __future__ import annotations

@@ -41,7 +41,7 @@ def contiguous_kv(requests: list[tuple[int, int]], kv_dense: tuple[torch.Tensor,
     Args:
         requests: per request ``(num_computed_tokens, num_scheduled_tokens)``, in batch order.
         kv_dense: the bench's logical cache, K and V ``[sum(c + s), num_kv_heads, head_size]``
-            each, request after request (``bench_attention.dense_kv``).
+            each, request after request (``attention_inputs.dense_kv``).
         k_new, v_new: the step's new K/V ``[sum(s), num_kv_heads, head_size]``; a backend's
             ``forward`` writes them at positions ``c .. c + s - 1`` of each request, over the
             dense values, so the yardstick uses them there too.

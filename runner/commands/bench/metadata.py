@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from attnplug.cache_groups.grouping import KVCacheConfig, group_layers_by_spec
+from attnplug.cache_groups.kinds import GroupKind
 from attnplug.cache_groups.specs import FullAttentionSpec, KVCacheSpec, MambaSpec, SlidingWindowSpec
 from attnplug.core.contracts import BuilderConfig
 from attnplug.runner.execute.group_metadata import GroupMetadataBuilder
@@ -92,7 +93,7 @@ def _builders(kv: KVCacheConfig, config: dict, device: str = "cpu"):
     cfg = BuilderConfig(config["max_num_reqs"], config["max_num_batched_tokens"], config["max_model_len"])
     out = []
     for g in kv.groups:
-        backend = get_backend("mamba2_torch" if g.kv_cache_spec.kind == "mamba" else "torch_native")
+        backend = get_backend("mamba2_torch" if g.kv_cache_spec.kind is GroupKind.MAMBA else "torch_native")
         out.append(backend.get_builder_cls()(g.kv_cache_spec, list(g.layer_names), cfg, device))
     return out
 
