@@ -3,13 +3,13 @@
 One step (``docs/architecture.md``; embedding it in your own engine: ``docs/embedding.md``):
 
 1. check: ``StepCompiler.update_states`` validates the ``SchedulerOutput`` (``runner/step/check*.py``)
-2. apply: then merges its deltas into the request state and batch rows (``runner/step/apply*.py``)
+2. apply: then merges its deltas into the request state and batch rows (``runner/step/apply.py``)
 3. prepare: ``prepare_inputs`` flattens the rows into tokens, positions, slots (``runner/step/prepare.py``)
-4. common metadata: one ``CommonAttentionMetadata`` per cache group (``runner/step/prepare.py``)
+4. common metadata: one ``CommonAttentionMetadata`` per cache group (``runner/step/common_metadata.py``)
 5. build: each group's backend builder lowers it (``runner/execute/group_metadata.py``)
 6. forward: the model runs; each attention layer calls its backend impl (``backends/<name>/impl.py``)
 7. sample: logits at ``logits_indices``, discarded rows dropped (``runner/execute/sampler.py``)
-8. append: ``append_output_tokens`` adds the samples to the history (``runner/step/compiler.py``)
+8. append: ``append_output_tokens`` adds the samples to the history (``runner/step/append.py``)
 
 ``ModelRunner`` does 1-8 per ``execute_model``; ``LLMEngine`` loops ``Scheduler.schedule``
 → ``execute_model`` → ``Scheduler.update_from_output``. The names below are imported
