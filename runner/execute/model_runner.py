@@ -2,9 +2,10 @@
 per-group builders → model forward (every attention layer calls its backend impl) →
 logits at ``logits_indices`` → sample → drop discarded rows.
 
-It is a thin coordinator: the step compiler (``step_compiler.StepCompiler``) owns the
-persistent batch state, ``attn_metadata.GroupMetadataBuilder`` the builders, the model
-its layers, ``sampler.Sampler`` the draws.
+It is a thin coordinator: the step compiler (``runner/step/compiler.py``, ``StepCompiler``)
+owns the persistent batch state, ``runner/execute/group_metadata.py``
+(``GroupMetadataBuilder``) the builders, ``runner/execute/kv_caches.py`` the caches, the
+model its layers, ``runner/execute/sampler.py`` (``Sampler``) the draws.
 """
 
 from __future__ import annotations
