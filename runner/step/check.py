@@ -5,7 +5,7 @@ an :class:`~attnplug.runner.step.plan.UpdatePlan` that stage 2 (``runner/step/ap
 applies; the first problem raises :class:`InvalidSchedulerOutput` naming the request and
 field at fault. The checks, in the order they run:
 
-1. containers and ids: ``check_finished_and_new`` (below);
+1. containers, read once (``check_snapshot.py``), and ids: ``check_finished_and_new``;
 2. the compiled path (``check_fast.py``) for a regular output, else the numpy path:
 3. cached rows, ``num_scheduled_tokens``, computed tokens and token deltas
    (``check_cached.py``);
@@ -25,44 +25,34 @@ from typing import Sequence
 from attnplug.runner.step.check_blocks import block_deltas
 from attnplug.runner.step.check_cached import cached_rows, computed_and_token_deltas, scheduled_counts
 from attnplug.runner.step.check_fast import plan_update_native
-from attnplug.runner.step.check_lists import err
+from attnplug.runner.step.check_types import err
 from attnplug.runner.step.check_new import plan_new_requests
+from attnplug.runner.step.check_snapshot import Deltas, NewReq
 from attnplug.runner.step.fast.bind import Scans
 from attnplug.runner.step.groups import StepLayout
 from attnplug.runner.step.input_batch import InputBatch
 from attnplug.runner.step.int_packer import IntPacker
 from attnplug.runner.step.plan import UpdatePlan
 from attnplug.runner.step.request_state import CachedRequestState
-from attnplug.runner.step.scheduler_output import NewRequestData, SchedulerOutput
+from attnplug.runner.step.scheduler_output import SchedulerOutput
 
 
-def check_finished_and_new(reqs: dict[str, CachedRequestState], so: SchedulerOutput
+def check_finished_and_new(reqs: dict[str, CachedRequestState], d: Deltas
                            ) -> tuple[list[str], set[str], set[str]]:
-    """The checks both planning paths run first: container shapes, finished ids, new ids.
+    """The checks both planning paths run first (after :class:`Deltas` read the output):
+    finished ids, new ids.
 
     Returns:
         ``(finished, fin_set, new_ids)``: finished ids deduplicated in order, as a set,
         and the new requests' ids.
     """
-    nst = so.num_scheduled_tokens
-    cached = so.scheduled_cached_reqs
-    nC = len(cached.req_ids)
-    if not isinstance(nst, dict):
-        err(None, "num_scheduled_tokens", f"expected a dict {{req_id: int}}, got {type(nst).__name__}")
-    for name in ("resumed_from_preemption", "new_token_ids", "new_block_ids", "num_computed_tokens"):
-        if len(getattr(cached, name)) != nC:
-            err(None, f"scheduled_cached_reqs.{name}", f"has {len(getattr(cached, name))} entries for "
-                f"{nC} req_ids: every list needs one entry per cached request")
-
-    # --- finished and new ids -------------------------------------------------------------
-    finished = list(dict.fromkeys(so.finished_req_ids))
+    finished = d.finished_req_ids
     fin_set = set(finished)
     for rid in finished:
         if rid not in reqs:
             err(rid, "finished_req_ids", "unknown request: the runner never held it or already dropped it")
-    new_reqs = so.scheduled_new_reqs
     new_ids: set[str] = set()
-    for nr in new_reqs:
+    for nr in d.scheduled_new_reqs:
         rid = nr.req_id
         if rid in reqs and rid not in fin_set:
             err(rid, "scheduled_new_reqs", "request is already resident: send it in scheduled_cached_reqs "
@@ -95,7 +85,7 @@ class UpdateChecker:
         self.block_packer = IntPacker(1 << 12, native=native)
         self.delta_packer = IntPacker(1 << 10, native=native)
 
-    def plan_new(self, new_reqs: Sequence[NewRequestData], new_counts: Sequence[int]) -> list[CachedRequestState]:
+    def plan_new(self, new_reqs: Sequence[NewReq], new_counts: Sequence[int]) -> list[CachedRequestState]:
         """Check the new requests (``check_new.plan_new_requests`` with this checker's packers)."""
         return plan_new_requests(self.layout, self.prompt_packer, self.block_packer, new_reqs, new_counts)
 
@@ -108,20 +98,21 @@ class UpdateChecker:
         Raises:
             InvalidSchedulerOutput: the first problem found, with its request id and field.
         """
-        finished, fin_set, new_ids = check_finished_and_new(self.requests, so)
+        d = Deltas(so)  # every field read once, here; the checks below read only this
+        finished, fin_set, new_ids = check_finished_and_new(self.requests, d)
         if self.scans is not None:
-            plan = plan_update_native(self.layout, self.batch, self.scans, self.plan_new, so, finished, fin_set)
+            plan = plan_update_native(self.layout, self.batch, self.scans, self.plan_new, d, finished, fin_set)
             if plan is not None:
                 return plan
         lay, batch, reqs = self.layout, self.batch, self.requests
-        cached = so.scheduled_cached_reqs
+        cached = d.scheduled_cached_reqs
         C = cached.req_ids
         rows = cached_rows(lay, batch, reqs, C, finished, fin_set)
-        counts_c, new_counts = scheduled_counts(lay, so, C, new_ids)
+        counts_c, new_counts = scheduled_counts(lay, d, C, new_ids)
         ncts_c, seq_c, token_deltas = computed_and_token_deltas(lay, batch, reqs, cached, rows, counts_c,
                                                                 self.delta_packer)
         resumed, appends = block_deltas(lay, batch, reqs, cached, rows.rows_c, rows.readd, ncts_c, seq_c)
-        new_states = self.plan_new(so.scheduled_new_reqs, new_counts)
+        new_states = self.plan_new(d.scheduled_new_reqs, new_counts)
         unscheduled: list[str] = []
         if batch.num_reqs - rows.fin_in_batch > rows.present.shape[0]:
             mask = rows.sched_mask

@@ -12,24 +12,29 @@ import numpy as np
 
 from attnplug.core.constants import NULL_BLOCK_ID
 from attnplug.runner.step.check_lists import block_id_array, check_block_list, err, group_lists
+from attnplug.runner.step.check_snapshot import CachedDeltas
+from attnplug.runner.step.check_types import int64_list, is_flag, is_int_list, show
 from attnplug.runner.step.check_windows import check_not_behind_nulled, check_span_not_null
 from attnplug.runner.step.groups import StepLayout
 from attnplug.runner.step.input_batch import InputBatch
 from attnplug.runner.step.plan import BlockAppends
 from attnplug.runner.step.request_state import CachedRequestState
-from attnplug.runner.step.scheduler_output import CachedRequestData
 
 Resumed = list[tuple[int, tuple[np.ndarray, ...]]]
 
 
-def resumed_lists(lay: StepLayout, cached: CachedRequestData, ncts_c: np.ndarray, seq_c: np.ndarray) -> Resumed:
+def resumed_lists(lay: StepLayout, cached: CachedDeltas, ncts_c: np.ndarray, seq_c: np.ndarray) -> Resumed:
     """The replacement block lists of the ``resumed_from_preemption`` requests, checked
     as initial lists are (``check_block_list``)."""
     resumed: Resumed = []
-    if not any(cached.resumed_from_preemption):
-        return resumed
     C, nb, G = cached.req_ids, cached.new_block_ids, lay.num_groups
-    for i, flag in enumerate(cached.resumed_from_preemption):
+    flags = cached.resumed_from_preemption
+    if not set(map(type, flags)) <= {bool, np.bool_}:  # any truthy value would replace the blocks
+        i = next(i for i, f in enumerate(flags) if not is_flag(f))
+        err(C[i], "resumed_from_preemption", f"must be a bool, got {show(flags[i])}")
+    if not any(flags):
+        return resumed
+    for i, flag in enumerate(flags):
         if flag:
             groups = [[]] * G if nb[i] is None else group_lists(lay, C[i], "new_block_ids", nb[i])
             arrs = tuple(block_id_array(C[i], "new_block_ids", g, ids) for g, ids in enumerate(groups))
@@ -39,7 +44,7 @@ def resumed_lists(lay: StepLayout, cached: CachedRequestData, ncts_c: np.ndarray
     return resumed
 
 
-def block_appends(lay: StepLayout, cached: CachedRequestData, sel: list[int], before: np.ndarray) -> BlockAppends:
+def block_appends(lay: StepLayout, cached: CachedDeltas, sel: list[int], before: np.ndarray) -> BlockAppends:
     """The appended block ids of requests ``sel`` (indices into the cached requests):
     one list per group each, ids in the pool and never null, rows not overfull.
     Updates ``before`` (the ``[G, num_cached]`` counts) to the counts after the append."""
@@ -51,17 +56,16 @@ def block_appends(lay: StepLayout, cached: CachedRequestData, sel: list[int], be
     per = [e[g] for g in range(G) for e in entries]  # group-major
     m = len(sel)
     for j, p in enumerate(per):
-        if not isinstance(p, (list, tuple, np.ndarray)):
-            err(C[sel[j % m]], "new_block_ids", f"group {j // m}: expected a list of block ids, got {p!r}")
+        if not is_int_list(p):
+            err(C[sel[j % m]], "new_block_ids", f"group {j // m}: expected a list of block ids (or a 1-D "
+                f"integer array), got {show(p)}")
     lens_list = [len(p) for p in per]
     one_each = lens_list.count(1) == G * m  # the decode case: one new block per group
-    try:
-        flat = np.fromiter(chain.from_iterable(per), np.int64, sum(lens_list))
-    except (TypeError, ValueError, OverflowError):
-        j = next(j for j, p in enumerate(per) if not all(
-            isinstance(b, (int, np.integer)) and not isinstance(b, bool) and -2**63 <= b < 2**63 for b in p))
+    flat = int64_list(list(chain.from_iterable(per)))
+    if flat is None:
+        j = next(j for j, p in enumerate(per) if int64_list(list(p)) is None)
         err(C[sel[j % m]], "new_block_ids", f"group {j // m}: block ids must be ints in "
-            f"[{NULL_BLOCK_ID + 1}, {lay.num_blocks_per_group[j // m]})")
+            f"[{NULL_BLOCK_ID + 1}, {lay.num_blocks_per_group[j // m]}), got {show(per[j])}")
     if np.count_nonzero(flat <= NULL_BLOCK_ID) or np.count_nonzero(flat >= lay.num_blocks):
         per_group_len = np.add.reduceat(np.asarray(lens_list, dtype=np.int64), np.arange(0, G * m, m)) \
             if m else np.zeros(G, dtype=np.int64)
@@ -85,7 +89,7 @@ def block_appends(lay: StepLayout, cached: CachedRequestData, sel: list[int], be
     return BlockAppends(sel_arr, starts, lens, after, flat, one_each)
 
 
-def block_deltas(lay: StepLayout, batch: InputBatch, reqs: dict[str, CachedRequestState], cached: CachedRequestData,
+def block_deltas(lay: StepLayout, batch: InputBatch, reqs: dict[str, CachedRequestState], cached: CachedDeltas,
                  rows_c: np.ndarray, readd: list[int], ncts_c: np.ndarray, seq_c: np.ndarray
                  ) -> tuple[Resumed, BlockAppends | None]:
     """The cached requests' ``new_block_ids``: replacements, appends, windows, capacity.

@@ -14,12 +14,13 @@ from operator import itemgetter
 
 import numpy as np
 
-from attnplug.runner.step.check_lists import err
+from attnplug.runner.step.check_types import err
+from attnplug.runner.step.check_snapshot import CachedDeltas, Deltas
+from attnplug.runner.step.check_types import is_int, is_int_list, show
 from attnplug.runner.step.groups import StepLayout
 from attnplug.runner.step.input_batch import InputBatch
 from attnplug.runner.step.int_packer import IntPacker
 from attnplug.runner.step.request_state import CachedRequestState
-from attnplug.runner.step.scheduler_output import CachedRequestData, SchedulerOutput
 
 
 def int64s(values, n: int) -> np.ndarray:
@@ -96,7 +97,7 @@ def _counts_slow(nst: dict, C: list, new_reqs, new_ids: set, budget: int) -> tup
         if c is None:
             err(rid, "num_scheduled_tokens", f"{kind} request has no entry")
         if not isinstance(c, (int, np.integer)) or isinstance(c, bool) or c < 1:
-            err(rid, "num_scheduled_tokens", f"must be an int >= 1, got {c!r}")
+            err(rid, "num_scheduled_tokens", f"must be an int >= 1, got {show(c)}")
         if c > budget:
             err(rid, "num_scheduled_tokens", f"{c} tokens but max_num_batched_tokens is {budget}")
         return int(c)
@@ -110,7 +111,7 @@ def _counts_slow(nst: dict, C: list, new_reqs, new_ids: set, budget: int) -> tup
     return np.asarray(counts, dtype=np.int64).reshape(len(C)), new_counts, sum(counts) + sum(new_counts)
 
 
-def scheduled_counts(lay: StepLayout, so: SchedulerOutput, C: list, new_ids: set[str]
+def scheduled_counts(lay: StepLayout, so: Deltas, C: list, new_ids: set[str]
                      ) -> tuple[np.ndarray, list[int]]:
     """``num_scheduled_tokens`` checked against the requests and the budgets.
 
@@ -134,6 +135,8 @@ def scheduled_counts(lay: StepLayout, so: SchedulerOutput, C: list, new_ids: set
             vals = int64s(nst.values(), nC + nN)
         except struct.error:  # an int beyond int64: the checked slow path words it
             vals = None
+        if vals is not None and bool in set(map(type, nst.values())):  # struct takes True as 1
+            vals = None
     if vals is not None:
         counts_c = vals[:nC]
         new_counts = vals[nC:].tolist()
@@ -146,8 +149,8 @@ def scheduled_counts(lay: StepLayout, so: SchedulerOutput, C: list, new_ids: set
     if total > lay.max_num_batched_tokens:
         err(None, "num_scheduled_tokens", f"{total} tokens scheduled but max_num_batched_tokens is "
             f"{lay.max_num_batched_tokens}: the scheduler's token budget must not exceed the runner's")
-    if so.total_num_scheduled_tokens != total:
-        err(None, "total_num_scheduled_tokens", f"is {so.total_num_scheduled_tokens} but the entries of "
+    if not is_int(so.total_num_scheduled_tokens) or so.total_num_scheduled_tokens != total:
+        err(None, "total_num_scheduled_tokens", f"is {show(so.total_num_scheduled_tokens)} but the entries of "
             f"num_scheduled_tokens sum to {total}")
     if nC + nN > lay.max_num_reqs:
         err(None, "num_scheduled_tokens", f"{nC + nN} requests scheduled but the batch holds at most "
@@ -156,7 +159,7 @@ def scheduled_counts(lay: StepLayout, so: SchedulerOutput, C: list, new_ids: set
 
 
 def computed_and_token_deltas(lay: StepLayout, batch: InputBatch, reqs: dict[str, CachedRequestState],
-                              cached: CachedRequestData, rows: CachedRows, counts_c: np.ndarray,
+                              cached: CachedDeltas, rows: CachedRows, counts_c: np.ndarray,
                               packer: IntPacker) -> tuple[np.ndarray, np.ndarray, list[tuple[int, np.ndarray]]]:
     """``num_computed_tokens`` and ``new_token_ids`` of the cached requests.
 
@@ -168,13 +171,15 @@ def computed_and_token_deltas(lay: StepLayout, batch: InputBatch, reqs: dict[str
     C = cached.req_ids
     nC = len(C)
     ncts_list = cached.num_computed_tokens
-    try:  # converts and type-checks in one pass: struct rejects floats, strings, None
+    try:  # converts and type-checks in one pass: struct rejects floats, strings, None (not bools)
         ncts_c = int64s(ncts_list, nC)
+        if bool in set(map(type, ncts_list)):
+            raise TypeError("a bool")
     except (struct.error, TypeError, ValueError, OverflowError):
         bad = next((i for i, v in enumerate(ncts_list) if not isinstance(v, (int, np.integer))
                     or isinstance(v, bool)), None)
         if bad is not None:
-            err(C[bad], "num_computed_tokens", f"must be an int, got {ncts_list[bad]!r}")
+            err(C[bad], "num_computed_tokens", f"must be an int, got {show(ncts_list[bad])}")
         bad = next(i for i, v in enumerate(ncts_list) if not -2**63 <= v < 2**63)
         err(C[bad], "num_computed_tokens", f"{ncts_list[bad]} is out of range")
     held_c = batch.num_tokens[rows.rows_c]
@@ -188,8 +193,8 @@ def computed_and_token_deltas(lay: StepLayout, batch: InputBatch, reqs: dict[str
     if has_tokens:
         held_c = held_c.astype(np.int64)
         for i, t in enumerate(cached.new_token_ids):
-            if not isinstance(t, (list, tuple, np.ndarray)):
-                err(C[i], "new_token_ids", f"expected a list of token ids (empty for none), got {t!r}")
+            if not is_int_list(t):
+                err(C[i], "new_token_ids", f"expected a list of token ids (empty for none), got {show(t)}")
         tok_idx = [i for i, t in enumerate(cached.new_token_ids) if len(t)]
         packed = packer.pack([cached.new_token_ids[i] for i in tok_idx])
         if isinstance(packed, int):

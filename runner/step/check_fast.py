@@ -16,17 +16,17 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
+from attnplug.runner.step.check_snapshot import Deltas, NewReq
 from attnplug.runner.step.fast.bind import Scans
 from attnplug.runner.step.groups import StepLayout
 from attnplug.runner.step.input_batch import InputBatch
 from attnplug.runner.step.plan import UpdatePlan
 from attnplug.runner.step.request_state import CachedRequestState
-from attnplug.runner.step.scheduler_output import NewRequestData, SchedulerOutput
 
-PlanNew = Callable[[Sequence[NewRequestData], Sequence[int]], list[CachedRequestState]]
+PlanNew = Callable[[Sequence[NewReq], Sequence[int]], list[CachedRequestState]]
 
 
-def plan_update_native(lay: StepLayout, batch: InputBatch, scans: Scans, plan_new: PlanNew, so: SchedulerOutput,
+def plan_update_native(lay: StepLayout, batch: InputBatch, scans: Scans, plan_new: PlanNew, so: Deltas,
                        finished: list[str], fin_set: set[str]) -> UpdatePlan | None:
     """Plan ``so`` with the compiled scan, or return ``None`` (take the numpy path).
 
@@ -63,7 +63,8 @@ def plan_update_native(lay: StepLayout, batch: InputBatch, scans: Scans, plan_ne
             return None
         new_counts.append(c)
     total = scan.total_tokens + sum(new_counts)
-    if total > lay.max_num_batched_tokens or so.total_num_scheduled_tokens != total:
+    if total > lay.max_num_batched_tokens or type(so.total_num_scheduled_tokens) is not int \
+            or so.total_num_scheduled_tokens != total:
         return None
     # C and the new ids are disjoint and duplicate-free (scan + check_finished_and_new), all
     # found in nst, and len(nst) == nC + nN: nst holds exactly the scheduled requests.

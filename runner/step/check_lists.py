@@ -1,4 +1,4 @@
-"""Stage 1 helpers: the error every check raises, and checks of one block-id list.
+"""Stage 1 helpers: checks of one block-id list.
 
 Shared by the checks of new requests (``check_new``) and of cached requests' block
 deltas (``check_blocks``).
@@ -6,18 +6,15 @@ deltas (``check_blocks``).
 
 from __future__ import annotations
 
-from typing import Any, NoReturn, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
 from attnplug.core.constants import NULL_BLOCK_ID
-from attnplug.core.errors import InvalidSchedulerOutput
+from attnplug.runner.step.check_types import err, int64_list, is_int_list, show
 from attnplug.runner.step.groups import INT32_MAX, StepLayout
 
-
-def err(req_id: Any, field_name: str, message: str) -> NoReturn:
-    """Raise :class:`InvalidSchedulerOutput` (stage 1 has changed nothing at this point)."""
-    raise InvalidSchedulerOutput(req_id, field_name, message)
+__all__ = ["block_id_array", "check_block_list", "err", "group_lists"]
 
 
 def group_lists(lay: StepLayout, req_id: str, fname: str, value: Any) -> Sequence[Sequence[int]]:
@@ -27,23 +24,27 @@ def group_lists(lay: StepLayout, req_id: str, fname: str, value: Any) -> Sequenc
         InvalidSchedulerOutput: not a tuple/list with one list (or 1-D array) per group.
     """
     if not isinstance(value, (tuple, list)) or len(value) != lay.num_groups:
-        err(req_id, fname, f"expected one block-id list per cache group ({lay.num_groups}), got {value!r}")
+        err(req_id, fname, f"expected one block-id list per cache group ({lay.num_groups}), got {show(value)}")
     for g, ids in enumerate(value):
-        if not isinstance(ids, (tuple, list, np.ndarray)):
-            err(req_id, fname, f"group {g}: expected a list of block ids, got {ids!r}")
+        if not is_int_list(ids):
+            err(req_id, fname, f"group {g}: expected a list of block ids (or a 1-D integer array), got {show(ids)}")
     return value
 
 
 def block_id_array(rid: Any, fname: str, g: int, ids) -> np.ndarray:
-    """``ids`` (one group's list) as ``[n]`` ``int32``, each in ``[0, 2**31)``.
+    """``ids`` (one group's list, checked by :func:`group_lists`) as ``[n]`` ``int32``, each
+    in ``[0, 2**31)``.
 
     Raises:
-        InvalidSchedulerOutput: an entry that is not an int, or out of range.
+        InvalidSchedulerOutput: an entry that is not an int (a bool, float or string), or
+            out of range.
     """
-    try:
-        a = np.asarray(ids, dtype=np.int64).reshape(len(ids))
-    except (TypeError, ValueError, OverflowError):
-        err(rid, fname, f"group {g}: block ids must be a list of ints, got {ids!r}")
+    if isinstance(ids, np.ndarray):
+        a = ids.astype(np.int64) if ids.dtype != np.uint64 or not ids.size or ids.max() <= INT32_MAX else None
+    else:
+        a = int64_list(ids)
+    if a is None:
+        err(rid, fname, f"group {g}: block ids must be a list of ints, got {show(ids)}")
     if a.shape[0] and (a.min() < 0 or a.max() > INT32_MAX):
         err(rid, fname, f"group {g}: block ids must be in [0, 2**31), got {a.tolist()}")
     return a.astype(np.int32)

@@ -15,10 +15,12 @@ import numpy as np
 
 from attnplug.core.constants import NULL_BLOCK_ID
 from attnplug.runner.step.check_lists import check_block_list, err, group_lists
+from attnplug.runner.step.check_snapshot import NewReq
+from attnplug.runner.step.check_types import is_int, show
 from attnplug.runner.step.groups import StepLayout
 from attnplug.runner.step.int_packer import IntPacker
 from attnplug.runner.step.request_state import CachedRequestState
-from attnplug.runner.step.scheduler_output import NewRequestData, SamplingParams
+from attnplug.runner.step.scheduler_output import SamplingParams
 
 FLOAT32_MAX = float(np.finfo(np.float32).max)
 
@@ -56,7 +58,7 @@ def check_sampling(req_id: str, sp: Any) -> None:
 
 
 def plan_new_requests(lay: StepLayout, prompt_packer: IntPacker, block_packer: IntPacker,
-                      new_reqs: Sequence[NewRequestData], new_counts: Sequence[int]) -> list[CachedRequestState]:
+                      new_reqs: Sequence[NewReq], new_counts: Sequence[int]) -> list[CachedRequestState]:
     """Check the new requests and build their (detached) states.
 
     Args:

@@ -42,13 +42,20 @@ class IntPacker:
         """Largest value of the latest ``pack`` call (0 when empty)."""
 
     def pack(self, seqs: Sequence[Sequence[int]]) -> list[np.ndarray] | int:
-        """Pack ``seqs`` (lists of ints or 1-D integer arrays).
+        """Pack ``seqs`` (lists or tuples of ints, or 1-D integer arrays).
+
+        An int is an ``int`` or a numpy integer scalar, never a ``bool`` (nor a float or a
+        string); an array must be 1-D with an integer dtype.
 
         Returns:
-            One ``int32`` view per sequence, or the index of the first sequence holding
-            something that is not an int in ``[0, 2**31)``.
+            One ``int32`` view per sequence, or the index of the first sequence that is not
+            one of those or holds something that is not an int in ``[0, 2**31)``.
         """
-        lens = [len(s) for s in seqs]
+        lens = []
+        for i, s in enumerate(seqs):
+            if isinstance(s, np.ndarray) and s.ndim != 1:  # a 0-d array has no len()
+                return i
+            lens.append(len(s))
         total = sum(lens)
         if total > self._buf.shape[0]:
             self._buf = np.empty(max(total, 2 * self._buf.shape[0]), dtype=np.int32)
@@ -84,6 +91,10 @@ class IntPacker:
         self.flat = flat = buf[:total]
         self.min = int(flat.min()) if total else 0
         self.max = int(flat.max()) if total else 0
+        if total and self.min <= 1:  # a bool packs as 0 or 1: look at those entries only
+            bad = _first_bool(seqs, lens, flat)
+            if bad is not None:
+                return bad
         views, off = [], 0
         for i, n in enumerate(lens):
             v = buf[off:off + n]
@@ -92,3 +103,19 @@ class IntPacker:
             views.append(v)
             off += n
         return views
+
+
+def _first_bool(seqs: Sequence[Sequence[int]], lens: list[int], flat: np.ndarray) -> int | None:
+    """The first sequence (of lists/tuples packed into ``flat``) holding a ``bool``
+    (``struct`` takes ``True`` as 1): only entries that packed as 0 or 1 are looked at."""
+    where = np.flatnonzero(flat <= 1)
+    if where.shape[0] == 0:
+        return None
+    ends = np.cumsum(lens)
+    owners = np.searchsorted(ends, where, side="right")
+    starts = ends - np.asarray(lens, dtype=ends.dtype)
+    for t, i in zip(where.tolist(), owners.tolist()):
+        s = seqs[i]
+        if not isinstance(s, np.ndarray) and type(s[t - int(starts[i])]) is bool:
+            return i
+    return None

@@ -171,7 +171,10 @@ def test_irregular_or_bad_cached_parts_fall_back_to_the_same_outcome(change, req
     ([[0, 2**31 - 1]], [[0, 2**31 - 1]]),
     ([[1], [2**31]], 1),
     ([[1], [-1]], 1),
-    ([[True]], [[1]]),  # declined by the compiled loop; struct reads True as 1
+    ([[True]], 0),  # a bool is no int (the typing rule): the compiled loop declines it, the
+    ([[7], [2, False]], 1),  # struct loop (which would read True as 1) finds it
+    ([[7], np.array(5)], 1),  # a 0-d array has no len()
+    ([np.array([True])], 0),
     ([[1.0]], 0),
     ([[1], [2**70]], 1),
     ([[1], "ab"], 1),
@@ -216,25 +219,26 @@ def test_a_padding_that_is_not_an_int_is_refused_on_both_paths(pad):
 
 
 def test_a_request_object_that_mutates_itself_cannot_crash_the_compiled_scan():
-    """A duck-typed request whose property empties its own prompt while the compiled scan
-    runs: the scan takes a list's items only right before reading them (it once held a
-    stale pointer across the attribute access, and crashed under ``python -X dev``)."""
+    """A request whose property empties its own prompt while it is read: every field is
+    read once (``runner/step/check_snapshot.py``) and the compiled scan takes a list's items
+    only right before reading them (it once held a stale pointer across the attribute
+    access, and crashed under ``python -X dev``)."""
 
-    class Hostile:
-        def __init__(self):
-            self.req_id, self.prompt_token_ids, self.output_token_ids = "H", [7] * 4, []
-            self.block_ids, self.sampling_params = ([8], [5]), SamplingParams()
-
+    class Hostile(NewRequestData):
         @property
         def num_computed_tokens(self):
             self.prompt_token_ids.clear()
             [object() for _ in range(100)]
             return 0
 
+        @num_computed_tokens.setter
+        def num_computed_tokens(self, value):
+            pass
+
     sc = StepCompiler([4, 8], native=True, **KW)
     before = sc.snapshot()
     with pytest.raises(InvalidSchedulerOutput) as info:
-        sc.update_states(SchedulerOutput([Hostile()], CachedRequestData(), {"H": 4}))
+        sc.update_states(SchedulerOutput([Hostile("H", [7] * 4, ([8], [5]))], CachedRequestData(), {"H": 4}))
     assert (info.value.req_id, info.value.field) == ("H", "prompt_token_ids")
     assert not snapshot_diff(sc.snapshot(), before)
 

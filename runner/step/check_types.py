@@ -1,0 +1,69 @@
+"""Stage 1, the typing rule: what counts as an int, an int list, a flag; the one error.
+
+Every check of stage 1 raises through :func:`err` and judges values with these
+predicates, on both paths, so one rule holds everywhere (written out in
+``runner/step/scheduler_output.py``).
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any, NoReturn
+
+import numpy as np
+
+from attnplug.core.errors import InvalidSchedulerOutput
+
+SEQUENCES = (list, tuple)
+ID_SETS = (set, frozenset, list, tuple)
+FLAGS = (bool, np.bool_)
+
+
+def err(req_id: Any, field_name: str, message: str) -> NoReturn:
+    """Raise :class:`InvalidSchedulerOutput` (stage 1 has changed nothing at this point)."""
+    raise InvalidSchedulerOutput(req_id, field_name, message)
+
+
+MAX_ECHO = 200
+"""Characters of a caller's value echoed into an error message at most."""
+
+
+def show(value: Any) -> str:
+    """``repr(value)``, cut to :data:`MAX_ECHO` characters (an id may be huge)."""
+    try:
+        text = repr(value)
+    except Exception as e:  # a repr that raises
+        text = f"<{type(value).__name__} whose repr raised {type(e).__name__}>"
+    return text if len(text) <= MAX_ECHO else text[:MAX_ECHO] + f"... ({len(text)} characters)"
+
+
+def is_int(x: Any) -> bool:
+    """``x`` is an ``int`` or numpy integer scalar, not a ``bool``."""
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+def is_flag(x: Any) -> bool:
+    """``x`` is a ``bool`` or ``numpy.bool_``."""
+    return isinstance(x, FLAGS)
+
+
+def is_int_list(x: Any) -> bool:
+    """``x`` is a list/tuple (contents checked where it is packed) or a 1-D integer array."""
+    if isinstance(x, np.ndarray):
+        return x.ndim == 1 and x.dtype.kind in "iu"
+    return isinstance(x, SEQUENCES)
+
+
+def int64_list(values) -> np.ndarray | None:
+    """A list/tuple of ints (``int`` or numpy integer scalars, not ``bool``) as ``[n]``
+    ``int64``, or ``None`` when an entry is anything else or does not fit ``int64``."""
+    n = len(values)
+    out = np.empty(n, dtype=np.int64)
+    try:  # struct takes exactly the ints (and bools: checked below); floats and strings raise
+        if n:
+            struct.pack_into(f"{n}q", out, 0, *values)
+    except (struct.error, TypeError, ValueError, OverflowError):
+        return None
+    if n and bool in set(map(type, values)):
+        return None
+    return out
