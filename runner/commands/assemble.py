@@ -11,10 +11,12 @@ import torch
 from attnplug.cache_groups.grouping import KVCacheConfig, group_layers_by_spec
 from attnplug.cache_groups.specs import cdiv
 from attnplug.core.contracts import AttentionBackend, AttentionLayerConfig
+from attnplug.core.errors import AttnplugError
 from attnplug.runner.serve.engine import LLMEngine
 from attnplug.runner.execute.model_runner import ModelRunner, RunnerConfig
 from attnplug.runner.serve.scheduler import Scheduler, SchedulerConfig
 from attnplug.runner.step.scheduler_output import SamplingParams
+from attnplug.runner.commands.limits import memory_problem
 from attnplug.runner.commands.traces import BUNDLED_ATTRIBUTION, BUNDLED_TRACES
 
 
@@ -62,6 +64,37 @@ class EngineSetup:
         }
 
 
+def kv_cache_bytes(kv_cfg: KVCacheConfig) -> int:
+    """Bytes of every layer's KV cache (or Mamba state slots) for ``kv_cfg``, in the default
+    layout (``runner/execute/kv_caches.allocate_kv_caches``: ``num_blocks_of(g) *
+    page_size_bytes`` per layer of group ``g``)."""
+    return sum(kv_cfg.num_blocks_of(g) * grp.kv_cache_spec.page_size_bytes * len(grp.layer_names)
+               for g, grp in enumerate(kv_cfg.groups))
+
+
+def check_kv_memory(kv_cfg: KVCacheConfig, max_num_seqs: int, max_model_len: int, device: str,
+                    origin: str, available: int | None = None) -> None:
+    """Refuse, before anything is allocated, KV pools (plus the ``int32`` token table of
+    ``max_num_seqs x max_model_len``) that do not fit the memory available.
+
+    Only for a CPU ``device``: a GPU pool is refused by the device's allocator instead. The
+    memory available comes from ``limits.available_memory_bytes`` (``/proc/meminfo``,
+    ``os.sysconf``); when it is unknown nothing is refused.
+
+    Raises:
+        AttnplugError: one line naming the pool size, ``origin`` (the flag that set it),
+            the bytes needed and the memory available.
+    """
+    if str(device).split(":")[0] != "cpu":
+        return
+    need = kv_cache_bytes(kv_cfg) + max_num_seqs * max_model_len * 4
+    why = memory_problem(f"{kv_cfg.num_blocks} blocks per cache group ({origin}) in "
+                         f"{len(kv_cfg.groups)} cache group(s)", need, available)
+    if why:
+        raise AttnplugError(f"{why}; lower --num-blocks (its default follows --max-num-seqs and "
+                            "--max-model-len)")
+
+
 def resolve_backend(name: str | None, layer_cfgs: dict[str, AttentionLayerConfig],
                     kind_of: dict[str, str]) -> dict[str, type[AttentionBackend]]:
     """The backend of every attention layer (explicit ``name`` for all, else automatic)."""
@@ -100,6 +133,8 @@ def build_engine(args, *, alone: bool = False, model: torch.nn.Module | None = N
     budget = max_model_len if alone else args.max_num_batched_tokens
     num_blocks = args.num_blocks or (max_num_seqs * cdiv(max_model_len, args.block_size) + 1)
     kv_cfg = KVCacheConfig(num_blocks, groups, num_state_slots=max_num_seqs + 1)  # Mamba: 1 slot per request
+    check_kv_memory(kv_cfg, max_num_seqs, max_model_len, device,
+                    "--num-blocks" if args.num_blocks else "the default --num-blocks")
     backends = [model.attnplug_backends[g.layer_names[0]] for g in groups]
     sched = Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
                                       max_model_len=max_model_len, enable_chunked_prefill=not alone,

@@ -21,18 +21,43 @@ import time
 from attnplug.core.errors import AttnplugError
 from attnplug.runner.models.presets import PRESETS, RUN_PRESET
 from attnplug.runner.commands.assemble import EngineSetup, build_engine
+from attnplug.runner.commands.limits import OneLineParser, bounded_int
+
+
+INT32_MAX = 2**31 - 1
+FLAG_LIMITS: dict[str, tuple[int, int]] = {
+    "--num-requests": (1, 10_000_000),
+    "--max-num-batched-tokens": (1, 2**20),
+    "--max-num-seqs": (1, 4096),
+    "--block-size": (1, 2**16),
+    "--num-blocks": (2, INT32_MAX),
+    "--max-model-len": (2, 2**20),
+    "--seed": (0, 2**32 - 1),
+    "--invariance-requests": (0, 100_000),
+}
+"""``flag -> (lowest, highest)`` accepted value (decimal ints only); checked at parse time
+(one usage line, exit 2). ``--num-blocks`` 1 would leave only the null block; the pool's
+bytes are checked against the memory available before anything is allocated
+(``assemble.check_kv_memory``). The same table is in docs/configuration.md."""
+
+
+def _int_flag(p: argparse.ArgumentParser, flag: str, default, help_: str | None = None) -> None:
+    low, high = FLAG_LIMITS[flag]
+    limits = f"an integer in [{low}, {high}]"
+    p.add_argument(flag, type=bounded_int(low, high), default=default, metavar="N",
+                   help=f"{help_}; {limits}" if help_ else limits + f" (default {default})")
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="attnplug run", description=__doc__.splitlines()[0])
+    p = OneLineParser(prog="attnplug run", description=__doc__.splitlines()[0])
     p.add_argument("--trace", default="conv", help="conv, code (bundled Azure traces) or a CSV PATH")
-    p.add_argument("--num-requests", type=int, default=48)
-    p.add_argument("--max-num-batched-tokens", type=int, default=512)
-    p.add_argument("--max-num-seqs", type=int, default=16)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-blocks", type=int, default=None,
-                   help="blocks per cache group (default: enough for max-num-seqs full requests)")
-    p.add_argument("--max-model-len", type=int, default=1024)
+    _int_flag(p, "--num-requests", 48)
+    _int_flag(p, "--max-num-batched-tokens", 512)
+    _int_flag(p, "--max-num-seqs", 16)
+    _int_flag(p, "--block-size", 16)
+    _int_flag(p, "--num-blocks", None,
+              "blocks per cache group (default: enough for max-num-seqs full requests)")
+    _int_flag(p, "--max-model-len", 1024)
     p.add_argument("--model", default=RUN_PRESET,
                    help=f"a preset ({', '.join(PRESETS)}; default {RUN_PRESET}: full, sliding-window and Mamba2 "
                         "layers), 'preset' (= tiny-llama) or PATH/config.json (HF config, random weights)")
@@ -43,10 +68,11 @@ def _parser() -> argparse.ArgumentParser:
                         "attnplug.toml (docs/configuration.md); default: those, then automatic")
     p.add_argument("--device", default="cpu",
                    help="where the model and its caches live: cpu (default) or cuda; backends are chosen for it")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--invariance-requests", type=int, default=8,
-                   help="requests re-run alone for the batch-invariance check (0 disables)")
-    p.add_argument("--skip-invalid", action="store_true", help="skip (and count) invalid trace rows")
+    _int_flag(p, "--seed", 0)
+    _int_flag(p, "--invariance-requests", 8,
+              "requests re-run alone for the batch-invariance check (0 disables)")
+    p.add_argument("--skip-invalid", action="store_true",
+                   help="skip (and count) invalid trace rows, whatever is wrong with them")
     p.add_argument("--json", action="store_true", help="print a machine-readable summary on stdout")
     return p
 

@@ -137,3 +137,44 @@ def test_unknown_name_for_a_kind_the_model_lacks_is_an_error(capsys, monkeypatch
     assert run_main(["--model", "tiny-llama", "--num-requests", "1"]) == 2
     err = capsys.readouterr().err
     assert f"{tmp_path / 'attnplug.toml'} [backend] sliding_window" in err and "unknown backend 'nonexistent'" in err
+
+
+@pytest.mark.parametrize("argv, what", [
+    (["--num-blocks", "1e11"], "argument --num-blocks: expected an integer in [2, 2147483647], got '1e11'"),
+    (["--num-blocks", "3e6"], "argument --num-blocks: expected an integer"),
+    (["--num-blocks", "100000000000"], "100000000000 is out of range: must be in [2, 2147483647]"),
+    (["--num-blocks", "0"], "argument --num-blocks: 0 is out of range"),
+    (["--max-num-seqs", "0"], "argument --max-num-seqs: 0 is out of range: must be in [1, 4096]"),
+    (["--invariance-requests", "-1"], "argument --invariance-requests: -1 is out of range"),
+    (["--max-model-len", "1_024"], "argument --max-model-len: expected an integer"),
+    (["--block-size", "\uff11\uff16"], "argument --block-size: expected an integer"),
+    (["--seed", "-3"], "argument --seed: -3 is out of range"),
+])
+def test_bad_flags_are_one_line_at_parse_time(capsys, argv, what):
+    with pytest.raises(SystemExit) as e:
+        run_main(argv + ["--num-requests", "1"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and len(err.strip().splitlines()) == 1, err
+    assert err.startswith("attnplug run: error: ") and what in err and "Traceback" not in err
+
+
+def test_a_kv_pool_larger_than_memory_is_refused_before_allocating(capsys, monkeypatch):
+    import attnplug.runner.commands.limits as limits
+    import attnplug.runner.execute.kv_caches as kv_caches
+
+    monkeypatch.setattr(limits, "available_memory_bytes", lambda: 2**30)  # 1 GiB
+    monkeypatch.setattr(kv_caches, "allocate_kv_caches", lambda *a, **k: pytest.fail("allocated"))
+    assert run_main(["--model", "tiny-llama", "--num-blocks", "200000", "--num-requests", "1"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert err.startswith("attnplug run: 200000 blocks per cache group (--num-blocks)")
+    assert "GiB, more than 80% of the 1.00 GiB of memory available" in err
+
+
+def test_available_memory_is_read_without_psutil():
+    from attnplug.runner.commands.limits import available_memory_bytes, memory_problem
+
+    avail = available_memory_bytes()
+    assert avail is None or avail > 2**20
+    assert memory_problem("x", 10, available=100) is None
+    assert "need 0.00 GiB, more than 80% of the" in memory_problem("x", 90, available=100)
