@@ -12,7 +12,9 @@ failure raises :class:`MetadataInvariantError` naming the invariant, the row and
 7. Every non-padding slot lies in a (non-null) block owned by its request; padded tokens
    carry ``PAD_SLOT_ID``. For a sliding-window group (``sliding_window`` given), the
    blocks wholly before ``max(0, num_computed_tokens - W + 1)`` are ``NULL_BLOCK_ID``:
-   they were freed and no kernel may read them.
+   they were freed and no kernel may read them; every block from there to the last
+   position is real (a query of the step sees it). A Mamba state group's row holds a
+   real state slot.
 8. Logits of a partial prefill are discarded: ``discard[i] == (seq_lens[i] < num_tokens[i])``.
 """
 
@@ -76,6 +78,7 @@ def validate(
     batch: BatchView | None = None,
     sliding_window: int | None = None,
     manager_block_size: int | None = None,
+    state_group: bool = False,
 ) -> None:
     """Check the eight invariants on one step's metadata (for one cache group).
 
@@ -93,6 +96,8 @@ def validate(
             ``block_size``).
         manager_block_size: the group's manager block size (a multiple of ``block_size``);
             default ``block_size``.
+        state_group: the group is a Mamba state group (``block_size`` is then ``None``):
+            check (invariant 7) that every row holds a real state slot in column 0.
 
     Raises:
         MetadataInvariantError: the first invariant that fails, with its row and values.
@@ -222,6 +227,20 @@ def validate(
             r, c = (int(x) for x in np.argwhere(bad)[0])
             _fail("7 slots", r, kernel_block_index=c, block=int(bt[r, c]), num_computed_tokens=int(computed[r]),
                   sliding_window=sliding_window, hint="blocks before the window were freed and must be null")
+        # and every block a query of the step can see (from the first query's window on) is real
+        first = np.maximum(computed - sliding_window + 1, 0) // block_size
+        last = (seq_lens.astype(np.int64) - 1) // block_size
+        bad = (cols[None, :] >= first[:, None]) & (cols[None, :] <= last[:, None]) & (bt == NULL_BLOCK_ID)
+        if bad.any():
+            r, c = (int(x) for x in np.argwhere(bad)[0])
+            _fail("7 slots", r, kernel_block_index=c, num_computed_tokens=int(computed[r]),
+                  sliding_window=sliding_window, hint="a block this step's queries can see is the null block")
+
+    if state_group and R:
+        slots0 = cm.block_table_tensor[:R, 0].cpu().numpy() if cm.block_table_tensor.shape[1] else None
+        if slots0 is None or (slots0 == NULL_BLOCK_ID).any():
+            r = 0 if slots0 is None else _first_bad(slots0 == NULL_BLOCK_ID)
+            _fail("7 slots", r, hint="a Mamba state group's request must hold a real state slot (column 0)")
 
     # 8. discard
     if discard is not None and num_tokens is not None:

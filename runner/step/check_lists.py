@@ -55,17 +55,28 @@ def check_block_list(lay: StepLayout, req_id: str, fname: str, g: int, ids: np.n
     """An initial or replacement block list of group ``g`` for a request that computes
     positions ``[start, seq_len)`` this step: length, pool range, null blocks.
 
+    Every block a query of the step can see must be a real block: for a full-attention
+    group all of them; for a sliding-window group of known window ``W`` those from
+    position ``max(0, start - W + 1)`` on (the null block may stand only before: the
+    skipped prefix); a Mamba group needs its state slot (one block id) from the first step.
+    Later steps keep this true by construction (appends are never null, the runner nulls
+    only blocks no query can see again), so a cached request is checked only for what it
+    adds (``check_blocks``, ``check_windows``).
+
     Raises:
         InvalidSchedulerOutput: more blocks than ``cdiv(max_model_len, block_size)``, too
-            few to hold ``seq_len``, an id outside the pool, the null block where it is
-            not legitimate or where a position of this step falls.
+            few to hold ``seq_len`` (a Mamba group: no state slot), an id outside the pool,
+            the null block where it is not legitimate or where a query of this step looks.
     """
     n = ids.shape[0]
     B = lay.block_sizes[g]
     if n > lay.max_num_blocks_per_req[g]:
         err(req_id, fname, f"group {g}: {n} blocks but a request holds at most "
             f"{lay.max_num_blocks_per_req[g]} (cdiv(max_model_len={lay.max_model_len}, block_size={B}))")
-    if lay.groups[g].writes_slots and n * B < seq_len:
+    if n * int(lay.capacity_col[g, 0]) < seq_len:
+        if not lay.groups[g].writes_slots:
+            err(req_id, fname, f"group {g}: a Mamba state group's request needs its state slot (one block id) "
+                "from its first step; got none")
         err(req_id, fname, f"group {g}: {n} blocks of {B} tokens cannot hold seq_len {seq_len} "
             "(num_computed_tokens + num_scheduled_tokens); the block table is too short")
     pool = lay.num_blocks_per_group[g]
@@ -76,7 +87,11 @@ def check_block_list(lay: StepLayout, req_id: str, fname: str, g: int, ids: np.n
             why = ("the reserved null block, legitimate only in a sliding-window group's skipped prefix"
                    if int(bad[0]) == NULL_BLOCK_ID else "outside the pool")
             err(req_id, fname, f"group {g}: block id {int(bad[0])} is {why}; valid ids are [{low}, {pool})")
-        span = ids[start // B:(seq_len - 1) // B + 1] if seq_len > start else ids[:0]
+        window = lay.sliding_windows[g]
+        first = start if window is None else max(0, start - window + 1)
+        span = ids[first // B:(seq_len - 1) // B + 1] if seq_len > start else ids[:0]
         if (span == NULL_BLOCK_ID).any():
-            err(req_id, fname, f"group {g}: positions [{start}, {seq_len}) fall in the null block; only "
-                "blocks no query can see may be null")
+            seen = f"positions [{first}, {seq_len})" + ("" if window is None else
+                                                       f" (the window of {window} tokens of this step's queries)")
+            err(req_id, fname, f"group {g}: {seen} fall in the null block; only blocks no query can see "
+                "may be null")

@@ -101,8 +101,7 @@ def plan_new_requests(lay: StepLayout, prompt_packer: IntPacker, block_packer: I
     states, k = [], 0
     max_len = lay.max_model_len
     # per group: blocks a row holds at most, and tokens a block covers (0: any, Mamba)
-    limits = [(m, b if g.writes_slots else 0) for m, b, g in
-              zip(lay.max_num_blocks_per_req, lay.block_sizes, lay.groups)]
+    limits = [(m, g.tokens_per_block(max_len)) for m, g in zip(lay.max_num_blocks_per_req, lay.groups)]
     for i, (nr, cnt) in enumerate(zip(new_reqs, new_counts)):
         rid = nr.req_id
         tokens = toks[k]
@@ -124,7 +123,7 @@ def plan_new_requests(lay: StepLayout, prompt_packer: IntPacker, block_packer: I
         arrs = tuple(blocks[i * G:(i + 1) * G])
         for g, (a, (most, per_block)) in enumerate(zip(arrs, limits)):
             n = a.shape[0]
-            if suspicious or n > most or n * per_block < seq and per_block:
+            if suspicious or n > most or n * per_block < seq:
                 check_block_list(lay, rid, "block_ids", g, a, ncts, seq)
         sp = nr.sampling_params
         check_sampling(rid, sp)

@@ -216,10 +216,11 @@ class StepCompiler:
         """
         view = self.batch_view()
         for g, cm in enumerate(inputs.common_attn_metadata):
-            bs = self.kernel_block_sizes[g] if self.layout.groups[g].writes_slots else None
-            validate(cm, block_size=bs, num_scheduled_tokens=inputs.num_scheduled_tokens,
-                     num_tokens=inputs.num_tokens, discard=inputs.discard, batch=view,
-                     sliding_window=self.sliding_windows[g], manager_block_size=self.block_sizes[g])
+            state = not self.layout.groups[g].writes_slots
+            validate(cm, block_size=None if state else self.kernel_block_sizes[g],
+                     num_scheduled_tokens=inputs.num_scheduled_tokens, num_tokens=inputs.num_tokens,
+                     discard=inputs.discard, batch=view, sliding_window=self.sliding_windows[g],
+                     manager_block_size=self.block_sizes[g], state_group=state)
 
     def append_output_tokens(self, req_ids_or_rows, token_ids) -> None:
         """Append sampled tokens to requests of this step (stage 8, ``runner/step/append.py``).

@@ -52,7 +52,7 @@ class CachedRequestState:
 
     Args:
         req_id: the request id.
-        prompt_token_ids: the prompt (kept as given; never mutated).
+        prompt_token_ids: the prompt (copied: the caller's list is not kept).
         block_ids: per cache group, the manager block ids in logical order.
         num_computed_tokens: tokens whose K/V is cached (units: tokens).
         sampling_params: sampling settings (``None`` → greedy defaults).
@@ -64,10 +64,10 @@ class CachedRequestState:
             packers); then ``output_token_ids`` / ``block_ids`` are not read again.
 
     Attributes:
-        req_id, prompt_token_ids, sampling_params, generator: as given.
+        req_id, sampling_params, generator: as given.
     """
 
-    __slots__ = ("req_id", "prompt_token_ids", "sampling_params", "generator", "_token_ids_np",
+    __slots__ = ("req_id", "sampling_params", "generator", "_token_ids_np",
                  "_num_prompt_tokens", "_block_ids_np", "_num_computed_tokens", "_batch", "_row")
 
     def __init__(self, req_id: str, prompt_token_ids: Sequence[int], block_ids: Sequence[Sequence[int]],
@@ -75,7 +75,6 @@ class CachedRequestState:
                  output_token_ids: Sequence[int] = (), generator: torch.Generator | None = None,
                  *, token_ids_np: np.ndarray | None = None, block_ids_np: tuple[np.ndarray, ...] | None = None):
         self.req_id = req_id
-        self.prompt_token_ids = prompt_token_ids
         sp = self.sampling_params = SamplingParams() if sampling_params is None else sampling_params
         self.generator = generator if generator is not None or sp.seed is None else make_generator(sp)
         self._num_prompt_tokens = len(prompt_token_ids)
@@ -95,7 +94,6 @@ class CachedRequestState:
         wrote (``new_req``: its ``NewRequestData``, validated)."""
         st = cls.__new__(cls)
         st.req_id = new_req.req_id
-        st.prompt_token_ids = new_req.prompt_token_ids
         sp = st.sampling_params = new_req.sampling_params
         st.generator = None if sp.seed is None else make_generator(sp)
         st._num_prompt_tokens = len(new_req.prompt_token_ids)
@@ -145,6 +143,11 @@ class CachedRequestState:
     @property
     def num_prompt_tokens(self) -> int:
         return self._num_prompt_tokens
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        """The prompt (a fresh list, from the runner's own copy)."""
+        return self.token_ids_np()[:self._num_prompt_tokens].tolist()
 
     @property
     def num_tokens(self) -> int:

@@ -67,7 +67,7 @@ def bind_scans(batch, layout, sampling_params_cls: type) -> Scans:
     new = NATIVE.NewScan(
         b.token_ids_cpu, b.num_tokens, b.num_prompt_tokens, b.num_computed_tokens_cpu, b.num_scheduled_tokens,
         b.num_computed_tokens_nulled, b.temperature, b.top_k, b.top_p, nblocks, ids, kernel, per_block,
-        [bs if g.writes_slots else 0 for bs, g in zip(layout.block_sizes, layout.groups)],
+        layout.capacity_col[:, 0],  # a Mamba group: max_model_len, so it needs one state slot
         layout.num_blocks_per_group, sampling_params_cls)
     return Scans(cached, new)
 
