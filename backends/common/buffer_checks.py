@@ -1,14 +1,95 @@
-"""Checks of the tensors a persistent-buffer builder copies from (``build`` and
-``update_block_table``), and the block-table copy itself: shared by the triton and
-flash_attn builders."""
+"""Checks of the step tensors a builder lowers (``build`` and ``update_block_table``), and
+the copies into persistent (CUDA-graph) buffers: shared by the triton and flash_attn
+builders (flashinfer uses the slot-mapping check).
+
+Two kinds of check:
+
+* **structure** — shapes, dtypes, devices and sizes against the builder's buffers: host
+  ints only, a few hundred nanoseconds, run on every build;
+* **values** — what the host copies say (``query_start_loc_cpu[num_reqs] ==
+  num_actual_tokens``, ``0 <= query_len <= seq_len``, the ``max_*`` bounds): reading and
+  reducing host tensors costs ~10-20 µs a step, so builders run them only when
+  :func:`builder_values_checked` (``ATTNPLUG_VALIDATE=1``, which ``make test`` sets; read
+  when the builder is created). The impls check the index values they hand to a kernel
+  on their own (``backends/common/value_checks.py``), so an eager CPU step with a bad
+  slot is still refused before any write.
+"""
 
 from __future__ import annotations
+
+import os
 
 import torch
 
 from attnplug.cache_groups.specs import cdiv
 from attnplug.core.devices import same_device
 from attnplug.core.errors import MetadataError
+from attnplug.core.metadata import CommonAttentionMetadata
+
+
+def builder_values_checked() -> bool:
+    """Whether builders created now check the host values of each step (``ATTNPLUG_VALIDATE=1``)."""
+    return os.environ.get("ATTNPLUG_VALIDATE") == "1"
+
+
+def on_device(t: torch.Tensor, device: torch.device) -> bool:
+    """``t`` lives on ``device`` (a resolved device; the plain comparison first: it is cheap)."""
+    return t.device == device or same_device(t.device, device)
+
+
+def check_step_tensors(cm: CommonAttentionMetadata, num_rows: int, device: torch.device, backend: str) -> None:
+    """``query_start_loc`` / ``seq_lens`` are int32 on ``device`` with at least ``num_rows + 1``
+    / ``num_rows`` entries, and their host copies cover the ``num_reqs`` real rows.
+
+    Raises:
+        MetadataError: otherwise, naming ``backend`` and the sizes.
+    """
+    qsl, sl, n = cm.query_start_loc, cm.seq_lens, cm.num_reqs
+    if (qsl.shape[0] < num_rows + 1 or sl.shape[0] < num_rows or cm.query_start_loc_cpu.shape[0] < n + 1
+            or cm.seq_lens_cpu.shape[0] < n):
+        raise MetadataError(
+            f"query_start_loc has {qsl.shape[0]} entries (host copy {cm.query_start_loc_cpu.shape[0]}) and "
+            f"seq_lens {sl.shape[0]} (host copy {cm.seq_lens_cpu.shape[0]}) for {num_rows} rows "
+            f"(num_reqs={n}): expected >= rows + 1 and >= rows.")
+    for name, t in (("query_start_loc", qsl), ("seq_lens", sl)):
+        if t.dtype is not torch.int32 or not on_device(t, device):
+            raise MetadataError(f"{name} is {t.dtype} on {t.device}; the {backend} builder needs torch.int32 on "
+                                f"{device} (the compute device).")
+
+
+def check_step_values(cm: CommonAttentionMetadata, max_model_len: int | None = None) -> None:
+    """The host copies agree with the host ints: ``query_start_loc_cpu[num_reqs] ==
+    num_actual_tokens``, ``0 <= query_len <= seq_len`` per row, ``max_seq_len`` /
+    ``max_query_len`` bound them, and (given) no ``seq_len`` exceeds ``max_model_len``.
+
+    Raises:
+        MetadataError: naming the first broken condition (and the row).
+    """
+    n = cm.num_reqs
+    qsl = cm.query_start_loc_cpu[: n + 1].long()
+    if int(qsl[-1]) != cm.num_actual_tokens:
+        raise MetadataError(
+            f"query_start_loc_cpu[num_reqs]={int(qsl[-1])} but num_actual_tokens={cm.num_actual_tokens}: "
+            "they must agree (the flat token count).")
+    if not n:
+        return
+    query_lens = qsl[1:] - qsl[:-1]
+    seq_lens = cm.seq_lens_cpu[:n].long()
+    bad = (query_lens < 0) | (seq_lens < query_lens)
+    if bool(bad.any()):
+        i = int(torch.nonzero(bad)[0])
+        raise MetadataError(
+            f"request {i}: query length {int(query_lens[i])} with seq_len {int(seq_lens[i])}: need "
+            "0 <= query_len <= seq_len (seq_len = num_computed_tokens + query_len).")
+    longest, widest = int(seq_lens.max()), int(query_lens.max())
+    if longest > cm.max_seq_len:
+        raise MetadataError(f"max_seq_len={cm.max_seq_len} but seq_lens holds {longest}: "
+                            "max_seq_len must bound every seq_len.")
+    if widest > cm.max_query_len:
+        raise MetadataError(f"max_query_len={cm.max_query_len} but a query has {widest} "
+                            "tokens: max_query_len must bound every query length.")
+    if max_model_len is not None and longest > max_model_len:
+        raise MetadataError(f"a seq_len of {longest} exceeds BuilderConfig.max_model_len={max_model_len}.")
 
 
 def check_slot_mapping(slot_mapping: torch.Tensor, num_actual_tokens: int, capacity: int,
@@ -19,8 +100,7 @@ def check_slot_mapping(slot_mapping: torch.Tensor, num_actual_tokens: int, capac
     Raises:
         MetadataError: otherwise, with the values and the limit.
     """
-    if (slot_mapping.dim() != 1 or slot_mapping.dtype != torch.int64
-            or not same_device(slot_mapping.device, device)):
+    if slot_mapping.dim() != 1 or slot_mapping.dtype is not torch.int64 or not on_device(slot_mapping, device):
         raise MetadataError(f"slot_mapping is {slot_mapping.dtype} {tuple(slot_mapping.shape)} on "
                             f"{slot_mapping.device}; need int64 [num_tokens] on {device}.")
     if not num_actual_tokens <= slot_mapping.shape[0] <= capacity:
@@ -32,14 +112,15 @@ def check_slot_mapping(slot_mapping: torch.Tensor, num_actual_tokens: int, capac
 def check_block_table(block_table: torch.Tensor, num_rows: int, max_seq_len: int, *, block_size: int,
                       max_num_blocks_per_req: int, max_model_len: int, device: torch.device,
                       backend: str) -> None:
-    """``block_table`` must be int32 ``[>= num_rows, max_num_blocks_per_req]`` on ``device`` and
-    address ``max_seq_len`` tokens in blocks of ``block_size``.
+    """``block_table`` must be int32 ``[>= num_rows, width]`` on ``device`` and address
+    ``max_seq_len`` tokens in blocks of ``block_size`` within ``min(width,
+    max_num_blocks_per_req)`` columns.
 
     Raises:
         MetadataError: otherwise, naming ``backend``, the values and the limits.
     """
-    if (block_table.dim() != 2 or block_table.shape[0] < num_rows or block_table.dtype != torch.int32
-            or not same_device(block_table.device, device)):
+    if (block_table.dim() != 2 or block_table.shape[0] < num_rows or block_table.dtype is not torch.int32
+            or not on_device(block_table, device)):
         raise MetadataError(
             f"block_table_tensor is {block_table.dtype} {tuple(block_table.shape)} on {block_table.device} "
             f"but num_reqs={num_rows}: the {backend} builder needs int32 [num_reqs, max_num_blocks_per_req] on "
@@ -53,20 +134,23 @@ def check_block_table(block_table: torch.Tensor, num_rows: int, max_seq_len: int
             "unaddressable; check max_model_len and the kernel block size.")
 
 
-def copy_block_table(buffer: torch.Tensor, block_table: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """Copy the step's ``block_table`` rows into the persistent ``buffer`` and return
-    ``buffer[:num_rows]`` at its whole width.
+def copy_block_table(buffer: torch.Tensor, block_table: torch.Tensor, num_rows: int, live_cols: int) -> torch.Tensor:
+    """Copy the live columns of the step's ``block_table`` rows into the persistent ``buffer``
+    and return ``buffer[:num_rows]`` at its whole width.
 
-    The step's columns are copied (non-blocking), but the whole persistent width is returned:
-    a CUDA graph captured on a narrow step must replay wider ones, and the kernels read only
-    the pages ``seq_lens`` needs, so columns left from earlier steps are never read (vLLM's
-    ``BlockTable`` hands out full-width rows the same way).
+    Only columns ``< live_cols`` (``cdiv(max_seq_len, block_size)``: every block a key of
+    the step sits in) are copied, never the table's full width; columns left from earlier
+    steps are never read, since the kernels read only the pages ``seq_lens`` needs. The
+    whole persistent width is returned so that a CUDA graph captured on a narrow step
+    replays wider ones.
 
     Args:
         buffer: ``[max_num_reqs, max_num_blocks_per_req]`` int32, the builder's.
-        block_table: ``[>= num_rows, any width]`` int32 on ``buffer``'s device (checked by
+        block_table: ``[>= num_rows, >= live_cols]`` int32 on ``buffer``'s device (checked by
             :func:`check_block_table`).
+        num_rows: rows to copy (padded requests included).
+        live_cols: columns to copy, ``<= buffer.shape[1]``.
     """
-    width = min(block_table.shape[1], buffer.shape[1])
-    buffer[:num_rows, :width].copy_(block_table[:num_rows, :width], non_blocking=True)
+    if num_rows and live_cols:
+        buffer[:num_rows, :live_cols].copy_(block_table[:num_rows, :live_cols], non_blocking=True)
     return buffer[:num_rows]

@@ -2,11 +2,18 @@
 
 ``cu_seqlens_q`` is ``query_start_loc``; ``seqused_k`` is ``seq_lens`` (and FA2's
 ``cu_seqlens_k`` its exclusive prefix sum); ``max_seqlen_q/k`` are the step's bounds;
-the block table is copied as int32; the window is ``(W - 1, 0)``. With FlashAttention 3
-the builder also runs ``get_scheduler_metadata`` for the step's shapes, and with
-``common_prefix_len > 0`` it emits the cascade fields. Everything is copied into
-persistent buffers allocated once from the :class:`BuilderConfig`, so a CUDA graph
-captured over the layers replays with the next step's contents.
+the block table is the group's int32 kernel block table; the window is ``(W - 1, 0)``.
+With FlashAttention 3 the builder also runs ``get_scheduler_metadata`` for the step's
+shapes, and with ``common_prefix_len > 0`` it emits the cascade fields.
+
+An eager ``build`` passes the step's tensors through: ``prepare_inputs`` returns views of
+persistent buffers at the same addresses every step (``runner/step/prepare.py``), so the
+only device work is FA2's ``cu_seqlens_k`` (one cumsum into a persistent buffer) and
+FA3's scheduler metadata. ``build_for_cudagraph_capture`` copies the tensors into
+persistent buffers allocated once from the :class:`BuilderConfig` (the block table's
+live columns only), so a captured graph replays with the next step's contents whatever
+the caller passes. Host values are checked only with ``ATTNPLUG_VALIDATE=1``
+(``backends/common/buffer_checks.py``).
 """
 
 from __future__ import annotations
@@ -15,7 +22,14 @@ import dataclasses
 
 import torch
 
-from attnplug.backends.common.buffer_checks import check_block_table, check_slot_mapping, copy_block_table
+from attnplug.backends.common.buffer_checks import (
+    builder_values_checked,
+    check_block_table,
+    check_slot_mapping,
+    check_step_tensors,
+    check_step_values,
+    copy_block_table,
+)
 from attnplug.backends.common.window import fa_window_size
 from attnplug.backends.flash_attn.kernels import (
     FA2_PAGE_SIZE_MULTIPLE,
@@ -27,7 +41,6 @@ from attnplug.backends.flash_attn.metadata import FlashAttnCascadeMetadata, Flas
 from attnplug.cache_groups.specs import cdiv
 from attnplug.core.constants import NULL_BLOCK_ID, PAD_SLOT_ID
 from attnplug.core.contracts import AttentionCGSupport, AttentionMetadataBuilder, BuilderConfig
-from attnplug.core.devices import same_device
 from attnplug.core.errors import BackendUnsupportedError, MetadataError
 from attnplug.core.metadata import CommonAttentionMetadata
 
@@ -103,6 +116,9 @@ class FlashAttnMetadataBuilder(AttentionMetadataBuilder):
         # the versions we know; the exact length varies): room for the largest, so that graph
         # replays find it in the same place
         self._scheduler_metadata = torch.zeros(1 + 4 * cdiv(n, 4) * 4 + 64, dtype=torch.int32, device=dev)
+        self._version = self.kernels_version()
+        self.validate_values = builder_values_checked()
+        """Check the host values of every step (``ATTNPLUG_VALIDATE=1`` when created)."""
 
     # --- build ---------------------------------------------------------------------------
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
@@ -142,29 +158,49 @@ class FlashAttnMetadataBuilder(AttentionMetadataBuilder):
 
     def _build(self, cm: CommonAttentionMetadata, common_prefix_len: int, max_query_len: int,
                max_seq_len: int, fast_build: bool, graph: bool = False) -> FlashAttnMetadata:
-        self._check(cm)
-        B = cm.query_start_loc.shape[0] - 1
-        qsl = self._query_start_loc[: B + 1]
-        qsl.copy_(cm.query_start_loc, non_blocking=True)
-        seq_lens = self._seq_lens[:B]
-        seq_lens.copy_(cm.seq_lens[:B], non_blocking=True)
-        cu_k = self._cu_seqlens_k[: B + 1]
-        torch.cumsum(seq_lens, 0, dtype=torch.int32, out=cu_k[1:])
-        block_table = copy_block_table(self._block_table, cm.block_table_tensor, B)
-        slot_mapping = self._copy_slot_mapping(cm.slot_mapping)
+        B = self._check(cm)
+        if graph:
+            qsl = self._query_start_loc[: B + 1]
+            qsl.copy_(cm.query_start_loc, non_blocking=True)
+            seq_lens = self._seq_lens[:B]
+            seq_lens.copy_(cm.seq_lens[:B], non_blocking=True)
+            block_table = copy_block_table(self._block_table, cm.block_table_tensor, B,
+                                           cdiv(cm.max_seq_len, self.block_size))
+            slot_mapping = self._copy_slot_mapping(cm.slot_mapping)
+        else:
+            qsl, seq_lens, block_table = cm.query_start_loc, cm.seq_lens, cm.block_table_tensor
+            if seq_lens.shape[0] != B:
+                seq_lens = seq_lens[:B]
+            if block_table.shape[0] != B:
+                block_table = block_table[:B]
+            slot_mapping = cm.slot_mapping
         md = FlashAttnMetadata(
-            num_reqs=cm.num_reqs, num_actual_tokens=cm.num_actual_tokens, max_query_len=int(max_query_len),
-            max_seq_len=int(max_seq_len), block_size=self.block_size, causal=cm.causal, query_start_loc=qsl,
-            seq_lens=seq_lens, cu_seqlens_k=cu_k, block_table=block_table, slot_mapping=slot_mapping,
-            window_size=self.window_size)
-        cascade = self._cascade(md, cm, common_prefix_len)
+            cm.num_reqs, cm.num_actual_tokens, int(max_query_len), int(max_seq_len), self.block_size, cm.causal,
+            qsl, seq_lens, self._cu_seqlens_k_of(seq_lens), block_table, slot_mapping, self.window_size,
+            graph=graph)
+        cascade = self._cascade(md, cm, common_prefix_len) if common_prefix_len > 0 else None
         sched = None if (fast_build or cascade is not None) else self._scheduler_metadata_for(md, graph)
+        if cascade is None and sched is None:
+            return md
         return dataclasses.replace(md, cascade=cascade, scheduler_metadata=sched)
+
+    def _cu_seqlens_k_of(self, seq_lens: torch.Tensor) -> torch.Tensor | None:
+        """FA2's ``cu_seqlens_k`` in the persistent buffer; ``None`` under FA3 (unused there)."""
+        if self._version != 2:
+            return None
+        cu_k = self._cu_seqlens_k[: seq_lens.shape[0] + 1]
+        torch.cumsum(seq_lens, 0, dtype=torch.int32, out=cu_k[1:])
+        return cu_k
 
     def update_block_table(self, metadata: FlashAttnMetadata, block_table: torch.Tensor,
                            slot_mapping: torch.Tensor) -> FlashAttnMetadata:
         """A copy of ``metadata`` (built by a builder of this class for a group with the same
-        spec) reading ``block_table`` and writing ``slot_mapping``, in this builder's buffers.
+        spec) reading ``block_table`` and writing ``slot_mapping``.
+
+        An eager ``metadata`` gets the two tensors as given (its other tensors are shared);
+        a CUDA-graph one (``metadata.graph``) gets every tensor copied into this builder's
+        persistent buffers (the whole block table: a graph build's ``max_seq_len`` is the
+        bound ``max_model_len``).
 
         Args:
             metadata: the other group's metadata; not mutated.
@@ -172,7 +208,8 @@ class FlashAttnMetadataBuilder(AttentionMetadataBuilder):
             slot_mapping: ``[num_tokens]``, ``torch.int64``, device.
 
         Raises:
-            MetadataError: a block table or slot mapping that does not fit ``metadata``.
+            MetadataError: a block table or slot mapping that does not fit ``metadata``
+                (nothing is copied then).
 
         Does not synchronise with the host; graph-safe.
         """
@@ -182,19 +219,28 @@ class FlashAttnMetadataBuilder(AttentionMetadataBuilder):
         if metadata.block_size != self.block_size:
             raise MetadataError(f"update_block_table: metadata has block_size {metadata.block_size}, this builder "
                                 f"{self.block_size}: only groups with the same spec may share a build")
-        own = {}
-        for name, buf, n in (("query_start_loc", self._query_start_loc, B + 1), ("seq_lens", self._seq_lens, B),
-                             ("cu_seqlens_k", self._cu_seqlens_k, B + 1)):
-            view = buf[:n]
-            if view.data_ptr() != getattr(metadata, name).data_ptr():
-                view.copy_(getattr(metadata, name), non_blocking=True)
-            own[name] = view
-        sched = metadata.scheduler_metadata
-        if sched is not None:
-            sched = self._keep_scheduler_metadata(sched)
-        md = dataclasses.replace(metadata, block_table=copy_block_table(self._block_table, block_table, B),
-                                 slot_mapping=self._copy_slot_mapping(slot_mapping), scheduler_metadata=sched,
-                                 cascade=None, **own)
+        if not metadata.graph:
+            md = dataclasses.replace(metadata, block_table=block_table if block_table.shape[0] == B
+                                     else block_table[:B], slot_mapping=slot_mapping, cascade=None)
+        else:
+            own = {}
+            for name, buf, n in (("query_start_loc", self._query_start_loc, B + 1),
+                                 ("seq_lens", self._seq_lens, B), ("cu_seqlens_k", self._cu_seqlens_k, B + 1)):
+                src = getattr(metadata, name)
+                if src is None:
+                    continue
+                view = buf[:n]
+                if view.data_ptr() != src.data_ptr():
+                    view.copy_(src, non_blocking=True)
+                own[name] = view
+            sched = metadata.scheduler_metadata
+            if sched is not None:
+                sched = self._keep_scheduler_metadata(sched, graph=True)
+            # a graph build's max_seq_len is the bound max_model_len: every column may be live
+            width = min(block_table.shape[1], self.max_num_blocks_per_req)
+            md = dataclasses.replace(metadata, block_table=copy_block_table(self._block_table, block_table, B, width),
+                                     slot_mapping=self._copy_slot_mapping(slot_mapping), scheduler_metadata=sched,
+                                     cascade=None, **own)
         if metadata.cascade is not None:
             md = dataclasses.replace(md, cascade=self._cascade_fields(md, metadata.cascade.common_prefix_len))
         return md
@@ -274,7 +320,8 @@ class FlashAttnMetadataBuilder(AttentionMetadataBuilder):
         return view
 
     # --- validation (raises before anything is copied) ----------------------------------
-    def _check(self, cm: CommonAttentionMetadata) -> None:
+    def _check(self, cm: CommonAttentionMetadata) -> int:
+        """Raise before anything is copied; returns ``B`` (rows of ``query_start_loc`` - 1)."""
         n, cap = cm.num_reqs, self.config.max_num_reqs
         B = cm.query_start_loc.shape[0] - 1
         if not n <= B <= cap:
@@ -282,33 +329,12 @@ class FlashAttnMetadataBuilder(AttentionMetadataBuilder):
                 f"query_start_loc has {B + 1} entries for num_reqs={n}: need num_reqs + 1 <= entries <= "
                 f"BuilderConfig.max_num_reqs + 1 = {cap + 1} (padded requests included); raise max_num_reqs or "
                 "pass query_start_loc[:num_reqs + 1].")
-        if cm.seq_lens.shape[0] < B or cm.query_start_loc_cpu.shape[0] < n + 1 or cm.seq_lens_cpu.shape[0] < n:
-            raise MetadataError(
-                f"seq_lens has {cm.seq_lens.shape[0]} entries for a batch of {B} (num_reqs={n}): need one per "
-                "request, padded ones included (0 keys), and host copies for the real ones.")
-        for name, t in (("query_start_loc", cm.query_start_loc), ("seq_lens", cm.seq_lens)):
-            if t.dtype != torch.int32 or not same_device(t.device, self.device):
-                raise MetadataError(f"{name} is {t.dtype} on {t.device}; flash_attn needs torch.int32 on "
-                                    f"{self.device} (the compute device).")
-        qsl = cm.query_start_loc_cpu[: n + 1].long()
-        if int(qsl[-1]) != cm.num_actual_tokens:
-            raise MetadataError(f"query_start_loc_cpu[num_reqs]={int(qsl[-1])} but num_actual_tokens="
-                                f"{cm.num_actual_tokens}: they must agree (the flat token count).")
-        query_lens = qsl[1:] - qsl[:-1]
-        seq_lens = cm.seq_lens_cpu[:n].long()
-        bad = (query_lens < 0) | (seq_lens < query_lens)
-        if n and bool(bad.any()):
-            i = int(torch.nonzero(bad)[0])
-            raise MetadataError(f"request {i}: query length {int(query_lens[i])} with seq_len {int(seq_lens[i])}: "
-                                "need 0 <= query_len <= seq_len (seq_len = num_computed_tokens + query_len).")
-        if n and (int(seq_lens.max()) > cm.max_seq_len or int(query_lens.max()) > cm.max_query_len):
-            raise MetadataError(f"max_seq_len={cm.max_seq_len} / max_query_len={cm.max_query_len} do not bound "
-                                f"seq_lens (max {int(seq_lens.max())}) / query lengths (max {int(query_lens.max())}).")
-        if n and int(seq_lens.max()) > self.config.max_model_len:
-            raise MetadataError(f"a seq_len of {int(seq_lens.max())} exceeds BuilderConfig.max_model_len="
-                                f"{self.config.max_model_len}.")
+        check_step_tensors(cm, B, self.device, "flash_attn")
+        if self.validate_values:
+            check_step_values(cm, self.config.max_model_len)
         self._check_slot_mapping(cm.slot_mapping, cm.num_actual_tokens)
         self._check_block_table(cm.block_table_tensor, B, cm.max_seq_len)
+        return B
 
     def _check_slot_mapping(self, slot_mapping: torch.Tensor, num_actual_tokens: int) -> None:
         check_slot_mapping(slot_mapping, num_actual_tokens, self._slot_mapping.shape[0], self.device)

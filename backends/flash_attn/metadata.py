@@ -2,9 +2,11 @@
 
 ``B`` below is the batch the kernel sees: ``query_start_loc.shape[0] - 1`` of the common
 metadata, i.e. ``num_reqs`` plus any padded requests (CUDA graphs), which have empty
-queries and zero keys. Every tensor is on the compute device, in a persistent buffer of
-the builder that made it (same address every step; contents valid until that builder's
-next ``build``/``update_block_table``).
+queries and zero keys. Every tensor is on the compute device: in an eager build the
+step's own tensors (views of the step compiler's persistent buffers when the runner made
+them, valid until its next ``update_states``), in a CUDA-graph build (``graph``) views of
+the builder's persistent buffers (same address every step; contents valid until that
+builder's next graph build or ``update_block_table``).
 """
 
 from __future__ import annotations
@@ -67,12 +69,14 @@ class FlashAttnMetadata:
     seq_lens: torch.Tensor
     """``seqused_k`` / FA3 ``cache_seqlens``: ``[B]``, ``torch.int32``; keys per request
     (0 for padded requests)."""
-    cu_seqlens_k: torch.Tensor
+    cu_seqlens_k: torch.Tensor | None
     """``[B + 1]``, ``torch.int32``: exclusive prefix sum of ``seq_lens`` (FA2's paged varlen
-    call takes key lengths this way)."""
+    call takes key lengths this way); ``None`` under FlashAttention 3, which does not read it."""
     block_table: torch.Tensor
-    """``block_table`` / FA3 ``page_table``: ``[B, max_num_blocks_per_req]``, ``torch.int32``;
-    kernel block ids in logical order, ``NULL_BLOCK_ID`` past each request's blocks."""
+    """``block_table`` / FA3 ``page_table``: ``[B, width]``, ``torch.int32`` (``width``: the
+    step's table in an eager build, ``max_num_blocks_per_req`` in a graph build); kernel
+    block ids in logical order. Columns past a request's ``cdiv(seq_len, block_size)`` are
+    never read (``NULL_BLOCK_ID``, or in a graph build what an earlier step left)."""
     slot_mapping: torch.Tensor
     """``[num_tokens]`` (padded length), ``torch.int64``; ``PAD_SLOT_ID`` = not written."""
     window_size: tuple[int, int]
@@ -83,6 +87,9 @@ class FlashAttnMetadata:
     (FA2, or no layer parameters known): the kernel then schedules by itself."""
     cascade: FlashAttnCascadeMetadata | None = None
     """Set when the step is run as cascade attention (``common_prefix_len > 0``)."""
+    graph: bool = False
+    """Built by ``build_for_cudagraph_capture``: every tensor is in the builder's persistent
+    buffers (``update_block_table`` then copies the other group's tensors there too)."""
 
     @property
     def cu_seqlens_q(self) -> torch.Tensor:

@@ -1,10 +1,18 @@
-"""``TritonMetadataBuilder``: copies each step's metadata into persistent device buffers.
+"""``TritonMetadataBuilder``: lowers each step for the Triton kernels without copying it.
 
-The buffers are allocated once, at the sizes of the :class:`BuilderConfig`, so the
-metadata tensors have the same addresses every step and a CUDA graph captured over the
-attention of any batch (mixed prefill and decode included) replays correctly:
-``cudagraph_support = ALWAYS``. A build is a few device-to-device copies and host-int
-arithmetic; it never synchronises with the host.
+The Triton kernels read the step's tensors as the step compiler made them: int32
+``query_start_loc`` and ``seq_lens``, the group's int32 kernel block table and int64 slot
+mapping. ``prepare_inputs`` returns those as views of its persistent buffers, at the same
+addresses every step (``runner/step/prepare.py``, ``cache_groups/block_table.py``), so an
+eager ``build`` passes them through (as vLLM's Triton builder does): a build is host-int
+arithmetic (the split-KV decision) and a few structural checks, never a device copy and
+never a host synchronisation. The host values are checked only with
+``ATTNPLUG_VALIDATE=1`` (``backends/common/buffer_checks.py``).
+
+``build_for_cudagraph_capture`` (capture and replays) copies into persistent buffers of
+the builder, allocated once from the :class:`BuilderConfig` (the block table's live
+columns only), so a captured graph reads fixed addresses whatever the caller passes:
+``cudagraph_support = ALWAYS``.
 """
 
 from __future__ import annotations
@@ -14,13 +22,19 @@ from typing import ClassVar
 
 import torch
 
-from attnplug.backends.common.buffer_checks import check_block_table, check_slot_mapping, copy_block_table
+from attnplug.backends.common.buffer_checks import (
+    builder_values_checked,
+    check_block_table,
+    check_slot_mapping,
+    check_step_tensors,
+    check_step_values,
+    copy_block_table,
+)
 from attnplug.backends.triton.constants import KERNEL_BLOCK_SIZES
 from attnplug.backends.triton.metadata import SplitKVPolicy, TritonAttentionMetadata
 from attnplug.cache_groups.specs import cdiv
 from attnplug.core.constants import NULL_BLOCK_ID, PAD_SLOT_ID
 from attnplug.core.contracts import AttentionCGSupport, AttentionMetadataBuilder, BuilderConfig
-from attnplug.core.devices import same_device
 from attnplug.core.errors import MetadataError
 from attnplug.core.metadata import CommonAttentionMetadata
 
@@ -30,7 +44,7 @@ sizing; the interpreter gains nothing from splits, but the decision stays the sa
 
 
 class TritonMetadataBuilder(AttentionMetadataBuilder):
-    """Builds :class:`TritonAttentionMetadata` into persistent buffers.
+    """Builds :class:`TritonAttentionMetadata` (see the module docstring).
 
     ``TritonMetadataBuilder(kv_cache_spec, layer_names, config, device)``: the kernel
     block size is ``kv_cache_spec.block_size`` (the runner passes the kernel spec);
@@ -71,65 +85,86 @@ class TritonMetadataBuilder(AttentionMetadataBuilder):
         self.num_sms = DEFAULT_NUM_SMS
         if dev.type == "cuda" and torch.cuda.is_available():
             self.num_sms = torch.cuda.get_device_properties(dev).multi_processor_count
+        self.validate_values = builder_values_checked()
+        """Check the host values of every step (``ATTNPLUG_VALIDATE=1`` when created)."""
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> TritonAttentionMetadata:
-        """Copy the step's metadata into this builder's buffers (never mutates the input).
+        """Lower the step's metadata: its tensors are passed through (never mutated, never copied).
 
         Args:
             common_prefix_len: ignored (no cascade attention).
             common_attn_metadata: the step's metadata for this group (kernel block table).
-            fast_build: ignored (a build is already only a few copies).
+            fast_build: ignored (a build is already only host-int arithmetic).
 
         Returns:
-            The metadata every layer of the group passes to ``forward``.
+            The metadata every layer of the group passes to ``forward``; its tensors are
+            the step's own (``query_start_loc[:num_reqs + 1]``, ``seq_lens[:num_reqs]``, the
+            block table and slot mapping as given), valid as long as the step's.
 
         Raises:
-            MetadataError: sizes that disagree with each other or exceed the buffers; nothing
-                is copied then.
+            MetadataError: sizes, dtypes or devices that do not fit each other or the
+                builder's limits; with ``ATTNPLUG_VALIDATE=1`` also host values that disagree
+                (``backends/common/buffer_checks.py``).
 
-        Does not synchronise with the host (reads host ints and ``_cpu`` tensors only);
-        the returned tensors are views of persistent buffers.
+        Does not synchronise with the host and launches no device work.
         """
         cm = common_attn_metadata
-        return self._build(cm, cm.num_reqs, cm.max_seq_len)
+        n = cm.num_reqs
+        self._check(cm, n)
+        qsl, seq_lens = cm.query_start_loc, cm.seq_lens
+        if qsl.shape[0] != n + 1:
+            qsl = qsl[: n + 1]
+        if seq_lens.shape[0] != n:
+            seq_lens = seq_lens[:n]
+        return self._metadata(cm, n, cm.max_seq_len, qsl, seq_lens, cm.block_table_tensor, cm.slot_mapping, False)
 
     def build_for_cudagraph_capture(self, common_attn_metadata: CommonAttentionMetadata) -> TritonAttentionMetadata:
         """Build for a step that captures or replays a CUDA graph (the runner's padded metadata).
 
-        A graph bakes in the host ints of the capture, so they are bounds that hold for every
-        replay of the same padded shape: ``num_reqs`` is the padded request count (rows of
-        ``query_start_loc`` - 1; padded requests have empty queries and are skipped by the
-        kernel), and the split-KV decision assumes contexts up to ``max_model_len``. Any
-        tile size or split count gives the same result; only speed depends on them.
+        The tensors are copied into the builder's persistent buffers (the block table's
+        live columns, ``cdiv(max_seq_len, block_size)``, only), so every graph build returns
+        the same addresses. A graph bakes in the host ints of the capture, so they are
+        bounds that hold for every replay of the same padded shape: ``num_reqs`` is the
+        padded request count (rows of ``query_start_loc`` - 1; padded requests have empty
+        queries and are skipped by the kernel), and the split-KV decision assumes contexts
+        up to ``max_model_len``. Any tile size or split count gives the same result; only
+        speed depends on them.
 
         Raises:
-            MetadataError: as :meth:`build`.
+            MetadataError: as :meth:`build` (raised before anything is copied).
         """
         cm = common_attn_metadata
-        return self._build(cm, cm.query_start_loc.shape[0] - 1, self.config.max_model_len)
-
-    def _build(self, cm: CommonAttentionMetadata, n: int, split_seq_len: int) -> TritonAttentionMetadata:
+        n = cm.query_start_loc.shape[0] - 1
         self._check(cm, n)
         qsl = self._query_start_loc[: n + 1]
         qsl.copy_(cm.query_start_loc[: n + 1], non_blocking=True)
         seq_lens = self._seq_lens[:n]
         seq_lens.copy_(cm.seq_lens[:n], non_blocking=True)
-        block_table = copy_block_table(self._block_table, cm.block_table_tensor, n)
+        block_table = copy_block_table(self._block_table, cm.block_table_tensor, n,
+                                       cdiv(cm.max_seq_len, self.block_size))
         slot_mapping = self._copy_slot_mapping(cm.slot_mapping)
+        return self._metadata(cm, n, self.config.max_model_len, qsl, seq_lens, block_table, slot_mapping, True)
+
+    def _metadata(self, cm: CommonAttentionMetadata, n: int, split_seq_len: int, qsl: torch.Tensor,
+                  seq_lens: torch.Tensor, block_table: torch.Tensor, slot_mapping: torch.Tensor,
+                  graph: bool) -> TritonAttentionMetadata:
         splits = self.split_kv_policy.num_kv_splits(
             num_reqs=n, num_kv_heads=self.num_kv_heads, max_query_len=cm.max_query_len,
             max_seq_len=split_seq_len, num_sms=self.num_sms)
         return TritonAttentionMetadata(
-            num_reqs=n, num_actual_tokens=cm.num_actual_tokens, max_query_len=cm.max_query_len,
-            max_seq_len=cm.max_seq_len, block_size=self.block_size, causal=cm.causal,
-            query_start_loc=qsl, seq_lens=seq_lens, block_table_tensor=block_table,
-            slot_mapping=slot_mapping, num_kv_splits=splits)
+            n, cm.num_actual_tokens, cm.max_query_len, cm.max_seq_len, self.block_size, cm.causal,
+            qsl, seq_lens, block_table, slot_mapping, splits, graph)
 
     def update_block_table(self, metadata: TritonAttentionMetadata, block_table: torch.Tensor,
                            slot_mapping: torch.Tensor) -> TritonAttentionMetadata:
         """A copy of ``metadata`` (built by a builder of this class for a group with the same
-        spec) reading ``block_table`` and writing ``slot_mapping``, in this builder's buffers.
+        spec) reading ``block_table`` and writing ``slot_mapping``.
+
+        An eager ``metadata`` gets the two tensors as given; a CUDA-graph one
+        (``metadata.graph``) gets them copied into this builder's persistent buffers (live
+        columns only), with ``query_start_loc`` / ``seq_lens`` copied there too, so the
+        graph reads fixed addresses.
 
         Args:
             metadata: the other group's metadata; not mutated.
@@ -137,7 +172,8 @@ class TritonMetadataBuilder(AttentionMetadataBuilder):
             slot_mapping: ``[num_tokens]``, ``torch.int64``, device.
 
         Raises:
-            MetadataError: a block table or slot mapping that does not fit ``metadata``.
+            MetadataError: a block table or slot mapping that does not fit ``metadata``
+                (nothing is copied then).
 
         Does not synchronise with the host; graph-safe.
         """
@@ -148,6 +184,8 @@ class TritonMetadataBuilder(AttentionMetadataBuilder):
             raise MetadataError(
                 f"update_block_table: metadata has block_size {metadata.block_size}, this builder "
                 f"{self.block_size}: only groups with the same spec may share a build")
+        if not metadata.graph:
+            return dataclasses.replace(metadata, block_table_tensor=block_table, slot_mapping=slot_mapping)
         qsl = self._query_start_loc[: n + 1]
         if qsl.data_ptr() != metadata.query_start_loc.data_ptr():
             qsl.copy_(metadata.query_start_loc, non_blocking=True)
@@ -156,10 +194,11 @@ class TritonMetadataBuilder(AttentionMetadataBuilder):
             seq_lens.copy_(metadata.seq_lens, non_blocking=True)
         return dataclasses.replace(
             metadata, query_start_loc=qsl, seq_lens=seq_lens,
-            block_table_tensor=copy_block_table(self._block_table, block_table, n),
+            block_table_tensor=copy_block_table(self._block_table, block_table, n,
+                                                cdiv(metadata.max_seq_len, self.block_size)),
             slot_mapping=self._copy_slot_mapping(slot_mapping))
 
-    # --- copies into the persistent buffers (after validation) ---------------------------
+    # --- copies into the persistent buffers (graph builds, after validation) --------------
     def _copy_slot_mapping(self, slot_mapping: torch.Tensor) -> torch.Tensor:
         view = self._slot_mapping[: slot_mapping.shape[0]]
         view.copy_(slot_mapping, non_blocking=True)
@@ -167,39 +206,13 @@ class TritonMetadataBuilder(AttentionMetadataBuilder):
 
     # --- validation (raises before anything is copied) ---------------------------------
     def _check(self, cm: CommonAttentionMetadata, n: int) -> None:
-        cfg = self.config
-        if n > cfg.max_num_reqs:
+        if n > self.config.max_num_reqs:
             raise MetadataError(
-                f"{n} request rows exceed BuilderConfig.max_num_reqs={cfg.max_num_reqs}: the persistent buffers "
-                "hold that many requests; raise max_num_reqs (max_num_seqs) when creating the runner.")
-        if cm.query_start_loc.shape[0] < n + 1 or cm.seq_lens.shape[0] < n or cm.query_start_loc_cpu.shape[0] < n + 1:
-            raise MetadataError(
-                f"query_start_loc has {cm.query_start_loc.shape[0]} entries and seq_lens {cm.seq_lens.shape[0]} "
-                f"but num_reqs={n}: expected >= num_reqs + 1 and >= num_reqs.")
-        for name, t, dtype in (("query_start_loc", cm.query_start_loc, torch.int32),
-                               ("seq_lens", cm.seq_lens, torch.int32)):
-            if t.dtype != dtype or not same_device(t.device, self.device):
-                raise MetadataError(f"{name} is {t.dtype} on {t.device}; the triton builder needs {dtype} on "
-                                    f"{self.device} (the compute device).")
-        qsl = cm.query_start_loc_cpu[: n + 1].long()
-        if int(qsl[-1]) != cm.num_actual_tokens:
-            raise MetadataError(
-                f"query_start_loc_cpu[num_reqs]={int(qsl[-1])} but num_actual_tokens={cm.num_actual_tokens}: "
-                "they must agree (the flat token count).")
-        query_lens = qsl[1:] - qsl[:-1]
-        seq_lens = cm.seq_lens_cpu[:n].long()
-        bad = (query_lens < 0) | (seq_lens < query_lens)
-        if n and bool(bad.any()):
-            i = int(torch.nonzero(bad)[0])
-            raise MetadataError(
-                f"request {i}: query length {int(query_lens[i])} with seq_len {int(seq_lens[i])}: need "
-                "0 <= query_len <= seq_len (seq_len = num_computed_tokens + query_len).")
-        if n and int(seq_lens.max()) > cm.max_seq_len:
-            raise MetadataError(f"max_seq_len={cm.max_seq_len} but seq_lens holds {int(seq_lens.max())}: "
-                                "max_seq_len must bound every seq_len.")
-        if n and int(query_lens.max()) > cm.max_query_len:
-            raise MetadataError(f"max_query_len={cm.max_query_len} but a query has {int(query_lens.max())} "
-                                "tokens: max_query_len must bound every query length.")
+                f"{n} request rows exceed BuilderConfig.max_num_reqs={self.config.max_num_reqs}: the persistent "
+                "buffers hold that many requests; raise max_num_reqs (max_num_seqs) when creating the runner.")
+        check_step_tensors(cm, n, self.device, "triton")
+        if self.validate_values:
+            check_step_values(cm)
         self._check_slot_mapping(cm.slot_mapping, cm.num_actual_tokens)
         self._check_block_table(cm.block_table_tensor, n, cm.max_seq_len)
 

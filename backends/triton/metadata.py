@@ -1,7 +1,8 @@
 """``TritonAttentionMetadata`` and the split-KV decision.
 
 The metadata is what every ``triton`` layer of a cache group reads in one step; its
-tensors are views of the builder's persistent buffers (see ``builder.py``).
+tensors are the step's own views (eager builds) or views of the builder's persistent
+buffers (CUDA-graph builds), see ``builder.py``.
 """
 
 from __future__ import annotations
@@ -15,9 +16,11 @@ import torch
 class TritonAttentionMetadata:
     """One step of one cache group, lowered for the Triton kernels.
 
-    Every tensor lives on the compute device, in a persistent buffer of the builder that
-    made it: the addresses are the same every step (CUDA graphs replay them), the
-    contents are valid until that builder's next ``build``/``update_block_table``.
+    Every tensor lives on the compute device. An eager build passes the step's tensors
+    through (views of the step compiler's persistent buffers when the runner built them:
+    valid until its next ``update_states``); a CUDA-graph build (``graph``) copies them into
+    the builder's persistent buffers, at the same addresses every step (graphs replay
+    them), valid until that builder's next graph build or ``update_block_table``.
     """
 
     num_reqs: int
@@ -40,14 +43,18 @@ class TritonAttentionMetadata:
     seq_lens: torch.Tensor
     """``[num_reqs]``, ``torch.int32``; tokens of KV per request after this step."""
     block_table_tensor: torch.Tensor
-    """``[num_reqs, >= cdiv(max_seq_len, block_size)]``, ``torch.int32``; kernel block ids
-    in logical order, ``NULL_BLOCK_ID`` past each request's blocks (never read)."""
+    """``[>= num_reqs, >= cdiv(max_seq_len, block_size)]``, ``torch.int32``; kernel block ids
+    in logical order; columns past each request's ``cdiv(seq_len, block_size)`` are never
+    read (``NULL_BLOCK_ID``, or in a graph build whatever an earlier step left there)."""
     slot_mapping: torch.Tensor
     """``[num_tokens]`` (padded length), ``torch.int64``; flat slot of each token's K/V,
     ``PAD_SLOT_ID`` for padded tokens (not written)."""
     num_kv_splits: int
     """1: the unified kernel in one launch. ``> 1`` (a power of two): the split-KV path,
     every request's visible keys in ``num_kv_splits`` segments, then a reduce."""
+    graph: bool = False
+    """Built by ``build_for_cudagraph_capture``: every tensor is in the builder's persistent
+    buffers (``update_block_table`` then copies the other group's tensors there too)."""
 
     @property
     def use_split_kv(self) -> bool:

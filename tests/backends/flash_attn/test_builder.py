@@ -47,16 +47,20 @@ def test_fields_are_flash_attention_arguments():
     cm = b.cm
     assert torch.equal(md.cu_seqlens_q, cm.query_start_loc) and md.cu_seqlens_q.dtype == torch.int32
     assert torch.equal(md.seqused_k, cm.seq_lens) and md.seqused_k.dtype == torch.int32
-    assert md.cu_seqlens_k.tolist() == [0, 6, 9, 27]
-    width = cm.block_table_tensor.shape[1]  # the step's columns; the rest of the persistent width is unread
-    assert md.block_table.dtype == torch.int32 and torch.equal(md.block_table[:, :width], cm.block_table_tensor)
-    assert md.block_table.shape[1] == builder.max_num_blocks_per_req
+    assert md.cu_seqlens_k is None, "FA3 reads seqused_k; cu_seqlens_k is FA2's"
+    for got, given in ((md.cu_seqlens_q, cm.query_start_loc), (md.seqused_k, cm.seq_lens),
+                       (md.block_table, cm.block_table_tensor), (md.slot_mapping, cm.slot_mapping)):
+        assert got is given, "an eager build passes the step's tensors through"
     assert (md.max_seqlen_q, md.max_seqlen_k) == (3, 18)
     assert md.window_size == (2, 0)  # W = 3 tokens -> (W - 1, 0)
-    assert md.cascade is None
-    again = builder.build(0, b.cm)  # persistent buffers: same addresses every step
-    assert again.query_start_loc.data_ptr() == md.query_start_loc.data_ptr()
-    assert again.block_table.data_ptr() == md.block_table.data_ptr()
+    assert md.cascade is None and not md.graph
+    graph = builder.build_for_cudagraph_capture(b.cm)  # persistent buffers: same addresses every step
+    width = cm.block_table_tensor.shape[1]
+    assert graph.block_table.shape[1] == builder.max_num_blocks_per_req and graph.graph
+    assert torch.equal(graph.block_table[:, :width], cm.block_table_tensor)
+    again = builder.build_for_cudagraph_capture(b.cm)
+    for f in ("query_start_loc", "seq_lens", "block_table", "slot_mapping", "scheduler_metadata"):
+        assert getattr(again, f).data_ptr() == getattr(graph, f).data_ptr(), f
 
 
 @pytest.mark.parametrize("window, softcap", [(None, None), (4, 2.5)])
@@ -142,15 +146,23 @@ def test_cudagraph_build_bakes_bounds_not_step_values():
     assert builder.build_for_cudagraph_capture(d.cm).max_seqlen_q == 1
 
 
-def test_update_block_table_equals_a_fresh_build():
+@pytest.mark.parametrize("graph", [False, True])
+def test_update_block_table_equals_a_fresh_build(graph):
     b = make_paged_batch([5, 0, 16], [1, 3, 2], block_size=4, seed=1)
     other = make_paged_batch([5, 0, 16], [1, 3, 2], block_size=4, seed=9)  # same lengths, other blocks
-    b0, _ = _setup(b)
-    b1, _ = _setup(b)
-    md0 = b0.build(0, b.cm)
+    b0, _ = _setup(b, max_len=20)  # 5 blocks of 4: the steps' width (graph builds bake max_seqlen_k = 20)
+    b1, _ = _setup(b, max_len=20)
+    build = (lambda builder, cm: builder.build_for_cudagraph_capture(cm)) if graph else (
+        lambda builder, cm: builder.build(0, cm))
+    md0 = build(b0, b.cm)
     snapshot = md0.block_table.clone()
     updated = b1.update_block_table(md0, other.cm.block_table_tensor, other.cm.slot_mapping)
-    fresh = b1.build(0, other.cm)
+    if graph:
+        for f in ("query_start_loc", "seq_lens", "block_table", "slot_mapping"):
+            assert getattr(updated, f).data_ptr() != getattr(md0, f).data_ptr(), f"{f}: in b1's own buffers"
+    else:
+        assert updated.block_table is other.cm.block_table_tensor and updated.slot_mapping is other.cm.slot_mapping
+    fresh = build(b1, other.cm)
     for f in dataclasses.fields(fresh):
         x, y = getattr(updated, f.name), getattr(fresh, f.name)
         assert torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y, f.name
@@ -180,6 +192,25 @@ def test_bad_metadata_is_rejected_before_any_copy():
     with pytest.raises(MetadataError, match="int32"):
         _setup(b)[0].build(0, b.cm.replace(seq_lens=b.cm.seq_lens.long()))
     assert torch.equal(builder._query_start_loc, before)
+
+
+@pytest.mark.parametrize("change, needle", [
+    (dict(max_query_len=2), "max_query_len must bound"),
+    (dict(seq_lens_cpu=torch.tensor([6, 2, 2], dtype=torch.int32)), "request 1: query length 3 with seq_len 2"),
+])
+def test_host_values_are_checked_with_validate_only(change, needle, monkeypatch):
+    b = make_paged_batch([5, 0, 1], [1, 3, 1], block_size=4)
+    bad = b.cm.replace(**change)
+    monkeypatch.delenv("ATTNPLUG_VALIDATE", raising=False)
+    _setup(b)[0].build(0, bad)  # off the hot path: no host read
+    monkeypatch.setenv("ATTNPLUG_VALIDATE", "1")
+    builder = _setup(b)[0]
+    before = [t.clone() for t in (builder._query_start_loc, builder._block_table, builder._slot_mapping)]
+    for build in (lambda: builder.build(0, bad), lambda: builder.build_for_cudagraph_capture(bad)):
+        with pytest.raises(MetadataError, match=needle):
+            build()
+    after = (builder._query_start_loc, builder._block_table, builder._slot_mapping)
+    assert all(torch.equal(x, y) for x, y in zip(before, after)), "a failed build copied something"
 
 
 def test_real_backend_without_flash_attn_says_why():

@@ -1,4 +1,4 @@
-"""TritonMetadataBuilder (persistent buffers, CUDA graphs ALWAYS, update_block_table, split-KV
+"""TritonMetadataBuilder (zero-copy eager builds, persistent buffers for graphs, CUDA graphs ALWAYS, update_block_table, split-KV
 decision, validation) and TritonAttentionImpl.forward's checks."""
 
 from __future__ import annotations
@@ -33,54 +33,113 @@ def test_declares_cuda_graphs_always_and_block_table_updates():
     assert TritonBackend.get_builder_cls() is TritonMetadataBuilder
 
 
-def test_metadata_lives_in_persistent_buffers_across_steps():
+def test_eager_builds_pass_the_step_tensors_through():
     b = TritonMetadataBuilder(SPEC, ["l0"], CFG, "cpu")
-    m1 = b.build(0, _cm([5, 0], [1, 7], [[1, 0], [2, 3]]))
+    cm = _cm([6, 7, 0], [1, 1, 20], [[1, 0], [2, 3], [4, 5]], pad=4)
+    m = b.build(0, cm)
+    for got, given in ((m.query_start_loc, cm.query_start_loc), (m.seq_lens, cm.seq_lens),
+                       (m.block_table_tensor, cm.block_table_tensor), (m.slot_mapping, cm.slot_mapping)):
+        assert got is given, "an eager build copies nothing"
+    assert m.query_start_loc.tolist() == [0, 1, 2, 22] and m.seq_lens.tolist() == [7, 8, 20]
+    assert m.slot_mapping.shape == (26,) and m.slot_mapping[-4:].tolist() == [PAD_SLOT_ID] * 4
+    assert (m.num_reqs, m.num_actual_tokens, m.max_query_len, m.max_seq_len) == (3, 22, 20, 20)
+    assert m.num_kv_splits == 1 and not m.use_split_kv and not m.graph
+    padded = cm.replace(query_start_loc=torch.tensor([0, 1, 2, 22, 22], dtype=torch.int32))
+    assert b.build(0, padded).query_start_loc.tolist() == [0, 1, 2, 22], "the real rows only"
+
+
+def test_graph_builds_live_in_persistent_buffers_across_steps():
+    b = TritonMetadataBuilder(SPEC, ["l0"], CFG, "cpu")
+    m1 = b.build_for_cudagraph_capture(_cm([5, 0], [1, 7], [[1, 0], [2, 3]]))
     ptrs = [t.data_ptr() for t in (m1.query_start_loc, m1.seq_lens, m1.block_table_tensor, m1.slot_mapping)]
-    m2 = b.build(0, _cm([6, 7, 0], [1, 1, 20], [[1, 0], [2, 3], [4, 5]], pad=4))
+    m2 = b.build_for_cudagraph_capture(_cm([6, 7, 0], [1, 1, 20], [[1, 0], [2, 3], [4, 5]], pad=4))
     assert [t.data_ptr() for t in (m2.query_start_loc, m2.seq_lens, m2.block_table_tensor, m2.slot_mapping)] == ptrs
-    assert m2.query_start_loc.tolist() == [0, 1, 2, 22] and m2.seq_lens.tolist() == [7, 8, 20]
-    assert m2.slot_mapping.shape == (26,) and m2.slot_mapping[-4:].tolist() == [PAD_SLOT_ID] * 4
-    assert (m2.num_reqs, m2.num_actual_tokens, m2.max_query_len, m2.max_seq_len) == (3, 22, 20, 20)
-    assert m2.num_kv_splits == 1 and not m2.use_split_kv
+    assert m2.graph and m2.query_start_loc.tolist() == [0, 1, 2, 22] and m2.seq_lens.tolist() == [7, 8, 20]
+    assert m2.block_table_tensor.shape == (3, b.max_num_blocks_per_req), "the whole persistent width"
+    assert m2.block_table_tensor[:, :2].tolist() == [[1, 0], [2, 3], [4, 5]]
 
 
-def test_update_block_table_copies_into_its_own_buffers_and_leaves_the_source_alone():
+def test_graph_builds_copy_only_the_live_block_table_columns():
+    b = TritonMetadataBuilder(SPEC, ["l0"], CFG, "cpu")
+    table = torch.arange(1, 17, dtype=torch.int32).reshape(2, 8)  # 8 columns, 2 live (max_seq_len 20)
+    b.build_for_cudagraph_capture(_cm([5, 12], [1, 8], table))
+    assert b._block_table[:2].tolist() == [[1, 2, 0, 0, 0, 0, 0, 0], [9, 10, 0, 0, 0, 0, 0, 0]]
+
+
+def test_update_block_table_passes_through_eagerly_and_copies_for_graphs():
     b0, b1 = (TritonMetadataBuilder(SPEC, [f"l{g}"], CFG, "cpu") for g in range(2))
     cm0 = _cm([5, 0], [1, 7], [[1, 0], [2, 3]])
     cm1 = cm0.replace(block_table_tensor=torch.tensor([[6, 0], [7, 8]], dtype=torch.int32),
                       slot_mapping=torch.tensor([101, 112, 113, 114, 115, 116, 117, 118]))
     m0 = b0.build(0, cm0)
-    before = [t.clone() for t in (m0.block_table_tensor, m0.slot_mapping)]
     m1 = b1.update_block_table(m0, cm1.block_table_tensor, cm1.slot_mapping)
-    assert torch.equal(m0.block_table_tensor, before[0]) and torch.equal(m0.slot_mapping, before[1])
-    assert m1.block_table_tensor.data_ptr() == b1._block_table.data_ptr()
-    assert m1.query_start_loc.data_ptr() == b1._query_start_loc.data_ptr()
-    fresh = b1.build(0, cm1)
+    assert m1.block_table_tensor is cm1.block_table_tensor and m1.slot_mapping is cm1.slot_mapping
+    assert m0.block_table_tensor is cm0.block_table_tensor, "the source is not mutated"
+    g0 = b0.build_for_cudagraph_capture(cm0)
+    before = [t.clone() for t in (g0.block_table_tensor, g0.slot_mapping)]
+    g1 = b1.update_block_table(g0, cm1.block_table_tensor, cm1.slot_mapping)
+    assert torch.equal(g0.block_table_tensor, before[0]) and torch.equal(g0.slot_mapping, before[1])
+    assert g1.block_table_tensor.data_ptr() == b1._block_table.data_ptr()
+    assert g1.query_start_loc.data_ptr() == b1._query_start_loc.data_ptr()
+    assert g1.slot_mapping.data_ptr() == b1._slot_mapping.data_ptr()
+    fresh = b1.build_for_cudagraph_capture(cm1)
     for f in ("query_start_loc", "seq_lens", "block_table_tensor", "slot_mapping"):
-        assert torch.equal(getattr(m1, f), getattr(fresh, f)), f
-    assert (m1.num_reqs, m1.max_seq_len, m1.num_kv_splits) == (fresh.num_reqs, fresh.max_seq_len, fresh.num_kv_splits)
+        assert torch.equal(getattr(g1, f), getattr(fresh, f)), f
+        eager, graph = getattr(m1, f), getattr(fresh, f)
+        if eager.dim() == 2:  # max_seq_len 7: one live column (the others are never read)
+            eager, graph = eager[:, :1], graph[:, :1]
+        assert torch.equal(eager, graph), f
+    assert (g1.num_reqs, g1.max_seq_len, g1.num_kv_splits) == (fresh.num_reqs, fresh.max_seq_len, fresh.num_kv_splits)
 
 
-@pytest.mark.parametrize("change, needle", [
-    (dict(num_reqs=5), "exceed BuilderConfig.max_num_reqs"),
+STRUCTURE = [
+    (dict(num_reqs=5), "exceed BuilderConfig.max_num_reqs|num_reqs=5"),  # graph builds: rows from query_start_loc
     (dict(slot_mapping=torch.zeros(65, dtype=torch.int64)), "max_num_batched_tokens=64"),
     (dict(slot_mapping=torch.zeros(3, dtype=torch.int64)), "need >= num_actual_tokens=8"),
     (dict(block_table_tensor=torch.ones(2, 2, dtype=torch.int64)), "needs int32"),
+    (dict(seq_lens=torch.tensor([10, 7])), "seq_lens is torch.int64"),
     (dict(max_seq_len=200), "needs 13 blocks"),
+]
+VALUES = [
     (dict(num_actual_tokens=9), "they must agree"),
     (dict(max_query_len=3), "max_query_len must bound"),
-])
-def test_bad_metadata_raises_and_changes_nothing(change, needle):
+    (dict(max_seq_len=5), "max_seq_len must bound"),
+    (dict(seq_lens_cpu=torch.tensor([10, 3], dtype=torch.int32)), "request 1: query length 7 with seq_len 3"),
+]
+
+
+@pytest.mark.parametrize("change, needle", STRUCTURE + VALUES)
+@pytest.mark.parametrize("graph", [False, True])
+def test_bad_metadata_raises_and_changes_nothing(change, needle, graph, monkeypatch):
+    monkeypatch.setenv("ATTNPLUG_VALIDATE", "1")  # the host values too
     b = TritonMetadataBuilder(SPEC, ["l0"], CFG, "cpu")
-    good = b.build(0, _cm([5, 0], [1, 7], [[1, 0], [2, 3]]))
+    good = b.build_for_cudagraph_capture(_cm([5, 0], [1, 7], [[1, 0], [2, 3]]))
     snapshot = [t.clone() for t in (b._query_start_loc, b._seq_lens, b._block_table, b._slot_mapping)]
     cm = _cm([9, 0], [1, 7], [[4, 0], [5, 6]]).replace(**change)
     with pytest.raises(MetadataError, match=needle):
-        b.build(0, cm)
+        b.build_for_cudagraph_capture(cm) if graph else b.build(0, cm)
     after = [b._query_start_loc, b._seq_lens, b._block_table, b._slot_mapping]
     assert all(torch.equal(x, y) for x, y in zip(snapshot, after)), "a failed build copied something"
     assert good.seq_lens.tolist() == [6, 7]
+
+
+@pytest.mark.parametrize("change, needle", STRUCTURE)
+def test_structure_is_checked_without_validate(change, needle, monkeypatch):
+    monkeypatch.delenv("ATTNPLUG_VALIDATE", raising=False)
+    b = TritonMetadataBuilder(SPEC, ["l0"], CFG, "cpu")
+    with pytest.raises(MetadataError, match=needle):
+        b.build(0, _cm([9, 0], [1, 7], [[4, 0], [5, 6]]).replace(**change))
+
+
+def test_host_values_are_checked_only_with_validate(monkeypatch):
+    """Off the hot path: without ATTNPLUG_VALIDATE=1 a build reads no host tensor, so host
+    values that disagree pass the builder (the impls still check the index values they use)."""
+    bad = _cm([9, 0], [1, 7], [[4, 0], [5, 6]]).replace(max_query_len=3)
+    monkeypatch.delenv("ATTNPLUG_VALIDATE", raising=False)
+    assert TritonMetadataBuilder(SPEC, ["l0"], CFG, "cpu").build(0, bad).max_query_len == 3
+    monkeypatch.setenv("ATTNPLUG_VALIDATE", "1")
+    with pytest.raises(MetadataError, match="max_query_len must bound"):
+        TritonMetadataBuilder(SPEC, ["l0"], CFG, "cpu").build(0, bad)
 
 
 def test_builder_needs_a_kernel_block_size():
