@@ -3,6 +3,25 @@
 Mirrors vLLM V1's ``SchedulerOutput`` / ``NewRequestData`` / ``CachedRequestData``.
 ``scheduled_new_reqs`` carry a request's full start state; ``scheduled_cached_reqs``
 carry only what changed for a request the runner already holds.
+
+The typing rule (``StepCompiler.update_states`` applies it, the same on its compiled and
+numpy paths; anything else is ``InvalidSchedulerOutput`` naming the request and field,
+and changes nothing):
+
+* request ids are ``str``;
+* integer fields (counts, ``num_computed_tokens``, token and block ids) are ``int`` or
+  numpy integer scalars — never ``bool``, ``float`` or ``str`` (``True`` is not 1 and
+  ``5.0`` is not 5: earlier versions took both on some paths);
+* integer lists are ``list`` or ``tuple`` of those, or 1-D numpy arrays of an integer
+  dtype (not 0-d, not bool/float/str arrays);
+* flags (``resumed_from_preemption``) are ``bool`` (or ``numpy.bool_``);
+* containers are the documented types: ``list``/``tuple`` of ``NewRequestData``, a
+  ``CachedRequestData`` whose five fields are lists of equal length, a ``dict`` for
+  ``num_scheduled_tokens``, a ``set`` (or list/tuple) of ids for ``finished_req_ids``.
+
+Every field is read once per ``update_states`` (``runner/step/check_snapshot.py``), and
+the runner keeps no reference to the caller's lists afterwards: changing them later
+changes nothing.
 """
 
 from __future__ import annotations
