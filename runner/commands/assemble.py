@@ -157,6 +157,8 @@ def build_engine(args, *, alone: bool = False, model: torch.nn.Module | None = N
             setup.sampling_params[rid] = SamplingParams(temperature=0.0, max_tokens=tr.output_len)
         setup.trace_info = {"source": args.trace, "requests": len(trace), "skipped_rows": trace.num_skipped,
                             "scale": trace.scale}
+        if trace.num_skipped:
+            setup.trace_info["first_skipped_row"] = trace.first_skipped
         if args.trace in BUNDLED_TRACES:  # the licence (CC-BY 4.0) travels with what the data produced
             setup.trace_info["attribution"] = BUNDLED_ATTRIBUTION
     return setup

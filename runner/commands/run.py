@@ -100,6 +100,10 @@ def main(argv: list[str]) -> int:
     except AttnplugError as e:
         print(f"attnplug run: {e}", file=sys.stderr)
         return 2
+    skipped = setup.trace_info.get("skipped_rows", 0)
+    if skipped:
+        print(f"attnplug run: --skip-invalid skipped {skipped} invalid trace row{'s' if skipped > 1 else ''}; "
+              f"the first: {setup.trace_info['first_skipped_row']}", file=sys.stderr)
 
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn

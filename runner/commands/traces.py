@@ -29,13 +29,26 @@ import csv
 import math
 import os
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from importlib import resources
 from typing import Iterator, Sequence
 
 import numpy as np
 
 from attnplug.core.errors import TraceFormatError
+from attnplug.runner.commands.limits import clip
+from attnplug.runner.commands.trace_fields import (
+    BLANKS,
+    MAX_FIELD_CHARS,
+    MAX_LINE_BYTES,
+    MAX_TIMESTAMP_S,
+    MAX_TOKENS,
+    BadLine,
+    CsvLines,
+    field_text,
+    positive_int,
+    parse_timestamp,
+    shown,
+)
 
 BUNDLED_TRACES: dict[str, str] = {
     "conv": "azure_llm_2023_conv.csv",
@@ -79,6 +92,7 @@ class LoadedTrace(Sequence[TraceRequest]):
         source: the file read.
         scale: the divisor applied to the lengths.
         num_clamped: requests cut to fit ``max_model_len`` (only with ``clamp``).
+        first_skipped: the one-line reason of the first skipped row (``""`` when none).
     """
 
     requests: tuple[TraceRequest, ...]
@@ -86,6 +100,7 @@ class LoadedTrace(Sequence[TraceRequest]):
     source: str
     scale: float
     num_clamped: int = 0
+    first_skipped: str = ""
 
     def __len__(self) -> int:
         return len(self.requests)
@@ -115,28 +130,50 @@ def resolve_trace_path(name_or_path: str) -> tuple[str, bool]:
     return name_or_path, False
 
 
-def _parse_timestamp(text: str) -> float:
-    """Seconds (float) from ``YYYY-MM-DD HH:MM:SS[.fraction]`` or a plain number."""
-    text = text.strip()
-    try:
-        return float(text)
-    except ValueError:
-        pass
-    base, _, frac = text.partition(".")
-    dt = datetime.strptime(base, "%Y-%m-%d %H:%M:%S")  # ValueError when malformed
-    if frac and not frac.isdigit():
-        raise ValueError(text)
-    return dt.replace(tzinfo=timezone.utc).timestamp() + (float("0." + frac) if frac else 0.0)
+@dataclass(frozen=True)
+class _Scaling:
+    max_model_len: int
+    scale: float
+    clamp: bool
+
+    def lengths(self, ctx: int, gen: int) -> tuple[int, int, bool]:
+        """``(prompt_len, output_len, clamped)`` per the module docstring's rule."""
+        p = max(1, int(ctx / self.scale + 0.5))
+        o = max(1, int(gen / self.scale + 0.5))
+        if p + o <= self.max_model_len:
+            return p, o, False
+        if not self.clamp:
+            raise ValueError(f"request of {p} prompt + {o} output tokens (after scale {self.scale:g}) "
+                             f"is longer than max_model_len={self.max_model_len}")
+        o = min(o, self.max_model_len // 2)
+        return min(p, self.max_model_len - o), o, True
 
 
-def _positive_int(text: str, column: str) -> int:
+def _parse_row(row: list[str], width: int, col: dict[str, int], scaling: _Scaling):
+    """``(timestamp, prompt_len, output_len, clamped)`` of one row (ValueError when invalid)."""
+    if len(row) != width:
+        raise ValueError(f"expected {width} fields, got {len(row)}")
+    ts = parse_timestamp(field_text(row, col["TIMESTAMP"], "TIMESTAMP"))
+    ctx = positive_int(field_text(row, col["ContextTokens"], "ContextTokens"), "ContextTokens")
+    gen = positive_int(field_text(row, col["GeneratedTokens"], "GeneratedTokens"), "GeneratedTokens")
+    return (ts, *scaling.lengths(ctx, gen))
+
+
+def _read_header(reader, lines: CsvLines, path: str) -> list[str]:
     try:
-        value = int(text.strip())
-    except (ValueError, AttributeError):
-        raise ValueError(f"{column} must be an integer, got {text!r}") from None
-    if value <= 0:
-        raise ValueError(f"{column} must be positive, got {value}")
-    return value
+        header = next(reader, None)
+    except (BadLine, csv.Error) as e:
+        raise TraceFormatError(f"{path}, line 1: header: {e}") from None
+    names = [] if header is None else [h.strip(BLANKS) for h in header]
+    bad = [h for h in names if any("\udc80" <= c <= "\udcff" for c in h)]
+    if bad:
+        raise TraceFormatError(f"{path}, line 1: header column {shown(bad[0])} is not valid UTF-8")
+    missing = [c for c in REQUIRED_COLUMNS if c not in names]
+    if missing:
+        raise TraceFormatError(f"{path}, line 1: header {clip([shown(h) for h in names], 120)} lacks "
+                               f"column(s) {missing}; a trace needs {','.join(REQUIRED_COLUMNS)}")
+    lines.names = names
+    return names
 
 
 def load_trace(name_or_path: str, num_requests: int | None = None, *, max_model_len: int,
@@ -144,7 +181,13 @@ def load_trace(name_or_path: str, num_requests: int | None = None, *, max_model_
                skip_invalid: bool = False) -> LoadedTrace:
     """Read the first ``num_requests`` valid requests of a trace, scaled to the model.
 
-    Rows after the ``num_requests``-th valid one are not read (nor checked).
+    Rows after the ``num_requests``-th valid one are not read (nor checked). A row is
+    invalid when a line is over :data:`MAX_LINE_BYTES` or a field over
+    :data:`MAX_FIELD_CHARS`, a field is not valid UTF-8, the field count differs from the
+    header's, the CSV syntax is broken, ``TIMESTAMP`` is neither form (or not finite, or
+    over :data:`MAX_TIMESTAMP_S`), a length is not an ASCII decimal int in
+    ``[1, MAX_TOKENS]``, or the request is longer than ``max_model_len`` (without
+    ``clamp``).
 
     Args:
         name_or_path: ``"conv"``, ``"code"`` (bundled) or a CSV path.
@@ -153,17 +196,18 @@ def load_trace(name_or_path: str, num_requests: int | None = None, *, max_model_
         scale: divisor of both lengths (``>= 1`` shrinks); default per the module docstring.
         clamp: cut requests longer than ``max_model_len`` instead of rejecting them; default
             ``True`` for bundled traces, ``False`` for files.
-        skip_invalid: skip (and count) invalid rows instead of raising.
+        skip_invalid: skip (and count) every invalid row, whatever is wrong with it,
+            instead of raising.
 
     Returns:
-        A :class:`LoadedTrace` (a sequence of :class:`TraceRequest`, plus ``num_skipped``).
+        A :class:`LoadedTrace` (a sequence of :class:`TraceRequest`, plus ``num_skipped``
+        and ``first_skipped``, the message the first skipped row would have raised).
 
     Raises:
-        TraceFormatError: unknown trace / missing file, a header without the required
-            columns, or (without ``skip_invalid``) a row with a malformed field, a zero or
-            negative length, or ``prompt_len + output_len > max_model_len`` after scaling.
-            The message is one line: ``FILE, line N: what is wrong; how to fix``
-            (N counts the header as line 1).
+        TraceFormatError: unknown trace / missing or unreadable file, a header without the
+            required columns, or (without ``skip_invalid``) an invalid row. The message is
+            one line: ``FILE, line N: FIELD what is wrong; how to fix`` (N counts the
+            header as line 1; echoed values are cut to a few dozen characters).
     """
     if not isinstance(max_model_len, int) or max_model_len < 2:
         raise TraceFormatError(f"max_model_len must be an int >= 2, got {max_model_len!r}")
@@ -174,59 +218,50 @@ def load_trace(name_or_path: str, num_requests: int | None = None, *, max_model_
         scale = max(1.0, SOURCE_MAX_MODEL_LEN / max_model_len) if bundled else 1.0
     if not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
         raise TraceFormatError(f"scale must be a positive finite number, got {scale!r}")
-    if clamp is None:
-        clamp = bundled
+    scaling = _Scaling(max_model_len, float(scale), bundled if clamp is None else clamp)
     hint = "fix the row, or pass --skip-invalid to skip invalid rows"
     out: list[TraceRequest] = []
-    skipped = clamped = 0
+    skipped, clamped, first_skipped = 0, 0, ""
     t0: float | None = None
     try:
-        fh = open(path, newline="", encoding="utf-8")
+        fh = open(path, "rb")
     except OSError as e:
         raise TraceFormatError(f"{path}: cannot open trace: {e.strerror}") from None
     with fh:
-        reader = csv.reader(fh)
-        header = next(reader, None)
-        missing = [c for c in REQUIRED_COLUMNS if header is None or c not in header]
-        if missing:
-            raise TraceFormatError(
-                f"{path}, line 1: header {header!r} lacks column(s) {missing}; a trace needs "
-                f"{','.join(REQUIRED_COLUMNS)}")
+        lines = CsvLines(fh)
+        reader = csv.reader(lines)
+        header = _read_header(reader, lines, path)
         col = {c: header.index(c) for c in REQUIRED_COLUMNS}
-        for row in reader:
-            if num_requests is not None and len(out) >= num_requests:
-                break
-            if not row or all(not f.strip() for f in row):
-                continue  # blank lines are not requests
+        while num_requests is None or len(out) < num_requests:
+            first_line = lines.num + 1
             try:
-                if len(row) != len(header):
-                    raise ValueError(f"expected {len(header)} fields, got {len(row)}")
                 try:
-                    ts = _parse_timestamp(row[col["TIMESTAMP"]])
-                except ValueError:
-                    raise ValueError(f"TIMESTAMP {row[col['TIMESTAMP']]!r} is neither "
-                                     "'YYYY-MM-DD HH:MM:SS[.f]' nor seconds") from None
-                ctx = _positive_int(row[col["ContextTokens"]], "ContextTokens")
-                gen = _positive_int(row[col["GeneratedTokens"]], "GeneratedTokens")
-                p = max(1, int(ctx / scale + 0.5))
-                o = max(1, int(gen / scale + 0.5))
-                if p + o > max_model_len:
-                    if not clamp:
-                        raise ValueError(
-                            f"request of {p} prompt + {o} output tokens (after scale {scale:g}) "
-                            f"is longer than max_model_len={max_model_len}")
-                    o = min(o, max_model_len // 2)
-                    p = min(p, max_model_len - o)
-                    clamped += 1
+                    row = next(reader)
+                except StopIteration:
+                    break
+                except BadLine as e:
+                    lineno = e.lineno
+                    raise ValueError(str(e)) from None
+                except csv.Error as e:
+                    lineno = lines.num
+                    raise ValueError(f"not valid CSV: {e}") from None
+                lineno = lines.num
+                if not row or all(not f.strip(BLANKS) for f in row):
+                    continue  # blank lines are not requests
+                ts, p, o, cut = _parse_row(row, len(header), col, scaling)
             except ValueError as e:
-                if skip_invalid:
-                    skipped += 1
-                    continue
-                raise TraceFormatError(f"{path}, line {reader.line_num}: {e}; {hint}") from None
+                where = f"line {lineno}" if lineno <= first_line else f"lines {first_line}-{lineno}"
+                message = f"{path}, {where}: {e}"
+                if not skip_invalid:
+                    raise TraceFormatError(f"{message}; {hint}") from None
+                skipped += 1
+                first_skipped = first_skipped or message
+                continue
+            clamped += cut
             if t0 is None:
                 t0 = ts
             out.append(TraceRequest(prompt_len=p, output_len=o, arrival_s=ts - t0))
-    return LoadedTrace(tuple(out), skipped, path, float(scale), clamped)
+    return LoadedTrace(tuple(out), skipped, path, float(scale), clamped, first_skipped)
 
 
 def make_prompts(trace_requests: Sequence[TraceRequest], vocab_size: int,

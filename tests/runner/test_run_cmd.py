@@ -178,3 +178,31 @@ def test_available_memory_is_read_without_psutil():
     assert avail is None or avail > 2**20
     assert memory_problem("x", 10, available=100) is None
     assert "need 0.00 GiB, more than 80% of the" in memory_problem("x", 90, available=100)
+
+
+TRACE_HEAD = b"TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.60,10,3\n"
+
+
+@pytest.mark.parametrize("row, what", [
+    (b"1,1e400,3\n", "line 3: ContextTokens must be an integer, got '1e400'"),
+    (b"1,\xff,3\n", "line 3: ContextTokens is not valid UTF-8"),
+    (b"1,5," + b"7" * 140_000 + b"\n", "line 3: GeneratedTokens is longer than 131072 characters"),
+])
+def test_bad_trace_bytes_exit_2_with_one_line(tmp_path, capsys, row, what):
+    trace = tmp_path / "t.csv"
+    trace.write_bytes(TRACE_HEAD + row)
+    assert run_main(["--model", "tiny-llama", "--trace", str(trace), "--max-model-len", "512"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and what in err and "Traceback" not in err, err[:300]
+
+
+def test_skip_invalid_skips_every_kind_and_says_how_many(tmp_path, capsys):
+    trace = tmp_path / "t.csv"
+    trace.write_bytes(TRACE_HEAD + b"1,1e400,3\n1,\xff,3\n1,5," + b"7" * 140_000 + b"\nnan,4,4\n2,8,2\n")
+    assert run_main(["--model", "tiny-llama", "--trace", str(trace), "--skip-invalid", "--max-model-len", "512",
+                     "--invariance-requests", "0", "--json"]) == 0
+    out, err = capsys.readouterr()
+    s = json.loads(out)
+    assert s["requests"] == 2 and s["trace"]["skipped_rows"] == 4
+    assert "attnplug run: --skip-invalid skipped 4 invalid trace rows; the first: " in err
+    assert f"{trace}, line 3: ContextTokens must be an integer" in err

@@ -113,3 +113,53 @@ def test_make_prompts_is_deterministic_and_per_request():
     assert make_prompts(reqs, 100, 8) != a
     with pytest.raises(TraceFormatError, match="vocab_size"):
         make_prompts(reqs, 0, 1)
+
+
+def _bad(tmp_path, body: bytes, name="bad.csv"):
+    p = tmp_path / name
+    p.write_bytes(HEADER.encode() + b"0,5,3\n" + body + b"3,2,2\n")
+    return str(p)
+
+
+BAD_ROWS = [  # (row bytes, the line the error names, what it says)
+    (b"1e400,5,3\n", "line 3", "TIMESTAMP '1e400' is out of range: seconds must be finite"),
+    (b"1,1e400,3\n", "line 3", "ContextTokens must be an integer, got '1e400'"),
+    (b"1," + b"9" * 5000 + b",3\n", "line 3", "ContextTokens must be an integer, got '999"),
+    (b"1,5,30000000000\n", "line 3", "GeneratedTokens must be at most 2147483647"),
+    (b"1,\xff\xfe,3\n", "line 3", "ContextTokens is not valid UTF-8: '\\xff\\xfe'"),
+    (b"1,5," + b"7" * (128 * 1024 + 1) + b"\n", "line 3", "GeneratedTokens is longer than 131072 characters"),
+    (b"1,5,3" + b",x" * 600_000 + b"\n", "line 3", "line longer than 1048576 bytes"),
+    (b"nan,5,3\n", "line 3", "TIMESTAMP 'nan' is neither"),
+    (b"inf,5,3\n", "line 3", "TIMESTAMP 'inf' is neither"),
+    (b"-Infinity,5,3\n", "line 3", "TIMESTAMP '-Infinity' is neither"),
+    ("1,\uff15,3\n".encode(), "line 3", "ContextTokens must be an integer, got '\uff15' (ASCII decimal digits"),
+    (b"1,1_2,3\n", "line 3", "ContextTokens must be an integer, got '1_2'"),
+    (b"1_0,5,3\n", "line 3", "TIMESTAMP '1_0' is neither"),
+    ("\u0662023-11-16 18:15:46,5,3\n".encode(), "line 3", "is neither"),
+    (b"2023-02-30 10:00:00,5,3\n", "line 3", "is not a valid date and time (day is out of range for month)"),
+    (b'1,"5\n2",3\n', "lines 3-4", "ContextTokens must be an integer, got '5\\n2'"),
+]
+
+
+@pytest.mark.parametrize("row, where, what", BAD_ROWS, ids=range(len(BAD_ROWS)))
+def test_every_kind_of_bad_row_is_one_line_or_skipped(tmp_path, row, where, what):
+    p = _bad(tmp_path, row)
+    with pytest.raises(TraceFormatError) as e:
+        load_trace(p, None, max_model_len=64)
+    msg = str(e.value)
+    assert msg.startswith(f"{p}, {where}: ") and what in msg and msg.endswith("--skip-invalid to skip invalid rows")
+    assert "\n" not in msg and len(msg) < 400, msg[:500]
+    t = load_trace(p, None, max_model_len=64, skip_invalid=True)
+    assert [(r.prompt_len, r.output_len) for r in t] == [(5, 3), (2, 2)]
+    assert t.num_skipped == 1 and t.first_skipped == msg.split("; fix the row")[0]
+
+
+def test_header_bytes_bom_and_limits(tmp_path):
+    p = tmp_path / "h.csv"
+    p.write_bytes(b"TIMESTAMP,Context\xffTokens,GeneratedTokens\n0,5,3\n")
+    with pytest.raises(TraceFormatError, match=r"line 1: header column Context\\xffTokens is not valid UTF-8"):
+        load_trace(str(p), None, max_model_len=64, skip_invalid=True)  # no header: nothing to skip to
+    p.write_bytes(b"\xef\xbb\xbf" + HEADER.encode() + b" 2023-11-16 18:15:46.5 , 5 ,3\r\n")
+    assert list(load_trace(str(p), None, max_model_len=64)) == [TraceRequest(5, 3, 0.0)]
+    p.write_bytes(HEADER.encode() + b"1e3,5,3\n+2.5e2,4,4\n")
+    assert [r.arrival_s for r in load_trace(str(p), None, max_model_len=64)] == [0.0, -750.0]
