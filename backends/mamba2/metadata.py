@@ -15,6 +15,7 @@ finishes or is preempted.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -138,8 +139,26 @@ class Mamba2MetadataBuilder(AttentionMetadataBuilder):
         self._bound = 2 * R + T + (K + 1) + K + R + K + K * self.chunk_size + T + T + 2 * R * d + T * (d + 1)
         self._index = CpuGpuBuffer((self._bound,), torch.int64, self.device)
         self._state_indices = torch.full((R,), PAD_SLOT_ID, dtype=torch.int32, device=self.device)
+        self._views: dict[tuple[int, int], torch.Tensor] = {}
+        self._empty = torch.empty(0, dtype=torch.int64, device=self.device)
+        self._qsl_p0 = torch.zeros(1, dtype=torch.int32, device=self.device)
+        self._qsl_p0_cpu = np.zeros(1, dtype=np.int64)
+        self._zero = torch.zeros(1, dtype=torch.int64, device=self.device)  # cu_chunk_seqlen of no chunk
+        self.validate_values = os.environ.get("ATTNPLUG_VALIDATE") == "1"
+        """Run every host check on decode steps too (``ATTNPLUG_VALIDATE=1`` when created)."""
 
     # --- state slots ----------------------------------------------------------------------
+    def _view(self, t: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        """``t[start:stop]`` of a persistent buffer, the same view object while the bounds
+        repeat (slicing a tensor costs about a microsecond: more than a decode step's arithmetic)."""
+        key = (id(t), start, stop)
+        view = self._views.get(key)
+        if view is None:
+            if len(self._views) > 64:
+                self._views.clear()
+            view = self._views[key] = t[start:stop]
+        return view
+
     def _state_indices_from(self, block_table: torch.Tensor, num_reqs: int, out: torch.Tensor) -> torch.Tensor:
         if block_table.dim() != 2 or block_table.shape[0] < num_reqs or block_table.shape[1] < 1:
             raise MetadataError(
@@ -149,9 +168,11 @@ class Mamba2MetadataBuilder(AttentionMetadataBuilder):
         if rows > out.shape[0]:
             raise MetadataError(f"block_table_tensor has {rows} rows but the builder was sized for "
                                 f"max_num_reqs={out.shape[0]}; raise max_num_reqs")
-        out[:num_reqs].copy_(block_table[:num_reqs, 0])
-        out[num_reqs:rows].fill_(PAD_SLOT_ID)
-        return out[:rows]
+        slots = block_table[:, 0] if rows == num_reqs else block_table[:num_reqs, 0]
+        self._view(out, 0, num_reqs).copy_(slots)
+        if rows > num_reqs:
+            out[num_reqs:rows].fill_(PAD_SLOT_ID)
+        return self._view(out, 0, rows)
 
     # --- build ----------------------------------------------------------------------------
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
@@ -170,6 +191,9 @@ class Mamba2MetadataBuilder(AttentionMetadataBuilder):
         """
         cm = common_attn_metadata
         R = cm.num_reqs
+        if (cm.num_actual_tokens == R and cm.max_query_len <= 1 and not self.validate_values
+                and cm.num_computed_tokens_cpu.shape[0] >= R and R <= self.config.max_num_reqs):
+            return self._build_decodes(cm, R)
         if cm.query_start_loc_cpu.shape[0] < R + 1 or cm.num_computed_tokens_cpu.shape[0] < R:
             raise MetadataError(
                 f"query_start_loc_cpu has {cm.query_start_loc_cpu.shape[0]} entries and num_computed_tokens_cpu "
@@ -199,6 +223,24 @@ class Mamba2MetadataBuilder(AttentionMetadataBuilder):
             state_indices=state_indices,
             query_start_loc_p=qsl_p.to(torch.int32), query_start_loc_p_cpu=layout.query_start_loc,
             block_table_tensor=cm.block_table_tensor, **views)
+
+    def _build_decodes(self, cm: CommonAttentionMetadata, R: int) -> Mamba2Metadata:
+        """A step of one-token rows only (``num_actual_tokens == num_reqs``, ``max_query_len
+        <= 1``: host ints): no prefill layout, a constant number of numpy and torch calls."""
+        computed_t = cm.num_computed_tokens_cpu
+        computed = (computed_t if computed_t.shape[0] == R else computed_t[:R]).numpy()
+        fresh = np.flatnonzero(computed == 0)
+        F = fresh.shape[0]
+        host = self._index.np
+        np.greater(computed, 0, out=host[:R], casting="unsafe")
+        host[R:R + F] = fresh
+        dev = self._index.copy_to_gpu(R + F)
+        state_indices = self._state_indices_from(cm.block_table_tensor, R, self._state_indices)
+        e = self._empty
+        return Mamba2Metadata(
+            R, R, R, 0, R, 0, self.chunk_size, 0, 0, state_indices, self._view(dev, 0, R) > 0,
+            self._view(dev, R, R + F), self._qsl_p0, self._qsl_p0_cpu, e, self._zero, e, e, e, e, e, e, e, e, e,
+            cm.block_table_tensor)
 
     def _upload(self, has_initial_state: np.ndarray, fresh_rows: np.ndarray,
                 layout: PrefillLayout) -> dict[str, torch.Tensor]:

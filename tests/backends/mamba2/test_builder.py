@@ -164,3 +164,25 @@ def test_step_compiler_puts_decodes_first_and_slots_follow_the_scheduler(thresho
         assert misordered == 0
     else:
         assert misordered > 0, "the workload never needed the decodes-first reorder"
+
+
+@pytest.mark.parametrize("extra_rows", [0, 2])
+def test_decode_only_fast_path_equals_the_full_build(extra_rows, monkeypatch):
+    """A step of one-token rows takes the constant-cost path (no prefill layout); every field
+    equals what the full path (taken with ATTNPLUG_VALIDATE=1) builds."""
+    cm = _common([5, 0, 9, 3], [1, 1, 1, 1], [3, 5, 2, 7], extra_rows=extra_rows)
+    monkeypatch.delenv("ATTNPLUG_VALIDATE", raising=False)
+    fast_builder = _builder()
+    fast_builder.build(0, _common([2, 0], [3, 1], [1, 4]))  # a mixed step first: stale buffers
+    fast = fast_builder.build(0, cm)
+    monkeypatch.setenv("ATTNPLUG_VALIDATE", "1")
+    full = _builder().build(0, cm)
+    for f in dataclasses.fields(full):
+        x, y = getattr(fast, f.name), getattr(full, f.name)
+        if isinstance(x, torch.Tensor):
+            assert x.dtype == y.dtype and torch.equal(x, y), f.name
+        elif isinstance(x, np.ndarray):
+            assert np.array_equal(x, y), f.name
+        else:
+            assert x == y, f.name
+    assert fast.fresh_rows.tolist() == [1] and fast.state_indices.tolist() == [3, 5, 2, 7] + [PAD_SLOT_ID] * extra_rows
