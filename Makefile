@@ -9,6 +9,7 @@ TORCH_PIN := torch==2.13.0
 .PHONY: run test bench clean
 
 $(VENV)/.base: pyproject.toml $(wildcard runner/step/fast/_native*.pyx runner/step/fast/_native*.pxi)
+	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "attnplug needs Python >= 3.11 (tomllib); set PYTHON=python3.11 or newer")'
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q $(TORCH_PIN)

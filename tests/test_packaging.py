@@ -79,3 +79,16 @@ def test_python_dash_m_runs_the_cli():
     res = subprocess.run([sys.executable, "-m", "attnplug", "--help"], capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
     assert "explain" in res.stdout and "run" in res.stdout
+
+
+def test_one_python_floor_everywhere():
+    """pyproject's requires-python, the README's quickstart and the Makefile's guard agree
+    (3.11: ``plugins/config.py`` imports ``tomllib`` unconditionally)."""
+    import re
+
+    root = Path(__file__).resolve().parents[1]
+    floor = tomllib.loads((root / "pyproject.toml").read_text())["project"]["requires-python"]
+    assert floor == ">=3.11"
+    assert "Python 3.11+" in (root / "README.md").read_text()
+    assert re.search(r"sys\.version_info >= \(3, 11\)", (root / "Makefile").read_text())
+    assert "import tomllib" in (root / "plugins" / "config.py").read_text()
