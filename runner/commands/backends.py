@@ -19,10 +19,11 @@ import sys
 from typing import Any
 
 from attnplug.core.errors import AttnplugError, BackendUnsupportedError
+from attnplug.runner.commands.limits import OneLineParser
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="attnplug backends", description=__doc__.split("::")[0].strip(),
+    p = OneLineParser(prog="attnplug backends", description=__doc__.split("::")[0].strip(),
                                 epilog=__doc__.split("\n\n")[-1].strip().replace("``", ""),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
@@ -81,7 +82,8 @@ def _problems(registry) -> dict[str, list]:
 
 
 def _console():
-    from rich.console import Console
+    from attnplug.runner.commands.report import Console
+
     console = Console()
     if not console.is_terminal:
         console = Console(width=160)

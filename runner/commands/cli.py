@@ -1,12 +1,23 @@
 """The ``attnplug`` command line: one subcommand per module, imported lazily.
 
 Each subcommand module exposes ``main(argv: list[str]) -> int``.
+
+Output into a closed pipe (``attnplug explain steps.jsonl | head -1``) ends the command the
+way a Unix filter ends on ``SIGPIPE``: silently, with exit status :data:`EXIT_BROKEN_PIPE`
+(128 + SIGPIPE), and nothing more is written to stdout (it is pointed at ``os.devnull``,
+so the interpreter's last flush cannot fail either; the recipe of the Python docs,
+https://docs.python.org/3/library/signal.html#note-on-sigpipe).
 """
 
 from __future__ import annotations
 
 import importlib
+import os
 import sys
+
+EXIT_BROKEN_PIPE = 128 + 13
+"""Exit status when stdout's reader went away: 128 + SIGPIPE, as a shell reports a filter
+killed by SIGPIPE."""
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "run": ("attnplug.runner.commands.run", "replay a trace through the engine (the main job)"),
@@ -36,4 +47,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"attnplug: unknown command {cmd!r}\n\n{_usage()}", file=sys.stderr)
         return 2
     module = importlib.import_module(SUBCOMMANDS[cmd][0])
-    return int(module.main(rest) or 0)
+    try:
+        status = int(module.main(rest) or 0)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        return stdout_closed()
+    return status
+
+
+def stdout_closed() -> int:
+    """Point stdout at ``os.devnull`` (its reader is gone) and return :data:`EXIT_BROKEN_PIPE`."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # no real file descriptor (tests' capture)
+        pass
+    return EXIT_BROKEN_PIPE

@@ -24,12 +24,24 @@ exits 1.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
-from typing import Any, Iterator, TextIO
+from typing import Any, BinaryIO, TextIO
 
-from attnplug.core.errors import InvalidSchedulerOutput, MetadataInvariantError
+from attnplug.core.errors import InvalidSchedulerOutput, KVCacheSpecError, MetadataInvariantError
+from attnplug.runner.commands.explain_input import (
+    StepFormatError,
+    block_lists,
+    config_args,
+    counts,
+    get,
+    id_list,
+    int_list,
+    parse_json,
+    read_lines,
+    req_id_of,
+)
+from attnplug.runner.commands.limits import OneLineParser, clip
 from attnplug.runner.step.scheduler_output import (
     CachedRequestData,
     NewRequestData,
@@ -43,74 +55,51 @@ OUTPUT_KEYS = ("req_ids", "num_scheduled_tokens", "num_computed_tokens", "query_
                "num_actual_tokens", "max_query_len", "max_seq_len")
 """The keys of every output line, in order."""
 
-CONFIG_KEYS = {"block_sizes", "max_num_reqs", "max_model_len", "max_num_batched_tokens", "kernel_block_sizes",
-               "num_blocks", "group_kinds", "reorder_batch_threshold"}
+MAX_ERROR_CHARS = 1000
+"""An error line is cut to this many characters (echoed values are cut shorter still)."""
 
 
-class StepFormatError(Exception):
-    """A JSONL step that is not a well-formed scheduler output (field named)."""
-
-    def __init__(self, field: str, message: str, req_id: str | None = None):
-        self.field, self.req_id = field, req_id
-        super().__init__(message)
-
-
-def _get(obj: dict, key: str, kind: type | tuple, default: Any = ..., where: str = "", req_id=None):
-    if key not in obj:
-        if default is ...:
-            raise StepFormatError(where + key, "missing", req_id)
-        return default
-    v = obj[key]
-    if not isinstance(v, kind) or isinstance(v, bool) and kind in (int, (int,)):
-        names = kind.__name__ if isinstance(kind, type) else "/".join(k.__name__ for k in kind)
-        raise StepFormatError(where + key, f"expected {names}, got {v!r}", req_id)
-    return v
+def _sampling(r: dict, rid: str) -> SamplingParams:
+    sp = get(r, "sampling_params", dict, {}, "new.", rid)
+    try:
+        return SamplingParams(**sp)
+    except TypeError as e:
+        raise StepFormatError("new.sampling_params", clip(str(e), 200), rid) from None
 
 
 def parse_step(obj: Any) -> SchedulerOutput:
-    """One JSON step object → :class:`SchedulerOutput`.
+    """One JSON step object → :class:`SchedulerOutput`, every field typed
+    (``runner/commands/explain_input.py``); values are checked by the step compiler.
 
     Raises:
-        StepFormatError: a missing or mistyped field.
+        StepFormatError: a missing, unknown or mistyped field.
     """
     if not isinstance(obj, dict):
-        raise StepFormatError("step", f"expected a JSON object, got {obj!r}")
+        raise StepFormatError("step", f"expected a JSON object, got {clip(obj)}")
     unknown = set(obj) - {"new", "cached", "num_scheduled_tokens", "finished_req_ids"}
     if unknown:
-        raise StepFormatError(sorted(unknown)[0], "unknown field")
+        raise StepFormatError(clip(sorted(unknown)[0], 40).strip("'"), "unknown field")
     new = []
-    for r in _get(obj, "new", list, []):
-        if not isinstance(r, dict):
-            raise StepFormatError("new", f"expected request objects, got {r!r}")
-        rid = _get(r, "req_id", str, where="new.")
-        sp = r.get("sampling_params", {})
-        if not isinstance(sp, dict):
-            raise StepFormatError("new.sampling_params", f"expected an object, got {sp!r}", rid)
-        try:
-            sampling = SamplingParams(**sp)
-        except TypeError as e:
-            raise StepFormatError("new.sampling_params", str(e), rid) from None
+    for r in get(obj, "new", list, []):
+        rid = req_id_of(r, "new.")
         new.append(NewRequestData(
             req_id=rid,
-            prompt_token_ids=_get(r, "prompt_token_ids", list, where="new.", req_id=rid),
-            block_ids=tuple(_get(r, "block_ids", list, where="new.", req_id=rid)),
-            num_computed_tokens=_get(r, "num_computed_tokens", int, 0, "new.", rid),
-            sampling_params=sampling,
-            output_token_ids=_get(r, "output_token_ids", list, [], "new.", rid)))
+            prompt_token_ids=int_list(r, "prompt_token_ids", "new.", rid),
+            block_ids=block_lists(r, "block_ids", "new.", rid),
+            num_computed_tokens=get(r, "num_computed_tokens", int, 0, "new.", rid),
+            sampling_params=_sampling(r, rid),
+            output_token_ids=int_list(r, "output_token_ids", "new.", rid, [])))
     cached = CachedRequestData()
-    for r in _get(obj, "cached", list, []):
-        if not isinstance(r, dict):
-            raise StepFormatError("cached", f"expected request objects, got {r!r}")
-        rid = _get(r, "req_id", str, where="cached.")
-        nb = _get(r, "new_block_ids", (list, type(None)), None, "cached.", rid)
+    for r in get(obj, "cached", list, []):
+        rid = req_id_of(r, "cached.")
         cached.req_ids.append(rid)
-        cached.new_token_ids.append(_get(r, "new_token_ids", list, [], "cached.", rid))
-        cached.new_block_ids.append(None if nb is None else tuple(nb))
-        cached.num_computed_tokens.append(_get(r, "num_computed_tokens", int, where="cached.", req_id=rid))
-        cached.resumed_from_preemption.append(_get(r, "resumed_from_preemption", bool, False, "cached.", rid))
-    sched = _get(obj, "num_scheduled_tokens", dict)
-    finished = _get(obj, "finished_req_ids", list, [])
-    return SchedulerOutput(new, cached, dict(sched), finished_req_ids=set(finished))
+        cached.new_token_ids.append(int_list(r, "new_token_ids", "cached.", rid, []))
+        cached.new_block_ids.append(block_lists(r, "new_block_ids", "cached.", rid, None))
+        cached.num_computed_tokens.append(get(r, "num_computed_tokens", int, where="cached.", req_id=rid))
+        cached.resumed_from_preemption.append(get(r, "resumed_from_preemption", bool, False, "cached.", rid))
+    sched = counts(obj)
+    finished = id_list(obj, "finished_req_ids")
+    return SchedulerOutput(new, cached, sched, finished_req_ids=set(finished))
 
 
 def step_to_json(sc: StepCompiler, inputs) -> dict:
@@ -139,71 +128,62 @@ def step_to_json(sc: StepCompiler, inputs) -> dict:
     }
 
 
-def _lines(f: TextIO) -> Iterator[tuple[int, str]]:
-    for lineno, line in enumerate(f, 1):
-        if line.strip() and not line.lstrip().startswith("#"):
-            yield lineno, line
-
-
 def make_compiler(config: Any, check: bool) -> StepCompiler:
-    """A :class:`StepCompiler` from the config line's object.
+    """A :class:`StepCompiler` from the config line's object (checked by
+    ``explain_input.config_args``).
 
     Raises:
-        StepFormatError: a missing, unknown or mistyped config key.
+        StepFormatError: a missing, unknown, mistyped or out-of-range config key.
     """
-    if not isinstance(config, dict) or set(config) != {"config"} or not isinstance(config["config"], dict):
-        raise StepFormatError("config", 'line 1 must be {"config": {...}}')
-    cfg = dict(config["config"])
-    unknown = set(cfg) - CONFIG_KEYS
-    if unknown:
-        raise StepFormatError(f"config.{sorted(unknown)[0]}", "unknown key")
-    block_sizes = _get(cfg, "block_sizes", list, where="config.")
     try:
-        return StepCompiler(
-            block_sizes, _get(cfg, "max_num_reqs", int, where="config."),
-            _get(cfg, "max_model_len", int, where="config."),
-            _get(cfg, "max_num_batched_tokens", int, where="config."),
-            kernel_block_sizes=cfg.get("kernel_block_sizes"),
-            reorder_batch_threshold=cfg.get("reorder_batch_threshold"),
-            num_blocks=cfg.get("num_blocks"), group_kinds=cfg.get("group_kinds"), validate=check)
-    except (ValueError, TypeError) as e:
-        raise StepFormatError("config", str(e)) from None
+        return StepCompiler(**config_args(config), validate=check)
+    except (KVCacheSpecError, ValueError) as e:
+        raise StepFormatError("config", clip(str(e), 300)) from None
 
 
-def run(f: TextIO, out: TextIO, err: TextIO, check: bool = False) -> int:
-    """Explain every step of ``f``; return the exit status (0, 1 or 2)."""
-    lines = _lines(f)
+def _say(err: TextIO, text: str) -> None:
+    """One line on ``err``: newlines escaped, cut to :data:`MAX_ERROR_CHARS`."""
+    text = text.replace("\r", "\\r").replace("\n", "\\n")
+    if len(text) > MAX_ERROR_CHARS:
+        text = f"{text[:MAX_ERROR_CHARS]}... ({len(text)} chars)"
+    print(text, file=err)
+
+
+def _field(e: StepFormatError | InvalidSchedulerOutput) -> str:
+    if e.field == "line":  # the line itself: too long, not UTF-8, not JSON
+        return str(e)
+    who = f" of request {clip(e.req_id)}" if e.req_id is not None else ""
+    return f"field {clip(e.field)}{who}: {e}"
+
+
+def run(f: TextIO | BinaryIO, out: TextIO, err: TextIO, check: bool = False) -> int:
+    """Explain every step of ``f`` (a text or binary stream); return the exit status
+    (0; 1: a broken invariant under ``check``; 2: a bad line, named on one line of ``err``)."""
+    lines = read_lines(f)
     first = next(lines, None)
     if first is None:
-        print("attnplug explain: empty input: line 1 must be the config object", file=err)
+        _say(err, "attnplug explain: empty input: line 1 must be the config object")
         return 2
     try:
-        sc = make_compiler(json.loads(first[1]), check)
-    except json.JSONDecodeError as e:
-        print(f"attnplug explain: config (line {first[0]}): not JSON: {e}", file=err)
-        return 2
+        if isinstance(first[1], StepFormatError):
+            raise first[1]
+        sc = make_compiler(parse_json(first[1]), check)
     except StepFormatError as e:
-        print(f"attnplug explain: config (line {first[0]}): field {e.field!r}: {e}", file=err)
+        _say(err, f"attnplug explain: config (line {first[0]}): {_field(e)}")
         return 2
     for step, (lineno, line) in enumerate(lines, 1):
         where = f"step {step} (line {lineno})"
         try:
-            so = parse_step(json.loads(line))
+            if isinstance(line, StepFormatError):
+                raise line
+            so = parse_step(parse_json(line))
             sc.update_states(so)
             inputs = sc.prepare_inputs(so)
-        except json.JSONDecodeError as e:
-            print(f"attnplug explain: {where}: not JSON: {e}", file=err)
-            return 2
-        except StepFormatError as e:
-            who = f" of request {e.req_id!r}" if e.req_id else ""
-            print(f"attnplug explain: {where}: field {e.field!r}{who}: {e}", file=err)
-            return 2
-        except InvalidSchedulerOutput as e:
-            who = f" of request {e.req_id!r}" if e.req_id is not None else ""
-            print(f"attnplug explain: {where}: field {e.field!r}{who}: {e}", file=err)
+        except (StepFormatError, InvalidSchedulerOutput) as e:
+            _say(err, f"attnplug explain: {where}: {_field(e)}")
             return 2
         except MetadataInvariantError as e:
-            print(f"attnplug explain: {where}: --check failed: {e}", file=err)
+            _say(err, f"attnplug explain: {where}: --check failed: {e}")
             return 1
         print(json.dumps(step_to_json(sc, inputs)), file=out, flush=True)
     return 0
@@ -211,18 +191,19 @@ def run(f: TextIO, out: TextIO, err: TextIO, check: bool = False) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """``attnplug explain STEPS.jsonl [--check]`` (``-`` reads stdin)."""
-    parser = argparse.ArgumentParser(prog="attnplug explain", description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(prog="attnplug explain", description=__doc__.split("\n\n")[0])
     parser.add_argument("steps", help="JSON Lines file: a config line, then one step per line ('-': stdin)")
     parser.add_argument("--check", action="store_true", help="validate the eight invariants every step")
     args = parser.parse_args(argv)
     if args.steps == "-":
-        return run(sys.stdin, sys.stdout, sys.stderr, args.check)
+        return run(sys.stdin.buffer, sys.stdout, sys.stderr, args.check)
     try:
-        with open(args.steps, encoding="utf-8") as f:
-            return run(f, sys.stdout, sys.stderr, args.check)
+        f = open(args.steps, "rb")
     except OSError as e:
-        print(f"attnplug explain: cannot read {args.steps!r}: {e.strerror}", file=sys.stderr)
+        print(f"attnplug explain: cannot read {clip(args.steps)}: {e.strerror}", file=sys.stderr)
         return 2
+    with f:
+        return run(f, sys.stdout, sys.stderr, args.check)
 
 
 if __name__ == "__main__":

@@ -4,8 +4,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from rich.console import Console
+import rich.console
 from rich.table import Table
+
+
+class Console(rich.console.Console):
+    """A rich console whose broken pipe is a ``BrokenPipeError`` (rich's own handler exits
+    with status 1), so ``runner/commands/cli.py`` ends every subcommand the same way."""
+
+    def on_broken_pipe(self) -> None:
+        raise BrokenPipeError("stdout's reader went away")
 
 
 def print_run_table(summary: dict[str, Any], console: Console | None = None) -> None:

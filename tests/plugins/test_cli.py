@@ -162,3 +162,12 @@ def test_explain_renders_its_markup_escapes_ours_and_exits_1_without_a_backend(c
     assert f"({tmp_path / 'attnplug.toml'} [backend] default)" in out  # "[backend]" is text, not a tag
     assert "(sliding_window, 1 layer: " in out and "(mamba, 2 layers: " in out
     assert cli(["backends", "--explain", "--model", "tiny-hybrid", "--device", "cpu", "--json"]) == 1
+
+
+@pytest.mark.parametrize("argv", [["backends", "--json"], ["backends"]])
+def test_backends_into_a_closed_pipe_ends_quietly(tmp_path, argv):
+    proc = subprocess.Popen([sys.executable, "-m", "attnplug", *argv], cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 141 and err == "", err[-2000:]
