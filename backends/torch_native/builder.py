@@ -25,8 +25,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from attnplug.backends.common.buffer_checks import builder_values_checked, check_step_values
 from attnplug.cache_groups.sliding_window import num_skipped_blocks
 from attnplug.core.constants import NULL_BLOCK_ID, PAD_SLOT_ID
 from attnplug.core.contracts import AttentionCGSupport, AttentionMetadataBuilder
@@ -66,12 +68,15 @@ class AttentionSegment:
     """``[n]``, ``torch.int64``; units: tokens of KV per request after this step."""
 
     key_block_ids: torch.Tensor
-    """``[n, num_key_blocks]``, ``torch.int64``: each request's physical blocks in logical
-    order from logical block ``key_offsets[r] // block_size`` on (its block-table row, cut
-    to the segment's key range). Blocks past a request's ``cdiv(seq_len, block_size)``
-    hold ``NULL_BLOCK_ID`` (masked). Full attention: ``num_key_blocks =
-    cdiv(max_seq_len, block_size)``; sliding window: at most ``cdiv(W + query_len - 1,
-    block_size) + 1``."""
+    """``[n, num_key_blocks]``, ``torch.int32`` (decode segment: the block table's dtype) or
+    ``torch.int64``: each request's physical blocks in logical order from logical block
+    ``key_offsets[r] // block_size`` on (its block-table row, cut to the segment's key
+    range). Entries past a request's ``cdiv(seq_len, block_size)`` are valid block ids
+    whose keys are never used (``NULL_BLOCK_ID``, or in the decode segment what the block
+    table holds there: null or the request's own blocks; ``attention.keys_used`` masks
+    them). Full attention: ``num_key_blocks = cdiv(max_seq_len, block_size)``; sliding
+    window: at most ``cdiv(W + query_len - 1, block_size) + 1``. Full-attention decodes in
+    consecutive rows read a view of the block table (no copy)."""
 
     key_offsets: torch.Tensor
     """``[n]``, ``torch.int64``; units: token positions, multiples of ``block_size``. Key
@@ -84,14 +89,20 @@ class AttentionSegment:
     max_key_offset: int
     """``max(key_offsets)`` (tokens)."""
 
-    key_block_columns: torch.Tensor
+    key_block_columns: torch.Tensor | None
     """``[n, num_key_blocks]``, ``torch.int64``: the block-table column each entry of
     ``key_block_ids`` comes from (0 where ``key_block_live`` is False). The same for every
-    group with this spec, so ``update_block_table`` only gathers new ids."""
+    group with this spec, so ``update_block_table`` only gathers new ids. ``None`` when
+    ``row_start`` is set."""
 
-    key_block_live: torch.Tensor
+    key_block_live: torch.Tensor | None
     """``[n, num_key_blocks]``, ``torch.bool``: the entry is one of the request's blocks
-    (False past its ``cdiv(seq_len, block_size)``: ``NULL_BLOCK_ID`` there)."""
+    (False past its ``cdiv(seq_len, block_size)``). ``None`` when ``row_start`` is set."""
+
+    row_start: int | None = None
+    """Set when the segment's rows are ``row_start .. row_start + n - 1`` and it reads
+    block-table columns ``0 .. num_key_blocks - 1`` (full-attention decodes):
+    ``key_block_ids`` is then a view of the block table."""
 
 
 @dataclass(frozen=True)
@@ -168,6 +179,11 @@ class TorchNativeMetadataBuilder(AttentionMetadataBuilder):
     reorder_batch_threshold = None
     supports_update_block_table = True
 
+    def __init__(self, kv_cache_spec, layer_names: list[str], config, device: torch.device | str):
+        super().__init__(kv_cache_spec, layer_names, config, device)
+        self.validate_values = builder_values_checked()
+        """Check the host values of every step (``ATTNPLUG_VALIDATE=1`` when created)."""
+
     @property
     def block_size(self) -> int:
         return int(self.kv_cache_spec.block_size)
@@ -197,21 +213,20 @@ class TorchNativeMetadataBuilder(AttentionMetadataBuilder):
         cm = common_attn_metadata
         self._check(cm)
         num_reqs = cm.num_reqs
-        qsl = cm.query_start_loc_cpu[: num_reqs + 1].long()
-        query_lens = qsl[1:] - qsl[:-1]
-        seq_lens = cm.seq_lens_cpu[:num_reqs].long()
+        qsl_np = cm.query_start_loc_cpu[: num_reqs + 1].numpy().astype(np.int64)
+        seq_np = cm.seq_lens_cpu[:num_reqs].numpy().astype(np.int64)
+        query_lens = np.diff(qsl_np)
         block_table = cm.block_table_tensor
 
-        groups = []
-        decodes = torch.nonzero(query_lens == 1).flatten()
-        if len(decodes):
-            groups.append((decodes, 1))
-        for i in torch.nonzero(query_lens > 1).flatten().tolist():
-            groups.append((torch.tensor([i]), int(query_lens[i])))
-
-        B, window = self.block_size, self.sliding_window
         segments = []
-        for req_cpu, query_len in groups:
+        decodes = np.flatnonzero(query_lens == 1)
+        if decodes.shape[0]:
+            segments.append(self._decode_segment(block_table, decodes, qsl_np, seq_np))
+        qsl = torch.from_numpy(qsl_np)
+        seq_lens = torch.from_numpy(seq_np)
+        B, window = self.block_size, self.sliding_window
+        for i in np.flatnonzero(query_lens > 1).tolist():  # one segment per prefill row
+            req_cpu, query_len = torch.tensor([i]), int(query_lens[i])
             seg_seq_lens = seq_lens[req_cpu]
             offsets = torch.arange(query_len)
             token_idx = qsl[req_cpu].unsqueeze(1) + offsets
@@ -260,6 +275,45 @@ class TorchNativeMetadataBuilder(AttentionMetadataBuilder):
             segments=tuple(segments),
         )
 
+    def _decode_segment(self, block_table: torch.Tensor, rows: np.ndarray, qsl: np.ndarray,
+                        seq: np.ndarray) -> AttentionSegment:
+        """Every one-token row in one segment, from a constant number of vectorised host
+        ops: the key range of full attention is a view of the block table when the rows are
+        consecutive; a sliding window gathers only each row's live window blocks
+        (``num_key_blocks <= cdiv(W, block_size) + 1``)."""
+        B, window, dev = self.block_size, self.sliding_window, self.device
+        n = rows.shape[0]
+        lo = int(rows[0])
+        consecutive = int(rows[-1]) - lo == n - 1
+        seg_seq = seq[lo:lo + n] if consecutive else seq[rows]
+        num_blocks = (seg_seq + B - 1) // B
+        first = None if window is None else num_skipped_blocks(seg_seq - 1, window, B).astype(np.int64)
+        num_key_blocks = int(num_blocks.max() if first is None else (num_blocks - first).max())
+        rows_t = torch.from_numpy(rows).to(dev)
+        columns = live = row_start = None
+        if first is None and consecutive:
+            row_start = lo
+            key_block_ids = block_table[lo:lo + n, :num_key_blocks]
+            key_offsets = torch.zeros(n, dtype=torch.int64, device=dev)
+            min_off = max_off = 0
+        else:
+            base = np.zeros(n, dtype=np.int64) if first is None else first
+            cols = base[:, None] + np.arange(num_key_blocks, dtype=np.int64)[None, :]
+            live_np = cols < num_blocks[:, None]
+            columns = torch.from_numpy(np.where(live_np, cols, 0)).to(dev)
+            live = torch.from_numpy(live_np).to(dev)
+            key_block_ids = _key_block_ids(block_table, rows_t, columns, live)
+            offsets = base * B
+            key_offsets = torch.from_numpy(offsets).to(dev)
+            min_off, max_off = int(offsets.min()), int(offsets.max())
+        return AttentionSegment(
+            req_indices=rows_t, query_len=1, max_seq_len=int(seg_seq.max()), min_seq_len=int(seg_seq.min()),
+            query_token_indices=torch.from_numpy(qsl[rows].reshape(n, 1)).to(dev),
+            query_positions=torch.from_numpy((seg_seq - 1).reshape(n, 1)).to(dev),
+            seq_lens=torch.from_numpy(seg_seq).to(dev), key_block_ids=key_block_ids, key_offsets=key_offsets,
+            min_key_offset=min_off, max_key_offset=max_off, key_block_columns=columns, key_block_live=live,
+            row_start=row_start)
+
     def update_block_table(self, metadata: TorchNativeMetadata, block_table: torch.Tensor,
                            slot_mapping: torch.Tensor) -> TorchNativeMetadata:
         """A copy of ``metadata`` that reads ``block_table`` and writes ``slot_mapping``.
@@ -279,8 +333,10 @@ class TorchNativeMetadataBuilder(AttentionMetadataBuilder):
         """
         self._check_block_table(block_table, metadata.num_reqs, metadata.max_seq_len)
         segments = tuple(
-            dataclasses.replace(seg, key_block_ids=_key_block_ids(block_table, seg.req_indices,
-                                                                  seg.key_block_columns, seg.key_block_live))
+            dataclasses.replace(seg, key_block_ids=(
+                block_table[seg.row_start: seg.row_start + seg.key_block_ids.shape[0], : seg.key_block_ids.shape[1]]
+                if seg.row_start is not None else
+                _key_block_ids(block_table, seg.req_indices, seg.key_block_columns, seg.key_block_live)))
             for seg in metadata.segments)
         write_slots = slot_mapping.index_select(0, metadata.write_token_indices).long()
         return dataclasses.replace(metadata, block_table_tensor=block_table, slot_mapping=slot_mapping,
@@ -299,26 +355,17 @@ class TorchNativeMetadataBuilder(AttentionMetadataBuilder):
                 "unaddressable; allocate enough blocks per request (or check the block size).")
 
     def _check(self, cm: CommonAttentionMetadata) -> None:
-        """Raise :class:`MetadataError` when the sizes of ``cm`` disagree."""
+        """Raise :class:`MetadataError` when the sizes of ``cm`` disagree (host values too
+        with ``ATTNPLUG_VALIDATE=1``: ``backends/common/buffer_checks.py``)."""
         n = cm.num_reqs
         if cm.query_start_loc_cpu.shape[0] < n + 1 or cm.seq_lens_cpu.shape[0] < n:
             raise MetadataError(
                 f"query_start_loc_cpu has {cm.query_start_loc_cpu.shape[0]} entries and seq_lens_cpu "
                 f"{cm.seq_lens_cpu.shape[0]} but num_reqs={n}: expected >= num_reqs + 1 and >= num_reqs.")
-        qsl = cm.query_start_loc_cpu[: n + 1].long()
-        if int(qsl[-1]) != cm.num_actual_tokens:
-            raise MetadataError(
-                f"query_start_loc_cpu[num_reqs]={int(qsl[-1])} but num_actual_tokens="
-                f"{cm.num_actual_tokens}: they must agree (the flat token count).")
-        query_lens = qsl[1:] - qsl[:-1]
-        seq_lens = cm.seq_lens_cpu[:n].long()
-        if n and bool(((query_lens < 0) | (seq_lens < query_lens)).any()):
-            bad = int(torch.nonzero((query_lens < 0) | (seq_lens < query_lens))[0])
-            raise MetadataError(
-                f"request {bad}: query length {int(query_lens[bad])} with seq_len {int(seq_lens[bad])}: "
-                "need 0 <= query_len <= seq_len (seq_len = num_computed_tokens + query_len).")
         if cm.slot_mapping.shape[0] < cm.num_actual_tokens:
             raise MetadataError(
                 f"slot_mapping has {cm.slot_mapping.shape[0]} entries but num_actual_tokens="
                 f"{cm.num_actual_tokens}: one slot per scheduled token is required.")
-        self._check_block_table(cm.block_table_tensor, n, int(seq_lens.max()) if n else 0)
+        if self.validate_values:
+            check_step_values(cm)
+        self._check_block_table(cm.block_table_tensor, n, cm.max_seq_len if n else 0)
