@@ -28,7 +28,8 @@ from attnplug.core.contracts import AttentionBackend, AttentionLayerConfig, Atte
 from attnplug.core.devices import resolve_device
 from attnplug.core.mamba import MambaLayerConfig
 from attnplug.runner.models.bamba_config import BambaModelConfig
-from attnplug.runner.models.layers import Attention, RMSNorm, RotaryEmbedding, SwiGLUMLP, lookup_layer
+from attnplug.runner.models.layers import (Attention, RMSNorm, RotaryEmbedding, SwiGLUMLP, lookup_layer,
+                                            lookup_metadata)
 from attnplug.runner.models.llama import attention_layer_name
 from attnplug.runner.models.mamba2 import Mamba2Mixer
 from attnplug.runner.models.weights import load_hf_state_dict
@@ -184,7 +185,7 @@ class BambaModel(nn.Module):
         for layer in self.model.layers:
             name = layer.layer_name
             hidden = layer(hidden, positions, lookup_layer(kv_caches, name, "kv_caches"),
-                           lookup_layer(attn_metadata, name, "attn_metadata"))
+                           lookup_metadata(attn_metadata, name))
         return self.model.final_layernorm(hidden)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:

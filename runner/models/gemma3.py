@@ -39,8 +39,9 @@ from torch import nn
 from attnplug.cache_groups.specs import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 from attnplug.core.contracts import AttentionBackend, AttentionLayerConfig, AttentionType
 from attnplug.core.devices import resolve_device
+from attnplug.runner.models.attention_op import attend
 from attnplug.runner.models.gemma3_config import Gemma3ModelConfig
-from attnplug.runner.models.layers import RotaryEmbedding, lookup_layer
+from attnplug.runner.models.layers import RotaryEmbedding, lookup_layer, lookup_metadata
 from attnplug.runner.models.llama import attention_layer_name
 from attnplug.runner.models.config import RopeScaling
 from attnplug.runner.models.weights import load_hf_state_dict
@@ -123,7 +124,7 @@ class Gemma3Attention(nn.Module):
         cos, sin = self.rope.cos_sin(positions, hidden.dtype)
         q, k = self.rope.apply(q, cos, sin), self.rope.apply(k, cos, sin)
         out = torch.zeros_like(q)
-        self.impl.forward(self, q, k, v, kv_cache, attn_metadata, out)
+        attend(self, q, k, v, kv_cache, attn_metadata, out)
         return self.o_proj(out.view(n, self.num_heads * self.head_size))
 
 
@@ -230,7 +231,7 @@ class Gemma3Model(nn.Module):
         for layer in self.model.layers:
             name = layer.self_attn.layer_name
             hidden = layer(hidden, positions, lookup_layer(kv_caches, name, "kv_caches"),
-                           lookup_layer(attn_metadata, name, "attn_metadata"))
+                           lookup_metadata(attn_metadata, name))
         return self.model.norm(hidden)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:

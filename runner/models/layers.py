@@ -5,7 +5,9 @@ float32, RoPE inverse frequencies and angles in float32 with ``cos``/``sin`` cas
 activation dtype, the "rotate half" (non-interleaved) pairing of dimensions ``i`` and
 ``i + head_size / 2``.
 
-The attention layer has exactly one attention path: its backend's ``AttentionImpl``.
+The attention layer has exactly one attention path: its backend's ``AttentionImpl``,
+called directly in eager mode and through the ``attnplug::attention`` custom op while
+``torch.compile`` traces (``attention_op.attend``).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from torch import nn
 
 from attnplug.core.contracts import AttentionBackend, AttentionType
 from attnplug.core.errors import MetadataError
+from attnplug.runner.models.attention_op import attend
 from attnplug.runner.models.config import RopeScaling
 
 
@@ -153,7 +156,7 @@ class Attention(nn.Module):
         cos, sin = self.rope.cos_sin(positions, hidden.dtype)
         q, k = self.rope.apply(q, cos, sin), self.rope.apply(k, cos, sin)
         out = torch.zeros_like(q)  # padded rows stay zero
-        self.impl.forward(self, q, k, v, kv_cache, attn_metadata, out)
+        attend(self, q, k, v, kv_cache, attn_metadata, out)
         return self.o_proj(out.view(n, self.num_heads * self.head_size))
 
 
@@ -165,3 +168,12 @@ def lookup_layer(mapping, layer_name: str, what: str):
         raise MetadataError(
             f"{what} has no entry for attention layer {layer_name!r} (it has {len(mapping)} entries): "
             f"pass one per layer, keyed by the names in model.layer_names.") from None
+
+
+def lookup_metadata(attn_metadata, layer_name: str):
+    """:func:`lookup_layer` of ``attn_metadata`` in eager mode; ``None`` while ``torch.compile``
+    traces: the compiled ops read the metadata from the forward context
+    (``attention_op.forward_context``), and Dynamo, never reading it, adds no guards on it."""
+    if torch.compiler.is_compiling():
+        return None
+    return lookup_layer(attn_metadata, layer_name, "attn_metadata")

@@ -26,7 +26,8 @@ from attnplug.cache_groups.specs import FullAttentionSpec, KVCacheSpec, SlidingW
 from attnplug.core.contracts import AttentionBackend, AttentionLayerConfig, AttentionType
 from attnplug.core.devices import resolve_device
 from attnplug.runner.models.config import DecoderModelConfig
-from attnplug.runner.models.layers import Attention, RMSNorm, RotaryEmbedding, SwiGLUMLP, lookup_layer
+from attnplug.runner.models.layers import (Attention, RMSNorm, RotaryEmbedding, SwiGLUMLP, lookup_layer,
+                                            lookup_metadata)
 from attnplug.runner.models.weights import load_hf_state_dict
 
 BackendForLayer = Callable[[str, AttentionLayerConfig], type[AttentionBackend]]
@@ -167,7 +168,7 @@ class DecoderModel(nn.Module):
         for layer in self.model.layers:
             name = layer.self_attn.layer_name
             hidden = layer(hidden, positions, lookup_layer(kv_caches, name, "kv_caches"),
-                           lookup_layer(attn_metadata, name, "attn_metadata"))
+                           lookup_metadata(attn_metadata, name))
         return self.model.norm(hidden)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:

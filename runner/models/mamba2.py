@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from attnplug.core.mamba import MambaBackend, MambaLayerConfig, MambaStateCache
+from attnplug.runner.models.attention_op import mix
 
 
 class GatedRMSNorm(nn.Module):
@@ -82,5 +83,5 @@ class Mamba2Mixer(nn.Module):
         c = self.layer_cfg
         gate, xbc, dt = self.in_proj(hidden).split([c.intermediate_size, c.conv_dim, c.num_heads], dim=-1)
         y = hidden.new_zeros((hidden.shape[0], c.intermediate_size))
-        self.impl.forward(self, xbc, dt, state, attn_metadata, y)
+        mix(self, xbc, dt, state, attn_metadata, y)  # the impl; attnplug::mamba_mixer while compiling
         return self.out_proj(self.norm(y, gate))
