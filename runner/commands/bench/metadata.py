@@ -38,6 +38,18 @@ NUM_LAYERS = 48
 LAYERS_PER_GROUP = 8
 
 
+def tiny_hybrid_layer_specs(block_size: int = 16) -> dict[str, KVCacheSpec]:
+    """``{layer_name: spec}`` of the ``tiny-hybrid`` preset's 3 cache groups (one layer each
+    of sliding window ``W = 64``, full attention and Mamba2; 2 KV heads of 32; Mamba2 with 8
+    heads of 64, 1 group, state 32, conv 4, chunk 64: ``runner/models/presets.py``)."""
+    attn = dict(block_size=block_size, num_kv_heads=2, head_size=32, dtype=torch.float32)
+    conv_dim = 8 * 64 + 2 * 32
+    mamba = MambaSpec(block_size=block_size, conv_state_shape=(conv_dim, 3), ssm_state_shape=(8, 64, 32),
+                      dtype=torch.float32, ssm_dtype=torch.float32, chunk_size=64)
+    return {"model.layers.0": SlidingWindowSpec(**attn, sliding_window=64), "model.layers.1": mamba,
+            "model.layers.2": FullAttentionSpec(**attn)}
+
+
 def hybrid_layer_specs(block_size: int = 16, sliding_window: int = 1024) -> dict[str, KVCacheSpec]:
     """``{layer_name: spec}`` of the 48-layer hybrid: layer ``i`` is full attention when
     ``i % 3 == 0``, sliding window when ``i % 3 == 1``, Mamba2 otherwise (8 KV heads of
@@ -61,14 +73,17 @@ class HybridWorkload:
 
 
 def hybrid_trace_replay(num_steps: int, num_requests: int = 2000, budget: int = 2048, max_model_len: int = 8192,
-                        max_num_seqs: int = 256, num_blocks: int = 40000) -> HybridWorkload:
+                        max_num_seqs: int = 256, num_blocks: int = 40000,
+                        layer_specs: dict[str, KVCacheSpec] | None = None) -> HybridWorkload:
     """The first ``num_steps`` steps of the conversation trace, scheduled for the hybrid's
-    6 cache groups (all requests queued at once; sampled tokens are a constant)."""
+    6 cache groups (or the groups of ``layer_specs``; all requests queued at once; sampled
+    tokens are a constant)."""
     from attnplug.runner.serve.scheduler import Scheduler, SchedulerConfig
     from attnplug.runner.step.scheduler_output import SamplingParams
     from attnplug.runner.commands.traces import load_trace, make_prompts
 
-    groups = group_layers_by_spec(hybrid_layer_specs(), max_layers_per_group=LAYERS_PER_GROUP)
+    specs = hybrid_layer_specs() if layer_specs is None else layer_specs
+    groups = group_layers_by_spec(specs, max_layers_per_group=LAYERS_PER_GROUP)
     kv = KVCacheConfig(num_blocks, groups, num_state_slots=max_num_seqs + 1)
     sched = Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
                                       max_model_len=max_model_len), kv)
@@ -83,7 +98,7 @@ def hybrid_trace_replay(num_steps: int, num_requests: int = 2000, budget: int = 
         sched.update_from_output(out, sampled)
         steps.append(out)
     config = dict(max_num_reqs=max_num_seqs, max_model_len=max_model_len, max_num_batched_tokens=budget)
-    name = f"hybrid: {NUM_LAYERS} layers, {len(groups)} groups (trace, {budget}-token budget)"
+    name = f"hybrid: {len(specs)} layers, {len(groups)} groups (trace, {budget}-token budget)"
     return HybridWorkload(Workload(name, config, steps, num_warmup=min(10, len(steps) // 10)), kv)
 
 

@@ -19,12 +19,21 @@ median of the per-step sum; "total" adds the metadata).
 A second table (``--hybrid-steps``, :mod:`attnplug.runner.commands.bench.metadata`): a 48-layer
 hybrid in 6 cache groups, the per-step time of the backends' metadata builders with
 builder caching on and off, side by side.
+
+The builders tables (``--builder-steps``, :mod:`attnplug.runner.commands.bench.builders`): µs
+per ``build()`` / ``update_block_table()`` per backend at each N and on the trace, and the
+full step (update + prepare + every group's builder) of the 3-group tiny-hybrid and the
+6-group 48-layer hybrid. ``--json`` prints every figure as JSON instead (min / median /
+max over the ``--repeat`` replays, the torch thread count and the load average at start).
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import json
+import os
+import statistics
 import time
 from typing import Callable
 
@@ -159,13 +168,49 @@ def render(rows: list[tuple[str, dict, dict | None, dict | None, float | None]],
     return ""
 
 
-def _ours_and_numpy(args, w: Workload, steps: int) -> tuple[dict, dict | None]:
-    """Best-of-``repeat`` of our compiler with and without the compiled paths, the two
-    replays interleaved so that both see the same machine weather."""
+def _ours_and_numpy(args, w: Workload, steps: int) -> tuple[list[dict], list[dict] | None]:
+    """``repeat`` replays of our compiler with and without the compiled paths, the two
+    interleaved so that both see the same machine weather (the table shows the best)."""
     if NATIVE is None or args.no_numpy:
-        return best_of(args.repeat, lambda: time_optimized(w, steps)), None
+        return [time_optimized(w, steps) for _ in range(max(1, args.repeat))], None
     runs = [(time_optimized(w, steps), time_optimized(w, steps, native=False)) for _ in range(max(1, args.repeat))]
-    return min((r[0] for r in runs), key=lambda r: r["total"]), min((r[1] for r in runs), key=lambda r: r["total"])
+    return [r[0] for r in runs], [r[1] for r in runs]
+
+
+def _best(runs: list[dict] | None) -> dict | None:
+    return None if runs is None else min(runs, key=lambda r: r["total"])
+
+
+def _spread(runs: list[dict] | None) -> dict | None:
+    """Per stage ``{"min", "median", "max"}`` over the replays."""
+    if runs is None:
+        return None
+    keys = [k for k in runs[0] if k != "steps"]
+    return {k: {"min": min(r[k] for r in runs), "median": statistics.median(r[k] for r in runs),
+                "max": max(r[k] for r in runs)} for k in keys}
+
+
+def _sizes(text: str) -> list[int]:
+    """``--sizes``: comma-separated positive ints (empty: none)."""
+    try:
+        sizes = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of batch sizes") from None
+    if any(n < 1 for n in sizes):
+        raise argparse.ArgumentTypeError(f"{text!r}: batch sizes must be positive")
+    return sizes
+
+
+def _int_at_least(low: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an int") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{value} must be >= {low}")
+        return value
+    return parse
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -176,48 +221,74 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="attnplug bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("which", nargs="?", default="step", choices=["step", "attention"],
                         help="the benchmark to run (default: step; `attention --help` for its options)")
-    parser.add_argument("--steps", type=int, default=300, help="timed steady-decode steps per size (default 300)")
-    parser.add_argument("--sizes", default="16,64,256,1024", help="steady-decode batch sizes N")
-    parser.add_argument("--trace-steps", type=int, default=300, help="trace-replay steps (0 skips it)")
-    parser.add_argument("--naive-steps", type=int, default=60,
+    parser.add_argument("--steps", type=_int_at_least(1), default=300,
+                        help="timed steady-decode steps per size (default 300)")
+    parser.add_argument("--sizes", type=_sizes, default=[16, 64, 256, 1024],
+                        help="steady-decode batch sizes N, comma-separated (empty: none)")
+    parser.add_argument("--trace-steps", type=_int_at_least(0), default=300, help="trace-replay steps (0 skips it)")
+    parser.add_argument("--naive-steps", type=_int_at_least(1), default=60,
                         help="timed steps for the naive implementation (it is slow; default 60)")
     parser.add_argument("--no-naive", action="store_true", help="skip the naive implementation")
     parser.add_argument("--no-numpy", action="store_true",
                         help="skip the numpy-path column (our compiler without the compiled fast paths)")
     parser.add_argument("--prompt-arrays", action="store_true",
                         help="steady decode: send prompts as int32 numpy arrays instead of Python lists")
-    parser.add_argument("--hybrid-steps", type=int, default=100,
+    parser.add_argument("--hybrid-steps", type=_int_at_least(0), default=100,
                         help="hybrid metadata row (48 layers, 6 groups): timed steps (0 skips it)")
     parser.add_argument("--markdown", action="store_true", help="print a markdown table instead of rich")
-    parser.add_argument("--repeat", type=int, default=3,
+    parser.add_argument("--builder-steps", type=_int_at_least(0), default=200,
+                        help="builders tables: timed steps per workload (0 skips them; default 200)")
+    parser.add_argument("--no-compiler", action="store_true",
+                        help="skip the step-compiler table (e.g. to run only the builders tables)")
+    parser.add_argument("--json", action="store_true", help="print every figure as JSON instead of tables")
+    parser.add_argument("--repeat", type=_int_at_least(1), default=3,
                         help="replay each workload this many times and report the run with the lowest "
                              "median total (default 3; the naive implementation runs once)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
-    rows = []
-    for n in sizes:
-        w = steady_decode(n, max(args.steps, 0 if args.no_naive else args.naive_steps),
-                          prompt_arrays=args.prompt_arrays)
-        ours, numpy_path = _ours_and_numpy(args, w, args.steps)
-        naive = None if args.no_naive else time_naive(w, min(args.naive_steps, args.steps))
-        rows.append((w.name, ours, numpy_path, naive, TARGETS_US.get(n)))
-    if args.trace_steps > 0:
-        w = trace_replay(args.trace_steps + 10)
-        ours, numpy_path = _ours_and_numpy(args, w, args.trace_steps)
-        naive = None if args.no_naive else time_naive(w, min(args.naive_steps, args.trace_steps))
-        rows.append((w.name, ours, numpy_path, naive, None))
-    text = render(rows, args.markdown) if rows else ""
+    report = {"torch_threads": torch.get_num_threads(), "load_average": list(os.getloadavg()),
+              "repeat": args.repeat}
+    sizes = args.sizes
+    rows, json_rows = [], []
+    workloads = [] if args.no_compiler else [
+        (steady_decode(n, max(args.steps, 0 if args.no_naive else args.naive_steps),
+                       prompt_arrays=args.prompt_arrays), args.steps, TARGETS_US.get(n)) for n in sizes]
+    if args.trace_steps > 0 and not args.no_compiler:
+        workloads.append((trace_replay(args.trace_steps + 10), args.trace_steps, None))
+    for w, steps, target in workloads:
+        ours, numpy_path = _ours_and_numpy(args, w, steps)
+        naive = None if args.no_naive else time_naive(w, min(args.naive_steps, steps))
+        rows.append((w.name, _best(ours), _best(numpy_path), naive, target))
+        json_rows.append(dict(workload=w.name, ours=_spread(ours), numpy_path=_spread(numpy_path), naive=naive,
+                              target_us=target))
+    report["step_compiler"] = json_rows
+    text = render(rows, args.markdown) if rows and not args.json else ""
     if text:
         print(text)
-    if args.trace_steps > 0:
+    if args.trace_steps > 0 and not args.no_compiler and not args.json:
         print(f"trace replay: request lengths from the bundled trace `conv`, {BUNDLED_ATTRIBUTION}.")
     if args.hybrid_steps > 0:
         from attnplug.runner.commands.bench.metadata import render_hybrid, run_hybrid
 
-        text = render_hybrid(*run_hybrid(args.hybrid_steps, args.repeat), args.markdown)
+        name, hybrid = run_hybrid(args.hybrid_steps, args.repeat)
+        report["hybrid_metadata"] = dict(workload=name, **hybrid)
+        text = "" if args.json else render_hybrid(name, hybrid, args.markdown)
         if text:
             print(("\n" if rows else "") + text)
+    if args.builder_steps > 0:
+        from attnplug.runner.commands.bench.builders import render_builders, run_builders, run_full_step
+
+        trace = min(args.trace_steps, args.builder_steps)
+        report["builders"] = run_builders(sizes, args.builder_steps, trace, args.repeat)
+        report["full_step"] = run_full_step(sizes, args.builder_steps, trace, args.repeat)
+        text = "" if args.json else render_builders(report["builders"], report["full_step"], args.markdown)
+        if text:
+            print("\n" + text)
+    if args.json:
+        print(json.dumps(report, indent=1))
+    elif args.builder_steps > 0 or rows:
+        print(f"torch threads: {report['torch_threads']}; load average at start: "
+              + ", ".join(f"{x:.2f}" for x in report["load_average"]))
     return 0
 
 
