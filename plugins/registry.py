@@ -9,8 +9,11 @@ loaded by the discovery module; this module imports nothing else of ``attnplug.p
 
 Validation of a registered class (:func:`check_backend_class`) is strict and collects
 every problem: an :class:`~attnplug.core.contracts.AttentionBackend` subclass, not
-abstract, a usable name, and a ``plugin_api_version`` compatible with
-:data:`~attnplug.core.contracts.PLUGIN_API_VERSION` (same major, minor not newer).
+abstract, a usable name, a ``plugin_api_version`` compatible with
+:data:`~attnplug.core.contracts.PLUGIN_API_VERSION` (same major, minor not newer), and
+well-formed capability declarations (:data:`DECLARATIONS`, ``features()``): a backend
+declaring ``supported_devices = None`` is a fault of that backend, never an error of the
+listing or of selection.
 """
 
 from __future__ import annotations
@@ -20,7 +23,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
-from attnplug.core.contracts import PLUGIN_API_VERSION, AttentionBackend
+import torch
+
+from attnplug.core.contracts import PLUGIN_API_VERSION, AttentionBackend, AttentionType
 from attnplug.core.errors import PluginValidationError, UnknownBackendError
 
 BACKEND_NAME_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_.\-]*$")
@@ -170,8 +175,55 @@ def check_backend_class(obj: Any) -> tuple[str | None, list[str]]:
         problems.append(f"{obj.__qualname__} {why}")
     kind = getattr(obj, "kv_cache_kind", None)
     if not isinstance(kind, str) or not kind:
-        problems.append(f"{obj.__qualname__}.kv_cache_kind must be a non-empty str, got {kind!r}")
+        problems.append(f"{obj.__qualname__}.kv_cache_kind must be a non-empty str, got {_short(kind)}")
+    problems += check_declarations(obj)
     return name, problems
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _is_positive_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v > 0
+
+
+DECLARATIONS: dict[str, tuple[bool, str, Any]] = {
+    "supported_dtypes": (False, "torch dtypes", lambda v: isinstance(v, torch.dtype)),
+    "supported_head_sizes": (True, "positive ints", _is_positive_int),
+    "supported_kernel_block_sizes": (True, "positive ints", _is_positive_int),
+    "supported_devices": (False, "device type names (str)", lambda v: isinstance(v, str) and bool(v)),
+    "supported_attn_types": (False, "AttentionType members", lambda v: isinstance(v, AttentionType)),
+}
+"""``attribute -> (None allowed, what the entries are, entry check)``: the capability
+declarations of ``AttentionBackend`` (``core/contracts.py``), each a tuple or list."""
+
+
+def check_declarations(obj: type) -> list[str]:
+    """Every problem with ``obj``'s capability declarations (:data:`DECLARATIONS`) and
+    ``features()`` (a dict of str -> bool). Never raises: an attribute or ``features()``
+    that raises is itself a problem."""
+    problems: list[str] = []
+    for attr, (none_ok, what, ok) in DECLARATIONS.items():
+        try:
+            value = getattr(obj, attr)
+        except Exception as exc:
+            problems.append(f"{obj.__qualname__}.{attr} raised {type(exc).__name__}: {exc}")
+            continue
+        if value is None and none_ok:
+            continue
+        if not isinstance(value, (tuple, list)) or not all(ok(v) for v in value):
+            problems.append(f"{obj.__qualname__}.{attr} must be a tuple of {what}"
+                            f"{' or None' if none_ok else ''}, got {_short(value)}")
+    try:
+        feats = obj.features()
+    except Exception as exc:
+        problems.append(f"{obj.__qualname__}.features() raised {type(exc).__name__}: {exc}")
+    else:
+        if not (isinstance(feats, dict) and all(isinstance(k, str) and isinstance(v, bool) for k, v in feats.items())):
+            problems.append(f"{obj.__qualname__}.features() must return a dict of str -> bool, got {_short(feats)}")
+    return problems
 
 
 @dataclass

@@ -3,6 +3,7 @@ scheduler, runner, and the trace's requests. Used by ``attnplug run`` and ``pari
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,7 +17,7 @@ from attnplug.runner.serve.engine import LLMEngine
 from attnplug.runner.execute.model_runner import ModelRunner, RunnerConfig
 from attnplug.runner.serve.scheduler import Scheduler, SchedulerConfig
 from attnplug.runner.step.scheduler_output import SamplingParams
-from attnplug.runner.commands.limits import memory_problem
+from attnplug.runner.commands.limits import clip, memory_problem
 from attnplug.runner.commands.traces import BUNDLED_ATTRIBUTION, BUNDLED_TRACES
 
 
@@ -95,9 +96,77 @@ def check_kv_memory(kv_cfg: KVCacheConfig, max_num_seqs: int, max_model_len: int
                             "--max-model-len)")
 
 
+class BackendBuildError(AttnplugError):
+    """A selected backend that cannot be built: its ``get_builder_cls`` / ``get_impl_cls``
+    raised or returned something that is not a class, or its builder's constructor raised.
+    The message names the backend, the cache group (kind, and index once groups exist),
+    how the backend was chosen, and the exception."""
+
+
+def _build_failure(backend: type[AttentionBackend], group: str, what: str, exc: BaseException | str) -> BackendBuildError:
+    name = getattr(backend, "__qualname__", repr(backend))
+    try:
+        name = repr(backend.get_name())
+    except Exception:
+        pass
+    if isinstance(exc, str):
+        why = exc
+    else:
+        text = " ".join(str(exc).split())
+        why = f"raised {type(exc).__name__}: {text if len(text) <= 300 else text[:300] + '...'}"
+    return BackendBuildError(f"backend {name} selected for {group}: {what} {why}")
+
+
+def check_buildable(backend: type[AttentionBackend], group: str) -> None:
+    """``backend.get_builder_cls()`` and ``get_impl_cls()`` return classes.
+
+    Raises:
+        BackendBuildError: either raised, or returned ``None`` or another non-class.
+    """
+    for method in ("get_builder_cls", "get_impl_cls"):
+        try:
+            cls = getattr(backend, method)()
+        except Exception as exc:
+            raise _build_failure(backend, group, f"{method}()", exc) from exc
+        if not inspect.isclass(cls):
+            raise _build_failure(backend, group, f"{method}()", f"returned {clip(cls)}, not a class")
+
+
+def check_builders(kv_cfg: KVCacheConfig, backends: list[type[AttentionBackend]], budget: int,
+                   max_num_seqs: int, max_model_len: int, device: str) -> None:
+    """Construct each cache group's builder once, as ``ModelRunner`` will
+    (``docs/embedding.md``), so that a builder whose constructor raises is named.
+
+    Raises:
+        BackendBuildError: a builder's constructor raised (group index and kind named).
+        BackendUnsupportedError: a backend cannot serve its group's block size.
+    """
+    from attnplug.core.contracts import BuilderConfig
+    from attnplug.runner.execute.kv_caches import kernel_kv_cache_spec, negotiate_kernel_block_sizes
+
+    sizes = negotiate_kernel_block_sizes(kv_cfg, backends)
+    cfg = BuilderConfig(max_num_seqs, budget, max_model_len)
+    for g, (group, backend, kbs) in enumerate(zip(kv_cfg.groups, backends, sizes)):
+        where = f"cache group {g} ({group.kv_cache_spec.kind.value})"
+        check_buildable(backend, where)
+        try:
+            backend.get_builder_cls()(kernel_kv_cache_spec(group.kv_cache_spec, kbs), list(group.layer_names),
+                                      cfg, device)
+        except AttnplugError:
+            raise
+        except Exception as exc:
+            raise _build_failure(backend, where, "its builder", exc) from exc
+
+
 def resolve_backend(name: str | None, layer_cfgs: dict[str, AttentionLayerConfig],
                     kind_of: dict[str, str]) -> dict[str, type[AttentionBackend]]:
-    """The backend of every attention layer (explicit ``name`` for all, else automatic)."""
+    """The backend of every attention layer (explicit ``name`` for all, else automatic).
+
+    Raises:
+        BackendBuildError: a chosen backend's ``get_builder_cls`` / ``get_impl_cls``
+            raised or returned no class (before the model builds any layer with it).
+        AttnplugError: the selection's own errors (``plugins/selection.py``).
+    """
     from attnplug.plugins.selection import select_backend
 
     chosen: dict[str, type[AttentionBackend]] = {}
@@ -105,7 +174,9 @@ def resolve_backend(name: str | None, layer_cfgs: dict[str, AttentionLayerConfig
     for layer, cfg in layer_cfgs.items():
         key = (cfg, kind_of[layer])
         if key not in memo:
-            memo[key] = select_backend(cfg, kind_of[layer], cli_choice=name).backend_cls
+            result = select_backend(cfg, kind_of[layer], cli_choice=name)
+            check_buildable(result.backend_cls, f"the {kind_of[layer]} cache group (chosen by {result.origin})")
+            memo[key] = result.backend_cls
         chosen[layer] = memo[key]
     return chosen
 
@@ -136,6 +207,7 @@ def build_engine(args, *, alone: bool = False, model: torch.nn.Module | None = N
     check_kv_memory(kv_cfg, max_num_seqs, max_model_len, device,
                     "--num-blocks" if args.num_blocks else "the default --num-blocks")
     backends = [model.attnplug_backends[g.layer_names[0]] for g in groups]
+    check_builders(kv_cfg, backends, budget, max_num_seqs, max_model_len, device)
     sched = Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
                                       max_model_len=max_model_len, enable_chunked_prefill=not alone,
                                       force_preemption_every=getattr(args, "force_preemption_every", None)),

@@ -42,33 +42,52 @@ def _dtype_names(dtypes) -> list[str]:
 
 
 def backend_rows(registry) -> list[dict[str, Any]]:
-    """One JSON-able dict per registered backend (what the table shows)."""
+    """One JSON-able dict per registered backend (what the table shows).
+
+    Never raises for a backend: the registry refuses malformed declarations
+    (``plugins/registry.check_declarations``, listed as faults), and a backend whose row
+    still cannot be made (a declaration that changed, or raises, after registration) is
+    listed as unavailable with the exception as its reason.
+    """
     rows = []
     for entry in registry:
-        cls = entry.backend_cls
         try:
-            ok, why = cls.is_available()
+            rows.append(_row(entry))
         except Exception as exc:  # a plugin bug must not break the listing
-            ok, why = False, f"is_available() raised {type(exc).__name__}: {exc}"
-        try:
-            feats = dict(cls.features())
-        except Exception as exc:
-            feats = {"error": f"features() raised {type(exc).__name__}: {exc}"}
-        src = entry.source
-        rows.append({
-            "name": entry.name, "source": src.describe(), "builtin": src.builtin,
-            "distribution": src.distribution, "version": src.version, "entry_point": src.entry_point,
-            "available": bool(ok), "unavailable_reason": "" if ok else why,
-            "kv_cache_kind": cls.kv_cache_kind, "features": feats,
-            "dtypes": _dtype_names(cls.supported_dtypes),
-            "head_sizes": None if cls.supported_head_sizes is None else list(cls.supported_head_sizes),
-            "kernel_block_sizes": (None if cls.supported_kernel_block_sizes is None
-                                   else list(cls.supported_kernel_block_sizes)),
-            "devices": list(cls.supported_devices),
-            "plugin_api_version": ".".join(map(str, cls.plugin_api_version)),
-            "class": f"{cls.__module__}.{cls.__qualname__}",
-        })
+            src = entry.source
+            rows.append({
+                "name": entry.name, "source": src.describe(), "builtin": src.builtin,
+                "distribution": src.distribution, "version": src.version, "entry_point": src.entry_point,
+                "available": False, "unavailable_reason": f"its declarations raised {type(exc).__name__}: {exc}",
+                "kv_cache_kind": "?", "features": {}, "dtypes": [], "head_sizes": None, "kernel_block_sizes": None,
+                "devices": [], "plugin_api_version": "?", "class": repr(entry.backend_cls)})
     return rows
+
+
+def _row(entry) -> dict[str, Any]:
+    cls = entry.backend_cls
+    try:
+        ok, why = cls.is_available()
+    except Exception as exc:  # a plugin bug must not break the listing
+        ok, why = False, f"is_available() raised {type(exc).__name__}: {exc}"
+    try:
+        feats = dict(cls.features())
+    except Exception as exc:
+        feats = {"error": f"features() raised {type(exc).__name__}: {exc}"}
+    src = entry.source
+    return {
+        "name": entry.name, "source": src.describe(), "builtin": src.builtin,
+        "distribution": src.distribution, "version": src.version, "entry_point": src.entry_point,
+        "available": bool(ok), "unavailable_reason": "" if ok else why,
+        "kv_cache_kind": cls.kv_cache_kind, "features": feats,
+        "dtypes": _dtype_names(cls.supported_dtypes),
+        "head_sizes": None if cls.supported_head_sizes is None else list(cls.supported_head_sizes),
+        "kernel_block_sizes": (None if cls.supported_kernel_block_sizes is None
+                               else list(cls.supported_kernel_block_sizes)),
+        "devices": list(cls.supported_devices),
+        "plugin_api_version": ".".join(map(str, cls.plugin_api_version)),
+        "class": f"{cls.__module__}.{cls.__qualname__}",
+    }
 
 
 def _problems(registry) -> dict[str, list]:

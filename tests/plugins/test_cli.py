@@ -171,3 +171,94 @@ def test_backends_into_a_closed_pipe_ends_quietly(tmp_path, argv):
     proc.stdout.close()
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=120) == 141 and err == "", err[-2000:]
+
+
+MALFORMED_PLUGIN = '''
+from attnplug.plugins import hookimpl
+from attnplug.backends.torch_native import TorchNativeBackend
+
+class NoDevices(TorchNativeBackend):
+    supported_devices = None
+    @classmethod
+    def get_name(cls):
+        return "no_devices"
+
+class Fine(TorchNativeBackend):
+    @classmethod
+    def get_name(cls):
+        return "fine_backend"
+
+@hookimpl
+def attnplug_register_backends(registry):
+    registry.register(NoDevices)
+    registry.register(Fine)
+'''
+
+
+def test_a_malformed_declaration_is_that_backends_fault_and_the_listing_goes_on(capsys, dists):
+    mod = dists.module_name("malformed")
+    dists.add("malformed-dist", "1.0", {"malformed": mod}, {mod: MALFORMED_PLUGIN})
+    rc, data = _json(capsys, "backends", "--json")
+    assert rc == 0 and {"torch_native", "fine_backend"} <= {r["name"] for r in data["backends"]}
+    (fault,) = data["faults"]
+    assert fault["backend"] == "NoDevices" and fault["distribution"] == "malformed-dist 1.0"
+    assert "NoDevices.supported_devices must be a tuple of device type names (str), got None" in fault["reason"]
+    assert cli(["backends"]) == 0
+    out = capsys.readouterr().out
+    assert "fine_backend" in out and "plugin problems" in out and "NoDevices" in out
+
+
+def test_a_row_that_still_cannot_be_made_is_listed_as_unavailable(make_backend, make_registry):
+    from attnplug.runner.commands.backends import backend_rows
+
+    reg = make_registry(make_backend("changes_later"), make_backend("steady"))
+    reg.get("changes_later").supported_head_sizes = 5  # after registration: not iterable
+    rows = {r["name"]: r for r in backend_rows(reg)}
+    assert rows["steady"]["available"] and not rows["changes_later"]["available"]
+    assert rows["changes_later"]["unavailable_reason"].startswith("its declarations raised TypeError")
+
+
+UNBUILDABLE_PLUGIN = '''
+from attnplug.plugins import hookimpl
+from attnplug.backends.torch_native import TorchNativeBackend, TorchNativeMetadataBuilder
+
+class ExplodingBuilder(TorchNativeMetadataBuilder):
+    def __init__(self, *args, **kwargs):
+        raise RuntimeError("no buffers for you")
+
+def backend(name, **methods):
+    ns = {"get_name": classmethod(lambda cls: name)}
+    ns.update({k: classmethod(v) for k, v in methods.items()})
+    return type(name, (TorchNativeBackend,), ns)
+
+def _raise(cls):
+    raise ImportError("kernel library missing")
+
+NoBuilder = backend("no_builder", get_builder_cls=lambda cls: None)
+RaisingGetter = backend("raising_getter", get_builder_cls=_raise)
+RaisingBuilder = backend("raising_builder", get_builder_cls=lambda cls: ExplodingBuilder)
+NoImpl = backend("no_impl", get_impl_cls=lambda cls: 42)
+
+@hookimpl
+def attnplug_register_backends(registry):
+    for b in (NoBuilder, RaisingGetter, RaisingBuilder, NoImpl):
+        registry.register(b)
+'''
+
+
+@pytest.mark.parametrize("name, what", [
+    ("no_builder", "backend 'no_builder' selected for the full_attention cache group (chosen by --backend): "
+                   "get_builder_cls() returned None, not a class"),
+    ("raising_getter", "backend 'raising_getter' selected for the full_attention cache group (chosen by --backend): "
+                       "get_builder_cls() raised ImportError: kernel library missing"),
+    ("raising_builder", "backend 'raising_builder' selected for cache group 0 (full_attention): its builder "
+                        "raised RuntimeError: no buffers for you"),
+    ("no_impl", "get_impl_cls() returned 42, not a class"),
+])
+def test_a_selected_backend_that_cannot_be_built_is_one_line(capsys, dists, name, what):
+    mod = dists.module_name("unbuildable")
+    dists.add("unbuildable-dist", "0.1", {"unbuildable": mod}, {mod: UNBUILDABLE_PLUGIN})
+    assert cli(["run", "--model", "tiny-llama", "--backend", name, "--num-requests", "1"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err[-2000:]
+    assert err.startswith("attnplug run: ") and what in err, err
