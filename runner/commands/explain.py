@@ -17,9 +17,10 @@ Output: one JSON object per step with the keys of :data:`OUTPUT_KEYS` (``block_t
 per group, per row, the row's *kernel* block ids; ``slot_mapping`` is per group).
 ``--check`` runs ``attnplug.core.validate`` on every group each step.
 
-A bad step prints ``attnplug explain: step N: ...`` (naming the field) on stderr and
-exits 2; the steps before it were already printed. A broken invariant under ``--check``
-exits 1.
+A bad line prints one line ``attnplug explain: step N (line L): field F ...`` on stderr
+and exits 2, whatever the bytes (the limits and the format: ``docs/configuration.md``,
+"Limits on flags and files"); the steps before it were already printed. A broken
+invariant under ``--check`` exits 1.
 """
 
 from __future__ import annotations
