@@ -86,7 +86,7 @@ def _hf_greedy(hf, prompt: list[int], num_tokens: int) -> tuple[list[int], list[
 def run_parity(cfg_dict: dict, *, num_requests: int = 6, seed: int = 0, force_preemption: bool = False,
                dtype: str = "float32", max_num_batched_tokens: int = 24, max_tokens: int = 6,
                block_size: int = 4, backend: str | None = None,
-               prompt_len_range: tuple[int, int] = (3, 40)) -> ParityResult:
+               prompt_len_range: tuple[int, int] = (3, 40), async_scheduling: bool = False) -> ParityResult:
     """Run the comparison (see the module docstring).
 
     Raises:
@@ -113,7 +113,8 @@ def run_parity(cfg_dict: dict, *, num_requests: int = 6, seed: int = 0, force_pr
     args = SimpleNamespace(
         model=None, backend=backend, block_size=block_size, seed=seed, max_model_len=max_model_len,
         max_num_seqs=num_requests, max_num_batched_tokens=max_num_batched_tokens, num_blocks=None,
-        force_preemption_every=3 if force_preemption else None, record_logits=True)
+        force_preemption_every=3 if force_preemption else None, record_logits=True,
+        async_scheduling=async_scheduling)
     setup = build_engine(args, model=model, requests=False)
     for rid, p in prompts.items():
         setup.engine.add_request(rid, p, SamplingParams(temperature=0.0, max_tokens=max_tokens))

@@ -20,32 +20,19 @@ import torch
 from attnplug.cache_groups.grouping import KVCacheConfig
 from attnplug.core.contracts import AttentionBackend, BuilderConfig
 from attnplug.core.devices import resolve_device
+from attnplug.core.errors import MetadataError
 from attnplug.runner.execute.group_metadata import GroupMetadataBuilder
 from attnplug.runner.execute.kv_caches import allocate_kv_caches, kernel_kv_cache_spec, negotiate_kernel_block_sizes
+from attnplug.runner.execute.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
 from attnplug.runner.execute.cudagraph import CUDAGraphMode
 from attnplug.runner.execute.cudagraph_capture import StepGraphs
 from attnplug.runner.execute.sampler import Sampler
 from attnplug.runner.step.scheduler_output import SchedulerOutput
 from attnplug.runner.step.compiler import StepCompiler
 
+__all__ = ["ModelRunner", "ModelRunnerOutput", "RunnerConfig", "STAGES"]
+
 STAGES = ("update_states", "prepare_inputs", "metadata_build", "forward", "sample")
-
-
-@dataclass
-class ModelRunnerOutput:
-    """What one step produced.
-
-    Attributes:
-        req_ids: the step's requests in batch-row order.
-        sampled_token_ids: ``{req_id: [token]}`` for rows that were not discarded (partial
-            prefills and recomputes produce nothing).
-        logits: ``{req_id: [vocab_size] float32 CPU}`` for the same rows, when the runner
-            was created with ``record_logits=True``.
-    """
-
-    req_ids: list[str]
-    sampled_token_ids: dict[str, list[int]]
-    logits: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -153,6 +140,12 @@ class ModelRunner:
         self.host_buffer_fence: HostBufferFence | None = (
             HostBufferFence() if self.device.type == "cuda" else None)
         self.timings_ns: dict[str, list[int]] = {s: [] for s in STAGES}
+        self._prev_tokens: torch.Tensor | None = None
+        """Asynchronous scheduling: the latest step's sampled tokens, on the device."""
+        self._unread: list[AsyncModelRunnerOutput] = []
+        """``execute_model_async`` outputs whose ``result()`` was not called yet (<= 2)."""
+        self.num_output_waits = 0
+        """Times a step's outputs were waited for (``AsyncModelRunnerOutput.result``)."""
 
     def _time(self, stage: str, t0: int) -> int:
         t1 = time.perf_counter_ns()
@@ -161,24 +154,73 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step.
+        """Run one step; its sampled tokens enter the token history before it returns.
 
         Raises:
             InvalidSchedulerOutput: the output cannot be applied (state unchanged).
             MetadataInvariantError: with ``ATTNPLUG_VALIDATE=1``, a broken invariant.
+            MetadataError: a result of :meth:`execute_model_async` is still unread.
         """
+        if self._unread:
+            raise MetadataError("execute_model: read every execute_model_async result first")
+        step = self._run(scheduler_output, None)
+        if step is None:
+            return ModelRunnerOutput([], {})
+        req_ids, rows, tokens_dev, logits = step
+        tokens = tokens_dev.cpu().tolist() if rows.shape[0] else []
+        if tokens:
+            self.compiler.append_output_tokens(rows, [[tok] for tok in tokens])
+        return ModelRunnerOutput(req_ids, {req_ids[r]: [tok] for r, tok in zip(rows.tolist(), tokens)},
+                                 self._logits_by_req(req_ids, rows, logits))
+
+    @torch.inference_mode()
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> AsyncModelRunnerOutput:
+        """Run one step without waiting for its tokens (asynchronous scheduling).
+
+        The step's sampled tokens stay on the device: the token history gets placeholders
+        (``runner/step/placeholders.py``) and the next step's ``input_ids`` take the tokens
+        from the device. Call the returned object's ``result()`` (the one wait per step,
+        ``runner/execute/async_output.py``) after launching the next step and before the
+        one after it.
+
+        Raises:
+            InvalidSchedulerOutput, MetadataInvariantError: as :meth:`execute_model`.
+            MetadataError: the result of the step before the previous one is still unread.
+        """
+        if len(self._unread) >= 2:
+            raise MetadataError("execute_model_async: at most one step in flight; read the older result first")
+        step = self._run(scheduler_output, self._prev_tokens)
+        if step is None:
+            out = AsyncModelRunnerOutput.empty(self)
+        else:
+            req_ids, rows, tokens_dev, logits = step
+            placeholders = self.compiler.append_placeholders(rows)
+            self._prev_tokens = tokens_dev
+            out = AsyncModelRunnerOutput(self, req_ids, placeholders, tokens_dev,
+                                         self._logits_by_req(req_ids, rows, logits))
+        self._unread.append(out)
+        return out
+
+    def _result_read(self, out: AsyncModelRunnerOutput) -> None:
+        """``out.result()`` was called (its tokens are in the host history now)."""
+        self._unread.remove(out)
+
+    def _run(self, scheduler_output: SchedulerOutput, prev_tokens: torch.Tensor | None):
+        """update → prepare → build → forward → sample; ``None`` for an empty step, else
+        ``(req_ids, rows that sampled, [n] sampled tokens on the device, logits or None)``."""
         t = time.perf_counter_ns()
         if self.host_buffer_fence is not None:
             self.host_buffer_fence.wait()  # the last step's copies out of the host buffers are done
         self.compiler.update_states(scheduler_output)
         t = self._time("update_states", t)
         if scheduler_output.total_num_scheduled_tokens == 0:
-            return ModelRunnerOutput([], {})
+            return None
         graphs, batch = self.cudagraphs, None
         if graphs is not None:  # pad for CUDA graphs (runner/execute/cudagraph.py)
             rows = self.compiler.input_batch
             batch = graphs.dispatch(rows.num_scheduled_tokens[:rows.num_reqs])
-        inputs = self.compiler.prepare_inputs(scheduler_output, batch.num_tokens_padded if batch else None)
+        inputs = self.compiler.prepare_inputs(scheduler_output, batch.num_tokens_padded if batch else None,
+                                              prev_token_ids=prev_tokens)
         t = self._time("prepare_inputs", t)
         common = graphs.common_metadata(inputs.common_attn_metadata, batch) if batch else inputs.common_attn_metadata
         _, per_layer = self.metadata_builder.build(common, for_cudagraph=bool(batch and batch.use_graph))
@@ -191,23 +233,22 @@ class ModelRunner:
         t = self._time("forward", t)
 
         keep = np.flatnonzero(~np.asarray(inputs.discard))
-        req_ids = [inputs.req_ids[i] for i in keep]
-        sampled: dict[str, list[int]] = {}
-        logits_out: dict[str, torch.Tensor] = {}
+        req_ids = list(inputs.req_ids)
+        tokens = torch.empty(0, dtype=torch.int64, device=hidden.device)
+        logits = None
         if len(keep):
             idx = inputs.logits_indices_cpu[torch.from_numpy(keep)].to(hidden.device, non_blocking=True)
             logits = self.model.compute_logits(hidden.index_select(0, idx))
-            states = [self.compiler.requests[rid] for rid in req_ids]
-            params = [st.sampling_params for st in states]
-            gens = [st.generator for st in states]
-            tokens = self.sampler(logits, params, gens).cpu().tolist()
-            self.compiler.append_output_tokens(req_ids, [[tok] for tok in tokens])
-            sampled = {rid: [tok] for rid, tok in zip(req_ids, tokens)}
-            if self.record_logits:
-                logits_cpu = logits.float().cpu()
-                logits_out = {rid: logits_cpu[i] for i, rid in enumerate(req_ids)}
+            states = [self.compiler.requests[req_ids[r]] for r in keep.tolist()]
+            tokens = self.sampler(logits, [st.sampling_params for st in states], [st.generator for st in states])
         self._time("sample", t)
-        return ModelRunnerOutput(list(inputs.req_ids), sampled, logits_out)
+        return req_ids, keep, tokens, logits
+
+    def _logits_by_req(self, req_ids: list[str], rows: np.ndarray, logits: torch.Tensor | None) -> dict:
+        if not self.record_logits or logits is None:
+            return {}
+        logits_cpu = logits.float().cpu()
+        return {req_ids[r]: logits_cpu[i] for i, r in enumerate(rows.tolist())}
 
     def median_stage_us(self) -> dict[str, float]:
         """Median microseconds per step of each stage (steps that ran it)."""

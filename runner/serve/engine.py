@@ -2,6 +2,11 @@
 
 Partial prefills (and recomputes after preemption) produce no visible token: the runner
 drops their rows, and the scheduler only advances their ``num_computed_tokens``.
+
+With ``SchedulerConfig.async_scheduling`` one step is in flight: each ``step()`` schedules
+and launches step t + 1 (its decode rows read step t's tokens on the device), then waits
+for step t's outputs — the one wait per step, ``AsyncModelRunnerOutput.result()`` — and
+feeds them to the scheduler, which corrects its optimistic plan.
 """
 
 from __future__ import annotations
@@ -53,6 +58,10 @@ class LLMEngine:
         self._outputs: dict[str, list[int]] = {}
         self._logits: dict[str, list[torch.Tensor]] = {}
         self.results: dict[str, RequestResult] = {}
+        self.async_scheduling = bool(scheduler.config.async_scheduling)
+        self._in_flight: tuple | None = None
+        """Asynchronous scheduling: ``(SchedulerOutput, AsyncModelRunnerOutput)`` of the step
+        launched last, whose outputs are not read yet."""
 
     def add_request(self, req_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams) -> None:
         """Queue a request (validated by the scheduler; a rejected one changes nothing)."""
@@ -63,18 +72,43 @@ class LLMEngine:
         self.stats.num_prompt_tokens += len(prompt_token_ids)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or self._in_flight is not None
 
     def step(self) -> list[str]:
-        """One schedule + execute + update. Returns the ids of requests finished this step."""
+        """One schedule + execute + update. Returns the ids of requests finished this step.
+
+        Asynchronously: schedule and launch the next step, then read and apply the one
+        launched before it (the ids returned are those its outputs finished)."""
+        if self.async_scheduling:
+            return self._step_async()
         out = self.scheduler.schedule()
         result = self.runner.execute_model(out)
-        finished = self.scheduler.update_from_output(out, result.sampled_token_ids)
         self.stats.num_steps += 1
         self.stats.num_scheduled_tokens += out.total_num_scheduled_tokens
+        return self._apply(out, result)
+
+    def _step_async(self) -> list[str]:
+        prev, self._in_flight = self._in_flight, None
+        if self.scheduler.has_unfinished_requests():
+            out = self.scheduler.schedule()  # planned while the previous step runs
+            self._in_flight = (out, self.runner.execute_model_async(out))
+            self.stats.num_steps += 1
+            self.stats.num_scheduled_tokens += out.total_num_scheduled_tokens
+        if prev is None:
+            return []
+        prev_out, handle = prev
+        return self._apply(prev_out, handle.result())  # the one wait per step
+
+    def _apply(self, out, result) -> list[str]:
+        """Feed one step's outputs to the scheduler; keep what it accepted."""
+        before = {rid: self.scheduler.get_request(rid).num_output_tokens for rid in result.sampled_token_ids}
+        finished = self.scheduler.update_from_output(out, result.sampled_token_ids)
         for rid, toks in result.sampled_token_ids.items():
-            self._outputs[rid].extend(toks)
-            self.stats.num_generated_tokens += len(toks)
+            accepted = self.scheduler.get_request(rid).num_output_tokens - before[rid]
+            if accepted <= 0:
+                continue  # finished in an earlier step (asynchronous: scheduled once more)
+            self._outputs[rid].extend(toks[:accepted])
+            self.stats.num_generated_tokens += accepted
             if rid in result.logits:
                 self._logits[rid].append(result.logits[rid])
         for rid in finished:
@@ -99,6 +133,10 @@ class LLMEngine:
             finished = self.step()
             if on_step is not None:
                 on_step(finished)
+        if self._in_flight is not None:  # stopped by max_steps with a step in flight
+            prev_out, handle = self._in_flight
+            self._in_flight = None
+            self._apply(prev_out, handle.result())
         # The last finished ids reach the runner with the next schedule(); flush them so
         # the runner forgets those requests too.
         flush = self.scheduler.schedule()

@@ -45,6 +45,13 @@ class Request:
         sent_to_runner: the runner holds this request's state (set when first scheduled;
             it stays set across preemption, because the runner keeps the state of
             unscheduled requests, and is cleared only when the request finishes).
+        num_output_placeholders: asynchronous scheduling: outputs of in-flight steps whose
+            values are not known yet (counted in ``num_tokens``).
+        steps_in_flight: in-flight steps that scheduled the request (its blocks are freed
+            only when this is 0).
+        free_when_idle: finished or preempted while a step that uses its blocks is in
+            flight: free them when ``steps_in_flight`` reaches 0.
+        stopped: sampled one of ``sampling_params.stop_token_ids``.
     """
 
     req_id: str
@@ -57,6 +64,10 @@ class Request:
     block_ids: tuple[list[int], ...] = ()
     num_preemptions: int = 0
     sent_to_runner: bool = False
+    num_output_placeholders: int = 0
+    steps_in_flight: int = 0
+    free_when_idle: bool = False
+    stopped: bool = False
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -68,8 +79,9 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        """All tokens the request holds: prompt plus outputs so far."""
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        """All tokens the request holds: prompt plus outputs so far (and, with asynchronous
+        scheduling, the outputs of in-flight steps)."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_output_placeholders
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -91,6 +103,9 @@ class Request:
         return self.status is RequestStatus.FINISHED
 
     def remaining_output_tokens(self, max_model_len: int) -> int:
-        """Tokens it may still sample: bounded by ``max_tokens`` and by ``max_model_len``."""
-        return max(0, min(self.sampling_params.max_tokens - self.num_output_tokens,
+        """Tokens it may still sample: bounded by ``max_tokens`` and by ``max_model_len``
+        (in-flight outputs count); 0 once it sampled a stop token."""
+        if self.stopped:
+            return 0
+        return max(0, min(self.sampling_params.max_tokens - self.num_output_tokens - self.num_output_placeholders,
                           max_model_len - self.num_tokens))

@@ -31,14 +31,10 @@ from collections import deque
 from attnplug.cache_groups.block_pool import KVCacheManager
 from attnplug.cache_groups.grouping import KVCacheConfig
 from attnplug.core.errors import InvalidRequestError, SchedulingError
+from attnplug.runner.serve.deltas import make_output
 from attnplug.runner.serve.request import Request, RequestStatus
 from attnplug.runner.serve.scheduler_config import SchedulerConfig
-from attnplug.runner.step.scheduler_output import (
-    CachedRequestData,
-    NewRequestData,
-    SamplingParams,
-    SchedulerOutput,
-)
+from attnplug.runner.step.scheduler_output import SamplingParams, SchedulerOutput
 
 __all__ = ["Scheduler", "SchedulerConfig"]
 
@@ -77,7 +73,11 @@ class Scheduler:
         self.num_preemptions = 0
         self._next_arrival = 0
         self._finished_since_schedule: set[str] = set()
-        self._in_flight: SchedulerOutput | None = None
+        self._in_flight: deque[SchedulerOutput] = deque()
+        """Scheduled steps whose ``update_from_output`` has not come yet, oldest first: at
+        most one, or two with ``config.async_scheduling``."""
+        self._placeholders: dict[int, set[str]] = {}
+        """Asynchronous scheduling: per in-flight output (``id``), the requests that sample in it."""
 
     # --- requests -----------------------------------------------------------------------
     def add_request(self, req_id: str, prompt_token_ids: list[int],
@@ -113,6 +113,10 @@ class Scheduler:
             raise InvalidRequestError(req_id, f"negative token id {min(prompt)} in the prompt")
         if not isinstance(sp.max_tokens, int) or sp.max_tokens < 1:
             raise InvalidRequestError(req_id, f"sampling_params.max_tokens must be >= 1, got {sp.max_tokens!r}")
+        stops = sp.stop_token_ids
+        if not isinstance(stops, tuple) or any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in stops):
+            raise InvalidRequestError(req_id, f"sampling_params.stop_token_ids must be a tuple of token ids, "
+                                              f"got {stops!r}")
         if not cfg.enable_chunked_prefill and n > cfg.max_num_batched_tokens:
             raise InvalidRequestError(
                 req_id, f"prompt has {n} tokens > max_num_batched_tokens={cfg.max_num_batched_tokens} "
@@ -149,9 +153,16 @@ class Scheduler:
         return self.kv_cache_manager.peak_blocks_per_group
 
     # --- preemption ---------------------------------------------------------------------
+    def _release(self, req: Request) -> None:
+        """Free the request's blocks now, or once no in-flight step uses them."""
+        if req.steps_in_flight:
+            req.free_when_idle = True
+        else:
+            self.kv_cache_manager.free(req)
+
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
-        self.kv_cache_manager.free(req)
+        self._release(req)
         req.block_ids = tuple([] for _ in range(self.kv_cache_manager.num_groups))
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
@@ -166,7 +177,7 @@ class Scheduler:
             SchedulingError: the request is not running, or a step is in flight (call
                 ``update_from_output`` first).
         """
-        if self._in_flight is not None:
+        if self._in_flight and not self.config.async_scheduling:
             raise SchedulingError("preempt() during a step: call update_from_output() first")
         req = self.requests.get(req_id)
         if req is None or req.status is not RequestStatus.RUNNING:
@@ -203,10 +214,15 @@ class Scheduler:
             ``num_scheduled_tokens`` with ``total <= max_num_batched_tokens``; and the
             ids finished since the previous ``schedule()``.
 
+        With ``config.async_scheduling`` one step may be in flight: this step is planned as
+        if each of its requests that samples had its token (a placeholder, counted in
+        ``num_tokens``); ``update_from_output`` then corrects it.
+
         Raises:
-            SchedulingError: the previous step's ``update_from_output`` was not called.
+            SchedulingError: the previous step's ``update_from_output`` was not called (with
+                asynchronous scheduling: the one before it).
         """
-        if self._in_flight is not None:
+        if len(self._in_flight) >= (2 if self.config.async_scheduling else 1):
             raise SchedulingError(
                 "schedule() called again before update_from_output() of the previous step")
         cfg = self.config
@@ -226,6 +242,8 @@ class Scheduler:
                 break
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
+            if req.num_tokens_to_compute == 0 or req.remaining_output_tokens(cfg.max_model_len) == 0:
+                continue  # asynchronous: its last output is in flight
             n = min(req.num_tokens_to_compute, budget)
             assert n > 0, f"running request {req.req_id} has nothing to compute"
             while (blocks := self._allocate(req, n)) is None:
@@ -235,8 +253,8 @@ class Scheduler:
                 if victim.req_id in sched:  # already scheduled this step: take it back
                     budget += sched.pop(victim.req_id)
                     del new_blocks[victim.req_id]
-                if victim is req:
-                    break
+                if victim is req or victim.free_when_idle:
+                    break  # (a victim in flight frees its blocks only after that step)
             if blocks is None:
                 continue
             sched[req.req_id] = n
@@ -249,6 +267,8 @@ class Scheduler:
         if not preempted or not sched:
             while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
                 req = self.waiting[0]
+                if req.free_when_idle:
+                    break  # its old blocks are still in use by the step in flight
                 total = req.num_tokens_to_compute
                 if not cfg.enable_chunked_prefill and not req.sent_to_runner and total > budget:
                     break
@@ -263,71 +283,62 @@ class Scheduler:
                 sched[req.req_id] = n
                 budget -= n
 
-        out = self._make_output(sched, new_blocks, new_reqs, resumed)
+        finished, self._finished_since_schedule = self._finished_since_schedule, set()
+        out = make_output(self.requests, sched, new_blocks, new_reqs, resumed, finished)
         self.num_steps += 1
-        self._in_flight = out if sched else None
+        if sched:
+            self._launch(out)
         return out
 
-    def _make_output(self, sched: dict[str, int], new_blocks: dict[str, tuple[list[int], ...]],
-                     new_reqs: list[Request], resumed: list[Request]) -> SchedulerOutput:
-        cached = CachedRequestData()
-
-        def add_cached(req: Request, is_resumed: bool, blocks: tuple[list[int], ...] | None):
-            cached.req_ids.append(req.req_id)
-            cached.resumed_from_preemption.append(is_resumed)
-            cached.new_token_ids.append([])
-            cached.new_block_ids.append(blocks)
-            cached.num_computed_tokens.append(req.num_computed_tokens)
-
-        for req_id, blocks in new_blocks.items():
-            add_cached(self.requests[req_id], False,
-                       tuple(list(b) for b in blocks) if any(blocks) else None)
-        for req in resumed:
-            add_cached(req, True, tuple(list(b) for b in req.block_ids))
-        new_data = [NewRequestData(req_id=r.req_id, prompt_token_ids=list(r.prompt_token_ids),
-                                   block_ids=tuple(list(b) for b in r.block_ids),
-                                   num_computed_tokens=r.num_computed_tokens,
-                                   sampling_params=r.sampling_params)
-                    for r in new_reqs]
-        # Order num_scheduled_tokens like the deltas: cached (running, resumed), then new.
-        order = [*cached.req_ids, *(r.req_id for r in new_reqs)]
-        num_scheduled = {rid: sched[rid] for rid in order}
-        finished, self._finished_since_schedule = self._finished_since_schedule, set()
-        return SchedulerOutput(scheduled_new_reqs=new_data, scheduled_cached_reqs=cached,
-                               num_scheduled_tokens=num_scheduled,
-                               total_num_scheduled_tokens=sum(num_scheduled.values()),
-                               finished_req_ids=finished)
+    def _launch(self, out: SchedulerOutput) -> None:
+        """The step goes in flight: count it against its requests; asynchronously, advance
+        them now and give each one that samples a placeholder output."""
+        self._in_flight.append(out)
+        sampling: set[str] = set()
+        for req_id, n in out.num_scheduled_tokens.items():
+            req = self.requests[req_id]
+            req.steps_in_flight += 1
+            if self.config.async_scheduling:
+                req.num_computed_tokens += n
+                if req.num_computed_tokens >= req.num_tokens:
+                    req.num_output_placeholders += 1
+                    sampling.add(req_id)
+        self._placeholders[id(out)] = sampling
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            sampled_token_ids: dict[str, list[int]]) -> list[str]:
         """Advance the step's requests and take their sampled tokens.
 
-        Every scheduled request advances ``num_computed_tokens`` by its scheduled count.
-        A request whose scheduled tokens reached its full length must get sampled tokens;
-        a partial prefill must not (the engine discards those). Tokens beyond what the
-        request may still produce are dropped.
+        Every scheduled request advances ``num_computed_tokens`` by its scheduled count
+        (asynchronously: it did at ``schedule()``). A request whose scheduled tokens reached
+        its full length must get sampled tokens; a partial prefill must not (the engine
+        discards those). Tokens beyond what the request may still produce, and tokens of a
+        request that finished in an earlier step (asynchronous: it was scheduled once more
+        before its finish was known), are dropped. A request finishes at ``max_tokens``
+        outputs, at ``max_model_len``, or on a stop token.
 
         Args:
-            scheduler_output: the output of the latest ``schedule()``.
+            scheduler_output: the oldest in-flight ``schedule()`` output.
             sampled_token_ids: ``{req_id: [token ids]}`` (usually one token) for the
                 non-discarded requests of the step.
 
         Returns:
-            Ids of the requests that finished this step (blocks already freed; the ids
-            go out in the next ``schedule()``'s ``finished_req_ids``).
+            Ids of the requests that finished this step (blocks freed once no in-flight
+            step uses them; the ids go out in the next ``schedule()``'s ``finished_req_ids``).
 
         Raises:
-            SchedulingError: not the latest step's output, or sampled tokens missing for a
-                complete request / given for a partial prefill or an unscheduled request;
+            SchedulingError: not the oldest in-flight output, or sampled tokens missing for
+                a complete request / given for a partial prefill or an unscheduled request;
                 nothing changes.
         """
-        if scheduler_output is not self._in_flight:
+        if not self._in_flight or scheduler_output is not self._in_flight[0]:
             if not scheduler_output.num_scheduled_tokens and not sampled_token_ids:
                 return []  # an empty step needs no update
             raise SchedulingError(
-                "update_from_output() got a SchedulerOutput that is not the latest schedule()'s "
-                "(or was already applied); pass each step's output exactly once")
+                "update_from_output() got a SchedulerOutput that is not the oldest in-flight schedule()'s "
+                "(or was already applied); pass each step's output exactly once, in order")
         scheduled = scheduler_output.num_scheduled_tokens
+        sampling = self._placeholders[id(scheduler_output)] if self.config.async_scheduling else None
         for req_id, toks in sampled_token_ids.items():
             if req_id not in scheduled:
                 raise SchedulingError(f"sampled tokens for {req_id!r}, which was not scheduled this step")
@@ -335,7 +346,7 @@ class Scheduler:
                 raise SchedulingError(f"empty sampled token list for {req_id!r}; omit the key instead")
         for req_id, n in scheduled.items():
             req = self.requests[req_id]
-            complete = req.num_computed_tokens + n >= req.num_tokens
+            complete = req_id in sampling if sampling is not None else req.num_computed_tokens + n >= req.num_tokens
             if complete and req_id not in sampled_token_ids:
                 raise SchedulingError(
                     f"{req_id!r} computed all its {req.num_tokens} tokens this step but no sampled "
@@ -344,25 +355,41 @@ class Scheduler:
                 raise SchedulingError(
                     f"{req_id!r} is a partial prefill ({req.num_computed_tokens + n} of "
                     f"{req.num_tokens} tokens); its sampled tokens must be discarded")
-
+        self._in_flight.popleft()
+        del self._placeholders[id(scheduler_output)]
         finished: list[str] = []
-        max_len = self.config.max_model_len
         for req_id, n in scheduled.items():
             req = self.requests[req_id]
-            req.num_computed_tokens += n
+            req.steps_in_flight -= 1
+            if sampling is None:
+                req.num_computed_tokens += n
+            elif req_id in sampling:
+                req.num_output_placeholders -= 1
             toks = sampled_token_ids.get(req_id)
-            if not toks:
-                continue
-            req.output_token_ids.extend(int(t) for t in toks[:req.remaining_output_tokens(max_len)])
-            if req.remaining_output_tokens(max_len) == 0:
+            if toks and not req.is_finished and self._accept(req, toks):
                 self._finish(req)
                 finished.append(req_id)
-        self._in_flight = None
+            if req.free_when_idle and req.steps_in_flight == 0:
+                req.free_when_idle = False
+                self.kv_cache_manager.free(req)
         return finished
 
+    def _accept(self, req: Request, toks: list[int]) -> bool:
+        """Append what ``req`` may still produce of ``toks``; whether it is now finished."""
+        max_len = self.config.max_model_len
+        for t in toks[:req.remaining_output_tokens(max_len)]:
+            req.output_token_ids.append(int(t))
+            if int(t) in req.sampling_params.stop_token_ids:
+                req.stopped = True
+                break
+        return req.remaining_output_tokens(max_len) == 0 and req.num_output_placeholders == 0 or req.stopped
+
     def _finish(self, req: Request) -> None:
-        self.running.remove(req)
-        self.kv_cache_manager.free(req)
+        if req in self.running:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)  # preempted while its last step was in flight
+        self._release(req)
         req.block_ids = tuple([] for _ in range(self.kv_cache_manager.num_groups))
         req.status = RequestStatus.FINISHED
         req.sent_to_runner = False

@@ -21,6 +21,9 @@ class SchedulerConfig:
             recently admitted running request that has sampled at least one token and was
             never preempted (only while at least two requests run, so progress is
             guaranteed). ``None`` disables it.
+        async_scheduling: allow one step in flight: ``schedule()`` plans the next step
+            before the previous one's ``update_from_output``, assuming every request that
+            samples in it gets its token (see ``Scheduler.schedule``).
 
     Raises:
         SchedulingError: a limit that is not a positive int.
@@ -31,6 +34,7 @@ class SchedulerConfig:
     max_model_len: int = 2048
     enable_chunked_prefill: bool = True
     force_preemption_every: int | None = None
+    async_scheduling: bool = False
 
     def __post_init__(self):
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):

@@ -47,6 +47,13 @@ from attnplug.runner.step.fast import NATIVE
 from attnplug.runner.step.fast.bind import bind_scans
 from attnplug.runner.step.groups import StepLayout, StepLimits
 from attnplug.runner.step.input_batch import InputBatch
+from attnplug.runner.step.placeholders import (
+    Placeholders,
+    append_placeholders,
+    fill_output_tokens,
+    patch_input_ids,
+    plan_patch,
+)
 from attnplug.runner.step.plan import UpdatePlan
 from attnplug.runner.step.prepare import InputPreparer, StepInputs
 from attnplug.runner.step.request_state import CachedRequestState
@@ -153,7 +160,8 @@ class StepCompiler:
         apply_update(self.layout, self.input_batch, self.requests, plan, self._scans, self.reorder_batch_threshold)
 
     def prepare_inputs(self, scheduler_output: SchedulerOutput | None = None,
-                       num_tokens_padded: int | None = None, *, build_metadata: bool = True) -> StepInputs:
+                       num_tokens_padded: int | None = None, *, build_metadata: bool = True,
+                       prev_token_ids: torch.Tensor | None = None) -> StepInputs:
         """The step's inputs for the rows ``update_states`` left (see ``runner.step.prepare``).
 
         Args:
@@ -161,6 +169,10 @@ class StepCompiler:
             num_tokens_padded: pad the token dimension to this many (``>= num_actual_tokens``,
                 ``<= max_num_batched_tokens``).
             build_metadata: also build ``common_attn_metadata`` (one per group).
+            prev_token_ids: asynchronous scheduling: the previous step's sampled tokens,
+                ``[n]`` integer, on the device, in the order its :meth:`append_placeholders`
+                got; the placeholders among this step's ``input_ids`` are overwritten from
+                it on the device (``runner/step/placeholders.py``).
 
         Returns:
             :class:`StepInputs`; its tensors are views valid until the next ``update_states``.
@@ -188,6 +200,10 @@ class StepCompiler:
             self._check_step_size(scheduler_output, int(b.num_scheduled_tokens[:b.num_reqs].sum()),
                                   num_tokens_padded)
             inputs = self._preparer.prepare(b, self.group_kinds, num_tokens_padded)
+        if prev_token_ids is not None:
+            patch = plan_patch(inputs, b)
+            if patch is not None:
+                patch_input_ids(inputs.input_ids, patch, prev_token_ids)
         if build_metadata or self.validate:
             self.build_common_attn_metadata(inputs)
         if self.validate:
@@ -235,6 +251,27 @@ class StepCompiler:
                 token id, or more tokens than ``max_model_len`` (nothing changes).
         """
         append_output_tokens(self.input_batch, self.max_model_len, req_ids_or_rows, token_ids)
+
+    def append_placeholders(self, rows) -> Placeholders:
+        """Asynchronous scheduling: this step sampled ``rows`` (batch rows, in the order of
+        its sampled tensor) but the tokens stay on the device; append a placeholder to each
+        (stage 8 without the values, ``runner/step/placeholders.py``). The next
+        ``prepare_inputs(prev_token_ids=...)`` reads them from the device; pass the values to
+        :meth:`fill_output_tokens` once they are on the host.
+
+        Raises:
+            MetadataError: a bad, repeated or discarded row, or a full request.
+        """
+        return append_placeholders(self.input_batch, self.max_model_len, rows)
+
+    def fill_output_tokens(self, placeholders: Placeholders, token_ids) -> int:
+        """Write the real tokens over ``placeholders`` (one per entry, in order), wherever
+        the requests are now; finished ones are skipped. Returns how many were written.
+
+        Raises:
+            MetadataError: a count mismatch, a bad token id, or a placeholder filled twice.
+        """
+        return fill_output_tokens(self.input_batch, self.requests, placeholders, token_ids)
 
     # --- views for checks and tests (runner/step/debug.py) ------------------------------
     def batch_view(self) -> BatchView:

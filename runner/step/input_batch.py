@@ -75,12 +75,20 @@ class InputBatch:
         """Per row, the ``num_computed_tokens`` up to which the sliding-window groups' skipped
         blocks are already ``NULL_BLOCK_ID`` in the row (0 for a row just filled); see
         ``attnplug.runner.step.apply_windows``."""
+        self.prev_sampled_index = np.full(max_num_reqs, -1, dtype=np.int32)
+        """Per row, the index of the row's token in the previous step's sampled tensor while
+        that token is still only on the device (asynchronous scheduling), else -1; see
+        ``runner/step/placeholders.py``."""
+        self.prev_sampled_pos = np.zeros(max_num_reqs, dtype=np.int32)
+        """Per row, the position of that token in the request (valid where
+        ``prev_sampled_index >= 0``)."""
         self.temperature = np.zeros(max_num_reqs, dtype=np.float32)
         self.top_k = np.zeros(max_num_reqs, dtype=np.int32)
         self.top_p = np.ones(max_num_reqs, dtype=np.float32)
         self.row_columns: tuple[np.ndarray, ...] = (
             self.num_tokens, self.num_prompt_tokens, self.num_computed_tokens_cpu,
-            self.num_scheduled_tokens, self.num_computed_tokens_nulled, self.temperature, self.top_k, self.top_p)
+            self.num_scheduled_tokens, self.num_computed_tokens_nulled, self.prev_sampled_index,
+            self.prev_sampled_pos, self.temperature, self.top_k, self.top_p)
         """Every 1-D per-row column; moved together by every row move."""
         self.generators: dict[int, torch.Generator] = {}
         self.block_table = MultiGroupBlockTable(block_sizes, max_num_reqs, max_model_len,
@@ -186,6 +194,7 @@ class InputBatch:
             ncc[row] = st._num_computed_tokens
             sched[row] = 0
             nulled[row] = 0
+            self.prev_sampled_index[row] = -1
             sp = st.sampling_params
             temperature[row] = sp.temperature
             top_k[row] = sp.top_k
@@ -222,6 +231,7 @@ class InputBatch:
                 rows.append(self._num_rows)
                 self._num_rows += 1
         scan.write_rows(rows)
+        self.prev_sampled_index[rows] = -1
         req_ids, row_states, index = self._req_ids, self._states, self.req_id_to_index
         for nr, row in zip(new_reqs, rows):
             st = CachedRequestState._admitted(nr, self, row)

@@ -121,6 +121,17 @@ class CachedRequestState:
         self._batch, self._row = None, -1
         self._token_ids_np = None
 
+    def detached_token_ids(self) -> np.ndarray:
+        """The detached storage itself (``[num_tokens]`` ``int32``, writable), for filling a
+        placeholder of a request that left the batch (``runner/step/placeholders.py``).
+
+        Raises:
+            MetadataError: the request is in the batch (its row is the storage), or dropped.
+        """
+        if self._batch is not None:
+            raise MetadataError(f"request {self.req_id!r} is in the batch: its row holds its tokens")
+        return self._detached_tokens()
+
     def _detached_tokens(self) -> np.ndarray:
         if self._token_ids_np is None:
             raise MetadataError(f"request {self.req_id!r} finished and its state was dropped; keep what "

@@ -34,7 +34,9 @@ class SamplingParams:
     """How to pick the next token. ``temperature == 0`` is greedy.
 
     ``top_k <= 0`` disables top-k; ``top_p >= 1`` disables top-p. ``seed`` makes a
-    request's sampling reproducible whatever batch it runs in.
+    request's sampling reproducible whatever batch it runs in. A request finishes after
+    ``max_tokens`` outputs, or after sampling one of ``stop_token_ids`` (an EOS; the stop
+    token is the last output, as vLLM keeps it unless told otherwise).
     """
 
     temperature: float = 0.0
@@ -42,6 +44,7 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     max_tokens: int = 16
+    stop_token_ids: tuple[int, ...] = ()
 
 
 @dataclass

@@ -1,0 +1,164 @@
+"""Stage 8, asynchronous: a sampled token that is still on the device.
+
+With asynchronous scheduling (``docs/architecture.md``, "Asynchronous scheduling") step
+t + 1 is prepared before step t's sampled tokens reach the host. The token history then
+holds a placeholder (:data:`PLACEHOLDER_TOKEN_ID`) where each such token goes:
+
+1. after step t samples, :func:`append_placeholders` appends one placeholder per sampling
+   row and records, in the row's ``prev_sampled_index`` / ``prev_sampled_pos`` columns
+   (which move with the row), where its token lies in step t's device tensor
+   (vLLM's ``prev_req_id_to_index``, kept as a column so that condense and reorder carry it);
+2. step t + 1's ``prepare_inputs`` gathers ``input_ids`` from the host history as usual
+   (the placeholder included), then :func:`patch_input_ids` overwrites those entries on
+   the device from step t's tensor: one slice copy when the rows kept their order (the
+   steady state: row i's token is entry i), else one ``index_copy_``;
+3. when step t's outputs are read back, :func:`fill_output_tokens` writes the real
+   tokens over the placeholders (the request may have moved, left the batch, or finished).
+
+A placeholder is never read by a kernel: before step t + 2 is prepared, step t's tokens
+are filled (at most one step is in flight).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from attnplug.core.errors import MetadataError
+from attnplug.runner.step.input_batch import InputBatch
+from attnplug.runner.step.prepare import StepInputs
+from attnplug.runner.step.request_state import CachedRequestState
+
+PLACEHOLDER_TOKEN_ID = -1
+"""Stands in the host token history for a token still on the device (never a real id)."""
+
+
+@dataclass(frozen=True)
+class Placeholders:
+    """The placeholders one step appended.
+
+    Attributes:
+        req_ids: the sampling requests, in the order of the step's sampled tensor.
+        positions: ``[n]`` ``int64``, each placeholder's position in its request.
+    """
+
+    req_ids: tuple[str, ...]
+    positions: np.ndarray
+
+
+@dataclass(frozen=True)
+class PatchPlan:
+    """Where the previous step's device tokens go in this step's ``input_ids``.
+
+    Attributes:
+        dest: ``[k]`` ``int64`` flat token indices of this step.
+        src: ``[k]`` ``int64`` indices into the previous step's sampled tensor.
+        contiguous: ``dest == src == arange(k)`` (a slice copy suffices).
+    """
+
+    dest: np.ndarray
+    src: np.ndarray
+    contiguous: bool
+
+
+def append_placeholders(batch: InputBatch, max_model_len: int, rows: np.ndarray) -> Placeholders:
+    """Append one placeholder to each of ``rows`` (this step's sampling rows, in the order
+    of its sampled tensor) and point their ``prev_sampled_*`` columns at it.
+
+    Raises:
+        MetadataError: a row outside the batch, repeated, discarded this step (its
+            ``seq_len`` does not reach ``num_tokens``), or already at ``max_model_len``.
+    """
+    R = batch.num_reqs
+    rows = np.asarray(rows, dtype=np.int64).reshape(-1)
+    n = rows.shape[0]
+    if n and (rows.min() < 0 or rows.max() >= R or np.unique(rows).shape[0] != n):
+        raise MetadataError(f"append_placeholders: rows must be distinct and in [0, {R}), got {rows.tolist()}")
+    held = batch.num_tokens[rows].astype(np.int64)
+    seq = batch.num_computed_tokens_cpu[rows].astype(np.int64) + batch.num_scheduled_tokens[rows]
+    if (seq != held).any() or (held >= max_model_len).any():
+        i = int(np.argmax((seq != held) | (held >= max_model_len)))
+        raise MetadataError(f"append_placeholders: request {batch.req_ids[int(rows[i])]!r} samples no token "
+                            f"this step (seq_len {int(seq[i])}, num_tokens {int(held[i])}, max_model_len "
+                            f"{max_model_len})")
+    batch.token_ids_cpu[rows, held] = PLACEHOLDER_TOKEN_ID
+    batch.num_tokens[rows] = held + 1
+    batch.prev_sampled_index[:R] = -1
+    batch.prev_sampled_index[rows] = np.arange(n, dtype=np.int32)
+    batch.prev_sampled_pos[rows] = held
+    return Placeholders(tuple(batch.req_ids[r] for r in rows.tolist()), held)
+
+
+def plan_patch(inputs: StepInputs, batch: InputBatch) -> PatchPlan | None:
+    """Which of this step's tokens are the previous step's placeholders (after stage 2:
+    rows may have moved; their ``prev_sampled_*`` columns moved with them). Consumes the
+    columns: afterwards every row's ``prev_sampled_index`` is -1.
+
+    Returns:
+        The plan, or ``None`` when no token of this step is a placeholder.
+    """
+    R = inputs.num_reqs
+    src_col = batch.prev_sampled_index[:R]
+    live = np.flatnonzero(src_col >= 0)
+    if live.shape[0] == 0:
+        return None
+    offset = batch.prev_sampled_pos[live].astype(np.int64) - inputs.num_computed_tokens[live]
+    hit = (offset >= 0) & (offset < inputs.num_scheduled_tokens[live])
+    rows = live[hit]
+    src = src_col[rows].astype(np.int64)
+    src_col[:] = -1
+    if rows.shape[0] == 0:
+        return None
+    dest = inputs.query_start_loc_cpu.numpy()[rows].astype(np.int64) + offset[hit]
+    k = rows.shape[0]
+    contiguous = bool(dest[-1] == k - 1 and src[-1] == k - 1 and (dest == np.arange(k)).all()
+                      and (src == dest).all())
+    return PatchPlan(dest, src, contiguous)
+
+
+def patch_input_ids(input_ids: torch.Tensor, plan: PatchPlan, prev_token_ids: torch.Tensor) -> None:
+    """Write the previous step's device tokens into ``input_ids`` (``[P]`` ``int32``,
+    device) as ``plan`` says; ``prev_token_ids``: ``[n]`` integer, same device. No host
+    synchronisation: the index tensors are host data copied without blocking."""
+    k = plan.dest.shape[0]
+    if plan.contiguous:
+        input_ids[:k].copy_(prev_token_ids[:k], non_blocking=True)
+        return
+    dev = input_ids.device
+    dest = torch.from_numpy(plan.dest).to(dev, non_blocking=True)
+    src = torch.from_numpy(plan.src).to(dev, non_blocking=True)
+    input_ids.index_copy_(0, dest, prev_token_ids.index_select(0, src).to(input_ids.dtype))
+
+
+def fill_output_tokens(batch: InputBatch, requests: dict[str, CachedRequestState], placeholders: Placeholders,
+                       token_ids: Sequence[int]) -> int:
+    """Write a step's real tokens over its placeholders, wherever the requests are now
+    (a batch row, or detached state); a request that finished since is skipped.
+
+    Returns:
+        How many tokens were written.
+
+    Raises:
+        MetadataError: not one token per placeholder, a token id outside ``[0, 2**31)``,
+            or a placeholder that is not there any more (filled twice).
+    """
+    if len(token_ids) != len(placeholders.req_ids):
+        raise MetadataError(f"fill_output_tokens: {len(token_ids)} tokens for {len(placeholders.req_ids)} "
+                            "placeholders")
+    written = 0
+    for rid, pos, tok in zip(placeholders.req_ids, placeholders.positions.tolist(), token_ids):
+        if not 0 <= tok < 2**31:
+            raise MetadataError(f"fill_output_tokens: token id {tok!r} of {rid!r} is outside [0, 2**31)")
+        st = requests.get(rid)
+        if st is None:
+            continue  # finished (its state is gone)
+        row = st.row
+        history = batch.token_ids_cpu[row] if row is not None else st.detached_token_ids()
+        if pos >= history.shape[0] or history[pos] != PLACEHOLDER_TOKEN_ID:
+            raise MetadataError(f"fill_output_tokens: request {rid!r} has no placeholder at position {pos}")
+        history[pos] = tok
+        written += 1
+    return written
