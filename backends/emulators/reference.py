@@ -48,6 +48,14 @@ def attend_ranges(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lo: torch.T
         float32)``, natural-log ``lse``.
     """
     nq, num_heads, _ = q.shape
+    if nq and k.shape[0]:
+        # Keys before the first visible one or after the last are never loaded: the kernels
+        # skip whole key tiles outside every query's range (FlashAttention's n_block_min /
+        # n_block_max, FlashInfer's window), so blocks freed by a sliding window, or the
+        # null block in their place, are not read (docs/conformance.md: they hold NaN there).
+        first, last = max(int(lo.min()), 0), min(int(hi.max()), k.shape[0] - 1)
+        k, v = k[first:last + 1], v[first:last + 1]
+        lo, hi = lo - first, hi - first
     nk, num_kv_heads, _ = k.shape
     group = num_heads // num_kv_heads
     kk = k.float().repeat_interleave(group, dim=1)  # [nk, H, D]
