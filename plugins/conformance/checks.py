@@ -11,8 +11,10 @@ import numpy as np
 import torch
 
 from attnplug.core.contracts import AttentionBackend
+from attnplug.plugins.conformance.attribution import blocks_read
 from attnplug.plugins.conformance.harness import CaseRun, StepRecord
 from attnplug.plugins.conformance.oracle import CaseInputs, dense_attention
+from attnplug.plugins.conformance.poison import bits
 
 TOLERANCES: dict[str, tuple[float, float]] = {
     "float32": (1e-4, 1e-4),
@@ -40,10 +42,16 @@ def _where(step: StepRecord, token: int) -> str:
 
 def check_outputs(run: CaseRun, reference: CaseRun | None) -> list[str]:
     """Every step's output of both cache groups vs ``reference`` (group 0 of the same step),
-    or vs the dense float64 oracle when ``reference`` is ``None``."""
+    or vs the dense float64 oracle when ``reference`` is ``None``.
+
+    NaN in an output (where the expected value is finite) means the backend read a block
+    that held NaN (``poison.py``); the first such step and group names the blocks read
+    (``attribution.py``, by rerunning the case).
+    """
     atol, rtol = TOLERANCES[run.case.dtype]
     inputs = CaseInputs(run.case) if reference is None else None
     problems = []
+    named_nan = False
     for s, step in enumerate(run.steps):
         order = _order(step)
         if reference is None:
@@ -62,12 +70,37 @@ def check_outputs(run: CaseRun, reference: CaseRun | None) -> list[str]:
             t, h, d = np.unravel_index(int(worst), tuple(diff.shape))
             token = int(order[t])
             kind = "checked step" if step.checked else "history step"
+            n_nan = int((torch.isnan(got) & ~torch.isnan(expected)).sum())
+            if n_nan:
+                against = "dense float64 oracle" if reference is None else "torch_native reference"
+                problems.append(_nan_problem(run, s, kind, g, n_nan, bad.numel(), named_nan, against))
+                named_nan = True
+                continue
+            wrote_nothing = len(step.token_req) and torch.equal(bits(grp.cache_after), bits(grp.cache_before))
             problems.append(
                 f"step {s} ({kind}), cache group {g}: {n_bad} of {bad.numel()} output values differ from the "
                 f"{'dense float64 oracle' if reference is None else 'torch_native reference'} beyond atol={atol} "
                 f"rtol={rtol}; worst at {_where(step, token)} head {h} dim {d}: got {float(got[t, h, d]):.6g}, "
-                f"expected {float(expected[t, h, d]):.6g}")
+                f"expected {float(expected[t, h, d]):.6g}"
+                + ("; the step wrote none of its slots (see test_kv_written_exactly_at_slot_mapping)"
+                   if wrote_nothing else ""))
     return problems
+
+
+def _nan_problem(run: CaseRun, s: int, kind: str, g: int, n_nan: int, total: int, named: bool,
+                 against: str) -> str:
+    """The problem of a step whose output holds NaN; names the blocks read unless ``named``."""
+    head = f"step {s} ({kind}), cache group {g}: output values differ from the {against}: {n_nan} of {total} are NaN"
+    if named:
+        return head + " (blocks read: see the first NaN step above)"
+    text = (head + ": the backend read KV-cache blocks no query of the step may read (the null block, spare "
+            "blocks, other requests' blocks and freed sliding-window blocks hold NaN; a read that is masked "
+            "afterwards still gives 0 * NaN)")
+    found, complete = blocks_read(run, s, g)
+    if not found:
+        return text + "; no single poisoned block explains it (the NaN may come from the backend itself)"
+    listed = "; ".join(found[:2 * MAX_LISTED]) + (" ..." if len(found) > 2 * MAX_LISTED else "")
+    return text + f". Blocks read ({len(found)}{'' if complete else ', maybe more'}): " + listed
 
 
 def _expected_cache(backend: type[AttentionBackend], step: StepRecord, g: int, kbs: int) -> torch.Tensor:
@@ -90,13 +123,20 @@ def check_cache_writes(run: CaseRun, backend: type[AttentionBackend]) -> list[st
         n = len(step.token_req)
         for g, grp in enumerate(step.groups):
             expected = _expected_cache(backend, step, g, kbs)
-            if torch.equal(grp.cache_after, expected):
+            if torch.equal(bits(grp.cache_after), bits(expected)):
+                continue
+            if n and torch.equal(bits(grp.cache_after), bits(grp.cache_before)):
+                problems.append(
+                    f"step {s}, cache group {g}: the step wrote none of its {n} slots: forward() left the KV cache "
+                    "exactly as it was. Its K/V write landed in a temporary, not in kv_cache: e.g. reshape() or "
+                    ".contiguous() of a strided cache view (the default split_kv_cache() views are strided) "
+                    "returns a copy; index the view in place, e.g. key_cache[block, offset] = key")
                 continue
             slot_of_token = {int(x): t for t, x in enumerate(grp.slot_mapping[:n].tolist())}
             missing, stray = [], []
             for half, (got_v, exp_v) in zip("KV", zip(backend.split_kv_cache(grp.cache_after),
                                                     backend.split_kv_cache(expected))):
-                differs = (got_v != exp_v).flatten(2).any(dim=2)  # [num_blocks, block_size]
+                differs = (bits(got_v) != bits(exp_v)).flatten(2).any(dim=2)  # [num_blocks, block_size]
                 for blk, off in torch.nonzero(differs).tolist():
                     slot = blk * kbs + off
                     if slot in slot_of_token:
@@ -143,6 +183,6 @@ def check_same_runs(first: CaseRun, second: CaseRun) -> list[str]:
                                gb.output.view(torch.uint8) if gb.output.is_contiguous() else gb.output):
                 problems.append(f"step {s}, cache group {g}: outputs of two identical runs differ "
                                 f"(max |diff| {float((ga.output.double() - gb.output.double()).abs().max()):.3g})")
-            if not torch.equal(ga.cache_after, gb.cache_after):
+            if not torch.equal(bits(ga.cache_after), bits(gb.cache_after)):
                 problems.append(f"step {s}, cache group {g}: KV caches of two identical runs differ")
     return problems

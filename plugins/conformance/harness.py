@@ -6,11 +6,14 @@ builder ``build`` -> impl ``forward``, exactly as ``ModelRunner`` does, on two c
 groups with the same spec but different (permuted) block ids, so that
 ``update_block_table`` can be compared with a fresh ``build``.
 
-The KV caches start *poisoned* (every byte a large finite value) and, for sliding-window
-cases, keys that no query of the step can see are re-poisoned before the step (as if
-their freed blocks had been reused by another request). The record keeps, per step and
-group: the output rows, the cache before and after ``forward``, the slot mapping, the
-metadata mutations observed, and the update-vs-fresh comparison.
+The KV caches start *poisoned*: before every step, each block no query of the step may
+read (the null block, spare blocks, blocks of requests not yet admitted, freed
+sliding-window blocks: ``poison.py``) holds NaN, so any read of one, masked or not,
+shows in the output; a request's own blocks get a large finite value when it is
+admitted, and its keys no query of the step can see are re-poisoned with it. The record
+keeps, per step and group: the output rows, the cache before and after ``forward``, the
+slot mapping, the NaN blocks and why, the metadata mutations observed, and the
+update-vs-fresh comparison.
 """
 
 from __future__ import annotations
@@ -27,11 +30,12 @@ from attnplug.core.contracts import AttentionBackend, AttentionType, BuilderConf
 from attnplug.core.devices import resolve_device
 from attnplug.plugins.conformance.cases import ConformanceCase
 from attnplug.plugins.conformance.oracle import CaseInputs
+from attnplug.plugins.conformance.poison import PoisonPlan, bits
 from attnplug.plugins.conformance.requirements import torch_dtype
 from attnplug.plugins.conformance.snapshots import changes_since, snapshot, value_differences
 
 POISON = 1000.0
-"""Initial value of every KV-cache element; reading it unmasked ruins the output."""
+"""Value of a request's unwritten and out-of-window slots; reading it unmasked ruins the output."""
 PAD_INPUT = -777.0
 """Value of the query/key/value rows of padded tokens; writing it anywhere is visible."""
 NUM_GROUPS = 2
@@ -67,6 +71,8 @@ class StepRecord:
     mutations: list[str] = field(default_factory=list)
     update_vs_fresh: list[str] | None = None
     """``None`` when the builder does not support ``update_block_table``; else differences."""
+    poisoned: list[dict[int, str]] = field(default_factory=list)
+    """Per cache group, ``{kernel block id: why}`` of the blocks that held NaN in the step."""
 
 
 @dataclass
@@ -79,6 +85,8 @@ class CaseRun:
     kernel_block_size: int
     steps: list[StepRecord] = field(default_factory=list)
     error: str | None = None
+    backend: type[AttentionBackend] | None = None
+    """The backend class (to rerun the case when a failure needs it)."""
 
 
 def _assign_blocks(case: ConformanceCase, num_blocks_needed: list[int], group: int) -> tuple[list[list[int]], int]:
@@ -122,7 +130,8 @@ def _kernel_slots(blocks: list[int], positions: np.ndarray, block_size: int, kbs
 class _Runner:
     """State of one run: the step compiler, builders, impl and caches of both groups."""
 
-    def __init__(self, backend_cls: type[AttentionBackend], case: ConformanceCase, device: str, kbs: int):
+    def __init__(self, backend_cls: type[AttentionBackend], case: ConformanceCase, device: str, kbs: int,
+                 nan_only: frozenset[tuple[int, int]] | None = None):
         from attnplug.runner.step.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
         from attnplug.runner.step.compiler import StepCompiler
 
@@ -149,13 +158,17 @@ class _Runner:
             [case.block_size] * NUM_GROUPS, max_num_reqs=len(lens), max_model_len=max_model_len,
             max_num_batched_tokens=max_tokens, device=self.device, kernel_block_sizes=[kbs] * NUM_GROUPS,
             reorder_batch_threshold=builder_cls.reorder_batch_threshold, num_blocks=num_blocks,
-            group_kinds=[spec.kind] * NUM_GROUPS, validate=True)
+            group_kinds=[spec.kind] * NUM_GROUPS, validate=True, sliding_windows=[case.sliding_window] * NUM_GROUPS)
         self.impl = backend_cls.get_impl_cls()(
             case.num_heads, case.head_size, case.scale, case.num_kv_heads, sliding_window=case.sliding_window,
             logits_soft_cap=case.logits_soft_cap, attn_type=AttentionType.DECODER, kv_cache_dtype=dtype)
         shape = backend_cls.get_kv_cache_shape(num_blocks * (case.block_size // kbs), kbs, case.num_kv_heads,
                                                case.head_size)
         self.caches = [torch.full(shape, POISON, dtype=dtype, device=self.device) for _ in range(NUM_GROUPS)]
+        self.plan = PoisonPlan(case, self.blocks, num_blocks, self.steps, kbs)
+        self.nan_only = nan_only
+        """``None``: every planned block gets NaN; else only these ``(group, kernel block)``
+        (the others get ``POISON``), to find which blocks a failing backend reads."""
         self.inputs = CaseInputs(case)
         self.admitted: set[int] = set()
         self.computed = [0] * len(lens)
@@ -179,25 +192,36 @@ class _Runner:
         return SchedulerOutput(scheduled_new_reqs=new, scheduled_cached_reqs=cached,
                                num_scheduled_tokens={f"r{i}": n for i, n in step.items()})
 
-    def poison_out_of_window(self, step: dict[int, int]) -> None:
-        """Re-poison keys no query of this step can see (sliding window: freed and reused)."""
-        W = self.case.sliding_window
-        if W is None:
-            return
-        for i in step:
-            hidden = np.arange(max(0, self.computed[i] - W + 1))
-            if not len(hidden):
-                continue
-            for g in range(NUM_GROUPS):
+    def poison(self, index: int, step: dict[int, int]) -> list[dict[int, str]]:
+        """Poison the caches before step ``index`` (module docstring); returns, per group,
+        the NaN blocks and why."""
+        W, nan = self.case.sliding_window, float("nan") if self.caches[0].is_floating_point() else POISON
+        planned = []
+        for g in range(NUM_GROUPS):
+            halves = self.backend.split_kv_cache(self.caches[g])
+            fresh = [kb for i in self.plan.admitted_at(index) for b in self.blocks[g][i]
+                     for kb in self.plan.kernel_blocks(b)]
+            for half in halves:
+                half[torch.as_tensor(fresh, dtype=torch.int64, device=self.device)] = POISON
+            for i in step if W is not None else ():
+                hidden = np.arange(max(0, self.computed[i] - W + 1))
                 slots = torch.as_tensor(_kernel_slots(self.blocks[g][i], hidden, self.case.block_size, self.kbs),
                                         device=self.device)
-                for half in self.backend.split_kv_cache(self.caches[g]):
+                for half in halves:
                     half[slots // self.kbs, slots % self.kbs] = POISON
+            blocks = self.plan.nan_blocks(index, g, self.computed)
+            if self.nan_only is not None:
+                blocks = {kb: why for kb, why in blocks.items() if (g, kb) in self.nan_only}
+            ids = torch.as_tensor(sorted(blocks), dtype=torch.int64, device=self.device)
+            for half in halves:
+                half[ids] = nan
+            planned.append(blocks)
+        return planned
 
     def run_step(self, index: int, step: dict[int, int]) -> StepRecord:
         case, sc = self.case, self.compiler
         so = self.scheduler_output(step)
-        self.poison_out_of_window(step)
+        poisoned = self.poison(index, step)
         sc.update_states(so)
         Q = so.total_num_scheduled_tokens
         inputs = sc.prepare_inputs(so, num_tokens_padded=Q + case.num_pad_tokens if case.num_pad_tokens else None)
@@ -209,7 +233,8 @@ class _Runner:
         P = inputs.num_padded_tokens
         table_rows = self.inputs.rows(token_req, token_pos)
         q, k, v = (self._padded(t[table_rows], P) for t in (self.inputs.query, self.inputs.key, self.inputs.value))
-        record = StepRecord(index, index == len(self.steps) - 1, token_req, token_pos, k.cpu(), v.cpu())
+        record = StepRecord(index, index == len(self.steps) - 1, token_req, token_pos, k.cpu(), v.cpu(),
+                            poisoned=poisoned)
 
         cms = inputs.common_attn_metadata
         snaps = [snapshot(cm) for cm in cms]
@@ -238,7 +263,8 @@ class _Runner:
                 fresh_cache = before.clone()
                 fresh_out = torch.zeros_like(out)
                 self._forward(q, k, v, fresh_cache, md1_fresh, fresh_out)
-                if not (torch.equal(fresh_out[:Q], out[:Q]) and torch.equal(fresh_cache, self.caches[g])):
+                if not (torch.equal(bits(fresh_out[:Q]), bits(out[:Q]))
+                        and torch.equal(bits(fresh_cache), bits(self.caches[g]))):
                     record.update_vs_fresh.append("forward() with update_block_table() metadata differs from "
                                                   "forward() with a fresh build()")
         keep = [inputs.req_ids[r] for r in np.flatnonzero(~np.asarray(inputs.discard))]
@@ -281,18 +307,25 @@ class _Runner:
                                      f"match the case's blocks {want.tolist()}; this is a runner bug")
 
 
-def run_case(backend_cls: type[AttentionBackend], case: ConformanceCase, device: str, kbs: int) -> CaseRun:
+def run_case(backend_cls: type[AttentionBackend], case: ConformanceCase, device: str, kbs: int, *,
+             nan_only: frozenset[tuple[int, int]] | None = None, stop_after: int | None = None) -> CaseRun:
     """Run ``case`` on ``backend_cls`` (on ``device``, kernel block size ``kbs``).
+
+    ``nan_only`` limits the NaN poison to those ``(cache group, kernel block)`` pairs (the
+    other planned blocks get the finite ``POISON``); ``stop_after`` ends the run after that
+    step. Both serve :mod:`~attnplug.plugins.conformance.attribution`.
 
     Never raises for a backend's error: the traceback goes to ``CaseRun.error`` (with the
     step it happened in), and every check of the case then fails with it.
     """
-    run = CaseRun(case, backend_cls.get_name(), device, kbs)
+    run = CaseRun(case, backend_cls.get_name(), device, kbs, backend=backend_cls)
     step_index = -1
     try:
-        runner = _Runner(backend_cls, case, device, kbs)
+        runner = _Runner(backend_cls, case, device, kbs, nan_only)
         for step_index, step in enumerate(runner.steps):
             run.steps.append(runner.run_step(step_index, step))
+            if stop_after is not None and step_index >= stop_after:
+                break
     except Exception:
         where = "setting up the case" if step_index < 0 else f"step {step_index}"
         run.error = f"{where}: {traceback.format_exc()}"

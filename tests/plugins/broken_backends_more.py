@@ -1,0 +1,107 @@
+"""More deliberately broken backends, for the NaN-poison and silent no-write checks.
+
+Imported by module path (``--attnplug-backend broken_backends_more:Name``) from
+``test_conformance_poison.py``. ``GatherReader`` is a small, self-contained backend (its
+own metadata and impl, the shape of a third-party one) that writes K/V correctly and
+attends with a correct mask, but gathers more keys than the queries can see:
+
+* ``ReadsFromKeyZero``: every key ``0 .. seq_len - 1``, so in a sliding-window case the
+  freed blocks (null in the block table) are read and masked out;
+* ``ReadsWholeRow``: every column of the block-table row, so the null block padding the
+  row past the request's blocks is read and masked out.
+
+Masked reads of NaN still give NaN (``0 * NaN``), so both must fail naming the null block.
+``WritesIntoACopy`` is torch_native whose K/V write lands in a ``reshape`` copy of the
+strided cache view: the step writes none of its slots.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from attnplug.backends.torch_native import TorchNativeAttentionImpl, TorchNativeBackend
+from attnplug.core.constants import PAD_SLOT_ID
+from attnplug.core.contracts import AttentionImpl, AttentionMetadataBuilder
+
+
+@dataclass(frozen=True)
+class GatherMetadata:
+    num_actual_tokens: int
+    query_start_loc: tuple[int, ...]
+    seq_lens: tuple[int, ...]
+    block_table: torch.Tensor
+    slot_mapping: torch.Tensor
+
+
+class GatherBuilder(AttentionMetadataBuilder):
+    supports_update_block_table = False
+
+    def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
+        cm = common_attn_metadata
+        n = cm.num_reqs
+        return GatherMetadata(cm.num_actual_tokens, tuple(cm.query_start_loc_cpu[:n + 1].tolist()),
+                              tuple(cm.seq_lens_cpu[:n].tolist()), cm.block_table_tensor[:n],
+                              cm.slot_mapping[:cm.num_actual_tokens])
+
+
+class GatherImpl(AttentionImpl):
+    whole_row = False
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output):
+        md = attn_metadata
+        k_cache, v_cache = TorchNativeBackend.split_kv_cache(kv_cache)   # [blocks, bs, H_kv, D] views
+        bs = k_cache.shape[1]
+        real = torch.nonzero(md.slot_mapping != PAD_SLOT_ID).flatten()
+        slots = md.slot_mapping[real].long()
+        k_cache[slots // bs, slots % bs] = key[real].to(k_cache.dtype)
+        v_cache[slots // bs, slots % bs] = value[real].to(v_cache.dtype)
+        group = self.num_heads // self.num_kv_heads
+        for i, seq_len in enumerate(md.seq_lens):
+            lo, hi = md.query_start_loc[i], md.query_start_loc[i + 1]
+            n_keys = md.block_table.shape[1] * bs if self.whole_row else seq_len
+            pos = torch.arange(n_keys)
+            ids = md.block_table[i].long()[pos // bs]
+            k = k_cache[ids, pos % bs].float().repeat_interleave(group, dim=1)   # [keys, H, D]
+            v = v_cache[ids, pos % bs].float().repeat_interleave(group, dim=1)
+            q_pos = torch.arange(seq_len - (hi - lo), seq_len)[:, None]
+            visible = (pos[None, :] <= q_pos) & (pos[None, :] < seq_len)
+            if self.sliding_window is not None:
+                visible &= pos[None, :] > q_pos - self.sliding_window
+            logits = torch.einsum("qhd,khd->hqk", query[lo:hi].float(), k) * self.scale
+            if self.logits_soft_cap is not None:
+                logits = self.logits_soft_cap * torch.tanh(logits / self.logits_soft_cap)
+            probs = torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1)
+            output[lo:hi] = torch.einsum("hqk,khd->qhd", probs, v).to(output.dtype)
+        return output
+
+
+class WholeRowImpl(GatherImpl):
+    whole_row = True
+
+
+class _NoWriteImpl(TorchNativeAttentionImpl):
+    """Writes K/V into ``kv_cache[:, 0].reshape(...)``: a copy of the strided view."""
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output):
+        md = attn_metadata
+        flat_k = kv_cache[:, 0].reshape(-1, self.num_kv_heads, self.head_size)   # copies: strided view
+        flat_v = kv_cache[:, 1].reshape(-1, self.num_kv_heads, self.head_size)
+        flat_k[md.write_slots] = key[md.write_token_indices].to(flat_k.dtype)
+        flat_v[md.write_slots] = value[md.write_token_indices].to(flat_v.dtype)
+        none = md.write_slots[:0]
+        return super().forward(layer, query, key, value, kv_cache,
+                               dataclasses.replace(md, write_slots=none, write_token_indices=none), output)
+
+
+def _backend(name: str, builder, impl) -> type:
+    return type(name, (TorchNativeBackend,), {"get_name": classmethod(lambda cls: name),
+                                              "get_builder_cls": classmethod(lambda cls: builder),
+                                              "get_impl_cls": classmethod(lambda cls: impl)})
+
+
+ReadsFromKeyZero = _backend("reads_from_key_zero", GatherBuilder, GatherImpl)
+ReadsWholeRow = _backend("reads_whole_row", GatherBuilder, WholeRowImpl)
+WritesIntoACopy = _backend("writes_into_a_copy", TorchNativeBackend.get_builder_cls(), _NoWriteImpl)
