@@ -126,6 +126,7 @@ class ConformanceCase:
         Raises:
             ValueError: unknown keys or invalid values.
         """
+        data = {k: v for k, v in data.items() if not (k == "kind" and v == "attention")}
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
@@ -137,13 +138,18 @@ class ConformanceCase:
         return cls(**data)
 
 
-def load_cases(path: str) -> list[ConformanceCase]:
-    """Read a JSON list of case objects from ``path``."""
+def read_case_list(path: str) -> list[dict]:
+    """The JSON list of case objects in ``path`` (attention and state cases alike)."""
     with open(path, encoding="utf-8") as f:
         raw = json.load(f)
-    if not isinstance(raw, list):
-        raise ValueError(f"{path}: expected a JSON list of conformance cases")
-    return [ConformanceCase.from_dict(d) for d in raw]
+    if not isinstance(raw, list) or not all(isinstance(d, dict) for d in raw):
+        raise ValueError(f"{path}: expected a JSON list of conformance case objects")
+    return raw
+
+
+def load_cases(path: str) -> list[ConformanceCase]:
+    """The attention cases of the JSON list in ``path`` (objects without ``"kind": "state"``)."""
+    return [ConformanceCase.from_dict(d) for d in read_case_list(path) if d.get("kind", "attention") != "state"]
 
 
 def _c(name: str, requests: Sequence[tuple[int, int]], *tags: str, **kw) -> ConformanceCase:

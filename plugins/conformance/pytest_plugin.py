@@ -79,7 +79,8 @@ class _CaseTally:
 
     def pytest_itemcollected(self, item: pytest.Item) -> None:
         params = getattr(getattr(item, "callspec", None), "params", {})
-        if isinstance(params.get("attnplug_backend"), str) and "conformance_case" in params:
+        if isinstance(params.get("attnplug_backend"), str) and ("conformance_case" in params
+                                                               or "state_case" in params):
             item.user_properties.append((_PROP, params["attnplug_backend"]))
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
@@ -147,6 +148,13 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         if only is not None:
             cases = [c for c in cases if only(c)]
         metafunc.parametrize("conformance_case", cases, ids=[c.name for c in cases])
+    if "state_case" in names:
+        from attnplug.plugins.conformance.state_cases import STATE_CASES, load_state_cases
+
+        cases = list(STATE_CASES)
+        for path in metafunc.config.getoption("attnplug_cases"):
+            cases += load_state_cases(path)
+        metafunc.parametrize("state_case", cases, ids=[c.name for c in cases])
 
 
 @pytest.fixture(scope="session")

@@ -76,9 +76,9 @@ def device_option_problem(requested: str, option: str = "--attnplug-device") -> 
 def untestable_reason(backend_cls: type[AttentionBackend], device: str) -> str | None:
     """Why no case of the suite can run on ``backend_cls`` on ``device`` (a resolved device),
     whatever the case (``None``: the declarations leave cases to run)."""
-    if backend_cls.kv_cache_kind != "attention":
-        return (f"it serves {backend_cls.kv_cache_kind!r} caches; the conformance suite has attention "
-                "cases only")
+    if backend_cls.kv_cache_kind not in ("attention", "mamba"):
+        return (f"it serves {backend_cls.kv_cache_kind!r} caches; the conformance suite has attention and "
+                "mamba (state) cases only")
     ok, why = backend_cls.is_available()
     if not ok:
         return f"is_available() is False: {why}"
@@ -148,3 +148,42 @@ def assess(backend_cls: type[AttentionBackend], case: ConformanceCase, device: s
                     f"it: {'; '.join(reasons)}. Make the declarations say what validate_configuration "
                     "enforces, or accept the configuration.")
     return Assessment((), mismatch, kbs, cfg)
+
+
+def state_layer_config(case, device: str):
+    """The :class:`~attnplug.core.mamba.MambaLayerConfig` of a state case (``state_cases.StateCase``)."""
+    from attnplug.core.mamba import MambaLayerConfig
+
+    return MambaLayerConfig(num_heads=case.num_heads, head_size=case.head_size, state_size=case.state_size,
+                            n_groups=case.n_groups, conv_kernel_size=case.conv_kernel_size,
+                            chunk_size=case.chunk_size, dtype=torch_dtype(case.dtype), device=str(device))
+
+
+def assess_state(backend_cls: type[AttentionBackend], case, device: str) -> tuple[tuple[str, ...], str | None]:
+    """``(skip reasons, claim mismatch)`` of a state case (``state_cases.StateCase``) on a
+    backend, by the same rule as :func:`assess`: skips only for declared limitations
+    (``kv_cache_kind``, ``is_available()``, ``supported_devices``, ``supported_dtypes``,
+    ``supported_ssm_dtypes``); a declared-covered case that ``validate_configuration``
+    rejects is a mismatch (the case fails)."""
+    if backend_cls.kv_cache_kind != "mamba":
+        return (f"the backend serves {backend_cls.kv_cache_kind!r} caches; this case is a mamba state case",), None
+    skips = []
+    ok, why = backend_cls.is_available()
+    if not ok:
+        skips.append(f"the backend is not available on this machine: {why}")
+    dev = torch.device(device).type
+    if dev not in backend_cls.supported_devices:
+        skips.append(f"the case runs on {dev!r}; the backend declares devices {list(backend_cls.supported_devices)}")
+    cfg = state_layer_config(case, device)
+    if cfg.dtype not in backend_cls.supported_dtypes:
+        skips.append(f"the case needs dtype {case.dtype}; the backend declares "
+                     f"{[str(d).replace('torch.', '') for d in backend_cls.supported_dtypes]}")
+    if cfg.ssm_dtype not in getattr(backend_cls, "supported_ssm_dtypes", (torch.float32,)):
+        skips.append(f"the case needs SSM state dtype float32; the backend declares {backend_cls.supported_ssm_dtypes}")
+    if skips:
+        return tuple(skips), None
+    reasons = backend_cls.validate_configuration(cfg)
+    if reasons:
+        return (), (f"state case {case.name!r}: the backend's declarations (dtypes, devices) cover this case, but "
+                    f"validate_configuration rejects it: {'; '.join(reasons)}")
+    return (), None

@@ -73,6 +73,23 @@ class ConformanceSession:
             self._runs[key] = run_case(backend, case, self.device(backend), kbs)
         return self._runs[key]
 
+    def state_run(self, spec: str, case):
+        """The (cached) run of state case ``case`` on backend ``spec``; skips or fails the
+        test as its declarations say (``requirements.assess_state``)."""
+        from attnplug.plugins.conformance.requirements import assess_state
+        from attnplug.plugins.conformance.state_harness import run_state_case
+
+        backend = self.backends[spec]
+        skips, mismatch = assess_state(backend, case, self.device(backend))
+        if skips:
+            pytest.skip(f"state case {case.name!r}: " + "; ".join(skips))
+        if mismatch:
+            pytest.fail(mismatch, pytrace=False)
+        key = (backend, case, self.device(backend), "state")
+        if key not in self._runs:
+            self._runs[key] = run_state_case(backend, case, self.device(backend))
+        return self._runs[key]
+
     def reference(self, backend: type[AttentionBackend], case: ConformanceCase) -> CaseRun | None:
         """The torch_native run of ``case`` (``None`` when ``backend`` is torch_native: it is
         then held to the dense oracle instead)."""

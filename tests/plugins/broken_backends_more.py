@@ -105,3 +105,54 @@ def _backend(name: str, builder, impl) -> type:
 ReadsFromKeyZero = _backend("reads_from_key_zero", GatherBuilder, GatherImpl)
 ReadsWholeRow = _backend("reads_whole_row", GatherBuilder, WholeRowImpl)
 WritesIntoACopy = _backend("writes_into_a_copy", TorchNativeBackend.get_builder_cls(), _NoWriteImpl)
+
+
+# --- Mamba (state) backends: mamba2_torch with one realistic bug each -----------------------
+from attnplug.backends.mamba2 import Mamba2Backend  # noqa: E402
+from attnplug.backends.mamba2.impl import Mamba2Impl  # noqa: E402
+
+
+class _NoZeroImpl(Mamba2Impl):
+    """Never zeroes a fresh request's slot: reads the previous owner's stale state."""
+
+    def forward(self, layer, hidden_states_B_C, dt, state, attn_metadata, output):
+        md = dataclasses.replace(attn_metadata, fresh_rows=attn_metadata.fresh_rows[:0])
+        return super().forward(layer, hidden_states_B_C, dt, state, md, output)
+
+
+class _ForgetsStateImpl(Mamba2Impl):
+    """Zeroes every row's slot: the state is not carried across steps."""
+
+    def forward(self, layer, hidden_states_B_C, dt, state, attn_metadata, output):
+        md = attn_metadata
+        md = dataclasses.replace(md, fresh_rows=torch.arange(md.num_reqs, device=md.fresh_rows.device))
+        return super().forward(layer, hidden_states_B_C, dt, state, md, output)
+
+
+class _PadSlotImpl(Mamba2Impl):
+    """Also writes a padded row's state through PAD_SLOT_ID (-1): the pool's last slot."""
+
+    def forward(self, layer, hidden_states_B_C, dt, state, attn_metadata, output):
+        super().forward(layer, hidden_states_B_C, dt, state, attn_metadata, output)
+        state.ssm_state[PAD_SLOT_ID] = 0.0
+        return output
+
+
+def _mamba(name: str, impl) -> type:
+    return type(name, (Mamba2Backend,), {"get_name": classmethod(lambda cls: name),
+                                         "get_impl_cls": classmethod(lambda cls: impl)})
+
+
+StateNotZeroed = _mamba("state_not_zeroed", _NoZeroImpl)
+StateForgotten = _mamba("state_forgotten", _ForgetsStateImpl)
+StateWritesPadSlot = _mamba("state_writes_pad_slot", _PadSlotImpl)
+
+
+class OtherCacheKind(TorchNativeBackend):
+    """Serves a cache kind the suite has no cases for: ``attnplug check`` refuses it (exit 6)."""
+
+    kv_cache_kind = "linear_attention"
+
+    @classmethod
+    def get_name(cls):
+        return "other_cache_kind"

@@ -1,0 +1,209 @@
+"""Run one state case on one Mamba backend through the real runner path, and record it.
+
+Per step: ``SchedulerOutput`` -> ``StepCompiler.update_states`` -> ``prepare_inputs`` ->
+the builder's ``build`` (group 0) / ``update_block_table`` (group 1) -> the impl's
+``forward``, on two Mamba cache groups with the same spec and different state slots.
+
+Every slot starts as NaN (the null slot 0, spare slots, and the slots of requests not
+admitted yet: a new request's slot holds a previous owner's stale state, which it must
+zero, never read); a preempted request's slot is poisoned again when it is freed.
+Padded tokens carry inputs of ``PAD_INPUT`` and ``PAD_SLOT_ID`` rows; the output starts
+as ``OUTPUT_SENTINEL``. The record keeps, per step and group, the output rows, both
+states before and after ``forward``, and which slot each request held.
+"""
+
+from __future__ import annotations
+
+import traceback
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from attnplug.cache_groups.kinds import GroupKind
+from attnplug.cache_groups.specs import MambaSpec
+from attnplug.core.contracts import AttentionBackend, BuilderConfig
+from attnplug.core.devices import resolve_device
+from attnplug.plugins.conformance.requirements import state_layer_config, torch_dtype
+from attnplug.plugins.conformance.snapshots import changes_since, snapshot
+from attnplug.plugins.conformance.state_cases import StateCase
+from attnplug.plugins.conformance.state_oracle import StateInputs, request_lengths
+
+PAD_INPUT = -777.0
+OUTPUT_SENTINEL = -555.0
+NUM_GROUPS = 2
+
+
+@dataclass
+class StateGroupStep:
+    """One cache group's part of a step (CPU tensors)."""
+
+    output: torch.Tensor
+    """``[num_padded_tokens, num_heads * head_size]``, the case dtype (padded rows included)."""
+    conv_before: torch.Tensor
+    conv_after: torch.Tensor
+    ssm_before: torch.Tensor
+    ssm_after: torch.Tensor
+    slots: dict[int, int]
+    """``{request index: its state slot}`` for the step's requests."""
+
+
+@dataclass
+class StateStep:
+    index: int
+    token_req: np.ndarray
+    """``[num_actual_tokens]`` request index of each token."""
+    token_pos: np.ndarray
+    """``[num_actual_tokens]`` position of each token in its request."""
+    computed_after: dict[int, int]
+    """Per scheduled request, tokens computed after the step."""
+    groups: list[StateGroupStep] = field(default_factory=list)
+    mutations: list[str] = field(default_factory=list)
+    update_vs_fresh: list[str] | None = None
+
+
+@dataclass
+class StateRun:
+    case: StateCase
+    backend_name: str
+    device: str
+    steps: list[StateStep] = field(default_factory=list)
+    error: str | None = None
+
+
+class _StateRunner:
+    def __init__(self, backend_cls: type[AttentionBackend], case: StateCase, device: str):
+        from attnplug.runner.step.compiler import StepCompiler
+        from attnplug.runner.step.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+
+        self._types = (CachedRequestData, NewRequestData, SchedulerOutput)
+        self.case, self.device = case, resolve_device(device)
+        lcfg = state_layer_config(case, str(self.device))
+        lens = request_lengths(case)
+        self.max_len = max(lens)
+        resumes = len(case.preempt)
+        num_slots = 1 + case.num_requests + resumes + case.spare_slots
+        rng = np.random.default_rng(case.seed * 31 + 5)
+        # slot ids per group: a permutation of 1 .. num_slots - 2 (the last slot stays spare)
+        self.pools = [list(rng.permutation(np.arange(1, num_slots - 1))) for _ in range(NUM_GROUPS)]
+        self.slot: list[dict[int, int]] = [{} for _ in range(NUM_GROUPS)]
+        spec = MambaSpec(block_size=self.max_len, conv_state_shape=lcfg.conv_state_shape,
+                         ssm_state_shape=lcfg.ssm_state_shape, dtype=lcfg.dtype, ssm_dtype=lcfg.ssm_dtype,
+                         chunk_size=case.chunk_size)
+        max_tokens = max(sum(n for _, n in st) for st in case.steps) + case.num_pad_tokens
+        cfg = BuilderConfig(max_num_reqs=case.num_requests, max_num_batched_tokens=max_tokens,
+                            max_model_len=self.max_len)
+        builder_cls = backend_cls.get_builder_cls()
+        self.builders = [builder_cls(spec, [f"mamba{g}"], cfg, self.device) for g in range(NUM_GROUPS)]
+        self.compiler = StepCompiler(
+            [self.max_len] * NUM_GROUPS, max_num_reqs=case.num_requests, max_model_len=self.max_len,
+            max_num_batched_tokens=max_tokens, device=self.device, kernel_block_sizes=[self.max_len] * NUM_GROUPS,
+            reorder_batch_threshold=builder_cls.reorder_batch_threshold, num_blocks=num_slots,
+            group_kinds=[GroupKind.MAMBA] * NUM_GROUPS, validate=True)
+        self.impl = backend_cls.get_impl_cls()(lcfg)
+        self.states = [backend_cls.allocate_state_cache(spec, num_slots, self.device) for _ in range(NUM_GROUPS)]
+        for st in self.states:
+            st.conv_state.fill_(float("nan"))
+            st.ssm_state.fill_(float("nan"))
+        self.inputs = StateInputs(case, self.device)
+        self.lens = lens
+        self.computed = [0] * case.num_requests
+        self.admitted: set[int] = set()
+        self.resuming: set[int] = set()
+
+    def _take_slots(self, r: int) -> tuple[list[int], ...]:
+        for g in range(NUM_GROUPS):
+            self.slot[g][r] = int(self.pools[g].pop(0))
+        return tuple([self.slot[g][r]] for g in range(NUM_GROUPS))
+
+    def scheduler_output(self, index: int, step):
+        CachedRequestData, NewRequestData, SchedulerOutput = self._types
+        for s, r in self.case.preempt:
+            if s == index and r in self.admitted:
+                for g in range(NUM_GROUPS):   # the freed slot: poisoned as if reused by another request
+                    self.states[g].conv_state[self.slot[g][r]] = float("nan")
+                    self.states[g].ssm_state[self.slot[g][r]] = float("nan")
+                self.computed[r] = 0
+                self.resuming.add(r)
+        new, cached = [], CachedRequestData()
+        for r, _ in step:
+            if r not in self.admitted:
+                new.append(NewRequestData(req_id=f"r{r}", prompt_token_ids=[1] * self.lens[r],
+                                          block_ids=self._take_slots(r)))
+                self.admitted.add(r)
+                continue
+            resumed = r in self.resuming
+            self.resuming.discard(r)
+            cached.req_ids.append(f"r{r}")
+            cached.resumed_from_preemption.append(resumed)
+            cached.new_token_ids.append([])
+            cached.new_block_ids.append(self._take_slots(r) if resumed else None)
+            cached.num_computed_tokens.append(self.computed[r])
+        return SchedulerOutput(scheduled_new_reqs=new, scheduled_cached_reqs=cached,
+                               num_scheduled_tokens={f"r{r}": n for r, n in step})
+
+    def run_step(self, index: int, step) -> StateStep:
+        case, sc = self.case, self.compiler
+        so = self.scheduler_output(index, step)
+        sc.update_states(so)
+        Q = so.total_num_scheduled_tokens
+        inputs = sc.prepare_inputs(so, num_tokens_padded=Q + case.num_pad_tokens if case.num_pad_tokens else None)
+        rows = inputs.req_indices[:Q]
+        token_req = np.asarray([int(inputs.req_ids[r][1:]) for r in range(inputs.num_reqs)], dtype=np.int64)[rows]
+        token_pos = inputs.positions_cpu[:Q].numpy().astype(np.int64)
+        P = inputs.num_padded_tokens
+        xbc = torch.full((P, self.inputs.conv_dim), PAD_INPUT, dtype=torch_dtype(case.dtype))
+        dt = torch.full((P, case.num_heads), PAD_INPUT, dtype=xbc.dtype)
+        for t, (r, p) in enumerate(zip(token_req.tolist(), token_pos.tolist())):
+            xbc[t], dt[t] = self.inputs.xbc[r][p], self.inputs.dt[r][p]
+        xbc, dt = xbc.to(self.device), dt.to(self.device)
+        for r, n in step:
+            self.computed[r] += n
+        record = StateStep(index, token_req, token_pos, {r: self.computed[r] for r, _ in step})
+        cms = inputs.common_attn_metadata
+        snaps = [snapshot(cm) for cm in cms]
+        b0, b1 = self.builders
+        md0 = b0.build(0, cms[0])
+        md1_fresh = b1.build(0, cms[1])
+        md1 = md1_fresh
+        if b1.supports_update_block_table:
+            md0_snap = snapshot(md0)
+            md1 = b1.update_block_table(md0, cms[1].block_table_tensor, cms[1].slot_mapping)
+            record.mutations += [f"update_block_table() mutated the metadata it was given: {d}"
+                                 for d in changes_since(md0, md0_snap)]
+            record.update_vs_fresh = []
+        for g, cm in enumerate(cms):
+            record.mutations += [f"build()/update_block_table() mutated CommonAttentionMetadata.{d} (group {g})"
+                                 for d in changes_since(cm, snaps[g])]
+        hidden = case.num_heads * case.head_size
+        for g, md in enumerate((md0, md1)):
+            st = self.states[g]
+            before = (st.conv_state.clone(), st.ssm_state.clone())
+            out = torch.full((P, hidden), OUTPUT_SENTINEL, dtype=xbc.dtype, device=self.device)
+            self.impl.forward(self.inputs.layer, xbc, dt, st, md, out)
+            record.groups.append(StateGroupStep(out.cpu(), before[0].cpu(), st.conv_state.cpu().clone(),
+                                                before[1].cpu(), st.ssm_state.cpu().clone(),
+                                                {r: self.slot[g][r] for r, _ in step}))
+            if g == 1 and md1 is not md1_fresh:
+                fresh_state = type(st)(before[0].clone(), before[1].clone())
+                fresh_out = torch.full_like(out, OUTPUT_SENTINEL)
+                self.impl.forward(self.inputs.layer, xbc, dt, fresh_state, md1_fresh, fresh_out)
+                same = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in (
+                    (fresh_out, out), (fresh_state.conv_state, st.conv_state), (fresh_state.ssm_state, st.ssm_state)))
+                if not same:
+                    record.update_vs_fresh.append("forward() with update_block_table() metadata differs from "
+                                                  "forward() with a fresh build()")
+        return record
+
+
+def run_state_case(backend_cls: type[AttentionBackend], case: StateCase, device: str) -> StateRun:
+    """Run ``case`` on ``backend_cls``; a backend's exception goes to ``StateRun.error``."""
+    run = StateRun(case, backend_cls.get_name(), device)
+    index = -1
+    try:
+        runner = _StateRunner(backend_cls, case, device)
+        for index, step in enumerate(case.steps):
+            run.steps.append(runner.run_step(index, step))
+    except Exception:
+        run.error = f"{'setting up the case' if index < 0 else f'step {index}'}: {traceback.format_exc()}"
+    return run

@@ -1,0 +1,59 @@
+"""The state-backend (Mamba) conformance suite: mamba2_torch passes it, and a Mamba backend
+with one realistic bug fails it naming the case (docs/conformance.md)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from attnplug.plugins.conformance.state_cases import STATE_CASES, StateCase, load_state_cases
+from attnplug.runner.commands.check import parse, preflight
+
+pytest_plugins = ["pytester"]
+
+HERE = Path(__file__).resolve().parent
+
+
+def _run_suite(pytester, backend: str, keyword: str, *extra: str):
+    pytester.syspathinsert(HERE)
+    return pytester.runpytest_inprocess("-p", "no:cacheprovider", "--pyargs", "attnplug.plugins.conformance",
+                                        "--attnplug-backend", backend, "-k", keyword, *extra)
+
+
+def test_mamba2_torch_passes_every_state_case(pytester):
+    result = _run_suite(pytester, "mamba2_torch", "state_")
+    assert result.ret == pytest.ExitCode.OK, result.stdout.str()
+    assert result.parseoutcomes().get("passed") == 3 * len(STATE_CASES) + 1   # + the allocation check
+
+
+def test_attnplug_check_accepts_a_mamba_backend():
+    assert preflight(parse(["mamba2_torch"])) is None   # was refused with exit 6 ("attention cases only")
+
+
+@pytest.mark.parametrize("cls, keyword, test, case, needle", [
+    ("StateNotZeroed", "state_fresh_slot", "test_state_outputs_match_recurrence", "state_fresh_slot",
+     "got nan, expected"),
+    ("StateForgotten", "state_prefill_chunks", "test_state_slots_hold_the_recurrence_state", "state_prefill_chunks",
+     "request r0's SSM state in slot"),
+    ("StateWritesPadSlot", "state_decode", "test_state_slots_hold_the_recurrence_state", "state_decode",
+     "PAD_SLOT_ID = -1 used as an index"),
+], ids=["fresh_slot_not_zeroed", "state_not_carried", "pad_slot_written"])
+def test_a_broken_state_backend_fails_naming_the_case(pytester, cls, keyword, test, case, needle):
+    result = _run_suite(pytester, f"broken_backends_more:{cls}", keyword)
+    assert result.ret == pytest.ExitCode.TESTS_FAILED, result.stdout.str()
+    result.stdout.fnmatch_lines([f"FAILED *{test}?broken_backends_more:{cls}-{case}]*"])
+    out = " ".join(result.stdout.str().split())
+    assert f"state case {case!r} on backend" in out and needle in out, out
+
+
+def test_state_cases_from_a_cases_file(pytester, tmp_path):
+    case = StateCase(name="my_state_case", steps=(((0, 3), (1, 2)), ((0, 1), (1, 1))), num_heads=2, n_groups=1)
+    path = tmp_path / "cases.json"
+    path.write_text(json.dumps([case.to_dict(), {"name": "attn", "requests": [[3, 1]]}]))
+    assert load_state_cases(str(path)) == [case]
+    result = _run_suite(pytester, "mamba2_torch", "my_state_case", "--attnplug-cases", str(path))
+    assert result.ret == pytest.ExitCode.OK and result.parseoutcomes().get("passed") == 3, result.stdout.str()
+    with pytest.raises(ValueError, match="unknown keys"):
+        StateCase.from_dict({**case.to_dict(), "bogus": 1})
