@@ -14,6 +14,7 @@ from __future__ import annotations
 import random
 
 import numpy as np
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -30,7 +31,7 @@ from attnplug.runner.step.compiler import StepCompiler
 
 STEPS_PER_EXAMPLE = 25
 MAX_EXAMPLES = 90
-STEP_COUNT = {"steps": 0, "native": 0, "numpy": 0}
+STEP_COUNT = {"steps": 0, "native": 0, "numpy": 0, "in_flight": 0}
 
 LAYOUTS = [
     # (block_sizes, kernel_block_sizes, group_kinds)
@@ -222,6 +223,38 @@ def test_random_steps_match_naive_oracle(rng, layout, threshold, regular, native
         STEP_COUNT["steps"] += 1
 
 
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@given(rng=st.randoms(use_true_random=False), layout=st.sampled_from(LAYOUTS),
+       threshold=st.sampled_from([None, 1, 2]), native=st.sampled_from([None, False]))
+def test_random_steps_with_a_step_in_flight_match_the_oracle(rng, layout, threshold, native):
+    """Asynchronous scheduling: each step's samples stay "on the device" (a tensor) and the
+    history gets placeholders; the next step's input_ids must equal the oracle's (which got
+    the real tokens at once) after rows were condensed, reordered, unscheduled, resumed or
+    finished in between; then the real tokens are filled in and both views must agree."""
+    block_sizes, kernel_sizes, kinds = layout
+    kw = dict(kernel_block_sizes=kernel_sizes, reorder_batch_threshold=threshold,
+              num_blocks=NUM_BLOCKS, group_kinds=kinds)
+    sc = StepCompiler(block_sizes, MAX_NUM_REQS, MAX_MODEL_LEN, MAX_TOKENS, validate=True, native=native, **kw)
+    oracle = NaiveStepCompiler(block_sizes, MAX_NUM_REQS, MAX_MODEL_LEN, MAX_TOKENS, **kw)
+    sched = RandomScheduler(rng, layout, oracle)
+    prev = None  # (placeholders, device tokens) of the step before
+    for _ in range(STEPS_PER_EXAMPLE):
+        so = sched.step()
+        sc.update_states(so)
+        oracle.update_states(so)
+        inp = sc.prepare_inputs(so, prev_token_ids=None if prev is None else prev[1])
+        ref = oracle.prepare_inputs(so)
+        if prev is not None:  # the previous step's outputs arrive after this step launched
+            sc.fill_output_tokens(prev[0], prev[1].tolist())
+        compare(sc, oracle, inp, ref)
+        keep = [i for i, d in enumerate(ref.discard) if not d and ref.num_tokens[i] < MAX_MODEL_LEN]
+        rng.shuffle(keep)
+        toks = [rng.randrange(1000) for _ in keep]
+        prev = (sc.append_placeholders(np.array(keep, dtype=np.int64)), torch.tensor(toks, dtype=torch.int64))
+        oracle.append_output_tokens([ref.req_ids[i] for i in keep], [[t] for t in toks])
+        STEP_COUNT["in_flight"] += 1
+
+
 def test_zz_enough_random_steps_ran():
     """The issue asks for at least 2,000 random steps per test run."""
     if STEP_COUNT["steps"] == 0:
@@ -232,3 +265,4 @@ def test_zz_enough_random_steps_ran():
     assert STEP_COUNT["numpy"] >= 500, STEP_COUNT
     if NATIVE is not None:
         assert STEP_COUNT["native"] >= 300, STEP_COUNT
+    assert STEP_COUNT["in_flight"] >= 900, STEP_COUNT
