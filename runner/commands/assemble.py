@@ -3,7 +3,9 @@ scheduler, runner, and the trace's requests. Used by ``attnplug run`` and ``pari
 
 from __future__ import annotations
 
+import hashlib
 import inspect
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,7 +64,24 @@ class EngineSetup:
             "metadata_builds_per_step": round(counters.total_builds / max(counters.steps, 1), 2),
             "metadata_reuses_per_step": round(counters.total_reuses / max(counters.steps, 1), 2),
             "trace": self.trace_info,
+            "async_scheduling": eng.async_scheduling,
+            "steps_per_s": round(eng.stats.num_steps / wall_s, 1) if wall_s else 0.0,
+            "output_waits": runner.num_output_waits,
+            "output_wait_ms": round(runner.output_wait_ns / 1e6, 3),
+            "torch_threads": torch.get_num_threads(),
+            "outputs_digest": outputs_digest(results),
         }
+
+
+def outputs_digest(results: dict) -> str:
+    """sha256 (hex) of every request's generated token ids, in request-id order (ids that
+    end in a number sort by it: ``req-2`` before ``req-10``), so two runs compare by one value."""
+    def key(rid: str):
+        head, _, tail = rid.rpartition("-")
+        return (head, int(tail)) if tail.isdigit() else (rid, -1)
+
+    payload = json.dumps([[rid, list(map(int, results[rid].output_token_ids))] for rid in sorted(results, key=key)])
+    return hashlib.sha256(payload.encode()).hexdigest()
 
 
 def kv_cache_bytes(kv_cfg: KVCacheConfig) -> int:

@@ -155,6 +155,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--max-tokens", type=int, default=6)
     p.add_argument("--block-size", type=int, default=4)
     p.add_argument("--backend", default=None)
+    p.add_argument("--async-scheduling", action="store_true", help="run the engine with one step in flight")
     args = p.parse_args(argv)
     from attnplug.runner.commands.model_loading import read_hf_config
 
@@ -163,7 +164,8 @@ def main(argv: list[str]) -> int:
         res = run_parity(cfg, num_requests=args.num_requests, seed=args.seed,
                          force_preemption=args.force_preemption, dtype=args.dtype,
                          max_num_batched_tokens=args.max_num_batched_tokens, max_tokens=args.max_tokens,
-                         block_size=args.block_size, backend=args.backend)
+                         block_size=args.block_size, backend=args.backend,
+                         async_scheduling=args.async_scheduling)
     except AttnplugError as e:
         print(f"attnplug parity: {e}", file=sys.stderr)
         return 2

@@ -33,6 +33,14 @@ def print_run_table(summary: dict[str, Any], console: Console | None = None) -> 
     t.add_row("tokens/s (scheduled)", f"{summary['tokens_per_s']:.1f}")
     t.add_row("generated tokens/s", f"{summary['generated_tokens_per_s']:.1f}")
     t.add_row("preemptions", str(summary["preemptions"]))
+    if "async_scheduling" in summary:
+        mode = "async (1 step in flight)" if summary["async_scheduling"] else "sync"
+        t.add_row("scheduling", mode)
+        t.add_row("steps/s", f"{summary['steps_per_s']:.1f}")
+        if summary["async_scheduling"]:
+            t.add_row("output waits / ms waiting", f"{summary['output_waits']} / {summary['output_wait_ms']:.1f}")
+        t.add_row("torch threads", str(summary["torch_threads"]))
+        t.add_row("outputs digest", summary["outputs_digest"][:16])
     for stage, us in summary["median_us_per_step"].items():
         t.add_row(f"median µs/step {stage}", f"{us:.1f}")
     t.add_row("metadata builds / reuses per step",

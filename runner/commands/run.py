@@ -73,6 +73,9 @@ def _parser() -> argparse.ArgumentParser:
               "requests re-run alone for the batch-invariance check (0 disables)")
     p.add_argument("--skip-invalid", action="store_true",
                    help="skip (and count) invalid trace rows, whatever is wrong with them")
+    p.add_argument("--async-scheduling", action="store_true",
+                   help="keep one step in flight: plan and launch step t+1 before reading step t's tokens "
+                        "(its decode rows take them on the device); same outputs (outputs_digest)")
     p.add_argument("--json", action="store_true", help="print a machine-readable summary on stdout")
     return p
 

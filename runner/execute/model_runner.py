@@ -146,6 +146,8 @@ class ModelRunner:
         """``execute_model_async`` outputs whose ``result()`` was not called yet (<= 2)."""
         self.num_output_waits = 0
         """Times a step's outputs were waited for (``AsyncModelRunnerOutput.result``)."""
+        self.output_wait_ns = 0
+        """Nanoseconds spent in those waits (the device-to-host copy of the tokens)."""
 
     def _time(self, stage: str, t0: int) -> int:
         t1 = time.perf_counter_ns()

@@ -9,6 +9,7 @@ writes them over the step's placeholders in the token history
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,7 +67,9 @@ class AsyncModelRunnerOutput:
             sampled: dict[str, list[int]] = {}
             if self._placeholders is not None and self._placeholders.req_ids:
                 self._runner.num_output_waits += 1
+                t0 = time.perf_counter_ns()
                 tokens = self._token_ids.cpu().tolist()  # the wait
+                self._runner.output_wait_ns += time.perf_counter_ns() - t0
                 self._runner.compiler.fill_output_tokens(self._placeholders, tokens)
                 sampled = {rid: [tok] for rid, tok in zip(self._placeholders.req_ids, tokens)}
             self._result = ModelRunnerOutput(self.req_ids, sampled, self._logits)

@@ -206,3 +206,39 @@ def test_skip_invalid_skips_every_kind_and_says_how_many(tmp_path, capsys):
     assert s["requests"] == 2 and s["trace"]["skipped_rows"] == 4
     assert "attnplug run: --skip-invalid skipped 4 invalid trace rows; the first: " in err
     assert f"{trace}, line 3: ContextTokens must be an integer" in err
+
+
+@pytest.mark.parametrize("preset", [None, "tiny-hybrid"])
+def test_async_scheduling_gives_the_same_outputs_digest(capsys, tmp_path, preset):
+    """`--async-scheduling` on the bundled trace: the same digest, on a Llama config with
+    preemption under a small pool, and on the default tiny-hybrid preset (full,
+    sliding-window and Mamba2 groups)."""
+    if preset is None:
+        cfg = tmp_path / "config.json"
+        cfg.write_text(json.dumps(TINY))
+        argv = ["--model", str(cfg), "--num-requests", "24", "--max-model-len", "1024", "--max-num-seqs", "16",
+                "--block-size", "8", "--num-blocks", "70", "--invariance-requests", "0"]
+    else:
+        argv = ["--model", preset, "--num-requests", "12", "--max-model-len", "512", "--invariance-requests", "0"]
+    sync = _run_json(capsys, argv)
+    asy = _run_json(capsys, argv + ["--async-scheduling"])
+    assert (sync["async_scheduling"], asy["async_scheduling"]) == (False, True)
+    assert len(sync["outputs_digest"]) == 64 and asy["outputs_digest"] == sync["outputs_digest"]
+    assert asy["generated_tokens"] == sync["generated_tokens"]
+    if preset is None:
+        assert sync["preemptions"] > 0 and asy["preemptions"] > 0
+    assert sync["output_waits"] == 0 and 0 < asy["output_waits"] <= asy["steps"]
+    assert sync["torch_threads"] >= 1
+
+
+def test_outputs_digest_is_the_generated_tokens_in_request_order():
+    import hashlib
+
+    from attnplug.runner.commands.assemble import outputs_digest
+    from attnplug.runner.serve.engine import RequestResult
+
+    res = {rid: RequestResult(rid, [1], toks) for rid, toks in [("req-10", [3]), ("req-2", [5, 6])]}
+    want = hashlib.sha256(json.dumps([["req-2", [5, 6]], ["req-10", [3]]]).encode()).hexdigest()
+    assert outputs_digest(res) == want
+    res["req-2"].output_token_ids[1] = 7
+    assert outputs_digest(res) != want
