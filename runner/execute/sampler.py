@@ -58,15 +58,16 @@ class Sampler:
         Returns:
             ``[num_rows]`` int64 token ids, on ``logits``' device.
 
-        Synchronises with the host only for rows that sample with a per-request generator.
+        Never reads a device value on the host (greedy is decided from ``params``); seeded
+        rows draw their noise on the CPU and copy it to the device.
         """
         n = logits.shape[0]
         if n == 0:
             return torch.empty(0, dtype=torch.int64, device=logits.device)
-        temps = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=logits.device)
         greedy = logits.argmax(dim=-1)
-        if bool((temps <= 0).all()):
+        if all(p.temperature <= 0 for p in params):  # decided on the host: no device sync
             return greedy
+        temps = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=logits.device)
         top_k = torch.tensor([p.top_k for p in params], dtype=torch.int64, device=logits.device)
         top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=logits.device)
         scaled = logits.float() / torch.where(temps > 0, temps, torch.ones_like(temps)).unsqueeze(1)

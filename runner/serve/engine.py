@@ -71,6 +71,19 @@ class LLMEngine:
         self._logits[req_id] = []
         self.stats.num_prompt_tokens += len(prompt_token_ids)
 
+    def abort_request(self, req_id: str) -> None:
+        """Stop a request now (``Scheduler.abort_request``); its result keeps the outputs it
+        had. With a step in flight, that step's sample for it is dropped.
+
+        Raises:
+            SchedulingError: an unknown or finished request.
+        """
+        self.scheduler.abort_request(req_id)
+        req = self.scheduler.get_request(req_id)
+        outs = self._outputs.pop(req_id)[: len(req.output_token_ids)]
+        self.results[req_id] = RequestResult(req_id, self._prompts.pop(req_id), outs,
+                                             self._logits.pop(req_id)[: len(outs)])
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or self._in_flight is not None
 

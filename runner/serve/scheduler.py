@@ -137,6 +137,23 @@ class Scheduler:
         self.requests[req_id] = req
         self.waiting.append(req)
 
+    def abort_request(self, req_id: str) -> None:
+        """Finish a request now, whatever its state (a client went away).
+
+        Its blocks are freed once no in-flight step uses them; an in-flight step's sample
+        for it is dropped; its id goes to the runner in the next ``finished_req_ids``.
+
+        Raises:
+            SchedulingError: an unknown or already finished request.
+        """
+        req = self.requests.get(req_id)
+        if req is None or req.is_finished:
+            raise SchedulingError(f"cannot abort {req_id!r}: {'unknown' if req is None else 'already finished'}")
+        known_to_runner = req.sent_to_runner
+        self._finish(req)
+        if not known_to_runner:
+            self._finished_since_schedule.discard(req_id)  # never reached the runner
+
     def get_request(self, req_id: str) -> Request:
         """The request (finished ones included). Raises KeyError for an unknown id."""
         return self.requests[req_id]
@@ -387,8 +404,8 @@ class Scheduler:
     def _finish(self, req: Request) -> None:
         if req in self.running:
             self.running.remove(req)
-        else:
-            self.waiting.remove(req)  # preempted while its last step was in flight
+        elif req in self.waiting:
+            self.waiting.remove(req)  # preempted while its last step was in flight, or aborted
         self._release(req)
         req.block_ids = tuple([] for _ in range(self.kv_cache_manager.num_groups))
         req.status = RequestStatus.FINISHED

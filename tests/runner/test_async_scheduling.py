@@ -131,3 +131,35 @@ def test_preempting_a_request_loses_and_repeats_no_token(async_scheduling):
     out = run(eng, greedy, hook=preempt_r1_once)
     assert done and eng.scheduler.requests["r1"].num_preemptions == 1
     assert out == base
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_an_abort_mid_batch_changes_no_other_request(async_scheduling):
+    """Aborting a running request (with its step in flight, asynchronously): the others'
+    outputs are unchanged, its own are a prefix of what it would have produced, and every
+    block returns to the pools (after the in-flight step that used them)."""
+    greedy = [(p, SamplingParams(max_tokens=8)) for p, _ in REQUESTS]
+    base = run(engine(False), greedy)
+    aborted = []
+
+    def abort_r2(eng):
+        r2 = eng.scheduler.requests.get("r2")
+        held = [m.req_to_blocks for m in eng.scheduler.kv_cache_manager.managers]
+        if aborted and len(aborted) == 1:  # the step after the abort
+            assert all("r2" not in h for h in held), "blocks not freed after the step that used them"
+            aborted.append("freed")
+        if not aborted and r2 is not None and r2.num_output_tokens >= 1 and not r2.is_finished:
+            in_flight = eng._in_flight is not None and "r2" in eng._in_flight[0].num_scheduled_tokens
+            eng.abort_request("r2")
+            aborted.append(r2.num_output_tokens)
+            # a step that writes r2's blocks is in flight: the pool must not have them back yet
+            assert all(("r2" in h) == in_flight for h in held), "freed while a step in flight uses them"
+            assert in_flight == async_scheduling
+
+    eng = engine(async_scheduling)
+    out = run(eng, greedy, hook=abort_r2)
+    assert len(aborted) == 2
+    assert {k: v for k, v in out.items() if k != "r2"} == {k: v for k, v in base.items() if k != "r2"}
+    assert out["r2"] == base["r2"][:len(out["r2"])] and len(out["r2"]) == aborted[0] < 8
+    assert all(m.req_to_blocks == {} for m in eng.scheduler.kv_cache_manager.managers)
+    assert "r2" not in eng.runner.compiler.requests
