@@ -45,6 +45,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="registered backend name, or package.module:Class")
     p.add_argument("--device", default="auto", help="auto (default), cpu, cuda, cuda:1 ...")
     p.add_argument("--cases", action="append", default=[], metavar="FILE.json", help="extra cases (repeatable)")
+    p.add_argument("--hypothesis", type=int, default=0, metavar="N",
+                   help="property mode: only N random cases within the backend's declarations; a failure is "
+                        "shrunk and printed as case JSON for --cases (default: 0, off)")
     p.add_argument("-k", dest="keyword", default=None, help="only tests matching this pytest -k expression")
     p.add_argument("-x", "--exitfirst", action="store_true", help="stop at the first failure")
     p.add_argument("-v", "--verbose", action="count", default=0, help="more output (repeatable)")
@@ -54,7 +57,10 @@ def _parser() -> argparse.ArgumentParser:
 def parse(argv: list[str]) -> argparse.Namespace:
     """Parse ``attnplug check`` arguments; everything after ``--`` is kept for pytest."""
     cut = argv.index("--") if "--" in argv else len(argv)
-    args = _parser().parse_args(argv[:cut])
+    parser = _parser()
+    args = parser.parse_args(argv[:cut])
+    if args.hypothesis < 0:
+        parser.error(f"--hypothesis N needs N >= 0, got {args.hypothesis}")
     args.pytest_args = list(argv[cut + 1:])
     return args
 
@@ -77,8 +83,10 @@ def pytest_args(args: argparse.Namespace, ini_path: str) -> list[str]:
         out += ["--attnplug-backend", name]
     for path in args.cases:
         out += ["--attnplug-cases", os.path.abspath(path)]
-    if args.keyword:
-        out += ["-k", args.keyword]
+    if args.hypothesis:
+        out += ["--attnplug-hypothesis", str(args.hypothesis)]
+    if args.keyword or args.hypothesis:
+        out += ["-k", args.keyword or "test_random_cases_within_declarations"]
     if args.exitfirst:
         out.append("-x")
     out += ["-v"] * args.verbose
