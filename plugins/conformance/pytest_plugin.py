@@ -43,6 +43,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                          "cuda, cuda:1 ... (default: auto)")
     group.addoption("--attnplug-cases", action="append", default=[], metavar="FILE.json",
                     help="extra conformance cases: a JSON list of case objects (repeatable)")
+    group.addoption("--attnplug-hypothesis", type=int, default=0, metavar="N",
+                    help="property mode: also draw N random cases within each backend's declarations "
+                         "(needs hypothesis; default: 0, off)")
 
 
 _SESSION_KEY = pytest.StashKey["object"]()
@@ -79,8 +82,9 @@ class _CaseTally:
 
     def pytest_itemcollected(self, item: pytest.Item) -> None:
         params = getattr(getattr(item, "callspec", None), "params", {})
+        random = item.name.startswith("test_random_cases_within_declarations[")
         if isinstance(params.get("attnplug_backend"), str) and ("conformance_case" in params
-                                                               or "state_case" in params):
+                                                               or "state_case" in params or random):
             item.user_properties.append((_PROP, params["attnplug_backend"]))
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
