@@ -4,7 +4,8 @@ The runner calls it every step when ``ATTNPLUG_VALIDATE=1``; the tests always do
 failure raises :class:`MetadataInvariantError` naming the invariant, the row and values.
 
 1. ``req_ids[row]`` and ``req_id_to_index[req_id]`` are inverse maps.
-2. Every column of a row (tokens, counts, block table) belongs to one request.
+2. Every column of a row (tokens, counts, block table; the sampling columns and the
+   generator when the view carries them) belongs to one request.
 3. ``sum(num_scheduled_tokens) == num_actual_tokens``.
 4. ``query_start_loc[0] == 0``, non-decreasing, ``query_start_loc[num_reqs] == num_actual_tokens``.
 5. ``positions == num_computed_tokens[req] + offset within request``.
@@ -40,6 +41,11 @@ class RowState:
     num_computed_tokens: int
     block_ids: tuple[Sequence[int], ...]
     """Manager block ids per cache group."""
+    sampling: tuple[float, int, float] | None = None
+    """``(temperature, top_k, top_p)`` of the request; ``None``: not checked."""
+    generator: object | None = None
+    """The request's ``torch.Generator`` (``None`` when unseeded); checked, by identity,
+    when the batch view carries ``generators``."""
 
 
 @dataclass
@@ -58,6 +64,10 @@ class BatchView:
     num_blocks: Sequence[np.ndarray]
     """Per group: ``[>= num_reqs]`` valid blocks per row."""
     states: Mapping[str, RowState] = field(default_factory=dict)
+    sampling: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+    """``(temperature, top_k, top_p)`` columns, ``[>= num_reqs]`` each; ``None``: not checked."""
+    generators: Mapping[int, object] | None = None
+    """``{row: generator}`` of the seeded rows; ``None``: not checked."""
 
 
 def _fail(inv: str, row: int | None, hint: str = "", **values) -> None:
@@ -66,6 +76,17 @@ def _fail(inv: str, row: int | None, hint: str = "", **values) -> None:
 
 def _first_bad(mask: np.ndarray) -> int:
     return int(np.flatnonzero(mask)[0])
+
+
+def _check_sampling(batch: BatchView, row: int, st: RowState) -> None:
+    """Invariant 2 for the sampling columns and the generator of one row."""
+    if batch.sampling is not None and st.sampling is not None:
+        for name, col, want in zip(("temperature", "top_k", "top_p"), batch.sampling, st.sampling):
+            if col[row] != np.asarray(want, dtype=col.dtype):
+                _fail("2 row columns", row, req_id=st.req_id, column=name, batch=col[row].item(), request=want)
+    if batch.generators is not None and batch.generators.get(row) is not st.generator:
+        _fail("2 row columns", row, req_id=st.req_id, column="generator",
+              hint="the row's generator is not its request's (a row move left it behind or swapped it)")
 
 
 def validate(
@@ -142,6 +163,7 @@ def validate(
                 if nb != len(ids) or not np.array_equal(batch.block_ids[g][row, :nb], np.asarray(ids)):
                     _fail("2 row columns", row, req_id=st.req_id, column=f"block_table[group {g}]",
                           batch=batch.block_ids[g][row, :nb].tolist(), request=list(ids))
+            _check_sampling(batch, row, st)
 
     # 3. token count
     if num_scheduled_tokens is not None:
