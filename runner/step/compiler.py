@@ -140,6 +140,9 @@ class StepCompiler:
         self._preparer = InputPreparer(max_num_reqs, max_model_len, max_num_batched_tokens, self.device,
                                        native=use_native)
         self.validate = os.environ.get("ATTNPLUG_VALIDATE") == "1" if validate is None else bool(validate)
+        self.patch_counts = {"slice": 0, "scatter": 0}
+        """Asynchronous scheduling: steps whose ``input_ids`` took the previous step's device
+        tokens by one slice copy, or by a scatter (rows moved)."""
 
     # --- the step -----------------------------------------------------------------------
     def update_states(self, scheduler_output: SchedulerOutput) -> None:
@@ -204,6 +207,7 @@ class StepCompiler:
             patch = plan_patch(inputs, b)
             if patch is not None:
                 patch_input_ids(inputs.input_ids, patch, prev_token_ids)
+                self.patch_counts["slice" if patch.contiguous else "scatter"] += 1
         if build_metadata or self.validate:
             self.build_common_attn_metadata(inputs)
         if self.validate:

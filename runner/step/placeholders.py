@@ -102,17 +102,23 @@ def plan_patch(inputs: StepInputs, batch: InputBatch) -> PatchPlan | None:
     """
     R = inputs.num_reqs
     src_col = batch.prev_sampled_index[:R]
-    live = np.flatnonzero(src_col >= 0)
-    if live.shape[0] == 0:
+    if R == 0 or src_col.max() < 0:
         return None
-    offset = batch.prev_sampled_pos[live].astype(np.int64) - inputs.num_computed_tokens[live]
-    hit = (offset >= 0) & (offset < inputs.num_scheduled_tokens[live])
-    rows = live[hit]
+    # offset of the placeholder within the row's scheduled tokens (e.g. 0 for a decode)
+    offset = batch.prev_sampled_pos[:R] - inputs.num_computed_tokens
+    hit = (src_col >= 0) & (offset >= 0) & (offset < inputs.num_scheduled_tokens)
+    if inputs.num_actual_tokens == R and hit.all() and not offset.any():
+        # every row decodes its placeholder (token r is row r): a slice if the order held
+        src = src_col.astype(np.int64)
+        src_col[:] = -1
+        dest = np.arange(R, dtype=np.int64)
+        return PatchPlan(dest, src, bool((src == dest).all()))
+    rows = np.flatnonzero(hit)
     src = src_col[rows].astype(np.int64)
     src_col[:] = -1
     if rows.shape[0] == 0:
         return None
-    dest = inputs.query_start_loc_cpu.numpy()[rows].astype(np.int64) + offset[hit]
+    dest = inputs.query_start_loc_cpu.numpy()[rows].astype(np.int64) + offset[rows]
     k = rows.shape[0]
     contiguous = bool(dest[-1] == k - 1 and src[-1] == k - 1 and (dest == np.arange(k)).all()
                       and (src == dest).all())

@@ -240,6 +240,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="builders tables: timed steps per workload (0 skips them; default 200)")
     parser.add_argument("--no-compiler", action="store_true",
                         help="skip the step-compiler table (e.g. to run only the builders tables)")
+    parser.add_argument("--async-steps", type=_int_at_least(0), default=100,
+                        help="async table: prepare_inputs with the previous step's tokens on the device, "
+                             "timed steps per workload (0 skips it; default 100)")
     parser.add_argument("--json", action="store_true", help="print every figure as JSON instead of tables")
     parser.add_argument("--repeat", type=_int_at_least(1), default=3,
                         help="replay each workload this many times and report the run with the lowest "
@@ -284,9 +287,15 @@ def main(argv: list[str] | None = None) -> int:
         text = "" if args.json else render_builders(report["builders"], report["full_step"], args.markdown)
         if text:
             print("\n" + text)
+    if args.async_steps > 0:
+        from attnplug.runner.commands.bench.async_inputs import render_async, run_async
+
+        report["async_prepare"] = run_async([n for n in sizes if n >= 64] or sizes, args.async_steps, args.repeat)
+        if not args.json:
+            print("\n" + render_async(report["async_prepare"], args.markdown))
     if args.json:
         print(json.dumps(report, indent=1))
-    elif args.builder_steps > 0 or rows:
+    elif args.builder_steps > 0 or args.async_steps > 0 or rows:
         print(f"torch threads: {report['torch_threads']}; load average at start: "
               + ", ".join(f"{x:.2f}" for x in report["load_average"]))
     return 0

@@ -46,18 +46,20 @@ class Workload:
 
 
 def steady_decode(num_reqs: int, num_steps: int, num_groups: int = 2, block_size: int = 16,
-                  max_model_len: int = 8192, seed: int = 0, prompt_arrays: bool = False) -> Workload:
+                  max_model_len: int = 8192, seed: int = 0, prompt_arrays: bool = False,
+                  arrivals: bool = True) -> Workload:
     """The steady-decode workload with ``num_reqs`` live requests (see module docstring).
 
     Step 0 admits all ``num_reqs`` requests (warm-up, not timed); ``num_steps`` steady
     steps follow. Prompts are Python lists of ints (as vLLM's scheduler sends them), or
     ``int32`` numpy arrays with ``prompt_arrays`` (isolates the list → int32 conversion).
+    ``arrivals=False``: nobody finishes or arrives after step 0 (pure decode: rows never move).
     """
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(0, 32000, size=L, dtype=np.int32) for L in PROMPT_LENGTHS]
     if not prompt_arrays:
         prompts = [p.tolist() for p in prompts]
-    k = max(1, num_reqs // 64)
+    k = max(1, num_reqs // 64) if arrivals else 0
     free = [count(1) for _ in range(num_groups)]  # finished blocks are never reused here
     live: deque[str] = deque()
     info: dict[str, list] = {}  # req_id -> [num_computed_tokens, num_blocks]
@@ -106,7 +108,8 @@ def steady_decode(num_reqs: int, num_steps: int, num_groups: int = 2, block_size
         steps.append(SchedulerOutput(new, cached, sched, finished_req_ids=finished))
     config = dict(block_sizes=[block_size] * num_groups, max_num_reqs=num_reqs, max_model_len=max_model_len,
                   max_num_batched_tokens=max(2048, num_reqs), num_blocks=1 << 28)
-    name = f"steady decode N={num_reqs}" + (" (int32 array prompts)" if prompt_arrays else "")
+    name = f"steady decode N={num_reqs}" + (" (int32 array prompts)" if prompt_arrays else "") + (
+        "" if arrivals else ", no arrivals")
     return Workload(name, config, steps, num_warmup=1)
 
 
