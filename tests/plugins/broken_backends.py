@@ -75,11 +75,24 @@ class _WrongScaleImpl(TorchNativeAttentionImpl):
         super().__init__(num_heads, head_size, scale * 1.25, *args, **kwargs)
 
 
+class _NaNLastTokenImpl(TorchNativeAttentionImpl):
+    """Never computes the last real token's row (a loop bound one short), which keeps the
+    NaN its output buffer held: correct everywhere else, and the K/V writes are right."""
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output):
+        out = super().forward(layer, query, key, value, kv_cache, attn_metadata, output)
+        n = attn_metadata.num_actual_tokens
+        if n:
+            output[n - 1] = float("nan")
+        return out
+
+
 OffByOneSlots = _backend("off_by_one_slots", builder=_OffByOneBuilder)
 WritesPaddedSlots = _backend("writes_padded_slots", builder=_WritesPaddingBuilder)
 MutatesMetadata = _backend("mutates_metadata", builder=_MutatingBuilder)
 IgnoresWindow = _backend("ignores_window", builder=_NoWindowBuilder, impl=_NoWindowImpl)
 WrongScale = _backend("wrong_scale", impl=_WrongScaleImpl)
+NaNOutput = _backend("nan_output", impl=_NaNLastTokenImpl)
 
 Unavailable = type("unavailable", (TorchNativeBackend,), {
     "get_name": classmethod(lambda cls: "unavailable"),
