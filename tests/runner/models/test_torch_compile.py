@@ -10,6 +10,7 @@ compiled and eager: same tokens, same logits, at most two compilations.
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -84,23 +85,24 @@ class TokenCounts:
         return getattr(self.__dict__["fn"], name)
 
 
-def _model(name, attention_backend):
+def _model(name, attention_backend, device="cpu", dtype=torch.float32, block=BLOCK):
     def pick(layer_name, cfg):
         return Mamba2Backend if isinstance(cfg, MambaLayerConfig) else attention_backend
+    kw = dict(backend_for_layer=pick, block_size=block, device=device, dtype=dtype)
     if name == "gemma3":
-        return build_model(GEMMA3, backend_for_layer=pick, block_size=BLOCK, seed=3)
-    return make_preset_model(name, backend_for_layer=pick, block_size=BLOCK)
+        return build_model(GEMMA3, seed=3, **kw)
+    return make_preset_model(name, **kw)
 
 
-def _generate(model, compile_backend=None, attention_backend=TorchNativeBackend):
+def _generate(model, compile_backend=None, attention_backend=TorchNativeBackend, device="cpu", block=BLOCK):
     """Run PROMPTS to completion through the engine, eager or compiled with ``compile_backend``.
 
     Returns ``({rid: (tokens, logits [n, vocab] float32)}, each step's token count)``."""
-    groups = group_layers_by_spec(model.kv_cache_specs(BLOCK))
+    groups = group_layers_by_spec(model.kv_cache_specs(block))
     kv = KVCacheConfig(48, groups)
     backends = [Mamba2Backend if g.kv_cache_spec.kind.value == "mamba" else attention_backend for g in groups]
     called = TokenCounts(model if compile_backend is None else CompiledModel(model, backend=compile_backend))
-    runner = ModelRunner(called, kv, backends, RunnerConfig(4, 128, 16), record_logits=True)
+    runner = ModelRunner(called, kv, backends, RunnerConfig(4, 128, 16), device, record_logits=True)
     engine = LLMEngine(Scheduler(SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=4, max_model_len=128), kv),
                        runner)
     for i, (p, m) in enumerate(zip(PROMPTS, MAX_TOKENS)):
@@ -141,6 +143,51 @@ def test_flash_impls_compile_through_the_op(backend):
     rec = GraphRecorder("eager")
     got, _ = _generate(model, rec, attention_backend=backend)
     _assert_same(got, want)
+    assert 1 <= len(rec.graphs) <= 2 and rec.count(ATTN) == [4] * len(rec.graphs)
+
+
+def test_triton_compiles_through_the_op():
+    """The triton impl, in the Triton interpreter: in a fresh process with TRITON_INTERPRET=1
+    unless this one already interprets (Triton fixes its mode at import)."""
+    from attnplug.backends.triton import TritonBackend
+    from attnplug.backends.triton.runtime import interpreting, triton_import_error
+
+    if triton_import_error() is not None:
+        pytest.skip(triton_import_error())
+    if interpreting():  # against eager torch_native (an eager interpreter run would double the time)
+        want, _ = _generate(_model("tiny-llama", TorchNativeBackend))
+        rec = GraphRecorder("eager")
+        got, _ = _generate(_model("tiny-llama", TritonBackend), rec, attention_backend=TritonBackend)
+        _assert_same(got, want, atol=1e-4)
+        assert 1 <= len(rec.graphs) <= 2 and rec.count(ATTN) == [4] * len(rec.graphs)
+        return
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available: test_gpu_backends_compile_through_the_op covers the compiled kernels")
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    res = subprocess.run([sys.executable, "-m", "pytest", "-q", f"{__file__}::test_triton_compiles_through_the_op"],
+                         cwd=Path(__file__).resolve().parents[3], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert res.returncode == 0 and "1 passed" in res.stdout, res.stdout[-4000:] + res.stderr[-2000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="requires CUDA")
+@pytest.mark.parametrize("name, dtype, block", [("triton", torch.float32, 16), ("flash_attn", torch.bfloat16, 256),
+                                                ("flashinfer", torch.bfloat16, 16)])
+def test_gpu_backends_compile_through_the_op(name, dtype, block):
+    """The built-in GPU backends' real kernels inside the op (aot_eager: the rest of the
+    model computes as eager does, so tokens compare exactly). Not yet run on a GPU."""
+    from attnplug.plugins import get_backend
+
+    backend = get_backend(name)
+    model = _model("tiny-llama", backend, device="cuda", dtype=dtype, block=block)
+    reasons = backend.validate_configuration(next(iter(model.layer_configs(block).values())))
+    if reasons:
+        pytest.skip(f"{name}: {'; '.join(reasons)}")
+    want, _ = _generate(model, attention_backend=backend, device="cuda", block=block)
+    rec = GraphRecorder("aot_eager")
+    got, _ = _generate(model, rec, attention_backend=backend, device="cuda", block=block)
+    _assert_same(got, want, atol=1e-2)
     assert 1 <= len(rec.graphs) <= 2 and rec.count(ATTN) == [4] * len(rec.graphs)
 
 
