@@ -190,7 +190,18 @@ class CompiledModel:
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: Mapping[str, Any],
                  kv_caches: Mapping[str, Any]) -> torch.Tensor:
-        """The model's forward, compiled (same arguments, result and errors)."""
+        """The model's forward, compiled (same arguments and result).
+
+        Raises:
+            MetadataError: ``kv_caches`` or ``attn_metadata`` lacks a layer (checked here
+                and in the op, so that it is not raised while Dynamo traces, which would
+                wrap it); whatever the impls raise.
+        """
+        for name in self.layers:
+            if name not in kv_caches:
+                raise MetadataError(
+                    f"kv_caches has no entry for attention layer {name!r} (it has {len(kv_caches)} entries): "
+                    f"pass one per layer, keyed by the names in model.layer_names.")
         torch._dynamo.maybe_mark_dynamic(input_ids, 0)
         torch._dynamo.maybe_mark_dynamic(positions, 0)
         with forward_context(self.layers, attn_metadata):

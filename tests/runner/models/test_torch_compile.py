@@ -247,6 +247,11 @@ def test_the_op_needs_the_forward_context():
         compiled(ids, torch.arange(3), {}, kv)
     with forward_context({}, {}), pytest.raises(MetadataError, match="forward context's layers has no entry"):
         compiled(ids, torch.arange(3), {}, kv)
+    wrapped = CompiledModel(model, backend="eager")
+    with pytest.raises(MetadataError, match=f"kv_caches has no entry.*{model.layer_names[-1]}"):
+        wrapped(ids, torch.arange(3), {}, {n: kv[n] for n in model.layer_names[:-1]})
+    with pytest.raises(MetadataError, match=f"attn_metadata has no entry.*{first}"):
+        wrapped(ids, torch.arange(3), {}, kv)
 
 
 def _one_step(backend, spec_kind="attention"):
