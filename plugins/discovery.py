@@ -85,8 +85,9 @@ class _Loader:
         self.pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
         self.pm.add_hookspecs(hookspecs)
 
-    def fault(self, source: PluginSource, reason: str, backend: str | None = None) -> None:
-        f = PluginFault.from_source(source, reason, backend)
+    def fault(self, source: PluginSource, reason: str, backend: str | None = None,
+              exc: BaseException | None = None) -> None:
+        f = PluginFault.from_source(source, reason, backend, exc)
         self.registry.faults.append(f)
         logger.warning("attnplug: %s", f)
 
@@ -115,7 +116,7 @@ class _Loader:
         except Exception as exc:
             self.pm.unregister(plugin)
             self.fault(source, f"its {HOOK} hook raised {type(exc).__name__}: {exc} "
-                               "(nothing it registered was kept)")
+                               "(nothing it registered was kept)", exc=exc)
             return
         self.registry.plugins.append(source)
         for backend, reason in registrar.reported:
@@ -132,7 +133,7 @@ class _Loader:
             plugin = ep.load()
         except (Exception, SystemExit) as exc:
             self.fault(source, f"importing {ep.value!r} raised {type(exc).__name__}: {exc}; fix or "
-                               f"uninstall {source.distribution}, or set {ENV_DISABLE}={ep.name}")
+                               f"uninstall {source.distribution}, or set {ENV_DISABLE}={ep.name}", exc=exc)
             return
         self.load(plugin, source)
 
@@ -151,7 +152,8 @@ def load_registry(*, env: Mapping[str, str] | None = None,
 
     Returns:
         The registry; ``registry.faults`` lists every plugin or backend skipped because of
-        an error (each also logged as a warning on the ``attnplug.plugins`` logger).
+        an error (each also logged as a warning on the ``attnplug.plugins`` logger); a fault
+        that is an exception keeps its ``location`` (``FILE:LINE``) and ``traceback``.
 
     Never raises for a plugin's fault.
     """

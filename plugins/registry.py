@@ -19,7 +19,9 @@ listing or of selection.
 from __future__ import annotations
 
 import inspect
+import os
 import re
+import traceback as tb
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
@@ -86,6 +88,10 @@ class PluginFault:
         reason: what went wrong, and how to fix it.
         backend: the backend name (or class) concerned, when the fault is about one
             registration rather than the whole plugin.
+        location: ``"FILE:LINE"`` where the exception behind the fault was raised (see
+            :func:`fault_location`); ``None`` for faults that are not exceptions (a bad
+            declaration, a duplicate name).
+        traceback: the whole formatted traceback of that exception, or ``None``.
     """
 
     plugin: str
@@ -93,12 +99,17 @@ class PluginFault:
     distribution: str | None
     reason: str
     backend: str | None = None
+    location: str | None = None
+    traceback: str | None = None
 
     @classmethod
-    def from_source(cls, source: PluginSource, reason: str, backend: str | None = None) -> "PluginFault":
+    def from_source(cls, source: PluginSource, reason: str, backend: str | None = None,
+                    exc: BaseException | None = None) -> "PluginFault":
+        """The fault of ``source``; with ``exc``, its location and traceback are kept."""
         return cls(plugin=source.plugin, entry_point=source.entry_point,
                    distribution=None if source.builtin else source.describe(), reason=reason,
-                   backend=backend)
+                   backend=backend, location=None if exc is None else fault_location(exc),
+                   traceback=None if exc is None else "".join(tb.format_exception(exc)))
 
     def __str__(self) -> str:
         lines = [f"plugin {self.plugin!r} skipped" if self.backend is None
@@ -106,7 +117,29 @@ class PluginFault:
         lines.append(f"  entry point: {self.entry_point or '(built-in)'}")
         lines.append(f"  distribution: {self.distribution or '(built-in)'}")
         lines.append(f"  reason: {self.reason}")
+        if self.location:
+            lines.append(f"  raised at: {self.location}")
         return "\n".join(lines)
+
+
+_MACHINERY = re.compile(r"(^<frozen |[\\/]pluggy[\\/]|[\\/]importlib[\\/])")
+_LOADERS = {os.path.abspath(os.path.join(os.path.dirname(__file__), f)) for f in ("discovery.py", "registry.py")}
+"""Frames of the loading machinery (importlib, pluggy, our loader), which never locate a
+plugin's fault."""
+
+
+def fault_location(exc: BaseException) -> str | None:
+    """``"FILE:LINE"`` of the innermost frame of ``exc``'s traceback outside the loading
+    machinery (importlib, pluggy, ``plugins/discovery.py``, this module): where the
+    exception was raised (in the plugin's code, or in a library it called; the whole
+    traceback tells which). A ``SyntaxError`` gives the file and line of the bad source.
+    ``None`` when no frame is left.
+    """
+    if isinstance(exc, SyntaxError) and exc.filename:
+        return f"{exc.filename}:{exc.lineno}"
+    frames = [f for f in tb.extract_tb(exc.__traceback__)
+              if not _MACHINERY.search(f.filename) and os.path.abspath(f.filename) not in _LOADERS]
+    return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else None
 
 
 @dataclass(frozen=True)
@@ -276,7 +309,29 @@ class BackendRegistry:
         try:
             return self._entries[name]
         except KeyError:
-            raise UnknownBackendError(name, list(self._entries)) from None
+            pass
+        err = UnknownBackendError(name, list(self._entries))
+        hint = self.fault_hint(name)
+        if hint:
+            err.args = (f"{err.args[0]}; {hint}",)
+        raise err from None
+
+    def fault_hint(self, name: str) -> str:
+        """A sentence naming the plugins that failed to load (``""`` when none did), for an
+        unknown-backend message: one of them may have been meant to provide ``name``.
+        Faults about that very backend come first; at most three plugins are named."""
+        faults = sorted(self.faults, key=lambda f: f.backend != name)
+        if not faults:
+            return ""
+        shown = []
+        for f in faults[:3]:
+            what = f"plugin {f.plugin!r}" + (f" ({f.distribution})" if f.distribution else "")
+            if f.backend is not None:
+                what += f", backend {f.backend}"
+            shown.append(f"{what}: {f.reason}" + (f" [at {f.location}]" if f.location else ""))
+        more = f" and {len(faults) - 3} more" if len(faults) > 3 else ""
+        return (f"{len(faults)} plugin fault(s) while loading, which may be why: " + " | ".join(shown) + more
+                + " (attnplug backends --traceback shows the tracebacks)")
 
     def names(self) -> list[str]:
         """Registered names, in registration order (built-ins first)."""

@@ -4,11 +4,14 @@
 
     attnplug backends                       # table: name, source, available (or why not), features
     attnplug backends --json                # the same, machine-readable, plus plugin faults
+    attnplug backends --traceback           # ... and each plugin fault's whole traceback
+    attnplug backends --strict              # exit 3 if any plugin faulted
     attnplug backends --explain --model preset [--backend CHOICE] [--device cuda] [--dtype float16]
                                             # per cache group: the chosen backend, every rejection
 
 Exit status: 0; 1 when ``--explain`` finds a cache group no backend can serve (or whose
-explicit choice cannot serve it); 2 for bad arguments or configuration.
+explicit choice cannot serve it); 2 for bad arguments or configuration; 3 with
+``--strict`` when a plugin or backend was skipped because of a fault.
 """
 
 from __future__ import annotations
@@ -21,11 +24,13 @@ from typing import Any
 from attnplug.core.errors import AttnplugError, BackendUnsupportedError
 from attnplug.runner.commands.limits import OneLineParser
 
+EXIT_PLUGIN_FAULT = 3
+"""``--strict``: at least one plugin fault."""
+
 
 def _parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="attnplug backends", description=__doc__.split("::")[0].strip(),
-                                epilog=__doc__.split("\n\n")[-1].strip().replace("``", ""),
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                      epilog=__doc__.split("\n\n")[-1].strip().replace("``", ""))
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.add_argument("--explain", action="store_true", help="explain backend selection for --model")
     p.add_argument("--model", default=None, help="'preset', a preset name, or a path to an HF config.json")
@@ -33,7 +38,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default=None, help="device the model would run on (default: cuda if available)")
     p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
                    help="activation/KV dtype (default: the config's torch_dtype, else float32)")
-    p.add_argument("--block-size", type=int, default=16, help="manager block size in tokens (default 16)")
+    p.add_argument("--block-size", type=int, default=16, help="manager block size in tokens")
+    p.add_argument("--traceback", action="store_true", help="print each plugin fault's whole traceback")
+    p.add_argument("--strict", action="store_true",
+                   help=f"exit {EXIT_PLUGIN_FAULT} if any plugin or backend was skipped because of a fault")
     return p
 
 
@@ -93,47 +101,85 @@ def _row(entry) -> dict[str, Any]:
 def _problems(registry) -> dict[str, list]:
     return {
         "faults": [{"plugin": f.plugin, "entry_point": f.entry_point, "distribution": f.distribution,
-                    "backend": f.backend, "reason": f.reason} for f in registry.faults],
+                    "backend": f.backend, "reason": f.reason, "location": f.location,
+                    "traceback": f.traceback} for f in registry.faults],
         "skipped": [{"plugin": s.source.plugin, "distribution": s.source.describe(), "reason": s.reason}
                     for s in registry.skipped],
         "notes": list(registry.notes),
     }
 
 
+TABLE_WIDTH = 100
+"""Columns the tables are laid out in when stdout is not a terminal (``COLUMNS`` overrides)."""
+
+FEATURE_ABBREV = {"sliding_window": "window", "logits_soft_cap": "softcap", "mqa_gqa": "gqa"}
+DTYPE_ABBREV = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
+
+
 def _console():
+    import os
+
     from attnplug.runner.commands.report import Console
 
     console = Console()
     if not console.is_terminal:
-        console = Console(width=160)
+        cols = os.environ.get("COLUMNS", "")
+        console = Console(width=int(cols) if cols.isdigit() and int(cols) > 0 else TABLE_WIDTH)
     return console
 
 
-def print_backends(registry) -> None:
+def compact_sizes(sizes: list[int] | None) -> str:
+    """``"any"``, ``"16, 32, 64"``, or an arithmetic run of 4 or more as ``"8..256 step 8"``."""
+    if sizes is None:
+        return "any"
+    if len(sizes) >= 4:
+        step = sizes[1] - sizes[0]
+        if step > 0 and all(b - a == step for a, b in zip(sizes, sizes[1:])):
+            return f"{sizes[0]}..{sizes[-1]} step {step}"
+    return ", ".join(map(str, sizes))
+
+
+def print_backends(registry, show_traceback: bool = False) -> None:
+    """The backends table (abbreviated to fit :data:`TABLE_WIDTH` columns: ``--json`` has
+    the full names; why a backend is unavailable is a numbered note under it), then the
+    plugin faults, each with where it raised, and with
+    ``show_traceback`` each fault's whole traceback."""
     from rich.markup import escape
     from rich.table import Table
 
     console = _console()
     table = Table(title="attnplug backends", show_lines=False)
     for col in ("name", "source", "available", "kind", "features", "dtypes", "head sizes", "kernel blocks", "API"):
-        table.add_column(col, overflow="fold", no_wrap=col in ("name", "source"))  # identifiers stay whole
+        table.add_column(col, overflow="fold", no_wrap=col in ("name", "kind", "available"))  # short words stay whole
+    why_not: list[str] = []
     for r in backend_rows(registry):
-        feats = " ".join(f"{k}{'+' if v else '-'}" for k, v in r["features"].items())
-        avail = "[green]yes[/green]" if r["available"] else f"[red]no[/red]: {escape(r['unavailable_reason'])}"
-        table.add_row(r["name"], r["source"], avail, r["kv_cache_kind"], feats, ", ".join(r["dtypes"]),
-                      "any" if r["head_sizes"] is None else ", ".join(map(str, r["head_sizes"])),
-                      "any" if r["kernel_block_sizes"] is None else ", ".join(map(str, r["kernel_block_sizes"])),
-                      r["plugin_api_version"])
+        feats = " ".join(f"{FEATURE_ABBREV.get(k, k)}{'+' if v else '-'}" for k, v in r["features"].items())
+        if not r["available"]:
+            why_not.append(f"[{len(why_not) + 1}] {r['name']}: {r['unavailable_reason']}")
+        avail = "[green]yes[/green]" if r["available"] else f"[red]no[/red] [{len(why_not)}]"
+        table.add_row(escape(r["name"]), escape(r["source"]), avail, r["kv_cache_kind"], escape(feats),
+                      " ".join(DTYPE_ABBREV.get(d, d) for d in r["dtypes"]),
+                      compact_sizes(r["head_sizes"]), compact_sizes(r["kernel_block_sizes"]), r["plugin_api_version"])
     console.print(table)
+    for line in why_not:  # reasons under the table, so its columns stay narrow
+        console.print(line, markup=False, highlight=False)
     probs = _problems(registry)
     if probs["faults"]:
         ft = Table(title="plugin problems (skipped)")
         for col in ("plugin", "entry point", "distribution", "backend", "reason"):
             ft.add_column(col, overflow="fold")
         for f in probs["faults"]:
+            reason = f["reason"] + (f" (raised at {f['location']})" if f["location"] else "")
             ft.add_row(escape(f["plugin"]), escape(f["entry_point"] or "(built-in)"),
-                       escape(f["distribution"] or "(built-in)"), escape(f["backend"] or ""), escape(f["reason"]))
+                       escape(f["distribution"] or "(built-in)"), escape(f["backend"] or ""), escape(reason))
         console.print(ft)
+        if show_traceback:
+            for f in probs["faults"]:
+                if f["traceback"]:
+                    console.print(f"\ntraceback of plugin {f['plugin']}'s fault:\n{f['traceback'].rstrip()}",
+                                  markup=False, highlight=False, soft_wrap=True)
+        elif any(f["traceback"] for f in probs["faults"]):
+            console.print("(attnplug backends --traceback prints the whole tracebacks)", markup=False)
     for s in probs["skipped"]:
         console.print(f"skipped plugin {s['plugin']} ({s['distribution']}): {s['reason']}", markup=False)
     for note in probs["notes"]:
@@ -217,5 +263,8 @@ def main(argv: list[str]) -> int:
     if args.json:
         print(json.dumps({"backends": backend_rows(registry), **_problems(registry)}, indent=2))
     else:
-        print_backends(registry)
+        print_backends(registry, show_traceback=args.traceback)
+    if args.strict and registry.faults:
+        print(f"attnplug backends: --strict: {len(registry.faults)} plugin fault(s)", file=sys.stderr)
+        return EXIT_PLUGIN_FAULT
     return 0

@@ -262,3 +262,56 @@ def test_a_selected_backend_that_cannot_be_built_is_one_line(capsys, dists, name
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err[-2000:]
     assert err.startswith("attnplug run: ") and what in err, err
+
+
+def _broken_dist(dists) -> str:
+    """A distribution whose module raises at import, on its line 2; returns the module name."""
+    mod = dists.module_name("tbplug")
+    dists.add("tb-dist", "1.0", {"tbplug": mod}, {mod: "import os\nraise RuntimeError('boom at import')\n"})
+    return mod
+
+
+def test_a_plugin_fault_keeps_its_file_line_and_traceback(capsys, dists):
+    mod = _broken_dist(dists)
+    assert cli(["backends"]) == 0
+    out = capsys.readouterr().out
+    assert f"{mod}.py:2" in "".join(out.split()), out  # the fault line names the file and line
+    assert "Traceback (most recent call last)" not in out and "--traceback" in out
+    assert cli(["backends", "--traceback"]) == 0
+    out = capsys.readouterr().out
+    assert "Traceback (most recent call last)" in out and "RuntimeError: boom at import" in out
+    rc, data = _json(capsys, "backends", "--json")
+    (fault,) = data["faults"]
+    assert fault["location"].endswith(f"{mod}.py:2") and "boom at import" in fault["traceback"]
+
+
+def test_unknown_backend_mentions_a_plugin_that_failed_to_load(dists):
+    from attnplug.core.errors import UnknownBackendError
+    from attnplug.plugins import get_registry
+
+    with pytest.raises(UnknownBackendError) as clean:
+        get_registry().get("tb_backend")
+    assert "fault" not in str(clean.value)
+    reset_registry()
+    mod = _broken_dist(dists)
+    with pytest.raises(UnknownBackendError) as info:
+        get_registry().get("tb_backend")
+    msg = str(info.value)
+    assert "known backends: " in msg and "'tbplug'" in msg and "boom at import" in msg and f"{mod}.py:2" in msg
+
+
+def test_backends_strict_exits_non_zero_on_a_plugin_fault(capsys, dists):
+    assert cli(["backends", "--strict"]) == 0
+    _broken_dist(dists)
+    reset_registry()
+    assert cli(["backends", "--strict"]) == 3
+    assert "--strict: 1 plugin fault" in capsys.readouterr().err
+    assert cli(["backends"]) == 0  # without --strict a fault is reported, not fatal
+
+
+def test_backends_table_fits_100_columns(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "100")
+    assert cli(["backends"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert max(map(len, lines)) <= 100, max(lines, key=len)
+    assert any("torch_native" in line and "1.0" in line for line in lines)  # the last column is not cropped
