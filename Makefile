@@ -6,7 +6,7 @@ PIP    := $(PY) -m pip
 # CPU torch pinned for dev/CI (a bare `torch` resolves to a multi-GB CUDA build).
 TORCH_PIN := torch==2.13.0
 
-.PHONY: run test bench clean
+.PHONY: run test bench mutate clean
 
 $(VENV)/.base: pyproject.toml $(wildcard runner/step/fast/_native*.pyx runner/step/fast/_native*.pxi)
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "attnplug needs Python >= 3.11 (tomllib); set PYTHON=python3.11 or newer")'
@@ -25,6 +25,15 @@ run: $(VENV)/.base
 
 test: $(VENV)/.test
 	ATTNPLUG_VALIDATE=1 $(PY) -m pytest -q
+
+# Mutation testing (docs/testing.md); not part of `make test`. One module in a few minutes:
+#   make mutate MODULE=runner/execute/sampler.py      (ARGS="--jobs 1 --keep --min-score 0.9")
+$(VENV)/.mutate: $(VENV)/.test
+	$(PIP) install -q -e ".[triton,test,mutate]"
+	touch $@
+
+mutate: $(VENV)/.mutate
+	$(PY) tests/mutate.py $(MODULE) $(ARGS)
 
 bench: $(VENV)/.base
 	$(VENV)/bin/attnplug bench step

@@ -93,7 +93,8 @@ def test_all_greedy_is_argmax_and_draws_nothing():
     assert out.dtype == torch.int64 and torch.equal(out, logits.argmax(dim=-1))
     assert torch.equal(s._default_generator.get_state(), before)
     assert all(torch.equal(g.get_state(), st) for g, st in zip(gens, states) if g is not None)
-    assert s(torch.empty(0, VOCAB), [], []).shape == (0,)
+    empty = s(torch.empty(0, VOCAB), [], [])
+    assert empty.shape == (0,) and empty.dtype == torch.int64
 
 
 def test_greedy_rows_stay_greedy_in_a_sampled_batch():
@@ -191,3 +192,9 @@ def test_shared_generator_advances_across_steps():
     first = s(logits, [_sp()] * 16, [None] * 16)
     second = s(logits, [_sp()] * 16, [None] * 16)
     assert not torch.equal(first, second)
+
+
+def test_the_default_seed_is_zero():
+    logits = _logits(16, seed=12, scale=0.1)
+    params = [_sp()] * 16
+    assert torch.equal(Sampler()(logits, params, [None] * 16), Sampler(default_seed=0)(logits, params, [None] * 16))

@@ -1,0 +1,190 @@
+"""``make mutate``: mutation testing with mutmut 3 (docs/testing.md).
+
+mutmut names a mutant after its file's path (``src/`` stripped), and it imports the mutated
+copy through ``sys.path``; this repository's root *is* the package ``attnplug``, so each
+target is staged as ``build/mutate/<target>/src/attnplug`` (a copy of the package) next to
+a copy of ``tests/`` and of ``pyproject.toml`` whose ``[tool.mutmut]`` table gets the
+target's ``only_mutate`` and test selection. mutmut then runs, per mutant, only the tests
+of that selection that reached the mutated function.
+
+Usage (from the repo root, with the venv's python)::
+
+    python tests/mutate.py                                  # every target (long)
+    python tests/mutate.py runner/execute/sampler.py        # one module, a few minutes
+    python tests/mutate.py runner/step/prepare.py --jobs 2
+
+Prints, per module, the mutants killed / not killed / equivalent (listed in docs/testing.md)
+and the score ``killed / (total - equivalent)``, then every surviving mutant's mutated line.
+Exit status 1 when a module scores under ``--min-score`` (default 0: report only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+STAGE = ROOT / "build" / "mutate"
+STEP_TESTS = ["tests/runner/test_step_oracle.py", "tests/runner/test_input_batch.py",
+              "tests/runner/test_native_paths.py", "tests/runner/test_bad_input.py",
+              "tests/runner/test_row_moves_sampling.py", "tests/runner/test_cudagraph_padding_stale.py",
+              "tests/runner/test_sliding_window_runner.py", "tests/runner/test_worked_examples.py"]
+TARGETS: dict[str, list[str]] = {
+    # module glob (repo-relative)      -> the tests that guard it
+    "runner/execute/sampler.py": ["tests/runner/test_sampler.py"],
+    "runner/execute/cudagraph.py": ["tests/runner/test_cudagraph_padding.py",
+                                    "tests/runner/test_cudagraph_padding_stale.py"],
+    "core/validation.py": ["tests/core"],
+    "cache_groups/*.py": ["tests/cache_groups", "tests/runner/test_input_batch.py"],
+    "runner/step/*.py": STEP_TESTS,
+    "backends/flash_attn/builder.py": ["tests/backends/flash_attn/test_builder.py",
+                                       "tests/backends/flash_attn/test_cascade_clamp.py"],
+    "backends/flashinfer/builder.py": ["tests/backends/flashinfer/test_builder.py"],
+    "backends/triton/builder.py": ["tests/backends/triton/test_builder.py"],
+    "backends/torch_native/builder.py": ["tests/backends/torch_native", "tests/runner/test_cudagraph_padding.py"],
+}
+NOT_TARGETS = {"runner/step/oracle.py", "runner/step/debug.py"}  # the tests' own reference and views
+SKIP = {".venv", "build", "dist", ".git", "tests", "docs", "mutants", "__pycache__", ".hypothesis"}
+EQUIVALENT = re.compile(r"^- `(?P<func>[\w.]+)`: `(?P<line>.+?)` — ")
+
+
+def modules_of(arg: str | None) -> dict[str, list[str]]:
+    """``{module path: tests}`` for ``arg`` (a file, a folder, or ``None`` for every target)."""
+    files = sorted(str(p.relative_to(ROOT)) for p in ROOT.rglob("*.py")
+                   if not SKIP & set(p.relative_to(ROOT).parts) and not p.name == "__init__.py")
+    out = {}
+    for f in files:
+        if f in NOT_TARGETS or arg is not None and not (f == arg.rstrip("/") or f.startswith(arg.rstrip("/") + "/")):
+            continue
+        for glob, tests in TARGETS.items():
+            if fnmatch.fnmatch(f, glob) and "/" not in f[len(glob.rsplit("/", 1)[0]) + 1:]:
+                out[f] = tests
+                break
+    if not out:
+        raise SystemExit(f"mutate: {arg!r} matches no target; targets: {', '.join(TARGETS)}")
+    return out
+
+
+def mutmut_table(only: list[str], tests: list[str]) -> str:
+    """The repo's ``[tool.mutmut]`` table plus this run's files and tests (TOML)."""
+    import tomllib
+
+    base = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["mutmut"]
+    base = {**base, "only_mutate": [f"src/attnplug/{m}" for m in only],
+            "pytest_add_cli_args_test_selection": tests}
+    lines = ["[tool.mutmut]"]
+    for k, v in base.items():
+        val = ("true" if v else "false") if isinstance(v, bool) else (
+            "[" + ", ".join(f'"{x}"' for x in v) + "]" if isinstance(v, list) else
+            (f'"{v}"' if isinstance(v, str) else repr(v)))
+        lines.append(f"{k} = {val}")
+    return "\n".join(lines) + "\n"
+
+
+def stage(name: str, only: list[str], tests: list[str], keep: bool) -> Path:
+    """``build/mutate/<name>``: ``src/attnplug`` (the package), ``tests/``, ``pyproject.toml``."""
+    where = STAGE / name
+    if where.exists() and not keep:
+        shutil.rmtree(where)
+    ignore = shutil.ignore_patterns(*SKIP, "*.egg-info")
+    shutil.copytree(ROOT, where / "src" / "attnplug", ignore=ignore, dirs_exist_ok=True)
+    shutil.copytree(ROOT / "tests", where / "tests", ignore=shutil.ignore_patterns("__pycache__"),
+                    dirs_exist_ok=True)
+    text = (ROOT / "pyproject.toml").read_text()
+    head = text.split("[tool.mutmut]")[0]
+    rest = text.split("[tool.mutmut]", 1)[1]
+    tail = rest[rest.index("\n[") + 1:] if "\n[" in rest else ""
+    (where / "pyproject.toml").write_text(head + mutmut_table(only, tests) + "\n" + tail)
+    return where
+
+
+def mutmut(where: Path, *args: str, capture: bool = True) -> str:
+    exe = Path(sys.executable).parent / "mutmut"
+    env = {k: v for k, v in os.environ.items() if k != "ATTNPLUG_VALIDATE"}  # the module tests alone
+    res = subprocess.run([str(exe), *args], cwd=where, env=env, text=True,
+                         stdout=subprocess.PIPE if capture else None, stderr=subprocess.STDOUT if capture else None)
+    if res.returncode not in (0, 1) and args[0] == "run":
+        raise SystemExit(f"mutate: mutmut {' '.join(args)} failed ({res.returncode}) in {where}")
+    return res.stdout or ""
+
+
+def equivalents() -> dict[tuple[str, str], str]:
+    """``{(function, mutated line): kind}`` listed in docs/testing.md: kind ``"equivalent"``
+    (no input tells it apart) or ``"cpu"`` (only a CUDA device does)."""
+    out, kind = {}, None
+    for line in (ROOT / "docs" / "testing.md").read_text().splitlines():
+        if line.startswith("## "):
+            kind = {"## Equivalent mutants": "equivalent", "## CPU-equivalent mutants": "cpu"}.get(line.strip())
+        m = EQUIVALENT.match(line)
+        if m and kind:
+            out[(m["func"], " ".join(m["line"].split()))] = kind
+    return out
+
+
+def mutated_lines(where: Path, name: str) -> str:
+    diff = mutmut(where, "show", name)
+    plus = [ln[1:].strip() for ln in diff.splitlines() if ln.startswith("+") and not ln.startswith("+++")]
+    return " ".join(" ".join(plus).split())
+
+
+def report(where: Path, modules: list[str], equiv: dict[tuple[str, str], str], min_score: float) -> bool:
+    results = {}
+    for line in mutmut(where, "results", "--all", "true").splitlines():
+        if ": " in line.strip():
+            name, status = line.strip().rsplit(": ", 1)
+            results[name] = status
+    ok = True
+    for mod in modules:
+        prefix = "attnplug." + mod[:-3].replace("/", ".") + "."
+        mine = {n: s for n, s in results.items() if n.startswith(prefix)}
+        killed = sum(s in ("killed", "timeout", "segfault", "caught by type check") for s in mine.values())
+        survivors = sorted((n for n, s in mine.items() if s not in ("killed", "timeout", "segfault",
+                                                                    "caught by type check")),
+                           key=lambda n: (n.rsplit("__mutmut_", 1)[0], int(n.rsplit("_", 1)[1])))
+        listed, open_ = {"equivalent": [], "cpu": []}, []
+        for n in survivors:
+            line = mutated_lines(where, n)
+            kind = equiv.get((n.rsplit("__mutmut_", 1)[0], line))
+            (listed[kind] if kind else open_).append((n, mine[n], line))
+        n_eq, n_cpu = len(listed["equivalent"]), len(listed["cpu"])
+        total = len(mine) - n_eq - n_cpu
+        score = killed / total if total else 1.0
+        ok &= score >= min_score
+        print(f"\n{mod}: {len(mine)} mutants, {killed} killed, {len(open_)} not killed, {n_eq} equivalent, "
+              f"{n_cpu} CPU-equivalent (docs/testing.md); score {killed}/{total} = {100 * score:.1f}% "
+              f"(counting the CPU-equivalent as not killed: {killed}/{total + n_cpu} = "
+              f"{100 * killed / max(1, total + n_cpu):.1f}%)")
+        for n, status, line in open_:
+            print(f"    {status:9} {n}: {line}")
+    return ok
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("module", nargs="?", help="a module or folder, repo-relative (default: every target)")
+    ap.add_argument("--jobs", type=int, default=None, help="mutmut --max-children (default: the CPUs)")
+    ap.add_argument("--keep", action="store_true", help="reuse build/mutate/<target> (mutmut's cache)")
+    ap.add_argument("--min-score", type=float, default=0.0, help="fail under this score (0..1)")
+    a = ap.parse_args(argv)
+    targets = modules_of(a.module)
+    by_tests: dict[tuple[str, ...], list[str]] = {}
+    for mod, tests in targets.items():
+        by_tests.setdefault(tuple(tests), []).append(mod)
+    equiv, ok = equivalents(), True
+    for tests, mods in by_tests.items():
+        name = mods[0].replace("/", "_")[:-3] if len(mods) == 1 else mods[0].rsplit("/", 1)[0].replace("/", "_")
+        where = stage(name, mods, list(tests), a.keep)
+        print(f"mutate: {', '.join(mods)} against {' '.join(tests)} (in {where.relative_to(ROOT)})", flush=True)
+        mutmut(where, "run", *(["--max-children", str(a.jobs)] if a.jobs else []), capture=False)
+        ok &= report(where, mods, equiv, a.min_score)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
