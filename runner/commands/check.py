@@ -26,6 +26,8 @@ import os
 import sys
 import tempfile
 
+from attnplug.runner.commands.limits import OneLineParser
+
 SUITE = "attnplug.plugins.conformance"
 PLUGIN = "attnplug.plugins.conformance.pytest_plugin"
 EXIT_USAGE = 2
@@ -35,7 +37,7 @@ NO_PYTEST = ("pytest is not installed, and the conformance suite runs under pyte
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = OneLineParser(
         prog="attnplug check", description=__doc__.split("\n\n")[0].replace("``", ""),
         epilog=f"exit status: 0 passed (at least one case ran on each backend); 1 a case failed; {EXIT_USAGE} bad "
                f"arguments (unknown backend, --device this machine lacks, pytest not installed); "
@@ -43,7 +45,7 @@ def _parser() -> argparse.ArgumentParser:
                "4, 5: pytest's usage error, no test selected")
     p.add_argument("backends", nargs="+", metavar="NAME",
                    help="registered backend name, or package.module:Class")
-    p.add_argument("--device", default="auto", help="auto (default), cpu, cuda, cuda:1 ...")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1 ...")
     p.add_argument("--cases", action="append", default=[], metavar="FILE.json", help="extra cases (repeatable)")
     p.add_argument("--hypothesis", type=int, default=0, metavar="N",
                    help="property mode: only N random cases within the backend's declarations; a failure is "
@@ -73,7 +75,11 @@ def _plugin_autoloaded() -> bool:
 
 def pytest_args(args: argparse.Namespace, ini_path: str) -> list[str]:
     """The ``pytest.main`` arguments for parsed ``attnplug check`` options."""
-    from attnplug.plugins.conformance.pytest_plugin import SUITE_DIR
+    # the suite's folder, found without importing pytest_plugin: a module imported before
+    # pytest loads it (-p) cannot be assert-rewritten (PytestAssertRewriteWarning)
+    import importlib.util
+
+    SUITE_DIR = os.path.dirname(os.path.abspath(importlib.util.find_spec(SUITE).origin))
 
     out = ["-c", ini_path, "--rootdir", str(SUITE_DIR), "-p", "no:cacheprovider",
            "--pyargs", SUITE, "--attnplug-device", args.device, "-rs" if args.verbose else "-q"]  # -v: list skip reasons
@@ -86,17 +92,41 @@ def pytest_args(args: argparse.Namespace, ini_path: str) -> list[str]:
     if args.hypothesis:
         out += ["--attnplug-hypothesis", str(args.hypothesis)]
     if args.keyword or args.hypothesis:
-        out += ["-k", args.keyword or "test_random_cases_within_declarations"]
+        out += ["-k", args.keyword or "test_property_mode_random_cases"]
     if args.exitfirst:
         out.append("-x")
     out += ["-v"] * args.verbose
     return out + list(args.pytest_args)
 
 
+def cases_file_problem(path: str) -> str | None:
+    """Why ``--cases path`` cannot be used (one line), or ``None``: the file must exist,
+    be valid JSON, and be a list of case objects that ``cases.load_cases`` /
+    ``state_cases.load_state_cases`` accept (``docs/conformance.md``)."""
+    import json
+
+    from attnplug.plugins.conformance.cases import load_cases
+    from attnplug.plugins.conformance.state_cases import load_state_cases
+
+    if not os.path.isfile(path):
+        return f"--cases {path}: no such file"
+    try:
+        load_cases(path)
+        load_state_cases(path)
+    except json.JSONDecodeError as exc:
+        return f"--cases {path}: not valid JSON: {exc}"
+    except (OSError, UnicodeDecodeError) as exc:
+        return f"--cases {path}: cannot read it: {exc}"
+    except (ValueError, TypeError, KeyError) as exc:
+        return f"--cases {path}: not a valid case list: " + " ".join(str(exc).split())
+    return None
+
+
 def preflight(args: argparse.Namespace) -> tuple[int, str] | None:
     """``(exit status, one-line reason)`` when ``attnplug check`` must not run pytest, else ``None``.
 
-    Bad arguments (an unknown or invalid backend, a device this machine lacks) give
+    Bad arguments (an unknown or invalid backend, a device this machine lacks, a
+    ``--cases`` file that is missing, not JSON or not a case list) give
     :data:`EXIT_USAGE`; a backend that cannot run any case here gives
     :data:`EXIT_NOTHING_TESTED`.
     """
@@ -107,6 +137,10 @@ def preflight(args: argparse.Namespace) -> tuple[int, str] | None:
     why = device_option_problem(args.device, "--device")
     if why:
         return EXIT_USAGE, why
+    for path in args.cases:
+        why = cases_file_problem(path)
+        if why:
+            return EXIT_USAGE, why
     backends = {}
     for spec in args.backends:
         try:

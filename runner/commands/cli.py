@@ -32,13 +32,29 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 def _usage() -> str:
     lines = ["usage: attnplug COMMAND [ARGS...]", "", "commands:"]
     lines += [f"  {name:<10} {help_}" for name, (_, help_) in SUBCOMMANDS.items()]
-    lines += ["", "`attnplug COMMAND --help` for a command's options."]
+    lines += ["", "`attnplug COMMAND --help` for a command's options; `attnplug --version` for the version."]
     return "\n".join(lines)
+
+
+def version() -> str:
+    """The installed distribution's version (``importlib.metadata``), else
+    ``attnplug.__version__`` (a source tree that is not installed)."""
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version("attnplug")
+    except importlib.metadata.PackageNotFoundError:
+        import attnplug
+
+        return attnplug.__version__
 
 
 def main(argv: list[str] | None = None) -> int:
     """Dispatch ``argv`` (default ``sys.argv[1:]``); returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] in (["--version"], ["-V"]):
+        print(f"attnplug {version()}")
+        return 0
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())
         return 0 if argv else 2

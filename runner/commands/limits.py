@@ -19,9 +19,27 @@ MEMORY_FRACTION = 0.8
 """A buffer may take at most this fraction of the memory the OS reports available."""
 
 
+class DefaultsHelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """Help text with each option's default appended, ``(default: X)``, and the description
+    and epilog printed as written. Defaults of ``None`` and ``False`` (an unset option, a
+    flag) are not shown, nor is one the help text already mentions (``default``)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.default in (None, False, argparse.SUPPRESS) or "default" in text:
+            return text
+        return super()._get_help_string(action)
+
+
 class OneLineParser(argparse.ArgumentParser):
     """An ``ArgumentParser`` whose errors are one line on stderr (exit status 2):
-    ``PROG: error: MESSAGE (PROG --help lists the options)``, without the usage block."""
+    ``PROG: error: MESSAGE (PROG --help lists the options)``, without the usage block.
+    Its help shows every option's default (:class:`DefaultsHelpFormatter`, unless another
+    ``formatter_class`` is given)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", DefaultsHelpFormatter)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str):  # type: ignore[override]
         self.exit(2, f"{self.prog}: error: {message} ({self.prog} --help lists the options)\n")

@@ -41,6 +41,7 @@ import numpy as np
 import torch
 
 from attnplug.runner.commands.bench.workloads import Workload, steady_decode, trace_replay
+from attnplug.runner.commands.limits import OneLineParser
 from attnplug.runner.commands.traces import BUNDLED_ATTRIBUTION
 from attnplug.runner.step.oracle import NaiveStepCompiler
 from attnplug.runner.step.fast import NATIVE
@@ -218,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "attention":  # `attnplug bench attention ...`: runner/commands/bench/attention.py
         from attnplug.runner.commands.bench.attention import main as attention_main
         return attention_main(list(argv[1:]))
-    parser = argparse.ArgumentParser(prog="attnplug bench", description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(prog="attnplug bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("which", nargs="?", default="step", choices=["step", "attention"],
                         help="the benchmark to run (default: step; `attention --help` for its options)")
     parser.add_argument("--steps", type=_int_at_least(1), default=300,
