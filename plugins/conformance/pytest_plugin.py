@@ -82,7 +82,7 @@ class _CaseTally:
 
     def pytest_itemcollected(self, item: pytest.Item) -> None:
         params = getattr(getattr(item, "callspec", None), "params", {})
-        random = item.name.startswith("test_random_cases_within_declarations[")
+        random = item.name.startswith("test_property_mode_random_cases[")
         if isinstance(params.get("attnplug_backend"), str) and ("conformance_case" in params
                                                                or "state_case" in params or random):
             item.user_properties.append((_PROP, params["attnplug_backend"]))

@@ -14,7 +14,7 @@ from attnplug.plugins.conformance import checks
 pytestmark = pytest.mark.attnplug_conformance
 
 
-def test_random_cases_within_declarations(attnplug_conformance, attnplug_backend, request):
+def test_property_mode_random_cases(attnplug_conformance, attnplug_backend, request):
     """N random cases (shapes, dtypes, windows, block orders, decode/prefill mixes, padding)
     pass every check; a failure is shrunk and printed as case JSON."""
     n = request.config.getoption("attnplug_hypothesis")

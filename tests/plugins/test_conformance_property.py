@@ -25,7 +25,7 @@ def _run_suite(pytester, backend: str, *extra: str):
 def test_check_hypothesis_runs_only_the_property_test(tmp_path):
     args = pytest_args(parse(["torch_native", "--hypothesis", "7"]), str(tmp_path / "pytest.ini"))
     at = args.index("--attnplug-hypothesis")
-    assert args[at + 1] == "7" and args[args.index("-k") + 1] == "test_random_cases_within_declarations"
+    assert args[at + 1] == "7" and args[args.index("-k") + 1] == "test_property_mode_random_cases"
     with pytest.raises(SystemExit):
         parse(["torch_native", "--hypothesis", "-2"])
 
