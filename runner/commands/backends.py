@@ -150,7 +150,7 @@ def print_backends(registry, show_traceback: bool = False) -> None:
     console = _console()
     table = Table(title="attnplug backends", show_lines=False)
     for col in ("name", "source", "available", "kind", "features", "dtypes", "head sizes", "kernel blocks", "API"):
-        table.add_column(col, overflow="fold", no_wrap=col in ("name", "kind", "available"))  # short words stay whole
+        table.add_column(col, overflow="fold", no_wrap=col in ("name", "source", "kind", "available"))  # short words stay whole
     why_not: list[str] = []
     for r in backend_rows(registry):
         feats = " ".join(f"{FEATURE_ABBREV.get(k, k)}{'+' if v else '-'}" for k, v in r["features"].items())
