@@ -9,20 +9,10 @@ from attnplug.runner.step.input_batch import InputBatch
 
 
 def append_output_tokens(batch: InputBatch, max_model_len: int, req_ids_or_rows, token_ids) -> None:
-    """Append sampled tokens to requests of this step (both views: the row is the state).
-
-    The scheduler never re-sends the runner's own samples: this is how they enter the
-    token history (``StepCompiler.append_output_tokens`` calls it).
-
-    Args:
-        req_ids_or_rows: request ids, or batch rows (ints), of this step; distinct.
-        token_ids: one token per request (``[n]`` ints), or per request a list of tokens.
-
-    Raises:
-        MetadataError: an id not in the batch, a repeated request, a row whose logits are
-            discarded this step (partial prefill, or tokens already appended), a bad
-            token id, or more tokens than ``max_model_len`` (nothing changes).
-    """
+    """Append sampled tokens to rows of ``batch`` (the public entry, with the arguments and
+    errors, is ``StepCompiler.append_output_tokens``). The scheduler never re-sends the
+    runner's own samples: this is how they enter the token history. Validates everything
+    before writing; a bad call changes nothing."""
     b = batch
     n = len(req_ids_or_rows)
     if n == 0:
