@@ -45,6 +45,7 @@ from attnplug.runner.models.layers import RotaryEmbedding, lookup_layer, lookup_
 from attnplug.runner.models.llama import attention_layer_name
 from attnplug.runner.models.config import RopeScaling
 from attnplug.runner.models.weights import load_hf_state_dict
+from attnplug.runner.models.impls import make_impl
 
 
 def gemma3_layer_configs(cfg: Gemma3ModelConfig, dtype: torch.dtype, device: torch.device | str,
@@ -110,8 +111,8 @@ class Gemma3Attention(nn.Module):
         self.rope = rope
         self.sliding_window = cfg.sliding_windows[index]
         self.backend = backend
-        self.impl = backend.get_impl_cls()(
-            H, D, cfg.attention_scale, H_kv, sliding_window=self.sliding_window,
+        self.impl = make_impl(
+            backend, self.layer_name, H, D, cfg.attention_scale, H_kv, sliding_window=self.sliding_window,
             logits_soft_cap=None, attn_type=AttentionType.DECODER, kv_cache_dtype=dtype)
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,

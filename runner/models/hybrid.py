@@ -28,6 +28,7 @@ from attnplug.runner.models.bamba import BambaModel, bamba_layer_configs
 from attnplug.runner.models.bamba_config import BambaModelConfig, parse_bamba_config
 from attnplug.runner.models.config import ModelConfigError
 from attnplug.runner.models.llama import attention_layer_name
+from attnplug.runner.models.impls import make_impl
 
 
 @dataclass(frozen=True)
@@ -101,8 +102,9 @@ class HybridModel(BambaModel):
         for i in cfg.sliding_attn_layer_indices:
             attn = self.model.layers[i].self_attn
             attn.sliding_window = cfg.sliding_window
-            attn.impl = backends[i].get_impl_cls()(
-                attn.num_heads, attn.head_size, attn.head_size ** -0.5, attn.num_kv_heads,
+            attn.impl = make_impl(
+                backends[i], attn.layer_name, attn.num_heads, attn.head_size, attn.head_size ** -0.5,
+                attn.num_kv_heads,
                 sliding_window=cfg.sliding_window, logits_soft_cap=None, attn_type=AttentionType.DECODER,
                 kv_cache_dtype=dtype)
 

@@ -21,6 +21,7 @@ from attnplug.core.contracts import AttentionBackend, AttentionType
 from attnplug.core.errors import MetadataError
 from attnplug.runner.models.attention_op import attend
 from attnplug.runner.models.config import RopeScaling
+from attnplug.runner.models.impls import make_impl
 
 
 class RMSNorm(nn.Module):
@@ -139,8 +140,8 @@ class Attention(nn.Module):
         self.rope = rope
         self.backend = backend
         self.sliding_window = sliding_window
-        self.impl = backend.get_impl_cls()(
-            num_heads, head_size, head_size ** -0.5, num_kv_heads, sliding_window=sliding_window,
+        self.impl = make_impl(
+            backend, layer_name, num_heads, head_size, head_size ** -0.5, num_kv_heads, sliding_window=sliding_window,
             logits_soft_cap=None, attn_type=AttentionType.DECODER, kv_cache_dtype=dtype)
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,

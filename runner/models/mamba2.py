@@ -21,6 +21,7 @@ from torch import nn
 
 from attnplug.core.mamba import MambaBackend, MambaLayerConfig, MambaStateCache
 from attnplug.runner.models.attention_op import mix
+from attnplug.runner.models.impls import make_impl
 
 
 class GatedRMSNorm(nn.Module):
@@ -72,7 +73,7 @@ class Mamba2Mixer(nn.Module):
         self.norm = GatedRMSNorm(c.intermediate_size, c.intermediate_size // c.n_groups, norm_eps, dtype, device)
         self.out_proj = nn.Linear(c.intermediate_size, hidden_size, bias=proj_bias, **kw)
         self.backend = backend
-        self.impl = backend.get_impl_cls()(layer_cfg)
+        self.impl = make_impl(backend, layer_name, layer_cfg)
 
     def forward(self, hidden: torch.Tensor, state: MambaStateCache, attn_metadata) -> torch.Tensor:
         """``hidden`` ``[num_tokens, hidden_size]`` -> ``[num_tokens, hidden_size]``.
