@@ -88,7 +88,7 @@ def mutmut_table(only: list[str], tests: list[str]) -> str:
 
 
 def stage(name: str, only: list[str], tests: list[str], keep: bool) -> Path:
-    """``build/mutate/<name>``: ``src/attnplug`` (the package), ``tests/``, ``pyproject.toml``."""
+    """``build/mutate/<name>``: ``src/attnplug`` (the package), ``tests/``, ``docs/``, ``pyproject.toml``."""
     where = STAGE / name
     if where.exists() and not keep:
         shutil.rmtree(where)
@@ -96,6 +96,8 @@ def stage(name: str, only: list[str], tests: list[str], keep: bool) -> Path:
     shutil.copytree(ROOT, where / "src" / "attnplug", ignore=ignore, dirs_exist_ok=True)
     shutil.copytree(ROOT / "tests", where / "tests", ignore=shutil.ignore_patterns("__pycache__"),
                     dirs_exist_ok=True)
+    shutil.copytree(ROOT / "docs", where / "docs", dirs_exist_ok=True)
+    shutil.copy2(ROOT / "README.md", where / "README.md")
     text = (ROOT / "pyproject.toml").read_text()
     head = text.split("[tool.mutmut]")[0]
     rest = text.split("[tool.mutmut]", 1)[1]
@@ -152,6 +154,9 @@ def report(where: Path, modules: list[str], equiv: dict[tuple[str, str], str], m
             line = mutated_lines(where, n)
             kind = equiv.get((n.rsplit("__mutmut_", 1)[0], line))
             (listed[kind] if kind else open_).append((n, mine[n], line))
+        if any(status == "not checked" for _, status, _ in open_):
+            print(f"mutate: {mod}: mutants not checked: mutmut did not finish (see its output above)")
+            ok = False
         n_eq, n_cpu = len(listed["equivalent"]), len(listed["cpu"])
         total = len(mine) - n_eq - n_cpu
         score = killed / total if total else 1.0
