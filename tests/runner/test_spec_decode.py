@@ -15,7 +15,7 @@ from attnplug.core.errors import ConfigError
 from attnplug.runner.execute.sampler import Sampler
 from attnplug.runner.execute.spec_decode import (
     PLACEHOLDER_TOKEN_ID, NgramDrafter, RejectionSampler, SpeculativeConfig,
-    build_spec_decode_metadata, parse_speculative)
+    build_spec_decode_metadata, parse_speculative, target_probs)
 from attnplug.runner.step.scheduler_output import SamplingParams
 
 GREEDY = SamplingParams()
@@ -187,8 +187,7 @@ def test_greedy_output_layout():
     assert out.num_accepted.tolist() == [1, 1] and out.to_lists() == [[2, 3], [5, 6]]
     with pytest.raises(ValueError, match="outside the vocabulary"):
         bad = build_spec_decode_metadata([0, 3, 5], [2, 1], draft_token_ids=[[2, V], [5]])
-        RejectionSampler()(m.__class__(**{**m.__dict__, "draft_token_ids": bad.draft_token_ids}),
-                           logits, [GREEDY] * 2, [None] * 2)
+        RejectionSampler()(bad, logits, [GREEDY] * 2, [None] * 2)
     with pytest.raises(ValueError, match=r"logits must be \[5, V\]"):
         RejectionSampler()(m, logits[:4], [GREEDY] * 2, [None] * 2)
 
@@ -288,3 +287,58 @@ def test_a_request_without_drafts_samples_as_the_plain_sampler():
     spec = RejectionSampler()(m, lg, params, [_gen(s) for s in range(6)]).token_ids[:, 0]
     plain = Sampler()(lg, params, [_gen(s) for s in range(6)])
     assert spec.tolist() == plain.tolist()
+
+
+def _reference_request(drafts, logits, q, param, g):
+    """One request verified with plain loops, drawing as the module doc says: d uniforms,
+    then [d + 1, V] Exp(1) noise."""
+    d, vocab = len(drafts), logits.shape[1]
+    if param.temperature <= 0:
+        out = []
+        for j, x in enumerate(drafts):
+            out.append(int(logits[j].argmax()))
+            if out[-1] != x:
+                return out
+        return out + [int(logits[d].argmax())]
+    u, e = torch.rand(d, generator=g), torch.empty((d + 1, vocab)).exponential_(generator=g)
+    out = []
+    for j, x in enumerate(drafts):
+        p = target_probs(logits[j:j + 1], [param])[0]
+        qj = q[j] if q is not None else torch.nn.functional.one_hot(torch.tensor(x), vocab).float()
+        if u[j] * qj[x] < p[x]:
+            out.append(x)
+            continue
+        r = (p - qj).clamp(min=0)
+        return out + [int(((r if r.sum() > 0 else p) / e[j]).argmax())]
+    p = target_probs(logits[d:d + 1], [param])[0]
+    return out + [int((p / e[d]).argmax())]
+
+
+@pytest.mark.parametrize("with_q", [False, True])
+def test_batch_matches_the_per_request_reference(with_q):
+    rng, tg = random.Random(4), _gen(4)
+    R = 12
+    counts = [rng.randrange(4) for _ in range(R)]
+    params = [GREEDY if i % 4 == 0 else SamplingParams(temperature=rng.choice([0.5, 1.0, 2.0]),
+                                                        top_k=rng.choice([0, 3]), seed=i)
+              for i in range(R)]
+    logits = torch.randn(sum(counts) + R, V, generator=tg) * 2
+    q = torch.softmax(torch.randn(sum(counts), V, generator=tg), -1) if with_q else None
+    # Drafts: half the argmax of the target (often accepted), half arbitrary.
+    drafts, row = [], 0
+    for c in counts:
+        drafts.append([int(logits[row + j].argmax()) if rng.random() < 0.5 else rng.randrange(V)
+                       for j in range(c)])
+        row += c + 1
+    qsl = [0]
+    for c in counts:
+        qsl.append(qsl[-1] + c + 1)
+    m = build_spec_decode_metadata(qsl, counts, draft_token_ids=drafts)
+    got = RejectionSampler()(m, logits, params, [_gen(i) for i in range(R)], draft_probs=q).to_lists()
+    want, row, drow = [], 0, 0
+    for i, c in enumerate(counts):
+        want.append(_reference_request(drafts[i], logits[row:row + c + 1],
+                                       None if q is None else q[drow:drow + c], params[i], _gen(i)))
+        row, drow = row + c + 1, drow + c
+    assert got == want
+    assert len({len(w) for w in want}) > 1
