@@ -23,13 +23,16 @@ def batch_view(batch: InputBatch, requests: dict[str, CachedRequestState]) -> Ba
         st = requests.get(rid) if rid is not None else None
         if st is not None:
             tokens = list(st.prompt_token_ids) + list(st.output_token_ids)
-            states[rid] = RowState(rid, tokens, st.num_computed_tokens, st.block_ids)
+            sp = st.sampling_params
+            states[rid] = RowState(rid, tokens, st.num_computed_tokens, st.block_ids,
+                                   sampling=(sp.temperature, sp.top_k, sp.top_p), generator=st.generator)
     return BatchView(
         req_ids=list(b._req_ids[:R]), req_id_to_index=dict(b.req_id_to_index),
         token_ids=b.token_ids_cpu, num_tokens=b.num_tokens,
         num_computed_tokens=b.num_computed_tokens_cpu,
         block_ids=[bt.block_table_np for bt in b.block_table],
-        num_blocks=[bt.num_blocks_per_row for bt in b.block_table], states=states)
+        num_blocks=[bt.num_blocks_per_row for bt in b.block_table], states=states,
+        sampling=(b.temperature, b.top_k, b.top_p), generators=dict(b.generators))
 
 
 def snapshot(batch: InputBatch, requests: dict[str, CachedRequestState]) -> dict:
