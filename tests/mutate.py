@@ -34,7 +34,8 @@ STAGE = ROOT / "build" / "mutate"
 STEP_TESTS = ["tests/runner/test_step_oracle.py", "tests/runner/test_input_batch.py",
               "tests/runner/test_native_paths.py", "tests/runner/test_bad_input.py",
               "tests/runner/test_row_moves_sampling.py", "tests/runner/test_cudagraph_padding_stale.py",
-              "tests/runner/test_sliding_window_runner.py", "tests/runner/test_worked_examples.py"]
+              "tests/runner/test_sliding_window_runner.py", "tests/runner/test_worked_examples.py",
+              "tests/runner/test_apply_windows.py", "tests/runner/test_bad_input_fuzz.py"]
 TARGETS: dict[str, list[str]] = {
     # module glob (repo-relative)      -> the tests that guard it
     "runner/execute/sampler.py": ["tests/runner/test_sampler.py"],

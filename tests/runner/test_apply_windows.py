@@ -1,0 +1,73 @@
+"""``null_skipped_blocks`` against a from-scratch reference, without ATTNPLUG_VALIDATE.
+
+Random batches, 1–2 sliding-window groups (all groups windowed, or mixed with a full
+group), windows and block sizes down to 1, rows whose context grows by random amounts
+over several calls: after each call exactly the blocks wholly before ``max(0, n - W + 1)``
+are ``NULL_BLOCK_ID`` (manager and kernel tables), the others keep their ids, the returned
+count is the number of entries newly nulled, and a second call writes nothing.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from attnplug.core.constants import NULL_BLOCK_ID
+from attnplug.runner.step.apply_windows import null_skipped_blocks
+from attnplug.runner.step.input_batch import InputBatch
+from attnplug.runner.step.request_state import CachedRequestState
+
+MAX_LEN = 40
+
+
+def skipped(n: int, window: int, block: int) -> int:
+    return max(0, n - window + 1) // block
+
+
+@settings(max_examples=120, deadline=None)
+@given(data=st.data(), layout=st.sampled_from([
+    ([1], [3], [1]), ([4], [6], [2]), ([2, 4], [3, 9], [1, 4]), ([4, 1], [None, 2], [2, 1]),
+    ([3, 2], [5, None], [3, 2]), ([1, 1], [1, 4], [1, 1]),
+]), rows=st.integers(1, 4))
+def test_nulls_exactly_the_skipped_blocks(data, layout, rows):
+    sizes, windows, kernel = layout
+    batch = InputBatch(4, MAX_LEN, 64, sizes, kernel_block_sizes=kernel, native=False)
+    ids = {}
+    for r in range(rows):
+        blocks = tuple(np.arange(1, -(-MAX_LEN // B) + 1, dtype=np.int32) + 100 * r for B in sizes)
+        ids[r] = blocks
+        batch.add_request(CachedRequestState(f"r{r}", [1] * MAX_LEN, blocks))
+    n = np.zeros(rows, dtype=np.int64)
+    for _ in range(4):
+        n = np.minimum(n + np.array(data.draw(st.lists(st.integers(0, 12), min_size=rows, max_size=rows))),
+                       MAX_LEN - 1)
+        before = [bt.block_table_np.copy() for bt in batch.block_table]
+        batch.num_computed_tokens_cpu[:rows] = n
+        written = null_skipped_blocks(batch, windows)
+        expect_written = 0
+        for g, (bt, W, B, k) in enumerate(zip(batch.block_table, windows, sizes, kernel)):
+            for r in range(rows):
+                want = ids[r][g].copy()
+                if W is not None:
+                    s = skipped(int(n[r]), W, B)
+                    want[:s] = NULL_BLOCK_ID
+                    expect_written += int((before[g][r, :s] != NULL_BLOCK_ID).sum())
+                assert bt.block_table_np[r, :want.shape[0]].tolist() == want.tolist(), (g, r, int(n[r]))
+                per = B // k
+                kernel_want = np.repeat(want.astype(np.int64) * per, per) + np.tile(np.arange(per), want.shape[0])
+                kernel_want[np.repeat(want, per) == NULL_BLOCK_ID] = NULL_BLOCK_ID
+                got = bt.kernel_block_table.np[r, :kernel_want.shape[0]]
+                assert got.tolist() == kernel_want.tolist(), (g, r, "kernel")
+        assert written == expect_written
+        assert (batch.num_computed_tokens_nulled[:rows] == n).all()
+        assert null_skipped_blocks(batch, windows) == 0  # idempotent within the step
+
+
+def test_no_window_and_no_rows_write_nothing():
+    batch = InputBatch(2, 16, 16, [4], native=False)
+    assert null_skipped_blocks(batch, [8]) == 0  # no rows
+    batch.add_request(CachedRequestState("a", [1] * 16, (np.array([1, 2, 3, 4], np.int32),)))
+    batch.num_computed_tokens_cpu[0] = 15
+    assert null_skipped_blocks(batch, [None]) == 0
+    assert batch.block_table[0].block_table_np[0, :4].tolist() == [1, 2, 3, 4]
