@@ -136,8 +136,9 @@ def find_longest_cache_hit(specs: Sequence[KVCacheSpec], cached_per_group: Seque
     Args:
         specs: per group, its spec.
         cached_per_group: per group, ``cached[i]`` = the pool's block cached for logical
-            block ``i`` of the request (``None``: not cached); lists may be short (missing
-            entries count as ``None``).
+            block ``i`` of the request (``None``: not cached), one entry per full block of
+            the request's tokens; a group's hit never goes past its list (not even a
+            one-token window's, which needs no cached block).
         max_length: tokens, ``>= 0`` (``num_tokens - 1`` at admission).
 
     Returns:
