@@ -111,8 +111,8 @@ class RejectionSampler:
             ``RejectionOutput``.
 
         Raises:
-            ValueError: a shape disagrees with ``metadata``, or (CPU tensors only, checked
-                without a device sync otherwise skipped) a draft id outside ``0 .. V-1``.
+            ValueError: a shape disagrees with ``metadata``, or a draft id is outside
+                ``0 .. V-1`` (checked for CPU tensors only: on a GPU the check would sync).
         """
         counts = metadata.num_draft_tokens
         R, D = len(counts), sum(counts)
