@@ -18,9 +18,12 @@ How the rest of a step will plug in (not done yet; those modules have other owne
    the drafts in ``SchedulerOutput.scheduled_spec_decode_tokens`` (``{req_id: [ids]}``).
 2. **Step compiler** (``runner/step/``): ``InputBatch`` writes each row's drafts after its
    last real token (``spec_token_ids``), so the row's query is ``1 + d`` tokens long with
-   positions, slot mapping and ``seq_lens`` for every draft; ``prepare_inputs`` calls
-   ``build_spec_decode_metadata(query_start_loc, num_draft_tokens, input_ids=...)`` and its
-   ``logits_indices`` replace the one-per-row ones.
+   positions, slot mapping and ``seq_lens`` for every draft. ``runner/step`` may not import
+   ``runner/execute`` (docs/architecture.md, Layers), so either the model runner calls
+   ``build_spec_decode_metadata(query_start_loc, num_draft_tokens, input_ids=...)`` right
+   after ``prepare_inputs``, or ``metadata.py`` (it imports only numpy and torch) moves into
+   ``runner/step`` for ``prepare_inputs`` to call; either way its ``logits_indices`` replace
+   the one-per-row ones.
 3. **Model runner** (``runner/execute/model_runner.py``): computes logits at
    ``metadata.logits_indices`` and hands them to ``RejectionSampler`` instead of ``Sampler``
    (rows with ``d = 0`` sample exactly as ``Sampler`` would); rows whose logits are discarded
