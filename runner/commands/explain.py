@@ -1,10 +1,11 @@
-"""``attnplug explain STEPS.jsonl [--check]``: print what the step compiler makes of each step.
+"""``attnplug explain STEPS.jsonl [--check] [--svg OUT.svg] [--html OUT.html]``: print what the step compiler makes of each step.
 
 The seed's "minimal reproducible experiment" as a tool. Input is JSON Lines:
 
 * line 1: ``{"config": {"block_sizes": [4], "max_num_reqs": 8, "max_model_len": 64,
   "max_num_batched_tokens": 64}}`` — one block size per cache group; optional
-  ``"kernel_block_sizes"``, ``"num_blocks"``, ``"group_kinds"``, ``"reorder_batch_threshold"``;
+  ``"kernel_block_sizes"``, ``"num_blocks"``, ``"group_kinds"``, ``"sliding_windows"`` (one int
+  or ``null`` per group), ``"reorder_batch_threshold"``;
 * every next line is one step: ``{"new": [{"req_id", "prompt_token_ids", "block_ids"
   (one list per group), "num_computed_tokens"}], "cached": [{"req_id", "new_token_ids",
   "new_block_ids", "num_computed_tokens", "resumed_from_preemption"}],
@@ -15,7 +16,8 @@ The seed's "minimal reproducible experiment" as a tool. Input is JSON Lines:
 
 Output: one JSON object per step with the keys of :data:`OUTPUT_KEYS` (``block_table`` is
 per group, per row, the row's *kernel* block ids; ``slot_mapping`` is per group).
-``--check`` runs ``attnplug.core.validate`` on every group each step.
+``--check`` runs ``attnplug.core.validate`` on every group each step. ``--svg`` / ``--html``
+also draw every step (``runner/commands/explain_svg.py``).
 
 A bad line prints one line ``attnplug explain: step N (line L): field F ...`` on stderr
 and exits 2, whatever the bytes (the limits and the format: ``docs/configuration.md``,
@@ -27,7 +29,7 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Any, BinaryIO, TextIO
+from typing import Any, BinaryIO, Callable, TextIO
 
 from attnplug.core.errors import InvalidSchedulerOutput, KVCacheSpecError, MetadataInvariantError
 from attnplug.runner.commands.explain_input import (
@@ -42,6 +44,7 @@ from attnplug.runner.commands.explain_input import (
     read_lines,
     req_id_of,
 )
+from attnplug.runner.commands.explain_svg import Pictures
 from attnplug.runner.commands.limits import OneLineParser, clip
 from attnplug.runner.step.scheduler_output import (
     CachedRequestData,
@@ -157,9 +160,11 @@ def _field(e: StepFormatError | InvalidSchedulerOutput) -> str:
     return f"field {clip(e.field)}{who}: {e}"
 
 
-def run(f: TextIO | BinaryIO, out: TextIO, err: TextIO, check: bool = False) -> int:
+def run(f: TextIO | BinaryIO, out: TextIO, err: TextIO, check: bool = False,
+        on_step: Callable[[StepCompiler, dict], None] | None = None) -> int:
     """Explain every step of ``f`` (a text or binary stream); return the exit status
-    (0; 1: a broken invariant under ``check``; 2: a bad line, named on one line of ``err``)."""
+    (0; 1: a broken invariant under ``check``; 2: a bad line, named on one line of ``err``).
+    ``on_step(compiler, output object)`` sees every step printed (``--svg`` / ``--html``)."""
     lines = read_lines(f)
     first = next(lines, None)
     if first is None:
@@ -186,7 +191,10 @@ def run(f: TextIO | BinaryIO, out: TextIO, err: TextIO, check: bool = False) -> 
         except MetadataInvariantError as e:
             _say(err, f"attnplug explain: {where}: --check failed: {e}")
             return 1
-        print(json.dumps(step_to_json(sc, inputs)), file=out, flush=True)
+        result = step_to_json(sc, inputs)
+        if on_step is not None:
+            on_step(sc, result)
+        print(json.dumps(result), file=out, flush=True)
     return 0
 
 
@@ -195,16 +203,28 @@ def main(argv: list[str] | None = None) -> int:
     parser = OneLineParser(prog="attnplug explain", description=__doc__.split("\n\n")[0])
     parser.add_argument("steps", help="JSON Lines file: a config line, then one step per line ('-': stdin)")
     parser.add_argument("--check", action="store_true", help="validate the eight invariants every step")
+    parser.add_argument("--svg", metavar="OUT.svg", help="also draw every step into one SVG file")
+    parser.add_argument("--html", metavar="OUT.html", help="also write an HTML page: a legend, one SVG per step")
     args = parser.parse_args(argv)
+    pics = Pictures() if args.svg or args.html else None
+    on_step = pics.on_step if pics else None
     if args.steps == "-":
-        return run(sys.stdin.buffer, sys.stdout, sys.stderr, args.check)
-    try:
-        f = open(args.steps, "rb")
-    except OSError as e:
-        print(f"attnplug explain: cannot read {clip(args.steps)}: {e.strerror}", file=sys.stderr)
-        return 2
-    with f:
-        return run(f, sys.stdout, sys.stderr, args.check)
+        rc = run(sys.stdin.buffer, sys.stdout, sys.stderr, args.check, on_step)
+    else:
+        try:
+            f = open(args.steps, "rb")
+        except OSError as e:
+            print(f"attnplug explain: cannot read {clip(args.steps)}: {e.strerror}", file=sys.stderr)
+            return 2
+        with f:
+            rc = run(f, sys.stdout, sys.stderr, args.check, on_step)
+    if pics is not None:  # the steps explained so far, even when a later one failed
+        try:
+            pics.write(args.svg, args.html, f"attnplug explain {args.steps}")
+        except OSError as e:
+            print(f"attnplug explain: cannot write {clip(e.filename)}: {e.strerror}", file=sys.stderr)
+            return 2
+    return rc
 
 
 if __name__ == "__main__":

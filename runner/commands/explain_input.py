@@ -25,7 +25,7 @@ MAX_ID_CHARS = 1024
 CONFIG_LIMITS: dict[str, tuple[int, int]] = {
     "block_sizes": (1, 2**16), "kernel_block_sizes": (1, 2**16), "max_num_reqs": (1, 4096),
     "max_model_len": (1, 2**20), "max_num_batched_tokens": (1, 2**20), "num_blocks": (2, 2**31 - 1),
-    "reorder_batch_threshold": (1, 2**20),
+    "reorder_batch_threshold": (1, 2**20), "sliding_windows": (1, 2**20),
 }
 """``key -> (lowest, highest)`` of the config line's integers (each entry of a list too)."""
 
@@ -38,7 +38,7 @@ MAX_TABLE_CELLS = 2**26
 of ``int32`` each, allocated when the compiler is made."""
 
 CONFIG_KEYS = {"block_sizes", "max_num_reqs", "max_model_len", "max_num_batched_tokens", "kernel_block_sizes",
-               "num_blocks", "group_kinds", "reorder_batch_threshold"}
+               "num_blocks", "group_kinds", "reorder_batch_threshold", "sliding_windows"}
 STEP_KEYS = {"new", "cached", "num_scheduled_tokens", "finished_req_ids"}
 NEW_KEYS = {"req_id", "prompt_token_ids", "block_ids", "num_computed_tokens", "sampling_params",
             "output_token_ids"}
@@ -237,6 +237,9 @@ def config_args(config: Any) -> dict[str, Any]:
     kinds = _per_group(cfg, "group_kinds", G)
     if kinds is not None and not all(isinstance(k, str) for k in kinds):
         raise StepFormatError("config.group_kinds", f"expected a list of kind names, got {clip(kinds)}")
+    windows = _per_group(cfg, "sliding_windows", G)
+    if windows is not None:  # null for a group without a window; kinds are matched by the layout
+        windows = [None if w is None else _bounded(cfg, "sliding_windows", w, i) for i, w in enumerate(windows)]
     threshold = cfg.get("reorder_batch_threshold")
     if threshold is not None:
         _bounded(cfg, "reorder_batch_threshold", threshold)
@@ -247,4 +250,4 @@ def config_args(config: Any) -> dict[str, Any]:
                                                      f"{max(rows * width, block_cells)} cells, more than "
                                                      f"{MAX_TABLE_CELLS}; lower one of them")
     return dict(block_sizes=sizes, **out, kernel_block_sizes=kernel, num_blocks=pools, group_kinds=kinds,
-                reorder_batch_threshold=threshold)
+                reorder_batch_threshold=threshold, sliding_windows=windows)
