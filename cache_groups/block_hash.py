@@ -13,7 +13,9 @@ never compares tokens, so a collision would silently serve another prompt's K/V.
 is 64 bits (collisions are reachable by a search, and an adversarial tenant could aim
 for one) and ``str``/``bytes`` hashing is randomised per process (``PYTHONHASHSEED``), so
 values would not be stable across processes. sha256 over a canonical byte encoding has
-neither problem; it costs about a microsecond per block of 16 tokens.
+neither problem. Cost: about 5-6 us per 16-token block on the 2-core CPU dev machine
+(best of 5 repeats of ``hash_request_tokens`` over 16,384 tokens), so a 16k-token prompt
+hashes in under 10 ms, once; decode steps hash at most one new block.
 
 Canonical encoding (version tag ``attnplug-block-hash-v1``): every variable-length field
 is length-prefixed with an 8-byte big-endian count, token ids are little-endian int64,
@@ -133,9 +135,13 @@ def hash_request_tokens(token_ids: Sequence[int], block_size: int,
                               f"in {len(token_ids)} tokens of block size {block_size}")
     if extra_keys is not None and len(extra_keys) < num_full:
         raise SchedulingError(f"extra_keys has {len(extra_keys)} entries for {num_full} full blocks")
+    if len(out) == num_full:
+        return out
+    # one conversion for all new blocks (a list slice per block costs more than the sha256)
+    toks = np.asarray(token_ids[len(out) * block_size:num_full * block_size])
     for i in range(len(out), num_full):
         parent = out[-1] if out else None
         keys = () if extra_keys is None else extra_keys[i]
-        out.append(hash_block_tokens(parent, token_ids[i * block_size:(i + 1) * block_size], keys,
-                                     cache_salt if i == 0 else None))
+        j = (i - num_full) * block_size + toks.size
+        out.append(hash_block_tokens(parent, toks[j:j + block_size], keys, cache_salt if i == 0 else None))
     return out

@@ -6,7 +6,7 @@ import hashlib
 from collections import deque
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
@@ -39,8 +39,7 @@ def test_same_tokens_and_salt_give_the_same_chain_and_it_is_incremental(toks, b,
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.integers(0, 50), min_size=1, max_size=24), st.integers(1, 5), salt_st, st.data())
 def test_changing_one_token_changes_that_block_and_every_later_one(toks, b, salt, data):
-    if len(toks) < b:
-        return
+    assume(len(toks) >= b)
     i = data.draw(st.integers(0, (len(toks) // b) * b - 1))
     other = list(toks)
     other[i] = toks[i] + 1
@@ -53,8 +52,7 @@ def test_changing_one_token_changes_that_block_and_every_later_one(toks, b, salt
 @settings(max_examples=40, deadline=None)
 @given(st.lists(st.integers(0, 50), min_size=2, max_size=12), salt_st, salt_st)
 def test_a_different_salt_changes_every_block(toks, s1, s2):
-    if s1 == s2 or (s1 is not None and s2 is not None and type(s1) is type(s2) and s1 == s2):
-        return
+    assume(s1 != s2)  # "a" and b"a" are different salts
     a, c = hash_request_tokens(toks, 2, s1), hash_request_tokens(toks, 2, s2)
     assert all(x != y for x, y in zip(a, c))
 
