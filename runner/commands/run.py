@@ -22,6 +22,7 @@ from attnplug.core.errors import AttnplugError
 from attnplug.runner.models.presets import PRESETS, RUN_PRESET
 from attnplug.runner.commands.assemble import EngineSetup, build_engine
 from attnplug.runner.commands.limits import OneLineParser, bounded_int
+from attnplug.runner.commands.run_plot import StepRecorder, group_labels, missing_matplotlib, save_plot
 
 
 INT32_MAX = 2**31 - 1
@@ -77,6 +78,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="keep one step in flight: plan and launch step t+1 before reading step t's tokens "
                         "(its decode rows take them on the device); same outputs (outputs_digest)")
     p.add_argument("--json", action="store_true", help="print a machine-readable summary on stdout")
+    p.add_argument("--plot", metavar="OUT.png", default=None,
+                   help="also draw per-step stage times, tokens scheduled and KV blocks in use per group "
+                        "(needs matplotlib: pip install 'attnplug[plot]')")
     return p
 
 
@@ -95,6 +99,9 @@ def _invariance(args, setup: EngineSetup, results: dict) -> tuple[int, int]:
 
 def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
+    if args.plot and (missing := missing_matplotlib()):
+        print(missing, file=sys.stderr)
+        return 2
     try:
         setup = build_engine(args)
         engine = setup.engine
@@ -116,12 +123,19 @@ def main(argv: list[str]) -> int:
     with Progress(TextColumn("[bold]run"), BarColumn(), MofNCompleteColumn(), TextColumn("requests"),
                   TimeElapsedColumn(), console=err, transient=args.json, disable=not err.is_terminal and args.json) as bar:
         task = bar.add_task("requests", total=len(setup.prompts))
-        results = engine.run(on_step=lambda fin: bar.advance(task, len(fin)))
+        record = StepRecorder(engine) if args.plot else None
+        results = engine.run(on_step=lambda fin: (bar.advance(task, len(fin)), record and record(fin)))
     wall = time.perf_counter() - t0
 
     same, k = _invariance(args, setup, results) if args.invariance_requests else (0, 0)
     summary = setup.summary(results, wall)
     summary["batch_invariance"] = {"identical": same, "checked": k}
+    if record is not None:
+        try:
+            save_plot(record.record, args.plot, group_labels(summary), f"attnplug run --model {args.model}")
+        except OSError as e:
+            print(f"attnplug run: cannot write {args.plot}: {e.strerror}", file=sys.stderr)
+            return 2
     if args.json:
         print(json.dumps(summary, indent=2))
     else:

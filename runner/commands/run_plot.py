@@ -1,0 +1,102 @@
+"""``attnplug run --plot OUT.png``: three panels over the run's steps — the step's stage
+times stacked (update / prepare / build / forward / sample, from ``ModelRunner.timings_ns``),
+the tokens it scheduled, and the KV blocks (Mamba: state slots) in use per cache group.
+
+matplotlib is optional (``pip install 'attnplug[plot]'``): :func:`missing_matplotlib` says
+so in one line before the run starts; nothing else here imports it until :func:`save_plot`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from attnplug.runner.execute.model_runner import STAGES
+
+STAGE_LABELS = {"update_states": "update", "prepare_inputs": "prepare", "metadata_build": "build",
+                "forward": "forward", "sample": "sample"}
+"""Legend names of :data:`~attnplug.runner.execute.model_runner.STAGES`."""
+
+
+def missing_matplotlib() -> str | None:
+    """The one-line error when matplotlib cannot be imported, else ``None``."""
+    if importlib.util.find_spec("matplotlib") is None:
+        return "attnplug run: --plot needs matplotlib: pip install 'attnplug[plot]' (or pip install matplotlib)"
+    return None
+
+
+@dataclass
+class StepRecord:
+    """Per engine step: microseconds per stage, tokens scheduled, blocks in use per group."""
+
+    stage_us: dict[str, list[float]] = field(default_factory=lambda: {s: [] for s in STAGES})
+    tokens: list[int] = field(default_factory=list)
+    blocks: list[list[int]] = field(default_factory=list)
+
+
+class StepRecorder:
+    """Call after every engine step (``LLMEngine.run(on_step=...)``): what the step added to
+    the runner's stage timings (all of a stage's entries since the last call, summed: a step
+    that schedules nothing times only ``update_states``), the tokens it scheduled and the
+    blocks its groups hold."""
+
+    def __init__(self, engine: Any):
+        self.engine, self.record = engine, StepRecord()
+        self._seen = {s: len(v) for s, v in engine.runner.timings_ns.items()}
+        self._tokens = engine.stats.num_scheduled_tokens
+
+    def __call__(self, finished: Sequence[str] = ()) -> None:
+        timings, rec = self.engine.runner.timings_ns, self.record
+        for s in STAGES:
+            new = timings[s][self._seen[s]:]
+            self._seen[s] = len(timings[s])
+            rec.stage_us[s].append(sum(new) / 1e3)
+        total = self.engine.stats.num_scheduled_tokens
+        rec.tokens.append(total - self._tokens)
+        self._tokens = total
+        rec.blocks.append(list(self.engine.scheduler.kv_cache_manager.num_used_blocks_per_group))
+
+
+def save_plot(record: StepRecord, path: str, group_labels: Sequence[str], title: str = "attnplug run") -> None:
+    """Draw ``record`` into the PNG ``path`` (matplotlib's Agg backend; ``OSError`` passes through)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = list(range(1, len(record.tokens) + 1))
+    fig, (ax_t, ax_n, ax_b) = plt.subplots(3, 1, sharex=True, figsize=(10, 8.5), constrained_layout=True)
+    try:
+        bottom = [0.0] * len(steps)
+        for s in STAGES:
+            ms = [u / 1e3 for u in record.stage_us[s]]
+            ax_t.bar(steps, ms, bottom=bottom, width=1.0, label=STAGE_LABELS[s], linewidth=0)
+            bottom = [b + m for b, m in zip(bottom, ms)]
+        ax_t.set_ylabel("stage time per step (ms)")
+        ax_t.legend(loc="upper right", ncol=len(STAGES), fontsize="small")
+        ax_t.set_title(title)
+        ax_n.plot(steps, record.tokens, drawstyle="steps-mid", color="#333")
+        ax_n.set_ylabel("tokens scheduled")
+        for g, label in enumerate(group_labels):
+            ax_b.plot(steps, [b[g] for b in record.blocks], drawstyle="steps-mid", label=label)
+        ax_b.set_ylabel("KV blocks in use")
+        ax_b.set_xlabel("step")
+        ax_b.legend(loc="upper right", fontsize="small")
+        for ax in (ax_t, ax_n, ax_b):
+            ax.grid(axis="y", alpha=0.3)
+            ax.set_ylim(bottom=0)
+        fig.savefig(path, dpi=100, format="png")
+    finally:
+        plt.close(fig)
+
+
+def group_labels(summary: dict) -> list[str]:
+    """``g0 full_attention (pool 511)``-style names of the run's cache groups (``--json``'s
+    ``cache_groups``; Mamba groups count state slots)."""
+    out = []
+    for g, grp in enumerate(summary["cache_groups"]):
+        window = f" W={grp['sliding_window']}" if grp.get("sliding_window") else ""
+        unit = "state slots" if grp["kind"] == "mamba" else "blocks"
+        out.append(f"g{g} {grp['kind']}{window} ({grp['capacity']} {unit})")
+    return out
