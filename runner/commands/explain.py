@@ -1,4 +1,4 @@
-"""``attnplug explain STEPS.jsonl [--check] [--svg OUT.svg] [--html OUT.html]``: print what the step compiler makes of each step.
+"""``attnplug explain STEPS.jsonl [--check] [--svg F] [--html F]``: what the step compiler makes of each step.
 
 The seed's "minimal reproducible experiment" as a tool. Input is JSON Lines:
 

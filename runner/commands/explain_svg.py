@@ -309,7 +309,8 @@ def render_html(steps: Sequence[dict], groups: Sequence[GroupView], title: str =
             ".key{display:inline-block;width:14px;height:14px;border:1px solid #333;margin-right:6px;"
             "vertical-align:middle}ul.legend{list-style:none;padding:0;font-size:13px}"
             "section{margin:12px 0;overflow-x:auto}</style></head><body>\n"
-            f"<h1>{html.escape(title)}</h1><p>{len(steps)} step{'' if len(steps) == 1 else 's'}; cache groups {kinds}</p>\n"
+            f"<h1>{html.escape(title)}</h1><p>{len(steps)} step{'' if len(steps) == 1 else 's'}; "
+            f"cache groups {kinds}</p>\n"
             f'<ul class="legend">{items}</ul>\n{body}\n</body></html>\n')
 
 

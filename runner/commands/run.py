@@ -124,7 +124,12 @@ def main(argv: list[str]) -> int:
                   TimeElapsedColumn(), console=err, transient=args.json, disable=not err.is_terminal and args.json) as bar:
         task = bar.add_task("requests", total=len(setup.prompts))
         record = StepRecorder(engine) if args.plot else None
-        results = engine.run(on_step=lambda fin: (bar.advance(task, len(fin)), record and record(fin)))
+        def on_step(fin: list[str]) -> None:
+            bar.advance(task, len(fin))
+            if record is not None:
+                record(fin)
+
+        results = engine.run(on_step=on_step)
     wall = time.perf_counter() - t0
 
     same, k = _invariance(args, setup, results) if args.invariance_requests else (0, 0)

@@ -142,3 +142,15 @@ def test_the_html_page_renders_in_headless_chromium(tmp_path, capsys):
                    check=True, capture_output=True, timeout=120)
     data = png.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000  # a blank page compresses far smaller
+
+
+def test_a_bad_step_keeps_the_steps_before_it_and_an_unwritable_file_is_one_line(tmp_path, capsys):
+    f = tmp_path / "bad.jsonl"
+    f.write_text("\n".join(json.dumps(o) for o in HYBRID + [{"bogus": 1}]) + "\n")
+    svg = tmp_path / "out.svg"
+    assert main([str(f), "--svg", str(svg)]) == 2
+    assert "step 3 (line 4): field 'bogus'" in capsys.readouterr().err
+    assert len(ET.parse(svg).getroot().findall("s:g[@class='step']", NS)) == 2
+    assert main([str(SEED), "--html", str(tmp_path / "no" / "such" / "dir.html")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("attnplug explain: cannot write")
