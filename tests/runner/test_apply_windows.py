@@ -28,7 +28,7 @@ def skipped(n: int, window: int, block: int) -> int:
 @settings(max_examples=120, deadline=None)
 @given(data=st.data(), layout=st.sampled_from([
     ([1], [3], [1]), ([4], [6], [2]), ([2, 4], [3, 9], [1, 4]), ([4, 1], [None, 2], [2, 1]),
-    ([3, 2], [5, None], [3, 2]), ([1, 1], [1, 4], [1, 1]),
+    ([3, 2], [5, None], [3, 2]), ([1, 1], [1, 4], [1, 1]), ([4, 2], [9, 3], [2, 1]),
 ]), rows=st.integers(1, 4))
 def test_nulls_exactly_the_skipped_blocks(data, layout, rows):
     sizes, windows, kernel = layout
