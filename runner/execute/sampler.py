@@ -33,7 +33,9 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     drop = ranks >= k.unsqueeze(1)
     probs = torch.softmax(sorted_logits.float().masked_fill(drop, float("-inf")), dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs
-    drop |= mass_before >= top_p.to(probs.dtype).unsqueeze(1)
+    # top_p >= 1 keeps everything: the cumulative sum may round past 1 before the tail
+    p = top_p.to(probs.dtype).unsqueeze(1)
+    drop |= (mass_before >= p) & (p < 1)
     drop[:, 0] = False
     masked_sorted = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, masked_sorted)

@@ -198,3 +198,14 @@ def test_the_default_seed_is_zero():
     logits = _logits(16, seed=12, scale=0.1)
     params = [_sp()] * 16
     assert torch.equal(Sampler()(logits, params, [None] * 16), Sampler(default_seed=0)(logits, params, [None] * 16))
+
+
+def test_top_p_of_one_keeps_every_token_of_a_large_vocabulary():
+    """The cumulative sum rounds (float32): with 32,000 tokens the mass before the tail
+    reaches 1.0 early, so top_p = 1.0 must not be compared at all (found while building
+    the rejection sampler: rows lost up to 2,508 tokens)."""
+    torch.manual_seed(0)
+    logits = torch.randn(8, 32_000) * 3
+    out = apply_top_k_top_p(logits, torch.zeros(8, dtype=torch.int64), torch.ones(8))
+    assert torch.isfinite(out).all()
+    assert torch.equal(out, logits)
