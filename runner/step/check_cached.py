@@ -173,7 +173,8 @@ def computed_and_token_deltas(lay: StepLayout, batch: InputBatch, reqs: dict[str
     ncts_list = cached.num_computed_tokens
     try:  # converts and type-checks in one pass: struct rejects floats, strings, None (not bools)
         ncts_c = int64s(ncts_list, nC)
-        if bool in set(map(type, ncts_list)):
+        low = np.flatnonzero(ncts_c <= 1)  # a bool packs as 0 or 1: look at those entries only
+        if low.shape[0] and any(type(ncts_list[i]) is bool for i in low.tolist()):
             raise TypeError("a bool")
     except (struct.error, TypeError, ValueError, OverflowError):
         bad = next((i for i, v in enumerate(ncts_list) if not isinstance(v, (int, np.integer))

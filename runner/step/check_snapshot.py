@@ -30,16 +30,17 @@ class NewReq:
                  "sampling_params")
 
     def __init__(self, nr: NewRequestData):
-        if not isinstance(nr, NewRequestData):
+        if type(nr) is not NewRequestData and not isinstance(nr, NewRequestData):
             err(None, "scheduled_new_reqs", f"entries must be NewRequestData, got {type(nr).__name__}")
         rid = self.req_id = nr.req_id
         if type(rid) is not str:
             err(None, "scheduled_new_reqs", f"req_id must be a str, got {type(rid).__name__} {show(rid)}")
-        for name in ("prompt_token_ids", "output_token_ids"):
-            v = getattr(nr, name)
-            if not is_int_list(v):
-                err(rid, name, f"expected a list of token ids (or a 1-D integer array), got {show(v)}")
-            setattr(self, name, v)
+        prompt = self.prompt_token_ids = nr.prompt_token_ids
+        if type(prompt) is not list and not is_int_list(prompt):  # lists: the common case, first
+            err(rid, "prompt_token_ids", f"expected a list of token ids (or a 1-D integer array), got {show(prompt)}")
+        outs = self.output_token_ids = nr.output_token_ids
+        if type(outs) is not list and not is_int_list(outs):
+            err(rid, "output_token_ids", f"expected a list of token ids (or a 1-D integer array), got {show(outs)}")
         self.block_ids = nr.block_ids
         self.num_computed_tokens = nr.num_computed_tokens
         self.sampling_params = nr.sampling_params
