@@ -84,17 +84,23 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _invariance(args, setup: EngineSetup, results: dict) -> tuple[int, int]:
-    """Re-run the first K finished requests alone (batch of one, no chunking)."""
+def _invariance(args, setup: EngineSetup, results: dict) -> tuple[int, int, list[str]]:
+    """Re-run the first K finished requests alone (batch of one, no chunking); returns
+    ``(identical, checked, a line per request that differs)``."""
     ids = sorted(results, key=lambda r: int(r.split("-")[1]))[: args.invariance_requests]
-    same = 0
+    same, diffs = 0, []
     for rid in ids:
         res = results[rid]
         solo = build_engine(args, alone=True, model=setup.model)
         solo.engine.add_request(rid, res.prompt_token_ids, setup.sampling_params[rid])
-        out = solo.engine.run()
-        same += out[rid].output_token_ids == res.output_token_ids
-    return same, len(ids)
+        alone, batched = solo.engine.run()[rid].output_token_ids, res.output_token_ids
+        if alone == batched:
+            same += 1
+            continue
+        j = next((j for j, (a, b) in enumerate(zip(alone, batched)) if a != b), min(len(alone), len(batched)))
+        diffs.append(f"request {rid!r}: output {j} is {batched[j] if j < len(batched) else None} in the batch "
+                     f"but {alone[j] if j < len(alone) else None} alone")
+    return same, len(ids), diffs
 
 
 def main(argv: list[str]) -> int:
@@ -132,7 +138,7 @@ def main(argv: list[str]) -> int:
         results = engine.run(on_step=on_step)
     wall = time.perf_counter() - t0
 
-    same, k = _invariance(args, setup, results) if args.invariance_requests else (0, 0)
+    same, k, diffs = _invariance(args, setup, results) if args.invariance_requests else (0, 0, [])
     summary = setup.summary(results, wall)
     summary["batch_invariance"] = {"identical": same, "checked": k}
     if record is not None:
@@ -147,4 +153,8 @@ def main(argv: list[str]) -> int:
         from attnplug.runner.commands.report import print_run_table
 
         print_run_table(summary)
-    return 0 if same == k else 1
+    if same != k:
+        print(f"attnplug run: batch invariance failed for {k - same} of {k} requests re-run alone: "
+              + "; ".join(diffs[:3]) + ("; ..." if len(diffs) > 3 else ""), file=sys.stderr)
+        return 1
+    return 0

@@ -242,3 +242,27 @@ def test_outputs_digest_is_the_generated_tokens_in_request_order():
     assert outputs_digest(res) == want
     res["req-2"].output_token_ids[1] = 7
     assert outputs_digest(res) != want
+
+
+def test_a_batch_invariance_failure_says_which_request_on_stderr(capsys, monkeypatch):
+    """A non-zero exit always says why: a request whose batched outputs differ from its
+    solo run is named with the first differing output."""
+    from attnplug.runner.commands import run as run_mod
+
+    real = run_mod.build_engine
+
+    def skewed(args, **kw):  # the solo engines sample one token id higher
+        setup = real(args, **kw)
+        if kw.get("alone"):
+            step = setup.engine.runner.sampler.__call__
+
+            class Skew:
+                def __call__(self, logits, params, gens):
+                    return (step(logits, params, gens) + 1) % logits.shape[1]
+            setup.engine.runner.sampler = Skew()
+        return setup
+
+    monkeypatch.setattr(run_mod, "build_engine", skewed)
+    assert run_main(["--num-requests", "2", "--max-model-len", "512", "--invariance-requests", "1", "--json"]) == 1
+    err = capsys.readouterr().err
+    assert "batch invariance failed for 1 of 1 requests" in err and "request 'req-0': output 0 is" in err
