@@ -31,7 +31,7 @@ from attnplug.cache_groups.kinds import GroupKind
 from attnplug.cache_groups.specs import FullAttentionSpec, KVCacheSpec, MambaSpec, SlidingWindowSpec
 from attnplug.core.contracts import BuilderConfig
 from attnplug.runner.execute.group_metadata import GroupMetadataBuilder
-from attnplug.runner.commands.bench.workloads import Workload
+from attnplug.runner.commands.bench.workloads import Workload, record_trace_steps
 from attnplug.runner.step.compiler import StepCompiler
 
 NUM_LAYERS = 48
@@ -78,25 +78,10 @@ def hybrid_trace_replay(num_steps: int, num_requests: int = 2000, budget: int = 
     """The first ``num_steps`` steps of the conversation trace, scheduled for the hybrid's
     6 cache groups (or the groups of ``layer_specs``; all requests queued at once; sampled
     tokens are a constant)."""
-    from attnplug.runner.serve.scheduler import Scheduler, SchedulerConfig
-    from attnplug.runner.step.scheduler_output import SamplingParams
-    from attnplug.runner.commands.traces import load_trace, make_prompts
-
     specs = hybrid_layer_specs() if layer_specs is None else layer_specs
     groups = group_layers_by_spec(specs, max_layers_per_group=LAYERS_PER_GROUP)
     kv = KVCacheConfig(num_blocks, groups, num_state_slots=max_num_seqs + 1)
-    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
-                                      max_model_len=max_model_len), kv)
-    trace = load_trace("conv", num_requests, max_model_len=max_model_len)
-    for i, (req, prompt) in enumerate(zip(trace, make_prompts(trace, 32000))):
-        sched.add_request(f"trace-{i}", prompt, SamplingParams(max_tokens=req.output_len))
-    steps = []
-    while len(steps) < num_steps and sched.has_unfinished_requests():
-        out = sched.schedule()
-        sampled = {rid: [1] for rid, n in out.num_scheduled_tokens.items()
-                   if sched.requests[rid].num_computed_tokens + n >= sched.requests[rid].num_tokens}
-        sched.update_from_output(out, sampled)
-        steps.append(out)
+    steps = record_trace_steps(kv, num_steps, num_requests, budget, max_model_len, max_num_seqs)
     config = dict(max_num_reqs=max_num_seqs, max_model_len=max_model_len, max_num_batched_tokens=budget)
     name = f"hybrid: {len(specs)} layers, {len(groups)} groups (trace, {budget}-token budget)"
     return HybridWorkload(Workload(name, config, steps, num_warmup=min(10, len(steps) // 10)), kv)

@@ -113,22 +113,15 @@ def steady_decode(num_reqs: int, num_steps: int, num_groups: int = 2, block_size
     return Workload(name, config, steps, num_warmup=1)
 
 
-def trace_replay(num_steps: int, num_requests: int = 2000, budget: int = 2048, max_model_len: int = 8192,
-                 max_num_seqs: int = 256, num_blocks: int = 40000, sliding_window: int = 1024) -> Workload:
-    """The first ``num_steps`` steps of the Azure conversation trace through the scheduler.
-
-    All ``num_requests`` requests are queued at once (arrival times are ignored), so the
-    steps mix chunked prefills and decodes under the ``budget``. Sampled tokens are a
-    constant; the scheduler's rule decides which rows produce one.
-    """
+def record_trace_steps(kv: KVCacheConfig, num_steps: int, num_requests: int, budget: int, max_model_len: int,
+                       max_num_seqs: int) -> list[SchedulerOutput]:
+    """The first ``num_steps`` outputs of the real ``Scheduler`` over ``kv`` with the
+    conversation trace's first ``num_requests`` requests queued at once (arrival times
+    ignored); every row that completes its tokens samples the constant token 1."""
+    from attnplug.runner.commands.traces import load_trace, make_prompts
     from attnplug.runner.serve.scheduler import Scheduler, SchedulerConfig
     from attnplug.runner.step.scheduler_output import SamplingParams
-    from attnplug.runner.commands.traces import load_trace, make_prompts
 
-    kv = KVCacheConfig(num_blocks, (
-        KVCacheGroupSpec(("full",), FullAttentionSpec(block_size=16)),
-        KVCacheGroupSpec(("swa",), SlidingWindowSpec(block_size=16, sliding_window=sliding_window)),
-    ))
     sched = Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
                                       max_model_len=max_model_len), kv)
     trace = load_trace("conv", num_requests, max_model_len=max_model_len)
@@ -137,13 +130,26 @@ def trace_replay(num_steps: int, num_requests: int = 2000, budget: int = 2048, m
     steps = []
     while len(steps) < num_steps and sched.has_unfinished_requests():
         out = sched.schedule()
-        sampled = {}
-        for rid, n in out.num_scheduled_tokens.items():
-            r = sched.requests[rid]
-            if r.num_computed_tokens + n >= r.num_tokens:
-                sampled[rid] = [1]
+        sampled = {rid: [1] for rid, n in out.num_scheduled_tokens.items()
+                   if sched.requests[rid].num_computed_tokens + n >= sched.requests[rid].num_tokens}
         sched.update_from_output(out, sampled)
         steps.append(out)
+    return steps
+
+
+def trace_replay(num_steps: int, num_requests: int = 2000, budget: int = 2048, max_model_len: int = 8192,
+                 max_num_seqs: int = 256, num_blocks: int = 40000, sliding_window: int = 1024) -> Workload:
+    """The first ``num_steps`` steps of the Azure conversation trace through the scheduler.
+
+    All ``num_requests`` requests are queued at once (arrival times are ignored), so the
+    steps mix chunked prefills and decodes under the ``budget``. Sampled tokens are a
+    constant; the scheduler's rule decides which rows produce one.
+    """
+    kv = KVCacheConfig(num_blocks, (
+        KVCacheGroupSpec(("full",), FullAttentionSpec(block_size=16)),
+        KVCacheGroupSpec(("swa",), SlidingWindowSpec(block_size=16, sliding_window=sliding_window)),
+    ))
+    steps = record_trace_steps(kv, num_steps, num_requests, budget, max_model_len, max_num_seqs)
     config = dict(block_sizes=kv, max_num_reqs=max_num_seqs, max_model_len=max_model_len,
                   max_num_batched_tokens=budget)
     return Workload(f"trace replay (conv, {budget}-token budget)", config, steps, num_warmup=min(10, len(steps) // 10))
