@@ -230,7 +230,8 @@ def build_engine(args, *, alone: bool = False, model: torch.nn.Module | None = N
     sched = Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
                                       max_model_len=max_model_len, enable_chunked_prefill=not alone,
                                       force_preemption_every=getattr(args, "force_preemption_every", None),
-                                      async_scheduling=getattr(args, "async_scheduling", False)),
+                                      async_scheduling=getattr(args, "async_scheduling", False),
+                                      enable_prefix_caching=getattr(args, "prefix_caching", False)),
                       kv_cfg)
     runner = ModelRunner(model, kv_cfg, backends,
                          RunnerConfig(max_num_reqs=max_num_seqs, max_model_len=max_model_len,

@@ -42,12 +42,18 @@ class ParityResult:
     preemptions: int = 0
     steps: int = 0
     details: list[str] = field(default_factory=list)
+    prefix_cache_hits: int = 0
+    """Tokens admitted as prefix-cache hits (``--prefix-caching``)."""
+    prefix_cache_hit_requests: int = 0
+    cascade_steps: int = 0
 
     def line(self) -> str:
         if self.ok:
             return (f"parity: OK tokens {self.num_identical}/{self.num_requests} identical, "
                     f"max |dlogit| = {self.max_abs_dlogit:.3g} (tolerance {self.tolerance:g}; "
-                    f"{self.steps} steps, {self.preemptions} preemptions)")
+                    f"{self.steps} steps, {self.preemptions} preemptions"
+                    + (f", {self.prefix_cache_hits} prefix-hit tokens in {self.prefix_cache_hit_requests} requests"
+                       if self.prefix_cache_hit_requests else "") + ")")
         d = self.first_divergence or {}
         where = ", ".join(f"{k}={v}" for k, v in d.items())
         return (f"parity: FAIL tokens {self.num_identical}/{self.num_requests} identical, "
@@ -87,7 +93,8 @@ def _hf_greedy(hf, prompt: list[int], num_tokens: int) -> tuple[list[int], list[
 def run_parity(cfg_dict: dict, *, num_requests: int = 6, seed: int = 0, force_preemption: bool = False,
                dtype: str = "float32", max_num_batched_tokens: int = 24, max_tokens: int = 6,
                block_size: int = 4, backend: str | None = None,
-               prompt_len_range: tuple[int, int] = (3, 40), async_scheduling: bool = False) -> ParityResult:
+               prompt_len_range: tuple[int, int] = (3, 40), async_scheduling: bool = False,
+               prefix_caching: bool = False, system_prompt_len: int = 24) -> ParityResult:
     """Run the comparison (see the module docstring).
 
     Raises:
@@ -110,12 +117,18 @@ def run_parity(cfg_dict: dict, *, num_requests: int = 6, seed: int = 0, force_pr
     lengths = rng.integers(lo, hi + 1, size=num_requests)
     vocab = int(cfg.vocab_size)
     prompts = {f"req-{i}": rng.integers(0, vocab, size=int(n)).tolist() for i, n in enumerate(lengths)}
+    if prefix_caching:  # prompts that share prefixes (runner/commands/shared_prefixes.py)
+        from attnplug.runner.commands.shared_prefixes import make_shared_prefix_prompts
+
+        shared = make_shared_prefix_prompts(lengths.tolist(), vocab, seed, num_system_prompts=2,
+                                            system_prompt_len=system_prompt_len, continuation_prob=0.3)
+        prompts = {f"req-{i}": p for i, p in enumerate(shared)}
     max_model_len = int(hi + max_tokens + block_size)
     args = SimpleNamespace(
         model=None, backend=backend, block_size=block_size, seed=seed, max_model_len=max_model_len,
         max_num_seqs=num_requests, max_num_batched_tokens=max_num_batched_tokens, num_blocks=None,
         force_preemption_every=3 if force_preemption else None, record_logits=True,
-        async_scheduling=async_scheduling)
+        async_scheduling=async_scheduling, prefix_caching=prefix_caching)
     setup = build_engine(args, model=model, requests=False)
     for rid, p in prompts.items():
         setup.engine.add_request(rid, p, SamplingParams(temperature=0.0, max_tokens=max_tokens))
@@ -141,8 +154,14 @@ def run_parity(cfg_dict: dict, *, num_requests: int = 6, seed: int = 0, force_pr
     ok = identical == len(prompts) and max_d <= tol
     if first is None and not ok:
         first = {"reason": f"max |dlogit| {max_d:.3g} above tolerance {tol:g}"}
-    return ParityResult(ok, identical, len(prompts), max_d, tol, first,
-                        preemptions=setup.engine.scheduler.num_preemptions, steps=setup.engine.stats.num_steps)
+    res = ParityResult(ok, identical, len(prompts), max_d, tol, first,
+                       preemptions=setup.engine.scheduler.num_preemptions, steps=setup.engine.stats.num_steps)
+    stats = getattr(setup.engine.scheduler.kv_cache_manager, "stats", None)
+    if prefix_caching and stats is not None:
+        res.prefix_cache_hits = stats.hits
+        res.prefix_cache_hit_requests = stats.hit_requests
+    res.cascade_steps = setup.engine.runner.num_cascade_steps if hasattr(setup.engine.runner, "num_cascade_steps") else 0
+    return res
 
 
 def main(argv: list[str]) -> int:
@@ -157,6 +176,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--block-size", type=int, default=4, help="KV block size in tokens")
     p.add_argument("--backend", default=None, help="as `attnplug run --backend` (default: selection)")
     p.add_argument("--async-scheduling", action="store_true", help="run the engine with one step in flight")
+    p.add_argument("--prefix-caching", action="store_true",
+                   help="prompts sharing prefixes (system prompts, continuations) and prefix caching on")
     args = p.parse_args(argv)
     from attnplug.runner.commands.model_loading import read_hf_config
 
@@ -166,7 +187,7 @@ def main(argv: list[str]) -> int:
                          force_preemption=args.force_preemption, dtype=args.dtype,
                          max_num_batched_tokens=args.max_num_batched_tokens, max_tokens=args.max_tokens,
                          block_size=args.block_size, backend=args.backend,
-                         async_scheduling=args.async_scheduling)
+                         async_scheduling=args.async_scheduling, prefix_caching=args.prefix_caching)
     except AttnplugError as e:
         print(f"attnplug parity: {e}", file=sys.stderr)
         return 2

@@ -28,11 +28,11 @@ from __future__ import annotations
 
 from collections import deque
 
-from attnplug.cache_groups.block_pool import KVCacheManager
 from attnplug.cache_groups.grouping import KVCacheConfig
 from attnplug.core.errors import SchedulingError
 from attnplug.runner.serve.admission import check_new_request
 from attnplug.runner.serve.deltas import make_output
+from attnplug.runner.serve.kv_cache_manager import make_kv_cache_manager
 from attnplug.runner.serve.request import Request, RequestStatus
 from attnplug.runner.serve.scheduler_config import SchedulerConfig
 from attnplug.runner.step.scheduler_output import SamplingParams, SchedulerOutput
@@ -64,7 +64,7 @@ class Scheduler:
 
     def __init__(self, config: SchedulerConfig, kv_cache_config: KVCacheConfig):
         self.config = config
-        self.kv_cache_manager = KVCacheManager(kv_cache_config)
+        self.kv_cache_manager = make_kv_cache_manager(kv_cache_config, config.enable_prefix_caching)
         self.requests: dict[str, Request] = {}
         """Every request ever added, finished ones included (see ``get_request``)."""
         self.waiting: deque[Request] = deque()
@@ -180,8 +180,8 @@ class Scheduler:
         return None
 
     # --- one step -----------------------------------------------------------------------
-    def _allocate(self, req: Request, n: int) -> tuple[list[int], ...] | None:
-        new = self.kv_cache_manager.allocate_slots(req, n)
+    def _allocate(self, req: Request, n: int, hit=None) -> tuple[list[int], ...] | None:
+        new = self.kv_cache_manager.allocate_slots(req, n, hit)
         if new is not None:
             req.block_ids = self.kv_cache_manager.get_block_ids(req.req_id)
         return new
@@ -253,12 +253,15 @@ class Scheduler:
                 req = self.waiting[0]
                 if req.free_when_idle:
                     break  # its old blocks are still in use by the step in flight
-                total = req.num_tokens_to_compute
+                hit = self.kv_cache_manager.get_computed_blocks(req)  # prefix caching (NO_HIT without)
+                total = req.num_tokens_to_compute - hit.num_computed_tokens
                 if not cfg.enable_chunked_prefill and not req.sent_to_runner and total > budget:
                     break
                 n = min(total, budget)
-                if self._allocate(req, n) is None:
+                if self._allocate(req, n, hit) is None:
                     break
+                req.num_computed_tokens = hit.num_computed_tokens
+                self.kv_cache_manager.record_admission(req, hit)
                 self.waiting.popleft()
                 self.running.append(req)
                 req.status = RequestStatus.RUNNING
@@ -349,6 +352,8 @@ class Scheduler:
                 req.num_computed_tokens += n
             elif req_id in sampling:
                 req.num_output_placeholders -= 1
+            if not req.is_finished and not req.free_when_idle:
+                self.kv_cache_manager.cache_blocks(req)  # prefix caching: blocks now full
             toks = sampled_token_ids.get(req_id)
             if toks and not req.is_finished and self._accept(req, toks):
                 self._finish(req)

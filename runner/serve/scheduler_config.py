@@ -24,6 +24,9 @@ class SchedulerConfig:
         async_scheduling: allow one step in flight: ``schedule()`` plans the next step
             before the previous one's ``update_from_output``, assuming every request that
             samples in it gets its token (see ``Scheduler.schedule``).
+        enable_prefix_caching: reuse cached blocks of equal prefixes at admission
+            (``runner/serve/kv_cache_manager.py``): a request may start with
+            ``num_computed_tokens > 0`` and blocks shared with other requests.
 
     Raises:
         SchedulingError: a limit that is not a positive int.
@@ -35,6 +38,7 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     force_preemption_every: int | None = None
     async_scheduling: bool = False
+    enable_prefix_caching: bool = False
 
     def __post_init__(self):
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):

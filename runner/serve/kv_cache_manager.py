@@ -1,0 +1,230 @@
+"""Prefix caching in the scheduler: a ``KVCacheManager`` over ``PrefixCachingBlockPool``s.
+
+:class:`PrefixCachingKVCacheManager` is the scheduler's block manager when
+``SchedulerConfig.enable_prefix_caching`` is set (vLLM V1's ``KVCacheManager`` with
+``enable_caching``; names and semantics, not code). Per group it runs the same block
+policy as :class:`~attnplug.cache_groups.block_pool.KVCacheManager` on a reference-counted
+:class:`~attnplug.cache_groups.prefix_cache.PrefixCachingBlockPool`, and one
+:class:`~attnplug.cache_groups.hybrid_hits.HybridPrefixCoordinator` over all groups finds
+hits valid for every group at once (full attention: every block of the prefix; a sliding
+window: the ``cdiv(W - 1, B)`` blocks before the hit point, earlier ones ``NULL_BLOCK_ID``).
+
+The scheduler's three hooks:
+
+1. ``get_computed_blocks(request)`` at admission (a new request, or one resumed after
+   preemption, which may hit its own freed blocks): the hit, changing nothing.
+2. ``allocate_slots(request, n, hit)``: all or nothing: the hit's blocks are ``touch``ed
+   (``ref_cnt`` up; a free cached block leaves the free queue, so it cannot be evicted),
+   the request's lists start as the hit's ids, then ``n`` more tokens are allocated. The
+   scheduler then sets ``num_computed_tokens`` to the hit length.
+3. ``cache_blocks(request)`` after each step: blocks that became full and computed are
+   registered under their chained hashes; ``free`` (finish, abort, preemption) drops one
+   reference per block in reverse logical order, so a prompt's tail is evicted before its
+   shareable head. A preempted request's cached blocks stay findable until evicted.
+
+Mamba groups: today's Mamba state is one slot per request (``MambaStateManager``) with no
+checkpoints at block boundaries, so no state exists to restore after a prefix: a model with
+a Mamba group gets no hits (``disabled_reason`` says so) and runs as without caching.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from attnplug.cache_groups.block_hash import BlockHash
+from attnplug.cache_groups.block_pool import KVCacheManager, RequestLike, make_block_manager
+from attnplug.cache_groups.grouping import KVCacheConfig
+from attnplug.cache_groups.hybrid_hits import CacheHit, HybridPrefixCoordinator
+from attnplug.cache_groups.prefix_cache import PrefixCachingBlockPool
+from attnplug.cache_groups.specs import MambaSpec
+from attnplug.core.constants import NULL_BLOCK_ID
+from attnplug.core.errors import SchedulingError
+
+NO_HIT = CacheHit(0, ())
+"""The empty hit (also what a manager without prefix caching returns)."""
+
+
+@dataclass
+class PrefixCacheStats:
+    """Lookups since creation (vLLM's ``PrefixCacheStats`` names).
+
+    Attributes:
+        requests: admissions that looked the cache up.
+        queries: tokens looked up (the admitted requests' token counts).
+        hits: tokens found (``num_computed_tokens`` the admissions started with).
+        hit_requests: admissions with a hit.
+    """
+
+    requests: int = 0
+    queries: int = 0
+    hits: int = 0
+    hit_requests: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        """``hits / queries`` (0 with no queries)."""
+        return self.hits / self.queries if self.queries else 0.0
+
+
+class SchedulerKVCacheManager(KVCacheManager):
+    """``KVCacheManager`` with the scheduler's prefix-caching hooks, as no-ops (caching off)."""
+
+    disabled_reason: str | None = "prefix caching is off"
+
+    def get_computed_blocks(self, request) -> CacheHit:
+        """No cache: always ``NO_HIT``."""
+        return NO_HIT
+
+    def allocate_slots(self, request: RequestLike, num_new_tokens: int,
+                       new_computed_blocks: CacheHit | None = None) -> tuple[list[int], ...] | None:
+        """``KVCacheManager.allocate_slots`` (a hit is never given without caching)."""
+        return super().allocate_slots(request, num_new_tokens)
+
+    def record_admission(self, request, hit: CacheHit) -> None:
+        """Nothing to count."""
+
+    def cache_blocks(self, request) -> None:
+        """Nothing to cache."""
+
+
+class PrefixCachingKVCacheManager(SchedulerKVCacheManager):
+    """``KVCacheManager`` with prefix caching over every group.
+
+    Args:
+        kv_cache_config: the groups and their pool sizes.
+
+    Raises:
+        KVCacheSpecError: a group without a block policy or a pool under 2 blocks.
+    """
+
+    def __init__(self, kv_cache_config: KVCacheConfig):
+        super().__init__(kv_cache_config)
+        self.pools = [PrefixCachingBlockPool(kv_cache_config.num_blocks_of(g))
+                      for g in range(len(kv_cache_config.groups))]
+        self.managers = [make_block_manager(g.kv_cache_spec, p)
+                         for g, p in zip(kv_cache_config.groups, self.pools)]
+        self.specs = [g.kv_cache_spec for g in kv_cache_config.groups]
+        self.coordinator = HybridPrefixCoordinator(self.specs, self.pools)
+        self.disabled_reason = None
+        if any(isinstance(s, MambaSpec) for s in self.specs):
+            self.disabled_reason = ("a Mamba group keeps one state slot per request and no state "
+                                    "checkpoints at block boundaries, so no prefix can be restored")
+        self.stats = PrefixCacheStats()
+        self._hashes: dict[str, dict[int, list[BlockHash]]] = {}
+        self._num_cached: dict[str, list[int]] = {}
+
+    # --- hooks --------------------------------------------------------------------------
+    def get_computed_blocks(self, request) -> CacheHit:
+        """The longest cached prefix valid for every group, of at most ``num_tokens - 1``
+        tokens (prompt plus outputs: a resumed request may hit its own blocks). Changes
+        nothing but the request's memoised hashes. ``NO_HIT`` when caching is disabled."""
+        if self.disabled_reason is not None:
+            return NO_HIT
+        tokens = request.all_token_ids
+        hashes = self._block_hashes(request.req_id, tokens)
+        return self.coordinator.get_computed_blocks(tokens, block_hashes=hashes)
+
+    def allocate_slots(self, request: RequestLike, num_new_tokens: int,
+                       new_computed_blocks: CacheHit | None = None) -> tuple[list[int], ...] | None:
+        """``KVCacheManager.allocate_slots``, optionally starting from a prefix hit.
+
+        Args:
+            request: has ``req_id`` and ``num_computed_tokens`` (0 and no blocks when a hit
+                is given).
+            num_new_tokens: tokens computed this step after the hit.
+            new_computed_blocks: ``get_computed_blocks``' result, or ``None``.
+
+        Returns:
+            Per group the newly allocated ids (the hit's ids not included), or ``None``
+            when a pool is short; then nothing changed.
+
+        Raises:
+            SchedulingError: ``num_new_tokens < 0``, or a hit for a request that holds blocks.
+        """
+        hit = new_computed_blocks
+        if hit is None or hit.num_computed_tokens == 0:
+            return KVCacheManager.allocate_slots(self, request, num_new_tokens)
+        self._num_new_tokens_ok(request, num_new_tokens)
+        rid = request.req_id
+        if request.num_computed_tokens or any(m.block_ids(rid) for m in self.managers):
+            raise SchedulingError(f"request {rid!r}: a prefix hit is only for a request without blocks")
+        total = hit.num_computed_tokens + num_new_tokens
+        for m, ids in zip(self.managers, hit.block_ids):
+            revived = sum(1 for b in ids if b != NULL_BLOCK_ID and not m.pool.is_allocated(b))
+            if m.num_blocks_needed(total) - len(ids) > m.pool.num_free_blocks - revived:
+                return None
+        for m, ids in zip(self.managers, hit.block_ids):
+            m.pool.touch(ids)
+            m.req_to_blocks[rid] = list(ids)
+        self._num_cached[rid] = [len(ids) for ids in hit.block_ids]
+        for m in self.managers:
+            m.remove_skipped_blocks(rid, hit.num_computed_tokens)
+        new = tuple(m.allocate_new_blocks(rid, total) for m in self.managers)
+        return new
+
+    def record_admission(self, request, hit: CacheHit) -> None:
+        """Count an admitted request's lookup in ``stats``."""
+        self.stats.requests += 1
+        self.stats.queries += request.num_tokens
+        self.stats.hits += hit.num_computed_tokens
+        self.stats.hit_requests += hit.num_computed_tokens > 0
+
+    def cache_blocks(self, request) -> None:
+        """Register the request's blocks that are now full and computed (after a step).
+
+        Only tokens known on the host count (asynchronous scheduling's placeholders do not).
+        """
+        if self.disabled_reason is not None:
+            return
+        rid = request.req_id
+        lists = [m.block_ids(rid) for m in self.managers]
+        if not any(lists):
+            return
+        tokens = request.all_token_ids
+        computed = min(request.num_computed_tokens, len(tokens))
+        hashes = self._block_hashes(rid, tokens)
+        done = self._num_cached.setdefault(rid, [0] * self.num_groups)
+        for g, (m, ids) in enumerate(zip(self.managers, lists)):
+            full = min(computed // m.block_size, len(ids))
+            if full > done[g]:
+                m.pool.cache_full_blocks(ids, hashes[m.block_size], done[g], full)
+                done[g] = full
+
+    def free(self, request: RequestLike | str) -> None:
+        """Drop one reference to each of the request's blocks, tail first, in every group."""
+        rid = request if isinstance(request, str) else request.req_id
+        for m in self.managers:
+            blocks = m.req_to_blocks.pop(rid, None)
+            if blocks:
+                m.pool.free(reversed(blocks))
+        self._num_cached.pop(rid, None)
+        self._hashes.pop(rid, None)
+
+    # --- reporting ----------------------------------------------------------------------
+    @property
+    def num_cached_blocks_per_group(self) -> list[int]:
+        return [p.num_cached_blocks for p in self.pools]
+
+    @property
+    def num_evictions_per_group(self) -> list[int]:
+        return [p.num_evictions for p in self.pools]
+
+    # --- internals ----------------------------------------------------------------------
+    def _block_hashes(self, rid: str, tokens: list[int]) -> dict[int, list[BlockHash]]:
+        prev = self._hashes.get(rid)
+        if prev is not None:
+            # a memoised chain is a prefix of the tokens' chain only if it covers no more
+            for b, chain in prev.items():
+                if len(chain) > len(tokens) // b:
+                    prev = None
+                    break
+        out = self.coordinator.block_hashes(tokens, None, prev)
+        self._hashes[rid] = out
+        return out
+
+
+def make_kv_cache_manager(kv_cache_config: KVCacheConfig, enable_prefix_caching: bool) -> SchedulerKVCacheManager:
+    """The scheduler's block manager: with prefix caching or without."""
+    if enable_prefix_caching:
+        return PrefixCachingKVCacheManager(kv_cache_config)
+    return SchedulerKVCacheManager(kv_cache_config)
