@@ -100,6 +100,7 @@ def validate(
     sliding_window: int | None = None,
     manager_block_size: int | None = None,
     state_group: bool = False,
+    full_attention: bool = False,
 ) -> None:
     """Check the eight invariants on one step's metadata (for one cache group).
 
@@ -119,6 +120,9 @@ def validate(
             default ``block_size``.
         state_group: the group is a Mamba state group (``block_size`` is then ``None``):
             check (invariant 7) that every row holds a real state slot in column 0.
+        full_attention: the group is full attention: also check (invariant 7) that every
+            block a query can see (columns ``0 .. (seq_len - 1) // block_size``; with prefix
+            caching, shared blocks before ``num_computed_tokens`` too) is real.
 
     Raises:
         MetadataInvariantError: the first invariant that fails, with its row and values.
@@ -257,6 +261,14 @@ def validate(
             r, c = (int(x) for x in np.argwhere(bad)[0])
             _fail("7 slots", r, kernel_block_index=c, num_computed_tokens=int(computed[r]),
                   sliding_window=sliding_window, hint="a block this step's queries can see is the null block")
+
+    if bt is not None and full_attention and R:
+        last = (seq_lens.astype(np.int64) - 1) // block_size
+        bad = (np.arange(bt.shape[1])[None, :] <= last[:, None]) & (bt == NULL_BLOCK_ID)
+        if bad.any():
+            r, c = (int(x) for x in np.argwhere(bad)[0])
+            _fail("7 slots", r, kernel_block_index=c, num_computed_tokens=int(computed[r]),
+                  hint="a full-attention block this step's queries can see is the null block")
 
     if state_group and R:
         slots0 = cm.block_table_tensor[:R, 0].cpu().numpy() if cm.block_table_tensor.shape[1] else None

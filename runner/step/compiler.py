@@ -35,6 +35,7 @@ from typing import Sequence
 import torch
 
 from attnplug.cache_groups.grouping import KVCacheConfig
+from attnplug.cache_groups.kinds import GroupKind
 from attnplug.core.devices import resolve_device
 from attnplug.core.errors import InvalidSchedulerOutput, MetadataError
 from attnplug.core.validation import BatchView, validate
@@ -240,7 +241,8 @@ class StepCompiler:
             validate(cm, block_size=None if state else self.kernel_block_sizes[g],
                      num_scheduled_tokens=inputs.num_scheduled_tokens, num_tokens=inputs.num_tokens,
                      discard=inputs.discard, batch=view, sliding_window=self.sliding_windows[g],
-                     manager_block_size=self.block_sizes[g], state_group=state)
+                     manager_block_size=self.block_sizes[g], state_group=state,
+                     full_attention=self.layout.group_kinds[g] is GroupKind.FULL_ATTENTION)
 
     def append_output_tokens(self, req_ids_or_rows, token_ids) -> None:
         """Append sampled tokens to requests of this step (stage 8, ``runner/step/append.py``).
