@@ -97,11 +97,17 @@ class AttentionMetadataBuilder(ABC):
             ``<= threshold`` (decodes) before the others before preparing inputs.
         supports_update_block_table: ``update_block_table`` is implemented (groups with the
             same spec and builder class then reuse one build per step).
+        supports_cascade: ``build`` with ``common_prefix_len > 0`` runs cascade attention
+            (a shared-prefix pass, a suffix pass, merged by log-sum-exp); the runner passes a
+            non-zero ``common_prefix_len`` only then (``runner/execute/cascade.py``).
+        cascade_unsupported_reason: why not, when ``supports_cascade`` is False.
     """
 
     cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
     reorder_batch_threshold: ClassVar[int | None] = None
     supports_update_block_table: ClassVar[bool] = False
+    supports_cascade: ClassVar[bool] = False
+    cascade_unsupported_reason: ClassVar[str] = "the builder does not declare supports_cascade"
 
     def __init__(self, kv_cache_spec: Any, layer_names: list[str], config: BuilderConfig,
                  device: torch.device | str):

@@ -62,6 +62,7 @@ class FlashAttnMetadataBuilder(AttentionMetadataBuilder):
     cudagraph_support = AttentionCGSupport.UNIFORM_BATCH
     reorder_batch_threshold = None
     supports_update_block_table = True
+    supports_cascade = True  # full attention only: _cascade returns None with a sliding window
 
     @classmethod
     def load_kernels(cls) -> FlashAttnKernels:

@@ -95,6 +95,9 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder):
     cudagraph_support = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
     reorder_batch_threshold = 1
     supports_update_block_table = False
+    cascade_unsupported_reason = (
+        "flashinfer: cascade needs MultiLevelCascadeAttentionWrapper, planned per level with its own "
+        "page indices; this builder plans BatchPrefill/BatchDecode wrappers only (not wired)")
     workspace_bytes = WORKSPACE_BYTES
 
     @classmethod

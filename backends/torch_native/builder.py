@@ -138,6 +138,9 @@ class TorchNativeMetadata:
     """``[num_writes]``, ``torch.int64``: the slot each of those rows is written to."""
     segments: tuple[AttentionSegment, ...]
     """The attention work of the step, see the module docstring."""
+    cascade: object | None = None
+    """``backends/torch_native/cascade.py``'s ``TorchNativeCascade`` when the step runs
+    cascade attention (then ``segments`` cover each request's suffix only)."""
 
 
 def _key_block_layout(seq_lens: torch.Tensor, first_blocks: torch.Tensor, num_key_blocks: int,
@@ -178,6 +181,7 @@ class TorchNativeMetadataBuilder(AttentionMetadataBuilder):
     cudagraph_support = AttentionCGSupport.NEVER
     reorder_batch_threshold = None
     supports_update_block_table = True
+    supports_cascade = True  # full attention only (backends/torch_native/cascade.py)
 
     def __init__(self, kv_cache_spec, layer_names: list[str], config, device: torch.device | str):
         super().__init__(kv_cache_spec, layer_names, config, device)
@@ -198,7 +202,9 @@ class TorchNativeMetadataBuilder(AttentionMetadataBuilder):
         """Lower ``common_attn_metadata`` into :class:`TorchNativeMetadata` (never mutates it).
 
         Args:
-            common_prefix_len: ignored (no cascade attention).
+            common_prefix_len: tokens every request shares at the start of its KV: with
+                ``> 0`` (full attention only) the step runs cascade attention
+                (``backends/torch_native/cascade.py``); clamped like flash_attn's.
             common_attn_metadata: the step's metadata for this group.
             fast_build: ignored.
 
@@ -212,6 +218,9 @@ class TorchNativeMetadataBuilder(AttentionMetadataBuilder):
         """
         cm = common_attn_metadata
         self._check(cm)
+        if common_prefix_len > 0 and self.sliding_window is None and cm.num_reqs:
+            from attnplug.backends.torch_native.cascade import build_cascade
+            return build_cascade(self, cm, common_prefix_len)
         num_reqs = cm.num_reqs
         qsl_np = cm.query_start_loc_cpu[: num_reqs + 1].numpy().astype(np.int64)
         seq_np = cm.seq_lens_cpu[:num_reqs].numpy().astype(np.int64)

@@ -14,6 +14,7 @@ from attnplug.backends.torch_native.attention import (
     write_to_paged_cache,
 )
 from attnplug.backends.torch_native.builder import AttentionSegment, TorchNativeMetadata
+from attnplug.backends.torch_native.cascade import cascade_forward
 from attnplug.core.contracts import AttentionImpl, AttentionType
 from attnplug.core.errors import BackendUnsupportedError, MetadataError
 
@@ -89,6 +90,8 @@ class TorchNativeAttentionImpl(AttentionImpl):
         self._check(query, key, value, kv_cache, attn_metadata, output)
         md = attn_metadata
         write_to_paged_cache(key, value, kv_cache, md.write_slots, md.write_token_indices)
+        if md.cascade is not None:  # a shared prefix pass + suffix pass (cascade.py)
+            return cascade_forward(self, query, kv_cache, md, output)
         for seg in md.segments:
             num_keys = seg.key_block_ids.shape[1] * md.block_size  # key columns, from key_offsets on
             offsets = seg.key_offsets if seg.max_key_offset else None

@@ -59,6 +59,9 @@ class TritonMetadataBuilder(AttentionMetadataBuilder):
     cudagraph_support = AttentionCGSupport.ALWAYS
     reorder_batch_threshold = None
     supports_update_block_table = True
+    cascade_unsupported_reason = (
+        "triton: the paged attention kernels return no log-sum-exp, which the prefix and suffix "
+        "passes need for merge_attn_states (not implemented yet)")
     split_kv_policy: ClassVar[SplitKVPolicy] = SplitKVPolicy()
     """When to take the split-KV path; a subclass may override it (tests force splits)."""
 

@@ -46,13 +46,17 @@ class GroupMetadataBuilder:
     counters: BuildCounters = field(default_factory=BuildCounters)
 
     def build(self, common: Sequence[CommonAttentionMetadata],
-              common_prefix_len: int = 0, *, for_cudagraph: bool = False) -> tuple[list[Any], dict[str, Any]]:
+              common_prefix_len: int | Sequence[int] = 0, *,
+              for_cudagraph: bool = False) -> tuple[list[Any], dict[str, Any]]:
         """Build this step's metadata.
 
         Args:
             common: per group, the step's common metadata (group ``g``'s block table and
                 slot mapping).
-            common_prefix_len: forwarded to ``build``.
+            common_prefix_len: forwarded to ``build``: one value for every group, or one
+                per group (cascade attention, ``runner/execute/cascade.py``). A group built
+                with a non-zero value is never reused for another group (its prefix pass
+                reads its own block table's shared blocks).
             for_cudagraph: the step captures or replays a CUDA graph: builders run
                 ``build_for_cudagraph_capture`` instead of ``build``.
 
@@ -64,16 +68,20 @@ class GroupMetadataBuilder:
         cache: dict[tuple[Any, type], Any] = {}
         per_group: list[Any] = []
         per_layer: dict[str, Any] = {}
-        for builder, names, cm in zip(self.builders, self.layer_names, common):
+        prefix_lens = ([common_prefix_len] * len(self.builders) if isinstance(common_prefix_len, int)
+                       else list(common_prefix_len))
+        for builder, names, cm, prefix in zip(self.builders, self.layer_names, common, prefix_lens):
             key = (builder.kv_cache_spec, type(builder))
-            hit = cache.get(key) if self.enable_caching and builder.supports_update_block_table else None
+            reuse = self.enable_caching and builder.supports_update_block_table and prefix == 0
+            hit = cache.get(key) if reuse else None
             if hit is not None:
                 md = builder.update_block_table(hit, cm.block_table_tensor, cm.slot_mapping)
                 self.counters.reuses += 1
             else:
                 md = (builder.build_for_cudagraph_capture(cm) if for_cudagraph
-                      else builder.build(common_prefix_len, cm))
-                cache[key] = md
+                      else builder.build(prefix, cm))
+                if prefix == 0:
+                    cache[key] = md
                 self.counters.builds += 1
             per_group.append(md)
             for name in names:

@@ -21,6 +21,7 @@ from attnplug.cache_groups.grouping import KVCacheConfig
 from attnplug.core.contracts import AttentionBackend, BuilderConfig
 from attnplug.core.devices import resolve_device
 from attnplug.core.errors import MetadataError
+from attnplug.runner.execute.cascade import CascadeConfig, CascadePlanner
 from attnplug.runner.execute.group_metadata import GroupMetadataBuilder
 from attnplug.runner.execute.kv_caches import allocate_kv_caches, kernel_kv_cache_spec, negotiate_kernel_block_sizes
 from attnplug.runner.execute.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
@@ -85,6 +86,8 @@ class ModelRunner:
             says why) and pads steps to ``cudagraph_capture_sizes``. Graphs are captured
             on CUDA only; on a CPU steps are just padded.
         cudagraph_capture_sizes: default ``runner.execute.cudagraph.DEFAULT_CAPTURE_SIZES``.
+        cascade: when steps run cascade attention (``runner/execute/cascade.py``; default
+            ``CascadeConfig()``); ``self.cascade.decisions`` is the latest step's.
 
     Raises:
         BackendUnsupportedError: a backend cannot serve a group's block size, or a Mamba
@@ -97,7 +100,8 @@ class ModelRunner:
                  device: torch.device | str = "cpu", *, record_logits: bool = False,
                  enable_builder_cache: bool = True, seed: int = 0,
                  cudagraph_mode: CUDAGraphMode | str | None = None,
-                 cudagraph_capture_sizes: Sequence[int] | None = None):
+                 cudagraph_capture_sizes: Sequence[int] | None = None,
+                 cascade: CascadeConfig | None = None):
         self.model = model
         self.kv_cache_config = kv_cache_config
         self.backends = list(backends)
@@ -127,6 +131,8 @@ class ModelRunner:
         )
         self.metadata_builder = GroupMetadataBuilder(
             builders, [list(g.layer_names) for g in groups], enable_caching=enable_builder_cache)
+        self.cascade = CascadePlanner(cascade or CascadeConfig(), builders,
+                                      [g.kv_cache_spec.kind != "full_attention" for g in groups])
         self.cudagraphs: StepGraphs | None = None
         if CUDAGraphMode.parse(cudagraph_mode) is not CUDAGraphMode.NONE:
             self.cudagraphs = StepGraphs(builders, [b.get_name() for b in self.backends], cudagraph_mode,
@@ -225,7 +231,8 @@ class ModelRunner:
                                               prev_token_ids=prev_tokens)
         t = self._time("prepare_inputs", t)
         common = graphs.common_metadata(inputs.common_attn_metadata, batch) if batch else inputs.common_attn_metadata
-        _, per_layer = self.metadata_builder.build(common, for_cudagraph=bool(batch and batch.use_graph))
+        prefix_lens = self.cascade.plan(self.compiler, common, padded=batch is not None)
+        _, per_layer = self.metadata_builder.build(common, prefix_lens, for_cudagraph=bool(batch and batch.use_graph))
         if self.host_buffer_fence is not None:
             self.host_buffer_fence.mark()  # after every copy out of the host buffers is queued
         t = self._time("metadata_build", t)
