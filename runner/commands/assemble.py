@@ -21,6 +21,9 @@ from attnplug.runner.serve.scheduler import Scheduler, SchedulerConfig
 from attnplug.runner.step.scheduler_output import SamplingParams
 from attnplug.runner.commands.limits import clip, memory_problem
 from attnplug.runner.commands.traces import BUNDLED_ATTRIBUTION, BUNDLED_TRACES
+from attnplug.runner.commands.prefix_report import prefix_caching_summary
+from attnplug.runner.commands.shared_prefixes import make_shared_prefix_prompts
+from attnplug.runner.execute.cascade import CascadeConfig
 
 
 @dataclass
@@ -70,6 +73,7 @@ class EngineSetup:
             "output_wait_ms": round(runner.output_wait_ns / 1e6, 3),
             "torch_threads": torch.get_num_threads(),
             "outputs_digest": outputs_digest(results),
+            **prefix_caching_summary(eng),
         }
 
 
@@ -236,7 +240,10 @@ def build_engine(args, *, alone: bool = False, model: torch.nn.Module | None = N
     runner = ModelRunner(model, kv_cfg, backends,
                          RunnerConfig(max_num_reqs=max_num_seqs, max_model_len=max_model_len,
                                       max_num_batched_tokens=budget),
-                         device=device, record_logits=getattr(args, "record_logits", False), seed=args.seed)
+                         device=device, record_logits=getattr(args, "record_logits", False), seed=args.seed,
+                         cascade=CascadeConfig(enabled=not getattr(args, "no_cascade", False),
+                                               min_prefix_len=getattr(args, "cascade_min_prefix_len", 256),
+                                               min_num_reqs=getattr(args, "cascade_min_num_reqs", 8)))
     setup = EngineSetup(model, LLMEngine(sched, runner), kv_cfg, backends)
     if requests and not alone:
         from attnplug.runner.commands.traces import load_trace, make_prompts
@@ -244,6 +251,10 @@ def build_engine(args, *, alone: bool = False, model: torch.nn.Module | None = N
         trace = load_trace(args.trace, args.num_requests, max_model_len=max_model_len,
                            skip_invalid=args.skip_invalid)
         prompts = make_prompts(trace, model.config.vocab_size, seed=args.seed)
+        if getattr(args, "prefix_caching", False) or getattr(args, "shared_prefixes", False):
+            prompts = make_shared_prefix_prompts([r.prompt_len for r in trace], model.config.vocab_size, args.seed,
+                                                 num_system_prompts=args.system_prompts,
+                                                 system_prompt_len=args.system_prompt_len)
         for i, (tr, prompt) in enumerate(zip(trace, prompts)):
             rid = f"req-{i}"
             setup.prompts[rid] = prompt

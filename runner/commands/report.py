@@ -7,6 +7,8 @@ from typing import Any
 import rich.console
 from rich.table import Table
 
+from attnplug.runner.commands.prefix_report import prefix_caching_rows
+
 
 class Console(rich.console.Console):
     """A rich console whose broken pipe is a ``BrokenPipeError`` (rich's own handler exits
@@ -41,6 +43,8 @@ def print_run_table(summary: dict[str, Any], console: Console | None = None) -> 
             t.add_row("output waits / ms waiting", f"{summary['output_waits']} / {summary['output_wait_ms']:.1f}")
         t.add_row("torch threads", str(summary["torch_threads"]))
         t.add_row("outputs digest", summary["outputs_digest"][:16])
+    for metric, value in prefix_caching_rows(summary):  # --prefix-caching (prefix_report.py)
+        t.add_row(metric, value)
     for stage, us in summary["median_us_per_step"].items():
         t.add_row(f"median µs/step {stage}", f"{us:.1f}")
     t.add_row("metadata builds / reuses per step",

@@ -35,6 +35,10 @@ FLAG_LIMITS: dict[str, tuple[int, int]] = {
     "--max-model-len": (2, 2**20),
     "--seed": (0, 2**32 - 1),
     "--invariance-requests": (0, 100_000),
+    "--system-prompts": (1, 100_000),
+    "--system-prompt-len": (1, 2**20),
+    "--cascade-min-prefix-len": (1, 2**20),
+    "--cascade-min-num-reqs": (2, 4096),
 }
 """``flag -> (lowest, highest)`` accepted value (decimal ints only); checked at parse time
 (one usage line, exit 2). ``--num-blocks`` 1 would leave only the null block; the pool's
@@ -77,6 +81,17 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--async-scheduling", action="store_true",
                    help="keep one step in flight: plan and launch step t+1 before reading step t's tokens "
                         "(its decode rows take them on the device); same outputs (outputs_digest)")
+    p.add_argument("--prefix-caching", action="store_true",
+                   help="prompts that share prefixes (seeded system prompts and multi-turn continuations, "
+                        "docs/configuration.md) and prefix caching on; off by default")
+    p.add_argument("--shared-prefixes", action="store_true",
+                   help="the --prefix-caching workload with prefix caching off (compare outputs_digest)")
+    _int_flag(p, "--system-prompts", 1, "--prefix-caching: shared system prompts in the pool")
+    _int_flag(p, "--system-prompt-len", 256, "--prefix-caching: tokens per system prompt")
+    p.add_argument("--no-cascade", action="store_true",
+                   help="never run cascade attention (compare outputs_digest with and without)")
+    _int_flag(p, "--cascade-min-prefix-len", 256, "cascade attention needs this many shared tokens (vLLM: 256)")
+    _int_flag(p, "--cascade-min-num-reqs", 8, "cascade attention needs this many requests in the step (vLLM: 8)")
     p.add_argument("--json", action="store_true", help="print a machine-readable summary on stdout")
     p.add_argument("--plot", metavar="OUT.png", default=None,
                    help="also draw per-step stage times, tokens scheduled and KV blocks in use per group "
