@@ -226,7 +226,9 @@ def build_engine(args, *, alone: bool = False, model: torch.nn.Module | None = N
     max_num_seqs = 1 if alone else args.max_num_seqs
     budget = max_model_len if alone else args.max_num_batched_tokens
     num_blocks = args.num_blocks or (max_num_seqs * cdiv(max_model_len, args.block_size) + 1)
-    kv_cfg = KVCacheConfig(num_blocks, groups, num_state_slots=max_num_seqs + 1)  # Mamba: 1 slot per request
+    # Mamba: 1 slot per request (and, with prefix caching, room for state checkpoints)
+    checkpoints = 4 * max_num_seqs if getattr(args, "prefix_caching", False) else 0
+    kv_cfg = KVCacheConfig(num_blocks, groups, num_state_slots=max_num_seqs + 1 + checkpoints)
     check_kv_memory(kv_cfg, max_num_seqs, max_model_len, device,
                     "--num-blocks" if args.num_blocks else "the default --num-blocks")
     backends = [model.attnplug_backends[g.layer_names[0]] for g in groups]

@@ -28,6 +28,7 @@ from attnplug.runner.execute.outputs import AsyncModelRunnerOutput, ModelRunnerO
 from attnplug.runner.execute.cudagraph import CUDAGraphMode
 from attnplug.runner.execute.cudagraph_capture import StepGraphs
 from attnplug.runner.execute.sampler import Sampler
+from attnplug.runner.execute.state_copies import apply_state_copies
 from attnplug.runner.step.scheduler_output import SchedulerOutput
 from attnplug.runner.step.compiler import StepCompiler
 
@@ -238,7 +239,9 @@ class ModelRunner:
         t = self._time("metadata_build", t)
         n = inputs.num_padded_tokens
         forward = lambda: self.model(inputs.input_ids[:n], inputs.positions[:n], per_layer, self.kv_caches)  # noqa: E731
+        apply_state_copies(self, scheduler_output, "restores")  # Mamba prefix hits (state_copies.py)
         hidden = graphs.forward(batch, forward) if batch else forward()
+        apply_state_copies(self, scheduler_output, "saves")
         t = self._time("forward", t)
 
         keep = np.flatnonzero(~np.asarray(inputs.discard))

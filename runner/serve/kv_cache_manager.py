@@ -22,13 +22,16 @@ The scheduler's three hooks:
    reference per block in reverse logical order, so a prompt's tail is evicted before its
    shareable head. A preempted request's cached blocks stay findable until evicted.
 
-Mamba groups: today's Mamba state is one slot per request (``MambaStateManager``) with no
-checkpoints at block boundaries, so no state exists to restore after a prefix: a model with
-a Mamba group gets no hits (``disabled_reason`` says so) and runs as without caching.
+Mamba groups: a request's state slot is overwritten every step, so hits restore a copy
+saved at a multiple of the Mamba block size (``runner/serve/mamba_checkpoints.py``: chunks
+aligned to those multiples, saves after and restores before the forward, carried by
+``SchedulerOutput.mamba_state_copies``). Not with asynchronous scheduling or without chunked
+prefill: a model with a Mamba group then gets no hits (``disabled_reason`` says why).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from attnplug.cache_groups.block_hash import BlockHash
@@ -39,6 +42,8 @@ from attnplug.cache_groups.prefix_cache import PrefixCachingBlockPool
 from attnplug.cache_groups.specs import MambaSpec
 from attnplug.core.constants import NULL_BLOCK_ID
 from attnplug.core.errors import SchedulingError
+from attnplug.runner.serve.mamba_checkpoints import MambaCheckpoints, MambaStateCopies
+from attnplug.runner.serve.mamba_checkpoints import mamba_block_size as default_mamba_block_size
 
 NO_HIT = CacheHit(0, ())
 """The empty hit (also what a manager without prefix caching returns)."""
@@ -86,29 +91,50 @@ class SchedulerKVCacheManager(KVCacheManager):
     def cache_blocks(self, request) -> None:
         """Nothing to cache."""
 
+    def align_num_new_tokens(self, request, start: int, num_new_tokens: int) -> int:
+        """Tokens to schedule from ``start`` (Mamba checkpoints cut chunks; here unchanged)."""
+        return num_new_tokens
+
+    def plan_state_copies(self, sched: dict[str, int], requests: dict) -> MambaStateCopies | None:
+        """The step's Mamba state copies (none without caching)."""
+        return None
+
+    def finish_step(self) -> None:
+        """A step was applied (nothing to do without caching)."""
+
 
 class PrefixCachingKVCacheManager(SchedulerKVCacheManager):
     """``KVCacheManager`` with prefix caching over every group.
 
     Args:
         kv_cache_config: the groups and their pool sizes.
+        async_scheduling, chunked_prefill: the scheduler's modes (Mamba checkpoints need
+            synchronous scheduling with chunked prefill).
+        mamba_block_size: ``Bm``, the Mamba checkpoint interval (tokens); default the lcm
+            of the attention groups' block sizes.
 
     Raises:
         KVCacheSpecError: a group without a block policy or a pool under 2 blocks.
     """
 
-    def __init__(self, kv_cache_config: KVCacheConfig):
+    def __init__(self, kv_cache_config: KVCacheConfig, *, async_scheduling: bool = False,
+                 chunked_prefill: bool = True, mamba_block_size: int | None = None):
         super().__init__(kv_cache_config)
         self.pools = [PrefixCachingBlockPool(kv_cache_config.num_blocks_of(g))
                       for g in range(len(kv_cache_config.groups))]
         self.managers = [make_block_manager(g.kv_cache_spec, p)
                          for g, p in zip(kv_cache_config.groups, self.pools)]
         self.specs = [g.kv_cache_spec for g in kv_cache_config.groups]
-        self.coordinator = HybridPrefixCoordinator(self.specs, self.pools)
+        mamba = [g for g, s in enumerate(self.specs) if isinstance(s, MambaSpec)]
+        bm = mamba_block_size or default_mamba_block_size(self.specs)
+        # the coordinator sees a Mamba group as one checkpoint per Bm tokens
+        hit_specs = [dataclasses.replace(s, block_size=bm) if g in mamba else s for g, s in enumerate(self.specs)]
+        self.coordinator = HybridPrefixCoordinator(hit_specs, self.pools)
+        self.mamba = MambaCheckpoints(self, mamba, bm) if mamba else None
         self.disabled_reason = None
-        if any(isinstance(s, MambaSpec) for s in self.specs):
-            self.disabled_reason = ("a Mamba group keeps one state slot per request and no state "
-                                    "checkpoints at block boundaries, so no prefix can be restored")
+        if mamba and (async_scheduling or not chunked_prefill):
+            self.disabled_reason = ("Mamba state checkpoints need synchronous scheduling with chunked prefill "
+                                    "(a chunk is cut at each checkpoint)")
         self.stats = PrefixCacheStats()
         self._hashes: dict[str, dict[int, list[BlockHash]]] = {}
         self._num_cached: dict[str, list[int]] = {}
@@ -149,17 +175,22 @@ class PrefixCachingKVCacheManager(SchedulerKVCacheManager):
         if request.num_computed_tokens or any(m.block_ids(rid) for m in self.managers):
             raise SchedulingError(f"request {rid!r}: a prefix hit is only for a request without blocks")
         total = hit.num_computed_tokens + num_new_tokens
-        for m, ids in zip(self.managers, hit.block_ids):
+        mamba = set(self.mamba.groups) if self.mamba else set()
+        for g, (m, ids) in enumerate(zip(self.managers, hit.block_ids)):
             revived = sum(1 for b in ids if b != NULL_BLOCK_ID and not m.pool.is_allocated(b))
-            if m.num_blocks_needed(total) - len(ids) > m.pool.num_free_blocks - revived:
+            held = 0 if g in mamba else len(ids)  # a Mamba hit restores a copy into a slot of its own
+            if m.num_blocks_needed(total) - held > m.pool.num_free_blocks - revived:
                 return None
-        for m, ids in zip(self.managers, hit.block_ids):
-            m.pool.touch(ids)
-            m.req_to_blocks[rid] = list(ids)
-        self._num_cached[rid] = [len(ids) for ids in hit.block_ids]
+        for g, (m, ids) in enumerate(zip(self.managers, hit.block_ids)):
+            if g not in mamba:
+                m.pool.touch(ids)
+                m.req_to_blocks[rid] = list(ids)
+        self._num_cached[rid] = [0 if g in mamba else len(ids) for g, ids in enumerate(hit.block_ids)]
         for m in self.managers:
             m.remove_skipped_blocks(rid, hit.num_computed_tokens)
         new = tuple(m.allocate_new_blocks(rid, total) for m in self.managers)
+        if mamba:
+            self.mamba.hold_hit(rid, {g: hit.block_ids[g][-1] for g in mamba})
         return new
 
     def record_admission(self, request, hit: CacheHit) -> None:
@@ -185,6 +216,8 @@ class PrefixCachingKVCacheManager(SchedulerKVCacheManager):
         hashes = self._block_hashes(rid, tokens)
         done = self._num_cached.setdefault(rid, [0] * self.num_groups)
         for g, (m, ids) in enumerate(zip(self.managers, lists)):
+            if self.mamba and g in self.mamba.groups:
+                continue  # checkpoints are saved by plan_state_copies
             full = min(computed // m.block_size, len(ids))
             if full > done[g]:
                 m.pool.cache_full_blocks(ids, hashes[m.block_size], done[g], full)
@@ -199,6 +232,24 @@ class PrefixCachingKVCacheManager(SchedulerKVCacheManager):
                 m.pool.free(reversed(blocks))
         self._num_cached.pop(rid, None)
         self._hashes.pop(rid, None)
+
+    def align_num_new_tokens(self, request, start: int, num_new_tokens: int) -> int:
+        """Mamba groups: a chunk ends at the last checkpoint boundary inside it."""
+        if self.mamba is None or self.disabled_reason is not None:
+            return num_new_tokens
+        return self.mamba.align(start, num_new_tokens)
+
+    def plan_state_copies(self, sched: dict[str, int], requests: dict) -> MambaStateCopies | None:
+        """The step's Mamba saves (chunks ending at a checkpoint) and restores (hits)."""
+        if self.mamba is None or self.disabled_reason is not None:
+            return None
+        self.mamba.plan_saves(sched, requests)
+        return self.mamba.take()
+
+    def finish_step(self) -> None:
+        """The step was applied: register its Mamba checkpoints, release held slots."""
+        if self.mamba is not None:
+            self.mamba.finish_step()
 
     # --- reporting ----------------------------------------------------------------------
     @property
@@ -223,8 +274,10 @@ class PrefixCachingKVCacheManager(SchedulerKVCacheManager):
         return out
 
 
-def make_kv_cache_manager(kv_cache_config: KVCacheConfig, enable_prefix_caching: bool) -> SchedulerKVCacheManager:
-    """The scheduler's block manager: with prefix caching or without."""
-    if enable_prefix_caching:
-        return PrefixCachingKVCacheManager(kv_cache_config)
+def make_kv_cache_manager(kv_cache_config: KVCacheConfig, config) -> SchedulerKVCacheManager:
+    """The scheduler's block manager for ``config`` (a ``SchedulerConfig``): with prefix
+    caching or without."""
+    if config.enable_prefix_caching:
+        return PrefixCachingKVCacheManager(kv_cache_config, async_scheduling=config.async_scheduling,
+                                           chunked_prefill=config.enable_chunked_prefill)
     return SchedulerKVCacheManager(kv_cache_config)

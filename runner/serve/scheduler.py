@@ -64,7 +64,7 @@ class Scheduler:
 
     def __init__(self, config: SchedulerConfig, kv_cache_config: KVCacheConfig):
         self.config = config
-        self.kv_cache_manager = make_kv_cache_manager(kv_cache_config, config.enable_prefix_caching)
+        self.kv_cache_manager = make_kv_cache_manager(kv_cache_config, config)
         self.requests: dict[str, Request] = {}
         """Every request ever added, finished ones included (see ``get_request``)."""
         self.waiting: deque[Request] = deque()
@@ -228,7 +228,8 @@ class Scheduler:
                 continue  # preempted earlier in this loop
             if req.num_tokens_to_compute == 0 or req.remaining_output_tokens(cfg.max_model_len) == 0:
                 continue  # asynchronous: its last output is in flight
-            n = min(req.num_tokens_to_compute, budget)
+            n = self.kv_cache_manager.align_num_new_tokens(
+                req, req.num_computed_tokens, min(req.num_tokens_to_compute, budget))
             assert n > 0, f"running request {req.req_id} has nothing to compute"
             while (blocks := self._allocate(req, n)) is None:
                 victim = self.running[-1]
@@ -257,7 +258,7 @@ class Scheduler:
                 total = req.num_tokens_to_compute - hit.num_computed_tokens
                 if not cfg.enable_chunked_prefill and not req.sent_to_runner and total > budget:
                     break
-                n = min(total, budget)
+                n = self.kv_cache_manager.align_num_new_tokens(req, hit.num_computed_tokens, min(total, budget))
                 if self._allocate(req, n, hit) is None:
                     break
                 req.num_computed_tokens = hit.num_computed_tokens
@@ -272,6 +273,7 @@ class Scheduler:
 
         finished, self._finished_since_schedule = self._finished_since_schedule, set()
         out = make_output(self.requests, sched, new_blocks, new_reqs, resumed, finished)
+        out.mamba_state_copies = self.kv_cache_manager.plan_state_copies(sched, self.requests)
         self.num_steps += 1
         if sched:
             self._launch(out)
@@ -344,6 +346,7 @@ class Scheduler:
                     f"{req.num_tokens} tokens); its sampled tokens must be discarded")
         self._in_flight.popleft()
         del self._placeholders[id(scheduler_output)]
+        self.kv_cache_manager.finish_step()  # prefix caching: Mamba checkpoints of the step
         finished: list[str] = []
         for req_id, n in scheduled.items():
             req = self.requests[req_id]

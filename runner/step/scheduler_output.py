@@ -114,6 +114,9 @@ class SchedulerOutput:
             they leave the batch but keep their state.
         total_num_scheduled_tokens: ``sum(num_scheduled_tokens.values())``.
         finished_req_ids: requests to forget (their state is dropped).
+        mamba_state_copies: prefix caching with Mamba groups: the step's state-slot copies
+            (``runner/serve/mamba_checkpoints.py``'s ``MambaStateCopies``: restores before
+            the forward, saves after), or ``None``. The step compiler does not read it.
     """
 
     scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
@@ -121,6 +124,7 @@ class SchedulerOutput:
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     total_num_scheduled_tokens: int = 0
     finished_req_ids: set[str] = field(default_factory=set)
+    mamba_state_copies: object | None = None
 
     def __post_init__(self):
         if not self.total_num_scheduled_tokens and self.num_scheduled_tokens:

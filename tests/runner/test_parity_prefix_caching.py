@@ -2,7 +2,9 @@
 prefix-cache hits (shared system prompts and multi-turn continuations,
 runner/commands/shared_prefixes.py) on Llama and on Gemma3, whose sliding window (7) is
 shorter than the shared prefixes (24 tokens), so hits carry null blocks before the window;
-with and without forced preemption (resumed requests hit their own freed blocks)."""
+with and without forced preemption (resumed requests hit their own freed blocks); and on
+Bamba (Mamba2 + attention), whose hits restore a state checkpoint saved at a multiple of
+the Mamba block size (a shared prefix ending mid-block hits the previous boundary)."""
 
 from __future__ import annotations
 
@@ -22,9 +24,17 @@ GEMMA3 = {**TINY, "model_type": "gemma3_text", "architectures": ["Gemma3ForCausa
           "query_pre_attn_scalar": 24, "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0}
 
 
-@pytest.mark.parametrize("name, force_preemption", [("llama", False), ("llama", True), ("gemma3", True)])
+BAMBA = {"model_type": "bamba", "architectures": ["BambaForCausalLM"], "vocab_size": 128, "hidden_size": 32,
+         "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+         "attn_layer_indices": [1], "mamba_n_heads": 4, "mamba_d_state": 8, "mamba_n_groups": 2,
+         "mamba_d_conv": 4, "mamba_expand": 2, "mamba_chunk_size": 8, "max_position_embeddings": 256,
+         "initializer_range": 0.1, "rms_norm_eps": 1e-5}
+
+
+@pytest.mark.parametrize("name, force_preemption", [("llama", True), ("gemma3", True),
+                                                     ("bamba", True)])
 def test_prefix_hits_match_hf(name, force_preemption):
-    cfg = {"llama": LLAMA, "gemma3": GEMMA3}[name]
+    cfg = {"llama": LLAMA, "gemma3": GEMMA3, "bamba": BAMBA}[name]
     res = run_parity(cfg, num_requests=6, seed=1, force_preemption=force_preemption, max_num_batched_tokens=16,
                      max_tokens=5, block_size=4, prompt_len_range=(10, 50), prefix_caching=True)
     assert res.ok, res.line()

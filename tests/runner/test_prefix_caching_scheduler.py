@@ -100,17 +100,6 @@ def test_finishing_everything_returns_every_pool_to_full_and_refcounts_to_zero()
         assert all(b.ref_cnt == 0 for b in p.blocks)
 
 
-def test_a_mamba_group_disables_hits_and_says_why():
-    s = _sched([FullAttentionSpec(block_size=B), MambaSpec(block_size=128)])
-    kv = s.kv_cache_manager
-    assert isinstance(kv, PrefixCachingKVCacheManager) and "Mamba" in kv.disabled_reason
-    p = list(range(10, 30))
-    s.add_request("a", p + [1], SamplingParams(max_tokens=2))
-    _finish_step(s, s.schedule())
-    s.add_request("b", p + [2], SamplingParams(max_tokens=2))
-    assert s.schedule().scheduled_new_reqs[0].num_computed_tokens == 0
-
-
 def test_without_prefix_caching_nothing_hits():
     kv = KVCacheConfig(32, (KVCacheGroupSpec(("l0",), FullAttentionSpec(block_size=B)),))
     s = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_model_len=128), kv)
@@ -119,3 +108,45 @@ def test_without_prefix_caching_nothing_hits():
     _finish_step(s, s.schedule())
     s.add_request("b", list(p), SamplingParams(max_tokens=2))
     assert s.schedule().scheduled_new_reqs[0].num_computed_tokens == 0
+
+
+def _hybrid(bm: int) -> Scheduler:
+    kv = KVCacheConfig(64, (KVCacheGroupSpec(("attn",), FullAttentionSpec(block_size=B)),
+                            KVCacheGroupSpec(("mamba",), MambaSpec(block_size=128))), num_state_slots=16)
+    s = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_model_len=128, enable_prefix_caching=True), kv)
+    s.kv_cache_manager = PrefixCachingKVCacheManager(kv, mamba_block_size=bm)
+    return s
+
+
+def test_mamba_hits_restore_a_checkpoint_saved_at_a_block_multiple_and_fall_back_mid_block():
+    s = _hybrid(8)
+    shared = list(range(10, 40))  # 30 tokens: the prefix ends mid Mamba block (boundaries 8, 16, 24, 32)
+    s.add_request("a", shared, SamplingParams(max_tokens=3))
+    out = s.schedule()
+    assert out.num_scheduled_tokens["a"] == 24  # the chunk is cut at the last multiple of 8 inside it
+    (g, src, ckpt), = out.mamba_state_copies.saves
+    assert g == 1 and src == out.scheduled_new_reqs[0].block_ids[1][0] and ckpt != src
+    _finish_step(s, out)
+    out = s.schedule()
+    assert out.num_scheduled_tokens["a"] == 6 and not out.mamba_state_copies.saves  # 30: no boundary
+    _finish_step(s, out)
+    s.add_request("b", shared + [1, 2, 3], SamplingParams(max_tokens=3))
+    out = s.schedule()
+    nb = out.scheduled_new_reqs[0]
+    # attention could hit 28 tokens (7 blocks of 4) but the Mamba state exists only after 24
+    assert nb.num_computed_tokens == 24
+    (g, src, dst), = out.mamba_state_copies.restores
+    assert (g, src) == (1, ckpt) and dst == nb.block_ids[1][0] != ckpt
+    kv = s.kv_cache_manager
+    assert kv.pools[1].blocks[ckpt].ref_cnt == 1  # held for the step, released when it is applied
+    _finish_step(s, out)
+    assert kv.pools[1].blocks[ckpt].ref_cnt == 0 and kv.pools[1].get_cached_block(
+        kv.pools[1].blocks[ckpt].block_hash) == ckpt
+
+
+def test_mamba_checkpoints_are_off_with_async_scheduling():
+    kv = KVCacheConfig(64, (KVCacheGroupSpec(("attn",), FullAttentionSpec(block_size=B)),
+                            KVCacheGroupSpec(("mamba",), MambaSpec(block_size=128))))
+    s = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_model_len=128, enable_prefix_caching=True,
+                                  async_scheduling=True), kv)
+    assert "synchronous" in s.kv_cache_manager.disabled_reason
