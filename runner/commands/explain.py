@@ -15,7 +15,11 @@ The seed's "minimal reproducible experiment" as a tool. Input is JSON Lines:
   ``null`` / ``false``; blank lines and lines starting with ``#`` are skipped.
 
 Output: one JSON object per step with the keys of :data:`OUTPUT_KEYS` (``block_table`` is
-per group, per row, the row's *kernel* block ids; ``slot_mapping`` is per group).
+per group, per row, the row's *kernel* block ids; ``slot_mapping`` is per group;
+``common_prefix_len`` is per group the tokens whose blocks are the same physical blocks in
+every row, as the runner computes it for cascade attention, ``runner/execute/cascade.py``:
+0 for sliding-window and Mamba groups). New requests may start at
+``num_computed_tokens > 0`` on block ids other requests hold (prefix-cache hits).
 ``--check`` runs ``attnplug.core.validate`` on every group each step. ``--svg`` / ``--html``
 also draw every step (``runner/commands/explain_svg.py``).
 
@@ -46,6 +50,7 @@ from attnplug.runner.commands.explain_input import (
 )
 from attnplug.runner.commands.explain_svg import Pictures
 from attnplug.runner.commands.limits import OneLineParser, clip
+from attnplug.runner.execute.cascade import step_prefix_lens
 from attnplug.runner.step.scheduler_output import (
     CachedRequestData,
     NewRequestData,
@@ -56,7 +61,7 @@ from attnplug.runner.step.compiler import StepCompiler
 
 OUTPUT_KEYS = ("req_ids", "num_scheduled_tokens", "num_computed_tokens", "query_start_loc", "positions",
                "input_ids", "seq_lens", "logits_indices", "discard", "slot_mapping", "block_table",
-               "num_actual_tokens", "max_query_len", "max_seq_len")
+               "num_actual_tokens", "max_query_len", "max_seq_len", "common_prefix_len")
 """The keys of every output line, in order."""
 
 MAX_ERROR_CHARS = 1000
@@ -129,6 +134,8 @@ def step_to_json(sc: StepCompiler, inputs) -> dict:
         "num_actual_tokens": Q,
         "max_query_len": inputs.max_query_len,
         "max_seq_len": inputs.max_seq_len,
+        "common_prefix_len": step_prefix_lens(sc, inputs.common_attn_metadata,
+                                              [k != "full_attention" for k in sc.layout.group_kinds]),
     }
 
 

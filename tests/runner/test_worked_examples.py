@@ -61,7 +61,7 @@ SEED2 = {
     "logits_indices": [0, 3, 5],
     "discard": [False, True, False],  # B's prompt (5 tokens) is longer than its 3-token chunk
     "block_table": [[[1, 2], [5], [3, 6, 4]]],
-    "num_actual_tokens": 6, "max_query_len": 3, "max_seq_len": 10,
+    "num_actual_tokens": 6, "max_query_len": 3, "max_seq_len": 10, "common_prefix_len": [0],
 }
 
 
