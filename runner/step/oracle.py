@@ -44,6 +44,11 @@ class NaiveStepInputs:
     num_actual_tokens: int
     max_query_len: int
     max_seq_len: int
+    common_prefix_len: list[int] | None = None
+    """Per group: leading manager blocks that are the same real block in every row (prefix
+    caching), in tokens, clamped to the smallest ``num_computed_tokens``, rounded down to
+    the kernel block; 0 for a sliding-window or Mamba group or fewer than two rows
+    (``runner/execute/cascade.py``'s definition, recomputed naively)."""
 
 
 class NaiveStepCompiler:
@@ -203,7 +208,19 @@ class NaiveStepCompiler:
         out.num_actual_tokens = out.query_start_loc[-1]
         out.max_query_len = max(out.num_scheduled_tokens, default=0)
         out.max_seq_len = max(out.seq_lens, default=0)
+        out.common_prefix_len = [self._common_prefix_len(g, out) for g in range(len(self.block_sizes))]
         return out
+
+    def _common_prefix_len(self, g: int, out: NaiveStepInputs) -> int:
+        if self.group_kinds[g] is not GroupKind.FULL_ATTENTION or len(out.req_ids) < 2:
+            return 0
+        lists = [self.reqs[rid]["blocks"][g] for rid in out.req_ids]
+        k = 0
+        while all(len(ids) > k for ids in lists) and lists[0][k] != NULL_BLOCK_ID \
+                and all(ids[k] == lists[0][k] for ids in lists):
+            k += 1
+        tokens = min(k * self.block_sizes[g], min(out.num_computed_tokens))
+        return tokens - tokens % self.kernel_block_sizes[g]
 
     def build_common_attn_metadata(self, inp: NaiveStepInputs) -> list[CommonAttentionMetadata]:
         """Tensors from the lists, one fresh ``CommonAttentionMetadata`` per group."""

@@ -5,8 +5,10 @@ sizes, a kernel block smaller than the manager block, sometimes a sliding-window
 with null blocks in its skipped prefix, sometimes decodes-first reordering) and drives
 both implementations through STEPS_PER_EXAMPLE random steps that add requests (with
 prefix hits), append tokens and blocks, finish, leave requests unscheduled, and preempt
-and resume them. Every step compares all inputs, the row order, both views of every
-request, and runs ``validate`` on every group.
+and resume them, and new requests that share a resident request's leading blocks (prefix
+hits on shared block ids, refcounted in the random pool). Every step compares all inputs,
+the row order, both views of every request, ``common_prefix_len`` per group (the runner's
+cascade computation against the oracle's naive one), and runs ``validate`` on every group.
 """
 
 from __future__ import annotations
@@ -26,12 +28,13 @@ from attnplug.runner.step.scheduler_output import (
     SamplingParams,
     SchedulerOutput,
 )
+from attnplug.runner.execute.cascade import step_prefix_lens
 from attnplug.runner.step.fast import NATIVE
 from attnplug.runner.step.compiler import StepCompiler
 
 STEPS_PER_EXAMPLE = 25
 MAX_EXAMPLES = 90
-STEP_COUNT = {"steps": 0, "native": 0, "numpy": 0, "in_flight": 0}
+STEP_COUNT = {"steps": 0, "native": 0, "numpy": 0, "in_flight": 0, "shared": 0, "common_prefix": 0}
 
 LAYOUTS = [
     # (block_sizes, kernel_block_sizes, group_kinds)
@@ -58,15 +61,39 @@ class RandomScheduler:
             rng.shuffle(f)
         self.next_id = 0
         self.kv: dict[str, int] = {}  # tokens whose K/V the runner computed
+        self.refs: list[dict[int, int]] = [{} for _ in self.block_sizes]  # holders of shared blocks
 
     def _alloc(self, g: int, n: int) -> list[int]:
         assert len(self.free[g]) >= n, "test pool exhausted"
         out, self.free[g] = self.free[g][:n], self.free[g][n:]
+        for b in out:
+            self.refs[g][b] = 1
         return out
 
     def _release(self, blocks) -> None:
         for g, ids in enumerate(blocks):
-            self.free[g].extend(b for b in ids if b != NULL_BLOCK_ID)
+            for b in ids:
+                if b == NULL_BLOCK_ID:
+                    continue
+                self.refs[g][b] -= 1
+                if self.refs[g][b] == 0:
+                    del self.refs[g][b]
+                    self.free[g].append(b)
+
+    def _share(self, donors: list[str], plen: int):
+        """A prefix hit on a resident donor's leading blocks: ``(tokens, h, per group the
+        shared ids)`` with ``h`` a multiple of every block size, at most the donor's
+        computed tokens and ``plen - 1``; ``None`` when no donor can give a block."""
+        if not donors:
+            return None
+        donor = self.rng.choice(donors)
+        unit = int(np.lcm.reduce(self.block_sizes))
+        h = min(self.kv.get(donor, 0), plen - 1, len(self.oracle.reqs[donor]["tokens"])) // unit * unit
+        lists = self.oracle.reqs[donor]["blocks"]
+        shared = [list(ids[:h // B]) for ids, B in zip(lists, self.block_sizes)]
+        if h == 0 or any(len(s) < h // B or NULL_BLOCK_ID in s for s, B in zip(shared, self.block_sizes)):
+            return None
+        return self.oracle.reqs[donor]["tokens"][:h], h, shared
 
     def _fresh_blocks(self, start: int, end: int, skip_ok: bool) -> tuple[list[int], ...]:
         """Blocks covering tokens [0, end); in sliding-window groups the blocks wholly
@@ -97,6 +124,7 @@ class RandomScheduler:
         sched: dict[str, int] = {}
         residents = [r for r in oracle.reqs if r not in finished]
         rng.shuffle(residents)
+        resumed_now: set[str] = set()
         for rid in residents:
             st_ = oracle.reqs[rid]
             if len(sched) >= MAX_NUM_REQS or budget == 0 or rng.random() < 0.15:
@@ -124,6 +152,8 @@ class RandomScheduler:
                     room = -(-MAX_MODEL_LEN // B) - len(st_["blocks"][g]) - need
                     blocks.append(self._alloc(g, need + (1 if room > 0 and rng.random() < 0.1 else 0)))
                 blocks = tuple(blocks) if any(blocks) else None
+            if resumed:
+                resumed_now.add(rid)
             cached.req_ids.append(rid)
             cached.resumed_from_preemption.append(resumed)
             cached.new_token_ids.append(new_tokens)
@@ -140,11 +170,24 @@ class RandomScheduler:
             outs = [rng.randrange(1000) for _ in range(rng.choice([0, 0, 0, 2]))]
             held = plen + len(outs)
             ncc = rng.choice([0, 0, rng.randrange(0, held)])
+            prompt = [rng.randrange(1000) for _ in range(plen)]
+            hit = self._share([r for r in residents if r not in resumed_now], plen) \
+                if rng.random() < 0.4 else None
+            if hit is not None:  # a prefix hit: start on the donor's blocks
+                toks, ncc, shared = hit
+                prompt[:ncc] = toks
             n = rng.randint(1, min(held - ncc, budget))
             sp = SamplingParams(temperature=rng.choice([0.0, 0.7]), top_k=rng.choice([0, 5]),
                                 top_p=rng.choice([1.0, 0.9]), seed=rng.choice([None, 7]))
-            new.append(NewRequestData(rid, [rng.randrange(1000) for _ in range(plen)],
-                                      self._fresh_blocks(ncc, ncc + n, skip_ok=True), ncc, sp, outs))
+            blocks = self._fresh_blocks(ncc, ncc + n, skip_ok=hit is None)
+            if hit is not None:
+                for g, ids in enumerate(shared):
+                    self._release([[] if j != g else blocks[g][:len(ids)] for j in range(len(shared))])
+                    blocks[g][:len(ids)] = ids
+                    for b in ids:
+                        self.refs[g][b] += 1
+                STEP_COUNT["shared"] += 1
+            new.append(NewRequestData(rid, prompt, blocks, ncc, sp, outs))
             sched[rid] = n
             self.kv[rid] = ncc + n
             budget -= n
@@ -178,6 +221,9 @@ def compare(sc: StepCompiler, oracle: NaiveStepCompiler, inp, ref) -> None:
         assert cms[g].slot_mapping is inp.slot_mapping[g]
         assert cms[g].block_table_tensor is inp.block_table_tensor[g]
         assert cms[g].query_start_loc is cms[0].query_start_loc  # one template, replaced copies
+    skip = [k != "full_attention" for k in sc.layout.group_kinds]
+    assert step_prefix_lens(sc, cms, skip) == ref.common_prefix_len
+    STEP_COUNT["common_prefix"] += any(ref.common_prefix_len)
     # both views of every request
     assert set(sc.requests) == set(oracle.reqs)
     for rid, st_ in sc.requests.items():
@@ -266,3 +312,4 @@ def test_zz_enough_random_steps_ran():
     if NATIVE is not None:
         assert STEP_COUNT["native"] >= 300, STEP_COUNT
     assert STEP_COUNT["in_flight"] >= 900, STEP_COUNT
+    assert STEP_COUNT["shared"] >= 200 and STEP_COUNT["common_prefix"] >= 20, STEP_COUNT
