@@ -4,8 +4,10 @@ The :class:`Scheduler` keeps waiting and running queues, a token budget
 (``max_num_batched_tokens``), a cap on running requests (``max_num_seqs``) and one block
 pool per cache group (``attnplug.cache_groups.block_pool``). Each ``schedule()`` emits
 exactly the deltas of ``attnplug.runner.step.scheduler_output``; ``update_from_output`` feeds
-the step's sampled tokens back. Semantics follow vLLM V1's scheduler (no prefix caching,
-no speculative decoding):
+the step's sampled tokens back. Semantics follow vLLM V1's scheduler (no speculative
+decoding; prefix caching through the hooks of ``runner/serve/kv_cache_manager.py`` when
+``SchedulerConfig.enable_prefix_caching``: admission at the cached prefix, blocks cached
+after each step, Mamba chunks aligned to checkpoints):
 
 * A request computes ``num_tokens - num_computed_tokens`` tokens (prompt plus outputs
   minus what is cached), capped by what is left of the budget (chunked prefill). After
