@@ -2,7 +2,8 @@
 prefix-cache hits (shared system prompts and multi-turn continuations,
 runner/commands/shared_prefixes.py) on Llama and on Gemma3, whose sliding window (7) is
 shorter than the shared prefixes (24 tokens), so hits carry null blocks before the window;
-with and without forced preemption (resumed requests hit their own freed blocks); and on
+under forced preemption (resumed requests hit their own freed blocks; Llama with
+asynchronous scheduling); and on
 Bamba (Mamba2 + attention), whose hits restore a state checkpoint saved at a multiple of
 the Mamba block size (a shared prefix ending mid-block hits the previous boundary)."""
 
@@ -31,13 +32,13 @@ BAMBA = {"model_type": "bamba", "architectures": ["BambaForCausalLM"], "vocab_si
          "initializer_range": 0.1, "rms_norm_eps": 1e-5}
 
 
-@pytest.mark.parametrize("name, force_preemption", [("llama", True), ("gemma3", True),
-                                                     ("bamba", True)])
-def test_prefix_hits_match_hf(name, force_preemption):
+@pytest.mark.parametrize("name, async_scheduling", [("llama", True), ("gemma3", False), ("bamba", False)],
+                         ids=["llama-async", "gemma3", "bamba"])
+def test_prefix_hits_match_hf_under_preemption(name, async_scheduling):
     cfg = {"llama": LLAMA, "gemma3": GEMMA3, "bamba": BAMBA}[name]
-    res = run_parity(cfg, num_requests=6, seed=1, force_preemption=force_preemption, max_num_batched_tokens=16,
-                     max_tokens=5, block_size=4, prompt_len_range=(10, 50), prefix_caching=True)
+    res = run_parity(cfg, num_requests=6, seed=1, force_preemption=True, max_num_batched_tokens=16,
+                     max_tokens=5, block_size=4, prompt_len_range=(10, 50), prefix_caching=True,
+                     async_scheduling=async_scheduling)
     assert res.ok, res.line()
     assert res.prefix_cache_hit_requests >= 3 and res.prefix_cache_hits >= 48, res.line()
-    if force_preemption:
-        assert res.preemptions > 0
+    assert res.preemptions > 0
