@@ -87,6 +87,8 @@ def common_prefix_len(block_table: np.ndarray, num_blocks_per_row: np.ndarray, n
     if R == 0:
         return 0
     width = int(num_blocks_per_row.min())
+    if width == 0 or block_table[0, 0] == NULL_BLOCK_ID or (block_table[:, 0] != block_table[0, 0]).any():
+        return 0  # the common case without prefix caching: rows differ from the first block on
     head = block_table[:, :width]
     same = (head == head[:1]).all(axis=0) & (head[0] != NULL_BLOCK_ID)
     k = width if same.all() else int(np.argmin(same))
