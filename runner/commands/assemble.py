@@ -200,6 +200,14 @@ def resolve_backend(name: str | None, layer_cfgs: dict[str, AttentionLayerConfig
     return chosen
 
 
+def speculative_config(args):
+    """``args.speculative`` (a ``--speculative`` string, a parsed config, or absent) parsed."""
+    from attnplug.runner.execute.spec_decode.drafter import SpeculativeConfig, parse_speculative
+
+    spec = getattr(args, "speculative", None)
+    return spec if spec is None or isinstance(spec, SpeculativeConfig) else parse_speculative(spec)
+
+
 def build_engine(args, *, alone: bool = False, model: torch.nn.Module | None = None,
                  requests: bool = True) -> EngineSetup:
     """Build model (unless given), cache config, backends, scheduler, runner and requests.
@@ -230,7 +238,8 @@ def build_engine(args, *, alone: bool = False, model: torch.nn.Module | None = N
     sched = Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
                                       max_model_len=max_model_len, enable_chunked_prefill=not alone,
                                       force_preemption_every=getattr(args, "force_preemption_every", None),
-                                      async_scheduling=getattr(args, "async_scheduling", False)),
+                                      async_scheduling=getattr(args, "async_scheduling", False),
+                                      speculative=speculative_config(args)),
                       kv_cfg)
     runner = ModelRunner(model, kv_cfg, backends,
                          RunnerConfig(max_num_reqs=max_num_seqs, max_model_len=max_model_len,

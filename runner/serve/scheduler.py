@@ -4,8 +4,8 @@ The :class:`Scheduler` keeps waiting and running queues, a token budget
 (``max_num_batched_tokens``), a cap on running requests (``max_num_seqs``) and one block
 pool per cache group (``attnplug.cache_groups.block_pool``). Each ``schedule()`` emits
 exactly the deltas of ``attnplug.runner.step.scheduler_output``; ``update_from_output`` feeds
-the step's sampled tokens back. Semantics follow vLLM V1's scheduler (no prefix caching,
-no speculative decoding):
+the step's sampled tokens back. Semantics follow vLLM V1's scheduler (no prefix caching;
+speculative decoding, when configured, in ``runner/serve/spec_schedule.py``):
 
 * A request computes ``num_tokens - num_computed_tokens`` tokens (prompt plus outputs
   minus what is cached), capped by what is left of the budget (chunked prefill). After
@@ -35,6 +35,7 @@ from attnplug.runner.serve.admission import check_new_request
 from attnplug.runner.serve.deltas import make_output
 from attnplug.runner.serve.request import Request, RequestStatus
 from attnplug.runner.serve.scheduler_config import SchedulerConfig
+from attnplug.runner.serve.spec_schedule import SpecScheduler, check_spec_config
 from attnplug.runner.step.scheduler_output import SamplingParams, SchedulerOutput
 
 __all__ = ["Scheduler", "SchedulerConfig"]
@@ -79,6 +80,11 @@ class Scheduler:
         most one, or two with ``config.async_scheduling``."""
         self._placeholders: dict[int, set[str]] = {}
         """Asynchronous scheduling: per in-flight output (``id``), the requests that sample in it."""
+        self.spec: SpecScheduler | None = None
+        """Speculative decoding (``config.speculative``): drafts and rollback, ``spec_schedule.py``."""
+        if config.speculative is not None:
+            check_spec_config(config.speculative, config.async_scheduling, kv_cache_config)
+            self.spec = SpecScheduler(config.speculative, config.max_model_len)
 
     # --- requests -----------------------------------------------------------------------
     def add_request(self, req_id: str, prompt_token_ids: list[int],
@@ -214,6 +220,7 @@ class Scheduler:
         sched: dict[str, int] = {}
         new_blocks: dict[str, tuple[list[int], ...]] = {}
         preempted: list[Request] = []
+        spec_tokens: dict[str, list[int]] = {}
         forced = self._maybe_force_preemption()
         if forced is not None:
             preempted.append(forced)
@@ -228,7 +235,8 @@ class Scheduler:
                 continue  # preempted earlier in this loop
             if req.num_tokens_to_compute == 0 or req.remaining_output_tokens(cfg.max_model_len) == 0:
                 continue  # asynchronous: its last output is in flight
-            n = min(req.num_tokens_to_compute, budget)
+            drafts = self.spec.propose(req, budget) if self.spec is not None else []
+            n = min(req.num_tokens_to_compute + len(drafts), budget)
             assert n > 0, f"running request {req.req_id} has nothing to compute"
             while (blocks := self._allocate(req, n)) is None:
                 victim = self.running[-1]
@@ -237,6 +245,7 @@ class Scheduler:
                 if victim.req_id in sched:  # already scheduled this step: take it back
                     budget += sched.pop(victim.req_id)
                     del new_blocks[victim.req_id]
+                    spec_tokens.pop(victim.req_id, None)
                 if victim is req or victim.free_when_idle:
                     break  # (a victim in flight frees its blocks only after that step)
             if blocks is None:
@@ -244,6 +253,8 @@ class Scheduler:
             sched[req.req_id] = n
             new_blocks[req.req_id] = blocks
             budget -= n
+            if drafts:
+                spec_tokens[req.req_id] = drafts
 
         # 2. waiting requests, FIFO (none after a preemption unless the step is empty).
         new_reqs: list[Request] = []
@@ -269,6 +280,7 @@ class Scheduler:
 
         finished, self._finished_since_schedule = self._finished_since_schedule, set()
         out = make_output(self.requests, sched, new_blocks, new_reqs, resumed, finished)
+        out.scheduled_spec_decode_tokens = spec_tokens
         self.num_steps += 1
         if sched:
             self._launch(out)
@@ -339,14 +351,17 @@ class Scheduler:
                 raise SchedulingError(
                     f"{req_id!r} is a partial prefill ({req.num_computed_tokens + n} of "
                     f"{req.num_tokens} tokens); its sampled tokens must be discarded")
+        if self.spec is not None:
+            self.spec.check_sampled(scheduler_output, sampled_token_ids)
         self._in_flight.popleft()
         del self._placeholders[id(scheduler_output)]
         finished: list[str] = []
         for req_id, n in scheduled.items():
             req = self.requests[req_id]
             req.steps_in_flight -= 1
-            if sampling is None:
-                req.num_computed_tokens += n
+            if sampling is None:  # speculative decoding: minus the rejected drafts
+                req.num_computed_tokens += n if self.spec is None else self.spec.computed_advance(
+                    scheduler_output, req_id, n, sampled_token_ids.get(req_id))
             elif req_id in sampling:
                 req.num_output_placeholders -= 1
             toks = sampled_token_ids.get(req_id)

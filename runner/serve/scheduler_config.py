@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from attnplug.core.errors import SchedulingError
+from attnplug.runner.execute.spec_decode.drafter import SpeculativeConfig
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,9 @@ class SchedulerConfig:
         async_scheduling: allow one step in flight: ``schedule()`` plans the next step
             before the previous one's ``update_from_output``, assuming every request that
             samples in it gets its token (see ``Scheduler.schedule``).
+        speculative: speculative decoding (``--speculative ngram:k=3``): decoding requests
+            verify up to ``k`` drafts a step (``runner/serve/spec_schedule.py``); ``None``
+            disables it. Not with ``async_scheduling`` nor with Mamba groups.
 
     Raises:
         SchedulingError: a limit that is not a positive int.
@@ -35,6 +39,7 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     force_preemption_every: int | None = None
     async_scheduling: bool = False
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self):
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):

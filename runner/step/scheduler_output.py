@@ -114,6 +114,12 @@ class SchedulerOutput:
             they leave the batch but keep their state.
         total_num_scheduled_tokens: ``sum(num_scheduled_tokens.values())``.
         finished_req_ids: requests to forget (their state is dropped).
+        scheduled_spec_decode_tokens: ``{req_id: [draft token ids]}`` (vLLM's name) for the
+            requests that verify drafts this step (speculative decoding). A request with
+            ``d`` drafts is a decoding cached request with exactly one real token left to
+            compute, scheduled ``1 + d`` tokens: that token, then the drafts (which the
+            runner writes after the request's last token, ``spec_token_ids``). Empty
+            lists mean no drafts. See ``runner/step/check_spec.py`` for the checks.
     """
 
     scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
@@ -121,6 +127,7 @@ class SchedulerOutput:
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     total_num_scheduled_tokens: int = 0
     finished_req_ids: set[str] = field(default_factory=set)
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     def __post_init__(self):
         if not self.total_num_scheduled_tokens and self.num_scheduled_tokens:
