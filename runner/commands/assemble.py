@@ -17,6 +17,7 @@ from attnplug.core.contracts import AttentionBackend, AttentionLayerConfig
 from attnplug.core.errors import AttnplugError
 from attnplug.runner.serve.engine import LLMEngine
 from attnplug.runner.execute.model_runner import ModelRunner, RunnerConfig
+from attnplug.runner.commands.speculative import spec_summary
 from attnplug.runner.serve.scheduler import Scheduler, SchedulerConfig
 from attnplug.runner.step.scheduler_output import SamplingParams
 from attnplug.runner.commands.limits import clip, memory_problem
@@ -70,6 +71,7 @@ class EngineSetup:
             "output_wait_ms": round(runner.output_wait_ns / 1e6, 3),
             "torch_threads": torch.get_num_threads(),
             "outputs_digest": outputs_digest(results),
+            **spec_summary(eng),  # runner/commands/speculative.py
         }
 
 
@@ -201,11 +203,13 @@ def resolve_backend(name: str | None, layer_cfgs: dict[str, AttentionLayerConfig
 
 
 def speculative_config(args):
-    """``args.speculative`` (a ``--speculative`` string, a parsed config, or absent) parsed."""
-    from attnplug.runner.execute.spec_decode.drafter import SpeculativeConfig, parse_speculative
+    """``args.speculative`` (a ``--speculative`` string, a parsed config, or absent: then
+    ``[speculative]`` of ``attnplug.toml``, ``runner/commands/speculative.py``)."""
+    from attnplug.runner.commands.speculative import resolve_speculative
+    from attnplug.runner.execute.spec_decode.drafter import SpeculativeConfig
 
     spec = getattr(args, "speculative", None)
-    return spec if spec is None or isinstance(spec, SpeculativeConfig) else parse_speculative(spec)
+    return spec if isinstance(spec, SpeculativeConfig) else resolve_speculative(spec)
 
 
 def build_engine(args, *, alone: bool = False, model: torch.nn.Module | None = None,

@@ -77,6 +77,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--async-scheduling", action="store_true",
                    help="keep one step in flight: plan and launch step t+1 before reading step t's tokens "
                         "(its decode rows take them on the device); same outputs (outputs_digest)")
+    p.add_argument("--speculative", default=None, metavar="METHOD:k=N",
+                   help="speculative decoding, e.g. ngram:k=3 (prompt lookup, up to 3 drafts per decoding "
+                        "request and step; also [speculative] in attnplug.toml); not with Mamba layers "
+                        "(the default tiny-hybrid model: use --model tiny-llama)")
     p.add_argument("--json", action="store_true", help="print a machine-readable summary on stdout")
     p.add_argument("--plot", metavar="OUT.png", default=None,
                    help="also draw per-step stage times, tokens scheduled and KV blocks in use per group "
