@@ -15,8 +15,13 @@ scan assumes ``seq_lens <= num_tokens``); steps without drafts are unaffected.
 
 from __future__ import annotations
 
+import struct
+from dataclasses import dataclass
+from itertools import chain
+
 import numpy as np
 
+from attnplug.runner.step.check_cached import int64s
 from attnplug.runner.step.check_snapshot import Deltas
 from attnplug.runner.step.check_types import err, int64_list, is_flag, is_int, is_int_list, show
 from attnplug.runner.step.groups import StepLayout
@@ -26,9 +31,21 @@ from attnplug.runner.step.request_state import CachedRequestState
 FIELD = "scheduled_spec_decode_tokens"
 
 
+@dataclass
+class SpecTokens:
+    """The checked drafts of one step (``UpdatePlan.spec_tokens``)."""
+
+    req_ids: list[str]
+    """The verifying requests."""
+    lens: np.ndarray
+    """``[n]`` ``int64`` drafts of each (``>= 1``)."""
+    flat: np.ndarray
+    """``[sum(lens)]`` ``int32`` the drafts, request after request."""
+
+
 def check_spec_tokens(lay: StepLayout, batch: InputBatch, reqs: dict[str, CachedRequestState], d: Deltas,
                       rows_c: np.ndarray, counts_c: np.ndarray, new_ids: set[str]
-                      ) -> tuple[np.ndarray, list[tuple[str, np.ndarray]]]:
+                      ) -> tuple[np.ndarray, SpecTokens | None]:
     """Check the drafts of one output.
 
     Args:
@@ -38,10 +55,15 @@ def check_spec_tokens(lay: StepLayout, batch: InputBatch, reqs: dict[str, Cached
         counts_c: ``[num_cached]`` their ``num_scheduled_tokens`` (already checked).
         new_ids: the ids of ``scheduled_new_reqs``.
 
+
     Returns:
         ``(drafts_c, spec)``: ``[num_cached]`` ``int64`` drafts per cached request (added to
-        the tokens it holds for the ``seq_lens`` check), and ``(req_id, [d] int32 drafts)``
-        per request with drafts, in the field's order.
+        the tokens it holds for the ``seq_lens`` check), and the drafts as
+        :class:`SpecTokens` (``None`` when no request has any).
+
+    A regular output (lists of ints for decoding cached rows, scheduled ``1 + d``) is
+    checked vectorized; anything else goes through the per-request loop that words the
+    first problem (same result for valid input).
 
     Raises:
         InvalidSchedulerOutput: a key that is not a scheduled cached request (unknown, not
@@ -50,12 +72,63 @@ def check_spec_tokens(lay: StepLayout, batch: InputBatch, reqs: dict[str, Cached
             other than ``1 + d``, or ``num_tokens + d > max_model_len``.
     """
     spec_in = d.spec_decode_tokens
+    if not spec_in:
+        return np.zeros(len(d.scheduled_cached_reqs.req_ids), dtype=np.int64), None
+    fast = _check_fast(lay, batch, d, rows_c, counts_c)
+    if fast is not None:
+        return fast
+    drafts_c, spec = _check_each(lay, batch, reqs, d, rows_c, counts_c, new_ids)
+    if not spec:
+        return drafts_c, None
+    ids = [rid for rid, _ in spec]
+    lens = np.asarray([a.shape[0] for _, a in spec], dtype=np.int64)
+    return drafts_c, SpecTokens(ids, lens, np.concatenate([a for _, a in spec]).astype(np.int32))
+
+
+def _check_fast(lay: StepLayout, batch: InputBatch, d: Deltas, rows_c: np.ndarray, counts_c: np.ndarray
+                ) -> tuple[np.ndarray, SpecTokens] | None:
+    """The vectorized check of a regular output, or ``None`` (then the loop decides)."""
+    spec_in, cached = d.spec_decode_tokens, d.scheduled_cached_reqs
+    C, nC = cached.req_ids, len(cached.req_ids)
+    ids, vals = list(spec_in), list(spec_in.values())
+    if set(map(type, ids)) != {str} or set(map(type, vals)) != {list} or True in cached.resumed_from_preemption:
+        return None
+    if cached.new_token_ids.count([]) != nC:
+        return None
+    where = dict(zip(C, range(nC)))
+    try:
+        idx = np.fromiter(map(where.__getitem__, ids), np.int64, len(ids))
+        ncts = int64s(map(cached.num_computed_tokens.__getitem__, idx.tolist()), len(ids))
+    except (KeyError, struct.error, TypeError):
+        return None
+    lens = np.fromiter(map(len, vals), np.int64, len(ids))
+    rows = rows_c[idx]
+    if not lens.all() or (rows < 0).any():
+        return None
+    held = batch.num_tokens[rows].astype(np.int64)
+    if ((held - ncts != 1) | (counts_c[idx] != 1 + lens) | (held + lens > lay.max_model_len)).any():
+        return None
+    try:  # struct takes ints only (floats, strings, None raise; a bool packs as 0 or 1)
+        flat = int64s(chain.from_iterable(vals), int(lens.sum()))
+    except (struct.error, TypeError):
+        return None
+    if flat.min() < 0 or flat.max() >= 2**31 or (
+            np.count_nonzero(flat <= 1) and bool in set(map(type, chain.from_iterable(vals)))):
+        return None
+    drafts_c = np.zeros(nC, dtype=np.int64)
+    drafts_c[idx] = lens
+    return drafts_c, SpecTokens(ids, lens, flat.astype(np.int32))
+
+
+def _check_each(lay: StepLayout, batch: InputBatch, reqs: dict[str, CachedRequestState], d: Deltas,
+                rows_c: np.ndarray, counts_c: np.ndarray, new_ids: set[str]
+                ) -> tuple[np.ndarray, list[tuple[str, np.ndarray]]]:
+    """Request by request; raises on the first problem (see :func:`check_spec_tokens`)."""
+    spec_in = d.spec_decode_tokens
     cached = d.scheduled_cached_reqs
     C = cached.req_ids
     drafts_c = np.zeros(len(C), dtype=np.int64)
     spec: list[tuple[str, np.ndarray]] = []
-    if not spec_in:
-        return drafts_c, spec
     where = {rid: i for i, rid in enumerate(C)}
     for rid, toks in spec_in.items():
         if type(rid) is not str:

@@ -17,23 +17,28 @@ makes the next step write its own tokens there, and no query reads past its ``se
 
 from __future__ import annotations
 
+from itertools import chain
 from typing import Sequence
 
 import numpy as np
 
+from attnplug.cache_groups.ragged import cumsum_and_arange
 from attnplug.core.errors import MetadataError
+from attnplug.runner.step.check_spec import SpecTokens
 from attnplug.runner.step.input_batch import InputBatch
 
 
-def write_spec_tokens(batch: InputBatch, spec_tokens: list[tuple[str, np.ndarray]]) -> None:
-    """Stage 2: clear the previous step's draft counts, write this step's drafts."""
+def write_spec_tokens(batch: InputBatch, spec_tokens: SpecTokens | None) -> None:
+    """Stage 2: clear the previous step's draft counts, write this step's drafts (one
+    scatter into the token table)."""
     batch.num_spec_tokens[:] = 0
-    index, toks, n_tok = batch.req_id_to_index, batch.token_ids_cpu, batch.num_tokens
-    for rid, drafts in spec_tokens:
-        row = index[rid]
-        n = int(n_tok[row])
-        toks[row, n:n + drafts.shape[0]] = drafts
-        batch.num_spec_tokens[row] = drafts.shape[0]
+    if spec_tokens is None:
+        return
+    ids, lens = spec_tokens.req_ids, spec_tokens.lens
+    rows = np.fromiter(map(batch.req_id_to_index.__getitem__, ids), np.int64, len(ids))
+    _, offsets = cumsum_and_arange(lens)
+    batch.token_ids_cpu[np.repeat(rows, lens), np.repeat(batch.num_tokens[rows], lens) + offsets] = spec_tokens.flat
+    batch.num_spec_tokens[rows] = lens
 
 
 def append_verified_tokens(batch: InputBatch, max_model_len: int, rows: Sequence[int],
@@ -59,7 +64,7 @@ def append_verified_tokens(batch: InputBatch, max_model_len: int, rows: Sequence
     if n == 0:
         return
     r = np.asarray(rows, dtype=np.int64).reshape(n)
-    if r.min() < 0 or r.max() >= b.num_reqs or np.unique(r).shape[0] != n:
+    if r.min() < 0 or r.max() >= b.num_reqs or np.count_nonzero(np.bincount(r, minlength=1) > 1):
         raise MetadataError(f"append_verified_tokens: rows must be distinct and in [0, {b.num_reqs}), "
                             f"got {r.tolist()}")
     lens = np.fromiter(map(len, token_ids), np.int64, n)
@@ -75,14 +80,12 @@ def append_verified_tokens(batch: InputBatch, max_model_len: int, rows: Sequence
             f"drafts, seq_len {int(seq[i])}, num_tokens {int(held[i])} (need 1 .. 1 + drafts tokens, a row "
             f"whose logits are not discarded, and at most max_model_len={max_model_len} tokens)")
     try:
-        flat = np.asarray([t for ts in token_ids for t in ts], dtype=np.int64)
+        flat = np.fromiter(chain.from_iterable(token_ids), np.int64, int(lens.sum()))
     except (TypeError, ValueError, OverflowError):
         raise MetadataError(f"append_verified_tokens: token ids must be ints, got {token_ids!r}") from None
-    if flat.shape[0] and (flat.min() < 0 or flat.max() >= 2**31):
+    if flat.min() < 0 or flat.max() >= 2**31:
         raise MetadataError(f"append_verified_tokens: token ids must be in [0, 2**31), got {token_ids!r}")
-    off = 0
-    for row, h, k in zip(r.tolist(), held.tolist(), lens.tolist()):
-        b.token_ids_cpu[row, h:h + k] = flat[off:off + k]
-        off += k
+    _, offsets = cumsum_and_arange(lens)
+    b.token_ids_cpu[np.repeat(r, lens), np.repeat(held, lens) + offsets] = flat
     b.num_tokens[r] = held + lens
     b.num_spec_tokens[r] = 0
