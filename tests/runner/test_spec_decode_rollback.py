@@ -51,7 +51,7 @@ def poison_dead_slots(eng, written: dict[str, int]) -> int:
 
 def greedy_run(eng, poison: bool) -> tuple[dict, int]:
     for i, p in enumerate(PROMPTS):
-        eng.add_request(f"r{i}", p, SamplingParams(max_tokens=14))
+        eng.add_request(f"r{i}", p, SamplingParams(max_tokens=10))
     hits = 0
     sched = eng.scheduler
     while sched.has_unfinished_requests():
