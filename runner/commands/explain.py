@@ -19,7 +19,7 @@ The seed's "minimal reproducible experiment" as a tool. Input is JSON Lines:
 
 Output: one JSON object per step with the keys of :data:`OUTPUT_KEYS` (``block_table`` is
 per group, per row, the row's *kernel* block ids; ``slot_mapping`` is per group;
-``spec_decode`` is ``null`` in a step without drafts, else the ``SpecDecodeMetadata``:
+a step with drafts adds ``spec_decode``, its ``SpecDecodeMetadata``:
 ``num_draft_tokens``, ``cu_num_draft_tokens``, ``draft_token_ids``,
 ``target_logits_indices``, ``bonus_logits_indices``, ``logits_indices``, over the rows
 whose logits are kept).
@@ -64,8 +64,8 @@ from attnplug.runner.step.compiler import StepCompiler
 
 OUTPUT_KEYS = ("req_ids", "num_scheduled_tokens", "num_computed_tokens", "query_start_loc", "positions",
                "input_ids", "seq_lens", "logits_indices", "discard", "slot_mapping", "block_table",
-               "num_actual_tokens", "max_query_len", "max_seq_len", "spec_decode")
-"""The keys of every output line, in order."""
+               "num_actual_tokens", "max_query_len", "max_seq_len")
+"""The keys of every output line, in order (a step with drafts adds ``spec_decode`` last)."""
 
 MAX_ERROR_CHARS = 1000
 """An error line is cut to this many characters (echoed values are cut shorter still)."""
@@ -123,7 +123,7 @@ def step_to_json(sc: StepCompiler, inputs) -> dict:
         k = bt.kernel_blocks_per_block
         rows = bt.kernel_block_table.np
         tables.append([rows[i, :bt.num_blocks_per_row[i] * k].tolist() for i in range(R)])
-    return {
+    out = {
         "req_ids": list(inputs.req_ids),
         "num_scheduled_tokens": inputs.num_scheduled_tokens.tolist(),
         "num_computed_tokens": inputs.num_computed_tokens.tolist(),
@@ -138,13 +138,13 @@ def step_to_json(sc: StepCompiler, inputs) -> dict:
         "num_actual_tokens": Q,
         "max_query_len": inputs.max_query_len,
         "max_seq_len": inputs.max_seq_len,
-        "spec_decode": _spec_json(inputs.spec_decode_metadata),
     }
+    if inputs.spec_decode_metadata is not None:
+        out["spec_decode"] = _spec_json(inputs.spec_decode_metadata)
+    return out
 
 
-def _spec_json(md) -> dict | None:
-    if md is None:
-        return None
+def _spec_json(md) -> dict:
     return {"num_draft_tokens": list(md.num_draft_tokens), "cu_num_draft_tokens": md.cu_num_draft_tokens.tolist(),
             "draft_token_ids": md.draft_token_ids.tolist(), "target_logits_indices": md.target_logits_indices.tolist(),
             "bonus_logits_indices": md.bonus_logits_indices.tolist(), "logits_indices": md.logits_indices.tolist()}
