@@ -196,10 +196,14 @@ class ModelRunner:
 
         Raises:
             InvalidSchedulerOutput, MetadataInvariantError: as :meth:`execute_model`.
-            MetadataError: the result of the step before the previous one is still unread.
+            MetadataError: the result of the step before the previous one is still unread, or
+                the step carries draft tokens (speculative decoding is synchronous).
         """
         if len(self._unread) >= 2:
             raise MetadataError("execute_model_async: at most one step in flight; read the older result first")
+        if scheduler_output.scheduled_spec_decode_tokens:  # docs/speculative-decoding.md
+            raise MetadataError("execute_model_async: a step with draft tokens needs execute_model "
+                                "(speculative decoding runs with synchronous scheduling)")
         step = self._run(scheduler_output, self._prev_tokens)
         if step is None:
             out = AsyncModelRunnerOutput.empty(self)

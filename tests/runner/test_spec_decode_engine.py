@@ -18,10 +18,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from attnplug.core.errors import ConfigError
+from attnplug.core.errors import ConfigError, MetadataError
 from attnplug.runner.commands.assemble import build_engine, resolve_backend
 from attnplug.runner.commands.model_loading import build_with_backends
 from attnplug.runner.commands.parity import run_parity
+from attnplug.runner.step.compiler import snapshot_diff
 from attnplug.runner.step.scheduler_output import SamplingParams
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -111,3 +112,17 @@ def test_mamba_models_and_async_scheduling_are_refused_at_configuration_time():
         engine("ngram:k=2", cfg=BAMBA)
     with pytest.raises(ConfigError, match="synchronous"):
         engine("ngram:k=2", async_scheduling=True)
+
+
+def test_the_asynchronous_runner_refuses_a_step_with_drafts():
+    eng = engine("ngram:k=3")
+    eng.add_request("a", [4, 8] * 4, SamplingParams(max_tokens=8))
+    sched = eng.scheduler
+    out = sched.schedule()
+    while not out.scheduled_spec_decode_tokens:
+        sched.update_from_output(out, eng.runner.execute_model(out).sampled_token_ids)
+        out = sched.schedule()
+    before = eng.runner.compiler.snapshot()
+    with pytest.raises(MetadataError, match="draft tokens"):
+        eng.runner.execute_model_async(out)
+    assert not snapshot_diff(before, eng.runner.compiler.snapshot())
