@@ -25,6 +25,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from attnplug.cache_groups.grouping import KVCacheConfig
 from attnplug.cache_groups.kinds import GroupKind
 from attnplug.core.errors import ConfigError, SchedulingError
@@ -84,6 +86,24 @@ class SpecScheduler:
         self.drafter = spec.make_drafter()
         self.max_model_len = max_model_len
         self.stats = SpecStats()
+        self._history: dict[str, tuple[np.ndarray, int]] = {}
+        """Per request, its tokens as ``int64`` (a buffer of ``max_model_len``) and how many
+        are filled: extended by the new outputs each step, so the drafter never converts the
+        whole Python list again (dropped when the request can emit at most one more token)."""
+
+    def _tokens(self, req: Request) -> np.ndarray:
+        buf, n = self._history.get(req.req_id, (None, 0))
+        if buf is None:
+            buf = np.empty(self.max_model_len, dtype=np.int64)
+        total = req.num_tokens
+        if n < total:
+            P = req.num_prompt_tokens
+            if n < P:
+                buf[n:P] = req.prompt_token_ids[n:]
+                n = P
+            buf[n:total] = req.output_token_ids[n - P:total - P]
+        self._history[req.req_id] = (buf, total)
+        return buf[:total]
 
     def propose(self, req: Request, budget: int) -> list[int]:
         """Drafts for ``req`` this step (empty unless it decodes and there is room).
@@ -94,10 +114,14 @@ class SpecScheduler:
         """
         if req.num_tokens_to_compute != 1 or req.num_output_placeholders:
             return []
-        k = min(self.spec.k, budget - 1, req.remaining_output_tokens(self.max_model_len) - 1)
+        remaining = req.remaining_output_tokens(self.max_model_len)
+        if remaining <= 1:
+            self._history.pop(req.req_id, None)  # finishing: no more drafts for it
+            return []
+        k = min(self.spec.k, budget - 1, remaining - 1)
         if k <= 0:
             return []
-        return self.drafter.propose([req.all_token_ids], k)[0]
+        return self.drafter.propose([self._tokens(req)], k)[0]
 
     def check_sampled(self, out: SchedulerOutput, sampled: dict[str, list[int]]) -> None:
         """Before ``update_from_output`` changes anything: a request that verified ``d``
