@@ -17,6 +17,7 @@ from attnplug.core.contracts import AttentionBackend, AttentionLayerConfig
 from attnplug.core.errors import AttnplugError
 from attnplug.runner.serve.engine import LLMEngine
 from attnplug.runner.execute.model_runner import ModelRunner, RunnerConfig
+from attnplug.runner.commands.speculative import spec_summary
 from attnplug.runner.serve.scheduler import Scheduler, SchedulerConfig
 from attnplug.runner.step.scheduler_output import SamplingParams
 from attnplug.runner.commands.limits import clip, memory_problem
@@ -74,6 +75,7 @@ class EngineSetup:
             "torch_threads": torch.get_num_threads(),
             "outputs_digest": outputs_digest(results),
             **prefix_caching_summary(eng),
+            **spec_summary(eng),  # runner/commands/speculative.py
         }
 
 
@@ -204,6 +206,16 @@ def resolve_backend(name: str | None, layer_cfgs: dict[str, AttentionLayerConfig
     return chosen
 
 
+def speculative_config(args):
+    """``args.speculative`` (a ``--speculative`` string, a parsed config, or absent: then
+    ``[speculative]`` of ``attnplug.toml``, ``runner/commands/speculative.py``)."""
+    from attnplug.runner.commands.speculative import resolve_speculative
+    from attnplug.runner.execute.spec_decode.drafter import SpeculativeConfig
+
+    spec = getattr(args, "speculative", None)
+    return spec if isinstance(spec, SpeculativeConfig) else resolve_speculative(spec)
+
+
 def build_engine(args, *, alone: bool = False, model: torch.nn.Module | None = None,
                  requests: bool = True) -> EngineSetup:
     """Build model (unless given), cache config, backends, scheduler, runner and requests.
@@ -237,7 +249,8 @@ def build_engine(args, *, alone: bool = False, model: torch.nn.Module | None = N
                                       max_model_len=max_model_len, enable_chunked_prefill=not alone,
                                       force_preemption_every=getattr(args, "force_preemption_every", None),
                                       async_scheduling=getattr(args, "async_scheduling", False),
-                                      enable_prefix_caching=getattr(args, "prefix_caching", False)),
+                                      enable_prefix_caching=getattr(args, "prefix_caching", False),
+                                      speculative=speculative_config(args)),
                       kv_cfg)
     runner = ModelRunner(model, kv_cfg, backends,
                          RunnerConfig(max_num_reqs=max_num_seqs, max_model_len=max_model_len,

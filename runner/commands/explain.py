@@ -9,7 +9,10 @@ The seed's "minimal reproducible experiment" as a tool. Input is JSON Lines:
 * every next line is one step: ``{"new": [{"req_id", "prompt_token_ids", "block_ids"
   (one list per group), "num_computed_tokens"}], "cached": [{"req_id", "new_token_ids",
   "new_block_ids", "num_computed_tokens", "resumed_from_preemption"}],
-  "num_scheduled_tokens": {req_id: n}, "finished_req_ids": [...]}``.
+  "num_scheduled_tokens": {req_id: n}, "finished_req_ids": [...], "spec_token_ids": {req_id:
+  [draft ids]}}`` (``spec_token_ids``: speculative decoding, the drafts a decoding request
+  verifies this step, scheduled ``1 + len`` tokens; the compiler's
+  ``scheduled_spec_decode_tokens``).
   ``new_token_ids`` are tokens appended to the request since its last step (e.g. sampled
   outputs): ``explain`` does not sample. Omitted optional fields default to empty /
   ``null`` / ``false``; blank lines and lines starting with ``#`` are skipped.
@@ -19,7 +22,11 @@ per group, per row, the row's *kernel* block ids; ``slot_mapping`` is per group;
 ``common_prefix_len`` is per group the tokens whose blocks are the same physical blocks in
 every row, as the runner computes it for cascade attention, ``runner/execute/cascade.py``:
 0 for sliding-window and Mamba groups). New requests may start at
-``num_computed_tokens > 0`` on block ids other requests hold (prefix-cache hits).
+``num_computed_tokens > 0`` on block ids other requests hold (prefix-cache hits);
+a step with drafts adds ``spec_decode``, its ``SpecDecodeMetadata``:
+``num_draft_tokens``, ``cu_num_draft_tokens``, ``draft_token_ids``,
+``target_logits_indices``, ``bonus_logits_indices``, ``logits_indices``, over the rows
+whose logits are kept).
 ``--check`` runs ``attnplug.core.validate`` on every group each step. ``--svg`` / ``--html``
 also draw every step (``runner/commands/explain_svg.py``).
 
@@ -47,6 +54,7 @@ from attnplug.runner.commands.explain_input import (
     parse_json,
     read_lines,
     req_id_of,
+    spec_tokens,
 )
 from attnplug.runner.commands.explain_svg import Pictures
 from attnplug.runner.commands.limits import OneLineParser, clip
@@ -62,7 +70,7 @@ from attnplug.runner.step.compiler import StepCompiler
 OUTPUT_KEYS = ("req_ids", "num_scheduled_tokens", "num_computed_tokens", "query_start_loc", "positions",
                "input_ids", "seq_lens", "logits_indices", "discard", "slot_mapping", "block_table",
                "num_actual_tokens", "max_query_len", "max_seq_len", "common_prefix_len")
-"""The keys of every output line, in order."""
+"""The keys of every output line, in order (a step with drafts adds ``spec_decode`` last)."""
 
 MAX_ERROR_CHARS = 1000
 """An error line is cut to this many characters (echoed values are cut shorter still)."""
@@ -85,7 +93,7 @@ def parse_step(obj: Any) -> SchedulerOutput:
     """
     if not isinstance(obj, dict):
         raise StepFormatError("step", f"expected a JSON object, got {clip(obj)}")
-    unknown = set(obj) - {"new", "cached", "num_scheduled_tokens", "finished_req_ids"}
+    unknown = set(obj) - {"new", "cached", "num_scheduled_tokens", "finished_req_ids", "spec_token_ids"}
     if unknown:
         raise StepFormatError(clip(sorted(unknown)[0], 40).strip("'"), "unknown field")
     new = []
@@ -108,7 +116,8 @@ def parse_step(obj: Any) -> SchedulerOutput:
         cached.resumed_from_preemption.append(get(r, "resumed_from_preemption", bool, False, "cached.", rid))
     sched = counts(obj)
     finished = id_list(obj, "finished_req_ids")
-    return SchedulerOutput(new, cached, sched, finished_req_ids=set(finished))
+    return SchedulerOutput(new, cached, sched, finished_req_ids=set(finished),
+                           scheduled_spec_decode_tokens=spec_tokens(obj))
 
 
 def step_to_json(sc: StepCompiler, inputs) -> dict:
@@ -119,7 +128,7 @@ def step_to_json(sc: StepCompiler, inputs) -> dict:
         k = bt.kernel_blocks_per_block
         rows = bt.kernel_block_table.np
         tables.append([rows[i, :bt.num_blocks_per_row[i] * k].tolist() for i in range(R)])
-    return {
+    out = {
         "req_ids": list(inputs.req_ids),
         "num_scheduled_tokens": inputs.num_scheduled_tokens.tolist(),
         "num_computed_tokens": inputs.num_computed_tokens.tolist(),
@@ -137,6 +146,15 @@ def step_to_json(sc: StepCompiler, inputs) -> dict:
         "common_prefix_len": step_prefix_lens(sc, inputs.common_attn_metadata,
                                               [k != "full_attention" for k in sc.layout.group_kinds]),
     }
+    if inputs.spec_decode_metadata is not None:
+        out["spec_decode"] = _spec_json(inputs.spec_decode_metadata)
+    return out
+
+
+def _spec_json(md) -> dict:
+    return {"num_draft_tokens": list(md.num_draft_tokens), "cu_num_draft_tokens": md.cu_num_draft_tokens.tolist(),
+            "draft_token_ids": md.draft_token_ids.tolist(), "target_logits_indices": md.target_logits_indices.tolist(),
+            "bonus_logits_indices": md.bonus_logits_indices.tolist(), "logits_indices": md.logits_indices.tolist()}
 
 
 def make_compiler(config: Any, check: bool) -> StepCompiler:

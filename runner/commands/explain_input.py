@@ -39,7 +39,7 @@ of ``int32`` each, allocated when the compiler is made."""
 
 CONFIG_KEYS = {"block_sizes", "max_num_reqs", "max_model_len", "max_num_batched_tokens", "kernel_block_sizes",
                "num_blocks", "group_kinds", "reorder_batch_threshold", "sliding_windows"}
-STEP_KEYS = {"new", "cached", "num_scheduled_tokens", "finished_req_ids"}
+STEP_KEYS = {"new", "cached", "num_scheduled_tokens", "finished_req_ids", "spec_token_ids"}
 NEW_KEYS = {"req_id", "prompt_token_ids", "block_ids", "num_computed_tokens", "sampling_params",
             "output_token_ids"}
 CACHED_KEYS = {"req_id", "new_token_ids", "new_block_ids", "num_computed_tokens", "resumed_from_preemption"}
@@ -176,6 +176,18 @@ def id_list(obj: dict, key: str) -> list[str]:
             raise StepFormatError(key, f"expected request ids (str of at most {MAX_ID_CHARS} chars), "
                                        f"got {clip(x)}")
     return v
+
+
+def spec_tokens(obj: dict) -> dict[str, list[int]]:
+    """``spec_token_ids``: request id -> its draft token ids (``scheduled_spec_decode_tokens``;
+    values checked by the step compiler)."""
+    v = get(obj, "spec_token_ids", dict, {})
+    for rid in v:
+        if len(rid) > MAX_ID_CHARS:
+            raise StepFormatError("spec_token_ids", f"request id {clip(rid)} is longer than "
+                                                    f"{MAX_ID_CHARS} characters")
+        int_list(v, rid, "spec_token_ids.", rid)
+    return dict(v)
 
 
 def counts(obj: dict) -> dict[str, int]:

@@ -46,6 +46,12 @@ class ParityResult:
     """Tokens admitted as prefix-cache hits (``--prefix-caching``)."""
     prefix_cache_hit_requests: int = 0
     cascade_steps: int = 0
+    spec: dict[str, Any] = field(default_factory=dict)
+    """With ``--speculative``: drafts proposed / accepted (``SpecStats`` counters)."""
+
+    def _spec_part(self) -> str:
+        s = self.spec
+        return f", {s['accepted']}/{s['proposed']} drafts accepted" if s else ""
 
     def line(self) -> str:
         if self.ok:
@@ -53,7 +59,7 @@ class ParityResult:
                     f"max |dlogit| = {self.max_abs_dlogit:.3g} (tolerance {self.tolerance:g}; "
                     f"{self.steps} steps, {self.preemptions} preemptions"
                     + (f", {self.prefix_cache_hits} prefix-hit tokens in {self.prefix_cache_hit_requests} requests"
-                       if self.prefix_cache_hit_requests else "") + ")")
+                       if self.prefix_cache_hit_requests else "") + f"{self._spec_part()})")
         d = self.first_divergence or {}
         where = ", ".join(f"{k}={v}" for k, v in d.items())
         return (f"parity: FAIL tokens {self.num_identical}/{self.num_requests} identical, "
@@ -94,7 +100,8 @@ def run_parity(cfg_dict: dict, *, num_requests: int = 6, seed: int = 0, force_pr
                dtype: str = "float32", max_num_batched_tokens: int = 24, max_tokens: int = 6,
                block_size: int = 4, backend: str | None = None,
                prompt_len_range: tuple[int, int] = (3, 40), async_scheduling: bool = False,
-               prefix_caching: bool = False, system_prompt_len: int = 24) -> ParityResult:
+               prefix_caching: bool = False, system_prompt_len: int = 24,
+               speculative: str | None = None) -> ParityResult:
     """Run the comparison (see the module docstring).
 
     Raises:
@@ -128,7 +135,7 @@ def run_parity(cfg_dict: dict, *, num_requests: int = 6, seed: int = 0, force_pr
         model=None, backend=backend, block_size=block_size, seed=seed, max_model_len=max_model_len,
         max_num_seqs=num_requests, max_num_batched_tokens=max_num_batched_tokens, num_blocks=None,
         force_preemption_every=3 if force_preemption else None, record_logits=True,
-        async_scheduling=async_scheduling, prefix_caching=prefix_caching)
+        async_scheduling=async_scheduling, prefix_caching=prefix_caching, speculative=speculative)
     setup = build_engine(args, model=model, requests=False)
     for rid, p in prompts.items():
         setup.engine.add_request(rid, p, SamplingParams(temperature=0.0, max_tokens=max_tokens))
@@ -154,8 +161,11 @@ def run_parity(cfg_dict: dict, *, num_requests: int = 6, seed: int = 0, force_pr
     ok = identical == len(prompts) and max_d <= tol
     if first is None and not ok:
         first = {"reason": f"max |dlogit| {max_d:.3g} above tolerance {tol:g}"}
+    st = setup.engine.scheduler.spec
+    spec = {"proposed": st.stats.num_draft_tokens, "accepted": st.stats.num_accepted_tokens} if st else {}
     res = ParityResult(ok, identical, len(prompts), max_d, tol, first,
-                       preemptions=setup.engine.scheduler.num_preemptions, steps=setup.engine.stats.num_steps)
+                       preemptions=setup.engine.scheduler.num_preemptions, steps=setup.engine.stats.num_steps,
+                       spec=spec)
     stats = getattr(setup.engine.scheduler.kv_cache_manager, "stats", None)
     if prefix_caching and stats is not None:
         res.prefix_cache_hits = stats.hits
@@ -178,6 +188,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--async-scheduling", action="store_true", help="run the engine with one step in flight")
     p.add_argument("--prefix-caching", action="store_true",
                    help="prompts sharing prefixes (system prompts, continuations) and prefix caching on")
+    p.add_argument("--speculative", default=None, metavar="METHOD:k=N",
+                   help="speculative decoding as `attnplug run --speculative` (e.g. ngram:k=3)")
     args = p.parse_args(argv)
     from attnplug.runner.commands.model_loading import read_hf_config
 
@@ -187,7 +199,8 @@ def main(argv: list[str]) -> int:
                          force_preemption=args.force_preemption, dtype=args.dtype,
                          max_num_batched_tokens=args.max_num_batched_tokens, max_tokens=args.max_tokens,
                          block_size=args.block_size, backend=args.backend,
-                         async_scheduling=args.async_scheduling, prefix_caching=args.prefix_caching)
+                         async_scheduling=args.async_scheduling, prefix_caching=args.prefix_caching,
+                         speculative=args.speculative)
     except AttnplugError as e:
         print(f"attnplug parity: {e}", file=sys.stderr)
         return 2

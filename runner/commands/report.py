@@ -45,6 +45,14 @@ def print_run_table(summary: dict[str, Any], console: Console | None = None) -> 
         t.add_row("outputs digest", summary["outputs_digest"][:16])
     for metric, value in prefix_caching_rows(summary):  # --prefix-caching (prefix_report.py)
         t.add_row(metric, value)
+    if "tokens_per_step" in summary:
+        t.add_row("generated tokens / step", f"{summary['tokens_per_step']:.3f}")
+    spec = summary.get("speculative")
+    if spec:
+        t.add_row("speculative", f"{spec['method']} k={spec['k']}")
+        t.add_row("draft tokens proposed / accepted", f"{spec['draft_tokens']} / {spec['accepted_tokens']}")
+        t.add_row("acceptance rate", f"{spec['acceptance_rate']:.3f}")
+        t.add_row("mean accepted length", f"{spec['mean_accepted_length']:.3f}")
     for stage, us in summary["median_us_per_step"].items():
         t.add_row(f"median µs/step {stage}", f"{us:.1f}")
     t.add_row("metadata builds / reuses per step",

@@ -92,6 +92,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="never run cascade attention (compare outputs_digest with and without)")
     _int_flag(p, "--cascade-min-prefix-len", 256, "cascade attention needs this many shared tokens (vLLM: 256)")
     _int_flag(p, "--cascade-min-num-reqs", 8, "cascade attention needs this many requests in the step (vLLM: 8)")
+    p.add_argument("--speculative", default=None, metavar="METHOD:k=N",
+                   help="speculative decoding, e.g. ngram:k=3 (prompt lookup, up to 3 drafts per decoding "
+                        "request and step; also [speculative] in attnplug.toml); not with Mamba layers "
+                        "(the default tiny-hybrid model: use --model tiny-llama)")
     p.add_argument("--json", action="store_true", help="print a machine-readable summary on stdout")
     p.add_argument("--plot", metavar="OUT.png", default=None,
                    help="also draw per-step stage times, tokens scheduled and KV blocks in use per group "

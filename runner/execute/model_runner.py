@@ -29,6 +29,8 @@ from attnplug.runner.execute.cudagraph import CUDAGraphMode
 from attnplug.runner.execute.cudagraph_capture import StepGraphs
 from attnplug.runner.execute.sampler import Sampler
 from attnplug.runner.execute.state_copies import apply_state_copies
+from attnplug.runner.execute.spec_decode.rejection_sampler import RejectionSampler
+from attnplug.runner.execute.spec_decode.verify import verified_logits, verify_step
 from attnplug.runner.step.scheduler_output import SchedulerOutput
 from attnplug.runner.step.compiler import StepCompiler
 
@@ -141,6 +143,8 @@ class ModelRunner:
                                          cudagraph_capture_sizes)
         self.kv_caches = allocate_kv_caches(kv_cache_config, self.backends, kernel_block_sizes, self.device)
         self.sampler = Sampler(default_seed=seed)
+        self.rejection_sampler = RejectionSampler(default_seed=seed)
+        self._num_draft_tokens: list[int] = []  # the last verifying step's, for record_logits
         # Each step's inputs reach the device by non-blocking copies out of pinned host buffers
         # that the next step rewrites; a step that samples nothing never waits for the device,
         # so the next one first waits for this fence (CUDA only; None on the CPU).
@@ -176,6 +180,11 @@ class ModelRunner:
         if step is None:
             return ModelRunnerOutput([], {})
         req_ids, rows, tokens_dev, logits = step
+        if isinstance(tokens_dev, list):  # speculative decoding: each row's emitted tokens
+            self.compiler.append_verified_tokens(rows, tokens_dev)
+            return ModelRunnerOutput(req_ids, dict(zip([req_ids[r] for r in rows.tolist()], tokens_dev)),
+                                     verified_logits(req_ids, rows, tokens_dev, logits, self._num_draft_tokens)
+                                     if self.record_logits else {})
         tokens = tokens_dev.cpu().tolist() if rows.shape[0] else []
         if tokens:
             self.compiler.append_output_tokens(rows, [[tok] for tok in tokens])
@@ -194,10 +203,14 @@ class ModelRunner:
 
         Raises:
             InvalidSchedulerOutput, MetadataInvariantError: as :meth:`execute_model`.
-            MetadataError: the result of the step before the previous one is still unread.
+            MetadataError: the result of the step before the previous one is still unread, or
+                the step carries draft tokens (speculative decoding is synchronous).
         """
         if len(self._unread) >= 2:
             raise MetadataError("execute_model_async: at most one step in flight; read the older result first")
+        if scheduler_output.scheduled_spec_decode_tokens:  # docs/speculative-decoding.md
+            raise MetadataError("execute_model_async: a step with draft tokens needs execute_model "
+                                "(speculative decoding runs with synchronous scheduling)")
         step = self._run(scheduler_output, self._prev_tokens)
         if step is None:
             out = AsyncModelRunnerOutput.empty(self)
@@ -248,7 +261,11 @@ class ModelRunner:
         req_ids = list(inputs.req_ids)
         tokens = torch.empty(0, dtype=torch.int64, device=hidden.device)
         logits = None
-        if len(keep):
+        if inputs.spec_decode_metadata is not None:  # runner/execute/spec_decode/verify.py
+            tokens, logits = verify_step(self.model, self.rejection_sampler, self.compiler.requests, inputs,
+                                         hidden, req_ids, keep)
+            self._num_draft_tokens = inputs.spec_decode_metadata.num_draft_tokens
+        elif len(keep):
             idx = inputs.logits_indices_cpu[torch.from_numpy(keep)].to(hidden.device, non_blocking=True)
             logits = self.model.compute_logits(hidden.index_select(0, idx))
             states = [self.compiler.requests[req_ids[r]] for r in keep.tolist()]

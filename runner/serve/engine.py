@@ -122,8 +122,9 @@ class LLMEngine:
                 continue  # finished in an earlier step (asynchronous: scheduled once more)
             self._outputs[rid].extend(toks[:accepted])
             self.stats.num_generated_tokens += accepted
-            if rid in result.logits:
-                self._logits[rid].append(result.logits[rid])
+            if rid in result.logits:  # [V], or [tokens, V] from a step that verified drafts
+                lg = result.logits[rid]
+                self._logits[rid].extend(lg[:accepted]) if lg.dim() == 2 else self._logits[rid].append(lg)
         for rid in finished:
             req = self.scheduler.get_request(rid)
             outs = self._outputs.pop(rid)[: len(req.output_token_ids)]

@@ -4,10 +4,8 @@ The :class:`Scheduler` keeps waiting and running queues, a token budget
 (``max_num_batched_tokens``), a cap on running requests (``max_num_seqs``) and one block
 pool per cache group (``attnplug.cache_groups.block_pool``). Each ``schedule()`` emits
 exactly the deltas of ``attnplug.runner.step.scheduler_output``; ``update_from_output`` feeds
-the step's sampled tokens back. Semantics follow vLLM V1's scheduler (no speculative
-decoding; prefix caching through the hooks of ``runner/serve/kv_cache_manager.py`` when
-``SchedulerConfig.enable_prefix_caching``: admission at the cached prefix, blocks cached
-after each step, Mamba chunks aligned to checkpoints):
+the step's sampled tokens back. Semantics follow vLLM V1's scheduler (prefix caching:
+``kv_cache_manager.py``; speculative decoding: ``spec_schedule.py``):
 
 * A request computes ``num_tokens - num_computed_tokens`` tokens (prompt plus outputs
   minus what is cached), capped by what is left of the budget (chunked prefill). After
@@ -37,6 +35,7 @@ from attnplug.runner.serve.deltas import make_output
 from attnplug.runner.serve.kv_cache_manager import make_kv_cache_manager
 from attnplug.runner.serve.request import Request, RequestStatus
 from attnplug.runner.serve.scheduler_config import SchedulerConfig
+from attnplug.runner.serve.spec_schedule import SpecScheduler, make_spec_scheduler
 from attnplug.runner.step.scheduler_output import SamplingParams, SchedulerOutput
 
 __all__ = ["Scheduler", "SchedulerConfig"]
@@ -81,6 +80,8 @@ class Scheduler:
         most one, or two with ``config.async_scheduling``."""
         self._placeholders: dict[int, set[str]] = {}
         """Asynchronous scheduling: per in-flight output (``id``), the requests that sample in it."""
+        self.spec: SpecScheduler | None = make_spec_scheduler(config, kv_cache_config)
+        """Speculative decoding (``config.speculative``): drafts and rollback, ``spec_schedule.py``."""
 
     # --- requests -----------------------------------------------------------------------
     def add_request(self, req_id: str, prompt_token_ids: list[int],
@@ -216,6 +217,7 @@ class Scheduler:
         sched: dict[str, int] = {}
         new_blocks: dict[str, tuple[list[int], ...]] = {}
         preempted: list[Request] = []
+        spec_tokens: dict[str, list[int]] = {}
         forced = self._maybe_force_preemption()
         if forced is not None:
             preempted.append(forced)
@@ -230,8 +232,9 @@ class Scheduler:
                 continue  # preempted earlier in this loop
             if req.num_tokens_to_compute == 0 or req.remaining_output_tokens(cfg.max_model_len) == 0:
                 continue  # asynchronous: its last output is in flight
-            n = self.kv_cache_manager.align_num_new_tokens(
-                req, req.num_computed_tokens, min(req.num_tokens_to_compute, budget))
+            drafts = self.spec.propose(req, budget) if self.spec is not None else []
+            n = self.kv_cache_manager.align_num_new_tokens(  # drafts: never with Mamba groups
+                req, req.num_computed_tokens, min(req.num_tokens_to_compute + len(drafts), budget))
             assert n > 0, f"running request {req.req_id} has nothing to compute"
             while (blocks := self._allocate(req, n)) is None:
                 victim = self.running[-1]
@@ -240,6 +243,7 @@ class Scheduler:
                 if victim.req_id in sched:  # already scheduled this step: take it back
                     budget += sched.pop(victim.req_id)
                     del new_blocks[victim.req_id]
+                    spec_tokens.pop(victim.req_id, None)
                 if victim is req or victim.free_when_idle:
                     break  # (a victim in flight frees its blocks only after that step)
             if blocks is None:
@@ -247,6 +251,8 @@ class Scheduler:
             sched[req.req_id] = n
             new_blocks[req.req_id] = blocks
             budget -= n
+            if drafts:
+                spec_tokens[req.req_id] = drafts
 
         # 2. waiting requests, FIFO (none after a preemption unless the step is empty).
         new_reqs: list[Request] = []
@@ -276,6 +282,7 @@ class Scheduler:
         finished, self._finished_since_schedule = self._finished_since_schedule, set()
         out = make_output(self.requests, sched, new_blocks, new_reqs, resumed, finished)
         out.mamba_state_copies = self.kv_cache_manager.plan_state_copies(sched, self.requests)
+        out.scheduled_spec_decode_tokens = spec_tokens
         self.num_steps += 1
         if sched:
             self._launch(out)
@@ -346,6 +353,8 @@ class Scheduler:
                 raise SchedulingError(
                     f"{req_id!r} is a partial prefill ({req.num_computed_tokens + n} of "
                     f"{req.num_tokens} tokens); its sampled tokens must be discarded")
+        if self.spec is not None:
+            self.spec.check_sampled(scheduler_output, sampled_token_ids)
         self._in_flight.popleft()
         del self._placeholders[id(scheduler_output)]
         self.kv_cache_manager.finish_step()  # prefix caching: Mamba checkpoints of the step
@@ -353,8 +362,9 @@ class Scheduler:
         for req_id, n in scheduled.items():
             req = self.requests[req_id]
             req.steps_in_flight -= 1
-            if sampling is None:
-                req.num_computed_tokens += n
+            if sampling is None:  # speculative decoding: minus the rejected drafts
+                req.num_computed_tokens += n if self.spec is None else self.spec.computed_advance(
+                    scheduler_output, req_id, n, sampled_token_ids.get(req_id))
             elif req_id in sampling:
                 req.num_output_placeholders -= 1
             if not req.is_finished and not req.free_when_idle:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from attnplug.core.errors import SchedulingError
+from attnplug.runner.execute.spec_decode.drafter import SpeculativeConfig
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,9 @@ class SchedulerConfig:
         enable_prefix_caching: reuse cached blocks of equal prefixes at admission
             (``runner/serve/kv_cache_manager.py``): a request may start with
             ``num_computed_tokens > 0`` and blocks shared with other requests.
+        speculative: speculative decoding (``--speculative ngram:k=3``): decoding requests
+            verify up to ``k`` drafts a step (``runner/serve/spec_schedule.py``); ``None``
+            disables it. Not with ``async_scheduling`` nor with Mamba groups.
 
     Raises:
         SchedulingError: a limit that is not a positive int.
@@ -39,6 +43,7 @@ class SchedulerConfig:
     force_preemption_every: int | None = None
     async_scheduling: bool = False
     enable_prefix_caching: bool = False
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self):
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):

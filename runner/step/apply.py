@@ -6,7 +6,8 @@ returning requests (lowest free rows first), merge the cached deltas (rows looke
 once, counts written with fancy indexing, block appends batched per group;
 ``resumed_from_preemption`` replaces block ids), ``condense()``, then the optional
 decodes-first reorder. Nothing changes rows after that; last, sliding-window groups get
-``NULL_BLOCK_ID`` over the blocks the pool freed (``runner/step/apply_windows.py``).
+``NULL_BLOCK_ID`` over the blocks the pool freed (``runner/step/apply_windows.py``), and
+the step's draft tokens go after their rows' tokens (``runner/step/spec_apply.py``).
 Every row move ends here, before stage 3 (``runner/step/prepare.py``) reads the rows.
 """
 
@@ -20,6 +21,7 @@ from attnplug.runner.step.fast.bind import Scans
 from attnplug.runner.step.groups import StepLayout
 from attnplug.runner.step.input_batch import InputBatch
 from attnplug.runner.step.plan import UpdatePlan
+from attnplug.runner.step.spec_apply import write_spec_tokens
 from attnplug.runner.step.request_state import CachedRequestState
 
 
@@ -62,6 +64,8 @@ def apply_update(lay: StepLayout, batch: InputBatch, reqs: dict[str, CachedReque
         reorder_decodes_first(batch, reorder_batch_threshold)
     if lay.has_sliding_windows:
         null_skipped_blocks(batch, lay.sliding_windows)
+    if plan.spec_tokens is not None or batch.num_spec_tokens.any():
+        write_spec_tokens(batch, plan.spec_tokens)
 
 
 def _merge_cached(batch: InputBatch, plan: UpdatePlan, rows_c: np.ndarray) -> None:

@@ -11,7 +11,9 @@ field at fault. The checks, in the order they run:
    (``check_cached.py``);
 4. block deltas: replacements, appends, windows, capacity (``check_blocks.py``,
    ``check_windows.py``);
-5. new requests: prompts, blocks, sampling (``check_new.py``).
+5. new requests: prompts, blocks, sampling (``check_new.py``);
+6. draft tokens of speculative decoding (``check_spec.py``, before 3 reads ``seq_lens``;
+   a step with drafts always takes the numpy path).
 
 Per-request Python work is limited to what the data structure forces (one dict lookup
 per scheduled request, a loop over the few requests that carry token or block payloads);
@@ -28,6 +30,7 @@ from attnplug.runner.step.check_fast import plan_update_native
 from attnplug.runner.step.check_types import err
 from attnplug.runner.step.check_new import plan_new_requests
 from attnplug.runner.step.check_snapshot import Deltas, NewReq
+from attnplug.runner.step.check_spec import check_spec_tokens
 from attnplug.runner.step.fast.bind import Scans
 from attnplug.runner.step.groups import StepLayout
 from attnplug.runner.step.input_batch import InputBatch
@@ -100,7 +103,7 @@ class UpdateChecker:
         """
         d = Deltas(so)  # every field read once, here; the checks below read only this
         finished, fin_set, new_ids = check_finished_and_new(self.requests, d)
-        if self.scans is not None:
+        if self.scans is not None and not d.spec_decode_tokens:  # drafts: numpy path (check_spec.py)
             plan = plan_update_native(self.layout, self.batch, self.scans, self.plan_new, d, finished, fin_set)
             if plan is not None:
                 return plan
@@ -109,8 +112,9 @@ class UpdateChecker:
         C = cached.req_ids
         rows = cached_rows(lay, batch, reqs, C, finished, fin_set)
         counts_c, new_counts = scheduled_counts(lay, d, C, new_ids)
+        drafts_c, spec = check_spec_tokens(lay, batch, reqs, d, rows.rows_c, counts_c, new_ids)
         ncts_c, seq_c, token_deltas = computed_and_token_deltas(lay, batch, reqs, cached, rows, counts_c,
-                                                                self.delta_packer)
+                                                                self.delta_packer, drafts_c)
         resumed, appends = block_deltas(lay, batch, reqs, cached, rows.rows_c, rows.readd, ncts_c, seq_c)
         new_states = self.plan_new(d.scheduled_new_reqs, new_counts)
         unscheduled: list[str] = []
@@ -118,4 +122,4 @@ class UpdateChecker:
             mask = rows.sched_mask
             unscheduled = [rid for rid, r in batch.req_id_to_index.items() if not mask[r] and rid not in fin_set]
         return UpdatePlan(finished, unscheduled, new_states, new_counts, rows.readd_ids, rows.readd, rows.rows_c,
-                          counts_c, ncts_c, token_deltas, resumed, appends)
+                          counts_c, ncts_c, token_deltas, resumed, appends, spec_tokens=spec)

@@ -160,8 +160,10 @@ def scheduled_counts(lay: StepLayout, so: Deltas, C: list, new_ids: set[str]
 
 def computed_and_token_deltas(lay: StepLayout, batch: InputBatch, reqs: dict[str, CachedRequestState],
                               cached: CachedDeltas, rows: CachedRows, counts_c: np.ndarray,
-                              packer: IntPacker) -> tuple[np.ndarray, np.ndarray, list[tuple[int, np.ndarray]]]:
-    """``num_computed_tokens`` and ``new_token_ids`` of the cached requests.
+                              packer: IntPacker, drafts_c: np.ndarray | None = None
+                              ) -> tuple[np.ndarray, np.ndarray, list[tuple[int, np.ndarray]]]:
+    """``num_computed_tokens`` and ``new_token_ids`` of the cached requests (``drafts_c``:
+    ``[num_cached]`` drafts per request from ``check_spec.py``, held after its tokens).
 
     Returns:
         ``(ncts_c, seq_c, token_deltas)``: ``[num_cached]`` ``int64`` computed tokens and
@@ -186,6 +188,8 @@ def computed_and_token_deltas(lay: StepLayout, batch: InputBatch, reqs: dict[str
     held_c = batch.num_tokens[rows.rows_c]
     for i in rows.readd:
         held_c[i] = reqs[C[i]].num_tokens
+    if drafts_c is not None and drafts_c.shape[0] and drafts_c.any():
+        held_c = held_c + drafts_c
     token_deltas: list[tuple[int, np.ndarray]] = []
     try:
         has_tokens = cached.new_token_ids.count([]) != nC

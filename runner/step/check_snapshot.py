@@ -77,7 +77,7 @@ class Deltas:
     """
 
     __slots__ = ("scheduled_new_reqs", "scheduled_cached_reqs", "num_scheduled_tokens",
-                 "total_num_scheduled_tokens", "finished_req_ids")
+                 "total_num_scheduled_tokens", "finished_req_ids", "spec_decode_tokens")
 
     def __init__(self, so: SchedulerOutput):
         if not isinstance(so, SchedulerOutput):
@@ -91,6 +91,10 @@ class Deltas:
         if type(nst) is not dict:
             err(None, "num_scheduled_tokens", f"expected a dict {{req_id: int}}, got {type(nst).__name__}")
         self.total_num_scheduled_tokens = so.total_num_scheduled_tokens  # checked with the counts
+        spec = self.spec_decode_tokens = so.scheduled_spec_decode_tokens  # checked in check_spec.py
+        if type(spec) is not dict:
+            err(None, "scheduled_spec_decode_tokens", f"expected a dict {{req_id: [draft token ids]}}, "
+                f"got {show(spec)}")
         fin = so.finished_req_ids
         if not isinstance(fin, ID_SETS):
             err(None, "finished_req_ids", f"expected a set of request ids, got {show(fin)}")

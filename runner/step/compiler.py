@@ -59,6 +59,8 @@ from attnplug.runner.step.plan import UpdatePlan
 from attnplug.runner.step.prepare import InputPreparer, StepInputs
 from attnplug.runner.step.request_state import CachedRequestState
 from attnplug.runner.step.scheduler_output import SamplingParams, SchedulerOutput
+from attnplug.runner.step.spec_apply import append_verified_tokens
+from attnplug.runner.step.spec_metadata import spec_decode_metadata
 
 __all__ = ["StepCompiler", "snapshot_diff"]
 
@@ -209,6 +211,8 @@ class StepCompiler:
             if patch is not None:
                 patch_input_ids(inputs.input_ids, patch, prev_token_ids)
                 self.patch_counts["slice" if patch.contiguous else "scatter"] += 1
+        if b.num_spec_tokens[:inputs.num_reqs].any():
+            inputs.spec_decode_metadata = spec_decode_metadata(inputs, b)
         if build_metadata or self.validate:
             self.build_common_attn_metadata(inputs)
         if self.validate:
@@ -257,6 +261,16 @@ class StepCompiler:
                 token id, or more tokens than ``max_model_len`` (nothing changes).
         """
         append_output_tokens(self.input_batch, self.max_model_len, req_ids_or_rows, token_ids)
+
+    def append_verified_tokens(self, rows, token_ids) -> None:
+        """Stage 8 of a step with drafts: per row, its accepted drafts then the corrected or
+        bonus token (``runner/step/spec_apply.py``; rows without drafts take one token).
+
+        Raises:
+            MetadataError: a bad, repeated or discarded row, too many or no tokens, a bad
+                token id (nothing changes).
+        """
+        append_verified_tokens(self.input_batch, self.max_model_len, rows, token_ids)
 
     def append_placeholders(self, rows) -> Placeholders:
         """Asynchronous scheduling: this step sampled ``rows`` (batch rows, in the order of

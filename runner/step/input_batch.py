@@ -82,6 +82,10 @@ class InputBatch:
         self.prev_sampled_pos = np.zeros(max_num_reqs, dtype=np.int32)
         """Per row, the position of that token in the request (valid where
         ``prev_sampled_index >= 0``)."""
+        self.num_spec_tokens = np.zeros(max_num_reqs, dtype=np.int32)
+        """Per row, the draft tokens it verifies this step (speculative decoding), held in
+        ``token_ids_cpu`` after its ``num_tokens`` tokens (``spec_token_ids``); written at
+        the end of stage 2 (``runner/step/spec_apply.py``), 0 outside such a step."""
         self.temperature = np.zeros(max_num_reqs, dtype=np.float32)
         self.top_k = np.zeros(max_num_reqs, dtype=np.int32)
         self.top_p = np.ones(max_num_reqs, dtype=np.float32)

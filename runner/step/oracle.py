@@ -49,6 +49,11 @@ class NaiveStepInputs:
     caching), in tokens, clamped to the smallest ``num_computed_tokens``, rounded down to
     the kernel block; 0 for a sliding-window or Mamba group or fewer than two rows
     (``runner/execute/cascade.py``'s definition, recomputed naively)."""
+    num_draft_tokens: list[int] | None = None
+    """Speculative decoding, over the kept rows: drafts per row (``None``: no drafts this step)."""
+    spec_logits_indices: list[int] | None = None
+    """The last ``1 + d`` token indices of every kept row."""
+    draft_token_ids: list[int] | None = None
 
 
 class NaiveStepCompiler:
@@ -104,7 +109,9 @@ class NaiveStepCompiler:
             n = so.num_scheduled_tokens.get(rid, 0)
             held = len(self.reqs[rid]["tokens"]) + len(cached.new_token_ids[i])
             if n < 1 or cached.num_computed_tokens[i] + n > held or held > self.max_model_len:
-                self._fail(rid, "num_scheduled_tokens", "bad count")
+                if not (so.scheduled_spec_decode_tokens.get(rid) and cached.num_computed_tokens[i] + n
+                        == held + len(so.scheduled_spec_decode_tokens[rid])):
+                    self._fail(rid, "num_scheduled_tokens", "bad count")
             for g, ids in enumerate(cached.new_block_ids[i] or ()):
                 lo = NULL_BLOCK_ID if (cached.resumed_from_preemption[i]
                                        and self.group_kinds[g] is GroupKind.SLIDING_WINDOW) else NULL_BLOCK_ID + 1
@@ -113,6 +120,24 @@ class NaiveStepCompiler:
             total += n
         if total > self.max_num_batched_tokens or len(seen) != len(so.num_scheduled_tokens):
             self._fail(None, "num_scheduled_tokens", "bad total")
+        self._check_drafts(so)
+
+    def _check_drafts(self, so: SchedulerOutput) -> None:
+        """Drafts only for a cached, not resumed request with one real token left,
+        scheduled ``1 + d`` tokens, fitting ``max_model_len``."""
+        cached = so.scheduled_cached_reqs
+        for rid, drafts in so.scheduled_spec_decode_tokens.items():
+            if not drafts:
+                continue
+            if rid not in cached.req_ids:
+                self._fail(rid, "scheduled_spec_decode_tokens", "not a scheduled cached request")
+            i = cached.req_ids.index(rid)
+            held = len(self.reqs[rid]["tokens"]) + len(cached.new_token_ids[i])
+            ncc, n = cached.num_computed_tokens[i], so.num_scheduled_tokens[rid]
+            if (cached.resumed_from_preemption[i] or held - ncc != 1 or n != 1 + len(drafts)
+                    or held + len(drafts) > self.max_model_len
+                    or any(type(t) is not int or not 0 <= t < 2**31 for t in drafts)):
+                self._fail(rid, "scheduled_spec_decode_tokens", "bad drafts")
 
     def _apply(self, so: SchedulerOutput) -> None:
         cached = so.scheduled_cached_reqs
@@ -132,6 +157,7 @@ class NaiveStepCompiler:
                 "ncc": nr.num_computed_tokens,
                 "blocks": [list(b) for b in nr.block_ids],
                 "sampling_params": nr.sampling_params,
+                "spec": [],
             }
             to_add.append(nr.req_id)
         for i, rid in enumerate(cached.req_ids):
@@ -152,6 +178,8 @@ class NaiveStepCompiler:
             else:
                 self.rows.append(rid)
         self.sched = dict(so.num_scheduled_tokens)
+        for rid, st in self.reqs.items():
+            st["spec"] = list(so.scheduled_spec_decode_tokens.get(rid, ()))
         # condense: the last occupied row moves into the lowest hole
         while None in self.rows:
             hole = self.rows.index(None)
@@ -177,6 +205,7 @@ class NaiveStepCompiler:
         for i, rid in enumerate(self.rows):
             st = self.reqs[rid]
             n, c = self.sched[rid], st["ncc"]
+            tokens = st["tokens"] + st["spec"]
             out.req_ids.append(rid)
             out.num_scheduled_tokens.append(n)
             out.num_computed_tokens.append(c)
@@ -186,7 +215,7 @@ class NaiveStepCompiler:
                 pos = c + j
                 out.req_indices.append(i)
                 out.positions.append(pos)
-                out.input_ids.append(st["tokens"][pos])
+                out.input_ids.append(tokens[pos])
                 for g, B in enumerate(self.block_sizes):
                     if self.group_kinds[g] is GroupKind.MAMBA:
                         out.slot_mapping[g].append(PAD_SLOT_ID)
@@ -209,6 +238,16 @@ class NaiveStepCompiler:
         out.max_query_len = max(out.num_scheduled_tokens, default=0)
         out.max_seq_len = max(out.seq_lens, default=0)
         out.common_prefix_len = [self._common_prefix_len(g, out) for g in range(len(self.block_sizes))]
+        if any(self.reqs[rid]["spec"] for rid in self.rows):
+            out.num_draft_tokens, out.spec_logits_indices, out.draft_token_ids = [], [], []
+            for i, rid in enumerate(self.rows):
+                if out.discard[i]:
+                    continue
+                d = self.reqs[rid]["spec"]
+                out.num_draft_tokens.append(len(d))
+                end = out.query_start_loc[i + 1]
+                out.spec_logits_indices.extend(range(end - 1 - len(d), end))
+                out.draft_token_ids.extend(d)
         return out
 
     def _common_prefix_len(self, g: int, out: NaiveStepInputs) -> int:
@@ -248,6 +287,8 @@ class NaiveStepCompiler:
         return out
 
     def append_output_tokens(self, req_ids, token_ids) -> None:
-        """Append one token (or a list of tokens) per request."""
+        """Append one token (or a list of tokens: accepted drafts then the bonus) per request;
+        the request's drafts are gone."""
         for rid, t in zip(req_ids, token_ids):
             self.reqs[rid]["tokens"].extend(t if isinstance(t, (list, tuple)) else [t])
+            self.reqs[rid]["spec"] = []

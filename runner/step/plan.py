@@ -50,6 +50,9 @@ class UpdatePlan:
     new_scanned: list | None = None
     """The fresh requests (``NewRequestData``) staged by the compiled ``NewScan``; then
     ``new_states`` is empty and ``InputBatch.admit_scanned`` admits them."""
+    spec_tokens: object = None
+    """Speculative decoding: the step's checked drafts (``check_spec.SpecTokens``), or
+    ``None``; stage 2 writes them after the requests' tokens (``spec_apply.py``)."""
     native: bool = False
     """Planned by the compiled scan (``runner/step/check_fast.py``): the cached requests' merge
     is ``Scans.cached.apply()`` (``runner/step/fast/bind.py``), and ``rows_c`` … ``appends`` are unused."""

@@ -29,6 +29,7 @@ from attnplug.core.metadata import CommonAttentionMetadata
 from attnplug.runner.step.input_batch import InputBatch
 from attnplug.runner.step.fast import NATIVE
 from attnplug.runner.step.fast.bind import bind_prepare
+from attnplug.runner.step.spec_metadata import SpecDecodeMetadata
 
 
 @dataclass
@@ -85,6 +86,10 @@ class StepInputs:
     """Per group: ``[R, max_num_blocks_per_req * k]`` ``int32``, device; kernel block ids."""
     common_attn_metadata: list[CommonAttentionMetadata] = field(default_factory=list)
     """Per group; group 0's object is the template, the others are ``replace`` copies."""
+    spec_decode_metadata: SpecDecodeMetadata | None = None
+    """Speculative decoding: the verification layout of the rows whose logits are kept,
+    when some row verifies drafts this step (``runner/step/spec_metadata.py``); its
+    ``logits_indices`` replace :attr:`logits_indices`. ``None`` in a step without drafts."""
 
 
 class InputPreparer:

@@ -117,6 +117,12 @@ class SchedulerOutput:
         mamba_state_copies: prefix caching with Mamba groups: the step's state-slot copies
             (``runner/serve/mamba_checkpoints.py``'s ``MambaStateCopies``: restores before
             the forward, saves after), or ``None``. The step compiler does not read it.
+        scheduled_spec_decode_tokens: ``{req_id: [draft token ids]}`` (vLLM's name) for the
+            requests that verify drafts this step (speculative decoding). A request with
+            ``d`` drafts is a decoding cached request with exactly one real token left to
+            compute, scheduled ``1 + d`` tokens: that token, then the drafts (which the
+            runner writes after the request's last token, ``spec_token_ids``). Empty
+            lists mean no drafts. See ``runner/step/check_spec.py`` for the checks.
     """
 
     scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
@@ -125,6 +131,7 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int = 0
     finished_req_ids: set[str] = field(default_factory=set)
     mamba_state_copies: object | None = None
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     def __post_init__(self):
         if not self.total_num_scheduled_tokens and self.num_scheduled_tokens:

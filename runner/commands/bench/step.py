@@ -244,6 +244,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--async-steps", type=_int_at_least(0), default=100,
                         help="async table: prepare_inputs with the previous step's tokens on the device, "
                              "timed steps per workload (0 skips it; default 100)")
+    parser.add_argument("--spec-steps", type=_int_at_least(0), default=100,
+                        help="speculative-decoding table (N=256, k=3 drafts per request, and without): timed "
+                             "steps (0 skips it; default 100)")
     parser.add_argument("--json", action="store_true", help="print every figure as JSON instead of tables")
     parser.add_argument("--repeat", type=_int_at_least(1), default=3,
                         help="replay each workload this many times and report the run with the lowest "
@@ -294,9 +297,15 @@ def main(argv: list[str] | None = None) -> int:
         report["async_prepare"] = run_async([n for n in sizes if n >= 64] or sizes, args.async_steps, args.repeat)
         if not args.json:
             print("\n" + render_async(report["async_prepare"], args.markdown))
+    if args.spec_steps > 0:  # runner/commands/bench/spec_decode.py
+        from attnplug.runner.commands.bench.spec_decode import render_spec, run_spec
+
+        report["spec_decode"] = run_spec(256, 3, args.spec_steps, args.repeat, NATIVE is not None and not args.no_numpy)
+        if not args.json:
+            print("\n" + render_spec(report["spec_decode"], args.markdown))
     if args.json:
         print(json.dumps(report, indent=1))
-    elif args.builder_steps > 0 or args.async_steps > 0 or rows:
+    elif args.builder_steps > 0 or args.async_steps > 0 or args.spec_steps > 0 or rows:
         print(f"torch threads: {report['torch_threads']}; load average at start: "
               + ", ".join(f"{x:.2f}" for x in report["load_average"]))
     return 0

@@ -4,35 +4,23 @@ What is here (usable on its own, tested in ``tests/runner/test_spec_decode.py``)
 
 * ``drafter.py``: the ``Drafter`` interface (``propose(token_histories, k)``), the n-gram /
   prompt-lookup drafter ``NgramDrafter``, and ``parse_speculative`` for ``ngram:k=3[,n=,min_n=]``.
-* ``metadata.py``: ``SpecDecodeMetadata`` (``num_draft_tokens``, ``cu_num_draft_tokens``,
+* ``metadata.py`` (re-exports ``runner/step/spec_metadata.py``): ``SpecDecodeMetadata``
+  (``num_draft_tokens``, ``cu_num_draft_tokens``,
   ``target_logits_indices``, ``bonus_logits_indices``, ``logits_indices``,
   ``draft_token_ids``, as vLLM names them) and ``build_spec_decode_metadata``.
 * ``rejection_sampler.py``: ``RejectionSampler`` (greedy, and the accept/reject rule of
   Leviathan et al. 2023 / Chen et al. 2023 with per-request generators).
 
-How the rest of a step will plug in (not done yet; those modules have other owners):
+How a step uses them (docs/speculative-decoding.md):
 
-1. **Scheduler** (``runner/serve/scheduler.py``): asks the drafter for up to ``k`` drafts per
-   decoding request (capped by the token budget and ``max_model_len``), schedules
-   ``1 + len(drafts)`` tokens for it, allocates blocks for that optimistic length, and sends
-   the drafts in ``SchedulerOutput.scheduled_spec_decode_tokens`` (``{req_id: [ids]}``).
-2. **Step compiler** (``runner/step/``): ``InputBatch`` writes each row's drafts after its
-   last real token (``spec_token_ids``), so the row's query is ``1 + d`` tokens long with
-   positions, slot mapping and ``seq_lens`` for every draft. ``runner/step`` may not import
-   ``runner/execute`` (docs/architecture.md, Layers), so either the model runner calls
-   ``build_spec_decode_metadata(query_start_loc, num_draft_tokens, input_ids=...)`` right
-   after ``prepare_inputs``, or ``metadata.py`` (it imports only numpy and torch) moves into
-   ``runner/step`` for ``prepare_inputs`` to call; either way its ``logits_indices`` replace
-   the one-per-row ones.
-3. **Model runner** (``runner/execute/model_runner.py``): computes logits at
-   ``metadata.logits_indices`` and hands them to ``RejectionSampler`` instead of ``Sampler``
-   (rows with ``d = 0`` sample exactly as ``Sampler`` would); rows whose logits are discarded
-   (partial prefill) must carry no drafts.
-4. **Rollback**: request ``i`` emitted ``num_accepted[i] + 1`` tokens; its
-   ``num_computed_tokens`` advances by ``num_accepted[i] + 1`` (not ``1 + d_i``), the token
-   history keeps only those, ``seq_lens`` / block tables shrink to the accepted length, and the
-   K/V written at rejected draft positions is dead: the next step's slots overwrite it, and no
-   query may read past the accepted length.
+1. **Scheduler** (``runner/serve/spec_schedule.py``, hooks in ``scheduler.py``): drafts per
+   decoding request, ``1 + d`` scheduled tokens, ``scheduled_spec_decode_tokens``; rollback
+   of ``num_computed_tokens`` by the rejected count after the step.
+2. **Step compiler** (``runner/step/check_spec.py``, ``spec_apply.py``, ``spec_metadata.py``):
+   drafts after each row's tokens, ``StepInputs.spec_decode_metadata``,
+   ``StepCompiler.append_verified_tokens``.
+3. **Model runner** (``verify.py``): logits at ``metadata.logits_indices`` and the
+   ``RejectionSampler`` instead of ``Sampler``.
 """
 
 from attnplug.runner.execute.spec_decode.drafter import (

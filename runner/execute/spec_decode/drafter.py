@@ -72,19 +72,35 @@ class NgramDrafter:
         self.min_n = min_n
 
     def propose_one(self, history: Sequence[int], k: int) -> list[int]:
-        """Drafts for one request: ``history`` is its token ids (any int sequence or 1-D array)."""
+        """Drafts for one request: ``history`` is its token ids (any int sequence or 1-D array;
+        an ``int64`` array is used as is). Cost: one comparison pass over the history for the
+        last token, then a few passes over the positions that hold it."""
         if k <= 0:
             return []
         h = np.asarray(history, dtype=np.int64)
         if h.ndim != 1:
             raise ValueError(f"a token history must be 1-D, got shape {h.shape}")
         length = h.shape[0]
-        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
-            # Windows over h[:-1] start at 0 .. length - n - 1: every start before the suffix's.
-            windows = np.lib.stride_tricks.sliding_window_view(h[:-1], n)
-            hits = np.flatnonzero((windows == h[length - n:]).all(axis=1))
+        top = min(self.max_n, length - 1)
+        if top < self.min_n:
+            return []
+        # Candidates: earlier positions c <= length - 2 holding the last token; then how far
+        # each one's match with the suffix extends backwards (at most ``top`` tokens). One
+        # pass over the history, then work on the (few) candidates only.
+        cand = np.flatnonzero(h[:-1] == h[-1])
+        if cand.size == 0:
+            return []
+        matched = np.ones(cand.shape[0], dtype=np.int64)
+        alive = np.ones(cand.shape[0], dtype=bool)
+        for j in range(1, top):
+            alive &= (cand >= j) & (h[np.maximum(cand - j, 0)] == h[length - 1 - j])
+            if not alive.any():
+                break
+            matched += alive
+        for n in range(top, self.min_n - 1, -1):
+            hits = cand[matched >= n]
             if hits.size:
-                start = int(hits[-1]) + n
+                start = int(hits[-1]) + 1  # the latest match ending at c continues at c + 1
                 return h[start:start + k].tolist()
         return []
 

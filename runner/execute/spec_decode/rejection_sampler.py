@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from attnplug.runner.execute.sampler import apply_top_k_top_p
-from attnplug.runner.execute.spec_decode.metadata import SpecDecodeMetadata
+from attnplug.runner.step.spec_metadata import SpecDecodeMetadata
 from attnplug.runner.step.scheduler_output import SamplingParams
 
 PLACEHOLDER_TOKEN_ID = -1

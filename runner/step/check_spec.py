@@ -1,0 +1,175 @@
+"""Stage 1, speculative decoding: ``scheduled_spec_decode_tokens`` checked against the rows.
+
+A request may verify ``d >= 1`` drafts (vLLM's ``scheduled_spec_decode_tokens``) only when
+it is a *decoding* cached request: exactly one real token is left to compute
+(``num_tokens - num_computed_tokens == 1``) and it is scheduled ``1 + d`` tokens (that
+token, then the drafts). Its drafts are written after its last token
+(``InputBatch.num_spec_tokens``, ``runner/step/spec_apply.py``), so the row's
+``seq_lens`` is ``num_tokens + d``, which must fit ``max_model_len``.
+
+Everything is read once and checked before stage 2 changes anything; the first problem
+raises ``InvalidSchedulerOutput`` naming the request and the field. Steps with drafts are
+planned on the numpy path (``UpdateChecker.plan`` skips the compiled scan for them: the
+scan assumes ``seq_lens <= num_tokens``); steps without drafts are unaffected.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from itertools import chain
+
+import numpy as np
+
+from attnplug.runner.step.check_cached import int64s
+from attnplug.runner.step.check_snapshot import Deltas
+from attnplug.runner.step.check_types import err, int64_list, is_flag, is_int, is_int_list, show
+from attnplug.runner.step.groups import StepLayout
+from attnplug.runner.step.input_batch import InputBatch
+from attnplug.runner.step.request_state import CachedRequestState
+
+FIELD = "scheduled_spec_decode_tokens"
+
+
+@dataclass
+class SpecTokens:
+    """The checked drafts of one step (``UpdatePlan.spec_tokens``)."""
+
+    req_ids: list[str]
+    """The verifying requests."""
+    lens: np.ndarray
+    """``[n]`` ``int64`` drafts of each (``>= 1``)."""
+    flat: np.ndarray
+    """``[sum(lens)]`` ``int32`` the drafts, request after request."""
+
+
+def check_spec_tokens(lay: StepLayout, batch: InputBatch, reqs: dict[str, CachedRequestState], d: Deltas,
+                      rows_c: np.ndarray, counts_c: np.ndarray, new_ids: set[str]
+                      ) -> tuple[np.ndarray, SpecTokens | None]:
+    """Check the drafts of one output.
+
+    Args:
+        lay, batch, reqs: the layout and both views of the state (read only).
+        d: the output as read once.
+        rows_c: ``[num_cached]`` batch rows of the cached requests (``-1``: not in the batch).
+        counts_c: ``[num_cached]`` their ``num_scheduled_tokens`` (already checked).
+        new_ids: the ids of ``scheduled_new_reqs``.
+
+
+    Returns:
+        ``(drafts_c, spec)``: ``[num_cached]`` ``int64`` drafts per cached request (added to
+        the tokens it holds for the ``seq_lens`` check), and the drafts as
+        :class:`SpecTokens` (``None`` when no request has any).
+
+    A regular output (lists of ints for decoding cached rows, scheduled ``1 + d``) is
+    checked vectorized; anything else goes through the per-request loop that words the
+    first problem (same result for valid input).
+
+    Raises:
+        InvalidSchedulerOutput: a key that is not a scheduled cached request (unknown, not
+            scheduled, new, or resumed: still prefilling), drafts that are not token ids,
+            a row with more than one real token left (prefilling), ``num_scheduled_tokens``
+            other than ``1 + d``, or ``num_tokens + d > max_model_len``.
+    """
+    spec_in = d.spec_decode_tokens
+    if not spec_in:
+        return np.zeros(len(d.scheduled_cached_reqs.req_ids), dtype=np.int64), None
+    fast = _check_fast(lay, batch, d, rows_c, counts_c)
+    if fast is not None:
+        return fast
+    drafts_c, spec = _check_each(lay, batch, reqs, d, rows_c, counts_c, new_ids)
+    if not spec:
+        return drafts_c, None
+    ids = [rid for rid, _ in spec]
+    lens = np.asarray([a.shape[0] for _, a in spec], dtype=np.int64)
+    return drafts_c, SpecTokens(ids, lens, np.concatenate([a for _, a in spec]).astype(np.int32))
+
+
+def _check_fast(lay: StepLayout, batch: InputBatch, d: Deltas, rows_c: np.ndarray, counts_c: np.ndarray
+                ) -> tuple[np.ndarray, SpecTokens] | None:
+    """The vectorized check of a regular output, or ``None`` (then the loop decides)."""
+    spec_in, cached = d.spec_decode_tokens, d.scheduled_cached_reqs
+    C, nC = cached.req_ids, len(cached.req_ids)
+    ids, vals = list(spec_in), list(spec_in.values())
+    if set(map(type, ids)) != {str} or set(map(type, vals)) != {list} or True in cached.resumed_from_preemption:
+        return None
+    if cached.new_token_ids.count([]) != nC:
+        return None
+    where = dict(zip(C, range(nC)))
+    try:
+        idx = np.fromiter(map(where.__getitem__, ids), np.int64, len(ids))
+        ncts = int64s(map(cached.num_computed_tokens.__getitem__, idx.tolist()), len(ids))
+    except (KeyError, struct.error, TypeError):
+        return None
+    lens = np.fromiter(map(len, vals), np.int64, len(ids))
+    rows = rows_c[idx]
+    if not lens.all() or (rows < 0).any():
+        return None
+    held = batch.num_tokens[rows].astype(np.int64)
+    if ((held - ncts != 1) | (counts_c[idx] != 1 + lens) | (held + lens > lay.max_model_len)).any():
+        return None
+    try:  # struct takes ints only (floats, strings, None raise; a bool packs as 0 or 1)
+        flat = int64s(chain.from_iterable(vals), int(lens.sum()))
+    except (struct.error, TypeError):
+        return None
+    if flat.min() < 0 or flat.max() >= 2**31 or (
+            np.count_nonzero(flat <= 1) and bool in set(map(type, chain.from_iterable(vals)))):
+        return None
+    drafts_c = np.zeros(nC, dtype=np.int64)
+    drafts_c[idx] = lens
+    return drafts_c, SpecTokens(ids, lens, flat.astype(np.int32))
+
+
+def _check_each(lay: StepLayout, batch: InputBatch, reqs: dict[str, CachedRequestState], d: Deltas,
+                rows_c: np.ndarray, counts_c: np.ndarray, new_ids: set[str]
+                ) -> tuple[np.ndarray, list[tuple[str, np.ndarray]]]:
+    """Request by request; raises on the first problem (see :func:`check_spec_tokens`)."""
+    spec_in = d.spec_decode_tokens
+    cached = d.scheduled_cached_reqs
+    C = cached.req_ids
+    drafts_c = np.zeros(len(C), dtype=np.int64)
+    spec: list[tuple[str, np.ndarray]] = []
+    where = {rid: i for i, rid in enumerate(C)}
+    for rid, toks in spec_in.items():
+        if type(rid) is not str:
+            err(None, FIELD, f"request ids must be str, got {show(rid)}")
+        if not is_int_list(toks):
+            err(rid, FIELD, f"expected a list of draft token ids, got {show(toks)}")
+        arr = int64_list(list(toks)) if not isinstance(toks, np.ndarray) else toks.astype(np.int64)
+        if arr is None or (arr.shape[0] and (arr.min() < 0 or arr.max() >= 2**31)):
+            err(rid, FIELD, f"draft token ids must be ints in [0, 2**31), got {show(toks)}")
+        if arr.shape[0] == 0:
+            continue
+        if rid in new_ids:
+            err(rid, FIELD, "drafts for a new request: it is still prefilling (drafts only for "
+                "decoding rows, one real token left to compute)")
+        i = where.get(rid)
+        if i is None:
+            known = rid in reqs
+            err(rid, FIELD, "request is resident but not scheduled this step" if known else
+                "unknown request: not in scheduled_cached_reqs")
+        flag = cached.resumed_from_preemption[i]
+        if is_flag(flag) and flag:
+            err(rid, FIELD, "drafts for a request resumed from preemption: it is still prefilling")
+        ncts = cached.num_computed_tokens[i]
+        if not is_int(ncts):
+            continue  # computed_and_token_deltas words this one
+        r = int(rows_c[i])
+        held = int(batch.num_tokens[r]) if r >= 0 else reqs[rid].num_tokens
+        new_toks = cached.new_token_ids[i]
+        held += len(new_toks) if is_int_list(new_toks) else 0
+        left, nd, n = held - int(ncts), int(arr.shape[0]), int(counts_c[i])
+        if left > 1:
+            err(rid, FIELD, f"row still prefilling: {left} real tokens left to compute "
+                f"(num_computed_tokens={int(ncts)} of {held}); drafts only for decoding rows")
+        if left < 1:
+            err(rid, FIELD, f"num_computed_tokens={int(ncts)} leaves no real token of {held} to compute: "
+                "a verifying row computes its last token, then the drafts")
+        if n != 1 + nd:
+            err(rid, FIELD, f"{nd} drafts need num_scheduled_tokens == 1 + {nd}, got {n}"
+                + (" (more drafts than the step's budget for the request)" if nd > n - 1 else ""))
+        if held + nd > lay.max_model_len:
+            err(rid, FIELD, f"{nd} drafts after {held} tokens exceed max_model_len={lay.max_model_len}")
+        drafts_c[i] = nd
+        spec.append((rid, arr.astype(np.int32)))
+    return drafts_c, spec

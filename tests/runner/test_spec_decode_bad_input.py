@@ -1,0 +1,119 @@
+"""Bad ``scheduled_spec_decode_tokens`` raise ``InvalidSchedulerOutput`` naming the request
+and the field, and leave the runner state byte-identical, on the compiled and the numpy
+path; a valid step with drafts lays them out after each row's tokens (``spec_token_ids``)
+and ``prepare_inputs`` builds the verification layout."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from attnplug.core.errors import InvalidSchedulerOutput, MetadataError
+from attnplug.runner.step.compiler import StepCompiler, snapshot_diff
+from attnplug.runner.step.fast import NATIVE
+from attnplug.runner.step.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+
+PATHS = [pytest.param(False, id="numpy"),
+         pytest.param(True, id="compiled", marks=pytest.mark.skipif(NATIVE is None, reason="not built"))]
+
+
+def make_compiler(native: bool) -> StepCompiler:
+    """A decoding (1 token left, 9 held), B prefilling (6 of 12 computed), C resident, unscheduled."""
+    sc = StepCompiler([4], max_num_reqs=4, max_model_len=16, max_num_batched_tokens=12, num_blocks=32,
+                      validate=True, native=native)
+    sc.update_states(SchedulerOutput([
+        NewRequestData("A", [1, 2, 3, 4, 5, 6, 7, 8], ([1, 2, 3],)),
+        NewRequestData("B", list(range(20, 32)), ([4, 5],)),
+        NewRequestData("C", [9, 9], ([6],))], CachedRequestData(), {"A": 8, "B": 2, "C": 2}))
+    sc.prepare_inputs()
+    sc.append_output_tokens(["A", "C"], [40, 41])
+    return sc
+
+
+def step(drafts: dict, nst: dict | None = None, ncc=(8, 2), blocks=None, new=()) -> SchedulerOutput:
+    nst = {"A": 1 + len(drafts.get("A", [])), "B": 4} if nst is None else nst
+    cd = CachedRequestData(["A", "B"], [False, False], [[], []], blocks or [None, ([6],)], list(ncc))
+    for nr in new:
+        nst[nr.req_id] = len(nr.prompt_token_ids)
+    return SchedulerOutput(list(new), cd, nst, scheduled_spec_decode_tokens=drafts)
+
+
+@pytest.mark.parametrize("native", PATHS)
+def test_a_valid_step_with_drafts_is_laid_out_after_the_row_tokens(native):
+    sc = make_compiler(native)
+    so = step({"A": [5, 6, 7]})
+    sc.update_states(so)
+    inputs = sc.prepare_inputs(so)
+    b = sc.input_batch
+    r = b.req_id_to_index["A"]
+    assert b.num_tokens[r] == 9 and b.num_spec_tokens[r] == 3
+    assert b.token_ids_cpu[r, 8:12].tolist() == [40, 5, 6, 7]
+    q = inputs.query_start_loc_cpu.tolist()
+    assert inputs.input_ids[q[r]:q[r + 1]].tolist() == [40, 5, 6, 7]
+    assert inputs.positions[q[r]:q[r + 1]].tolist() == [8, 9, 10, 11]
+    assert inputs.seq_lens_cpu[r] == 12 and not inputs.discard[r]
+    bt = sc.input_batch.block_table[0]
+    want_slots = [bt.block_table_np[r, p // 4] * 4 + p % 4 for p in range(8, 12)]
+    assert inputs.slot_mapping[0][q[r]:q[r + 1]].tolist() == want_slots  # a slot for every draft
+    md = inputs.spec_decode_metadata
+    assert md.num_draft_tokens == [3]  # B's logits are discarded (partial prefill): not verified
+    assert md.draft_token_ids.tolist() == [5, 6, 7]
+    assert md.logits_indices.tolist() == list(range(q[r], q[r + 1]))
+    assert inputs.common_attn_metadata[0].max_query_len == 4
+    # stage 8: 2 accepted + 1 corrected token; the drafts are gone, the row holds 9 + 3 tokens
+    sc.append_verified_tokens([r], [[5, 6, 9]])
+    assert b.num_tokens[r] == 12 and b.num_spec_tokens[r] == 0
+    assert sc.requests["A"].all_token_ids[-4:] == [40, 5, 6, 9]
+
+
+def _bad_cases():
+    A = {"A": [5, 6]}
+    return [
+        ("unknown", dict(drafts={"Z": [1]}), "Z"),
+        ("unscheduled resident", dict(drafts={"C": [1]}), "C"),
+        ("prefilling row", dict(drafts={"B": [1, 2]}), "B"),
+        ("new request", dict(drafts={"N": [1]}, new=[NewRequestData("N", [3, 3], ([7],))]), "N"),
+        ("more drafts than budget", dict(drafts=A, nst={"A": 2, "B": 4}), "A"),
+        ("fewer drafts than scheduled", dict(drafts=A, nst={"A": 4, "B": 4}), "A"),
+        ("beyond max_model_len", dict(drafts={"A": [1] * 8}, nst={"A": 9, "B": 1},
+                                      blocks=[([7],), None]), "A"),
+        ("negative id", dict(drafts={"A": [5, -1]}), "A"),
+        ("float id", dict(drafts={"A": [5, 1.0]}), "A"),
+        ("not a list", dict(drafts={"A": 5}, nst={"A": 2, "B": 4}), "A"),
+        ("nothing real left", dict(drafts=A, ncc=(9, 2)), "A"),
+    ]
+
+
+@pytest.mark.parametrize("native", PATHS)
+@pytest.mark.parametrize("name, kw, rid", _bad_cases(), ids=[c[0] for c in _bad_cases()])
+def test_bad_drafts_name_request_and_field_and_change_nothing(native, name, kw, rid):
+    sc = make_compiler(native)
+    before = sc.snapshot()
+    with pytest.raises(InvalidSchedulerOutput) as e:
+        sc.update_states(step(**kw))
+    assert e.value.req_id == rid and e.value.field == "scheduled_spec_decode_tokens", str(e.value)
+    assert not snapshot_diff(before, sc.snapshot())
+    so = step({"A": [5]})  # and the state still takes a valid step
+    sc.update_states(so)
+    sc.prepare_inputs(so)
+
+
+@pytest.mark.parametrize("native", PATHS)
+def test_a_field_that_is_not_a_dict_and_bad_verified_appends(native):
+    sc = make_compiler(native)
+    before = sc.snapshot()
+    so = step({})
+    so.scheduled_spec_decode_tokens = [("A", [1])]
+    with pytest.raises(InvalidSchedulerOutput, match="scheduled_spec_decode_tokens"):
+        sc.update_states(so)
+    assert not snapshot_diff(before, sc.snapshot())
+    so = step({"A": [5, 6]})
+    sc.update_states(so)
+    sc.prepare_inputs(so)
+    r, rb = sc.input_batch.req_id_to_index["A"], sc.input_batch.req_id_to_index["B"]
+    mid = sc.snapshot()
+    for rows, toks, msg in [([r], [[1, 2, 3, 4]], "2 drafts"), ([r], [[]], "0 tokens"),
+                            ([rb], [[1]], "seq_len"), ([r, r], [[1], [2]], "distinct")]:
+        with pytest.raises(MetadataError, match=msg):
+            sc.append_verified_tokens(rows, toks)
+        assert not snapshot_diff(mid, sc.snapshot())
