@@ -154,3 +154,57 @@ def copy_block_table(buffer: torch.Tensor, block_table: torch.Tensor, num_rows: 
     if num_rows and live_cols:
         buffer[:num_rows, :live_cols].copy_(block_table[:num_rows, :live_cols], non_blocking=True)
     return buffer[:num_rows]
+
+
+class StepTensorChecks:
+    """:func:`check_step_tensors`, :func:`check_slot_mapping` and :func:`check_block_table`
+    for one builder, remembering the tensor objects they last passed.
+
+    The step compiler hands its builders the same view objects step after step (views of
+    its persistent buffers, ``runner/step/prepare.py``), and a tensor object's dtype,
+    device and shape never change (nothing here resizes one in place). So when every
+    tensor of a step *is* (``is``) the one last checked, only the host ints are compared
+    against the remembered sizes (a dozen int comparisons instead of ~20 tensor attribute
+    reads); any other tensor, or any size that does not fit, runs the full checks, which
+    raise the usual errors. The memo holds references to the tensors, so no id is reused
+    while it is kept.
+
+    Args:
+        device: the compute device (resolved).
+        block_size: the kernel block size (tokens).
+        max_num_blocks_per_req: the builder's block-table width.
+        max_model_len: for the error message.
+        slot_capacity: the slot-mapping buffer's length (``max_num_batched_tokens``).
+        backend: named in error messages.
+    """
+
+    def __init__(self, *, device: torch.device, block_size: int, max_num_blocks_per_req: int, max_model_len: int,
+                 slot_capacity: int, backend: str):
+        self.device, self.block_size, self.backend = device, int(block_size), backend
+        self.max_num_blocks_per_req, self.max_model_len = int(max_num_blocks_per_req), int(max_model_len)
+        self.slot_capacity = int(slot_capacity)
+        self._memo: tuple | None = None
+
+    def check(self, cm: CommonAttentionMetadata, num_rows: int) -> None:
+        """Check ``cm``'s step tensors for ``num_rows`` rows (see the class docstring).
+
+        Raises:
+            MetadataError: as the three checks do.
+        """
+        qsl, sl, bt, sm = cm.query_start_loc, cm.seq_lens, cm.block_table_tensor, cm.slot_mapping
+        qc, sc = cm.query_start_loc_cpu, cm.seq_lens_cpu
+        m = self._memo
+        if m is not None and m[0] is qsl and m[1] is sl and m[2] is bt and m[3] is sm and m[4] is qc and m[5] is sc:
+            q_len, s_len, qc_len, sc_len, sm_len, bt_rows, bt_cols = m[6]
+            n = cm.num_reqs
+            if (q_len > num_rows and s_len >= num_rows and qc_len > n and sc_len >= n and bt_rows >= num_rows
+                    and cm.num_actual_tokens <= sm_len
+                    and -(-cm.max_seq_len // self.block_size) <= min(bt_cols, self.max_num_blocks_per_req)):
+                return
+        check_step_tensors(cm, num_rows, self.device, self.backend)
+        check_slot_mapping(sm, cm.num_actual_tokens, self.slot_capacity, self.device)
+        check_block_table(bt, num_rows, cm.max_seq_len, block_size=self.block_size,
+                          max_num_blocks_per_req=self.max_num_blocks_per_req, max_model_len=self.max_model_len,
+                          device=self.device, backend=self.backend)
+        sizes = (qsl.shape[0], sl.shape[0], qc.shape[0], sc.shape[0], sm.shape[0], bt.shape[0], bt.shape[1])
+        self._memo = (qsl, sl, bt, sm, qc, sc, sizes)
