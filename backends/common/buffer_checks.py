@@ -184,6 +184,7 @@ class StepTensorChecks:
         self.max_num_blocks_per_req, self.max_model_len = int(max_num_blocks_per_req), int(max_model_len)
         self.slot_capacity = int(slot_capacity)
         self._memo: tuple | None = None
+        self._tables: tuple | None = None
 
     def check(self, cm: CommonAttentionMetadata, num_rows: int) -> None:
         """Check ``cm``'s step tensors for ``num_rows`` rows (see the class docstring).
@@ -191,20 +192,30 @@ class StepTensorChecks:
         Raises:
             MetadataError: as the three checks do.
         """
-        qsl, sl, bt, sm = cm.query_start_loc, cm.seq_lens, cm.block_table_tensor, cm.slot_mapping
-        qc, sc = cm.query_start_loc_cpu, cm.seq_lens_cpu
+        qsl, sl, qc, sc = cm.query_start_loc, cm.seq_lens, cm.query_start_loc_cpu, cm.seq_lens_cpu
         m = self._memo
-        if m is not None and m[0] is qsl and m[1] is sl and m[2] is bt and m[3] is sm and m[4] is qc and m[5] is sc:
-            q_len, s_len, qc_len, sc_len, sm_len, bt_rows, bt_cols = m[6]
-            n = cm.num_reqs
-            if (q_len > num_rows and s_len >= num_rows and qc_len > n and sc_len >= n and bt_rows >= num_rows
-                    and cm.num_actual_tokens <= sm_len
-                    and -(-cm.max_seq_len // self.block_size) <= min(bt_cols, self.max_num_blocks_per_req)):
-                return
-        check_step_tensors(cm, num_rows, self.device, self.backend)
-        check_slot_mapping(sm, cm.num_actual_tokens, self.slot_capacity, self.device)
-        check_block_table(bt, num_rows, cm.max_seq_len, block_size=self.block_size,
+        n = cm.num_reqs
+        if not (m is not None and m[0] is qsl and m[1] is sl and m[2] is qc and m[3] is sc
+                and m[4] > num_rows and m[5] >= num_rows and m[6] > n and m[7] >= n):
+            check_step_tensors(cm, num_rows, self.device, self.backend)
+            self._memo = (qsl, sl, qc, sc, qsl.shape[0], sl.shape[0], qc.shape[0], sc.shape[0])
+        self.check_tables(cm.block_table_tensor, cm.slot_mapping, num_rows, cm.num_actual_tokens, cm.max_seq_len)
+
+    def check_tables(self, block_table: torch.Tensor, slot_mapping: torch.Tensor, num_rows: int,
+                     num_actual_tokens: int, max_seq_len: int) -> None:
+        """:func:`check_slot_mapping` and :func:`check_block_table` alone (``build`` and
+        ``update_block_table``), with their own memo of the two tensors.
+
+        Raises:
+            MetadataError: as the two checks do.
+        """
+        m = self._tables
+        if (m is not None and m[0] is block_table and m[1] is slot_mapping and m[2] >= num_rows
+                and num_actual_tokens <= m[4]
+                and -(-max_seq_len // self.block_size) <= min(m[3], self.max_num_blocks_per_req)):
+            return
+        check_slot_mapping(slot_mapping, num_actual_tokens, self.slot_capacity, self.device)
+        check_block_table(block_table, num_rows, max_seq_len, block_size=self.block_size,
                           max_num_blocks_per_req=self.max_num_blocks_per_req, max_model_len=self.max_model_len,
                           device=self.device, backend=self.backend)
-        sizes = (qsl.shape[0], sl.shape[0], qc.shape[0], sc.shape[0], sm.shape[0], bt.shape[0], bt.shape[1])
-        self._memo = (qsl, sl, bt, sm, qc, sc, sizes)
+        self._tables = (block_table, slot_mapping, block_table.shape[0], block_table.shape[1], slot_mapping.shape[0])

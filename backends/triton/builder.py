@@ -25,8 +25,6 @@ import torch
 from attnplug.backends.common.buffer_checks import (
     StepTensorChecks,
     builder_values_checked,
-    check_block_table,
-    check_slot_mapping,
     check_step_tensors,
     check_step_values,
     copy_block_table,
@@ -182,8 +180,7 @@ class TritonMetadataBuilder(AttentionMetadataBuilder):
         Does not synchronise with the host; graph-safe.
         """
         n = metadata.num_reqs
-        self._check_block_table(block_table, n, metadata.max_seq_len)
-        self._check_slot_mapping(slot_mapping, metadata.num_actual_tokens)
+        self._step_checks.check_tables(block_table, slot_mapping, n, metadata.num_actual_tokens, metadata.max_seq_len)
         if metadata.block_size != self.block_size:
             raise MetadataError(
                 f"update_block_table: metadata has block_size {metadata.block_size}, this builder "
@@ -218,11 +215,3 @@ class TritonMetadataBuilder(AttentionMetadataBuilder):
             check_step_tensors(cm, n, self.device, "triton")
             check_step_values(cm)
         self._step_checks.check(cm, n)
-
-    def _check_slot_mapping(self, slot_mapping: torch.Tensor, num_actual_tokens: int) -> None:
-        check_slot_mapping(slot_mapping, num_actual_tokens, self._slot_mapping.shape[0], self.device)
-
-    def _check_block_table(self, block_table: torch.Tensor, num_reqs: int, max_seq_len: int) -> None:
-        check_block_table(block_table, num_reqs, max_seq_len, block_size=self.block_size,
-                          max_num_blocks_per_req=self.max_num_blocks_per_req,
-                          max_model_len=self.config.max_model_len, device=self.device, backend="triton")

@@ -41,3 +41,16 @@ def test_another_tensor_object_is_checked_in_full():
     with pytest.raises(MetadataError, match="block_table_tensor is torch.int64"):
         checks.check(cm.replace(block_table_tensor=cm.block_table_tensor.long()), 2)
     checks.check(cm, 2)  # the good step passes again
+
+
+def test_update_block_table_checks_share_the_memo_and_still_refuse():
+    checks, cm = _checks(), _cm()
+    bt, sm = cm.block_table_tensor, cm.slot_mapping
+    checks.check_tables(bt, sm, 2, 2, 8)
+    checks.check_tables(bt, sm, 2, 2, 8)  # warm
+    with pytest.raises(MetadataError, match="slot_mapping has 2 entries"):
+        checks.check_tables(bt, sm, 2, 3, 8)
+    with pytest.raises(MetadataError, match="needs 5 blocks"):
+        checks.check_tables(bt, sm, 2, 2, 17)
+    with pytest.raises(MetadataError, match="block_table_tensor is torch.int32 \\(1, 4\\)"):
+        checks.check_tables(bt[:1], sm, 2, 2, 8)
