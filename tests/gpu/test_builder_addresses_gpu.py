@@ -9,7 +9,11 @@ the first steady step; every later step is built again (into the builders' persi
 buffers), the graph is replayed, and its output and K/V caches must equal an eager
 ``forward`` of the same step built with ``build`` (zero-copy: the step's own buffers).
 If a build moved a tensor the graph reads, the replay would read the first step's
-metadata (or freed memory) and differ; the addresses are also compared directly.
+metadata (or freed memory) and differ; the addresses are also compared directly. (A CPU
+dry run of this test, the graph replaced by re-running a closure over the captured
+metadata under the Triton interpreter, passes; with graph builds planted to hand out
+freshly allocated tensors, and the direct address checks removed, the replay check fails:
+"the replay wrote other slots".)
 
 Run in a process without ``TRITON_INTERPRET`` (``tests/gpu/run_all.sh`` does).
 """
