@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
 from attnplug.backends.torch_native import TorchNativeMetadataBuilder
 from attnplug.cache_groups.sliding_window import num_skipped_blocks
