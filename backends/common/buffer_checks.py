@@ -154,3 +154,68 @@ def copy_block_table(buffer: torch.Tensor, block_table: torch.Tensor, num_rows: 
     if num_rows and live_cols:
         buffer[:num_rows, :live_cols].copy_(block_table[:num_rows, :live_cols], non_blocking=True)
     return buffer[:num_rows]
+
+
+class StepTensorChecks:
+    """:func:`check_step_tensors`, :func:`check_slot_mapping` and :func:`check_block_table`
+    for one builder, remembering the tensor objects they last passed.
+
+    The step compiler hands its builders the same view objects step after step (views of
+    its persistent buffers, ``runner/step/prepare.py``), and a tensor object's dtype,
+    device and shape never change (nothing here resizes one in place). So when every
+    tensor of a step *is* (``is``) the one last checked, only the host ints are compared
+    against the remembered sizes (a dozen int comparisons instead of ~20 tensor attribute
+    reads); any other tensor, or any size that does not fit, runs the full checks, which
+    raise the usual errors. The memo holds references to the tensors, so no id is reused
+    while it is kept.
+
+    Args:
+        device: the compute device (resolved).
+        block_size: the kernel block size (tokens).
+        max_num_blocks_per_req: the builder's block-table width.
+        max_model_len: for the error message.
+        slot_capacity: the slot-mapping buffer's length (``max_num_batched_tokens``).
+        backend: named in error messages.
+    """
+
+    def __init__(self, *, device: torch.device, block_size: int, max_num_blocks_per_req: int, max_model_len: int,
+                 slot_capacity: int, backend: str):
+        self.device, self.block_size, self.backend = device, int(block_size), backend
+        self.max_num_blocks_per_req, self.max_model_len = int(max_num_blocks_per_req), int(max_model_len)
+        self.slot_capacity = int(slot_capacity)
+        self._memo: tuple | None = None
+        self._tables: tuple | None = None
+
+    def check(self, cm: CommonAttentionMetadata, num_rows: int) -> None:
+        """Check ``cm``'s step tensors for ``num_rows`` rows (see the class docstring).
+
+        Raises:
+            MetadataError: as the three checks do.
+        """
+        qsl, sl, qc, sc = cm.query_start_loc, cm.seq_lens, cm.query_start_loc_cpu, cm.seq_lens_cpu
+        m = self._memo
+        n = cm.num_reqs
+        if not (m is not None and m[0] is qsl and m[1] is sl and m[2] is qc and m[3] is sc
+                and m[4] > num_rows and m[5] >= num_rows and m[6] > n and m[7] >= n):
+            check_step_tensors(cm, num_rows, self.device, self.backend)
+            self._memo = (qsl, sl, qc, sc, qsl.shape[0], sl.shape[0], qc.shape[0], sc.shape[0])
+        self.check_tables(cm.block_table_tensor, cm.slot_mapping, num_rows, cm.num_actual_tokens, cm.max_seq_len)
+
+    def check_tables(self, block_table: torch.Tensor, slot_mapping: torch.Tensor, num_rows: int,
+                     num_actual_tokens: int, max_seq_len: int) -> None:
+        """:func:`check_slot_mapping` and :func:`check_block_table` alone (``build`` and
+        ``update_block_table``), with their own memo of the two tensors.
+
+        Raises:
+            MetadataError: as the two checks do.
+        """
+        m = self._tables
+        if (m is not None and m[0] is block_table and m[1] is slot_mapping and m[2] >= num_rows
+                and num_actual_tokens <= m[4]
+                and -(-max_seq_len // self.block_size) <= min(m[3], self.max_num_blocks_per_req)):
+            return
+        check_slot_mapping(slot_mapping, num_actual_tokens, self.slot_capacity, self.device)
+        check_block_table(block_table, num_rows, max_seq_len, block_size=self.block_size,
+                          max_num_blocks_per_req=self.max_num_blocks_per_req, max_model_len=self.max_model_len,
+                          device=self.device, backend=self.backend)
+        self._tables = (block_table, slot_mapping, block_table.shape[0], block_table.shape[1], slot_mapping.shape[0])

@@ -23,9 +23,8 @@ import dataclasses
 import torch
 
 from attnplug.backends.common.buffer_checks import (
+    StepTensorChecks,
     builder_values_checked,
-    check_block_table,
-    check_slot_mapping,
     check_step_tensors,
     check_step_values,
     copy_block_table,
@@ -120,6 +119,9 @@ class FlashAttnMetadataBuilder(AttentionMetadataBuilder):
         self._version = self.kernels_version()
         self.validate_values = builder_values_checked()
         """Check the host values of every step (``ATTNPLUG_VALIDATE=1`` when created)."""
+        self._step_checks = StepTensorChecks(
+            device=dev, block_size=self.block_size, max_num_blocks_per_req=self.max_num_blocks_per_req,
+            max_model_len=config.max_model_len, slot_capacity=config.max_num_batched_tokens, backend="flash_attn")
 
     # --- build ---------------------------------------------------------------------------
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
@@ -215,8 +217,7 @@ class FlashAttnMetadataBuilder(AttentionMetadataBuilder):
         Does not synchronise with the host; graph-safe.
         """
         B = metadata.batch_size
-        self._check_block_table(block_table, B, metadata.max_seq_len)
-        self._check_slot_mapping(slot_mapping, metadata.num_actual_tokens)
+        self._step_checks.check_tables(block_table, slot_mapping, B, metadata.num_actual_tokens, metadata.max_seq_len)
         if metadata.block_size != self.block_size:
             raise MetadataError(f"update_block_table: metadata has block_size {metadata.block_size}, this builder "
                                 f"{self.block_size}: only groups with the same spec may share a build")
@@ -330,17 +331,8 @@ class FlashAttnMetadataBuilder(AttentionMetadataBuilder):
                 f"query_start_loc has {B + 1} entries for num_reqs={n}: need num_reqs + 1 <= entries <= "
                 f"BuilderConfig.max_num_reqs + 1 = {cap + 1} (padded requests included); raise max_num_reqs or "
                 "pass query_start_loc[:num_reqs + 1].")
-        check_step_tensors(cm, B, self.device, "flash_attn")
         if self.validate_values:
+            check_step_tensors(cm, B, self.device, "flash_attn")
             check_step_values(cm, self.config.max_model_len)
-        self._check_slot_mapping(cm.slot_mapping, cm.num_actual_tokens)
-        self._check_block_table(cm.block_table_tensor, B, cm.max_seq_len)
+        self._step_checks.check(cm, B)
         return B
-
-    def _check_slot_mapping(self, slot_mapping: torch.Tensor, num_actual_tokens: int) -> None:
-        check_slot_mapping(slot_mapping, num_actual_tokens, self._slot_mapping.shape[0], self.device)
-
-    def _check_block_table(self, block_table: torch.Tensor, num_reqs: int, max_seq_len: int) -> None:
-        check_block_table(block_table, num_reqs, max_seq_len, block_size=self.block_size,
-                          max_num_blocks_per_req=self.max_num_blocks_per_req,
-                          max_model_len=self.config.max_model_len, device=self.device, backend="flash_attn")

@@ -2,8 +2,9 @@
 
 Per step: the decode/prefill split (decodes first, ``reorder_batch_threshold = 1``);
 int32 ``paged_kv_indptr`` / ``paged_kv_indices`` / ``paged_kv_last_page_len`` computed
-vectorized from the block table and ``seq_lens`` (host arithmetic on the ``_cpu``
-copies, one device gather for the indices); ``qo_indptr`` of the prefill slice; then one
+once, vectorised, into persistent buffers (``pages.py``: host arithmetic on the ``_cpu``
+copies, one device gather reading only the pages' block-table entries); ``qo_indptr``
+of the prefill slice; then one
 decode and one prefill ``plan()`` per distinct layer configuration (query heads,
 ``window_left = W - 1``, soft-cap, scale) of the group's live impls. CUDA-graph builds
 (``build_for_cudagraph_capture``: pure single-token decodes only) use graph decode wrappers,
@@ -18,10 +19,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from attnplug.backends.common.buffer_checks import check_slot_mapping
+from attnplug.backends.common.buffer_checks import builder_values_checked, check_slot_mapping
 from attnplug.backends.common.window import flashinfer_window_left
 from attnplug.backends.flashinfer.kernels import LIVE_LAYER_PARAMS, installed_module, unavailable_reason
 from attnplug.backends.flashinfer.metadata import FlashInferMetadata, FlashInferPlan, FlashInferPlanKey
+from attnplug.backends.flashinfer.pages import PageMetadataBuffers
 from attnplug.cache_groups.specs import cdiv
 from attnplug.core.constants import PAD_SLOT_ID
 from attnplug.core.contracts import AttentionCGSupport, AttentionMetadataBuilder, BuilderConfig
@@ -31,53 +33,6 @@ from attnplug.core.metadata import CommonAttentionMetadata
 
 WORKSPACE_BYTES = 128 << 20
 """FlashInfer's float workspace (shared by every wrapper of a builder)."""
-
-
-def page_metadata(seq_lens: np.ndarray, page_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """FlashInfer's per-request page counts as CSR arrays, vectorized.
-
-    Args:
-        seq_lens: ``[B]`` int, keys per request (0 for padded requests).
-        page_size: tokens per page.
-
-    Returns:
-        ``(indptr [B + 1], last_page_len [B], num_pages [B])``, int32: request ``i`` owns
-        ``num_pages[i] = cdiv(seq_lens[i], page_size)`` pages and ``page_size *
-        (num_pages - 1) + last_page_len == seq_lens`` whenever it owns any;
-        ``1 <= last_page_len <= page_size`` always.
-
-    Examples:
-        >>> ptr, last, n = page_metadata(np.array([5, 16, 1, 0]), 4)
-        >>> ptr.tolist(), last.tolist(), n.tolist()
-        ([0, 2, 6, 7, 7], [1, 4, 1, 4], [2, 4, 1, 0])
-    """
-    lens = np.asarray(seq_lens, dtype=np.int64)
-    num_pages = (lens + page_size - 1) // page_size
-    indptr = np.zeros(lens.shape[0] + 1, dtype=np.int32)
-    np.cumsum(num_pages, out=indptr[1:])
-    last_page_len = (lens - 1) % page_size + 1
-    return indptr, last_page_len.astype(np.int32), num_pages.astype(np.int32)
-
-
-def gather_page_indices(block_table: torch.Tensor, indptr: np.ndarray, num_pages: np.ndarray) -> torch.Tensor:
-    """``paged_kv_indices``: each request's first ``num_pages`` block-table entries, in order.
-
-    Args:
-        block_table: ``[>= B, max_num_blocks_per_req]``, ``torch.int32``, device.
-        indptr, num_pages: from :func:`page_metadata` (``[B + 1]``, ``[B]``).
-
-    Returns:
-        ``[indptr[B]]``, ``torch.int32``, on ``block_table``'s device. One gather; the
-        index arithmetic is vectorized numpy on the host (no per-token loop, no sync).
-    """
-    B = num_pages.shape[0]
-    total = int(indptr[B])
-    rows = np.repeat(np.arange(B, dtype=np.int64), num_pages)
-    cols = np.arange(total, dtype=np.int64) - indptr[:B].astype(np.int64)[rows]
-    dev = block_table.device
-    rows_t = torch.from_numpy(rows).to(dev, non_blocking=True)
-    cols_t = torch.from_numpy(cols).to(dev, non_blocking=True)
-    return block_table[rows_t, cols_t].to(torch.int32)
 
 
 class FlashInferMetadataBuilder(AttentionMetadataBuilder):
@@ -129,7 +84,10 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder):
         self._last_page_len_buf = torch.ones(n, dtype=torch.int32, device=dev)
         self._slot_mapping_buf = torch.full((config.max_num_batched_tokens,), PAD_SLOT_ID, dtype=torch.int64,
                                             device=dev)
+        self._pages = PageMetadataBuffers(n, self.max_num_blocks_per_req, self.page_size, dev)
         self._workspace: torch.Tensor | None = None
+        self.validate_values = builder_values_checked()
+        """Check the host values of every step (``ATTNPLUG_VALIDATE=1`` when created)."""
         self._wrappers: dict[tuple, Any] = {}
 
     # --- build ---------------------------------------------------------------------------
@@ -174,8 +132,7 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder):
         return self._build(common_attn_metadata, graph=True)
 
     def _build(self, cm: CommonAttentionMetadata, graph: bool) -> FlashInferMetadata:
-        n, qlens, seq_lens = self._check(cm)
-        num_decodes = int(np.count_nonzero(qlens == 1))
+        n, qsl, seq_lens, num_decodes = self._check(cm)
         B_padded = cm.query_start_loc.shape[0] - 1
         pure_decode = num_decodes == n and n > 0 and B_padded <= cm.slot_mapping.shape[0]
         if graph and not pure_decode:
@@ -184,13 +141,8 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder):
                 "CUDA graphs hold pure single-token decode batches only (UNIFORM_SINGLE_TOKEN_DECODE); build "
                 "mixed steps eagerly with build().")
         B = B_padded if pure_decode else n
-        lens = np.zeros(B, dtype=np.int64)
-        lens[:n] = seq_lens
-        indptr, last_page_len, num_pages = page_metadata(lens, self.page_size)
-        indices = gather_page_indices(cm.block_table_tensor, indptr, num_pages)
-        qsl = cm.query_start_loc_cpu[: n + 1].numpy()
-        qo_indptr = (qsl[num_decodes:] - qsl[num_decodes]).astype(np.int32)
-        indptr_t, last_t = torch.from_numpy(indptr), torch.from_numpy(last_page_len)
+        indptr_t, last_t, indices, _ = self._pages.compute(seq_lens, B, cm.block_table_tensor)
+        qo_indptr = self._pages.prefill_qo_indptr(qsl, num_decodes)
         num_decode_tokens = B if pure_decode else num_decodes
         plans = {}
         for key in self.plan_keys():
@@ -199,10 +151,9 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder):
                 decode = self._plan_decode(key, indptr_t[: num_decode_tokens + 1], indices,
                                            last_t[:num_decode_tokens], graph=graph)
             if num_decodes < n:
-                lo = int(indptr[num_decodes])
-                prefill = self._plan_prefill(key, torch.from_numpy(qo_indptr),
-                                             indptr_t[num_decodes: n + 1] - lo, indices[lo: int(indptr[n])],
-                                             last_t[num_decodes:n])
+                lo = int(indptr_t[num_decodes])
+                prefill = self._plan_prefill(key, qo_indptr, indptr_t[num_decodes: n + 1] - lo,
+                                             indices[lo: int(indptr_t[n])], last_t[num_decodes:n])
             plans[key] = FlashInferPlan(decode, prefill)
         slot_mapping = cm.slot_mapping
         if graph:
@@ -213,7 +164,7 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder):
             num_decode_tokens=num_decode_tokens, num_prefills=n - num_decodes,
             num_prefill_tokens=cm.num_actual_tokens - num_decodes, page_size=self.page_size,
             slot_mapping=slot_mapping, paged_kv_indptr=indptr_t, paged_kv_indices=indices,
-            paged_kv_last_page_len=last_t, qo_indptr=torch.from_numpy(qo_indptr), plans=plans)
+            paged_kv_last_page_len=last_t, qo_indptr=qo_indptr, plans=plans)
 
     def plan_keys(self) -> list[FlashInferPlanKey]:
         """One key per distinct configuration of the live impls matching this group's spec."""
@@ -264,7 +215,10 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder):
         return wrapper
 
     # --- validation (raises before anything is planned) ----------------------------------
-    def _check(self, cm: CommonAttentionMetadata) -> tuple[int, np.ndarray, np.ndarray]:
+    def _check(self, cm: CommonAttentionMetadata) -> tuple[int, np.ndarray, np.ndarray, int]:
+        """``(num_reqs, query_start_loc_cpu [n + 1], seq_lens_cpu [n], num_decodes)`` as host
+        numpy views, after the structural checks (always) and, with ``validate_values``,
+        the value checks. The decodes-first order is checked always (it decides the split)."""
         n, cap = cm.num_reqs, self.config.max_num_reqs
         B = cm.query_start_loc.shape[0] - 1
         if not n <= B <= cap or cm.query_start_loc_cpu.shape[0] < n + 1 or cm.seq_lens_cpu.shape[0] < n:
@@ -272,19 +226,14 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder):
                 f"query_start_loc has {B + 1} entries (host copy {cm.query_start_loc_cpu.shape[0]}), seq_lens_cpu "
                 f"{cm.seq_lens_cpu.shape[0]}, for num_reqs={n}: need num_reqs + 1 <= entries <= "
                 f"BuilderConfig.max_num_reqs + 1 = {cap + 1}.")
-        qsl = cm.query_start_loc_cpu[: n + 1].numpy().astype(np.int64)
-        if int(qsl[-1]) != cm.num_actual_tokens:
-            raise MetadataError(f"query_start_loc_cpu[num_reqs]={int(qsl[-1])} but num_actual_tokens="
-                                f"{cm.num_actual_tokens}: they must agree.")
+        qsl = cm.query_start_loc_cpu[: n + 1].numpy()
+        seq_lens = cm.seq_lens_cpu[:n].numpy()
         qlens = np.diff(qsl)
-        seq_lens = cm.seq_lens_cpu[:n].numpy().astype(np.int64)
-        bad = (qlens < 1) | (seq_lens < qlens)
-        if bad.any():
-            i = int(np.argmax(bad))
-            raise MetadataError(f"request {i}: query length {int(qlens[i])} with seq_len {int(seq_lens[i])}: need "
-                                "1 <= query_len <= seq_len for every real request.")
+        if self.validate_values:
+            self._check_values(cm, qsl, qlens, seq_lens)
         decode = qlens == 1
-        if decode.any() and not decode[: int(decode.sum())].all():
+        num_decodes = int(np.count_nonzero(decode))
+        if num_decodes and not decode[:num_decodes].all():
             i = int(np.argmax(~decode))
             raise MetadataError(
                 f"request {i} is a prefill ({int(qlens[i])} query tokens) but a decode follows it: flashinfer runs "
@@ -294,8 +243,22 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder):
         if bt.dim() != 2 or bt.shape[0] < B or bt.dtype != torch.int32 or not same_device(bt.device, self.device):
             raise MetadataError(f"block_table_tensor is {bt.dtype} {tuple(bt.shape)} on {bt.device}: flashinfer needs "
                                 f"int32 [>= {B}, max_num_blocks_per_req] on {self.device}.")
-        if n and cdiv(int(seq_lens.max()), self.page_size) > bt.shape[1]:
-            raise MetadataError(f"seq_len {int(seq_lens.max())} needs more than the block table's {bt.shape[1]} "
+        if n and cdiv(cm.max_seq_len, self.page_size) > bt.shape[1]:
+            raise MetadataError(f"max_seq_len {cm.max_seq_len} needs more than the block table's {bt.shape[1]} "
                                 f"pages of {self.page_size} tokens.")
         check_slot_mapping(cm.slot_mapping, cm.num_actual_tokens, self.config.max_num_batched_tokens, self.device)
-        return n, qlens, seq_lens
+        return n, qsl, seq_lens, num_decodes
+
+    @staticmethod
+    def _check_values(cm: CommonAttentionMetadata, qsl: np.ndarray, qlens: np.ndarray, seq_lens: np.ndarray) -> None:
+        if int(qsl[-1]) != cm.num_actual_tokens:
+            raise MetadataError(f"query_start_loc_cpu[num_reqs]={int(qsl[-1])} but num_actual_tokens="
+                                f"{cm.num_actual_tokens}: they must agree.")
+        bad = (qlens < 1) | (seq_lens < qlens)
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise MetadataError(f"request {i}: query length {int(qlens[i])} with seq_len {int(seq_lens[i])}: need "
+                                "1 <= query_len <= seq_len for every real request.")
+        if seq_lens.shape[0] and int(seq_lens.max()) > cm.max_seq_len:
+            raise MetadataError(f"max_seq_len={cm.max_seq_len} but seq_lens holds {int(seq_lens.max())}: "
+                                "max_seq_len must bound every seq_len.")

@@ -109,8 +109,8 @@ def compute_prefill_layout(query_lens: np.ndarray, num_computed_tokens: np.ndarr
     end_in_seq = np.where(j == 0, first_c, np.minimum(start_in_seq + cs, q_c))
     chunk_len = end_in_seq - start_in_seq
     chunk_start = qsl[:-1][chunk_seq] + start_in_seq
-    cu_chunk = np.append(chunk_start, T).astype(np.int64)
-    last_chunk = np.where(n_chunks > 0, cu_n - 1, -1).astype(np.int64)
+    cu_chunk = np.append(chunk_start, T).astype(np.int64, copy=False)
+    last_chunk = np.where(n_chunks > 0, cu_n - 1, -1).astype(np.int64, copy=False)
     M = int(n_chunks.max()) if P else 0
     grid = chunk_seq * M + j
 
@@ -128,8 +128,9 @@ def compute_prefill_layout(query_lens: np.ndarray, num_computed_tokens: np.ndarr
     conv_window = (conv_token[:, None] + taps[None, :]).reshape(-1)
     return PrefillLayout(
         query_start_loc=qsl, seq_idx=seq_idx, cu_chunk_seqlen=cu_chunk, chunk_seq_idx=chunk_seq,
-        last_chunk_indices=last_chunk, chunk_grid_index=grid.astype(np.int64),
-        chunk_token_index=chunk_token.astype(np.int64), token_chunk_index=token_chunk.astype(np.int64),
+        last_chunk_indices=last_chunk, chunk_grid_index=grid.astype(np.int64, copy=False),
+        chunk_token_index=chunk_token.astype(np.int64, copy=False),
+        token_chunk_index=token_chunk.astype(np.int64, copy=False),
         conv_token_pos=conv_token, conv_state_pos=conv_state, conv_final_pos=conv_final,
         conv_window_pos=conv_window, max_chunks_per_seq=M, num_chunks=K)
 

@@ -28,9 +28,14 @@ from attnplug.core.contracts import AttentionCGSupport, AttentionMetadataBuilder
 from attnplug.core.errors import KVCacheSpecError, MetadataError
 from attnplug.core.metadata import CommonAttentionMetadata
 
-_LAYOUT_FIELDS = ("seq_idx", "cu_chunk_seqlen", "chunk_seq_idx", "last_chunk_indices", "chunk_grid_index",
-                  "chunk_token_index", "token_chunk_index", "conv_token_pos", "conv_state_pos",
+_DEVICE_FIELDS = ("chunk_grid_index", "chunk_token_index", "token_chunk_index", "conv_token_pos", "conv_state_pos",
                   "conv_final_pos", "conv_window_pos")
+"""The layout arrays the impl reads on the device: packed with ``has_initial_state`` and
+``fresh_rows`` into one host buffer, uploaded with one copy."""
+_HOST_FIELDS = ("seq_idx", "cu_chunk_seqlen", "chunk_seq_idx", "last_chunk_indices")
+"""Layout arrays no kernel here reads: kept as host numpy, never uploaded."""
+_EMPTY_HOST = np.zeros(0, dtype=np.int64)
+_ZERO_HOST = np.zeros(1, dtype=np.int64)
 
 
 @dataclass(frozen=True)
@@ -75,14 +80,14 @@ class Mamba2Metadata:
     query lengths, from 0 (prefill-part token offsets)."""
     query_start_loc_p_cpu: np.ndarray
     """``[num_prefills + 1]``, ``int64``, CPU numpy: host copy of ``query_start_loc_p``."""
-    seq_idx: torch.Tensor
-    """``[num_prefill_tokens]``: prefill sequence (0-based) of each prefill token."""
-    cu_chunk_seqlen: torch.Tensor
-    """``[num_chunks + 1]``: prefill-token offset where each chunk starts (last: the count)."""
-    chunk_seq_idx: torch.Tensor
-    """``[num_chunks]``: the prefill sequence of each chunk."""
-    last_chunk_indices: torch.Tensor
-    """``[num_prefills]``: each sequence's last chunk (``-1`` if it has no token)."""
+    seq_idx: np.ndarray
+    """``[num_prefill_tokens]``: prefill sequence (0-based) of each prefill token; ``int64`` CPU numpy (no kernel reads it on the device)."""
+    cu_chunk_seqlen: np.ndarray
+    """``[num_chunks + 1]``: prefill-token offset where each chunk starts (last: the count); ``int64`` CPU numpy (no kernel reads it on the device)."""
+    chunk_seq_idx: np.ndarray
+    """``[num_chunks]``: the prefill sequence of each chunk; ``int64`` CPU numpy (no kernel reads it on the device)."""
+    last_chunk_indices: np.ndarray
+    """``[num_prefills]``: each sequence's last chunk (``-1`` if it has no token); ``int64`` CPU numpy (no kernel reads it on the device)."""
     chunk_grid_index: torch.Tensor
     """``[num_chunks]``: ``seq * max_chunks_per_seq + j`` for chunk ``j`` of ``seq``."""
     chunk_token_index: torch.Tensor
@@ -139,7 +144,7 @@ class Mamba2MetadataBuilder(AttentionMetadataBuilder):
         self._bound = 2 * R + T + (K + 1) + K + R + K + K * self.chunk_size + T + T + 2 * R * d + T * (d + 1)
         self._index = CpuGpuBuffer((self._bound,), torch.int64, self.device)
         self._state_indices = torch.full((R,), PAD_SLOT_ID, dtype=torch.int32, device=self.device)
-        self._views: dict[tuple[int, int], torch.Tensor] = {}
+        self._views: dict[tuple[int, int, int], torch.Tensor] = {}
         self._empty = torch.empty(0, dtype=torch.int64, device=self.device)
         self._qsl_p0 = torch.zeros(1, dtype=torch.int32, device=self.device)
         self._qsl_p0_cpu = np.zeros(1, dtype=np.int64)
@@ -182,7 +187,7 @@ class Mamba2MetadataBuilder(AttentionMetadataBuilder):
         Reads only CPU tensors of ``common_attn_metadata`` (``query_start_loc_cpu``,
         ``num_computed_tokens_cpu``) plus the device block table (state slots copied
         device-side): no device→host synchronisation. One host→device copy of the packed
-        index arrays.
+        index arrays. A step without prefill rows computes no prefill layout at all.
 
         Raises:
             MetadataError: inconsistent sizes (query_start_loc vs num_reqs /
@@ -194,6 +199,11 @@ class Mamba2MetadataBuilder(AttentionMetadataBuilder):
         if (cm.num_actual_tokens == R and cm.max_query_len <= 1 and not self.validate_values
                 and cm.num_computed_tokens_cpu.shape[0] >= R and R <= self.config.max_num_reqs):
             return self._build_decodes(cm, R)
+        return self._build_checked(cm, R)
+
+    def _build_checked(self, cm: CommonAttentionMetadata, R: int, layout_always: bool = False) -> Mamba2Metadata:
+        """Every host check, then the decode path (no prefill row, unless ``layout_always``:
+        the tests' reference) or the prefill layout."""
         if cm.query_start_loc_cpu.shape[0] < R + 1 or cm.num_computed_tokens_cpu.shape[0] < R:
             raise MetadataError(
                 f"query_start_loc_cpu has {cm.query_start_loc_cpu.shape[0]} entries and num_computed_tokens_cpu "
@@ -209,9 +219,11 @@ class Mamba2MetadataBuilder(AttentionMetadataBuilder):
         query_lens = np.diff(qsl)
         if (query_lens < 0).any():
             raise MetadataError(f"query_start_loc_cpu {qsl.tolist()} decreases: query lengths must be >= 0")
-        computed = cm.num_computed_tokens_cpu[:R].numpy().astype(np.int64)
         not_one = np.flatnonzero(query_lens != 1)
         nd = int(not_one[0]) if not_one.shape[0] else R
+        if nd == R and not layout_always:
+            return self._build_decodes(cm, R)
+        computed = cm.num_computed_tokens_cpu[:R].numpy().astype(np.int64)
         layout = compute_prefill_layout(query_lens[nd:], computed[nd:], self.chunk_size, self.conv_state_len)
         views = self._upload(computed > 0, np.flatnonzero(computed == 0), layout)
         state_indices = self._state_indices_from(cm.block_table_tensor, R, self._state_indices)
@@ -222,7 +234,8 @@ class Mamba2MetadataBuilder(AttentionMetadataBuilder):
             num_chunks=layout.num_chunks, max_chunks_per_seq=layout.max_chunks_per_seq,
             state_indices=state_indices,
             query_start_loc_p=qsl_p.to(torch.int32), query_start_loc_p_cpu=layout.query_start_loc,
-            block_table_tensor=cm.block_table_tensor, **views)
+            block_table_tensor=cm.block_table_tensor, **views,
+            **{f: getattr(layout, f) for f in _HOST_FIELDS})
 
     def _build_decodes(self, cm: CommonAttentionMetadata, R: int) -> Mamba2Metadata:
         """A step of one-token rows only (``num_actual_tokens == num_reqs``, ``max_query_len
@@ -236,29 +249,23 @@ class Mamba2MetadataBuilder(AttentionMetadataBuilder):
         host[R:R + F] = fresh
         dev = self._index.copy_to_gpu(R + F)
         state_indices = self._state_indices_from(cm.block_table_tensor, R, self._state_indices)
-        e = self._empty
+        e, eh = self._empty, _EMPTY_HOST
         return Mamba2Metadata(
             R, R, R, 0, R, 0, self.chunk_size, 0, 0, state_indices, self._view(dev, 0, R) > 0,
-            self._view(dev, R, R + F), self._qsl_p0, self._qsl_p0_cpu, e, self._zero, e, e, e, e, e, e, e, e, e,
+            self._view(dev, R, R + F), self._qsl_p0, self._qsl_p0_cpu, eh, _ZERO_HOST, eh, eh, e, e, e, e, e, e, e,
             cm.block_table_tensor)
 
     def _upload(self, has_initial_state: np.ndarray, fresh_rows: np.ndarray,
                 layout: PrefillLayout) -> dict[str, torch.Tensor]:
-        """Pack the index arrays into the persistent host buffer, copy once, return views."""
-        arrays = ([("has_initial_state", has_initial_state), ("fresh_rows", fresh_rows)]
-                  + [(f, getattr(layout, f)) for f in _LAYOUT_FIELDS])
-        total = sum(a.shape[0] for _, a in arrays)
+        """Pack the arrays the impl reads on the device into the persistent host buffer
+        (one ``concatenate``), copy once, split into views (one ``split``)."""
+        arrays = [has_initial_state, fresh_rows] + [getattr(layout, f) for f in _DEVICE_FIELDS]
+        sizes = [a.shape[0] for a in arrays]
+        total = sum(sizes)
         assert total <= self._bound, f"index arrays ({total}) exceed the buffer bound ({self._bound})"
-        host = self._index.np
-        off = 0
-        spans = []
-        for _, a in arrays:
-            n = a.shape[0]
-            host[off:off + n] = a
-            spans.append((off, n))
-            off += n
-        dev = self._index.copy_to_gpu(total)
-        views = {name: dev[o:o + n] for (name, _), (o, n) in zip(arrays, spans)}
+        np.concatenate(arrays, out=self._index.np[:total], casting="unsafe")
+        parts = torch.split(self._index.copy_to_gpu(total), sizes)
+        views = dict(zip(("has_initial_state", "fresh_rows") + _DEVICE_FIELDS, parts))
         views["has_initial_state"] = views["has_initial_state"] > 0
         return views
 

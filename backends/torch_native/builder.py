@@ -29,8 +29,14 @@ import numpy as np
 import torch
 
 from attnplug.backends.common.buffer_checks import builder_values_checked, check_step_values
-from attnplug.cache_groups.sliding_window import num_skipped_blocks
-from attnplug.core.constants import NULL_BLOCK_ID, PAD_SLOT_ID
+from attnplug.backends.torch_native.segments import (
+    DecodeConstants,
+    all_decode_segment,
+    decode_segment,
+    key_block_ids,
+    prefill_segments,
+)
+from attnplug.core.constants import PAD_SLOT_ID
 from attnplug.core.contracts import AttentionCGSupport, AttentionMetadataBuilder
 from attnplug.core.errors import MetadataError
 from attnplug.core.metadata import CommonAttentionMetadata
@@ -69,14 +75,13 @@ class AttentionSegment:
 
     key_block_ids: torch.Tensor
     """``[n, num_key_blocks]``, ``torch.int32`` (decode segment: the block table's dtype) or
-    ``torch.int64``: each request's physical blocks in logical order from logical block
-    ``key_offsets[r] // block_size`` on (its block-table row, cut to the segment's key
-    range). Entries past a request's ``cdiv(seq_len, block_size)`` are valid block ids
+    ``torch.int64`` (a view of the block table: ``row_start`` segments): each request's
+    physical blocks in logical order from logical block ``key_offsets[r] // block_size`` on
+    (its block-table row, cut to the segment's key range). Entries past a request's ``cdiv(seq_len, block_size)`` are valid block ids
     whose keys are never used (``NULL_BLOCK_ID``, or in the decode segment what the block
     table holds there: null or the request's own blocks; ``attention.keys_used`` masks
     them). Full attention: ``num_key_blocks = cdiv(max_seq_len, block_size)``; sliding
-    window: at most ``cdiv(W + query_len - 1, block_size) + 1``. Full-attention decodes in
-    consecutive rows read a view of the block table (no copy)."""
+    window: at most ``cdiv(W + query_len - 1, block_size) + 1``."""
 
     key_offsets: torch.Tensor
     """``[n]``, ``torch.int64``; units: token positions, multiples of ``block_size``. Key
@@ -101,8 +106,13 @@ class AttentionSegment:
 
     row_start: int | None = None
     """Set when the segment's rows are ``row_start .. row_start + n - 1`` and it reads
-    block-table columns ``0 .. num_key_blocks - 1`` (full-attention decodes):
-    ``key_block_ids`` is then a view of the block table."""
+    block-table columns ``col_start .. col_start + num_key_blocks - 1``, all of them live
+    (full-attention decodes in consecutive rows, every prefill row): ``key_block_ids`` is
+    then a view of the block table."""
+
+    col_start: int = 0
+    """The first block-table column a ``row_start`` segment reads (``key_offsets //
+    block_size``; 0 for full attention)."""
 
 
 @dataclass(frozen=True)
@@ -143,23 +153,6 @@ class TorchNativeMetadata:
     cascade attention (then ``segments`` cover each request's suffix only)."""
 
 
-def _key_block_layout(seq_lens: torch.Tensor, first_blocks: torch.Tensor, num_key_blocks: int,
-                      block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(columns, live)``, each ``[n, num_key_blocks]``: row ``r`` reads block-table columns
-    ``first_blocks[r] ..``; ``live`` is False past the request's last block (column 0 there)."""
-    cols = first_blocks.unsqueeze(1) + torch.arange(num_key_blocks, device=seq_lens.device).unsqueeze(0)
-    live = cols < ((seq_lens + block_size - 1) // block_size).unsqueeze(1)
-    return torch.where(live, cols, torch.zeros_like(cols)), live
-
-
-def _key_block_ids(block_table: torch.Tensor, req_indices: torch.Tensor, columns: torch.Tensor,
-                   live: torch.Tensor) -> torch.Tensor:
-    """``[n, num_key_blocks]`` int64 block ids at ``columns`` of the requests' block-table
-    rows; ``NULL_BLOCK_ID`` where not ``live`` (whatever the block table holds there)."""
-    block_ids = block_table.index_select(0, req_indices).gather(1, columns).long()
-    return block_ids.masked_fill_(~live, NULL_BLOCK_ID)
-
-
 def _write_indices(slot_mapping: torch.Tensor, num_actual_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Token rows with a real slot, and those slots (``PAD_SLOT_ID`` rows dropped).
 
@@ -187,6 +180,7 @@ class TorchNativeMetadataBuilder(AttentionMetadataBuilder):
         super().__init__(kv_cache_spec, layer_names, config, device)
         self.validate_values = builder_values_checked()
         """Check the host values of every step (``ATTNPLUG_VALIDATE=1`` when created)."""
+        self._decode_constants = DecodeConstants(getattr(config, "max_num_reqs", 1), self.device)
 
     @property
     def block_size(self) -> int:
@@ -222,53 +216,32 @@ class TorchNativeMetadataBuilder(AttentionMetadataBuilder):
             from attnplug.backends.torch_native.cascade import build_cascade
             return build_cascade(self, cm, common_prefix_len)
         num_reqs = cm.num_reqs
-        qsl_np = cm.query_start_loc_cpu[: num_reqs + 1].numpy().astype(np.int64)
-        seq_np = cm.seq_lens_cpu[:num_reqs].numpy().astype(np.int64)
-        query_lens = np.diff(qsl_np)
+        seq_np = cm.seq_lens_cpu[:num_reqs].numpy()
         block_table = cm.block_table_tensor
-
+        B, window, dev = self.block_size, self.sliding_window, self.device
+        if num_reqs and cm.num_actual_tokens == num_reqs and cm.max_query_len == 1 and window is None:
+            # every row decodes (host ints: num_reqs tokens, none longer than 1; checked values
+            # with ATTNPLUG_VALIDATE=1): no per-row scan of the query lengths
+            segment = all_decode_segment(AttentionSegment, block_table, seq_np, B, self._decode_constants, dev)
+            return self._metadata(cm, window, (segment,))
+        qsl_np = cm.query_start_loc_cpu[: num_reqs + 1].numpy()
+        query_lens = np.diff(qsl_np)
         segments = []
         decodes = np.flatnonzero(query_lens == 1)
         if decodes.shape[0]:
-            segments.append(self._decode_segment(block_table, decodes, qsl_np, seq_np))
-        qsl = torch.from_numpy(qsl_np)
-        seq_lens = torch.from_numpy(seq_np)
-        B, window = self.block_size, self.sliding_window
-        for i in np.flatnonzero(query_lens > 1).tolist():  # one segment per prefill row
-            req_cpu, query_len = torch.tensor([i]), int(query_lens[i])
-            seg_seq_lens = seq_lens[req_cpu]
-            offsets = torch.arange(query_len)
-            token_idx = qsl[req_cpu].unsqueeze(1) + offsets
-            positions = (seg_seq_lens - query_len).unsqueeze(1) + offsets
-            max_seq_len = int(seg_seq_lens.max())
-            if window is None:
-                first_blocks = torch.zeros_like(seg_seq_lens)
-            else:  # the first block the request's first query can see (the pool freed the rest)
-                first_blocks = torch.from_numpy(num_skipped_blocks((seg_seq_lens - query_len).numpy(), window, B))
-            num_key_blocks = int(((seg_seq_lens + B - 1) // B - first_blocks).max())
-            key_offsets = first_blocks * B
-            req_dev = req_cpu.to(self.device)
-            seq_dev = seg_seq_lens.to(self.device)
-            columns, live = _key_block_layout(seq_dev, first_blocks.to(self.device), num_key_blocks, B)
-            segments.append(AttentionSegment(
-                req_indices=req_dev,
-                query_len=query_len,
-                max_seq_len=max_seq_len,
-                min_seq_len=int(seg_seq_lens.min()),
-                query_token_indices=token_idx.to(self.device),
-                query_positions=positions.to(self.device),
-                seq_lens=seq_dev,
-                key_block_ids=_key_block_ids(block_table, req_dev, columns, live),
-                key_offsets=key_offsets.to(self.device),
-                min_key_offset=int(key_offsets.min()),
-                max_key_offset=int(key_offsets.max()),
-                key_block_columns=columns,
-                key_block_live=live,
-            ))
+            segments.append(decode_segment(AttentionSegment, block_table, decodes, qsl_np, seq_np, B, window, dev))
+        prefills = np.flatnonzero(query_lens > 1)
+        if prefills.shape[0]:
+            segments += prefill_segments(AttentionSegment, block_table, prefills, qsl_np, seq_np, query_lens, B,
+                                         window, dev)
 
+        return self._metadata(cm, window, tuple(segments))
+
+    def _metadata(self, cm: CommonAttentionMetadata, window: int | None,
+                  segments: tuple[AttentionSegment, ...]) -> TorchNativeMetadata:
         write_tokens, write_slots = _write_indices(cm.slot_mapping, cm.num_actual_tokens)
         return TorchNativeMetadata(
-            num_reqs=num_reqs,
+            num_reqs=cm.num_reqs,
             num_actual_tokens=cm.num_actual_tokens,
             max_query_len=cm.max_query_len,
             max_seq_len=cm.max_seq_len,
@@ -277,51 +250,12 @@ class TorchNativeMetadataBuilder(AttentionMetadataBuilder):
             causal=cm.causal,
             query_start_loc=cm.query_start_loc,
             seq_lens=cm.seq_lens,
-            block_table_tensor=block_table,
+            block_table_tensor=cm.block_table_tensor,
             slot_mapping=cm.slot_mapping,
             write_token_indices=write_tokens,
             write_slots=write_slots,
-            segments=tuple(segments),
+            segments=segments,
         )
-
-    def _decode_segment(self, block_table: torch.Tensor, rows: np.ndarray, qsl: np.ndarray,
-                        seq: np.ndarray) -> AttentionSegment:
-        """Every one-token row in one segment, from a constant number of vectorised host
-        ops: the key range of full attention is a view of the block table when the rows are
-        consecutive; a sliding window gathers only each row's live window blocks
-        (``num_key_blocks <= cdiv(W, block_size) + 1``)."""
-        B, window, dev = self.block_size, self.sliding_window, self.device
-        n = rows.shape[0]
-        lo = int(rows[0])
-        consecutive = int(rows[-1]) - lo == n - 1
-        seg_seq = seq[lo:lo + n] if consecutive else seq[rows]
-        num_blocks = (seg_seq + B - 1) // B
-        first = None if window is None else num_skipped_blocks(seg_seq - 1, window, B).astype(np.int64)
-        num_key_blocks = int(num_blocks.max() if first is None else (num_blocks - first).max())
-        rows_t = torch.from_numpy(rows).to(dev)
-        columns = live = row_start = None
-        if first is None and consecutive:
-            row_start = lo
-            key_block_ids = block_table[lo:lo + n, :num_key_blocks]
-            key_offsets = torch.zeros(n, dtype=torch.int64, device=dev)
-            min_off = max_off = 0
-        else:
-            base = np.zeros(n, dtype=np.int64) if first is None else first
-            cols = base[:, None] + np.arange(num_key_blocks, dtype=np.int64)[None, :]
-            live_np = cols < num_blocks[:, None]
-            columns = torch.from_numpy(np.where(live_np, cols, 0)).to(dev)
-            live = torch.from_numpy(live_np).to(dev)
-            key_block_ids = _key_block_ids(block_table, rows_t, columns, live)
-            offsets = base * B
-            key_offsets = torch.from_numpy(offsets).to(dev)
-            min_off, max_off = int(offsets.min()), int(offsets.max())
-        return AttentionSegment(
-            req_indices=rows_t, query_len=1, max_seq_len=int(seg_seq.max()), min_seq_len=int(seg_seq.min()),
-            query_token_indices=torch.from_numpy(qsl[rows].reshape(n, 1)).to(dev),
-            query_positions=torch.from_numpy((seg_seq - 1).reshape(n, 1)).to(dev),
-            seq_lens=torch.from_numpy(seg_seq).to(dev), key_block_ids=key_block_ids, key_offsets=key_offsets,
-            min_key_offset=min_off, max_key_offset=max_off, key_block_columns=columns, key_block_live=live,
-            row_start=row_start)
 
     def update_block_table(self, metadata: TorchNativeMetadata, block_table: torch.Tensor,
                            slot_mapping: torch.Tensor) -> TorchNativeMetadata:
@@ -343,9 +277,10 @@ class TorchNativeMetadataBuilder(AttentionMetadataBuilder):
         self._check_block_table(block_table, metadata.num_reqs, metadata.max_seq_len)
         segments = tuple(
             dataclasses.replace(seg, key_block_ids=(
-                block_table[seg.row_start: seg.row_start + seg.key_block_ids.shape[0], : seg.key_block_ids.shape[1]]
+                block_table[seg.row_start: seg.row_start + seg.key_block_ids.shape[0],
+                            seg.col_start: seg.col_start + seg.key_block_ids.shape[1]]
                 if seg.row_start is not None else
-                _key_block_ids(block_table, seg.req_indices, seg.key_block_columns, seg.key_block_live)))
+                key_block_ids(block_table, seg.req_indices, seg.key_block_columns, seg.key_block_live)))
             for seg in metadata.segments)
         write_slots = slot_mapping.index_select(0, metadata.write_token_indices).long()
         return dataclasses.replace(metadata, block_table_tensor=block_table, slot_mapping=slot_mapping,

@@ -23,9 +23,8 @@ from typing import ClassVar
 import torch
 
 from attnplug.backends.common.buffer_checks import (
+    StepTensorChecks,
     builder_values_checked,
-    check_block_table,
-    check_slot_mapping,
     check_step_tensors,
     check_step_values,
     copy_block_table,
@@ -90,6 +89,9 @@ class TritonMetadataBuilder(AttentionMetadataBuilder):
             self.num_sms = torch.cuda.get_device_properties(dev).multi_processor_count
         self.validate_values = builder_values_checked()
         """Check the host values of every step (``ATTNPLUG_VALIDATE=1`` when created)."""
+        self._step_checks = StepTensorChecks(
+            device=dev, block_size=self.block_size, max_num_blocks_per_req=self.max_num_blocks_per_req,
+            max_model_len=config.max_model_len, slot_capacity=config.max_num_batched_tokens, backend="triton")
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> TritonAttentionMetadata:
@@ -181,8 +183,7 @@ class TritonMetadataBuilder(AttentionMetadataBuilder):
         Does not synchronise with the host; graph-safe.
         """
         n = metadata.num_reqs
-        self._check_block_table(block_table, n, metadata.max_seq_len)
-        self._check_slot_mapping(slot_mapping, metadata.num_actual_tokens)
+        self._step_checks.check_tables(block_table, slot_mapping, n, metadata.num_actual_tokens, metadata.max_seq_len)
         if metadata.block_size != self.block_size:
             raise MetadataError(
                 f"update_block_table: metadata has block_size {metadata.block_size}, this builder "
@@ -213,16 +214,7 @@ class TritonMetadataBuilder(AttentionMetadataBuilder):
             raise MetadataError(
                 f"{n} request rows exceed BuilderConfig.max_num_reqs={self.config.max_num_reqs}: the persistent "
                 "buffers hold that many requests; raise max_num_reqs (max_num_seqs) when creating the runner.")
-        check_step_tensors(cm, n, self.device, "triton")
         if self.validate_values:
+            check_step_tensors(cm, n, self.device, "triton")
             check_step_values(cm)
-        self._check_slot_mapping(cm.slot_mapping, cm.num_actual_tokens)
-        self._check_block_table(cm.block_table_tensor, n, cm.max_seq_len)
-
-    def _check_slot_mapping(self, slot_mapping: torch.Tensor, num_actual_tokens: int) -> None:
-        check_slot_mapping(slot_mapping, num_actual_tokens, self._slot_mapping.shape[0], self.device)
-
-    def _check_block_table(self, block_table: torch.Tensor, num_reqs: int, max_seq_len: int) -> None:
-        check_block_table(block_table, num_reqs, max_seq_len, block_size=self.block_size,
-                          max_num_blocks_per_req=self.max_num_blocks_per_req,
-                          max_model_len=self.config.max_model_len, device=self.device, backend="triton")
+        self._step_checks.check(cm, n)

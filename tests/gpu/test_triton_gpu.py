@@ -134,7 +134,9 @@ def test_cuda_graph_replays_new_batches_from_persistent_buffers(requests, monkey
         return cm, [torch.randn(num_tokens, h, d, device=DEV, generator=g).half() for h in (heads, kv_heads, kv_heads)]
 
     cm, (q0, k0, v0) = batch(0)
-    md = builder.build(0, cm)
+    # graph builds copy into the builder's persistent buffers (an eager build passes the
+    # step's own tensors through: a new batch would sit at new addresses the graph never reads)
+    md = builder.build_for_cudagraph_capture(cm)
     q, k, v, out = q0.clone(), k0.clone(), v0.clone(), torch.zeros_like(q0)
     impl.forward(None, q, k, v, kv, md, out)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
@@ -142,8 +144,9 @@ def test_cuda_graph_replays_new_batches_from_persistent_buffers(requests, monkey
         impl.forward(None, q, k, v, kv, md, out)
     for seed in (1, 2):
         cm, (qn, kn, vn) = batch(seed)
-        md_new = builder.build(0, cm)
-        assert md_new.block_table_tensor.data_ptr() == md.block_table_tensor.data_ptr()
+        md_new = builder.build_for_cudagraph_capture(cm)
+        for f in ("query_start_loc", "seq_lens", "block_table_tensor", "slot_mapping"):
+            assert getattr(md_new, f).data_ptr() == getattr(md, f).data_ptr(), f
         assert md_new.num_kv_splits == md.num_kv_splits
         q.copy_(qn), k.copy_(kn), v.copy_(vn)
         kv_eager = kv.clone()

@@ -61,7 +61,7 @@ def test_one_token_row_behind_a_prefill_goes_to_the_prefill_part():
 def test_pure_decode_and_padded_block_table_rows_get_the_pad_slot():
     md = _builder().build(0, _common([4, 9], [1, 1], [6, 2], extra_rows=3))
     assert (md.num_decodes, md.num_prefills, md.num_chunks, md.max_chunks_per_seq) == (2, 0, 0, 0)
-    assert md.query_start_loc_p.tolist() == [0] and md.seq_idx.numel() == 0
+    assert md.query_start_loc_p.tolist() == [0] and md.seq_idx.size == 0
     assert md.state_indices.tolist() == [6, 2, PAD_SLOT_ID, PAD_SLOT_ID, PAD_SLOT_ID]
 
 
@@ -73,7 +73,7 @@ def _fields_equal(a, b, skip=()):
         if isinstance(x, torch.Tensor):
             assert x.dtype == y.dtype and torch.equal(x, y), f.name
         elif isinstance(x, np.ndarray):
-            assert np.array_equal(x, y), f.name
+            assert isinstance(y, np.ndarray) and x.dtype == y.dtype and np.array_equal(x, y), f.name
         else:
             assert x == y, f.name
 
@@ -168,21 +168,17 @@ def test_step_compiler_puts_decodes_first_and_slots_follow_the_scheduler(thresho
 
 @pytest.mark.parametrize("extra_rows", [0, 2])
 def test_decode_only_fast_path_equals_the_full_build(extra_rows, monkeypatch):
-    """A step of one-token rows takes the constant-cost path (no prefill layout); every field
-    equals what the full path (taken with ATTNPLUG_VALIDATE=1) builds."""
+    """A step of one-token rows takes the constant-cost path (no prefill layout), checked or
+    not; every field equals what the general path (the prefill layout of no prefill) builds."""
     cm = _common([5, 0, 9, 3], [1, 1, 1, 1], [3, 5, 2, 7], extra_rows=extra_rows)
     monkeypatch.delenv("ATTNPLUG_VALIDATE", raising=False)
     fast_builder = _builder()
     fast_builder.build(0, _common([2, 0], [3, 1], [1, 4]))  # a mixed step first: stale buffers
     fast = fast_builder.build(0, cm)
     monkeypatch.setenv("ATTNPLUG_VALIDATE", "1")
-    full = _builder().build(0, cm)
-    for f in dataclasses.fields(full):
-        x, y = getattr(fast, f.name), getattr(full, f.name)
-        if isinstance(x, torch.Tensor):
-            assert x.dtype == y.dtype and torch.equal(x, y), f.name
-        elif isinstance(x, np.ndarray):
-            assert np.array_equal(x, y), f.name
-        else:
-            assert x == y, f.name
+    checked = _builder().build(0, cm)
+    full = _builder()._build_checked(cm, cm.num_reqs, layout_always=True)
+    assert checked.fresh_rows.tolist() == [1] and checked.num_chunks == 0
+    _fields_equal(fast, full)
+    _fields_equal(checked, full)
     assert fast.fresh_rows.tolist() == [1] and fast.state_indices.tolist() == [3, 5, 2, 7] + [PAD_SLOT_ID] * extra_rows
