@@ -236,6 +236,9 @@ def build_engine(args, *, alone: bool = False, model: torch.nn.Module | None = N
                          RunnerConfig(max_num_reqs=max_num_seqs, max_model_len=max_model_len,
                                       max_num_batched_tokens=budget),
                          device=device, record_logits=getattr(args, "record_logits", False), seed=args.seed)
+    from attnplug.runner.parallel.executor import wrap_runner
+
+    runner = wrap_runner(runner, alone)  # tensor parallel: rank 0 broadcasts each step
     setup = EngineSetup(model, LLMEngine(sched, runner), kv_cfg, backends)
     if requests and not alone:
         from attnplug.runner.commands.traces import load_trace, make_prompts

@@ -22,6 +22,7 @@ from attnplug.core.errors import AttnplugError
 from attnplug.runner.models.presets import PRESETS, RUN_PRESET
 from attnplug.runner.commands.assemble import EngineSetup, build_engine
 from attnplug.runner.commands.limits import OneLineParser, bounded_int
+from attnplug.runner.commands import run_parallel
 from attnplug.runner.commands.run_plot import StepRecorder, group_labels, missing_matplotlib, save_plot
 
 
@@ -78,6 +79,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="keep one step in flight: plan and launch step t+1 before reading step t's tokens "
                         "(its decode rows take them on the device); same outputs (outputs_digest)")
     p.add_argument("--json", action="store_true", help="print a machine-readable summary on stdout")
+    run_parallel.add_flags(p)
     p.add_argument("--plot", metavar="OUT.png", default=None,
                    help="also draw per-step stage times, tokens scheduled and KV blocks in use per group "
                         "(needs matplotlib: pip install 'attnplug[plot]')")
@@ -108,6 +110,12 @@ def main(argv: list[str]) -> int:
     if args.plot and (missing := missing_matplotlib()):
         print(missing, file=sys.stderr)
         return 2
+    if run_parallel.wanted(args):  # under torchrun: rank 0 runs _main, the others serve it
+        return run_parallel.run(args, lambda: _main(args))
+    return _main(args)
+
+
+def _main(args) -> int:
     try:
         setup = build_engine(args)
         engine = setup.engine
