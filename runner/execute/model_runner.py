@@ -145,7 +145,7 @@ class ModelRunner:
         self._unread: list[AsyncModelRunnerOutput] = []
         """``execute_model_async`` outputs whose ``result()`` was not called yet (<= 2)."""
         self.on_common_metadata = None
-        """Optional ``callable(CommonAttentionMetadata)`` run each step before the builders."""
+        """Optional ``callable([CommonAttentionMetadata per cache group])`` run each step before the builders."""
         self.num_output_waits = 0
         """Times a step's outputs were waited for (``AsyncModelRunnerOutput.result``)."""
         self.output_wait_ns = 0

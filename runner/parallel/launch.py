@@ -14,6 +14,7 @@ import torch.distributed as dist
 from attnplug.runner.parallel.channel import ERROR, EXIT
 from attnplug.runner.parallel.executor import serve
 from attnplug.runner.parallel.state import ParallelState
+from attnplug.runner.parallel.validate import RankMismatchError
 
 PEER_HINT = " (another rank failed or exited first: see its line)"
 
@@ -23,7 +24,8 @@ def failure_line(state: ParallelState, exc: BaseException) -> str:
     collective that lost its peer."""
     text = " ".join(str(exc).split())
     text = text if len(text) <= 400 else text[:400] + "..."
-    peer = isinstance(exc, (dist.DistError, ConnectionError)) or "Connection closed by peer" in text
+    peer = isinstance(exc, (dist.DistError, ConnectionError)) or any(
+        s in text for s in ("Connection closed by peer", "Connection reset by peer", "Broken pipe"))
     return f"rank {state.rank} of {state.world_size} failed: {type(exc).__name__}: {text}" + (PEER_HINT if peer else "")
 
 
@@ -52,7 +54,9 @@ def run_rank(state: ParallelState, main: Callable[[], int], build: Callable[[boo
         except Exception as e:
             line = failure_line(state, e)
             print(prefix + line, file=err, flush=True)
-            if not line.endswith(PEER_HINT):  # the peers are waiting for the next command: tell them
+            # The peers wait for the next command: tell them, unless they know already (every
+            # rank raises a RankMismatchError together) or are gone.
+            if not line.endswith(PEER_HINT) and not isinstance(e, RankMismatchError):
                 try:
                     state.channel.exchange((ERROR, line))
                 except Exception:

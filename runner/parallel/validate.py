@@ -43,7 +43,7 @@ def field_digests(common: CommonAttentionMetadata) -> dict[str, str]:
 
 
 class MetadataIdentityCheck:
-    """Called with each step's common metadata (``ModelRunner.on_common_metadata``);
+    """Called with each step's common metadata of every cache group (``ModelRunner.on_common_metadata``);
     all-gathers :func:`field_digests` on ``state.cpu_group`` and compares with rank 0's.
 
     Raises:
@@ -55,8 +55,12 @@ class MetadataIdentityCheck:
         self.state = state
         self.step = 0
 
-    def __call__(self, common: CommonAttentionMetadata) -> None:
-        mine = field_digests(common)
+    def __call__(self, per_group: list[CommonAttentionMetadata]) -> None:
+        """``per_group``: the step's metadata of each cache group (``StepInputs.common_attn_metadata``);
+        fields are named ``<field>`` for group 0 and ``<field>@g<i>`` for group ``i > 0``."""
+        mine = {}
+        for g, common in enumerate(per_group):
+            mine.update({(k if g == 0 else f"{k}@g{g}"): v for k, v in field_digests(common).items()})
         every: list = [None] * self.state.world_size
         dist.all_gather_object(every, mine, group=self.state.cpu_group)
         ref = every[0]

@@ -1,0 +1,94 @@
+"""Tensor parallel over 2 real processes (gloo): greedy tokens identical to one process
+and to HF transformers, for Llama GQA (KV heads split, and one KV head replicated on both
+ranks) and Gemma3 (sliding and global layers), under chunked prefill and forced
+preemption, with the cross-rank metadata check on every step; and the faults: a rank fed
+a different step, a rank that raises.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from attnplug.runner.commands.parity import _hf_greedy, _hf_model  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))  # dist_ranks: importable here and in the spawned ranks
+import dist_ranks  # noqa: E402
+
+BASE = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "max_position_embeddings": 256, "rms_norm_eps": 1e-6,
+        "initializer_range": 0.1, "rope_theta": 10000.0}
+LLAMA = {**BASE, "model_type": "llama", "architectures": ["LlamaForCausalLM"]}
+GEMMA3 = {**BASE, "model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"], "num_hidden_layers": 4,
+          "num_key_value_heads": 2, "head_dim": 16, "sliding_window": 7,
+          "layer_types": ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+          "query_pre_attn_scalar": 24, "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0}
+CASES = {  # name: (config, forced preemption, broadcast method, KV heads per rank)
+    "llama-kv2": ({**LLAMA, "num_key_value_heads": 2}, True, "object", 1),
+    # one KV head for two ranks: replicated; a vocabulary that does not split evenly (padded shard)
+    "llama-kv1": ({**LLAMA, "num_key_value_heads": 1, "vocab_size": 127}, False, "tensor", 1),
+    "gemma3": (GEMMA3, True, "object", 1),
+}
+MAX_TOKENS = 5
+
+
+def _prompts(vocab: int, n: int = 5, seed: int = 1) -> dict[str, list[int]]:
+    rng = np.random.default_rng(seed)
+    return {f"req-{i}": rng.integers(0, vocab, size=int(k)).tolist() for i, k in enumerate(rng.integers(3, 41, n))}
+
+
+@pytest.fixture(scope="module")
+def tp2(tmp_path_factory):
+    """Run every case once on 2 ranks; returns ``{name: (rank 0's json, hf, prompts, case)}``."""
+    tmp = tmp_path_factory.mktemp("tp2")
+    cases, refs = [], {}
+    for name, (cfg, preempt, method, _) in CASES.items():
+        _, hf = _hf_model(cfg, seed=1, dtype=torch.float32)
+        path = tmp / f"{name}.pt"
+        torch.save(hf.state_dict(), path)
+        case = {"name": name, "cfg": cfg, "state_dict": str(path), "prompts": _prompts(cfg["vocab_size"]),
+                "max_tokens": MAX_TOKENS, "preempt": preempt, "method": method}
+        cases.append(case)
+        refs[name] = (hf, case)
+    codes, secs = dist_ranks.spawn(dist_ranks.tp_cases, 2, cases, str(tmp), env={"ATTNPLUG_VALIDATE": "1"})
+    assert codes == [0, 0], f"rank exit codes {codes} after {secs:.0f} s"
+    return {name: (json.loads((tmp / f"{name}.json").read_text()), *refs[name]) for name in CASES}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_tp2_tokens_match_one_process_and_hf(tp2, name):
+    got, hf, case = tp2[name]
+    cfg, preempt, _, kv_per_rank = CASES[name]
+    model = dist_ranks.build_loaded(cfg, hf.state_dict(), 4)  # one process: the whole model
+    tp1, setup = dist_ranks.run_engine(model, dist_ranks.engine_args(5, preempt), case["prompts"], MAX_TOKENS)
+    hf_tokens = {rid: _hf_greedy(hf, p, MAX_TOKENS)[0] for rid, p in case["prompts"].items()}
+    assert got["tokens"] == tp1 == hf_tokens
+    assert got["kv_heads"] == [kv_per_rank] * cfg["num_hidden_layers"], "a rank's caches hold its heads only"
+    assert got["checked_steps"] >= got["steps"] > 5, "the metadata identity check ran every step"
+    if preempt:
+        assert got["preemptions"] > 0 and setup.engine.scheduler.num_preemptions > 0
+
+
+def test_rank_fed_another_step_and_raising_rank(tmp_path):
+    cfg = {**LLAMA, "num_key_value_heads": 2}
+    _, hf = _hf_model(cfg, seed=1, dtype=torch.float32)
+    torch.save(hf.state_dict(), tmp_path / "w.pt")
+    case = {"cfg": cfg, "state_dict": str(tmp_path / "w.pt"), "prompts": _prompts(128, n=3), "max_tokens": 4}
+    codes, secs = dist_ranks.spawn(dist_ranks.fault_cases, 2, case, str(tmp_path),
+                                   env={"ATTNPLUG_VALIDATE": "1", "ATTNPLUG_DIST_TIMEOUT": "30"}, timeout=90)
+    err0, err1 = ((tmp_path / f"rank{r}.err").read_text() for r in (0, 1))
+    assert codes == [0, 0], f"exit codes {codes} after {secs:.0f} s; rank 0: {err0!r}; rank 1: {err1!r}"
+    mismatch = "step 0: CommonAttentionMetadata differs from rank 0's on rank(s) [1] in field(s) ["
+    for err in (err0, err1):  # both ranks stop on the step, naming it, the rank and the fields
+        first = err.splitlines()[0]
+        assert "RankMismatchError" in first and mismatch in first and "query_start_loc" in first
+    assert "rank 1 of 2 failed: RuntimeError: planted fault in step 2" in err1
+    assert "rank 0 of 2 failed:" in err0.splitlines()[2] and "another rank failed" in err0
+    assert secs < 60, f"the ranks took {secs:.0f} s to stop"
