@@ -149,6 +149,7 @@ def _main(args) -> int:
     same, k, diffs = _invariance(args, setup, results) if args.invariance_requests else (0, 0, [])
     summary = setup.summary(results, wall)
     summary["batch_invariance"] = {"identical": same, "checked": k}
+    summary["tensor_parallel_size"] = args.tensor_parallel_size
     if record is not None:
         try:
             save_plot(record.record, args.plot, group_labels(summary), f"attnplug run --model {args.model}")

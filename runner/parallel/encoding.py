@@ -74,6 +74,10 @@ class _Writer:
 def encode(out: SchedulerOutput) -> bytes:
     """The compact form: ``len(ints)`` and ``len(blob)`` as 16 bytes, the int64 stream, the blob."""
     _check_fields()
+    have = tuple(f.name for f in dataclasses.fields(out))
+    if have != KNOWN_FIELDS[SchedulerOutput]:
+        raise EncodingError(f"a {type(out).__name__} with fields {have}: the tensor encoding carries only "
+                            f"{KNOWN_FIELDS[SchedulerOutput]}; use the 'object' broadcast")
     w = _Writer()
     w.ints.append(len(out.scheduled_new_reqs))
     for r in out.scheduled_new_reqs:

@@ -48,7 +48,10 @@ def run_rank(state: ParallelState, main: Callable[[], int], build: Callable[[boo
     err = err or sys.stderr
     try:
         if state.rank != 0:
-            return serve(state.channel, build, on_output)
+            status = serve(state.channel, build, on_output)
+            if status == 0:
+                dist.barrier(group=state.cpu_group)  # see below
+            return status
         try:
             status = main()
         except Exception as e:
@@ -63,6 +66,9 @@ def run_rank(state: ParallelState, main: Callable[[], int], build: Callable[[boo
                     pass
             return 1
         state.channel.exchange((EXIT, None))
+        # Leave together: a rank that tore its group down while a peer was still reading the
+        # last broadcast made gloo abort that peer ("terminate called ..."), now and then.
+        dist.barrier(group=state.cpu_group)
         return status
     except Exception as e:
         print(prefix + failure_line(state, e), file=err, flush=True)
