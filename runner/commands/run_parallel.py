@@ -23,9 +23,10 @@ def add_flags(p) -> None:
     p.add_argument("--pipeline-parallel-size", type=bounded_int(1, 1024), default=1, metavar="N",
                    help="pipeline stages (only 1 is implemented); tensor x pipeline size must equal "
                         "torchrun's WORLD_SIZE (default 1)")
-    p.add_argument("--dist-broadcast", choices=("object", "tensor"), default="object",
-                   help="how rank 0 sends each step: broadcast_object_list (default) or the compact "
-                        "tensor encoding (runner/parallel/encoding.py)")
+    p.add_argument("--dist-broadcast", choices=("fixed", "object", "tensor"), default="fixed",
+                   help="how rank 0 sends each step: a pickle in one fixed buffer (default, one broadcast), "
+                        "broadcast_object_list, or the compact tensor encoding (runner/parallel/encoding.py; "
+                        "measured by attnplug bench broadcast)")
 
 
 def wanted(args) -> bool:

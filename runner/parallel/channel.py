@@ -16,22 +16,24 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from attnplug.runner.parallel.encoding import broadcast_object, decode, encode
+from attnplug.runner.parallel.encoding import FixedBroadcast, broadcast_object, decode, encode
 from attnplug.runner.parallel.state import ParallelState
 
 BUILD, STEP, STEP_ASYNC, EXIT, ERROR = range(5)
 KIND_NAMES = ("BUILD", "STEP", "STEP_ASYNC", "EXIT", "ERROR")
-METHODS = ("object", "tensor")
-DEFAULT_METHOD = "object"
-"""``broadcast_object_list``: measured as cheap as the compact tensor form on gloo for a
-real step and robust to new ``SchedulerOutput`` fields (docs/distributed.md, "Broadcast")."""
+METHODS = ("fixed", "object", "tensor")
+DEFAULT_METHOD = "fixed"
+"""A pickle in one preallocated buffer: one broadcast per step instead of two, measured the
+cheapest of the three on gloo for real steps (``attnplug bench broadcast``;
+docs/distributed.md, "Broadcast"), and it carries any new ``SchedulerOutput`` field."""
 
 
 class Channel:
     """One broadcast per command from rank 0 (``src``) on ``state.cpu_group``.
 
     Args:
-        method: ``"object"`` (``broadcast_object_list`` of the command) or ``"tensor"``
+        method: ``"fixed"`` (``encoding.FixedBroadcast`` of the command: one broadcast while
+            it fits), ``"object"`` (``broadcast_object_list`` of the command) or ``"tensor"``
             (an ``int64`` header ``[kind, nbytes]``, then the bytes: ``encoding.encode`` for
             steps, pickle for the rare other payloads).
     """
@@ -41,9 +43,12 @@ class Channel:
             raise ValueError(f"broadcast method {method!r}: choose one of {METHODS}")
         self.state, self.method, self.src = state, method, src
         self.is_src = state.rank == src
+        self._fixed = FixedBroadcast() if method == "fixed" else None
 
     def exchange(self, command: tuple[int, object] | None = None) -> tuple[int, object]:
         """Rank 0: send ``command``; others: pass ``None`` and receive it."""
+        if self._fixed is not None:
+            return self._fixed(command, self.state.cpu_group, self.src)
         if self.method == "object":
             return broadcast_object(command, self.state.cpu_group, self.src)
         group = self.state.cpu_group

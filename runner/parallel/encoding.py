@@ -3,6 +3,9 @@
 
 * ``"object"``: ``torch.distributed.broadcast_object_list`` (pickle; two broadcasts: the
   size, then the bytes);
+* ``"fixed"``: :class:`FixedBroadcast`: pickle into a preallocated ``uint8`` buffer of
+  :data:`FIXED_CAPACITY` bytes behind an 8-byte length: *one* broadcast per step while
+  the output fits (a second, exact-size one when it does not);
 * ``"tensor"``: :func:`encode` packs every field into one ``int64`` stream plus one UTF-8
   blob of the request ids (floats as their IEEE-754 bits), sent as one ``uint8`` tensor
   after its two lengths (also two broadcasts); :func:`decode` rebuilds the same output.
@@ -15,6 +18,7 @@ the fields of ``SchedulerOutput`` one by one, so a new field is refused
 from __future__ import annotations
 
 import dataclasses
+import pickle
 
 import numpy as np
 import torch
@@ -178,3 +182,40 @@ def broadcast_object(obj, group, src: int = 0):
     box = [obj if dist.get_rank() == src else None]
     dist.broadcast_object_list(box, src, group=group)
     return box[0]
+
+
+FIXED_CAPACITY = 1 << 16
+"""Bytes of :class:`FixedBroadcast`'s buffer (a real step of ``attnplug run``'s trace
+pickles to well under 1 KiB; 48 new 1000-token prompts are about 200 KiB and take the
+second broadcast)."""
+
+
+class FixedBroadcast:
+    """Broadcast a picklable object in one collective when it fits ``capacity`` bytes.
+
+    The buffer's first 8 bytes carry the pickle's length ``n``; if ``n <= capacity - 8``
+    the pickle follows in the same buffer, else the receivers allocate ``n`` bytes and a
+    second broadcast carries it. Every rank holds one buffer for the whole run.
+    """
+
+    def __init__(self, capacity: int = FIXED_CAPACITY):
+        self.buf = torch.zeros(capacity, dtype=torch.uint8)
+
+    def __call__(self, obj, group, src: int = 0):
+        room = self.buf.numel() - 8
+        if dist.get_rank() == src:
+            data = pickle.dumps(obj)
+            self.buf[:8] = torch.frombuffer(bytearray(np.int64(len(data)).tobytes()), dtype=torch.uint8)
+            if len(data) <= room:
+                self.buf[8:8 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            dist.broadcast(self.buf, src, group=group)
+            if len(data) > room:
+                dist.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8), src, group=group)
+            return obj
+        dist.broadcast(self.buf, src, group=group)
+        n = int(self.buf[:8].view(torch.int64))
+        if n <= room:
+            return pickle.loads(self.buf[8:8 + n].numpy().tobytes())
+        extra = torch.empty(n, dtype=torch.uint8)
+        dist.broadcast(extra, src, group=group)
+        return pickle.loads(extra.numpy().tobytes())

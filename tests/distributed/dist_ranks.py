@@ -97,9 +97,15 @@ def tp_cases(rank: int, cases: list[dict], outdir: str) -> int:
     from attnplug.runner.parallel.state import init_parallel, shutdown
 
     state = init_parallel(int(os.environ["WORLD_SIZE"]))
+    from attnplug.runner.parallel.encoding import FixedBroadcast
+
+    small = FixedBroadcast(capacity=64)  # the fitting path, then the second broadcast of a larger one
+    for obj in ({"a": 1}, {"big": list(range(100))}):
+        if small(obj if rank == 0 else None, state.cpu_group) != obj:
+            return 5
     status = 0
     for case in cases:
-        state.channel = Channel(state, case.get("method", "object"))
+        state.channel = Channel(state, case.get("method", "fixed"))
         model = build_loaded(case["cfg"], torch.load(case["state_dict"]), 4)
         args = engine_args(len(case["prompts"]), case["preempt"], num_blocks=case.get("num_blocks"))
 

@@ -31,7 +31,7 @@ GEMMA3 = {**BASE, "model_type": "gemma3_text", "architectures": ["Gemma3ForCausa
           "layer_types": ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
           "query_pre_attn_scalar": 24, "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0}
 CASES = {  # name: (config, forced preemption, broadcast method, KV heads per rank)
-    "llama-kv2": ({**LLAMA, "num_key_value_heads": 2}, True, "object", 1),
+    "llama-kv2": ({**LLAMA, "num_key_value_heads": 2}, True, "fixed", 1),
     # one KV head for two ranks: replicated; a vocabulary that does not split evenly (padded shard)
     "llama-kv1": ({**LLAMA, "num_key_value_heads": 1, "vocab_size": 127}, False, "tensor", 1),
     "gemma3": (GEMMA3, True, "object", 1),
@@ -81,6 +81,7 @@ def test_rank_fed_another_step_and_raising_rank(tmp_path):
     _, hf = _hf_model(cfg, seed=1, dtype=torch.float32)
     torch.save(hf.state_dict(), tmp_path / "w.pt")
     case = {"cfg": cfg, "state_dict": str(tmp_path / "w.pt"), "prompts": _prompts(128, n=3), "max_tokens": 4}
+    # (the ranks talk over the default channel: the fixed-buffer broadcast)
     codes, secs = dist_ranks.spawn(dist_ranks.fault_cases, 2, case, str(tmp_path),
                                    env={"ATTNPLUG_VALIDATE": "1", "ATTNPLUG_DIST_TIMEOUT": "30"}, timeout=90)
     err0, err1 = ((tmp_path / f"rank{r}.err").read_text() for r in (0, 1))

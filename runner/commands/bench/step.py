@@ -216,6 +216,9 @@ def _int_at_least(low: int):
 
 def main(argv: list[str] | None = None) -> int:
     """``attnplug bench step [--steps N] [--sizes 16,64,...] [--trace-steps N] ...``"""
+    if argv and argv[0] == "broadcast":  # under torchrun: runner/commands/bench/broadcast.py
+        from attnplug.runner.commands.bench.broadcast import main as broadcast_main
+        return broadcast_main(list(argv[1:]))
     if argv and argv[0] == "attention":  # `attnplug bench attention ...`: runner/commands/bench/attention.py
         from attnplug.runner.commands.bench.attention import main as attention_main
         return attention_main(list(argv[1:]))
