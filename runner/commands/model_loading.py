@@ -73,6 +73,10 @@ def build_with_backends(config: Any, *, backend: str | None, block_size: int, re
     else:
         model = build_model(config, backend_for_layer=backend_for_layer, dtype=dtype, device=device,
                             block_size=block_size, seed=seed)
+    if state is not None and state.pp_size > 1:  # this rank's stage (runner/parallel/pipeline.py)
+        from attnplug.runner.parallel.pipeline import PipelineStageModel
+
+        model = PipelineStageModel(model, state).eval()
     model.attnplug_backends = chosen
     return model
 

@@ -45,11 +45,12 @@ class CollectiveTimer:
 
 @dataclass
 class ParallelState:
-    """One rank of a ``tp_size``-way tensor-parallel run (``pp_size`` is 1 for now).
+    """One rank of a ``tp_size`` x ``pp_size`` run: global rank ``pp_rank * tp_size + tp_rank``.
 
     Attributes:
         rank, world_size: this process in the default group (``torch.distributed``).
-        tp_rank, tp_size: this rank in the tensor-parallel group.
+        tp_rank, tp_size: this rank in its stage's tensor-parallel group.
+        pp_rank, pp_size: this rank's pipeline stage (0 embeds, ``pp_size - 1`` samples).
         device: ``cpu`` (gloo) or ``cuda:<LOCAL_RANK>`` (NCCL).
         tp_group: the group of the tensor-parallel collectives (``None``: the default group).
         cpu_group: a gloo group for the host-side broadcasts (the scheduler output, the
@@ -64,11 +65,16 @@ class ParallelState:
     tp_size: int
     pp_size: int
     device: str
+    pp_rank: int = 0
     tp_group: Any = None
     cpu_group: Any = None
     timer: CollectiveTimer = field(default_factory=CollectiveTimer)
     channel: Any = None
     """Rank 0's command channel (``channel.Channel``), set by the launcher."""
+
+    def stage_rank(self, stage: int) -> int:
+        """The global rank of this rank's tensor-parallel peer in pipeline stage ``stage``."""
+        return stage * self.tp_size + self.tp_rank
 
 
 _STATE: ParallelState | None = None
@@ -86,14 +92,11 @@ def set_state(state: ParallelState | None) -> None:
 
 
 def check_sizes(tp: int, pp: int, world_size: int) -> None:
-    """Raise :class:`ParallelConfigError` unless ``tp * pp == world_size`` and ``pp == 1``."""
+    """Raise :class:`ParallelConfigError` unless ``tp * pp == world_size``."""
     if tp * pp != world_size:
         raise ParallelConfigError(
             f"--tensor-parallel-size {tp} x --pipeline-parallel-size {pp} = {tp * pp} processes, but "
             f"WORLD_SIZE is {world_size}: launch with torchrun --nproc-per-node {tp * pp} -m attnplug run ...")
-    if pp != 1:
-        raise ParallelConfigError(f"--pipeline-parallel-size {pp}: pipeline parallel is not implemented yet "
-                                  "(only --pipeline-parallel-size 1)")
 
 
 def timeout_s() -> float:
@@ -132,14 +135,28 @@ def init_parallel(tp: int, pp: int = 1, device: str = "cpu") -> ParallelState:
         dist.init_process_group("gloo", init_method="env://", timeout=timeout)
         cpu_group, dev = dist.group.WORLD, "cpu"
     rank = dist.get_rank()
-    state = ParallelState(rank=rank, world_size=world, tp_rank=rank, tp_size=tp, pp_size=pp, device=dev,
-                          tp_group=dist.group.WORLD, cpu_group=cpu_group)
+    tp_group = dist.group.WORLD
+    if pp > 1:  # one tensor-parallel group per stage; every rank creates every group, in order
+        for stage in range(pp):
+            group = dist.new_group(list(range(stage * tp, (stage + 1) * tp)), timeout=timeout)
+            if stage == rank // tp:
+                tp_group = group
+    state = ParallelState(rank=rank, world_size=world, tp_rank=rank % tp, tp_size=tp, pp_size=pp, device=dev,
+                          pp_rank=rank // tp, tp_group=tp_group, cpu_group=cpu_group)
     set_state(state)
     return state
 
 
 def shutdown() -> None:
-    """Leave the process group (if joined) and clear the state."""
+    """Leave the process group (if joined) and clear the state.
+
+    The state's group handles are dropped too: runners and channels keep the state, and a
+    gloo group that outlives ``destroy_process_group`` until the interpreter exits was
+    destroyed there, with its threads, now and then aborting the process ("terminate
+    called without an active exception").
+    """
+    if _STATE is not None:
+        _STATE.tp_group = _STATE.cpu_group = _STATE.channel = None
     set_state(None)
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -87,16 +87,17 @@ def run_engine(model, args, prompts: dict[str, list[int]], max_tokens: int):
     return {rid: r.output_token_ids for rid, r in results.items()}, setup
 
 
-def tp_cases(rank: int, cases: list[dict], outdir: str) -> int:
+def tp_cases(rank: int, cases: list[dict], outdir: str, pp: int = 1) -> int:
     """Rank function: each case (``cfg``, ``state_dict`` path, ``prompts``, ``max_tokens``,
-    ``preempt``, ``method``) is one ``run_rank`` session; rank 0 writes
+    ``preempt``, ``method``) is one ``run_rank`` session on ``WORLD_SIZE / pp`` x ``pp``
+    ranks; rank 0 writes
     ``outdir/<name>.json`` with the tokens, preemptions and metadata checks done."""
     from attnplug.runner.commands.assemble import build_engine
     from attnplug.runner.parallel.channel import Channel
     from attnplug.runner.parallel.launch import run_rank
     from attnplug.runner.parallel.state import init_parallel, shutdown
 
-    state = init_parallel(int(os.environ["WORLD_SIZE"]))
+    state = init_parallel(int(os.environ["WORLD_SIZE"]) // pp, pp)
     from attnplug.runner.parallel.encoding import FixedBroadcast
 
     small = FixedBroadcast(capacity=64)  # the fitting path, then the second broadcast of a larger one

@@ -1,4 +1,4 @@
-"""Tensor parallel over 2 real processes (gloo): greedy tokens identical to one process
+"""Tensor and pipeline parallel over 2 (slow: 4) real processes (gloo): greedy tokens identical to one process
 and to HF transformers, for Llama GQA (KV heads split, and one KV head replicated on both
 ranks) and Gemma3 (sliding and global layers), under chunked prefill and forced
 preemption, with the cross-rank metadata check on every step; and the faults: a rank fed
@@ -35,7 +35,11 @@ CASES = {  # name: (config, forced preemption, broadcast method, KV heads per ra
     # one KV head for two ranks: replicated; a vocabulary that does not split evenly (padded shard)
     "llama-kv1": ({**LLAMA, "num_key_value_heads": 1, "vocab_size": 127}, False, "tensor", 1),
     "gemma3": (GEMMA3, True, "object", 1),
+    # pipeline stages of 2 layers each need the same cache groups: sliding + global in each
+    "gemma3-alt": ({**GEMMA3, "layer_types": ["sliding_attention", "full_attention"] * 2}, True, "fixed", 1),
 }
+TP2 = ["gemma3", "llama-kv1", "llama-kv2"]
+PP2 = ["gemma3-alt", "llama-kv2"]
 MAX_TOKENS = 5
 
 
@@ -44,12 +48,12 @@ def _prompts(vocab: int, n: int = 5, seed: int = 1) -> dict[str, list[int]]:
     return {f"req-{i}": rng.integers(0, vocab, size=int(k)).tolist() for i, k in enumerate(rng.integers(3, 41, n))}
 
 
-@pytest.fixture(scope="module")
-def tp2(tmp_path_factory):
-    """Run every case once on 2 ranks; returns ``{name: (rank 0's json, hf, prompts, case)}``."""
-    tmp = tmp_path_factory.mktemp("tp2")
+def _run_cases(tmp, names, world: int, pp: int = 1):
+    """Run the cases ``names`` once on ``world`` ranks (``pp`` stages); returns
+    ``{name: (rank 0's json, hf, case)}``."""
     cases, refs = [], {}
-    for name, (cfg, preempt, method, _) in CASES.items():
+    for name in names:
+        cfg, preempt, method, _ = CASES[name]
         _, hf = _hf_model(cfg, seed=1, dtype=torch.float32)
         path = tmp / f"{name}.pt"
         torch.save(hf.state_dict(), path)
@@ -57,20 +61,48 @@ def tp2(tmp_path_factory):
                 "max_tokens": MAX_TOKENS, "preempt": preempt, "method": method}
         cases.append(case)
         refs[name] = (hf, case)
-    codes, secs = dist_ranks.spawn(dist_ranks.tp_cases, 2, cases, str(tmp), env={"ATTNPLUG_VALIDATE": "1"})
-    assert codes == [0, 0], f"rank exit codes {codes} after {secs:.0f} s"
-    return {name: (json.loads((tmp / f"{name}.json").read_text()), *refs[name]) for name in CASES}
+    codes, secs = dist_ranks.spawn(dist_ranks.tp_cases, world, cases, str(tmp), pp, env={"ATTNPLUG_VALIDATE": "1"},
+                                   timeout=60 * world)
+    assert codes == [0] * world, f"rank exit codes {codes} after {secs:.0f} s"
+    return {name: (json.loads((tmp / f"{name}.json").read_text()), *refs[name]) for name in names}
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.fixture(scope="module")
+def tp2(tmp_path_factory):
+    return _run_cases(tmp_path_factory.mktemp("tp2"), TP2, 2)
+
+
+@pytest.fixture(scope="module")
+def pp2(tmp_path_factory):
+    return _run_cases(tmp_path_factory.mktemp("pp2"), PP2, 2, pp=2)
+
+
+@pytest.mark.parametrize("name", TP2)
 def test_tp2_tokens_match_one_process_and_hf(tp2, name):
-    got, hf, case = tp2[name]
-    cfg, preempt, _, kv_per_rank = CASES[name]
+    _check(tp2[name], name, layers_per_rank=CASES[name][0]["num_hidden_layers"])
+
+
+@pytest.mark.parametrize("name", PP2)
+def test_pp2_tokens_match_one_process_and_hf(pp2, name):
+    cfg, _, _, _ = CASES[name]
+    _check(pp2[name], name, layers_per_rank=cfg["num_hidden_layers"] // 2, kv_per_rank=cfg["num_key_value_heads"])
+
+
+@pytest.mark.slow
+def test_tp2_x_pp2_tokens_match_one_process_and_hf(tmp_path):
+    got = _run_cases(tmp_path, ["llama-kv2"], 4, pp=2)
+    _check(got["llama-kv2"], "llama-kv2", layers_per_rank=1)
+
+
+def _check(result, name: str, layers_per_rank: int, kv_per_rank: int | None = None) -> None:
+    got, hf, case = result
+    cfg, preempt, _, tp_kv = CASES[name]
+    kv_per_rank = tp_kv if kv_per_rank is None else kv_per_rank
     model = dist_ranks.build_loaded(cfg, hf.state_dict(), 4)  # one process: the whole model
     tp1, setup = dist_ranks.run_engine(model, dist_ranks.engine_args(5, preempt), case["prompts"], MAX_TOKENS)
     hf_tokens = {rid: _hf_greedy(hf, p, MAX_TOKENS)[0] for rid, p in case["prompts"].items()}
     assert got["tokens"] == tp1 == hf_tokens
-    assert got["kv_heads"] == [kv_per_rank] * cfg["num_hidden_layers"], "a rank's caches hold its heads only"
+    assert got["kv_heads"] == [kv_per_rank] * layers_per_rank, "a rank's caches hold its heads (and layers) only"
     assert got["checked_steps"] >= got["steps"] > 5, "the metadata identity check ran every step"
     if preempt:
         assert got["preemptions"] > 0 and setup.engine.scheduler.num_preemptions > 0
