@@ -150,6 +150,7 @@ def _main(args) -> int:
     summary = setup.summary(results, wall)
     summary["batch_invariance"] = {"identical": same, "checked": k}
     summary["tensor_parallel_size"] = args.tensor_parallel_size
+    summary["pipeline_parallel_size"] = args.pipeline_parallel_size
     if record is not None:
         try:
             save_plot(record.record, args.plot, group_labels(summary), f"attnplug run --model {args.model}")

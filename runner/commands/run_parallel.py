@@ -21,8 +21,8 @@ def add_flags(p) -> None:
                    help="shard heads, MLP and vocabulary over N ranks (launch N processes with torchrun; "
                         "docs/distributed.md); an integer in [1, 1024] (default 1)")
     p.add_argument("--pipeline-parallel-size", type=bounded_int(1, 1024), default=1, metavar="N",
-                   help="pipeline stages (only 1 is implemented); tensor x pipeline size must equal "
-                        "torchrun's WORLD_SIZE (default 1)")
+                   help="split the layers into N pipeline stages; tensor x pipeline size must equal "
+                        "torchrun's WORLD_SIZE; an integer in [1, 1024] (default 1)")
     p.add_argument("--dist-broadcast", choices=("fixed", "object", "tensor"), default="fixed",
                    help="how rank 0 sends each step: a pickle in one fixed buffer (default, one broadcast), "
                         "broadcast_object_list, or the compact tensor encoding (runner/parallel/encoding.py; "

@@ -1,4 +1,5 @@
-"""``attnplug run --tensor-parallel-size 2`` under torchrun (2 real processes, gloo) gives
+"""``attnplug run --tensor-parallel-size 2`` / ``--pipeline-parallel-size 2`` under torchrun (2
+real processes, gloo; both: 4, slow) gives
 the same ``outputs_digest`` as one process, and reports the broadcast and the collectives;
 the parallel flags refuse a launch they do not fit in one line (exit 2)."""
 
@@ -17,18 +18,21 @@ ARGS = ["--model", "tiny-llama", "--num-requests", "4", "--max-model-len", "256"
         "--invariance-requests", "1", "--json"]
 
 
-def test_torchrun_tp2_digest_equals_one_process(capsys):
+@pytest.mark.parametrize("tp, pp, broadcast", [
+    (2, 1, "tensor"), (1, 2, "fixed"), pytest.param(2, 2, "fixed", marks=pytest.mark.slow)], ids=["tp2", "pp2", "tp2xpp2"])
+def test_torchrun_digest_equals_one_process(capsys, tp, pp, broadcast):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "ATTNPLUG_VALIDATE": "1"}
     env.pop("WORLD_SIZE", None)
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "attnplug",
-                           "run", *ARGS, "--tensor-parallel-size", "2", "--dist-broadcast", "tensor"],
-                          capture_output=True, text=True, timeout=240, env=env)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(tp * pp), "-m",
+                           "attnplug", "run", *ARGS, "--tensor-parallel-size", str(tp), "--pipeline-parallel-size",
+                           str(pp), "--dist-broadcast", broadcast], capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     tp2 = json.loads(proc.stdout)  # rank 0 alone prints
     assert run_main(ARGS) == 0
     tp1 = json.loads(capsys.readouterr().out)
     assert tp2["outputs_digest"] == tp1["outputs_digest"] and tp2["generated_tokens"] == tp1["generated_tokens"] > 0
-    assert tp2["tensor_parallel_size"] == 2 and tp1["tensor_parallel_size"] == 1
+    assert (tp2["tensor_parallel_size"], tp2["pipeline_parallel_size"]) == (tp, pp)
+    assert (tp1["tensor_parallel_size"], tp1["pipeline_parallel_size"]) == (1, 1)
     stages = tp2["median_us_per_step"]
     assert stages["broadcast"] > 0 and stages["collectives"] > 0 and "broadcast" not in tp1["median_us_per_step"]
     assert tp2["batch_invariance"] == {"identical": 1, "checked": 1}

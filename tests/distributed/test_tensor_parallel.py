@@ -94,18 +94,31 @@ def test_tp2_x_pp2_tokens_match_one_process_and_hf(tmp_path):
     _check(got["llama-kv2"], "llama-kv2", layers_per_rank=1)
 
 
+_REFS: dict[str, tuple] = {}
+
+
+def _references(name: str, hf, case: dict):
+    """One process's tokens and preemptions, and HF's greedy tokens, for a case (computed once;
+    the HF weights come from a fixed seed, the same for every fixture)."""
+    if name not in _REFS:
+        model = dist_ranks.build_loaded(CASES[name][0], hf.state_dict(), 4)  # one process: the whole model
+        tokens, setup = dist_ranks.run_engine(model, dist_ranks.engine_args(5, CASES[name][1]), case["prompts"],
+                                              MAX_TOKENS)
+        _REFS[name] = (tokens, setup.engine.scheduler.num_preemptions,
+                       {rid: _hf_greedy(hf, p, MAX_TOKENS)[0] for rid, p in case["prompts"].items()})
+    return _REFS[name]
+
+
 def _check(result, name: str, layers_per_rank: int, kv_per_rank: int | None = None) -> None:
     got, hf, case = result
     cfg, preempt, _, tp_kv = CASES[name]
     kv_per_rank = tp_kv if kv_per_rank is None else kv_per_rank
-    model = dist_ranks.build_loaded(cfg, hf.state_dict(), 4)  # one process: the whole model
-    tp1, setup = dist_ranks.run_engine(model, dist_ranks.engine_args(5, preempt), case["prompts"], MAX_TOKENS)
-    hf_tokens = {rid: _hf_greedy(hf, p, MAX_TOKENS)[0] for rid, p in case["prompts"].items()}
+    tp1, preemptions, hf_tokens = _references(name, hf, case)
     assert got["tokens"] == tp1 == hf_tokens
     assert got["kv_heads"] == [kv_per_rank] * layers_per_rank, "a rank's caches hold its heads (and layers) only"
     assert got["checked_steps"] >= got["steps"] > 5, "the metadata identity check ran every step"
     if preempt:
-        assert got["preemptions"] > 0 and setup.engine.scheduler.num_preemptions > 0
+        assert got["preemptions"] > 0 and preemptions > 0
 
 
 def test_rank_fed_another_step_and_raising_rank(tmp_path):
