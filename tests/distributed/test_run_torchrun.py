@@ -18,17 +18,21 @@ ARGS = ["--model", "tiny-llama", "--num-requests", "4", "--max-model-len", "256"
         "--invariance-requests", "1", "--json"]
 
 
-@pytest.mark.parametrize("tp, pp, broadcast", [
-    (2, 1, "tensor"), (1, 2, "fixed"), pytest.param(2, 2, "fixed", marks=pytest.mark.slow)], ids=["tp2", "pp2", "tp2xpp2"])
-def test_torchrun_digest_equals_one_process(capsys, tp, pp, broadcast):
+@pytest.mark.parametrize("tp, pp, broadcast, extra", [
+    (2, 1, "tensor", []), (1, 2, "fixed", []),
+    pytest.param(2, 2, "fixed", [], marks=pytest.mark.slow),
+    pytest.param(2, 1, "object", ["--async-scheduling"], marks=pytest.mark.slow),
+    pytest.param(1, 2, "fixed", ["--async-scheduling"], marks=pytest.mark.slow),
+], ids=["tp2", "pp2", "tp2xpp2", "tp2-async", "pp2-async"])
+def test_torchrun_digest_equals_one_process(capsys, tp, pp, broadcast, extra):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "ATTNPLUG_VALIDATE": "1"}
     env.pop("WORLD_SIZE", None)
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(tp * pp), "-m",
-                           "attnplug", "run", *ARGS, "--tensor-parallel-size", str(tp), "--pipeline-parallel-size",
+                           "attnplug", "run", *ARGS, *extra, "--tensor-parallel-size", str(tp), "--pipeline-parallel-size",
                            str(pp), "--dist-broadcast", broadcast], capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     tp2 = json.loads(proc.stdout)  # rank 0 alone prints
-    assert run_main(ARGS) == 0
+    assert run_main(ARGS + extra) == 0
     tp1 = json.loads(capsys.readouterr().out)
     assert tp2["outputs_digest"] == tp1["outputs_digest"] and tp2["generated_tokens"] == tp1["generated_tokens"] > 0
     assert (tp2["tensor_parallel_size"], tp2["pipeline_parallel_size"]) == (tp, pp)
