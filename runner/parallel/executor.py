@@ -26,11 +26,9 @@ def validate_enabled() -> bool:
 
 
 def attach(runner: Any, state: ParallelState) -> None:
-    """Give a rank's ``ModelRunner`` the cross-rank metadata check (``ATTNPLUG_VALIDATE=1``)
-    and per-step collective timings."""
+    """Give a rank's ``ModelRunner`` the cross-rank metadata check (``ATTNPLUG_VALIDATE=1``)."""
     if validate_enabled():
         runner.on_common_metadata = MetadataIdentityCheck(state)
-    runner.parallel_state = state
 
 
 class ParallelRunner:
