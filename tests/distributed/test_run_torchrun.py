@@ -50,3 +50,17 @@ def test_parallel_sizes_must_fit_the_launch(capsys, monkeypatch):
     with pytest.raises(SystemExit) as exit_:
         run_main([*ARGS, "--tensor-parallel-size", "0"])
     assert exit_.value.code == 2 and "--tensor-parallel-size: 0 is out of range" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_bench_broadcast_reports_the_three_methods():
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("WORLD_SIZE", None)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "attnplug",
+                           "bench", "broadcast", "--num-requests", "4", "--repeat", "1", "--json"],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(proc.stdout)
+    assert res["steps"] > 0 and res["world_size"] == 2 and res["update_plus_prepare_us"] > 0
+    assert all(res[f"{m}_us"] > 0 for m in ("object", "fixed", "tensor"))
+    assert res["tensor_bytes"] > 0 and res["object_bytes"] > 0

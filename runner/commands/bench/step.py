@@ -223,8 +223,9 @@ def main(argv: list[str] | None = None) -> int:
         from attnplug.runner.commands.bench.attention import main as attention_main
         return attention_main(list(argv[1:]))
     parser = OneLineParser(prog="attnplug bench", description=__doc__.split("\n\n")[0])
-    parser.add_argument("which", nargs="?", default="step", choices=["step", "attention"],
-                        help="the benchmark to run (default: step; `attention --help` for its options)")
+    parser.add_argument("which", nargs="?", default="step", choices=["step", "attention", "broadcast"],
+                        help="the benchmark to run (default: step; `attention --help` for its options; "
+                             "`broadcast` runs under torchrun)")
     parser.add_argument("--steps", type=_int_at_least(1), default=300,
                         help="timed steady-decode steps per size (default 300)")
     parser.add_argument("--sizes", type=_sizes, default=[16, 64, 256, 1024],
