@@ -26,8 +26,8 @@ import torch
 
 from attnplug.runner.parallel.state import ParallelConfigError
 
-COLUMN = ("mlp.gate_proj", "mlp.up_proj")
-ROW = ("self_attn.o_proj", "mlp.down_proj")
+COLUMN = ("mlp.gate_proj", "mlp.up_proj", "feed_forward.gate_proj", "feed_forward.up_proj")
+DOWN = (".mlp.down_proj.weight", ".feed_forward.down_proj.weight")
 VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
 
 
@@ -48,13 +48,22 @@ def check_shardable(cfg: Any, tp: int) -> None:
     """Raise :class:`ParallelConfigError` unless ``cfg`` splits over ``tp`` ranks.
 
     Needs ``num_attention_heads % tp == 0``, ``num_key_value_heads`` a multiple or a
-    divisor of ``tp``, ``intermediate_size % tp == 0``; a Mamba2 model is not supported yet.
+    divisor of ``tp``, ``intermediate_size % tp == 0``; for Mamba2 layers also
+    ``mamba_n_heads % tp == 0``, ``mamba_n_groups`` 1 or a multiple of ``tp`` (B/C groups
+    replicated or split; a norm group split over some ranks only is not supported) and
+    ``mamba_expand % tp == 0`` (the rank config keeps ``mamba_expand * hidden_size ==
+    heads * head_size``).
     """
-    if hasattr(cfg, "mamba_n_heads") or not hasattr(cfg, "num_key_value_heads"):
-        raise ParallelConfigError(f"--tensor-parallel-size {tp}: {cfg.model_type} (Mamba2 layers) is not "
-                                  "tensor-parallel yet; use a Llama-family or Gemma3 model")
     H, K, I = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size
     problems = []
+    if hasattr(cfg, "mamba_n_heads"):
+        G = cfg.mamba_n_groups
+        if cfg.mamba_n_heads % tp:
+            problems.append(f"mamba_n_heads {cfg.mamba_n_heads} is not a multiple of {tp}")
+        if G != 1 and G % tp:
+            problems.append(f"mamba_n_groups {G} is neither 1 nor a multiple of {tp}")
+        if cfg.mamba_expand % tp:
+            problems.append(f"mamba_expand {cfg.mamba_expand} is not a multiple of {tp}")
     if H % tp:
         problems.append(f"num_attention_heads {H} is not a multiple of {tp}")
     if K % tp and tp % K:
@@ -71,9 +80,13 @@ def shard_config(cfg: Any, tp: int) -> Any:
     ``intermediate_size / tp``; every other field (``hidden_size``, ``head_size``,
     ``vocab_size``...) unchanged. Raises :class:`ParallelConfigError` (:func:`check_shardable`)."""
     check_shardable(cfg, tp)
+    mamba = {}
+    if hasattr(cfg, "mamba_n_heads"):
+        mamba = dict(mamba_n_heads=cfg.mamba_n_heads // tp, mamba_expand=cfg.mamba_expand // tp,
+                     mamba_n_groups=max(1, cfg.mamba_n_groups // tp))
     return dataclasses.replace(cfg, num_attention_heads=cfg.num_attention_heads // tp,
                                num_key_value_heads=max(1, cfg.num_key_value_heads // tp),
-                               intermediate_size=cfg.intermediate_size // tp)
+                               intermediate_size=cfg.intermediate_size // tp, **mamba)
 
 
 def _rows(t: torch.Tensor, start: int, stop: int) -> torch.Tensor:
@@ -105,9 +118,36 @@ def shard_tensor(name: str, t: torch.Tensor, cfg: Any, tp: int, rank: int) -> to
     if name.endswith(".self_attn.o_proj.weight"):
         per = cfg.num_attention_heads // tp * D
         return t[:, rank * per:(rank + 1) * per]
-    if name.endswith(".mlp.down_proj.weight"):
+    if name.endswith(DOWN):
         return t[:, rank * per_i:(rank + 1) * per_i]
+    if ".mamba." in name:
+        return _mamba_tensor(name, t, cfg, tp, rank)
     return t
+
+
+def _mamba_tensor(name: str, t: torch.Tensor, cfg: Any, tp: int, rank: int) -> torch.Tensor:
+    """A Mamba2 mixer's slice: heads ``[r*H/tp, ...)`` of z, x, dt, ``dt_bias``, ``A_log``,
+    ``D``, the norm and ``out_proj``'s input columns; B/C groups as KV heads (split, or the
+    one group replicated)."""
+    d, H = cfg.mamba_intermediate_size, cfg.mamba_n_heads
+    GN = cfg.mamba_n_groups * cfg.mamba_d_state
+    g0, g1 = kv_head_range(cfg.mamba_n_groups, tp, rank)
+    dr, hr = d // tp, H // tp
+    xs = slice(rank * dr, (rank + 1) * dr)
+    bc = slice(g0 * cfg.mamba_d_state, g1 * cfg.mamba_d_state)
+    if name.endswith(".out_proj.weight"):
+        return t[:, xs]
+    if name.endswith((".dt_bias", ".A_log", ".D")):
+        return t[rank * hr:(rank + 1) * hr]
+    if name.endswith(".norm.weight"):
+        return t[xs]
+    if ".in_proj." in name:  # rows: z | x | B | C | dt
+        z, x, b, c, dt = t.split([d, d, GN, GN, H])
+        return torch.cat([z[xs], x[xs], b[bc], c[bc], dt[rank * hr:(rank + 1) * hr]])
+    if ".conv1d." in name:  # channels: x | B | C
+        x, b, c = t.split([d, GN, GN])
+        return torch.cat([x[xs], b[bc], c[bc]])
+    return t  # out_proj.bias: whole, added after the all-reduce
 
 
 def shard_state_dict(state_dict: Mapping[str, torch.Tensor], cfg: Any, tp: int,

@@ -83,3 +83,20 @@ class ParallelLMHead(nn.Linear):
         self.state.timer.ns += time.perf_counter_ns() - t0
         self.state.timer.calls += 1
         return torch.cat(parts, dim=-1)[..., :self.vocab_size]
+
+
+class ParallelGatedRMSNorm(nn.Module):
+    """The Mamba2 gated norm over one B/C group that is split across all ranks
+    (``mamba_n_groups == 1``): ``weight_r * h_r / sqrt(sum_ranks(sum(h^2)) / full_size + eps)``
+    with ``h = y * silu(z)``, the rank holding channels ``h_r`` (float32, as
+    ``runner.models.mamba2.GatedRMSNorm``)."""
+
+    def __init__(self, local_size: int, full_size: int, eps: float, state: ParallelState, dtype, device):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(local_size, dtype=dtype, device=device))
+        self.full_size, self.eps, self.state = full_size, eps, state
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        h = x.float() * nn.functional.silu(gate.float())
+        sq = all_reduce_sum(h.pow(2).sum(-1, keepdim=True), self.state)
+        return self.weight * (h * torch.rsqrt(sq / self.full_size + self.eps)).to(x.dtype)

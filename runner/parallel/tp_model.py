@@ -9,12 +9,14 @@ import torch
 from torch import nn
 
 from attnplug.core.errors import BackendUnsupportedError
+from attnplug.core.mamba import MambaLayerConfig
 from attnplug.runner.models.loader import build_model, model_family
 from attnplug.runner.models.llama import BackendForLayer
 from attnplug.runner.models.registry import resolve_model_config
 from attnplug.runner.parallel.sharding import shard_config, shard_state_dict
 from attnplug.runner.parallel.state import ParallelState
-from attnplug.runner.parallel.tp_layers import ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
+from attnplug.runner.parallel.tp_layers import (ParallelGatedRMSNorm, ParallelLMHead, RowParallelLinear,
+                                                VocabParallelEmbedding)
 
 
 def _row_parallel(old: nn.Linear, state: ParallelState, dtype, device) -> RowParallelLinear:
@@ -26,8 +28,16 @@ def parallelize(model: nn.Module, full_cfg: Any, state: ParallelState) -> nn.Mod
     head for their vocab-parallel versions, in place (weights uninitialised: load a shard)."""
     dtype, device = model.dtype, model.device
     for layer in model.model.layers:
-        layer.self_attn.o_proj = _row_parallel(layer.self_attn.o_proj, state, dtype, device)
-        layer.mlp.down_proj = _row_parallel(layer.mlp.down_proj, state, dtype, device)
+        if hasattr(layer, "self_attn"):
+            layer.self_attn.o_proj = _row_parallel(layer.self_attn.o_proj, state, dtype, device)
+        if hasattr(layer, "mamba"):  # Bamba / hybrid: the Mamba2 mixer
+            mixer = layer.mamba
+            mixer.out_proj = _row_parallel(mixer.out_proj, state, dtype, device)
+            if full_cfg.mamba_n_groups == 1 and state.tp_size > 1:  # the norm's one group spans the ranks
+                mixer.norm = ParallelGatedRMSNorm(mixer.norm.weight.numel(), full_cfg.mamba_intermediate_size,
+                                                  mixer.norm.eps, state, dtype, device)
+        mlp = layer.mlp if hasattr(layer, "mlp") else layer.feed_forward
+        mlp.down_proj = _row_parallel(mlp.down_proj, state, dtype, device)
     hidden = full_cfg.hidden_size
     model.model.embed_tokens = VocabParallelEmbedding(full_cfg.vocab_size, hidden, state, dtype, device)
     model.lm_head = ParallelLMHead(full_cfg.vocab_size, hidden, state, dtype, device)
@@ -43,8 +53,8 @@ def build_tp_model(config: Any, state: ParallelState, *, backend_for_layer: Back
     """Rank ``state.tp_rank``'s model of a ``state.tp_size``-way tensor-parallel run.
 
     Args:
-        config: as :func:`attnplug.runner.models.build_model` (an HF config of a Llama-family
-            or Gemma3 model).
+        config: as :func:`attnplug.runner.models.build_model` (an HF config of a Llama-family,
+            Gemma3, Bamba or attnplug_hybrid model).
         state: the rank and its groups (:func:`attnplug.runner.parallel.state.init_parallel`).
         backend_for_layer: ``(layer_name, layer_cfg) -> backend``, called with the *rank's*
             layer configs (``num_heads = H/tp``, ``num_kv_heads = max(1, K/tp)``).
@@ -71,12 +81,13 @@ def build_tp_model(config: Any, state: ParallelState, *, backend_for_layer: Back
         backend = backend_for_layer(name, layer_cfg) if backend_for_layer else None
         if backend is None:
             from attnplug.plugins.discovery import get_backend
-            backend = get_backend("torch_native")
+            backend = get_backend("mamba2_torch" if isinstance(layer_cfg, MambaLayerConfig) else "torch_native")
         reasons = backend.validate_configuration(layer_cfg)
         if reasons:
             raise BackendUnsupportedError(backend.get_name(), reasons, context=f"layer {name}")
         backends.append(backend)
-    model = family.model_cls(rank_cfg, backends, dtype=dtype, device=device)
+    extra = {"block_size": block_size} if family.takes_block_size else {}
+    model = family.model_cls(rank_cfg, backends, dtype=dtype, device=device, **extra)
     parallelize(model, full_cfg, state)
     model.load_hf_state_dict(shard_state_dict(state_dict, full_cfg, state.tp_size, state.tp_rank))
     model.full_config = full_cfg

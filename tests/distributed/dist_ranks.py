@@ -117,7 +117,10 @@ def tp_cases(rank: int, cases: list[dict], outdir: str, pp: int = 1) -> int:
                 json.dump({"tokens": tokens, "preemptions": setup.engine.scheduler.num_preemptions,
                            "steps": setup.engine.stats.num_steps,
                            "checked_steps": getattr(check, "step", 0),
-                           "kv_heads": [s.num_kv_heads for s in model.kv_cache_specs(4).values()]}, f)
+                           "kv_heads": [s.num_kv_heads for s in model.kv_cache_specs(4).values()
+                                        if hasattr(s, "num_kv_heads")],
+                           "mamba_ssm_heads": [s.ssm_state_shape[0] for s in model.kv_cache_specs(4).values()
+                                               if hasattr(s, "ssm_state_shape")]}, f)
             return 0
 
         status |= run_rank(state, main, lambda alone: build_engine(args, alone=alone, model=model,

@@ -1,6 +1,7 @@
 """Tensor and pipeline parallel over 2 (slow: 4) real processes (gloo): greedy tokens identical to one process
 and to HF transformers, for Llama GQA (KV heads split, and one KV head replicated on both
-ranks) and Gemma3 (sliding and global layers), under chunked prefill and forced
+ranks), Gemma3 (sliding and global layers) and Bamba (Mamba2 heads, conv channels and B/C
+groups split or replicated; tensor parallel only), under chunked prefill and forced
 preemption, with the cross-rank metadata check on every step; and the faults: a rank fed
 a different step, a rank that raises.
 """
@@ -38,7 +39,16 @@ CASES = {  # name: (config, forced preemption, broadcast method, KV heads per ra
     # pipeline stages of 2 layers each need the same cache groups: sliding + global in each
     "gemma3-alt": ({**GEMMA3, "layer_types": ["sliding_attention", "full_attention"] * 2}, True, "fixed", 1),
 }
-TP2 = ["gemma3", "llama-kv1", "llama-kv2"]
+BAMBA = {**BASE, "model_type": "bamba", "architectures": ["BambaForCausalLM"], "hidden_size": 32,
+         "intermediate_size": 64, "num_hidden_layers": 3, "num_key_value_heads": 2, "attn_layer_indices": [1],
+         "mamba_n_heads": 4, "mamba_d_state": 8, "mamba_d_conv": 4, "mamba_expand": 2, "mamba_chunk_size": 8,
+         "rms_norm_eps": 1e-5}
+CASES.update({
+    # one B/C group: replicated on both ranks, and the gated norm's statistic all-reduced
+    "bamba-g1": ({**BAMBA, "mamba_n_groups": 1}, True, "fixed", 1),
+    "bamba-g2": ({**BAMBA, "mamba_n_groups": 2}, False, "fixed", 1),  # one group per rank
+})
+TP2 = ["bamba-g1", "bamba-g2", "gemma3", "llama-kv1", "llama-kv2"]
 PP2 = ["gemma3-alt", "llama-kv2"]
 MAX_TOKENS = 5
 
@@ -79,7 +89,10 @@ def pp2(tmp_path_factory):
 
 @pytest.mark.parametrize("name", TP2)
 def test_tp2_tokens_match_one_process_and_hf(tp2, name):
-    _check(tp2[name], name, layers_per_rank=CASES[name][0]["num_hidden_layers"])
+    cfg = CASES[name][0]
+    _check(tp2[name], name, layers_per_rank=len(cfg.get("attn_layer_indices", range(cfg["num_hidden_layers"]))))
+    if "mamba_n_heads" in cfg:  # each rank's Mamba2 states hold its heads only
+        assert tp2[name][0]["mamba_ssm_heads"] == [cfg["mamba_n_heads"] // 2] * (cfg["num_hidden_layers"] - 1)
 
 
 @pytest.mark.parametrize("name", PP2)
