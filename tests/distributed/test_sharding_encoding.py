@@ -51,9 +51,14 @@ def test_shards_reassemble_to_the_full_weights(tp):
 def test_refused_splits_say_why():
     with pytest.raises(ParallelConfigError, match="num_attention_heads 4 is not a multiple of 3"):
         shard_config(resolve_model_config(LLAMA), 3)
-    with pytest.raises(ParallelConfigError, match=r"Mamba2 layers\) is not tensor-parallel yet"):
-        from attnplug.runner.models.presets import preset_config
-        shard_config(resolve_model_config(preset_config("tiny-hybrid")), 2)
+    from attnplug.runner.models.presets import preset_config
+
+    hybrid = preset_config("tiny-hybrid")  # 8 Mamba2 heads, one B/C group, mamba_expand 2
+    assert shard_config(resolve_model_config(hybrid), 2).mamba_n_heads == 4
+    with pytest.raises(ParallelConfigError, match="mamba_expand 2 is not a multiple of 4"):
+        shard_config(resolve_model_config(hybrid), 4)
+    with pytest.raises(ParallelConfigError, match="mamba_n_groups 2 is neither 1 nor a multiple of 4"):
+        shard_config(resolve_model_config({**hybrid, "mamba_n_groups": 2, "mamba_expand": 4, "mamba_d_head": 128}), 4)
     with pytest.raises(ParallelConfigError, match="WORLD_SIZE is 3"):
         check_sizes(2, 1, 3)
 
