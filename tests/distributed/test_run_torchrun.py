@@ -23,7 +23,8 @@ ARGS = ["--model", "tiny-llama", "--num-requests", "4", "--max-model-len", "256"
     pytest.param(2, 2, "fixed", [], marks=pytest.mark.slow),
     pytest.param(2, 1, "object", ["--async-scheduling"], marks=pytest.mark.slow),
     pytest.param(1, 2, "fixed", ["--async-scheduling"], marks=pytest.mark.slow),
-], ids=["tp2", "pp2", "tp2xpp2", "tp2-async", "pp2-async"])
+    pytest.param(2, 1, "fixed", ["--model", "tiny-hybrid"], marks=pytest.mark.slow),  # sliding + full + Mamba2
+], ids=["tp2", "pp2", "tp2xpp2", "tp2-async", "pp2-async", "tp2-hybrid"])
 def test_torchrun_digest_equals_one_process(capsys, tp, pp, broadcast, extra):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "ATTNPLUG_VALIDATE": "1"}
     env.pop("WORLD_SIZE", None)

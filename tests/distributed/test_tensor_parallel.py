@@ -48,8 +48,10 @@ CASES.update({
     "bamba-g1": ({**BAMBA, "mamba_n_groups": 1}, True, "fixed", 1),
     "bamba-g2": ({**BAMBA, "mamba_n_groups": 2}, False, "fixed", 1),  # one group per rank
 })
-TP2 = ["bamba-g1", "bamba-g2", "gemma3", "llama-kv1", "llama-kv2"]
-PP2 = ["gemma3-alt", "llama-kv2"]
+TP2 = ["bamba-g1", "gemma3", "llama-kv1", "llama-kv2"]
+PP2 = ["llama-kv2"]
+SLOW = {"bamba-g2": (2, 1), "gemma3-alt": (2, 2)}
+"""Cases run only with the slow tests: ``name: (world size, pipeline stages)``."""
 MAX_TOKENS = 5
 
 
@@ -99,6 +101,18 @@ def test_tp2_tokens_match_one_process_and_hf(tp2, name):
 def test_pp2_tokens_match_one_process_and_hf(pp2, name):
     cfg, _, _, _ = CASES[name]
     _check(pp2[name], name, layers_per_rank=cfg["num_hidden_layers"] // 2, kv_per_rank=cfg["num_key_value_heads"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(SLOW))
+def test_more_cases_match_one_process_and_hf(tmp_path, name):
+    world, pp = SLOW[name]
+    cfg = CASES[name][0]
+    got = _run_cases(tmp_path, [name], world, pp=pp)[name]
+    if pp == 1:
+        _check(got, name, layers_per_rank=len(cfg.get("attn_layer_indices", range(cfg["num_hidden_layers"]))))
+    else:
+        _check(got, name, layers_per_rank=cfg["num_hidden_layers"] // pp, kv_per_rank=cfg["num_key_value_heads"])
 
 
 @pytest.mark.slow
