@@ -10,9 +10,10 @@
   blob of the request ids (floats as their IEEE-754 bits), sent as one ``uint8`` tensor
   after its two lengths (also two broadcasts); :func:`decode` rebuilds the same output.
 
-Both run on the host group (``ParallelState.cpu_group``, gloo). The tensor form knows
-the fields of ``SchedulerOutput`` one by one, so a new field is refused
-(:class:`EncodingError`) rather than silently dropped.
+All run on the host group (``ParallelState.cpu_group``, gloo). The tensor form knows
+the fields of ``SchedulerOutput`` one by one: a field it does not know must hold its
+default (the receiver rebuilds the default), else :class:`EncodingError` — never silently
+dropped.
 """
 
 from __future__ import annotations
@@ -43,12 +44,28 @@ class EncodingError(AttnplugError):
     """A ``SchedulerOutput`` the tensor encoding does not know how to carry."""
 
 
-def _check_fields() -> None:
-    for cls, names in KNOWN_FIELDS.items():
-        have = tuple(f.name for f in dataclasses.fields(cls))
-        if have != names:
-            raise EncodingError(f"{cls.__name__} has fields {have}, the tensor encoding knows {names}: "
-                                "update runner/parallel/encoding.py or use the 'object' broadcast")
+def _extra_fields(cls) -> tuple:
+    """The fields of ``cls`` the encoding does not carry: ``((name, default), ...)``."""
+    known = KNOWN_FIELDS.get(cls)
+    if known is None:
+        raise EncodingError(f"a {cls.__name__}: the tensor encoding does not know it; use the 'fixed' broadcast")
+    out = []
+    for f in dataclasses.fields(cls):
+        if f.name not in known:
+            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            out.append((f.name, default))
+    return tuple(out)
+
+
+def _check_defaults(obj) -> None:
+    """A field the encoding does not carry must hold its default (the receiver gets the default)."""
+    for name, default in _EXTRA.setdefault(type(obj), _extra_fields(type(obj))):
+        if getattr(obj, name) != default:
+            raise EncodingError(f"{type(obj).__name__}.{name} is set, and the tensor encoding carries only "
+                                f"{KNOWN_FIELDS[type(obj)]}: use the 'fixed' broadcast (the default)")
+
+
+_EXTRA: dict[type, tuple] = {}
 
 
 def _f2i(x: float) -> int:
@@ -77,15 +94,14 @@ class _Writer:
 
 def encode(out: SchedulerOutput) -> bytes:
     """The compact form: ``len(ints)`` and ``len(blob)`` as 16 bytes, the int64 stream, the blob."""
-    _check_fields()
-    have = tuple(f.name for f in dataclasses.fields(out))
-    if have != KNOWN_FIELDS[SchedulerOutput]:
-        raise EncodingError(f"a {type(out).__name__} with fields {have}: the tensor encoding carries only "
-                            f"{KNOWN_FIELDS[SchedulerOutput]}; use the 'object' broadcast")
+    _check_defaults(out)
+    _check_defaults(out.scheduled_cached_reqs)
     w = _Writer()
     w.ints.append(len(out.scheduled_new_reqs))
     for r in out.scheduled_new_reqs:
         sp = r.sampling_params
+        _check_defaults(r)
+        _check_defaults(sp)
         w.str(r.req_id)
         w.list(r.prompt_token_ids)
         w.groups(r.block_ids)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from attnplug.runner.models import build_model, resolve_model_config
-from attnplug.runner.parallel.encoding import EncodingError, decode, encode
+from attnplug.runner.parallel.encoding import KNOWN_FIELDS, EncodingError, decode, encode
 from attnplug.runner.parallel.sharding import kv_head_range, shard_config, shard_state_dict
 from attnplug.runner.parallel.state import ParallelConfigError, check_sizes
 from attnplug.runner.step.scheduler_output import SchedulerOutput
@@ -90,6 +90,15 @@ def test_compact_encoding_round_trips_real_steps():
     assert any(o.finished_req_ids for o in outs) and any(None in o.scheduled_cached_reqs.new_block_ids for o in outs)
     for out in outs:
         assert decode(encode(out)) == out
+    # a field the encoding does not carry: fine at its default, refused when set
     bigger = dataclasses.make_dataclass("Out2", [("spec", int, 0)], bases=(SchedulerOutput,))
-    with pytest.raises(EncodingError, match="fields"):
-        encode(bigger())
+    KNOWN_FIELDS[bigger] = KNOWN_FIELDS[SchedulerOutput]
+    try:
+        o = outs[1]
+        same = bigger(o.scheduled_new_reqs, o.scheduled_cached_reqs, o.num_scheduled_tokens,
+                      o.total_num_scheduled_tokens, o.finished_req_ids)
+        assert decode(encode(same)) == o
+        with pytest.raises(EncodingError, match="Out2.spec is set"):
+            encode(bigger(spec=1))
+    finally:
+        del KNOWN_FIELDS[bigger]
