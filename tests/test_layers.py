@@ -29,6 +29,8 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("runner.step", {"core", "cache_groups", "runner.step.fast"}),
     ("runner.models", {"core", "cache_groups", "plugins"}),
     ("runner.execute", {"runner.step", "runner.step.fast", "runner.models", "core", "cache_groups", "plugins"}),
+    ("runner.parallel", {"runner.execute", "runner.step", "runner.step.fast", "runner.models", "core",
+                         "cache_groups", "plugins"}),
     ("runner.serve", {"runner.execute", "runner.step", "runner.step.fast", "core", "cache_groups"}),
     ("runner.commands", {"*"}),
     ("runner.data", set()),

@@ -259,6 +259,9 @@ def build_engine(args, *, alone: bool = False, model: torch.nn.Module | None = N
                          cascade=CascadeConfig(enabled=not getattr(args, "no_cascade", False),
                                                min_prefix_len=getattr(args, "cascade_min_prefix_len", 256),
                                                min_num_reqs=getattr(args, "cascade_min_num_reqs", 8)))
+    from attnplug.runner.parallel.executor import wrap_runner
+
+    runner = wrap_runner(runner, alone)  # tensor parallel: rank 0 broadcasts each step
     setup = EngineSetup(model, LLMEngine(sched, runner), kv_cfg, backends)
     if requests and not alone:
         from attnplug.runner.commands.traces import load_trace, make_prompts

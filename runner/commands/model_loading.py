@@ -62,8 +62,21 @@ def build_with_backends(config: Any, *, backend: str | None, block_size: int, re
             chosen.update(resolve(backend, {layer_name: layer_cfg}, {layer_name: kind}))
         return chosen[layer_name]
 
-    model = build_model(config, backend_for_layer=backend_for_layer, dtype=dtype, device=device,
-                        block_size=block_size, seed=seed)
+    from attnplug.runner.parallel.state import current
+
+    state = current()
+    if state is not None and state.tp_size > 1:  # this rank's shard (runner/parallel/tp_model.py)
+        from attnplug.runner.parallel.tp_model import build_tp_model
+
+        model = build_tp_model(config, state, backend_for_layer=backend_for_layer, dtype=dtype,
+                               device=device, block_size=block_size, seed=seed)
+    else:
+        model = build_model(config, backend_for_layer=backend_for_layer, dtype=dtype, device=device,
+                            block_size=block_size, seed=seed)
+    if state is not None and state.pp_size > 1:  # this rank's stage (runner/parallel/pipeline.py)
+        from attnplug.runner.parallel.pipeline import PipelineStageModel
+
+        model = PipelineStageModel(model, state).eval()
     model.attnplug_backends = chosen
     return model
 

@@ -22,6 +22,7 @@ from attnplug.core.errors import AttnplugError
 from attnplug.runner.models.presets import PRESETS, RUN_PRESET
 from attnplug.runner.commands.assemble import EngineSetup, build_engine
 from attnplug.runner.commands.limits import OneLineParser, bounded_int
+from attnplug.runner.commands import run_parallel
 from attnplug.runner.commands.run_plot import StepRecorder, group_labels, missing_matplotlib, save_plot
 
 
@@ -97,6 +98,7 @@ def _parser() -> argparse.ArgumentParser:
                         "request and step; also [speculative] in attnplug.toml); not with Mamba layers "
                         "(the default tiny-hybrid model: use --model tiny-llama)")
     p.add_argument("--json", action="store_true", help="print a machine-readable summary on stdout")
+    run_parallel.add_flags(p)
     p.add_argument("--plot", metavar="OUT.png", default=None,
                    help="also draw per-step stage times, tokens scheduled and KV blocks in use per group "
                         "(needs matplotlib: pip install 'attnplug[plot]')")
@@ -127,6 +129,12 @@ def main(argv: list[str]) -> int:
     if args.plot and (missing := missing_matplotlib()):
         print(missing, file=sys.stderr)
         return 2
+    if run_parallel.wanted(args):  # under torchrun: rank 0 runs _main, the others serve it
+        return run_parallel.run(args, lambda: _main(args))
+    return _main(args)
+
+
+def _main(args) -> int:
     try:
         setup = build_engine(args)
         engine = setup.engine
@@ -160,6 +168,8 @@ def main(argv: list[str]) -> int:
     same, k, diffs = _invariance(args, setup, results) if args.invariance_requests else (0, 0, [])
     summary = setup.summary(results, wall)
     summary["batch_invariance"] = {"identical": same, "checked": k}
+    summary["tensor_parallel_size"] = args.tensor_parallel_size
+    summary["pipeline_parallel_size"] = args.pipeline_parallel_size
     if record is not None:
         try:
             save_plot(record.record, args.plot, group_labels(summary), f"attnplug run --model {args.model}")

@@ -155,6 +155,8 @@ class ModelRunner:
         """Asynchronous scheduling: the latest step's sampled tokens, on the device."""
         self._unread: list[AsyncModelRunnerOutput] = []
         """``execute_model_async`` outputs whose ``result()`` was not called yet (<= 2)."""
+        self.on_common_metadata = None
+        """Optional ``callable([CommonAttentionMetadata per cache group])`` run each step before the builders."""
         self.num_output_waits = 0
         """Times a step's outputs were waited for (``AsyncModelRunnerOutput.result``)."""
         self.output_wait_ns = 0
@@ -245,6 +247,8 @@ class ModelRunner:
                                               prev_token_ids=prev_tokens)
         t = self._time("prepare_inputs", t)
         common = graphs.common_metadata(inputs.common_attn_metadata, batch) if batch else inputs.common_attn_metadata
+        if self.on_common_metadata is not None:  # e.g. the cross-rank check (runner/parallel/validate.py)
+            self.on_common_metadata(common)
         prefix_lens = self.cascade.plan(self.compiler, common, padded=batch is not None)
         _, per_layer = self.metadata_builder.build(common, prefix_lens, for_cudagraph=bool(batch and batch.use_graph))
         if self.host_buffer_fence is not None:

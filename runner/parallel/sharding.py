@@ -1,0 +1,161 @@
+"""Which slice of each HF weight a tensor-parallel rank holds (Megatron-LM's split, as vLLM's).
+
+For ``tp`` ranks, rank ``r`` holds:
+
+* query heads ``[r * H/tp, (r+1) * H/tp)`` (``H % tp == 0`` required);
+* KV heads ``[r * K/tp, (r+1) * K/tp)`` when ``K >= tp`` (``K % tp == 0``), else the one
+  KV head ``r * K // tp``, *replicated* on ``tp / K`` ranks (``tp % K == 0``): its query
+  heads all read that KV head, since ``r*H/tp // (H/K) == r*K // tp``;
+* column-parallel ``q/k/v_proj``, ``gate_proj``, ``up_proj``: those output rows (and bias
+  entries); row-parallel ``o_proj``, ``down_proj``: those input columns, the bias whole
+  (added once, after the all-reduce: ``tp_layers.RowParallelLinear``);
+* vocab-parallel ``embed_tokens`` / ``lm_head``: rows ``[r * Vp, (r+1) * Vp)`` with
+  ``Vp = cdiv(V, tp)``, the last shard zero-padded;
+* everything else (norms, Gemma's per-head ``q_norm``/``k_norm``) whole.
+
+The rank model is the same family's model built from :func:`shard_config` (heads and
+intermediate size divided), so its backends and KV caches see only the rank's heads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+import torch
+
+from attnplug.runner.parallel.state import ParallelConfigError
+
+COLUMN = ("mlp.gate_proj", "mlp.up_proj", "feed_forward.gate_proj", "feed_forward.up_proj")
+DOWN = (".mlp.down_proj.weight", ".feed_forward.down_proj.weight")
+VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def kv_head_range(num_kv_heads: int, tp: int, rank: int) -> tuple[int, int]:
+    """``[start, stop)`` of the KV heads rank ``rank`` holds (see the module docstring)."""
+    if num_kv_heads >= tp:
+        per = num_kv_heads // tp
+        return rank * per, (rank + 1) * per
+    head = rank * num_kv_heads // tp
+    return head, head + 1
+
+
+def check_shardable(cfg: Any, tp: int) -> None:
+    """Raise :class:`ParallelConfigError` unless ``cfg`` splits over ``tp`` ranks.
+
+    Needs ``num_attention_heads % tp == 0``, ``num_key_value_heads`` a multiple or a
+    divisor of ``tp``, ``intermediate_size % tp == 0``; for Mamba2 layers also
+    ``mamba_n_heads % tp == 0``, ``mamba_n_groups`` 1 or a multiple of ``tp`` (B/C groups
+    replicated or split; a norm group split over some ranks only is not supported) and
+    ``mamba_expand % tp == 0`` (the rank config keeps ``mamba_expand * hidden_size ==
+    heads * head_size``).
+    """
+    H, K, I = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size
+    problems = []
+    if hasattr(cfg, "mamba_n_heads"):
+        G = cfg.mamba_n_groups
+        if cfg.mamba_n_heads % tp:
+            problems.append(f"mamba_n_heads {cfg.mamba_n_heads} is not a multiple of {tp}")
+        if G != 1 and G % tp:
+            problems.append(f"mamba_n_groups {G} is neither 1 nor a multiple of {tp}")
+        if cfg.mamba_expand % tp:
+            problems.append(f"mamba_expand {cfg.mamba_expand} is not a multiple of {tp}")
+    if H % tp:
+        problems.append(f"num_attention_heads {H} is not a multiple of {tp}")
+    if K % tp and tp % K:
+        problems.append(f"num_key_value_heads {K} neither divides nor is a multiple of {tp}")
+    if I % tp:
+        problems.append(f"intermediate_size {I} is not a multiple of {tp}")
+    if problems:
+        raise ParallelConfigError(f"--tensor-parallel-size {tp} does not split {cfg.model_type}: "
+                                  + "; ".join(problems))
+
+
+def shard_config(cfg: Any, tp: int) -> Any:
+    """The config of one rank's model: ``H/tp`` query heads, ``max(1, K/tp)`` KV heads,
+    ``intermediate_size / tp``; every other field (``hidden_size``, ``head_size``,
+    ``vocab_size``...) unchanged. Raises :class:`ParallelConfigError` (:func:`check_shardable`)."""
+    check_shardable(cfg, tp)
+    mamba = {}
+    if hasattr(cfg, "mamba_n_heads"):
+        mamba = dict(mamba_n_heads=cfg.mamba_n_heads // tp, mamba_expand=cfg.mamba_expand // tp,
+                     mamba_n_groups=max(1, cfg.mamba_n_groups // tp))
+    return dataclasses.replace(cfg, num_attention_heads=cfg.num_attention_heads // tp,
+                               num_key_value_heads=max(1, cfg.num_key_value_heads // tp),
+                               intermediate_size=cfg.intermediate_size // tp, **mamba)
+
+
+def _rows(t: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    return t[start:stop]
+
+
+def _vocab_rows(t: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
+    per = cdiv(t.shape[0], tp)
+    out = t.new_zeros((per, *t.shape[1:]))
+    part = t[rank * per:(rank + 1) * per]
+    out[:part.shape[0]] = part
+    return out
+
+
+def shard_tensor(name: str, t: torch.Tensor, cfg: Any, tp: int, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s slice of the full HF tensor ``name`` of a model of config ``cfg``."""
+    D = cfg.head_size
+    if name in VOCAB:
+        return _vocab_rows(t, tp, rank)
+    if ".self_attn.q_proj." in name:
+        per = cfg.num_attention_heads // tp
+        return _rows(t, rank * per * D, (rank + 1) * per * D)
+    if ".self_attn.k_proj." in name or ".self_attn.v_proj." in name:
+        lo, hi = kv_head_range(cfg.num_key_value_heads, tp, rank)
+        return _rows(t, lo * D, hi * D)
+    per_i = cfg.intermediate_size // tp
+    if any(f".{c}." in name for c in COLUMN):
+        return _rows(t, rank * per_i, (rank + 1) * per_i)
+    if name.endswith(".self_attn.o_proj.weight"):
+        per = cfg.num_attention_heads // tp * D
+        return t[:, rank * per:(rank + 1) * per]
+    if name.endswith(DOWN):
+        return t[:, rank * per_i:(rank + 1) * per_i]
+    if ".mamba." in name:
+        return _mamba_tensor(name, t, cfg, tp, rank)
+    return t
+
+
+def _mamba_tensor(name: str, t: torch.Tensor, cfg: Any, tp: int, rank: int) -> torch.Tensor:
+    """A Mamba2 mixer's slice: heads ``[r*H/tp, ...)`` of z, x, dt, ``dt_bias``, ``A_log``,
+    ``D``, the norm and ``out_proj``'s input columns; B/C groups as KV heads (split, or the
+    one group replicated)."""
+    d, H = cfg.mamba_intermediate_size, cfg.mamba_n_heads
+    GN = cfg.mamba_n_groups * cfg.mamba_d_state
+    g0, g1 = kv_head_range(cfg.mamba_n_groups, tp, rank)
+    dr, hr = d // tp, H // tp
+    xs = slice(rank * dr, (rank + 1) * dr)
+    bc = slice(g0 * cfg.mamba_d_state, g1 * cfg.mamba_d_state)
+    if name.endswith(".out_proj.weight"):
+        return t[:, xs]
+    if name.endswith((".dt_bias", ".A_log", ".D")):
+        return t[rank * hr:(rank + 1) * hr]
+    if name.endswith(".norm.weight"):
+        return t[xs]
+    if ".in_proj." in name:  # rows: z | x | B | C | dt
+        z, x, b, c, dt = t.split([d, d, GN, GN, H])
+        return torch.cat([z[xs], x[xs], b[bc], c[bc], dt[rank * hr:(rank + 1) * hr]])
+    if ".conv1d." in name:  # channels: x | B | C
+        x, b, c = t.split([d, GN, GN])
+        return torch.cat([x[xs], b[bc], c[bc]])
+    return t  # out_proj.bias: whole, added after the all-reduce
+
+
+def shard_state_dict(state_dict: Mapping[str, torch.Tensor], cfg: Any, tp: int,
+                     rank: int) -> dict[str, torch.Tensor]:
+    """Rank ``rank``'s shard of a full HF ``*ForCausalLM`` state dict (same keys; views or
+    copies of the full tensors, see the module docstring). ``cfg`` is the *full* config.
+    Load it into the rank model with its ``load_hf_state_dict`` (strict: a wrong slice
+    shape is a ``WeightLoadError``)."""
+    if not 0 <= rank < tp:
+        raise ParallelConfigError(f"rank {rank} outside tensor-parallel size {tp}")
+    return {k: shard_tensor(k, v, cfg, tp, rank) for k, v in state_dict.items()}

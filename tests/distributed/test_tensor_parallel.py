@@ -1,0 +1,167 @@
+"""Tensor and pipeline parallel over 2 (slow: 4) real processes (gloo): greedy tokens identical to one process
+and to HF transformers, for Llama GQA (KV heads split, and one KV head replicated on both
+ranks), Gemma3 (sliding and global layers) and Bamba (Mamba2 heads, conv channels and B/C
+groups split or replicated; tensor parallel only), under chunked prefill and forced
+preemption, with the cross-rank metadata check on every step; and the faults: a rank fed
+a different step, a rank that raises.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from attnplug.runner.commands.parity import _hf_greedy, _hf_model  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))  # dist_ranks: importable here and in the spawned ranks
+import dist_ranks  # noqa: E402
+
+BASE = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "max_position_embeddings": 256, "rms_norm_eps": 1e-6,
+        "initializer_range": 0.1, "rope_theta": 10000.0}
+LLAMA = {**BASE, "model_type": "llama", "architectures": ["LlamaForCausalLM"]}
+GEMMA3 = {**BASE, "model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"], "num_hidden_layers": 4,
+          "num_key_value_heads": 2, "head_dim": 16, "sliding_window": 7,
+          "layer_types": ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+          "query_pre_attn_scalar": 24, "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0}
+CASES = {  # name: (config, forced preemption, broadcast method, KV heads per rank)
+    "llama-kv2": ({**LLAMA, "num_key_value_heads": 2}, True, "fixed", 1),
+    # one KV head for two ranks: replicated; a vocabulary that does not split evenly (padded shard)
+    "llama-kv1": ({**LLAMA, "num_key_value_heads": 1, "vocab_size": 127}, False, "tensor", 1),
+    "gemma3": (GEMMA3, True, "object", 1),
+    # pipeline stages of 2 layers each need the same cache groups: sliding + global in each
+    "gemma3-alt": ({**GEMMA3, "layer_types": ["sliding_attention", "full_attention"] * 2}, True, "fixed", 1),
+}
+BAMBA = {**BASE, "model_type": "bamba", "architectures": ["BambaForCausalLM"], "hidden_size": 32,
+         "intermediate_size": 64, "num_hidden_layers": 3, "num_key_value_heads": 2, "attn_layer_indices": [1],
+         "mamba_n_heads": 4, "mamba_d_state": 8, "mamba_d_conv": 4, "mamba_expand": 2, "mamba_chunk_size": 8,
+         "rms_norm_eps": 1e-5}
+CASES.update({
+    # one B/C group: replicated on both ranks, and the gated norm's statistic all-reduced
+    "bamba-g1": ({**BAMBA, "mamba_n_groups": 1}, True, "fixed", 1),
+    "bamba-g2": ({**BAMBA, "mamba_n_groups": 2}, False, "fixed", 1),  # one group per rank
+})
+TP2 = ["bamba-g1", "gemma3", "llama-kv1", "llama-kv2"]
+PP2 = ["llama-kv2"]
+SLOW = {"bamba-g2": (2, 1), "gemma3-alt": (2, 2)}
+"""Cases run only with the slow tests: ``name: (world size, pipeline stages)``."""
+MAX_TOKENS = 5
+
+
+def _prompts(vocab: int, n: int = 5, seed: int = 1) -> dict[str, list[int]]:
+    rng = np.random.default_rng(seed)
+    return {f"req-{i}": rng.integers(0, vocab, size=int(k)).tolist() for i, k in enumerate(rng.integers(3, 41, n))}
+
+
+def _run_cases(tmp, names, world: int, pp: int = 1):
+    """Run the cases ``names`` once on ``world`` ranks (``pp`` stages); returns
+    ``{name: (rank 0's json, hf, case)}``."""
+    cases, refs = [], {}
+    for name in names:
+        cfg, preempt, method, _ = CASES[name]
+        _, hf = _hf_model(cfg, seed=1, dtype=torch.float32)
+        path = tmp / f"{name}.pt"
+        torch.save(hf.state_dict(), path)
+        case = {"name": name, "cfg": cfg, "state_dict": str(path), "prompts": _prompts(cfg["vocab_size"]),
+                "max_tokens": MAX_TOKENS, "preempt": preempt, "method": method}
+        cases.append(case)
+        refs[name] = (hf, case)
+    codes, secs = dist_ranks.spawn(dist_ranks.tp_cases, world, cases, str(tmp), pp, env={"ATTNPLUG_VALIDATE": "1"},
+                                   timeout=60 * world)
+    assert codes == [0] * world, f"rank exit codes {codes} after {secs:.0f} s"
+    return {name: (json.loads((tmp / f"{name}.json").read_text()), *refs[name]) for name in names}
+
+
+@pytest.fixture(scope="module")
+def tp2(tmp_path_factory):
+    return _run_cases(tmp_path_factory.mktemp("tp2"), TP2, 2)
+
+
+@pytest.fixture(scope="module")
+def pp2(tmp_path_factory):
+    return _run_cases(tmp_path_factory.mktemp("pp2"), PP2, 2, pp=2)
+
+
+@pytest.mark.parametrize("name", TP2)
+def test_tp2_tokens_match_one_process_and_hf(tp2, name):
+    cfg = CASES[name][0]
+    _check(tp2[name], name, layers_per_rank=len(cfg.get("attn_layer_indices", range(cfg["num_hidden_layers"]))))
+    if "mamba_n_heads" in cfg:  # each rank's Mamba2 states hold its heads only
+        assert tp2[name][0]["mamba_ssm_heads"] == [cfg["mamba_n_heads"] // 2] * (cfg["num_hidden_layers"] - 1)
+
+
+@pytest.mark.parametrize("name", PP2)
+def test_pp2_tokens_match_one_process_and_hf(pp2, name):
+    cfg, _, _, _ = CASES[name]
+    _check(pp2[name], name, layers_per_rank=cfg["num_hidden_layers"] // 2, kv_per_rank=cfg["num_key_value_heads"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(SLOW))
+def test_more_cases_match_one_process_and_hf(tmp_path, name):
+    world, pp = SLOW[name]
+    cfg = CASES[name][0]
+    got = _run_cases(tmp_path, [name], world, pp=pp)[name]
+    if pp == 1:
+        _check(got, name, layers_per_rank=len(cfg.get("attn_layer_indices", range(cfg["num_hidden_layers"]))))
+    else:
+        _check(got, name, layers_per_rank=cfg["num_hidden_layers"] // pp, kv_per_rank=cfg["num_key_value_heads"])
+
+
+@pytest.mark.slow
+def test_tp2_x_pp2_tokens_match_one_process_and_hf(tmp_path):
+    got = _run_cases(tmp_path, ["llama-kv2"], 4, pp=2)
+    _check(got["llama-kv2"], "llama-kv2", layers_per_rank=1)
+
+
+_REFS: dict[str, tuple] = {}
+
+
+def _references(name: str, hf, case: dict):
+    """One process's tokens and preemptions, and HF's greedy tokens, for a case (computed once;
+    the HF weights come from a fixed seed, the same for every fixture)."""
+    if name not in _REFS:
+        model = dist_ranks.build_loaded(CASES[name][0], hf.state_dict(), 4)  # one process: the whole model
+        tokens, setup = dist_ranks.run_engine(model, dist_ranks.engine_args(5, CASES[name][1]), case["prompts"],
+                                              MAX_TOKENS)
+        _REFS[name] = (tokens, setup.engine.scheduler.num_preemptions,
+                       {rid: _hf_greedy(hf, p, MAX_TOKENS)[0] for rid, p in case["prompts"].items()})
+    return _REFS[name]
+
+
+def _check(result, name: str, layers_per_rank: int, kv_per_rank: int | None = None) -> None:
+    got, hf, case = result
+    cfg, preempt, _, tp_kv = CASES[name]
+    kv_per_rank = tp_kv if kv_per_rank is None else kv_per_rank
+    tp1, preemptions, hf_tokens = _references(name, hf, case)
+    assert got["tokens"] == tp1 == hf_tokens
+    assert got["kv_heads"] == [kv_per_rank] * layers_per_rank, "a rank's caches hold its heads (and layers) only"
+    assert got["checked_steps"] >= got["steps"] > 5, "the metadata identity check ran every step"
+    if preempt:
+        assert got["preemptions"] > 0 and preemptions > 0
+
+
+def test_rank_fed_another_step_and_raising_rank(tmp_path):
+    cfg = {**LLAMA, "num_key_value_heads": 2}
+    _, hf = _hf_model(cfg, seed=1, dtype=torch.float32)
+    torch.save(hf.state_dict(), tmp_path / "w.pt")
+    case = {"cfg": cfg, "state_dict": str(tmp_path / "w.pt"), "prompts": _prompts(128, n=3), "max_tokens": 4}
+    # (the ranks talk over the default channel: the fixed-buffer broadcast)
+    codes, secs = dist_ranks.spawn(dist_ranks.fault_cases, 2, case, str(tmp_path),
+                                   env={"ATTNPLUG_VALIDATE": "1", "ATTNPLUG_DIST_TIMEOUT": "30"}, timeout=90)
+    err0, err1 = ((tmp_path / f"rank{r}.err").read_text() for r in (0, 1))
+    assert codes == [0, 0], f"exit codes {codes} after {secs:.0f} s; rank 0: {err0!r}; rank 1: {err1!r}"
+    mismatch = "step 0: CommonAttentionMetadata differs from rank 0's on rank(s) [1] in field(s) ["
+    for err in (err0, err1):  # both ranks stop on the step, naming it, the rank and the fields
+        first = err.splitlines()[0]
+        assert "RankMismatchError" in first and mismatch in first and "query_start_loc" in first
+    assert "rank 1 of 2 failed: RuntimeError: planted fault in step 2" in err1
+    assert "rank 0 of 2 failed:" in err0.splitlines()[2] and "another rank failed" in err0
+    assert secs < 60, f"the ranks took {secs:.0f} s to stop"
