@@ -1,7 +1,7 @@
 """vLLM 0.32 ``AttentionBackend`` / builder / impl classes around one attnplug backend.
 
 ``bridge_classes(attnplug_backend, vllm_name)`` returns the vLLM backend class; vLLM finds
-it by class path (``attnplug.plugins.vllm.bridged.<attnplug name>``, see ``bridged.py``).
+it by class path (``attnplug.plugins.vllm.bridged.selected``, see ``bridged.py``).
 
 What maps to what:
 

@@ -4,7 +4,8 @@ vLLM calls every ``vllm.general_plugins`` entry point once in each of its proces
 (engine and workers), so ``register()`` runs wherever attention runs. It does nothing
 unless a backend is chosen:
 
-* ``ATTNPLUG_VLLM_BACKEND=NAME``: a registered attnplug backend (``attnplug backends``);
+* ``ATTNPLUG_VLLM_BACKEND=NAME``: a registered attnplug backend (``attnplug backends``),
+  or ``package.module:Class``;
 * ``ATTNPLUG_VLLM_TARGET=ENUM`` (optional): the ``AttentionBackendEnum`` member it
   replaces. Default: ``CPU_ATTN`` on vLLM's CPU platform (which picks ``CPU_ATTN``
   whatever is asked, ``platforms/cpu.py``), else ``CUSTOM`` (select it with vLLM's
@@ -13,6 +14,7 @@ unless a backend is chosen:
 Raises (from ``register``, so vLLM fails at start, not mid-generation):
     UnsupportedVllmVersion: vLLM outside the tested range (``_vllm.SUPPORTED_RANGE``).
     UnknownBackendError: ``NAME`` is not a registered attnplug backend.
+    PluginValidationError, ImportError: a ``module:Class`` that is not a usable backend.
     ValueError: ``ENUM`` is not an ``AttentionBackendEnum`` member.
 """
 
@@ -37,15 +39,15 @@ def register() -> str | None:
     name = os.environ.get(ENV_BACKEND, "").strip()
     if not name:
         return None
-    from attnplug.plugins.discovery import get_registry
     from attnplug.plugins.vllm import _vllm as V
+    from attnplug.plugins.vllm.bridged import resolve
 
-    get_registry().get(name)  # UnknownBackendError names the known ones
+    resolve(name)  # fail here, at start: UnknownBackendError names the known ones
     target = os.environ.get(ENV_TARGET, "").strip() or default_target()
     if target not in V.AttentionBackendEnum.__members__:
         raise ValueError(f"{ENV_TARGET}={target!r} is not a vLLM AttentionBackendEnum member (known: "
                          f"{', '.join(V.AttentionBackendEnum.__members__)})")
     os.environ[ENV_TARGET] = target  # bridged.py serves under this name in this process
-    path = f"attnplug.plugins.vllm.bridged.{name}"
+    path = "attnplug.plugins.vllm.bridged.selected"
     V.register_backend(V.AttentionBackendEnum[target], path)
     return path

@@ -3,14 +3,14 @@
 ``python vllm_generate.py SPEC.json`` (a subprocess of ``tests/vllm/``: vLLM binds
 threads and keeps process-wide state, so it never runs inside the pytest process).
 
-SPEC: ``{"model": DIR, "prompts": [[ids...]...], "max_tokens": N, "seed": S,
-"engine": {LLM kwargs}}``. Which attention backend serves is the environment's choice
-(``ATTNPLUG_VLLM_BACKEND``, read by attnplug's ``vllm.general_plugins`` entry point);
-the backend class vLLM used is printed with the tokens.
+SPEC: ``{"model": DIR, "batches": [[[ids...]...]...], "max_tokens": N, "seed": S,
+"engine": {LLM kwargs}, "backends": [null, "torch_native", ...]}``. Each backend is
+chosen as a user would: ``ATTNPLUG_VLLM_BACKEND`` and attnplug's ``vllm.general_plugins``
+entry point (``register``); the impl classes vLLM built are printed with the tokens.
 
-vLLM's dummy loader fills every weight alike, which makes greedy output repeat one
-token; the weights are re-drawn from a seeded generator (``LLM.apply_model``) so the
-tokens depend on attention and differ between prompts.
+vLLM's dummy loader (``load_format="dummy"``) fills every weight alike, which makes greedy
+output repeat one token; ``write_checkpoint`` saves seeded random weights as a real
+checkpoint instead, which vLLM loads as it would any model.
 """
 
 from __future__ import annotations
@@ -22,37 +22,70 @@ import sys
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine in this process: quick, no spawn
 
 
-def redraw(seed: int):
-    def apply(model):
-        import torch
+def write_checkpoint(model_dir: str, seed: int) -> int:
+    """Save seeded random weights for ``model_dir/config.json`` as a Hugging Face checkpoint.
 
-        g = torch.Generator().manual_seed(seed)
-        names = []
+    Weights are drawn here, not re-drawn in the engine: vLLM's CPU linear layers repack
+    their weights after loading, so later writes to the parameters would not reach the
+    matmuls. The attention projections are drawn large and the MLP small, so that the
+    tokens hinge on attention (the wrong-backend test relies on it)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), torch_dtype=torch.float32)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
         for name, p in sorted(model.named_parameters()):
             if p.dim() == 1:  # norms: around 1
-                p.data.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
             else:
-                std = 1.0 if "embed" in name else p.shape[-1] ** -0.5
-                p.data.copy_(std * torch.randn(p.shape, generator=g))
-            names.append(name)
-        layers = [m for m in model.modules() if hasattr(m, "impl") and hasattr(m, "attn_backend")]
-        return {"params": len(names), "impls": sorted({type(m.impl).__name__ for m in layers})}
-    return apply
+                gain = 3.0 if "attn" in name else 0.3 if "mlp" in name else 1.0
+                std = 1.0 if "embed" in name else gain * p.shape[-1] ** -0.5
+                p.copy_(std * torch.randn(p.shape, generator=g))
+    model.save_pretrained(model_dir, safe_serialization=True)
+    return len(list(model.parameters()))
+
+
+def generate(spec: dict) -> dict:
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=spec["model"], skip_tokenizer_init=True, enforce_eager=True, seed=spec["seed"],
+              **spec["engine"])
+    layers = llm.apply_model(lambda m: sorted({type(x.impl).__name__ for x in m.modules()
+                                               if hasattr(x, "impl") and hasattr(x, "attn_backend")}))[0]
+    sp = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True, detokenize=False)
+    tokens = []
+    for batch in spec["batches"]:  # a later batch hits the prefix cache of an earlier one
+        outs = llm.generate([{"prompt_token_ids": p} for p in batch], sp, use_tqdm=False)
+        tokens.append([list(o.outputs[0].token_ids) for o in outs])
+    llm.llm_engine.engine_core.shutdown()
+    return {"tokens": tokens, "impls": layers}
 
 
 def main() -> None:
-    spec = json.load(open(sys.argv[1]))
-    from vllm import LLM, SamplingParams
+    """Each of ``spec["backends"]`` in turn (``null``: vLLM's own choice; it must come
+    first, before any attnplug backend replaces it), one engine each, in this process."""
+    import gc
 
-    llm = LLM(model=spec["model"], load_format="dummy", skip_tokenizer_init=True, enforce_eager=True,
-              seed=spec["seed"], **spec["engine"])
-    info = llm.apply_model(redraw(spec["seed"]))[0]
-    sp = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True, detokenize=False)
-    tokens = []
-    for batch in spec.get("batches", [spec["prompts"]]):  # later batches hit the prefix cache of earlier ones
-        outs = llm.generate([{"prompt_token_ids": p} for p in batch], sp, use_tqdm=False)
-        tokens.append([list(o.outputs[0].token_ids) for o in outs])
-    print("RESULT " + json.dumps({"tokens": tokens, **info}), flush=True)
+    spec = json.load(open(sys.argv[1]))
+    write_checkpoint(spec["model"], spec["seed"])
+    results = {}
+    for name in spec["backends"]:
+        if name is not None:
+            os.environ["ATTNPLUG_VLLM_BACKEND"] = name
+            from attnplug.plugins.vllm.entry import register
+
+            register()  # what vLLM's plugin loader did for the first engine of the process
+            # vLLM memoises its backend choice per process; a new engine must choose again
+            from vllm.v1.attention import selector
+
+            selector._cached_get_attn_backend.cache_clear()
+        results[str(name)] = generate(spec)
+        gc.collect()
+        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+        cleanup_dist_env_and_memory()
+    print("RESULT " + json.dumps(results), flush=True)
 
 
 if __name__ == "__main__":
