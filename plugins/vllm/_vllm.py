@@ -49,7 +49,8 @@ import vllm  # noqa: E402  (after the version helpers: check_version is testable
 VLLM_VERSION: str = vllm.__version__
 check_version(VLLM_VERSION)
 
-from vllm.config import VllmConfig, get_current_vllm_config  # noqa: E402
+from vllm.config import ModelConfig, VllmConfig, get_current_vllm_config, set_current_vllm_config  # noqa: E402,E501
+from vllm.model_executor.layers.attention import Attention  # noqa: E402
 from vllm.platforms import current_platform  # noqa: E402
 from vllm.v1.attention.backend import (  # noqa: E402
     AttentionBackend as VllmAttentionBackend,
@@ -60,13 +61,14 @@ from vllm.v1.attention.backend import (  # noqa: E402
     CommonAttentionMetadata as VllmCommonAttentionMetadata,
     MultipleOf,
 )
+from vllm.v1.attention.backends.cpu_attn import _get_attn_isa as cpu_attn_isa  # noqa: E402  (CPU_ATTN's kernel choice)
 from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend  # noqa: E402
 from vllm.v1.kv_cache_interface import SlidingWindowSpec as VllmSlidingWindowSpec  # noqa: E402
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 
 __all__ = [
-    "AttentionBackendEnum", "KVCacheLayout", "MultipleOf", "SUPPORTED_RANGE", "UnsupportedVllmVersion",
+    "Attention", "AttentionBackendEnum", "ModelConfig", "set_current_vllm_config", "KVCacheLayout", "MultipleOf", "SUPPORTED_RANGE", "UnsupportedVllmVersion",
     "VLLM_VERSION", "VllmAttentionBackend", "VllmAttentionImpl", "VllmAttentionType", "VllmCGSupport",
     "VllmCommonAttentionMetadata", "VllmConfig", "VllmMetadataBuilder", "VllmSlidingWindowSpec",
-    "check_version", "current_platform", "get_current_vllm_config", "register_backend",
+    "check_version", "cpu_attn_isa", "current_platform", "get_current_vllm_config", "register_backend",
 ]

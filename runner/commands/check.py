@@ -147,7 +147,7 @@ def preflight(args: argparse.Namespace) -> tuple[int, str] | None:
             backends[spec] = resolve_backend(spec)
         except AttnplugError as exc:
             return EXIT_USAGE, str(exc)
-        except (ImportError, AttributeError) as exc:
+        except (ImportError, AttributeError, ValueError) as exc:
             return EXIT_USAGE, f"cannot import backend {spec!r}: {type(exc).__name__}: {exc}"
     for spec, backend in backends.items():
         why = untestable_reason(backend, resolve_device(backend, args.device))

@@ -4,8 +4,8 @@ Real engines: vLLM's offline ``LLM`` on tiny random-weight Llama configs (``load
 "dummy"``, weights re-drawn from a seed by ``vllm_generate.py``), prompts as token ids,
 chunked prefill (``max_num_batched_tokens`` below the longest prompt) and prefix caching
 (the second batch repeats a prompt's first block) on. Each config runs once per module
-in one subprocess (vLLM binds threads and keeps process state), one engine per backend:
-vLLM's own ``CPU_ATTN`` first, then attnplug backends through the entry point.
+in one subprocess for the module (vLLM binds threads and keeps process state), one engine
+per backend: vLLM's own ``CPU_ATTN`` first, then attnplug backends through the entry point.
 
 vLLM is installed by ``make test`` (``plugins/vllm/requirements-cpu.txt``); without it
 these tests skip, unless ``ATTNPLUG_REQUIRE_VLLM=1`` (set by ``make test``) makes that a
@@ -50,32 +50,31 @@ BATCHES = [[P1, P2], [P1 + [200, 201, 202], P2[:33] + [7]]]  # second batch: 32-
 WRONG = "wrong_backend:WrongScaleBackend"
 
 
-def _run(tmp_path_factory, config: dict, backends: list, env: dict | None = None, **spec) -> dict:
+def _job(d: pathlib.Path, name: str, config: dict, backends: list, **spec) -> dict:
+    (d / name).mkdir()
+    (d / name / "config.json").write_text(json.dumps(config))
+    return {"model": str(d / name), "batches": BATCHES, "max_tokens": 6, "seed": 0, "engine": ENGINE,
+            "backends": backends, **spec}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    """Every engine of this module in one subprocess (vLLM's import is paid once)."""
     _vllm_or_skip()
     d = tmp_path_factory.mktemp("vllm")
-    (d / "model").mkdir()
-    (d / "model" / "config.json").write_text(json.dumps(config))
-    full = {"model": str(d / "model"), "batches": BATCHES, "max_tokens": 6, "seed": 0, "engine": ENGINE,
-            "backends": backends, **spec}
-    (d / "spec.json").write_text(json.dumps(full))
-    penv = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1",
-            "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]), **(env or {})}
-    penv.pop("ATTNPLUG_VLLM_BACKEND", None)
-    proc = subprocess.run([sys.executable, str(HERE / "vllm_generate.py"), str(d / "spec.json")], env=penv,
-                          capture_output=True, text=True, timeout=900, cwd=d)
+    jobs = [_job(d, "gqa", LLAMA, [None, "torch_native", WRONG, "triton"]),
+            _job(d, "sliding", SLIDING, [None, "torch_native"])]
+    (d / "spec.json").write_text(json.dumps(jobs))
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1",
+           "TRITON_INTERPRET": "1",  # attnplug's triton backend on the CPU; vLLM's own kernels do not use Triton
+           "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
+    env.pop("ATTNPLUG_VLLM_BACKEND", None)
+    proc = subprocess.run([sys.executable, str(HERE / "vllm_generate.py"), str(d / "spec.json")], env=env,
+                          capture_output=True, text=True, timeout=1200, cwd=d)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, f"vLLM run failed (exit {proc.returncode}):\n{proc.stderr[-6000:]}"
-    return json.loads(lines[-1][len("RESULT "):])
-
-
-@pytest.fixture(scope="module")
-def gqa(tmp_path_factory):
-    return _run(tmp_path_factory, LLAMA, [None, "torch_native", WRONG])
-
-
-@pytest.fixture(scope="module")
-def sliding(tmp_path_factory):
-    return _run(tmp_path_factory, SLIDING, [None, "torch_native"])
+    gqa, sliding = json.loads(lines[-1][len("RESULT "):])
+    return {"gqa": gqa, "sliding": sliding}
 
 
 def _check_same(run: dict, name: str, impl: str) -> None:
@@ -86,23 +85,18 @@ def _check_same(run: dict, name: str, impl: str) -> None:
     assert got["tokens"] == ref["tokens"]
 
 
-def test_torch_native_in_vllm_matches_cpu_attn_gqa(gqa):
-    _check_same(gqa, "torch_native", "Attnplug_torch_native_Impl")
+def test_torch_native_in_vllm_matches_cpu_attn_gqa(runs):
+    _check_same(runs["gqa"], "torch_native", "Attnplug_torch_native_Impl")
 
 
-def test_torch_native_in_vllm_matches_cpu_attn_sliding_window(sliding):
-    _check_same(sliding, "torch_native", "Attnplug_torch_native_Impl")
+def test_torch_native_in_vllm_matches_cpu_attn_sliding_window(runs):
+    _check_same(runs["sliding"], "torch_native", "Attnplug_torch_native_Impl")
 
 
-def test_wrong_backend_through_the_bridge_changes_tokens(gqa):
-    assert gqa[WRONG]["impls"] == ["Attnplug_wrong_scale_Impl"]
-    assert gqa[WRONG]["tokens"] != gqa["None"]["tokens"]
+def test_triton_interpreted_in_vllm_matches_cpu_attn(runs):
+    _check_same(runs["gqa"], "triton", "Attnplug_triton_Impl")
 
 
-def test_triton_interpreted_in_vllm_matches_cpu_attn(tmp_path_factory):
-    tiny = {**LLAMA, "num_hidden_layers": 1}
-    run = _run(tmp_path_factory, tiny, [None, "triton"], env={"TRITON_INTERPRET": "1"},
-               batches=[[P1[:20], P2[:40]], [P2[:33] + [9]]], max_tokens=3)
-    ref, got = run["None"], run["triton"]
-    assert got["impls"] == ["Attnplug_triton_Impl"], got["impls"]
-    assert got["tokens"] == ref["tokens"]
+def test_wrong_backend_through_the_bridge_changes_tokens(runs):
+    assert runs["gqa"][WRONG]["impls"] == ["Attnplug_wrong_scale_Impl"]
+    assert runs["gqa"][WRONG]["tokens"] != runs["gqa"]["None"]["tokens"]

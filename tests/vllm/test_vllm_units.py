@@ -1,7 +1,12 @@
 """The bridge's pieces without an engine: version refusal, metadata translation, the
-zero-copy KV view, and the refusals of unsupported vLLM features at construction."""
+zero-copy KV view, and the refusals of unsupported vLLM features at construction.
+
+vLLM must be installed where ``ATTNPLUG_REQUIRE_VLLM=1`` (``make test`` installs
+``plugins/vllm/requirements-cpu.txt`` and sets it); elsewhere these tests skip."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -11,13 +16,25 @@ from attnplug.core.errors import BackendUnsupportedError, MetadataError
 from attnplug.core.metadata import CommonAttentionMetadata
 
 
-V = None  # attnplug.plugins.vllm._vllm, set by the fixture below (vLLM is imported only when installed)
+_saved_env = dict(os.environ)
+try:  # at import, as pytest collects: a fixture would run after pytest named this tree's packages
+    import attnplug.plugins.vllm.adapter  # noqa: F401
+    from attnplug.plugins.vllm import _vllm as V
+    _MISSING = ""
+except ImportError as exc:
+    V, _MISSING = None, str(exc)
+finally:  # importing vLLM sets TORCHINDUCTOR_COMPILE_THREADS and others; later tests run as without it
+    os.environ.clear()
+    os.environ.update(_saved_env)
 
 
 @pytest.fixture(autouse=True)
-def _v(vllm_bridge):
-    global V
-    V = vllm_bridge
+def _vllm_installed():
+    if V is None:
+        if os.environ.get("ATTNPLUG_REQUIRE_VLLM") == "1":
+            pytest.fail(f"vLLM is not importable ({_MISSING}) but ATTNPLUG_REQUIRE_VLLM=1: "
+                        "pip install --no-deps -r plugins/vllm/requirements-cpu.txt", pytrace=False)
+        pytest.skip(f"vLLM not installed ({_MISSING}); pip install --no-deps -r plugins/vllm/requirements-cpu.txt")
 
 
 def test_versions_outside_the_tested_range_are_refused_naming_it():

@@ -3,7 +3,7 @@
 ``python vllm_generate.py SPEC.json`` (a subprocess of ``tests/vllm/``: vLLM binds
 threads and keeps process-wide state, so it never runs inside the pytest process).
 
-SPEC: ``{"model": DIR, "batches": [[[ids...]...]...], "max_tokens": N, "seed": S,
+SPEC: a list of jobs ``{"model": DIR, "batches": [[[ids...]...]...], "max_tokens": N, "seed": S,
 "engine": {LLM kwargs}, "backends": [null, "torch_native", ...]}``. Each backend is
 chosen as a user would: ``ATTNPLUG_VLLM_BACKEND`` and attnplug's ``vllm.general_plugins``
 entry point (``register``); the impl classes vLLM built are printed with the tokens.
@@ -62,30 +62,38 @@ def generate(spec: dict) -> dict:
     return {"tokens": tokens, "impls": layers}
 
 
-def main() -> None:
-    """Each of ``spec["backends"]`` in turn (``null``: vLLM's own choice; it must come
-    first, before any attnplug backend replaces it), one engine each, in this process."""
+def run_jobs(jobs: list[dict]) -> list[dict]:
+    """Each job's ``backends`` (``null``: vLLM's own choice), one engine each. Backends run
+    in the order first listed, each on every job listing it, so every ``null`` runs
+    before the first attnplug backend replaces vLLM's (a registration lasts the process)."""
     import gc
 
-    spec = json.load(open(sys.argv[1]))
-    write_checkpoint(spec["model"], spec["seed"])
-    results = {}
-    for name in spec["backends"]:
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+    from vllm.v1.attention import selector
+
+    for job in jobs:
+        write_checkpoint(job["model"], job["seed"])
+    order = list(dict.fromkeys(name for job in jobs for name in job["backends"]))
+    assert order[0] is None or all(None not in job["backends"] for job in jobs), "vLLM's own backend goes first"
+    results: list[dict] = [{} for _ in jobs]
+    for name in order:
         if name is not None:
             os.environ["ATTNPLUG_VLLM_BACKEND"] = name
             from attnplug.plugins.vllm.entry import register
 
             register()  # what vLLM's plugin loader did for the first engine of the process
-            # vLLM memoises its backend choice per process; a new engine must choose again
-            from vllm.v1.attention import selector
+        for job, out in zip(jobs, results):
+            if name in job["backends"]:
+                selector._cached_get_attn_backend.cache_clear()  # vLLM memoises its choice per process
+                out[str(name)] = generate(job)
+                gc.collect()
+                cleanup_dist_env_and_memory()
+    return results
 
-            selector._cached_get_attn_backend.cache_clear()
-        results[str(name)] = generate(spec)
-        gc.collect()
-        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
-        cleanup_dist_env_and_memory()
-    print("RESULT " + json.dumps(results), flush=True)
+def main() -> None:
+    """SPEC.json is a list of jobs (see the module docstring); prints one ``RESULT`` line."""
+    print("RESULT " + json.dumps(run_jobs(json.load(open(sys.argv[1])))), flush=True)
 
 
 if __name__ == "__main__":
