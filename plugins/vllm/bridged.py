@@ -14,6 +14,16 @@ import functools
 import importlib
 import os
 
+ENV_BACKEND = "ATTNPLUG_VLLM_BACKEND"
+ENV_TARGET = "ATTNPLUG_VLLM_TARGET"
+
+
+def default_target() -> str:
+    """``CPU_ATTN`` on vLLM's CPU platform, else ``CUSTOM``."""
+    from attnplug.plugins.vllm import _vllm as V
+
+    return "CPU_ATTN" if V.current_platform.is_cpu() else "CUSTOM"
+
 
 def resolve(spec: str) -> type:
     """The attnplug backend class for a registered name or ``"package.module:Class"``.
@@ -50,8 +60,6 @@ def bridge_for(spec: str, vllm_name: str) -> type:
 def __getattr__(name: str) -> type:
     if name != "selected":
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    from attnplug.plugins.vllm.entry import ENV_BACKEND, ENV_TARGET, default_target
-
     spec = os.environ.get(ENV_BACKEND, "").strip()
     if not spec:
         raise AttributeError(f"{__name__}.selected: {ENV_BACKEND} is not set in this process")

@@ -22,15 +22,9 @@ from __future__ import annotations
 
 import os
 
-ENV_BACKEND = "ATTNPLUG_VLLM_BACKEND"
-ENV_TARGET = "ATTNPLUG_VLLM_TARGET"
+from attnplug.plugins.vllm.bridged import ENV_BACKEND, ENV_TARGET, default_target, resolve
 
-
-def default_target() -> str:
-    """``CPU_ATTN`` on vLLM's CPU platform, else ``CUSTOM``."""
-    from attnplug.plugins.vllm import _vllm as V
-
-    return "CPU_ATTN" if V.current_platform.is_cpu() else "CUSTOM"
+__all__ = ["ENV_BACKEND", "ENV_TARGET", "default_target", "register"]
 
 
 def register() -> str | None:
@@ -40,7 +34,6 @@ def register() -> str | None:
     if not name:
         return None
     from attnplug.plugins.vllm import _vllm as V
-    from attnplug.plugins.vllm.bridged import resolve
 
     resolve(name)  # fail here, at start: UnknownBackendError names the known ones
     target = os.environ.get(ENV_TARGET, "").strip() or default_target()

