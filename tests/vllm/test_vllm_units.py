@@ -125,3 +125,13 @@ def test_a_supported_layer_builds_and_profile_run_is_a_no_op():
     q = torch.randn(3, 4, 32)
     assert impl.forward(None, q, q[:, :2], q[:, :2], torch.zeros(1, 2, 32, 64), None, out) is out
     assert (out == 5.0).all()  # attn_metadata None (vLLM's profiling run): nothing written
+
+
+def test_reverse_bridge_refuses_unknown_and_unreadable_vllm_backends():
+    from attnplug.plugins.vllm.reverse import vllm_backend
+
+    with pytest.raises(ValueError, match="not a vLLM AttentionBackendEnum member.*CPU_ATTN"):
+        vllm_backend("NO_SUCH_BACKEND")
+    with pytest.raises(ValueError, match="how it packs K and V"):
+        vllm_backend("FLASH_ATTN")  # a real vLLM backend whose cache packing the bridge does not know
+    assert vllm_backend("CPU_ATTN").get_name() == "vllm:CPU_ATTN"
