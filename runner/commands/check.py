@@ -44,7 +44,7 @@ def _parser() -> argparse.ArgumentParser:
                f"{EXIT_NOTHING_TESTED} nothing tested (a backend unavailable here, or every case skipped); "
                "4, 5: pytest's usage error, no test selected")
     p.add_argument("backends", nargs="+", metavar="NAME",
-                   help="registered backend name, or package.module:Class")
+                   help="registered backend name, package.module:Class, or vllm:NAME (a vLLM backend, docs/vllm.md)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1 ...")
     p.add_argument("--cases", action="append", default=[], metavar="FILE.json", help="extra cases (repeatable)")
     p.add_argument("--hypothesis", type=int, default=0, metavar="N",
@@ -147,7 +147,7 @@ def preflight(args: argparse.Namespace) -> tuple[int, str] | None:
             backends[spec] = resolve_backend(spec)
         except AttnplugError as exc:
             return EXIT_USAGE, str(exc)
-        except (ImportError, AttributeError) as exc:
+        except (ImportError, AttributeError, ValueError) as exc:
             return EXIT_USAGE, f"cannot import backend {spec!r}: {type(exc).__name__}: {exc}"
     for spec, backend in backends.items():
         why = untestable_reason(backend, resolve_device(backend, args.device))

