@@ -12,6 +12,7 @@ Usage (from the repo root, with the venv's python)::
     python tests/mutate.py                                  # every target (long)
     python tests/mutate.py runner/execute/sampler.py        # one module, a few minutes
     python tests/mutate.py runner/step/prepare.py --jobs 2
+    python tests/mutate.py cache_groups/block_pool.py cache_groups/block_table.py   # one staging
 
 Prints, per module, the mutants killed / not killed / equivalent (listed in docs/testing.md)
 and the score ``killed / (total - equivalent)``, then every surviving mutant's mutated line.
@@ -42,7 +43,7 @@ TARGETS: dict[str, list[str]] = {
     "runner/execute/cudagraph.py": ["tests/runner/test_cudagraph_padding.py",
                                     "tests/runner/test_cudagraph_padding_stale.py"],
     "core/validation.py": ["tests/core"],
-    "cache_groups/*.py": ["tests/cache_groups", "tests/runner/test_input_batch.py"],
+    "cache_groups/*.py": ["tests/cache_groups"],  # module-level tests only (issue 23)
     "runner/step/*.py": STEP_TESTS,
     "backends/flash_attn/builder.py": ["tests/backends/flash_attn/test_builder.py",
                                        "tests/backends/flash_attn/test_cascade_clamp.py"],
@@ -55,8 +56,14 @@ SKIP = {".venv", "build", "dist", ".git", "tests", "docs", "mutants", "__pycache
 EQUIVALENT = re.compile(r"^- `(?P<func>[\w.]+)`: `(?P<line>.+?)` — ")
 
 
-def modules_of(arg: str | None) -> dict[str, list[str]]:
-    """``{module path: tests}`` for ``arg`` (a file, a folder, or ``None`` for every target)."""
+def modules_of(args: str | list[str] | None) -> dict[str, list[str]]:
+    """``{module path: tests}`` for ``args`` (files or folders; ``None`` or ``[]``: every target)."""
+    if isinstance(args, list) and args:
+        out = {}
+        for a in args:
+            out.update(modules_of(a))
+        return out
+    arg = args or None
     files = sorted(str(p.relative_to(ROOT)) for p in ROOT.rglob("*.py")
                    if not SKIP & set(p.relative_to(ROOT).parts) and not p.name == "__init__.py")
     out = {}
@@ -173,7 +180,8 @@ def report(where: Path, modules: list[str], equiv: dict[tuple[str, str], str], m
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("module", nargs="?", help="a module or folder, repo-relative (default: every target)")
+    ap.add_argument("module", nargs="*", help="modules or folders, repo-relative (default: every target); "
+                                              "those guarded by the same tests share one mutmut run")
     ap.add_argument("--jobs", type=int, default=None, help="mutmut --max-children (default: the CPUs)")
     ap.add_argument("--keep", action="store_true", help="reuse build/mutate/<target> (mutmut's cache)")
     ap.add_argument("--min-score", type=float, default=0.0, help="fail under this score (0..1)")
