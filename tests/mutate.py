@@ -53,6 +53,7 @@ TARGETS: dict[str, list[str]] = {
 }
 NOT_TARGETS = {"runner/step/oracle.py", "runner/step/debug.py"}  # the tests' own reference and views
 SKIP = {".venv", "build", "dist", ".git", "tests", "docs", "mutants", "__pycache__", ".hypothesis"}
+KILLED = ("killed", "timeout", "segfault", "caught by type check")
 EQUIVALENT = re.compile(r"^- `(?P<func>[\w.]+)`: `(?P<line>.+?)` — ")
 
 
@@ -143,6 +144,18 @@ def mutated_lines(where: Path, name: str) -> str:
     return " ".join(" ".join(plus).split())
 
 
+def not_killed(where: Path, modules: list[str]) -> list[str]:
+    """The mutants of ``modules`` an earlier run in ``where`` did not kill (mutmut's own results)."""
+    prefixes = tuple("attnplug." + m[:-3].replace("/", ".") + "." for m in modules)
+    out = []
+    for line in mutmut(where, "results", "--all", "true").splitlines():
+        if ": " in line.strip():
+            name, status = line.strip().rsplit(": ", 1)
+            if name.startswith(prefixes) and status not in KILLED:
+                out.append(name)
+    return out
+
+
 def report(where: Path, modules: list[str], equiv: dict[tuple[str, str], str], min_score: float) -> bool:
     results = {}
     for line in mutmut(where, "results", "--all", "true").splitlines():
@@ -153,9 +166,8 @@ def report(where: Path, modules: list[str], equiv: dict[tuple[str, str], str], m
     for mod in modules:
         prefix = "attnplug." + mod[:-3].replace("/", ".") + "."
         mine = {n: s for n, s in results.items() if n.startswith(prefix)}
-        killed = sum(s in ("killed", "timeout", "segfault", "caught by type check") for s in mine.values())
-        survivors = sorted((n for n, s in mine.items() if s not in ("killed", "timeout", "segfault",
-                                                                    "caught by type check")),
+        killed = sum(s in KILLED for s in mine.values())
+        survivors = sorted((n for n, s in mine.items() if s not in KILLED),
                            key=lambda n: (n.rsplit("__mutmut_", 1)[0], int(n.rsplit("_", 1)[1])))
         listed, open_ = {"equivalent": [], "cpu": []}, []
         for n in survivors:
@@ -184,6 +196,9 @@ def main(argv: list[str] | None = None) -> int:
                                               "those guarded by the same tests share one mutmut run")
     ap.add_argument("--jobs", type=int, default=None, help="mutmut --max-children (default: the CPUs)")
     ap.add_argument("--keep", action="store_true", help="reuse build/mutate/<target> (mutmut's cache)")
+    ap.add_argument("--survivors", action="store_true",
+                    help="reuse build/mutate/<target> (implies --keep) and rerun only the mutants its last run "
+                         "did not kill, against the current tests (after adding tests for them)")
     ap.add_argument("--min-score", type=float, default=0.0, help="fail under this score (0..1)")
     a = ap.parse_args(argv)
     targets = modules_of(a.module)
@@ -193,9 +208,12 @@ def main(argv: list[str] | None = None) -> int:
     equiv, ok = equivalents(), True
     for tests, mods in by_tests.items():
         name = mods[0].replace("/", "_")[:-3] if len(mods) == 1 else mods[0].rsplit("/", 1)[0].replace("/", "_")
-        where = stage(name, mods, list(tests), a.keep)
-        print(f"mutate: {', '.join(mods)} against {' '.join(tests)} (in {where.relative_to(ROOT)})", flush=True)
-        mutmut(where, "run", *(["--max-children", str(a.jobs)] if a.jobs else []), capture=False)
+        where = stage(name, mods, list(tests), a.keep or a.survivors)
+        names = not_killed(where, mods) if a.survivors else []
+        print(f"mutate: {', '.join(mods)} against {' '.join(tests)} (in {where.relative_to(ROOT)})"
+              + (f", rerunning the {len(names)} mutants not killed" if a.survivors else ""), flush=True)
+        if not a.survivors or names:
+            mutmut(where, "run", *(["--max-children", str(a.jobs)] if a.jobs else []), *names, capture=False)
         ok &= report(where, mods, equiv, a.min_score)
     return 0 if ok else 1
 
