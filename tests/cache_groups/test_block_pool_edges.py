@@ -175,3 +175,13 @@ def test_can_allocate_when_the_window_gives_back_exactly_what_is_missing():
     with pytest.raises(SchedulingError, match=exactly("request 'a': num_new_tokens must be >= 0, got -1")):
         kv.can_allocate(r, -1)
     assert kv.can_allocate(r, 0) and kv.allocate_slots(r, 0) == ([], [])
+
+
+def test_mamba_groups_get_the_state_slot_pool():
+    config = KVCacheConfig(10, (KVCacheGroupSpec(("attn",), FullAttentionSpec(block_size=4)),
+                                KVCacheGroupSpec(("ssm",), MambaSpec(block_size=64))), num_state_slots=3)
+    kv = KVCacheManager(config)
+    assert kv.kv_cache_config is config and kv.capacity_per_group == [9, 2]
+    assert kv.allocate_slots(Req("a"), 9) == ([1, 2, 3], [1])
+    assert kv.allocate_slots(Req("b"), 1) == ([4], [2])
+    assert not kv.can_allocate(Req("c"), 1)  # no state slot left

@@ -56,9 +56,10 @@ def test_batched_moves_copy_rows_of_any_length(block_size, kernel):
     assert_consistent(bt, rows)
 
 
-@pytest.mark.parametrize("kernel", [3, 1])
-def test_single_row_writes_expand_every_kernel_block(kernel):
-    bt = BlockTable(3, 3, 4, 8, kernel_block_size=kernel)
+@pytest.mark.parametrize("block_size, kernel", [(3, 3), (3, 1), (4, 2)])  # k = 1, 3, 2
+def test_single_row_writes_expand_every_kernel_block(block_size, kernel):
+    bt = BlockTable(block_size, 3, 4, 8, kernel_block_size=kernel)
+    k = block_size // kernel
     bt.fill_vacant_row(np.array([4, 2], dtype=np.int32), 1)
     assert_consistent(bt, {1: [4, 2]})
     bt.append_row([7], 1)
@@ -69,8 +70,7 @@ def test_single_row_writes_expand_every_kernel_block(kernel):
     assert_consistent(bt, {0: [5, 6, 11], 1: [4, 2, 7], 2: [9, 12]})
     bt.write_blocks(np.array([2]), np.array([3]), np.array([13], dtype=np.int32))  # unchecked, no count
     assert bt.block_table_np[2, 3] == 13 and bt.num_blocks_per_row[2] == 2
-    assert bt.kernel_block_table.np[2, 3 * (3 // kernel):].tolist() == list(range(13 * (3 // kernel),
-                                                                             14 * (3 // kernel)))
+    assert bt.kernel_block_table.np[2, 3 * k:].tolist() == list(range(13 * k, 14 * k))
     ids = bt.row_block_ids(0)
     ids.append(99)  # a fresh list
     assert bt.row_block_ids(0) == [5, 6, 11]
@@ -149,3 +149,11 @@ def test_multigroup_forwards_the_batched_operations():
     assert mg.num_blocks_per_row.tolist() == [[0, 1, 2, 0], [0, 2, 1, 0]]
     mg.commit(3)
     assert mg[1].get_device_tensor(3).tolist() == [[0, 0, 0], [5, 6, 0], [3, 0, 0]]
+
+
+def test_slots_past_int32_are_computed_in_int64():
+    # block 2**24 of 256 tokens: its slots start at 2**32
+    bt = BlockTable(256, 2, 2, 4)
+    bt.add_row([1 << 24, 3], 1)
+    got = bt.compute_slot_mapping(np.array([1, 1]), np.array([5, 300]))
+    assert got.tolist() == [(1 << 32) + 5, 3 * 256 + 44]
