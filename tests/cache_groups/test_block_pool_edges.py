@@ -100,6 +100,15 @@ def test_peak_is_reset_to_the_current_use():
     assert pool.peak_num_used_blocks == 3 and pool.num_used_blocks == 1
 
 
+def test_each_policy_draws_from_the_pool_it_is_given():
+    for spec in (FullAttentionSpec(block_size=4), SlidingWindowSpec(block_size=4, sliding_window=8),
+                 MambaSpec(block_size=64)):
+        pool = BlockPool(4)
+        m = make_block_manager(spec, pool)
+        assert m.pool is pool and m.spec is spec and m.block_size == spec.block_size
+        assert m.allocate_new_blocks("r", 1) == [1] and pool.num_used_blocks == 1
+
+
 def test_no_block_policy_message():
     with pytest.raises(KVCacheSpecError, match=exactly(
             "no block policy for KVCacheSpec; supported: FullAttentionSpec, SlidingWindowSpec, MambaSpec")):

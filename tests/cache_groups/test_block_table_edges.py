@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from attnplug.cache_groups.block_table import BlockTable, MultiGroupBlockTable
-from attnplug.core.constants import PAD_SLOT_ID
+from attnplug.cache_groups.block_table import BlockTable, MultiGroupBlockTable, expand_to_kernel_block_ids
+from attnplug.core.constants import NULL_BLOCK_ID, PAD_SLOT_ID
 from attnplug.core.errors import KVCacheSpecError, MetadataError
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -157,3 +157,15 @@ def test_slots_past_int32_are_computed_in_int64():
     bt.add_row([1 << 24, 3], 1)
     got = bt.compute_slot_mapping(np.array([1, 1]), np.array([5, 300]))
     assert got.tolist() == [(1 << 32) + 5, 3 * 256 + 44]
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_tables_are_int32_and_start_null_with_padded_slots(k):
+    for ids in ([3, 0, 5], np.array([3, 0, 5], dtype=np.int64)):
+        out = expand_to_kernel_block_ids(ids, k)
+        assert out.dtype == np.int32 and out.tolist() == [x for b in (3, 0, 5) for x in
+                                                          ([0] * k if b == 0 else range(b * k, b * k + k))]
+    bt = BlockTable(4 * k, 3, 2, 5, kernel_block_size=4)
+    assert bt.block_table_np.dtype == np.int32 and bt.kernel_block_table.np.dtype == np.int32
+    assert (bt.block_table_np == NULL_BLOCK_ID).all() and (bt.kernel_block_table.np == NULL_BLOCK_ID).all()
+    assert bt.slot_mapping.np.dtype == np.int64 and (bt.slot_mapping.np == PAD_SLOT_ID).all()
