@@ -49,7 +49,7 @@ def test_a_pool_needs_two_int_blocks(n):
 
 def test_the_smallest_pool_has_one_block():
     pool = BlockPool(2)
-    assert (pool.capacity, pool.num_free_blocks, pool.num_used_blocks) == (1, 1, 0)
+    assert (pool.capacity, pool.num_free_blocks, pool.num_used_blocks, pool.peak_num_used_blocks) == (1, 1, 0, 0)
     assert pool.allocate(1) == [1]  # exactly all the free blocks
     assert (pool.num_free_blocks, pool.num_used_blocks, pool.peak_num_used_blocks) == (0, 1, 1)
     assert pool.is_allocated(1) is True and pool.is_allocated(0) is False
