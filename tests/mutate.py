@@ -41,7 +41,8 @@ TARGETS: dict[str, list[str]] = {
     # module glob (repo-relative)      -> the tests that guard it
     "runner/execute/sampler.py": ["tests/runner/test_sampler.py"],
     "runner/execute/cudagraph.py": ["tests/runner/test_cudagraph_padding.py",
-                                    "tests/runner/test_cudagraph_padding_stale.py"],
+                                    "tests/runner/test_cudagraph_padding_stale.py",
+                                    "tests/runner/test_cudagraph_negotiation.py"],
     "core/validation.py": ["tests/core"],
     "cache_groups/*.py": ["tests/cache_groups"],  # module-level tests only (issue 23)
     "runner/step/*.py": STEP_TESTS,

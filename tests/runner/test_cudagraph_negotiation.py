@@ -1,0 +1,62 @@
+"""negotiate_cudagraph_mode: the whole decision (mode, reason, limiting builder, capture) of
+each path, compared exactly: graphs off, the mode as requested (full or not, CUDA or CPU,
+the default device), a builder that lowers it, ties between equally capable builders."""
+
+from __future__ import annotations
+
+from attnplug.backends.emulators import FlashAttn3EmulatedBackend, FlashInferEmulatedBackend
+from attnplug.backends.torch_native import TorchNativeBackend
+from attnplug.cache_groups.specs import FullAttentionSpec
+from attnplug.core.contracts import BuilderConfig
+from attnplug.runner.execute.cudagraph import CUDAGraphMode, GraphModeDecision, negotiate_cudagraph_mode
+
+FULL, DECODE, PIECEWISE, NONE = (CUDAGraphMode.FULL, CUDAGraphMode.FULL_DECODE_ONLY, CUDAGraphMode.PIECEWISE,
+                                 CUDAGraphMode.NONE)
+FA3, FI, TN = "FlashAttn3EmulatedBuilder", "FlashInferEmulatedBuilder", "TorchNativeMetadataBuilder"
+ON_CPU = "; on cpu nothing is captured (steps are only padded)"
+
+
+def _builders(*backends):
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=16)
+    return [b.get_builder_cls()(spec, [f"l{i}"], BuilderConfig(8, 64, 256), "cpu") for i, b in enumerate(backends)]
+
+
+def test_graphs_off():
+    off = GraphModeDecision(NONE, "CUDA graphs are off (cudagraph_mode='none')", None, False)
+    assert negotiate_cudagraph_mode(_builders(FlashAttn3EmulatedBackend), "none", "cuda") == off
+    assert negotiate_cudagraph_mode(_builders(TorchNativeBackend), None) == off
+
+
+def test_as_requested():
+    fa3 = _builders(FlashAttn3EmulatedBackend)
+    why = f"full as requested; the least capable builder is cache group 0 ({FA3}, {FA3}): ALWAYS"
+    assert negotiate_cudagraph_mode(fa3, "full") == GraphModeDecision(FULL, why, None, True)  # default: CUDA
+    assert negotiate_cudagraph_mode(fa3, "full", "cuda") == GraphModeDecision(FULL, why, None, True)
+    assert negotiate_cudagraph_mode(fa3, "full", "cpu") == GraphModeDecision(FULL, why + ON_CPU, None, False)
+    # piecewise is not a full mode: nothing to capture, no device note
+    why = f"piecewise as requested; the least capable builder is cache group 0 ({FA3}, {FA3}): ALWAYS"
+    for device in ("cuda", "cpu"):
+        assert negotiate_cudagraph_mode(fa3, "piecewise", device) == GraphModeDecision(PIECEWISE, why, None, False)
+    assert negotiate_cudagraph_mode([], "full", "cpu") == GraphModeDecision(FULL, "full as requested" + ON_CPU,
+                                                                            None, False)
+
+
+def test_the_first_of_equally_capable_builders_is_named():
+    d = negotiate_cudagraph_mode(_builders(FlashAttn3EmulatedBackend, FlashAttn3EmulatedBackend), "full", "cuda",
+                                 names=["a", "b"])
+    assert d == GraphModeDecision(FULL, f"full as requested; the least capable builder is cache group 0 (a, {FA3}): "
+                                        "ALWAYS", None, True)
+
+
+def test_a_builder_that_lowers_the_mode():
+    lim = f"cache group 1 (fi, {FI}): UNIFORM_SINGLE_TOKEN_DECODE"
+    why = f"full_decode_only instead of full: {lim} limits it; only pure single-token-decode steps run in full graphs"
+    b = _builders(FlashAttn3EmulatedBackend, FlashInferEmulatedBackend)
+    assert negotiate_cudagraph_mode(b, "full", "cuda", names=["fa", "fi"]) == GraphModeDecision(DECODE, why, lim, True)
+    assert negotiate_cudagraph_mode(b, "full", "cpu", names=["fa", "fi"]) == GraphModeDecision(
+        DECODE, why + ON_CPU, lim, False)
+    lim = f"cache group 0 ({TN}, {TN}): NEVER"
+    why = (f"piecewise instead of full_decode_only: {lim} limits it; attention cannot be captured, and attnplug "
+           "has no piecewise compilation: steps run eagerly")
+    assert negotiate_cudagraph_mode(_builders(TorchNativeBackend), "full_decode_only", "cpu") == GraphModeDecision(
+        PIECEWISE, why, lim, False)
