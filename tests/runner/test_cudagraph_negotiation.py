@@ -1,14 +1,24 @@
 """negotiate_cudagraph_mode: the whole decision (mode, reason, limiting builder, capture) of
 each path, compared exactly: graphs off, the mode as requested (full or not, CUDA or CPU,
-the default device), a builder that lowers it, ties between equally capable builders."""
+the default device), a builder that lowers it, ties between equally capable builders; and the padding buffers' dtypes and batch_shape."""
 
 from __future__ import annotations
+
+import numpy as np
+import torch
 
 from attnplug.backends.emulators import FlashAttn3EmulatedBackend, FlashInferEmulatedBackend
 from attnplug.backends.torch_native import TorchNativeBackend
 from attnplug.cache_groups.specs import FullAttentionSpec
 from attnplug.core.contracts import BuilderConfig
-from attnplug.runner.execute.cudagraph import CUDAGraphMode, GraphModeDecision, negotiate_cudagraph_mode
+from attnplug.core.metadata import CommonAttentionMetadata
+from attnplug.runner.execute.cudagraph import (
+    CUDAGraphMode,
+    GraphModeDecision,
+    PaddedMetadata,
+    batch_shape,
+    negotiate_cudagraph_mode,
+)
 
 FULL, DECODE, PIECEWISE, NONE = (CUDAGraphMode.FULL, CUDAGraphMode.FULL_DECODE_ONLY, CUDAGraphMode.PIECEWISE,
                                  CUDAGraphMode.NONE)
@@ -60,3 +70,16 @@ def test_a_builder_that_lowers_the_mode():
            "has no piecewise compilation: steps run eagerly")
     assert negotiate_cudagraph_mode(_builders(TorchNativeBackend), "full_decode_only", "cpu") == GraphModeDecision(
         PIECEWISE, why, lim, False)
+
+
+def test_batch_shape_of_an_empty_and_a_mixed_step():
+    assert batch_shape(np.zeros(0, dtype=np.int32)) == (0, 0, 0)
+    assert batch_shape(np.array([3, 1, 2], dtype=np.int32)) == (6, 3, 3)
+
+
+def test_padded_metadata_keeps_the_dtypes():
+    cm = CommonAttentionMetadata.from_lengths([4, 0], [1, 3], [[1, 2], [3, 0]], 4, num_prompt_tokens=[5, 3])
+    (p,) = PaddedMetadata(4, "cpu").pad([cm], 4)
+    assert p.query_start_loc.dtype == p.seq_lens.dtype == p.num_computed_tokens_cpu.dtype == torch.int32
+    assert p.is_prefilling.dtype == torch.bool and p.is_prefilling.tolist() == [True, True, False, False]
+    assert p.num_computed_tokens_cpu.tolist() == [4, 0, 0, 0]
