@@ -10,7 +10,7 @@ import torch
 from attnplug.backends.emulators import FlashAttn3EmulatedBackend, FlashInferEmulatedBackend
 from attnplug.backends.torch_native import TorchNativeBackend
 from attnplug.cache_groups.specs import FullAttentionSpec
-from attnplug.core.contracts import BuilderConfig
+from attnplug.core.contracts import AttentionCGSupport, BuilderConfig
 from attnplug.core.metadata import CommonAttentionMetadata
 from attnplug.runner.execute.cudagraph import (
     CUDAGraphMode,
@@ -83,3 +83,18 @@ def test_padded_metadata_keeps_the_dtypes():
     assert p.query_start_loc.dtype == p.seq_lens.dtype == p.num_computed_tokens_cpu.dtype == torch.int32
     assert p.is_prefilling.dtype == torch.bool and p.is_prefilling.tolist() == [True, True, False, False]
     assert p.num_computed_tokens_cpu.tolist() == [4, 0, 0, 0]
+
+
+def test_each_builder_is_asked_about_its_own_spec():
+    (fa3,) = _builders(FlashAttn3EmulatedBackend)
+
+    class BySpec(type(fa3)):
+        """A plugin whose support depends on the group's block size."""
+
+        @classmethod
+        def get_cudagraph_support(cls, kv_cache_spec=None):
+            small = kv_cache_spec is not None and kv_cache_spec.block_size <= 16
+            return AttentionCGSupport.ALWAYS if small else AttentionCGSupport.NEVER
+
+    b = BySpec(fa3.kv_cache_spec, ["l0"], BuilderConfig(8, 64, 256), "cpu")
+    assert negotiate_cudagraph_mode([b], "full", "cuda", names=["p"]).mode is FULL
