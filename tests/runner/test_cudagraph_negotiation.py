@@ -98,3 +98,10 @@ def test_each_builder_is_asked_about_its_own_spec():
 
     b = BySpec(fa3.kv_cache_spec, ["l0"], BuilderConfig(8, 64, 256), "cpu")
     assert negotiate_cudagraph_mode([b], "full", "cuda", names=["p"]).mode is FULL
+
+
+def test_pad_reads_only_the_real_requests_offsets_and_keeps_a_missing_prefill_mask_missing():
+    cm = CommonAttentionMetadata.from_lengths([4, 0], [1, 3], [[1, 2], [3, 0]], 4)
+    cm = cm.replace(query_start_loc_cpu=torch.tensor([0, 1, 4, 9, 9], dtype=torch.int32), is_prefilling=None)
+    (p,) = PaddedMetadata(4, "cpu").pad([cm], 3)
+    assert p.query_start_loc_cpu.tolist() == [0, 1, 4, 4] and p.is_prefilling is None
