@@ -4,15 +4,20 @@ the default device), a builder that lowers it, ties between equally capable buil
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
+import pytest
 import torch
 
 from attnplug.backends.emulators import FlashAttn3EmulatedBackend, FlashInferEmulatedBackend
 from attnplug.backends.torch_native import TorchNativeBackend
 from attnplug.cache_groups.specs import FullAttentionSpec
 from attnplug.core.contracts import AttentionCGSupport, BuilderConfig
+from attnplug.core.errors import MetadataError
 from attnplug.core.metadata import CommonAttentionMetadata
 from attnplug.runner.execute.cudagraph import (
+    CUDAGraphDispatcher,
     CUDAGraphMode,
     GraphModeDecision,
     PaddedMetadata,
@@ -105,3 +110,15 @@ def test_pad_reads_only_the_real_requests_offsets_and_keeps_a_missing_prefill_ma
     cm = cm.replace(query_start_loc_cpu=torch.tensor([0, 1, 4, 9, 9], dtype=torch.int32), is_prefilling=None)
     (p,) = PaddedMetadata(4, "cpu").pad([cm], 3)
     assert p.query_start_loc_cpu.tolist() == [0, 1, 4, 4] and p.is_prefilling is None
+
+
+def test_dispatch_edges():
+    d = CUDAGraphDispatcher(FULL, [1, 2, 4, 8, 16, 32, 40], max_num_reqs=16, max_num_batched_tokens=40)
+    assert d.dispatch(1, 1, 1).key == (1, 1, True)  # a single decode is a uniform decode
+    assert d.dispatch(40, 2, 20).key == (40, 2, False)  # exactly the token limit
+    assert not d.dispatch(0, 0, 0).uniform_decode and not d.dispatch(0, 0, 1).uniform_decode  # no request
+    for args, problem in (((-1, 0, 0), "counts must be non-negative ints"),
+                          ((2, 3, 1), "every request has 1..num_tokens query tokens")):
+        with pytest.raises(MetadataError, match="^" + re.escape(
+                f"dispatch(num_tokens={args[0]}, num_reqs={args[1]}, max_query_len={args[2]}): {problem}") + "$"):
+            d.dispatch(*args)
