@@ -12,6 +12,7 @@ Usage (from the repo root, with the venv's python)::
     python tests/mutate.py                                  # every target (long)
     python tests/mutate.py runner/execute/sampler.py        # one module, a few minutes
     python tests/mutate.py runner/step/prepare.py --jobs 2
+    python tests/mutate.py cache_groups/block_pool.py cache_groups/block_table.py   # one staging
 
 Prints, per module, the mutants killed / not killed / equivalent (listed in docs/testing.md)
 and the score ``killed / (total - equivalent)``, then every surviving mutant's mutated line.
@@ -40,9 +41,10 @@ TARGETS: dict[str, list[str]] = {
     # module glob (repo-relative)      -> the tests that guard it
     "runner/execute/sampler.py": ["tests/runner/test_sampler.py"],
     "runner/execute/cudagraph.py": ["tests/runner/test_cudagraph_padding.py",
-                                    "tests/runner/test_cudagraph_padding_stale.py"],
+                                    "tests/runner/test_cudagraph_padding_stale.py",
+                                    "tests/runner/test_cudagraph_negotiation.py"],
     "core/validation.py": ["tests/core"],
-    "cache_groups/*.py": ["tests/cache_groups", "tests/runner/test_input_batch.py"],
+    "cache_groups/*.py": ["tests/cache_groups"],  # module-level tests only (issue 23)
     "runner/step/*.py": STEP_TESTS,
     "backends/flash_attn/builder.py": ["tests/backends/flash_attn/test_builder.py",
                                        "tests/backends/flash_attn/test_cascade_clamp.py"],
@@ -52,11 +54,18 @@ TARGETS: dict[str, list[str]] = {
 }
 NOT_TARGETS = {"runner/step/oracle.py", "runner/step/debug.py"}  # the tests' own reference and views
 SKIP = {".venv", "build", "dist", ".git", "tests", "docs", "mutants", "__pycache__", ".hypothesis"}
+KILLED = ("killed", "timeout", "segfault", "caught by type check")
 EQUIVALENT = re.compile(r"^- `(?P<func>[\w.]+)`: `(?P<line>.+?)` — ")
 
 
-def modules_of(arg: str | None) -> dict[str, list[str]]:
-    """``{module path: tests}`` for ``arg`` (a file, a folder, or ``None`` for every target)."""
+def modules_of(args: str | list[str] | None) -> dict[str, list[str]]:
+    """``{module path: tests}`` for ``args`` (files or folders; ``None`` or ``[]``: every target)."""
+    if isinstance(args, list) and args:
+        out = {}
+        for a in args:
+            out.update(modules_of(a))
+        return out
+    arg = args or None
     files = sorted(str(p.relative_to(ROOT)) for p in ROOT.rglob("*.py")
                    if not SKIP & set(p.relative_to(ROOT).parts) and not p.name == "__init__.py")
     out = {}
@@ -136,6 +145,18 @@ def mutated_lines(where: Path, name: str) -> str:
     return " ".join(" ".join(plus).split())
 
 
+def not_killed(where: Path, modules: list[str]) -> list[str]:
+    """The mutants of ``modules`` an earlier run in ``where`` did not kill (mutmut's own results)."""
+    prefixes = tuple("attnplug." + m[:-3].replace("/", ".") + "." for m in modules)
+    out = []
+    for line in mutmut(where, "results", "--all", "true").splitlines():
+        if ": " in line.strip():
+            name, status = line.strip().rsplit(": ", 1)
+            if name.startswith(prefixes) and status not in KILLED:
+                out.append(name)
+    return out
+
+
 def report(where: Path, modules: list[str], equiv: dict[tuple[str, str], str], min_score: float) -> bool:
     results = {}
     for line in mutmut(where, "results", "--all", "true").splitlines():
@@ -146,9 +167,8 @@ def report(where: Path, modules: list[str], equiv: dict[tuple[str, str], str], m
     for mod in modules:
         prefix = "attnplug." + mod[:-3].replace("/", ".") + "."
         mine = {n: s for n, s in results.items() if n.startswith(prefix)}
-        killed = sum(s in ("killed", "timeout", "segfault", "caught by type check") for s in mine.values())
-        survivors = sorted((n for n, s in mine.items() if s not in ("killed", "timeout", "segfault",
-                                                                    "caught by type check")),
+        killed = sum(s in KILLED for s in mine.values())
+        survivors = sorted((n for n, s in mine.items() if s not in KILLED),
                            key=lambda n: (n.rsplit("__mutmut_", 1)[0], int(n.rsplit("_", 1)[1])))
         listed, open_ = {"equivalent": [], "cpu": []}, []
         for n in survivors:
@@ -173,9 +193,13 @@ def report(where: Path, modules: list[str], equiv: dict[tuple[str, str], str], m
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("module", nargs="?", help="a module or folder, repo-relative (default: every target)")
+    ap.add_argument("module", nargs="*", help="modules or folders, repo-relative (default: every target); "
+                                              "those guarded by the same tests share one mutmut run")
     ap.add_argument("--jobs", type=int, default=None, help="mutmut --max-children (default: the CPUs)")
     ap.add_argument("--keep", action="store_true", help="reuse build/mutate/<target> (mutmut's cache)")
+    ap.add_argument("--survivors", action="store_true",
+                    help="reuse build/mutate/<target> (implies --keep) and rerun only the mutants its last run "
+                         "did not kill, against the current tests (after adding tests for them)")
     ap.add_argument("--min-score", type=float, default=0.0, help="fail under this score (0..1)")
     a = ap.parse_args(argv)
     targets = modules_of(a.module)
@@ -185,9 +209,12 @@ def main(argv: list[str] | None = None) -> int:
     equiv, ok = equivalents(), True
     for tests, mods in by_tests.items():
         name = mods[0].replace("/", "_")[:-3] if len(mods) == 1 else mods[0].rsplit("/", 1)[0].replace("/", "_")
-        where = stage(name, mods, list(tests), a.keep)
-        print(f"mutate: {', '.join(mods)} against {' '.join(tests)} (in {where.relative_to(ROOT)})", flush=True)
-        mutmut(where, "run", *(["--max-children", str(a.jobs)] if a.jobs else []), capture=False)
+        where = stage(name, mods, list(tests), a.keep or a.survivors)
+        names = not_killed(where, mods) if a.survivors else []
+        print(f"mutate: {', '.join(mods)} against {' '.join(tests)} (in {where.relative_to(ROOT)})"
+              + (f", rerunning the {len(names)} mutants not killed" if a.survivors else ""), flush=True)
+        if not a.survivors or names:
+            mutmut(where, "run", *(["--max-children", str(a.jobs)] if a.jobs else []), *names, capture=False)
         ok &= report(where, mods, equiv, a.min_score)
     return 0 if ok else 1
 

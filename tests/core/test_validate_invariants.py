@@ -53,8 +53,8 @@ def fails(cm, kw, invariant: str, row, values=None, hint=None) -> MetadataInvari
     assert (e.invariant, e.row) == (invariant, row), str(e)
     if values is not None:
         assert e.values == values, str(e)
-    if hint is not None:
-        assert hint in str(e), str(e)
+    if hint is not None:  # the whole hint, as the message's last sentence
+        assert str(e).endswith(f". {hint}"), str(e)
     return e
 
 
@@ -122,7 +122,8 @@ def test_2_generators_follow_their_requests():
     cm, kw = case()
     g = kw["batch"].generators
     g[1], g[2] = g[2], g[1]  # two seeded rows swapped their generators
-    fails(cm, kw, INV2, 1, {"req_id": "B", "column": "generator"}, hint="a row move left it behind")
+    fails(cm, kw, INV2, 1, {"req_id": "B", "column": "generator"},
+          hint="the row's generator is not its request's (a row move left it behind or swapped it)")
     cm, kw = case()
     kw["batch"].generators[0] = torch.Generator()  # an unseeded row holding a generator
     fails(cm, kw, INV2, 0, {"req_id": "A", "column": "generator"})
@@ -188,7 +189,8 @@ def test_6_seq_len_is_last_position_plus_one():
 def test_6_capacity_counts_to_the_last_non_null_block():
     cm, kw = case()
     short = cm.replace(block_table_tensor=torch.tensor([[1, 2, 0], [5, 0, 0], [3, 6, 0]], dtype=torch.int32))
-    fails(short, kw, "6 seq_lens", 2, {"seq_len": 10, "capacity": 8, "block_size": B})
+    fails(short, kw, "6 seq_lens", 2, {"seq_len": 10, "capacity": 8, "block_size": B},
+          hint="the block table row is too short")
     empty = cm.replace(block_table_tensor=torch.tensor([[1, 2, 0], [0, 0, 0], [3, 6, 4]], dtype=torch.int32))
     fails(empty, kw, "6 seq_lens", 1, {"seq_len": 3, "capacity": 0, "block_size": B})
 
@@ -209,7 +211,8 @@ def test_7_each_real_slot_lies_at_its_position_in_its_block(token, slot, owned):
     slots[token] = slot
     row = [0, 1, 1, 1, 2, 2][token]
     fails(cm.replace(slot_mapping=torch.tensor(slots)), kw, INV7, row,
-          {"token": token, "slot": slot, "position": [5, 0, 1, 2, 8, 9][token], "owned_block": owned})
+          {"token": token, "slot": slot, "position": [5, 0, 1, 2, 8, 9][token], "owned_block": owned},
+          hint="slot must lie in the request's block for that position")
 
 
 def test_7_padded_tokens_carry_pad_slot_id():
@@ -232,7 +235,7 @@ def test_7_sliding_window_blocks_before_the_window_are_null_at_the_boundary():
     validate(cm, **kw)  # 7 tokens gone: block 1 still holds a visible token
     cm, kw = _window_case(12, table, 5)  # n - W + 1 = 8 = 2 * B: block 1 is wholly before the window
     fails(cm, kw, INV7, 0, {"kernel_block_index": 1, "block": 7, "num_computed_tokens": 12, "sliding_window": 5},
-          hint="blocks before the window were freed")
+          hint="blocks before the window were freed and must be null")
     validate(cm.replace(block_table_tensor=torch.tensor([[0, 0, 8, 9, 10]], dtype=torch.int32)), **kw)
 
 
