@@ -14,6 +14,7 @@ from attnplug.backends.triton import TritonBackend, TritonMetadataBuilder, paged
 from attnplug.cache_groups.grouping import KVCacheConfig, group_layers_by_spec
 from attnplug.cache_groups.specs import FullAttentionSpec, SlidingWindowSpec
 from attnplug.core.contracts import BuilderConfig
+from attnplug.core.errors import MetadataError
 from attnplug.core.metadata import CommonAttentionMetadata
 from attnplug.runner.execute.cascade import CascadeConfig
 from attnplug.runner.execute.model_runner import ModelRunner, RunnerConfig
@@ -133,3 +134,30 @@ def test_runner_cascade_on_equals_off_with_triton(threshold):
     for rid in on:
         assert on[rid][0] == off[rid][0], rid
         torch.testing.assert_close(on[rid][1], off[rid][1], atol=2e-4, rtol=1e-4)
+
+
+def test_update_block_table_recuts_the_cascade_passes_from_the_other_groups_table():
+    cm, *_ = _step(torch.float32)
+    b = TritonMetadataBuilder(FullAttentionSpec(block_size=B, num_kv_heads=HKV, head_size=D), ["l0"], CFG, "cpu")
+    md = b.build(2 * B, cm)
+    other = cm.block_table_tensor + 20
+    md2 = b.update_block_table(md, other, cm.slot_mapping + 20 * B)
+    assert md2.cascade.common_prefix_len == 2 * B
+    assert md2.cascade.prefix_block_table.tolist() == [[21, 22]]
+    assert torch.equal(md2.cascade.suffix_block_table, other[:, 2:])
+    assert md.cascade.prefix_block_table.tolist() == [[1, 2]], "the given metadata is not mutated"
+
+
+def test_a_row_that_sees_no_key_gets_minus_infinity(paged_batch):
+    batch = paged_batch([(4, 2), (8, 3)], num_heads=H, num_kv_heads=HKV, head_size=D, block_size=B)
+    lse = torch.zeros(batch.query.shape[0], H)
+    empty = batch.seq_lens.clone()
+    empty[0] = 0  # request 0 sees no key (non-causal, no K/V): its rows are empty
+    paged_attention(batch.query, batch.kv_cache[:, 0], batch.kv_cache[:, 1], torch.zeros_like(batch.query),
+                    batch.query_start_loc, empty, batch.block_table, num_reqs=2, max_query_len=3, scale=batch.scale,
+                    causal=False, lse=lse, check_values=False)
+    assert torch.isneginf(lse[:2]).all() and torch.isfinite(lse[2:]).all()
+    with pytest.raises(MetadataError, match="lse must be"):  # split-KV stores no LSE
+        batch.run(lse=lse, num_kv_splits=2)
+    with pytest.raises(MetadataError, match="lse must be"):
+        batch.run(lse=lse.double())
