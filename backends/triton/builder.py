@@ -102,8 +102,8 @@ class TritonMetadataBuilder(AttentionMetadataBuilder):
             common_prefix_len: tokens every request shares at the start of its KV (the
                 runner's, ``runner/execute/cascade.py``); clamped to the smallest
                 ``num_computed_tokens`` and rounded down to the block size, a positive
-                value adds the cascade passes' tensors (``metadata.cascade``: two tiny
-                host-to-device copies and ``seq_lens - P``; ``backends/triton/cascade.py``).
+                value adds the cascade passes' tensors (``metadata.cascade``: three small
+                device kernels, no copy from the host; ``backends/triton/cascade.py``).
                 Ignored with a sliding window.
             common_attn_metadata: the step's metadata for this group (kernel block table).
             fast_build: ignored (a build is already only host-int arithmetic).

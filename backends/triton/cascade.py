@@ -47,15 +47,18 @@ def cascade_prefix_len(cm: CommonAttentionMetadata, common_prefix_len: int, bloc
 def cascade_fields(md: TritonAttentionMetadata, prefix: int) -> TritonCascadeMetadata:
     """The prefix and suffix passes' tensors of ``md`` (whole-step metadata) for ``P = prefix``.
 
-    Copies two tiny host lists to the device (``[0, T]`` and ``[P]``) and computes
-    ``seq_lens - P`` there; the block tables are views of ``md.block_table_tensor``.
+    Three small device kernels (fills for ``[0, T]`` and ``[P]``, ``seq_lens - P``), no
+    host-to-device copy and no host synchronisation; the block tables are views of
+    ``md.block_table_tensor``.
     """
     dev = md.seq_lens.device
     nb = prefix // md.block_size
+    prefix_qsl = torch.full((2,), md.num_actual_tokens, dtype=torch.int32, device=dev)
+    prefix_qsl[0] = 0
     return TritonCascadeMetadata(
         common_prefix_len=prefix,
-        prefix_query_start_loc=torch.tensor([0, md.num_actual_tokens], dtype=torch.int32, device=dev),
-        prefix_seq_lens=torch.tensor([prefix], dtype=torch.int32, device=dev),
+        prefix_query_start_loc=prefix_qsl,
+        prefix_seq_lens=torch.full((1,), prefix, dtype=torch.int32, device=dev),
         prefix_block_table=md.block_table_tensor[:1, :nb],
         suffix_seq_lens=md.seq_lens - prefix,
         suffix_block_table=md.block_table_tensor[:, nb:])
