@@ -36,9 +36,8 @@ def merge_attn_states(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Ten
         >>> merge_attn_states(o, lse, 3 * o, lse)[0, 0].tolist()   # equal weights
         [2.0, 2.0, 2.0, 2.0]
     """
-    neg_inf = torch.tensor(float("-inf"), device=out_a.device)
-    la, lb = (torch.where(lse == float("inf"), neg_inf, lse.float()).transpose(0, 1).unsqueeze(-1)  # [T, H, 1]
-              for lse in (lse_a, lse_b))
+    la, lb = (lse.float().masked_fill(lse == float("inf"), float("-inf")).transpose(0, 1).unsqueeze(-1)  # [T, H, 1]
+              for lse in (lse_a, lse_b))  # (no host tensor: nothing is copied to the device)
     top = torch.maximum(la, lb)
     top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
     wa, wb = torch.exp(la - top), torch.exp(lb - top)

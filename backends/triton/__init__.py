@@ -8,10 +8,12 @@ package never imports ``triton`` (the kernel modules load on first launch, see
 Modules:
 
 * ``backend.py`` — :class:`TritonBackend` (capabilities, availability, validation);
-* ``metadata.py`` — :class:`TritonAttentionMetadata`, :class:`SplitKVPolicy`;
+* ``metadata.py`` — :class:`TritonAttentionMetadata`, :class:`TritonCascadeMetadata`,
+  :class:`SplitKVPolicy`;
 * ``builder.py`` — :class:`TritonMetadataBuilder` (persistent buffers, CUDA graphs ALWAYS);
 * ``impl.py`` — :class:`TritonAttentionImpl`;
-* ``attention.py`` — :func:`paged_attention` (tile choice, launches);
+* ``attention.py`` — :func:`paged_attention` (tile choice, launches; optional LSE);
+* ``cascade.py`` — cascade attention: prefix pass + suffix pass + ``merge_attn_states``;
 * ``cache_ops.py`` — :func:`write_kv_cache`, :func:`compute_slot_mapping`;
 * ``attention_kernels.py``, ``cache_kernels.py`` — the ``@triton.jit`` kernels;
 * ``runtime.py`` — availability and mode-aware kernel loading;
@@ -23,9 +25,10 @@ from attnplug.backends.triton.backend import TritonBackend
 from attnplug.backends.triton.builder import TritonMetadataBuilder
 from attnplug.backends.triton.cache_ops import compute_slot_mapping, write_kv_cache
 from attnplug.backends.triton.impl import TritonAttentionImpl
-from attnplug.backends.triton.metadata import SplitKVPolicy, TritonAttentionMetadata
+from attnplug.backends.triton.metadata import SplitKVPolicy, TritonAttentionMetadata, TritonCascadeMetadata
 
 __all__ = [
     "SplitKVPolicy", "TileConfig", "TritonAttentionImpl", "TritonAttentionMetadata", "TritonBackend",
-    "TritonMetadataBuilder", "choose_tiles", "compute_slot_mapping", "paged_attention", "write_kv_cache",
+    "TritonCascadeMetadata", "TritonMetadataBuilder", "choose_tiles", "compute_slot_mapping", "paged_attention",
+    "write_kv_cache",
 ]

@@ -105,7 +105,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                     causal: bool = True, sliding_window: int | None = None,
                     logits_soft_cap: float | None = None, num_kv_splits: int = 1,
                     tiles: TileConfig | None = None, visited_tiles: torch.Tensor | None = None,
-                    check_values: bool = True) -> torch.Tensor:
+                    check_values: bool = True, lse: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of a varlen batch over a paged KV cache (GQA/MQA, causal bottom-right).
 
     Query ``j`` of request ``i`` sits at position ``seq_lens[i] - query_len_i + j`` and
@@ -141,6 +141,11 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         check_values: check the index values where they are checked (below); ``False``
             when the caller already did (``TritonAttentionImpl`` checks before its K/V
             write).
+        lse: ``None``, or ``[num_tokens, num_heads]`` ``torch.float32`` on the same device
+            (any strides): each real (token, head) row's log-sum-exp of its scaled, capped
+            logits is stored there, in natural log (``-inf`` for a query that saw no key),
+            as ``backends/common/merge.merge_attn_states`` takes it (transposed). Needs
+            ``num_kv_splits == 1``. Cascade attention's passes use it.
 
     Returns:
         ``output``.
@@ -162,6 +167,8 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     num_kv_heads = key_cache.shape[2]
     _check(query, key_cache, value_cache, output, query_start_loc, seq_lens, block_table, num_reqs, num_kv_splits,
            sliding_window, logits_soft_cap)
+    if lse is not None:
+        _check_lse(lse, query, num_kv_splits)
     if num_reqs == 0 or num_tokens == 0:
         return output
     if check_values and values_checked(query.device):
@@ -181,19 +188,20 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     launch(kernels, "paged_attention_kernel", grid,
            query, key_cache, value_cache, output, part_acc, part_max, part_sum,
            query_start_loc, seq_lens, block_table, visited_tiles if visited_tiles is not None else seq_lens,
-           num_reqs, float(scale),
+           lse if lse is not None else part_max, num_reqs, float(scale),
            float(logits_soft_cap) if logits_soft_cap is not None else 0.0,
            query.stride(0), query.stride(1), output.stride(0), output.stride(1),
            key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
            value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
            block_table.stride(0),
+           lse.stride(0) if lse is not None else 0, lse.stride(1) if lse is not None else 0,
            NUM_QUERIES_PER_KV=group, HEAD_SIZE=head_size, HEAD_SIZE_PADDED=padded,
            BLOCK_SIZE=key_cache.shape[1], BLOCK_M=cfg.block_m, BLOCK_Q=cfg.block_q, TILE_N=cfg.tile_n,
            CAUSAL=bool(causal), SLIDING_WINDOW=int(sliding_window or 0),
            USE_SOFT_CAP=logits_soft_cap is not None, NUM_SEGMENTS=num_kv_splits,
            DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
            RECORD_VISITED=visited_tiles is not None,
-           KV_SAME_STRIDES=key_cache.stride()[:2] == value_cache.stride()[:2],
+           KV_SAME_STRIDES=key_cache.stride()[:2] == value_cache.stride()[:2], STORE_LSE=lse is not None,
            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if num_kv_splits > 1:
         heads_per_program = max(1, min(_next_pow2(num_heads), REDUCE_ELEMENTS_PER_PROGRAM // (padded * num_kv_splits)))
@@ -252,3 +260,11 @@ def _check(query, key_cache, value_cache, output, query_start_loc, seq_lens, blo
         problems.append(f"num_kv_splits must be a power of two >= 1, got {num_kv_splits}")
     if problems:
         raise MetadataError("paged_attention: " + "; ".join(problems) + ".")
+
+
+def _check_lse(lse: torch.Tensor, query: torch.Tensor, num_kv_splits: int) -> None:
+    if num_kv_splits != 1 or lse.dtype != torch.float32 or lse.device != query.device or lse.dim() != 2 \
+            or lse.shape[0] < query.shape[0] or lse.shape[1] != query.shape[1]:
+        raise MetadataError(
+            f"paged_attention: lse must be [>= {query.shape[0]}, {query.shape[1]}] float32 on {query.device} with "
+            f"num_kv_splits == 1; got {tuple(lse.shape)} {lse.dtype} on {lse.device}, num_kv_splits={num_kv_splits}")

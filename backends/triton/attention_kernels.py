@@ -23,7 +23,11 @@ NUM_SEGMENTS)``)::
 
 ``tile_start(i+1) - tile_start(i) >= cdiv(query_len_i, BLOCK_Q)``, so launching
 ``num_tokens // BLOCK_Q + num_reqs`` tiles covers every query; surplus tiles return at
-once. Logits, softmax (base 2, online) and the accumulator are fp32.
+once. Logits, softmax (base 2, online) and the accumulator are fp32. With ``STORE_LSE``
+(cascade attention's prefix and suffix passes) the unified path also stores each
+(token, head)'s log-sum-exp of the scaled (capped) logits in *natural log*, converted from
+the base-2 running max and sum: ``lse = (m + log2(l)) * ln 2``; ``-inf`` for a row that saw
+no key. That is the convention of ``backends/common/merge.py``.
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ def paged_attention_kernel(
     seq_lens_ptr,         # [num_reqs] int32, tokens
     block_table_ptr,      # [num_reqs, >= cdiv(max_seq_len, BLOCK_SIZE)] int32, kernel block ids
     visited_tiles_ptr,    # [num_q_tiles, num_kv_heads, NUM_SEGMENTS] int32 (RECORD_VISITED only; a test aid)
+    lse_ptr,              # [num_tokens, num_heads] fp32 (strided), natural-log LSE (STORE_LSE only)
     num_reqs,             # int32
     scale,                # fp32, softmax scale (natural-log domain)
     soft_cap,             # fp32, logits soft-cap (read only when USE_SOFT_CAP)
@@ -58,6 +63,7 @@ def paged_attention_kernel(
     stride_k_blk, stride_k_tok, stride_k_head,
     stride_v_blk, stride_v_tok, stride_v_head,
     stride_bt_req,
+    stride_lse_tok, stride_lse_head,
     NUM_QUERIES_PER_KV: tl.constexpr,  # num_heads // num_kv_heads
     HEAD_SIZE: tl.constexpr,
     HEAD_SIZE_PADDED: tl.constexpr,    # next power of two >= max(HEAD_SIZE, 16)
@@ -72,6 +78,7 @@ def paged_attention_kernel(
     DOT_PRECISION: tl.constexpr,       # "ieee" for fp32 inputs (no TF32), "tf32" otherwise (ignored)
     RECORD_VISITED: tl.constexpr,      # store how many key tiles each program visited
     KV_SAME_STRIDES: tl.constexpr,     # value_cache strides == key_cache strides (blocks, tokens)
+    STORE_LSE: tl.constexpr,           # also store each row's log-sum-exp (NUM_SEGMENTS == 1 only)
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -184,6 +191,12 @@ def paged_attention_kernel(
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(output_ptr + token[:, None] * stride_o_tok + head[:, None] * stride_o_head + dims[None, :],
                  out.to(output_ptr.dtype.element_ty), mask=row_valid[:, None] & dim_valid[None, :])
+        if STORE_LSE:
+            # natural log: ln(sum_k e^{s_k}) = (m_i + log2(l_i)) * ln(2) in the base-2 domain;
+            # -inf for a row that saw no key (l_i == 0)
+            lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.log2(tl.where(l_i == 0.0, 1.0, l_i)))
+                           * 0.6931471805599453)
+            tl.store(lse_ptr + token * stride_lse_tok + head * stride_lse_head, lse, mask=row_valid)
     else:
         part = (token * tl.num_programs(1) * NUM_QUERIES_PER_KV + head) * NUM_SEGMENTS + segment
         tl.store(part_max_ptr + part, m_i, mask=row_valid)

@@ -29,6 +29,7 @@ from attnplug.backends.common.buffer_checks import (
     check_step_values,
     copy_block_table,
 )
+from attnplug.backends.triton.cascade import cascade_fields, with_cascade
 from attnplug.backends.triton.constants import KERNEL_BLOCK_SIZES
 from attnplug.backends.triton.metadata import SplitKVPolicy, TritonAttentionMetadata
 from attnplug.cache_groups.specs import cdiv
@@ -58,9 +59,8 @@ class TritonMetadataBuilder(AttentionMetadataBuilder):
     cudagraph_support = AttentionCGSupport.ALWAYS
     reorder_batch_threshold = None
     supports_update_block_table = True
-    cascade_unsupported_reason = (
-        "triton: the paged attention kernels return no log-sum-exp, which the prefix and suffix "
-        "passes need for merge_attn_states (not implemented yet)")
+    supports_cascade = True  # full attention, eager builds (backends/triton/cascade.py)
+    cascade_unsupported_reason = ""
     split_kv_policy: ClassVar[SplitKVPolicy] = SplitKVPolicy()
     """When to take the split-KV path; a subclass may override it (tests force splits)."""
 
@@ -69,6 +69,7 @@ class TritonMetadataBuilder(AttentionMetadataBuilder):
         super().__init__(kv_cache_spec, layer_names, config, device)
         self.block_size = int(kv_cache_spec.block_size)
         self.num_kv_heads = int(getattr(kv_cache_spec, "num_kv_heads", 1))
+        self.sliding_window = getattr(kv_cache_spec, "sliding_window", None)
         if self.block_size not in KERNEL_BLOCK_SIZES:
             raise MetadataError(
                 f"TritonMetadataBuilder got block_size {self.block_size}: the kernels page by "
@@ -98,7 +99,12 @@ class TritonMetadataBuilder(AttentionMetadataBuilder):
         """Lower the step's metadata: its tensors are passed through (never mutated, never copied).
 
         Args:
-            common_prefix_len: ignored (no cascade attention).
+            common_prefix_len: tokens every request shares at the start of its KV (the
+                runner's, ``runner/execute/cascade.py``); clamped to the smallest
+                ``num_computed_tokens`` and rounded down to the block size, a positive
+                value adds the cascade passes' tensors (``metadata.cascade``: three small
+                device kernels, no copy from the host; ``backends/triton/cascade.py``).
+                Ignored with a sliding window.
             common_attn_metadata: the step's metadata for this group (kernel block table).
             fast_build: ignored (a build is already only host-int arithmetic).
 
@@ -112,7 +118,7 @@ class TritonMetadataBuilder(AttentionMetadataBuilder):
                 builder's limits; with ``ATTNPLUG_VALIDATE=1`` also host values that disagree
                 (``backends/common/buffer_checks.py``).
 
-        Does not synchronise with the host and launches no device work.
+        Without cascade, does not synchronise with the host and launches no device work.
         """
         cm = common_attn_metadata
         n = cm.num_reqs
@@ -122,7 +128,8 @@ class TritonMetadataBuilder(AttentionMetadataBuilder):
             qsl = qsl[: n + 1]
         if seq_lens.shape[0] != n:
             seq_lens = seq_lens[:n]
-        return self._metadata(cm, n, cm.max_seq_len, qsl, seq_lens, cm.block_table_tensor, cm.slot_mapping, False)
+        md = self._metadata(cm, n, cm.max_seq_len, qsl, seq_lens, cm.block_table_tensor, cm.slot_mapping, False)
+        return with_cascade(md, cm, common_prefix_len, self.sliding_window) if common_prefix_len > 0 else md
 
     def build_for_cudagraph_capture(self, common_attn_metadata: CommonAttentionMetadata) -> TritonAttentionMetadata:
         """Build for a step that captures or replays a CUDA graph (the runner's padded metadata).
@@ -189,7 +196,10 @@ class TritonMetadataBuilder(AttentionMetadataBuilder):
                 f"update_block_table: metadata has block_size {metadata.block_size}, this builder "
                 f"{self.block_size}: only groups with the same spec may share a build")
         if not metadata.graph:
-            return dataclasses.replace(metadata, block_table_tensor=block_table, slot_mapping=slot_mapping)
+            md = dataclasses.replace(metadata, block_table_tensor=block_table, slot_mapping=slot_mapping)
+            if md.cascade is not None:  # the passes read this group's blocks
+                md = dataclasses.replace(md, cascade=cascade_fields(md, md.cascade.common_prefix_len))
+            return md
         qsl = self._query_start_loc[: n + 1]
         if qsl.data_ptr() != metadata.query_start_loc.data_ptr():
             qsl.copy_(metadata.query_start_loc, non_blocking=True)

@@ -9,6 +9,7 @@ import torch
 
 from attnplug.backends.triton.attention import paged_attention
 from attnplug.backends.triton.cache_ops import write_kv_cache
+from attnplug.backends.triton.cascade import cascade_attention
 from attnplug.backends.triton.constants import HEAD_SIZES
 from attnplug.backends.triton.metadata import TritonAttentionMetadata
 from attnplug.backends.triton.runtime import interpreting
@@ -83,6 +84,10 @@ class TritonAttentionImpl(AttentionImpl):
                 :mod:`~attnplug.backends.common.value_checks`) a slot or block id outside
                 ``kv_cache`` or lengths that disagree. The cache is unchanged then.
 
+        With ``attn_metadata.cascade`` (full attention only; a windowed layer ignores it and
+        attends in one pass) the attention is the prefix pass + suffix pass + merge of
+        ``backends/triton/cascade.py`` (fp32 partials, four more launches and a few torch ops).
+
         Numerics: fp32 logits, online softmax and accumulator; the result is stored in the
         query's dtype. Does not synchronise with the host on a GPU unless
         ``ATTNPLUG_VALIDATE=1`` (two or three kernel launches).
@@ -98,6 +103,9 @@ class TritonAttentionImpl(AttentionImpl):
                         where="triton forward")
         write_kv_cache(key[:num_writes], value[:num_writes], key_cache, value_cache, md.slot_mapping[:num_writes],
                        check_values=False)
+        if md.cascade is not None and self.sliding_window is None:
+            return cascade_attention(query, key_cache, value_cache, output, md, scale=self.scale,
+                                     logits_soft_cap=self.logits_soft_cap)
         return paged_attention(
             query, key_cache, value_cache, output, md.query_start_loc, md.seq_lens, md.block_table_tensor,
             num_reqs=md.num_reqs, max_query_len=md.max_query_len, scale=self.scale, causal=md.causal,

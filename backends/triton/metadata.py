@@ -13,6 +13,31 @@ import torch
 
 
 @dataclass(frozen=True)
+class TritonCascadeMetadata:
+    """The two passes of a cascade step (``backends/triton/cascade.py``), device tensors.
+
+    The prefix pass is ONE non-causal "request" whose queries are all the step's tokens
+    and whose keys are the shared prefix; the suffix pass is the step itself with every
+    request's first ``common_prefix_len`` tokens cut off (causality is relative to the end
+    of a request, so its masks are those of the full step).
+    """
+
+    common_prefix_len: int
+    """``P`` tokens: a multiple of ``block_size``, ``<=`` every ``num_computed_tokens``."""
+    prefix_query_start_loc: torch.Tensor
+    """``[2]``, ``torch.int32``: ``[0, num_actual_tokens]``."""
+    prefix_seq_lens: torch.Tensor
+    """``[1]``, ``torch.int32``: ``[P]``."""
+    prefix_block_table: torch.Tensor
+    """``[1, P // block_size]``, ``torch.int32``: row 0's first blocks (the same in every row)."""
+    suffix_seq_lens: torch.Tensor
+    """``[num_reqs]``, ``torch.int32``: ``seq_lens - P``."""
+    suffix_block_table: torch.Tensor
+    """``[num_reqs, >= cdiv(max_seq_len - P, block_size)]``, ``torch.int32``: the block table
+    from column ``P // block_size`` on (a view)."""
+
+
+@dataclass(frozen=True)
 class TritonAttentionMetadata:
     """One step of one cache group, lowered for the Triton kernels.
 
@@ -55,6 +80,11 @@ class TritonAttentionMetadata:
     graph: bool = False
     """Built by ``build_for_cudagraph_capture``: every tensor is in the builder's persistent
     buffers (``update_block_table`` then copies the other group's tensors there too)."""
+
+    cascade: TritonCascadeMetadata | None = None
+    """Set when the builder got ``common_prefix_len > 0`` (eager builds of full-attention
+    groups only): ``forward`` then runs the prefix pass, the suffix pass and the merge. The
+    other fields stay those of the whole step (the K/V write uses them)."""
 
     @property
     def use_split_kv(self) -> bool:
