@@ -97,7 +97,8 @@ def _drafter(cfg, max_num_seqs=2):
 @pytest.mark.parametrize("max_num_seqs", [2, 1], ids=["kept", "evicting"])
 def test_drafts_after_partial_acceptance_equal_a_fresh_drafters(max_num_seqs):
     """Histories grow as the target would make them: ``a`` of the ``k`` drafts accepted, then
-    a corrected token that differs from draft ``a`` (or a bonus token). Two requests
+    a corrected token that differs from draft ``a`` (or a bonus token); now and then an
+    earlier token changes too (the drafter must not trust its cache past it). Two requests
     alternate, so with one request's room the drafter evicts on every call."""
     drafter, fresh = _drafter(SMALL, max_num_seqs), _drafter(SMALL, 1)
     rng = random.Random(0)
@@ -113,6 +114,8 @@ def test_drafts_after_partial_acceptance_equal_a_fresh_drafters(max_num_seqs):
             nxt = rng.choice([t for t in range(96) if a == k or t != drafts[a]])
             rollbacks += a < k
             h.extend(drafts[:a] + [nxt])
+            if rng.random() < 0.2:  # a history that changed earlier on: the valid prefix ends there
+                h[rng.randrange(len(h) - 1)] = rng.randrange(96)
     assert rollbacks > 5
     assert drafter.num_recomputed_tokens < fresh.num_recomputed_tokens or max_num_seqs == 1
 
