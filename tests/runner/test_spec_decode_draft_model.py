@@ -39,10 +39,10 @@ SMALL = {**LLAMA, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers
          "num_key_value_heads": 1}
 """A smaller Llama of the same vocabulary (96) as ``LLAMA``."""
 
-REQUESTS = [([5, 9, 2, 7, 5, 9, 2, 7, 5, 9], SamplingParams(max_tokens=14)),
-            (list(range(20, 37)), SamplingParams(max_tokens=10)),
-            ([3, 1, 4, 1, 5], SamplingParams(max_tokens=12)),
-            ([7] * 6, SamplingParams(temperature=1.0, seed=3, max_tokens=8))]
+REQUESTS = [([5, 9, 2, 7, 5, 9, 2, 7, 5, 9], SamplingParams(max_tokens=10)),
+            (list(range(20, 37)), SamplingParams(max_tokens=8)),
+            ([3, 1, 4, 1, 5], SamplingParams(max_tokens=9)),
+            ([7] * 6, SamplingParams(temperature=1.0, seed=3, max_tokens=6))]
 
 
 def _write(tmp_path, name, cfg) -> str:
@@ -87,6 +87,17 @@ def test_greedy_with_a_draft_model_equals_greedy_without(tmp_path, draft, preemp
     if preempt:
         assert eng.scheduler.num_preemptions > 0
     assert all(m.req_to_blocks == {} for m in eng.scheduler.kv_cache_manager.managers)
+
+
+def test_greedy_with_a_smaller_draft_model_matches_hf_under_preemption(tmp_path):
+    pytest.importorskip("transformers")
+    from attnplug.runner.commands.parity import run_parity
+
+    small = _write(tmp_path, "small", SMALL)
+    res = run_parity(LLAMA, num_requests=2, seed=1, force_preemption=True, max_tokens=6,
+                     max_num_batched_tokens=16, prompt_len_range=(3, 20), speculative=f"draft:k=3,model={small}")
+    assert res.ok, res.line()
+    assert res.spec["proposed"] > 0 and res.preemptions > 0
 
 
 def _drafter(cfg, max_num_seqs=2):
