@@ -34,6 +34,7 @@ from attnplug.runner.step.scheduler_output import SamplingParams
 sys.path.insert(0, str(Path(__file__).parent))
 from test_async_scheduling import LLAMA  # noqa: E402
 from test_parity_hybrid import BAMBA  # noqa: E402
+from test_parity_sliding import GEMMA3  # noqa: E402
 
 SMALL = {**LLAMA, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
          "num_key_value_heads": 1}
@@ -105,13 +106,17 @@ def _drafter(cfg, max_num_seqs=2):
     return DraftModelDrafter(model, block_size=4, max_num_seqs=max_num_seqs, max_model_len=64)
 
 
-@pytest.mark.parametrize("max_num_seqs", [2, 1], ids=["kept", "evicting"])
-def test_drafts_after_partial_acceptance_equal_a_fresh_drafters(max_num_seqs):
+@pytest.mark.parametrize("cfg, max_num_seqs", [(SMALL, 2), (SMALL, 1), (GEMMA3, 2)],
+                         ids=["kept", "evicting", "gemma3-sliding-window"])
+def test_drafts_after_partial_acceptance_equal_a_fresh_drafters(cfg, max_num_seqs):
     """Histories grow as the target would make them: ``a`` of the ``k`` drafts accepted, then
     a corrected token that differs from draft ``a`` (or a bonus token); now and then an
     earlier token changes too (the drafter must not trust its cache past it). Two requests
-    alternate, so with one request's room the drafter evicts on every call."""
-    drafter, fresh = _drafter(SMALL, max_num_seqs), _drafter(SMALL, 1)
+    alternate, so with one request's room the drafter evicts on every call. Gemma3: a
+    sliding-window and a full-attention cache group in the draft model (histories pass the
+    window of 7)."""
+    drafter, fresh = _drafter(cfg, max_num_seqs), _drafter(cfg, 1)
+    vocab = cfg["vocab_size"]
     rng = random.Random(0)
     hist = {"a": [5, 9, 2, 7, 5], "b": [1, 2, 3]}
     rollbacks = 0
@@ -122,11 +127,11 @@ def test_drafts_after_partial_acceptance_equal_a_fresh_drafters(max_num_seqs):
             assert drafts == fresh.propose([h], k)[0], (rid, h)  # fresh: no req_ids, empty cache
             assert len(drafts) == k
             a = rng.randint(0, k)
-            nxt = rng.choice([t for t in range(96) if a == k or t != drafts[a]])
+            nxt = rng.choice([t for t in range(vocab) if a == k or t != drafts[a]])
             rollbacks += a < k
             h.extend(drafts[:a] + [nxt])
             if rng.random() < 0.2:  # a history that changed earlier on: the valid prefix ends there
-                h[rng.randrange(len(h) - 1)] = rng.randrange(96)
+                h[rng.randrange(len(h) - 1)] = rng.randrange(vocab)
     assert rollbacks > 5
     assert drafter.num_recomputed_tokens < fresh.num_recomputed_tokens or max_num_seqs == 1
 
