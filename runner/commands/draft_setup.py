@@ -38,9 +38,7 @@ def attach_draft_model(spec: SpeculativeConfig | None, args, target: torch.nn.Mo
     try:
         draft = load_model_for_run(spec.model, backend=args.backend, block_size=args.block_size, seed=args.seed,
                                    resolve=resolve, device=device)
-    except ConfigError as e:
-        raise ConfigError(origin, str(e)) from None
-    except AttnplugError as e:
+    except AttnplugError as e:  # unreadable config, unknown model type, backend selection
         raise ConfigError(origin, str(e)) from None
     want, got = getattr(target.config, "vocab_size", None), getattr(draft.config, "vocab_size", None)
     if want != got:
