@@ -18,6 +18,7 @@ from attnplug.core.errors import AttnplugError
 from attnplug.runner.serve.engine import LLMEngine
 from attnplug.runner.execute.model_runner import ModelRunner, RunnerConfig
 from attnplug.runner.commands.speculative import spec_summary
+from attnplug.runner.commands.draft_setup import attach_draft_model
 from attnplug.runner.serve.scheduler import Scheduler, SchedulerConfig
 from attnplug.runner.step.scheduler_output import SamplingParams
 from attnplug.runner.commands.limits import clip, memory_problem
@@ -250,7 +251,8 @@ def build_engine(args, *, alone: bool = False, model: torch.nn.Module | None = N
                                       force_preemption_every=getattr(args, "force_preemption_every", None),
                                       async_scheduling=getattr(args, "async_scheduling", False),
                                       enable_prefix_caching=getattr(args, "prefix_caching", False),
-                                      speculative=speculative_config(args)),
+                                      speculative=attach_draft_model(speculative_config(args), args, model,
+                                                                     device, resolve_backend)),
                       kv_cfg)
     runner = ModelRunner(model, kv_cfg, backends,
                          RunnerConfig(max_num_reqs=max_num_seqs, max_model_len=max_model_len,

@@ -94,7 +94,8 @@ def _parser() -> argparse.ArgumentParser:
     _int_flag(p, "--cascade-min-prefix-len", 256, "cascade attention needs this many shared tokens (vLLM: 256)")
     _int_flag(p, "--cascade-min-num-reqs", 8, "cascade attention needs this many requests in the step (vLLM: 8)")
     p.add_argument("--speculative", default=None, metavar="METHOD:k=N",
-                   help="speculative decoding, e.g. ngram:k=3 (prompt lookup, up to 3 drafts per decoding "
+                   help="speculative decoding, e.g. ngram:k=3 (prompt lookup) or draft:k=3,model=PATH/config.json "
+                        "(a draft model of the same vocabulary; up to 3 drafts per decoding "
                         "request and step; also [speculative] in attnplug.toml); not with Mamba layers "
                         "(the default tiny-hybrid model: use --model tiny-llama)")
     p.add_argument("--json", action="store_true", help="print a machine-readable summary on stdout")

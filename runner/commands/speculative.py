@@ -12,6 +12,11 @@ or ``[tool.attnplug]`` in ``pyproject.toml``, found as for ``[backend]``), in ei
     n = 3                              # optional (longest suffix matched)
     min_n = 1                          # optional
 
+    [speculative]                      # a draft model (runner/execute/spec_decode/draft_model.py)
+    method = "draft"
+    k = 3
+    model = "path/to/config.json"      # or a preset name; relative to the working directory
+
 A bad value is one line naming the file and the key (``ConfigError``; the CLI exits 2).
 """
 
@@ -48,7 +53,11 @@ def speculative_from_config(cwd=None) -> SpeculativeConfig | None:
     for key, value in raw.items():
         if key == "method":
             continue
-        if not isinstance(value, int) or isinstance(value, bool):
+        if key == "model" and method == "draft":
+            if not isinstance(value, str) or not value or "," in value:
+                raise ConfigError(f"{path} {prefix} model", f"must be a non-empty path or preset name "
+                                  f"without commas, got {value!r}")
+        elif not isinstance(value, int) or isinstance(value, bool):
             raise ConfigError(f"{path} {prefix} {key}", f"must be an integer, got {value!r}")
         parts.append(f"{key}={value}")
     return parse_speculative(f"{method}:{','.join(parts)}", origin=f"{path} {prefix}")
@@ -81,4 +90,7 @@ def spec_summary(engine) -> dict[str, Any]:
         "acceptance_rate": round(s.acceptance_rate, 4), "mean_accepted_length": round(s.mean_accepted_length, 3),
         "verifications": s.num_verifications,
     }
+    if spec.spec.method == "draft":  # runner/execute/spec_decode/draft_model.py
+        out["speculative"].update(draft_model=spec.spec.model, draft_model_steps=spec.drafter.num_draft_steps,
+                                  draft_model_tokens=spec.drafter.num_recomputed_tokens)
     return out

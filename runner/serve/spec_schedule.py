@@ -129,11 +129,14 @@ class SpecScheduler:
         remaining = req.remaining_output_tokens(self.max_model_len)
         if remaining <= 1:
             self._history.pop(req.req_id, None)  # finishing: no more drafts for it
+            release = getattr(self.drafter, "release", None)  # a drafter with per-request state
+            if release is not None:
+                release(req.req_id)
             return []
         k = min(self.spec.k, budget - 1, remaining - 1)
         if k <= 0:
             return []
-        return self.drafter.propose([self._tokens(req)], k)[0]
+        return self.drafter.propose([self._tokens(req)], k, req_ids=[req.req_id])[0]
 
     def check_sampled(self, out: SchedulerOutput, sampled: dict[str, list[int]]) -> None:
         """Before ``update_from_output`` changes anything: a request that verified ``d``

@@ -87,7 +87,9 @@ def test_parse_speculative_good():
     ("ngram:k=3,n=2,min_n=3", "min_n must be in 1..n=2"),
     ("ngram:k=3,n=0", "n must be >= 1"),
     ("eagle:k=3", "unknown speculative method 'eagle'"),
-    ("draft:k=3,model=x.json", "not implemented yet"),
+    ("draft:k=3", "draft needs model="),
+    ("draft:model=x.json", "draft needs k"),
+    ("draft:k=3,n=2,model=x.json", "unknown key 'n' for draft"),
 ])
 def test_parse_speculative_errors_are_one_line(text, msg):
     with pytest.raises(ConfigError, match=msg) as e:

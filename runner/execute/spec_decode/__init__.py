@@ -3,7 +3,10 @@
 What is here (usable on its own, tested in ``tests/runner/test_spec_decode.py``):
 
 * ``drafter.py``: the ``Drafter`` interface (``propose(token_histories, k)``), the n-gram /
-  prompt-lookup drafter ``NgramDrafter``, and ``parse_speculative`` for ``ngram:k=3[,n=,min_n=]``.
+  prompt-lookup drafter ``NgramDrafter``, and ``parse_speculative`` for ``ngram:k=3[,n=,min_n=]``
+  and ``draft:k=3,model=...``.
+* ``draft_model.py``: ``DraftModelDrafter``, greedy drafts from a second model run through its
+  own ``ModelRunner`` (not imported here: it imports the model runner).
 * ``metadata.py`` (re-exports ``runner/step/spec_metadata.py``): ``SpecDecodeMetadata``
   (``num_draft_tokens``, ``cu_num_draft_tokens``,
   ``target_logits_indices``, ``bonus_logits_indices``, ``logits_indices``,

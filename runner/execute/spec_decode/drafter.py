@@ -12,8 +12,8 @@ deterministic, so the rejection sampler treats them as a one-hot draft distribut
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, Sequence
 
 import numpy as np
 
@@ -28,9 +28,10 @@ DEFAULT_MIN_N = 1
 class Drafter(Protocol):
     """Anything that proposes draft tokens per request."""
 
-    def propose(self, token_histories: Sequence[Sequence[int]],
-                k: int | Sequence[int]) -> list[list[int]]:
-        """Up to ``k`` draft token ids per request (``k`` one int for all, or one per request)."""
+    def propose(self, token_histories: Sequence[Sequence[int]], k: int | Sequence[int],
+                req_ids: Sequence[str] | None = None) -> list[list[int]]:
+        """Up to ``k`` draft token ids per request (``k`` one int for all, or one per request;
+        ``req_ids`` name the requests, for a drafter that keeps state per request)."""
         ...
 
 
@@ -104,12 +105,13 @@ class NgramDrafter:
                 return h[start:start + k].tolist()
         return []
 
-    def propose(self, token_histories: Sequence[Sequence[int]],
-                k: int | Sequence[int]) -> list[list[int]]:
+    def propose(self, token_histories: Sequence[Sequence[int]], k: int | Sequence[int],
+                req_ids: Sequence[str] | None = None) -> list[list[int]]:
         """Drafts per request.
 
         Args:
             token_histories: per request, its token ids so far (prompt then outputs).
+            req_ids: ignored (the n-gram drafter keeps no state).
             k: the most drafts per request; one ``int`` for all or one per request (the
                 caller caps it by the token budget and ``max_model_len``).
 
@@ -128,29 +130,69 @@ class SpeculativeConfig:
     """A parsed ``--speculative`` value.
 
     Attributes:
-        method: ``"ngram"`` (the only drafter so far).
+        method: ``"ngram"`` or ``"draft"`` (a draft model, ``draft_model.py``).
         k: drafts proposed per request per step (``num_speculative_tokens`` in vLLM), ``>= 1``.
         max_n, min_n: the n-gram drafter's suffix lengths (see ``NgramDrafter``).
+        model: ``draft``: the draft model (a preset name or an HF ``config.json`` path).
+        drafter: ``draft``: the built ``DraftModelDrafter``, injected by whoever builds the
+            engine (``runner/commands/draft_setup.py``), since building a model is not this
+            layer's job; not compared.
     """
 
     method: str
     k: int
     max_n: int = DEFAULT_MAX_N
     min_n: int = DEFAULT_MIN_N
+    model: str | None = None
+    drafter: Any = field(default=None, compare=False, repr=False)
 
-    def make_drafter(self) -> NgramDrafter:
-        """The drafter this configuration describes."""
+    def make_drafter(self) -> Any:
+        """The drafter this configuration describes.
+
+        Raises:
+            ConfigError: ``draft`` without an injected drafter.
+        """
+        if self.method == "draft":
+            if self.drafter is None:
+                raise ConfigError("--speculative", "the draft model was not built (build the engine with "
+                                  "runner/commands/assemble.build_engine, which loads it)")
+            return self.drafter
         return NgramDrafter(max_n=self.max_n, min_n=self.min_n)
 
 
-_NGRAM_KEYS = ("k", "n", "min_n")
+_KEYS = {"ngram": ("k", "n", "min_n"), "draft": ("k", "model")}
+_EXAMPLE = {"ngram": "'ngram:k=3'", "draft": "'draft:k=3,model=PATH/config.json'"}
+
+
+def _read_items(rest: str, method: str, origin: str) -> dict[str, str]:
+    values: dict[str, str] = {}
+    for item in (rest.split(",") if rest.strip() else []):
+        key, eq, raw = item.partition("=")
+        key, raw = key.strip(), raw.strip()
+        if not eq:
+            raise ConfigError(origin, f"{item.strip()!r} is not key=value")
+        if key not in _KEYS[method]:
+            raise ConfigError(origin, f"unknown key {key!r} for {method} (known: {', '.join(_KEYS[method])})")
+        if key in values:
+            raise ConfigError(origin, f"key {key!r} given twice")
+        if key != "model" and not raw.isdecimal():
+            raise ConfigError(origin, f"{key}={raw!r} is not a non-negative integer")
+        values[key] = raw
+    if "k" not in values:
+        raise ConfigError(origin, f"{method} needs k (drafts per step), e.g. {_EXAMPLE[method]}")
+    if int(values["k"]) < 1:
+        raise ConfigError(origin, f"k must be >= 1, got {values['k']}")
+    return values
 
 
 def parse_speculative(text: str, origin: str = "--speculative") -> SpeculativeConfig:
-    """Read ``METHOD:key=value,...``, e.g. ``ngram:k=3`` or ``ngram:k=4,n=5,min_n=2``.
+    """Read ``METHOD:key=value,...``, e.g. ``ngram:k=3``, ``ngram:k=4,n=5,min_n=2`` or
+    ``draft:k=3,model=PATH/config.json``.
 
     Keys for ``ngram``: ``k`` (required, ``>= 1``), ``n`` (= ``max_n``, default
-    ``DEFAULT_MAX_N``), ``min_n`` (default ``min(DEFAULT_MIN_N, n)``). Values are decimal ints.
+    ``DEFAULT_MAX_N``), ``min_n`` (default ``min(DEFAULT_MIN_N, n)``); decimal ints.
+    Keys for ``draft``: ``k`` (required, ``>= 1``) and ``model`` (required: a preset name or
+    a path to an HF ``config.json``, not checked here; no commas in it).
 
     Args:
         text: the value as the user wrote it.
@@ -158,37 +200,25 @@ def parse_speculative(text: str, origin: str = "--speculative") -> SpeculativeCo
 
     Raises:
         ConfigError: one line naming ``origin`` and what is wrong (unknown method, unknown or
-            repeated key, a missing ``=``, a value that is not an int or is out of range).
+            repeated key, a missing ``=``, a value that is not an int or is out of range, a
+            missing or empty ``model``).
     """
     if not isinstance(text, str):
         raise ConfigError(origin, f"expected a string like 'ngram:k=3', got {type(text).__name__}")
     method, sep, rest = text.strip().partition(":")
     method = method.strip()
+    if method not in _KEYS:
+        raise ConfigError(origin, f"unknown speculative method {method!r} (known: ngram, draft); "
+                                  "expected e.g. 'ngram:k=3' or 'draft:k=3,model=PATH/config.json'")
+    values = _read_items(rest if sep else "", method, origin)
+    k = int(values["k"])
     if method == "draft":
-        raise ConfigError(origin, "the draft-model drafter is not implemented yet; use 'ngram:k=N'")
-    if method != "ngram":
-        raise ConfigError(origin, f"unknown speculative method {method!r} (known: ngram); "
-                                  "expected e.g. 'ngram:k=3'")
-    values: dict[str, int] = {}
-    for item in (rest.split(",") if sep and rest.strip() else []):
-        key, eq, raw = item.partition("=")
-        key, raw = key.strip(), raw.strip()
-        if not eq:
-            raise ConfigError(origin, f"{item.strip()!r} is not key=value")
-        if key not in _NGRAM_KEYS:
-            raise ConfigError(origin, f"unknown key {key!r} for ngram (known: {', '.join(_NGRAM_KEYS)})")
-        if key in values:
-            raise ConfigError(origin, f"key {key!r} given twice")
-        if not raw.isdecimal():
-            raise ConfigError(origin, f"{key}={raw!r} is not a non-negative integer")
-        values[key] = int(raw)
-    if "k" not in values:
-        raise ConfigError(origin, "ngram needs k (drafts per step), e.g. 'ngram:k=3'")
-    k = values["k"]
-    max_n = values.get("n", DEFAULT_MAX_N)
-    min_n = values.get("min_n", min(DEFAULT_MIN_N, max_n))
-    if k < 1:
-        raise ConfigError(origin, f"k must be >= 1, got {k}")
+        if not values.get("model"):
+            raise ConfigError(origin, "draft needs model=PATH/config.json (or a preset name), "
+                                      "e.g. 'draft:k=3,model=tiny-llama'")
+        return SpeculativeConfig(method="draft", k=k, model=values["model"])
+    max_n = int(values.get("n", DEFAULT_MAX_N))
+    min_n = int(values.get("min_n", min(DEFAULT_MIN_N, max_n)))
     if max_n < 1:
         raise ConfigError(origin, f"n must be >= 1, got {max_n}")
     if not 1 <= min_n <= max_n:
