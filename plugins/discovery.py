@@ -18,6 +18,7 @@ skips the plugin (or, for a bad registration, just that backend):
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata
 import logging
 import os
@@ -37,6 +38,7 @@ from attnplug.plugins.registry import (
     PluginFault,
     PluginSource,
     SkippedPlugin,
+    check_backend_class,
 )
 
 logger = logging.getLogger("attnplug.plugins")
@@ -241,3 +243,24 @@ def get_backend(name: str) -> type[AttentionBackend]:
         'torch_native'
     """
     return get_registry().get(name)
+
+
+def resolve_backend_spec(spec: str) -> type[AttentionBackend]:
+    """The backend class for a registered name or ``"package.module:Class"`` (a class that is
+    not, or not yet, installed as a plugin; validated as the registry would).
+
+    Raises:
+        UnknownBackendError: an unregistered name (the message lists the known ones).
+        PluginValidationError: a ``module:Class`` that is not a valid backend.
+        ImportError, AttributeError: a ``module:Class`` that cannot be imported.
+    """
+    if ":" not in spec:
+        return get_registry().get(spec)
+    module_name, _, attr = spec.partition(":")
+    obj = importlib.import_module(module_name)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    _, problems = check_backend_class(obj)
+    if problems:
+        raise PluginValidationError(spec, "; ".join(problems))
+    return obj

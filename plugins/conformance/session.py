@@ -6,16 +6,13 @@ reference run of each case is shared by all backends under test.
 
 from __future__ import annotations
 
-import importlib
-
 import pytest
 
 from attnplug.core.contracts import AttentionBackend
 from attnplug.plugins.conformance.cases import ConformanceCase
 from attnplug.plugins.conformance.harness import CaseRun, run_case
 from attnplug.plugins.conformance.requirements import Assessment, assess, resolve_device
-from attnplug.plugins.discovery import get_registry
-from attnplug.plugins.registry import check_backend_class
+from attnplug.plugins.discovery import get_registry, resolve_backend_spec
 
 REFERENCE = "torch_native"
 
@@ -32,22 +29,11 @@ def resolve_backend(spec: str) -> type[AttentionBackend]:
             ``vllm:`` without vLLM).
         ValueError: a ``vllm:NAME`` the bridge cannot run.
     """
-    from attnplug.core.errors import PluginValidationError
-
     if spec.startswith("vllm:"):  # a vLLM backend through the reverse bridge (docs/vllm.md)
         from attnplug.plugins.vllm.reverse import vllm_backend
 
         return vllm_backend(spec.removeprefix("vllm:"))
-    if ":" not in spec:
-        return get_registry().get(spec)
-    module_name, _, attr = spec.partition(":")
-    obj = importlib.import_module(module_name)
-    for part in attr.split("."):
-        obj = getattr(obj, part)
-    _, problems = check_backend_class(obj)
-    if problems:
-        raise PluginValidationError(spec, "; ".join(problems))
-    return obj
+    return resolve_backend_spec(spec)
 
 
 class ConformanceSession:

@@ -11,7 +11,6 @@ registry would) -- serving under the vLLM name in ``ATTNPLUG_VLLM_TARGET`` (set 
 from __future__ import annotations
 
 import functools
-import importlib
 import os
 
 ENV_BACKEND = "ATTNPLUG_VLLM_BACKEND"
@@ -33,20 +32,9 @@ def resolve(spec: str) -> type:
         PluginValidationError: a ``module:Class`` that is not a valid attnplug backend.
         ImportError, AttributeError: a ``module:Class`` that cannot be imported.
     """
-    from attnplug.core.errors import PluginValidationError
-    from attnplug.plugins.discovery import get_registry
-    from attnplug.plugins.registry import check_backend_class
+    from attnplug.plugins.discovery import resolve_backend_spec
 
-    if ":" not in spec:
-        return get_registry().get(spec)
-    module_name, _, attr = spec.partition(":")
-    obj = importlib.import_module(module_name)
-    for part in attr.split("."):
-        obj = getattr(obj, part)
-    _, problems = check_backend_class(obj)
-    if problems:
-        raise PluginValidationError(spec, "; ".join(problems))
-    return obj
+    return resolve_backend_spec(spec)
 
 
 @functools.cache

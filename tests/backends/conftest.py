@@ -1,12 +1,30 @@
-"""Fixtures shared by the backend tests."""
+"""Fixtures shared by the backend tests.
+
+It also registers ``tests/backends/spec_verify_cases.py`` as the module ``spec_verify_cases``
+(loaded by path) for the speculative-decoding builder tests here and in ``triton/``: putting
+``tests/backends`` on ``sys.path`` instead would make its ``flash_attn`` / ``flashinfer`` test
+folders importable namespace packages, and the flash_attn backend would then report
+"flash_attn 0 is too old"."""
 
 from __future__ import annotations
 
 import importlib.util
 import sys
+from pathlib import Path
 from typing import Any, Callable
 
 import pytest
+
+
+def _register_spec_verify_cases() -> None:
+    if "spec_verify_cases" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("spec_verify_cases",
+                                                      Path(__file__).resolve().parent / "spec_verify_cases.py")
+        sys.modules["spec_verify_cases"] = module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+
+
+_register_spec_verify_cases()
 
 
 @pytest.fixture

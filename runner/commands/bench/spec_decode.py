@@ -17,10 +17,10 @@ the numpy paths only, interleaved, best of ``--repeat``.
 
 from __future__ import annotations
 
-import time
 
 import numpy as np
 
+from attnplug.runner.commands.bench.timing import timed_compile
 from attnplug.runner.commands.bench.workloads import PROMPT_LENGTHS
 from attnplug.runner.step.compiler import StepCompiler
 from attnplug.runner.step.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
@@ -85,18 +85,11 @@ def time_spec(config: dict, steps: list, emitted: list, native: bool | None) -> 
     """One replay; median µs per stage over the steady steps (step 0 is warm-up)."""
     cfg = dict(config)
     sc = StepCompiler(cfg.pop("block_sizes"), validate=False, native=native, **cfg)
-    clock = time.perf_counter_ns
     times = np.zeros((len(steps) - 1, len(STAGES)), dtype=np.int64)
     for i, so in enumerate(steps):
-        t0 = clock()
-        sc.update_states(so)
-        t1 = clock()
-        inputs = sc.prepare_inputs(so, build_metadata=False)
-        t2 = clock()
-        sc.build_common_attn_metadata(inputs)
-        t3 = clock()
+        inputs, ns = timed_compile(sc, so)
         if i:
-            times[i - 1] = (t1 - t0, t2 - t1, t3 - t2)
+            times[i - 1] = ns
         rows = np.flatnonzero(~inputs.discard)
         toks = [emitted[i][inputs.req_ids[r]] for r in rows.tolist()]
         if inputs.spec_decode_metadata is not None:

@@ -40,6 +40,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from attnplug.runner.commands.bench.timing import timed_compile
 from attnplug.runner.commands.bench.workloads import Workload, steady_decode, trace_replay
 from attnplug.runner.commands.limits import OneLineParser
 from attnplug.runner.commands.traces import BUNDLED_ATTRIBUTION
@@ -89,19 +90,12 @@ def time_optimized(workload: Workload, steps: int, native: bool | None = None) -
     paths only (``native=False``)."""
     cfg = dict(workload.config)
     sc = StepCompiler(cfg.pop("block_sizes"), validate=False, native=native, **cfg)
-    clock = time.perf_counter_ns
 
     def step(so):
-        t0 = clock()
-        sc.update_states(so)
-        t1 = clock()
-        inputs = sc.prepare_inputs(so, build_metadata=False)
-        t2 = clock()
-        sc.build_common_attn_metadata(inputs)
-        t3 = clock()
+        inputs, ns = timed_compile(sc, so)
         keep = np.flatnonzero(~inputs.discard)
         sc.append_output_tokens(keep, np.ones(keep.shape[0], dtype=np.int64))
-        return t1 - t0, t2 - t1, t3 - t2
+        return ns
 
     return _run(workload, steps, step)
 

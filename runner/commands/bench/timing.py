@@ -24,7 +24,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -151,3 +151,21 @@ def time_gpu(fn: Callable[[], object], iters: int, warmup: int = 1, flush_l2: bo
 
 
 __all__ = ["FLUSH_BYTES", "Timing", "sleep_cycles_per_ms", "time_gpu"]
+
+
+def timed_compile(sc: Any, so: Any) -> tuple[Any, tuple[int, int, int]]:
+    """One step through a ``StepCompiler`` ``sc``: ``update_states(so)``,
+    ``prepare_inputs(so, build_metadata=False)``, ``build_common_attn_metadata``.
+
+    Returns:
+        ``(inputs, (update ns, prepare ns, common metadata ns))`` (``time.perf_counter_ns``).
+    """
+    clock = time.perf_counter_ns
+    t0 = clock()
+    sc.update_states(so)
+    t1 = clock()
+    inputs = sc.prepare_inputs(so, build_metadata=False)
+    t2 = clock()
+    sc.build_common_attn_metadata(inputs)
+    t3 = clock()
+    return inputs, (t1 - t0, t2 - t1, t3 - t2)

@@ -4,29 +4,11 @@ sliding window (see ``tests/backends/test_spec_decode_builders.py``)."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-def _load_cases():
-    """``tests/backends/spec_verify_cases.py`` by path: putting ``tests/backends`` on ``sys.path``
-    would make its ``flash_attn`` / ``flashinfer`` test folders importable namespace packages
-    (and the flash_attn backend would then report "flash_attn 0 is too old")."""
-    if "spec_verify_cases" not in sys.modules:
-        path = Path(__file__).resolve().parent.parent / "spec_verify_cases.py"
-        spec = importlib.util.spec_from_file_location("spec_verify_cases", path)
-        sys.modules["spec_verify_cases"] = module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    return sys.modules["spec_verify_cases"]
-
-
-_cases = _load_cases()
-batch = _cases.batch
-dense_reference = _cases.dense_reference
-run_backend = _cases.run_backend
+from spec_verify_cases import batch, dense_reference, run_backend  # noqa: E402 (tests/backends/conftest.py registers it)
 
 
 @pytest.mark.parametrize("window", [None, 5], ids=["full", "window5"])
