@@ -179,7 +179,7 @@ def parse_speculative(text: str, origin: str = "--speculative") -> SpeculativeCo
             raise ConfigError(origin, f"unknown key {key!r} for ngram (known: {', '.join(_NGRAM_KEYS)})")
         if key in values:
             raise ConfigError(origin, f"key {key!r} given twice")
-        if not raw.isdecimal():
+        if not (raw.isascii() and raw.isdecimal()):
             raise ConfigError(origin, f"{key}={raw!r} is not a non-negative integer")
         values[key] = int(raw)
     if "k" not in values:
