@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from attnplug.core.errors import AttnplugError
-from attnplug.runner.commands.limits import OneLineParser
+from attnplug.runner.commands.limits import OneLineParser, bounded_int
 
 TOLERANCES = {torch.float32: 2e-3, torch.bfloat16: 0.5, torch.float16: 0.1}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -177,13 +177,13 @@ def run_parity(cfg_dict: dict, *, num_requests: int = 6, seed: int = 0, force_pr
 def main(argv: list[str]) -> int:
     p = OneLineParser(prog="attnplug parity", description=__doc__.splitlines()[0])
     p.add_argument("--hf-config", required=True, help="path to an HF config.json (or its directory)")
-    p.add_argument("--num-requests", type=int, default=6, help="prompts to generate from")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random weights and prompts")
+    p.add_argument("--num-requests", type=bounded_int(1, 4096), default=6, help="prompts to generate from")
+    p.add_argument("--seed", type=bounded_int(0, 2**32 - 1), default=0, help="seed of the random weights and prompts")
     p.add_argument("--force-preemption", action="store_true", help="force a preemption every 3 steps")
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="model and KV dtype")
-    p.add_argument("--max-num-batched-tokens", type=int, default=24, help="token budget per step")
-    p.add_argument("--max-tokens", type=int, default=6, help="greedy tokens generated per request")
-    p.add_argument("--block-size", type=int, default=4, help="KV block size in tokens")
+    p.add_argument("--max-num-batched-tokens", type=bounded_int(1, 1048576), default=24, help="token budget per step")
+    p.add_argument("--max-tokens", type=bounded_int(1, 1048576), default=6, help="greedy tokens generated per request")
+    p.add_argument("--block-size", type=bounded_int(1, 65536), default=4, help="KV block size in tokens")
     p.add_argument("--backend", default=None, help="as `attnplug run --backend` (default: selection)")
     p.add_argument("--async-scheduling", action="store_true", help="run the engine with one step in flight")
     p.add_argument("--prefix-caching", action="store_true",

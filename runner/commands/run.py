@@ -82,10 +82,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--async-scheduling", action="store_true",
                    help="keep one step in flight: plan and launch step t+1 before reading step t's tokens "
                         "(its decode rows take them on the device); same outputs (outputs_digest)")
-    p.add_argument("--prefix-caching", action="store_true",
+    shared = p.add_mutually_exclusive_group()  # caching on vs the same prompts with it off
+    shared.add_argument("--prefix-caching", action="store_true",
                    help="prompts that share prefixes (seeded system prompts and multi-turn continuations, "
                         "docs/configuration.md) and prefix caching on; off by default")
-    p.add_argument("--shared-prefixes", action="store_true",
+    shared.add_argument("--shared-prefixes", action="store_true",
                    help="the --prefix-caching workload with prefix caching off (compare outputs_digest)")
     _int_flag(p, "--system-prompts", 1, "--prefix-caching: shared system prompts in the pool")
     _int_flag(p, "--system-prompt-len", 256, "--prefix-caching: tokens per system prompt")

@@ -175,7 +175,7 @@ def _read_items(rest: str, method: str, origin: str) -> dict[str, str]:
             raise ConfigError(origin, f"unknown key {key!r} for {method} (known: {', '.join(_KEYS[method])})")
         if key in values:
             raise ConfigError(origin, f"key {key!r} given twice")
-        if key != "model" and not raw.isdecimal():
+        if key != "model" and not (raw.isascii() and raw.isdecimal()):
             raise ConfigError(origin, f"{key}={raw!r} is not a non-negative integer")
         values[key] = raw
     if "k" not in values:
