@@ -24,7 +24,7 @@ from attnplug.runner.step.scheduler_output import SamplingParams
 from attnplug.runner.commands.limits import clip, memory_problem
 from attnplug.runner.commands.traces import BUNDLED_ATTRIBUTION, BUNDLED_TRACES
 from attnplug.runner.commands.prefix_report import prefix_caching_summary
-from attnplug.runner.commands.shared_prefixes import make_shared_prefix_prompts
+from attnplug.runner.commands.shared_prefixes import SYSTEM_PROMPT_LEN, SYSTEM_PROMPTS, make_shared_prefix_prompts
 from attnplug.runner.execute.cascade import CascadeConfig
 
 
@@ -273,8 +273,8 @@ def build_engine(args, *, alone: bool = False, model: torch.nn.Module | None = N
         prompts = make_prompts(trace, model.config.vocab_size, seed=args.seed)
         if getattr(args, "prefix_caching", False) or getattr(args, "shared_prefixes", False):
             prompts = make_shared_prefix_prompts([r.prompt_len for r in trace], model.config.vocab_size, args.seed,
-                                                 num_system_prompts=args.system_prompts,
-                                                 system_prompt_len=args.system_prompt_len)
+                                                 num_system_prompts=args.system_prompts or SYSTEM_PROMPTS,
+                                                 system_prompt_len=args.system_prompt_len or SYSTEM_PROMPT_LEN)
         for i, (tr, prompt) in enumerate(zip(trace, prompts)):
             rid = f"req-{i}"
             setup.prompts[rid] = prompt

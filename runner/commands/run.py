@@ -23,6 +23,7 @@ from attnplug.runner.models.presets import PRESETS, RUN_PRESET
 from attnplug.runner.commands.assemble import EngineSetup, build_engine
 from attnplug.runner.commands.limits import OneLineParser, bounded_int
 from attnplug.runner.commands import run_parallel
+from attnplug.runner.commands.shared_prefixes import SYSTEM_PROMPT_LEN, SYSTEM_PROMPTS
 from attnplug.runner.commands.run_plot import StepRecorder, group_labels, missing_matplotlib, save_plot
 
 
@@ -88,8 +89,10 @@ def _parser() -> argparse.ArgumentParser:
                         "docs/configuration.md) and prefix caching on; off by default")
     shared.add_argument("--shared-prefixes", action="store_true",
                    help="the --prefix-caching workload with prefix caching off (compare outputs_digest)")
-    _int_flag(p, "--system-prompts", 1, "--prefix-caching: shared system prompts in the pool")
-    _int_flag(p, "--system-prompt-len", 256, "--prefix-caching: tokens per system prompt")
+    _int_flag(p, "--system-prompts", None, "--prefix-caching / --shared-prefixes: shared system prompts "
+              f"in the pool (default {SYSTEM_PROMPTS})")
+    _int_flag(p, "--system-prompt-len", None, "--prefix-caching / --shared-prefixes: tokens per system "
+              f"prompt (default {SYSTEM_PROMPT_LEN})")
     p.add_argument("--no-cascade", action="store_true",
                    help="never run cascade attention (compare outputs_digest with and without)")
     _int_flag(p, "--cascade-min-prefix-len", 256, "cascade attention needs this many shared tokens (vLLM: 256)")
@@ -128,6 +131,11 @@ def _invariance(args, setup: EngineSetup, results: dict) -> tuple[int, int, list
 
 def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
+    shaping = (args.system_prompts, args.system_prompt_len) != (None, None)
+    if shaping and not (args.prefix_caching or args.shared_prefixes):
+        print("attnplug run: --system-prompts / --system-prompt-len shape the shared-prefix prompts: "
+              "give --prefix-caching or --shared-prefixes too", file=sys.stderr)
+        return 2
     if args.plot and (missing := missing_matplotlib()):
         print(missing, file=sys.stderr)
         return 2

@@ -25,6 +25,11 @@ from typing import Sequence
 
 import numpy as np
 
+SYSTEM_PROMPTS = 1
+"""``attnplug run --system-prompts`` default: shared system prompts in the pool."""
+SYSTEM_PROMPT_LEN = 256
+"""``attnplug run --system-prompt-len`` default: tokens per system prompt."""
+
 from attnplug.core.errors import AttnplugError
 
 
