@@ -117,20 +117,33 @@ def build_model(config: Any, *, backend_for_layer: BackendForLayer | None = None
         ['model.layers.0.self_attn.attn', 'model.layers.1.self_attn.attn']
     """
     cfg = resolve_model_config(config)
+    model = construct_model(cfg, dtype, device, block_size, backend_for_layer)
+    model.init_weights(seed)
+    return model.eval()
+
+
+def construct_model(cfg, dtype: torch.dtype, device: torch.device | str, block_size: int,
+                    backend_for_layer: Callable | None = None):
+    """The family's model for a resolved ``cfg``, weights not initialised: each layer's backend
+    is ``backend_for_layer(name, layer_cfg)`` (``None`` from it, or no callable: torch_native,
+    or mamba2_torch for Mamba layers), validated against its layer config first.
+
+    Raises:
+        BackendUnsupportedError: a backend refuses its layer's configuration (names the layer).
+        ModelConfigError: no family takes ``cfg``.
+    """
     family = model_family(cfg)
-    choose = backend_for_layer or _default_backend
     backends = []
     for name, layer_cfg in family.layer_configs(cfg, dtype, device, block_size).items():
-        backend = choose(name, layer_cfg)
+        backend = (backend_for_layer(name, layer_cfg) if backend_for_layer else None) \
+            or _default_backend(name, layer_cfg)
         reasons = backend.validate_configuration(layer_cfg)
         if reasons:
             raise BackendUnsupportedError(backend.get_name(), reasons, context=f"layer {name}")
         backends.append(backend)
     extra = {"block_size": block_size} if family.takes_block_size else {}
-    model = family.model_cls(cfg, backends, dtype=dtype, device=device, **extra)
-    model.init_weights(seed)
-    return model.eval()
+    return family.model_cls(cfg, backends, dtype=dtype, device=device, **extra)
 
 
-__all__ = ["IGNORED_HF_KEYS", "MODEL_FAMILIES", "ModelFamily", "WeightLoadError", "build_model",
+__all__ = ["IGNORED_HF_KEYS", "MODEL_FAMILIES", "ModelFamily", "WeightLoadError", "build_model", "construct_model",
            "load_hf_state_dict", "model_family", "model_layer_configs"]

@@ -8,9 +8,7 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from attnplug.core.errors import BackendUnsupportedError
-from attnplug.core.mamba import MambaLayerConfig
-from attnplug.runner.models.loader import build_model, model_family
+from attnplug.runner.models.loader import build_model, construct_model
 from attnplug.runner.models.llama import BackendForLayer
 from attnplug.runner.models.registry import resolve_model_config
 from attnplug.runner.parallel.sharding import shard_config, shard_state_dict
@@ -73,21 +71,9 @@ def build_tp_model(config: Any, state: ParallelState, *, backend_for_layer: Back
     """
     full_cfg = resolve_model_config(config)
     rank_cfg = shard_config(full_cfg, state.tp_size)
-    family = model_family(rank_cfg)
     if state_dict is None:
         state_dict = build_model(config, dtype=dtype, device="cpu", block_size=block_size, seed=seed).state_dict()
-    backends = []
-    for name, layer_cfg in family.layer_configs(rank_cfg, dtype, device, block_size).items():
-        backend = backend_for_layer(name, layer_cfg) if backend_for_layer else None
-        if backend is None:
-            from attnplug.plugins.discovery import get_backend
-            backend = get_backend("mamba2_torch" if isinstance(layer_cfg, MambaLayerConfig) else "torch_native")
-        reasons = backend.validate_configuration(layer_cfg)
-        if reasons:
-            raise BackendUnsupportedError(backend.get_name(), reasons, context=f"layer {name}")
-        backends.append(backend)
-    extra = {"block_size": block_size} if family.takes_block_size else {}
-    model = family.model_cls(rank_cfg, backends, dtype=dtype, device=device, **extra)
+    model = construct_model(rank_cfg, dtype, device, block_size, backend_for_layer)
     parallelize(model, full_cfg, state)
     model.load_hf_state_dict(shard_state_dict(state_dict, full_cfg, state.tp_size, state.tp_rank))
     model.full_config = full_cfg

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from attnplug.runner.commands.bench.timing import timed_compile
+from attnplug.runner.commands.bench.timing import render_stage_table, timed_compile
 from attnplug.runner.commands.bench.workloads import PROMPT_LENGTHS
 from attnplug.runner.step.compiler import StepCompiler
 from attnplug.runner.step.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
@@ -121,16 +121,5 @@ def render_spec(rows: list[dict], markdown: bool) -> str:
     lines = [[r["workload"] if s == STAGES[0] else "", s, f"{r['ours'][s]:,.1f}",
               f"{r['numpy_path'][s]:,.1f}" if r["numpy_path"] else "-"]
              for r in rows for s in (*STAGES, "update + prepare", "total")]
-    if markdown:
-        return "\n".join(["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-                         + ["| " + " | ".join(c) + " |" for c in lines])
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title="attnplug bench step — speculative decoding, median µs per step (1 torch thread)")
-    for h in header:
-        table.add_column(h, justify="left" if h in ("workload", "stage") else "right")
-    for c in lines:
-        table.add_row(*c, end_section=c[1] == "total")
-    Console().print(table)
-    return ""
+    return render_stage_table("attnplug bench step — speculative decoding, median µs per step (1 torch thread)",
+                              header, lines, markdown)

@@ -40,7 +40,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from attnplug.runner.commands.bench.timing import timed_compile
+from attnplug.runner.commands.bench.timing import render_stage_table, timed_compile
 from attnplug.runner.commands.bench.workloads import Workload, steady_decode, trace_replay
 from attnplug.runner.commands.limits import OneLineParser
 from attnplug.runner.commands.traces import BUNDLED_ATTRIBUTION
@@ -146,21 +146,7 @@ def render(rows: list[tuple[str, dict, dict | None, dict | None, float | None]],
             lines.append([name if stage == STAGES[0] else "", stage, _fmt(ours[stage]), _fmt(np_), _fmt(nv),
                           f"{np_ / ours[stage]:,.1f}×" if np_ else "-", f"{nv / ours[stage]:,.1f}×" if nv else "-",
                           tgt])
-    if markdown:
-        out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-        out += ["| " + " | ".join(cells) + " |" for cells in lines]
-        return "\n".join(out)
-    from rich.console import Console
-    from rich.table import Table
-
-    title = "attnplug bench step — median µs per step (1 torch thread)"
-    table = Table(title=title)
-    for h in header:
-        table.add_column(h, justify="left" if h in ("workload", "stage") else "right")
-    for cells in lines:
-        table.add_row(*cells, end_section=cells[1] == "total")
-    Console().print(table)
-    return ""
+    return render_stage_table("attnplug bench step — median µs per step (1 torch thread)", header, lines, markdown)
 
 
 def _ours_and_numpy(args, w: Workload, steps: int) -> tuple[list[dict], list[dict] | None]:

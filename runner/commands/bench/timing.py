@@ -169,3 +169,24 @@ def timed_compile(sc: Any, so: Any) -> tuple[Any, tuple[int, int, int]]:
     sc.build_common_attn_metadata(inputs)
     t3 = clock()
     return inputs, (t1 - t0, t2 - t1, t3 - t2)
+
+
+def render_stage_table(title: str, header: list[str], lines: list[list[str]], markdown: bool) -> str:
+    """A per-stage table: markdown text, or printed with ``rich`` (then ``""`` is returned).
+
+    ``lines`` are the cells of each row; a row whose second cell (the stage) is ``"total"``
+    ends a section (one workload).
+    """
+    if markdown:
+        return "\n".join(["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+                         + ["| " + " | ".join(cells) + " |" for cells in lines])
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title)
+    for h in header:
+        table.add_column(h, justify="left" if h in ("workload", "stage") else "right")
+    for cells in lines:
+        table.add_row(*cells, end_section=cells[1] == "total")
+    Console().print(table)
+    return ""
