@@ -67,31 +67,42 @@ def test_a_valid_step_with_drafts_is_laid_out_after_the_row_tokens(native):
 
 
 def _bad_cases():
+    """``(name, step kwargs, request named, words of the message)``."""
     A = {"A": [5, 6]}
     return [
-        ("unknown", dict(drafts={"Z": [1]}), "Z"),
-        ("unscheduled resident", dict(drafts={"C": [1]}), "C"),
-        ("prefilling row", dict(drafts={"B": [1, 2]}), "B"),
-        ("new request", dict(drafts={"N": [1]}, new=[NewRequestData("N", [3, 3], ([7],))]), "N"),
-        ("more drafts than budget", dict(drafts=A, nst={"A": 2, "B": 4}), "A"),
-        ("fewer drafts than scheduled", dict(drafts=A, nst={"A": 4, "B": 4}), "A"),
+        ("unknown", dict(drafts={"Z": [1]}), "Z", "unknown request: not in scheduled_cached_reqs"),
+        ("unscheduled resident", dict(drafts={"C": [1]}), "C", "request is resident but not scheduled this step"),
+        ("prefilling row", dict(drafts={"B": [1, 2]}), "B", "row still prefilling: 10 real tokens left to compute "
+                                                             "(num_computed_tokens=2 of 12)"),
+        ("two tokens left", dict(drafts={"A": [5]}, ncc=(7, 2)), "A", "row still prefilling: 2 real tokens left"),
+        ("new request", dict(drafts={"N": [1]}, new=[NewRequestData("N", [3, 3], ([7],))]), "N",
+         "drafts for a new request: it is still prefilling"),
+        ("more drafts than budget", dict(drafts=A, nst={"A": 2, "B": 4}), "A",
+         "2 drafts need num_scheduled_tokens == 1 + 2, got 2 (more drafts than the step's budget for the request)"),
+        ("fewer drafts than scheduled", dict(drafts=A, nst={"A": 4, "B": 4}), "A",
+         "2 drafts need num_scheduled_tokens == 1 + 2, got 4$"),
         ("beyond max_model_len", dict(drafts={"A": [1] * 8}, nst={"A": 9, "B": 1},
-                                      blocks=[([7],), None]), "A"),
-        ("negative id", dict(drafts={"A": [5, -1]}), "A"),
-        ("float id", dict(drafts={"A": [5, 1.0]}), "A"),
-        ("not a list", dict(drafts={"A": 5}, nst={"A": 2, "B": 4}), "A"),
-        ("nothing real left", dict(drafts=A, ncc=(9, 2)), "A"),
+                                      blocks=[([7],), None]), "A", "8 drafts after 9 tokens exceed max_model_len=16"),
+        ("negative id", dict(drafts={"A": [5, -1]}), "A", "draft token ids must be ints in [0, 2**31)"),
+        ("id past int32", dict(drafts={"A": [5, 2**31]}), "A", "draft token ids must be ints in [0, 2**31)"),
+        ("float id", dict(drafts={"A": [5, 1.0]}), "A", "draft token ids must be ints in [0, 2**31), got [5, 1.0]"),
+        ("not a list", dict(drafts={"A": 5}, nst={"A": 2, "B": 4}), "A", "expected a list of draft token ids, got 5"),
+        ("nothing real left", dict(drafts=A, ncc=(9, 2)), "A",
+         "num_computed_tokens=9 leaves no real token of 9 to compute"),
+        ("request id not str", dict(drafts={7: [1]}), None, "request ids must be str, got 7"),
     ]
 
 
 @pytest.mark.parametrize("native", PATHS)
-@pytest.mark.parametrize("name, kw, rid", _bad_cases(), ids=[c[0] for c in _bad_cases()])
-def test_bad_drafts_name_request_and_field_and_change_nothing(native, name, kw, rid):
+@pytest.mark.parametrize("name, kw, rid, words", _bad_cases(), ids=[c[0] for c in _bad_cases()])
+def test_bad_drafts_name_request_and_field_and_change_nothing(native, name, kw, rid, words):
     sc = make_compiler(native)
     before = sc.snapshot()
     with pytest.raises(InvalidSchedulerOutput) as e:
         sc.update_states(step(**kw))
     assert e.value.req_id == rid and e.value.field == "scheduled_spec_decode_tokens", str(e.value)
+    msg = str(e.value)  # the words appear as written ("$": and end the message)
+    assert (msg.endswith(words[:-1]) if words.endswith("$") else words in msg), msg
     assert not snapshot_diff(before, sc.snapshot())
     so = step({"A": [5]})  # and the state still takes a valid step
     sc.update_states(so)

@@ -1,0 +1,119 @@
+"""Stage 1 at its edges, found by mutation testing (docs/testing.md): the exact request,
+field and words of each refusal, the bounds themselves (a seed of exactly -2**63, an empty
+``uint64`` block list), drafts for a row whose new tokens arrive in the same output, and
+the views a user prints (``CachedRequestState.__repr__``). Each refusal leaves the state
+unchanged; no ``ATTNPLUG_VALIDATE`` needed."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from attnplug.core.errors import InvalidSchedulerOutput
+from attnplug.runner.step.compiler import StepCompiler, snapshot_diff
+from attnplug.runner.step.scheduler_output import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
+
+
+def two_groups(native: bool = False) -> StepCompiler:
+    """Full attention (block 4) and a sliding window of 4 tokens (block 4); A holds 6 tokens."""
+    sc = StepCompiler([4, 4], max_num_reqs=4, max_model_len=32, max_num_batched_tokens=16, num_blocks=16,
+                      group_kinds=["full_attention", "sliding_window"], sliding_windows=[None, 4], native=native)
+    so = SchedulerOutput([NewRequestData("A", [1, 2, 3, 4, 5, 6], ([1, 2], [1, 2]))], CachedRequestData(), {"A": 6})
+    sc.update_states(so)
+    sc.prepare_inputs(so)
+    sc.append_output_tokens(["A"], [7])
+    return sc
+
+
+def refused(sc: StepCompiler, so: SchedulerOutput) -> InvalidSchedulerOutput:
+    before = sc.snapshot()
+    with pytest.raises(InvalidSchedulerOutput) as e:
+        sc.update_states(so)
+    assert not snapshot_diff(before, sc.snapshot())
+    return e.value
+
+
+def new(rid: str, blocks, n: int = 3, **kw) -> SchedulerOutput:
+    return SchedulerOutput([NewRequestData(rid, list(range(10, 10 + n)), blocks, **kw)], CachedRequestData(), {rid: n})
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_block_id_refusals_name_request_field_and_words(native):
+    sc = two_groups(native)
+    so = SchedulerOutput([], CachedRequestData(["A"], [True], [[]], [([1, 2], [1, 2**31])], [6]), {"A": 1})
+    e = refused(sc, so)  # a resumed request's replacement lists
+    assert (e.req_id, e.field) == ("A", "new_block_ids"), str(e)
+    assert "group 1: block ids must be in [0, 2**31), got [1, 2147483648]" in str(e), str(e)
+    e = refused(sc, new("N", ([3] * 9, [4])))
+    assert (e.req_id, e.field) == ("N", "block_ids")
+    assert "group 0: 9 blocks but a request holds at most 8 (cdiv(max_model_len=32, block_size=4))" in str(e)
+
+
+def test_a_null_block_a_window_query_sees_names_the_window():
+    sc = two_groups()
+    # A computes position 6 next; window 4 sees positions [3, 7): block 0 of group 1 (positions 0-3) is seen
+    so = SchedulerOutput([], CachedRequestData(["A"], [True], [[]], [([1, 2], [0, 2])], [6]), {"A": 1})
+    e = refused(sc, so)
+    assert (e.req_id, e.field) == ("A", "new_block_ids"), str(e)
+    assert ("group 1: positions [3, 7) (the window of 4 tokens of this step's queries) fall in the null block"
+            in str(e)), str(e)
+
+
+@pytest.mark.parametrize("group1, words", [
+    (np.array([], dtype=np.uint64), "group 1: 0 blocks of 4 tokens cannot hold seq_len 7"),
+    (np.array([1, 2**32], dtype=np.uint64), "group 1: block ids must be a list of ints, got array("),
+    (np.array([1, 2], dtype=np.uint64), None),
+])
+def test_uint64_replacement_lists(group1, words):
+    """numpy ``uint64`` block lists (what a numpy scheduler may send): empty, too large, fine."""
+    sc = two_groups()
+    so = SchedulerOutput([], CachedRequestData(["A"], [True], [[]], [(np.array([1, 2]), group1)], [6]), {"A": 1})
+    if words is None:
+        sc.update_states(so)
+        assert sc.input_batch.block_table[1].block_table_np[0, :2].tolist() == [1, 2]
+        return
+    e = refused(sc, so)
+    assert (e.req_id, e.field) == ("A", "new_block_ids") and words in str(e), str(e)
+
+
+@pytest.mark.parametrize("seed, ok", [(-2**63, True), (2**64 - 1, True), (-2**63 - 1, False), (2**64, False)])
+def test_seed_bounds(seed, ok):
+    sc = two_groups()
+    so = new("S", ([3], [4]), sampling_params=SamplingParams(seed=seed, temperature=1.0))
+    if ok:
+        sc.update_states(so)
+        assert sc.requests["S"].generator is not None
+    else:
+        e = refused(sc, so)
+        assert (e.req_id, e.field) == ("S", "sampling_params"), str(e)
+
+
+def test_sampling_params_of_another_type_is_refused_naming_the_field():
+    e = refused(two_groups(), new("S", ([3], [4]), sampling_params={"temperature": 1.0}))
+    assert (e.req_id, e.field) == ("S", "sampling_params") and "expected SamplingParams, got dict" in str(e)
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_drafts_for_a_row_whose_new_token_arrives_in_the_same_output(native):
+    """A's sampled token comes in ``new_token_ids`` (as when the scheduler, not the runner,
+    appends it): A then holds 8 tokens, 7 computed: one left, so drafts are fine; with 6
+    computed two are left and the drafts are refused."""
+    sc = two_groups(native)
+    cd = CachedRequestData(["A"], [False], [[8]], [None], [6])
+    so = SchedulerOutput([], cd, {"A": 3}, scheduled_spec_decode_tokens={"A": [1, 2]})
+    e = refused(sc, so)
+    assert (e.req_id, e.field) == ("A", "scheduled_spec_decode_tokens")
+    assert "row still prefilling: 2 real tokens left to compute (num_computed_tokens=6 of 8)" in str(e), str(e)
+    cd = CachedRequestData(["A"], [False], [[8]], [([3], [3])], [7])
+    sc.update_states(SchedulerOutput([], cd, {"A": 3}, scheduled_spec_decode_tokens={"A": [1, 2]}))
+    r = sc.input_batch.req_id_to_index["A"]
+    assert sc.input_batch.num_tokens[r] == 8 and sc.input_batch.num_spec_tokens[r] == 2
+
+
+def test_request_state_repr_says_where_the_request_is():
+    sc = two_groups()
+    st = sc.requests["A"]
+    head = "CachedRequestState('A', num_prompt_tokens=6, num_tokens=7, num_computed_tokens="
+    assert repr(st) == f"{head}{st.num_computed_tokens}, row 0)"
+    sc.update_states(SchedulerOutput([], CachedRequestData(), {}))  # unscheduled: detached
+    assert st.row is None and repr(st) == f"{head}{st.num_computed_tokens}, not in batch)"
