@@ -117,3 +117,91 @@ def test_request_state_repr_says_where_the_request_is():
     assert repr(st) == f"{head}{st.num_computed_tokens}, row 0)"
     sc.update_states(SchedulerOutput([], CachedRequestData(), {}))  # unscheduled: detached
     assert st.row is None and repr(st) == f"{head}{st.num_computed_tokens}, not in batch)"
+
+
+def one_group(native: bool) -> StepCompiler:
+    """One full-attention group (block 4): A holds 7 tokens (6 computed), B 3 (2 computed)."""
+    sc = StepCompiler([4], max_num_reqs=4, max_model_len=32, max_num_batched_tokens=16, num_blocks=16, native=native)
+    so = SchedulerOutput([NewRequestData("A", [1, 2, 3, 4, 5, 6], ([1, 2],)), NewRequestData("B", [7, 8], ([3],))],
+                         CachedRequestData(), {"A": 6, "B": 2})
+    sc.update_states(so)
+    sc.prepare_inputs(so)
+    sc.append_output_tokens(["A", "B"], [9, 10])
+    return sc
+
+
+def cached(ids, ncc, tokens=None, blocks=None) -> CachedRequestData:
+    n = len(ids)
+    return CachedRequestData(list(ids), [False] * n, tokens or [[] for _ in ids], blocks or [None] * n, list(ncc))
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_counts_listed_in_another_order_than_the_requests(native):
+    """``num_scheduled_tokens`` is a dict: its order need not follow the deltas'."""
+    sc = one_group(native)
+    so = SchedulerOutput([NewRequestData("N", [5, 5, 5], ([4],)), NewRequestData("M", [6], ([5],))],
+                         cached(["A", "B"], [6, 2]), {"M": 1, "N": 3, "B": 1, "A": 1})
+    sc.update_states(so)
+    b = sc.input_batch
+    got = {rid: int(b.num_scheduled_tokens[b.req_id_to_index[rid]]) for rid in "ABNM"}
+    assert got == {"A": 1, "B": 1, "N": 3, "M": 1}
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_a_wrong_total_is_refused_on_both_paths(native):
+    sc = one_group(native)
+    so = SchedulerOutput([], cached(["A", "B"], [6, 2]), {"A": 1, "B": 1})
+    so.total_num_scheduled_tokens = 3
+    e = refused(sc, so)
+    assert e.field == "total_num_scheduled_tokens" and "is 3 but the entries of" in str(e), str(e)
+
+
+def test_a_regular_step_with_a_one_token_new_request_takes_the_compiled_scan():
+    from attnplug.runner.step.fast import NATIVE
+    if NATIVE is None:
+        pytest.skip("the compiled scan is not built")
+    sc = one_group(True)
+    so = SchedulerOutput([NewRequestData("N", [5], ([4],))], cached(["A", "B"], [6, 2]), {"A": 1, "B": 1, "N": 1})
+    plan = sc.checker.plan(so)
+    assert plan.native, "a one-token new request is regular"
+    sc.apply(plan)
+    assert sc.input_batch.num_tokens[sc.input_batch.req_id_to_index["N"]] == 1
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_cached_request_refusals_name_the_field_and_words(native):
+    sc = one_group(native)
+    cases = [
+        (SchedulerOutput([], cached(["Z"], [0]), {"Z": 1}), ("Z", "scheduled_cached_reqs"),
+         "unknown request: send it in scheduled_new_reqs first"),
+        (SchedulerOutput([], cached(["A"], [6]), {"A": 1}, finished_req_ids={"A"}), ("A", "finished_req_ids"),
+         "request is both finished and scheduled in this step"),
+        (SchedulerOutput([], cached(["A", "B"], [6, 2], tokens=[[], [2**31]]), {"A": 1, "B": 2}),
+         ("B", "new_token_ids"), "token ids must be ints in [0, 2**31)"),
+        (SchedulerOutput([], cached(["A", "B"], [6, 2]), {"A": 1, "B": 3}), ("B", "num_scheduled_tokens"),
+         "schedules positions [2, 5) but the request holds only 3 tokens (send new tokens in new_token_ids)"),
+        (SchedulerOutput([], cached(["A", "B"], [6, 2**63]), {"A": 1, "B": 1}), ("B", "num_computed_tokens"), ""),
+    ]
+    for so, (rid, field), words in cases:
+        e = refused(sc, so)
+        assert (e.req_id, e.field) == (rid, field) and words in str(e), str(e)
+    so = SchedulerOutput([], CachedRequestData([["A"]], [False], [[]], [None], [6]), {"A": 1})
+    e = refused(sc, so)
+    assert e.field == "scheduled_cached_reqs.req_ids" and "request ids must be hashable strings" in str(e), str(e)
+
+
+def test_append_output_tokens_ragged_and_bounds():
+    from attnplug.core.errors import MetadataError
+    sc = one_group(False)
+    so = SchedulerOutput([], cached(["A", "B"], [6, 2]), {"A": 1, "B": 1})
+    sc.update_states(so)
+    sc.prepare_inputs(so)
+    b = sc.input_batch
+    rA, rB = b.req_id_to_index["A"], b.req_id_to_index["B"]
+    before = sc.snapshot()
+    with pytest.raises(MetadataError, match=r"token ids must be ints in \[0, 2\*\*31\)"):
+        sc.append_output_tokens(["A", "B"], [1, 2**31])
+    assert not snapshot_diff(before, sc.snapshot())
+    sc.append_output_tokens([rB, rA], [[20, 21, 22], [30, 31]])  # several tokens a row (accepted drafts)
+    assert b.token_ids_cpu[rA, 7:10].tolist() == [30, 31, 0] and b.num_tokens[rA] == 9
+    assert b.token_ids_cpu[rB, 3:6].tolist() == [20, 21, 22] and b.num_tokens[rB] == 6
