@@ -131,6 +131,11 @@ def test_metadata_with_prefill_rows_and_explicit_drafts():
     ([0, 2, 3], [1], {"input_ids": torch.zeros(3, dtype=torch.int64)}, "need num_reqs \\+ 1 = 2"),
     ([0, 2], [1], {}, "exactly one"),
     ([0, 2], [1], {"draft_token_ids": [[1, 2]]}, "row 0: 2 draft ids"),
+    ([[0, 2]], [1], {"input_ids": torch.zeros(2, dtype=torch.int64)},
+     r"query_start_loc must be a 1-D integer sequence, got shape \(1, 2\) dtype int64"),
+    ([0, 2], [1.0], {"input_ids": torch.zeros(2, dtype=torch.int64)},
+     r"num_draft_tokens must be a 1-D integer sequence, got shape \(1,\) dtype float64"),
+    ([0, 2], [1], {"input_ids": torch.zeros(1, 2, dtype=torch.int64)}, r"input_ids must be 1-D, got shape \(1, 2\)"),
 ])
 def test_metadata_errors(qsl, counts, kwargs, msg):
     with pytest.raises(ValueError, match=msg):
