@@ -87,11 +87,22 @@ def run_engine(model, args, prompts: dict[str, list[int]], max_tokens: int):
     return {rid: r.output_token_ids for rid, r in results.items()}, setup
 
 
+def cache_facts(model, runner) -> dict:
+    """What this rank's caches hold: the layers it allocated caches for (the runner's
+    ``kv_caches``), each attention layer's KV heads (its spec) and each Mamba2 layer's SSM
+    heads (the allocated state tensor ``[slots, heads, head_size, state]``)."""
+    specs = model.kv_cache_specs(4)
+    return {"layers": list(runner.kv_caches),
+            "kv_heads": [s.num_kv_heads for s in specs.values() if hasattr(s, "num_kv_heads")],
+            "mamba_ssm_heads": [c.ssm_state.shape[1] for c in runner.kv_caches.values() if hasattr(c, "ssm_state")]}
+
+
 def tp_cases(rank: int, cases: list[dict], outdir: str, pp: int = 1) -> int:
     """Rank function: each case (``cfg``, ``state_dict`` path, ``prompts``, ``max_tokens``,
     ``preempt``, ``method``) is one ``run_rank`` session on ``WORLD_SIZE / pp`` x ``pp``
     ranks; rank 0 writes
-    ``outdir/<name>.json`` with the tokens, preemptions and metadata checks done."""
+    ``outdir/<name>.json`` with the tokens, preemptions and metadata checks done, and every
+    rank ``outdir/<name>.rank<R>.json`` with its :func:`cache_facts`."""
     from attnplug.runner.commands.assemble import build_engine
     from attnplug.runner.parallel.channel import Channel
     from attnplug.runner.parallel.launch import run_rank
@@ -109,24 +120,27 @@ def tp_cases(rank: int, cases: list[dict], outdir: str, pp: int = 1) -> int:
         state.channel = Channel(state, case.get("method", "fixed"))
         model = build_loaded(case["cfg"], torch.load(case["state_dict"]), 4)
         args = engine_args(len(case["prompts"]), case["preempt"], num_blocks=case.get("num_blocks"))
+        runners = []
 
         def main() -> int:
             tokens, setup = run_engine(model, args, case["prompts"], case["max_tokens"])
+            runners.append(setup.engine.runner)
             check = setup.engine.runner.on_common_metadata
             with open(os.path.join(outdir, case["name"] + ".json"), "w") as f:
                 json.dump({"tokens": tokens, "preemptions": setup.engine.scheduler.num_preemptions,
                            "steps": setup.engine.stats.num_steps,
-                           "checked_steps": getattr(check, "step", 0),
-                           "kv_heads": [s.num_kv_heads for s in model.kv_cache_specs(4).values()
-                                        if hasattr(s, "num_kv_heads")],
-                           "mamba_ssm_heads": [s.ssm_state_shape[0] for s in model.kv_cache_specs(4).values()
-                                               if hasattr(s, "ssm_state_shape")]}, f)
+                           "checked_steps": getattr(check, "step", 0)}, f)
             return 0
 
-        status |= run_rank(state, main, lambda alone: build_engine(args, alone=alone, model=model,
-                                                                   requests=False).engine.runner)
+        def build(alone: bool):
+            runners.append(build_engine(args, alone=alone, model=model, requests=False).engine.runner)
+            return runners[-1]
+
+        status |= run_rank(state, main, build)
         if status:  # after a failure the ranks may be out of step: end here (as attnplug run does)
             break
+        with open(os.path.join(outdir, f"{case['name']}.rank{rank}.json"), "w") as f:
+            json.dump(cache_facts(model, runners[-1]), f)
     shutdown()
     return status
 
