@@ -162,14 +162,40 @@ def _raise_at_step_2(out, seen=[]):  # noqa: B006 (a per-process step counter)
     return out
 
 
+def _scheduler_raising_at_call_3(model, args, case):
+    """Rank 0's ``main`` whose scheduler raises on its third ``schedule()``: between steps,
+    while the peers wait for the next command."""
+    from attnplug.runner.commands.assemble import build_engine
+    from attnplug.runner.step.scheduler_output import SamplingParams
+
+    def main() -> int:
+        setup = build_engine(args, model=model, requests=False)
+        for rid, p in case["prompts"].items():
+            setup.engine.add_request(rid, p, SamplingParams(temperature=0.0, max_tokens=case["max_tokens"]))
+        schedule, calls = setup.engine.scheduler.schedule, []
+
+        def failing():
+            calls.append(1)
+            if len(calls) == 3:
+                raise RuntimeError("planted scheduler fault before step 2")
+            return schedule()
+
+        setup.engine.scheduler.schedule = failing
+        setup.engine.run()
+        return 0
+    return main
+
+
 def fault_cases(rank: int, case: dict, outdir: str) -> int:
     """Rank function: (1) rank 1 is fed a different step 0 (the metadata check must stop both
-    ranks); (2) rank 1 raises in step 2 (both ranks must end, each with its line). Each
-    rank's failure lines go to ``outdir/rank<R>.err``."""
+    ranks); (2) rank 0's scheduler raises between steps (rank 1 must stop at once, naming rank
+    0's error); (3) rank 1 raises in step 2 (both ranks must end, each with its line). Each
+    rank's failure lines go to ``outdir/rank<R>.err``, each phase's end as ``status S at T``
+    (``T``: ``time.time()``)."""
     from attnplug.runner.commands.assemble import build_engine
     from attnplug.runner.parallel.channel import Channel
     from attnplug.runner.parallel.launch import run_rank
-    from attnplug.runner.parallel.state import init_parallel, shutdown
+    from attnplug.runner.parallel.state import init_parallel
 
     state = init_parallel(int(os.environ["WORLD_SIZE"]))
     state.channel = Channel(state)
@@ -177,12 +203,12 @@ def fault_cases(rank: int, case: dict, outdir: str) -> int:
     args = engine_args(len(case["prompts"]), False)
     main = lambda: run_engine(model, args, case["prompts"], case["max_tokens"]) and 0  # noqa: E731
     build = lambda alone: build_engine(args, alone=alone, model=model, requests=False).engine.runner  # noqa: E731
+    phases = ((main, _tamper if rank == 1 else None), (_scheduler_raising_at_call_3(model, args, case), None),
+              (main, _raise_at_step_2 if rank == 1 else None))
     statuses = []
     with open(os.path.join(outdir, f"rank{rank}.err"), "w") as err:
-        for hook in (_tamper, _raise_at_step_2):
-            statuses.append(run_rank(state, main, build, on_output=hook if rank == 1 else None, err=err))
-            err.write(f"status {statuses[-1]}\n")
+        for phase_main, hook in phases:
+            statuses.append(run_rank(state, phase_main, build, on_output=hook, err=err))
+            err.write(f"status {statuses[-1]} at {time.time()}\n")
             err.flush()
-            if statuses[-1] and hook is _raise_at_step_2:
-                break
-    os._exit(0 if statuses == [1, 1] else 3)  # no shutdown: the peer may be gone
+    os._exit(0 if statuses == [1, 1, 1] else 3)  # no shutdown: the peer may be gone

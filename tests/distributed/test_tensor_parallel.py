@@ -163,7 +163,7 @@ def _check(result, name: str, tp: int, pp: int) -> None:
         assert got["preemptions"] > 0 and preemptions > 0
 
 
-def test_rank_fed_another_step_and_raising_rank(tmp_path):
+def test_rank_fed_another_step_rank_0_failing_between_steps_and_raising_rank(tmp_path):
     cfg = {**LLAMA, "num_key_value_heads": 2}
     _, hf = _hf_model(cfg, seed=1, dtype=torch.float32)
     torch.save(hf.state_dict(), tmp_path / "w.pt")
@@ -173,10 +173,17 @@ def test_rank_fed_another_step_and_raising_rank(tmp_path):
                                    env={"ATTNPLUG_VALIDATE": "1", "ATTNPLUG_DIST_TIMEOUT": "30"}, timeout=90)
     err0, err1 = ((tmp_path / f"rank{r}.err").read_text() for r in (0, 1))
     assert codes == [0, 0], f"exit codes {codes} after {secs:.0f} s; rank 0: {err0!r}; rank 1: {err1!r}"
+    lines0, lines1 = err0.splitlines(), err1.splitlines()
     mismatch = "step 0: CommonAttentionMetadata differs from rank 0's on rank(s) [1] in field(s) ["
-    for err in (err0, err1):  # both ranks stop on the step, naming it, the rank and the fields
-        first = err.splitlines()[0]
-        assert "RankMismatchError" in first and mismatch in first and "query_start_loc" in first
-    assert "rank 1 of 2 failed: RuntimeError: planted fault in step 2" in err1
-    assert "rank 0 of 2 failed:" in err0.splitlines()[2] and "another rank failed" in err0
+    for lines in (lines0, lines1):  # (1) both ranks stop on the step, naming it, the rank and the fields
+        assert "RankMismatchError" in lines[0] and mismatch in lines[0] and "query_start_loc" in lines[0]
+    # (2) rank 0's scheduler raises between steps: rank 1 stops at once (not at the 30 s timeout), with rank 0's line
+    failed0 = "rank 0 of 2 failed: RuntimeError: planted scheduler fault before step 2"
+    assert lines0[2] == "attnplug run: " + failed0
+    assert lines1[2] == "attnplug run: rank 1 of 2 stopped: " + failed0
+    stop0, stop1 = (float(lines[3].split(" at ")[1]) for lines in (lines0, lines1))
+    assert lines0[3].startswith("status 1") and lines1[3].startswith("status 1") and stop1 - stop0 < 5
+    # (3) rank 1 raises in a step: its line, and rank 0 ends too (its peer gone)
+    assert "rank 1 of 2 failed: RuntimeError: planted fault in step 2" in lines1[4]
+    assert "rank 0 of 2 failed:" in lines0[4] and "another rank failed" in lines0[4]
     assert secs < 60, f"the ranks took {secs:.0f} s to stop"
