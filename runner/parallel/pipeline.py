@@ -8,8 +8,10 @@ so the token count ``n`` and the sampled rows are known everywhere and no shapes
 
 * stage 0 embeds; a later stage receives ``[n, hidden_size]`` from stage ``s - 1``
   (its tensor-parallel peer: the same ``tp_rank``);
-* each stage runs its layers over its own KV caches (``kv_cache_specs`` lists its layers
-  only, so the runner allocates caches for them only);
+* each stage runs its decoder blocks (attention, or Mamba2 mixers with their state slots)
+  over its own caches (``kv_cache_specs`` lists its layers only, so the runner allocates
+  caches for them only); rank 0's scheduler allocates for its own stage's cache groups, so
+  every stage must form the same groups (:class:`ParallelConfigError` otherwise);
 * a stage before the last sends its output on; the last applies the final norm;
 * ``compute_logits``: the last stage computes them (all-gathered over its tensor-parallel
   group), then broadcasts them to every rank, and every rank samples the same tokens
