@@ -28,7 +28,8 @@ ARGS = ["--model", "tiny-llama", "--num-requests", "4", "--max-model-len", "256"
     pytest.param(2, 1, "object", ["--async-scheduling"], marks=pytest.mark.slow),
     pytest.param(1, 2, "fixed", ["--async-scheduling"], marks=pytest.mark.slow),
     pytest.param(2, 1, "fixed", ["--model", "tiny-hybrid"], marks=pytest.mark.slow),  # sliding + full + Mamba2
-    (1, 2, "fixed", ["--model", HYBRID6]),  # each stage: a sliding-window, a full-attention and a Mamba2 layer
+    # each stage: a sliding-window, a full-attention and a Mamba2 layer
+    (1, 2, "fixed", ["--model", HYBRID6]),
     pytest.param(2, 2, "fixed", ["--model", HYBRID6], marks=pytest.mark.slow),
 ], ids=["tp2", "pp2", "tp2xpp2", "tp2-async", "pp2-async", "tp2-hybrid", "pp2-hybrid6", "tp2xpp2-hybrid6"])
 def test_torchrun_digest_equals_one_process(capsys, tmp_path, tp, pp, broadcast, extra):
