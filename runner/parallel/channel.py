@@ -4,10 +4,11 @@ A command is ``(kind, payload)``: :data:`BUILD` (payload: ``alone``, build the n
 engine), :data:`STEP` / :data:`STEP_ASYNC` (payload: the ``SchedulerOutput``), :data:`EXIT`
 and :data:`ERROR` (payload: rank 0's failure line: rank 0 failed between commands, e.g. its
 scheduler raised, and the peers, waiting for the next command, stop at once with
-:class:`SourceFailedError` instead of at the group's timeout). Every rank calls :meth:`Channel.exchange`
-once per command: rank 0 with the command, the others with ``None``; it is one collective,
-so ranks cannot get out of order, and a dead peer or a peer that stops answering raises
-(gloo: at once on a closed socket, else after the group's timeout) instead of hanging.
+:class:`SourceFailedError` instead of at the group's timeout). Every rank calls
+:meth:`Channel.exchange` once per command: rank 0 with the command, the others with
+``None``; it is one collective, so ranks cannot get out of order, and a dead peer or a
+peer that stops answering raises (gloo: at once on a closed socket, else after the group's
+timeout) instead of hanging.
 """
 
 from __future__ import annotations
