@@ -2,10 +2,13 @@
 
 A command is ``(kind, payload)``: :data:`BUILD` (payload: ``alone``, build the next
 engine), :data:`STEP` / :data:`STEP_ASYNC` (payload: the ``SchedulerOutput``), :data:`EXIT`
-and :data:`ERROR` (payload: rank 0's error line). Every rank calls :meth:`Channel.exchange`
-once per command: rank 0 with the command, the others with ``None``; it is one collective,
-so ranks cannot get out of order, and a dead peer or a peer that stops answering raises
-(gloo: at once on a closed socket, else after the group's timeout) instead of hanging.
+and :data:`ERROR` (payload: rank 0's failure line: rank 0 failed between commands, e.g. its
+scheduler raised, and the peers, waiting for the next command, stop at once with
+:class:`SourceFailedError` instead of at the group's timeout). Every rank calls
+:meth:`Channel.exchange` once per command: rank 0 with the command, the others with
+``None``; it is one collective, so ranks cannot get out of order, and a dead peer or a
+peer that stops answering raises (gloo: at once on a closed socket, else after the group's
+timeout) instead of hanging.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from attnplug.core.errors import AttnplugError
 from attnplug.runner.parallel.encoding import FixedBroadcast, broadcast_object, decode, encode
 from attnplug.runner.parallel.state import ParallelState
 
@@ -26,6 +30,11 @@ DEFAULT_METHOD = "fixed"
 """A pickle in one preallocated buffer: one broadcast per step instead of two, measured the
 cheapest of the three on gloo for real steps (``attnplug bench broadcast``;
 docs/distributed.md, "Broadcast"), and it carries any new ``SchedulerOutput`` field."""
+
+
+class SourceFailedError(AttnplugError):
+    """Rank 0 sent :data:`ERROR`: it failed outside a collective; ``str(e)`` is its failure
+    line (``rank 0 of W failed: Type: message``)."""
 
 
 class Channel:

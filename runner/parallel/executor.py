@@ -16,7 +16,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from attnplug.runner.parallel.channel import BUILD, ERROR, EXIT, KIND_NAMES, STEP, STEP_ASYNC, Channel
+from attnplug.runner.parallel.channel import (BUILD, ERROR, EXIT, KIND_NAMES, STEP, STEP_ASYNC, Channel,
+                                             SourceFailedError)
 from attnplug.runner.parallel.state import ParallelState, current
 from attnplug.runner.parallel.validate import MetadataIdentityCheck
 
@@ -90,7 +91,7 @@ def wrap_runner(runner: Any, alone: bool = False) -> Any:
 def serve(channel: Channel, build: Callable[[bool], Any],
           on_output: Callable[[Any], Any] | None = None) -> int:
     """A rank other than 0: run rank 0's commands until :data:`EXIT` (returns 0) or
-    :data:`ERROR` (returns 1).
+    :data:`ERROR` (raises :class:`SourceFailedError` with rank 0's failure line).
 
     Args:
         channel: the rank's channel.
@@ -100,6 +101,7 @@ def serve(channel: Channel, build: Callable[[bool], Any],
             to feed a rank a different step).
 
     Raises:
+        SourceFailedError: rank 0 failed between commands and said so.
         whatever a step raises (the caller reports it with the rank).
     """
     runner, pending = None, []
@@ -123,4 +125,4 @@ def serve(channel: Channel, build: Callable[[bool], Any],
         elif kind == EXIT:
             return 0
         elif kind == ERROR:
-            return 1
+            raise SourceFailedError(payload)

@@ -1,7 +1,9 @@
 """Run one rank of a distributed command: rank 0 its command, the others the serve loop;
 any rank that raises is reported as ``rank R of W failed: Type: message`` and the
-command ends there on every rank (no rank waits forever: the channel and the model's
-collectives raise when a peer is gone, or after the group's timeout).
+command ends there on every rank. Rank 0 failing between commands broadcasts ``ERROR`` with
+its line, so the peers (waiting for the next command) stop at once and repeat it; otherwise
+no rank waits forever: the channel and the model's collectives raise when a peer is gone,
+or after the group's timeout.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from typing import Any, Callable, TextIO
 
 import torch.distributed as dist
 
-from attnplug.runner.parallel.channel import ERROR, EXIT
+from attnplug.runner.parallel.channel import ERROR, EXIT, SourceFailedError
 from attnplug.runner.parallel.executor import serve
 from attnplug.runner.parallel.state import ParallelState
 from attnplug.runner.parallel.validate import RankMismatchError
@@ -43,12 +45,18 @@ def run_rank(state: ParallelState, main: Callable[[], int], build: Callable[[boo
         err: where a failure line goes (default ``sys.stderr``).
 
     Status: rank 0 ``main()``'s; other ranks 0 after ``EXIT``, 1 after rank 0 sent
-    ``ERROR``; 1 on a rank that raised (reported on ``err``).
+    ``ERROR`` (reported on ``err`` as ``rank R of W stopped: rank 0 of W failed: ...``: rank 0
+    raised outside a collective, e.g. in its scheduler between steps, and told the peers at
+    once); 1 on a rank that raised (reported on ``err``).
     """
     err = err or sys.stderr
     try:
         if state.rank != 0:
-            status = serve(state.channel, build, on_output)
+            try:
+                status = serve(state.channel, build, on_output)
+            except SourceFailedError as e:  # rank 0's line, from the rank that stops because of it
+                print(f"{prefix}rank {state.rank} of {state.world_size} stopped: {e}", file=err, flush=True)
+                return 1
             if status == 0:
                 dist.barrier(group=state.cpu_group)  # see below
             return status

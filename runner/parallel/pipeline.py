@@ -8,8 +8,10 @@ so the token count ``n`` and the sampled rows are known everywhere and no shapes
 
 * stage 0 embeds; a later stage receives ``[n, hidden_size]`` from stage ``s - 1``
   (its tensor-parallel peer: the same ``tp_rank``);
-* each stage runs its layers over its own KV caches (``kv_cache_specs`` lists its layers
-  only, so the runner allocates caches for them only);
+* each stage runs its decoder blocks (attention, or Mamba2 mixers with their state slots)
+  over its own caches (``kv_cache_specs`` lists its layers only, so the runner allocates
+  caches for them only); rank 0's scheduler allocates for its own stage's cache groups, so
+  every stage must form the same groups (:class:`ParallelConfigError` otherwise);
 * a stage before the last sends its output on; the last applies the final norm;
 * ``compute_logits``: the last stage computes them (all-gathered over its tensor-parallel
   group), then broadcasts them to every rank, and every rank samples the same tokens
@@ -45,9 +47,11 @@ def stage_layers(num_layers: int, pp: int) -> list[range]:
 
 
 class PipelineStageModel(nn.Module):
-    """Stage ``state.pp_rank`` of ``model`` (a Llama-family or Gemma3 model, possibly
-    tensor-parallel): the same interface as the model (``forward``, ``compute_logits``,
-    ``kv_cache_specs``, ``layer_names``...), restricted to the stage's layers.
+    """Stage ``state.pp_rank`` of ``model`` (a Llama-family, Gemma3, Bamba or attnplug_hybrid
+    model, possibly tensor-parallel): the same interface as the model (``forward``,
+    ``compute_logits``, ``kv_cache_specs``, ``layer_names``...), restricted to the stage's
+    layers. Decoder block ``i``'s layer (attention, or a Mamba2 mixer with its state cache)
+    is ``model.layer_names[i]``: its cache and metadata are looked up under that name.
 
     The whole model stays built (its other layers unused): simple, and fine for the
     presets; a stage of a large model would build only its layers.
@@ -55,9 +59,6 @@ class PipelineStageModel(nn.Module):
 
     def __init__(self, model: nn.Module, state: ParallelState):
         super().__init__()
-        if hasattr(model.config, "mamba_n_heads"):
-            raise ParallelConfigError(f"--pipeline-parallel-size {state.pp_size}: {model.config.model_type} "
-                                      "(Mamba2 layers) is not pipeline-parallel yet; use a Llama-family or Gemma3 model")
         self.inner, self.state = model, state
         self.layers = stage_layers(len(model.model.layers), state.pp_size)[state.pp_rank]
         self.first, self.last = state.pp_rank == 0, state.pp_rank == state.pp_size - 1
@@ -82,6 +83,11 @@ class PipelineStageModel(nn.Module):
     @property
     def attention_layers(self):
         return {k: v for k, v in self.inner.attention_layers.items() if k in self.layer_names}
+
+    @property
+    def mamba_layers(self):
+        """The stage's Mamba2 mixers (empty for a model without them)."""
+        return {k: v for k, v in getattr(self.inner, "mamba_layers", {}).items() if k in self.layer_names}
 
     def kv_cache_specs(self, block_size: int):
         """The stage's layers' specs only (so its caches hold them only)."""
@@ -111,13 +117,12 @@ class PipelineStageModel(nn.Module):
         else:
             hidden = torch.empty((n, self.full_config.hidden_size), dtype=self.dtype, device=self.device)
             self._timed(dist.recv, hidden, self.state.stage_rank(self.state.pp_rank - 1))
-        for i in self.layers:
-            layer = inner.model.layers[i]
-            name = layer.self_attn.layer_name
-            hidden = layer(hidden, positions, lookup_layer(kv_caches, name, "kv_caches"),
-                           lookup_metadata(attn_metadata, name))
-        if self.last:
-            return inner.model.norm(hidden)
+        for i, name in zip(self.layers, self.layer_names):
+            hidden = inner.model.layers[i](hidden, positions, lookup_layer(kv_caches, name, "kv_caches"),
+                                           lookup_metadata(attn_metadata, name))
+        if self.last:  # Bamba's body calls its final norm final_layernorm
+            body = inner.model
+            return (body.norm if hasattr(body, "norm") else body.final_layernorm)(hidden)
         self._timed(dist.send, hidden.contiguous(), self.state.stage_rank(self.state.pp_rank + 1))
         return hidden
 

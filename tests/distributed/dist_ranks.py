@@ -87,11 +87,22 @@ def run_engine(model, args, prompts: dict[str, list[int]], max_tokens: int):
     return {rid: r.output_token_ids for rid, r in results.items()}, setup
 
 
+def cache_facts(model, runner) -> dict:
+    """What this rank's caches hold: the layers it allocated caches for (the runner's
+    ``kv_caches``), each attention layer's KV heads (its spec) and each Mamba2 layer's SSM
+    heads (the allocated state tensor ``[slots, heads, head_size, state]``)."""
+    specs = model.kv_cache_specs(4)
+    return {"layers": list(runner.kv_caches),
+            "kv_heads": [s.num_kv_heads for s in specs.values() if hasattr(s, "num_kv_heads")],
+            "mamba_ssm_heads": [c.ssm_state.shape[1] for c in runner.kv_caches.values() if hasattr(c, "ssm_state")]}
+
+
 def tp_cases(rank: int, cases: list[dict], outdir: str, pp: int = 1) -> int:
     """Rank function: each case (``cfg``, ``state_dict`` path, ``prompts``, ``max_tokens``,
     ``preempt``, ``method``) is one ``run_rank`` session on ``WORLD_SIZE / pp`` x ``pp``
     ranks; rank 0 writes
-    ``outdir/<name>.json`` with the tokens, preemptions and metadata checks done."""
+    ``outdir/<name>.json`` with the tokens, preemptions and metadata checks done, and every
+    rank ``outdir/<name>.rank<R>.json`` with its :func:`cache_facts`."""
     from attnplug.runner.commands.assemble import build_engine
     from attnplug.runner.parallel.channel import Channel
     from attnplug.runner.parallel.launch import run_rank
@@ -109,24 +120,27 @@ def tp_cases(rank: int, cases: list[dict], outdir: str, pp: int = 1) -> int:
         state.channel = Channel(state, case.get("method", "fixed"))
         model = build_loaded(case["cfg"], torch.load(case["state_dict"]), 4)
         args = engine_args(len(case["prompts"]), case["preempt"], num_blocks=case.get("num_blocks"))
+        runners = []
 
         def main() -> int:
             tokens, setup = run_engine(model, args, case["prompts"], case["max_tokens"])
+            runners.append(setup.engine.runner)
             check = setup.engine.runner.on_common_metadata
             with open(os.path.join(outdir, case["name"] + ".json"), "w") as f:
                 json.dump({"tokens": tokens, "preemptions": setup.engine.scheduler.num_preemptions,
                            "steps": setup.engine.stats.num_steps,
-                           "checked_steps": getattr(check, "step", 0),
-                           "kv_heads": [s.num_kv_heads for s in model.kv_cache_specs(4).values()
-                                        if hasattr(s, "num_kv_heads")],
-                           "mamba_ssm_heads": [s.ssm_state_shape[0] for s in model.kv_cache_specs(4).values()
-                                               if hasattr(s, "ssm_state_shape")]}, f)
+                           "checked_steps": getattr(check, "step", 0)}, f)
             return 0
 
-        status |= run_rank(state, main, lambda alone: build_engine(args, alone=alone, model=model,
-                                                                   requests=False).engine.runner)
+        def build(alone: bool):
+            runners.append(build_engine(args, alone=alone, model=model, requests=False).engine.runner)
+            return runners[-1]
+
+        status |= run_rank(state, main, build)
         if status:  # after a failure the ranks may be out of step: end here (as attnplug run does)
             break
+        with open(os.path.join(outdir, f"{case['name']}.rank{rank}.json"), "w") as f:
+            json.dump(cache_facts(model, runners[-1]), f)
     shutdown()
     return status
 
@@ -148,14 +162,40 @@ def _raise_at_step_2(out, seen=[]):  # noqa: B006 (a per-process step counter)
     return out
 
 
+def _scheduler_raising_at_call_3(model, args, case):
+    """Rank 0's ``main`` whose scheduler raises on its third ``schedule()``: between steps,
+    while the peers wait for the next command."""
+    from attnplug.runner.commands.assemble import build_engine
+    from attnplug.runner.step.scheduler_output import SamplingParams
+
+    def main() -> int:
+        setup = build_engine(args, model=model, requests=False)
+        for rid, p in case["prompts"].items():
+            setup.engine.add_request(rid, p, SamplingParams(temperature=0.0, max_tokens=case["max_tokens"]))
+        schedule, calls = setup.engine.scheduler.schedule, []
+
+        def failing():
+            calls.append(1)
+            if len(calls) == 3:
+                raise RuntimeError("planted scheduler fault before step 2")
+            return schedule()
+
+        setup.engine.scheduler.schedule = failing
+        setup.engine.run()
+        return 0
+    return main
+
+
 def fault_cases(rank: int, case: dict, outdir: str) -> int:
     """Rank function: (1) rank 1 is fed a different step 0 (the metadata check must stop both
-    ranks); (2) rank 1 raises in step 2 (both ranks must end, each with its line). Each
-    rank's failure lines go to ``outdir/rank<R>.err``."""
+    ranks); (2) rank 0's scheduler raises between steps (rank 1 must stop at once, naming rank
+    0's error); (3) rank 1 raises in step 2 (both ranks must end, each with its line). Each
+    rank's failure lines go to ``outdir/rank<R>.err``, each phase's end as ``status S at T``
+    (``T``: ``time.time()``)."""
     from attnplug.runner.commands.assemble import build_engine
     from attnplug.runner.parallel.channel import Channel
     from attnplug.runner.parallel.launch import run_rank
-    from attnplug.runner.parallel.state import init_parallel, shutdown
+    from attnplug.runner.parallel.state import init_parallel
 
     state = init_parallel(int(os.environ["WORLD_SIZE"]))
     state.channel = Channel(state)
@@ -163,12 +203,12 @@ def fault_cases(rank: int, case: dict, outdir: str) -> int:
     args = engine_args(len(case["prompts"]), False)
     main = lambda: run_engine(model, args, case["prompts"], case["max_tokens"]) and 0  # noqa: E731
     build = lambda alone: build_engine(args, alone=alone, model=model, requests=False).engine.runner  # noqa: E731
+    phases = ((main, _tamper if rank == 1 else None), (_scheduler_raising_at_call_3(model, args, case), None),
+              (main, _raise_at_step_2 if rank == 1 else None))
     statuses = []
     with open(os.path.join(outdir, f"rank{rank}.err"), "w") as err:
-        for hook in (_tamper, _raise_at_step_2):
-            statuses.append(run_rank(state, main, build, on_output=hook if rank == 1 else None, err=err))
-            err.write(f"status {statuses[-1]}\n")
+        for phase_main, hook in phases:
+            statuses.append(run_rank(state, phase_main, build, on_output=hook, err=err))
+            err.write(f"status {statuses[-1]} at {time.time()}\n")
             err.flush()
-            if statuses[-1] and hook is _raise_at_step_2:
-                break
-    os._exit(0 if statuses == [1, 1] else 3)  # no shutdown: the peer may be gone
+    os._exit(0 if statuses == [1, 1, 1] else 3)  # no shutdown: the peer may be gone

@@ -1,7 +1,8 @@
 """``attnplug run --tensor-parallel-size 2`` / ``--pipeline-parallel-size 2`` under torchrun (2
-real processes, gloo; both: 4, slow) gives
-the same ``outputs_digest`` as one process, and reports the broadcast and the collectives;
-the parallel flags refuse a launch they do not fit in one line (exit 2)."""
+real processes, gloo; both: 4, slow) gives the same ``outputs_digest`` as one process (tiny-llama,
+and an attnplug_hybrid model of sliding-window, full-attention and Mamba2 layers), and reports
+the broadcast and the collectives; the parallel flags refuse a launch they do not fit in one
+line (exit 2)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,9 @@ import sys
 import pytest
 
 from attnplug.runner.commands.run import main as run_main
+from attnplug.runner.models import presets
+
+HYBRID6 = "<hybrid6>"
 
 ARGS = ["--model", "tiny-llama", "--num-requests", "4", "--max-model-len", "256", "--max-num-batched-tokens", "64",
         "--invariance-requests", "1", "--json"]
@@ -24,8 +28,16 @@ ARGS = ["--model", "tiny-llama", "--num-requests", "4", "--max-model-len", "256"
     pytest.param(2, 1, "object", ["--async-scheduling"], marks=pytest.mark.slow),
     pytest.param(1, 2, "fixed", ["--async-scheduling"], marks=pytest.mark.slow),
     pytest.param(2, 1, "fixed", ["--model", "tiny-hybrid"], marks=pytest.mark.slow),  # sliding + full + Mamba2
-], ids=["tp2", "pp2", "tp2xpp2", "tp2-async", "pp2-async", "tp2-hybrid"])
-def test_torchrun_digest_equals_one_process(capsys, tp, pp, broadcast, extra):
+    # each stage: a sliding-window, a full-attention and a Mamba2 layer
+    (1, 2, "fixed", ["--model", HYBRID6]),
+    pytest.param(2, 2, "fixed", ["--model", HYBRID6], marks=pytest.mark.slow),
+], ids=["tp2", "pp2", "tp2xpp2", "tp2-async", "pp2-async", "tp2-hybrid", "pp2-hybrid6", "tp2xpp2-hybrid6"])
+def test_torchrun_digest_equals_one_process(capsys, tmp_path, tp, pp, broadcast, extra):
+    if HYBRID6 in extra:  # tiny-hybrid over 6 layers, so that both stages form the same cache groups
+        cfg = {**presets.preset_config("tiny-hybrid"), "num_hidden_layers": 6, "attn_layer_indices": [0, 2, 3, 5],
+               "sliding_attn_layer_indices": [0, 3]}
+        (tmp_path / "config.json").write_text(json.dumps(cfg))
+        extra = [str(tmp_path / "config.json") if x == HYBRID6 else x for x in extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "ATTNPLUG_VALIDATE": "1"}
     env.pop("WORLD_SIZE", None)
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(tp * pp), "-m",

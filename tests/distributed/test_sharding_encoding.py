@@ -13,7 +13,8 @@ import torch
 from attnplug.runner.models import build_model, resolve_model_config
 from attnplug.runner.parallel.encoding import KNOWN_FIELDS, EncodingError, decode, encode
 from attnplug.runner.parallel.sharding import kv_head_range, shard_config, shard_state_dict
-from attnplug.runner.parallel.state import ParallelConfigError, check_sizes
+from attnplug.runner.parallel.pipeline import PipelineStageModel
+from attnplug.runner.parallel.state import ParallelConfigError, ParallelState, check_sizes
 from attnplug.runner.step.scheduler_output import SchedulerOutput
 
 LLAMA = {"model_type": "llama", "vocab_size": 127, "hidden_size": 64, "intermediate_size": 96,
@@ -102,3 +103,23 @@ def test_compact_encoding_round_trips_real_steps():
             encode(bigger(spec=1))
     finally:
         del KNOWN_FIELDS[bigger]
+
+
+BAMBA = {"model_type": "bamba", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 4,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "attn_layer_indices": [1, 3], "mamba_n_heads": 4,
+         "mamba_d_state": 8, "mamba_d_conv": 4, "mamba_expand": 2, "mamba_chunk_size": 8, "mamba_n_groups": 1}
+
+
+def test_a_pipeline_stage_holds_its_layers_and_refuses_stages_of_other_cache_groups():
+    stages = [PipelineStageModel(build_model(BAMBA, seed=0), ParallelState(rank=s, world_size=2, tp_rank=0, tp_size=1,
+                                                                           pp_size=2, pp_rank=s, device="cpu"))
+              for s in range(2)]
+    for s, stage in enumerate(stages):  # a Mamba2 and an attention layer each, caches and configs of those only
+        names = [f"model.layers.{2 * s}.mamba", f"model.layers.{2 * s + 1}.self_attn.attn"]
+        assert stage.layer_names == list(stage.kv_cache_specs(4)) == list(stage.layer_configs(4)) == names
+        assert list(stage.mamba_layers) == names[:1] and list(stage.attention_layers) == names[1:]
+    state = ParallelState(rank=0, world_size=2, tp_rank=0, tp_size=1, pp_size=2, device="cpu")
+    with pytest.raises(ParallelConfigError) as err:  # stage 1: two Mamba2 layers, no attention
+        PipelineStageModel(build_model({**BAMBA, "attn_layer_indices": [1]}, seed=0), state)
+    assert str(err.value) == ("--pipeline-parallel-size 2: the stages' layers form different cache groups "
+                              "([['mamba', 'full_attention'], ['mamba']]); every stage needs the same groups")

@@ -1,9 +1,11 @@
-"""Tensor and pipeline parallel over 2 (slow: 4) real processes (gloo): greedy tokens identical to one process
+"""Tensor and pipeline parallel over real processes (gloo): TP = 2 and PP = 2 on 2, TP = 2 x
+PP = 2 on 4 (one spawn per layout, every case in it). Greedy tokens identical to one process
 and to HF transformers, for Llama GQA (KV heads split, and one KV head replicated on both
 ranks), Gemma3 (sliding and global layers) and Bamba (Mamba2 heads, conv channels and B/C
-groups split or replicated; tensor parallel only), under chunked prefill and forced
-preemption, with the cross-rank metadata check on every step; and the faults: a rank fed
-a different step, a rank that raises.
+groups split or replicated; stages of one Mamba2 and one attention layer), under chunked
+prefill and forced preemption, with the cross-rank metadata check on every step; every
+rank's caches hold its stage's layers and its heads only. And the faults: a rank fed a
+different step, a rank that raises, rank 0 failing between steps.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from attnplug.runner.commands.parity import _hf_greedy, _hf_model  # noqa: E402
 sys.path.insert(0, str(Path(__file__).parent))  # dist_ranks: importable here and in the spawned ranks
 import dist_ranks  # noqa: E402
 
+from attnplug.runner.parallel.pipeline import stage_layers  # noqa: E402
+
 BASE = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
         "num_attention_heads": 4, "max_position_embeddings": 256, "rms_norm_eps": 1e-6,
         "initializer_range": 0.1, "rope_theta": 10000.0}
@@ -31,13 +35,13 @@ GEMMA3 = {**BASE, "model_type": "gemma3_text", "architectures": ["Gemma3ForCausa
           "num_key_value_heads": 2, "head_dim": 16, "sliding_window": 7,
           "layer_types": ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
           "query_pre_attn_scalar": 24, "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0}
-CASES = {  # name: (config, forced preemption, broadcast method, KV heads per rank)
-    "llama-kv2": ({**LLAMA, "num_key_value_heads": 2}, True, "fixed", 1),
+CASES = {  # name: (config, forced preemption, broadcast method)
+    "llama-kv2": ({**LLAMA, "num_key_value_heads": 2}, True, "fixed"),
     # one KV head for two ranks: replicated; a vocabulary that does not split evenly (padded shard)
-    "llama-kv1": ({**LLAMA, "num_key_value_heads": 1, "vocab_size": 127}, False, "tensor", 1),
-    "gemma3": (GEMMA3, True, "object", 1),
+    "llama-kv1": ({**LLAMA, "num_key_value_heads": 1, "vocab_size": 127}, False, "tensor"),
+    "gemma3": (GEMMA3, True, "object"),
     # pipeline stages of 2 layers each need the same cache groups: sliding + global in each
-    "gemma3-alt": ({**GEMMA3, "layer_types": ["sliding_attention", "full_attention"] * 2}, True, "fixed", 1),
+    "gemma3-alt": ({**GEMMA3, "layer_types": ["sliding_attention", "full_attention"] * 2}, True, "fixed"),
 }
 BAMBA = {**BASE, "model_type": "bamba", "architectures": ["BambaForCausalLM"], "hidden_size": 32,
          "intermediate_size": 64, "num_hidden_layers": 3, "num_key_value_heads": 2, "attn_layer_indices": [1],
@@ -45,12 +49,16 @@ BAMBA = {**BASE, "model_type": "bamba", "architectures": ["BambaForCausalLM"], "
          "rms_norm_eps": 1e-5}
 CASES.update({
     # one B/C group: replicated on both ranks, and the gated norm's statistic all-reduced
-    "bamba-g1": ({**BAMBA, "mamba_n_groups": 1}, True, "fixed", 1),
-    "bamba-g2": ({**BAMBA, "mamba_n_groups": 2}, False, "fixed", 1),  # one group per rank
+    "bamba-g1": ({**BAMBA, "mamba_n_groups": 1}, True, "fixed"),
+    "bamba-g2": ({**BAMBA, "mamba_n_groups": 2}, False, "fixed"),  # one group per rank
+    # two stages of a Mamba2 and an attention layer each (the same cache groups per stage)
+    "bamba-pp": ({**BAMBA, "mamba_n_groups": 1, "num_hidden_layers": 4, "attn_layer_indices": [1, 3]}, True,
+                 "fixed"),
 })
 TP2 = ["bamba-g1", "gemma3", "llama-kv1", "llama-kv2"]
-PP2 = ["llama-kv2"]
-SLOW = {"bamba-g2": (2, 1), "gemma3-alt": (2, 2)}
+PP2 = ["bamba-pp", "gemma3-alt", "llama-kv1", "llama-kv2"]
+TP2xPP2 = ["bamba-pp", "gemma3-alt", "llama-kv1", "llama-kv2"]
+SLOW = {"bamba-g2": (2, 1)}
 """Cases run only with the slow tests: ``name: (world size, pipeline stages)``."""
 MAX_TOKENS = 5
 
@@ -62,10 +70,10 @@ def _prompts(vocab: int, n: int = 5, seed: int = 1) -> dict[str, list[int]]:
 
 def _run_cases(tmp, names, world: int, pp: int = 1):
     """Run the cases ``names`` once on ``world`` ranks (``pp`` stages); returns
-    ``{name: (rank 0's json, hf, case)}``."""
+    ``{name: (rank 0's json, [every rank's cache facts], hf, case)}``."""
     cases, refs = [], {}
     for name in names:
-        cfg, preempt, method, _ = CASES[name]
+        cfg, preempt, method = CASES[name]
         _, hf = _hf_model(cfg, seed=1, dtype=torch.float32)
         path = tmp / f"{name}.pt"
         torch.save(hf.state_dict(), path)
@@ -76,7 +84,9 @@ def _run_cases(tmp, names, world: int, pp: int = 1):
     codes, secs = dist_ranks.spawn(dist_ranks.tp_cases, world, cases, str(tmp), pp, env={"ATTNPLUG_VALIDATE": "1"},
                                    timeout=60 * world)
     assert codes == [0] * world, f"rank exit codes {codes} after {secs:.0f} s"
-    return {name: (json.loads((tmp / f"{name}.json").read_text()), *refs[name]) for name in names}
+    return {name: (json.loads((tmp / f"{name}.json").read_text()),
+                   [json.loads((tmp / f"{name}.rank{r}.json").read_text()) for r in range(world)], *refs[name])
+            for name in names}
 
 
 @pytest.fixture(scope="module")
@@ -89,36 +99,31 @@ def pp2(tmp_path_factory):
     return _run_cases(tmp_path_factory.mktemp("pp2"), PP2, 2, pp=2)
 
 
+@pytest.fixture(scope="module")
+def tp2xpp2(tmp_path_factory):
+    return _run_cases(tmp_path_factory.mktemp("tp2xpp2"), TP2xPP2, 4, pp=2)
+
+
 @pytest.mark.parametrize("name", TP2)
 def test_tp2_tokens_match_one_process_and_hf(tp2, name):
-    cfg = CASES[name][0]
-    _check(tp2[name], name, layers_per_rank=len(cfg.get("attn_layer_indices", range(cfg["num_hidden_layers"]))))
-    if "mamba_n_heads" in cfg:  # each rank's Mamba2 states hold its heads only
-        assert tp2[name][0]["mamba_ssm_heads"] == [cfg["mamba_n_heads"] // 2] * (cfg["num_hidden_layers"] - 1)
+    _check(tp2[name], name, tp=2, pp=1)
 
 
 @pytest.mark.parametrize("name", PP2)
 def test_pp2_tokens_match_one_process_and_hf(pp2, name):
-    cfg, _, _, _ = CASES[name]
-    _check(pp2[name], name, layers_per_rank=cfg["num_hidden_layers"] // 2, kv_per_rank=cfg["num_key_value_heads"])
+    _check(pp2[name], name, tp=1, pp=2)
+
+
+@pytest.mark.parametrize("name", TP2xPP2)
+def test_tp2_x_pp2_tokens_match_one_process_and_hf(tp2xpp2, name):
+    _check(tp2xpp2[name], name, tp=2, pp=2)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(SLOW))
 def test_more_cases_match_one_process_and_hf(tmp_path, name):
     world, pp = SLOW[name]
-    cfg = CASES[name][0]
-    got = _run_cases(tmp_path, [name], world, pp=pp)[name]
-    if pp == 1:
-        _check(got, name, layers_per_rank=len(cfg.get("attn_layer_indices", range(cfg["num_hidden_layers"]))))
-    else:
-        _check(got, name, layers_per_rank=cfg["num_hidden_layers"] // pp, kv_per_rank=cfg["num_key_value_heads"])
-
-
-@pytest.mark.slow
-def test_tp2_x_pp2_tokens_match_one_process_and_hf(tmp_path):
-    got = _run_cases(tmp_path, ["llama-kv2"], 4, pp=2)
-    _check(got["llama-kv2"], "llama-kv2", layers_per_rank=1)
+    _check(_run_cases(tmp_path, [name], world, pp=pp)[name], name, tp=world // pp, pp=pp)
 
 
 _REFS: dict[str, tuple] = {}
@@ -136,19 +141,29 @@ def _references(name: str, hf, case: dict):
     return _REFS[name]
 
 
-def _check(result, name: str, layers_per_rank: int, kv_per_rank: int | None = None) -> None:
-    got, hf, case = result
-    cfg, preempt, _, tp_kv = CASES[name]
-    kv_per_rank = tp_kv if kv_per_rank is None else kv_per_rank
+def _expected_caches(cfg: dict, tp: int, pp: int, rank: int) -> dict:
+    """The cache facts of global rank ``rank``: its stage's layers only, its heads only."""
+    layers = stage_layers(cfg["num_hidden_layers"], pp)[rank // tp]
+    attn = set(cfg.get("attn_layer_indices", range(cfg["num_hidden_layers"])))
+    names = [f"model.layers.{i}.self_attn.attn" if i in attn else f"model.layers.{i}.mamba" for i in layers]
+    return {"layers": names, "kv_heads": [max(1, cfg["num_key_value_heads"] // tp)] * sum(i in attn for i in layers),
+            "mamba_ssm_heads": [cfg.get("mamba_n_heads", 0) // tp] * sum(i not in attn for i in layers)}
+
+
+def _check(result, name: str, tp: int, pp: int) -> None:
+    got, ranks, hf, case = result
+    cfg, preempt, _ = CASES[name]
     tp1, preemptions, hf_tokens = _references(name, hf, case)
     assert got["tokens"] == tp1 == hf_tokens
-    assert got["kv_heads"] == [kv_per_rank] * layers_per_rank, "a rank's caches hold its heads (and layers) only"
+    for rank, facts in enumerate(ranks):  # each rank's caches hold its heads, of its stage's layers, only
+        want = _expected_caches(cfg, tp, pp, rank)
+        assert {**facts, "layers": sorted(facts["layers"])} == {**want, "layers": sorted(want["layers"])}, rank
     assert got["checked_steps"] >= got["steps"] > 5, "the metadata identity check ran every step"
     if preempt:
         assert got["preemptions"] > 0 and preemptions > 0
 
 
-def test_rank_fed_another_step_and_raising_rank(tmp_path):
+def test_rank_fed_another_step_rank_0_failing_between_steps_and_raising_rank(tmp_path):
     cfg = {**LLAMA, "num_key_value_heads": 2}
     _, hf = _hf_model(cfg, seed=1, dtype=torch.float32)
     torch.save(hf.state_dict(), tmp_path / "w.pt")
@@ -158,10 +173,17 @@ def test_rank_fed_another_step_and_raising_rank(tmp_path):
                                    env={"ATTNPLUG_VALIDATE": "1", "ATTNPLUG_DIST_TIMEOUT": "30"}, timeout=90)
     err0, err1 = ((tmp_path / f"rank{r}.err").read_text() for r in (0, 1))
     assert codes == [0, 0], f"exit codes {codes} after {secs:.0f} s; rank 0: {err0!r}; rank 1: {err1!r}"
+    lines0, lines1 = err0.splitlines(), err1.splitlines()
     mismatch = "step 0: CommonAttentionMetadata differs from rank 0's on rank(s) [1] in field(s) ["
-    for err in (err0, err1):  # both ranks stop on the step, naming it, the rank and the fields
-        first = err.splitlines()[0]
-        assert "RankMismatchError" in first and mismatch in first and "query_start_loc" in first
-    assert "rank 1 of 2 failed: RuntimeError: planted fault in step 2" in err1
-    assert "rank 0 of 2 failed:" in err0.splitlines()[2] and "another rank failed" in err0
+    for lines in (lines0, lines1):  # (1) both ranks stop on the step, naming it, the rank and the fields
+        assert "RankMismatchError" in lines[0] and mismatch in lines[0] and "query_start_loc" in lines[0]
+    # (2) rank 0's scheduler raises between steps: rank 1 stops at once (not at the 30 s timeout), with rank 0's line
+    failed0 = "rank 0 of 2 failed: RuntimeError: planted scheduler fault before step 2"
+    assert lines0[2] == "attnplug run: " + failed0
+    assert lines1[2] == "attnplug run: rank 1 of 2 stopped: " + failed0
+    stop0, stop1 = (float(lines[3].split(" at ")[1]) for lines in (lines0, lines1))
+    assert lines0[3].startswith("status 1") and lines1[3].startswith("status 1") and stop1 - stop0 < 5
+    # (3) rank 1 raises in a step: its line, and rank 0 ends too (its peer gone)
+    assert "rank 1 of 2 failed: RuntimeError: planted fault in step 2" in lines1[4]
+    assert "rank 0 of 2 failed:" in lines0[4] and "another rank failed" in lines0[4]
     assert secs < 60, f"the ranks took {secs:.0f} s to stop"
