@@ -125,6 +125,7 @@ def mutmut(where: Path, *args: str, capture: bool = True, check: bool = True) ->
     exe = Path(sys.executable).parent / "mutmut"
     env = {k: v for k, v in os.environ.items() if k != "ATTNPLUG_VALIDATE"}  # the module tests alone
     env["ATTNPLUG_MUTATE"] = "1"  # the property tests run fewer examples per mutant
+    env.setdefault("OMP_NUM_THREADS", "1")  # two spinning OpenMP threads per child starve each other
     res = subprocess.run([str(exe), *args], cwd=where, env=env, text=True,
                          stdout=subprocess.PIPE if capture else None, stderr=subprocess.STDOUT if capture else None)
     if check and res.returncode not in (0, 1) and args[0] == "run":
