@@ -31,10 +31,15 @@ def append_output_tokens(batch: InputBatch, max_model_len: int, req_ids_or_rows,
         raise MetadataError(f"append_output_tokens: {len(token_ids)} token entries for {n} requests")
     ragged = n and isinstance(token_ids[0], (list, tuple, np.ndarray))
     lens = (np.fromiter(map(len, token_ids), np.int64, n) if ragged else np.ones(n, np.int64))
-    try:
-        flat = np.asarray([t for ts in token_ids for t in ts] if ragged else token_ids, dtype=np.int64)
-    except (TypeError, ValueError, OverflowError):
-        raise MetadataError(f"append_output_tokens: token ids must be ints, got {token_ids!r}") from None
+    tokens = [t for ts in token_ids for t in ts] if ragged else token_ids
+    try:  # no dtype given: numpy would parse "5" and truncate 1.5; the kind check refuses both
+        flat = np.asarray(tokens)
+    except (TypeError, ValueError):
+        flat = None
+    if flat is None or flat.size and (flat.dtype.kind not in "iu" or not isinstance(tokens, np.ndarray)
+                                        and bool in set(map(type, tokens))):  # [True, 2] is int64 to numpy
+        raise MetadataError(f"append_output_tokens: token ids must be ints, got {token_ids!r}")
+    flat = flat.astype(np.int64, copy=False) if flat.size else np.zeros(0, np.int64)
     if flat.shape != (int(lens.sum()),) or (flat.shape[0] and (flat.min() < 0 or flat.max() >= 2**31)):
         raise MetadataError(f"append_output_tokens: token ids must be ints in [0, 2**31), got {token_ids!r}")
     seen = np.zeros(b.max_num_reqs, dtype=bool)

@@ -202,6 +202,10 @@ def test_append_output_tokens_ragged_and_bounds():
     with pytest.raises(MetadataError, match=r"token ids must be ints in \[0, 2\*\*31\)"):
         sc.append_output_tokens(["A", "B"], [1, 2**31])
     assert not snapshot_diff(before, sc.snapshot())
+    for bad in (["5", 2], [1.5, 2], [True, 2], [[1], ["x"]], [2**70, 1]):  # one typing rule: ints only
+        with pytest.raises(MetadataError, match="token ids must be ints"):
+            sc.append_output_tokens(["A", "B"], bad)
+        assert not snapshot_diff(before, sc.snapshot())
     sc.append_output_tokens([rB, rA], [[20, 21, 22], [30, 31]])  # several tokens a row (accepted drafts)
     assert b.token_ids_cpu[rA, 7:10].tolist() == [30, 31, 0] and b.num_tokens[rA] == 9
     assert b.token_ids_cpu[rB, 3:6].tolist() == [20, 21, 22] and b.num_tokens[rB] == 6
