@@ -174,26 +174,34 @@ def all_results(where: Path) -> dict[str, str]:
     return results
 
 
-def verdicts(where: Path) -> dict[Path, dict[str, int | None]]:
-    """Every ``.meta`` file's ``exit_code_by_key`` (mutmut's verdicts) in ``where``."""
+def verdicts(where: Path) -> dict[Path, tuple[dict[str, int | None], dict[str, str]]]:
+    """Every ``.meta`` file's verdicts (``exit_code_by_key``) and function hashes in ``where``."""
     import json
 
-    return {f: json.loads(f.read_text())["exit_code_by_key"] for f in (where / "mutants").rglob("*.meta")}
+    out = {}
+    for f in (where / "mutants").rglob("*.meta"):
+        data = json.loads(f.read_text())
+        out[f] = (data["exit_code_by_key"], data.get("hash_by_function_name", {}))
+    return out
 
 
-def restore_verdicts(where: Path, old: dict[Path, dict[str, int | None]]) -> None:
+def restore_verdicts(where: Path, old: dict[Path, tuple[dict[str, int | None], dict[str, str]]]) -> None:
     """Put back the verdicts a ``--survivors`` run's reset dropped (mutmut resets every
     result when the test selection changes, e.g. a new test file): a mutant killed before
-    stays killed, since adding tests cannot make the test that killed it pass."""
+    stays killed, since adding tests cannot make the test that killed it pass. Only for
+    functions whose code did not change (same hash): a changed function's mutants are new
+    ones under old names, left "not checked" for the next ``--survivors`` run."""
     import json
 
-    for f, codes in old.items():
+    for f, (codes, hashes) in old.items():
         if not f.exists():
             continue
         data = json.loads(f.read_text())
-        now = data["exit_code_by_key"]
+        now, now_hashes = data["exit_code_by_key"], data.get("hash_by_function_name", {})
         for key, code in codes.items():
-            if key in now and now[key] is None and code is not None:
+            func = key.rsplit("__mutmut_", 1)[0].rsplit(".", 1)[-1]
+            same = hashes.get(func) is not None and hashes.get(func) == now_hashes.get(func)
+            if key in now and now[key] is None and code is not None and same:
                 now[key] = code
         f.write_text(json.dumps(data, indent=4))
 

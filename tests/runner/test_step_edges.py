@@ -139,12 +139,15 @@ def cached(ids, ncc, tokens=None, blocks=None) -> CachedRequestData:
 def test_counts_listed_in_another_order_than_the_requests(native):
     """``num_scheduled_tokens`` is a dict: its order need not follow the deltas'."""
     sc = one_group(native)
-    so = SchedulerOutput([NewRequestData("N", [5, 5, 5], ([4],)), NewRequestData("M", [6], ([5],))],
-                         cached(["A", "B"], [6, 2]), {"M": 1, "N": 3, "B": 1, "A": 1})
-    sc.update_states(so)
-    b = sc.input_batch
-    got = {rid: int(b.num_scheduled_tokens[b.req_id_to_index[rid]]) for rid in "ABNM"}
-    assert got == {"A": 1, "B": 1, "N": 3, "M": 1}
+    for order in (["M", "N", "B", "A"], ["A", "B", "M", "N"]):  # all shuffled; only the new ones swapped
+        sc = one_group(native)
+        counts = {"A": 1, "B": 1, "N": 3, "M": 1}
+        so = SchedulerOutput([NewRequestData("N", [5, 5, 5], ([4],)), NewRequestData("M", [6], ([5],))],
+                             cached(["A", "B"], [6, 2]), {rid: counts[rid] for rid in order})
+        sc.update_states(so)
+        b = sc.input_batch
+        got = {rid: int(b.num_scheduled_tokens[b.req_id_to_index[rid]]) for rid in "ABNM"}
+        assert got == counts, order
 
 
 @pytest.mark.parametrize("native", [False, True])
@@ -181,10 +184,19 @@ def test_cached_request_refusals_name_the_field_and_words(native):
         (SchedulerOutput([], cached(["A", "B"], [6, 2]), {"A": 1, "B": 3}), ("B", "num_scheduled_tokens"),
          "schedules positions [2, 5) but the request holds only 3 tokens (send new tokens in new_token_ids)"),
         (SchedulerOutput([], cached(["A", "B"], [6, 2**63]), {"A": 1, "B": 1}), ("B", "num_computed_tokens"), ""),
+        (SchedulerOutput([], cached(["A", "B"], [6, 2], tokens=[[], [1] * 30]), {"A": 1, "B": 1}),
+         ("B", "new_token_ids"), "request would hold 33 tokens but max_model_len is 32"),
+        (SchedulerOutput([], CachedRequestData(["A"], [False], [[]], [5], [6]), {"A": 1}), ("A", "new_block_ids"),
+         "expected one block-id list per cache group (1), got 5"),
+        (SchedulerOutput([], CachedRequestData(["A"], [True], [[]], [None], [0]), {"A": 1}), ("A", "new_block_ids"),
+         "group 0: 0 blocks of 4 tokens cannot hold seq_len 1 (num_computed_tokens + num_scheduled_tokens); "
+         "the block table is too short"),
+        (SchedulerOutput([NewRequestData("N", [], ([4],))], cached(["A"], [6]), {"A": 1, "N": 1}),
+         ("N", "prompt_token_ids"), "prompt is empty; a request needs at least one token"),
     ]
     for so, (rid, field), words in cases:
         e = refused(sc, so)
-        assert (e.req_id, e.field) == (rid, field) and words in str(e), str(e)
+        assert (e.req_id, e.field) == (rid, field) and str(e).endswith(words), str(e)
     so = SchedulerOutput([], CachedRequestData([["A"]], [False], [[]], [None], [6]), {"A": 1})
     e = refused(sc, so)
     assert e.field == "scheduled_cached_reqs.req_ids" and "request ids must be hashable strings" in str(e), str(e)
@@ -209,3 +221,38 @@ def test_append_output_tokens_ragged_and_bounds():
     sc.append_output_tokens([rB, rA], [[20, 21, 22], [30, 31]])  # several tokens a row (accepted drafts)
     assert b.token_ids_cpu[rA, 7:10].tolist() == [30, 31, 0] and b.num_tokens[rA] == 9
     assert b.token_ids_cpu[rB, 3:6].tolist() == [20, 21, 22] and b.num_tokens[rB] == 6
+
+
+def test_a_new_request_may_hold_exactly_the_most_blocks():
+    sc = one_group(False)  # max_model_len 32, block 4: at most 8 blocks
+    so = SchedulerOutput([NewRequestData("N", [5] * 30, ([4, 5, 6, 7, 8, 9, 10, 11],))], cached(["A"], [6]),
+                         {"A": 1, "N": 9})
+    sc.update_states(so)
+    assert sc.input_batch.block_table[0].num_blocks_per_row[sc.input_batch.req_id_to_index["N"]] == 8
+
+
+def test_patch_counts_count_every_patched_step():
+    import torch
+    sc, ph = one_group(False), None
+    for step in range(3):
+        blocks = [([6],), ([7],)] if step == 2 else None  # A: 9th token, B: 5th: a new block each
+        so = SchedulerOutput([], cached(["A", "B"], [6 + step, 2 + step], blocks=blocks), {"A": 1, "B": 1})
+        sc.update_states(so)
+        sc.prepare_inputs(so, prev_token_ids=None if ph is None else torch.tensor([50, 51]))
+        if ph is not None:
+            sc.fill_output_tokens(ph, [50, 51])
+        b = sc.input_batch
+        ph = sc.append_placeholders(np.array([b.req_id_to_index["A"], b.req_id_to_index["B"]]))
+    assert sc.patch_counts == {"slice": 2, "scatter": 0}
+
+
+def test_a_null_block_in_a_window_of_unknown_width_names_the_positions_only():
+    """A sliding-window group whose width the compiler is not told: every position of the
+    step's queries must be in a real block, and the message claims no window."""
+    sc = StepCompiler([4, 4], max_num_reqs=4, max_model_len=32, max_num_batched_tokens=16, num_blocks=16,
+                      group_kinds=["full_attention", "sliding_window"], native=False)
+    so = SchedulerOutput([NewRequestData("A", [1, 2, 3, 4, 5, 6], ([1, 2], [0, 2]))], CachedRequestData(), {"A": 6})
+    e = refused(sc, so)
+    assert (e.req_id, e.field) == ("A", "block_ids")
+    assert str(e).endswith("group 1: positions [0, 6) fall in the null block; only blocks no query can see may be "
+                           "null"), str(e)
