@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from attnplug.core.errors import MetadataError
+from attnplug.runner.step.check_types import row_indices
 from attnplug.runner.step.input_batch import InputBatch
 
 
@@ -24,7 +25,7 @@ def append_output_tokens(batch: InputBatch, max_model_len: int, req_ids_or_rows,
             raise MetadataError(f"append_output_tokens: request {e.args[0]!r} is not in this step's "
                                 "batch; only scheduled requests can receive tokens") from None
     else:
-        rows = np.asarray(req_ids_or_rows, dtype=np.int64).reshape(n)
+        rows = row_indices(req_ids_or_rows, "append_output_tokens")
         if rows.min() < 0 or rows.max() >= b.num_reqs:
             raise MetadataError(f"append_output_tokens: rows must lie in [0, {b.num_reqs}), got {rows.tolist()}")
     if len(token_ids) != n:

@@ -12,7 +12,7 @@ from typing import Any, NoReturn
 
 import numpy as np
 
-from attnplug.core.errors import InvalidSchedulerOutput
+from attnplug.core.errors import InvalidSchedulerOutput, MetadataError
 
 SEQUENCES = (list, tuple)
 ID_SETS = (set, frozenset, list, tuple)
@@ -67,3 +67,19 @@ def int64_list(values) -> np.ndarray | None:
     if n and bool in set(map(type, values)):
         return None
     return out
+
+
+def row_indices(rows: Any, who: str) -> np.ndarray:
+    """Batch rows given to a stage-8 call (``append_output_tokens``, ``append_verified_tokens``,
+    ``append_placeholders``) as ``[n]`` ``int64``: a list of ints or an integer array (a
+    scalar is one row). The range is the caller's to check.
+
+    Raises:
+        MetadataError: a row that is not an int (a float such as ``1.0``, a bool, a string),
+            which numpy would otherwise truncate or parse.
+    """
+    arr = np.asarray(rows)
+    python = [] if isinstance(rows, np.ndarray) else [rows] if arr.ndim == 0 else list(rows)
+    if arr.size and (arr.dtype.kind not in "iu" or bool in set(map(type, python))):  # [True, 1] is int64 to numpy
+        raise MetadataError(f"{who}: rows must be ints, got {show(rows)}")
+    return arr.astype(np.int64, copy=False).reshape(-1)

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from attnplug.core.errors import MetadataError
+from attnplug.runner.step.check_types import row_indices
 from attnplug.runner.step.input_batch import InputBatch
 from attnplug.runner.step.prepare import StepInputs
 from attnplug.runner.step.request_state import CachedRequestState
@@ -73,7 +74,7 @@ def append_placeholders(batch: InputBatch, max_model_len: int, rows: np.ndarray)
             ``seq_len`` does not reach ``num_tokens``), or already at ``max_model_len``.
     """
     R = batch.num_reqs
-    rows = np.asarray(rows, dtype=np.int64).reshape(-1)
+    rows = row_indices(rows, "append_placeholders")
     n = rows.shape[0]
     if n and (rows.min() < 0 or rows.max() >= R or np.unique(rows).shape[0] != n):
         raise MetadataError(f"append_placeholders: rows must be distinct and in [0, {R}), got {rows.tolist()}")

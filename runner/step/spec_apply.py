@@ -25,6 +25,7 @@ import numpy as np
 from attnplug.cache_groups.ragged import cumsum_and_arange
 from attnplug.core.errors import MetadataError
 from attnplug.runner.step.check_spec import SpecTokens
+from attnplug.runner.step.check_types import row_indices
 from attnplug.runner.step.input_batch import InputBatch
 
 
@@ -63,7 +64,7 @@ def append_verified_tokens(batch: InputBatch, max_model_len: int, rows: Sequence
         raise MetadataError(f"append_verified_tokens: {len(token_ids)} token lists for {n} rows")
     if n == 0:
         return
-    r = np.asarray(rows, dtype=np.int64).reshape(n)
+    r = row_indices(rows, "append_verified_tokens")
     if r.min() < 0 or r.max() >= b.num_reqs or np.count_nonzero(np.bincount(r, minlength=1) > 1):
         raise MetadataError(f"append_verified_tokens: rows must be distinct and in [0, {b.num_reqs}), "
                             f"got {r.tolist()}")

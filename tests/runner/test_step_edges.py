@@ -256,3 +256,69 @@ def test_a_null_block_in_a_window_of_unknown_width_names_the_positions_only():
     assert (e.req_id, e.field) == ("A", "block_ids")
     assert str(e).endswith("group 1: positions [0, 6) fall in the null block; only blocks no query can see may be "
                            "null"), str(e)
+
+
+def test_a_total_given_to_the_constructor_is_kept_and_checked():
+    """``SchedulerOutput`` fills ``total_num_scheduled_tokens`` only when it is not given:
+    a wrong one given is the scheduler's bug, and stage 1 refuses it."""
+    so = SchedulerOutput([], cached(["A", "B"], [6, 2]), {"A": 1, "B": 1}, total_num_scheduled_tokens=5)
+    assert so.total_num_scheduled_tokens == 5
+    assert SchedulerOutput([], cached(["A"], [6]), {"A": 1}).total_num_scheduled_tokens == 1
+    e = refused(one_group(False), so)
+    assert e.field == "total_num_scheduled_tokens"
+
+
+def test_fields_of_the_wrong_type_name_themselves():
+    sc = one_group(False)
+    cd = cached(["A"], [6])
+    cd.num_computed_tokens = 7  # not a list
+    e = refused(sc, SchedulerOutput([], cd, {"A": 1}))
+    assert e.field == "scheduled_cached_reqs.num_computed_tokens" and str(e).endswith("expected a list, got 7"), str(e)
+    nr = NewRequestData("N", [5], ([4],))
+    nr.output_token_ids = "abc"
+    e = refused(sc, SchedulerOutput([nr], cached(["A"], [6]), {"A": 1, "N": 1}))
+    assert (e.req_id, e.field) == ("N", "output_token_ids"), str(e)
+    nr = NewRequestData("N", [5, 6], ([4],))
+    nr.output_token_ids = np.array([6])  # a 1-D integer array is a token list
+    nr.num_computed_tokens = 0
+    sc.update_states(SchedulerOutput([nr], cached(["A"], [6]), {"A": 1, "N": 2}))
+
+
+@pytest.mark.parametrize("env, want", [("1", True), ("0", False), (None, False)])
+def test_validate_defaults_to_the_environment(monkeypatch, env, want):
+    if env is None:
+        monkeypatch.delenv("ATTNPLUG_VALIDATE", raising=False)
+    else:
+        monkeypatch.setenv("ATTNPLUG_VALIDATE", env)
+    assert StepCompiler([4], max_num_reqs=2, max_model_len=8, max_num_batched_tokens=8, num_blocks=8).validate is want
+    assert StepCompiler([4], max_num_reqs=2, max_model_len=8, max_num_batched_tokens=8, num_blocks=8,
+                        validate=not want).validate is (not want)
+
+
+def test_an_int_packer_reports_zero_bounds_before_any_pack():
+    from attnplug.runner.step.int_packer import IntPacker
+    for native in (False, True):
+        p = IntPacker(native=native)
+        assert (p.min, p.max, p.flat.shape[0]) == (0, 0, 0)
+        views = p.pack([[3, 9], [4]])
+        assert (p.min, p.max) == (3, 9) and [v.tolist() for v in views] == [[3, 9], [4]]
+
+
+@pytest.mark.parametrize("call", ["append_output_tokens", "append_verified_tokens", "append_placeholders"])
+@pytest.mark.parametrize("rows", [[1.0], [True], ["0"], np.array([0.0])])
+def test_stage_8_rows_must_be_ints(call, rows):
+    """One typing rule: numpy would take ``1.0`` or ``"0"`` as a row index."""
+    from attnplug.core.errors import MetadataError
+    sc = one_group(False)
+    so = SchedulerOutput([], cached(["A", "B"], [6, 2]), {"A": 1, "B": 1})
+    sc.update_states(so)
+    sc.prepare_inputs(so)
+    before = sc.snapshot()
+    args = {"append_output_tokens": ([5],), "append_verified_tokens": ([[5]],), "append_placeholders": ()}[call]
+    words = f"{call}: rows must be ints"
+    if call == "append_output_tokens" and isinstance(rows, list) and isinstance(rows[0], str):
+        words = "request '0' is not in this step's batch"  # strings there are request ids
+    with pytest.raises(MetadataError, match=words):
+        getattr(sc, call)(rows, *args)
+    assert not snapshot_diff(before, sc.snapshot())
+    getattr(sc, call)(np.array([0], dtype=np.int32), *args)  # an integer array is fine
