@@ -61,6 +61,12 @@ def test_allocate_refusal_names_the_counts_and_the_remedy():
                 f"cannot allocate {n} blocks: 2 of 3 are free; check num_free_blocks (or use "
                 "KVCacheManager.allocate_slots, which returns None when short) before allocating")
     assert p.allocate(2) == [2, 3]  # exactly what is free
+    p.free([2, 3])
+    for n in (True, 1.0, "1"):
+        refused(SchedulingError, lambda: p.allocate(n),
+                f"cannot allocate {n} blocks: 2 of 3 are free; check num_free_blocks (or use "
+                "KVCacheManager.allocate_slots, which returns None when short) before allocating")
+    assert p.num_free_blocks == 2
 
 
 def test_free_and_touch_refusals():
@@ -102,6 +108,19 @@ def test_cache_full_blocks_refusals():
             "cache_full_blocks: block 2 (logical 1) is cached under another hash; "
             "a block's contents never change while it is held")
     assert p.cache_full_blocks(a, [H(0), H(1)], 2, 2) == 0  # an empty range
+    refused(SchedulingError, lambda: p.cache_full_blocks([5], [H(5)], 0, 1),
+            "cache_full_blocks: block 5 (logical 0) is not held by a request")  # exactly num_blocks
+
+
+def test_cache_full_blocks_registers_only_its_range_and_skips_null_entries():
+    p = PrefixCachingBlockPool(6)
+    a = p.allocate(3)  # [1, 2, 3]
+    assert p.cache_full_blocks(a, [H(0), H(1), H(2)], 1, 2) == 1  # logical block 1 only
+    assert p.get_cached_block(H(0)) is None and p.get_cached_block(H(1)) == 2
+    assert p.get_cached_block(H(2)) is None
+    # a sliding window gave logical block 0 back: the null entry is skipped, the rest cached
+    assert p.cache_full_blocks([0, a[0], a[2]], [H(7), H(8), H(9)], 0, 3) == 2
+    assert p.get_cached_block(H(7)) is None and p.get_cached_block(H(8)) == 1 and p.get_cached_block(H(9)) == 3
 
 
 def test_evictions_are_counted_one_by_one_and_a_reset_counts_none():
@@ -165,6 +184,7 @@ def test_mamba_columns_at_block_size_one_and_their_refusals():
     refused(SchedulingError, lambda: mamba_state_column(-1, 4), "num_computed_tokens must be >= 0, got -1")
     specs = [FullAttentionSpec(block_size=4), MambaSpec(block_size=8)]
     assert mamba_state_column_of_group(specs, 1, 9) == 1
+    assert mamba_state_column_of_group([MambaSpec(block_size=4)], 0, 9) == 2  # group 0 is valid
     for g in (0, 2, -1):
         refused(KVCacheSpecError, lambda: mamba_state_column_of_group(specs, g, 9),
                 f"group {g} is not a Mamba group; its state column is undefined")
