@@ -55,7 +55,8 @@ TARGETS: dict[str, list[str]] = {
                                        "tests/backends/flash_attn/test_cascade_clamp.py",
                                        "tests/backends/flash_attn/test_builder_edges.py"],
     "backends/flashinfer/builder.py": ["tests/backends/flashinfer/test_builder.py"],
-    "backends/triton/builder.py": ["tests/backends/triton/test_builder.py"],
+    "backends/triton/builder.py": ["tests/backends/triton/test_builder.py",
+                                   "tests/backends/triton/test_builder_edges.py"],
     "backends/torch_native/builder.py": ["tests/backends/torch_native", "tests/runner/test_cudagraph_padding.py"],
 }
 NOT_TARGETS = {"runner/step/oracle.py", "runner/step/debug.py"}  # the tests' own reference and views
