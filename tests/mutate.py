@@ -52,9 +52,11 @@ TARGETS: dict[str, list[str]] = {
     "cache_groups/*.py": ["tests/cache_groups"],  # module-level tests only (issue 23)
     "runner/step/*.py": STEP_TESTS,
     "backends/flash_attn/builder.py": ["tests/backends/flash_attn/test_builder.py",
-                                       "tests/backends/flash_attn/test_cascade_clamp.py"],
+                                       "tests/backends/flash_attn/test_cascade_clamp.py",
+                                       "tests/backends/flash_attn/test_builder_edges.py"],
     "backends/flashinfer/builder.py": ["tests/backends/flashinfer/test_builder.py"],
-    "backends/triton/builder.py": ["tests/backends/triton/test_builder.py"],
+    "backends/triton/builder.py": ["tests/backends/triton/test_builder.py",
+                                   "tests/backends/triton/test_builder_edges.py"],
     "backends/torch_native/builder.py": ["tests/backends/torch_native", "tests/runner/test_cudagraph_padding.py"],
 }
 NOT_TARGETS = {"runner/step/oracle.py", "runner/step/debug.py"}  # the tests' own reference and views

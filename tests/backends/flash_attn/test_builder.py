@@ -152,17 +152,19 @@ def test_update_block_table_equals_a_fresh_build(graph):
     other = make_paged_batch([5, 0, 16], [1, 3, 2], block_size=4, seed=9)  # same lengths, other blocks
     b0, _ = _setup(b, max_len=20)  # 5 blocks of 4: the steps' width (graph builds bake max_seqlen_k = 20)
     b1, _ = _setup(b, max_len=20)
+    b2, _ = _setup(b, max_len=20)  # the fresh build's own buffers: b1's would overwrite what is compared
     build = (lambda builder, cm: builder.build_for_cudagraph_capture(cm)) if graph else (
         lambda builder, cm: builder.build(0, cm))
     md0 = build(b0, b.cm)
     snapshot = md0.block_table.clone()
     updated = b1.update_block_table(md0, other.cm.block_table_tensor, other.cm.slot_mapping)
     if graph:
-        for f in ("query_start_loc", "seq_lens", "block_table", "slot_mapping"):
+        for f in ("query_start_loc", "seq_lens", "block_table", "slot_mapping", "scheduler_metadata"):
             assert getattr(updated, f).data_ptr() != getattr(md0, f).data_ptr(), f"{f}: in b1's own buffers"
+        assert updated.scheduler_metadata.data_ptr() == b1._scheduler_metadata.data_ptr()
     else:
         assert updated.block_table is other.cm.block_table_tensor and updated.slot_mapping is other.cm.slot_mapping
-    fresh = build(b1, other.cm)
+    fresh = build(b2, other.cm)
     for f in dataclasses.fields(fresh):
         x, y = getattr(updated, f.name), getattr(fresh, f.name)
         assert torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y, f.name
