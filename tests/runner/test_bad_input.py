@@ -16,9 +16,9 @@ KW = dict(kernel_block_sizes=[4, 4], num_blocks=32, group_kinds=["full_attention
           validate=True)
 
 
-def make_compiler() -> StepCompiler:
+def make_compiler(native: bool | None = None) -> StepCompiler:
     """A and B in the batch; C resident but unscheduled (state kept, no row)."""
-    sc = StepCompiler([4, 8], max_num_reqs=4, max_model_len=32, max_num_batched_tokens=16, **KW)
+    sc = StepCompiler([4, 8], max_num_reqs=4, max_model_len=32, max_num_batched_tokens=16, native=native, **KW)
     sc.update_states(SchedulerOutput([
         NewRequestData("A", [1, 2, 3, 4, 5, 6], ([1, 2], [1])),
         NewRequestData("B", [7, 8, 9], ([3], [2]), sampling_params=SamplingParams(seed=3)),
