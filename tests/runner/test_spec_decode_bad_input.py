@@ -70,8 +70,8 @@ def _bad_cases():
     """``(name, step kwargs, request named, words of the message)``."""
     A = {"A": [5, 6]}
     return [
-        ("unknown", dict(drafts={"Z": [1]}), "Z", "unknown request: not in scheduled_cached_reqs"),
-        ("unscheduled resident", dict(drafts={"C": [1]}), "C", "request is resident but not scheduled this step"),
+        ("unknown", dict(drafts={"Z": [1]}), "Z", "unknown request: not in scheduled_cached_reqs$"),
+        ("unscheduled resident", dict(drafts={"C": [1]}), "C", "request is resident but not scheduled this step$"),
         ("prefilling row", dict(drafts={"B": [1, 2]}), "B", "row still prefilling: 10 real tokens left to compute "
                                                              "(num_computed_tokens=2 of 12)"),
         ("two tokens left", dict(drafts={"A": [5]}, ncc=(7, 2)), "A", "row still prefilling: 2 real tokens left"),

@@ -322,3 +322,92 @@ def test_stage_8_rows_must_be_ints(call, rows):
         getattr(sc, call)(rows, *args)
     assert not snapshot_diff(before, sc.snapshot())
     getattr(sc, call)(np.array([0], dtype=np.int32), *args)  # an integer array is fine
+
+
+def test_top_level_fields_of_the_wrong_type_name_the_field_and_type():
+    sc = one_group(False)
+    e = refused(sc, "not an output")
+    assert e.field == "scheduler_output" and str(e).endswith("expected SchedulerOutput, got str"), str(e)
+    so = SchedulerOutput([], cached(["A"], [6]), {"A": 1})
+    so.num_scheduled_tokens = [("A", 1)]
+    e = refused(sc, so)
+    assert e.field == "num_scheduled_tokens" and str(e).endswith("expected a dict {req_id: int}, got list"), str(e)
+    so = SchedulerOutput([], cached(["A"], [6]), {"A": 1}, scheduled_spec_decode_tokens=[("A", [1])])
+    e = refused(sc, so)
+    assert e.field == "scheduled_spec_decode_tokens" and "expected a dict {req_id: [draft token ids]}" in str(e), str(e)
+    so = SchedulerOutput([], cached(["A"], [6]), {"A": 1}, finished_req_ids=[["A"]])  # a list is not hashable
+    e = refused(sc, so)
+    assert e.field == "finished_req_ids" and str(e).endswith("request ids must be str, got ['A']"), str(e)
+
+
+def test_a_long_bad_value_is_echoed_truncated():
+    from attnplug.runner.step.check_types import MAX_ECHO
+    sc = one_group(False)
+    nr = NewRequestData("N", "x" * 1000, ([4],))
+    e = refused(sc, SchedulerOutput([nr], cached(["A"], [6]), {"A": 1, "N": 1}))
+    assert (e.req_id, e.field) == ("N", "prompt_token_ids"), str(e)
+    assert str(e).endswith("... (1002 characters)") and len(str(e)) < MAX_ECHO + 150, str(e)
+
+
+def test_new_request_block_ids_out_of_range_name_their_group():
+    sc = two_groups(False)
+    e = refused(sc, new("N", ([3], [-1])))
+    assert (e.req_id, e.field) == ("N", "block_ids") and str(e).endswith(
+        "group 1: block ids must be ints in [0, 2**31)"), str(e)
+
+
+def test_scheduling_past_the_held_tokens_names_the_count_not_the_computed():
+    sc = one_group(False)  # A holds 7 tokens
+    e = refused(sc, SchedulerOutput([], cached(["A"], [7]), {"A": 1}))
+    assert (e.req_id, e.field) == ("A", "num_scheduled_tokens"), str(e)
+
+
+def test_kernel_block_sizes_need_one_per_group():
+    from attnplug.core.errors import KVCacheSpecError
+    with pytest.raises(KVCacheSpecError, match=r"kernel_block_sizes \[4\]: need one per cache group \(2\)"):
+        StepCompiler([4, 8], max_num_reqs=2, max_model_len=8, max_num_batched_tokens=8, num_blocks=8,
+                     kernel_block_sizes=[4])
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_draft_ids_zero_and_one_are_drafts_bools_are_not(native):
+    sc = make_spec(native)
+    sc.update_states(SchedulerOutput([], cached(["A"], [7], blocks=[([4],)]), {"A": 3},
+                                     scheduled_spec_decode_tokens={"A": [1, 0]}))
+    r = sc.input_batch.req_id_to_index["A"]
+    assert sc.input_batch.token_ids_cpu[r, 8:10].tolist() == [1, 0]
+    sc = make_spec(native)
+    e = refused(sc, SchedulerOutput([], cached(["A"], [7]), {"A": 2}, scheduled_spec_decode_tokens={"A": [True]}))
+    assert e.field == "scheduled_spec_decode_tokens", str(e)
+
+
+def make_spec(native: bool) -> StepCompiler:
+    """A decoding: 8 tokens held, 7 computed (one_group, then A's next token)."""
+    sc = one_group(native)
+    so = SchedulerOutput([], cached(["A"], [6]), {"A": 1})
+    sc.update_states(so)
+    sc.prepare_inputs(so)
+    sc.append_output_tokens(["A"], [11])
+    return sc
+
+
+def test_verified_tokens_out_of_range_are_refused():
+    from attnplug.core.errors import MetadataError
+    for bad in ([2**31], [-1]):
+        sc = make_spec(False)
+        so = SchedulerOutput([], cached(["A"], [7], blocks=[([4],)]), {"A": 2}, scheduled_spec_decode_tokens={"A": [5]})
+        sc.update_states(so)
+        sc.prepare_inputs(so)
+        before = sc.snapshot()
+        with pytest.raises(MetadataError, match=r"token ids must be in \[0, 2\*\*31\)"):
+            sc.append_verified_tokens([sc.input_batch.req_id_to_index["A"]], [bad])
+        assert not snapshot_diff(before, sc.snapshot())
+
+
+def test_an_int_packer_packs_empty_sequences():
+    from attnplug.runner.step.int_packer import IntPacker
+    for native in (False, True):
+        p = IntPacker(native=native)
+        p.pack([[7]])
+        views = p.pack([[], []])
+        assert [v.tolist() for v in views] == [[], []] and (p.min, p.max) == (0, 0)
