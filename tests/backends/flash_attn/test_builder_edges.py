@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,6 +22,9 @@ from attnplug.cache_groups.specs import FullAttentionSpec
 from attnplug.core.contracts import AttentionCGSupport, BuilderConfig
 from attnplug.core.errors import BackendUnsupportedError, MetadataError
 
+sys.path.insert(0, str(Path(__file__).parent))
+from test_cascade_clamp import _forward  # noqa: E402  (one forward helper for the builder's tests)
+
 
 def _setup(b, backend=FlashAttn3EmulatedBackend, max_reqs=8, max_len=256, block_size=None):
     spec = FullAttentionSpec(block_size=block_size or b.block_size, num_kv_heads=b.num_kv_heads,
@@ -27,13 +32,6 @@ def _setup(b, backend=FlashAttn3EmulatedBackend, max_reqs=8, max_len=256, block_
     builder = backend.get_builder_cls()(spec, ["l0"], BuilderConfig(max_reqs, 64, max_len), "cpu")
     impl = backend.get_impl_cls()(b.num_heads, b.head_size, b.head_size ** -0.5, b.num_kv_heads)
     return builder, impl
-
-
-def _forward(impl, b, md):
-    kv = torch.stack([b.key_cache, b.value_cache])
-    out = torch.zeros_like(b.query)
-    impl.forward(None, b.query, b.key, b.value, kv, md, out)
-    return out
 
 
 def _same(x, y, name):
