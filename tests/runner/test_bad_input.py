@@ -92,6 +92,11 @@ def bad_sampling(c, n, new, f): new.append(NewRequestData("N", [1], ([6], [6]), 
 def wrong_group_count(c, n, new, f): new.append(NewRequestData("N", [1], ([6],))); n["N"] = 1
 def resumed_without_blocks(c, n, new, f): c["C"] = dict(resumed=True, tokens=[], blocks=([], []), ncc=0); n["C"] = 2
 def returning_beyond_blocks(c, n, new, f): c["C"] = dict(resumed=False, tokens=[12, 13, 14], blocks=None, ncc=2); n["C"] = 3
+def extra_zero_count(c, n, new, f): n["Q"] = 0
+def block_delta_not_a_list(c, n, new, f): c["B"]["blocks"] = ([5], "x")
+def resumed_wrong_group_count(c, n, new, f): c["C"] = dict(resumed=True, tokens=[], blocks=([6],), ncc=0); n["C"] = 2
+def new_block_outside_pool(c, n, new, f): new.append(NewRequestData("N", [1], ([40], [6]))); n["N"] = 1
+def prompt_a_range(c, n, new, f): new.append(NewRequestData("N", range(3), ([6], [6]))); n["N"] = 3
 def too_many_requests(c, n, new, f):
     for i in range(3):
         new.append(NewRequestData(f"N{i}", [1], ([6 + i], [6 + i]))); n[f"N{i}"] = 1
@@ -129,6 +134,11 @@ CASES = [
     case(resumed_without_blocks, "C", "new_block_ids"),
     case(returning_beyond_blocks, "C", "new_block_ids"),
     case(too_many_requests, None, "num_scheduled_tokens"),
+    case(extra_zero_count, "Q", "num_scheduled_tokens"),
+    case(block_delta_not_a_list, "B", "new_block_ids"),
+    case(resumed_wrong_group_count, "C", "new_block_ids"),
+    case(new_block_outside_pool, "N", "block_ids"),
+    case(prompt_a_range, "N", "prompt_token_ids"),
 ]
 
 
