@@ -97,6 +97,15 @@ def block_delta_not_a_list(c, n, new, f): c["B"]["blocks"] = ([5], "x")
 def resumed_wrong_group_count(c, n, new, f): c["C"] = dict(resumed=True, tokens=[], blocks=([6],), ncc=0); n["C"] = 2
 def new_block_outside_pool(c, n, new, f): new.append(NewRequestData("N", [1], ([40], [6]))); n["N"] = 1
 def prompt_a_range(c, n, new, f): new.append(NewRequestData("N", range(3), ([6], [6]))); n["N"] = 3
+def appended_ids_not_ints(c, n, new, f): c["A"]["blocks"] = ([1.5], [])
+def new_without_count(c, n, new, f): new.append(NewRequestData("N", [1], ([6], [6])))
+def finished_and_readded(c, n, new, f): c["C"] = dict(resumed=False, tokens=[], blocks=None, ncc=1); n["C"] = 1; f.add("C")
+def negative_temperature(c, n, new, f): new.append(NewRequestData("N", [1], ([6], [6]), sampling_params=SamplingParams(temperature=-1.0))); n["N"] = 1
+def seed_too_large(c, n, new, f): new.append(NewRequestData("N", [1], ([6], [6]), sampling_params=SamplingParams(seed=2**64))); n["N"] = 1
+def new_beyond_its_prompt(c, n, new, f): new.append(NewRequestData("N", [1, 2], ([6], [6]), 1)); n["N"] = 2
+def resumed_id_at_int32_max(c, n, new, f): c["C"] = dict(resumed=True, tokens=[], blocks=([2**31 - 1], [6]), ncc=0); n["C"] = 2
+def output_ids_not_a_list(c, n, new, f):
+    nr = NewRequestData("N", [1], ([6], [6])); nr.output_token_ids = "abc"; new.append(nr); n["N"] = 1
 def too_many_requests(c, n, new, f):
     for i in range(3):
         new.append(NewRequestData(f"N{i}", [1], ([6 + i], [6 + i]))); n[f"N{i}"] = 1
@@ -139,6 +148,14 @@ CASES = [
     case(resumed_wrong_group_count, "C", "new_block_ids"),
     case(new_block_outside_pool, "N", "block_ids"),
     case(prompt_a_range, "N", "prompt_token_ids"),
+    case(appended_ids_not_ints, "A", "new_block_ids"),
+    case(new_without_count, "N", "num_scheduled_tokens"),
+    case(finished_and_readded, "C", "finished_req_ids"),
+    case(negative_temperature, "N", "sampling_params"),
+    case(seed_too_large, "N", "sampling_params"),
+    case(new_beyond_its_prompt, "N", "num_scheduled_tokens"),
+    case(resumed_id_at_int32_max, "C", "new_block_ids"),
+    case(output_ids_not_a_list, "N", "output_token_ids"),
 ]
 
 
@@ -214,8 +231,9 @@ def test_finished_state_is_dropped_and_reading_it_raises():
     cached.pop("A"), nst.pop("A"), finished.add("A")
     sc.update_states(build(cached, nst, new, finished))
     assert "A" not in sc.requests and st.row is None
-    with pytest.raises(MetadataError, match="finished"):
+    with pytest.raises(MetadataError) as info:
         st.all_token_ids
+    assert str(info.value) == "request 'A' finished and its state was dropped; keep what you need before it finishes"
     assert copy.copy(sc.input_batch.req_ids) == ["B"]
 
 

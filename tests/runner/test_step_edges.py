@@ -411,3 +411,30 @@ def test_an_int_packer_packs_empty_sequences():
         p.pack([[7]])
         views = p.pack([[], []])
         assert [v.tolist() for v in views] == [[], []] and (p.min, p.max) == (0, 0)
+
+
+def test_cached_lists_of_different_lengths_name_the_list():
+    sc = one_group(False)
+    cd = cached(["A", "B"], [6, 2])
+    cd.new_token_ids = [[]]  # one entry for two requests
+    e = refused(sc, SchedulerOutput([], cd, {"A": 1, "B": 1}))
+    assert e.field == "scheduled_cached_reqs.new_token_ids" and str(e).endswith(
+        "has 1 entries for 2 req_ids: every list needs one entry per cached request"), str(e)
+
+
+def test_the_largest_float32_temperature_is_accepted():
+    from attnplug.runner.step.check_new import FLOAT32_MAX
+    sc = one_group(False)
+    sp = SamplingParams(temperature=FLOAT32_MAX)
+    sc.update_states(SchedulerOutput([NewRequestData("T", [5], ([4],), sampling_params=sp)], cached(["A"], [6]),
+                                     {"A": 1, "T": 1}))
+    assert "T" in sc.requests
+
+
+def test_a_draft_id_zero_is_a_draft_on_the_per_request_path_too():
+    """Drafts as a tuple take the per-request loop (the vectorized check wants lists)."""
+    sc = make_spec(False)
+    sc.update_states(SchedulerOutput([], cached(["A"], [7], blocks=[([4],)]), {"A": 3},
+                                     scheduled_spec_decode_tokens={"A": (0, 1)}))
+    r = sc.input_batch.req_id_to_index["A"]
+    assert sc.input_batch.token_ids_cpu[r, 8:10].tolist() == [0, 1]
