@@ -6,6 +6,7 @@ the buffers' shapes, dtypes and devices, and every refusal's exact message."""
 from __future__ import annotations
 
 import dataclasses
+import gc
 import re
 from types import SimpleNamespace
 
@@ -49,6 +50,7 @@ class _Recorder:
 
 
 def _setup(b, window=None, num_heads=None, max_reqs=8, cap=None, validate=True):
+    gc.collect()  # impls of earlier tests (held weakly, in reference cycles) would add their own plans
     rec = _Recorder()
 
     class Builder(FlashInferEmulatedBackend.get_builder_cls()):
