@@ -247,3 +247,30 @@ def test_value_refusals():
     builder.build(0, _cm(b, max_seq_len=4))  # max_seq_len == the longest: allowed
     builder.validate_values = False
     builder.build(0, _cm(b, max_seq_len=3))  # not validated: planned as given
+
+
+def test_padded_mixed_batch_plans_the_real_requests_only():
+    from attnplug.runner.execute.cudagraph import PaddedMetadata
+    b = make_paged_batch([3, 0], [1, 5], block_size=4, seed=4)
+    builder, _, rec = _setup(b)
+    cm = PaddedMetadata(8, "cpu").pad([b.cm], 4)[0]  # 2 real requests, 2 padded
+    md = builder.build(0, cm)
+    assert md.paged_kv_indptr.tolist() == [0, 1, 3] and md.paged_kv_last_page_len.tolist() == [4, 1]
+    assert md.qo_indptr.tolist() == [0, 5] and (md.num_decodes, md.num_prefills) == (1, 1)
+    ((a, _),) = rec.of("prefill", "plan")
+    assert a[0].tolist() == [0, 5] and a[1].tolist() == [0, 2]
+
+
+def test_single_request_graph_build_and_the_empty_step():
+    b = make_paged_batch([6], [1], block_size=4, seed=6)
+    builder, _, rec = _setup(b)
+    md = builder.build_for_cudagraph_capture(b.cm)  # one request is a pure decode batch
+    assert md.num_decode_tokens == 1 and md.slot_mapping.data_ptr() == builder._slot_mapping_buf.data_ptr()
+    cm = b.cm
+    empty = _cm(b, num_reqs=0, query_start_loc=cm.query_start_loc[:1], query_start_loc_cpu=cm.query_start_loc_cpu[:1],
+                seq_lens=cm.seq_lens[:0], seq_lens_cpu=cm.seq_lens_cpu[:0], num_actual_tokens=0,
+                slot_mapping=cm.slot_mapping[:0], max_seq_len=0)
+    with pytest.raises(MetadataError, match=re.escape("build_for_cudagraph_capture got 0 prefill request(s) among 0")):
+        builder.build_for_cudagraph_capture(empty)
+    md = builder.build(0, empty)  # validated: nothing to plan, no max over no seq_lens
+    assert md.num_reqs == 0 and md.paged_kv_indptr.tolist() == [0] and md.num_decode_tokens == 0
