@@ -274,3 +274,11 @@ def test_single_request_graph_build_and_the_empty_step():
         builder.build_for_cudagraph_capture(empty)
     md = builder.build(0, empty)  # validated: nothing to plan, no max over no seq_lens
     assert md.num_reqs == 0 and md.paged_kv_indptr.tolist() == [0] and md.num_decode_tokens == 0
+
+
+def test_value_checks_follow_attnplug_validate_at_creation(monkeypatch):
+    spec = FullAttentionSpec(block_size=4, num_kv_heads=2, head_size=16, dtype=torch.float32)
+    monkeypatch.setenv("ATTNPLUG_VALIDATE", "1")
+    assert FlashInferMetadataBuilder(spec, ["l0"], BuilderConfig(2, 8, 16), "cpu").validate_values is True
+    monkeypatch.setenv("ATTNPLUG_VALIDATE", "0")
+    assert FlashInferMetadataBuilder(spec, ["l0"], BuilderConfig(2, 8, 16), "cpu").validate_values is False
