@@ -41,7 +41,7 @@ STEP_TESTS = ["tests/runner/test_step_oracle.py", "tests/runner/test_input_batch
               "tests/runner/test_apply_windows.py", "tests/runner/test_bad_input_fuzz.py",
               "tests/runner/test_spec_decode.py", "tests/runner/test_spec_decode_bad_input.py",
               "tests/runner/test_spec_decode_oracle.py", "tests/runner/test_spec_decode_rollback.py",
-              "tests/runner/test_placeholders.py", "tests/runner/test_step_edges.py",
+              "tests/runner/test_placeholders.py", "tests/runner/test_step_edges.py", "tests/runner/test_stage8_edges.py",
               "tests/runner/test_error_messages.py"]
 TARGETS: dict[str, list[str]] = {
     # module glob (repo-relative)      -> the tests that guard it
