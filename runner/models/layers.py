@@ -88,11 +88,18 @@ class Attention(nn.Module):
         q = self.q_proj(hidden).view(n, self.num_heads, self.head_size)
         k = self.k_proj(hidden).view(n, self.num_kv_heads, self.head_size)
         v = self.v_proj(hidden).view(n, self.num_kv_heads, self.head_size)
+        q, k = self.normalize_qk(q, k)
         cos, sin = self.rope.cos_sin(positions, hidden.dtype)
         q, k = self.rope.apply(q, cos, sin), self.rope.apply(k, cos, sin)
         out = torch.zeros_like(q)  # padded rows stay zero
         attend(self, q, k, v, kv_cache, attn_metadata, out)
         return self.o_proj(out.view(n, self.num_heads * self.head_size))
+
+
+    def normalize_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-head q/k normalisation before RoPE: none here (Qwen3 overrides it).
+        ``q`` ``[num_tokens, num_heads, head_size]``, ``k`` ``[num_tokens, num_kv_heads, head_size]``."""
+        return q, k
 
 
 def lookup_layer(mapping, layer_name: str, what: str):
