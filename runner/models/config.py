@@ -98,9 +98,11 @@ class DecoderModelConfig:
                             f"num_key_value_heads {self.num_key_value_heads}")
         if self.head_size % 2:
             problems.append(f"head_dim {self.head_size} must be even for RoPE")
-        elif int(self.head_size * self.rope_scaling.partial_rotary_factor) % 2:
-            problems.append(f"partial_rotary_factor {self.rope_scaling.partial_rotary_factor} rotates an odd number "
-                            f"of head_dim {self.head_size}'s dimensions")
+        if self.rope_scaling.partial_rotary_factor != 1.0:  # HF's Llama-family attention rotates whole heads
+            problems.append(f"partial_rotary_factor {self.rope_scaling.partial_rotary_factor!r} not supported by "
+                            f"{self.model_type} (only 1.0)")
+        if self.rope_scaling.interleaved:
+            problems.append(f"rope_interleave is not supported by {self.model_type} (DeepSeek's pairing)")
         if len(self.sliding_windows) != self.num_hidden_layers:
             problems.append(f"{len(self.sliding_windows)} per-layer windows for {self.num_hidden_layers} layers")
         if any(w is not None and (not isinstance(w, int) or w <= 0) for w in self.sliding_windows):

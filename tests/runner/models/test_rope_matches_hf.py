@@ -103,3 +103,16 @@ def test_deepseek_softmax_scale_equals_hf():
 def test_bad_rope_parameters_name_the_field(params, match):
     with pytest.raises(ModelConfigError, match=match):
         parse_rope({"rope_parameters": params, "max_position_embeddings": 128})
+
+
+@pytest.mark.parametrize("change, match", [({"partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5 not supported"),
+                                           ({"rope_interleave": True}, "rope_interleave")])
+def test_llama_family_refuses_rope_it_does_not_run(change, match):
+    """HF's Llama / Qwen attention rotates whole heads in rotate-half pairs: a partial or
+    interleaved RoPE there is refused, not run differently from the reference."""
+    from attnplug.runner.models import resolve_model_config
+
+    cfg = {"model_type": "qwen3", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+           "num_hidden_layers": 1, "num_attention_heads": 2, **change}
+    with pytest.raises(ModelConfigError, match=match):
+        resolve_model_config(cfg)
