@@ -61,6 +61,27 @@ PRESETS: dict[str, dict[str, Any]] = {
         "tie_word_embeddings": False,
         "initializer_range": 0.08,
     },
+    "tiny-qwen3-moe": {
+        "model_type": "qwen3_moe",
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "vocab_size": 2048,
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "num_experts": 16,
+        "num_experts_per_tok": 4,
+        "moe_intermediate_size": 128,
+        "norm_topk_prob": True,
+        "mlp_only_layers": [0],
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": False,
+        "initializer_range": 0.08,
+    },
 }
 """Preset name -> HF-style config dict.
 
@@ -68,7 +89,9 @@ PRESETS: dict[str, dict[str, Any]] = {
   4096 positions (about 3.4 M parameters).
 * ``tiny-hybrid`` (``attnplug_hybrid``, see ``hybrid.py``): the same sizes over 4 layers —
   a sliding-window (W = 64), a Mamba2, a full-attention and a Mamba2 layer (8 heads of
-  64, state 32, chunk 64) — so every step serves three kinds of cache group."""
+  64, state 32, chunk 64) — so every step serves three kinds of cache group.
+* ``tiny-qwen3-moe`` (``qwen3_moe``, see ``qwen3.py``): the tiny-llama sizes with per-head q/k
+  norms, a dense first layer, then mixture-of-experts MLPs (16 experts of width 128, top-4)."""
 
 DEFAULT_PRESET = "tiny-llama"
 """What ``--model preset`` means (``attnplug backends --explain``, ``attnplug run --model preset``)."""
