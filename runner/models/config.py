@@ -160,9 +160,12 @@ def _number(params: Mapping[str, Any], key: str, default=None):
 
 
 def _yarn(params: Mapping[str, Any], cfg: Mapping[str, Any], common: dict) -> RopeScaling:
-    """YaRN's fields as HF's ``_compute_yarn_parameters`` reads them: ``original_max_position_embeddings``
-    defaults to the config's ``max_position_embeddings``; a null ``factor`` is their ratio."""
-    original = params.get("original_max_position_embeddings", cfg.get("max_position_embeddings"))
+    """YaRN's fields as HF reads them (``standardize_rope_params``, ``_compute_yarn_parameters``):
+    ``original_max_position_embeddings`` from the top level of the config if there (Phi-3's
+    spelling, which HF prefers), else from the rope parameters, else the config's
+    ``max_position_embeddings``; a null ``factor`` is ``max_position_embeddings / original``."""
+    original = cfg.get("original_max_position_embeddings") or params.get(
+        "original_max_position_embeddings", cfg.get("max_position_embeddings"))
     if not isinstance(original, int) or isinstance(original, bool) or original <= 0:
         raise ModelConfigError(f"yarn rope scaling needs original_max_position_embeddings (a positive int), "
                                f"got {original!r}")
@@ -176,13 +179,14 @@ def _yarn(params: Mapping[str, Any], cfg: Mapping[str, Any], common: dict) -> Ro
                        truncate=bool(params.get("truncate", True)), **common)
 
 
-def parse_rope(cfg: Mapping[str, Any]) -> tuple[float, RopeScaling]:
+def parse_rope(cfg: Mapping[str, Any], *, interleave_default: bool = False) -> tuple[float, RopeScaling]:
     """``(rope_theta, RopeScaling)`` from either HF spelling.
 
     transformers >= 5 puts everything in ``rope_parameters`` (``rope_theta`` and
     ``partial_rotary_factor`` included); older configs have them at the top level and an
     optional ``rope_scaling`` whose kind is ``rope_type`` or the legacy ``type``.
-    ``rope_interleave`` (DeepSeek) is a top-level field.
+    ``rope_interleave`` (DeepSeek) is a top-level field; ``interleave_default`` is its value
+    when absent (transformers' ``DeepseekV3Config`` defaults it to true).
 
     Raises:
         ModelConfigError: an unsupported scaling type, missing or non-numeric scaling fields,
@@ -204,7 +208,7 @@ def parse_rope(cfg: Mapping[str, Any]) -> tuple[float, RopeScaling]:
     partial = 1.0 if partial is None else partial
     if not 0.0 < partial <= 1.0:
         raise ModelConfigError(f"partial_rotary_factor {partial!r} must be in (0, 1]")
-    common = dict(partial_rotary_factor=partial, interleaved=bool(cfg.get("rope_interleave", False)))
+    common = dict(partial_rotary_factor=partial, interleaved=bool(cfg.get("rope_interleave", interleave_default)))
     if rope_type == "default":
         return theta, RopeScaling(**common)
     if rope_type == "yarn":

@@ -116,3 +116,19 @@ def test_llama_family_refuses_rope_it_does_not_run(change, match):
            "num_hidden_layers": 1, "num_attention_heads": 2, **change}
     with pytest.raises(ModelConfigError, match=match):
         resolve_model_config(cfg)
+
+
+def test_yarn_original_length_and_factor_defaults_follow_hf():
+    """No ``original_max_position_embeddings`` in the rope parameters: HF takes the top-level
+    field if there, else ``max_position_embeddings``; a null factor is their ratio."""
+    top = {"rope_type": "yarn", "factor": None, "rope_theta": 10000.0}
+    hf_cfg = transformers.LlamaConfig(hidden_size=128, num_attention_heads=2, head_dim=64, max_position_embeddings=4096,
+                                      rope_parameters=dict(top))
+    hf_cfg.original_max_position_embeddings = 1024
+    ref, ref_factor = ROPE_INIT_FUNCTIONS["yarn"](hf_cfg, "cpu")
+    theta, scaling = parse_rope({**hf_cfg.to_dict(), "rope_parameters": top})
+    assert scaling.original_max_position_embeddings == 1024 and scaling.factor == 4.0
+    inv_freq, factor = rope_frequencies(64, theta, scaling)
+    assert torch.equal(inv_freq, ref) and factor == pytest.approx(ref_factor)
+    _, plain = parse_rope({"rope_parameters": {"rope_type": "yarn", "factor": 2.0}, "max_position_embeddings": 512})
+    assert plain.original_max_position_embeddings == 512
