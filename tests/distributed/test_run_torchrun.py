@@ -40,8 +40,9 @@ ARGS = ["--model", "tiny-llama", "--num-requests", "4", "--max-model-len", "256"
     (1, 2, "fixed", ["--model", HYBRID6]),
     pytest.param(2, 2, "fixed", ["--model", HYBRID6], marks=pytest.mark.slow),
     (2, 1, "fixed", ["--model", QWEN3_MOE]),
+    pytest.param(1, 2, "fixed", ["--model", "tiny-qwen3-moe"], marks=pytest.mark.slow),
 ], ids=["tp2", "pp2", "tp2xpp2", "tp2-async", "pp2-async", "tp2-hybrid", "pp2-hybrid6", "tp2xpp2-hybrid6",
-        "tp2-qwen3_moe"])
+        "tp2-qwen3_moe", "pp2-qwen3_moe"])
 def test_torchrun_digest_equals_one_process(capsys, tmp_path, tp, pp, broadcast, extra):
     if HYBRID6 in extra:  # tiny-hybrid over 6 layers, so that both stages form the same cache groups
         cfg = {**presets.preset_config("tiny-hybrid"), "num_hidden_layers": 6, "attn_layer_indices": [0, 2, 3, 5],
