@@ -88,7 +88,7 @@ def model_layer_configs(cfg: DecoderModelConfig | BambaModelConfig | Gemma3Model
 def build_model(config: Any, *, backend_for_layer: BackendForLayer | None = None,
                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
                 block_size: int = 16, seed: int | None = 0) -> DecoderModel | BambaModel | Gemma3Model:
-    """Build a Llama / Qwen2 / Mistral / Bamba / Gemma3 model whose layers use chosen backends.
+    """Build a Llama / Qwen2 / Mistral / Qwen3 / Qwen3-MoE / Bamba / Gemma3 model over chosen backends.
 
     Args:
         config: a ``transformers.PretrainedConfig``, a dict, or a ``config.json`` path (or
@@ -106,7 +106,8 @@ def build_model(config: Any, *, backend_for_layer: BackendForLayer | None = None
             ``None`` uses the global RNG.
 
     Returns:
-        The :class:`DecoderModel` (or :class:`BambaModel`, :class:`Gemma3Model`) in eval mode.
+        The :class:`DecoderModel` (its subclass ``Qwen3Model`` for Qwen3 / Qwen3-MoE; or
+        :class:`BambaModel`, :class:`Gemma3Model`) in eval mode.
 
     Raises:
         UnsupportedModelError: not a supported architecture (lists the supported ones).
