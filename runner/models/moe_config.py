@@ -8,7 +8,9 @@ model_type         router (``scoring_func``/``topk_method``)  experts
 =================  ======================================  =====================================
 ``qwen3_moe``      softmax / greedy, ``norm_topk_prob``    SwiGLU, ``gate_up_proj [E, 2I, H]``
 ``deepseek_v2``    softmax / greedy or                     SwiGLU + ``n_shared_experts``
-                   ``group_limited_greedy`` (group max)
+                   ``group_limited_greedy`` (group max);
+                   ``norm_topk_prob`` refused (HF 5.24
+                   ignores it, DeepSeek's code applies it)
 ``deepseek_v3``    sigmoid / ``noaux_tc`` (correction      SwiGLU + ``n_shared_experts``
                    bias, group top-2 sum, renorm, scale)
 ``gpt_oss``        router with bias / ``topk_softmax``     clamped SwiGLU (``swiglu_limit``,
@@ -144,6 +146,9 @@ def _qwen3_moe(cfg: Mapping[str, Any]) -> MoEConfig:
 
 
 def _deepseek(cfg: Mapping[str, Any], v3: bool) -> MoEConfig:
+    if not v3 and cfg.get("norm_topk_prob") and cfg.get("num_experts_per_tok", 1) > 1:
+        raise ModelConfigError("norm_topk_prob true is not supported for deepseek_v2: DeepSeek's code renormalises "
+                               "the top-k weights, transformers 5.24 (the parity reference) does not")
     scoring = cfg.get("scoring_func") or ("sigmoid" if v3 else "softmax")
     method = cfg.get("topk_method") or ("noaux_tc" if v3 else "greedy")
     n_group = cfg.get("n_group") or 1

@@ -62,5 +62,8 @@ def test_moe_config_names_each_inconsistency():
                           ({"num_shared_experts": -1}, "n_shared_experts")]:
         with pytest.raises(ModelConfigError, match=match):
             MoEConfig(**{**base, **change})
+    with pytest.raises(ModelConfigError, match="norm_topk_prob true is not supported for deepseek_v2"):
+        parse_moe({**DEEPSEEK_V3, "norm_topk_prob": True, "topk_method": "greedy", "scoring_func": None},
+                  "deepseek_v2")
     with pytest.raises(ModelConfigError, match="hidden_act 'gelu'"):
         parse_moe({**DEEPSEEK_V3, "hidden_act": "gelu"}, "deepseek_v3")
