@@ -126,8 +126,7 @@ class Experts(nn.Module):
         if cfg.expert_bias:
             self.gate_up_proj_bias = nn.Parameter(torch.zeros(E, 2 * I, **kw))
             self.down_proj_bias = nn.Parameter(torch.zeros(E, H, **kw))
-        self.add_down_bias = True
-        """Add ``down_proj_bias`` (tensor parallel: on one rank only, the sum counts it once)."""
+        self.add_down_bias = True  # tensor parallel: only rank 0 adds down_proj_bias, so the sum counts it once
 
     def expert_mlp(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Expert ``e`` on its tokens ``x`` ``[m, hidden_size]`` -> ``[m, hidden_size]`` (unweighted)."""
