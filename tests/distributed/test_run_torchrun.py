@@ -54,7 +54,7 @@ def test_torchrun_digest_equals_one_process(capsys, tmp_path, tp, pp, broadcast,
         extra = [str(tmp_path / "qwen3_moe.json") if x == QWEN3_MOE else x for x in extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "ATTNPLUG_VALIDATE": "1"}
     env.pop("WORLD_SIZE", None)
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(tp * pp), "-m",
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(tp * pp), "-m",
                            "attnplug", "run", *ARGS, *extra, "--tensor-parallel-size", str(tp), "--pipeline-parallel-size",
                            str(pp), "--dist-broadcast", broadcast], capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -83,7 +83,7 @@ def test_parallel_sizes_must_fit_the_launch(capsys, monkeypatch):
 def test_bench_broadcast_reports_the_three_methods():
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("WORLD_SIZE", None)
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "attnplug",
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "attnplug",
                            "bench", "broadcast", "--num-requests", "4", "--repeat", "1", "--json"],
                           capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
