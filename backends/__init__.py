@@ -16,6 +16,7 @@ BUILTIN_BACKENDS: dict[str, str] = {
     "triton": "attnplug.backends.triton.backend:TritonBackend",
     "flash_attn": "attnplug.backends.flash_attn.backend:FlashAttnBackend",
     "flashinfer": "attnplug.backends.flashinfer.backend:FlashInferBackend",
+    "torch_native_mla": "attnplug.backends.mla.torch_native.backend:TorchNativeMLABackend",
 }
 """Built-in backend name -> ``"module:ClassName"`` of its
 :class:`~attnplug.core.contracts.AttentionBackend`.

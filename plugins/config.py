@@ -38,7 +38,7 @@ CACHE_GROUP_KINDS: tuple[str, ...] = GROUP_KIND_NAMES
 ``attnplug.cache_groups.kinds``)."""
 
 KIND_CACHE_KIND: dict[str, str] = {"full_attention": "attention", "sliding_window": "attention",
-                                   "mamba": "mamba"}
+                                   "mamba": "mamba", "mla": "mla"}
 """Which ``AttentionBackend.kv_cache_kind`` serves each cache-group kind."""
 
 DEFAULT_KEY = "default"
