@@ -17,6 +17,7 @@ BUILTIN_BACKENDS: dict[str, str] = {
     "flash_attn": "attnplug.backends.flash_attn.backend:FlashAttnBackend",
     "flashinfer": "attnplug.backends.flashinfer.backend:FlashInferBackend",
     "torch_native_mla": "attnplug.backends.mla.torch_native.backend:TorchNativeMLABackend",
+    "triton_mla": "attnplug.backends.mla.triton.backend:TritonMLABackend",
 }
 """Built-in backend name -> ``"module:ClassName"`` of its
 :class:`~attnplug.core.contracts.AttentionBackend`.
