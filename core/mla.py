@@ -283,6 +283,13 @@ class MLAImpl(ABC):
         self.qk_rope_head_dim = layer_config.qk_rope_head_dim
         self.v_head_dim = layer_config.v_head_dim
         self.scale = float(scale)
+        # the attention-impl view of the layer, for registries of live layer parameters
+        # (backends/common/layer_params.py): one KV "head" of the latent row, no window
+        self.num_kv_heads = 1
+        self.head_size = layer_config.head_size
+        self.sliding_window = None
+        self.logits_soft_cap = None
+        self.kv_cache_dtype = layer_config.kv_cache_dtype
 
     @abstractmethod
     def forward(self, layer: Any, q: torch.Tensor, kv_c_normed: torch.Tensor, k_pe: torch.Tensor,

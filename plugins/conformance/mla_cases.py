@@ -8,7 +8,7 @@ DeepSeek's (``qk_nope_head_dim + qk_rope_head_dim`` a multiple of 16, ``v_head_d
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -51,6 +51,7 @@ MLA_CASES: tuple[MLACase, ...] = (
     MLACase("chunked_context", (40, 25), (3, 2), workspace_tokens=4),
     MLACase("padded_rows", (5, 0), (1, 3), num_padded_tokens=3),
     MLACase("block32_mixed", (50, 12), (1, 7), block_size=32),
+    MLACase("block64_mixed", (70, 3, 0), (1, 1, 9), block_size=64),
     MLACase("float16_mixed", (21, 0, 9), (1, 5, 3), dtype="float16"),
     MLACase("bfloat16_mixed", (21, 0, 9), (1, 5, 3), dtype="bfloat16"),
 )
@@ -63,4 +64,12 @@ CHUNK_CASE = MLACase("tiny_workspace", (37, 18, 0), (4, 2, 5), workspace_tokens=
 """Context chunked through a 3-row workspace, against the same step in one chunk."""
 
 REENTRANT_CASES: tuple[MLACase, ...] = (MLA_CASES[2], MLA_CASES[0], CHUNK_CASE)
+
+
+def fitted(case: MLACase, backend_cls) -> MLACase:
+    """``case`` at a block size the backend declares (its smallest one when 16 is not)."""
+    sizes = getattr(backend_cls, "supported_kernel_block_sizes", None)
+    if sizes is None or case.block_size in sizes:
+        return case
+    return replace(case, block_size=min(sizes))
 """Built one after another by ONE builder, then run (re-entrancy)."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from attnplug.plugins.conformance.mla_cases import ABSORB_CASE, CHUNK_CASE, REENTRANT_CASES, MLACase
+from attnplug.plugins.conformance.mla_cases import ABSORB_CASE, CHUNK_CASE, REENTRANT_CASES, MLACase, fitted
 from attnplug.plugins.conformance.mla_harness import OUTPUT_SENTINEL, TOLERANCE, MLARun, MLAStep, reference_output
 
 
@@ -65,7 +65,7 @@ def check_cache(run: MLARun) -> list[str]:
 
 def check_absorbed_equals_expanded(backend_cls, device: str) -> list[str]:
     """The same decodes through ``forward_mqa`` (absorbed) and ``forward_mha`` (expanded)."""
-    step = MLAStep(backend_cls, ABSORB_CASE, device)
+    step = MLAStep(backend_cls, fitted(ABSORB_CASE, backend_cls), device)
     mqa, mha = step.run(), step.run(threshold=0)
     if mqa.num_decodes != ABSORB_CASE.num_reqs or mha.num_decodes != 0:
         return [f"case {ABSORB_CASE.name!r}: the builder put {mqa.num_decodes} rows in decode with threshold 1 and "
@@ -77,7 +77,7 @@ def check_absorbed_equals_expanded(backend_cls, device: str) -> list[str]:
 
 def check_chunked_equals_one_shot(backend_cls, device: str) -> list[str]:
     """Context gathered through a 3-row workspace (many chunks) == in one chunk."""
-    step = MLAStep(backend_cls, CHUNK_CASE, device)
+    step = MLAStep(backend_cls, fitted(CHUNK_CASE, backend_cls), device)
     tiny, whole = step.run(), step.run(workspace_tokens=4096)
     if tiny.num_chunks < 2 or whole.num_chunks != 1:
         return [f"case {CHUNK_CASE.name!r}: expected several context chunks with workspace_tokens="
@@ -89,7 +89,7 @@ def check_chunked_equals_one_shot(backend_cls, device: str) -> list[str]:
 
 def check_reentrant(backend_cls, device: str) -> list[str]:
     """One builder builds N steps before any forward: each equals its own build + forward."""
-    steps = [MLAStep(backend_cls, c, device) for c in REENTRANT_CASES]
+    steps = [MLAStep(backend_cls, fitted(c, backend_cls), device) for c in REENTRANT_CASES]
     most = max(c.num_reqs for c in REENTRANT_CASES)
     shared = steps[0].builder(most, max_num_reqs=most)
     metas = [shared.build(0, s.cm) for s in steps]

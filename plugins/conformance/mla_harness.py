@@ -119,6 +119,8 @@ class MLAStep:
                                      qk_rope_head_dim=case.qk_rope_head_dim, dtype=self.dtype)
         self.cm = self._metadata()
         self.cache = self._cache()
+        # created before any build: planning builders read the live impls' parameters
+        self.impl = backend_cls.get_impl_cls()(self.layer_cfg, self.inp.scale)
 
     def _metadata(self) -> CommonAttentionMetadata:
         c = self.case
@@ -165,7 +167,7 @@ class MLAStep:
     def forward(self, metadata, cache: torch.Tensor | None = None) -> torch.Tensor:
         """Run one layer on ``cache`` (default: this step's) and return the output (device)."""
         c = self.case
-        impl = self.backend_cls.get_impl_cls()(self.layer_cfg, self.inp.scale)
+        impl = self.impl
         layer = SimpleNamespace(kv_b_proj=SimpleNamespace(weight=self.inp.w_kv.to(self.dtype).to(self.device)))
         kv_c, k_pe = self.new_latent()
         q = self.inp.q.to(self.dtype).to(self.device)
