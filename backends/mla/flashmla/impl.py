@@ -9,7 +9,7 @@ import torch
 
 from attnplug.backends.common.layer_params import LiveLayerParams
 from attnplug.backends.mla.common.builder import MLACommonMetadataBuilder
-from attnplug.backends.mla.flashmla.backend import load_flash_mla
+from attnplug.backends.mla.flashmla.kernels import load_flash_mla
 from attnplug.backends.mla.torch_native.impl import TorchNativeMLAImpl
 from attnplug.core.errors import BackendUnsupportedError, MetadataError
 from attnplug.core.metadata import CommonAttentionMetadata
