@@ -23,18 +23,23 @@ class ModelConfigError(AttnplugError, ValueError):
 
 ModelConfigError.__module__ = "attnplug"
 
-SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "linear", "llama3")
-"""RoPE scaling types :func:`attnplug.runner.models.layers.rope_inv_freq` implements."""
+SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "linear", "llama3", "yarn")
+"""RoPE scaling types :func:`attnplug.runner.models.rope.rope_frequencies` implements."""
 
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """RoPE frequency scaling (HF ``rope_scaling`` / ``rope_parameters``).
+    """RoPE frequency scaling (HF ``rope_scaling`` / ``rope_parameters``); the formulas are in
+    :func:`attnplug.runner.models.rope.rope_frequencies`.
 
-    ``default``: none. ``linear``: positions divided by ``factor`` (inverse frequencies
-    divided by ``factor``). ``llama3``: wavelengths longer than
-    ``original_max_position_embeddings / low_freq_factor`` divided by ``factor``, shorter
-    than ``... / high_freq_factor`` kept, smooth interpolation in between.
+    ``default``: none. ``linear``: positions divided by ``factor``. ``llama3``: long
+    wavelengths divided by ``factor``, short ones kept, a smooth blend between
+    (``low_freq_factor``, ``high_freq_factor``, ``original_max_position_embeddings``).
+    ``yarn``: NTK-by-parts interpolation between ``beta_fast`` and ``beta_slow`` rotations
+    over ``original_max_position_embeddings``, ``cos``/``sin`` multiplied by
+    ``attention_factor`` (from ``mscale`` / ``mscale_all_dim`` when not given).
+    ``partial_rotary_factor``: the fraction of each head's dimensions that is rotated (any
+    type). ``interleaved``: DeepSeek's ``rope_interleave`` pairing ``(2i, 2i + 1)``.
     """
 
     rope_type: str = "default"
@@ -42,6 +47,14 @@ class RopeScaling:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int | None = None
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool = True
+    partial_rotary_factor: float = 1.0
+    interleaved: bool = False
 
 
 @dataclass(frozen=True)
@@ -85,6 +98,9 @@ class DecoderModelConfig:
                             f"num_key_value_heads {self.num_key_value_heads}")
         if self.head_size % 2:
             problems.append(f"head_dim {self.head_size} must be even for RoPE")
+        elif int(self.head_size * self.rope_scaling.partial_rotary_factor) % 2:
+            problems.append(f"partial_rotary_factor {self.rope_scaling.partial_rotary_factor} rotates an odd number "
+                            f"of head_dim {self.head_size}'s dimensions")
         if len(self.sliding_windows) != self.num_hidden_layers:
             problems.append(f"{len(self.sliding_windows)} per-layer windows for {self.num_hidden_layers} layers")
         if any(w is not None and (not isinstance(w, int) or w <= 0) for w in self.sliding_windows):
@@ -132,15 +148,43 @@ def load_config_dict(config: Any) -> dict[str, Any]:
                            "PretrainedConfig, a dict, or a path to config.json.")
 
 
+def _number(params: Mapping[str, Any], key: str, default=None):
+    v = params.get(key, default)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ModelConfigError(f"rope parameter {key} must be a number, got {v!r}")
+    return float(v)
+
+
+def _yarn(params: Mapping[str, Any], cfg: Mapping[str, Any], common: dict) -> RopeScaling:
+    """YaRN's fields as HF's ``_compute_yarn_parameters`` reads them: ``original_max_position_embeddings``
+    defaults to the config's ``max_position_embeddings``; a null ``factor`` is their ratio."""
+    original = params.get("original_max_position_embeddings", cfg.get("max_position_embeddings"))
+    if not isinstance(original, int) or isinstance(original, bool) or original <= 0:
+        raise ModelConfigError(f"yarn rope scaling needs original_max_position_embeddings (a positive int), "
+                               f"got {original!r}")
+    factor = _number(params, "factor")
+    if factor is None:
+        factor = float(cfg.get("max_position_embeddings", original)) / original
+    return RopeScaling("yarn", factor, original_max_position_embeddings=original,
+                       beta_fast=_number(params, "beta_fast") or 32.0, beta_slow=_number(params, "beta_slow") or 1.0,
+                       mscale=_number(params, "mscale"), mscale_all_dim=_number(params, "mscale_all_dim"),
+                       attention_factor=_number(params, "attention_factor"),
+                       truncate=bool(params.get("truncate", True)), **common)
+
+
 def parse_rope(cfg: Mapping[str, Any]) -> tuple[float, RopeScaling]:
     """``(rope_theta, RopeScaling)`` from either HF spelling.
 
-    transformers >= 5 puts everything in ``rope_parameters`` (``rope_theta`` included);
-    older configs have ``rope_theta`` at the top level and an optional ``rope_scaling``
-    whose kind is ``rope_type`` or the legacy ``type``.
+    transformers >= 5 puts everything in ``rope_parameters`` (``rope_theta`` and
+    ``partial_rotary_factor`` included); older configs have them at the top level and an
+    optional ``rope_scaling`` whose kind is ``rope_type`` or the legacy ``type``.
+    ``rope_interleave`` (DeepSeek) is a top-level field.
 
     Raises:
-        ModelConfigError: an unsupported scaling type or missing scaling fields.
+        ModelConfigError: an unsupported scaling type, missing or non-numeric scaling fields,
+            a ``partial_rotary_factor`` outside ``(0, 1]``.
     """
     params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     if not isinstance(params, Mapping):
@@ -154,18 +198,24 @@ def parse_rope(cfg: Mapping[str, Any]) -> tuple[float, RopeScaling]:
         raise ModelConfigError(f"rope scaling type {rope_type!r} is not supported (supported: "
                                f"{', '.join(SUPPORTED_ROPE_TYPES)}); dynamic NTK would make logits "
                                "depend on the batch, so it is deliberately left out.")
-    if cfg.get("partial_rotary_factor", 1.0) not in (None, 1.0):
-        raise ModelConfigError(f"partial_rotary_factor {cfg['partial_rotary_factor']!r} not supported (only 1.0)")
+    partial = _number(params, "partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+    partial = 1.0 if partial is None else partial
+    if not 0.0 < partial <= 1.0:
+        raise ModelConfigError(f"partial_rotary_factor {partial!r} must be in (0, 1]")
+    common = dict(partial_rotary_factor=partial, interleaved=bool(cfg.get("rope_interleave", False)))
     if rope_type == "default":
-        return theta, RopeScaling()
+        return theta, RopeScaling(**common)
+    if rope_type == "yarn":
+        return theta, _yarn(params, cfg, common)
     if "factor" not in params:
         raise ModelConfigError(f"rope scaling {rope_type!r} needs a 'factor' (got {dict(params)!r})")
-    scaling = RopeScaling(rope_type=rope_type, factor=float(params["factor"]))
+    scaling = RopeScaling(rope_type=rope_type, factor=float(params["factor"]), **common)
     if rope_type == "llama3":
         missing = [k for k in ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
                    if k not in params]
         if missing:
             raise ModelConfigError(f"llama3 rope scaling needs {missing} (got {dict(params)!r})")
         scaling = RopeScaling("llama3", float(params["factor"]), float(params["low_freq_factor"]),
-                              float(params["high_freq_factor"]), int(params["original_max_position_embeddings"]))
+                              float(params["high_freq_factor"]), int(params["original_max_position_embeddings"]),
+                              **common)
     return theta, scaling

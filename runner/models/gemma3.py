@@ -41,7 +41,8 @@ from attnplug.core.contracts import AttentionBackend, AttentionLayerConfig, Atte
 from attnplug.core.devices import resolve_device
 from attnplug.runner.models.attention_op import attend
 from attnplug.runner.models.gemma3_config import Gemma3ModelConfig
-from attnplug.runner.models.layers import RotaryEmbedding, lookup_layer, lookup_metadata
+from attnplug.runner.models.layers import lookup_layer, lookup_metadata
+from attnplug.runner.models.rope import RotaryEmbedding
 from attnplug.runner.models.llama import attention_layer_name
 from attnplug.runner.models.config import RopeScaling
 from attnplug.runner.models.weights import load_hf_state_dict

@@ -1,9 +1,8 @@
-"""Building blocks of the Llama family: RMSNorm, RoPE, SwiGLU MLP, and the attention layer.
+"""Building blocks of the Llama family: RMSNorm, SwiGLU MLP, and the attention layer (RoPE
+lives in :mod:`attnplug.runner.models.rope`; ``RotaryEmbedding`` is re-exported here).
 
 Numerics follow HF transformers' eager Llama code (the parity reference): RMSNorm in
-float32, RoPE inverse frequencies and angles in float32 with ``cos``/``sin`` cast to the
-activation dtype, the "rotate half" (non-interleaved) pairing of dimensions ``i`` and
-``i + head_size / 2``.
+float32; RoPE as ``rope.py`` documents.
 
 The attention layer has exactly one attention path: its backend's ``AttentionImpl``,
 called directly in eager mode and through the ``attnplug::attention`` custom op while
@@ -12,16 +11,14 @@ called directly in eager mode and through the ``attnplug::attention`` custom op 
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
 
 from attnplug.core.contracts import AttentionBackend, AttentionType
 from attnplug.core.errors import MetadataError
 from attnplug.runner.models.attention_op import attend
-from attnplug.runner.models.config import RopeScaling
 from attnplug.runner.models.impls import make_impl
+from attnplug.runner.models.rope import RotaryEmbedding
 
 
 class RMSNorm(nn.Module):
@@ -37,69 +34,6 @@ class RMSNorm(nn.Module):
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
-
-
-def rope_inv_freq(head_size: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
-    """RoPE inverse frequencies, ``[head_size // 2]``, float32, CPU.
-
-    ``inv_freq[i] = theta ** (-2i / head_size)``, then scaled:
-
-    * ``linear``: ``inv_freq / factor`` (equivalent to dividing positions by ``factor``).
-    * ``llama3``: with ``L = original_max_position_embeddings`` and wavelength
-      ``w = 2 pi / inv_freq``: ``w < L / high_freq_factor`` keeps ``inv_freq``;
-      ``w > L / low_freq_factor`` uses ``inv_freq / factor``; in between it blends
-      ``(1 - s) * inv_freq / factor + s * inv_freq`` with
-      ``s = (L / w - low_freq_factor) / (high_freq_factor - low_freq_factor)``.
-    """
-    exponents = torch.arange(0, head_size, 2, dtype=torch.int64).float() / head_size
-    inv_freq = 1.0 / (theta ** exponents)
-    if scaling.rope_type == "linear":
-        return inv_freq / scaling.factor
-    if scaling.rope_type == "llama3":
-        old_len = scaling.original_max_position_embeddings
-        low_wavelen = old_len / scaling.low_freq_factor
-        high_wavelen = old_len / scaling.high_freq_factor
-        wavelen = 2 * math.pi / inv_freq
-        smooth = (old_len / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
-        blended = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
-        out = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
-        is_mid = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-        return torch.where(is_mid, blended, out)
-    return inv_freq
-
-
-class RotaryEmbedding(nn.Module):
-    """Applies RoPE to queries and keys at given positions.
-
-    ``rotary_dim`` (default ``head_size``) leading dimensions of each head are rotated
-    (frequencies computed for ``rotary_dim``, HF ``partial_rotary_factor``); the rest
-    pass through.
-    """
-
-    def __init__(self, head_size: int, theta: float, scaling: RopeScaling, device: torch.device | str,
-                 rotary_dim: int | None = None):
-        super().__init__()
-        self.head_size = head_size
-        self.rotary_dim = head_size if rotary_dim is None else rotary_dim
-        self.register_buffer("inv_freq", rope_inv_freq(self.rotary_dim, theta, scaling).to(device), persistent=False)
-
-    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """:meth:`rotate` the first ``rotary_dim`` dimensions of ``x``, keep the rest."""
-        if self.rotary_dim == self.head_size:
-            return self.rotate(x, cos, sin)
-        r = self.rotary_dim
-        return torch.cat([self.rotate(x[..., :r], cos, sin), x[..., r:]], dim=-1)
-
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """``positions`` ``[num_tokens]`` int64 -> ``cos``, ``sin`` ``[num_tokens, 1, rotary_dim // 2]``."""
-        angles = positions.float().unsqueeze(-1) * self.inv_freq  # float32, as HF
-        return angles.cos().to(dtype).unsqueeze(1), angles.sin().to(dtype).unsqueeze(1)
-
-    @staticmethod
-    def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """``x`` ``[num_tokens, num_heads, head_size]``: rotate pairs ``(i, i + head_size/2)``."""
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
 class SwiGLUMLP(nn.Module):
@@ -154,11 +88,18 @@ class Attention(nn.Module):
         q = self.q_proj(hidden).view(n, self.num_heads, self.head_size)
         k = self.k_proj(hidden).view(n, self.num_kv_heads, self.head_size)
         v = self.v_proj(hidden).view(n, self.num_kv_heads, self.head_size)
+        q, k = self.normalize_qk(q, k)
         cos, sin = self.rope.cos_sin(positions, hidden.dtype)
         q, k = self.rope.apply(q, cos, sin), self.rope.apply(k, cos, sin)
         out = torch.zeros_like(q)  # padded rows stay zero
         attend(self, q, k, v, kv_cache, attn_metadata, out)
         return self.o_proj(out.view(n, self.num_heads * self.head_size))
+
+
+    def normalize_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-head q/k normalisation before RoPE: none here (Qwen3 overrides it).
+        ``q`` ``[num_tokens, num_heads, head_size]``, ``k`` ``[num_tokens, num_kv_heads, head_size]``."""
+        return q, k
 
 
 def lookup_layer(mapping, layer_name: str, what: str):

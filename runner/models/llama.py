@@ -81,14 +81,17 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderBody(nn.Module):
-    """HF's ``*Model``: embeddings, blocks, final norm (the ``model.`` prefix)."""
+    """HF's ``*Model``: embeddings, blocks, final norm (the ``model.`` prefix). A family that
+    changes only the blocks subclasses it with another ``layer_cls`` (``qwen3.py``)."""
+
+    layer_cls: type[DecoderLayer] = DecoderLayer
 
     def __init__(self, cfg: DecoderModelConfig, backends: list[type[AttentionBackend]],
                  dtype: torch.dtype, device):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
         rope = RotaryEmbedding(cfg.head_size, cfg.rope_theta, cfg.rope_scaling, device)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rope, backends[i], dtype, device)
+        self.layers = nn.ModuleList(self.layer_cls(cfg, i, rope, backends[i], dtype, device)
                                     for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
 
@@ -105,13 +108,15 @@ class DecoderModel(nn.Module):
         dtype, device: of parameters, activations and (by default) KV caches.
     """
 
+    body_cls: type[DecoderBody] = DecoderBody
+
     def __init__(self, cfg: DecoderModelConfig, backends: list[type[AttentionBackend]],
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
         super().__init__()
         self.config = cfg
         self.dtype = dtype
         self.device = resolve_device(device)
-        self.model = DecoderBody(cfg, backends, dtype, device)
+        self.model = self.body_cls(cfg, backends, dtype, device)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, device=device)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

@@ -25,6 +25,8 @@ from attnplug.runner.models.gemma3 import Gemma3Model, gemma3_layer_configs
 from attnplug.runner.models.gemma3_config import Gemma3ModelConfig
 from attnplug.runner.models.hybrid import HybridModel, HybridModelConfig, hybrid_layer_configs
 from attnplug.runner.models.llama import BackendForLayer, DecoderModel, layer_configs
+from attnplug.runner.models.qwen3 import Qwen3Model
+from attnplug.runner.models.qwen3_config import Qwen3ModelConfig
 from attnplug.runner.models.registry import resolve_model_config
 from attnplug.runner.models.weights import IGNORED_HF_KEYS, WeightLoadError, load_hf_state_dict
 
@@ -50,13 +52,15 @@ class ModelFamily:
 
 MODEL_FAMILIES: dict[type, ModelFamily] = {
     DecoderModelConfig: ModelFamily(DecoderModel, layer_configs),
+    Qwen3ModelConfig: ModelFamily(Qwen3Model, layer_configs),
     BambaModelConfig: ModelFamily(BambaModel, bamba_layer_configs, takes_block_size=True),
     HybridModelConfig: ModelFamily(HybridModel, hybrid_layer_configs, takes_block_size=True),
     Gemma3ModelConfig: ModelFamily(Gemma3Model, gemma3_layer_configs),
 }
 """Config class -> its :class:`ModelFamily`. A config's family is that of the nearest
 class in its MRO (``HybridModelConfig`` subclasses ``BambaModelConfig``); a config of no
-listed class is treated as a :class:`DecoderModelConfig`."""
+listed class is treated as a :class:`DecoderModelConfig` (``Qwen3ModelConfig`` subclasses it
+and is listed before it in every MRO)."""
 
 
 def model_family(cfg: Any) -> ModelFamily:

@@ -1,8 +1,8 @@
 """Which HF architectures we implement, and how each family's config is read.
 
 A config is matched by ``model_type`` first, then by ``architectures``. All three
-families share one model class (``llama.DecoderModel``); they differ only in biases
-and in which layers use a sliding window:
+Llama-family configs share one model class (``llama.DecoderModel``; Qwen3's subclasses it);
+they differ in biases, q/k norms, MLPs and in which layers use a sliding window:
 
 ============  ======================  ==================================================
 model_type    architectures           differences
@@ -11,6 +11,10 @@ model_type    architectures           differences
 ``qwen2``     ``Qwen2ForCausalLM``    q/k/v bias; window on layers ``>= max_window_layers``
                                       when ``use_sliding_window`` (or per ``layer_types``)
 ``mistral``   ``MistralForCausalLM``  ``sliding_window`` (may be null) on every layer
+``qwen3``     ``Qwen3ForCausalLM``    q/k RMSNorm per head; windows as Qwen2
+                                      (``Qwen3ModelConfig``, ``qwen3.py``)
+``qwen3_moe`` ``Qwen3MoeForCausalLM`` Qwen3 + mixture-of-experts MLPs (``moe.py``),
+                                      dense ``mlp_only_layers`` / ``decoder_sparse_step``
 ============  ======================  ==================================================
 
 Families with their own model class and config:
@@ -33,6 +37,7 @@ from typing import Any, Callable, Mapping
 from attnplug.runner.models.bamba_config import BambaModelConfig, parse_bamba_config
 from attnplug.runner.models.gemma3_config import Gemma3ModelConfig, parse_gemma3_config
 from attnplug.runner.models.hybrid import parse_hybrid_config
+from attnplug.runner.models.qwen3_config import QWEN3_TYPES, Qwen3ModelConfig, qwen3_extras
 from attnplug.runner.models.config import (
     DecoderModelConfig,
     ModelConfigError,
@@ -99,10 +104,18 @@ def _mistral_windows(cfg: Mapping[str, Any], num_layers: int) -> tuple[int | Non
     return _windows_by_layer_types(cfg, num_layers) or _windows_all_layers(cfg, num_layers)
 
 
+def _qwen3_moe_windows(cfg: Mapping[str, Any], num_layers: int) -> tuple[int | None, ...]:
+    if not cfg.get("use_sliding_window", False):
+        return (None,) * num_layers
+    return _windows_all_layers(cfg, num_layers)
+
+
 _FAMILIES: dict[str, tuple[str, Callable[[Mapping[str, Any], int], tuple[int | None, ...]]]] = {
     "llama": ("LlamaForCausalLM", _llama_windows),
     "qwen2": ("Qwen2ForCausalLM", _qwen2_windows),
     "mistral": ("MistralForCausalLM", _mistral_windows),
+    "qwen3": ("Qwen3ForCausalLM", _qwen2_windows),
+    "qwen3_moe": ("Qwen3MoeForCausalLM", _qwen3_moe_windows),
 }
 
 _HYBRIDS: dict[str, tuple[str, Callable[[Mapping[str, Any]], Any]]] = {
@@ -132,20 +145,22 @@ def model_type_of(cfg: Mapping[str, Any]) -> str:
     raise UnsupportedModelError(model_type, archs)
 
 
-def resolve_model_config(config: Any) -> DecoderModelConfig | BambaModelConfig | Gemma3ModelConfig:
+def resolve_model_config(config: Any) -> DecoderModelConfig | Qwen3ModelConfig | BambaModelConfig | Gemma3ModelConfig:
     """Normalize an HF config of a supported architecture.
 
     Args:
         config: a ``PretrainedConfig``, a dict, a ``config.json`` path or its directory.
 
     Returns:
-        The frozen :class:`DecoderModelConfig` (Llama family),
+        The frozen :class:`DecoderModelConfig` (Llama family; its subclass
+        :class:`~attnplug.runner.models.qwen3_config.Qwen3ModelConfig` for Qwen3 / Qwen3-MoE),
         :class:`~attnplug.runner.models.bamba_config.BambaModelConfig` (Bamba) or
         :class:`~attnplug.runner.models.gemma3_config.Gemma3ModelConfig` (Gemma3).
 
     Raises:
-        UnsupportedModelError: not a Llama / Qwen2 / Mistral / Bamba / Gemma3 config.
-        ModelConfigError: missing or invalid fields, unsupported RoPE scaling.
+        UnsupportedModelError: not a Llama / Qwen2 / Qwen3 / Qwen3-MoE / Mistral / Bamba / Gemma3 config.
+        ModelConfigError: missing or invalid fields (named), unsupported RoPE scaling, a router
+            kind not implemented, inconsistent expert counts.
 
     Examples:
         >>> cfg = resolve_model_config({"model_type": "qwen2", "vocab_size": 64, "hidden_size": 32,
@@ -168,7 +183,9 @@ def resolve_model_config(config: Any) -> DecoderModelConfig | BambaModelConfig |
     head_size = cfg.get("head_dim") or int(cfg["hidden_size"]) // num_heads
     theta, scaling = parse_rope(cfg)
     attention_bias = bool(cfg.get("attention_bias", False))
-    return DecoderModelConfig(
+    qwen3 = model_type in QWEN3_TYPES
+    extras = qwen3_extras(cfg, model_type, num_layers) if qwen3 else {}
+    return (Qwen3ModelConfig if qwen3 else DecoderModelConfig)(
         model_type=model_type,
         vocab_size=int(cfg["vocab_size"]),
         hidden_size=int(cfg["hidden_size"]),
@@ -183,9 +200,10 @@ def resolve_model_config(config: Any) -> DecoderModelConfig | BambaModelConfig |
         rope_scaling=scaling,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qkv_bias=True if model_type == "qwen2" else attention_bias,
-        o_proj_bias=attention_bias if model_type == "llama" else False,
+        o_proj_bias=attention_bias if model_type in ("llama", *QWEN3_TYPES) else False,
         mlp_bias=bool(cfg.get("mlp_bias", False)) if model_type == "llama" else False,
         sliding_windows=windows_of(cfg, num_layers),
         initializer_range=float(cfg.get("initializer_range", 0.02)),
         hidden_act=str(cfg.get("hidden_act", "silu")),
+        **extras,
     )

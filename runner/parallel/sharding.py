@@ -11,7 +11,13 @@ For ``tp`` ranks, rank ``r`` holds:
   (added once, after the all-reduce: ``tp_layers.RowParallelLinear``);
 * vocab-parallel ``embed_tokens`` / ``lm_head``: rows ``[r * Vp, (r+1) * Vp)`` with
   ``Vp = cdiv(V, tp)``, the last shard zero-padded;
-* everything else (norms, Gemma's per-head ``q_norm``/``k_norm``) whole.
+* mixture-of-experts MLPs (``runner/models/moe.py``): every expert's slice of the
+  intermediate dimension ``[r * I/tp, (r+1) * I/tp)``: the gate and up rows of
+  ``experts.gate_up_proj [E, 2I, H]`` (gpt-oss: the interleaved gate/up columns of
+  ``[E, H, 2I]`` and of their bias), the input columns of ``experts.down_proj [E, H, I]``
+  (gpt-oss: rows of ``[E, I, H]``; its bias whole, added on rank 0 only); shared experts as
+  a SwiGLU of their width; the router whole (every rank routes every token the same way);
+* everything else (norms, Gemma's and Qwen3's per-head ``q_norm``/``k_norm``) whole.
 
 The rank model is the same family's model built from :func:`shard_config` (heads and
 intermediate size divided), so its backends and KV caches see only the rank's heads.
@@ -49,7 +55,8 @@ def check_shardable(cfg: Any, tp: int) -> None:
 
     Needs ``num_attention_heads % tp == 0``, ``num_key_value_heads`` a multiple or a
     divisor of ``tp``, ``intermediate_size % tp == 0``; for Mamba2 layers also
-    ``mamba_n_heads % tp == 0``, ``mamba_n_groups`` 1 or a multiple of ``tp`` (B/C groups
+    ``mamba_n_heads % tp == 0``, for a mixture of experts ``moe_intermediate_size % tp == 0``,
+    ``mamba_n_groups`` 1 or a multiple of ``tp`` (B/C groups
     replicated or split; a norm group split over some ranks only is not supported) and
     ``mamba_expand % tp == 0`` (the rank config keeps ``mamba_expand * hidden_size ==
     heads * head_size``).
@@ -70,6 +77,9 @@ def check_shardable(cfg: Any, tp: int) -> None:
         problems.append(f"num_key_value_heads {K} neither divides nor is a multiple of {tp}")
     if I % tp:
         problems.append(f"intermediate_size {I} is not a multiple of {tp}")
+    moe = getattr(cfg, "moe", None)
+    if moe is not None and moe.moe_intermediate_size % tp:
+        problems.append(f"moe_intermediate_size {moe.moe_intermediate_size} is not a multiple of {tp}")
     if problems:
         raise ParallelConfigError(f"--tensor-parallel-size {tp} does not split {cfg.model_type}: "
                                   + "; ".join(problems))
@@ -77,13 +87,15 @@ def check_shardable(cfg: Any, tp: int) -> None:
 
 def shard_config(cfg: Any, tp: int) -> Any:
     """The config of one rank's model: ``H/tp`` query heads, ``max(1, K/tp)`` KV heads,
-    ``intermediate_size / tp``; every other field (``hidden_size``, ``head_size``,
+    ``intermediate_size / tp``, ``moe_intermediate_size / tp``; every other field (``hidden_size``, ``head_size``,
     ``vocab_size``...) unchanged. Raises :class:`ParallelConfigError` (:func:`check_shardable`)."""
     check_shardable(cfg, tp)
     mamba = {}
     if hasattr(cfg, "mamba_n_heads"):
         mamba = dict(mamba_n_heads=cfg.mamba_n_heads // tp, mamba_expand=cfg.mamba_expand // tp,
                      mamba_n_groups=max(1, cfg.mamba_n_groups // tp))
+    if getattr(cfg, "moe", None) is not None:
+        mamba["moe"] = dataclasses.replace(cfg.moe, moe_intermediate_size=cfg.moe.moe_intermediate_size // tp)
     return dataclasses.replace(cfg, num_attention_heads=cfg.num_attention_heads // tp,
                                num_key_value_heads=max(1, cfg.num_key_value_heads // tp),
                                intermediate_size=cfg.intermediate_size // tp, **mamba)
@@ -112,6 +124,8 @@ def shard_tensor(name: str, t: torch.Tensor, cfg: Any, tp: int, rank: int) -> to
     if ".self_attn.k_proj." in name or ".self_attn.v_proj." in name:
         lo, hi = kv_head_range(cfg.num_key_value_heads, tp, rank)
         return _rows(t, lo * D, hi * D)
+    if ".mlp.experts." in name or ".mlp.shared_experts." in name:
+        return _expert_tensor(name, t, cfg.moe, tp, rank)
     per_i = cfg.intermediate_size // tp
     if any(f".{c}." in name for c in COLUMN):
         return _rows(t, rank * per_i, (rank + 1) * per_i)
@@ -123,6 +137,25 @@ def shard_tensor(name: str, t: torch.Tensor, cfg: Any, tp: int, rank: int) -> to
     if ".mamba." in name:
         return _mamba_tensor(name, t, cfg, tp, rank)
     return t
+
+
+def _expert_tensor(name: str, t: torch.Tensor, moe: Any, tp: int, rank: int) -> torch.Tensor:
+    """An expert or shared-expert tensor's slice of the intermediate dimension (module docstring)."""
+    if ".shared_experts." in name:
+        per = t.shape[0 if ".down_proj." not in name else 1] // tp
+        part = slice(rank * per, (rank + 1) * per)
+        return t[:, part] if ".down_proj." in name else t[part]
+    per = moe.moe_intermediate_size // tp
+    lo, hi = rank * per, (rank + 1) * per
+    I = moe.moe_intermediate_size
+    interleaved = moe.expert_kind == "swiglu_clamp"  # gpt-oss: [E, H, 2I], gate/up columns interleaved
+    if name.endswith(".gate_up_proj_bias"):
+        return t[:, 2 * lo:2 * hi]
+    if name.endswith(".gate_up_proj"):
+        return t[:, :, 2 * lo:2 * hi] if interleaved else torch.cat([t[:, lo:hi], t[:, I + lo:I + hi]], dim=1)
+    if name.endswith(".down_proj"):
+        return t[:, lo:hi] if interleaved else t[:, :, lo:hi]
+    return t  # down_proj_bias: whole (added on rank 0 only)
 
 
 def _mamba_tensor(name: str, t: torch.Tensor, cfg: Any, tp: int, rank: int) -> torch.Tensor:

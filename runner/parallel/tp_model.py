@@ -14,7 +14,7 @@ from attnplug.runner.models.registry import resolve_model_config
 from attnplug.runner.parallel.sharding import shard_config, shard_state_dict
 from attnplug.runner.parallel.state import ParallelState
 from attnplug.runner.parallel.tp_layers import (ParallelGatedRMSNorm, ParallelLMHead, RowParallelLinear,
-                                                VocabParallelEmbedding)
+                                                VocabParallelEmbedding, all_reduce_sum)
 
 
 def _row_parallel(old: nn.Linear, state: ParallelState, dtype, device) -> RowParallelLinear:
@@ -23,7 +23,9 @@ def _row_parallel(old: nn.Linear, state: ParallelState, dtype, device) -> RowPar
 
 def parallelize(model: nn.Module, full_cfg: Any, state: ParallelState) -> nn.Module:
     """Swap ``o_proj`` / ``down_proj`` for :class:`RowParallelLinear` and the embedding / LM
-    head for their vocab-parallel versions, in place (weights uninitialised: load a shard)."""
+    head for their vocab-parallel versions, in place (weights uninitialised: load a shard). A
+    mixture-of-experts MLP keeps its modules and all-reduces its output once (``MoEBlock.reduce``;
+    the experts' ``down_proj_bias`` is added on rank 0 only)."""
     dtype, device = model.dtype, model.device
     for layer in model.model.layers:
         if hasattr(layer, "self_attn"):
@@ -35,7 +37,11 @@ def parallelize(model: nn.Module, full_cfg: Any, state: ParallelState) -> nn.Mod
                 mixer.norm = ParallelGatedRMSNorm(mixer.norm.weight.numel(), full_cfg.mamba_intermediate_size,
                                                   mixer.norm.eps, state, dtype, device)
         mlp = layer.mlp if hasattr(layer, "mlp") else layer.feed_forward
-        mlp.down_proj = _row_parallel(mlp.down_proj, state, dtype, device)
+        if hasattr(mlp, "experts"):  # a mixture of experts: one all-reduce of routed + shared partial sums
+            mlp.reduce = lambda x, state=state: all_reduce_sum(x, state)
+            mlp.experts.add_down_bias = state.tp_rank == 0
+        else:
+            mlp.down_proj = _row_parallel(mlp.down_proj, state, dtype, device)
     hidden = full_cfg.hidden_size
     model.model.embed_tokens = VocabParallelEmbedding(full_cfg.vocab_size, hidden, state, dtype, device)
     model.lm_head = ParallelLMHead(full_cfg.vocab_size, hidden, state, dtype, device)

@@ -1,7 +1,8 @@
 """Tensor and pipeline parallel over real processes (gloo): TP = 2 and PP = 2 on 2, TP = 2 x
 PP = 2 on 4 (one spawn per layout, every case in it). Greedy tokens identical to one process
 and to HF transformers, for Llama GQA (KV heads split, and one KV head replicated on both
-ranks), Gemma3 (sliding and global layers) and Bamba (Mamba2 heads, conv channels and B/C
+ranks), Gemma3 (sliding and global layers), Qwen3-MoE (experts split on their intermediate
+dimension, router whole, q/k norms on each rank's heads) and Bamba (Mamba2 heads, conv channels and B/C
 groups split or replicated; stages of one Mamba2 and one attention layer), under chunked
 prefill and forced preemption, with the cross-rank metadata check on every step; every
 rank's caches hold its stage's layers and its heads only. And the faults: a rank fed a
@@ -55,7 +56,10 @@ CASES.update({
     "bamba-pp": ({**BAMBA, "mamba_n_groups": 1, "num_hidden_layers": 4, "attn_layer_indices": [1, 3]}, True,
                  "fixed"),
 })
-TP2 = ["bamba-g1", "gemma3", "llama-kv1", "llama-kv2"]
+CASES["qwen3_moe"] = ({**BASE, "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "num_key_value_heads": 2,
+                      "head_dim": 16, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                      "norm_topk_prob": True, "mlp_only_layers": [0]}, True, "fixed")  # dense layer 0, then experts
+TP2 = ["bamba-g1", "gemma3", "llama-kv1", "llama-kv2", "qwen3_moe"]
 PP2 = ["bamba-pp", "gemma3-alt", "llama-kv1", "llama-kv2"]
 TP2xPP2 = ["bamba-pp", "gemma3-alt", "llama-kv1", "llama-kv2"]
 SLOW = {"bamba-g2": (2, 1)}
