@@ -58,3 +58,17 @@ def test_attnplug_check_passes_on_triton_mla(capsys):
     rc = main(["triton_mla", "--device", "cpu", "-k", "mla"])
     out = capsys.readouterr().out
     assert rc == 0 and "18 passed" in out, out
+
+
+def test_deepseek_v2_parity_with_hf_on_triton_mla():
+    pytest.importorskip("transformers")
+    from attnplug.runner.commands.parity import run_parity
+
+    cfg = {"model_type": "deepseek_v2", "architectures": ["DeepseekV2ForCausalLM"], "vocab_size": 128,
+           "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32, "num_hidden_layers": 2,
+           "num_attention_heads": 4, "num_key_value_heads": 4, "q_lora_rank": None, "kv_lora_rank": 32,
+           "qk_nope_head_dim": 16, "qk_rope_head_dim": 16, "v_head_dim": 16, "n_routed_experts": 4,
+           "num_experts_per_tok": 2, "n_shared_experts": 1, "first_k_dense_replace": 1, "initializer_range": 0.1}
+    res = run_parity(cfg, num_requests=3, seed=1, max_num_batched_tokens=16, max_tokens=4, block_size=16,
+                     backend="triton_mla", force_preemption=True)
+    assert res.ok and res.preemptions > 0, res.line()
