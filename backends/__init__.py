@@ -16,6 +16,10 @@ BUILTIN_BACKENDS: dict[str, str] = {
     "triton": "attnplug.backends.triton.backend:TritonBackend",
     "flash_attn": "attnplug.backends.flash_attn.backend:FlashAttnBackend",
     "flashinfer": "attnplug.backends.flashinfer.backend:FlashInferBackend",
+    "torch_native_mla": "attnplug.backends.mla.torch_native.backend:TorchNativeMLABackend",
+    "triton_mla": "attnplug.backends.mla.triton.backend:TritonMLABackend",
+    "flashmla": "attnplug.backends.mla.flashmla.backend:FlashMLABackend",
+    "flashinfer_mla": "attnplug.backends.mla.flashinfer_mla.backend:FlashInferMLABackend",
 }
 """Built-in backend name -> ``"module:ClassName"`` of its
 :class:`~attnplug.core.contracts.AttentionBackend`.

@@ -14,12 +14,13 @@ from attnplug.cache_groups.specs import (
     FullAttentionSpec,
     KVCacheSpec,
     MambaSpec,
+    MLAAttentionSpec,
     SlidingWindowSpec,
     cdiv,
 )
 
 __all__ = [
     "AttentionSpec", "BlockTable", "CpuGpuBuffer", "FullAttentionSpec", "KVCacheConfig", "KVCacheGroupSpec",
-    "KVCacheSpec", "MambaSpec", "MultiGroupBlockTable", "SlidingWindowSpec", "cdiv", "cumsum_and_arange",
+    "KVCacheSpec", "MLAAttentionSpec", "MambaSpec", "MultiGroupBlockTable", "SlidingWindowSpec", "cdiv", "cumsum_and_arange",
     "expand_to_kernel_block_ids", "group_layers_by_spec", "repeat_indices",
 ]

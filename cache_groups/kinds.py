@@ -18,11 +18,15 @@ class GroupKind(str, enum.Enum):
     * ``SLIDING_WINDOW``: blocks no query can see any more are freed; the null block
       (``NULL_BLOCK_ID``) may stand in a request's block list where they were.
     * ``MAMBA``: one state slot per request (its "block"); no paged K/V, no slot mapping.
+    * ``MLA``: multi-head latent attention: full attention whose blocks hold one latent row
+      per token (``kv_lora_rank + qk_rope_head_dim`` values, docs/mla.md) instead of K and V;
+      blocks, block tables, slots and prefix caching as ``FULL_ATTENTION``.
     """
 
     FULL_ATTENTION = "full_attention"
     SLIDING_WINDOW = "sliding_window"
     MAMBA = "mamba"
+    MLA = "mla"
 
     # plain names in f-strings, str() and format() on every Python version
     __str__ = str.__str__
@@ -41,6 +45,10 @@ class GroupKind(str, enum.Enum):
             raise ValueError(f"unknown cache-group kind {value!r}: expected one of "
                              f"{', '.join(k.value for k in cls)}") from None
 
+
+PAGED_FULL_KINDS: frozenset[GroupKind] = frozenset({GroupKind.FULL_ATTENTION, GroupKind.MLA})
+"""Kinds whose blocks hold every token of a request (no window, no state slot): the step
+compiler's full-attention invariants and the block pool's full-attention policy apply."""
 
 GROUP_KIND_NAMES: tuple[str, ...] = tuple(k.value for k in GroupKind)
 """The kinds' names in definition order."""

@@ -85,6 +85,63 @@ class FullAttentionSpec(AttentionSpec):
 
 
 @dataclass(frozen=True)
+class MLAAttentionSpec(FullAttentionSpec):
+    """Multi-head latent attention (DeepSeek-V2/V3): one latent row per token, one "head".
+
+    A token's row is ``[kv_c_normed (kv_lora_rank) | k_pe (qk_rope_head_dim)]``: the
+    compressed KV after its RMSNorm, then the rotated RoPE key shared by every head
+    (vLLM's ``MLAAttentionSpec`` and ``concat_and_cache_mla``; docs/mla.md). There is no
+    separate V: values are up-projected from the latent. So ``num_kv_heads`` is 1,
+    ``head_size`` is ``kv_lora_rank + qk_rope_head_dim`` (576 for DeepSeek-V3), and a block
+    holds ``block_size`` rows, not K and V halves.
+
+    ``head_size`` and ``num_kv_heads`` are derived; passing other values than the derived
+    ones raises. Blocks, prefix caching and block tables are those of full attention
+    (a subclass of :class:`FullAttentionSpec`); the group kind is ``GroupKind.MLA`` so that
+    only MLA backends serve it.
+
+    Examples:
+        >>> s = MLAAttentionSpec(block_size=64, kv_lora_rank=512, qk_rope_head_dim=64, dtype=torch.bfloat16)
+        >>> s.head_size, s.num_kv_heads, s.page_size_bytes, s.bytes_per_token
+        (576, 1, 73728, 1152)
+    """
+
+    num_kv_heads: int = 1
+    head_size: int = 0
+    kv_lora_rank: int = 512
+    qk_rope_head_dim: int = 64
+
+    def __post_init__(self):
+        for name in ("kv_lora_rank", "qk_rope_head_dim"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise KVCacheSpecError(f"{name} must be a positive int, got {v!r}")
+        row = self.kv_lora_rank + self.qk_rope_head_dim
+        if self.head_size not in (0, row):
+            raise KVCacheSpecError(f"head_size {self.head_size} != kv_lora_rank {self.kv_lora_rank} + "
+                                   f"qk_rope_head_dim {self.qk_rope_head_dim} (leave head_size out: it is derived)")
+        if self.num_kv_heads != 1:
+            raise KVCacheSpecError(f"num_kv_heads must be 1 for MLA (one latent row per token), got {self.num_kv_heads!r}")
+        object.__setattr__(self, "head_size", row)
+        super().__post_init__()
+
+    @property
+    def kind(self) -> GroupKind:
+        return GroupKind.MLA
+
+    @property
+    def bytes_per_token(self) -> int:
+        """``(kv_lora_rank + qk_rope_head_dim) * dtype size`` bytes of one layer's row."""
+        return self.head_size * _dtype_bytes(self.dtype)
+
+    @property
+    def page_size_bytes(self) -> int:
+        """``block_size * (kv_lora_rank + qk_rope_head_dim) * dtype size``: one row per token,
+        no K/V halves."""
+        return self.block_size * self.bytes_per_token
+
+
+@dataclass(frozen=True)
 class SlidingWindowSpec(AttentionSpec):
     """Sliding-window attention over the last ``sliding_window`` tokens (current included).
 

@@ -25,6 +25,15 @@ from attnplug.core.errors import (
 )
 from attnplug.core.mamba import MambaBackend, MambaImpl, MambaLayerConfig, MambaStateCache
 from attnplug.core.metadata import CommonAttentionMetadata
+from attnplug.core.mla import (
+    MLABackend,
+    MLAContextChunk,
+    MLADecodeMetadata,
+    MLAImpl,
+    MLALayerConfig,
+    MLAMetadata,
+    MLAPrefillMetadata,
+)
 from attnplug.core.validation import BatchView, RowState, validate
 
 __all__ = [
@@ -34,4 +43,6 @@ __all__ = [
     "KVCacheSpecError", "MetadataError", "MetadataInvariantError", "PluginValidationError",
     "TraceFormatError", "UnknownBackendError", "CommonAttentionMetadata", "BatchView", "RowState",
     "validate", "MambaBackend", "MambaImpl", "MambaLayerConfig", "MambaStateCache",
+    "MLABackend", "MLAContextChunk", "MLADecodeMetadata", "MLAImpl", "MLALayerConfig", "MLAMetadata",
+    "MLAPrefillMetadata",
 ]

@@ -5,7 +5,7 @@ Three sources, highest precedence first (``docs/configuration.md`` is the user g
 1. the command line: ``--backend NAME`` or ``--backend KIND=NAME[,KIND=NAME...]``;
 2. the environment: ``ATTNPLUG_BACKEND`` (same syntax as the flag) and one variable per
    cache-group kind, ``ATTNPLUG_BACKEND_FULL_ATTENTION``, ``ATTNPLUG_BACKEND_SLIDING_WINDOW``,
-   ``ATTNPLUG_BACKEND_MAMBA`` (a single name each; they beat ``ATTNPLUG_BACKEND``'s entries);
+   ``ATTNPLUG_BACKEND_MAMBA``, ``ATTNPLUG_BACKEND_MLA`` (a single name each; they beat ``ATTNPLUG_BACKEND``'s entries);
 3. the config file of the working directory: ``attnplug.toml`` or, when that file does
    not exist, the ``[tool.attnplug]`` table of ``pyproject.toml``::
 
@@ -38,7 +38,7 @@ CACHE_GROUP_KINDS: tuple[str, ...] = GROUP_KIND_NAMES
 ``attnplug.cache_groups.kinds``)."""
 
 KIND_CACHE_KIND: dict[str, str] = {"full_attention": "attention", "sliding_window": "attention",
-                                   "mamba": "mamba"}
+                                   "mamba": "mamba", "mla": "mla"}
 """Which ``AttentionBackend.kv_cache_kind`` serves each cache-group kind."""
 
 DEFAULT_KEY = "default"

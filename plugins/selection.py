@@ -37,8 +37,9 @@ from attnplug.plugins.registry import BackendRegistry
 logger = logging.getLogger("attnplug.plugins.selection")
 
 AUTO_PRIORITY: dict[str, tuple[str, ...]] = {
-    "cuda": ("flash_attn", "flashinfer", "triton", "torch_native"),
-    "cpu": ("torch_native", "triton"),
+    "cuda": ("flash_attn", "flashinfer", "triton", "torch_native", "flashmla", "flashinfer_mla", "triton_mla",
+             "torch_native_mla"),
+    "cpu": ("torch_native", "triton", "torch_native_mla", "triton_mla"),
 }
 """Device type -> backend names tried first, in order, when nothing is chosen explicitly.
 Names not registered are ignored; registered backends not listed are tried afterwards in

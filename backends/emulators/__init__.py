@@ -9,7 +9,10 @@ import path, e.g. ``attnplug check attnplug.backends.emulators:FlashInferEmulate
 * ``flashinfer_kernels.py`` — emulated ``BatchDecodeWithPagedKVCacheWrapper`` and
   ``BatchPrefillWithPagedKVCacheWrapper`` (``plan``/``run``, CUDA-graph buffers);
 * ``reference.py`` — the shared arithmetic (attention over explicit key ranges);
-* ``backends.py`` — the real builders and impls wired to the emulators.
+* ``backends.py`` — the real builders and impls wired to the emulators;
+* ``mla_kernels.py`` / ``mla_backends.py`` — FlashMLA (``get_mla_metadata``,
+  ``flash_mla_with_kvcache``) and FlashInfer's ``BatchMLAPagedAttentionWrapper``, and the
+  ``flashmla`` / ``flashinfer_mla`` builders and impls wired to them.
 """
 
 from attnplug.backends.emulators.backends import (
@@ -19,6 +22,8 @@ from attnplug.backends.emulators.backends import (
     FlashAttn3EmulatedBackend,
     FlashInferEmulatedBackend,
 )
+from attnplug.backends.emulators.mla_backends import FlashInferMLAEmulatedBackend, FlashMLAEmulatedBackend
+from attnplug.backends.emulators.mla_kernels import FlashMLAEmulator, MLAContractError
 from attnplug.backends.emulators.flash_attn_kernels import FlashAttnContractError, FlashAttnEmulator
 from attnplug.backends.emulators.flashinfer_kernels import (
     EMULATED_FLASHINFER,
@@ -31,4 +36,5 @@ __all__ = [
     "EMULATED_FLASHINFER", "FA2_EMULATOR", "FA3_EMULATOR", "BatchDecodeWithPagedKVCacheWrapper",
     "BatchPrefillWithPagedKVCacheWrapper", "FlashAttn2EmulatedBackend", "FlashAttn3EmulatedBackend",
     "FlashAttnContractError", "FlashAttnEmulator", "FlashInferContractError", "FlashInferEmulatedBackend",
+    "FlashInferMLAEmulatedBackend", "FlashMLAEmulatedBackend", "FlashMLAEmulator", "MLAContractError",
 ]

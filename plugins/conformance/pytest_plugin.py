@@ -84,7 +84,8 @@ class _CaseTally:
         params = getattr(getattr(item, "callspec", None), "params", {})
         random = item.name.startswith("test_property_mode_random_cases[")
         if isinstance(params.get("attnplug_backend"), str) and ("conformance_case" in params
-                                                               or "state_case" in params or random):
+                                                               or "state_case" in params or "mla_case" in params
+                                                               or random or item.name.startswith("test_mla_")):
             item.user_properties.append((_PROP, params["attnplug_backend"]))
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
@@ -159,6 +160,10 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         for path in metafunc.config.getoption("attnplug_cases"):
             cases += load_state_cases(path)
         metafunc.parametrize("state_case", cases, ids=[c.name for c in cases])
+    if "mla_case" in names:
+        from attnplug.plugins.conformance.mla_cases import MLA_CASES
+
+        metafunc.parametrize("mla_case", list(MLA_CASES), ids=[c.name for c in MLA_CASES])
 
 
 @pytest.fixture(scope="session")

@@ -63,7 +63,8 @@ class EngineSetup:
                 {"kind": g.kv_cache_spec.kind, "layers": len(g.layer_names), "backend": b.get_name(),
                  "block_size": g.kv_cache_spec.block_size,
                  "sliding_window": getattr(g.kv_cache_spec, "sliding_window", None),
-                 "capacity": self.kv_cache_config.num_blocks_of(i) - 1}
+                 "capacity": self.kv_cache_config.num_blocks_of(i) - 1,
+                 "bytes_per_token_per_layer": kv_bytes_per_token(g.kv_cache_spec)}
                 for i, (g, b) in enumerate(zip(self.kv_cache_config.groups, self.backends))
             ],
             "metadata_builds_per_step": round(counters.total_builds / max(counters.steps, 1), 2),
@@ -141,6 +142,15 @@ def _build_failure(backend: type[AttentionBackend], group: str, what: str, exc: 
         text = " ".join(str(exc).split())
         why = f"raised {type(exc).__name__}: {text if len(text) <= 300 else text[:300] + '...'}"
     return BackendBuildError(f"backend {name} selected for {group}: {what} {why}")
+
+
+def kv_bytes_per_token(spec) -> int | None:
+    """Cache bytes one token costs in ONE layer of a group (``page_size_bytes / block_size``:
+    K and V for attention, the latent row for MLA: ``(kv_lora_rank + qk_rope_head_dim) x
+    dtype size``, 1152 for DeepSeek-V3 in bfloat16); ``None`` for state groups."""
+    if spec.kind == "mamba":
+        return None
+    return spec.page_size_bytes // spec.block_size
 
 
 def check_buildable(backend: type[AttentionBackend], group: str) -> None:

@@ -15,6 +15,7 @@ import torch
 
 from attnplug.core.errors import AttnplugError
 from attnplug.core.mamba import MambaLayerConfig
+from attnplug.core.mla import MLALayerConfig
 
 
 def read_hf_config(path: str) -> dict[str, Any]:
@@ -57,6 +58,8 @@ def build_with_backends(config: Any, *, backend: str | None, block_size: int, re
         if layer_name not in chosen:
             if isinstance(layer_cfg, MambaLayerConfig):
                 kind = "mamba"
+            elif isinstance(layer_cfg, MLALayerConfig):
+                kind = "mla"
             else:
                 kind = "sliding_window" if layer_cfg.sliding_window else "full_attention"
             chosen.update(resolve(backend, {layer_name: layer_cfg}, {layer_name: kind}))

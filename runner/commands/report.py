@@ -65,7 +65,8 @@ def print_run_table(summary: dict[str, Any], console: Console | None = None) -> 
 
     g = Table(title="cache groups", show_header=True)
     for col in ("group", "kind", "layers", "block", "backend", "peak / pool"):
-        g.add_column(col, no_wrap=True)
+        g.add_column(col, no_wrap=col != "backend")  # a long backend name wraps, the figures never do
+    g.add_column("B/tok", no_wrap=True)  # cache bytes per token and layer (MLA: the latent row)
     for i, (grp, peak) in enumerate(zip(summary["cache_groups"], summary["peak_kv_blocks_per_group"])):
         kind = {"full_attention": "full", "sliding_window": "sliding"}.get(grp["kind"], grp["kind"])
         if grp.get("sliding_window"):
@@ -73,7 +74,9 @@ def print_run_table(summary: dict[str, Any], console: Console | None = None) -> 
         capacity = grp.get("capacity", summary["num_blocks_per_group"] - 1)
         unit = "state slots" if grp["kind"] == "mamba" else "KV blocks"
         block = "-" if grp["kind"] == "mamba" else str(grp["block_size"])
-        g.add_row(str(i), kind, str(grp["layers"]), block, grp["backend"], f"{peak}/{capacity} {unit}")
+        per_token = grp.get("bytes_per_token_per_layer")
+        g.add_row(str(i), kind, str(grp["layers"]), block, grp["backend"], f"{peak}/{capacity} {unit}",
+                  "-" if per_token is None else str(per_token))
     console.print(g)
     trace = summary.get("trace") or {}
     if trace.get("attribution"):

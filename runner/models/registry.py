@@ -27,6 +27,8 @@ Families with their own model class and config:
 ``attnplug_hybrid``  ``AttnplugHybridForCausalLM``  not an HF architecture: Bamba with some
                                                     attention layers windowed (``hybrid``);
                                                     the default ``attnplug run`` preset
+``deepseek_v2``      ``DeepseekV2ForCausalLM``      multi-head latent attention (MLA cache
+``deepseek_v3``      ``DeepseekV3ForCausalLM``      group) + MoE (``deepseek``)
 ===================  =============================  ========================================
 """
 
@@ -35,6 +37,7 @@ from __future__ import annotations
 from typing import Any, Callable, Mapping
 
 from attnplug.runner.models.bamba_config import BambaModelConfig, parse_bamba_config
+from attnplug.runner.models.deepseek_config import parse_deepseek_config
 from attnplug.runner.models.gemma3_config import Gemma3ModelConfig, parse_gemma3_config
 from attnplug.runner.models.hybrid import parse_hybrid_config
 from attnplug.runner.models.qwen3_config import QWEN3_TYPES, Qwen3ModelConfig, qwen3_extras
@@ -122,6 +125,8 @@ _HYBRIDS: dict[str, tuple[str, Callable[[Mapping[str, Any]], Any]]] = {
     "bamba": ("BambaForCausalLM", parse_bamba_config),
     "gemma3_text": ("Gemma3ForCausalLM", parse_gemma3_config),
     "attnplug_hybrid": ("AttnplugHybridForCausalLM", parse_hybrid_config),
+    "deepseek_v2": ("DeepseekV2ForCausalLM", lambda cfg: parse_deepseek_config(cfg, "deepseek_v2")),
+    "deepseek_v3": ("DeepseekV3ForCausalLM", lambda cfg: parse_deepseek_config(cfg, "deepseek_v3")),
 }
 """Hybrid families: model_type -> (architecture, parser of the config dict)."""
 

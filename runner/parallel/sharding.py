@@ -17,6 +17,11 @@ For ``tp`` ranks, rank ``r`` holds:
   ``[E, H, 2I]`` and of their bias), the input columns of ``experts.down_proj [E, H, I]``
   (gpt-oss: rows of ``[E, I, H]``; its bias whole, added on rank 0 only); shared experts as
   a SwiGLU of their width; the router whole (every rank routes every token the same way);
+* multi-head latent attention (DeepSeek, ``runner/models/deepseek.py``): the rank's heads'
+  rows of ``q_proj`` / ``q_b_proj`` (``qk_nope_head_dim + qk_rope_head_dim`` each) and of
+  ``kv_b_proj`` (``qk_nope_head_dim + v_head_dim`` each), their ``v_head_dim`` input columns
+  of ``o_proj``; ``q_a_proj``, ``kv_a_proj_with_mqa`` and their norms whole, so every rank
+  computes and caches the same latent rows (the latent cache is per rank, replicated);
 * everything else (norms, Gemma's and Qwen3's per-head ``q_norm``/``k_norm``) whole.
 
 The rank model is the same family's model built from :func:`shard_config` (heads and
@@ -118,9 +123,12 @@ def shard_tensor(name: str, t: torch.Tensor, cfg: Any, tp: int, rank: int) -> to
     D = cfg.head_size
     if name in VOCAB:
         return _vocab_rows(t, tp, rank)
-    if ".self_attn.q_proj." in name:
+    if ".self_attn.q_proj." in name or ".self_attn.q_b_proj." in name:
         per = cfg.num_attention_heads // tp
         return _rows(t, rank * per * D, (rank + 1) * per * D)
+    if ".self_attn.kv_b_proj." in name:  # MLA: per head the k_nope rows, then the v rows
+        per = cfg.num_attention_heads // tp * (cfg.qk_nope_head_dim + cfg.v_head_dim)
+        return _rows(t, rank * per, (rank + 1) * per)
     if ".self_attn.k_proj." in name or ".self_attn.v_proj." in name:
         lo, hi = kv_head_range(cfg.num_key_value_heads, tp, rank)
         return _rows(t, lo * D, hi * D)
@@ -130,7 +138,7 @@ def shard_tensor(name: str, t: torch.Tensor, cfg: Any, tp: int, rank: int) -> to
     if any(f".{c}." in name for c in COLUMN):
         return _rows(t, rank * per_i, (rank + 1) * per_i)
     if name.endswith(".self_attn.o_proj.weight"):
-        per = cfg.num_attention_heads // tp * D
+        per = cfg.num_attention_heads // tp * getattr(cfg, "v_head_dim", D)
         return t[:, rank * per:(rank + 1) * per]
     if name.endswith(DOWN):
         return t[:, rank * per_i:(rank + 1) * per_i]

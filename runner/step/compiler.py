@@ -35,7 +35,7 @@ from typing import Sequence
 import torch
 
 from attnplug.cache_groups.grouping import KVCacheConfig
-from attnplug.cache_groups.kinds import GroupKind
+from attnplug.cache_groups.kinds import PAGED_FULL_KINDS, GroupKind
 from attnplug.core.devices import resolve_device
 from attnplug.core.errors import InvalidSchedulerOutput, MetadataError
 from attnplug.core.validation import BatchView, validate
@@ -246,7 +246,7 @@ class StepCompiler:
                      num_scheduled_tokens=inputs.num_scheduled_tokens, num_tokens=inputs.num_tokens,
                      discard=inputs.discard, batch=view, sliding_window=self.sliding_windows[g],
                      manager_block_size=self.block_sizes[g], state_group=state,
-                     full_attention=self.layout.group_kinds[g] is GroupKind.FULL_ATTENTION)
+                     full_attention=self.layout.group_kinds[g] in PAGED_FULL_KINDS)
 
     def append_output_tokens(self, req_ids_or_rows, token_ids) -> None:
         """Append sampled tokens to requests of this step (stage 8, ``runner/step/append.py``).

@@ -1,7 +1,8 @@
 """Tensor and pipeline parallel over real processes (gloo): TP = 2 and PP = 2 on 2, TP = 2 x
 PP = 2 on 4 (one spawn per layout, every case in it). Greedy tokens identical to one process
 and to HF transformers, for Llama GQA (KV heads split, and one KV head replicated on both
-ranks), Gemma3 (sliding and global layers), Qwen3-MoE (experts split on their intermediate
+ranks), Gemma3 (sliding and global layers), DeepSeek-V3 (MLA heads split, the latent cache
+replicated on every rank), Qwen3-MoE (experts split on their intermediate
 dimension, router whole, q/k norms on each rank's heads) and Bamba (Mamba2 heads, conv channels and B/C
 groups split or replicated; stages of one Mamba2 and one attention layer), under chunked
 prefill and forced preemption, with the cross-rank metadata check on every step; every
@@ -59,7 +60,13 @@ CASES.update({
 CASES["qwen3_moe"] = ({**BASE, "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "num_key_value_heads": 2,
                       "head_dim": 16, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                       "norm_topk_prob": True, "mlp_only_layers": [0]}, True, "fixed")  # dense layer 0, then experts
-TP2 = ["bamba-g1", "gemma3", "llama-kv1", "llama-kv2", "qwen3_moe"]
+CASES["deepseek_v3"] = ({**BASE, "model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"],
+                         "num_key_value_heads": 4, "q_lora_rank": 48, "kv_lora_rank": 32, "qk_nope_head_dim": 16,
+                         "qk_rope_head_dim": 16, "v_head_dim": 8, "n_routed_experts": 4, "num_experts_per_tok": 2,
+                         "moe_intermediate_size": 32, "n_shared_experts": 1, "first_k_dense_replace": 1,
+                         "n_group": 2, "topk_group": 1},
+                        True, "fixed")  # MLA heads split, the latent cache replicated on both ranks
+TP2 = ["bamba-g1", "gemma3", "llama-kv1", "llama-kv2", "qwen3_moe", "deepseek_v3"]
 PP2 = ["bamba-pp", "gemma3-alt", "llama-kv1", "llama-kv2"]
 TP2xPP2 = ["bamba-pp", "gemma3-alt", "llama-kv1", "llama-kv2"]
 SLOW = {"bamba-g2": (2, 1)}
@@ -150,7 +157,8 @@ def _expected_caches(cfg: dict, tp: int, pp: int, rank: int) -> dict:
     layers = stage_layers(cfg["num_hidden_layers"], pp)[rank // tp]
     attn = set(cfg.get("attn_layer_indices", range(cfg["num_hidden_layers"])))
     names = [f"model.layers.{i}.self_attn.attn" if i in attn else f"model.layers.{i}.mamba" for i in layers]
-    return {"layers": names, "kv_heads": [max(1, cfg["num_key_value_heads"] // tp)] * sum(i in attn for i in layers),
+    kv_heads = 1 if "kv_lora_rank" in cfg else max(1, cfg["num_key_value_heads"] // tp)  # MLA: one latent row
+    return {"layers": names, "kv_heads": [kv_heads] * sum(i in attn for i in layers),
             "mamba_ssm_heads": [cfg.get("mamba_n_heads", 0) // tp] * sum(i not in attn for i in layers)}
 
 

@@ -1,0 +1,1 @@
+"""``flashinfer_mla``: MLA decode through FlashInfer's ``BatchMLAPagedAttentionWrapper``."""

@@ -1,0 +1,1 @@
+"""``torch_native_mla``: the golden-reference MLA backend in plain torch."""
