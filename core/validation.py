@@ -11,7 +11,8 @@ failure raises :class:`MetadataInvariantError` naming the invariant, the row and
 5. ``positions == num_computed_tokens[req] + offset within request``.
 6. ``seq_lens[i]`` <= capacity of its block-table row, and == last position + 1.
 7. Every non-padding slot lies in a (non-null) block owned by its request; padded tokens
-   carry ``PAD_SLOT_ID``. For a sliding-window group (``sliding_window`` given), the
+   carry ``PAD_SLOT_ID``; the real slots of one step are distinct (two tokens never write
+   one slot: a block id repeated in a row's list would do it). For a sliding-window group (``sliding_window`` given), the
    blocks wholly before ``max(0, num_computed_tokens - W + 1)`` are ``NULL_BLOCK_ID``:
    they were freed and no kernel may read them; every block from there to the last
    position is real (a query of the step sees it). A Mamba state group's row holds a
@@ -243,6 +244,17 @@ def validate(
             t = _first_bad(bad)
             _fail("7 slots", int(req_idx[t]), token=t, slot=int(s[t]), position=int(expected_pos[t]),
                   owned_block=int(owner[t]), hint="slot must lie in the request's block for that position")
+
+    if bt is not None and Q:  # (a state group writes no paged slots: block_size is None)
+        real = slots[:Q][slots[:Q] != PAD_SLOT_ID]
+        srt = np.sort(real)
+        dup = srt[1:] == srt[:-1]
+        if dup.any():
+            twice = int(srt[1:][dup][0])
+            toks = np.flatnonzero(slots[:Q] == twice)
+            _fail("7 slots", int(req_idx[toks[1]]), tokens=toks.tolist(), slot=twice,
+                  rows=sorted({int(r) for r in req_idx[toks]}),
+                  hint="two tokens of one step write one slot (a block id twice in a row's block list?)")
 
     if bt is not None and sliding_window is not None and R:
         mb = manager_block_size or block_size

@@ -27,7 +27,7 @@ from typing import Sequence
 from attnplug.runner.step.check_blocks import block_deltas
 from attnplug.runner.step.check_cached import cached_rows, computed_and_token_deltas, scheduled_counts
 from attnplug.runner.step.check_fast import plan_update_native
-from attnplug.runner.step.check_types import err
+from attnplug.runner.step.check_types import err, show
 from attnplug.runner.step.check_new import plan_new_requests
 from attnplug.runner.step.check_snapshot import Deltas, NewReq
 from attnplug.runner.step.check_spec import check_spec_tokens
@@ -53,6 +53,8 @@ def check_finished_and_new(reqs: dict[str, CachedRequestState], d: Deltas
     fin_set = set(finished)
     for rid in finished:
         if rid not in reqs:
+            if type(rid) is not str:
+                err(None, "finished_req_ids", f"request ids must be str, got {type(rid).__name__} {show(rid)}")
             err(rid, "finished_req_ids", "unknown request: the runner never held it or already dropped it")
     new_ids: set[str] = set()
     for nr in d.scheduled_new_reqs:

@@ -199,7 +199,7 @@ def test_cached_request_refusals_name_the_field_and_words(native):
         assert (e.req_id, e.field) == (rid, field) and str(e).endswith(words), str(e)
     so = SchedulerOutput([], CachedRequestData([["A"]], [False], [[]], [None], [6]), {"A": 1})
     e = refused(sc, so)
-    assert e.field == "scheduled_cached_reqs.req_ids" and "request ids must be hashable strings" in str(e), str(e)
+    assert e.field == "scheduled_cached_reqs.req_ids" and "request ids must be str, got list" in str(e), str(e)
 
 
 def test_a_new_request_may_hold_exactly_the_most_blocks():

@@ -71,7 +71,8 @@ cdef class CachedScan:
         ``num_computed_tokens`` an ``int >= 0`` at or past the row's nulled prefix; every
         count an ``int >= 1`` with ``num_computed_tokens + count <= num_tokens``; no token
         deltas; ``resumed_from_preemption`` exactly ``False``; block appends (lists of
-        ints in the group's pool) that fit the row and, with its blocks, cover ``seq_len``.
+        ints in the group's pool, none already in the row nor twice) that fit the row and,
+        with its blocks, cover ``seq_len``.
 
         Returns:
             ``True`` when the whole input is regular (then ``rows``, ``ncts``, ``counts``
@@ -150,6 +151,9 @@ cdef class CachedScan:
                         return False
                     if L and _pack(bitems, L, &self._ids[g, self._ntot[g]], 1, self.pool[g], &lo, &hi) != L:
                         return False
+                    if L and not _distinct_append(self.tables[g], r, self.nblocks[g, r],
+                                                  &self._ids[g, self._ntot[g]], L):
+                        return False  # a block id twice in the row: the numpy path words it
                     self._start[g, m] = self.nblocks[g, r]
                     self._len[g, m] = L
                     self._ntot[g] += L
