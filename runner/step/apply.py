@@ -17,7 +17,6 @@ import numpy as np
 
 from attnplug.cache_groups.ragged import cumsum_and_arange
 from attnplug.runner.step.apply_windows import null_skipped_blocks
-from attnplug.runner.step.fast.bind import Scans
 from attnplug.runner.step.groups import StepLayout
 from attnplug.runner.step.input_batch import InputBatch
 from attnplug.runner.step.plan import UpdatePlan
@@ -26,14 +25,13 @@ from attnplug.runner.step.request_state import CachedRequestState
 
 
 def apply_update(lay: StepLayout, batch: InputBatch, reqs: dict[str, CachedRequestState], plan: UpdatePlan,
-                 scans: Scans | None = None, reorder_batch_threshold: int | None = None) -> None:
+                 reorder_batch_threshold: int | None = None) -> None:
     """Apply a plan from stage 1 (see the module docstring for the order).
 
     Args:
         lay: the step layout (windows).
         batch, reqs: the two views of the state, changed in place.
         plan: what :meth:`UpdateChecker.plan` returned for this step's output.
-        scans: the compiled scans that planned it (a plan with ``native`` set needs them).
         reorder_batch_threshold: if set, decodes (rows with ``num_scheduled_tokens <=
             threshold``) are moved before the others.
     """
@@ -44,8 +42,8 @@ def apply_update(lay: StepLayout, batch: InputBatch, reqs: dict[str, CachedReque
         batch.remove_requests(plan.unscheduled)
     for st in plan.new_states:
         reqs[st.req_id] = st
-    if plan.new_scanned is not None:  # compiled path: rows written from NewScan's staging
-        batch.admit_scanned(plan.new_scanned, scans.new, reqs)
+    if plan.staged_new is not None:  # rows written from the kernels' staging
+        batch.admit_staged(plan.staged_new, lay, reqs)
     states = plan.new_states + [reqs[rid] for rid in plan.readd_ids] if plan.readd_ids else plan.new_states
     rows = batch.add_requests(states)
     rows_c = plan.rows_c
@@ -55,10 +53,7 @@ def apply_update(lay: StepLayout, batch: InputBatch, reqs: dict[str, CachedReque
     sched = batch.num_scheduled_tokens
     for row, c in zip(rows, plan.new_counts):
         sched[row] = c
-    if plan.native:
-        scans.cached.apply()
-    else:
-        _merge_cached(batch, plan, rows_c)
+    _merge_cached(batch, plan, rows_c)
     batch.condense()
     if reorder_batch_threshold is not None:
         reorder_decodes_first(batch, reorder_batch_threshold)
@@ -69,7 +64,8 @@ def apply_update(lay: StepLayout, batch: InputBatch, reqs: dict[str, CachedReque
 
 
 def _merge_cached(batch: InputBatch, plan: UpdatePlan, rows_c: np.ndarray) -> None:
-    """The numpy path's merge of the cached requests' deltas into their rows."""
+    """Merge the cached requests' deltas into their rows (counts with fancy indexing,
+    token deltas, replaced and appended block ids)."""
     sched = batch.num_scheduled_tokens
     batch.num_computed_tokens_cpu[rows_c] = plan.ncts_c
     sched[rows_c] = plan.counts_c

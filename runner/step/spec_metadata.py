@@ -153,34 +153,57 @@ def build_spec_decode_metadata(query_start_loc: Sequence[int] | np.ndarray | tor
             draft_token_ids = [draft_token_ids[int(r)] for r in sel]
         ends, counts, R = ends[sel], counts[sel], sel.shape[0]
 
-    per_row = counts + 1                                 # logits positions per row
-    cu_logits = np.cumsum(per_row)                       # end (exclusive) of each row's rows
-    row_of = np.repeat(np.arange(R), per_row)            # [D + R] owning row of each logits row
-    offset = np.arange(int(per_row.sum())) - np.repeat(cu_logits - per_row, per_row)
-    logits_idx = np.repeat(ends - per_row, per_row) + offset
-    is_target = offset < counts[row_of]
-    target_idx = np.flatnonzero(is_target)
+    arrays = _layout_arrays(ends, counts)
+    return _metadata(arrays, counts, _drafts(input_ids, draft_token_ids, arrays[3], counts, device), device)
+
+
+def _layout_arrays(ends: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, ...]:
+    """``(logits_indices, target_logits_indices, bonus_logits_indices, draft positions)``
+    (``int64``) for rows ending at ``ends`` (exclusive) with ``counts`` drafts (validated)."""
+    per_row = counts + 1                         # logits positions per row
+    cu_logits = np.cumsum(per_row)               # end (exclusive) of each row's logits rows
+    total = int(cu_logits[-1]) if cu_logits.shape[0] else 0
+    # logits row t of row i is position t + (ends[i] - cu_logits[i])
+    logits_idx = np.repeat(ends - cu_logits, per_row)
+    logits_idx += np.arange(total, dtype=np.int64)
     bonus_idx = cu_logits - 1
+    is_target = np.ones(total, dtype=bool)
+    is_target[bonus_idx] = False
+    target_idx = np.flatnonzero(is_target)
+    return logits_idx, target_idx, bonus_idx, logits_idx[target_idx] + 1
 
-    drafts = _drafts(input_ids, draft_token_ids, logits_idx[target_idx] + 1, counts, device)
 
-    def t(a: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(device)
-
+def _metadata(arrays: tuple[np.ndarray, ...], counts: np.ndarray, drafts: torch.Tensor, device) -> SpecDecodeMetadata:
+    logits_idx, target_idx, bonus_idx, _ = arrays
     return SpecDecodeMetadata(
         draft_token_ids=drafts,
-        num_draft_tokens=[int(c) for c in counts],
-        cu_num_draft_tokens=t(np.cumsum(counts)),
-        target_logits_indices=t(target_idx),
-        bonus_logits_indices=t(bonus_idx),
-        logits_indices=t(logits_idx),
+        num_draft_tokens=counts.tolist(),
+        cu_num_draft_tokens=_tensor(np.cumsum(counts), device),
+        target_logits_indices=_tensor(target_idx, device),
+        bonus_logits_indices=_tensor(bonus_idx, device),
+        logits_indices=_tensor(logits_idx, device),
     )
+
+
+def _tensor(a: np.ndarray, device) -> torch.Tensor:
+    t = torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))
+    return t if t.device == torch.device(device) else t.to(device)
 
 
 def spec_decode_metadata(inputs, batch) -> SpecDecodeMetadata:
     """The step's metadata from ``StepInputs`` and its ``InputBatch`` (``prepare_inputs``
     calls it when a row holds drafts): the kept rows (``~discard``), their draft counts
-    ``batch.num_spec_tokens``, the drafts read from ``inputs.input_ids`` (on its device)."""
+    ``batch.num_spec_tokens``, the drafts read from ``inputs.input_ids`` (on its device).
+    The inputs are the step compiler's own (validated in stage 1): no checks here."""
     R = inputs.num_reqs
-    return build_spec_decode_metadata(inputs.query_start_loc_cpu[:R + 1], batch.num_spec_tokens[:R],
-                                      input_ids=inputs.input_ids, rows=np.flatnonzero(~inputs.discard[:R]))
+    ends = inputs.query_start_loc_cpu.numpy()[1:R + 1].astype(np.int64)
+    counts = batch.num_spec_tokens[:R].astype(np.int64)
+    discard = inputs.discard[:R]
+    if discard.any():
+        keep = np.flatnonzero(~discard)
+        ends, counts = ends[keep], counts[keep]
+    arrays = _layout_arrays(ends, counts)
+    ids = inputs.input_ids
+    pos = torch.from_numpy(arrays[3])
+    drafts = ids.index_select(0, pos if ids.device.type == "cpu" else pos.to(ids.device)).to(torch.int64)
+    return _metadata(arrays, counts, drafts, ids.device)

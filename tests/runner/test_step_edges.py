@@ -166,7 +166,7 @@ def test_a_regular_step_with_a_one_token_new_request_takes_the_compiled_scan():
     sc = one_group(True)
     so = SchedulerOutput([NewRequestData("N", [5], ([4],))], cached(["A", "B"], [6, 2]), {"A": 1, "B": 1, "N": 1})
     plan = sc.checker.plan(so)
-    assert plan.native, "a one-token new request is regular"
+    assert sc.checker.last_scanned, "a one-token new request is regular"
     sc.apply(plan)
     assert sc.input_batch.num_tokens[sc.input_batch.req_id_to_index["N"]] == 1
 

@@ -6,12 +6,12 @@ The loops that numpy cannot vectorize without many small calls, each a single pa
 
 * :func:`pack_int32` — Python int lists (prompts, block ids) → one ``int32`` buffer,
   type- and range-checked per element (``IntPacker``).
-* :class:`CachedScan` (``_native_cached.pxi``) — a step's ``scheduled_cached_reqs``:
-  row lookup, type and range checks of every field, block-append capacity, in one pass
-  (``scan``); after the rest of the output was validated, the merge (``apply``).
+* :class:`CachedScan` (``_native_cached.pxi``) — a step's ``scheduled_cached_reqs`` and
+  drafts: row lookup, type and range checks of every field, block-append capacity, in one
+  pass (``scan``), written into the checker's plan buffers (``apply_update`` merges them).
 * :class:`NewScan` (``_native_admit.pxi``) — a step's ``scheduled_new_reqs``: checked
   and staged in one pass (``scan``), written into their rows (``write_rows``).
-* :class:`BlockRows` (``_native_rows.pxi``) — finished rows cleared in every group.
+* :class:`BlockRows` (``_native_rows.pxi``) — rows cleared and moved in every group.
 * :class:`Prepare` (``_native_prepare.pxi``) — ``prepare_inputs``' per-token arithmetic:
   ``query_start_loc``, positions, ``input_ids``, ``seq_lens``, ``logits_indices``,
   discard and prefill masks, and every group's slot mapping.
@@ -59,7 +59,7 @@ cdef Py_ssize_t PREFETCH = 8  # objects this many requests ahead are prefetched
 cdef int64_t PAD_SLOT = -1  # core.constants.PAD_SLOT_ID
 cdef int32_t NULL_BLOCK = 0  # core.constants.NULL_BLOCK_ID
 
-NATIVE_API = 3
+NATIVE_API = 4
 """Bumped whenever a signature here changes (``runner.step.fast`` checks it)."""
 
 

@@ -46,3 +46,40 @@ cdef class BlockRows:
                     for t in range(n * k):
                         ktab[r, t] = NULL_BLOCK
                 self.nblocks[g, r] = 0
+
+    def move_rows(self, list srcs, list dsts):
+        """Move the blocks of rows ``srcs`` into the vacant rows ``dsts`` (Python ints,
+        pairwise; the two sets disjoint) in every group, then clear the sources.
+
+        Raises:
+            IndexError: a row outside the table, or lists of unequal length (nothing moved).
+        """
+        cdef Py_ssize_t g, i, s, d, n, t, M = self.nblocks.shape[1]
+        cdef int64_t k
+        cdef int32_t[:, ::1] tab, ktab
+        if len(srcs) != len(dsts):
+            raise IndexError(f"{len(srcs)} sources for {len(dsts)} targets")
+        for i in range(len(srcs)):
+            s, d = srcs[i], dsts[i]
+            if s < 0 or s >= M or d < 0 or d >= M:
+                raise IndexError(f"row {s} or {d} is outside the block table ({M} rows)")
+        for g in range(self.nblocks.shape[0]):
+            tab = self.tables[g]
+            ktab = self.ktables[g]
+            k = self.kpb[g]
+            for i in range(len(srcs)):
+                s, d = srcs[i], dsts[i]
+                n = min(self.nblocks[g, s], tab.shape[1])
+                for t in range(n):
+                    tab[d, t] = tab[s, t]
+                    tab[s, t] = NULL_BLOCK
+                for t in range(n, min(self.nblocks[g, d], tab.shape[1])):
+                    tab[d, t] = NULL_BLOCK
+                if k > 1:
+                    for t in range(n * k):
+                        ktab[d, t] = ktab[s, t]
+                        ktab[s, t] = NULL_BLOCK
+                    for t in range(n * k, min(self.nblocks[g, d], tab.shape[1]) * k):
+                        ktab[d, t] = NULL_BLOCK
+                self.nblocks[g, d] = <int32_t>n
+                self.nblocks[g, s] = 0
