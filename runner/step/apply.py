@@ -54,13 +54,13 @@ def apply_update(lay: StepLayout, batch: InputBatch, reqs: dict[str, CachedReque
     for row, c in zip(rows, plan.new_counts):
         sched[row] = c
     _merge_cached(batch, plan, rows_c)
-    batch.condense()
+    moved = batch.condense()
     if reorder_batch_threshold is not None:
-        reorder_decodes_first(batch, reorder_batch_threshold)
+        moved += reorder_decodes_first(batch, reorder_batch_threshold)
     if lay.has_sliding_windows:
         null_skipped_blocks(batch, lay.sliding_windows)
     if plan.spec_tokens is not None or batch.num_spec_tokens.any():
-        write_spec_tokens(batch, plan.spec_tokens)
+        write_spec_tokens(batch, plan.spec_tokens, rows_moved=bool(moved))
 
 
 def _merge_cached(batch: InputBatch, plan: UpdatePlan, rows_c: np.ndarray) -> None:

@@ -104,4 +104,4 @@ def _spec_tokens(bufs: ScanBuffers, C: list, n: int, total: int) -> SpecTokens |
     lens_c = bufs.spec_lens[:len(C)]
     idx = np.flatnonzero(lens_c)
     ids = list(itemgetter(*idx.tolist())(C)) if n > 1 else [C[int(idx[0])]]
-    return SpecTokens(ids, lens_c[idx], bufs.spec_ids[:total])
+    return SpecTokens(ids, lens_c[idx], bufs.spec_ids[:total], bufs.rows[idx])

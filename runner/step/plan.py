@@ -47,6 +47,9 @@ class SpecTokens:
     """``[n]`` ``int64`` drafts of each (``>= 1``)."""
     flat: np.ndarray
     """``[sum(lens)]`` ``int32`` the drafts, request after request."""
+    rows: np.ndarray | None = None
+    """``[n]`` ``int64`` their batch rows when stage 1 knew them (the compiled scan), valid
+    while stage 2 moves no row; ``None``: look the ids up."""
 
 
 @dataclass

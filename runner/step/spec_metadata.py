@@ -25,6 +25,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from attnplug.core.errors import MetadataError
+
 
 @dataclass
 class SpecDecodeMetadata:
@@ -72,36 +74,36 @@ def _host_ints(x, name: str) -> np.ndarray:
         x = x.detach().cpu().numpy()
     arr = np.asarray(x)
     if arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
-        raise ValueError(f"{name} must be a 1-D integer sequence, got shape {arr.shape} dtype {arr.dtype}")
+        raise MetadataError(f"{name} must be a 1-D integer sequence, got shape {arr.shape} dtype {arr.dtype}")
     return arr.astype(np.int64, copy=False)
 
 
 def _check_counts(qsl: np.ndarray, counts: np.ndarray) -> None:
     if (counts < 0).any():
         i = int(np.flatnonzero(counts < 0)[0])
-        raise ValueError(f"num_draft_tokens[{i}] = {int(counts[i])} is negative")
+        raise MetadataError(f"num_draft_tokens[{i}] = {int(counts[i])} is negative")
     query_lens = np.diff(qsl)
     if (query_lens < 0).any():
-        raise ValueError("query_start_loc must not decrease")
+        raise MetadataError("query_start_loc must not decrease")
     short = np.flatnonzero(query_lens < counts + 1)
     if short.size:
         i = int(short[0])
-        raise ValueError(f"row {i}: query length {int(query_lens[i])} < 1 + {int(counts[i])} drafts")
+        raise MetadataError(f"row {i}: query length {int(query_lens[i])} < 1 + {int(counts[i])} drafts")
 
 
 def _drafts(input_ids, draft_token_ids, positions: np.ndarray, counts: np.ndarray, device) -> torch.Tensor:
     """The ``[D]`` drafts: ``input_ids`` at ``positions``, or ``draft_token_ids`` flattened."""
     if input_ids is not None:
         if input_ids.dim() != 1:
-            raise ValueError(f"input_ids must be 1-D, got shape {tuple(input_ids.shape)}")
+            raise MetadataError(f"input_ids must be 1-D, got shape {tuple(input_ids.shape)}")
         pos = torch.from_numpy(positions).to(input_ids.device)
         return input_ids.index_select(0, pos).to(device=device, dtype=torch.int64)
     if len(draft_token_ids) != counts.shape[0]:
-        raise ValueError(f"draft_token_ids has {len(draft_token_ids)} rows for {counts.shape[0]} requests")
+        raise MetadataError(f"draft_token_ids has {len(draft_token_ids)} rows for {counts.shape[0]} requests")
     flat: list[int] = []
     for i, row in enumerate(draft_token_ids):
         if len(row) != counts[i]:
-            raise ValueError(f"row {i}: {len(row)} draft ids for num_draft_tokens = {int(counts[i])}")
+            raise MetadataError(f"row {i}: {len(row)} draft ids for num_draft_tokens = {int(counts[i])}")
         flat.extend(int(t) for t in row)
     return torch.tensor(flat, dtype=torch.int64, device=device)
 
@@ -131,7 +133,7 @@ def build_spec_decode_metadata(query_start_loc: Sequence[int] | np.ndarray | tor
         ``SpecDecodeMetadata`` (see its fields).
 
     Raises:
-        ValueError: shapes disagree, a count is negative, ``qsl`` decreases, a row's query is
+        MetadataError: shapes disagree, a count is negative, ``qsl`` decreases, a row's query is
             shorter than ``1 + d_i`` (the verifying row must also hold the token before the
             drafts), both or neither draft source given, or a row's draft list has the wrong
             length.
@@ -140,9 +142,9 @@ def build_spec_decode_metadata(query_start_loc: Sequence[int] | np.ndarray | tor
     counts = _host_ints(num_draft_tokens, "num_draft_tokens")
     R = counts.shape[0]
     if qsl.shape[0] != R + 1:
-        raise ValueError(f"query_start_loc has {qsl.shape[0]} entries, need num_reqs + 1 = {R + 1}")
+        raise MetadataError(f"query_start_loc has {qsl.shape[0]} entries, need num_reqs + 1 = {R + 1}")
     if (input_ids is None) == (draft_token_ids is None):
-        raise ValueError("give exactly one of input_ids and draft_token_ids")
+        raise MetadataError("give exactly one of input_ids and draft_token_ids")
     _check_counts(qsl, counts)
     if device is None:
         device = input_ids.device if input_ids is not None else "cpu"
@@ -160,6 +162,13 @@ def build_spec_decode_metadata(query_start_loc: Sequence[int] | np.ndarray | tor
 def _layout_arrays(ends: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, ...]:
     """``(logits_indices, target_logits_indices, bonus_logits_indices, draft positions)``
     (``int64``) for rows ending at ``ends`` (exclusive) with ``counts`` drafts (validated)."""
+    R = counts.shape[0]
+    if R and (counts == counts[0]).all():  # the same d everywhere (the usual step): 2-D, no repeat
+        d = int(counts[0])
+        w = d + 1
+        grid = np.arange(R * w, dtype=np.int64).reshape(R, w)
+        logits_2d = ends[:, None] - w + grid[0]
+        return (logits_2d.ravel(), grid[:, :d].ravel(), grid[:, d].copy(), (logits_2d[:, :d] + 1).ravel())
     per_row = counts + 1                         # logits positions per row
     cu_logits = np.cumsum(per_row)               # end (exclusive) of each row's logits rows
     total = int(cu_logits[-1]) if cu_logits.shape[0] else 0

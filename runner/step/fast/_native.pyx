@@ -214,10 +214,10 @@ cdef bint _distinct(const int32_t* ids, Py_ssize_t n, int32_t* scratch) noexcept
     return True
 
 
-cdef bint _distinct_append(int32_t[:, ::1] tab, Py_ssize_t r, Py_ssize_t held, const int32_t* new,
-                           Py_ssize_t L) noexcept:
-    """The ``L`` appended ids ``new`` (never null) repeat neither each other nor an id of
-    ``tab[r, :held]``: ``O(L * (held + L))`` compares (a decode appends one block)."""
+cdef bint _distinct_append(const int32_t* row, Py_ssize_t held, const int32_t* new, Py_ssize_t L) noexcept:
+    """The ``L`` appended ids ``new`` (never null) repeat neither each other nor one of the
+    row's ``held`` ids ``row[0:held]``: ``O(L * (held + L))`` compares (a decode appends
+    one block)."""
     cdef Py_ssize_t t, u
     cdef int32_t b
     for t in range(L):
@@ -226,7 +226,7 @@ cdef bint _distinct_append(int32_t[:, ::1] tab, Py_ssize_t r, Py_ssize_t held, c
             if new[u] == b:
                 return False
         for u in range(held):
-            if tab[r, u] == b:
+            if row[u] == b:
                 return False
     return True
 

@@ -39,6 +39,7 @@ cdef class CachedScan:
     cdef int64_t[:, ::1] _start, _len
     cdef int32_t[:, ::1] _ids
     cdef int32_t[::1] _spec_ids
+    cdef int64_t[::1] _tab_addr, _tab_width
     cdef readonly Py_ssize_t num_cached, num_appends, total_tokens, num_spec, spec_total
 
     def __init__(self, num_tokens, nulled, num_blocks_per_row, list block_tables, capacity, pool, null_ok,
@@ -48,7 +49,12 @@ cdef class CachedScan:
         self.nblocks = num_blocks_per_row
         self.G = self.nblocks.shape[0]
         self.max_num_reqs = self.nblocks.shape[1]
-        self.tables = block_tables
+        self.tables = block_tables  # (keeps the arrays alive: _tab_addr points into them)
+        for t in block_tables:
+            if t.dtype != np.int32 or not t.flags.c_contiguous or t.shape[0] != self.max_num_reqs:
+                raise ValueError("CachedScan: block tables must be C-contiguous int32 [max_num_reqs, w]")
+        self._tab_addr = np.asarray([t.ctypes.data for t in block_tables], dtype=np.int64)
+        self._tab_width = np.asarray([t.shape[1] for t in block_tables], dtype=np.int64)
         self.capacity = np.asarray(capacity, dtype=np.int64)
         self.pool = np.asarray(pool, dtype=np.int64)
         self.maxb = np.asarray([t.shape[1] for t in block_tables], dtype=np.int64)
@@ -173,7 +179,8 @@ cdef class CachedScan:
                         return False
                     if L and _pack(bitems, L, &self._ids[g, self._ntot[g]], 1, self.pool[g], &lo, &hi) != L:
                         return False
-                    if L and not _distinct_append(self.tables[g], r, self.nblocks[g, r],
+                    if L and not _distinct_append(<const int32_t*><Py_ssize_t>self._tab_addr[g] + r * self._tab_width[g],
+                                                  min(<Py_ssize_t>self.nblocks[g, r], self._tab_width[g]),
                                                   &self._ids[g, self._ntot[g]], L):
                         return False  # a block id twice in the row: the numpy path words it
                     self._start[g, m] = self.nblocks[g, r]
