@@ -3,14 +3,16 @@
 :class:`StepKernels` is the seam between the step modules and the loops that carry the
 step's cost. Two implementations, chosen once per ``StepCompiler`` (:func:`choose_kernels`):
 
-* :class:`NumpyKernels` — vectorized numpy (plus ``struct`` for Python int lists).
+* :class:`NumpyKernels` (``numpy_kernels.py``) — vectorized numpy (plus ``struct`` for
+  Python int lists).
 * :class:`CompiledKernels` — the Cython loops of ``runner/step/fast/_native.pyx``, bound to
   the batch's columns and the checker's and preparer's buffers on first use.
 
 The operations: ``pack_ints`` (Python int lists → one ``int32`` buffer), ``scan_cached``
-and ``scan_new`` (stage 1's fast plans), ``clear_rows`` and ``move_rows`` (every group's
-block table), ``write_new_rows`` (rows of the requests ``scan_new`` staged) and
-``prepare`` (stage 3's per-token arithmetic). A scan either plans its whole input or
+and ``scan_new`` (stage 1's fast plans), ``merge_cached`` (stage 2's merge of a plan's
+cached deltas), ``clear_rows`` and ``move_rows`` (every group's block table),
+``write_new_rows`` (rows of the requests ``scan_new`` staged) and ``prepare`` (stage 3's
+per-token arithmetic). A scan either plans its whole input or
 declines and changes nothing; on a decline the vectorized checks (``runner/step/check*.py``)
 plan the step, and they word every error, so the numpy kernels' scans always decline.
 Everything else gives the same bytes on both implementations (``tests/runner/
@@ -21,24 +23,21 @@ Only this module and ``compiler.py`` import ``runner.step.fast`` (``tests/test_l
 
 from __future__ import annotations
 
-import struct
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
 
 from attnplug.cache_groups.buffers import CpuGpuBuffer
-from attnplug.cache_groups.ragged import cumsum_and_arange, repeat_indices
-from attnplug.core.constants import PAD_SLOT_ID
 from attnplug.runner.step.fast import NATIVE
+from attnplug.runner.step.numpy_kernels import NumpyKernels, merge_cached_numpy
 from attnplug.runner.step.plan import ScanBuffers
 
 if TYPE_CHECKING:
     from attnplug.cache_groups.block_table import MultiGroupBlockTable
     from attnplug.runner.step.groups import StepLayout
 
-INT32_MAX = 2**31 - 1
 
 
 @dataclass
@@ -107,6 +106,10 @@ class StepKernels(Protocol):
     def write_new_rows(self, batch: Any, layout: "StepLayout", rows: list[int]) -> None:
         """Write the requests the last accepted ``scan_new`` staged into vacant ``rows``."""
 
+    def merge_cached(self, batch: Any, plan: Any, rows_c: np.ndarray) -> None:
+        """Stage 2: merge the cached requests' deltas of ``plan`` (an ``UpdatePlan``) into
+        their rows ``rows_c``: counts, token deltas, replaced and appended block ids."""
+
     def clear_rows(self, table: "MultiGroupBlockTable", rows: list[int]) -> None:
         """Every group: rows' blocks back to ``NULL_BLOCK_ID``, counts 0."""
 
@@ -119,116 +122,6 @@ class StepKernels(Protocol):
 
         Returns:
             ``(num_actual_tokens, max_query_len, max_seq_len)``."""
-
-
-class NumpyKernels:
-    """The numpy implementation of :class:`StepKernels`."""
-
-    name = "numpy"
-
-    def pack_ints(self, seqs: list, out: np.ndarray) -> tuple[int, int, int]:
-        # struct.pack_into converts Python ints at ~10 ns each (2x np.array(list)) and
-        # rejects non-ints and values outside [0, 2**32); values >= 2**31 read back negative
-        mv = memoryview(out).cast("B")
-        lens, off = [], 0
-        for i, s in enumerate(seqs):
-            try:
-                if isinstance(s, np.ndarray):
-                    n = s.shape[0] if s.ndim == 1 else -1
-                    if n < 0 or s.dtype.kind not in "iu":
-                        return -(i + 1), 0, 0
-                    if off + n > out.shape[0]:
-                        return -(len(seqs) + 1), 0, 0
-                    # values that fit int32 need no check here: negatives show in the final min
-                    if n and (s.dtype.itemsize > 4 or s.dtype == np.uint32) and (
-                            s.max() > INT32_MAX or (s.dtype.kind == "i" and s.min() < 0)):
-                        return -(i + 1), 0, 0
-                    out[off:off + n] = s
-                else:
-                    n = len(s)
-                    if off + n > out.shape[0]:
-                        return -(len(seqs) + 1), 0, 0
-                    if n:
-                        struct.pack_into(f"{n}I", mv, off * 4, *s)
-            except (struct.error, TypeError, ValueError, OverflowError):
-                return -(i + 1), 0, 0
-            lens.append(n)
-            off += n
-        if not off:
-            return 0, 0, 0
-        flat = out[:off]
-        lo, hi = int(flat.min()), int(flat.max())
-        if lo <= 1:  # a bool packs as 0 or 1 (struct takes True as 1): look at those entries
-            bad = _first_bool(seqs, lens, flat)
-            if bad is not None:
-                return -(bad + 1), 0, 0
-        if lo < 0:  # a value in [2**31, 2**32) read back negative: find its sequence
-            ends = np.cumsum(lens)
-            i = int(np.searchsorted(ends, int(np.argmax(flat < 0)), side="right"))
-            return -(i + 1), 0, 0
-        return off, lo, hi
-
-    def scan_cached(self, batch, layout, bufs, d, finished):
-        return None
-
-    def scan_new(self, batch, layout, new_reqs, counts) -> bool:
-        return False
-
-    def write_new_rows(self, batch, layout, rows) -> None:
-        raise RuntimeError("the numpy kernels stage no requests (scan_new declines)")
-
-    def clear_rows(self, table, rows) -> None:
-        table.clear_rows(rows)
-
-    def move_rows(self, table, srcs, dsts) -> None:
-        table.move_rows(np.asarray(srcs, dtype=np.int64), np.asarray(dsts, dtype=np.int64))
-        for bt in table:
-            for src in srcs:
-                bt.clear_row(src)
-
-    def prepare(self, batch, bufs, writes_slots, R, num_tokens_padded):
-        sched = batch.num_scheduled_tokens[:R]
-        ncc = batch.num_computed_tokens_cpu[:R]
-        qsl = bufs.query_start_loc.np
-        qsl[0] = 0
-        np.add.accumulate(sched, dtype=np.int32, out=qsl[1:R + 1])
-        Q = int(qsl[R])
-        P = Q if num_tokens_padded is None else int(num_tokens_padded)
-        pos = bufs.positions.np[:Q]
-        flat = bufs.flat_idx[:Q]
-        req_indices = bufs.req_indices[:Q]
-        if Q == R:  # every row schedules one token (pure decode): token t is row t
-            req_indices[:] = bufs.arange[:R]
-            pos[:] = ncc
-            np.add(bufs.row_starts[:R], pos, out=flat)
-        else:
-            req_indices[:] = repeat_indices(sched, bufs.arange)
-            _, offsets = cumsum_and_arange(sched, bufs.arange)
-            np.add(ncc[req_indices], offsets, out=pos)
-            np.add(bufs.row_starts[req_indices], pos, out=flat)
-        batch.token_ids_cpu.reshape(-1).take(flat, out=bufs.input_ids.np[:Q])  # one gather
-        if P > Q:
-            bufs.positions.np[Q:P] = 0
-            bufs.input_ids.np[Q:P] = 0
-        seq_lens = bufs.seq_lens.np[:R]
-        np.add(ncc, sched, out=seq_lens)
-        np.subtract(qsl[1:R + 1], 1, out=bufs.logits_indices.np[:R])
-        np.less(seq_lens, batch.num_tokens[:R], out=bufs.discard[:R])
-        np.less(ncc, batch.num_prompt_tokens[:R], out=bufs.is_prefilling[:R])
-        split: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-        rows = None if Q == R else req_indices
-        for bt, writes in zip(batch.block_table, writes_slots):
-            if not writes:  # a Mamba state group: no paged K/V
-                bt.slot_mapping.np[:P] = PAD_SLOT_ID
-                continue
-            B = bt.block_size
-            if B not in split:
-                split[B] = np.divmod(pos, B)
-            idx, off = split[B]
-            bt.fill_slot_mapping(rows, pos, P, block_index=idx, block_offset=off)
-        max_seq_len = int(seq_lens.max()) if R else 0
-        max_query_len = (1 if Q == R else int(sched.max())) if R else 0
-        return Q, max_query_len, max_seq_len
 
 
 class CompiledKernels:
@@ -320,6 +213,21 @@ class CompiledKernels:
     def write_new_rows(self, batch, layout, rows) -> None:
         self._new_scan(batch, layout).write_rows(rows)
 
+    def merge_cached(self, batch, plan, rows_c) -> None:
+        if plan.token_deltas or plan.resumed:  # (the vectorized checks' plans only)
+            merge_cached_numpy(batch, plan, rows_c)
+            return
+        ap = plan.appends
+        ops = self._row_ops(batch.block_table)
+        if ap is None:
+            ops.merge(batch.num_computed_tokens_cpu, batch.num_scheduled_tokens, rows_c, plan.ncts_c,
+                      plan.counts_c, _NO_SEL, _NO_STARTS, None, _NO_IDS, True)
+        else:
+            i64 = np.int64  # (the vectorized checks' starts are int32; the scan's int64 views)
+            ops.merge(batch.num_computed_tokens_cpu, batch.num_scheduled_tokens, rows_c, plan.ncts_c,
+                      plan.counts_c, ap.sel, np.asarray(ap.starts, dtype=i64),
+                      None if ap.one_each else np.asarray(ap.lens, dtype=i64), ap.flat, ap.one_each)
+
     def clear_rows(self, table, rows) -> None:
         self._row_ops(table).clear_rows(rows)
 
@@ -331,20 +239,9 @@ class CompiledKernels:
             R, -1 if num_tokens_padded is None else num_tokens_padded)
 
 
-def _first_bool(seqs: Sequence, lens: list[int], flat: np.ndarray) -> int | None:
-    """The first sequence (of lists/tuples packed into ``flat``) holding a ``bool``: only
-    entries that packed as 0 or 1 are looked at."""
-    where = np.flatnonzero(flat <= 1)
-    if where.shape[0] == 0:
-        return None
-    ends = np.cumsum(lens)
-    owners = np.searchsorted(ends, where, side="right")
-    starts = ends - np.asarray(lens, dtype=ends.dtype)
-    for t, i in zip(where.tolist(), owners.tolist()):
-        s = seqs[i]
-        if not isinstance(s, np.ndarray) and type(s[t - int(starts[i])]) is bool:
-            return i
-    return None
+_NO_SEL = np.zeros(0, np.int64)
+_NO_STARTS = np.zeros((1, 0), np.int64)
+_NO_IDS = np.zeros(0, np.int32)
 
 
 def choose_kernels(native: bool | None, sampling_params_cls: type) -> StepKernels:

@@ -11,7 +11,8 @@ The loops that numpy cannot vectorize without many small calls, each a single pa
   pass (``scan``), written into the checker's plan buffers (``apply_update`` merges them).
 * :class:`NewScan` (``_native_admit.pxi``) — a step's ``scheduled_new_reqs``: checked
   and staged in one pass (``scan``), written into their rows (``write_rows``).
-* :class:`BlockRows` (``_native_rows.pxi``) — rows cleared and moved in every group.
+* :class:`BlockRows` (``_native_rows.pxi``) — rows cleared and moved in every group, and a
+  plan's cached deltas merged (counts, appended blocks with their kernel expansion).
 * :class:`Prepare` (``_native_prepare.pxi``) — ``prepare_inputs``' per-token arithmetic:
   ``query_start_loc``, positions, ``input_ids``, ``seq_lens``, ``logits_indices``,
   discard and prefill masks, and every group's slot mapping.
@@ -59,7 +60,7 @@ cdef Py_ssize_t PREFETCH = 8  # objects this many requests ahead are prefetched
 cdef int64_t PAD_SLOT = -1  # core.constants.PAD_SLOT_ID
 cdef int32_t NULL_BLOCK = 0  # core.constants.NULL_BLOCK_ID
 
-NATIVE_API = 4
+NATIVE_API = 5
 """Bumped whenever a signature here changes (``runner.step.fast`` checks it)."""
 
 
