@@ -288,6 +288,15 @@ class BlockTable:
             device; units: flat slot index ``block_id * block_size + offset``. A view of a
             persistent buffer, valid until the next call. Non-blocking copy (no host sync).
         """
+        total = self.fill_slot_mapping(req_indices, positions, num_tokens_padded, block_index=block_index,
+                                       block_offset=block_offset)
+        return self.slot_mapping.copy_to_gpu(total)
+
+    def fill_slot_mapping(self, req_indices: np.ndarray | None, positions: np.ndarray,
+                          num_tokens_padded: int | None = None, *, block_index: np.ndarray | None = None,
+                          block_offset: np.ndarray | None = None) -> int:
+        """:meth:`compute_slot_mapping` on the host buffer only (``slot_mapping.np``), no
+        copy; returns the filled length (``num_tokens_padded`` or ``len(positions)``)."""
         n = int(positions.shape[0])
         B = self.block_size
         if block_index is None:
@@ -302,7 +311,7 @@ class BlockTable:
         total = n if num_tokens_padded is None else int(num_tokens_padded)
         if total > n:
             out[n:total] = PAD_SLOT_ID
-        return self.slot_mapping.copy_to_gpu(total)
+        return total
 
 
 class MultiGroupBlockTable:

@@ -12,9 +12,7 @@ logical block ``i`` under the request's hash chain, or ``None``):
 * Mamba2 — the state is a checkpoint stored only at exact multiples of the group's block
   size ``Bm`` (block ``i`` holds the conv and SSM state after tokens ``0 .. (i+1)*Bm - 1``),
   so ``h`` is a multiple of ``Bm`` and only block ``h/Bm - 1`` must be cached; the earlier
-  checkpoints are ``NULL_BLOCK_ID``. The column a request reads its state from is
-  :func:`mamba_state_column` ``= cdiv(num_computed_tokens, Bm) - 1``, with the Mamba
-  group's ``Bm``, never another group's (:func:`mamba_state_column_of_group`).
+  checkpoints are ``NULL_BLOCK_ID``.
 
 The hit is the longest ``h`` valid for every group at once (each group its own rule: two
 sliding-window groups with different windows each check their own ``W``). Validity is not
@@ -25,10 +23,11 @@ fixed point, where every group is valid at ``h``; ``h`` is then a multiple of ev
 group's block size. At most ``num_tokens - 1`` tokens hit, so the step still computes the
 last prompt token and samples from it (vLLM's ``max_cache_hit_length``).
 
-Not wired into the scheduler yet (docs/architecture.md, "Prefix caching"). With prefix
-caching a Mamba group's block size is the checkpoint interval and its table holds one
-block per ``Bm`` tokens; today's ``MambaStateManager`` (one slot per request) is the
-no-caching mode. Names follow vLLM V1's ``KVCacheCoordinator.find_longest_cache_hit`` /
+The serving scheduler's ``KVCacheManager`` (``runner/serve/kv_cache_manager.py``) calls
+:meth:`HybridPrefixCoordinator.get_computed_blocks` at admission (docs/architecture.md,
+"Prefix caching"). With prefix caching a Mamba group's block size is the checkpoint
+interval and its table holds one block per ``Bm`` tokens; ``MambaStateManager`` (one slot
+per request) is the no-caching mode. Names follow vLLM V1's ``KVCacheCoordinator.find_longest_cache_hit`` /
 ``get_computed_blocks`` (semantics only).
 """
 
@@ -220,37 +219,3 @@ class HybridPrefixCoordinator:
             chain = hashes[s.block_size][:max_length // s.block_size]
             cached.append([p.get_cached_block(x) for x in chain])
         return find_longest_cache_hit(self.specs, cached, max_length)
-
-
-# --- Mamba state columns ------------------------------------------------------------------
-def mamba_state_column(num_computed_tokens: int, mamba_block_size: int) -> int:
-    """The column of a Mamba group's block table whose state a request's next step reads.
-
-    ``cdiv(num_computed_tokens, mamba_block_size) - 1``: after a hit of ``h = k * Bm``
-    tokens, checkpoint ``k - 1``; mid-block, the block being filled. ``-1`` when nothing is
-    computed (the state starts from zeros).
-
-    Raises:
-        KVCacheSpecError: ``mamba_block_size < 1``.
-        SchedulingError: ``num_computed_tokens < 0``.
-
-    Examples:
-        >>> mamba_state_column(16, 8), mamba_state_column(17, 8), mamba_state_column(0, 8)
-        (1, 2, -1)
-    """
-    if mamba_block_size < 1:
-        raise KVCacheSpecError(f"mamba_block_size must be >= 1, got {mamba_block_size}")
-    if num_computed_tokens < 0:
-        raise SchedulingError(f"num_computed_tokens must be >= 0, got {num_computed_tokens}")
-    return cdiv(num_computed_tokens, mamba_block_size) - 1
-
-
-def mamba_state_column_of_group(specs: Sequence[KVCacheSpec], group: int, num_computed_tokens: int) -> int:
-    """:func:`mamba_state_column` with group ``group``'s own block size.
-
-    Raises:
-        KVCacheSpecError: group ``group`` is not a Mamba group (or out of range).
-    """
-    if not 0 <= group < len(specs) or not isinstance(specs[group], MambaSpec):
-        raise KVCacheSpecError(f"group {group} is not a Mamba group; its state column is undefined")
-    return mamba_state_column(num_computed_tokens, specs[group].block_size)

@@ -19,7 +19,7 @@ so the per-group managers of ``block_pool.py`` run on it unchanged. On top of th
   ``touch`` takes a cached block back for a new request (a prefix hit): ``ref_cnt`` goes
   up and a free one leaves the queue, so a block with ``ref_cnt > 0`` is never evicted.
 
-How the scheduler will use it (not wired yet; see docs/architecture.md, "Prefix caching"):
+How the scheduler uses it (``runner/serve/kv_cache_manager.py``; docs/architecture.md, "Prefix caching"):
 at admission, ``HybridPrefixCoordinator.get_computed_blocks`` (``cache_groups/hybrid_hits.py``)
 finds the hit; the scheduler ``touch``es the hit's blocks in each group's pool, starts the
 request with ``num_computed_tokens`` = the hit length and its block lists = the hit's ids,

@@ -132,6 +132,10 @@ class InvalidRequestError(AttnplugError, ValueError):
         super().__init__(f"request {req_id!r}: {message}")
 
 
+class InvalidSamplingParams(AttnplugError, ValueError):
+    """A ``SamplingParams`` built with a value no request can use (``max_tokens < 1``)."""
+
+
 class SchedulingError(AttnplugError, ValueError):
     """The scheduler or a block pool got bad input: an invalid config, or a call out of
     protocol (a double free, sampled tokens for a request that was not scheduled, ...).

@@ -28,10 +28,9 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("runner.step.fast", {"core"}),
     ("runner.step", {"core", "cache_groups", "runner.step.fast"}),
     ("runner.models", {"core", "cache_groups", "plugins"}),
-    ("runner.execute", {"runner.step", "runner.step.fast", "runner.models", "core", "cache_groups", "plugins"}),
-    ("runner.parallel", {"runner.execute", "runner.step", "runner.step.fast", "runner.models", "core",
-                         "cache_groups", "plugins"}),
-    ("runner.serve", {"runner.execute", "runner.step", "runner.step.fast", "core", "cache_groups"}),
+    ("runner.execute", {"runner.step", "runner.models", "core", "cache_groups", "plugins"}),
+    ("runner.parallel", {"runner.execute", "runner.step", "runner.models", "core", "cache_groups", "plugins"}),
+    ("runner.serve", {"runner.execute", "runner.step", "core", "cache_groups"}),
     ("runner.commands", {"*"}),
     ("runner.data", set()),
     ("runner", {"*"}),  # attnplug.runner (__init__): the public API, lazily
@@ -39,6 +38,10 @@ LAYERS: list[tuple[str, set[str]]] = [
 ]
 NOBODY_IMPORTS = "runner.commands"
 """Only the commands themselves (and ``__main__``) import ``runner.commands``."""
+FAST = "runner.step.fast"
+FAST_IMPORTERS = {f"{PKG}.runner.step.kernels", f"{PKG}.runner.step.compiler"}
+"""The compiled kernels sit behind one seam: only ``runner/step/kernels.py`` (and the
+compiler that chooses the kernels) import ``runner.step.fast``."""
 
 
 def module_name(path: Path, root: Path = ROOT) -> str:
@@ -154,6 +157,8 @@ def forbidden_arrows(graph: dict[str, set[str]]) -> list[str]:
             dst = layer_of(t)
             if dst == NOBODY_IMPORTS and src != NOBODY_IMPORTS and m != f"{PKG}.__main__":
                 bad.append(f"{m} -> {t} (nothing imports runner/commands)")
+            elif dst == FAST and src != FAST and m not in FAST_IMPORTERS:
+                bad.append(f"{m} -> {t} (only runner/step/kernels.py and compiler.py import runner.step.fast)")
             elif dst != src and "*" not in allowed[src] and dst not in allowed[src]:
                 bad.append(f"{m} -> {t} ({src or 'attnplug'} may import only "
                            f"{', '.join(sorted(allowed[src])) or 'nothing of ours'})")
@@ -191,13 +196,16 @@ def test_the_checks_can_fail(tmp_path):
         "cache_groups/c.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
                              "    from attnplug.runner.step.compiler import StepCompiler\n",
         "runner/__init__.py": "", "runner/step/__init__.py": "", "runner/step/compiler.py": "",
+        "runner/step/fast/__init__.py": "", "runner/step/prepare.py": "from attnplug.runner.step import fast\n",
     }.items():
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text(text)
     g = import_graph(tmp_path)
     assert cycles(g) == [["attnplug.core.a", "attnplug.core.b"]]
     assert forbidden_arrows(g) == ["attnplug.cache_groups.c -> attnplug.runner.step.compiler "
-                                   "(cache_groups may import only core)"]
+                                   "(cache_groups may import only core)",
+                                   "attnplug.runner.step.prepare -> attnplug.runner.step.fast "
+                                   "(only runner/step/kernels.py and compiler.py import runner.step.fast)"]
 
 
 def test_small_modules():

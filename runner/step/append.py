@@ -21,8 +21,12 @@ def append_output_tokens(batch: InputBatch, max_model_len: int, req_ids_or_rows,
     if isinstance(req_ids_or_rows[0], str):
         try:
             rows = np.fromiter(map(b.req_id_to_index.__getitem__, req_ids_or_rows), np.int64, n)
-        except KeyError as e:
-            raise MetadataError(f"append_output_tokens: request {e.args[0]!r} is not in this step's "
+        except (KeyError, TypeError):
+            bad = next(r for r in req_ids_or_rows if type(r) is not str or r not in b.req_id_to_index)
+            if type(bad) is not str:
+                raise MetadataError(f"append_output_tokens: request ids must be str (or pass batch rows, all "
+                                    f"ints), got {type(bad).__name__} {bad!r}") from None
+            raise MetadataError(f"append_output_tokens: request {bad!r} is not in this step's "
                                 "batch; only scheduled requests can receive tokens") from None
     else:
         rows = row_indices(req_ids_or_rows, "append_output_tokens")

@@ -2,8 +2,8 @@
 
 :func:`apply_update` mutates, in this order: drop finished requests (object view AND
 batch), drop unscheduled ones from the batch (their state is kept), add new and
-returning requests (lowest free rows first), merge the cached deltas (rows looked up
-once, counts written with fancy indexing, block appends batched per group;
+returning requests (lowest free rows first), merge the cached deltas (the kernels'
+``merge_cached``: counts, token deltas, block appends;
 ``resumed_from_preemption`` replaces block ids), ``condense()``, then the optional
 decodes-first reorder. Nothing changes rows after that; last, sliding-window groups get
 ``NULL_BLOCK_ID`` over the blocks the pool freed (``runner/step/apply_windows.py``), and
@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from attnplug.cache_groups.ragged import cumsum_and_arange
 from attnplug.runner.step.apply_windows import null_skipped_blocks
-from attnplug.runner.step.fast.bind import Scans
 from attnplug.runner.step.groups import StepLayout
 from attnplug.runner.step.input_batch import InputBatch
 from attnplug.runner.step.plan import UpdatePlan
@@ -26,14 +24,13 @@ from attnplug.runner.step.request_state import CachedRequestState
 
 
 def apply_update(lay: StepLayout, batch: InputBatch, reqs: dict[str, CachedRequestState], plan: UpdatePlan,
-                 scans: Scans | None = None, reorder_batch_threshold: int | None = None) -> None:
+                 reorder_batch_threshold: int | None = None) -> None:
     """Apply a plan from stage 1 (see the module docstring for the order).
 
     Args:
         lay: the step layout (windows).
         batch, reqs: the two views of the state, changed in place.
         plan: what :meth:`UpdateChecker.plan` returned for this step's output.
-        scans: the compiled scans that planned it (a plan with ``native`` set needs them).
         reorder_batch_threshold: if set, decodes (rows with ``num_scheduled_tokens <=
             threshold``) are moved before the others.
     """
@@ -44,8 +41,8 @@ def apply_update(lay: StepLayout, batch: InputBatch, reqs: dict[str, CachedReque
         batch.remove_requests(plan.unscheduled)
     for st in plan.new_states:
         reqs[st.req_id] = st
-    if plan.new_scanned is not None:  # compiled path: rows written from NewScan's staging
-        batch.admit_scanned(plan.new_scanned, scans.new, reqs)
+    if plan.staged_new is not None:  # rows written from the kernels' staging
+        batch.admit_staged(plan.staged_new, lay, reqs)
     states = plan.new_states + [reqs[rid] for rid in plan.readd_ids] if plan.readd_ids else plan.new_states
     rows = batch.add_requests(states)
     rows_c = plan.rows_c
@@ -55,51 +52,14 @@ def apply_update(lay: StepLayout, batch: InputBatch, reqs: dict[str, CachedReque
     sched = batch.num_scheduled_tokens
     for row, c in zip(rows, plan.new_counts):
         sched[row] = c
-    if plan.native:
-        scans.cached.apply()
-    else:
-        _merge_cached(batch, plan, rows_c)
-    batch.condense()
+    batch.kernels.merge_cached(batch, plan, rows_c)
+    moved = batch.condense()
     if reorder_batch_threshold is not None:
-        reorder_decodes_first(batch, reorder_batch_threshold)
+        moved += reorder_decodes_first(batch, reorder_batch_threshold)
     if lay.has_sliding_windows:
         null_skipped_blocks(batch, lay.sliding_windows)
     if plan.spec_tokens is not None or batch.num_spec_tokens.any():
-        write_spec_tokens(batch, plan.spec_tokens)
-
-
-def _merge_cached(batch: InputBatch, plan: UpdatePlan, rows_c: np.ndarray) -> None:
-    """The numpy path's merge of the cached requests' deltas into their rows."""
-    sched = batch.num_scheduled_tokens
-    batch.num_computed_tokens_cpu[rows_c] = plan.ncts_c
-    sched[rows_c] = plan.counts_c
-    toks, n_tok = batch.token_ids_cpu, batch.num_tokens
-    for i, arr in plan.token_deltas:
-        r = rows_c[i]
-        n = n_tok[r]
-        toks[r, n:n + arr.shape[0]] = arr
-        n_tok[r] = n + arr.shape[0]
-    for i, arrs in plan.resumed:
-        batch.block_table.add_row(arrs, int(rows_c[i]))
-        batch.num_computed_tokens_nulled[rows_c[i]] = 0  # fresh blocks: nothing nulled yet
-    if plan.appends is not None:
-        ap = plan.appends
-        rows = rows_c[ap.sel]
-        m = rows.shape[0]
-        if ap.one_each:  # one new block per row and group (decode crossing a block boundary)
-            for g, bt in enumerate(batch.block_table):
-                bt.write_blocks(rows, ap.starts[g], ap.flat[g * m:(g + 1) * m])
-        else:
-            off = 0
-            for g, bt in enumerate(batch.block_table):
-                lens = ap.lens[g]
-                _, offsets = cumsum_and_arange(lens)
-                n = offsets.shape[0]
-                bt.write_blocks(np.repeat(rows, lens), np.repeat(ap.starts[g], lens) + offsets,
-                                ap.flat[off:off + n])
-                off += n
-        for counts, after in zip(batch.block_table.num_blocks_per_row, ap.after):
-            counts[rows] = after
+        write_spec_tokens(batch, plan.spec_tokens, rows_moved=bool(moved))
 
 
 def reorder_decodes_first(batch: InputBatch, threshold: int) -> list[tuple[int, int]]:

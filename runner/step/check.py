@@ -6,14 +6,14 @@ applies; the first problem raises :class:`InvalidSchedulerOutput` naming the req
 field at fault. The checks, in the order they run:
 
 1. containers, read once (``check_snapshot.py``), and ids: ``check_finished_and_new``;
-2. the compiled path (``check_fast.py``) for a regular output, else the numpy path:
+2. the kernels' scans (``check_fast.py``) for a regular output, else the vectorized checks:
 3. cached rows, ``num_scheduled_tokens``, computed tokens and token deltas
    (``check_cached.py``);
 4. block deltas: replacements, appends, windows, capacity (``check_blocks.py``,
    ``check_windows.py``);
 5. new requests: prompts, blocks, sampling (``check_new.py``);
 6. draft tokens of speculative decoding (``check_spec.py``, before 3 reads ``seq_lens``;
-   a step with drafts always takes the numpy path).
+   the compiled cached scan checks the drafts of a regular step itself).
 
 Per-request Python work is limited to what the data structure forces (one dict lookup
 per scheduled request, a loop over the few requests that carry token or block payloads);
@@ -26,16 +26,16 @@ from typing import Sequence
 
 from attnplug.runner.step.check_blocks import block_deltas
 from attnplug.runner.step.check_cached import cached_rows, computed_and_token_deltas, scheduled_counts
-from attnplug.runner.step.check_fast import plan_update_native
-from attnplug.runner.step.check_types import err
+from attnplug.runner.step.check_fast import plan_update_scanned
+from attnplug.runner.step.check_types import err, show
 from attnplug.runner.step.check_new import plan_new_requests
 from attnplug.runner.step.check_snapshot import Deltas, NewReq
 from attnplug.runner.step.check_spec import check_spec_tokens
-from attnplug.runner.step.fast.bind import Scans
 from attnplug.runner.step.groups import StepLayout
 from attnplug.runner.step.input_batch import InputBatch
 from attnplug.runner.step.int_packer import IntPacker
-from attnplug.runner.step.plan import UpdatePlan
+from attnplug.runner.step.kernels import StepKernels
+from attnplug.runner.step.plan import ScanBuffers, UpdatePlan
 from attnplug.runner.step.request_state import CachedRequestState
 from attnplug.runner.step.scheduler_output import SchedulerOutput
 
@@ -53,6 +53,8 @@ def check_finished_and_new(reqs: dict[str, CachedRequestState], d: Deltas
     fin_set = set(finished)
     for rid in finished:
         if rid not in reqs:
+            if type(rid) is not str:
+                err(None, "finished_req_ids", f"request ids must be str, got {type(rid).__name__} {show(rid)}")
             err(rid, "finished_req_ids", "unknown request: the runner never held it or already dropped it")
     new_ids: set[str] = set()
     for nr in d.scheduled_new_reqs:
@@ -67,26 +69,29 @@ def check_finished_and_new(reqs: dict[str, CachedRequestState], d: Deltas
 
 
 class UpdateChecker:
-    """Stage 1 over one batch: its packers and (optionally) the compiled scans.
+    """Stage 1 over one batch: its packers, its plan buffers and the step's kernels.
 
     Args:
         layout: the step layout.
         batch: the batch the output is checked against.
         requests: ``{req_id: CachedRequestState}`` of every resident request.
-        scans: the compiled scans bound to ``batch`` (``runner/step/fast/bind.py``), or
-            ``None`` for the numpy path only.
-        native: the packers may use the compiled packing loop.
+        kernels: the step's kernels (``runner/step/kernels.py``): the packing loop and the
+            scans that plan a regular output in one pass.
 
-    The arrays of a plan (prompts, block ids, token deltas) are views into the packers'
-    buffers: valid until the next :meth:`plan`.
+    The arrays of a plan (prompts, block ids, token deltas, the scanned rows and counts)
+    are views into the packers' and :attr:`buffers`' memory: valid until the next :meth:`plan`.
     """
 
     def __init__(self, layout: StepLayout, batch: InputBatch, requests: dict[str, CachedRequestState],
-                 scans: Scans | None = None, native: bool = True):
-        self.layout, self.batch, self.requests, self.scans = layout, batch, requests, scans
-        self.prompt_packer = IntPacker(native=native)
-        self.block_packer = IntPacker(1 << 12, native=native)
-        self.delta_packer = IntPacker(1 << 10, native=native)
+                 kernels: StepKernels):
+        self.layout, self.batch, self.requests, self.kernels = layout, batch, requests, kernels
+        self.buffers = ScanBuffers.allocate(layout.max_num_reqs, layout.num_groups)
+        """The plan buffers the kernels' cached scan writes (``plan.ScanBuffers``)."""
+        self.prompt_packer = IntPacker(kernels)
+        self.block_packer = IntPacker(kernels, 1 << 12)
+        self.delta_packer = IntPacker(kernels, 1 << 10)
+        self.last_scanned = False
+        """Whether the last :meth:`plan` came from the kernels' scans (for tests and benches)."""
 
     def plan_new(self, new_reqs: Sequence[NewReq], new_counts: Sequence[int]) -> list[CachedRequestState]:
         """Check the new requests (``check_new.plan_new_requests`` with this checker's packers)."""
@@ -95,18 +100,19 @@ class UpdateChecker:
     def plan(self, so: SchedulerOutput) -> UpdatePlan:
         """Check ``so`` against the state; change nothing.
 
-        Takes the compiled path when the scans are bound and the output is regular; the
-        numpy path otherwise (same plan, same errors).
+        Takes the kernels' scans when the output is regular; the vectorized checks
+        otherwise (same plan, same errors).
 
         Raises:
             InvalidSchedulerOutput: the first problem found, with its request id and field.
         """
         d = Deltas(so)  # every field read once, here; the checks below read only this
         finished, fin_set, new_ids = check_finished_and_new(self.requests, d)
-        if self.scans is not None and not d.spec_decode_tokens:  # drafts: numpy path (check_spec.py)
-            plan = plan_update_native(self.layout, self.batch, self.scans, self.plan_new, d, finished, fin_set)
-            if plan is not None:
-                return plan
+        plan = plan_update_scanned(self.layout, self.batch, self.kernels, self.buffers, self.plan_new, d,
+                                   finished, fin_set)
+        self.last_scanned = plan is not None
+        if plan is not None:
+            return plan
         lay, batch, reqs = self.layout, self.batch, self.requests
         cached = d.scheduled_cached_reqs
         C = cached.req_ids

@@ -10,8 +10,17 @@ from itertools import chain, compress
 
 import numpy as np
 
+from attnplug.cache_groups.ragged import cumsum_and_arange
 from attnplug.core.constants import NULL_BLOCK_ID
-from attnplug.runner.step.check_lists import block_id_array, check_block_list, err, group_lists
+from attnplug.runner.step.check_lists import (
+    block_id_array,
+    check_block_list,
+    err,
+    group_lists,
+    repeated_block,
+    repeated_block_message,
+    repeated_pair,
+)
 from attnplug.runner.step.check_snapshot import CachedDeltas
 from attnplug.runner.step.check_types import int64_list, is_flag, is_int_list, show
 from attnplug.runner.step.check_windows import check_not_behind_nulled, check_span_not_null
@@ -40,6 +49,9 @@ def resumed_lists(lay: StepLayout, cached: CachedDeltas, ncts_c: np.ndarray, seq
             arrs = tuple(block_id_array(C[i], "new_block_ids", g, ids) for g, ids in enumerate(groups))
             for g, a in enumerate(arrs):
                 check_block_list(lay, C[i], "new_block_ids", g, a, int(ncts_c[i]), int(seq_c[i]))
+                dup = repeated_block(a, [a.shape[0]])
+                if dup is not None:
+                    err(C[i], "new_block_ids", repeated_block_message(g, dup[1]))
             resumed.append((i, arrs))
     return resumed
 
@@ -89,6 +101,54 @@ def block_appends(lay: StepLayout, cached: CachedDeltas, sel: list[int], before:
     return BlockAppends(sel_arr, starts, lens, after, flat, one_each)
 
 
+def check_appends_distinct(lay: StepLayout, batch: InputBatch, reqs: dict[str, CachedRequestState], C: list,
+                           rows_c: np.ndarray, ap: BlockAppends) -> None:
+    """No appended block id repeats one in its own list or one its row already holds (per
+    group); re-added rows (``rows_c`` -1) are read from their state.
+
+    Cost: the decode case (one block per row and group) compares each new id with its
+    row's held ids (one gather); otherwise one sort of the appending rows' ids."""
+    m = ap.sel.shape[0]
+    rows = rows_c[ap.sel]
+    readd = np.flatnonzero(rows < 0).tolist()
+    safe_rows = np.maximum(rows, 0)
+    off = 0
+    for g in range(lay.num_groups):
+        starts = ap.starts[g].astype(np.int64)
+        lens = np.ones(m, dtype=np.int64) if ap.one_each else ap.lens[g]
+        n = m if ap.one_each else int(lens.sum())
+        new = ap.flat[off:off + n]
+        off += n
+        table = batch.block_table[g].block_table_np
+        found = None
+        if ap.one_each:
+            width = int(starts.max()) if m else 0
+            if width:
+                hit = (table[safe_rows, :width] == new[:, None]) & (np.arange(width) < starts[:, None])
+                hit[readd] = False
+                if hit.any():
+                    j = int(np.argmax(hit.any(axis=1)))
+                    found = (j, int(new[j]))
+        else:
+            held = starts.copy()
+            held[readd] = 0
+            _, cols = cumsum_and_arange(held)
+            owner = np.repeat(np.arange(m, dtype=np.int64), held)
+            parts_o = [owner, np.repeat(np.arange(m, dtype=np.int64), lens)]
+            parts_i = [table[safe_rows[owner], cols].astype(np.int64), new.astype(np.int64)]
+            for j in readd:
+                ids = reqs[C[int(ap.sel[j])]].block_ids_np()[g]
+                parts_o.append(np.full(ids.shape[0], j, dtype=np.int64))
+                parts_i.append(ids.astype(np.int64))
+            found = repeated_pair(np.concatenate(parts_o), np.concatenate(parts_i))
+        for j in readd:  # the decode case's re-added rows
+            if found is None and ap.one_each:
+                if (reqs[C[int(ap.sel[j])]].block_ids_np()[g] == new[j]).any():
+                    found = (j, int(new[j]))
+        if found is not None:
+            err(C[int(ap.sel[found[0]])], "new_block_ids", repeated_block_message(g, found[1]))
+
+
 def block_deltas(lay: StepLayout, batch: InputBatch, reqs: dict[str, CachedRequestState], cached: CachedDeltas,
                  rows_c: np.ndarray, readd: list[int], ncts_c: np.ndarray, seq_c: np.ndarray
                  ) -> tuple[Resumed, BlockAppends | None]:
@@ -120,6 +180,8 @@ def block_deltas(lay: StepLayout, batch: InputBatch, reqs: dict[str, CachedReque
         skip = {i for i, _ in resumed}
         sel = [i for i in sel if i not in skip]
     appends = block_appends(lay, cached, sel, before) if sel else None
+    if appends is not None:
+        check_appends_distinct(lay, batch, reqs, C, rows_c, appends)
     if nC and np.count_nonzero(before * lay.capacity_col < seq_c):
         g, i = np.argwhere(before * lay.capacity_col < seq_c)[0]
         err(C[i], "new_block_ids", f"group {g}: {int(before[g, i])} blocks of {lay.block_sizes[g]} tokens "

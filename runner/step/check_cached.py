@@ -10,6 +10,7 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 from itertools import repeat
+from typing import NoReturn
 from operator import itemgetter
 
 import numpy as np
@@ -51,6 +52,12 @@ class CachedRows:
     """Finished requests that hold a batch row."""
 
 
+def _not_str(C: list) -> NoReturn:
+    """Refuse the first id of ``C`` that is not a ``str``."""
+    bad = next(r for r in C if type(r) is not str)
+    err(None, "scheduled_cached_reqs.req_ids", f"request ids must be str, got {type(bad).__name__} {show(bad)}")
+
+
 def cached_rows(lay: StepLayout, batch: InputBatch, reqs: dict[str, CachedRequestState], C: list,
                 finished: list[str], fin_set: set[str]) -> CachedRows:
     """The rows of ``C`` (the cached ids): one dict lookup each; unknown, repeated and
@@ -61,13 +68,18 @@ def cached_rows(lay: StepLayout, batch: InputBatch, reqs: dict[str, CachedReques
         rows_c = int64s(itemgetter(*C)(idx), nC) if nC > 1 else np.fromiter(map(idx.__getitem__, C), np.int64, nC)
         readd = []
     except KeyError:  # some are resident but not in the batch (or unknown): look them up again
-        rows_c = np.fromiter(map(idx.get, C, repeat(-1)), np.int64, nC)
+        try:
+            rows_c = np.fromiter(map(idx.get, C, repeat(-1)), np.int64, nC)
+        except TypeError:  # an unhashable id after the missing one
+            _not_str(C)
         readd = np.flatnonzero(rows_c < 0).tolist()
     except TypeError:
-        err(None, "scheduled_cached_reqs.req_ids", "request ids must be hashable strings")
+        _not_str(C)
     readd_ids: list[str] = []
     for i in readd:
         rid = C[i]
+        if type(rid) is not str:
+            _not_str(C)
         if rid not in reqs or rid in readd_ids:
             err(rid, "scheduled_cached_reqs", "request listed twice" if rid in readd_ids else
                 "unknown request: send it in scheduled_new_reqs first")
@@ -184,7 +196,10 @@ def computed_and_token_deltas(lay: StepLayout, batch: InputBatch, reqs: dict[str
         if bad is not None:
             err(C[bad], "num_computed_tokens", f"must be an int, got {show(ncts_list[bad])}")
         bad = next(i for i, v in enumerate(ncts_list) if not -2**63 <= v < 2**63)
-        err(C[bad], "num_computed_tokens", f"{ncts_list[bad]} is out of range")
+        toks = cached.new_token_ids[bad]
+        held = reqs[C[bad]].num_tokens + (len(toks) if is_int_list(toks) else 0)
+        err(C[bad], "num_computed_tokens", f"{show(ncts_list[bad])} is out of range: must be in "
+            f"[0, {held}] (the tokens the request holds)")
     held_c = batch.num_tokens[rows.rows_c]
     for i in rows.readd:
         held_c[i] = reqs[C[i]].num_tokens

@@ -1,60 +1,60 @@
-"""The compiled planning path of ``update_states`` for regular scheduler outputs.
+"""Stage 1 through the kernels' scans, for regular scheduler outputs.
 
 A regular output is what a scheduler sends almost every step: every cached request is
-in the batch, scheduled once, not resumed, carries no token deltas, and appends block
-ids (lists of ints) that fit. ``CachedScan.scan`` (``runner/step/fast/_native_cached.pxi``) checks
-all of that in one pass over the cached requests and plans their merge; ``NewScan.scan``
-(``runner/step/fast/_native_admit.pxi``) checks and stages the new requests (when it declines,
-``check_new.plan_new_requests`` plans them as on the numpy path); finished ids were checked by
-``check_finished_and_new`` for both paths. When the cached scan declines (anything
-irregular, including every invalid input), ``plan_update`` runs the numpy path, which
-accepts every valid output and words every error. The two paths produce the same state
-(``tests/runner/test_native_paths.py`` and the step-oracle tests run both).
+in the batch, scheduled once, not resumed, carries no token deltas, appends block ids
+(lists of ints) that fit, and verifies drafts only on decoding rows. The kernels'
+``scan_cached`` (``runner/step/kernels.py``; compiled: ``fast/_native_cached.pxi``) checks all
+of that in one pass and writes the plan into the checker's :class:`ScanBuffers`;
+``scan_new`` checks and stages the new requests (when it declines,
+``check_new.plan_new_requests`` plans them as on the numpy path); finished ids were
+checked by ``check_finished_and_new`` for both paths. When the cached scan declines
+(anything irregular, including every invalid input), ``UpdateChecker.plan`` runs the
+vectorized checks, which accept every valid output and word every error. Both give the
+same :class:`UpdatePlan` (the kernel-path tests and the step-oracle tests).
 """
 
 from __future__ import annotations
 
+from operator import itemgetter
 from typing import Callable, Sequence
 
+import numpy as np
+
 from attnplug.runner.step.check_snapshot import Deltas, NewReq
-from attnplug.runner.step.fast.bind import Scans
+from attnplug.runner.step.plan import SpecTokens
 from attnplug.runner.step.groups import StepLayout
 from attnplug.runner.step.input_batch import InputBatch
-from attnplug.runner.step.plan import UpdatePlan
+from attnplug.runner.step.kernels import StepKernels
+from attnplug.runner.step.plan import BlockAppends, ScanBuffers, UpdatePlan
 from attnplug.runner.step.request_state import CachedRequestState
 
 PlanNew = Callable[[Sequence[NewReq], Sequence[int]], list[CachedRequestState]]
 
 
-def plan_update_native(lay: StepLayout, batch: InputBatch, scans: Scans, plan_new: PlanNew, so: Deltas,
-                       finished: list[str], fin_set: set[str]) -> UpdatePlan | None:
-    """Plan ``so`` with the compiled scan, or return ``None`` (take the numpy path).
+def plan_update_scanned(lay: StepLayout, batch: InputBatch, kernels: StepKernels, bufs: ScanBuffers,
+                        plan_new: PlanNew, so: Deltas, finished: list[str], fin_set: set[str]) -> UpdatePlan | None:
+    """Plan ``so`` with the kernels' scans, or return ``None`` (take the vectorized checks).
 
     Call after ``check_finished_and_new``. Changes nothing.
 
     Args:
-        lay, batch: the step layout and the batch the scans are bound to.
-        scans: the compiled scans (``runner/step/fast/bind.py``).
+        lay, batch: the step layout and the batch.
+        kernels, bufs: the step's kernels and the checker's plan buffers they write.
         plan_new: the numpy check of new requests (``check_new.plan_new_requests`` with
-            its packers), for new requests the compiled ``NewScan`` declines.
+            its packers), for new requests ``scan_new`` declines.
 
     Raises:
         InvalidSchedulerOutput: a bad new request (the cached part was valid, so this is
-            the error the numpy path would raise too).
+            the error the vectorized checks would raise too).
     """
-    scan = scans.cached
-    idx = batch.req_id_to_index
-    cached = so.scheduled_cached_reqs
+    scan = kernels.scan_cached(batch, lay, bufs, so, finished)
+    if scan is None:
+        return None
     nst = so.num_scheduled_tokens
     new_reqs = so.scheduled_new_reqs
-    C = cached.req_ids
-    try:
-        ok = scan.scan(C, idx, cached.num_computed_tokens, nst, cached.new_token_ids, cached.new_block_ids,
-                       cached.resumed_from_preemption, finished)
-    except TypeError:  # a field that is not a list (e.g. a tuple): irregular
-        return None
+    C = so.scheduled_cached_reqs.req_ids
     nC, nN = len(C), len(new_reqs)
-    if not ok or len(nst) != nC + nN or nC + nN > lay.max_num_reqs:
+    if len(nst) != nC + nN or nC + nN > lay.max_num_reqs:
         return None
     new_counts = []
     for nr in new_reqs:
@@ -68,14 +68,40 @@ def plan_update_native(lay: StepLayout, batch: InputBatch, scans: Scans, plan_ne
         return None
     # C and the new ids are disjoint and duplicate-free (scan + check_finished_and_new), all
     # found in nst, and len(nst) == nC + nN: nst holds exactly the scheduled requests.
-    new_scanned = None
-    if new_reqs and scans.new.scan(new_reqs if type(new_reqs) is list else list(new_reqs), new_counts):
-        new_states, new_scanned = [], new_reqs
+    staged = None
+    if new_reqs and kernels.scan_new(batch, lay, new_reqs if type(new_reqs) is list else list(new_reqs), new_counts):
+        new_states, staged = [], new_reqs
     else:
         new_states = plan_new(new_reqs, new_counts)
+    idx = batch.req_id_to_index
     fin_in_batch = sum(1 for rid in finished if rid in idx)
+    rows_c = bufs.rows[:nC]
     unscheduled: list[str] = []
     if batch.num_reqs - fin_in_batch > nC:
-        unscheduled = [rid for rid, r in idx.items() if not scan.is_scheduled(r) and rid not in fin_set]
-    return UpdatePlan(finished, unscheduled, new_states, new_counts, [], [], None, None, None,
-                      new_scanned=new_scanned, native=True)
+        mask = np.zeros(lay.max_num_reqs, dtype=bool)
+        mask[rows_c] = True
+        unscheduled = [rid for rid, r in idx.items() if not mask[r] and rid not in fin_set]
+    return UpdatePlan(finished, unscheduled, new_states, new_counts, [], [], rows_c, bufs.counts[:nC],
+                      bufs.ncts[:nC], appends=_appends(bufs, scan.num_appends),
+                      staged_new=staged, spec_tokens=_spec_tokens(bufs, C, scan.num_spec, scan.spec_total))
+
+
+def _appends(bufs: ScanBuffers, m: int) -> BlockAppends | None:
+    """The scan's appends as :class:`BlockAppends` (views of ``bufs``; ``flat`` a copy)."""
+    if m == 0:
+        return None
+    starts, lens = bufs.app_start[:, :m], bufs.app_len[:, :m]
+    totals = bufs.app_total.tolist()
+    flat = np.concatenate([bufs.app_ids[g, :n] for g, n in enumerate(totals)])
+    one_each = sum(totals) == lens.shape[0] * m and bool((lens == 1).all())
+    return BlockAppends(bufs.app_sel[:m], starts, 1 if one_each else lens, starts + lens, flat, one_each)
+
+
+def _spec_tokens(bufs: ScanBuffers, C: list, n: int, total: int) -> SpecTokens | None:
+    """The scan's drafts as :class:`SpecTokens` (``flat`` a view of ``bufs``)."""
+    if n == 0:
+        return None
+    lens_c = bufs.spec_lens[:len(C)]
+    idx = np.flatnonzero(lens_c)
+    ids = list(itemgetter(*idx.tolist())(C)) if n > 1 else [C[int(idx[0])]]
+    return SpecTokens(ids, lens_c[idx], bufs.spec_ids[:total], bufs.rows[idx])

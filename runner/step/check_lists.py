@@ -14,7 +14,8 @@ from attnplug.core.constants import NULL_BLOCK_ID
 from attnplug.runner.step.check_types import err, int64_list, is_int_list, show
 from attnplug.runner.step.groups import INT32_MAX, StepLayout
 
-__all__ = ["block_id_array", "check_block_list", "err", "group_lists"]
+__all__ = ["block_id_array", "check_block_list", "err", "group_lists", "repeated_block", "repeated_block_message",
+           "repeated_pair"]
 
 
 def group_lists(lay: StepLayout, req_id: str, fname: str, value: Any) -> Sequence[Sequence[int]]:
@@ -95,3 +96,60 @@ def check_block_list(lay: StepLayout, req_id: str, fname: str, g: int, ids: np.n
                                                        f" (the window of {window} tokens of this step's queries)")
             err(req_id, fname, f"group {g}: {seen} fall in the null block; only blocks no query can see "
                 "may be null")
+
+
+def repeated_block(flat: np.ndarray, lens: Sequence[int] | np.ndarray) -> tuple[int, int] | None:
+    """The first list (of lists packed back to back in ``flat``) that holds one real block
+    id twice, and that id; ``None`` when every list's real ids are distinct.
+
+    A block id repeated in one request's list of one group gives two positions one block,
+    so two real tokens write one slot (vLLM's block tables never do it); the same id in
+    two requests' lists is prefix sharing and legal. ``NULL_BLOCK_ID`` (a skipped
+    sliding-window prefix) may repeat.
+
+    Args:
+        flat: ``[sum(lens)]`` integer block ids.
+        lens: ``[num_lists]`` the lists' lengths.
+
+    Cost: one ``np.diff`` when the real ids of every list ascend (the block pool's usual
+    order); else one sort of ``(list, id)`` keys.
+    """
+    n = flat.shape[0]
+    if n < 2:
+        return None
+    ids = flat.astype(np.int64)
+    ends = np.cumsum(np.asarray(lens, dtype=np.int64))
+    # the pairs (t, t + 1) inside one list; a real id must exceed its predecessor unless
+    # that one is null (null < every real id, so real ids then ascend strictly)
+    inner = np.ones(n - 1, dtype=bool)
+    cut = ends[(ends > 0) & (ends < n)] - 1
+    inner[cut] = False
+    if not (inner & (ids[1:] <= ids[:-1]) & (ids[:-1] != NULL_BLOCK_ID)).any():
+        return None
+    owner = np.repeat(np.arange(ends.shape[0], dtype=np.int64), np.diff(ends, prepend=0))
+    return repeated_pair(owner, ids)
+
+
+def repeated_pair(owner: np.ndarray, ids: np.ndarray) -> tuple[int, int] | None:
+    """The lowest ``owner`` holding one real block id twice among the pairs
+    ``(owner[t], ids[t])`` (any order), and that id; ``None`` when there is none.
+
+    Args:
+        owner: ``[n]`` ``int64`` list indices ``>= 0``.
+        ids: ``[n]`` integer block ids in ``[0, 2**31)``; ``NULL_BLOCK_ID`` may repeat.
+    """
+    ids = ids.astype(np.int64, copy=False)
+    real = ids != NULL_BLOCK_ID
+    keys = np.sort((owner[real].astype(np.int64) << 32) | ids[real])
+    dup = keys[1:] == keys[:-1]
+    if not dup.any():
+        return None
+    key = int(keys[1:][dup].min())  # the lowest list first
+    return key >> 32, key & 0xFFFFFFFF
+
+
+def repeated_block_message(g: int, block_id: int) -> str:
+    """The refusal of a block id repeated in one request's list of group ``g``."""
+    return (f"group {g}: block id {block_id} appears twice in the request's block list: two positions "
+            "would share one block, so two tokens would write one slot (the same id may appear in "
+            "different requests' lists, prefix sharing, never twice in one)")

@@ -14,7 +14,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from attnplug.core.constants import NULL_BLOCK_ID
-from attnplug.runner.step.check_lists import check_block_list, err, group_lists
+from attnplug.runner.step.check_lists import check_block_list, err, group_lists, repeated_block, repeated_block_message
 from attnplug.runner.step.check_snapshot import NewReq
 from attnplug.runner.step.check_types import is_int, show
 from attnplug.runner.step.groups import StepLayout
@@ -71,7 +71,7 @@ def plan_new_requests(lay: StepLayout, prompt_packer: IntPacker, block_packer: I
     Raises:
         InvalidSchedulerOutput: an empty or too long prompt, a token id that is not an int
             in ``[0, 2**31)``, a bad ``num_computed_tokens``, too few tokens for the count,
-            bad block ids or too few blocks, bad sampling params.
+            bad block ids or too few blocks, a block id twice in one list, bad sampling params.
     """
     if not new_reqs:
         return []
@@ -129,4 +129,7 @@ def plan_new_requests(lay: StepLayout, prompt_packer: IntPacker, block_packer: I
         check_sampling(rid, sp)
         states.append(CachedRequestState(rid, nr.prompt_token_ids, arrs, ncts, sp, token_ids_np=tokens,
                                          block_ids_np=arrs))
+    dup = repeated_block(packer.flat, [a.shape[0] for a in blocks])
+    if dup is not None:
+        err(new_reqs[dup[0] // G].req_id, "block_ids", repeated_block_message(dup[0] % G, dup[1]))
     return states

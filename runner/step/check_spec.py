@@ -8,15 +8,14 @@ token, then the drafts). Its drafts are written after its last token
 ``seq_lens`` is ``num_tokens + d``, which must fit ``max_model_len``.
 
 Everything is read once and checked before stage 2 changes anything; the first problem
-raises ``InvalidSchedulerOutput`` naming the request and the field. Steps with drafts are
-planned on the numpy path (``UpdateChecker.plan`` skips the compiled scan for them: the
-scan assumes ``seq_lens <= num_tokens``); steps without drafts are unaffected.
+raises ``InvalidSchedulerOutput`` naming the request and the field. A regular step with
+drafts is checked by the compiled cached scan with the rest of the cached requests
+(``kernels.py``); this module is the vectorized check of every other step.
 """
 
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
 from itertools import chain
 
 import numpy as np
@@ -26,21 +25,10 @@ from attnplug.runner.step.check_snapshot import Deltas
 from attnplug.runner.step.check_types import err, int64_list, is_flag, is_int, is_int_list, show
 from attnplug.runner.step.groups import StepLayout
 from attnplug.runner.step.input_batch import InputBatch
+from attnplug.runner.step.plan import SpecTokens
 from attnplug.runner.step.request_state import CachedRequestState
 
 FIELD = "scheduled_spec_decode_tokens"
-
-
-@dataclass
-class SpecTokens:
-    """The checked drafts of one step (``UpdatePlan.spec_tokens``)."""
-
-    req_ids: list[str]
-    """The verifying requests."""
-    lens: np.ndarray
-    """``[n]`` ``int64`` drafts of each (``>= 1``)."""
-    flat: np.ndarray
-    """``[sum(lens)]`` ``int32`` the drafts, request after request."""
 
 
 def check_spec_tokens(lay: StepLayout, batch: InputBatch, reqs: dict[str, CachedRequestState], d: Deltas,

@@ -22,8 +22,12 @@ from attnplug.runner.step.request_state import CachedRequestState
 
 def check_not_behind_nulled(lay: StepLayout, batch: InputBatch, C: list, rows_c: np.ndarray,
                             ncts_c: np.ndarray, resumed: set[int]) -> None:
-    """A non-resumed cached request must not schedule positions in sliding-window blocks the
-    runner already nulled (its ``num_computed_tokens`` went back without a preemption)."""
+    """A non-resumed cached request whose ``num_computed_tokens`` went back (without a
+    preemption) must not reach a sliding-window block the runner already nulled: not with
+    a scheduled position, nor with a key its first query sees (from
+    ``max(0, num_computed_tokens - W + 1)`` on). So the blocks it may see start at
+    ``num_skipped_blocks(num_computed_tokens)``, and those the runner nulled end at
+    ``num_skipped_blocks(num_computed_tokens_nulled)``."""
     done = batch.num_computed_tokens_nulled[rows_c]  # rows_c -1 (re-added rows): masked below
     if not (ncts_c < done).any():  # the common case: nobody went back
         return
@@ -34,13 +38,15 @@ def check_not_behind_nulled(lay: StepLayout, batch: InputBatch, C: list, rows_c:
         if window is None:
             continue
         B = lay.block_sizes[g]
-        bad = check & (num_skipped_blocks(done, window, B) > ncts_c // B)
+        nulled = num_skipped_blocks(done, window, B)
+        bad = check & (nulled > num_skipped_blocks(ncts_c, window, B))
         if bad.any():
             i = int(np.argmax(bad))
+            first = max(0, int(ncts_c[i]) - window + 1)
             err(C[i], "num_computed_tokens", f"group {g}: {int(ncts_c[i])} is behind the sliding window the "
-                f"runner already applied ({int(done[i])} tokens computed, window {window}): its first "
-                "blocks were freed and nulled; a request that recomputes must be resumed_from_preemption "
-                "with fresh block ids")
+                f"runner already applied ({int(done[i])} tokens computed, window {window}): its queries see "
+                f"keys from position {first} on, but blocks [0, {int(nulled[i])}) of {B} tokens were freed "
+                "and nulled; a request that recomputes must be resumed_from_preemption with fresh block ids")
 
 
 def check_span_not_null(lay: StepLayout, batch: InputBatch, requests: dict[str, CachedRequestState], C: list,
@@ -68,10 +74,12 @@ def check_span_not_null(lay: StepLayout, batch: InputBatch, requests: dict[str, 
             hit = batch.block_table[g].block_table_np[rows_c[owner], first[owner] + offs] == NULL_BLOCK_ID
             if hit.any():
                 bad = int(owner[np.argmax(hit)])
-        for i in readd:
+        window = lay.sliding_windows[g]
+        for i in readd:  # their state: from the first key a query sees (the window's) on
             if bad is None and i not in resumed:
                 ids = requests[C[i]].block_ids_np()[g]
-                if (ids[int(first[i]):(int(seq_c[i]) - 1) // B + 1] == NULL_BLOCK_ID).any():
+                lo = int(first[i]) if window is None else max(0, int(ncts_c[i]) - window + 1) // B
+                if (ids[lo:(int(seq_c[i]) - 1) // B + 1] == NULL_BLOCK_ID).any():
                     bad = i
         if bad is not None:
             err(C[bad], "num_computed_tokens", f"group {g}: positions [{int(ncts_c[bad])}, {int(seq_c[bad])}) fall "

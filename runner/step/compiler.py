@@ -20,7 +20,8 @@ persistent buffer, valid until the next ``update_states``.
 This class is a façade over the stages, one module each, in the order a step runs:
 ``check`` (stage 1: validate, change nothing) → ``apply`` (stage 2) → ``prepare``
 (stage 3) → ``common_metadata`` (stage 4) → … → ``append`` (stage 8); the layout of the
-cache groups is ``groups.StepLayout``, the compiled paths are bound in ``fast/bind.py``.
+cache groups is ``groups.StepLayout``; the loops run on the step's kernels
+(``kernels.py``: numpy, or compiled from ``fast/``), chosen once here.
 
 With ``ATTNPLUG_VALIDATE=1`` (read at construction) ``prepare_inputs`` checks the eight
 invariants (``attnplug.core.validate``) for every cache group each step.
@@ -44,8 +45,7 @@ from attnplug.runner.step.apply import apply_update
 from attnplug.runner.step.check import UpdateChecker
 from attnplug.runner.step.common_metadata import build_common_attn_metadata
 from attnplug.runner.step.debug import batch_view, snapshot, snapshot_diff
-from attnplug.runner.step.fast import NATIVE
-from attnplug.runner.step.fast.bind import bind_scans
+from attnplug.runner.step.kernels import choose_kernels
 from attnplug.runner.step.groups import StepLayout, StepLimits
 from attnplug.runner.step.input_batch import InputBatch
 from attnplug.runner.step.placeholders import (
@@ -131,17 +131,16 @@ class StepCompiler:
         self.max_num_blocks_per_req = lay.max_num_blocks_per_req
         self.reorder_batch_threshold = reorder_batch_threshold
         self.device = resolve_device(device)
-        use_native = NATIVE is not None and native is not False
-        self.native = use_native
-        """Whether the compiled fast paths run (``runner/step/fast/``)."""
+        kernels = self.kernels = choose_kernels(native, SamplingParams)
+        """The step's loops (``runner/step/kernels.py``): compiled when built and not refused."""
+        self.native = kernels.name == "compiled"
+        """Whether the compiled kernels run (``runner/step/fast/``)."""
         self.input_batch = InputBatch(max_num_reqs, max_model_len, max_num_batched_tokens, self.block_sizes,
-                                      self.device, self.kernel_block_sizes, use_native)
+                                      self.device, self.kernel_block_sizes, kernels)
         self.requests: dict[str, CachedRequestState] = {}
-        self._scans = bind_scans(self.input_batch, lay, SamplingParams) if use_native else None
-        self.checker = UpdateChecker(lay, self.input_batch, self.requests, self._scans, native=use_native)
+        self.checker = UpdateChecker(lay, self.input_batch, self.requests, kernels)
         """Stage 1 (``runner/step/check.py``): ``checker.plan(scheduler_output)``."""
-        self._preparer = InputPreparer(max_num_reqs, max_model_len, max_num_batched_tokens, self.device,
-                                       native=use_native)
+        self._preparer = InputPreparer(max_num_reqs, max_model_len, max_num_batched_tokens, self.device, kernels)
         self.validate = os.environ.get("ATTNPLUG_VALIDATE") == "1" if validate is None else bool(validate)
         self.patch_counts = {"slice": 0, "scatter": 0}
         """Asynchronous scheduling: steps whose ``input_ids`` took the previous step's device
@@ -163,7 +162,7 @@ class StepCompiler:
 
     def apply(self, plan: UpdatePlan) -> None:
         """Stage 2: apply a plan that ``self.checker.plan`` returned for this state."""
-        apply_update(self.layout, self.input_batch, self.requests, plan, self._scans, self.reorder_batch_threshold)
+        apply_update(self.layout, self.input_batch, self.requests, plan, self.reorder_batch_threshold)
 
     def prepare_inputs(self, scheduler_output: SchedulerOutput | None = None,
                        num_tokens_padded: int | None = None, *, build_metadata: bool = True,
@@ -197,9 +196,9 @@ class StepCompiler:
                 num_tokens_padded = operator.index(num_tokens_padded)
             except TypeError:
                 raise MetadataError(f"num_tokens_padded must be an int, got {num_tokens_padded!r}") from None
-        if self.native and (num_tokens_padded is None or 0 <= num_tokens_padded <= self.max_num_batched_tokens):
-            # the compiled loop counts the tokens as it goes: check its count afterwards
-            # (it writes only the step's output buffers, no request state)
+        if num_tokens_padded is None or 0 <= num_tokens_padded <= self.max_num_batched_tokens:
+            # the kernels count the tokens as they go: check the count afterwards (they
+            # write only the step's output buffers, no request state)
             inputs = self._preparer.prepare(b, self.group_kinds, num_tokens_padded)
             self._check_step_size(scheduler_output, inputs.num_actual_tokens, num_tokens_padded)
         else:

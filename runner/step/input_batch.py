@@ -27,7 +27,7 @@ import torch
 
 from attnplug.cache_groups.block_table import MultiGroupBlockTable
 from attnplug.core.errors import MetadataError
-from attnplug.runner.step.fast.bind import bind_block_rows
+from attnplug.runner.step.kernels import NumpyKernels, StepKernels
 from attnplug.runner.step.request_state import CachedRequestState
 
 
@@ -41,7 +41,8 @@ class InputBatch:
         block_sizes: manager block size per cache group.
         device: where block tables and slot mappings go.
         kernel_block_sizes: kernel block size per group (``None``: same as manager).
-        native: use the compiled row operations when they are built (``runner.step.fast``).
+        kernels: the step's kernels (``runner/step/kernels.py``): row clears and moves of the
+            block tables, rows of staged new requests. Default: the numpy kernels.
 
     Attributes (all CPU, row-indexed, valid for occupied rows):
         token_ids_cpu: ``[max_num_reqs, max_model_len]`` ``int32``; prompt then outputs
@@ -60,7 +61,7 @@ class InputBatch:
 
     def __init__(self, max_num_reqs: int, max_model_len: int, max_num_batched_tokens: int,
                  block_sizes: Sequence[int], device: torch.device | str = "cpu",
-                 kernel_block_sizes: Sequence[int] | None = None, native: bool = True):
+                 kernel_block_sizes: Sequence[int] | None = None, kernels: StepKernels | None = None):
         self.max_num_reqs = max_num_reqs
         self.max_model_len = max_model_len
         self.token_ids_cpu_tensor = torch.zeros((max_num_reqs, max_model_len), dtype=torch.int32)
@@ -97,8 +98,8 @@ class InputBatch:
         self.generators: dict[int, torch.Generator] = {}
         self.block_table = MultiGroupBlockTable(block_sizes, max_num_reqs, max_model_len,
                                                 max_num_batched_tokens, device, kernel_block_sizes)
-        self._row_ops = bind_block_rows(self) if native else None
-        """The compiled ``BlockRows`` (``runner/step/fast/bind.py``), or ``None``."""
+        self.kernels: StepKernels = NumpyKernels() if kernels is None else kernels
+        """The step's kernels (``runner/step/kernels.py``)."""
         self._req_ids: list[str | None] = [None] * max_num_reqs
         self._states: list[CachedRequestState | None] = [None] * max_num_reqs
         self.req_id_to_index: dict[str, int] = {}
@@ -218,13 +219,14 @@ class InputBatch:
             st._attach(self, row)
         return rows
 
-    def admit_scanned(self, new_reqs: Sequence, scan, requests: dict[str, CachedRequestState]) -> list[int]:
-        """Admit fresh requests that ``scan`` (the compiled ``NewScan``) validated and staged.
+    def admit_staged(self, new_reqs: Sequence, layout, requests: dict[str, CachedRequestState]) -> list[int]:
+        """Admit fresh requests that the kernels' ``scan_new`` checked and staged.
 
         Rows are assigned as :meth:`add_requests` does (lowest free row first, in order);
-        ``scan.write_rows`` writes tokens, counts, sampling columns and block ids; then each
-        request gets its (attached) :class:`CachedRequestState`, also stored in ``requests``.
-        The caller guarantees the ids are not in the batch and the rows suffice.
+        the kernels' ``write_new_rows`` writes tokens, counts, sampling columns and block
+        ids; then each request gets its (attached) :class:`CachedRequestState`, also stored
+        in ``requests``. The caller guarantees the ids are not in the batch and the rows
+        suffice (stage 1 checked both).
         """
         rows = []
         holes = self._holes
@@ -234,7 +236,7 @@ class InputBatch:
             else:
                 rows.append(self._num_rows)
                 self._num_rows += 1
-        scan.write_rows(rows)
+        self.kernels.write_new_rows(self, layout, rows)
         self.prev_sampled_index[rows] = -1
         req_ids, row_states, index = self._req_ids, self._states, self.req_id_to_index
         for nr, row in zip(new_reqs, rows):
@@ -287,7 +289,7 @@ class InputBatch:
             heapq.heappush(self._holes, row)
             rows.append(row)
         if rows:
-            (self._row_ops or self.block_table).clear_rows(rows)
+            self.kernels.clear_rows(self.block_table, rows)
         return rows
 
     # --- moving rows --------------------------------------------------------------------
@@ -300,10 +302,7 @@ class InputBatch:
             toks[dst, :n] = toks[src, :n]
         for col in self.row_columns:
             col[d] = col[s]
-        self.block_table.move_rows(s, d)
-        for bt in self.block_table:
-            for src in srcs:
-                bt.clear_row(src)
+        self.kernels.move_rows(self.block_table, srcs, dsts)
         for src, dst in zip(srcs, dsts):
             rid, st = self._req_ids[src], self._states[src]
             self._req_ids[dst], self._states[dst] = rid, st

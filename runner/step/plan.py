@@ -1,12 +1,22 @@
-"""``UpdatePlan``: what stage 1 (``UpdateChecker.plan``) hands stage 2 (``apply_update``) (validated, converted)."""
+"""``UpdatePlan``: what stage 1 (``UpdateChecker.plan``) hands stage 2 (``apply_update``),
+validated and converted — the only hand-off between them, on both kernel paths.
+
+The compiled scans (``runner/step/kernels.py``) write into :class:`ScanBuffers`, which the
+checker owns; the plan's arrays are then views of those buffers, exactly the arrays the
+numpy checks would have built. Every array is valid until the next ``UpdateChecker.plan``.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from attnplug.runner.step.request_state import CachedRequestState
+
+if TYPE_CHECKING:
+    from attnplug.runner.step.check_snapshot import NewReq
 
 
 @dataclass
@@ -14,45 +24,106 @@ class BlockAppends:
     """Validated block appends of ``m`` cached requests, all groups at once."""
 
     sel: np.ndarray
-    """``[m]`` indices into ``scheduled_cached_reqs``."""
+    """``[m]`` ``int64`` indices into ``scheduled_cached_reqs``."""
     starts: np.ndarray
-    """``[num_groups, m]`` blocks each row holds before the append."""
+    """``[num_groups, m]`` ``int64`` blocks each row holds before the append."""
     lens: np.ndarray | int
-    """``[num_groups, m]`` blocks appended (``1`` when ``one_each``)."""
+    """``[num_groups, m]`` ``int64`` blocks appended (the int ``1`` when ``one_each``)."""
     after: np.ndarray
-    """``[num_groups, m]`` blocks each row holds after the append."""
+    """``[num_groups, m]`` ``int64`` blocks each row holds after the append."""
     flat: np.ndarray
-    """The appended ids, group-major, then in ``sel`` order."""
+    """``[sum(lens)]`` integer appended ids, group-major, then in ``sel`` order."""
     one_each: bool
     """Every row gets exactly one block in every group."""
 
 
 @dataclass
+class SpecTokens:
+    """The checked drafts of one step (``UpdatePlan.spec_tokens``)."""
+
+    req_ids: list[str]
+    """The verifying requests."""
+    lens: np.ndarray
+    """``[n]`` ``int64`` drafts of each (``>= 1``)."""
+    flat: np.ndarray
+    """``[sum(lens)]`` ``int32`` the drafts, request after request."""
+    rows: np.ndarray | None = None
+    """``[n]`` ``int64`` their batch rows when stage 1 knew them (the compiled scan), valid
+    while stage 2 moves no row; ``None``: look the ids up."""
+
+
+@dataclass
+class ScanBuffers:
+    """The plan buffers a compiled cached scan writes (owned by the ``UpdateChecker``;
+    ``M`` = ``max_num_reqs``, ``G`` = cache groups). Entry ``i`` of the ``[M]`` arrays
+    belongs to the ``i``-th cached request of the step."""
+
+    rows: np.ndarray
+    """``[M]`` ``int64`` batch rows."""
+    ncts: np.ndarray
+    """``[M]`` ``int64`` ``num_computed_tokens``."""
+    counts: np.ndarray
+    """``[M]`` ``int64`` ``num_scheduled_tokens``."""
+    app_sel: np.ndarray
+    """``[M]`` ``int64`` the cached indices that append blocks, in order."""
+    app_start: np.ndarray
+    """``[G, M]`` ``int64`` per appending request, blocks held before the append."""
+    app_len: np.ndarray
+    """``[G, M]`` ``int64`` per appending request, blocks appended."""
+    app_ids: np.ndarray
+    """``[G, A]`` ``int32`` per group, the appended ids in ``app_sel`` order."""
+    app_total: np.ndarray
+    """``[G]`` ``int64`` appended ids per group."""
+    spec_lens: np.ndarray
+    """``[M]`` ``int64`` drafts per cached request (0: none)."""
+    spec_ids: np.ndarray
+    """``[S]`` ``int32`` the drafts, request after request in cached order."""
+
+    @classmethod
+    def allocate(cls, max_num_reqs: int, num_groups: int, append_capacity: int = 1 << 12,
+                 spec_capacity: int = 1 << 14) -> "ScanBuffers":
+        M, G = max_num_reqs, num_groups
+        return cls(np.zeros(M, np.int64), np.zeros(M, np.int64), np.zeros(M, np.int64), np.zeros(M, np.int64),
+                   np.zeros((G, M), np.int64), np.zeros((G, M), np.int64), np.zeros((G, append_capacity), np.int32),
+                   np.zeros(G, np.int64), np.zeros(M, np.int64), np.zeros(spec_capacity, np.int32))
+
+
+@dataclass
 class UpdatePlan:
-    """Everything :func:`apply_update` needs, already validated and converted."""
+    """Everything :func:`apply_update` needs, already validated and converted.
+
+    ``C`` = cached requests of the step (``scheduled_cached_reqs``).
+    """
 
     finished: list[str]
+    """Finished ids, deduplicated, in order (their states are dropped)."""
     unscheduled: list[str]
+    """Ids in the batch that this step does not schedule (their rows go; state kept)."""
     new_states: list[CachedRequestState]
+    """Detached states of the new requests the numpy check converted (empty when
+    ``staged_new`` holds them)."""
     new_counts: list[int]
+    """``num_scheduled_tokens`` of every new request, in ``scheduled_new_reqs`` order."""
     readd_ids: list[str]
     """Cached requests that are resident but not in the batch (they get rows again)."""
     readd: list[int]
     """Their indices in ``scheduled_cached_reqs``."""
     rows_c: np.ndarray
-    """``[num_cached]`` int64 batch rows of the cached requests (-1 for ``readd`` ones)."""
+    """``[C]`` ``int64`` batch rows of the cached requests (-1 for ``readd`` ones)."""
     counts_c: np.ndarray
+    """``[C]`` ``int64`` their ``num_scheduled_tokens``."""
     ncts_c: np.ndarray
+    """``[C]`` ``int64`` their ``num_computed_tokens``."""
     token_deltas: list[tuple[int, np.ndarray]] = field(default_factory=list)
+    """``(cached index, [n] int32 tokens)`` for each cached request that carries tokens."""
     resumed: list[tuple[int, tuple[np.ndarray, ...]]] = field(default_factory=list)
+    """``(cached index, per group [n_g] int32 ids)``: replacement lists of resumed requests."""
     appends: BlockAppends | None = None
     """Blocks appended to non-resumed cached requests; ``None`` when there are none."""
-    new_scanned: list | None = None
-    """The fresh requests (``NewRequestData``) staged by the compiled ``NewScan``; then
-    ``new_states`` is empty and ``InputBatch.admit_scanned`` admits them."""
-    spec_tokens: object = None
-    """Speculative decoding: the step's checked drafts (``check_spec.SpecTokens``), or
-    ``None``; stage 2 writes them after the requests' tokens (``spec_apply.py``)."""
-    native: bool = False
-    """Planned by the compiled scan (``runner/step/check_fast.py``): the cached requests' merge
-    is ``Scans.cached.apply()`` (``runner/step/fast/bind.py``), and ``rows_c`` … ``appends`` are unused."""
+    staged_new: "list[NewReq] | None" = None
+    """New requests the compiled new-request scan checked and staged (the kernels write
+    their rows: ``InputBatch.add_requests(..., staged=...)``); ``None`` when
+    ``new_states`` holds them."""
+    spec_tokens: SpecTokens | None = None
+    """Speculative decoding: the step's checked drafts, or ``None``; stage 2 writes them
+    after the requests' tokens (``spec_apply.py``)."""

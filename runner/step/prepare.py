@@ -21,14 +21,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from attnplug.cache_groups.buffers import CpuGpuBuffer
 from attnplug.cache_groups.kinds import GroupKind
-from attnplug.cache_groups.ragged import cumsum_and_arange, repeat_indices
-from attnplug.core.constants import PAD_SLOT_ID
 from attnplug.core.metadata import CommonAttentionMetadata
 from attnplug.runner.step.input_batch import InputBatch
-from attnplug.runner.step.fast import NATIVE
-from attnplug.runner.step.fast.bind import bind_prepare
+from attnplug.runner.step.kernels import NumpyKernels, PrepareBuffers, StepKernels
 from attnplug.runner.step.spec_metadata import SpecDecodeMetadata
 
 
@@ -93,42 +89,25 @@ class StepInputs:
 
 
 class InputPreparer:
-    """Persistent buffers and the vectorized arithmetic of ``prepare_inputs``.
+    """Persistent buffers (:attr:`buffers`) and the step's ``prepare_inputs`` arithmetic,
+    run by the step's kernels (``runner/step/kernels.py``).
 
     Args:
         max_num_reqs, max_model_len, max_num_batched_tokens: buffer sizes.
         device: where device tensors live.
+        kernels: the step's kernels (default: the numpy ones).
     """
 
     def __init__(self, max_num_reqs: int, max_model_len: int, max_num_batched_tokens: int,
-                 device: torch.device | str = "cpu", native: bool = False):
+                 device: torch.device | str = "cpu", kernels: StepKernels | None = None):
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.query_start_loc = CpuGpuBuffer((max_num_reqs + 1,), torch.int32, device)
-        self.positions = CpuGpuBuffer((max_num_batched_tokens,), torch.int64, device)
-        self.input_ids = CpuGpuBuffer((max_num_batched_tokens,), torch.int32, device)
-        self.seq_lens = CpuGpuBuffer((max_num_reqs,), torch.int32, device)
-        self.logits_indices = CpuGpuBuffer((max_num_reqs,), torch.int64, device)
-        self._arange = np.arange(max(max_num_batched_tokens, max_num_reqs) + 1, dtype=np.int64)
-        self._flat_idx_np = np.zeros(max_num_batched_tokens, dtype=np.int64)
-        self._row_starts = np.arange(max_num_reqs, dtype=np.int64) * max_model_len
-        self._req_indices = np.zeros(max_num_batched_tokens, dtype=np.int64)
-        self._discard = np.zeros(max_num_reqs, dtype=bool)
-        self._is_prefilling = np.zeros(max_num_reqs, dtype=bool)
-        self._native = NATIVE if native else None
+        self.kernels: StepKernels = NumpyKernels() if kernels is None else kernels
+        self.buffers = PrepareBuffers.allocate(max_num_reqs, max_model_len, max_num_batched_tokens, device)
+        """The host/device buffers the kernels fill (:class:`~attnplug.runner.step.kernels.PrepareBuffers`)."""
         self._cached_views: tuple | None = None
-        """On a CPU device (buffers aliased: nothing to copy), the compiled path's views of
-        the last ``(batch, R, Q, P)``, reused while those sizes repeat (steady decode)."""
-        self._bound: tuple[InputBatch, tuple, object] | None = None
-        """``(batch, group_kinds, NATIVE.Prepare)`` bound to that batch's columns."""
-
-    def _native_for(self, batch: InputBatch, group_kinds: list[str]):
-        """The compiled ``Prepare`` bound to ``batch`` (built on first use)."""
-        kinds = tuple(group_kinds)
-        if self._bound is None or self._bound[0] is not batch or self._bound[1] != kinds:
-            prep = bind_prepare(batch, self, tuple(k != GroupKind.MAMBA for k in kinds))
-            self._bound = (batch, kinds, prep)
-        return self._bound[2]
+        """On a CPU device (buffers aliased: nothing to copy), the views of the last
+        ``(batch, R, Q, P)``, reused while those sizes repeat (steady decode)."""
 
     def prepare(self, batch: InputBatch, group_kinds: list[str],
                 num_tokens_padded: int | None = None) -> StepInputs:
@@ -142,65 +121,17 @@ class InputPreparer:
         Returns:
             The step's :class:`StepInputs` (``common_attn_metadata`` not yet built).
 
+        Raises:
+            IndexError: (compiled kernels) a row's positions leave the token table or its
+                blocks: the step's validation excludes it.
+
         Host→device copies are non-blocking; nothing synchronises with the device.
         """
         R = batch.num_reqs
         sched = batch.num_scheduled_tokens[:R]
         ncc = batch.num_computed_tokens_cpu[:R]
-        if self._native is not None:
-            return self._prepare_native(batch, group_kinds, num_tokens_padded, R, sched, ncc)
-        qsl = self.query_start_loc.np
-        qsl[0] = 0
-        np.add.accumulate(sched, dtype=np.int32, out=qsl[1:R + 1])
-        Q = int(qsl[R])
-        P = Q if num_tokens_padded is None else int(num_tokens_padded)
-        pos = self.positions.np[:Q]
-        flat = self._flat_idx_np[:Q]
-        if Q == R:  # every row schedules one token (pure decode): token t is row t
-            req_indices = self._arange[:R]
-            pos[:] = ncc
-            np.add(self._row_starts[:R], pos, out=flat)
-        else:
-            req_indices = repeat_indices(sched, self._arange)
-            _, offsets = cumsum_and_arange(sched, self._arange)
-            np.add(ncc[req_indices], offsets, out=pos)
-            np.add(self._row_starts[req_indices], pos, out=flat)
-        # index-select from the flattened token table into the persistent buffer
-        batch.token_ids_cpu.reshape(-1).take(flat, out=self.input_ids.np[:Q])  # method: no wrapper
-        if P > Q:
-            self.positions.np[Q:P] = 0
-            self.input_ids.np[Q:P] = 0
-        seq_lens = self.seq_lens.np[:R]
-        np.add(ncc, sched, out=seq_lens)
-        np.subtract(qsl[1:R + 1], 1, out=self.logits_indices.np[:R])
-        discard = np.less(seq_lens, batch.num_tokens[:R], out=self._discard[:R])
-        is_prefilling = np.less(ncc, batch.num_prompt_tokens[:R], out=self._is_prefilling[:R])
-
-        block_tables, slot_mappings = [], []
-        split: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-        rows = None if Q == R else req_indices
-        for bt, kind in zip(batch.block_table, group_kinds):
-            bt.commit(R)
-            block_tables.append(bt.get_device_tensor(R))
-            if kind is GroupKind.MAMBA:
-                bt.slot_mapping.np[:P] = PAD_SLOT_ID
-                slot_mappings.append(bt.slot_mapping.copy_to_gpu(P))
-                continue
-            B = bt.block_size
-            if B not in split:
-                split[B] = np.divmod(pos, B)
-            idx, off = split[B]
-            slot_mappings.append(bt.compute_slot_mapping(rows, pos, P, block_index=idx, block_offset=off))
-        max_seq_len = int(seq_lens.max()) if R else 0
-        max_query_len = (1 if Q == R else int(sched.max())) if R else 0
-        return self._step_inputs(batch, R, Q, P, max_query_len, max_seq_len, sched, ncc, req_indices,
-                                 discard, is_prefilling, slot_mappings, block_tables)
-
-    def _prepare_native(self, batch: InputBatch, group_kinds: list[str], num_tokens_padded: int | None,
-                        R: int, sched: np.ndarray, ncc: np.ndarray) -> StepInputs:
-        """:meth:`prepare` through the compiled loop (``runner/step/fast/_native.pyx``)."""
-        Q, max_query_len, max_seq_len = self._native_for(batch, group_kinds).prepare(
-            R, -1 if num_tokens_padded is None else num_tokens_padded)
+        writes = tuple(k != GroupKind.MAMBA for k in group_kinds)
+        Q, max_query_len, max_seq_len = self.kernels.prepare(batch, self.buffers, writes, R, num_tokens_padded)
         P = Q if num_tokens_padded is None else int(num_tokens_padded)
         key = (batch, R, Q, P)
         if self._cached_views is not None and self._cached_views[0] == key:
@@ -211,17 +142,19 @@ class InputPreparer:
                 bt.commit(R)
                 block_tables.append(bt.get_device_tensor(R))
                 slot_mappings.append(bt.slot_mapping.copy_to_gpu(P))
-            views = (self._req_indices[:Q], self._discard[:R], self._is_prefilling[:R], slot_mappings, block_tables,
+            bufs = self.buffers
+            views = (bufs.req_indices[:Q], bufs.discard[:R], bufs.is_prefilling[:R], slot_mappings, block_tables,
                      self._buffer_views(R, P))
-            self._cached_views = (key, views) if self.query_start_loc.aliased else None
+            self._cached_views = (key, views) if bufs.query_start_loc.aliased else None
         return self._step_inputs(batch, R, Q, P, max_query_len, max_seq_len, sched, ncc, *views)
 
     def _buffer_views(self, R: int, P: int) -> tuple[torch.Tensor, ...]:
         """Host → device copies of the step's prefixes; returns the device and host views
         (query_start_loc, positions, input_ids, seq_lens, logits_indices)."""
-        qsl, pos, sl, li = self.query_start_loc, self.positions, self.seq_lens, self.logits_indices
+        b = self.buffers
+        qsl, pos, sl, li = b.query_start_loc, b.positions, b.seq_lens, b.logits_indices
         return (qsl.copy_to_gpu(R + 1), qsl.cpu_view(R + 1), pos.copy_to_gpu(P), pos.cpu_view(P),
-                self.input_ids.copy_to_gpu(P), sl.copy_to_gpu(R), sl.cpu_view(R), li.copy_to_gpu(R), li.cpu_view(R))
+                b.input_ids.copy_to_gpu(P), sl.copy_to_gpu(R), sl.cpu_view(R), li.copy_to_gpu(R), li.cpu_view(R))
 
     def _step_inputs(self, batch, R, Q, P, max_query_len, max_seq_len, sched, ncc, req_indices, discard,
                      is_prefilling, slot_mappings, block_tables, buffer_views=None) -> StepInputs:

@@ -90,7 +90,7 @@ class CachedRequestState:
 
     @classmethod
     def _admitted(cls, new_req, batch: BatchRows, row: int) -> "CachedRequestState":
-        """The state of a fresh request whose row ``InputBatch.admit_scanned`` already
+        """The state of a fresh request whose row ``InputBatch.admit_staged`` already
         wrote (``new_req``: its ``NewRequestData``, validated)."""
         st = cls.__new__(cls)
         st.req_id = new_req.req_id

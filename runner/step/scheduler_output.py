@@ -28,6 +28,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from attnplug.core.errors import InvalidSamplingParams
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -45,6 +47,18 @@ class SamplingParams:
     seed: int | None = None
     max_tokens: int = 16
     stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        """Refuse ``max_tokens`` that is not an int ``>= 1`` (vLLM's ``SamplingParams``
+        refuses ``< 1`` too); the other fields are checked where a request enters (stage 1,
+        ``Scheduler.add_request``), with its id in the message.
+
+        Raises:
+            InvalidSamplingParams: ``max_tokens`` is not an int, or ``< 1``.
+        """
+        mt = self.max_tokens
+        if isinstance(mt, bool) or not isinstance(mt, int) or mt < 1:
+            raise InvalidSamplingParams(f"SamplingParams: max_tokens must be an int >= 1, got {mt!r}")
 
 
 @dataclass

@@ -24,21 +24,31 @@ import numpy as np
 
 from attnplug.cache_groups.ragged import cumsum_and_arange
 from attnplug.core.errors import MetadataError
-from attnplug.runner.step.check_spec import SpecTokens
+from attnplug.runner.step.plan import SpecTokens
 from attnplug.runner.step.check_types import row_indices
 from attnplug.runner.step.input_batch import InputBatch
 
 
-def write_spec_tokens(batch: InputBatch, spec_tokens: SpecTokens | None) -> None:
+def write_spec_tokens(batch: InputBatch, spec_tokens: SpecTokens | None, rows_moved: bool = True) -> None:
     """Stage 2: clear the previous step's draft counts, write this step's drafts (one
-    scatter into the token table)."""
+    scatter into the token table). ``rows_moved``: stage 2 moved a row since stage 1
+    (then ``spec_tokens.rows`` is stale and the ids are looked up)."""
     batch.num_spec_tokens[:] = 0
     if spec_tokens is None:
         return
     ids, lens = spec_tokens.req_ids, spec_tokens.lens
-    rows = np.fromiter(map(batch.req_id_to_index.__getitem__, ids), np.int64, len(ids))
-    _, offsets = cumsum_and_arange(lens)
-    batch.token_ids_cpu[np.repeat(rows, lens), np.repeat(batch.num_tokens[rows], lens) + offsets] = spec_tokens.flat
+    if spec_tokens.rows is not None and not rows_moved:
+        rows = spec_tokens.rows
+    else:
+        rows = np.fromiter(map(batch.req_id_to_index.__getitem__, ids), np.int64, len(ids))
+    held = batch.num_tokens[rows]
+    d = int(lens[0])
+    if lens.shape[0] * d == spec_tokens.flat.shape[0] and (lens == d).all():  # the same d everywhere
+        cols = held[:, None] + np.arange(d, dtype=np.int64)
+        batch.token_ids_cpu[rows[:, None], cols] = spec_tokens.flat.reshape(-1, d)
+    else:
+        _, offsets = cumsum_and_arange(lens)
+        batch.token_ids_cpu[np.repeat(rows, lens), np.repeat(held, lens) + offsets] = spec_tokens.flat
     batch.num_spec_tokens[rows] = lens
 
 

@@ -25,6 +25,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from attnplug.core.errors import MetadataError
+
 
 @dataclass
 class SpecDecodeMetadata:
@@ -72,36 +74,36 @@ def _host_ints(x, name: str) -> np.ndarray:
         x = x.detach().cpu().numpy()
     arr = np.asarray(x)
     if arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
-        raise ValueError(f"{name} must be a 1-D integer sequence, got shape {arr.shape} dtype {arr.dtype}")
+        raise MetadataError(f"{name} must be a 1-D integer sequence, got shape {arr.shape} dtype {arr.dtype}")
     return arr.astype(np.int64, copy=False)
 
 
 def _check_counts(qsl: np.ndarray, counts: np.ndarray) -> None:
     if (counts < 0).any():
         i = int(np.flatnonzero(counts < 0)[0])
-        raise ValueError(f"num_draft_tokens[{i}] = {int(counts[i])} is negative")
+        raise MetadataError(f"num_draft_tokens[{i}] = {int(counts[i])} is negative")
     query_lens = np.diff(qsl)
     if (query_lens < 0).any():
-        raise ValueError("query_start_loc must not decrease")
+        raise MetadataError("query_start_loc must not decrease")
     short = np.flatnonzero(query_lens < counts + 1)
     if short.size:
         i = int(short[0])
-        raise ValueError(f"row {i}: query length {int(query_lens[i])} < 1 + {int(counts[i])} drafts")
+        raise MetadataError(f"row {i}: query length {int(query_lens[i])} < 1 + {int(counts[i])} drafts")
 
 
 def _drafts(input_ids, draft_token_ids, positions: np.ndarray, counts: np.ndarray, device) -> torch.Tensor:
     """The ``[D]`` drafts: ``input_ids`` at ``positions``, or ``draft_token_ids`` flattened."""
     if input_ids is not None:
         if input_ids.dim() != 1:
-            raise ValueError(f"input_ids must be 1-D, got shape {tuple(input_ids.shape)}")
+            raise MetadataError(f"input_ids must be 1-D, got shape {tuple(input_ids.shape)}")
         pos = torch.from_numpy(positions).to(input_ids.device)
         return input_ids.index_select(0, pos).to(device=device, dtype=torch.int64)
     if len(draft_token_ids) != counts.shape[0]:
-        raise ValueError(f"draft_token_ids has {len(draft_token_ids)} rows for {counts.shape[0]} requests")
+        raise MetadataError(f"draft_token_ids has {len(draft_token_ids)} rows for {counts.shape[0]} requests")
     flat: list[int] = []
     for i, row in enumerate(draft_token_ids):
         if len(row) != counts[i]:
-            raise ValueError(f"row {i}: {len(row)} draft ids for num_draft_tokens = {int(counts[i])}")
+            raise MetadataError(f"row {i}: {len(row)} draft ids for num_draft_tokens = {int(counts[i])}")
         flat.extend(int(t) for t in row)
     return torch.tensor(flat, dtype=torch.int64, device=device)
 
@@ -131,7 +133,7 @@ def build_spec_decode_metadata(query_start_loc: Sequence[int] | np.ndarray | tor
         ``SpecDecodeMetadata`` (see its fields).
 
     Raises:
-        ValueError: shapes disagree, a count is negative, ``qsl`` decreases, a row's query is
+        MetadataError: shapes disagree, a count is negative, ``qsl`` decreases, a row's query is
             shorter than ``1 + d_i`` (the verifying row must also hold the token before the
             drafts), both or neither draft source given, or a row's draft list has the wrong
             length.
@@ -140,9 +142,9 @@ def build_spec_decode_metadata(query_start_loc: Sequence[int] | np.ndarray | tor
     counts = _host_ints(num_draft_tokens, "num_draft_tokens")
     R = counts.shape[0]
     if qsl.shape[0] != R + 1:
-        raise ValueError(f"query_start_loc has {qsl.shape[0]} entries, need num_reqs + 1 = {R + 1}")
+        raise MetadataError(f"query_start_loc has {qsl.shape[0]} entries, need num_reqs + 1 = {R + 1}")
     if (input_ids is None) == (draft_token_ids is None):
-        raise ValueError("give exactly one of input_ids and draft_token_ids")
+        raise MetadataError("give exactly one of input_ids and draft_token_ids")
     _check_counts(qsl, counts)
     if device is None:
         device = input_ids.device if input_ids is not None else "cpu"
@@ -153,34 +155,64 @@ def build_spec_decode_metadata(query_start_loc: Sequence[int] | np.ndarray | tor
             draft_token_ids = [draft_token_ids[int(r)] for r in sel]
         ends, counts, R = ends[sel], counts[sel], sel.shape[0]
 
-    per_row = counts + 1                                 # logits positions per row
-    cu_logits = np.cumsum(per_row)                       # end (exclusive) of each row's rows
-    row_of = np.repeat(np.arange(R), per_row)            # [D + R] owning row of each logits row
-    offset = np.arange(int(per_row.sum())) - np.repeat(cu_logits - per_row, per_row)
-    logits_idx = np.repeat(ends - per_row, per_row) + offset
-    is_target = offset < counts[row_of]
-    target_idx = np.flatnonzero(is_target)
+    arrays = _layout_arrays(ends, counts)
+    return _metadata(arrays, counts, _drafts(input_ids, draft_token_ids, arrays[3], counts, device), device)
+
+
+def _layout_arrays(ends: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, ...]:
+    """``(logits_indices, target_logits_indices, bonus_logits_indices, draft positions)``
+    (``int64``) for rows ending at ``ends`` (exclusive) with ``counts`` drafts (validated)."""
+    R = counts.shape[0]
+    if R and (counts == counts[0]).all():  # the same d everywhere (the usual step): 2-D, no repeat
+        d = int(counts[0])
+        w = d + 1
+        grid = np.arange(R * w, dtype=np.int64).reshape(R, w)
+        logits_2d = ends[:, None] - w + grid[0]
+        return (logits_2d.ravel(), grid[:, :d].ravel(), grid[:, d].copy(), (logits_2d[:, :d] + 1).ravel())
+    per_row = counts + 1                         # logits positions per row
+    cu_logits = np.cumsum(per_row)               # end (exclusive) of each row's logits rows
+    total = int(cu_logits[-1]) if cu_logits.shape[0] else 0
+    # logits row t of row i is position t + (ends[i] - cu_logits[i])
+    logits_idx = np.repeat(ends - cu_logits, per_row)
+    logits_idx += np.arange(total, dtype=np.int64)
     bonus_idx = cu_logits - 1
+    is_target = np.ones(total, dtype=bool)
+    is_target[bonus_idx] = False
+    target_idx = np.flatnonzero(is_target)
+    return logits_idx, target_idx, bonus_idx, logits_idx[target_idx] + 1
 
-    drafts = _drafts(input_ids, draft_token_ids, logits_idx[target_idx] + 1, counts, device)
 
-    def t(a: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(device)
-
+def _metadata(arrays: tuple[np.ndarray, ...], counts: np.ndarray, drafts: torch.Tensor, device) -> SpecDecodeMetadata:
+    logits_idx, target_idx, bonus_idx, _ = arrays
     return SpecDecodeMetadata(
         draft_token_ids=drafts,
-        num_draft_tokens=[int(c) for c in counts],
-        cu_num_draft_tokens=t(np.cumsum(counts)),
-        target_logits_indices=t(target_idx),
-        bonus_logits_indices=t(bonus_idx),
-        logits_indices=t(logits_idx),
+        num_draft_tokens=counts.tolist(),
+        cu_num_draft_tokens=_tensor(np.cumsum(counts), device),
+        target_logits_indices=_tensor(target_idx, device),
+        bonus_logits_indices=_tensor(bonus_idx, device),
+        logits_indices=_tensor(logits_idx, device),
     )
+
+
+def _tensor(a: np.ndarray, device) -> torch.Tensor:
+    t = torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))
+    return t if t.device == torch.device(device) else t.to(device)
 
 
 def spec_decode_metadata(inputs, batch) -> SpecDecodeMetadata:
     """The step's metadata from ``StepInputs`` and its ``InputBatch`` (``prepare_inputs``
     calls it when a row holds drafts): the kept rows (``~discard``), their draft counts
-    ``batch.num_spec_tokens``, the drafts read from ``inputs.input_ids`` (on its device)."""
+    ``batch.num_spec_tokens``, the drafts read from ``inputs.input_ids`` (on its device).
+    The inputs are the step compiler's own (validated in stage 1): no checks here."""
     R = inputs.num_reqs
-    return build_spec_decode_metadata(inputs.query_start_loc_cpu[:R + 1], batch.num_spec_tokens[:R],
-                                      input_ids=inputs.input_ids, rows=np.flatnonzero(~inputs.discard[:R]))
+    ends = inputs.query_start_loc_cpu.numpy()[1:R + 1].astype(np.int64)
+    counts = batch.num_spec_tokens[:R].astype(np.int64)
+    discard = inputs.discard[:R]
+    if discard.any():
+        keep = np.flatnonzero(~discard)
+        ends, counts = ends[keep], counts[keep]
+    arrays = _layout_arrays(ends, counts)
+    ids = inputs.input_ids
+    pos = torch.from_numpy(arrays[3])
+    drafts = ids.index_select(0, pos if ids.device.type == "cpu" else pos.to(ids.device)).to(torch.int64)
+    return _metadata(arrays, counts, drafts, ids.device)

@@ -10,8 +10,6 @@ from attnplug.cache_groups.block_hash import hash_request_tokens
 from attnplug.cache_groups.hybrid_hits import (
     HybridPrefixCoordinator,
     find_longest_cache_hit,
-    mamba_state_column,
-    mamba_state_column_of_group,
 )
 from attnplug.cache_groups.prefix_cache import PrefixCachingBlockPool
 from attnplug.cache_groups.specs import FullAttentionSpec, MambaSpec, SlidingWindowSpec, cdiv
@@ -109,7 +107,6 @@ def test_bamba_shared_prefix_ending_mid_mamba_block_falls_back_to_the_previous_b
     hit = coord.get_computed_blocks(b)
     assert hit.num_computed_tokens == 8            # 12 is no Mamba checkpoint: back to 8
     assert len(hit.block_ids[0]) == 2 and len(hit.block_ids[1]) == 1
-    assert mamba_state_column_of_group(coord.specs, 1, hit.num_computed_tokens) == 0
     # with the whole prompt shared plus one token, the hit is the 16-token checkpoint
     full = coord.get_computed_blocks(a + [0])
     assert full.num_computed_tokens == 16 and full.block_ids[1][0] == NULL_BLOCK_ID
@@ -152,13 +149,7 @@ def test_the_fixed_point_drops_below_a_length_every_group_rejects():
     assert hit.num_computed_tokens == 8 and hit.block_ids == ((1, 2), (0, 12), (21,))
 
 
-def test_the_mamba_state_column_uses_the_mamba_block_size():
-    specs = [FULL4, MambaSpec(block_size=16)]
-    assert mamba_state_column_of_group(specs, 1, 32) == 1          # not cdiv(32, 4) - 1 == 7
-    assert mamba_state_column_of_group(specs, 1, 33) == 2
-    assert mamba_state_column(0, 16) == -1
-    with pytest.raises(KVCacheSpecError, match="not a Mamba group"):
-        mamba_state_column_of_group(specs, 0, 32)
+def test_a_hit_over_groups_it_does_not_know_is_refused():
     with pytest.raises(KVCacheSpecError):
         find_longest_cache_hit([FULL4], [[], []], 3)
 

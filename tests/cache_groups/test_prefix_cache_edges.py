@@ -14,8 +14,6 @@ from attnplug.cache_groups.hybrid_hits import (
     find_longest_cache_hit,
     group_hit,
     mamba_hit,
-    mamba_state_column,
-    mamba_state_column_of_group,
     sliding_window_hit,
 )
 from attnplug.cache_groups.prefix_cache import KVCacheBlock, PrefixCachingBlockPool
@@ -177,17 +175,8 @@ def test_block_size_one_and_the_bounds_of_the_window_rule():
                 f"sliding_window ({W}) and block_size ({B}) must be >= 1")
 
 
-def test_mamba_columns_at_block_size_one_and_their_refusals():
-    assert [mamba_state_column(n, 1) for n in (0, 1, 5)] == [-1, 0, 4]
+def test_mamba_hit_at_block_size_one():
     assert mamba_hit([None, 4, None], 3) == [0, 4]
-    refused(KVCacheSpecError, lambda: mamba_state_column(3, 0), "mamba_block_size must be >= 1, got 0")
-    refused(SchedulingError, lambda: mamba_state_column(-1, 4), "num_computed_tokens must be >= 0, got -1")
-    specs = [FullAttentionSpec(block_size=4), MambaSpec(block_size=8)]
-    assert mamba_state_column_of_group(specs, 1, 9) == 1
-    assert mamba_state_column_of_group([MambaSpec(block_size=4)], 0, 9) == 2  # group 0 is valid
-    for g in (0, 2, -1):
-        refused(KVCacheSpecError, lambda: mamba_state_column_of_group(specs, g, 9),
-                f"group {g} is not a Mamba group; its state column is undefined")
 
 
 def test_hit_rule_refusals():

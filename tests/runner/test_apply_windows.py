@@ -32,7 +32,7 @@ def skipped(n: int, window: int, block: int) -> int:
 ]), rows=st.integers(1, 4))
 def test_nulls_exactly_the_skipped_blocks(data, layout, rows):
     sizes, windows, kernel = layout
-    batch = InputBatch(4, MAX_LEN, 64, sizes, kernel_block_sizes=kernel, native=False)
+    batch = InputBatch(4, MAX_LEN, 64, sizes, kernel_block_sizes=kernel)
     ids = {}
     for r in range(rows):
         blocks = tuple(np.arange(1, -(-MAX_LEN // B) + 1, dtype=np.int32) + 100 * r for B in sizes)
@@ -65,7 +65,7 @@ def test_nulls_exactly_the_skipped_blocks(data, layout, rows):
 
 
 def test_no_window_and_no_rows_write_nothing():
-    batch = InputBatch(2, 16, 16, [4], native=False)
+    batch = InputBatch(2, 16, 16, [4])
     assert null_skipped_blocks(batch, [8]) == 0  # no rows
     batch.add_request(CachedRequestState("a", [1] * 16, (np.array([1, 2, 3, 4], np.int32),)))
     batch.num_computed_tokens_cpu[0] = 15

@@ -106,6 +106,13 @@ def new_beyond_its_prompt(c, n, new, f): new.append(NewRequestData("N", [1, 2], 
 def resumed_id_at_int32_max(c, n, new, f): c["C"] = dict(resumed=True, tokens=[], blocks=([2**31 - 1], [6]), ncc=0); n["C"] = 2
 def output_ids_not_a_list(c, n, new, f):
     nr = NewRequestData("N", [1], ([6], [6])); nr.output_token_ids = "abc"; new.append(nr); n["N"] = 1
+def block_twice_in_new_list(c, n, new, f): new.append(NewRequestData("N", list(range(8)), ([6, 6], [6]))); n["N"] = 8
+def block_twice_appended(c, n, new, f): c["A"]["blocks"] = ([6, 6], [])
+def appended_block_already_held(c, n, new, f): c["A"]["blocks"] = ([2], [])
+def block_twice_resumed(c, n, new, f): c["C"] = dict(resumed=True, tokens=[], blocks=([6, 6], [7]), ncc=0); n["C"] = 2
+def cached_id_not_a_str(c, n, new, f): c[5] = dict(resumed=False, tokens=[], blocks=None, ncc=0); n[5] = 1
+def finished_id_not_a_str(c, n, new, f): f.add(5)
+def computed_beyond_int64(c, n, new, f): c["A"]["ncc"] = 2**63
 def too_many_requests(c, n, new, f):
     for i in range(3):
         new.append(NewRequestData(f"N{i}", [1], ([6 + i], [6 + i]))); n[f"N{i}"] = 1
@@ -156,6 +163,13 @@ CASES = [
     case(new_beyond_its_prompt, "N", "num_scheduled_tokens"),
     case(resumed_id_at_int32_max, "C", "new_block_ids"),
     case(output_ids_not_a_list, "N", "output_token_ids"),
+    case(block_twice_in_new_list, "N", "block_ids"),
+    case(block_twice_appended, "A", "new_block_ids"),
+    case(appended_block_already_held, "A", "new_block_ids"),
+    case(block_twice_resumed, "C", "new_block_ids"),
+    case(cached_id_not_a_str, None, "scheduled_cached_reqs.req_ids"),
+    case(finished_id_not_a_str, None, "finished_req_ids"),
+    case(computed_beyond_int64, "A", "num_computed_tokens"),
 ]
 
 

@@ -13,6 +13,7 @@ import pytest
 
 from attnplug.core.errors import InvalidSchedulerOutput
 from attnplug.runner.step.int_packer import IntPacker
+from attnplug.runner.step.kernels import choose_kernels
 from attnplug.runner.step.fast import NATIVE
 from attnplug.runner.step.scheduler_output import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
 from attnplug.runner.step.compiler import StepCompiler, snapshot_diff
@@ -57,8 +58,9 @@ def test_a_regular_step_takes_the_compiled_path_and_matches_numpy():
     fast, slow = make(True), make(False)
     so = regular_step()
     plan = fast.checker.plan(so)
-    assert plan.native and plan.new_scanned is not None and not plan.new_states  # NewScan staged D
-    assert not slow.checker.plan(so).native
+    assert fast.checker.last_scanned and plan.staged_new is not None and not plan.new_states  # NewScan staged D
+    slow.checker.plan(so)
+    assert not slow.checker.last_scanned
     for sc in (fast, slow):
         sc.update_states(so)
     a, b = fast.prepare_inputs(so), slow.prepare_inputs(so)
@@ -182,12 +184,12 @@ def test_irregular_or_bad_cached_parts_fall_back_to_the_same_outcome(change, req
 ])
 def test_pack_int32_agrees_with_the_struct_loop(seqs, expect):
     for native in (True, False):
-        out = IntPacker(4, native=native).pack(seqs)
+        out = IntPacker(choose_kernels(native, SamplingParams), 4).pack(seqs)
         assert (out if isinstance(out, int) else [v.tolist() for v in out]) == expect
 
 
 def test_pack_reports_min_and_max_of_the_batch():
-    p = IntPacker(native=True)
+    p = IntPacker(choose_kernels(True, SamplingParams))
     p.pack([[5, 9], [3]])
     assert (p.min, p.max) == (3, 9)
 

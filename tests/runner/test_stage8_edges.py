@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from attnplug.runner.step.compiler import snapshot_diff
-from attnplug.runner.step.scheduler_output import SchedulerOutput
+from attnplug.runner.step.scheduler_output import SamplingParams, SchedulerOutput
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_step_edges import cached, one_group, refused  # noqa: E402
@@ -57,8 +57,9 @@ def test_patch_counts_count_every_patched_step():
 
 def test_an_int_packer_reports_zero_bounds_before_any_pack():
     from attnplug.runner.step.int_packer import IntPacker
+    from attnplug.runner.step.kernels import choose_kernels
     for native in (False, True):
-        p = IntPacker(native=native)
+        p = IntPacker(choose_kernels(native, SamplingParams))
         assert (p.min, p.max, p.flat.shape[0]) == (0, 0, 0)
         views = p.pack([[3, 9], [4]])
         assert (p.min, p.max) == (3, 9) and [v.tolist() for v in views] == [[3, 9], [4]]
@@ -121,8 +122,9 @@ def test_verified_tokens_out_of_range_are_refused():
 
 def test_an_int_packer_packs_empty_sequences():
     from attnplug.runner.step.int_packer import IntPacker
+    from attnplug.runner.step.kernels import choose_kernels
     for native in (False, True):
-        p = IntPacker(native=native)
+        p = IntPacker(choose_kernels(native, SamplingParams))
         p.pack([[7]])
         views = p.pack([[], []])
         assert [v.tolist() for v in views] == [[], []] and (p.min, p.max) == (0, 0)

@@ -45,7 +45,7 @@ from attnplug.runner.commands.bench.workloads import Workload, steady_decode, tr
 from attnplug.runner.commands.limits import OneLineParser
 from attnplug.runner.commands.traces import BUNDLED_ATTRIBUTION
 from attnplug.runner.step.oracle import NaiveStepCompiler
-from attnplug.runner.step.fast import NATIVE
+from attnplug.runner.step.kernels import kernels_available
 from attnplug.runner.step.compiler import StepCompiler
 
 STAGES = ("update_states", "prepare_inputs", "common metadata")
@@ -152,7 +152,7 @@ def render(rows: list[tuple[str, dict, dict | None, dict | None, float | None]],
 def _ours_and_numpy(args, w: Workload, steps: int) -> tuple[list[dict], list[dict] | None]:
     """``repeat`` replays of our compiler with and without the compiled paths, the two
     interleaved so that both see the same machine weather (the table shows the best)."""
-    if NATIVE is None or args.no_numpy:
+    if not kernels_available() or args.no_numpy:
         return [time_optimized(w, steps) for _ in range(max(1, args.repeat))], None
     runs = [(time_optimized(w, steps), time_optimized(w, steps, native=False)) for _ in range(max(1, args.repeat))]
     return [r[0] for r in runs], [r[1] for r in runs]
@@ -287,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.spec_steps > 0:  # runner/commands/bench/spec_decode.py
         from attnplug.runner.commands.bench.spec_decode import render_spec, run_spec
 
-        report["spec_decode"] = run_spec(256, 3, args.spec_steps, args.repeat, NATIVE is not None and not args.no_numpy)
+        report["spec_decode"] = run_spec(256, 3, args.spec_steps, args.repeat, kernels_available() and not args.no_numpy)
         if not args.json:
             print("\n" + render_spec(report["spec_decode"], args.markdown))
     if args.json:

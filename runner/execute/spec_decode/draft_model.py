@@ -38,7 +38,7 @@ import torch
 from attnplug.cache_groups.grouping import KVCacheConfig, group_layers_by_spec
 from attnplug.cache_groups.kinds import GroupKind
 from attnplug.cache_groups.specs import cdiv
-from attnplug.core.errors import ConfigError
+from attnplug.core.errors import ConfigError, MetadataError
 from attnplug.runner.execute.cascade import CascadeConfig
 from attnplug.runner.execute.model_runner import ModelRunner, RunnerConfig
 from attnplug.runner.step.scheduler_output import (CachedRequestData, NewRequestData, SamplingParams,
@@ -175,7 +175,7 @@ class DraftModelDrafter:
             One ``list[int]`` of ``min(k, max_model_len - len(history))`` drafts per request.
 
         Raises:
-            ValueError: ``k`` negative or of the wrong length, or ``req_ids`` of the wrong length.
+            MetadataError: ``k`` negative or of the wrong length, or ``req_ids`` of the wrong length.
         """
         from attnplug.runner.execute.spec_decode.drafter import _per_request_k
 
@@ -187,7 +187,7 @@ class DraftModelDrafter:
         else:
             temporary = False
         if len(req_ids) != len(token_histories):
-            raise ValueError(f"{len(req_ids)} req_ids for {len(token_histories)} histories")
+            raise MetadataError(f"{len(req_ids)} req_ids for {len(token_histories)} histories")
         out = [self.propose_one(rid, hist, kk) for rid, hist, kk in zip(req_ids, token_histories, ks)]
         if temporary:
             for rid in req_ids:

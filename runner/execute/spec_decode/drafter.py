@@ -17,7 +17,7 @@ from typing import Any, Protocol, Sequence
 
 import numpy as np
 
-from attnplug.core.errors import ConfigError
+from attnplug.core.errors import ConfigError, MetadataError
 
 DEFAULT_MAX_N = 3
 """Longest suffix the n-gram drafter tries to match when ``n=`` is not given."""
@@ -41,10 +41,10 @@ def _per_request_k(k: int | Sequence[int], num_reqs: int) -> list[int]:
     else:
         ks = [int(x) for x in k]
         if len(ks) != num_reqs:
-            raise ValueError(f"k has {len(ks)} entries for {num_reqs} requests")
+            raise MetadataError(f"k has {len(ks)} entries for {num_reqs} requests")
     for i, x in enumerate(ks):
         if x < 0:
-            raise ValueError(f"k must be >= 0, got {x} for request {i}")
+            raise MetadataError(f"k must be >= 0, got {x} for request {i}")
     return ks
 
 
@@ -63,12 +63,12 @@ class NgramDrafter:
         min_n: shortest suffix to match, ``1 <= min_n <= max_n``.
 
     Raises:
-        ValueError: on bad ``max_n`` / ``min_n``.
+        MetadataError: on bad ``max_n`` / ``min_n``.
     """
 
     def __init__(self, max_n: int = DEFAULT_MAX_N, min_n: int = DEFAULT_MIN_N):
         if min_n < 1 or max_n < min_n:
-            raise ValueError(f"need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
+            raise MetadataError(f"need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
         self.max_n = max_n
         self.min_n = min_n
 
@@ -80,7 +80,7 @@ class NgramDrafter:
             return []
         h = np.asarray(history, dtype=np.int64)
         if h.ndim != 1:
-            raise ValueError(f"a token history must be 1-D, got shape {h.shape}")
+            raise MetadataError(f"a token history must be 1-D, got shape {h.shape}")
         length = h.shape[0]
         top = min(self.max_n, length - 1)
         if top < self.min_n:
@@ -119,7 +119,7 @@ class NgramDrafter:
             One ``list[int]`` per request, ``len <= k`` (empty: no draft this step).
 
         Raises:
-            ValueError: ``k`` negative or of the wrong length; a history that is not 1-D.
+            MetadataError: ``k`` negative or of the wrong length; a history that is not 1-D.
         """
         ks = _per_request_k(k, len(token_histories))
         return [self.propose_one(h, kk) for h, kk in zip(token_histories, ks)]

@@ -34,6 +34,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from attnplug.core.errors import MetadataError
 from attnplug.runner.execute.sampler import apply_top_k_top_p
 from attnplug.runner.step.spec_metadata import SpecDecodeMetadata
 from attnplug.runner.step.scheduler_output import SamplingParams
@@ -111,23 +112,23 @@ class RejectionSampler:
             ``RejectionOutput``.
 
         Raises:
-            ValueError: a shape disagrees with ``metadata``, or a draft id is outside
+            MetadataError: a shape disagrees with ``metadata``, or a draft id is outside
                 ``0 .. V-1`` (checked for CPU tensors only: on a GPU the check would sync).
         """
         counts = metadata.num_draft_tokens
         R, D = len(counts), sum(counts)
         if logits.dim() != 2 or logits.shape[0] != D + R:
-            raise ValueError(f"logits must be [{D + R}, V] (drafts + requests), got {tuple(logits.shape)}")
+            raise MetadataError(f"logits must be [{D + R}, V] (drafts + requests), got {tuple(logits.shape)}")
         if len(params) != R or len(generators) != R:
-            raise ValueError(f"need {R} params and generators, got {len(params)} and {len(generators)}")
+            raise MetadataError(f"need {R} params and generators, got {len(params)} and {len(generators)}")
         V, dev = logits.shape[1], logits.device
         drafts = metadata.draft_token_ids.to(device=dev, dtype=torch.int64)
         if drafts.shape != (D,):
-            raise ValueError(f"draft_token_ids must be [{D}], got {tuple(drafts.shape)}")
+            raise MetadataError(f"draft_token_ids must be [{D}], got {tuple(drafts.shape)}")
         if draft_probs is not None and tuple(draft_probs.shape) != (D, V):
-            raise ValueError(f"draft_probs must be [{D}, {V}], got {tuple(draft_probs.shape)}")
+            raise MetadataError(f"draft_probs must be [{D}, {V}], got {tuple(draft_probs.shape)}")
         if drafts.device.type == "cpu" and D and not bool(((drafts >= 0) & (drafts < V)).all()):
-            raise ValueError(f"a draft token id is outside the vocabulary 0..{V - 1}")
+            raise MetadataError(f"a draft token id is outside the vocabulary 0..{V - 1}")
         max_d = max(counts, default=0)
         if R == 0:
             empty = torch.empty((0, 1), dtype=torch.int64, device=dev)

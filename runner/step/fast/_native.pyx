@@ -6,12 +6,13 @@ The loops that numpy cannot vectorize without many small calls, each a single pa
 
 * :func:`pack_int32` — Python int lists (prompts, block ids) → one ``int32`` buffer,
   type- and range-checked per element (``IntPacker``).
-* :class:`CachedScan` (``_native_cached.pxi``) — a step's ``scheduled_cached_reqs``:
-  row lookup, type and range checks of every field, block-append capacity, in one pass
-  (``scan``); after the rest of the output was validated, the merge (``apply``).
+* :class:`CachedScan` (``_native_cached.pxi``) — a step's ``scheduled_cached_reqs`` and
+  drafts: row lookup, type and range checks of every field, block-append capacity, in one
+  pass (``scan``), written into the checker's plan buffers (``apply_update`` merges them).
 * :class:`NewScan` (``_native_admit.pxi``) — a step's ``scheduled_new_reqs``: checked
   and staged in one pass (``scan``), written into their rows (``write_rows``).
-* :class:`BlockRows` (``_native_rows.pxi``) — finished rows cleared in every group.
+* :class:`BlockRows` (``_native_rows.pxi``) — rows cleared and moved in every group, and a
+  plan's cached deltas merged (counts, appended blocks with their kernel expansion).
 * :class:`Prepare` (``_native_prepare.pxi``) — ``prepare_inputs``' per-token arithmetic:
   ``query_start_loc``, positions, ``input_ids``, ``seq_lens``, ``logits_indices``,
   discard and prefill masks, and every group's slot mapping.
@@ -31,6 +32,8 @@ from cpython.long cimport PyLong_AsSsize_t
 from cpython.object cimport PyObject
 from cpython.tuple cimport PyTuple_GET_ITEM
 from libc.stdint cimport int32_t, int64_t, uint8_t
+from libc.stdlib cimport qsort
+from libc.string cimport memcpy
 
 import numpy as np
 
@@ -57,7 +60,7 @@ cdef Py_ssize_t PREFETCH = 8  # objects this many requests ahead are prefetched
 cdef int64_t PAD_SLOT = -1  # core.constants.PAD_SLOT_ID
 cdef int32_t NULL_BLOCK = 0  # core.constants.NULL_BLOCK_ID
 
-NATIVE_API = 2
+NATIVE_API = 5
 """Bumped whenever a signature here changes (``runner.step.fast`` checks it)."""
 
 
@@ -188,6 +191,45 @@ cdef inline object _item(object s, Py_ssize_t i):
     if PyList_CheckExact(s):
         return <object>PyList_GET_ITEM(s, i)
     return <object>PyTuple_GET_ITEM(s, i)
+
+
+cdef int _cmp_i32(const void* a, const void* b) noexcept nogil:
+    cdef int32_t x = (<const int32_t*>a)[0], y = (<const int32_t*>b)[0]
+    return (x > y) - (x < y)
+
+
+cdef bint _distinct(const int32_t* ids, Py_ssize_t n, int32_t* scratch) noexcept:
+    """The ``n`` ids are pairwise distinct. One pass when they ascend (the block pool's
+    usual order); else a sort of a copy in ``scratch`` (room for ``n``)."""
+    cdef Py_ssize_t t
+    for t in range(1, n):
+        if ids[t] <= ids[t - 1]:
+            break
+    else:
+        return True
+    memcpy(scratch, ids, n * sizeof(int32_t))
+    qsort(scratch, n, sizeof(int32_t), _cmp_i32)
+    for t in range(1, n):
+        if scratch[t] == scratch[t - 1]:
+            return False
+    return True
+
+
+cdef bint _distinct_append(const int32_t* row, Py_ssize_t held, const int32_t* new, Py_ssize_t L) noexcept:
+    """The ``L`` appended ids ``new`` (never null) repeat neither each other nor one of the
+    row's ``held`` ids ``row[0:held]``: ``O(L * (held + L))`` compares (a decode appends
+    one block)."""
+    cdef Py_ssize_t t, u
+    cdef int32_t b
+    for t in range(L):
+        b = new[t]
+        for u in range(t):
+            if new[u] == b:
+                return False
+        for u in range(held):
+            if row[u] == b:
+                return False
+    return True
 
 
 def pack_int32(list seqs, int32_t[::1] out, int64_t lo=0, int64_t hi=INT32_MAX + 1):

@@ -9,7 +9,7 @@ cdef class NewScan:
     the staged requests into their (vacant) batch rows. Regular means: a non-empty prompt
     and outputs as lists or tuples of ints in ``[0, 2**31)`` that fit ``max_model_len``;
     ``num_computed_tokens`` an ``int >= 0`` with ``num_computed_tokens + count`` within
-    the tokens held; per group a list of ints in ``[1, pool)`` (no null block) that fits
+    the tokens held; per group a list of distinct ints in ``[1, pool)`` (no null block) that fits
     a row and covers ``seq_len``; ``SamplingParams`` (exactly) with a ``temperature`` in
     ``[0, float32 max]`` and ``top_p`` in ``(0, 1]`` (``float`` or ``int``), an ``int32``
     ``top_k`` and a ``seed`` that is ``None`` or an ``int64``. Anything else: ``scan``
@@ -40,6 +40,7 @@ cdef class NewScan:
     cdef double[::1] _temp, _topp
     cdef int64_t[:, ::1] _blk_off, _blk_len
     cdef int64_t[::1] _boff
+    cdef int32_t[::1] _scratch
     cdef readonly Py_ssize_t num_new
 
     def __init__(self, tokens, num_tokens, num_prompt_tokens, num_computed_tokens, num_scheduled_tokens, nulled,
@@ -65,6 +66,7 @@ cdef class NewScan:
         self._temp, self._topp = np.zeros(M, np.float64), np.zeros(M, np.float64)
         self._blk_off, self._blk_len = np.zeros((self.G, M), np.int64), np.zeros((self.G, M), np.int64)
         self._boff = np.zeros(self.G, np.int64)
+        self._scratch = np.zeros(max([t.shape[1] for t in block_tables] + [1]), np.int32)
 
     def scan(self, list new_reqs, list new_counts):
         """Check and stage ``new_reqs`` (their counts already checked ``>= 1``); change
@@ -140,6 +142,8 @@ cdef class NewScan:
                 if n and (not _items(lst, &items, &n2) or n2 != n
                           or _pack(items, n, &self._blk[g, boff[g]], 1, self.pool[g], &lo, &hi) != n):
                     return False
+                if n > 1 and not _distinct(&self._blk[g, boff[g]], n, &self._scratch[0]):
+                    return False  # a block id twice in one list: the numpy path words it
                 self._blk_off[g, i], self._blk_len[g, i] = boff[g], n
                 boff[g] += n
         self.num_new = k

@@ -1,85 +1,100 @@
 # CachedScan: scheduled_cached_reqs in one pass — included by _native.pyx (shares its cimports and helpers)
 
 cdef class CachedScan:
-    """Validate-then-merge of ``scheduled_cached_reqs`` for one ``InputBatch``.
+    """The compiled check of ``scheduled_cached_reqs`` for one ``InputBatch``: reads only.
 
-    Bound once to the batch's persistent columns. ``scan`` reads only; ``apply`` writes
-    what the last successful ``scan`` planned.
+    Bound once to the batch's persistent columns (read) and to the plan buffers the
+    checker owns (written by ``scan``: ``runner/step/plan.py``'s ``ScanBuffers``).
 
     Args:
-        num_tokens, nulled, num_computed_tokens, num_scheduled_tokens: the batch's
-            ``[max_num_reqs]`` ``int32`` columns.
+        num_tokens, nulled: the batch's ``[max_num_reqs]`` ``int32`` columns.
         num_blocks_per_row: ``[G, max_num_reqs]`` ``int32``.
         block_tables: per group, the ``[max_num_reqs, max_blocks_g]`` ``int32`` manager table.
-        kernel_tables: per group, the kernel table (the same array when ``k == 1``).
-        kernel_blocks_per_block: per group, ``k``.
         capacity: per group, tokens one block covers (``max_model_len`` for Mamba).
         pool: per group, the exclusive upper bound of block ids.
         null_ok: per group, whether the row may hold ``NULL_BLOCK_ID`` (a sliding-window
             group's skipped prefix); scheduled positions must not fall in one.
-        append_capacity: appended block ids per group one step may carry (more: irregular).
+        max_model_len: tokens a request may hold (drafts included).
+        rows, ncts, counts: ``[max_num_reqs]`` ``int64`` plan buffers: per cached request
+            (in ``req_ids`` order) its row, ``num_computed_tokens``, ``num_scheduled_tokens``.
+        app_sel: ``[max_num_reqs]`` ``int64``: the cached indices that append blocks.
+        app_start, app_len: ``[G, max_num_reqs]`` ``int64``: per appending request, blocks
+            held before the append and blocks appended.
+        app_ids: ``[G, A]`` ``int32``: per group the appended ids, in ``app_sel`` order
+            (more than ``A`` in one group: irregular).
+        app_total: ``[G]`` ``int64``: appended ids per group.
+        spec_lens: ``[max_num_reqs]`` ``int64``: drafts per cached request (0: none).
+        spec_ids: ``[S]`` ``int32``: the drafts, in ``req_ids`` order (more: irregular).
     """
 
-    cdef int32_t[::1] num_tokens, nulled, ncc, sched
+    cdef int32_t[::1] num_tokens, nulled
     cdef int32_t[:, ::1] nblocks
-    cdef list tables, ktables
-    cdef int64_t[::1] kpb, capacity, pool, maxb
+    cdef list tables
+    cdef int64_t[::1] capacity, pool, maxb
     cdef list null_ok
     cdef int64_t[::1] stamp
-    cdef int64_t gen
+    cdef int64_t gen, max_model_len
     cdef readonly int G, max_num_reqs
-    cdef readonly object rows, ncts, counts, app_sel, app_start, app_len, app_ids
-    cdef int64_t[::1] _rows, _ncts, _counts, _sel
+    cdef int64_t[::1] _rows, _ncts, _counts, _sel, _ntot, _spec_lens
     cdef int64_t[:, ::1] _start, _len
     cdef int32_t[:, ::1] _ids
-    cdef readonly Py_ssize_t num_cached, num_appends, total_tokens
-    cdef Py_ssize_t[::1] _ntot
+    cdef int32_t[::1] _spec_ids
+    cdef int64_t[::1] _tab_addr, _tab_width
+    cdef readonly Py_ssize_t num_cached, num_appends, total_tokens, num_spec, spec_total
 
-    def __init__(self, num_tokens, nulled, num_computed_tokens, num_scheduled_tokens, num_blocks_per_row,
-                 list block_tables, list kernel_tables, kernel_blocks_per_block, capacity, pool,
-                 null_ok, Py_ssize_t append_capacity=4096):
+    def __init__(self, num_tokens, nulled, num_blocks_per_row, list block_tables, capacity, pool, null_ok,
+                 int64_t max_model_len, rows, ncts, counts, app_sel, app_start, app_len, app_ids, app_total,
+                 spec_lens, spec_ids):
         self.num_tokens, self.nulled = num_tokens, nulled
-        self.ncc, self.sched = num_computed_tokens, num_scheduled_tokens
         self.nblocks = num_blocks_per_row
         self.G = self.nblocks.shape[0]
         self.max_num_reqs = self.nblocks.shape[1]
-        self.tables, self.ktables = block_tables, kernel_tables
-        self.kpb = np.asarray(kernel_blocks_per_block, dtype=np.int64)
+        self.tables = block_tables  # (keeps the arrays alive: _tab_addr points into them)
+        for t in block_tables:
+            if t.dtype != np.int32 or not t.flags.c_contiguous or t.shape[0] != self.max_num_reqs:
+                raise ValueError("CachedScan: block tables must be C-contiguous int32 [max_num_reqs, w]")
+        self._tab_addr = np.asarray([t.ctypes.data for t in block_tables], dtype=np.int64)
+        self._tab_width = np.asarray([t.shape[1] for t in block_tables], dtype=np.int64)
         self.capacity = np.asarray(capacity, dtype=np.int64)
         self.pool = np.asarray(pool, dtype=np.int64)
         self.maxb = np.asarray([t.shape[1] for t in block_tables], dtype=np.int64)
         self.null_ok = [bool(x) for x in null_ok]
+        self.max_model_len = max_model_len
         self.stamp = np.zeros(self.max_num_reqs, dtype=np.int64)
         self.gen = 0
-        M = self.max_num_reqs
-        self.rows, self.ncts, self.counts = (np.zeros(M, np.int64) for _ in range(3))
-        self._rows, self._ncts, self._counts = self.rows, self.ncts, self.counts
-        self.app_sel = np.zeros(M, np.int64)
-        self._sel = self.app_sel
-        self.app_start = np.zeros((self.G, M), np.int64)
-        self.app_len = np.zeros((self.G, M), np.int64)
-        self._start, self._len = self.app_start, self.app_len
-        self.app_ids = np.zeros((self.G, append_capacity), np.int32)
-        self._ids = self.app_ids
-        self._ntot = np.zeros(self.G, np.intp)
+        self._rows, self._ncts, self._counts = rows, ncts, counts
+        self._sel, self._start, self._len, self._ids, self._ntot = app_sel, app_start, app_len, app_ids, app_total
+        self._spec_lens, self._spec_ids = spec_lens, spec_ids
+        if (self._rows.shape[0] < self.max_num_reqs or self._ncts.shape[0] < self.max_num_reqs
+                or self._counts.shape[0] < self.max_num_reqs or self._sel.shape[0] < self.max_num_reqs
+                or self._spec_lens.shape[0] < self.max_num_reqs or self._start.shape[0] != self.G
+                or self._len.shape[0] != self.G or self._ids.shape[0] != self.G or self._ntot.shape[0] != self.G
+                or self._start.shape[1] < self.max_num_reqs or self._len.shape[1] < self.max_num_reqs):
+            raise ValueError("CachedScan: a plan buffer is smaller than the batch")
 
     def scan(self, list req_ids, dict req_id_to_index, list num_computed_tokens, dict num_scheduled_tokens,
-             list new_token_ids, list new_block_ids, list resumed_from_preemption, finished):
+             list new_token_ids, list new_block_ids, list resumed_from_preemption, finished, dict spec):
         """Check the cached requests and plan their merge; change nothing in the batch.
 
         Regular means: every id is in the batch once and not finished; every
         ``num_computed_tokens`` an ``int >= 0`` at or past the row's nulled prefix; every
         count an ``int >= 1`` with ``num_computed_tokens + count <= num_tokens``; no token
-        deltas; ``resumed_from_preemption`` exactly ``False``; block appends (lists of
-        ints in the group's pool) that fit the row and, with its blocks, cover ``seq_len``.
+        deltas; drafts (``spec``, ``scheduled_spec_decode_tokens``) only for cached
+        requests, each a non-empty list of ints in ``[0, 2**31)`` for a decoding row (one
+        real token left) scheduled ``1 + d`` tokens within ``max_model_len``; ``resumed_from_preemption`` exactly ``False``; block appends (lists of
+        ints in the group's pool, none already in the row nor twice) that fit the row and,
+        with its blocks, cover ``seq_len``.
 
         Returns:
-            ``True`` when the whole input is regular (then ``rows``, ``ncts``, ``counts``
-            and the ``app_*`` arrays hold the plan and ``total_tokens`` the count sum);
+            ``True`` when the whole input is regular (then the plan buffers hold the plan,
+            ``total_tokens`` the count sum, ``num_appends`` the appending requests,
+            ``num_spec`` / ``spec_total`` the verifying requests and their drafts);
             ``False`` otherwise (take the numpy path).
         """
-        cdef Py_ssize_t n = len(req_ids), i, g, j, m = 0, L, nb, r
-        cdef int64_t v, c, seq, total = 0, lo = 0, hi = 0
+        cdef Py_ssize_t n = len(req_ids), i, g, j, m = 0, L, nb, r, nd, ns = 0, stot = 0
+        cdef int64_t v, c, seq, held, total = 0, lo = 0, hi = 0
+        cdef bint has_spec = len(spec) > 0
+        cdef PyObject* d
         cdef PyObject** bitems
         cdef PyObject* p
         cdef PyObject* key
@@ -125,7 +140,21 @@ cdef class CachedScan:
             if p is NULL or not _exact_int(<object>p, &c) or c < 1:
                 return False
             seq = v + c
-            if seq > self.num_tokens[r]:
+            held = self.num_tokens[r]
+            self._spec_lens[i] = 0
+            if has_spec:
+                d = PyDict_GetItem(spec, rid)
+                if d is not NULL:  # drafts: a decoding row verifying nd >= 1 of them
+                    if not _items(<object>d, &bitems, &nd) or nd < 1 or held - v != 1 or c != 1 + nd \
+                            or held + nd > self.max_model_len or stot + nd > self._spec_ids.shape[0]:
+                        return False
+                    if _pack(bitems, nd, &self._spec_ids[stot], 0, INT32_MAX + 1, &lo, &hi) != nd:
+                        return False
+                    self._spec_lens[i] = nd
+                    stot += nd
+                    ns += 1
+                    held += nd
+            if seq > held:
                 return False
             total += c
             if <object>PyList_GET_ITEM(resumed_from_preemption, i) is not False:
@@ -150,6 +179,10 @@ cdef class CachedScan:
                         return False
                     if L and _pack(bitems, L, &self._ids[g, self._ntot[g]], 1, self.pool[g], &lo, &hi) != L:
                         return False
+                    if L and not _distinct_append(<const int32_t*><Py_ssize_t>self._tab_addr[g] + r * self._tab_width[g],
+                                                  min(<Py_ssize_t>self.nblocks[g, r], self._tab_width[g]),
+                                                  &self._ids[g, self._ntot[g]], L):
+                        return False  # a block id twice in the row: the numpy path words it
                     self._start[g, m] = self.nblocks[g, r]
                     self._len[g, m] = L
                     self._ntot[g] += L
@@ -176,38 +209,12 @@ cdef class CachedScan:
                 r = PyLong_AsSsize_t(<object>p)
                 if 0 <= r < self.max_num_reqs and self.stamp[r] == self.gen:
                     return False
+        if ns != len(spec):  # drafts for a request that is not a scheduled cached one
+            return False
         self.num_cached, self.num_appends, self.total_tokens = n, m, total
+        self.num_spec, self.spec_total = ns, stot
         return True
 
     def is_scheduled(self, Py_ssize_t row):
         """Whether the last ``scan`` saw a request at ``row``."""
         return 0 <= row < self.max_num_reqs and self.stamp[row] == self.gen
-
-    def apply(self):
-        """Merge the last successful scan into the batch: counts, then block appends
-        (manager ids and their kernel expansion ``b*k .. b*k+k-1``)."""
-        cdef Py_ssize_t i, j, g, t, off, r, col, q
-        cdef int64_t k, b
-        cdef int32_t[:, ::1] tab, ktab
-        for i in range(self.num_cached):
-            r = self._rows[i]
-            self.ncc[r] = <int32_t>self._ncts[i]
-            self.sched[r] = <int32_t>self._counts[i]
-        if self.num_appends == 0:
-            return
-        for g in range(self.G):
-            tab = self.tables[g]
-            ktab = self.ktables[g]
-            k = self.kpb[g]
-            off = 0
-            for j in range(self.num_appends):
-                r = self._rows[self._sel[j]]
-                col = self._start[g, j]
-                for t in range(self._len[g, j]):
-                    b = self._ids[g, off + t]
-                    tab[r, col + t] = <int32_t>b
-                    if k > 1:
-                        for q in range(k):
-                            ktab[r, (col + t) * k + q] = <int32_t>(b * k + q)
-                off += self._len[g, j]
-                self.nblocks[g, r] = <int32_t>(col + self._len[g, j])

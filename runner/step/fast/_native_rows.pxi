@@ -46,3 +46,99 @@ cdef class BlockRows:
                     for t in range(n * k):
                         ktab[r, t] = NULL_BLOCK
                 self.nblocks[g, r] = 0
+
+    def move_rows(self, list srcs, list dsts):
+        """Move the blocks of rows ``srcs`` into the vacant rows ``dsts`` (Python ints,
+        pairwise; the two sets disjoint) in every group, then clear the sources.
+
+        Raises:
+            IndexError: a row outside the table, or lists of unequal length (nothing moved).
+        """
+        cdef Py_ssize_t g, i, s, d, n, t, M = self.nblocks.shape[1]
+        cdef int64_t k
+        cdef int32_t[:, ::1] tab, ktab
+        if len(srcs) != len(dsts):
+            raise IndexError(f"{len(srcs)} sources for {len(dsts)} targets")
+        for i in range(len(srcs)):
+            s, d = srcs[i], dsts[i]
+            if s < 0 or s >= M or d < 0 or d >= M:
+                raise IndexError(f"row {s} or {d} is outside the block table ({M} rows)")
+        for g in range(self.nblocks.shape[0]):
+            tab = self.tables[g]
+            ktab = self.ktables[g]
+            k = self.kpb[g]
+            for i in range(len(srcs)):
+                s, d = srcs[i], dsts[i]
+                n = min(self.nblocks[g, s], tab.shape[1])
+                for t in range(n):
+                    tab[d, t] = tab[s, t]
+                    tab[s, t] = NULL_BLOCK
+                for t in range(n, min(self.nblocks[g, d], tab.shape[1])):
+                    tab[d, t] = NULL_BLOCK
+                if k > 1:
+                    for t in range(n * k):
+                        ktab[d, t] = ktab[s, t]
+                        ktab[s, t] = NULL_BLOCK
+                    for t in range(n * k, min(self.nblocks[g, d], tab.shape[1]) * k):
+                        ktab[d, t] = NULL_BLOCK
+                self.nblocks[g, d] = <int32_t>n
+                self.nblocks[g, s] = 0
+
+    def merge(self, int32_t[::1] ncc, int32_t[::1] sched, const int64_t[:] rows_c, const int64_t[:] ncts_c,
+              const int64_t[:] counts_c, const int64_t[:] sel, const int64_t[:, :] starts, lens,
+              flat, bint one_each):
+        """Merge checked cached-request deltas (``UpdatePlan``'s arrays) into the rows:
+        ``num_computed_tokens`` and ``num_scheduled_tokens`` of rows ``rows_c``, then the
+        appended ids (``flat``, group-major then ``sel`` order; ``lens`` ``[G, m]``, or 1
+        each when ``one_each``) after ``starts`` in every group, with their kernel expansion.
+
+        Raises:
+            IndexError: a row, column or id count outside the tables (nothing is written
+                after the first; stage 1 excludes it).
+        """
+        cdef Py_ssize_t i, j, g, t, off = 0, r, col, q, n, M = self.nblocks.shape[1], m = sel.shape[0]
+        cdef Py_ssize_t G = self.nblocks.shape[0]
+        cdef int64_t k, b, L
+        cdef int32_t[:, ::1] tab, ktab
+        cdef const int64_t[:, :] lv
+        cdef const int64_t[:] f64
+        cdef const int32_t[:] f32
+        cdef bint wide = False
+        if rows_c.shape[0] != ncts_c.shape[0] or rows_c.shape[0] != counts_c.shape[0]:
+            raise IndexError("merge: rows, num_computed_tokens and counts differ in length")
+        for i in range(rows_c.shape[0]):
+            r = rows_c[i]
+            if r < 0 or r >= M:
+                raise IndexError(f"merge: row {r} is outside the batch ({M} rows)")
+            ncc[r] = <int32_t>ncts_c[i]
+            sched[r] = <int32_t>counts_c[i]
+        if m == 0:
+            return
+        if not one_each:
+            lv = lens
+        if flat.dtype == np.int64:
+            f64 = flat
+            wide = True
+        else:
+            f32 = flat
+        n = f64.shape[0] if wide else f32.shape[0]
+        for g in range(G):
+            tab = self.tables[g]
+            ktab = self.ktables[g]
+            k = self.kpb[g]
+            for j in range(m):
+                if sel[j] < 0 or sel[j] >= rows_c.shape[0]:
+                    raise IndexError("merge: an append selects no cached request")
+                r = rows_c[sel[j]]
+                col = starts[g, j]
+                L = 1 if one_each else lv[g, j]
+                if col < 0 or col + L > tab.shape[1] or off + L > n:
+                    raise IndexError("merge: an append leaves the block table or the ids")
+                for t in range(L):
+                    b = f64[off + t] if wide else f32[off + t]
+                    tab[r, col + t] = <int32_t>b
+                    if k > 1:
+                        for q in range(k):
+                            ktab[r, (col + t) * k + q] = <int32_t>(b * k + q)
+                off += L
+                self.nblocks[g, r] = <int32_t>(col + L)

@@ -1,0 +1,261 @@
+"""The step compiler's kernels: the loops of stages 1-3 behind one small interface.
+
+:class:`StepKernels` is the seam between the step modules and the loops that carry the
+step's cost. Two implementations, chosen once per ``StepCompiler`` (:func:`choose_kernels`):
+
+* :class:`NumpyKernels` (``numpy_kernels.py``) — vectorized numpy (plus ``struct`` for
+  Python int lists).
+* :class:`CompiledKernels` — the Cython loops of ``runner/step/fast/_native.pyx``, bound to
+  the batch's columns and the checker's and preparer's buffers on first use.
+
+The operations: ``pack_ints`` (Python int lists → one ``int32`` buffer), ``scan_cached``
+and ``scan_new`` (stage 1's fast plans), ``merge_cached`` (stage 2's merge of a plan's
+cached deltas), ``clear_rows`` and ``move_rows`` (every group's block table),
+``write_new_rows`` (rows of the requests ``scan_new`` staged) and ``prepare`` (stage 3's
+per-token arithmetic). A scan either plans its whole input or
+declines and changes nothing; on a decline the vectorized checks (``runner/step/check*.py``)
+plan the step, and they word every error, so the numpy kernels' scans always decline.
+Everything else gives the same bytes on both implementations (``tests/runner/
+test_native_paths.py``, the step-oracle tests).
+
+Only this module and ``compiler.py`` import ``runner.step.fast`` (``tests/test_layers.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
+import torch
+
+from attnplug.cache_groups.buffers import CpuGpuBuffer
+from attnplug.runner.step.fast import NATIVE
+from attnplug.runner.step.numpy_kernels import NumpyKernels, merge_cached_numpy
+from attnplug.runner.step.plan import ScanBuffers
+
+if TYPE_CHECKING:
+    from attnplug.cache_groups.block_table import MultiGroupBlockTable
+    from attnplug.runner.step.groups import StepLayout
+
+
+
+@dataclass
+class PrepareBuffers:
+    """The persistent buffers stage 3 fills each step (``M`` = ``max_num_reqs``, ``T`` =
+    ``max_num_batched_tokens``); ``InputPreparer`` owns them, the kernels write them."""
+
+    query_start_loc: CpuGpuBuffer
+    """``[M + 1]`` ``int32``."""
+    positions: CpuGpuBuffer
+    """``[T]`` ``int64``."""
+    input_ids: CpuGpuBuffer
+    """``[T]`` ``int32``."""
+    seq_lens: CpuGpuBuffer
+    """``[M]`` ``int32``."""
+    logits_indices: CpuGpuBuffer
+    """``[M]`` ``int64``."""
+    req_indices: np.ndarray
+    """``[T]`` ``int64`` the row of each token."""
+    discard: np.ndarray
+    """``[M]`` ``bool`` the row's logits are discarded (``seq_lens < num_tokens``)."""
+    is_prefilling: np.ndarray
+    """``[M]`` ``bool`` ``num_computed_tokens < num_prompt_tokens``."""
+    arange: np.ndarray
+    """``[max(T, M) + 1]`` ``int64`` ``0, 1, 2, ...`` (scratch of the numpy kernels)."""
+    flat_idx: np.ndarray
+    """``[T]`` ``int64`` scratch: flat indices into the token table."""
+    row_starts: np.ndarray
+    """``[M]`` ``int64`` ``row * max_model_len``."""
+
+    @classmethod
+    def allocate(cls, max_num_reqs: int, max_model_len: int, max_num_batched_tokens: int,
+                 device: torch.device | str) -> "PrepareBuffers":
+        M, T = max_num_reqs, max_num_batched_tokens
+        return cls(CpuGpuBuffer((M + 1,), torch.int32, device), CpuGpuBuffer((T,), torch.int64, device),
+                   CpuGpuBuffer((T,), torch.int32, device), CpuGpuBuffer((M,), torch.int32, device),
+                   CpuGpuBuffer((M,), torch.int64, device), np.zeros(T, np.int64), np.zeros(M, bool),
+                   np.zeros(M, bool), np.arange(max(T, M) + 1, dtype=np.int64), np.zeros(T, np.int64),
+                   np.arange(M, dtype=np.int64) * max_model_len)
+
+
+class StepKernels(Protocol):
+    """The loops of a step (see the module docstring)."""
+
+    name: str
+    """``"numpy"`` or ``"compiled"``."""
+
+    def pack_ints(self, seqs: list, out: np.ndarray) -> tuple[int, int, int]:
+        """Pack ``seqs`` (lists/tuples of ints, or 1-D integer arrays) back to back into
+        ``out`` (``int32``, room for all), each value in ``[0, 2**31)``.
+
+        Returns:
+            ``(count, min, max)`` (``0, 0`` extremes when empty), or ``(-(i + 1), 0, 0)``
+            when sequence ``i`` is not one of those or holds a bad value (``out`` is then
+            garbage)."""
+
+    def scan_cached(self, batch: Any, layout: "StepLayout", bufs: ScanBuffers, d: Any,
+                    finished: list[str]) -> Any:
+        """Plan the cached requests (and drafts) of the output ``d`` (``check_snapshot.Deltas``)
+        into ``bufs``; return the scan (its counts: ``num_cached``, ``num_appends``,
+        ``total_tokens``, ``num_spec``, ``spec_total``), or ``None`` to decline."""
+
+    def scan_new(self, batch: Any, layout: "StepLayout", new_reqs: list, counts: list[int]) -> bool:
+        """Check and stage the new requests; ``False`` declines."""
+
+    def write_new_rows(self, batch: Any, layout: "StepLayout", rows: list[int]) -> None:
+        """Write the requests the last accepted ``scan_new`` staged into vacant ``rows``."""
+
+    def merge_cached(self, batch: Any, plan: Any, rows_c: np.ndarray) -> None:
+        """Stage 2: merge the cached requests' deltas of ``plan`` (an ``UpdatePlan``) into
+        their rows ``rows_c``: counts, token deltas, replaced and appended block ids."""
+
+    def clear_rows(self, table: "MultiGroupBlockTable", rows: list[int]) -> None:
+        """Every group: rows' blocks back to ``NULL_BLOCK_ID``, counts 0."""
+
+    def move_rows(self, table: "MultiGroupBlockTable", srcs: list[int], dsts: list[int]) -> None:
+        """Every group: rows ``srcs`` into the vacant rows ``dsts`` (disjoint), sources cleared."""
+
+    def prepare(self, batch: Any, bufs: PrepareBuffers, writes_slots: tuple[bool, ...], R: int,
+                num_tokens_padded: int | None) -> tuple[int, int, int]:
+        """Fill ``bufs`` and every group's host slot mapping for rows ``0 .. R - 1``.
+
+        Returns:
+            ``(num_actual_tokens, max_query_len, max_seq_len)``."""
+
+
+class CompiledKernels:
+    """The compiled implementation of :class:`StepKernels` (``runner/step/fast/``).
+
+    Each compiled object holds typed views of the numpy arrays it reads and writes; they
+    are bound on first use and rebound when the batch (or table, or buffers) changes.
+    """
+
+    name = "compiled"
+
+    def __init__(self, sampling_params_cls: type):
+        if NATIVE is None:
+            raise RuntimeError("the compiled step kernels are not built (pip install -e . builds them)")
+        self._numpy = NumpyKernels()
+        self._sp_cls = sampling_params_cls
+        self._rows: tuple[Any, Any] | None = None
+        self._cached: tuple[Any, Any] | None = None
+        self._new: tuple[Any, Any] | None = None
+        self._prep: tuple[Any, Any] | None = None
+
+    # --- binding ---------------------------------------------------------------------------
+    def _row_ops(self, table):
+        if self._rows is None or self._rows[0] is not table:
+            tabs = table.block_tables
+            self._rows = (table, NATIVE.BlockRows(table.num_blocks_per_row, [bt.block_table_np for bt in tabs],
+                                                  [bt.kernel_block_table.np for bt in tabs],
+                                                  [bt.kernel_blocks_per_block for bt in tabs]))
+        return self._rows[1]
+
+    def _cached_scan(self, batch, layout, bufs: ScanBuffers):
+        key = (batch, bufs)
+        if self._cached is None or self._cached[0] != key:
+            tabs = batch.block_table.block_tables
+            scan = NATIVE.CachedScan(
+                batch.num_tokens, batch.num_computed_tokens_nulled, batch.block_table.num_blocks_per_row,
+                [bt.block_table_np for bt in tabs], layout.capacity_col[:, 0], layout.num_blocks_per_group,
+                layout.null_block_allowed, layout.max_model_len, bufs.rows, bufs.ncts, bufs.counts, bufs.app_sel,
+                bufs.app_start, bufs.app_len, bufs.app_ids, bufs.app_total, bufs.spec_lens, bufs.spec_ids)
+            self._cached = (key, scan)
+        return self._cached[1]
+
+    def _new_scan(self, batch, layout):
+        if self._new is None or self._new[0] is not batch:
+            b, tabs = batch, batch.block_table.block_tables
+            scan = NATIVE.NewScan(
+                b.token_ids_cpu, b.num_tokens, b.num_prompt_tokens, b.num_computed_tokens_cpu,
+                b.num_scheduled_tokens, b.num_computed_tokens_nulled, b.temperature, b.top_k, b.top_p,
+                b.block_table.num_blocks_per_row, [bt.block_table_np for bt in tabs],
+                [bt.kernel_block_table.np for bt in tabs], [bt.kernel_blocks_per_block for bt in tabs],
+                layout.capacity_col[:, 0],  # a Mamba group: max_model_len, so it needs one state slot
+                layout.num_blocks_per_group, self._sp_cls)
+            self._new = (batch, scan)
+        return self._new[1]
+
+    def _prepare_loop(self, batch, bufs: PrepareBuffers, writes_slots: tuple[bool, ...]):
+        key = (batch, bufs, writes_slots)
+        if self._prep is None or self._prep[0] != key:
+            tabs = list(batch.block_table)
+            self._prep = (key, NATIVE.Prepare(
+                batch.num_scheduled_tokens, batch.num_computed_tokens_cpu, batch.num_tokens,
+                batch.num_prompt_tokens, batch.token_ids_cpu, bufs.query_start_loc.np, bufs.positions.np,
+                bufs.input_ids.np, bufs.seq_lens.np, bufs.logits_indices.np, bufs.req_indices, bufs.discard,
+                bufs.is_prefilling, [bt.block_table_np if w else None for bt, w in zip(tabs, writes_slots)],
+                [bt.slot_mapping.np for bt in tabs], [bt.block_size for bt in tabs]))
+        return self._prep[1]
+
+    # --- the operations --------------------------------------------------------------------
+    def pack_ints(self, seqs: list, out: np.ndarray) -> tuple[int, int, int]:
+        res = NATIVE.pack_int32(seqs, out)
+        if res[0] >= 0:
+            return res
+        return self._numpy.pack_ints(seqs, out)  # numpy arrays, or a bad value: numpy decides
+
+    def scan_cached(self, batch, layout, bufs, d, finished):
+        scan = self._cached_scan(batch, layout, bufs)
+        c = d.scheduled_cached_reqs
+        try:
+            ok = scan.scan(c.req_ids, batch.req_id_to_index, c.num_computed_tokens, d.num_scheduled_tokens,
+                           c.new_token_ids, c.new_block_ids, c.resumed_from_preemption, finished,
+                           d.spec_decode_tokens)
+        except TypeError:  # a field that is not a list (e.g. a tuple): irregular
+            return None
+        return scan if ok else None
+
+    def scan_new(self, batch, layout, new_reqs, counts) -> bool:
+        return self._new_scan(batch, layout).scan(new_reqs, counts)
+
+    def write_new_rows(self, batch, layout, rows) -> None:
+        self._new_scan(batch, layout).write_rows(rows)
+
+    def merge_cached(self, batch, plan, rows_c) -> None:
+        if plan.token_deltas or plan.resumed:  # (the vectorized checks' plans only)
+            merge_cached_numpy(batch, plan, rows_c)
+            return
+        ap = plan.appends
+        ops = self._row_ops(batch.block_table)
+        if ap is None:
+            ops.merge(batch.num_computed_tokens_cpu, batch.num_scheduled_tokens, rows_c, plan.ncts_c,
+                      plan.counts_c, _NO_SEL, _NO_STARTS, None, _NO_IDS, True)
+        else:
+            i64 = np.int64  # (the vectorized checks' starts are int32; the scan's int64 views)
+            ops.merge(batch.num_computed_tokens_cpu, batch.num_scheduled_tokens, rows_c, plan.ncts_c,
+                      plan.counts_c, ap.sel, np.asarray(ap.starts, dtype=i64),
+                      None if ap.one_each else np.asarray(ap.lens, dtype=i64), ap.flat, ap.one_each)
+
+    def clear_rows(self, table, rows) -> None:
+        self._row_ops(table).clear_rows(rows)
+
+    def move_rows(self, table, srcs, dsts) -> None:
+        self._row_ops(table).move_rows(srcs, dsts)
+
+    def prepare(self, batch, bufs, writes_slots, R, num_tokens_padded):
+        return self._prepare_loop(batch, bufs, writes_slots).prepare(
+            R, -1 if num_tokens_padded is None else num_tokens_padded)
+
+
+_NO_SEL = np.zeros(0, np.int64)
+_NO_STARTS = np.zeros((1, 0), np.int64)
+_NO_IDS = np.zeros(0, np.int32)
+
+
+def choose_kernels(native: bool | None, sampling_params_cls: type) -> StepKernels:
+    """The compiled kernels when built and not refused (``native`` ``False``, or
+    ``ATTNPLUG_NATIVE=0`` at import), else the numpy ones."""
+    if NATIVE is not None and native is not False:
+        return CompiledKernels(sampling_params_cls)
+    return NumpyKernels()
+
+
+def kernels_available() -> bool:
+    """Whether the compiled kernels are built (and not disabled)."""
+    return NATIVE is not None
+
+
+__all__ = ["CompiledKernels", "NumpyKernels", "PrepareBuffers", "StepKernels", "choose_kernels",
+           "kernels_available"]
