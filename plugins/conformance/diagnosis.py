@@ -78,7 +78,7 @@ def heads_sentence(run: CaseRun, token_req: np.ndarray, token_pos: np.ndarray, g
     if not read:
         return text
     pairs = "; ".join(f"query head {h} matches KV head {j} (expected {h // group})"
-                      for h, j in list(read.items())[:MAX_HEADS_LISTED])
+                      for h, j in sorted(read.items())[:MAX_HEADS_LISTED])
     return (text + f". A GQA head-mapping bug: {pairs}; query head h must read KV head h // {group} "
             f"(num_heads {case.num_heads} // num_kv_heads {case.num_kv_heads}; HF repeat_kv), not e.g. "
             f"h % {case.num_kv_heads}")

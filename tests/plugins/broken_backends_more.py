@@ -92,17 +92,16 @@ class GatherImpl(AttentionImpl):
         """The key positions gathered for one request (``[n_keys]`` int64)."""
         return torch.arange(row_blocks * bs if self.whole_row else seq_len + self.lookahead)
 
+    def expand_kv(self, x: torch.Tensor, group: int) -> torch.Tensor:
+        """``[keys, num_kv_heads, D]`` -> ``[keys, num_heads, D]``: query head h reads KV head h // group."""
+        return x.repeat_interleave(group, dim=1)
+
 
 class LookaheadImpl(GatherImpl):
     """Causal mask off by one: the query at position p also sees key p + 1; the last query
     of a request reads the unwritten slot after its last key."""
 
     lookahead = 1
-
-
-    def expand_kv(self, x: torch.Tensor, group: int) -> torch.Tensor:
-        """``[keys, num_kv_heads, D]`` -> ``[keys, num_heads, D]``: query head h reads KV head h // group."""
-        return x.repeat_interleave(group, dim=1)
 
 
 class ModuloHeadsImpl(GatherImpl):
