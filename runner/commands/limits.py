@@ -144,12 +144,13 @@ def device_flag(text: str) -> str:
     import torch
 
     try:
-        dev = torch.device(text)
+        dev_type = torch.device(text).type
     except (RuntimeError, TypeError, ValueError):
-        raise argparse.ArgumentTypeError(f"{clip(text)} is not a device: use cpu, cuda or cuda:N") from None
-    if dev.type not in RUN_DEVICE_TYPES:
+        dev_type = None
+    if dev_type not in RUN_DEVICE_TYPES:
         raise argparse.ArgumentTypeError(f"{clip(text)}: attnplug runs on {' or '.join(RUN_DEVICE_TYPES)} "
-                                         f"(cuda:N), not on {dev.type!r}")
+                                         "(cuda:N for one GPU)")
+    dev = torch.device(text)
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             raise argparse.ArgumentTypeError(f"{text}: this machine has no CUDA (torch.cuda.is_available() is "

@@ -36,11 +36,11 @@ def plot_path_problem(path: str) -> str | None:
 
     from attnplug.runner.commands.limits import clip
 
+    if os.path.isdir(path):
+        return f"attnplug run: --plot {clip(path)} is a folder; name a file in it, e.g. {os.path.join(path, 'run.png')}"
     if not path.lower().endswith(".png"):
         return f"attnplug run: --plot {clip(path)}: the plot is a PNG image; name the file OUT.png"
     folder = os.path.dirname(path) or "."
-    if os.path.isdir(path):
-        return f"attnplug run: --plot {clip(path)} is a folder; name a file in it, e.g. {os.path.join(path, 'run.png')}"
     if not os.path.isdir(folder):
         return f"attnplug run: --plot {clip(path)}: no such folder {clip(folder)}"
     if not os.access(folder, os.W_OK | os.X_OK):
