@@ -9,6 +9,10 @@ Before pytest starts, the arguments are checked, and a backend that cannot run h
 refused with its reason (``is_available()``'s, or the devices it declares): a run that
 would skip every case would pass having tested nothing.
 
+``--json`` prints a machine-readable summary on stdout (``check_report.py``; pytest's
+report goes to stderr). A ``package.module:Class`` is also looked up in the working
+directory (appended to ``sys.path``: a console script does not put it there).
+
 Exit status: 0 when every case passed or was skipped for a declared limitation and at
 least one case ran on each backend; 1 when a case failed; 2 for bad arguments (an unknown
 backend, a device this machine lacks such as ``--device cuda`` without CUDA, pytest not
