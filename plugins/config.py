@@ -160,7 +160,7 @@ def choices_from_cli(cli_choice: str | Mapping[str, str] | None) -> ChoiceSet:
     else:
         values = {(k if k == DEFAULT_KEY else _check_kind(k, origin)): _check_name(v, origin)
                   for k, v in cli_choice.items()}
-    return _choice_set("cli", values, {k: origin if k == DEFAULT_KEY else f"{origin} {k}=" for k in values})
+    return _choice_set("cli", values, {k: origin if k == DEFAULT_KEY else f"{origin} {k}={v}" for k, v in values.items()})
 
 
 def choices_from_env(env: Mapping[str, str]) -> ChoiceSet:

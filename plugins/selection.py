@@ -124,7 +124,7 @@ class UnknownBackendChoiceError(UnknownBackendError):
     """An :class:`UnknownBackendError` for a name written in a choice source.
 
     Attributes:
-        origin: where the name was written (``"--backend mamba="``, ``"env
+        origin: where the name was written (``"--backend mamba=NAME"``, ``"env
             ATTNPLUG_BACKEND_MAMBA"``, ``"/work/attnplug.toml [backend] mamba"``).
     """
 

@@ -41,6 +41,10 @@ class ConformanceCase:
         spare_blocks: extra poisoned blocks in the pool no request owns.
         sliding_window: W (current token included) or ``None``.
         logits_soft_cap: the cap or ``None``; queries are scaled up so it matters.
+        scale: the softmax scale the impl is constructed with (``AttentionImpl(scale=)``),
+            or ``None`` for ``head_size ** -0.5``. Models pass other values (Gemma's
+            ``query_pre_attn_scalar ** -0.5``, Granite's ``attention_multiplier``), so an
+            impl must use the one it is given.
         num_pad_tokens: padded tokens appended to every step (``PAD_SLOT_ID`` slots).
         history_chunk: largest history chunk per request per step (``None``: all at once).
         seed: seeds Q/K/V and block ids.
@@ -60,6 +64,7 @@ class ConformanceCase:
     spare_blocks: int = 3
     sliding_window: int | None = None
     logits_soft_cap: float | None = None
+    scale: float | None = None
     num_pad_tokens: int = 0
     history_chunk: int | None = None
     seed: int = 0
@@ -87,6 +92,8 @@ class ConformanceCase:
             problems.append(f"sliding_window must be >= 1, got {self.sliding_window}")
         if self.logits_soft_cap is not None and self.logits_soft_cap <= 0:
             problems.append(f"logits_soft_cap must be > 0, got {self.logits_soft_cap}")
+        if self.scale is not None and not (isinstance(self.scale, (int, float)) and not isinstance(self.scale, bool) and 0 < self.scale < float("inf")):
+            problems.append(f"scale must be a finite number > 0 or null (head_size ** -0.5), got {self.scale!r}")
         if problems:
             raise ValueError(f"conformance case {self.name!r}: " + "; ".join(problems))
 
@@ -104,9 +111,9 @@ class ConformanceCase:
         return tuple(need)
 
     @property
-    def scale(self) -> float:
-        """Softmax scale: ``head_size ** -0.5``."""
-        return self.head_size ** -0.5
+    def softmax_scale(self) -> float:
+        """The softmax scale: ``scale``, or ``head_size ** -0.5`` when it is ``None``."""
+        return self.head_size ** -0.5 if self.scale is None else float(self.scale)
 
     def describe(self) -> str:
         """The case as one line of JSON (what failure messages show)."""
@@ -184,10 +191,20 @@ CASES: tuple[ConformanceCase, ...] = (
        history_chunk=6),
     _c("window_longer_than_seq", [(10, 1), (0, 12), (5, 4)], "window", sliding_window=64),
     _c("window_1", [(6, 1), (0, 3)], "window", "edge", sliding_window=1, block_size=4),
+    # decodes whose window straddles cdiv(W - 1, B) + 1 > cdiv(W, B) blocks (W not 1 mod B)
+    _c("window_6_block_4_straddles", [(12, 1), (15, 1), (8, 3), (0, 10)], "window", "blocks", sliding_window=6,
+       block_size=4, num_pad_tokens=1),
+    _c("window_8_block_8_kernel_4", [(9, 1), (20, 1), (6, 5)], "window", "kernel_block", sliding_window=8,
+       block_size=8, kernel_block_size=4),
     # soft-cap
     _c("softcap", [(9, 1), (0, 8), (12, 4)], "softcap", logits_soft_cap=5.0, num_pad_tokens=2),
     _c("softcap_window", [(14, 1), (0, 10)], "softcap", "window", logits_soft_cap=8.0, sliding_window=6,
        block_size=4),
+    # softmax scale other than head_size ** -0.5 (Gemma's query_pre_attn_scalar, scale 1.0)
+    _c("scale_query_pre_attn_scalar", [(12, 1), (0, 9), (20, 5)], "scale", scale=256 ** -0.5, num_pad_tokens=2),
+    _c("scale_one", [(9, 1), (0, 7), (15, 4)], "scale", "gqa", scale=1.0, num_heads=8, num_kv_heads=2),
+    _c("scale_softcap_window", [(14, 1), (0, 10), (12, 4)], "scale", "softcap", "window", scale=0.5,
+       logits_soft_cap=20.0, sliding_window=6, block_size=4),
     # dtypes
     _c("mixed_fp16", [(10, 1), (0, 9), (20, 5)], "dtype", dtype="float16", num_pad_tokens=2),
     _c("mixed_bf16", [(10, 1), (0, 9), (20, 5)], "dtype", dtype="bfloat16", num_pad_tokens=2),

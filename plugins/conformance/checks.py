@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from attnplug.core.contracts import AttentionBackend
+from attnplug.plugins.conformance import diagnosis
 from attnplug.plugins.conformance.attribution import blocks_read
 from attnplug.plugins.conformance.harness import CaseRun, StepRecord
 from attnplug.plugins.conformance.oracle import CaseInputs, dense_attention
@@ -84,7 +85,10 @@ def check_outputs(run: CaseRun, reference: CaseRun | None, name_blocks: bool = T
                 f"rtol={rtol}; worst at {_where(step, token)} head {h} dim {d}: got {float(got[t, h, d]):.6g}, "
                 f"expected {float(expected[t, h, d]):.6g}"
                 + ("; the step wrote none of its slots (see test_kv_written_exactly_at_slot_mapping)"
-                   if wrote_nothing else ""))
+                   if wrote_nothing else "")
+                + diagnosis.poison_sentence(got, bad)
+                + diagnosis.heads_sentence(run, step.token_req[order], step.token_pos[order], got, bad,
+                                           (atol, rtol)))
     return problems
 
 

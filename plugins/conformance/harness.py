@@ -160,7 +160,7 @@ class _Runner:
             reorder_batch_threshold=builder_cls.reorder_batch_threshold, num_blocks=num_blocks,
             group_kinds=[spec.kind] * NUM_GROUPS, validate=True, sliding_windows=[case.sliding_window] * NUM_GROUPS)
         self.impl = backend_cls.get_impl_cls()(
-            case.num_heads, case.head_size, case.scale, case.num_kv_heads, sliding_window=case.sliding_window,
+            case.num_heads, case.head_size, case.softmax_scale, case.num_kv_heads, sliding_window=case.sliding_window,
             logits_soft_cap=case.logits_soft_cap, attn_type=AttentionType.DECODER, kv_cache_dtype=dtype)
         shape = backend_cls.get_kv_cache_shape(num_blocks * (case.block_size // kbs), kbs, case.num_kv_heads,
                                                case.head_size)

@@ -10,6 +10,8 @@ suite holds ``torch_native`` itself to, so the reference is checked too.
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import numpy as np
 import torch
 
@@ -48,14 +50,22 @@ class CaseInputs:
         return torch.as_tensor(self.offsets[token_req] + token_pos, dtype=torch.int64)
 
 
-def dense_attention(inputs: CaseInputs, token_req: np.ndarray, token_pos: np.ndarray) -> torch.Tensor:
+def dense_attention(inputs: CaseInputs, token_req: np.ndarray, token_pos: np.ndarray,
+                    kv_head_of: Sequence[int] | None = None) -> torch.Tensor:
     """``[num_tokens, num_heads, head_size]`` float64: exact attention of each (request,
     position) query over keys ``0 .. position`` of its request (and inside the window).
+
+    ``kv_head_of[h]`` is the KV head query head ``h`` reads; default ``h // (num_heads //
+    num_kv_heads)``, the GQA convention (HF ``repeat_kv``). Another mapping serves the
+    diagnosis of a failure (``diagnosis.py``).
 
     Loops over requests (test code, not a hot path).
     """
     case = inputs.case
     group = case.num_heads // case.num_kv_heads
+    if kv_head_of is None:
+        kv_head_of = [h // group for h in range(case.num_heads)]
+    kv_index = torch.as_tensor(list(kv_head_of), dtype=torch.int64)
     out = torch.zeros(len(token_req), case.num_heads, case.head_size, dtype=torch.float64)
     for i in np.unique(token_req):
         sel = np.flatnonzero(token_req == i)
@@ -63,9 +73,9 @@ def dense_attention(inputs: CaseInputs, token_req: np.ndarray, token_pos: np.nda
         base = int(inputs.offsets[i])
         n = int(pos.max()) + 1
         q = inputs.query[base + pos].double()                                  # [t, H, D]
-        k = inputs.key[base:base + n].double().repeat_interleave(group, dim=1)  # [n, H, D]
-        v = inputs.value[base:base + n].double().repeat_interleave(group, dim=1)
-        logits = torch.einsum("thd,nhd->htn", q, k) * case.scale
+        k = inputs.key[base:base + n].double()[:, kv_index]                    # [n, H, D]
+        v = inputs.value[base:base + n].double()[:, kv_index]
+        logits = torch.einsum("thd,nhd->htn", q, k) * case.softmax_scale
         if case.logits_soft_cap is not None:
             cap = case.logits_soft_cap
             logits = cap * torch.tanh(logits / cap)

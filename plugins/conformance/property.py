@@ -2,7 +2,7 @@
 
 :func:`case_strategy` draws :class:`~attnplug.plugins.conformance.cases.ConformanceCase`
 objects from what the backend declares — its dtypes, head sizes, kernel block sizes and
-``features()`` (windows, soft-cap, GQA/MQA) — with random batches (mixes of decodes,
+``features()`` (windows, soft-cap, GQA/MQA) — with random softmax scales, batches (mixes of decodes,
 prefills and chunked-prefill continuations), block sizes and orders, padding, history
 chunks and seeds. :func:`case_problems` runs one on the backend and on torch_native and
 returns every check's problems. ``attnplug check NAME --hypothesis N`` (``--attnplug-hypothesis
@@ -22,6 +22,9 @@ from attnplug.plugins.conformance.requirements import assess, torch_dtype
 
 HEAD_SIZES = (32, 64, 128)
 """Head sizes drawn for a backend that declares any (``supported_head_sizes = None``)."""
+SCALES = (256 ** -0.5, 0.125, 0.5, 1.0)
+"""Softmax scales drawn besides ``None`` (``head_size ** -0.5``): what models pass instead
+(Gemma's ``query_pre_attn_scalar ** -0.5``, scale 1.0...)."""
 BLOCK_SIZES = (1, 4, 8, 16, 32)
 """Manager block sizes drawn (those the backend's kernel block sizes divide)."""
 CASE_NAME = "hypothesis_case"
@@ -56,7 +59,7 @@ def case_strategy(backend: type[AttentionBackend]) -> st.SearchStrategy[Conforma
             block_order=d(st.sampled_from(["permuted", "sequential"])), spare_blocks=d(st.integers(1, 3)),
             sliding_window=d(st.none() | st.integers(1, 24)) if feats.get("sliding_window") else None,
             logits_soft_cap=d(st.none() | st.sampled_from([5.0, 30.0])) if feats.get("logits_soft_cap") else None,
-            num_pad_tokens=d(st.integers(0, 4)), history_chunk=d(st.none() | st.integers(1, 12)),
+            scale=d(st.none() | st.sampled_from(SCALES)), num_pad_tokens=d(st.integers(0, 4)), history_chunk=d(st.none() | st.integers(1, 12)),
             seed=d(st.integers(0, 2 ** 16)))
 
     return draw()

@@ -133,37 +133,66 @@ def pytest_pycollect_makemodule(module_path: pathlib.Path, parent):
     return None
 
 
+FAMILY_OF_KIND = {"attention": "conformance_case", "mamba": "state_case", "mla": "mla_case"}
+"""The case family a backend of each ``kv_cache_kind`` runs; the other family's tests are
+not collected for it (they could only skip). A backend of another kind gets both, which
+skip with the reason, so the run reports that nothing was tested."""
+
+
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     names = metafunc.fixturenames
+    family = next((f for f in ("conformance_case", "state_case", "mla_case") if f in names), None)
+    cases, ids = _cases(metafunc, family) if family else ([], [])
     if "attnplug_backend" in names:
         specs = metafunc.config.getoption("attnplug_backend")
+        session = metafunc.config.stash.get(_SESSION_KEY, None)
+        if specs and family and session is not None:
+            kinds = {spec: session.backends[spec].kv_cache_kind for spec in specs}
+            pairs = [(spec, case) for spec in specs for case in cases
+                     if FAMILY_OF_KIND.get(kinds[spec], family) == family]
+            metafunc.parametrize(("attnplug_backend", family), pairs,
+                                 ids=[f"{spec}-{case.name}" for spec, case in pairs])
+            return
         if specs:
             metafunc.parametrize("attnplug_backend", specs, ids=specs, scope="session")
         else:
             metafunc.parametrize("attnplug_backend", [pytest.param(None, marks=pytest.mark.skip(
                 reason="no --attnplug-backend NAME given: the conformance suite runs only against a named "
                        "backend (e.g. `attnplug check torch_native`)"))], ids=["no-backend"])
-    if "conformance_case" in names:
+    if family:
+        metafunc.parametrize(family, cases, ids=ids)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Drop the placeholder pytest makes for a case test no ``--attnplug-backend`` runs
+    (every backend serves the other family: an empty parameter set, not a skip)."""
+    if config.stash.get(_SESSION_KEY, None) is None:
+        return
+    items[:] = [item for item in items
+                if not (item.path.parent == SUITE_DIR and any(str(m.kwargs.get("reason", "")).startswith(
+                    "got empty parameter set") for m in item.iter_markers("skip")))]
+
+
+def _cases(metafunc: pytest.Metafunc, family: str) -> tuple[list, list[str]]:
+    """The catalog of ``family`` plus ``--attnplug-cases``, filtered by the test's
+    ``_attnplug_case_filter``; and their ids."""
+    paths = metafunc.config.getoption("attnplug_cases")
+    if family == "conformance_case":
         from attnplug.plugins.conformance.cases import CASES, load_cases
 
-        cases = list(CASES)
-        for path in metafunc.config.getoption("attnplug_cases"):
-            cases += load_cases(path)
+        cases = list(CASES) + [c for path in paths for c in load_cases(path)]
         only = getattr(metafunc.function, "_attnplug_case_filter", None)
         if only is not None:
             cases = [c for c in cases if only(c)]
-        metafunc.parametrize("conformance_case", cases, ids=[c.name for c in cases])
-    if "state_case" in names:
-        from attnplug.plugins.conformance.state_cases import STATE_CASES, load_state_cases
-
-        cases = list(STATE_CASES)
-        for path in metafunc.config.getoption("attnplug_cases"):
-            cases += load_state_cases(path)
-        metafunc.parametrize("state_case", cases, ids=[c.name for c in cases])
-    if "mla_case" in names:
+    elif family == "mla_case":
         from attnplug.plugins.conformance.mla_cases import MLA_CASES
 
-        metafunc.parametrize("mla_case", list(MLA_CASES), ids=[c.name for c in MLA_CASES])
+        cases = list(MLA_CASES)
+    else:
+        from attnplug.plugins.conformance.state_cases import STATE_CASES, load_state_cases
+
+        cases = list(STATE_CASES) + [c for path in paths for c in load_state_cases(path)]
+    return cases, [c.name for c in cases]
 
 
 @pytest.fixture(scope="session")

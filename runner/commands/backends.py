@@ -22,7 +22,10 @@ import sys
 from typing import Any
 
 from attnplug.core.errors import AttnplugError, BackendUnsupportedError
-from attnplug.runner.commands.limits import OneLineParser
+from attnplug.runner.commands.limits import OneLineParser, bounded_int
+
+BLOCK_SIZE_LIMITS = (1, 2**16)
+"""``--block-size`` range: ``attnplug run``'s (``run.FLAG_LIMITS``)."""
 
 EXIT_PLUGIN_FAULT = 3
 """``--strict``: at least one plugin fault."""
@@ -38,7 +41,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default=None, help="device the model would run on (default: cuda if available)")
     p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
                    help="activation/KV dtype (default: the config's torch_dtype, else float32)")
-    p.add_argument("--block-size", type=int, default=16, help="manager block size in tokens")
+    low, high = BLOCK_SIZE_LIMITS
+    p.add_argument("--block-size", type=bounded_int(low, high), default=16, metavar="N",
+                   help=f"manager block size in tokens; an integer in [{low}, {high}], as `attnplug run`'s")
     p.add_argument("--traceback", action="store_true", help="print each plugin fault's whole traceback")
     p.add_argument("--strict", action="store_true",
                    help=f"exit {EXIT_PLUGIN_FAULT} if any plugin or backend was skipped because of a fault")

@@ -9,6 +9,10 @@ Before pytest starts, the arguments are checked, and a backend that cannot run h
 refused with its reason (``is_available()``'s, or the devices it declares): a run that
 would skip every case would pass having tested nothing.
 
+``--json`` prints a machine-readable summary on stdout (``check_report.py``; pytest's
+report goes to stderr). A ``package.module:Class`` is also looked up in the working
+directory (appended to ``sys.path``: a console script does not put it there).
+
 Exit status: 0 when every case passed or was skipped for a declared limitation and at
 least one case ran on each backend; 1 when a case failed; 2 for bad arguments (an unknown
 backend, a device this machine lacks such as ``--device cuda`` without CUDA, pytest not
@@ -21,7 +25,9 @@ test).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.metadata
+import json
 import os
 import sys
 import tempfile
@@ -53,6 +59,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("-k", dest="keyword", default=None, help="only tests matching this pytest -k expression")
     p.add_argument("-x", "--exitfirst", action="store_true", help="stop at the first failure")
     p.add_argument("-v", "--verbose", action="count", default=0, help="more output (repeatable)")
+    p.add_argument("--json", action="store_true",
+                   help="print a machine-readable summary on stdout (counts, failed cases, every test's outcome "
+                        "and message; runner/commands/check_report.py); pytest's report goes to stderr")
     return p
 
 
@@ -122,6 +131,17 @@ def cases_file_problem(path: str) -> str | None:
     return None
 
 
+def working_directory_on_path(specs: list[str]) -> None:
+    """Make ``package.module:Class`` importable from the working directory, as ``python -m
+    pytest`` does: a console script puts its own folder on ``sys.path``, not the working
+    directory, so a plugin author's ``attnplug check my_pkg.backend:MyBackend`` run from the
+    package's folder would fail. The directory is appended, so installed packages win."""
+    if any(":" in spec and not spec.startswith("vllm:") for spec in specs):
+        cwd = os.getcwd()
+        if cwd not in sys.path and "" not in sys.path:
+            sys.path.append(cwd)
+
+
 def preflight(args: argparse.Namespace) -> tuple[int, str] | None:
     """``(exit status, one-line reason)`` when ``attnplug check`` must not run pytest, else ``None``.
 
@@ -148,7 +168,9 @@ def preflight(args: argparse.Namespace) -> tuple[int, str] | None:
         except AttnplugError as exc:
             return EXIT_USAGE, str(exc)
         except (ImportError, AttributeError, ValueError) as exc:
-            return EXIT_USAGE, f"cannot import backend {spec!r}: {type(exc).__name__}: {exc}"
+            where = (f" (looked in the working directory {os.getcwd()} and on sys.path; run from the folder that "
+                     "holds the package, or pip install it)" if isinstance(exc, ImportError) else "")
+            return EXIT_USAGE, f"cannot import backend {spec!r}: {type(exc).__name__}: {exc}{where}"
     for spec, backend in backends.items():
         why = untestable_reason(backend, resolve_device(backend, args.device))
         if why:
@@ -165,13 +187,24 @@ def main(argv: list[str]) -> int:
     except ImportError:
         print(f"attnplug check: {NO_PYTEST}", file=sys.stderr)
         return EXIT_USAGE
+    working_directory_on_path(args.backends)
     refused = preflight(args)
     if refused:
         print(f"attnplug check: {refused[1]}", file=sys.stderr)
+        if args.json:
+            print(json.dumps({"exit_status": refused[0], "error": refused[1]}))
         return refused[0]
 
     with tempfile.TemporaryDirectory(prefix="attnplug-check-") as tmp:
         ini = os.path.join(tmp, "pytest.ini")
         with open(ini, "w", encoding="utf-8") as f:
             f.write("[pytest]\n")
-        return int(pytest.main(pytest_args(args, ini)))
+        if not args.json:
+            return int(pytest.main(pytest_args(args, ini)))
+        from attnplug.runner.commands.check_report import CheckRecorder, summary
+
+        recorder = CheckRecorder()
+        with contextlib.redirect_stdout(sys.stderr):
+            status = int(pytest.main(pytest_args(args, ini), plugins=[recorder]))
+        print(json.dumps(summary(recorder, args.backends, status), indent=1))
+        return status

@@ -127,3 +127,38 @@ def memory_problem(what: str, nbytes: int, available: int | None = None) -> str 
         return None
     return (f"{what} need {nbytes / 2**30:.2f} GiB, more than {MEMORY_FRACTION:.0%} of the "
             f"{available / 2**30:.2f} GiB of memory available")
+
+
+RUN_DEVICE_TYPES = ("cpu", "cuda")
+"""Device types the engine runs on (``--device``)."""
+
+
+def device_flag(text: str) -> str:
+    """An ``argparse`` ``type=`` for ``--device``: ``cpu``, ``cuda`` or ``cuda:N``, and CUDA
+    only where ``torch.cuda.is_available()`` (and ``N`` below the device count).
+
+    Anything else is an ``argparse.ArgumentTypeError`` (one usage line, exit status 2),
+    before a model or backend is built: ``--device tpu`` names the types accepted, ``--device
+    cuda`` on a machine without CUDA says so in one line.
+    """
+    import torch
+
+    try:
+        dev_type = torch.device(text).type
+    except (RuntimeError, TypeError, ValueError):
+        dev_type = None
+    if dev_type not in RUN_DEVICE_TYPES:
+        raise argparse.ArgumentTypeError(f"{clip(text)}: attnplug runs on {' or '.join(RUN_DEVICE_TYPES)} "
+                                         "(cuda:N for one GPU)")
+    dev = torch.device(text)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise argparse.ArgumentTypeError(f"{text}: this machine has no CUDA (torch.cuda.is_available() is "
+                                             "False); use cpu")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise argparse.ArgumentTypeError(f"{text}: this machine has {torch.cuda.device_count()} CUDA "
+                                             "device(s)")
+    return text
+
+
+device_flag.__name__ = "device"

@@ -14,6 +14,8 @@ Tolerances on ``max |dlogit|`` (absolute, logits of the whole vocabulary), per d
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import sys
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -190,6 +192,8 @@ def main(argv: list[str]) -> int:
                    help="prompts sharing prefixes (system prompts, continuations) and prefix caching on")
     p.add_argument("--speculative", default=None, metavar="METHOD:k=N",
                    help="speculative decoding as `attnplug run --speculative` (e.g. ngram:k=3)")
+    p.add_argument("--json", action="store_true",
+                   help="print the result as one JSON object (every ParityResult field) instead of the line")
     args = p.parse_args(argv)
     from attnplug.runner.commands.model_loading import read_hf_config
 
@@ -204,5 +208,5 @@ def main(argv: list[str]) -> int:
     except AttnplugError as e:
         print(f"attnplug parity: {e}", file=sys.stderr)
         return 2
-    print(res.line())
+    print(json.dumps(dataclasses.asdict(res), indent=1) if args.json else res.line())
     return 0 if res.ok else 1

@@ -10,9 +10,23 @@ from rich.table import Table
 from attnplug.runner.commands.prefix_report import prefix_caching_rows
 
 
+PIPE_WIDTH = 1000
+"""Columns a :class:`Console` lays out in when its file is not a terminal (a file, a pipe):
+wide enough that a table keeps its natural width, so no cell is wrapped or cut with "…"."""
+
+
 class Console(rich.console.Console):
     """A rich console whose broken pipe is a ``BrokenPipeError`` (rich's own handler exits
-    with status 1), so ``runner/commands/cli.py`` ends every subcommand the same way."""
+    with status 1), so ``runner/commands/cli.py`` ends every subcommand the same way.
+
+    Written to a file or a pipe (``attnplug bench step > f.txt``) it is
+    :data:`PIPE_WIDTH` columns wide unless ``width`` is given: rich would otherwise lay
+    tables out in 80 columns and cut numbers with "…"."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if kwargs.get("width") is None and not self.is_terminal:
+            self.width = PIPE_WIDTH
 
     def on_broken_pipe(self) -> None:
         raise BrokenPipeError("stdout's reader went away")

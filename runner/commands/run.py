@@ -21,10 +21,11 @@ import time
 from attnplug.core.errors import AttnplugError
 from attnplug.runner.models.presets import PRESETS, RUN_PRESET
 from attnplug.runner.commands.assemble import EngineSetup, build_engine
-from attnplug.runner.commands.limits import OneLineParser, bounded_int
+from attnplug.runner.commands.limits import OneLineParser, bounded_int, device_flag
 from attnplug.runner.commands import run_parallel
 from attnplug.runner.commands.shared_prefixes import SYSTEM_PROMPT_LEN, SYSTEM_PROMPTS
-from attnplug.runner.commands.run_plot import StepRecorder, group_labels, missing_matplotlib, save_plot
+from attnplug.runner.commands.run_plot import (StepRecorder, group_labels, missing_matplotlib, plot_path_problem,
+                                               save_plot)
 
 
 INT32_MAX = 2**31 - 1
@@ -73,7 +74,7 @@ def _parser() -> argparse.ArgumentParser:
                         "cache-group kind (full_attention, sliding_window, mamba; default=NAME), e.g. "
                         "full_attention=triton,sliding_window=torch_native; beats ATTNPLUG_BACKEND* and "
                         "attnplug.toml (docs/configuration.md); default: those, then automatic")
-    p.add_argument("--device", default="cpu",
+    p.add_argument("--device", default="cpu", type=device_flag,
                    help="where the model and its caches live: cpu (default) or cuda; backends are chosen for it")
     _int_flag(p, "--seed", 0)
     _int_flag(p, "--invariance-requests", 8,
@@ -136,7 +137,7 @@ def main(argv: list[str]) -> int:
         print("attnplug run: --system-prompts / --system-prompt-len shape the shared-prefix prompts: "
               "give --prefix-caching or --shared-prefixes too", file=sys.stderr)
         return 2
-    if args.plot and (missing := missing_matplotlib()):
+    if args.plot and (missing := plot_path_problem(args.plot) or missing_matplotlib()):
         print(missing, file=sys.stderr)
         return 2
     if run_parallel.wanted(args):  # under torchrun: rank 0 runs _main, the others serve it

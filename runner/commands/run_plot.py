@@ -3,7 +3,9 @@ times stacked (update / prepare / build / forward / sample, from ``ModelRunner.t
 the tokens it scheduled, and the KV blocks (Mamba: state slots) in use per cache group.
 
 matplotlib is optional (``pip install 'attnplug[plot]'``): :func:`missing_matplotlib` says
-so in one line before the run starts; nothing else here imports it until :func:`save_plot`.
+so in one line before the run starts, as :func:`plot_path_problem` does for a file name that
+is not ``.png`` or a folder that is missing or not writable; nothing else here imports
+matplotlib until :func:`save_plot`.
 """
 
 from __future__ import annotations
@@ -23,6 +25,26 @@ def missing_matplotlib() -> str | None:
     """The one-line error when matplotlib cannot be imported, else ``None``."""
     if importlib.util.find_spec("matplotlib") is None:
         return "attnplug run: --plot needs matplotlib: pip install 'attnplug[plot]' (or pip install matplotlib)"
+    return None
+
+
+def plot_path_problem(path: str) -> str | None:
+    """The one-line error when ``--plot path`` cannot be written (checked before the run),
+    else ``None``: the file must end in ``.png`` (the format :func:`save_plot` writes), and
+    its folder must exist and be writable."""
+    import os
+
+    from attnplug.runner.commands.limits import clip
+
+    if os.path.isdir(path):
+        return f"attnplug run: --plot {clip(path)} is a folder; name a file in it, e.g. {os.path.join(path, 'run.png')}"
+    if not path.lower().endswith(".png"):
+        return f"attnplug run: --plot {clip(path)}: the plot is a PNG image; name the file OUT.png"
+    folder = os.path.dirname(path) or "."
+    if not os.path.isdir(folder):
+        return f"attnplug run: --plot {clip(path)}: no such folder {clip(folder)}"
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return f"attnplug run: --plot {clip(path)}: the folder {clip(folder)} is not writable"
     return None
 
 

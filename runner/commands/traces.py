@@ -205,7 +205,8 @@ def load_trace(name_or_path: str, num_requests: int | None = None, *, max_model_
 
     Raises:
         TraceFormatError: unknown trace / missing or unreadable file, a header without the
-            required columns, or (without ``skip_invalid``) an invalid row. The message is
+            required columns, no request row (a header-only file, or every row skipped),
+            or (without ``skip_invalid``) an invalid row. The message is
             one line: ``FILE, line N: FIELD what is wrong; how to fix`` (N counts the
             header as line 1; echoed values are cut to a few dozen characters).
     """
@@ -261,6 +262,9 @@ def load_trace(name_or_path: str, num_requests: int | None = None, *, max_model_
             if t0 is None:
                 t0 = ts
             out.append(TraceRequest(prompt_len=p, output_len=o, arrival_s=ts - t0))
+    if not out and num_requests != 0:
+        why = f"all {skipped} request rows were invalid and skipped" if skipped else "it has no request rows"
+        raise TraceFormatError(f"{path}: {why} after the header (line 1), so there is nothing to run")
     return LoadedTrace(tuple(out), skipped, path, float(scale), clamped, first_skipped)
 
 

@@ -95,7 +95,7 @@ def check_sizes(tp: int, pp: int, world_size: int) -> None:
     """Raise :class:`ParallelConfigError` unless ``tp * pp == world_size``."""
     if tp * pp != world_size:
         raise ParallelConfigError(
-            f"--tensor-parallel-size {tp} x --pipeline-parallel-size {pp} = {tp * pp} processes, but "
+            f"--tensor-parallel-size {tp} x --pipeline-parallel-size {pp} = {tp * pp} process{'es' if tp * pp != 1 else ''}, but "
             f"WORLD_SIZE is {world_size}: launch with torchrun --nproc-per-node {tp * pp} -m attnplug run ...")
 
 

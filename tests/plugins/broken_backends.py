@@ -75,6 +75,14 @@ class _WrongScaleImpl(TorchNativeAttentionImpl):
         super().__init__(num_heads, head_size, scale * 1.25, *args, **kwargs)
 
 
+class _IgnoresScaleImpl(TorchNativeAttentionImpl):
+    """Uses ``head_size ** -0.5`` whatever scale it was given (wrong on Gemma's
+    ``query_pre_attn_scalar`` and every model whose scale is not the default)."""
+
+    def __init__(self, num_heads, head_size, scale, *args, **kwargs):
+        super().__init__(num_heads, head_size, head_size ** -0.5, *args, **kwargs)
+
+
 class _NaNLastTokenImpl(TorchNativeAttentionImpl):
     """Never computes the last real token's row (a loop bound one short), which keeps the
     NaN its output buffer held: correct everywhere else, and the K/V writes are right."""
@@ -92,6 +100,7 @@ WritesPaddedSlots = _backend("writes_padded_slots", builder=_WritesPaddingBuilde
 MutatesMetadata = _backend("mutates_metadata", builder=_MutatingBuilder)
 IgnoresWindow = _backend("ignores_window", builder=_NoWindowBuilder, impl=_NoWindowImpl)
 WrongScale = _backend("wrong_scale", impl=_WrongScaleImpl)
+IgnoresScale = _backend("ignores_scale", impl=_IgnoresScaleImpl)
 NaNOutput = _backend("nan_output", impl=_NaNLastTokenImpl)
 
 Unavailable = type("unavailable", (TorchNativeBackend,), {

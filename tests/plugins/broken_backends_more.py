@@ -10,6 +10,16 @@ attends with a correct mask, but gathers more keys than the queries can see:
 * ``ReadsWholeRow``: every column of the block-table row, so the null block padding the
   row past the request's blocks is read and masked out.
 
+* ``ShortWindow``: a decode reads ``cdiv(W, B)`` blocks from its window's first block,
+  one too few when the window straddles ``cdiv(W - 1, B) + 1`` blocks (a relation of
+  window and block size the suite must vary).
+
+* ``ReadsPastSeqLen``: the causal mask is off by one, so each request's last query attends
+  to the unwritten slot after its last key (the finite poison: the failure must say it
+  read keys outside the visible range);
+* ``ModuloHeads``: GQA head h reads KV head ``h % num_kv_heads`` (``repeat`` for
+  ``repeat_interleave``): the failure must name the wrong and the right heads.
+
 Masked reads of NaN still give NaN (``0 * NaN``), so both must fail naming the null block.
 ``WritesIntoACopy`` is torch_native whose K/V write lands in a ``reshape`` copy of the
 strided cache view: the step writes none of its slots.
@@ -49,6 +59,8 @@ class GatherBuilder(AttentionMetadataBuilder):
 
 class GatherImpl(AttentionImpl):
     whole_row = False
+    lookahead = 0
+    """Keys visible past the query's position (0: causal)."""
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output):
         md = attn_metadata
@@ -61,13 +73,12 @@ class GatherImpl(AttentionImpl):
         group = self.num_heads // self.num_kv_heads
         for i, seq_len in enumerate(md.seq_lens):
             lo, hi = md.query_start_loc[i], md.query_start_loc[i + 1]
-            n_keys = md.block_table.shape[1] * bs if self.whole_row else seq_len
-            pos = torch.arange(n_keys)
+            pos = self.key_positions(seq_len, hi - lo, bs, md.block_table.shape[1])
             ids = md.block_table[i].long()[pos // bs]
-            k = k_cache[ids, pos % bs].float().repeat_interleave(group, dim=1)   # [keys, H, D]
-            v = v_cache[ids, pos % bs].float().repeat_interleave(group, dim=1)
+            k = self.expand_kv(k_cache[ids, pos % bs].float(), group)   # [keys, H, D]
+            v = self.expand_kv(v_cache[ids, pos % bs].float(), group)
             q_pos = torch.arange(seq_len - (hi - lo), seq_len)[:, None]
-            visible = (pos[None, :] <= q_pos) & (pos[None, :] < seq_len)
+            visible = (pos[None, :] <= q_pos + self.lookahead) & (pos[None, :] < seq_len + self.lookahead)
             if self.sliding_window is not None:
                 visible &= pos[None, :] > q_pos - self.sliding_window
             logits = torch.einsum("qhd,khd->hqk", query[lo:hi].float(), k) * self.scale
@@ -77,9 +88,48 @@ class GatherImpl(AttentionImpl):
             output[lo:hi] = torch.einsum("hqk,khd->qhd", probs, v).to(output.dtype)
         return output
 
+    def key_positions(self, seq_len: int, query_len: int, bs: int, row_blocks: int) -> torch.Tensor:
+        """The key positions gathered for one request (``[n_keys]`` int64)."""
+        return torch.arange(row_blocks * bs if self.whole_row else seq_len + self.lookahead)
+
+    def expand_kv(self, x: torch.Tensor, group: int) -> torch.Tensor:
+        """``[keys, num_kv_heads, D]`` -> ``[keys, num_heads, D]``: query head h reads KV head h // group."""
+        return x.repeat_interleave(group, dim=1)
+
+
+class LookaheadImpl(GatherImpl):
+    """Causal mask off by one: the query at position p also sees key p + 1; the last query
+    of a request reads the unwritten slot after its last key."""
+
+    lookahead = 1
+
+
+class ModuloHeadsImpl(GatherImpl):
+    """GQA with ``repeat`` for ``repeat_interleave``: query head h reads KV head
+    ``h % num_kv_heads`` instead of ``h // group``."""
+
+    def expand_kv(self, x, group):
+        return x.repeat(1, group, 1)
+
 
 class WholeRowImpl(GatherImpl):
     whole_row = True
+
+
+class ShortWindowImpl(GatherImpl):
+    """Sliding window, decodes: gathers ``cdiv(W, B)`` blocks from the window's first block
+    (a decode kernel's "blocks per window" bound). A window that does not start at a block
+    boundary spans ``cdiv(W - 1, B) + 1`` blocks: the newest keys, the query's own
+    included, are never seen. Prefill chunks are right."""
+
+    def key_positions(self, seq_len, query_len, bs, row_blocks):
+        if self.sliding_window is None:
+            return super().key_positions(seq_len, query_len, bs, row_blocks)
+        first = max(0, seq_len - query_len - self.sliding_window + 1) // bs   # the window's first block
+        if query_len != 1:
+            return torch.arange(first * bs, seq_len)
+        n_blocks = -(-self.sliding_window // bs)
+        return torch.arange(first * bs, min(seq_len, (first + n_blocks) * bs))
 
 
 class _NoWriteImpl(TorchNativeAttentionImpl):
@@ -104,6 +154,9 @@ def _backend(name: str, builder, impl) -> type:
 
 ReadsFromKeyZero = _backend("reads_from_key_zero", GatherBuilder, GatherImpl)
 ReadsWholeRow = _backend("reads_whole_row", GatherBuilder, WholeRowImpl)
+ShortWindow = _backend("short_window", GatherBuilder, ShortWindowImpl)
+ReadsPastSeqLen = _backend("reads_past_seq_len", GatherBuilder, LookaheadImpl)
+ModuloHeads = _backend("modulo_heads", GatherBuilder, ModuloHeadsImpl)
 WritesIntoACopy = _backend("writes_into_a_copy", TorchNativeBackend.get_builder_cls(), _NoWriteImpl)
 
 

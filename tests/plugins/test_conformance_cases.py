@@ -38,6 +38,33 @@ def test_catalog_covers_the_required_ground():
     assert any(c.num_kv_heads == 1 < c.num_heads for c in CASES)
     assert any(all(s == 1 and n > 0 for n, s in c.requests) for c in CASES), "a decode-only batch"
     assert any(all(n == 0 for n, _ in c.requests) for c in CASES), "a prefill-only batch"
+    scales = {c.softmax_scale for c in CASES if c.scale is not None}
+    assert len(scales) >= 3 and any(c.scale and c.logits_soft_cap for c in CASES), "softmax scales"
+    # a decode whose window spans cdiv(W - 1, B) + 1 > cdiv(W, B) (kernel) blocks
+    assert any(c.sliding_window and n > 0 and s == 1
+               and (n // (k := c.kernel_block_size or c.block_size)) - (max(0, n - c.sliding_window + 1) // k) + 1
+               > -(-c.sliding_window // k) for c in windows for n, s in c.requests), "a straddling window"
+
+
+def test_scale_is_a_case_field_that_json_and_property_mode_set():
+    case = ConformanceCase.from_dict({"name": "g", "requests": [[3, 1]], "head_size": 64, "scale": 0.0625})
+    assert case.softmax_scale == 0.0625 and case.to_dict()["scale"] == 0.0625
+    assert ConformanceCase(name="d", requests=((3, 1),), head_size=64).softmax_scale == 0.125
+    pytest.importorskip("hypothesis")
+    from hypothesis import HealthCheck, given, settings
+
+    from attnplug.backends.torch_native import TorchNativeBackend
+    from attnplug.plugins.conformance.property import case_strategy
+
+    drawn = set()
+
+    @settings(max_examples=25, database=None, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(case_strategy(TorchNativeBackend))
+    def collect(c):
+        drawn.add(c.scale)
+
+    collect()
+    assert None in drawn and len(drawn) >= 3, drawn
 
 
 @pytest.mark.parametrize("bad, needle", [
@@ -46,6 +73,9 @@ def test_catalog_covers_the_required_ground():
     ({"name": "x", "requests": [[0, 2]], "dtype": "int8"}, "dtype"),
     ({"name": "x", "requests": [[0, 2]], "block_size": 16, "kernel_block_size": 5}, "does not divide"),
     ({"name": "x", "requests": [[0, 2]], "colour": "red"}, "unknown keys ['colour']"),
+    ({"name": "x", "requests": [[0, 2]], "scale": 0}, "scale must be a finite number > 0"),
+    ({"name": "x", "requests": [[0, 2]], "scale": "0.1"}, "scale must be a finite number > 0"),
+    ({"name": "x", "requests": [[0, 2]], "scale": True}, "scale must be a finite number > 0"),
 ])
 def test_invalid_cases_are_rejected(bad, needle):
     with pytest.raises(ValueError, match=needle.replace("[", r"\[").replace("]", r"\]")):

@@ -49,6 +49,32 @@ def test_masked_reads_of_poisoned_blocks_fail_naming_the_block(pytester, cls, fa
         assert again.ret == pytest.ExitCode.OK and again.parseoutcomes().get("passed") == 1, again.stdout.str()
 
 
+def test_reading_past_the_visible_keys_says_so_from_the_poison_value(pytester):
+    """The last query of each request attends to the unwritten slot after its last key: its
+    output is the finite poison, and the failure says what that means."""
+    result = _run_suite(pytester, "broken_backends_more:ReadsPastSeqLen", "outputs and decode_only")
+    assert result.ret == pytest.ExitCode.TESTS_FAILED, result.stdout.str()
+    out = _flat(result)
+    assert "of the wrong values are 1000, the poison value of a request's unwritten and out-of-window slots: " \
+           "the backend attended to keys outside the visible range" in out, out
+
+
+def test_a_gqa_mapping_bug_names_the_wrong_and_the_right_heads(pytester):
+    """Query head h reading KV head h % num_kv_heads instead of h // group: the message names
+    the wrong heads, the right ones, and the KV head each wrong head read."""
+    result = _run_suite(pytester, "broken_backends_more:ModuloHeads", "outputs and (mixed or mqa) and not fp16 "
+                        "and not bf16")
+    assert result.ret == pytest.ExitCode.TESTS_FAILED, result.stdout.str()
+    out = _flat(result)
+    assert "wrong in query heads [1, 3, 4, 6], right in [0, 2, 5, 7]. A GQA head-mapping bug: query head 1 " \
+           "matches KV head 1 (expected 0); query head 3 matches KV head 1 (expected 0); query head 4 matches " \
+           "KV head 0 (expected 1)" in out, out
+    assert "query head h must read KV head h // 4" in out
+    outcomes = result.parseoutcomes()   # MQA (one KV head) has no mapping to get wrong
+    assert outcomes.get("failed") == 1 and outcomes.get("passed", 0) >= 1, outcomes
+    result.stdout.fnmatch_lines(["FAILED *test_outputs_match_reference?broken_backends_more:ModuloHeads-mixed]*"])
+
+
 def test_a_write_into_a_copy_says_the_step_wrote_none_of_its_slots(pytester):
     result = _run_suite(pytester, "broken_backends_more:WritesIntoACopy", "decode_only")
     assert result.ret == pytest.ExitCode.TESTS_FAILED

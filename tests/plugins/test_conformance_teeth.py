@@ -21,6 +21,8 @@ BROKEN = [
      "differ from the torch_native reference"),
     ("WrongScale", "decode_only", "test_outputs_match_reference", "decode_only",
      "differ from the torch_native reference"),
+    ("IgnoresScale", "scale_query_pre_attn_scalar", "test_outputs_match_reference", "scale_query_pre_attn_scalar",
+     "differ from the torch_native reference"),
     ("NaNOutput", "decode_only", "test_outputs_match_reference", "decode_only",
      "are NaN"),
     ("MutatesMetadata", "decode_only", "test_builders_do_not_mutate_metadata", "decode_only",
@@ -41,6 +43,21 @@ def test_broken_backend_fails_naming_the_case(pytester, cls, keyword, test, case
     result.stdout.fnmatch_lines([f"FAILED *{test}?broken_backends:{cls}-{case}]*"])
     out = result.stdout.str()
     assert f"case {case!r} on backend" in out and needle in out, out
+
+
+@pytest.mark.parametrize("cls, passes, fails", [
+    # an impl that ignores self.scale is right at head_size ** -0.5, wrong at any other scale
+    ("broken_backends:IgnoresScale", "decode_only", "scale_one"),
+    # a decode that reads cdiv(W, B) window blocks is right while its window spans that many
+    ("broken_backends_more:ShortWindow", "window_5_block_4", "window_6_block_4_straddles"),
+])
+def test_the_catalog_varies_what_a_bug_needs_to_show(pytester, cls, passes, fails):
+    """Bugs the default-parameter cases cannot see: the case that varies the parameter
+    (scale; window vs block size) fails, the one that does not passes."""
+    result = _run_suite(pytester, cls, f"outputs and ({passes} or {fails})")
+    assert result.ret == pytest.ExitCode.TESTS_FAILED, result.stdout.str()
+    assert result.parseoutcomes().get("passed") == 1 and result.parseoutcomes().get("failed") == 1
+    result.stdout.fnmatch_lines([f"FAILED *test_outputs_match_reference?{cls}-{fails}]*"])
 
 
 def test_correct_backend_passes_the_same_selection(pytester):

@@ -59,7 +59,7 @@ def test_per_kind_beats_default_within_a_source(reg, tmp_path):
     assert _sel(reg, env=env, cwd=tmp_path).name == "beta"
     assert _sel(reg, "sliding_window", WINDOW, env=env, cwd=tmp_path).name == "alpha"
     r = _sel(reg, cli_choice="alpha,full_attention=gamma", cwd=tmp_path)
-    assert (r.name, r.origin) == ("gamma", "--backend full_attention=")
+    assert (r.name, r.origin) == ("gamma", "--backend full_attention=gamma")
     _write(tmp_path, "attnplug.toml", '[backend]\ndefault = "alpha"\nsliding_window = "gamma"\n')
     assert _sel(reg, "sliding_window", WINDOW, cwd=tmp_path).name == "gamma"
     assert _sel(reg, cwd=tmp_path).name == "alpha"
@@ -95,7 +95,7 @@ def test_explicit_choice_that_cannot_serve_raises_with_reasons(reg, tmp_path):
     assert err.backend_name == "nowindow"
     assert any("sliding window (100 tokens) not supported" in r for r in err.reasons)
     assert "env ATTNPLUG_BACKEND" in str(err) and "never falls back" in str(err)
-    with pytest.raises(ConfigError, match="--backend.*'ssm' serves mamba caches, not full_attention cache groups"):
+    with pytest.raises(ConfigError, match="--backend full_attention=ssm: backend 'ssm' serves mamba caches, not full_attention cache groups"):
         _sel(reg, cli_choice="full_attention=ssm", cwd=tmp_path)
 
 

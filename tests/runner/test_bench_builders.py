@@ -15,11 +15,11 @@ SKIP_REST = ["--trace-steps", "0", "--hybrid-steps", "0", "--no-naive", "--no-co
 
 
 @pytest.mark.parametrize("argv, needle", [
-    (["--sizes", "abc"], "not a comma-separated list"),
-    (["--sizes", "-4"], "must be positive"),
-    (["--steps", "0"], "0 must be >= 1"),
-    (["--repeat", "0"], "0 must be >= 1"),
-    (["--builder-steps", "x"], "'x' is not an int"),
+    (["--sizes", "abc"], "expected an integer in [1, 4096] (a batch size), got 'abc'"),
+    (["--sizes", "-4"], "-4 is out of range: must be in [1, 4096] (a batch size)"),
+    (["--steps", "0"], "0 is out of range: must be in [1, 100000]"),
+    (["--repeat", "0"], "0 is out of range: must be in [1, 100000]"),
+    (["--builder-steps", "x"], "expected an integer in [0, 100000], got 'x'"),
 ])
 def test_bad_flags_are_a_one_line_usage_error(argv, needle, capsys):
     with pytest.raises(SystemExit) as exc:

@@ -45,6 +45,10 @@ def test_parity_cli_ok_and_unsupported(tmp_path, capsys):
     assert parity_main(["--hf-config", str(good), "--num-requests", "3", "--max-tokens", "3"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("parity: OK tokens 3/3 identical, max |dlogit| = ")
+    assert parity_main(["--hf-config", str(good), "--num-requests", "2", "--max-tokens", "2", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["ok"] is True and res["num_identical"] == res["num_requests"] == 2, res
+    assert res["max_abs_dlogit"] <= res["tolerance"] and res["first_divergence"] is None
 
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({**BASE, "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))

@@ -97,14 +97,17 @@ def test_unknown_backend_is_an_error(capsys):
 
 def test_device_option_builds_everything_on_that_device(capsys, monkeypatch):
     """``--device`` reaches the model, the backend selection and the runner: on a machine
-    without CUDA, ``--device cuda`` is refused with the reasons (exit 2), ``--device cpu`` runs."""
+    without CUDA, ``--device cuda`` is one line saying so (exit 2, before anything is built),
+    ``--device cpu`` runs."""
     import torch
 
     if torch.cuda.is_available():
         pytest.skip("needs a machine without CUDA (tests/gpu/run_all.sh runs --device cuda)")
-    assert run_main(["--device", "cuda", "--num-requests", "2"]) == 2
+    with pytest.raises(SystemExit) as ei:
+        run_main(["--device", "cuda", "--num-requests", "2"])
     err = capsys.readouterr().err
-    assert "device=cuda" in err and "torch.cuda.is_available() is False" in err
+    assert ei.value.code == 2 and err.count("\n") == 1, err
+    assert "--device: cuda: this machine has no CUDA (torch.cuda.is_available() is False); use cpu" in err
     s = _run_json(capsys, ["--device", "cpu", "--num-requests", "2", "--invariance-requests", "1"])
     assert s["requests"] == 2 and s["batch_invariance"] == {"identical": 1, "checked": 1}
 

@@ -267,7 +267,7 @@ def main(argv: list[str]) -> int:
             print("\n".join(report.render_header(peaks, args)))
         print("\n".join(report.render_footer(results)), flush=True)
     else:
-        from rich.console import Console
+        from attnplug.runner.commands.report import Console
         from rich.markdown import Markdown
 
         Console().print(Markdown(report.render(peaks, results, args)))

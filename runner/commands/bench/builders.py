@@ -265,7 +265,7 @@ def render_builders(builder_rows: list[dict], full_rows: list[dict], markdown: b
             out += ["| " + " | ".join(h) + " |", "|" + "---|" * len(h)] + ["| " + " | ".join(c) + " |" for c in rows]
             out.append("")
         return "\n".join(out).rstrip()
-    from rich.console import Console
+    from attnplug.runner.commands.report import Console
     from rich.table import Table
 
     for h, rows, title in tables:

@@ -158,7 +158,7 @@ def render_hybrid(name: str, r: dict[str, float], markdown: bool) -> str:
              f"{r['builds_on']:.0f} + {r['reuses_on']:.0f}", f"{r['builds_off']:.0f}"]
     if markdown:
         return "\n".join(["| " + " | ".join(header) + " |", "|" + "---|" * len(header), "| " + " | ".join(cells) + " |"])
-    from rich.console import Console
+    from attnplug.runner.commands.report import Console
     from rich.table import Table
 
     table = Table(title=f"attnplug bench step — hybrid metadata, median µs per step ({r['steps']} steps)")

@@ -29,7 +29,6 @@ max over the ``--repeat`` replays, the torch thread count and the load average a
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import os
@@ -42,7 +41,7 @@ import torch
 
 from attnplug.runner.commands.bench.timing import render_stage_table, timed_compile
 from attnplug.runner.commands.bench.workloads import Workload, steady_decode, trace_replay
-from attnplug.runner.commands.limits import OneLineParser
+from attnplug.runner.commands.limits import OneLineParser, bounded_int
 from attnplug.runner.commands.traces import BUNDLED_ATTRIBUTION
 from attnplug.runner.step.oracle import NaiveStepCompiler
 from attnplug.runner.step.kernels import kernels_available
@@ -171,27 +170,21 @@ def _spread(runs: list[dict] | None) -> dict | None:
                 "max": max(r[k] for r in runs)} for k in keys}
 
 
+MAX_BATCH_SIZE = 4096
+"""Largest ``--sizes`` batch: ``attnplug run --max-num-seqs``'s limit (``run.FLAG_LIMITS``)."""
+MAX_STEPS = 100_000
+"""Largest value of the ``--*-steps`` flags and ``--repeat``."""
+
+
 def _sizes(text: str) -> list[int]:
-    """``--sizes``: comma-separated positive ints (empty: none)."""
-    try:
-        sizes = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of batch sizes") from None
-    if any(n < 1 for n in sizes):
-        raise argparse.ArgumentTypeError(f"{text!r}: batch sizes must be positive")
-    return sizes
+    """``--sizes``: comma-separated ints in ``[1, MAX_BATCH_SIZE]`` (empty: none)."""
+    parse = bounded_int(1, MAX_BATCH_SIZE, what=" (a batch size)")
+    return [parse(x) for x in text.split(",") if x.strip()]
 
 
 def _int_at_least(low: int):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not an int") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"{value} must be >= {low}")
-        return value
-    return parse
+    """A bounded ``type=``: an int in ``[low, MAX_STEPS]``."""
+    return bounded_int(low, MAX_STEPS)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -212,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=_int_at_least(1), default=300,
                         help="timed steady-decode steps per size (default 300)")
     parser.add_argument("--sizes", type=_sizes, default=[16, 64, 256, 1024],
-                        help="steady-decode batch sizes N, comma-separated (empty: none)")
+                        help=f"steady-decode batch sizes N, comma-separated, each in [1, {MAX_BATCH_SIZE}] (empty: none)")
     parser.add_argument("--trace-steps", type=_int_at_least(0), default=300, help="trace-replay steps (0 skips it)")
     parser.add_argument("--naive-steps", type=_int_at_least(1), default=60,
                         help="timed steps for the naive implementation (it is slow; default 60)")

@@ -180,7 +180,7 @@ def render_stage_table(title: str, header: list[str], lines: list[list[str]], ma
     if markdown:
         return "\n".join(["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
                          + ["| " + " | ".join(cells) + " |" for cells in lines])
-    from rich.console import Console
+    from attnplug.runner.commands.report import Console
     from rich.table import Table
 
     table = Table(title=title)
