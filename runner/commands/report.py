@@ -8,6 +8,7 @@ import rich.console
 from rich.table import Table
 
 from attnplug.runner.commands.prefix_report import prefix_caching_rows
+from attnplug.runner.commands.serving_report import print_serving_tables
 
 
 class Console(rich.console.Console):
@@ -23,7 +24,7 @@ def print_run_table(summary: dict[str, Any], console: Console | None = None) -> 
     µs per stage, metadata builds / reuses per step, batch invariance: "K/N identical", or
     "not checked" when no request was re-run) and the cache groups
     (kind and window, layers, backend, peak KV blocks or Mamba state slots in use against
-    the group's pool)."""
+    the group's pool, the pool's bytes), then the serving tables (``serving_report.py``)."""
     console = console or Console()
     t = Table(title="attnplug run", show_header=True)
     t.add_column("metric")
@@ -64,7 +65,7 @@ def print_run_table(summary: dict[str, Any], console: Console | None = None) -> 
     console.print(t)
 
     g = Table(title="cache groups", show_header=True)
-    for col in ("group", "kind", "layers", "block", "backend", "peak / pool"):
+    for col in ("#", "kind", "layers", "block", "backend", "peak / pool", "KV MiB"):
         g.add_column(col, no_wrap=True)
     for i, (grp, peak) in enumerate(zip(summary["cache_groups"], summary["peak_kv_blocks_per_group"])):
         kind = {"full_attention": "full", "sliding_window": "sliding"}.get(grp["kind"], grp["kind"])
@@ -73,8 +74,10 @@ def print_run_table(summary: dict[str, Any], console: Console | None = None) -> 
         capacity = grp.get("capacity", summary["num_blocks_per_group"] - 1)
         unit = "state slots" if grp["kind"] == "mamba" else "KV blocks"
         block = "-" if grp["kind"] == "mamba" else str(grp["block_size"])
-        g.add_row(str(i), kind, str(grp["layers"]), block, grp["backend"], f"{peak}/{capacity} {unit}")
+        kv = f"{grp['kv_cache_bytes'] / 2**20:.2f}" if "kv_cache_bytes" in grp else "-"
+        g.add_row(str(i), kind, str(grp["layers"]), block, grp["backend"], f"{peak}/{capacity} {unit}", kv)
     console.print(g)
+    print_serving_tables(summary, console)  # serving_report.py (TTFT / TPOT / ITL / E2EL)
     trace = summary.get("trace") or {}
     if trace.get("attribution"):
         console.print(f"Request lengths: bundled trace `{trace['source']}`, {trace['attribution']}.")

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from attnplug.runner.commands import run as run_mod, run_plot
+from attnplug.runner.commands import replay, run as run_mod, run_plot
 from attnplug.runner.execute.model_runner import STAGES
 
 SMALL = ["--num-requests", "6", "--max-model-len", "256", "--invariance-requests", "0", "--json"]
@@ -22,8 +22,8 @@ def test_plot_records_every_step_and_writes_a_png(tmp_path, capsys, monkeypatch)
         run_plot.save_plot(record, path, labels, title)
 
     monkeypatch.setattr(run_mod, "save_plot", keep)
-    real_recorder = run_mod.StepRecorder
-    monkeypatch.setattr(run_mod, "StepRecorder", lambda engine: seen.setdefault("recorder", real_recorder(engine)))
+    real_recorder = replay.StepRecorder
+    monkeypatch.setattr(replay, "StepRecorder", lambda engine: seen.setdefault("recorder", real_recorder(engine)))
     png = tmp_path / "run.png"
     assert run_mod.main(SMALL + ["--plot", str(png)]) == 0
     summary = json.loads(capsys.readouterr().out)
