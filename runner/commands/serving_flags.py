@@ -26,8 +26,10 @@ from attnplug.runner.step.scheduler_output import SamplingParams
 
 def _number(low: float, *, low_ok: bool, high: float = math.inf, high_ok: bool = False, inf_ok: bool = False):
     """An argparse ``type=``: a decimal number in the range (``inf`` only with ``inf_ok``)."""
-    lo, hi = ("[" if low_ok else "("), ("]" if high_ok else ")")
-    what = f"a number in {lo}{low:g}, {high:g}{hi}" + (" or inf" if inf_ok else "")
+    if math.isinf(high):
+        what = f"a finite number {'>=' if low_ok else '>'} {low:g}" + (" or inf" if inf_ok else "")
+    else:
+        what = f"a number in {'[' if low_ok else '('}{low:g}, {high:g}{']' if high_ok else ')'}"
 
     def parse(text: str) -> float:
         try:
