@@ -19,6 +19,7 @@ import numpy as np
 from attnplug.runner.commands.run_plot import StepRecord, StepRecorder
 from attnplug.runner.commands.serving_flags import ServingPlan
 from attnplug.runner.commands.serving_metrics import LATENCY_METRICS, percentile_key, serving_metrics
+from attnplug.runner.serve.admission import check_new_request
 
 THROUGHPUT_KEYS = ("duration", "request_throughput", "request_goodput", "output_throughput", "total_token_throughput")
 
@@ -39,6 +40,18 @@ class MeasuredRun:
     wall_s: float
     summary: dict[str, Any]
     record: StepRecord | None = None
+
+
+def validate(setup, plan: ServingPlan) -> None:
+    """Check every warm-up and measured request as ``Scheduler.add_request`` will, before
+    anything runs (nothing changes).
+
+    Raises:
+        InvalidRequestError: the first request the scheduler would refuse.
+    """
+    sched = setup.engine.scheduler
+    for rid, prompt, sp in [*plan.warmup, *((r, p, setup.sampling_params[r]) for r, p in setup.prompts.items())]:
+        check_new_request(sched.config, sched.kv_cache_manager, sched.requests, rid, prompt, sp)
 
 
 def warm_up(engine, requests) -> None:

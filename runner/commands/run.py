@@ -166,6 +166,7 @@ def _main(args) -> int:
     try:
         setup = build_engine(args)
         plan = serving_flags.plan(args, setup)  # arrivals, warm-up, objectives (serving_flags.py)
+        replay.validate(setup, plan)
     except AttnplugError as e:
         print(f"attnplug run: {e}", file=sys.stderr)
         return 2
