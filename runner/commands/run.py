@@ -8,7 +8,10 @@ download), with the backend chosen for this machine. Prints a progress bar, then
 of counts, per-stage median times and metadata builds / reuses per step, a table of the
 cache groups (kind and window, backend, peak KV blocks or Mamba state slots against the
 group's pool), and a batch-invariance check (K requests re-run alone must give identical
-greedy tokens).
+greedy tokens), then the serving figures of ``vllm bench serve`` (TTFT, TPOT, ITL, E2EL,
+throughput, goodput). Requests arrive at t=0 unless ``--request-rate`` / ``--burstiness``,
+``--trace-timestamps`` or a timed-trace ``.jsonl`` say otherwise (``serving_flags.py``);
+``--warmup`` and ``--repeat`` are handled by ``replay.py``.
 """
 
 from __future__ import annotations
