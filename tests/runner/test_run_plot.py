@@ -42,6 +42,11 @@ def test_plot_records_every_step_and_writes_a_png(tmp_path, capsys, monkeypatch)
     for g in range(groups):
         in_use = [b[g] for b in rec.blocks]
         assert 0 < max(in_use) <= summary["peak_kv_blocks_per_group"][g]
+    # the latency panel: per request its arrival and TTFT, then one (time, ITL) per later chunk
+    assert len(rec.latency) == summary["requests"]
+    assert sum(len(itl) for *_, itl in rec.latency) > 0
+    for arrival, ttft, times, itl in rec.latency:
+        assert arrival >= 0 and ttft > 0 and len(times) == len(itl) and all(g >= 0 for g in itl)
     data = png.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
 
