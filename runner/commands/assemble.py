@@ -39,6 +39,8 @@ class EngineSetup:
     prompts: dict[str, list[int]] = field(default_factory=dict)
     sampling_params: dict[str, SamplingParams] = field(default_factory=dict)
     trace_info: dict[str, Any] = field(default_factory=dict)
+    trace_arrival_s: dict[str, float] = field(default_factory=dict)
+    """Per request, its arrival in the trace (seconds after the first loaded request)."""
 
     def summary(self, results: dict, wall_s: float) -> dict[str, Any]:
         """Machine-readable summary of a finished run (what ``--json`` prints)."""
@@ -64,7 +66,9 @@ class EngineSetup:
                  "block_size": g.kv_cache_spec.block_size,
                  "sliding_window": getattr(g.kv_cache_spec, "sliding_window", None),
                  "capacity": self.kv_cache_config.num_blocks_of(i) - 1,
-                 "bytes_per_token_per_layer": kv_bytes_per_token(g.kv_cache_spec)}
+                 "bytes_per_token_per_layer": kv_bytes_per_token(g.kv_cache_spec),
+                 "kv_cache_bytes": self.kv_cache_config.num_blocks_of(i) * g.kv_cache_spec.page_size_bytes
+                 * len(g.layer_names)}
                 for i, (g, b) in enumerate(zip(self.kv_cache_config.groups, self.backends))
             ],
             "metadata_builds_per_step": round(counters.total_builds / max(counters.steps, 1), 2),
@@ -276,19 +280,29 @@ def build_engine(args, *, alone: bool = False, model: torch.nn.Module | None = N
     runner = wrap_runner(runner, alone)  # tensor parallel: rank 0 broadcasts each step
     setup = EngineSetup(model, LLMEngine(sched, runner), kv_cfg, backends)
     if requests and not alone:
+        from attnplug.runner.commands.serving_flags import sampling_params
+        from attnplug.runner.commands.timed_trace import is_timed_trace, load_timed_trace
         from attnplug.runner.commands.traces import load_trace, make_prompts
 
-        trace = load_trace(args.trace, args.num_requests, max_model_len=max_model_len,
-                           skip_invalid=args.skip_invalid)
-        prompts = make_prompts(trace, model.config.vocab_size, seed=args.seed)
-        if getattr(args, "prefix_caching", False) or getattr(args, "shared_prefixes", False):
+        if is_timed_trace(args.trace):  # its hash_ids make the prompts (timed_trace.py)
+            trace, prompts = load_timed_trace(args.trace, args.num_requests, max_model_len=max_model_len,
+                                              vocab_size=model.config.vocab_size, seed=args.seed,
+                                              chunk_size=getattr(args, "timed_trace_chunk_hash_size", 16),
+                                              skip_invalid=args.skip_invalid)
+        else:
+            trace = load_trace(args.trace, args.num_requests, max_model_len=max_model_len,
+                               skip_invalid=args.skip_invalid)
+            prompts = make_prompts(trace, model.config.vocab_size, seed=args.seed)
+        if (getattr(args, "prefix_caching", False) or getattr(args, "shared_prefixes", False)) \
+                and not is_timed_trace(args.trace):
             prompts = make_shared_prefix_prompts([r.prompt_len for r in trace], model.config.vocab_size, args.seed,
                                                  num_system_prompts=args.system_prompts or SYSTEM_PROMPTS,
                                                  system_prompt_len=args.system_prompt_len or SYSTEM_PROMPT_LEN)
         for i, (tr, prompt) in enumerate(zip(trace, prompts)):
             rid = f"req-{i}"
             setup.prompts[rid] = prompt
-            setup.sampling_params[rid] = SamplingParams(temperature=0.0, max_tokens=tr.output_len)
+            setup.sampling_params[rid] = sampling_params(args, i, tr.output_len)
+            setup.trace_arrival_s[rid] = tr.arrival_s
         setup.trace_info = {"source": args.trace, "requests": len(trace), "skipped_rows": trace.num_skipped,
                             "scale": trace.scale}
         if trace.num_skipped:

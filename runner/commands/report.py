@@ -8,6 +8,7 @@ import rich.console
 from rich.table import Table
 
 from attnplug.runner.commands.prefix_report import prefix_caching_rows
+from attnplug.runner.commands.serving_report import print_serving_tables
 
 
 PIPE_WIDTH = 1000
@@ -37,7 +38,7 @@ def print_run_table(summary: dict[str, Any], console: Console | None = None) -> 
     µs per stage, metadata builds / reuses per step, batch invariance: "K/N identical", or
     "not checked" when no request was re-run) and the cache groups
     (kind and window, layers, backend, peak KV blocks or Mamba state slots in use against
-    the group's pool)."""
+    the group's pool, the pool's bytes), then the serving tables (``serving_report.py``)."""
     console = console or Console()
     t = Table(title="attnplug run", show_header=True)
     t.add_column("metric")
@@ -81,6 +82,7 @@ def print_run_table(summary: dict[str, Any], console: Console | None = None) -> 
     for col in ("group", "kind", "layers", "block", "backend", "peak / pool"):
         g.add_column(col, no_wrap=col != "backend")  # a long backend name wraps, the figures never do
     g.add_column("B/tok", no_wrap=True)  # cache bytes per token and layer (MLA: the latent row)
+    g.add_column("KV MiB", no_wrap=True)  # the group's whole cache (every layer, every block)
     for i, (grp, peak) in enumerate(zip(summary["cache_groups"], summary["peak_kv_blocks_per_group"])):
         kind = {"full_attention": "full", "sliding_window": "sliding"}.get(grp["kind"], grp["kind"])
         if grp.get("sliding_window"):
@@ -89,9 +91,11 @@ def print_run_table(summary: dict[str, Any], console: Console | None = None) -> 
         unit = "state slots" if grp["kind"] == "mamba" else "KV blocks"
         block = "-" if grp["kind"] == "mamba" else str(grp["block_size"])
         per_token = grp.get("bytes_per_token_per_layer")
+        kv = f"{grp['kv_cache_bytes'] / 2**20:.2f}" if "kv_cache_bytes" in grp else "-"
         g.add_row(str(i), kind, str(grp["layers"]), block, grp["backend"], f"{peak}/{capacity} {unit}",
-                  "-" if per_token is None else str(per_token))
+                  "-" if per_token is None else str(per_token), kv)
     console.print(g)
+    print_serving_tables(summary, console)  # serving_report.py (TTFT / TPOT / ITL / E2EL)
     trace = summary.get("trace") or {}
     if trace.get("attribution"):
         console.print(f"Request lengths: bundled trace `{trace['source']}`, {trace['attribution']}.")

@@ -8,24 +8,26 @@ download), with the backend chosen for this machine. Prints a progress bar, then
 of counts, per-stage median times and metadata builds / reuses per step, a table of the
 cache groups (kind and window, backend, peak KV blocks or Mamba state slots against the
 group's pool), and a batch-invariance check (K requests re-run alone must give identical
-greedy tokens).
+greedy tokens), then the serving figures of ``vllm bench serve`` (TTFT, TPOT, ITL, E2EL,
+throughput, goodput). Requests arrive at t=0 unless ``--request-rate`` / ``--burstiness``,
+``--trace-timestamps`` or a timed-trace ``.jsonl`` say otherwise (``serving_flags.py``);
+``--warmup`` and ``--repeat`` are handled by ``replay.py``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
-import time
 
 from attnplug.core.errors import AttnplugError
 from attnplug.runner.models.presets import PRESETS, RUN_PRESET
 from attnplug.runner.commands.assemble import EngineSetup, build_engine
 from attnplug.runner.commands.limits import OneLineParser, bounded_int, device_flag
-from attnplug.runner.commands import run_parallel
+from attnplug.runner.commands import replay, run_parallel, serving_flags
 from attnplug.runner.commands.shared_prefixes import SYSTEM_PROMPT_LEN, SYSTEM_PROMPTS
-from attnplug.runner.commands.run_plot import (StepRecorder, group_labels, missing_matplotlib, plot_path_problem,
-                                               save_plot)
+from attnplug.runner.commands.run_plot import group_labels, missing_matplotlib, plot_path_problem, save_plot
 
 
 INT32_MAX = 2**31 - 1
@@ -106,9 +108,24 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print a machine-readable summary on stdout")
     run_parallel.add_flags(p)
     p.add_argument("--plot", metavar="OUT.png", default=None,
-                   help="also draw per-step stage times, tokens scheduled and KV blocks in use per group "
-                        "(needs matplotlib: pip install 'attnplug[plot]')")
+                   help="also draw per-step stage times, tokens scheduled and KV blocks in use per group, and "
+                        "TTFT / ITL over time (needs matplotlib: pip install 'attnplug[plot]')")
+    serving_flags.add_flags(p)  # arrivals, sampling, warm-up, repeats, goodput
     return p
+
+
+@contextlib.contextmanager
+def _progress(args, total: int, label: str):
+    """A rich progress bar on stderr; yields the ``on_step(finished)`` that advances it."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    err = Console(stderr=True)
+    with Progress(TextColumn(f"[bold]{label}"), BarColumn(), MofNCompleteColumn(), TextColumn("requests"),
+                  TimeElapsedColumn(), console=err, transient=args.json,
+                  disable=not err.is_terminal and args.json) as bar:
+        task = bar.add_task("requests", total=total)
+        yield lambda finished: bar.advance(task, sum(1 for rid in finished if not rid.startswith("warmup-")))
 
 
 def _invariance(args, setup: EngineSetup, results: dict) -> tuple[int, int, list[str]]:
@@ -137,6 +154,9 @@ def main(argv: list[str]) -> int:
         print("attnplug run: --system-prompts / --system-prompt-len shape the shared-prefix prompts: "
               "give --prefix-caching or --shared-prefixes too", file=sys.stderr)
         return 2
+    if (why := serving_flags.check(args)) is not None:
+        print(f"attnplug run: {why}", file=sys.stderr)
+        return 2
     if args.plot and (missing := plot_path_problem(args.plot) or missing_matplotlib()):
         print(missing, file=sys.stderr)
         return 2
@@ -148,9 +168,8 @@ def main(argv: list[str]) -> int:
 def _main(args) -> int:
     try:
         setup = build_engine(args)
-        engine = setup.engine
-        for rid, prompt in setup.prompts.items():
-            engine.add_request(rid, prompt, setup.sampling_params[rid])
+        plan = serving_flags.plan(args, setup)  # arrivals, warm-up, objectives (serving_flags.py)
+        replay.validate(setup, plan)
     except AttnplugError as e:
         print(f"attnplug run: {e}", file=sys.stderr)
         return 2
@@ -158,32 +177,21 @@ def _main(args) -> int:
     if skipped:
         print(f"attnplug run: --skip-invalid skipped {skipped} invalid trace row{'s' if skipped > 1 else ''}; "
               f"the first: {setup.trace_info['first_skipped_row']}", file=sys.stderr)
-
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    err = Console(stderr=True)
-    t0 = time.perf_counter()
-    with Progress(TextColumn("[bold]run"), BarColumn(), MofNCompleteColumn(), TextColumn("requests"),
-                  TimeElapsedColumn(), console=err, transient=args.json, disable=not err.is_terminal and args.json) as bar:
-        task = bar.add_task("requests", total=len(setup.prompts))
-        record = StepRecorder(engine) if args.plot else None
-        def on_step(fin: list[str]) -> None:
-            bar.advance(task, len(fin))
-            if record is not None:
-                record(fin)
-
-        results = engine.run(on_step=on_step)
-    wall = time.perf_counter() - t0
+    runs = []
+    for r in range(args.repeat):  # replay.py: warm-up, arrivals, serving figures
+        this = setup if r == 0 else build_engine(args, model=setup.model)
+        with _progress(args, len(this.prompts), f"run {r + 1}/{args.repeat}" if args.repeat > 1 else "run") as bar:
+            runs.append(replay.measure(this, plan, record=bool(args.plot), on_step=bar))
+    chosen, summary = replay.combine(runs, plan.percentiles)
+    results, record = runs[0].results, runs[chosen].record
 
     same, k, diffs = _invariance(args, setup, results) if args.invariance_requests else (0, 0, [])
-    summary = setup.summary(results, wall)
     summary["batch_invariance"] = {"identical": same, "checked": k}
     summary["tensor_parallel_size"] = args.tensor_parallel_size
     summary["pipeline_parallel_size"] = args.pipeline_parallel_size
     if record is not None:
         try:
-            save_plot(record.record, args.plot, group_labels(summary), f"attnplug run --model {args.model}")
+            save_plot(record, args.plot, group_labels(summary), f"attnplug run --model {args.model}")
         except OSError as e:
             print(f"attnplug run: cannot write {args.plot}: {e.strerror}", file=sys.stderr)
             return 2
@@ -193,6 +201,10 @@ def _main(args) -> int:
         from attnplug.runner.commands.report import print_run_table
 
         print_run_table(summary)
+    if not summary["repeats"]["outputs_identical"]:
+        print(f"attnplug run: the {args.repeat} runs generated different tokens (outputs_digest differs)",
+              file=sys.stderr)
+        return 1
     if same != k:
         print(f"attnplug run: batch invariance failed for {k - same} of {k} requests re-run alone: "
               + "; ".join(diffs[:3]) + ("; ..." if len(diffs) > 3 else ""), file=sys.stderr)

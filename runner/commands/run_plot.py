@@ -1,6 +1,9 @@
 """``attnplug run --plot OUT.png``: three panels over the run's steps — the step's stage
 times stacked (update / prepare / build / forward / sample, from ``ModelRunner.timings_ns``),
-the tokens it scheduled, and the KV blocks (Mamba: state slots) in use per cache group.
+the tokens it scheduled, and the KV blocks (Mamba: state slots) in use per cache group — and
+a fourth over wall-clock time: each request's TTFT at its arrival and each inter-token
+latency at the time its chunk became visible (``StepRecord.latency``, set by
+``replay.measure``), on a log scale.
 
 matplotlib is optional (``pip install 'attnplug[plot]'``): :func:`missing_matplotlib` says
 so in one line before the run starts, as :func:`plot_path_problem` does for a file name that
@@ -55,6 +58,9 @@ class StepRecord:
     stage_us: dict[str, list[float]] = field(default_factory=lambda: {s: [] for s in STAGES})
     tokens: list[int] = field(default_factory=list)
     blocks: list[list[int]] = field(default_factory=list)
+    latency: list[tuple[float, float, list[float], list[float]]] = field(default_factory=list)
+    """Per measured request: ``(arrival_s, ttft_s, [time_s of each later chunk], [its ITL, s])``,
+    times counted from the start of the measured run."""
 
 
 class StepRecorder:
@@ -88,7 +94,10 @@ def save_plot(record: StepRecord, path: str, group_labels: Sequence[str], title:
     import matplotlib.pyplot as plt
 
     steps = list(range(1, len(record.tokens) + 1))
-    fig, (ax_t, ax_n, ax_b) = plt.subplots(3, 1, sharex=True, figsize=(10, 8.5), constrained_layout=True)
+    fig, (ax_t, ax_n, ax_b, ax_l) = plt.subplots(4, 1, figsize=(10, 11), constrained_layout=True,
+                                                 gridspec_kw={"height_ratios": [1, 1, 1, 1.2]})
+    for ax in (ax_t, ax_n):
+        ax.sharex(ax_b)
     try:
         bottom = [0.0] * len(steps)
         for s in STAGES:
@@ -108,9 +117,26 @@ def save_plot(record: StepRecord, path: str, group_labels: Sequence[str], title:
         for ax in (ax_t, ax_n, ax_b):
             ax.grid(axis="y", alpha=0.3)
             ax.set_ylim(bottom=0)
+        _latency_panel(ax_l, record.latency)
         fig.savefig(path, dpi=100, format="png")
     finally:
         plt.close(fig)
+
+
+def _latency_panel(ax, latency) -> None:
+    """TTFT (at arrival) and ITL (at chunk time) in ms against seconds since the run started."""
+    ttft_x = [a for a, _, _, _ in latency]
+    ttft_y = [t * 1e3 for _, t, _, _ in latency]
+    itl_x = [x for _, _, xs, _ in latency for x in xs]
+    itl_y = [g * 1e3 for _, _, _, gs in latency for g in gs]
+    ax.scatter(itl_x, [max(y, 1e-3) for y in itl_y], s=4, alpha=0.35, color="#1f77b4", label="ITL (at the chunk)")
+    ax.scatter(ttft_x, [max(y, 1e-3) for y in ttft_y], s=14, color="#d62728", label="TTFT (at arrival)")
+    if ttft_y or itl_y:
+        ax.set_yscale("log")
+        ax.legend(loc="upper right", fontsize="small")
+    ax.set_xlabel("seconds since the measured run started")
+    ax.set_ylabel("latency (ms)")
+    ax.grid(alpha=0.3)
 
 
 def group_labels(summary: dict) -> list[str]:

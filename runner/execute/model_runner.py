@@ -162,6 +162,16 @@ class ModelRunner:
         self.output_wait_ns = 0
         """Nanoseconds spent in those waits (the device-to-host copy of the tokens)."""
 
+    def reset_stats(self) -> None:
+        """Start the figures afresh (``LLMEngine.reset_stats``, after warm-up): stage
+        timings, output waits, metadata builds / reuses and cascade decisions."""
+        self.timings_ns = {s: [] for s in STAGES}
+        self.num_output_waits = 0
+        self.output_wait_ns = 0
+        self.metadata_builder.counters = type(self.metadata_builder.counters)()
+        self.cascade.num_cascade_steps = self.cascade.num_steps = 0
+        self.cascade.reason_counts = {}
+
     def _time(self, stage: str, t0: int) -> int:
         t1 = time.perf_counter_ns()
         self.timings_ns[stage].append(t1 - t0)

@@ -7,6 +7,13 @@ With ``SchedulerConfig.async_scheduling`` one step is in flight: each ``step()``
 and launches step t + 1 (its decode rows read step t's tokens on the device), then waits
 for step t's outputs — the one wait per step, ``AsyncModelRunnerOutput.result()`` — and
 feeds them to the scheduler, which corrects its optimistic plan.
+
+Requests may arrive over time: ``add_request(..., arrival_time=t)`` on ``LLMEngine.clock``
+(``runner/serve/clock.py``) holds the request, validated, until the clock reaches ``t``;
+each step first admits every request that has arrived, and a step with nothing to run idles
+(``clock.sleep``) until the next arrival. The engine records when each request arrived and
+when each step made its tokens visible (``RequestTiming``, ``runner/serve/request_timing.py``),
+from which ``attnplug run`` computes TTFT, TPOT, ITL and E2EL.
 """
 
 from __future__ import annotations
@@ -16,7 +23,12 @@ from typing import Callable
 
 import torch
 
+from attnplug.core.errors import InvalidRequestError
 from attnplug.runner.execute.model_runner import ModelRunner
+from attnplug.runner.serve.admission import check_new_request
+from attnplug.runner.serve.arrival_queue import ArrivalQueue
+from attnplug.runner.serve.clock import Clock, WallClock
+from attnplug.runner.serve.request_timing import RequestTiming
 from attnplug.runner.serve.scheduler import Scheduler
 from attnplug.runner.step.scheduler_output import SamplingParams
 
@@ -34,12 +46,14 @@ class EngineStats:
 
 @dataclass
 class RequestResult:
-    """A finished request: its prompt, outputs, and (when recorded) per-output logits."""
+    """A finished request: its prompt, outputs, (when recorded) per-output logits, and its
+    arrival and token times on the engine's clock."""
 
     req_id: str
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     logits: list[torch.Tensor] = field(default_factory=list)
+    timing: RequestTiming | None = None
 
 
 class LLMEngine:
@@ -48,12 +62,18 @@ class LLMEngine:
     Args:
         scheduler: emits one ``SchedulerOutput`` per step.
         runner: executes it.
+        clock: arrival and token times, and idling (default :class:`WallClock`; a test
+            injects a ``ManualClock``). Public: may be replaced before requests are added.
     """
 
-    def __init__(self, scheduler: Scheduler, runner: ModelRunner):
+    def __init__(self, scheduler: Scheduler, runner: ModelRunner, clock: Clock | None = None):
         self.scheduler = scheduler
         self.runner = runner
+        self.clock: Clock = clock if clock is not None else WallClock()
         self.stats = EngineStats()
+        self.pending = ArrivalQueue()
+        """Requests added with a future ``arrival_time``, not yet given to the scheduler."""
+        self.timings: dict[str, RequestTiming] = {}
         self._prompts: dict[str, list[int]] = {}
         self._outputs: dict[str, list[int]] = {}
         self._logits: dict[str, list[torch.Tensor]] = {}
@@ -63,9 +83,33 @@ class LLMEngine:
         """Asynchronous scheduling: ``(SchedulerOutput, AsyncModelRunnerOutput)`` of the step
         launched last, whose outputs are not read yet."""
 
-    def add_request(self, req_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams) -> None:
-        """Queue a request (validated by the scheduler; a rejected one changes nothing)."""
-        self.scheduler.add_request(req_id, prompt_token_ids, sampling_params)
+    def add_request(self, req_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
+                    arrival_time: float | None = None) -> None:
+        """Queue a request; a rejected one changes nothing.
+
+        Args:
+            arrival_time: when it arrives, on :attr:`clock` (seconds). ``None`` or a time
+                already past: it goes to the scheduler now (its arrival is ``clock.now()``
+                when ``None``). A later time: it waits in :attr:`pending`, already validated,
+                and the first step at or after that time admits it.
+
+        Raises:
+            InvalidRequestError: what ``Scheduler.add_request`` refuses (a pending id
+                counts as used), or a non-finite ``arrival_time``.
+        """
+        now = self.clock.now()
+        arrival = now if arrival_time is None else float(arrival_time)
+        if not arrival < float("inf") or arrival != arrival:
+            raise InvalidRequestError(str(req_id), f"arrival_time must be a finite number, got {arrival_time!r}")
+        if req_id in self.pending:
+            raise InvalidRequestError(req_id, "duplicate request id; every request needs a new id")
+        if arrival <= now:
+            self.scheduler.add_request(req_id, prompt_token_ids, sampling_params)
+        else:
+            prompt_token_ids = check_new_request(self.scheduler.config, self.scheduler.kv_cache_manager,
+                                                 self.scheduler.requests, req_id, prompt_token_ids, sampling_params)
+            self.pending.push(arrival, req_id, prompt_token_ids, sampling_params)
+        self.timings[req_id] = RequestTiming(arrival)
         self._prompts[req_id] = list(prompt_token_ids)
         self._outputs[req_id] = []
         self._logits[req_id] = []
@@ -75,26 +119,72 @@ class LLMEngine:
         """Stop a request now (``Scheduler.abort_request``); its result keeps the outputs it
         had. With a step in flight, that step's sample for it is dropped.
 
+        A request that has not arrived yet leaves :attr:`pending` with no outputs.
+
         Raises:
             SchedulingError: an unknown or finished request.
         """
-        self.scheduler.abort_request(req_id)
-        req = self.scheduler.get_request(req_id)
-        outs = self._outputs.pop(req_id)[: len(req.output_token_ids)]
+        if req_id in self.pending:
+            self.pending.remove(req_id)
+            n = 0
+        else:
+            self.scheduler.abort_request(req_id)
+            n = len(self.scheduler.get_request(req_id).output_token_ids)
+        outs = self._outputs.pop(req_id)[:n]
         self.results[req_id] = RequestResult(req_id, self._prompts.pop(req_id), outs,
-                                             self._logits.pop(req_id)[: len(outs)])
+                                             self._logits.pop(req_id)[: len(outs)], self.timings.get(req_id))
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or self._in_flight is not None
+        """Requests running, waiting, in flight, or not arrived yet."""
+        return self.scheduler.has_unfinished_requests() or self._in_flight is not None or len(self.pending) > 0
+
+    def reset_stats(self) -> None:
+        """Start every figure afresh (after warm-up requests): the engine's counters, the
+        scheduler's (preemptions, peak blocks, prefix-cache and speculation counters) and the
+        runner's (stage timings, output waits, metadata builds, cascade decisions). Requests,
+        caches and results are kept."""
+        self.stats = EngineStats()
+        sched, kv = self.scheduler, self.scheduler.kv_cache_manager
+        sched.num_preemptions = 0
+        for pool in kv.pools:
+            pool.reset_peak()  # peaks restart from the blocks in use now
+        if hasattr(kv, "stats"):  # prefix caching (PrefixCacheStats)
+            kv.stats = type(kv.stats)()
+        if sched.spec is not None:
+            sched.spec.stats = type(sched.spec.stats)()
+        reset = getattr(self.runner, "reset_stats", None)
+        if reset is not None:
+            reset()
+
+    def _admit_arrived(self) -> None:
+        """Give the scheduler every pending request that has arrived; with nothing else to
+        run (nothing waiting, running or in flight), idle until the next arrival first."""
+        if not len(self.pending):
+            return
+        idle = not self.scheduler.has_unfinished_requests() and self._in_flight is None
+        if idle:
+            self.clock.sleep(self.pending.next_arrival() - self.clock.now())
+        for p in self.pending.pop_arrived(self.clock.now()):
+            self.scheduler.add_request(p.req_id, p.prompt_token_ids, p.sampling_params)
+
+    def _mark_scheduled(self, out) -> None:
+        now = None
+        for new in out.scheduled_new_reqs:
+            timing = self.timings.get(new.req_id)
+            if timing is not None and timing.first_scheduled_time is None:
+                now = self.clock.now() if now is None else now
+                timing.first_scheduled_time = now
 
     def step(self) -> list[str]:
         """One schedule + execute + update. Returns the ids of requests finished this step.
 
         Asynchronously: schedule and launch the next step, then read and apply the one
         launched before it (the ids returned are those its outputs finished)."""
+        self._admit_arrived()
         if self.async_scheduling:
             return self._step_async()
         out = self.scheduler.schedule()
+        self._mark_scheduled(out)
         result = self.runner.execute_model(out)
         self.stats.num_steps += 1
         self.stats.num_scheduled_tokens += out.total_num_scheduled_tokens
@@ -104,6 +194,7 @@ class LLMEngine:
         prev, self._in_flight = self._in_flight, None
         if self.scheduler.has_unfinished_requests():
             out = self.scheduler.schedule()  # planned while the previous step runs
+            self._mark_scheduled(out)
             self._in_flight = (out, self.runner.execute_model_async(out))
             self.stats.num_steps += 1
             self.stats.num_scheduled_tokens += out.total_num_scheduled_tokens
@@ -116,10 +207,15 @@ class LLMEngine:
         """Feed one step's outputs to the scheduler; keep what it accepted."""
         before = {rid: self.scheduler.get_request(rid).num_output_tokens for rid in result.sampled_token_ids}
         finished = self.scheduler.update_from_output(out, result.sampled_token_ids)
+        now = self.clock.now()  # when this step's tokens became visible
         for rid, toks in result.sampled_token_ids.items():
             accepted = self.scheduler.get_request(rid).num_output_tokens - before[rid]
             if accepted <= 0:
                 continue  # finished in an earlier step (asynchronous: scheduled once more)
+            timing = self.timings.get(rid)
+            if timing is not None:
+                timing.chunk_times.append(now)
+                timing.chunk_tokens.append(accepted)
             self._outputs[rid].extend(toks[:accepted])
             self.stats.num_generated_tokens += accepted
             if rid in result.logits:  # [V], or [tokens, V] from a step that verified drafts
@@ -129,7 +225,7 @@ class LLMEngine:
             req = self.scheduler.get_request(rid)
             outs = self._outputs.pop(rid)[: len(req.output_token_ids)]
             self.results[rid] = RequestResult(rid, self._prompts.pop(rid), outs,
-                                              self._logits.pop(rid)[: len(outs)])
+                                              self._logits.pop(rid)[: len(outs)], self.timings.get(rid))
         return finished
 
     def run(self, on_step: Callable[[list[str]], None] | None = None, max_steps: int | None = None) -> dict[str, RequestResult]:

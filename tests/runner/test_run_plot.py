@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from attnplug.runner.commands import run as run_mod, run_plot
+from attnplug.runner.commands import replay, run as run_mod, run_plot
 from attnplug.runner.execute.model_runner import STAGES
 
 SMALL = ["--num-requests", "6", "--max-model-len", "256", "--invariance-requests", "0", "--json"]
@@ -22,8 +22,8 @@ def test_plot_records_every_step_and_writes_a_png(tmp_path, capsys, monkeypatch)
         run_plot.save_plot(record, path, labels, title)
 
     monkeypatch.setattr(run_mod, "save_plot", keep)
-    real_recorder = run_mod.StepRecorder
-    monkeypatch.setattr(run_mod, "StepRecorder", lambda engine: seen.setdefault("recorder", real_recorder(engine)))
+    real_recorder = replay.StepRecorder
+    monkeypatch.setattr(replay, "StepRecorder", lambda engine: seen.setdefault("recorder", real_recorder(engine)))
     png = tmp_path / "run.png"
     assert run_mod.main(SMALL + ["--plot", str(png)]) == 0
     summary = json.loads(capsys.readouterr().out)
@@ -42,6 +42,11 @@ def test_plot_records_every_step_and_writes_a_png(tmp_path, capsys, monkeypatch)
     for g in range(groups):
         in_use = [b[g] for b in rec.blocks]
         assert 0 < max(in_use) <= summary["peak_kv_blocks_per_group"][g]
+    # the latency panel: per request its arrival and TTFT, then one (time, ITL) per later chunk
+    assert len(rec.latency) == summary["requests"]
+    assert sum(len(itl) for *_, itl in rec.latency) > 0
+    for arrival, ttft, times, itl in rec.latency:
+        assert arrival >= 0 and ttft > 0 and len(times) == len(itl) and all(g >= 0 for g in itl)
     data = png.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
 
