@@ -1,4 +1,5 @@
-"""``attnplug parity``: our engine against HF transformers on the same random weights.
+"""``attnplug parity``: our engine against HF transformers on the same random weights
+(``--hf-config``), or on the same real weights (``--model smollm2``, ``parity_real.py``).
 
 Builds the HF model from a ``config.json`` with seeded random weights, loads the same
 weights into our model, runs N requests of different prompt lengths through our engine
@@ -109,8 +110,7 @@ def run_parity(cfg_dict: dict, *, num_requests: int = 6, seed: int = 0, force_pr
             transformers, bad options.
     """
     from attnplug.runner.commands.model_loading import build_with_backends
-    from attnplug.runner.commands.assemble import build_engine, resolve_backend
-    from attnplug.runner.step.scheduler_output import SamplingParams
+    from attnplug.runner.commands.assemble import resolve_backend
 
     if dtype not in DTYPES:
         raise AttnplugError(f"dtype {dtype!r} not supported; choose one of {sorted(DTYPES)}")
@@ -131,14 +131,36 @@ def run_parity(cfg_dict: dict, *, num_requests: int = 6, seed: int = 0, force_pr
                                             system_prompt_len=system_prompt_len, continuation_prob=0.3)
         prompts = {f"req-{i}": p for i, p in enumerate(shared)}
     max_model_len = int(hi + max_tokens + block_size)
+    return compare_with_reference(
+        model, prompts, lambda p: _hf_greedy(hf, p, max_tokens), tdtype, backend=backend, block_size=block_size,
+        seed=seed, max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens, max_tokens=max_tokens,
+        force_preemption=force_preemption, async_scheduling=async_scheduling, prefix_caching=prefix_caching,
+        speculative=speculative)
+
+
+def compare_with_reference(model, prompts: dict[str, list[int]], reference, tdtype: torch.dtype, *,
+                           backend: str | None, block_size: int, seed: int, max_model_len: int,
+                           max_num_batched_tokens: int, max_tokens: int, force_preemption: bool = False,
+                           async_scheduling: bool = False, prefix_caching: bool = False,
+                           speculative: str | None = None, stop_token_ids: tuple[int, ...] = ()) -> ParityResult:
+    """Run ``prompts`` (request id -> token ids) through our engine on ``model`` (greedy,
+    ``max_tokens`` each, the given scheduling options), then compare each request's tokens
+    and logits with ``reference(prompt) -> (tokens, logits per token)``.
+
+    With ``stop_token_ids`` a request may stop early: its tokens must then equal the
+    reference's up to and including the stop token."""
+    from attnplug.runner.commands.assemble import build_engine
+    from attnplug.runner.step.scheduler_output import SamplingParams
+
     args = SimpleNamespace(
         model=None, backend=backend, block_size=block_size, seed=seed, max_model_len=max_model_len,
-        max_num_seqs=num_requests, max_num_batched_tokens=max_num_batched_tokens, num_blocks=None,
+        max_num_seqs=len(prompts), max_num_batched_tokens=max_num_batched_tokens, num_blocks=None,
         force_preemption_every=3 if force_preemption else None, record_logits=True,
         async_scheduling=async_scheduling, prefix_caching=prefix_caching, speculative=speculative)
     setup = build_engine(args, model=model, requests=False)
     for rid, p in prompts.items():
-        setup.engine.add_request(rid, p, SamplingParams(temperature=0.0, max_tokens=max_tokens))
+        setup.engine.add_request(rid, p, SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                                                        stop_token_ids=stop_token_ids))
     results = setup.engine.run()
 
     tol = TOLERANCES[tdtype]
@@ -147,7 +169,9 @@ def run_parity(cfg_dict: dict, *, num_requests: int = 6, seed: int = 0, force_pr
     first = None
     for rid, prompt in prompts.items():
         ours = results[rid]
-        ref_tokens, ref_logits = _hf_greedy(hf, prompt, max_tokens)
+        ref_tokens, ref_logits = reference(prompt)
+        cut = next((j + 1 for j, t in enumerate(ref_tokens) if t in stop_token_ids), len(ref_tokens))
+        ref_tokens, ref_logits = ref_tokens[:cut], ref_logits[:cut]
         same = ours.output_token_ids == ref_tokens
         identical += same
         for j, (a, b) in enumerate(zip(ours.logits, ref_logits)):
@@ -174,16 +198,29 @@ def run_parity(cfg_dict: dict, *, num_requests: int = 6, seed: int = 0, force_pr
     return res
 
 
+REAL_DEFAULTS = {"num_requests": 8, "max_tokens": 8, "max_num_batched_tokens": 64, "block_size": 16}
+"""``parity --model`` (real weights) defaults; the random-weight ones are in :func:`run_parity`'s
+signature (6, 6, 24, 4)."""
+RANDOM_DEFAULTS = {"num_requests": 6, "max_tokens": 6, "max_num_batched_tokens": 24, "block_size": 4}
+
+
 def main(argv: list[str]) -> int:
     p = OneLineParser(prog="attnplug parity", description=__doc__.splitlines()[0])
-    p.add_argument("--hf-config", required=True, help="path to an HF config.json (or its directory)")
-    p.add_argument("--num-requests", type=bounded_int(1, 4096), default=6, help="prompts to generate from")
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument("--hf-config", help="path to an HF config.json (or its directory): seeded random weights")
+    which.add_argument("--model", help="real weights: smollm2 or PATH.gguf (runner/commands/parity_real.py): "
+                                       "the bundled prompts, HF generate on the same dequantised weights")
+    p.add_argument("--num-requests", type=bounded_int(1, 4096), default=None,
+                   help="prompts to generate from (default 6; --model: 8)")
     p.add_argument("--seed", type=bounded_int(0, 2**32 - 1), default=0, help="seed of the random weights and prompts")
     p.add_argument("--force-preemption", action="store_true", help="force a preemption every 3 steps")
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="model and KV dtype")
-    p.add_argument("--max-num-batched-tokens", type=bounded_int(1, 1048576), default=24, help="token budget per step")
-    p.add_argument("--max-tokens", type=bounded_int(1, 1048576), default=6, help="greedy tokens generated per request")
-    p.add_argument("--block-size", type=bounded_int(1, 65536), default=4, help="KV block size in tokens")
+    p.add_argument("--max-num-batched-tokens", type=bounded_int(1, 1048576), default=None,
+                   help="token budget per step (default 24; --model: 64)")
+    p.add_argument("--max-tokens", type=bounded_int(1, 1048576), default=None,
+                   help="greedy tokens generated per request (default 6; --model: 8, or until EOS)")
+    p.add_argument("--block-size", type=bounded_int(1, 65536), default=None,
+                   help="KV block size in tokens (default 4; --model: 16)")
     p.add_argument("--backend", default=None, help="as `attnplug run --backend` (default: selection)")
     p.add_argument("--async-scheduling", action="store_true", help="run the engine with one step in flight")
     p.add_argument("--prefix-caching", action="store_true",
@@ -191,16 +228,22 @@ def main(argv: list[str]) -> int:
     p.add_argument("--speculative", default=None, metavar="METHOD:k=N",
                    help="speculative decoding as `attnplug run --speculative` (e.g. ngram:k=3)")
     args = p.parse_args(argv)
+    for key, value in (REAL_DEFAULTS if args.model else RANDOM_DEFAULTS).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
     from attnplug.runner.commands.model_loading import read_hf_config
 
+    common = dict(num_requests=args.num_requests, seed=args.seed, force_preemption=args.force_preemption,
+                  dtype=args.dtype, max_num_batched_tokens=args.max_num_batched_tokens, max_tokens=args.max_tokens,
+                  block_size=args.block_size, backend=args.backend, async_scheduling=args.async_scheduling,
+                  prefix_caching=args.prefix_caching, speculative=args.speculative)
     try:
-        cfg = read_hf_config(args.hf_config)
-        res = run_parity(cfg, num_requests=args.num_requests, seed=args.seed,
-                         force_preemption=args.force_preemption, dtype=args.dtype,
-                         max_num_batched_tokens=args.max_num_batched_tokens, max_tokens=args.max_tokens,
-                         block_size=args.block_size, backend=args.backend,
-                         async_scheduling=args.async_scheduling, prefix_caching=args.prefix_caching,
-                         speculative=args.speculative)
+        if args.model:
+            from attnplug.runner.commands.parity_real import run_real_parity
+
+            res = run_real_parity(args.model, **common)
+        else:
+            res = run_parity(read_hf_config(args.hf_config), **common)
     except AttnplugError as e:
         print(f"attnplug parity: {e}", file=sys.stderr)
         return 2

@@ -83,7 +83,8 @@ def model_layer_configs(cfg: DecoderModelConfig | BambaModelConfig | Gemma3Model
 
 def build_model(config: Any, *, backend_for_layer: BackendForLayer | None = None,
                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                block_size: int = 16, seed: int | None = 0) -> DecoderModel | BambaModel | Gemma3Model:
+                block_size: int = 16, seed: int | None = 0,
+                init: bool = True) -> DecoderModel | BambaModel | Gemma3Model:
     """Build a Llama / Qwen2 / Mistral / Bamba / Gemma3 model whose layers use chosen backends.
 
     Args:
@@ -100,6 +101,7 @@ def build_model(config: Any, *, backend_for_layer: BackendForLayer | None = None
             ``backend_for_layer`` and checked by ``validate_configuration``.
         seed: random init seed (HF-style init; overwritten by :meth:`load_hf_state_dict`);
             ``None`` uses the global RNG.
+        init: ``False`` skips the random init (the weights are loaded next: real weights).
 
     Returns:
         The :class:`DecoderModel` (or :class:`BambaModel`, :class:`Gemma3Model`) in eval mode.
@@ -118,7 +120,8 @@ def build_model(config: Any, *, backend_for_layer: BackendForLayer | None = None
     """
     cfg = resolve_model_config(config)
     model = construct_model(cfg, dtype, device, block_size, backend_for_layer)
-    model.init_weights(seed)
+    if init:
+        model.init_weights(seed)
     return model.eval()
 
 
