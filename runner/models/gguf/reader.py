@@ -204,7 +204,7 @@ def hf_state_dict(reader, path: str, cfg: dict[str, Any]) -> dict[str, torch.Ten
             if w.shape != want:
                 raise GGUFError(f"{path}: tensor {name} has shape {list(w.shape)}, expected {list(want)}")
             w = unpermute_rows(w, heads)
-        out[hf_name] = torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32))
+        out[hf_name] = torch.from_numpy(np.array(w, dtype=np.float32, order="C"))  # a copy: the file stays read-only
     return out
 
 

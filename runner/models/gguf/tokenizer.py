@@ -57,8 +57,11 @@ def build_tokenizer(reader, path: str):
         raise GGUFError(f"{path}: the BPE tokenizer has no merges (tokenizer.ggml.merges missing)")
     types = meta(reader, "tokenizer.ggml.token_type") or []
     tk = _tokenizers()
-    bpe = tk.models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=[tuple(m.split(" ", 1)) for m in merges],
-                        ignore_merges=False)
+    try:
+        bpe = tk.models.BPE(vocab={t: i for i, t in enumerate(tokens)},
+                            merges=[tuple(m.split(" ", 1)) for m in merges], ignore_merges=False)
+    except Exception as e:  # tokenizers raises a bare Exception for an inconsistent vocabulary
+        raise GGUFError(f"{path}: the tokenizer in the file is invalid: {' '.join(str(e).split())[:200]}") from None
     tok = tk.Tokenizer(bpe)
     steps = []
     for step in PRE_TOKENIZERS.get(meta(reader, "tokenizer.ggml.pre", "default"), PRE_TOKENIZERS["default"]):
