@@ -34,6 +34,9 @@ def resolve_defaults(args) -> str | None:
     real = is_real(args)
     if getattr(args, "prompts", None) and not real:
         return "--prompts needs a real-weight model: --model smollm2 or --model PATH.gguf"
+    if real and max(getattr(args, "tensor_parallel_size", 1), getattr(args, "pipeline_parallel_size", 1)) > 1:
+        return ("real weights (GGUF) run in one process for now: drop --tensor-parallel-size / "
+                "--pipeline-parallel-size, or use a preset (--model tiny-llama)")
     if args.num_requests is None and not (real and args.prompts):
         args.num_requests = REAL_NUM_REQUESTS if real else PRESET_NUM_REQUESTS
     if args.invariance_requests is None:
