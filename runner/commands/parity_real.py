@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from attnplug.core.errors import AttnplugError
-from attnplug.runner.commands.parity import DTYPES, ParityResult, compare_with_reference
+from attnplug.runner.commands.parity_compare import DTYPES, ParityResult, compare_with_reference
 
 
 def hf_llama(config: dict, state_dict: dict[str, torch.Tensor], dtype: torch.dtype):

@@ -60,7 +60,7 @@ def smollm2():
 
 @pytest.mark.parametrize("mode", list(MODES))
 def test_greedy_tokens_equal_hf_generate(smollm2, mode):
-    from attnplug.runner.commands.parity import compare_with_reference
+    from attnplug.runner.commands.parity_compare import compare_with_reference
 
     ours, prompts, reference, eos = smollm2
     res = compare_with_reference(ours, prompts, reference, torch.float32, backend=None, block_size=16, seed=0,
