@@ -11,11 +11,11 @@ from typing import Any
 
 RUN_MODEL = "smollm2"
 """``attnplug run``'s default ``--model``."""
-REAL_NUM_REQUESTS = 16
+REAL_NUM_REQUESTS = 8
 """``--num-requests`` default with real weights and the bundled prompts."""
 PRESET_NUM_REQUESTS = 48
 """``--num-requests`` default with a random-weight preset or HF config."""
-REAL_INVARIANCE_REQUESTS = 2
+REAL_INVARIANCE_REQUESTS = 1
 """``--invariance-requests`` default with real weights (each re-runs a request alone)."""
 PRESET_INVARIANCE_REQUESTS = 8
 """``--invariance-requests`` default otherwise."""
