@@ -27,7 +27,9 @@ PRE_TOKENIZERS = {
     "gpt-2": ("bytelevel",),
     "smollm": ("digits", "bytelevel"),  # SmolLM / SmolLM2 tokenizer.json: Digits(individual), ByteLevel
 }
-"""``tokenizer.ggml.pre`` -> pre-tokenizer steps; another name falls back to ``default``."""
+"""``tokenizer.ggml.pre`` -> pre-tokenizer steps; another name falls back to ``default``. (SmolLM2's
+vocabulary has no multi-digit token, so there the digits step changes no id; it is kept to
+match the model's own ``tokenizer.json``.)"""
 
 
 def _tokenizers():
