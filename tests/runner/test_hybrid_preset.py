@@ -1,5 +1,5 @@
-"""The default ``attnplug run`` preset: a hybrid of full-attention, sliding-window and
-Mamba2 layers (``attnplug_hybrid``), so every step serves three kinds of cache group."""
+"""The hybrid preset (``attnplug run --model tiny-hybrid``, the default before real weights):
+full-attention, sliding-window and Mamba2 layers (``attnplug_hybrid``), so every step serves three kinds of cache group."""
 
 from __future__ import annotations
 
@@ -12,7 +12,13 @@ from attnplug.cache_groups.specs import MambaSpec, SlidingWindowSpec
 from attnplug.runner.models import ModelConfigError, build_model, preset_config, resolve_model_config
 from attnplug.runner.models.hybrid import HybridModel, HybridModelConfig
 from attnplug.runner.models.presets import RUN_PRESET
-from attnplug.runner.commands.run import main as run_main
+from attnplug.runner.commands.run import main as _run_main
+
+
+def run_main(argv: list[str]) -> int:
+    """``attnplug run`` on the random-weight preset these tests were written for (the
+    default model is now SmolLM2's real weights), unless ``argv`` names a model."""
+    return _run_main(argv if "--model" in argv else ["--model", "tiny-hybrid", *argv])
 
 
 def test_run_preset_has_full_sliding_and_mamba_groups():

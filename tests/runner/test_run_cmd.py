@@ -6,7 +6,13 @@ import json
 
 import pytest
 
-from attnplug.runner.commands.run import main as run_main
+from attnplug.runner.commands.run import main as _run_main
+
+
+def run_main(argv: list[str]) -> int:
+    """``attnplug run`` on the random-weight preset these tests were written for (the
+    default model is now SmolLM2's real weights), unless ``argv`` names a model."""
+    return _run_main(argv if "--model" in argv else ["--model", "tiny-hybrid", *argv])
 
 TINY = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 256, "hidden_size": 32,
         "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,

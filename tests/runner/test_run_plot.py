@@ -10,7 +10,7 @@ import pytest
 from attnplug.runner.commands import replay, run as run_mod, run_plot
 from attnplug.runner.execute.model_runner import STAGES
 
-SMALL = ["--num-requests", "6", "--max-model-len", "256", "--invariance-requests", "0", "--json"]
+SMALL = ["--model", "tiny-hybrid", "--num-requests", "6", "--max-model-len", "256", "--invariance-requests", "0", "--json"]
 
 
 def test_plot_records_every_step_and_writes_a_png(tmp_path, capsys, monkeypatch):

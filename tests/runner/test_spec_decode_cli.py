@@ -12,7 +12,13 @@ from attnplug.runner.commands.parity import main as parity_main
 from attnplug.runner.commands.report import print_run_table
 from attnplug.runner.commands.speculative import resolve_speculative
 from attnplug.runner.execute.spec_decode.drafter import parse_speculative
-from attnplug.runner.commands.run import main as run_main
+from attnplug.runner.commands.run import main as _run_main
+
+
+def run_main(argv: list[str]) -> int:
+    """``attnplug run`` on the random-weight preset these tests were written for (the
+    default model is now SmolLM2's real weights), unless ``argv`` names a model."""
+    return _run_main(argv if "--model" in argv else ["--model", "tiny-hybrid", *argv])
 
 SMALL_VOCAB = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 32, "hidden_size": 32,
                "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -82,7 +88,7 @@ def test_bad_speculative_values_are_one_line_exit_2(capsys, cfg, tmp_path, monke
 
 
 def test_mamba_model_is_refused_in_one_line(capsys):
-    assert run_main(["--num-requests", "2", "--speculative", "ngram:k=2"]) == 2  # default: tiny-hybrid
+    assert run_main(["--num-requests", "2", "--speculative", "ngram:k=2"]) == 2  # run_main above: tiny-hybrid
     err = capsys.readouterr().err.strip()
     assert "Mamba" in err and "\n" not in err
 

@@ -26,7 +26,13 @@ import pytest
 from attnplug.core.errors import ConfigError
 from attnplug.runner.commands.assemble import build_engine, resolve_backend
 from attnplug.runner.commands.model_loading import build_with_backends
-from attnplug.runner.commands.run import main as run_main
+from attnplug.runner.commands.run import main as _run_main
+
+
+def run_main(argv: list[str]) -> int:
+    """``attnplug run`` on the random-weight preset these tests were written for (the
+    default model is now SmolLM2's real weights), unless ``argv`` names a model."""
+    return _run_main(argv if "--model" in argv else ["--model", "tiny-hybrid", *argv])
 from attnplug.runner.commands.speculative import resolve_speculative
 from attnplug.runner.execute.spec_decode.draft_model import DraftModelDrafter
 from attnplug.runner.step.scheduler_output import SamplingParams

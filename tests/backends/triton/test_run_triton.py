@@ -42,7 +42,7 @@ def test_cli_run_with_batch_invariance_check(tmp_path):
     """The command exactly as documented, in a fresh process (its own TRITON_INTERPRET=1):
     it exits 0 only when the re-run-alone requests give identical tokens."""
     env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
-    res = subprocess.run([sys.executable, "-m", "attnplug", "run", "--backend", "triton", "--num-requests", "4",
+    res = subprocess.run([sys.executable, "-m", "attnplug", "run", "--model", "tiny-hybrid", "--backend", "triton", "--num-requests", "4",
                           "--json"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     summary = json.loads(res.stdout)
@@ -54,7 +54,7 @@ def test_cli_run_with_batch_invariance_check(tmp_path):
 def test_cli_without_the_interpreter_explains_itself(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["CUDA_VISIBLE_DEVICES"] = ""
-    res = subprocess.run([sys.executable, "-m", "attnplug", "run", "--backend", "triton", "--num-requests", "1"],
+    res = subprocess.run([sys.executable, "-m", "attnplug", "run", "--model", "tiny-hybrid", "--backend", "triton", "--num-requests", "1"],
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 2
     assert "backend 'triton' cannot serve" in res.stderr and "TRITON_INTERPRET=1" in res.stderr, res.stderr

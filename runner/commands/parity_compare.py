@@ -1,0 +1,118 @@
+"""The comparison behind ``attnplug parity``: run prompts through our engine and compare each
+request's greedy tokens and logits with a reference (HF transformers). Shared by the random-weight
+parity (``parity.py``) and the real-weight one (``parity_real.py``).
+
+Tolerances on ``max |dlogit|`` (absolute, logits of the whole vocabulary), per dtype:
+``float32`` 2e-3, ``bfloat16`` 0.5, ``float16`` 0.1. Tokens must be identical.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+TOLERANCES = {torch.float32: 2e-3, torch.bfloat16: 0.5, torch.float16: 0.1}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class ParityResult:
+    """Outcome of a parity run."""
+
+    ok: bool
+    num_identical: int
+    num_requests: int
+    max_abs_dlogit: float
+    tolerance: float
+    first_divergence: dict[str, Any] | None = None
+    preemptions: int = 0
+    steps: int = 0
+    details: list[str] = field(default_factory=list)
+    prefix_cache_hits: int = 0
+    """Tokens admitted as prefix-cache hits (``--prefix-caching``)."""
+    prefix_cache_hit_requests: int = 0
+    cascade_steps: int = 0
+    spec: dict[str, Any] = field(default_factory=dict)
+    """With ``--speculative``: drafts proposed / accepted (``SpecStats`` counters)."""
+
+    def _spec_part(self) -> str:
+        s = self.spec
+        return f", {s['accepted']}/{s['proposed']} drafts accepted" if s else ""
+
+    def line(self) -> str:
+        if self.ok:
+            return (f"parity: OK tokens {self.num_identical}/{self.num_requests} identical, "
+                    f"max |dlogit| = {self.max_abs_dlogit:.3g} (tolerance {self.tolerance:g}; "
+                    f"{self.steps} steps, {self.preemptions} preemptions"
+                    + (f", {self.prefix_cache_hits} prefix-hit tokens in {self.prefix_cache_hit_requests} requests"
+                       if self.prefix_cache_hit_requests else "") + f"{self._spec_part()})")
+        d = self.first_divergence or {}
+        where = ", ".join(f"{k}={v}" for k, v in d.items())
+        return (f"parity: FAIL tokens {self.num_identical}/{self.num_requests} identical, "
+                f"max |dlogit| = {self.max_abs_dlogit:.3g} (tolerance {self.tolerance:g}); first divergence: {where}")
+
+
+def compare_with_reference(model, prompts: dict[str, list[int]], reference, tdtype: torch.dtype, *,
+                           backend: str | None, block_size: int, seed: int, max_model_len: int,
+                           max_num_batched_tokens: int, max_tokens: int, force_preemption: bool = False,
+                           async_scheduling: bool = False, prefix_caching: bool = False,
+                           speculative: str | None = None, stop_token_ids: tuple[int, ...] = ()) -> ParityResult:
+    """Run ``prompts`` (request id -> token ids) through our engine on ``model`` (greedy,
+    ``max_tokens`` each, the given scheduling options), then compare each request's tokens
+    and logits with ``reference(prompt) -> (tokens, logits per token)``.
+
+    With ``stop_token_ids`` a request may stop early: its tokens must then equal the
+    reference's up to and including the stop token."""
+    from attnplug.runner.commands.assemble import build_engine
+    from attnplug.runner.step.scheduler_output import SamplingParams
+
+    args = SimpleNamespace(
+        model=None, backend=backend, block_size=block_size, seed=seed, max_model_len=max_model_len,
+        max_num_seqs=len(prompts), max_num_batched_tokens=max_num_batched_tokens, num_blocks=None,
+        force_preemption_every=3 if force_preemption else None, record_logits=True,
+        async_scheduling=async_scheduling, prefix_caching=prefix_caching, speculative=speculative)
+    setup = build_engine(args, model=model, requests=False)
+    for rid, p in prompts.items():
+        setup.engine.add_request(rid, p, SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                                                        stop_token_ids=stop_token_ids))
+    results = setup.engine.run()
+
+    tol = TOLERANCES[tdtype]
+    max_d = 0.0
+    identical = 0
+    first = None
+    for rid, prompt in prompts.items():
+        ours = results[rid]
+        ref_tokens, ref_logits = reference(prompt)
+        cut = next((j + 1 for j, t in enumerate(ref_tokens) if t in stop_token_ids), len(ref_tokens))
+        ref_tokens, ref_logits = ref_tokens[:cut], ref_logits[:cut]
+        same = ours.output_token_ids == ref_tokens
+        identical += same
+        for j, (a, b) in enumerate(zip(ours.logits, ref_logits)):
+            max_d = max(max_d, float((a.float() - b.float()).abs().max()))
+        if not same and first is None:
+            j = next((j for j, (a, b) in enumerate(zip(ours.output_token_ids, ref_tokens)) if a != b),
+                     min(len(ours.output_token_ids), len(ref_tokens)))
+            first = {"request": rid, "prompt_len": len(prompt), "output_step": j,
+                     "ours": ours.output_token_ids[j] if j < len(ours.output_token_ids) else None,
+                     "hf": ref_tokens[j] if j < len(ref_tokens) else None}
+    ok = identical == len(prompts) and max_d <= tol
+    if first is None and not ok:
+        first = {"reason": f"max |dlogit| {max_d:.3g} above tolerance {tol:g}"}
+    st = setup.engine.scheduler.spec
+    spec = {"proposed": st.stats.num_draft_tokens, "accepted": st.stats.num_accepted_tokens} if st else {}
+    res = ParityResult(ok, identical, len(prompts), max_d, tol, first,
+                       preemptions=setup.engine.scheduler.num_preemptions, steps=setup.engine.stats.num_steps,
+                       spec=spec)
+    stats = getattr(setup.engine.scheduler.kv_cache_manager, "stats", None)
+    if prefix_caching and stats is not None:
+        res.prefix_cache_hits = stats.hits
+        res.prefix_cache_hit_requests = stats.hit_requests
+    res.cascade_steps = setup.engine.runner.num_cascade_steps if hasattr(setup.engine.runner, "num_cascade_steps") else 0
+    return res
+
+
+__all__ = ["DTYPES", "TOLERANCES", "ParityResult", "compare_with_reference"]
