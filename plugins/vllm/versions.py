@@ -44,5 +44,5 @@ def adapter_name(version: str) -> str:
         what = "a pre-release or development build" if match is None else "not a supported minor"
         raise UnsupportedVllmVersion(
             f"vLLM {version} is {what} for the attnplug bridge (supported minors: {supported_minors()}; "
-            "plugins/vllm/requirements-*.txt); install one of them or unset ATTNPLUG_VLLM_BACKEND")
+            "plugins/vllm/v0_XX/requirements-cpu.txt); install one of them or unset ATTNPLUG_VLLM_BACKEND")
     return SUPPORTED_MINORS[minor]
