@@ -27,8 +27,8 @@ import sys
 import sysconfig
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
-SHARED = ("torch",)
-"""Distributions hard-linked from the running environment when the lock pins the same version."""
+SHARED = ("torch", "triton")
+"""Distributions (torch and triton: the big ones) hard-linked from the running environment when the lock pins the same version."""
 
 
 def pins(lock: pathlib.Path) -> dict[str, str]:
