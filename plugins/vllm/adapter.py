@@ -1,4 +1,6 @@
-"""vLLM 0.32 ``AttentionBackend`` / builder / impl classes around one attnplug backend.
+"""vLLM ``AttentionBackend`` / builder / impl classes around one attnplug backend, written
+once for every supported minor (0.32, 0.33): the names come from the minor's adapter
+package through ``_vllm``.
 
 ``bridge_classes(attnplug_backend, vllm_name)`` returns the vLLM backend class; vLLM finds
 it by class path (``attnplug.plugins.vllm.bridged.selected``, see ``bridged.py``).

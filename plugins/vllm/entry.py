@@ -12,7 +12,7 @@ unless a backend is chosen:
   ``attention_config={"backend": "CUSTOM"}``).
 
 Raises (from ``register``, so vLLM fails at start, not mid-generation):
-    UnsupportedVllmVersion: vLLM outside the tested range (``_vllm.SUPPORTED_RANGE``).
+    UnsupportedVllmVersion: vLLM not of a supported minor (``versions.SUPPORTED_MINORS``).
     UnknownBackendError: ``NAME`` is not a registered attnplug backend.
     PluginValidationError, ImportError: a ``module:Class`` that is not a usable backend.
     ValueError: ``ENUM`` is not an ``AttentionBackendEnum`` member.

