@@ -27,12 +27,19 @@ def add_text_requests(setup, args, tokenizer, max_model_len: int) -> None:
     ``args.prompts`` (a JSONL path, or ``None``: the bundled set) and ``args.trace``.
 
     Raises:
-        TraceFormatError: a bad prompts file or trace, or a prompt that does not leave
+        TraceFormatError: a bad prompts file or trace, a timed-trace .jsonl (token ids, no
+            text), or a prompt that does not leave
             room for one output token under ``max_model_len``.
     """
     from attnplug.runner.commands.serving_flags import sampling_params
     from attnplug.runner.commands.traces import BUNDLED_ATTRIBUTION, BUNDLED_TRACES, load_trace
 
+    from attnplug.runner.commands.timed_trace import is_timed_trace
+
+    if is_timed_trace(args.trace):  # its hash_ids are token blocks: there is no text to give a real model
+        raise TraceFormatError(f"{args.trace}: a timed-trace .jsonl makes token-id prompts from its hash_ids; "
+                               "real weights answer text prompts: give --model PRESET (e.g. tiny-hybrid) with it, "
+                               "or --prompts FILE.jsonl with a CSV trace")
     path = getattr(args, "prompts", None)
     wanted = args.num_requests
     prompts = load_prompts(path, limit=wanted if path else None)

@@ -98,11 +98,7 @@ class DecoderModelConfig:
                             f"num_key_value_heads {self.num_key_value_heads}")
         if self.head_size % 2:
             problems.append(f"head_dim {self.head_size} must be even for RoPE")
-        if self.rope_scaling.partial_rotary_factor != 1.0:  # HF's Llama-family attention rotates whole heads
-            problems.append(f"partial_rotary_factor {self.rope_scaling.partial_rotary_factor!r} not supported by "
-                            f"{self.model_type} (only 1.0)")
-        if self.rope_scaling.interleaved:
-            problems.append(f"rope_interleave is not supported by {self.model_type} (DeepSeek's pairing)")
+        problems += self._rope_problems()
         if len(self.sliding_windows) != self.num_hidden_layers:
             problems.append(f"{len(self.sliding_windows)} per-layer windows for {self.num_hidden_layers} layers")
         if any(w is not None and (not isinstance(w, int) or w <= 0) for w in self.sliding_windows):
@@ -112,6 +108,18 @@ class DecoderModelConfig:
         if problems:
             raise ModelConfigError(f"invalid {self.model_type} config: " + "; ".join(problems)
                                    + ". Fix the config.json values.")
+
+    def _rope_problems(self) -> list[str]:
+        """What of ``rope_scaling`` this family cannot run: HF's Llama-family attention rotates
+        whole heads with the half-split pairing (families with another rotary layout, e.g.
+        DeepSeek's MLA, override this)."""
+        problems = []
+        if self.rope_scaling.partial_rotary_factor != 1.0:
+            problems.append(f"partial_rotary_factor {self.rope_scaling.partial_rotary_factor!r} not supported by "
+                            f"{self.model_type} (only 1.0)")
+        if self.rope_scaling.interleaved:
+            problems.append(f"rope_interleave is not supported by {self.model_type} (DeepSeek's pairing)")
+        return problems
 
 
 def load_config_dict(config: Any) -> dict[str, Any]:

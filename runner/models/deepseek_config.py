@@ -35,6 +35,11 @@ class DeepseekModelConfig(DecoderModelConfig):
     moe: MoEConfig | None = None
     sparse_layers: tuple[bool, ...] = ()
 
+    def _rope_problems(self) -> list[str]:
+        """DeepSeek rotates only the ``qk_rope_head_dim`` part, interleaved or not (HF's
+        ``rope_interleave``): nothing of :class:`RopeScaling` is refused here."""
+        return []
+
     def __post_init__(self):
         problems = mla_dim_problems({"num_heads": self.num_attention_heads, "kv_lora_rank": self.kv_lora_rank,
                                      "qk_nope_head_dim": self.qk_nope_head_dim,

@@ -169,3 +169,13 @@ def test_prompts_json_carries_texts_and_token_ids(tmp_path, capsys):
     assert len(a["output_token_ids"]) <= 4 and len(b["output_token_ids"]) <= 2
     assert a["prompt_token_ids"][0] == 1 and isinstance(a["completion"], str)
     assert a["finish_reason"] in ("stop", "length")
+
+
+def test_timed_trace_with_real_weights_is_one_line(tmp_path, capsys):
+    """A timed-trace .jsonl (token-id prompts from hash_ids) cannot feed a text model: one
+    line saying so, not a misleading CSV-header complaint."""
+    write_tiny_llama(tmp_path / "m.gguf")
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"timestamp": 0, "input_length": 5, "output_length": 2, "hash_ids": [1]}\n')
+    err = _run_err(capsys, ["--model", str(tmp_path / "m.gguf"), "--trace", str(trace)])
+    assert "timed-trace .jsonl" in err and "--model PRESET" in err

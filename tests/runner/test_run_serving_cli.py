@@ -10,7 +10,7 @@ import pytest
 
 from attnplug.runner.commands.run import main as run_main
 
-SMALL = ["--num-requests", "4", "--max-model-len", "256", "--invariance-requests", "1", "--json"]
+SMALL = ["--model", "tiny-hybrid", "--num-requests", "4", "--max-model-len", "256", "--invariance-requests", "1", "--json"]
 VLLM_KEYS = ["duration", "completed", "failed", "total_input_tokens", "total_output_tokens", "request_throughput",
              "request_goodput", "output_throughput", "total_token_throughput", "request_rate", "burstiness"] + [
     f"{s}_{m}_ms" for m in ("ttft", "tpot", "itl", "e2el") for s in ("mean", "median", "std", "p90", "p99")]
