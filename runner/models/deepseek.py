@@ -32,6 +32,7 @@ from attnplug.runner.models.layers import RMSNorm, SwiGLUMLP
 from attnplug.runner.models.llama import DecoderBody, DecoderLayer, DecoderModel, attention_layer_name
 from attnplug.runner.models.moe import MoEBlock
 from attnplug.runner.models.rope import RotaryEmbedding, yarn_softmax_scale
+from attnplug.runner.models.weights import init_hf_style
 
 
 def mla_layer_config(cfg: DeepseekModelConfig, dtype: torch.dtype, device, block_size: int) -> MLALayerConfig:
@@ -136,15 +137,7 @@ class DeepseekModel(DecoderModel):
     def init_weights(self, seed: int | None = None, std: float | None = None) -> None:
         """HF-style random init: weights ``N(0, std)``, biases (the routers' correction biases
         too) 0, every norm 1."""
-        gen = torch.Generator().manual_seed(seed) if seed is not None else None
-        std = self.config.initializer_range if std is None else std
-        for name, p in self.named_parameters():
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            elif name.endswith(("bias", "_bias")):
-                p.zero_()
-            else:
-                p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32).mul_(std).to(p.dtype))
+        init_hf_style(self, seed, self.config.initializer_range if std is None else std)
 
 
 __all__ = ["DeepseekModel", "MLAAttention", "deepseek_layer_configs"]

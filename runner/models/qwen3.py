@@ -25,6 +25,7 @@ from attnplug.runner.models.layers import Attention, RMSNorm, SwiGLUMLP
 from attnplug.runner.models.llama import DecoderBody, DecoderLayer, DecoderModel, attention_layer_name
 from attnplug.runner.models.moe import MoEBlock
 from attnplug.runner.models.qwen3_config import Qwen3ModelConfig
+from attnplug.runner.models.weights import init_hf_style
 from attnplug.runner.models.rope import RotaryEmbedding
 
 
@@ -83,15 +84,7 @@ class Qwen3Model(DecoderModel):
                 the global RNG.
             std: standard deviation (default: the config's ``initializer_range``).
         """
-        gen = torch.Generator().manual_seed(seed) if seed is not None else None
-        std = self.config.initializer_range if std is None else std
-        for name, p in self.named_parameters():
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            elif name.endswith(("bias", "_bias")):
-                p.zero_()
-            else:
-                p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32).mul_(std).to(p.dtype))
+        init_hf_style(self, seed, self.config.initializer_range if std is None else std)
 
 
 __all__ = ["Qwen3Attention", "Qwen3DecoderLayer", "Qwen3Model"]

@@ -82,4 +82,20 @@ def load_hf_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor])
             p.copy_(given[name].to(device=p.device, dtype=p.dtype))
 
 
-__all__ = ["IGNORED_HF_KEYS", "WeightLoadError", "load_hf_state_dict"]
+@torch.no_grad()
+def init_hf_style(model: nn.Module, seed: int | None, std: float) -> None:
+    """HF-style random init of every parameter of ``model``: weights ``N(0, std)`` (drawn in
+    fp32, then cast to the parameter's dtype), biases (routers' correction biases too) 0,
+    every ``*norm.weight`` 1. ``seed`` seeds a private CPU generator (reproducible on any
+    device); ``None`` uses the global RNG."""
+    gen = torch.Generator().manual_seed(seed) if seed is not None else None
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.fill_(1.0)
+        elif name.endswith(("bias", "_bias")):
+            p.zero_()
+        else:
+            p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32).mul_(std).to(p.dtype))
+
+
+__all__ = ["IGNORED_HF_KEYS", "WeightLoadError", "init_hf_style", "load_hf_state_dict"]
