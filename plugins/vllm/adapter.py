@@ -72,8 +72,24 @@ def impl_problems(backend: type, *, num_heads: int, num_kv_heads: int, head_size
 
 
 def bridge_classes(backend: type, vllm_name: str) -> type:
-    """The vLLM backend class serving attnplug ``backend`` under vLLM name ``vllm_name``."""
+    """The vLLM backend class serving attnplug ``backend`` under vLLM name ``vllm_name``.
+
+    Three classes, named ``Attnplug_<name>_{MetadataBuilder,Impl,Backend}`` in module
+    ``attnplug.plugins.vllm.bridged``: the builder and impl wrap attnplug's own, the backend
+    class answers vLLM's selection and layout questions from ``backend``'s declarations.
+    """
     name = backend.get_name()
+    builder_cls = _bridged_builder(backend)
+    impl_cls = _bridged_impl(backend, vllm_name)
+    backend_cls = _bridged_backend(backend, vllm_name, impl_cls, builder_cls)
+    for cls, role in ((builder_cls, "MetadataBuilder"), (impl_cls, "Impl"), (backend_cls, "Backend")):
+        cls.__name__ = cls.__qualname__ = f"Attnplug_{name}_{role}"
+        cls.__module__ = "attnplug.plugins.vllm.bridged"
+    return backend_cls
+
+
+def _bridged_builder(backend: type) -> type:
+    """vLLM's metadata-builder interface over ``backend``'s builder (vLLM metadata translated once)."""
 
     class Builder(V.VllmMetadataBuilder):
         _cudagraph_support = V.VllmCGSupport(int(backend.get_builder_cls().cudagraph_support))
@@ -90,6 +106,13 @@ def bridge_classes(backend: type, vllm_name: str) -> type:
 
         def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
             return self.inner.build(0, from_vllm(common_attn_metadata), fast_build)
+
+    return Builder
+
+
+def _bridged_impl(backend: type, vllm_name: str) -> type:
+    """vLLM's attention-impl interface over ``backend``'s impl; refuses what it cannot serve."""
+    name = backend.get_name()
 
     class Impl(V.VllmAttentionImpl):
         def __init__(self, num_heads, head_size, scale, num_kv_heads=None, alibi_slopes=None,
@@ -121,6 +144,12 @@ def bridge_classes(backend: type, vllm_name: str) -> type:
             self.inner.forward(None, query, key, value, cache, attn_metadata, output)
             return output
 
+    return Impl
+
+
+def _bridged_backend(backend: type, vllm_name: str, impl_cls: type, builder_cls: type) -> type:
+    """vLLM's backend class: name, classes, and the declarations vLLM's selection reads."""
+
     class Backend(V.VllmAttentionBackend):
         supported_dtypes = list(backend.supported_dtypes)
         supported_kv_cache_dtypes = ["auto"]
@@ -133,11 +162,11 @@ def bridge_classes(backend: type, vllm_name: str) -> type:
 
         @staticmethod
         def get_impl_cls():
-            return Impl
+            return impl_cls
 
         @staticmethod
         def get_builder_cls():
-            return Builder
+            return builder_cls
 
         @staticmethod
         def get_supported_kernel_block_sizes(kv_cache_spec=None):
@@ -160,8 +189,5 @@ def bridge_classes(backend: type, vllm_name: str) -> type:
         def supported_kv_cache_layouts(cls):
             return (V.KVCacheLayout.LBHNC, V.KVCacheLayout.LBNHC)
 
-    for cls, role in ((Builder, "MetadataBuilder"), (Impl, "Impl"), (Backend, "Backend")):
-        cls.__name__ = cls.__qualname__ = f"Attnplug_{name}_{role}"
-        cls.__module__ = "attnplug.plugins.vllm.bridged"
     return Backend
 
