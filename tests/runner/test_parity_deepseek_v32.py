@@ -5,6 +5,8 @@ forced preemption and prefix caching; the indexer group is in the run's cache ta
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 pytest.importorskip("transformers")
@@ -49,3 +51,19 @@ def test_deepseek_v32_has_an_indexer_group_beside_the_latent_group():
     attn = model.model.layers[0].self_attn
     assert type(attn.impl).__name__ == "TorchNativeSparseMLAImpl"
     assert type(attn.indexer.impl).__name__ == "TorchNativeSelectorImpl"
+
+
+@pytest.mark.parametrize("field, value, words", [
+    ("index_topk", 0, "index_topk must be a positive int, got 0"),
+    ("index_head_dim", 8, "index_head_dim 8 < qk_rope_head_dim 16"),
+    ("index_n_heads", None, "deepseek_v32 config lacks ['index_n_heads']"),
+    ("q_lora_rank", None, "q_lora_rank must be set"),
+])
+def test_bad_indexer_fields_are_one_line_naming_the_field(tmp_path, capsys, field, value, words):
+    from attnplug.runner.commands.parity import main as parity_main
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**V32, field: value}))
+    assert parity_main(["--hf-config", str(path), "--num-requests", "2", "--max-tokens", "2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and words in err, err
