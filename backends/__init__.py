@@ -22,6 +22,8 @@ BUILTIN_BACKENDS: dict[str, str] = {
     "flashinfer_mla": "attnplug.backends.mla.flashinfer_mla.backend:FlashInferMLABackend",
     "torch_native_indexer": "attnplug.backends.sparse.torch_native.backend:TorchNativeIndexerBackend",
     "torch_native_sparse_mla": "attnplug.backends.sparse.torch_native.backend:TorchNativeSparseMLABackend",
+    "triton_indexer": "attnplug.backends.sparse.triton.backend:TritonIndexerBackend",
+    "triton_sparse_mla": "attnplug.backends.sparse.triton.backend:TritonSparseMLABackend",
 }
 """Built-in backend name -> ``"module:ClassName"`` of its
 :class:`~attnplug.core.contracts.AttentionBackend`.
