@@ -24,6 +24,7 @@ BUILTIN_BACKENDS: dict[str, str] = {
     "torch_native_sparse_mla": "attnplug.backends.sparse.torch_native.backend:TorchNativeSparseMLABackend",
     "triton_indexer": "attnplug.backends.sparse.triton.backend:TritonIndexerBackend",
     "triton_sparse_mla": "attnplug.backends.sparse.triton.backend:TritonSparseMLABackend",
+    "flashmla_sparse": "attnplug.backends.sparse.flashmla.backend:FlashMLASparseBackend",
 }
 """Built-in backend name -> ``"module:ClassName"`` of its
 :class:`~attnplug.core.contracts.AttentionBackend`.
