@@ -4,8 +4,6 @@ planted bugs (top-k over the whole batch instead of per request, a future token 
 
 from __future__ import annotations
 
-import pytest
-
 from attnplug.backends.sparse.torch_native.backend import TorchNativeIndexerBackend, TorchNativeSparseMLABackend
 from attnplug.plugins.conformance import sparse_checks
 from attnplug.plugins.conformance.sparse_cases import SELECTOR_CASES, SPARSE_MLA_CASES
@@ -48,13 +46,10 @@ def test_minus_one_read_as_position_zero_fails_naming_the_case():
     assert any("case 'decode_only'" in p and "max abs error" in p for p in problems), problems
 
 
-@pytest.mark.parametrize("bug, test_name, case", [
-    ("SelectsFuture", "test_selector_topk_matches_reference", "prefill_fresh"),
-    ("MinusOneAsZero", "test_sparse_mla_equals_dense_with_others_masked", "decode_only"),
-])
-def test_attnplug_check_reports_the_failing_case(bug, test_name, case, capsys):
+def test_attnplug_check_reports_the_failing_case(capsys):
     from attnplug.runner.commands.check import main
 
+    bug, test_name, case = "SelectsFuture", "test_selector_topk_matches_reference", "prefill_fresh"
     rc = main([f"buggy_sparse:{bug}", "--device", "cpu", "-k", test_name])
     out = capsys.readouterr().out
     assert rc == 1, out
