@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 
 from attnplug.backends.sparse.common.consumer import SparseMLACommonImpl
-from attnplug.backends.sparse.flashmla.backend import load_flash_mla_sparse
+from attnplug.backends.sparse.flashmla.kernels import load_flash_mla_sparse
 from attnplug.core.errors import BackendUnsupportedError
 
 HEAD_MULTIPLE = 64
