@@ -161,7 +161,9 @@ def _expected_caches(cfg: dict, tp: int, pp: int, rank: int) -> dict:
     attn = set(cfg.get("attn_layer_indices", range(cfg["num_hidden_layers"])))
     names = [f"model.layers.{i}.self_attn.attn" if i in attn else f"model.layers.{i}.mamba" for i in layers]
     kv_heads = 1 if "kv_lora_rank" in cfg else max(1, cfg["num_key_value_heads"] // tp)  # MLA: one latent row
-    return {"layers": names, "kv_heads": [kv_heads] * sum(i in attn for i in layers),
+    per_layer = 2 if "index_topk" in cfg else 1  # DeepSeek-V3.2: + the indexer's key row (whole on every rank)
+    names += [f"model.layers.{i}.self_attn.indexer" for i in layers if per_layer == 2]
+    return {"layers": names, "kv_heads": [kv_heads] * per_layer * sum(i in attn for i in layers),
             "mamba_ssm_heads": [cfg.get("mamba_n_heads", 0) // tp] * sum(i not in attn for i in layers)}
 
 
