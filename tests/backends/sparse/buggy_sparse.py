@@ -55,6 +55,25 @@ class _FutureImpl(TorchNativeSelectorImpl):
         return super().forward(q, k, weights, kv_cache, dataclasses.replace(md, ranges=ranges), topk_indices)
 
 
+class _LaterWinsTiesImpl(TorchNativeSelectorImpl):
+    """Breaks ties toward the later position (sorts the reversed row)."""
+
+    def forward(self, q, k, weights, kv_cache, attn_metadata, topk_indices):
+        import attnplug.backends.sparse.torch_native.selector as sel_mod
+
+        def later_wins(scores, live, topk):
+            flipped = scores.masked_fill(~live, float("-inf")).flip(-1)
+            order = flipped.shape[1] - 1 - torch.sort(flipped, dim=-1, descending=True, stable=True).indices
+            order = order[:, : min(topk, flipped.shape[1])]
+            return torch.where(live.gather(1, order), order, torch.full_like(order, -1))
+
+        saved, sel_mod.select_topk = sel_mod.select_topk, later_wins
+        try:
+            return super().forward(q, k, weights, kv_cache, attn_metadata, topk_indices)
+        finally:
+            sel_mod.select_topk = saved
+
+
 class _MinusOneAsZeroImpl(TorchNativeSparseMLAImpl):
     """Maps an index of -1 to slot row of position 0 (clamps instead of masking)."""
 
@@ -70,4 +89,5 @@ def _with_impl(base, name, impl):
 
 BatchWideTopK = _with_impl(TorchNativeIndexerBackend, "BatchWideTopK", _BatchWideImpl)
 SelectsFuture = _with_impl(TorchNativeIndexerBackend, "SelectsFuture", _FutureImpl)
+LaterWinsTies = _with_impl(TorchNativeIndexerBackend, "LaterWinsTies", _LaterWinsTiesImpl)
 MinusOneAsZero = _with_impl(TorchNativeSparseMLABackend, "MinusOneAsZero", _MinusOneAsZeroImpl)

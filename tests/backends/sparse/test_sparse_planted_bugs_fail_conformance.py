@@ -1,6 +1,6 @@
-"""The torch_native selector and consumer pass their sparse conformance families; three
+"""The torch_native selector and consumer pass their sparse conformance families; four
 planted bugs (top-k over the whole batch instead of per request, a future token selected,
--1 read as position 0) each fail, naming the case (also through ``attnplug check``)."""
+ties to the later position, -1 read as position 0) each fail, naming the case (also through ``attnplug check``)."""
 
 from __future__ import annotations
 
@@ -39,6 +39,11 @@ def test_topk_over_the_whole_batch_fails_naming_the_case():
 def test_a_future_token_selected_fails_naming_the_case():
     problems = _selector_problems(buggy_sparse.SelectsFuture, SELECTOR_CASES[1])
     assert any("case 'prefill_fresh': query token" in p and "future token" in p for p in problems), problems
+
+
+def test_ties_broken_toward_the_later_position_fail_the_ties_case():
+    problems = _selector_problems(buggy_sparse.LaterWinsTies, next(c for c in SELECTOR_CASES if c.name == "ties"))
+    assert any("case 'ties': query token" in p and "lower position first" in p for p in problems), problems
 
 
 def test_minus_one_read_as_position_zero_fails_naming_the_case():
