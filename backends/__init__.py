@@ -20,6 +20,11 @@ BUILTIN_BACKENDS: dict[str, str] = {
     "triton_mla": "attnplug.backends.mla.triton.backend:TritonMLABackend",
     "flashmla": "attnplug.backends.mla.flashmla.backend:FlashMLABackend",
     "flashinfer_mla": "attnplug.backends.mla.flashinfer_mla.backend:FlashInferMLABackend",
+    "torch_native_indexer": "attnplug.backends.sparse.torch_native.backend:TorchNativeIndexerBackend",
+    "torch_native_sparse_mla": "attnplug.backends.sparse.torch_native.backend:TorchNativeSparseMLABackend",
+    "triton_indexer": "attnplug.backends.sparse.triton.backend:TritonIndexerBackend",
+    "triton_sparse_mla": "attnplug.backends.sparse.triton.backend:TritonSparseMLABackend",
+    "flashmla_sparse": "attnplug.backends.sparse.flashmla.backend:FlashMLASparseBackend",
 }
 """Built-in backend name -> ``"module:ClassName"`` of its
 :class:`~attnplug.core.contracts.AttentionBackend`.

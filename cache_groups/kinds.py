@@ -21,12 +21,16 @@ class GroupKind(str, enum.Enum):
     * ``MLA``: multi-head latent attention: full attention whose blocks hold one latent row
       per token (``kv_lora_rank + qk_rope_head_dim`` values, docs/mla.md) instead of K and V;
       blocks, block tables, slots and prefix caching as ``FULL_ATTENTION``.
+    * ``INDEXER``: a sparse-attention indexer's keys (DeepSeek-V3.2: one ``index_head_dim``
+      row per token, docs/mla.md "The sparse path"), the sibling of an ``MLA`` group; blocks,
+      block tables, slots and prefix caching as ``FULL_ATTENTION``.
     """
 
     FULL_ATTENTION = "full_attention"
     SLIDING_WINDOW = "sliding_window"
     MAMBA = "mamba"
     MLA = "mla"
+    INDEXER = "indexer"
 
     # plain names in f-strings, str() and format() on every Python version
     __str__ = str.__str__
@@ -46,7 +50,8 @@ class GroupKind(str, enum.Enum):
                              f"{', '.join(k.value for k in cls)}") from None
 
 
-PAGED_FULL_KINDS: frozenset[GroupKind] = frozenset({GroupKind.FULL_ATTENTION, GroupKind.MLA})
+PAGED_FULL_KINDS: frozenset[GroupKind] = frozenset({GroupKind.FULL_ATTENTION, GroupKind.MLA,
+                                                          GroupKind.INDEXER})
 """Kinds whose blocks hold every token of a request (no window, no state slot): the step
 compiler's full-attention invariants and the block pool's full-attention policy apply."""
 

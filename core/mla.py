@@ -209,6 +209,8 @@ class MLABackend(AttentionBackend):
     """
 
     kv_cache_kind: ClassVar[str] = "mla"
+    sparse: ClassVar[bool] = False
+    """``True``: serves sparse MLA layers (``index_topk``, ``core/sparse.py``) instead of dense ones."""
     supported_kv_lora_ranks: ClassVar[tuple[int, ...] | None] = None
     supported_qk_rope_head_dims: ClassVar[tuple[int, ...] | None] = None
 
@@ -243,6 +245,9 @@ class MLABackend(AttentionBackend):
         if not hasattr(layer, "kv_lora_rank"):
             return reasons + ["serves MLA layers only (the layer has no kv_lora_rank)"]
         reasons += layer.problems()
+        if getattr(layer, "index_topk", None) is not None and not cls.sparse:
+            reasons.append("dense MLA: the layer attends to index_topk selected tokens only (DeepSeek-V3.2): "
+                           "use a sparse MLA backend")
         if layer.dtype not in cls.supported_dtypes:
             reasons.append(f"dtype {layer.dtype} not supported (supported: "
                            f"{', '.join(str(d) for d in cls.supported_dtypes)})")

@@ -38,7 +38,8 @@ CACHE_GROUP_KINDS: tuple[str, ...] = GROUP_KIND_NAMES
 ``attnplug.cache_groups.kinds``)."""
 
 KIND_CACHE_KIND: dict[str, str] = {"full_attention": "attention", "sliding_window": "attention",
-                                   "mamba": "mamba", "mla": "mla"}
+                                   "mamba": "mamba", "mla": "mla",
+                                   "indexer": "indexer"}
 """Which ``AttentionBackend.kv_cache_kind`` serves each cache-group kind."""
 
 DEFAULT_KEY = "default"

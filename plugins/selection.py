@@ -38,8 +38,10 @@ logger = logging.getLogger("attnplug.plugins.selection")
 
 AUTO_PRIORITY: dict[str, tuple[str, ...]] = {
     "cuda": ("flash_attn", "flashinfer", "triton", "torch_native", "flashmla", "flashinfer_mla", "triton_mla",
-             "torch_native_mla"),
-    "cpu": ("torch_native", "triton", "torch_native_mla", "triton_mla"),
+             "torch_native_mla", "flashmla_sparse", "triton_sparse_mla", "triton_indexer", "torch_native_sparse_mla",
+             "torch_native_indexer"),
+    "cpu": ("torch_native", "triton", "torch_native_mla", "triton_mla", "torch_native_sparse_mla",
+            "torch_native_indexer"),
 }
 """Device type -> backend names tried first, in order, when nothing is chosen explicitly.
 Names not registered are ignored; registered backends not listed are tried afterwards in

@@ -12,7 +12,9 @@ import path, e.g. ``attnplug check attnplug.backends.emulators:FlashInferEmulate
 * ``backends.py`` — the real builders and impls wired to the emulators;
 * ``mla_kernels.py`` / ``mla_backends.py`` — FlashMLA (``get_mla_metadata``,
   ``flash_mla_with_kvcache``) and FlashInfer's ``BatchMLAPagedAttentionWrapper``, and the
-  ``flashmla`` / ``flashinfer_mla`` builders and impls wired to them.
+  ``flashmla`` / ``flashinfer_mla`` builders and impls wired to them;
+* ``sparse_kernels.py`` / ``sparse_backends.py`` — FlashMLA's ``flash_mla_sparse_fwd`` and
+  the ``flashmla_sparse`` impl wired to it.
 """
 
 from attnplug.backends.emulators.backends import (

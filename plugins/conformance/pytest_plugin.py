@@ -83,8 +83,7 @@ class _CaseTally:
     def pytest_itemcollected(self, item: pytest.Item) -> None:
         params = getattr(getattr(item, "callspec", None), "params", {})
         random = item.name.startswith("test_property_mode_random_cases[")
-        if isinstance(params.get("attnplug_backend"), str) and ("conformance_case" in params
-                                                               or "state_case" in params or "mla_case" in params
+        if isinstance(params.get("attnplug_backend"), str) and (any(f in params for f in FAMILIES)
                                                                or random or item.name.startswith("test_mla_")):
             item.user_properties.append((_PROP, params["attnplug_backend"]))
 
@@ -133,21 +132,31 @@ def pytest_pycollect_makemodule(module_path: pathlib.Path, parent):
     return None
 
 
-FAMILY_OF_KIND = {"attention": "conformance_case", "mamba": "state_case", "mla": "mla_case"}
+FAMILY_OF_KIND = {"attention": "conformance_case", "mamba": "state_case", "mla": "mla_case",
+                  "indexer": "selector_case", "sparse_mla": "sparse_mla_case"}
 """The case family a backend of each ``kv_cache_kind`` runs; the other family's tests are
 not collected for it (they could only skip). A backend of another kind gets both, which
-skip with the reason, so the run reports that nothing was tested."""
+skip with the reason, so the run reports that nothing was tested. A sparse MLA backend
+(``sparse = True``, ``core/sparse.py``) runs the ``sparse_mla`` family (:func:`family_key`)."""
+
+FAMILIES = ("conformance_case", "state_case", "mla_case", "selector_case", "sparse_mla_case")
+
+
+def family_key(backend) -> str:
+    """The :data:`FAMILY_OF_KIND` key of a backend: its ``kv_cache_kind``, ``"sparse_mla"``
+    for a sparse MLA backend."""
+    return "sparse_mla" if getattr(backend, "sparse", False) else backend.kv_cache_kind
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     names = metafunc.fixturenames
-    family = next((f for f in ("conformance_case", "state_case", "mla_case") if f in names), None)
+    family = next((f for f in FAMILIES if f in names), None)
     cases, ids = _cases(metafunc, family) if family else ([], [])
     if "attnplug_backend" in names:
         specs = metafunc.config.getoption("attnplug_backend")
         session = metafunc.config.stash.get(_SESSION_KEY, None)
         if specs and family and session is not None:
-            kinds = {spec: session.backends[spec].kv_cache_kind for spec in specs}
+            kinds = {spec: family_key(session.backends[spec]) for spec in specs}
             pairs = [(spec, case) for spec in specs for case in cases
                      if FAMILY_OF_KIND.get(kinds[spec], family) == family]
             metafunc.parametrize(("attnplug_backend", family), pairs,
@@ -188,6 +197,14 @@ def _cases(metafunc: pytest.Metafunc, family: str) -> tuple[list, list[str]]:
         from attnplug.plugins.conformance.mla_cases import MLA_CASES
 
         cases = list(MLA_CASES)
+    elif family == "selector_case":
+        from attnplug.plugins.conformance.sparse_cases import SELECTOR_CASES
+
+        cases = list(SELECTOR_CASES)
+    elif family == "sparse_mla_case":
+        from attnplug.plugins.conformance.sparse_cases import SPARSE_MLA_CASES
+
+        cases = list(SPARSE_MLA_CASES)
     else:
         from attnplug.plugins.conformance.state_cases import STATE_CASES, load_state_cases
 

@@ -76,9 +76,9 @@ def device_option_problem(requested: str, option: str = "--attnplug-device") -> 
 def untestable_reason(backend_cls: type[AttentionBackend], device: str) -> str | None:
     """Why no case of the suite can run on ``backend_cls`` on ``device`` (a resolved device),
     whatever the case (``None``: the declarations leave cases to run)."""
-    if backend_cls.kv_cache_kind not in ("attention", "mamba", "mla"):
+    if backend_cls.kv_cache_kind not in ("attention", "mamba", "mla", "indexer"):
         return (f"it serves {backend_cls.kv_cache_kind!r} caches; the conformance suite has attention, "
-                "mamba (state) and mla cases only")
+                "mamba (state), mla and indexer (selector) cases only")
     ok, why = backend_cls.is_available()
     if not ok:
         return f"is_available() is False: {why}"

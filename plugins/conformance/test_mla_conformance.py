@@ -20,6 +20,8 @@ def _backend(session, spec):
     backend = session.backends[spec]
     if backend.kv_cache_kind != "mla":
         pytest.skip(f"the backend serves {backend.kv_cache_kind!r} caches; these are MLA cases")
+    if getattr(backend, "sparse", False):
+        pytest.skip("a sparse MLA backend (no forward_mqa / forward_mha): the sparse_mla cases test it")
     return backend, session.device(backend)
 
 

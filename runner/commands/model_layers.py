@@ -133,6 +133,7 @@ def model_layer_groups(model: str, *, dtype: torch.dtype | None = None, device: 
             _generic(cfg, dtype, device, block_size)
     layers = model_layer_configs(model_cfg, dtype, device, block_size)
     per_layer = {name: ("mamba" if isinstance(c, ModelMambaLayerConfig) else "mla" if hasattr(c, "kv_lora_rank")
+                        else "indexer" if hasattr(c, "index_head_dim")
                         else "sliding_window" if c.sliding_window else "full_attention", c)
                  for name, c in layers.items()}
     return what, _group(per_layer)

@@ -61,6 +61,8 @@ def build_with_backends(config: Any, *, backend: str | None, block_size: int, re
                 kind = "mamba"
             elif isinstance(layer_cfg, MLALayerConfig):
                 kind = "mla"
+            elif hasattr(layer_cfg, "index_head_dim"):  # a sparse-attention indexer (core/sparse.py)
+                kind = "indexer"
             else:
                 kind = "sliding_window" if layer_cfg.sliding_window else "full_attention"
             chosen.update(resolve(backend, {layer_name: layer_cfg}, {layer_name: kind}))

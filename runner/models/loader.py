@@ -24,6 +24,8 @@ from attnplug.runner.models.bamba_config import BambaModelConfig
 from attnplug.runner.models.config import DecoderModelConfig
 from attnplug.runner.models.deepseek import DeepseekModel, deepseek_layer_configs
 from attnplug.runner.models.deepseek_config import DeepseekModelConfig
+from attnplug.runner.models.deepseek_v32 import DeepseekV32Model, deepseek_v32_layer_configs
+from attnplug.runner.models.deepseek_v32_config import DeepseekV32ModelConfig
 from attnplug.runner.models.gemma3 import Gemma3Model, gemma3_layer_configs
 from attnplug.runner.models.gemma3_config import Gemma3ModelConfig
 from attnplug.runner.models.hybrid import HybridModel, HybridModelConfig, hybrid_layer_configs
@@ -57,6 +59,7 @@ MODEL_FAMILIES: dict[type, ModelFamily] = {
     DecoderModelConfig: ModelFamily(DecoderModel, layer_configs),
     Qwen3ModelConfig: ModelFamily(Qwen3Model, layer_configs),
     DeepseekModelConfig: ModelFamily(DeepseekModel, deepseek_layer_configs),
+    DeepseekV32ModelConfig: ModelFamily(DeepseekV32Model, deepseek_v32_layer_configs),
     BambaModelConfig: ModelFamily(BambaModel, bamba_layer_configs, takes_block_size=True),
     HybridModelConfig: ModelFamily(HybridModel, hybrid_layer_configs, takes_block_size=True),
     Gemma3ModelConfig: ModelFamily(Gemma3Model, gemma3_layer_configs),
@@ -79,7 +82,9 @@ def model_family(cfg: Any) -> ModelFamily:
 def _default_backend(layer_name: str, layer_cfg: AttentionLayerConfig | MambaLayerConfig):
     from attnplug.plugins.discovery import get_backend
     if isinstance(layer_cfg, MLALayerConfig):
-        return get_backend("torch_native_mla")
+        return get_backend("torch_native_sparse_mla" if getattr(layer_cfg, "index_topk", None) else "torch_native_mla")
+    if hasattr(layer_cfg, "index_head_dim"):
+        return get_backend("torch_native_indexer")
     return get_backend("mamba2_torch" if isinstance(layer_cfg, MambaLayerConfig) else "torch_native")
 
 

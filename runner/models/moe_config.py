@@ -171,7 +171,8 @@ def _gpt_oss(cfg: Mapping[str, Any]) -> MoEConfig:
 
 
 MOE_PARSERS = {"qwen3_moe": _qwen3_moe, "deepseek_v2": lambda c: _deepseek(c, False),
-               "deepseek_v3": lambda c: _deepseek(c, True), "gpt_oss": _gpt_oss}
+               "deepseek_v3": lambda c: _deepseek(c, True), "gpt_oss": _gpt_oss,
+               "deepseek_v32": lambda c: _deepseek(c, True)}  # V3.2's MoE is V3's
 """model_type -> the parser of its mixture-of-experts fields."""
 
 

@@ -29,6 +29,9 @@ Families with their own model class and config:
                                                     the default ``attnplug run`` preset
 ``deepseek_v2``      ``DeepseekV2ForCausalLM``      multi-head latent attention (MLA cache
 ``deepseek_v3``      ``DeepseekV3ForCausalLM``      group) + MoE (``deepseek``)
+``deepseek_v32``     ``DeepseekV32ForCausalLM``     V3 + sparse attention: an indexer cache
+                                                    group, selector + sparse MLA
+                                                    (``deepseek_v32``)
 ===================  =============================  ========================================
 """
 
@@ -38,6 +41,7 @@ from typing import Any, Callable, Mapping
 
 from attnplug.runner.models.bamba_config import BambaModelConfig, parse_bamba_config
 from attnplug.runner.models.deepseek_config import parse_deepseek_config
+from attnplug.runner.models.deepseek_v32_config import parse_deepseek_v32_config
 from attnplug.runner.models.gemma3_config import Gemma3ModelConfig, parse_gemma3_config
 from attnplug.runner.models.hybrid import parse_hybrid_config
 from attnplug.runner.models.qwen3_config import QWEN3_TYPES, Qwen3ModelConfig, qwen3_extras
@@ -127,6 +131,7 @@ _HYBRIDS: dict[str, tuple[str, Callable[[Mapping[str, Any]], Any]]] = {
     "attnplug_hybrid": ("AttnplugHybridForCausalLM", parse_hybrid_config),
     "deepseek_v2": ("DeepseekV2ForCausalLM", lambda cfg: parse_deepseek_config(cfg, "deepseek_v2")),
     "deepseek_v3": ("DeepseekV3ForCausalLM", lambda cfg: parse_deepseek_config(cfg, "deepseek_v3")),
+    "deepseek_v32": ("DeepseekV32ForCausalLM", lambda cfg: parse_deepseek_v32_config(cfg)),
 }
 """Hybrid families: model_type -> (architecture, parser of the config dict)."""
 

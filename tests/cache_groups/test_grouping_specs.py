@@ -22,7 +22,7 @@ from attnplug.core.errors import KVCacheSpecError
 
 # --- kinds --------------------------------------------------------------------------------
 def test_group_kind_parses_names_and_members_and_prints_plain_names():
-    assert GROUP_KIND_NAMES == ("full_attention", "sliding_window", "mamba", "mla")
+    assert GROUP_KIND_NAMES == ("full_attention", "sliding_window", "mamba", "mla", "indexer")
     for name in GROUP_KIND_NAMES:
         assert GroupKind.parse(name) is GroupKind(name)
         assert GroupKind.parse(GroupKind(name)) is GroupKind(name)
@@ -34,7 +34,7 @@ def test_group_kind_refuses_other_values_naming_them_and_the_choices(bad):
     with pytest.raises(ValueError) as e:
         GroupKind.parse(bad)
     assert str(e.value) == (f"unknown cache-group kind {bad!r}: expected one of "
-                            "full_attention, sliding_window, mamba, mla")
+                            "full_attention, sliding_window, mamba, mla, indexer")
     assert e.value.__cause__ is None and e.value.__suppress_context__
 
 

@@ -66,10 +66,13 @@ CASES["deepseek_v3"] = ({**BASE, "model_type": "deepseek_v3", "architectures": [
                          "moe_intermediate_size": 32, "n_shared_experts": 1, "first_k_dense_replace": 1,
                          "n_group": 2, "topk_group": 1},
                         True, "fixed")  # MLA heads split, the latent cache replicated on both ranks
+CASES["deepseek_v32"] = ({**CASES["deepseek_v3"][0], "model_type": "deepseek_v32", "architectures": ["DeepseekV32ForCausalLM"],
+                          "index_n_heads": 16, "index_head_dim": 32, "index_topk": 6},
+                         True, "fixed")  # the indexer replicated (every rank selects the same tokens)
 TP2 = ["bamba-g1", "gemma3", "llama-kv1", "llama-kv2", "qwen3_moe", "deepseek_v3"]
 PP2 = ["bamba-pp", "gemma3-alt", "llama-kv1", "llama-kv2"]
 TP2xPP2 = ["bamba-pp", "gemma3-alt", "llama-kv1", "llama-kv2"]
-SLOW = {"bamba-g2": (2, 1)}
+SLOW = {"bamba-g2": (2, 1), "deepseek_v32": (2, 1)}
 """Cases run only with the slow tests: ``name: (world size, pipeline stages)``."""
 MAX_TOKENS = 5
 
@@ -158,7 +161,9 @@ def _expected_caches(cfg: dict, tp: int, pp: int, rank: int) -> dict:
     attn = set(cfg.get("attn_layer_indices", range(cfg["num_hidden_layers"])))
     names = [f"model.layers.{i}.self_attn.attn" if i in attn else f"model.layers.{i}.mamba" for i in layers]
     kv_heads = 1 if "kv_lora_rank" in cfg else max(1, cfg["num_key_value_heads"] // tp)  # MLA: one latent row
-    return {"layers": names, "kv_heads": [kv_heads] * sum(i in attn for i in layers),
+    per_layer = 2 if "index_topk" in cfg else 1  # DeepSeek-V3.2: + the indexer's key row (whole on every rank)
+    names += [f"model.layers.{i}.self_attn.indexer" for i in layers if per_layer == 2]
+    return {"layers": names, "kv_heads": [kv_heads] * per_layer * sum(i in attn for i in layers),
             "mamba_ssm_heads": [cfg.get("mamba_n_heads", 0) // tp] * sum(i not in attn for i in layers)}
 
 

@@ -125,7 +125,7 @@ def test_check_refuses_a_backend_that_cannot_run_here(capsys, monkeypatch):
     rc, err = _check_refused(capsys, monkeypatch, "broken_backends:Unavailable")
     assert rc == EXIT_NOTHING_TESTED and "is_available() is False: needs the moon" in err
     rc, err = _check_refused(capsys, monkeypatch, "torch_native", "broken_backends_more:OtherCacheKind")
-    assert rc == EXIT_NOTHING_TESTED and "OtherCacheKind'" in err and "mamba (state) and mla cases only" in err
+    assert rc == EXIT_NOTHING_TESTED and "OtherCacheKind'" in err and "mamba (state), mla and indexer (selector) cases only" in err
     from attnplug.plugins import get_backend
     for name in ("flash_attn", "triton"):  # the trial's cases, where they cannot run
         ok, why = get_backend(name).is_available()

@@ -1,0 +1,1 @@
+"""``flashmla_sparse``: the sparse MLA consumer lowered to FlashMLA's ``flash_mla_sparse_fwd``."""

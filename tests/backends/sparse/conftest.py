@@ -1,0 +1,8 @@
+"""Puts this folder on ``sys.path`` for ``buggy_sparse`` (the planted-bug backends)."""
+
+import sys
+from pathlib import Path
+
+HERE = str(Path(__file__).resolve().parent)
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
