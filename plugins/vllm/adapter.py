@@ -14,6 +14,9 @@ What maps to what:
   builder's ``cudagraph_support`` level, same numbering.
 * metadata: ``metadata.from_vllm`` (costs documented there), then the attnplug builder.
 * KV cache: ``kv_layout`` (zero-copy view; block-compact layouts declared).
+* refused when the class is built (``BackendUnsupportedError``): a backend whose cache kind is
+  not paged attention -- MLA (vLLM's ``forward_mha`` / ``forward_mqa`` interface), a sparse
+  selector, a state backend -- each with the vLLM interface it would need.
 * refused at construction with the reason (``BackendUnsupportedError``): ALiBi, attention
   sinks, quantized (fp8) KV cache, KV sharing, a soft cap or window the attnplug backend
   does not declare, non-decoder attention; at forward: fused output quantization
@@ -79,6 +82,9 @@ def bridge_classes(backend: type, vllm_name: str) -> type:
     class answers vLLM's selection and layout questions from ``backend``'s declarations.
     """
     name = backend.get_name()
+    if backend.kv_cache_kind != "attention":
+        raise BackendUnsupportedError(name, [_unbridged_kind_reason(backend.kv_cache_kind)],
+                                      context=f"vLLM (as {vllm_name}, the attnplug bridge)")
     builder_cls = _bridged_builder(backend)
     impl_cls = _bridged_impl(backend, vllm_name)
     backend_cls = _bridged_backend(backend, vllm_name, impl_cls, builder_cls)
@@ -86,6 +92,23 @@ def bridge_classes(backend: type, vllm_name: str) -> type:
         cls.__name__ = cls.__qualname__ = f"Attnplug_{name}_{role}"
         cls.__module__ = "attnplug.plugins.vllm.bridged"
     return backend_cls
+
+
+_UNBRIDGED_KINDS = {
+    "mla": "an MLA backend: vLLM drives MLA through its own MLA impl interface (forward_mha for prefill over "
+           "decompressed K/V, forward_mqa for decode over the latent cache), which the bridge does not "
+           "translate yet (docs/vllm.md)",
+    "indexer": "a sparse-attention selector (indexer): vLLM keeps its DeepSeek-V3.2 indexer as a backend of its "
+               "own, which the bridge does not translate (docs/vllm.md)",
+    "mamba": "a state backend: vLLM drives Mamba / GDN state through its own state backends and KV manager, "
+             "which the bridge does not translate (docs/vllm.md)",
+}
+
+
+def _unbridged_kind_reason(kind: str) -> str:
+    """Why the bridge refuses a backend of cache kind ``kind`` (it serves ``"attention"`` only)."""
+    what = _UNBRIDGED_KINDS.get(kind, f"a backend of cache kind {kind!r}: the bridge serves attention backends only")
+    return f"{what}; the bridge serves paged-attention backends (kv_cache_kind 'attention') only"
 
 
 def _bridged_builder(backend: type) -> type:

@@ -127,6 +127,21 @@ def test_unsupported_vllm_features_are_refused_at_construction(kwargs, reason):
     assert "torch_native" in str(e.value) and "vLLM" in str(e.value)
 
 
+@pytest.mark.parametrize("registered, interface", [
+    ("torch_native_mla", "forward_mqa"),
+    ("torch_native_sparse_mla", "forward_mqa"),
+    ("torch_native_indexer", "indexer"),
+    ("mamba2_torch", "state backends"),
+])
+def test_backends_of_other_cache_kinds_are_refused_naming_the_vllm_interface(registered, interface):
+    from attnplug.plugins.discovery import get_backend
+    from attnplug.plugins.vllm.adapter import bridge_classes
+
+    with pytest.raises(BackendUnsupportedError, match=interface) as e:
+        bridge_classes(get_backend(registered), "CUSTOM")
+    assert registered in str(e.value) and "kv_cache_kind 'attention'" in str(e.value)
+
+
 def test_a_supported_layer_builds_and_profile_run_is_a_no_op():
     impl = _impl_cls()(4, 32, 32 ** -0.5, 2, sliding_window=40)
     out = torch.full((3, 4, 32), 5.0)
