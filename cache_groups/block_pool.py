@@ -276,14 +276,28 @@ class SlidingWindowManager(SingleTypeBlockManager):
 
 
 class MambaStateManager(SingleTypeBlockManager):
-    """Mamba state: one slot (block) per request from admission to finish or preemption."""
+    """Mamba state: ``slots_per_request`` slots (blocks) per request from admission to
+    finish or preemption: block 0 is the request's state; with speculative decoding the
+    other ``k`` are scratch slots for the states after each draft position
+    (docs/speculative-decoding.md, "State groups").
+
+    Args:
+        spec, pool: as :class:`SingleTypeBlockManager`.
+        slots_per_request: ``1`` (default) or ``1 + k`` (``KVCacheConfig.state_slots_per_request``).
+    """
+
+    def __init__(self, spec: KVCacheSpec, pool: BlockPool, slots_per_request: int = 1):
+        super().__init__(spec, pool)
+        self.slots_per_request = slots_per_request
 
     def num_blocks_needed(self, num_tokens: int) -> int:
-        return 1 if num_tokens > 0 else 0
+        return self.slots_per_request if num_tokens > 0 else 0
 
 
-def make_block_manager(spec: KVCacheSpec, pool: BlockPool) -> SingleTypeBlockManager:
-    """The policy class for ``spec`` (dispatch on its type).
+def make_block_manager(spec: KVCacheSpec, pool: BlockPool, state_slots_per_request: int = 1
+                       ) -> SingleTypeBlockManager:
+    """The policy class for ``spec`` (dispatch on its type); ``state_slots_per_request``
+    goes to a :class:`MambaStateManager`.
 
     Raises:
         KVCacheSpecError: a spec type without a block policy.
@@ -293,7 +307,7 @@ def make_block_manager(spec: KVCacheSpec, pool: BlockPool) -> SingleTypeBlockMan
     if isinstance(spec, FullAttentionSpec):
         return FullAttentionManager(spec, pool)
     if isinstance(spec, MambaSpec):
-        return MambaStateManager(spec, pool)
+        return MambaStateManager(spec, pool, state_slots_per_request)
     raise KVCacheSpecError(
         f"no block policy for {type(spec).__name__}; supported: FullAttentionSpec, "
         "SlidingWindowSpec, MambaSpec")
@@ -312,7 +326,7 @@ class KVCacheManager:
     def __init__(self, kv_cache_config: KVCacheConfig):
         self.kv_cache_config = kv_cache_config
         self.pools = [BlockPool(kv_cache_config.num_blocks_of(g)) for g in range(len(kv_cache_config.groups))]
-        self.managers = [make_block_manager(g.kv_cache_spec, p)
+        self.managers = [make_block_manager(g.kv_cache_spec, p, kv_cache_config.state_slots_per_request)
                          for g, p in zip(kv_cache_config.groups, self.pools)]
 
     @property

@@ -233,8 +233,9 @@ class Scheduler:
             if req.num_tokens_to_compute == 0 or req.remaining_output_tokens(cfg.max_model_len) == 0:
                 continue  # asynchronous: its last output is in flight
             drafts = self.spec.propose(req, budget) if self.spec is not None else []
-            n = self.kv_cache_manager.align_num_new_tokens(  # drafts: never with Mamba groups
+            n = self.kv_cache_manager.align_num_new_tokens(
                 req, req.num_computed_tokens, min(req.num_tokens_to_compute + len(drafts), budget))
+            drafts = drafts[:max(0, n - 1)]  # a Mamba checkpoint boundary cut the row: fewer drafts
             assert n > 0, f"running request {req.req_id} has nothing to compute"
             while (blocks := self._allocate(req, n)) is None:
                 victim = self.running[-1]
