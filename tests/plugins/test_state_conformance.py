@@ -48,6 +48,25 @@ def test_a_broken_state_backend_fails_naming_the_case(pytester, cls, keyword, te
     assert f"state case {case!r} on backend" in out and needle in out, out
 
 
+@pytest.mark.parametrize("cls, case, test, needle", [
+    ("RejectedDraftKept", "state_spec_partial_acceptance", "test_state_slots_hold_the_recurrence_state",
+     "request r1's SSM state in slot"),
+    ("ConvNotCarried", "state_chunk_offsets", "test_state_slots_hold_the_recurrence_state",
+     "request r0's conv state in slot"),
+    ("HitNotInitial", "state_prefix_hit", "test_state_outputs_match_recurrence", "step 2, cache group 0"),
+    ("PadRowWritesSlot0", "state_spec_partial_acceptance", "test_state_slots_hold_the_recurrence_state",
+     "conv state of slot(s) [0] changed"),
+], ids=["rejected_draft_state_kept", "conv_state_not_carried_across_chunks", "has_initial_state_wrong_on_hit",
+        "padded_row_writes_slot_0"])
+def test_the_hybrid_state_family_fails_a_planted_bug_naming_the_case(pytester, cls, case, test, needle):
+    """One bug of each kind the field reported on hybrid models (tests/plugins/broken_state_backends.py)."""
+    result = _run_suite(pytester, f"broken_state_backends:{cls}", case)
+    assert result.ret == pytest.ExitCode.TESTS_FAILED, result.stdout.str()
+    result.stdout.fnmatch_lines([f"FAILED *{test}?broken_state_backends:{cls}-{case}]*"])
+    out = " ".join(result.stdout.str().split())
+    assert f"state case {case!r} on backend" in out and needle in out, out
+
+
 def test_state_cases_from_a_cases_file(pytester, tmp_path):
     case = StateCase(name="my_state_case", steps=(((0, 3), (1, 2)), ((0, 1), (1, 1))), num_heads=2, n_groups=1)
     path = tmp_path / "cases.json"
