@@ -8,13 +8,11 @@ Three layers, one concept each:
   request needs for ``n`` tokens and which blocks it may give back early:
   :class:`FullAttentionManager` (``cdiv(n, block_size)``, nothing freed early),
   :class:`SlidingWindowManager` (blocks no future query can see become ``NULL_BLOCK_ID`` and
-  return to the pool; the block table never shifts) and :class:`MambaStateManager` (one
-  state slot per request, whatever its length).
+  return to the pool; the block table never shifts) and :class:`MambaStateManager` (state slots).
 * :class:`KVCacheManager` — the coordinator over all groups: all-or-nothing allocation of
   a step's new blocks in every group, and freeing a request everywhere.
 
-Conventions follow vLLM V1's ``BlockPool`` / ``SingleTypeKVCacheManager`` /
-``KVCacheManager`` (names and semantics only; no prefix caching here).
+Conventions: vLLM V1's ``BlockPool`` / ``SingleTypeKVCacheManager`` / ``KVCacheManager`` (no prefix caching here).
 """
 
 from __future__ import annotations
@@ -276,15 +274,8 @@ class SlidingWindowManager(SingleTypeBlockManager):
 
 
 class MambaStateManager(SingleTypeBlockManager):
-    """Mamba state: ``slots_per_request`` slots (blocks) per request from admission to
-    finish or preemption: block 0 is the request's state; with speculative decoding the
-    other ``k`` are scratch slots for the states after each draft position
-    (docs/speculative-decoding.md, "State groups").
-
-    Args:
-        spec, pool: as :class:`SingleTypeBlockManager`.
-        slots_per_request: ``1`` (default) or ``1 + k`` (``KVCacheConfig.state_slots_per_request``).
-    """
+    """Mamba state: ``slots_per_request`` slots per request, admission to finish or preemption (its
+    state, then a scratch slot per draft position: docs/speculative-decoding.md, "State groups")."""
 
     def __init__(self, spec: KVCacheSpec, pool: BlockPool, slots_per_request: int = 1):
         super().__init__(spec, pool)
@@ -294,10 +285,8 @@ class MambaStateManager(SingleTypeBlockManager):
         return self.slots_per_request if num_tokens > 0 else 0
 
 
-def make_block_manager(spec: KVCacheSpec, pool: BlockPool, state_slots_per_request: int = 1
-                       ) -> SingleTypeBlockManager:
-    """The policy class for ``spec`` (dispatch on its type); ``state_slots_per_request``
-    goes to a :class:`MambaStateManager`.
+def make_block_manager(spec: KVCacheSpec, pool: BlockPool, state_slots: int = 1) -> SingleTypeBlockManager:
+    """The policy class for ``spec`` (dispatch on its type; ``state_slots`` per request for Mamba).
 
     Raises:
         KVCacheSpecError: a spec type without a block policy.
@@ -307,7 +296,7 @@ def make_block_manager(spec: KVCacheSpec, pool: BlockPool, state_slots_per_reque
     if isinstance(spec, FullAttentionSpec):
         return FullAttentionManager(spec, pool)
     if isinstance(spec, MambaSpec):
-        return MambaStateManager(spec, pool, state_slots_per_request)
+        return MambaStateManager(spec, pool, state_slots)
     raise KVCacheSpecError(
         f"no block policy for {type(spec).__name__}; supported: FullAttentionSpec, "
         "SlidingWindowSpec, MambaSpec")

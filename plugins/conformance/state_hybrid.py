@@ -6,20 +6,31 @@ the engine takes:
 
 * **drafts** (``StateCase.verify``): each request holds ``1 + max drafts`` slots per group
   (slot 0 its state, then scratch slots: ``KVCacheConfig.state_slots_per_request``);
-  after the forward the runner's :func:`~attnplug.runner.execute.spec_decode.state_commit.
-  draft_state_copies` picks the accepted column and it is copied into slot 0; the
+  after the forward the runner's :func:`~attnplug.runner.step.spec_apply.draft_state_copies`
+  picks the accepted column and it is copied into slot 0, as
+  ``runner/execute/spec_decode/state_commit.py`` does; the
   emitted tokens are appended (``StepCompiler.append_verified_tokens``), so the next step
   sees the rolled-back ``num_computed_tokens`` and one real token left;
 * **prefix hits** (``StateCase.prefix_hits``): when the source has computed exactly
   ``tokens``, its slot is copied into a checkpoint slot (a *save*); the hit request is
   admitted with ``num_computed_tokens = tokens`` and the checkpoint is copied into its own
-  slot before its first forward (a *restore*), with the runner's
-  :func:`~attnplug.runner.execute.state_copies.copy_state_slots`.
+  slot before its first forward (a *restore*), every state tensor's row ``src`` into row
+  ``dst``, as ``runner/execute/state_copies.py`` does (``plugins.conformance`` may not
+  import ``runner.execute``: docs/architecture.md).
 """
 
 from __future__ import annotations
 
+import torch
+
 from attnplug.plugins.conformance.state_cases import StateCase
+
+
+def copy_slots(states, copies) -> None:
+    """``(g, src, dst)``: row ``src`` of group ``g``'s conv and SSM state into row ``dst``."""
+    for g, src, dst in copies:
+        for t in (states[g].conv_state, states[g].ssm_state):
+            t[dst].copy_(t[src])
 
 
 class HybridBook:
@@ -54,16 +65,8 @@ class HybridBook:
             out.update((r, p) for p in range(c + 1 + a, c + n_of[r]))
         return out
 
-    @staticmethod
-    def _caches(runner):
-        names = [[f"mamba{g}"] for g in range(len(runner.states))]
-        return {f"mamba{g}": st for g, st in enumerate(runner.states)}, names
-
     def restore_hits(self, runner, so) -> None:
         """Before the forward: each hit admitted in ``so`` gets its checkpoint copied into its slot."""
-        from attnplug.runner.execute.state_copies import copy_state_slots
-
-        caches, names = self._caches(runner)
         for nr in so.scheduled_new_reqs:
             r = int(nr.req_id[1:])
             for hr, src, h in self.case.prefix_hits:
@@ -73,15 +76,12 @@ class HybridBook:
                 if ckpt is None:
                     raise ValueError(f"prefix hit {(hr, src, h)}: request r{src} never computed exactly {h} "
                                      "tokens at the end of a step (no checkpoint to restore)")
-                copy_state_slots(caches, names, [(g, ckpt[g], runner.slot[g][r]) for g in range(self.num_groups)])
+                copy_slots(runner.states, [(g, ckpt[g], runner.slot[g][r]) for g in range(self.num_groups)])
 
     def finish_step(self, runner, index: int, step, record) -> None:
         """After the forward: commit the verifying rows' accepted states (and record the
         slots after it), append the emitted tokens, save the checkpoints hits will need."""
-        import torch
-
-        from attnplug.runner.execute.spec_decode.state_commit import draft_state_copies
-        from attnplug.runner.execute.state_copies import copy_state_slots
+        from attnplug.runner.step.spec_apply import draft_state_copies
 
         sc = runner.compiler
         rows_of = sc.input_batch.req_id_to_index
@@ -101,9 +101,8 @@ class HybridBook:
             sc.append_verified_tokens([rows_of[f"r{r}"] for r, _ in done], [[1] * k for _, k in done])
             for r, _ in done:
                 runner.held[r] = runner.computed[r] + 1
-        caches, names = self._caches(runner)
         for _, src, h in self.case.prefix_hits:
             if src in dict(step) and runner.computed[src] == h and (src, h) not in self.checkpoints:
                 ckpt = [int(runner.pools[g].pop(0)) for g in range(self.num_groups)]
-                copy_state_slots(caches, names, [(g, runner.slot[g][src], ckpt[g]) for g in range(self.num_groups)])
+                copy_slots(runner.states, [(g, runner.slot[g][src], ckpt[g]) for g in range(self.num_groups)])
                 self.checkpoints[(src, h)] = ckpt

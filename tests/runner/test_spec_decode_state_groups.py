@@ -22,7 +22,7 @@ from attnplug.core.errors import ConfigError, InvalidSchedulerOutput
 from attnplug.runner.commands.assemble import build_engine, resolve_backend
 from attnplug.runner.commands.model_loading import build_with_backends
 from attnplug.runner.commands.parity import run_parity
-from attnplug.runner.execute.spec_decode.state_commit import draft_state_copies
+from attnplug.runner.step.spec_apply import draft_state_copies
 from attnplug.runner.step.compiler import snapshot_diff
 from attnplug.runner.step.scheduler_output import SamplingParams
 

@@ -283,6 +283,11 @@ def main(argv: list[str] | None = None) -> int:
         report["spec_decode"] = run_spec(256, 3, args.spec_steps, args.repeat, kernels_available() and not args.no_numpy)
         if not args.json:
             print("\n" + render_spec(report["spec_decode"], args.markdown))
+        from attnplug.runner.commands.bench.spec_state import render_spec_state, run_spec_state
+
+        report["spec_state"] = run_spec_state(64, 3, min(args.spec_steps, 50), args.repeat)  # hybrid: Mamba2 group
+        if not args.json:
+            print("\n" + render_spec_state(report["spec_state"], args.markdown))
     if args.json:
         print(json.dumps(report, indent=1))
     elif args.builder_steps > 0 or args.async_steps > 0 or args.spec_steps > 0 or rows:

@@ -19,21 +19,7 @@ import numpy as np
 import torch
 
 from attnplug.cache_groups.kinds import GroupKind
-
-
-def draft_state_copies(tables: Sequence[np.ndarray], rows: Sequence[int], tokens: Sequence[Sequence[int]]
-                       ) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Per state group, ``(src_slots, dst_slots)`` (``int64``) of the rows that accepted drafts.
-
-    Args:
-        tables: per state group, its host block table ``[max_num_reqs, width]`` (manager ids).
-        rows: the verified rows (batch rows of this step).
-        tokens: per row, the emitted tokens (``a + 1`` of them).
-    """
-    r = np.asarray(rows, dtype=np.int64)
-    a = np.fromiter(map(len, tokens), np.int64, len(tokens)) - 1
-    sel = np.flatnonzero(a > 0)
-    return [(t[r[sel], a[sel]].astype(np.int64), t[r[sel], 0].astype(np.int64)) for t in tables]
+from attnplug.runner.step.spec_apply import draft_state_copies
 
 
 @torch.inference_mode()
