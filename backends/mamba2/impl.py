@@ -102,22 +102,24 @@ class Mamba2Impl(MambaImpl):
         x_all = xbc.index_select(0, ti).float().view(Rv, L, -1)
         dt_all = self._time_step(dt.index_select(0, ti).view(Rv, L, -1), dt_bias)
         own = slots.index_select(0, md.verify_rows)
-        conv, ssm = _gather(state.conv_state, own), _gather(state.ssm_state, own)
-        convs, ssms, ys = [], [], []
+        conv = _gather(state.conv_state, own)
+        ssm0 = _gather(state.ssm_state, own)
+        # the state after each position, [Rv, L, ...]: the update runs in place in its column t
+        ssm_all = ssm0.new_empty((Rv, L, *ssm0.shape[1:]))
+        conv_all = conv.new_empty((Rv, L, *conv.shape[1:]))
+        y_all = x_all.new_empty((Rv, L, cfg.intermediate_size))
         for t in range(L):
             out, conv = ops.causal_conv1d_decode(x_all[:, t], weight, bias, conv)
+            conv_all[:, t] = conv
             x, B, C = self._split(F.silu(out))
-            y, ssm = ops.selective_state_update(ssm.clone(), x, dt_all[:, t], A, B, C)
-            convs.append(conv)
-            ssms.append(ssm)
-            ys.append(y + D[:, None] * x)
+            ssm = ssm_all[:, t]
+            ssm.copy_(ssm0 if t == 0 else ssm_all[:, t - 1])
+            y, _ = ops.selective_state_update(ssm, x, dt_all[:, t], A, B, C)
+            y_all[:, t] = (y + D[:, None] * x).reshape(Rv, cfg.intermediate_size)
         w, dst = md.verify_write_index, md.verify_write_slots
-        conv_w = torch.stack(convs, 1).flatten(0, 1).index_select(0, w)
-        ssm_w = torch.stack(ssms, 1).flatten(0, 1).index_select(0, w)
-        state.conv_state.index_copy_(0, dst, conv_w.to(state.conv_state.dtype))
-        state.ssm_state.index_copy_(0, dst, ssm_w.to(state.ssm_state.dtype))
-        y_w = torch.stack(ys, 1).reshape(Rv * L, cfg.intermediate_size).index_select(0, w)
-        output.index_copy_(0, ti.index_select(0, w), y_w.to(output.dtype))
+        state.conv_state.index_copy_(0, dst, conv_all.flatten(0, 1).index_select(0, w).to(state.conv_state.dtype))
+        state.ssm_state.index_copy_(0, dst, ssm_all.flatten(0, 1).index_select(0, w).to(state.ssm_state.dtype))
+        output.index_copy_(0, ti.index_select(0, w), y_all.flatten(0, 1).index_select(0, w).to(output.dtype))
 
     # --- shared pieces ----------------------------------------------------------------------
     def _time_step(self, dt: torch.Tensor, dt_bias: torch.Tensor) -> torch.Tensor:
