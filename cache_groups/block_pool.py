@@ -8,13 +8,11 @@ Three layers, one concept each:
   request needs for ``n`` tokens and which blocks it may give back early:
   :class:`FullAttentionManager` (``cdiv(n, block_size)``, nothing freed early),
   :class:`SlidingWindowManager` (blocks no future query can see become ``NULL_BLOCK_ID`` and
-  return to the pool; the block table never shifts) and :class:`MambaStateManager` (one
-  state slot per request, whatever its length).
+  return to the pool; the block table never shifts) and :class:`MambaStateManager` (state slots).
 * :class:`KVCacheManager` — the coordinator over all groups: all-or-nothing allocation of
   a step's new blocks in every group, and freeing a request everywhere.
 
-Conventions follow vLLM V1's ``BlockPool`` / ``SingleTypeKVCacheManager`` /
-``KVCacheManager`` (names and semantics only; no prefix caching here).
+Conventions: vLLM V1's ``BlockPool`` / ``SingleTypeKVCacheManager`` / ``KVCacheManager`` (no prefix caching here).
 """
 
 from __future__ import annotations
@@ -276,14 +274,19 @@ class SlidingWindowManager(SingleTypeBlockManager):
 
 
 class MambaStateManager(SingleTypeBlockManager):
-    """Mamba state: one slot (block) per request from admission to finish or preemption."""
+    """Mamba state: ``slots_per_request`` slots per request, admission to finish or preemption (its
+    state, then a scratch slot per draft position: docs/speculative-decoding.md, "State groups")."""
+
+    def __init__(self, spec: KVCacheSpec, pool: BlockPool, slots_per_request: int = 1):
+        super().__init__(spec, pool)
+        self.slots_per_request = slots_per_request
 
     def num_blocks_needed(self, num_tokens: int) -> int:
-        return 1 if num_tokens > 0 else 0
+        return self.slots_per_request if num_tokens > 0 else 0
 
 
-def make_block_manager(spec: KVCacheSpec, pool: BlockPool) -> SingleTypeBlockManager:
-    """The policy class for ``spec`` (dispatch on its type).
+def make_block_manager(spec: KVCacheSpec, pool: BlockPool, state_slots: int = 1) -> SingleTypeBlockManager:
+    """The policy class for ``spec`` (dispatch on its type; ``state_slots`` per request for Mamba).
 
     Raises:
         KVCacheSpecError: a spec type without a block policy.
@@ -293,7 +296,7 @@ def make_block_manager(spec: KVCacheSpec, pool: BlockPool) -> SingleTypeBlockMan
     if isinstance(spec, FullAttentionSpec):
         return FullAttentionManager(spec, pool)
     if isinstance(spec, MambaSpec):
-        return MambaStateManager(spec, pool)
+        return MambaStateManager(spec, pool, state_slots)
     raise KVCacheSpecError(
         f"no block policy for {type(spec).__name__}; supported: FullAttentionSpec, "
         "SlidingWindowSpec, MambaSpec")
@@ -312,7 +315,7 @@ class KVCacheManager:
     def __init__(self, kv_cache_config: KVCacheConfig):
         self.kv_cache_config = kv_cache_config
         self.pools = [BlockPool(kv_cache_config.num_blocks_of(g)) for g in range(len(kv_cache_config.groups))]
-        self.managers = [make_block_manager(g.kv_cache_spec, p)
+        self.managers = [make_block_manager(g.kv_cache_spec, p, kv_cache_config.state_slots_per_request)
                          for g, p in zip(kv_cache_config.groups, self.pools)]
 
     @property

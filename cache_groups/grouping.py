@@ -31,11 +31,17 @@ class KVCacheConfig:
     "mamba"``) instead: a request holds one slot there whatever its length, so
     ``max_num_seqs + 1`` slots (the null block included) suffice, while each slot holds a
     whole request's state. ``None``: ``num_blocks`` like every other group.
+
+    ``state_slots_per_request`` (default 1): slots a request holds in each state group.
+    Speculative decoding with ``k`` drafts needs ``1 + k``: slot 0 is the request's state,
+    slots ``1 .. k`` hold the states after each draft position while the step verifies
+    (docs/speculative-decoding.md, "State groups"); size ``num_state_slots`` for it.
     """
 
     num_blocks: int
     groups: tuple[KVCacheGroupSpec, ...]
     num_state_slots: int | None = None
+    state_slots_per_request: int = 1
 
     def __post_init__(self):
         if self.num_blocks < 2:
@@ -44,6 +50,8 @@ class KVCacheConfig:
         if self.num_state_slots is not None and self.num_state_slots < 2:
             raise KVCacheSpecError(
                 f"num_state_slots must be >= 2 (slot 0 is the reserved null block), got {self.num_state_slots}")
+        if not isinstance(self.state_slots_per_request, int) or self.state_slots_per_request < 1:
+            raise KVCacheSpecError(f"state_slots_per_request must be an int >= 1, got {self.state_slots_per_request!r}")
         names = [n for g in self.groups for n in g.layer_names]
         if len(names) != len(set(names)):
             dup = sorted({n for n in names if names.count(n) > 1})

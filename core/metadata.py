@@ -92,6 +92,13 @@ class CommonAttentionMetadata:
     whole prompt before this step (``num_computed_tokens < num_prompt_tokens``); tells a
     one-token prefill chunk from a real decode."""
 
+    num_draft_tokens_cpu: torch.Tensor | None = None
+    """``[num_reqs]``, ``torch.int32``, CPU; units: tokens. Speculative decoding: the draft
+    tokens at the end of each row's query (a verifying row has query length ``1 + d``:
+    its last real token, then ``d`` drafts; 0 for every other row). ``None`` in a step
+    without drafts. State backends write the state after each of a verifying row's
+    positions to its scratch slots (docs/speculative-decoding.md, "State groups")."""
+
     def replace(self, **changes) -> "CommonAttentionMetadata":
         """Return a shallow copy with ``changes`` applied (per-group block table / slot mapping).
 

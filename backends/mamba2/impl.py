@@ -79,10 +79,47 @@ class Mamba2Impl(MambaImpl):
         if nd:
             y = self._decode(hidden_states_B_C[:nd], dt[:nd], state, slots[:nd], params)
             output[:nd] = y.reshape(nd, cfg.intermediate_size).to(output.dtype)
-        if md.num_prefills:
+        if md.num_verify_rows:  # speculative decoding: plain prefill rows gathered, then the verifying rows
+            if md.num_prefills:
+                ti = md.prefill_token_index
+                y = self._prefill(hidden_states_B_C.index_select(0, ti), dt.index_select(0, ti), state,
+                                  slots.index_select(0, md.prefill_rows), params, md)
+                output.index_copy_(0, ti, y.reshape(ti.shape[0], cfg.intermediate_size).to(output.dtype))
+            self._verify(hidden_states_B_C, dt, state, slots, params, md, output)
+        elif md.num_prefills:
             y = self._prefill(hidden_states_B_C[nd:T], dt[nd:T], state, slots[nd:], params, md)
             output[nd:T] = y.reshape(T - nd, cfg.intermediate_size).to(output.dtype)
         return output
+
+    # --- verifying rows (speculative decoding, backends/mamba2/verify.py) ----------------------
+    def _verify(self, xbc, dt, state: MambaStateCache, slots, params, md: Mamba2Metadata, output) -> None:
+        """The recurrent update at each position of every verifying row; the state after
+        position ``t`` goes to the row's block-table column ``t``, the outputs to their tokens."""
+        weight, bias, A, D, dt_bias = params
+        cfg = self.layer_config
+        Rv, L = md.num_verify_rows, md.max_verify_len
+        ti = md.verify_token_index
+        x_all = xbc.index_select(0, ti).float().view(Rv, L, -1)
+        dt_all = self._time_step(dt.index_select(0, ti).view(Rv, L, -1), dt_bias)
+        own = slots.index_select(0, md.verify_rows)
+        conv = _gather(state.conv_state, own)
+        ssm0 = _gather(state.ssm_state, own)
+        # the state after each position, [Rv, L, ...]: the update runs in place in its column t
+        ssm_all = ssm0.new_empty((Rv, L, *ssm0.shape[1:]))
+        conv_all = conv.new_empty((Rv, L, *conv.shape[1:]))
+        y_all = x_all.new_empty((Rv, L, cfg.intermediate_size))
+        for t in range(L):
+            out, conv = ops.causal_conv1d_decode(x_all[:, t], weight, bias, conv)
+            conv_all[:, t] = conv
+            x, B, C = self._split(F.silu(out))
+            ssm = ssm_all[:, t]
+            ssm.copy_(ssm0 if t == 0 else ssm_all[:, t - 1])
+            y, _ = ops.selective_state_update(ssm, x, dt_all[:, t], A, B, C)
+            y_all[:, t] = (y + D[:, None] * x).reshape(Rv, cfg.intermediate_size)
+        w, dst = md.verify_write_index, md.verify_write_slots
+        state.conv_state.index_copy_(0, dst, conv_all.flatten(0, 1).index_select(0, w).to(state.conv_state.dtype))
+        state.ssm_state.index_copy_(0, dst, ssm_all.flatten(0, 1).index_select(0, w).to(state.ssm_state.dtype))
+        output.index_copy_(0, ti.index_select(0, w), y_all.flatten(0, 1).index_select(0, w).to(output.dtype))
 
     # --- shared pieces ----------------------------------------------------------------------
     def _time_step(self, dt: torch.Tensor, dt_bias: torch.Tensor) -> torch.Tensor:

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from attnplug.backends.mamba2.layout import PrefillLayout, compute_prefill_layout, max_num_chunks
+from attnplug.backends.mamba2.verify import compute_verify_layout
 from attnplug.cache_groups.buffers import CpuGpuBuffer
 from attnplug.core.constants import PAD_SLOT_ID
 from attnplug.core.contracts import AttentionCGSupport, AttentionMetadataBuilder, BuilderConfig
@@ -106,6 +107,31 @@ class Mamba2Metadata:
     """``[num_prefill_tokens * conv_kernel_size]``: each token's conv window, oldest first."""
     block_table_tensor: torch.Tensor
     """``[num_reqs_padded, max_num_blocks_per_req]``, ``torch.int32``: the group's table."""
+    # --- speculative decoding (``backends/mamba2/verify.py``); defaults: a step without drafts
+    num_verify_rows: int = 0
+    """``Rv``: rows verifying ``d >= 1`` drafts (query length ``1 + d``). When ``> 0`` the
+    prefill part's fields above (``num_prefills``, ``num_prefill_tokens``, the chunk
+    layout, ``query_start_loc_p``) describe only its *plain* rows, gathered by
+    ``prefill_rows`` / ``prefill_token_index``; ``num_decodes + num_prefills +
+    num_verify_rows == num_reqs``."""
+    max_verify_len: int = 0
+    """``L = 1 + max d`` (positions per verifying row in the grid)."""
+    verify_rows: torch.Tensor | None = None
+    """``[Rv]``: batch rows of the verifying rows."""
+    verify_token_index: torch.Tensor | None = None
+    """``[Rv * L]``: the flat-stream token at each grid entry (row-major ``[Rv, L]``)."""
+    verify_write_index: torch.Tensor | None = None
+    """``[Nw]``: the grid entries that are real positions (``t < 1 + d``)."""
+    verify_write_slots: torch.Tensor | None = None
+    """``[Nw]``: the state slot that receives the state after each of those positions
+    (block-table column ``t`` of the row; column 0 is the request's own slot)."""
+    verify_write_bt_index: torch.Tensor | None = None
+    """``[Nw]``: flat block-table index (``row * width + t``) of each written slot
+    (``update_block_table`` re-reads ``verify_write_slots`` through it)."""
+    prefill_rows: torch.Tensor | None = None
+    """``[num_prefills]``: batch rows of the plain prefill rows (``None`` without verifying rows)."""
+    prefill_token_index: torch.Tensor | None = None
+    """``[num_prefill_tokens]``: their tokens in the flat stream (``None`` without verifying rows)."""
 
 
 class Mamba2MetadataBuilder(AttentionMetadataBuilder):
@@ -224,6 +250,9 @@ class Mamba2MetadataBuilder(AttentionMetadataBuilder):
         if nd == R and not layout_always:
             return self._build_decodes(cm, R)
         computed = cm.num_computed_tokens_cpu[:R].numpy().astype(np.int64)
+        drafts = cm.num_draft_tokens_cpu
+        if drafts is not None and bool((drafts[nd:R] > 0).any()):
+            return self._build_verifying(cm, R, nd, qsl, computed, drafts[:R].numpy().astype(np.int64))
         layout = compute_prefill_layout(query_lens[nd:], computed[nd:], self.chunk_size, self.conv_state_len)
         views = self._upload(computed > 0, np.flatnonzero(computed == 0), layout)
         state_indices = self._state_indices_from(cm.block_table_tensor, R, self._state_indices)
@@ -236,6 +265,35 @@ class Mamba2MetadataBuilder(AttentionMetadataBuilder):
             query_start_loc_p=qsl_p.to(torch.int32), query_start_loc_p_cpu=layout.query_start_loc,
             block_table_tensor=cm.block_table_tensor, **views,
             **{f: getattr(layout, f) for f in _HOST_FIELDS})
+
+    def _build_verifying(self, cm: CommonAttentionMetadata, R: int, nd: int, qsl: np.ndarray,
+                         computed: np.ndarray, drafts: np.ndarray) -> Mamba2Metadata:
+        """A step with verifying rows (speculative decoding, ``backends/mamba2/verify.py``):
+        the plain prefill rows get the chunk layout over their gathered tokens; the
+        verifying rows, their grid and state slots (one more host-to-device copy)."""
+        bt = cm.block_table_tensor
+        ver = compute_verify_layout(qsl, drafts, nd, int(bt.shape[1]))
+        prows = ver.prefill_rows
+        layout = compute_prefill_layout(np.diff(qsl)[prows], computed[prows], self.chunk_size, self.conv_state_len)
+        views = self._upload(computed > 0, np.flatnonzero(computed == 0), layout)
+        state_indices = self._state_indices_from(bt, R, self._state_indices)
+        arrays = [ver.verify_rows, ver.verify_token_index, ver.verify_write_index, ver.verify_write_bt_index,
+                  prows, ver.prefill_token_index, layout.query_start_loc]
+        dev = torch.from_numpy(np.concatenate(arrays)).to(self.device)
+        v_rows, v_tok, v_write, v_bt, p_rows, p_tok, qsl_p = torch.split(dev, [a.shape[0] for a in arrays])
+        slots = bt.reshape(-1).index_select(0, v_bt).long()
+        Tp = int(ver.prefill_token_index.shape[0])
+        return Mamba2Metadata(
+            num_reqs=R, num_actual_tokens=cm.num_actual_tokens, num_decodes=nd, num_prefills=int(prows.shape[0]),
+            num_decode_tokens=nd, num_prefill_tokens=Tp, chunk_size=self.chunk_size,
+            num_chunks=layout.num_chunks, max_chunks_per_seq=layout.max_chunks_per_seq,
+            state_indices=state_indices, query_start_loc_p=qsl_p.to(torch.int32),
+            query_start_loc_p_cpu=layout.query_start_loc, block_table_tensor=bt, **views,
+            **{f: getattr(layout, f) for f in _HOST_FIELDS},
+            num_verify_rows=int(ver.verify_rows.shape[0]), max_verify_len=ver.max_verify_len,
+            verify_rows=v_rows, verify_token_index=v_tok, verify_write_index=v_write, verify_write_slots=slots,
+            verify_write_bt_index=v_bt,
+            prefill_rows=p_rows, prefill_token_index=p_tok)
 
     def _build_decodes(self, cm: CommonAttentionMetadata, R: int) -> Mamba2Metadata:
         """A step of one-token rows only (``num_actual_tokens == num_reqs``, ``max_query_len
@@ -293,7 +351,14 @@ class Mamba2MetadataBuilder(AttentionMetadataBuilder):
         if _shares_storage(metadata.state_indices, out):
             out = torch.full_like(out, PAD_SLOT_ID)
         state_indices = self._state_indices_from(block_table, metadata.num_reqs, out)
-        return dataclasses.replace(metadata, state_indices=state_indices, block_table_tensor=block_table)
+        changes = {}
+        if metadata.num_verify_rows:  # the scratch slots of the verifying rows, from this group's table
+            if block_table.shape[1] != metadata.block_table_tensor.shape[1]:
+                raise MetadataError(f"block_table_tensor has {block_table.shape[1]} columns but the metadata was "
+                                    f"built with {metadata.block_table_tensor.shape[1]}: equal specs, equal widths")
+            changes["verify_write_slots"] = block_table.reshape(-1).index_select(
+                0, metadata.verify_write_bt_index).long()
+        return dataclasses.replace(metadata, state_indices=state_indices, block_table_tensor=block_table, **changes)
 
 
 def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:

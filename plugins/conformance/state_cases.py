@@ -9,6 +9,19 @@ request)``: before that step the request is preempted (its state slot is freed a
 poisoned), and the next time it is scheduled it resumes from position 0 in a new slot
 (``resumed_from_preemption``), recomputing its tokens.
 
+Hybrid-state cases (docs/conformance.md, "The hybrid-state family") add two things:
+
+* ``verify`` lists ``(step, request, accepted)``: in that step the request's ``n``
+  scheduled tokens are its last real token and ``n - 1`` drafts (speculative decoding);
+  ``accepted`` of the drafts are accepted, the rest carry other inputs (rejected). The
+  request holds ``1 + max drafts`` state slots; after the runner's commit
+  (``runner/execute/spec_decode/state_commit.py``) its own slot must hold the state of
+  the accepted prefix, and the rejected drafts must leave no trace.
+* ``prefix_hits`` lists ``(request, source, tokens)``: the request's first ``tokens``
+  inputs are the source's; it is admitted with ``num_computed_tokens = tokens`` and its
+  slot restored (the runner's ``copy_state_slots``) from the checkpoint copied out of the
+  source's slot when the source had computed exactly ``tokens``.
+
 Cases are plain data: ``--attnplug-cases FILE.json`` takes them next to attention cases
 (an object with ``"kind": "state"``; see :meth:`StateCase.from_dict`).
 """
@@ -40,6 +53,8 @@ class StateCase:
         spare_slots: extra slots no request owns (the last slot of the pool is one).
         seed: seeds inputs, layer parameters and slot ids.
         tags: what the case covers.
+        verify: ``(step, request, accepted drafts)``: a verifying row (see the module docstring).
+        prefix_hits: ``(request, source, tokens)``: a prefix-cache hit (see the module docstring).
     """
 
     name: str
@@ -56,6 +71,8 @@ class StateCase:
     spare_slots: int = 2
     seed: int = 0
     tags: tuple[str, ...] = field(default_factory=tuple)
+    verify: tuple[tuple[int, int, int], ...] = ()
+    prefix_hits: tuple[tuple[int, int, int], ...] = ()
 
     def __post_init__(self):
         problems = []
@@ -73,8 +90,28 @@ class StateCase:
             problems.append(f"dtype {self.dtype!r} not in {DTYPES}")
         if self.spare_slots < 1:
             problems.append("spare_slots must be >= 1 (the pool's last slot stays unowned)")
+        problems += self._hybrid_problems()
         if problems:
             raise ValueError(f"state case {self.name!r}: " + "; ".join(problems))
+
+    def _hybrid_problems(self) -> list[str]:
+        problems = []
+        for v in self.verify:
+            s, r, a = v if len(v) == 3 else (-1, -1, -1)
+            n = dict(self.steps[s]).get(r, 0) if 0 <= s < len(self.steps) else 0
+            if n < 2 or not 0 <= a <= n - 1:
+                problems.append(f"verify {v!r}: need (step, request, accepted) with the request scheduled "
+                                f"1 + d >= 2 tokens in that step and 0 <= accepted <= d")
+        first = {}
+        for s, st in enumerate(self.steps):
+            for r, _ in st:
+                first.setdefault(r, s)
+        for h in self.prefix_hits:
+            r, src, n = h if len(h) == 3 else (-1, -1, -1)
+            if r == src or n < 1 or r not in first or src not in first or first[src] >= first[r]:
+                problems.append(f"prefix_hits {h!r}: need (request, source, tokens >= 1), the source scheduled "
+                                "before the request's first step")
+        return problems
 
     @property
     def num_requests(self) -> int:
@@ -89,6 +126,8 @@ class StateCase:
         d["steps"] = [[list(p) for p in st] for st in self.steps]
         d["preempt"] = [list(p) for p in self.preempt]
         d["tags"] = list(self.tags)
+        d["verify"] = [list(v) for v in self.verify]
+        d["prefix_hits"] = [list(h) for h in self.prefix_hits]
         return {"kind": "state", **d}
 
     @classmethod
@@ -106,6 +145,8 @@ class StateCase:
         data["steps"] = tuple(tuple(tuple(int(x) for x in p) for p in st) for st in data.get("steps", ()))
         data["preempt"] = tuple(tuple(int(x) for x in p) for p in data.get("preempt", ()))
         data["tags"] = tuple(data.get("tags", ()))
+        for key in ("verify", "prefix_hits"):
+            data[key] = tuple(tuple(int(x) for x in p) for p in data.get(key, ()))
         return cls(**data)
 
 
@@ -137,5 +178,20 @@ STATE_CASES: tuple[StateCase, ...] = (
        conv_kernel_size=3, chunk_size=8),
     _s("state_mixed_fp16", [[(0, 5), (1, 9)], [(0, 1), (1, 4)]], "dtype", dtype="float16", num_pad_tokens=2),
     _s("state_mixed_bf16", [[(0, 5), (1, 9)], [(0, 1), (1, 4)]], "dtype", dtype="bfloat16"),
+    # --- the hybrid-state family (docs/conformance.md) ---
+    # chunk boundaries at every offset: two requests whose chunks start at each position mod 4
+    _s("state_chunk_offsets", [[(0, 1), (1, 3)], [(0, 2), (1, 5)], [(0, 3), (1, 2)], [(0, 5), (1, 7)],
+                               [(0, 6), (1, 1)], [(0, 7), (1, 6)]], "chunked", "offsets"),
+    # verifying rows: partial (1 of 3, 2 of 2, 1 of 1), none (0 of 2) and full (3 of 3) acceptance,
+    # beside a prefill and padded tokens
+    _s("state_spec_partial_acceptance", [[(0, 6), (1, 5)], [(0, 1), (1, 1)], [(0, 4), (1, 3)],
+                                         [(0, 3), (1, 4), (2, 5)], [(0, 1), (1, 2), (2, 1)]], "spec",
+       verify=((2, 0, 1), (2, 1, 0), (3, 0, 2), (3, 1, 3), (4, 1, 1)), num_pad_tokens=2),
+    # a verifying request preempted: it resumes in new slots, recomputes, then verifies again
+    _s("state_spec_preempt_resume", [[(0, 5), (1, 2)], [(0, 3), (1, 1)], [(0, 8), (1, 1)], [(0, 3), (1, 1)]],
+       "spec", "preempt", verify=((1, 0, 1), (3, 0, 2)), preempt=((2, 0),)),
+    # prefix-cache hits at 6 tokens (mid-chunk): one continues as a prefill, one as a decode
+    _s("state_prefix_hit", [[(0, 3)], [(0, 3)], [(1, 7), (2, 1), (0, 1)], [(1, 1), (2, 1), (0, 1)]],
+       "prefix", prefix_hits=((1, 0, 6), (2, 0, 6))),
 )
 """The built-in state catalog: each case is a few dozen tokens."""

@@ -35,6 +35,8 @@ def check_outputs(run: StateRun, ref: Reference) -> list[str]:
         for g, grp in enumerate(step.groups):
             bad = []
             for t in range(Q):
+                if step.checked is not None and not step.checked[t]:
+                    continue   # a rejected draft: fed other inputs, outside the reference
                 r, p = int(step.token_req[t]), int(step.token_pos[t])
                 got, want = grp.output[t], ref.y[r][p]
                 ok = _close(got, want, run.case.dtype)
@@ -56,7 +58,9 @@ def check_outputs(run: StateRun, ref: Reference) -> list[str]:
 
 def check_states(run: StateRun, ref: Reference) -> list[str]:
     """After each step, every scheduled request's slot holds the recurrence's conv and SSM
-    states after its computed tokens, and no other slot changed (bit for bit)."""
+    states after its computed tokens (a verifying row: after the runner's commit, the state
+    of the accepted prefix), and no other slot changed (bit for bit; a verifying row's
+    scratch slots may)."""
     problems = []
     for step in run.steps:
         for g, grp in enumerate(step.groups):
@@ -70,7 +74,7 @@ def check_states(run: StateRun, ref: Reference) -> list[str]:
                         problems.append(f"step {step.index}, cache group {g}: request r{r}'s {name} in slot {slot} "
                                         f"after {n} tokens differs from the recurrence at {list(idx)}: got "
                                         f"{float(got[idx]):.6g}, expected {float(want[idx]):.6g}")
-            owned = set(grp.slots.values())
+            owned = set(grp.slots.values()) | grp.scratch
             for name, before, after in (("conv", grp.conv_before, grp.conv_after),
                                         ("SSM", grp.ssm_before, grp.ssm_after)):
                 changed = (bits(before) != bits(after)).flatten(1).any(dim=1).nonzero().flatten().tolist()
@@ -78,7 +82,7 @@ def check_states(run: StateRun, ref: Reference) -> list[str]:
                 if stray:
                     problems.append(f"step {step.index}, cache group {g}: {name} state of slot(s) {stray} changed, "
                                     f"but the step's requests hold slots {sorted(owned)} (a padded row's write, "
-                                    "PAD_SLOT_ID = -1 used as an index, or a stray write)")
+                                    "PAD_SLOT_ID = -1 used as an index, the null slot 0 written, or a stray write)")
     return problems
 
 

@@ -27,7 +27,8 @@ from attnplug.core.devices import resolve_device
 from attnplug.plugins.conformance.requirements import state_layer_config, torch_dtype
 from attnplug.plugins.conformance.snapshots import changes_since, snapshot
 from attnplug.plugins.conformance.state_cases import StateCase
-from attnplug.plugins.conformance.state_oracle import StateInputs, request_lengths
+from attnplug.plugins.conformance.state_hybrid import HybridBook
+from attnplug.plugins.conformance.state_oracle import StateInputs, request_plan
 
 PAD_INPUT = -777.0
 OUTPUT_SENTINEL = -555.0
@@ -46,6 +47,8 @@ class StateGroupStep:
     ssm_after: torch.Tensor
     slots: dict[int, int]
     """``{request index: its state slot}`` for the step's requests."""
+    scratch: set[int] = field(default_factory=set)
+    """Scratch slots the step may write besides ``slots`` (verifying rows' draft positions)."""
 
 
 @dataclass
@@ -56,7 +59,11 @@ class StateStep:
     token_pos: np.ndarray
     """``[num_actual_tokens]`` position of each token in its request."""
     computed_after: dict[int, int]
-    """Per scheduled request, tokens computed after the step."""
+    """Per scheduled request, tokens computed after the step (a verifying row: ``1 +
+    accepted`` more)."""
+    checked: np.ndarray | None = None
+    """``[num_actual_tokens]`` bool: tokens whose output the reference covers (``False``:
+    rejected drafts, fed other inputs)."""
     groups: list[StateGroupStep] = field(default_factory=list)
     mutations: list[str] = field(default_factory=list)
     update_vs_fresh: list[str] | None = None
@@ -79,15 +86,19 @@ class _StateRunner:
         self._types = (CachedRequestData, NewRequestData, SchedulerOutput)
         self.case, self.device = case, resolve_device(device)
         lcfg = state_layer_config(case, str(self.device))
-        lens = request_lengths(case)
-        self.max_len = max(lens)
+        lens, self.prompt_lens, self.starts = request_plan(case)
+        self.book = HybridBook(case, NUM_GROUPS)
+        per_req = self.book.slots_per_request
+        self.max_len = max(lens) + per_req   # a request holds up to computed + 1 tokens; drafts after them
         resumes = len(case.preempt)
-        num_slots = 1 + case.num_requests + resumes + case.spare_slots
+        num_slots = 1 + (case.num_requests + resumes) * per_req + len(case.prefix_hits) + case.spare_slots
         rng = np.random.default_rng(case.seed * 31 + 5)
         # slot ids per group: a permutation of 1 .. num_slots - 2 (the last slot stays spare)
         self.pools = [list(rng.permutation(np.arange(1, num_slots - 1))) for _ in range(NUM_GROUPS)]
         self.slot: list[dict[int, int]] = [{} for _ in range(NUM_GROUPS)]
-        spec = MambaSpec(block_size=self.max_len, conv_state_shape=lcfg.conv_state_shape,
+        self.scratch: list[dict[int, list[int]]] = [{} for _ in range(NUM_GROUPS)]
+        bs = max(1, self.max_len // per_req)   # the block table then has >= 1 + drafts columns
+        spec = MambaSpec(block_size=bs, conv_state_shape=lcfg.conv_state_shape,
                          ssm_state_shape=lcfg.ssm_state_shape, dtype=lcfg.dtype, ssm_dtype=lcfg.ssm_dtype,
                          chunk_size=case.chunk_size)
         max_tokens = max(sum(n for _, n in st) for st in case.steps) + case.num_pad_tokens
@@ -96,8 +107,8 @@ class _StateRunner:
         builder_cls = backend_cls.get_builder_cls()
         self.builders = [builder_cls(spec, [f"mamba{g}"], cfg, self.device) for g in range(NUM_GROUPS)]
         self.compiler = StepCompiler(
-            [self.max_len] * NUM_GROUPS, max_num_reqs=case.num_requests, max_model_len=self.max_len,
-            max_num_batched_tokens=max_tokens, device=self.device, kernel_block_sizes=[self.max_len] * NUM_GROUPS,
+            [bs] * NUM_GROUPS, max_num_reqs=case.num_requests, max_model_len=self.max_len,
+            max_num_batched_tokens=max_tokens, device=self.device, kernel_block_sizes=[bs] * NUM_GROUPS,
             reorder_batch_threshold=builder_cls.reorder_batch_threshold, num_blocks=num_slots,
             group_kinds=[GroupKind.MAMBA] * NUM_GROUPS, validate=True)
         self.impl = backend_cls.get_impl_cls()(lcfg)
@@ -107,29 +118,34 @@ class _StateRunner:
             st.ssm_state.fill_(float("nan"))
         self.inputs = StateInputs(case, self.device)
         self.lens = lens
-        self.computed = [0] * case.num_requests
+        self.computed = list(self.starts)
+        self.held = list(self.prompt_lens)
         self.admitted: set[int] = set()
         self.resuming: set[int] = set()
 
     def _take_slots(self, r: int) -> tuple[list[int], ...]:
+        """The request's ``slots_per_request`` slots per group: its own, then scratch ones."""
+        k = self.book.slots_per_request
         for g in range(NUM_GROUPS):
-            self.slot[g][r] = int(self.pools[g].pop(0))
-        return tuple([self.slot[g][r]] for g in range(NUM_GROUPS))
+            ids = [int(self.pools[g].pop(0)) for _ in range(k)]
+            self.slot[g][r], self.scratch[g][r] = ids[0], ids[1:]
+        return tuple([self.slot[g][r]] + self.scratch[g][r] for g in range(NUM_GROUPS))
 
     def scheduler_output(self, index: int, step):
         CachedRequestData, NewRequestData, SchedulerOutput = self._types
         for s, r in self.case.preempt:
             if s == index and r in self.admitted:
-                for g in range(NUM_GROUPS):   # the freed slot: poisoned as if reused by another request
-                    self.states[g].conv_state[self.slot[g][r]] = float("nan")
-                    self.states[g].ssm_state[self.slot[g][r]] = float("nan")
+                for g in range(NUM_GROUPS):   # the freed slots: poisoned as if reused by another request
+                    for x in [self.slot[g][r]] + self.scratch[g][r]:
+                        self.states[g].conv_state[x] = float("nan")
+                        self.states[g].ssm_state[x] = float("nan")
                 self.computed[r] = 0
                 self.resuming.add(r)
         new, cached = [], CachedRequestData()
         for r, _ in step:
             if r not in self.admitted:
-                new.append(NewRequestData(req_id=f"r{r}", prompt_token_ids=[1] * self.lens[r],
-                                          block_ids=self._take_slots(r)))
+                new.append(NewRequestData(req_id=f"r{r}", prompt_token_ids=[1] * self.prompt_lens[r],
+                                          block_ids=self._take_slots(r), num_computed_tokens=self.starts[r]))
                 self.admitted.add(r)
                 continue
             resumed = r in self.resuming
@@ -140,7 +156,9 @@ class _StateRunner:
             cached.new_block_ids.append(self._take_slots(r) if resumed else None)
             cached.num_computed_tokens.append(self.computed[r])
         return SchedulerOutput(scheduled_new_reqs=new, scheduled_cached_reqs=cached,
-                               num_scheduled_tokens={f"r{r}": n for r, n in step})
+                               num_scheduled_tokens={f"r{r}": n for r, n in step},
+                               scheduled_spec_decode_tokens={f"r{r}": [1] * (dict(step)[r] - 1)
+                                                             for r in self.book.verifying(index)})
 
     def run_step(self, index: int, step) -> StateStep:
         case, sc = self.case, self.compiler
@@ -154,12 +172,19 @@ class _StateRunner:
         P = inputs.num_padded_tokens
         xbc = torch.full((P, self.inputs.conv_dim), PAD_INPUT, dtype=torch_dtype(case.dtype))
         dt = torch.full((P, case.num_heads), PAD_INPUT, dtype=xbc.dtype)
+        rejected = self.book.rejected_positions(index, step, self.computed)
+        checked = np.ones(Q, dtype=bool)
         for t, (r, p) in enumerate(zip(token_req.tolist(), token_pos.tolist())):
-            xbc[t], dt[t] = self.inputs.xbc[r][p], self.inputs.dt[r][p]
+            if (r, p) in rejected:   # a rejected draft: other inputs, no reference output
+                xbc[t], dt[t], checked[t] = self.inputs.xbc_rejected[r][p], self.inputs.dt_rejected[r][p], False
+            else:
+                xbc[t], dt[t] = self.inputs.xbc[r][p], self.inputs.dt[r][p]
         xbc, dt = xbc.to(self.device), dt.to(self.device)
+        verifying = self.book.verifying(index)
         for r, n in step:
-            self.computed[r] += n
-        record = StateStep(index, token_req, token_pos, {r: self.computed[r] for r, _ in step})
+            self.computed[r] += n if r not in verifying else 1 + verifying[r]
+        record = StateStep(index, token_req, token_pos, {r: self.computed[r] for r, _ in step}, checked)
+        self.book.restore_hits(self, so)   # prefix hits: the checkpoint into the request's slot
         cms = inputs.common_attn_metadata
         snaps = [snapshot(cm) for cm in cms]
         b0, b1 = self.builders
@@ -181,9 +206,10 @@ class _StateRunner:
             before = (st.conv_state.clone(), st.ssm_state.clone())
             out = torch.full((P, hidden), OUTPUT_SENTINEL, dtype=xbc.dtype, device=self.device)
             self.impl.forward(self.inputs.layer, xbc, dt, st, md, out)
+            scratch = {x for r in verifying for x in self.scratch[g][r][:dict(step)[r] - 1]}
             record.groups.append(StateGroupStep(out.cpu(), before[0].cpu(), st.conv_state.cpu().clone(),
                                                 before[1].cpu(), st.ssm_state.cpu().clone(),
-                                                {r: self.slot[g][r] for r, _ in step}))
+                                                {r: self.slot[g][r] for r, _ in step}, scratch))
             if g == 1 and md1 is not md1_fresh:
                 fresh_state = type(st)(before[0].clone(), before[1].clone())
                 fresh_out = torch.full_like(out, OUTPUT_SENTINEL)
@@ -193,6 +219,7 @@ class _StateRunner:
                 if not same:
                     record.update_vs_fresh.append("forward() with update_block_table() metadata differs from "
                                                   "forward() with a fresh build()")
+        self.book.finish_step(self, index, step, record)   # commit drafts, append tokens, save checkpoints
         return record
 
 

@@ -26,25 +26,44 @@ from attnplug.plugins.conformance.requirements import torch_dtype
 from attnplug.plugins.conformance.state_cases import StateCase
 
 
-def request_lengths(case: StateCase) -> list[int]:
-    """Tokens each request reaches (the furthest position + 1 over the schedule)."""
-    done, reach = [0] * case.num_requests, [0] * case.num_requests
+def request_plan(case: StateCase) -> tuple[list[int], list[int], list[int]]:
+    """``(reach, prompt_lens, starts)`` per request: positions the schedule reaches (drafts
+    included), the prompt the harness admits (the whole reach, or up to the first verifying
+    step's last real token: a verifying row has exactly one real token left), and the
+    tokens a prefix hit starts from (0 without one). A verifying step advances the request
+    by ``1 + accepted``."""
+    n_req = case.num_requests
+    starts = [0] * n_req
+    for r, _, h in case.prefix_hits:
+        starts[r] = h
+    done, reach, prompt = list(starts), list(starts), [0] * n_req
+    verify = {(s, r): a for s, r, a in case.verify}
     preempt = set(case.preempt)
     for s, step in enumerate(case.steps):
-        for r in range(case.num_requests):
+        for r in range(n_req):
             if (s, r) in preempt:
                 done[r] = 0
         for r, n in step:
-            done[r] += n
-            reach[r] = max(reach[r], done[r])
-    return reach
+            reach[r] = max(reach[r], done[r] + n)
+            a = verify.get((s, r))
+            if a is not None and not prompt[r]:
+                prompt[r] = done[r] + 1
+            done[r] += n if a is None else 1 + a
+    return reach, [p or n for p, n in zip(prompt, reach)], starts
+
+
+def request_lengths(case: StateCase) -> list[int]:
+    """Tokens each request reaches (the furthest position + 1 over the schedule, drafts included)."""
+    return request_plan(case)[0]
 
 
 class StateInputs:
     """Per request ``i`` with ``L_i`` tokens: ``xbc[i]`` ``[L_i, conv_dim]`` and ``dt[i]``
     ``[L_i, num_heads]`` in the case dtype; ``layer``: the parameters an impl reads (HF
     ``BambaMixer`` names: ``conv1d.weight`` ``[conv_dim, 1, K]``, ``conv1d.bias``,
-    ``A_log``, ``D``, ``dt_bias``), in the case dtype, on ``device``."""
+    ``A_log``, ``D``, ``dt_bias``), in the case dtype, on ``device``. ``xbc_rejected`` /
+    ``dt_rejected``: other inputs of the same shapes, fed at rejected draft positions. A
+    prefix hit's first ``tokens`` inputs are its source's."""
 
     def __init__(self, case: StateCase, device: torch.device | str = "cpu"):
         self.case = case
@@ -59,11 +78,15 @@ class StateInputs:
         self.layer = types.SimpleNamespace(
             conv1d=types.SimpleNamespace(weight=weight.to(dtype).to(device), bias=params["bias"].to(dtype).to(device)),
             **{k: params[k].to(dtype).to(device) for k in ("A_log", "D", "dt_bias")})
-        self.xbc, self.dt = [], []
+        self.xbc, self.dt, self.xbc_rejected, self.dt_rejected = [], [], [], []
         for i, n in enumerate(request_lengths(case)):
             gi = torch.Generator().manual_seed(case.seed * 7919 + i)
             self.xbc.append(torch.randn(n, self.conv_dim, generator=gi).to(dtype))
             self.dt.append((torch.randn(n, H, generator=gi) * 0.5).to(dtype))
+            self.xbc_rejected.append(torch.randn(n, self.conv_dim, generator=gi).to(dtype))
+            self.dt_rejected.append((torch.randn(n, H, generator=gi) * 0.5).to(dtype))
+        for r, src, h in case.prefix_hits:   # a hit shares the source's first h inputs
+            self.xbc[r][:h], self.dt[r][:h] = self.xbc[src][:h], self.dt[src][:h]
 
 
 class Reference:

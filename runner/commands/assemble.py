@@ -255,9 +255,13 @@ def build_engine(args, *, alone: bool = False, model: torch.nn.Module | None = N
     max_num_seqs = 1 if alone else args.max_num_seqs
     budget = max_model_len if alone else args.max_num_batched_tokens
     num_blocks = args.num_blocks or (max_num_seqs * cdiv(max_model_len, args.block_size) + 1)
-    # Mamba: 1 slot per request (and, with prefix caching, room for state checkpoints)
+    # Mamba: 1 slot per request, 1 + k with k drafts (scratch slots per draft position), and,
+    # with prefix caching, room for state checkpoints
+    spec_cfg = speculative_config(args)
+    per_req = 1 + (spec_cfg.k if spec_cfg is not None else 0)
     checkpoints = 4 * max_num_seqs if getattr(args, "prefix_caching", False) else 0
-    kv_cfg = KVCacheConfig(num_blocks, groups, num_state_slots=max_num_seqs + 1 + checkpoints)
+    kv_cfg = KVCacheConfig(num_blocks, groups, num_state_slots=max_num_seqs * per_req + 1 + checkpoints,
+                           state_slots_per_request=per_req)
     check_kv_memory(kv_cfg, max_num_seqs, max_model_len, device,
                     "--num-blocks" if args.num_blocks else "the default --num-blocks")
     backends = [model.attnplug_backends[g.layer_names[0]] for g in groups]
@@ -267,7 +271,7 @@ def build_engine(args, *, alone: bool = False, model: torch.nn.Module | None = N
                                       force_preemption_every=getattr(args, "force_preemption_every", None),
                                       async_scheduling=getattr(args, "async_scheduling", False),
                                       enable_prefix_caching=getattr(args, "prefix_caching", False),
-                                      speculative=attach_draft_model(speculative_config(args), args, model,
+                                      speculative=attach_draft_model(spec_cfg, args, model,
                                                                      device, resolve_backend)),
                       kv_cfg)
     runner = ModelRunner(model, kv_cfg, backends,

@@ -30,6 +30,7 @@ from attnplug.runner.execute.cudagraph_capture import StepGraphs
 from attnplug.runner.execute.sampler import Sampler
 from attnplug.runner.execute.state_copies import apply_state_copies
 from attnplug.runner.execute.spec_decode.rejection_sampler import RejectionSampler
+from attnplug.runner.execute.spec_decode.state_commit import commit_draft_states
 from attnplug.runner.execute.spec_decode.verify import verified_logits, verify_step
 from attnplug.runner.step.scheduler_output import SchedulerOutput
 from attnplug.runner.step.compiler import StepCompiler
@@ -193,6 +194,7 @@ class ModelRunner:
             return ModelRunnerOutput([], {})
         req_ids, rows, tokens_dev, logits = step
         if isinstance(tokens_dev, list):  # speculative decoding: each row's emitted tokens
+            commit_draft_states(self, rows, tokens_dev)  # state groups: the accepted length's state
             self.compiler.append_verified_tokens(rows, tokens_dev)
             return ModelRunnerOutput(req_ids, dict(zip([req_ids[r] for r in rows.tolist()], tokens_dev)),
                                      verified_logits(req_ids, rows, tokens_dev, logits, self._num_draft_tokens)

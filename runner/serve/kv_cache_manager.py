@@ -122,7 +122,7 @@ class PrefixCachingKVCacheManager(SchedulerKVCacheManager):
         super().__init__(kv_cache_config)
         self.pools = [PrefixCachingBlockPool(kv_cache_config.num_blocks_of(g))
                       for g in range(len(kv_cache_config.groups))]
-        self.managers = [make_block_manager(g.kv_cache_spec, p)
+        self.managers = [make_block_manager(g.kv_cache_spec, p, kv_cache_config.state_slots_per_request)
                          for g, p in zip(kv_cache_config.groups, self.pools)]
         self.specs = [g.kv_cache_spec for g in kv_cache_config.groups]
         mamba = [g for g, s in enumerate(self.specs) if isinstance(s, MambaSpec)]

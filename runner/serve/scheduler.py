@@ -19,9 +19,8 @@ the step's sampled tokens back. Semantics follow vLLM V1's scheduler (prefix cac
   it is sent as a cached request with ``resumed_from_preemption=True``, replacement block
   ids and ``num_computed_tokens == 0``; the runner kept its token history and recomputes
   prompt plus generated tokens (chunked if needed, even with chunked prefill disabled).
-* A request finishes when it has ``sampling_params.max_tokens`` outputs or its length
-  reaches ``max_model_len``; its blocks are freed at once and its id is sent in the next
-  step's ``finished_req_ids``.
+* A request finishes at ``sampling_params.max_tokens`` outputs or ``max_model_len`` tokens;
+  its blocks are freed at once and its id is sent in the next step's ``finished_req_ids``.
 """
 
 from __future__ import annotations
@@ -233,9 +232,10 @@ class Scheduler:
             if req.num_tokens_to_compute == 0 or req.remaining_output_tokens(cfg.max_model_len) == 0:
                 continue  # asynchronous: its last output is in flight
             drafts = self.spec.propose(req, budget) if self.spec is not None else []
-            n = self.kv_cache_manager.align_num_new_tokens(  # drafts: never with Mamba groups
+            n = self.kv_cache_manager.align_num_new_tokens(
                 req, req.num_computed_tokens, min(req.num_tokens_to_compute + len(drafts), budget))
             assert n > 0, f"running request {req.req_id} has nothing to compute"
+            drafts = drafts[:n - 1]  # a Mamba checkpoint boundary may cut the row: fewer drafts
             while (blocks := self._allocate(req, n)) is None:
                 victim = self.running[-1]
                 self._preempt(victim)

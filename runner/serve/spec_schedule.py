@@ -16,9 +16,9 @@ vLLM V1's semantics, our code:
   blocks stay: they cover positions the next steps fill (vLLM keeps them too); a
   sliding-window group frees only blocks before the *rolled back* count.
 * **Refused configurations** (:func:`check_spec_config`, at construction): asynchronous
-  scheduling (drafts need the previous step's tokens on the host) and models with Mamba
-  groups (a verifying row would need the SSM state after every accepted prefix; state
-  checkpoints per draft position are not implemented).
+  scheduling (drafts need the previous step's tokens on the host) and state groups whose
+  requests hold fewer than ``1 + k`` slots (``KVCacheConfig.state_slots_per_request``: the
+  request's state plus one scratch slot per draft position, docs/speculative-decoding.md).
 """
 
 from __future__ import annotations
@@ -36,15 +36,19 @@ from attnplug.runner.step.scheduler_output import SchedulerOutput
 
 
 def check_spec_config(spec: SpeculativeConfig, async_scheduling: bool, kv_cache_config: KVCacheConfig) -> None:
-    """Refuse what speculative decoding cannot serve (one line, ``ConfigError``)."""
+    """Refuse what speculative decoding cannot serve (one line, ``ConfigError``): asynchronous
+    scheduling, and state groups whose requests hold fewer than ``1 + k`` state slots (the
+    request's state plus one scratch slot per draft position,
+    ``KVCacheConfig.state_slots_per_request``)."""
     if async_scheduling:
         raise ConfigError("--speculative", "speculative decoding needs synchronous scheduling "
                           "(drafts are proposed from the previous step's tokens); drop --async-scheduling")
-    mamba = [g for g, grp in enumerate(kv_cache_config.groups) if grp.kv_cache_spec.kind is GroupKind.MAMBA]
-    if mamba:
-        raise ConfigError("--speculative", f"the model has Mamba state groups ({mamba}): verifying drafts "
-                          "would need the SSM state after each accepted prefix, which attnplug does not "
-                          "checkpoint; run it without --speculative")
+    state = [g for g, grp in enumerate(kv_cache_config.groups) if grp.kv_cache_spec.kind is GroupKind.MAMBA]
+    need = 1 + spec.k
+    if state and kv_cache_config.state_slots_per_request < need:
+        raise ConfigError("--speculative", f"state groups {state} hold {kv_cache_config.state_slots_per_request} "
+                          f"state slot(s) per request but k={spec.k} drafts need {need} (the request's state "
+                          "plus one per draft position): set KVCacheConfig.state_slots_per_request")
 
 
 def make_spec_scheduler(config, kv_cache_config: KVCacheConfig) -> "SpecScheduler | None":

@@ -30,7 +30,7 @@ from attnplug.runner.step.check_fast import plan_update_scanned
 from attnplug.runner.step.check_types import err, show
 from attnplug.runner.step.check_new import plan_new_requests
 from attnplug.runner.step.check_snapshot import Deltas, NewReq
-from attnplug.runner.step.check_spec import check_spec_tokens
+from attnplug.runner.step.check_spec import check_spec_tokens, check_state_slots
 from attnplug.runner.step.groups import StepLayout
 from attnplug.runner.step.input_batch import InputBatch
 from attnplug.runner.step.int_packer import IntPacker
@@ -112,6 +112,7 @@ class UpdateChecker:
                                    finished, fin_set)
         self.last_scanned = plan is not None
         if plan is not None:
+            check_state_slots(self.layout, self.batch, self.requests, d, plan.spec_tokens)
             return plan
         lay, batch, reqs = self.layout, self.batch, self.requests
         cached = d.scheduled_cached_reqs
@@ -122,6 +123,7 @@ class UpdateChecker:
         ncts_c, seq_c, token_deltas = computed_and_token_deltas(lay, batch, reqs, cached, rows, counts_c,
                                                                 self.delta_packer, drafts_c)
         resumed, appends = block_deltas(lay, batch, reqs, cached, rows.rows_c, rows.readd, ncts_c, seq_c)
+        check_state_slots(lay, batch, reqs, d, spec)
         new_states = self.plan_new(d.scheduled_new_reqs, new_counts)
         unscheduled: list[str] = []
         if batch.num_reqs - rows.fin_in_batch > rows.present.shape[0]:

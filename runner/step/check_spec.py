@@ -20,6 +20,7 @@ from itertools import chain
 
 import numpy as np
 
+from attnplug.cache_groups.kinds import GroupKind
 from attnplug.runner.step.check_cached import int64s
 from attnplug.runner.step.check_snapshot import Deltas
 from attnplug.runner.step.check_types import err, int64_list, is_flag, is_int, is_int_list, show
@@ -161,3 +162,32 @@ def _check_each(lay: StepLayout, batch: InputBatch, reqs: dict[str, CachedReques
         drafts_c[i] = nd
         spec.append((rid, arr.astype(np.int32)))
     return drafts_c, spec
+
+
+def check_state_slots(lay: StepLayout, batch: InputBatch, reqs: dict[str, CachedRequestState], d: Deltas,
+                      spec: SpecTokens | None) -> None:
+    """Each verifying request holds ``1 + d`` slots in every state (``"mamba"``) group: its
+    state in slot 0 and one scratch slot per draft position (docs/speculative-decoding.md,
+    "State groups"). Counts the blocks the row holds plus this step's ``new_block_ids``.
+
+    Raises:
+        InvalidSchedulerOutput: naming the first request with too few, field
+            ``scheduled_spec_decode_tokens``.
+    """
+    groups = [g for g, k in enumerate(lay.group_kinds) if k is GroupKind.MAMBA]
+    if spec is None or not groups:
+        return
+    cached = d.scheduled_cached_reqs
+    where = {rid: i for i, rid in enumerate(cached.req_ids)}
+    index = batch.req_id_to_index
+    for rid, nd in zip(spec.req_ids, spec.lens.tolist()):
+        row = index.get(rid)
+        new = cached.new_block_ids[where[rid]]
+        for g in groups:
+            held = (int(batch.block_table.num_blocks_per_row[g, row]) if row is not None
+                    else len(reqs[rid].block_ids[g]))
+            held += len(new[g]) if new is not None and new[g] is not None else 0
+            if held < 1 + nd:
+                err(rid, FIELD, f"{nd} drafts need 1 + {nd} state slots in state group {g} (the request's state "
+                    f"and one per draft position), the request holds {held}: the state pool was sized for fewer "
+                    "drafts (KVCacheConfig.state_slots_per_request)")

@@ -13,13 +13,15 @@ from attnplug.core.metadata import CommonAttentionMetadata
 from attnplug.runner.step.prepare import StepInputs
 
 
-def build_common_attn_metadata(inputs: StepInputs, num_computed_tokens_cpu: torch.Tensor
-                               ) -> list[CommonAttentionMetadata]:
+def build_common_attn_metadata(inputs: StepInputs, num_computed_tokens_cpu: torch.Tensor,
+                               num_draft_tokens_cpu: torch.Tensor | None = None) -> list[CommonAttentionMetadata]:
     """ONE :class:`CommonAttentionMetadata` for group 0, ``replace``d copies for the others.
 
     Args:
         inputs: the step's inputs.
         num_computed_tokens_cpu: ``[num_reqs]`` ``int32`` CPU view of the batch column.
+        num_draft_tokens_cpu: ``[num_reqs]`` ``int32`` CPU drafts per row (a step with
+            drafts), else ``None``.
 
     Returns:
         Per cache group, the step's metadata with that group's ``block_table_tensor`` and
@@ -41,6 +43,7 @@ def build_common_attn_metadata(inputs: StepInputs, num_computed_tokens_cpu: torc
         causal=True,
         positions=inputs.positions,
         is_prefilling=torch.from_numpy(inputs.is_prefilling),
+        num_draft_tokens_cpu=num_draft_tokens_cpu,
     )
     out = [cm]
     for bt, sm in zip(inputs.block_table_tensor[1:], inputs.slot_mapping[1:]):

@@ -229,8 +229,9 @@ class StepCompiler:
 
     def build_common_attn_metadata(self, inputs: StepInputs):
         """Build (and store in ``inputs``) the per-group :class:`CommonAttentionMetadata`."""
-        return build_common_attn_metadata(
-            inputs, self.input_batch.num_computed_tokens_cpu_view(inputs.num_reqs))
+        b, R = self.input_batch, inputs.num_reqs
+        drafts = torch.from_numpy(b.num_spec_tokens[:R]) if inputs.spec_decode_metadata is not None else None
+        return build_common_attn_metadata(inputs, b.num_computed_tokens_cpu_view(R), drafts)
 
     def check(self, inputs: StepInputs) -> None:
         """Run ``attnplug.core.validate`` on every group's metadata of ``inputs``.

@@ -54,6 +54,8 @@ class NaiveStepInputs:
     spec_logits_indices: list[int] | None = None
     """The last ``1 + d`` token indices of every kept row."""
     draft_token_ids: list[int] | None = None
+    row_draft_tokens: list[int] | None = None
+    """Drafts of every row (``CommonAttentionMetadata.num_draft_tokens_cpu``; ``None``: no drafts)."""
 
 
 class NaiveStepCompiler:
@@ -239,6 +241,7 @@ class NaiveStepCompiler:
         out.max_seq_len = max(out.seq_lens, default=0)
         out.common_prefix_len = [self._common_prefix_len(g, out) for g in range(len(self.block_sizes))]
         if any(self.reqs[rid]["spec"] for rid in self.rows):
+            out.row_draft_tokens = [len(self.reqs[rid]["spec"]) for rid in self.rows]
             out.num_draft_tokens, out.spec_logits_indices, out.draft_token_ids = [], [], []
             for i, rid in enumerate(self.rows):
                 if out.discard[i]:
@@ -283,7 +286,9 @@ class NaiveStepCompiler:
                 slot_mapping=torch.tensor(inp.slot_mapping[g], dtype=torch.int64, device=dev),
                 causal=True,
                 positions=torch.tensor(inp.positions, dtype=torch.int64, device=dev),
-                is_prefilling=torch.tensor(inp.is_prefilling, dtype=torch.bool)))
+                is_prefilling=torch.tensor(inp.is_prefilling, dtype=torch.bool),
+                num_draft_tokens_cpu=None if inp.row_draft_tokens is None else torch.tensor(
+                    inp.row_draft_tokens, dtype=torch.int32)))
         return out
 
     def append_output_tokens(self, req_ids, token_ids) -> None:

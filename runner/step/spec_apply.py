@@ -13,6 +13,10 @@ Stage 8 (:func:`append_verified_tokens`): a verifying row emitted ``a + 1`` toke
 drafts are gone. The rejected drafts' K/V slots (positions ``num_tokens + a + 1 ..``) are
 dead: the scheduler's next ``num_computed_tokens`` (rolled back by the rejected count)
 makes the next step write its own tokens there, and no query reads past its ``seq_lens``.
+
+State groups (:func:`draft_state_copies`): a verifying row's states after each position sit
+in its block-table columns ``0 .. d``; the slots to copy so that column 0 holds the state at
+the accepted length (``runner/execute/spec_decode/state_commit.py`` copies them).
 """
 
 from __future__ import annotations
@@ -100,3 +104,18 @@ def append_verified_tokens(batch: InputBatch, max_model_len: int, rows: Sequence
     b.token_ids_cpu[np.repeat(r, lens), np.repeat(held, lens) + offsets] = flat
     b.num_tokens[r] = held + lens
     b.num_spec_tokens[r] = 0
+
+
+def draft_state_copies(tables: Sequence[np.ndarray], rows: Sequence[int], tokens: Sequence[Sequence[int]]
+                       ) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Per state group, ``(src_slots, dst_slots)`` (``int64``) of the rows that accepted drafts.
+
+    Args:
+        tables: per state group, its host block table ``[max_num_reqs, width]`` (manager ids).
+        rows: the verified rows (batch rows of this step).
+        tokens: per row, the emitted tokens (``a + 1`` of them).
+    """
+    r = np.asarray(rows, dtype=np.int64)
+    a = np.fromiter(map(len, tokens), np.int64, len(tokens)) - 1
+    sel = np.flatnonzero(a > 0)
+    return [(t[r[sel], a[sel]].astype(np.int64), t[r[sel], 0].astype(np.int64)) for t in tables]

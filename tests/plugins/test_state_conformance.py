@@ -3,6 +3,7 @@ with one realistic bug fails it naming the case (docs/conformance.md)."""
 
 from __future__ import annotations
 
+import importlib
 import json
 from pathlib import Path
 
@@ -46,6 +47,33 @@ def test_a_broken_state_backend_fails_naming_the_case(pytester, cls, keyword, te
     result.stdout.fnmatch_lines([f"FAILED *{test}?broken_backends_more:{cls}-{case}]*"])
     out = " ".join(result.stdout.str().split())
     assert f"state case {case!r} on backend" in out and needle in out, out
+
+
+PLANTED = [  # (backend class, the case that must fail, its failing test, a phrase of the failure)
+    ("RejectedDraftKept", "state_spec_partial_acceptance", "test_state_slots_hold_the_recurrence_state",
+     "request r1's SSM state in slot"),
+    ("ConvNotCarried", "state_chunk_offsets", "test_state_slots_hold_the_recurrence_state",
+     "request r0's conv state in slot"),
+    ("HitNotInitial", "state_prefix_hit", "test_state_outputs_match_recurrence", "request r2 position 6"),
+    ("PadRowWritesSlot0", "state_spec_partial_acceptance", "test_state_slots_hold_the_recurrence_state",
+     "conv state of slot(s) [0] changed"),
+]
+
+
+def test_the_hybrid_state_family_fails_each_planted_bug_naming_the_case(pytester):
+    """One bug of each kind the field reported on hybrid models (tests/plugins/broken_state_backends.py:
+    a rejected draft's state kept, the conv state not carried across a chunk boundary,
+    ``has_initial_state`` wrong for a prefix hit, a padded row writing slot 0), in one session."""
+    backends = [a for cls, *_ in PLANTED for a in ("--attnplug-backend", f"broken_state_backends:{cls}")]
+    keyword = " or ".join(sorted({case for _, case, _, _ in PLANTED}))
+    result = _run_suite(pytester, backends[1], keyword, *backends[2:])
+    assert result.ret == pytest.ExitCode.TESTS_FAILED, result.stdout.str()
+    out = " ".join(result.stdout.str().split())
+    for cls, case, test, needle in PLANTED:
+        result.stdout.fnmatch_lines([f"FAILED *{test}?broken_state_backends:{cls}-{case}]*"])
+        name = getattr(importlib.import_module("broken_state_backends"), cls).get_name()
+        section = out.split(f"state case {case!r} on backend {name!r}")
+        assert any(needle in part[:3000] for part in section[1:]), (cls, needle, out)
 
 
 def test_state_cases_from_a_cases_file(pytester, tmp_path):

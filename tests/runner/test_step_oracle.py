@@ -211,6 +211,8 @@ def compare(sc: StepCompiler, oracle: NaiveStepCompiler, inp, ref) -> None:
     assert (Q, inp.max_query_len, inp.max_seq_len) == (ref.num_actual_tokens, ref.max_query_len, ref.max_seq_len)
     cms = inp.common_attn_metadata
     assert len(cms) == len(sc.block_sizes)
+    drafts = cms[0].num_draft_tokens_cpu   # state builders read it (docs/speculative-decoding.md)
+    assert (None if drafts is None else drafts.tolist()) == ref.row_draft_tokens
     for g in range(len(sc.block_sizes)):
         assert inp.slot_mapping[g].tolist() == ref.slot_mapping[g], f"group {g} slot mapping"
         table = inp.block_table_tensor[g]

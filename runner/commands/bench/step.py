@@ -227,6 +227,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--spec-steps", type=_int_at_least(0), default=100,
                         help="speculative-decoding table (N=256, k=3 drafts per request, and without): timed "
                              "steps (0 skips it; default 100)")
+    parser.add_argument("--state-spec-steps", type=_int_at_least(0), default=0,
+                        help="hybrid table: a Mamba2 group's step with k=3 drafts for N=64 requests beside "
+                             "decodes and the same tokens as prefill chunks (bench/spec_state.py): timed steps "
+                             "(default 0: skipped; 20 is enough)")
     parser.add_argument("--json", action="store_true", help="print every figure as JSON instead of tables")
     parser.add_argument("--repeat", type=_int_at_least(1), default=3,
                         help="replay each workload this many times and report the run with the lowest "
@@ -283,9 +287,15 @@ def main(argv: list[str] | None = None) -> int:
         report["spec_decode"] = run_spec(256, 3, args.spec_steps, args.repeat, kernels_available() and not args.no_numpy)
         if not args.json:
             print("\n" + render_spec(report["spec_decode"], args.markdown))
+    if args.state_spec_steps > 0:  # runner/commands/bench/spec_state.py: a hybrid model's state group
+        from attnplug.runner.commands.bench.spec_state import render_spec_state, run_spec_state
+
+        report["spec_state"] = run_spec_state(64, 3, args.state_spec_steps, args.repeat)
+        if not args.json:
+            print("\n" + render_spec_state(report["spec_state"], args.markdown))
     if args.json:
         print(json.dumps(report, indent=1))
-    elif args.builder_steps > 0 or args.async_steps > 0 or args.spec_steps > 0 or rows:
+    elif args.builder_steps > 0 or args.async_steps > 0 or args.spec_steps > 0 or args.state_spec_steps > 0 or rows:
         print(f"torch threads: {report['torch_threads']}; load average at start: "
               + ", ".join(f"{x:.2f}" for x in report["load_average"]))
     return 0
