@@ -29,6 +29,9 @@ Families with their own model class and config:
                                                     the default ``attnplug run`` preset
 ``deepseek_v2``      ``DeepseekV2ForCausalLM``      multi-head latent attention (MLA cache
 ``deepseek_v3``      ``DeepseekV3ForCausalLM``      group) + MoE (``deepseek``)
+``gpt_oss``          ``GptOssForCausalLM``          sliding / full layers alternating, sinks,
+                                                    MoE with clamped biased experts, YaRN
+                                                    (``gpt_oss``)
 ===================  =============================  ========================================
 """
 
@@ -39,6 +42,7 @@ from typing import Any, Callable, Mapping
 from attnplug.runner.models.bamba_config import BambaModelConfig, parse_bamba_config
 from attnplug.runner.models.deepseek_config import parse_deepseek_config
 from attnplug.runner.models.gemma3_config import Gemma3ModelConfig, parse_gemma3_config
+from attnplug.runner.models.gpt_oss_config import parse_gpt_oss_config
 from attnplug.runner.models.hybrid import parse_hybrid_config
 from attnplug.runner.models.qwen3_config import QWEN3_TYPES, Qwen3ModelConfig, qwen3_extras
 from attnplug.runner.models.config import (
@@ -127,6 +131,7 @@ _HYBRIDS: dict[str, tuple[str, Callable[[Mapping[str, Any]], Any]]] = {
     "attnplug_hybrid": ("AttnplugHybridForCausalLM", parse_hybrid_config),
     "deepseek_v2": ("DeepseekV2ForCausalLM", lambda cfg: parse_deepseek_config(cfg, "deepseek_v2")),
     "deepseek_v3": ("DeepseekV3ForCausalLM", lambda cfg: parse_deepseek_config(cfg, "deepseek_v3")),
+    "gpt_oss": ("GptOssForCausalLM", parse_gpt_oss_config),
 }
 """Hybrid families: model_type -> (architecture, parser of the config dict)."""
 
