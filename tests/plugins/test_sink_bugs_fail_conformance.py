@@ -1,5 +1,8 @@
 """Planted attention-sink bugs fail ``attnplug check``'s sink case, naming it (one suite
-session for the three planted copies of torch_native, ``broken_sink_backends.py``)."""
+session for the three planted copies of torch_native, ``broken_sink_backends.py``).
+
+``slow`` (about 8 s: a whole conformance session); the sink cases themselves run by default
+in every backend's conformance run."""
 
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ PLANTED = {"DropsSinks": "drops_sinks", "SinkInNumerator": "sink_in_numerator",
            "SinkWithoutScale": "sink_without_scale"}
 
 
+@pytest.mark.slow
 def test_each_planted_sink_bug_fails_naming_the_case(pytester):
     pytester.syspathinsert(HERE)
     backends = [arg for cls in PLANTED for arg in ("--attnplug-backend", f"broken_sink_backends:{cls}")]
