@@ -104,6 +104,68 @@ def layer_needs(layer: Any) -> dict[Feature, str]:
     return needs
 
 
+class FeatureDeclarations:
+    """The ``supports_*`` class methods a backend overrides to declare a :class:`Feature`
+    (vLLM's names where vLLM has them), and :meth:`features` collecting them. A base of
+    ``AttentionBackend``; every default but GQA/MQA is ``False``.
+    """
+
+    @classmethod
+    def supports_sliding_window(cls) -> bool:
+        return False
+
+    @classmethod
+    def supports_logits_soft_cap(cls) -> bool:
+        return False
+
+    @classmethod
+    def supports_mqa_gqa(cls) -> bool:
+        return True
+
+    @classmethod
+    def supports_sink(cls) -> bool:
+        """The impl applies ``sinks`` (vLLM's name; ``core/contracts.AttentionImpl``)."""
+        return False
+
+    @classmethod
+    def supports_alibi(cls) -> bool:
+        return False
+
+    @classmethod
+    def supports_alibi_sqrt(cls) -> bool:
+        return False
+
+    @classmethod
+    def supports_non_causal(cls) -> bool:
+        """Bidirectional attention in the paged decoder path (vLLM's name)."""
+        return False
+
+    @classmethod
+    def supports_lse_return(cls) -> bool:
+        return False
+
+    @classmethod
+    def supports_batch_invariance(cls) -> bool:
+        return False
+
+    @classmethod
+    def features(cls) -> dict[str, bool]:
+        """The ``supports_*`` claims as ``{Feature value: bool}``, one key per
+        :class:`~attnplug.core.capabilities.Feature` (what the conformance suite tests,
+        ``attnplug backends`` lists and the feature matrix shows)."""
+        return {
+            Feature.SLIDING_WINDOW.value: cls.supports_sliding_window(),
+            Feature.LOGITS_SOFT_CAP.value: cls.supports_logits_soft_cap(),
+            Feature.MQA_GQA.value: cls.supports_mqa_gqa(),
+            Feature.SINKS.value: cls.supports_sink(),
+            Feature.ALIBI.value: cls.supports_alibi(),
+            Feature.ALIBI_SQRT.value: cls.supports_alibi_sqrt(),
+            Feature.NON_CAUSAL.value: cls.supports_non_causal(),
+            Feature.LSE_RETURN.value: cls.supports_lse_return(),
+            Feature.BATCH_INVARIANT.value: cls.supports_batch_invariance(),
+        }
+
+
 def _dtype_name(d: Any) -> str:
     return str(d).replace("torch.", "")
 

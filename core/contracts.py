@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from attnplug.core.capabilities import Feature, layer_needs
+from attnplug.core.capabilities import FeatureDeclarations, layer_needs
 from attnplug.core.devices import resolve_device
 from attnplug.core.metadata import CommonAttentionMetadata
 
@@ -256,11 +256,13 @@ class AttentionImpl(ABC):
         """
 
 
-class AttentionBackend(ABC):
+class AttentionBackend(FeatureDeclarations, ABC):
     """A named attention backend and its capabilities. Never instantiated.
 
-    Subclasses set the class attributes below and implement the ``get_*`` methods. The
-    default :meth:`validate_configuration` checks a layer against the declared capabilities;
+    Subclasses set the class attributes below and implement the ``get_*`` methods; the
+    ``supports_*`` feature claims and ``features()`` come from
+    :class:`~attnplug.core.capabilities.FeatureDeclarations`. The default
+    :meth:`validate_configuration` checks a layer against the declared capabilities;
     override it to add checks, and call ``super()``.
     """
 
@@ -315,65 +317,10 @@ class AttentionBackend(ABC):
         return kv_cache[:, 0], kv_cache[:, 1]
 
     @classmethod
-    def supports_sliding_window(cls) -> bool:
-        return False
-
-    @classmethod
-    def supports_logits_soft_cap(cls) -> bool:
-        return False
-
-    @classmethod
-    def supports_mqa_gqa(cls) -> bool:
-        return True
-
-    @classmethod
-    def supports_sink(cls) -> bool:
-        """The impl applies ``sinks`` (vLLM's name; see :class:`AttentionImpl`)."""
-        return False
-
-    @classmethod
-    def supports_alibi(cls) -> bool:
-        return False
-
-    @classmethod
-    def supports_alibi_sqrt(cls) -> bool:
-        return False
-
-    @classmethod
-    def supports_non_causal(cls) -> bool:
-        """Bidirectional attention in the paged decoder path (vLLM's name)."""
-        return False
-
-    @classmethod
-    def supports_lse_return(cls) -> bool:
-        return False
-
-    @classmethod
-    def supports_batch_invariance(cls) -> bool:
-        return False
-
-    @classmethod
     def is_available(cls) -> tuple[bool, str]:
         """Whether the backend can run on this machine, and if not why (missing package,
         no CUDA...). Cheap; never raises."""
         return True, ""
-
-    @classmethod
-    def features(cls) -> dict[str, bool]:
-        """The ``supports_*`` claims as ``{Feature value: bool}``, one key per
-        :class:`~attnplug.core.capabilities.Feature` (what the conformance suite tests,
-        ``attnplug backends`` lists and the feature matrix shows)."""
-        return {
-            Feature.SLIDING_WINDOW.value: cls.supports_sliding_window(),
-            Feature.LOGITS_SOFT_CAP.value: cls.supports_logits_soft_cap(),
-            Feature.MQA_GQA.value: cls.supports_mqa_gqa(),
-            Feature.SINKS.value: cls.supports_sink(),
-            Feature.ALIBI.value: cls.supports_alibi(),
-            Feature.ALIBI_SQRT.value: cls.supports_alibi_sqrt(),
-            Feature.NON_CAUSAL.value: cls.supports_non_causal(),
-            Feature.LSE_RETURN.value: cls.supports_lse_return(),
-            Feature.BATCH_INVARIANT.value: cls.supports_batch_invariance(),
-        }
 
     @classmethod
     def get_supported_kernel_block_size(cls, block_size: int) -> int | None:
