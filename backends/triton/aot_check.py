@@ -108,7 +108,6 @@ def variants(full: bool = False) -> list[Variant]:
                 attention_variant(torch.float32, 64, 4, 512), attention_variant(torch.float16, 128, 4, 1, segments=16),
                 attention_variant(torch.bfloat16, 128, 4, 512, lse=True, causal=False),  # cascade prefix pass
                 attention_variant(torch.float16, 128, 4, 1, lse=True),  # a decode step's suffix pass
-                attention_variant(torch.bfloat16, 64, 8, 128, window=128, sinks=True),  # gpt-oss sliding layer
                 *support_variants()]
     out = []
     for dtype in (torch.float16, torch.bfloat16, torch.float32):
@@ -119,6 +118,7 @@ def variants(full: bool = False) -> list[Variant]:
             out.append(attention_variant(dtype, head_size, 4, 512, window=1024, soft_cap=True))
             out.append(attention_variant(dtype, head_size, 8, 1, segments=16))
             out.append(attention_variant(dtype, head_size, 8, 512, lse=True, causal=False))
+            out.append(attention_variant(dtype, head_size, 8, 128, window=128, sinks=True))  # gpt-oss sliding
             out += support_variants(dtype, head_size)[:2]
     return out + support_variants()[2:]
 
