@@ -18,6 +18,11 @@ Generated from the backends' declarations (`core/capabilities.py`, `BackendCapab
 fails when this page is stale). A layer that needs a feature a backend does not declare is
 refused for it with that reason (`AttentionBackend.validate_configuration`), never silently
 served without it. `y` = declared, `.` = not declared.
+
+Two rows depend on the machine, and show the reference machine (no flash-attn installed, no
+`TRITON_INTERPRET`): `flash_attn` declares any kernel block size and `ALWAYS` CUDA graphs when
+FlashAttention 3 is installed (multiples of 256 and `UNIFORM_BATCH` under FlashAttention 2, the
+default); `triton` adds the CPU (float16, float32) under `TRITON_INTERPRET=1`.
 """
 
 
