@@ -215,8 +215,8 @@ CASES: tuple[ConformanceCase, ...] = (
     _c("mixed_bf16", [(10, 1), (0, 9), (20, 5)], "dtype", dtype="bfloat16", num_pad_tokens=2),
     _c("window_fp16", [(13, 1), (0, 9)], "dtype", "window", dtype="float16", sliding_window=5, block_size=4),
     # attention sinks (gpt-oss): a per-head logit in the denominator, on full and windowed layers
-    _c("sinks_mixed", [(10, 1), (0, 9), (20, 5)], "sinks", "gqa", sinks=True, num_pad_tokens=2),
-    _c("sinks_window_chunked", [(13, 1), (0, 11), (9, 6)], "sinks", "window", "chunked", sinks=True,
+    _c("sink_logits_gqa", [(10, 1), (0, 9), (20, 5)], "sinks", "gqa", sinks=True, num_pad_tokens=2),
+    _c("sink_logits_sliding", [(13, 1), (0, 11), (9, 6)], "sinks", "window", "chunked", sinks=True,
        sliding_window=5, block_size=4, history_chunk=5),
 )
 """The built-in catalog. Names are unique; each case is a few dozen tokens at most."""

@@ -22,11 +22,11 @@ def test_each_planted_sink_bug_fails_naming_the_case(pytester):
     pytester.syspathinsert(HERE)
     backends = [arg for cls in PLANTED for arg in ("--attnplug-backend", f"broken_sink_backends:{cls}")]
     result = pytester.runpytest_inprocess("-p", "no:cacheprovider", "--pyargs", "attnplug.plugins.conformance",
-                                          *backends, "-k", "test_outputs_match_reference and sinks_mixed")
+                                          *backends, "-k", "test_outputs_match_reference and sink_logits_gqa")
     assert result.ret == pytest.ExitCode.TESTS_FAILED, result.stdout.str()
     out = result.stdout.str()
     assert result.parseoutcomes().get("failed") == len(PLANTED), out
     for cls, name in PLANTED.items():
-        result.stdout.fnmatch_lines([f"FAILED *test_outputs_match_reference?broken_sink_backends:{cls}-sinks_mixed]*"])
-        assert f"case 'sinks_mixed' on backend {name!r}" in out, out
+        result.stdout.fnmatch_lines([f"FAILED *test_outputs_match_reference?broken_sink_backends:{cls}-sink_logits_gqa]*"])
+        assert f"case 'sink_logits_gqa' on backend {name!r}" in out, out
     assert "differ from the torch_native reference" in out, out
