@@ -1,5 +1,6 @@
 """Backend-agnostic metadata, the backend contract, errors and validation."""
 
+from attnplug.core.capabilities import BackendCapabilities, Feature, ScaleGranularity, layer_needs
 from attnplug.core.constants import NULL_BLOCK_ID, PAD_SLOT_ID
 from attnplug.core.contracts import (
     PLUGIN_API_VERSION,
@@ -44,5 +45,5 @@ __all__ = [
     "TraceFormatError", "UnknownBackendError", "CommonAttentionMetadata", "BatchView", "RowState",
     "validate", "MambaBackend", "MambaImpl", "MambaLayerConfig", "MambaStateCache",
     "MLABackend", "MLAContextChunk", "MLADecodeMetadata", "MLAImpl", "MLALayerConfig", "MLAMetadata",
-    "MLAPrefillMetadata",
+    "MLAPrefillMetadata", "BackendCapabilities", "Feature", "ScaleGranularity", "layer_needs",
 ]

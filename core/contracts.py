@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from attnplug.core.capabilities import FeatureDeclarations, layer_needs
 from attnplug.core.devices import resolve_device
 from attnplug.core.metadata import CommonAttentionMetadata
 
@@ -58,6 +59,12 @@ class AttentionLayerConfig:
     ``head_size`` not ``head_dim`` (vLLM's term). ``sliding_window`` is W tokens, the
     current token included (HF ``config.sliding_window``): key k is visible to query p iff
     ``p - W < k <= p``. ``None`` means full attention.
+
+    The needs below are what selection refuses a backend for when it does not declare
+    the matching :class:`~attnplug.core.capabilities.Feature` (``layer_needs``):
+    ``has_sinks`` (per-head sink logits, ``AttentionImpl(sinks=)``), ``use_alibi`` /
+    ``use_alibi_sqrt`` (ALiBi biases, sqrt-ALiBi), ``causal=False`` (bidirectional
+    attention in the paged decoder path) and ``batch_invariant``.
     """
 
     num_heads: int
@@ -70,6 +77,11 @@ class AttentionLayerConfig:
     logits_soft_cap: float | None = None
     attn_type: AttentionType = AttentionType.DECODER
     device: str = "cpu"
+    has_sinks: bool = False
+    use_alibi: bool = False
+    use_alibi_sqrt: bool = False
+    causal: bool = True
+    batch_invariant: bool = False
 
     @property
     def effective_kv_cache_dtype(self) -> torch.dtype:
@@ -160,13 +172,23 @@ class AttentionImpl(ABC):
     """Runs attention for one layer with the metadata its builder made.
 
     ``Impl(num_heads, head_size, scale, num_kv_heads, sliding_window=None,
-    logits_soft_cap=None, attn_type=AttentionType.DECODER, kv_cache_dtype=None)``.
+    logits_soft_cap=None, attn_type=AttentionType.DECODER, kv_cache_dtype=None,
+    sinks=None)``.
+
+    ``sinks`` (vLLM's impl argument of that name, gpt-oss's ``self_attn.sinks``): ``None``
+    or a ``[num_heads]`` float32 tensor of per-head *sink logits*. With a sink ``s_h``, query
+    head ``h`` attends with ``p_k = exp(l_k) / (exp(s_h) + sum_j exp(l_j))``: the sink is
+    one more logit in the softmax denominator, compared with the logits *after* scaling
+    and soft-capping, and contributes no value (the probabilities sum to less than 1).
+    It applies on full and sliding-window layers alike. Only models pass it; they pass it
+    only to a backend whose ``supports_sink()`` is True (selection refuses the others), and
+    an impl given sinks it cannot apply must raise, never drop them.
     """
 
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
                  sliding_window: int | None = None, logits_soft_cap: float | None = None,
                  attn_type: AttentionType = AttentionType.DECODER,
-                 kv_cache_dtype: torch.dtype | None = None):
+                 kv_cache_dtype: torch.dtype | None = None, sinks: torch.Tensor | None = None):
         self.num_heads = num_heads
         self.head_size = head_size
         self.scale = float(scale)
@@ -175,6 +197,23 @@ class AttentionImpl(ABC):
         self.logits_soft_cap = logits_soft_cap
         self.attn_type = attn_type
         self.kv_cache_dtype = kv_cache_dtype
+        self.sinks = sinks
+
+    @staticmethod
+    def sinks_argument_problems(sinks: Any, num_heads: int) -> list[str]:
+        """Reasons ``sinks`` is not a valid sink argument (empty: fine, or ``None``).
+
+        Valid: a ``torch.Tensor`` of shape ``[num_heads]``, dtype float32. (Finiteness is not
+        checked here: it would synchronise a GPU tensor with the host.)
+        """
+        if sinks is None:
+            return []
+        if not isinstance(sinks, torch.Tensor):
+            return [f"sinks must be a [num_heads] float32 tensor or None, got {type(sinks).__name__}"]
+        if sinks.dtype != torch.float32 or tuple(sinks.shape) != (num_heads,):
+            return [f"sinks must be [{num_heads}] float32 (one sink logit per query head), got "
+                    f"{list(sinks.shape)} {sinks.dtype}"]
+        return []
 
     @staticmethod
     def decoder_argument_problems(num_heads: int, num_kv_heads: int, sliding_window: int | None,
@@ -217,11 +256,13 @@ class AttentionImpl(ABC):
         """
 
 
-class AttentionBackend(ABC):
+class AttentionBackend(FeatureDeclarations, ABC):
     """A named attention backend and its capabilities. Never instantiated.
 
-    Subclasses set the class attributes below and implement the ``get_*`` methods. The
-    default :meth:`validate_configuration` checks a layer against the declared capabilities;
+    Subclasses set the class attributes below and implement the ``get_*`` methods; the
+    ``supports_*`` feature claims and ``features()`` come from
+    :class:`~attnplug.core.capabilities.FeatureDeclarations`. The default
+    :meth:`validate_configuration` checks a layer against the declared capabilities;
     override it to add checks, and call ``super()``.
     """
 
@@ -276,31 +317,10 @@ class AttentionBackend(ABC):
         return kv_cache[:, 0], kv_cache[:, 1]
 
     @classmethod
-    def supports_sliding_window(cls) -> bool:
-        return False
-
-    @classmethod
-    def supports_logits_soft_cap(cls) -> bool:
-        return False
-
-    @classmethod
-    def supports_mqa_gqa(cls) -> bool:
-        return True
-
-    @classmethod
     def is_available(cls) -> tuple[bool, str]:
         """Whether the backend can run on this machine, and if not why (missing package,
         no CUDA...). Cheap; never raises."""
         return True, ""
-
-    @classmethod
-    def features(cls) -> dict[str, bool]:
-        """The ``supports_*`` claims as a dict (what the conformance suite tests)."""
-        return {
-            "sliding_window": cls.supports_sliding_window(),
-            "logits_soft_cap": cls.supports_logits_soft_cap(),
-            "mqa_gqa": cls.supports_mqa_gqa(),
-        }
 
     @classmethod
     def get_supported_kernel_block_size(cls, block_size: int) -> int | None:
@@ -335,10 +355,9 @@ class AttentionBackend(ABC):
         if cls.get_supported_kernel_block_size(layer.block_size) is None:
             reasons.append(f"block_size {layer.block_size} is not a multiple of any supported kernel "
                            f"block size {list(cls.supported_kernel_block_sizes or ())}")
-        if layer.sliding_window is not None and not cls.supports_sliding_window():
-            reasons.append(f"sliding window ({layer.sliding_window} tokens) not supported")
-        if layer.logits_soft_cap is not None and not cls.supports_logits_soft_cap():
-            reasons.append(f"logits soft-cap ({layer.logits_soft_cap}) not supported")
+        declared = cls.features()
+        reasons += [f"{need} not supported" for feat, need in layer_needs(layer).items()
+                    if not declared.get(feat.value, False)]
         if layer.num_heads % layer.num_kv_heads != 0:
             reasons.append(f"num_heads {layer.num_heads} is not a multiple of num_kv_heads "
                            f"{layer.num_kv_heads}")

@@ -95,6 +95,9 @@ def describe_layer(layer_cfg: Any) -> str:
               "logits_soft_cap", "device")
     parts = [f"{f}={getattr(layer_cfg, f)}" for f in fields
              if hasattr(layer_cfg, f) and getattr(layer_cfg, f) is not None]
+    parts += [f for f in ("has_sinks", "use_alibi", "use_alibi_sqrt", "batch_invariant") if getattr(layer_cfg, f, False)]
+    if getattr(layer_cfg, "causal", True) is False:
+        parts.append("non-causal")
     return ", ".join(parts) if parts else repr(layer_cfg)
 
 

@@ -13,7 +13,9 @@ computed from those arguments only:
   ``<= p``; decode: one query per request at ``p = kv_len - 1``, seeing keys ``<= p``;
 * ``window_left >= 0`` also requires keys ``>= p - window_left`` (inclusive);
 * logits are ``sm_scale * q . k``, then ``logits_soft_cap * tanh(logits / cap)`` if a cap
-  is set; a query that sees no key outputs zeros.
+  is set; a query that sees no key outputs zeros;
+* ``run(..., sinks=)``: ``[num_qo_heads]`` float32 sink logits, one more term
+  ``exp(sinks[h])`` in head ``h``'s softmax denominator (after scale and cap), no value.
 
 Cache layouts: ``"NHD"`` ``[num_pages, 2, page_size, num_kv_heads, head_dim]`` or
 ``"HND"`` ``[num_pages, 2, num_kv_heads, page_size, head_dim]``, or a ``(k, v)`` tuple.
@@ -34,6 +36,7 @@ from types import SimpleNamespace
 
 import torch
 
+from attnplug.backends.common.sinks import fold_sinks
 from attnplug.backends.emulators.reference import attend_ranges, gather_pages
 
 
@@ -135,9 +138,11 @@ class _Wrapper:
                            _dtype(o_data_type, _dtype(q_data_type, torch.float16)))
         self.num_plans += 1
 
-    def _run(self, q: torch.Tensor, paged_kv_cache, out: torch.Tensor | None, return_lse: bool):
+    def _run(self, q: torch.Tensor, paged_kv_cache, out: torch.Tensor | None, return_lse: bool,
+             sinks: torch.Tensor | None = None):
         p = self._plan
         _require(p is not None, "run() called before plan()")
+        _check_sinks(sinks, q, p.num_qo_heads, return_lse)
         if isinstance(paged_kv_cache, tuple):
             k_cache, v_cache = paged_kv_cache
         else:
@@ -169,6 +174,8 @@ class _Wrapper:
             hi = pos if (p.causal or self._decode) else torch.full_like(pos, kv_len - 1)
             lo = pos - p.window_left if p.window_left >= 0 else torch.zeros_like(pos)
             o, s = attend_ranges(q[rows[i]:rows[i + 1]], k, v, lo, hi, p.sm_scale, p.logits_soft_cap)
+            if sinks is not None:  # the sink joins each head's denominator (no value)
+                o = fold_sinks(o, s.transpose(0, 1), sinks)
             res[rows[i]:rows[i + 1]] = o
             lse[rows[i]:rows[i + 1]] = s.transpose(0, 1)
         if out is None:
@@ -180,6 +187,18 @@ class _Wrapper:
             out.copy_(res)
         # FlashInfer's lse is base 2 (prefill.cuh: log2(d) + m), not natural log
         return (out, lse / math.log(2.0)) if return_lse else out
+
+
+def _check_sinks(sinks, q: torch.Tensor, num_qo_heads: int, return_lse: bool) -> None:
+    """``run(sinks=)``: ``None`` or ``[num_qo_heads]`` float32 on ``q``'s device, one sink logit
+    per query head, added to the softmax denominator after ``sm_scale`` and the soft-cap."""
+    if sinks is None:
+        return
+    _require(isinstance(sinks, torch.Tensor) and sinks.dtype == torch.float32 and sinks.device == q.device
+             and tuple(sinks.shape) == (num_qo_heads,),
+             f"sinks must be a [{num_qo_heads}] float32 tensor on {q.device}, got "
+             f"{getattr(sinks, 'shape', sinks)!r} {getattr(sinks, 'dtype', '')}")
+    _require(not return_lse, "the emulator does not cover return_lse together with sinks")
 
 
 DECODE_GROUP_SIZES_WITHOUT_TENSOR_CORES = (1, 2, 3, 4, 6, 8)
@@ -233,9 +252,9 @@ class BatchDecodeWithPagedKVCacheWrapper(_Wrapper):
             return_lse=False, enable_pdl=None, window_left=None, sinks=None, q_len_per_req=1,
             skip_softmax_threshold_scale_factor=None, kv_cache_sf=None):
         _unsupported(positional_options=len(args), q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, lse=lse,
-                     window_left=window_left, sinks=sinks, q_len_per_req=q_len_per_req,
+                     window_left=window_left, q_len_per_req=q_len_per_req,
                      skip_softmax_threshold_scale_factor=skip_softmax_threshold_scale_factor, kv_cache_sf=kv_cache_sf)
-        return self._run(q, paged_kv_cache, out, return_lse)
+        return self._run(q, paged_kv_cache, out, return_lse, sinks)
 
 
 class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
@@ -275,10 +294,10 @@ class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
             return_lse=False, enable_pdl=None, window_left=None, sinks=None, kv_cache_sf=None,
             skip_softmax_threshold_scale_factor=None, use_fp16_softmax=False, uses_spcompress=False):
         _unsupported(positional_options=len(args), q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, lse=lse,
-                     window_left=window_left, sinks=sinks, kv_cache_sf=kv_cache_sf,
+                     window_left=window_left, kv_cache_sf=kv_cache_sf,
                      skip_softmax_threshold_scale_factor=skip_softmax_threshold_scale_factor,
                      use_fp16_softmax=use_fp16_softmax, uses_spcompress=uses_spcompress)
-        return self._run(q, paged_kv_cache, out, return_lse)
+        return self._run(q, paged_kv_cache, out, return_lse, sinks)
 
 
 EMULATED_FLASHINFER = SimpleNamespace(

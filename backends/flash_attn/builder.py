@@ -301,14 +301,16 @@ class FlashAttnMetadataBuilder(AttentionMetadataBuilder):
         return self._keep_scheduler_metadata(sched, graph)
 
     def _keep_scheduler_metadata(self, sched: torch.Tensor, graph: bool = False) -> torch.Tensor:
+        """``sched`` itself for an eager build (metadata stays valid after later builds:
+        re-entrant), a view of the persistent buffer for a graph build (fixed address)."""
+        if not graph:
+            return sched
         n = sched.shape[0]
         if n > self._scheduler_metadata.shape[0]:
-            if graph:  # a captured graph would keep reading a freed, stale tensor
-                raise MetadataError(
-                    f"FA3 scheduler metadata has {n} entries, more than the persistent buffer's "
-                    f"{self._scheduler_metadata.shape[0]}: this flash-attn version cannot be used with CUDA graphs "
-                    "by this builder; run without graphs or report the version")
-            return sched  # larger than the persistent buffer: eager steps only
+            raise MetadataError(  # a captured graph would keep reading a freed, stale tensor
+                f"FA3 scheduler metadata has {n} entries, more than the persistent buffer's "
+                f"{self._scheduler_metadata.shape[0]}: this flash-attn version cannot be used with CUDA graphs "
+                "by this builder; run without graphs or report the version")
         view = self._scheduler_metadata[:n]
         if view.data_ptr() != sched.data_ptr():
             view.copy_(sched, non_blocking=True)

@@ -29,11 +29,14 @@ class FlashAttnImpl(AttentionImpl):
     """The attention of one layer with FlashAttention (see the module docstring).
 
     ``FlashAttnImpl(num_heads, head_size, scale, num_kv_heads, sliding_window=None,
-    logits_soft_cap=None, attn_type=AttentionType.DECODER, kv_cache_dtype=None)``.
+    logits_soft_cap=None, attn_type=AttentionType.DECODER, kv_cache_dtype=None, sinks=None)``.
 
     Raises:
         BackendUnsupportedError: flash-attn is not installed, ``num_heads`` not a multiple
-            of ``num_kv_heads``, a non-positive window or cap, or a non-decoder type.
+            of ``num_kv_heads``, a non-positive window or cap, a non-decoder type, or
+            ``sinks`` given: FlashAttention 2/3's documented entry points
+            (``flash_attn_varlen_func``, ``flash_attn_with_kvcache``) take no sink argument,
+            so sinks are refused, never dropped (``supports_sink()`` is False).
     """
 
     backend_name = "flash_attn"
@@ -55,9 +58,12 @@ class FlashAttnImpl(AttentionImpl):
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
                  sliding_window: int | None = None, logits_soft_cap: float | None = None,
                  attn_type: AttentionType = AttentionType.DECODER,
-                 kv_cache_dtype: torch.dtype | None = None):
+                 kv_cache_dtype: torch.dtype | None = None, sinks: torch.Tensor | None = None):
         reasons = self.decoder_argument_problems(num_heads, num_kv_heads, sliding_window, logits_soft_cap,
                                                  attn_type)
+        if sinks is not None:
+            reasons.append("attention sinks not supported: FlashAttention 2/3's flash_attn_varlen_func and "
+                           "flash_attn_with_kvcache take no sink argument")
         if reasons:
             raise BackendUnsupportedError(self.backend_name, reasons, context=type(self).__name__)
         super().__init__(num_heads, head_size, scale, num_kv_heads, sliding_window, logits_soft_cap,

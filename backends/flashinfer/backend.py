@@ -60,6 +60,11 @@ class FlashInferBackend(AttentionBackend):
         return True
 
     @classmethod
+    def supports_sink(cls) -> bool:
+        """``run(..., sinks=)`` (flashinfer-python 0.6.18, both wrappers)."""
+        return True
+
+    @classmethod
     def supports_mqa_gqa(cls) -> bool:
         return True
 

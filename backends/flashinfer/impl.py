@@ -20,12 +20,14 @@ class FlashInferImpl(AttentionImpl):
     """The attention of one layer with FlashInfer.
 
     ``FlashInferImpl(num_heads, head_size, scale, num_kv_heads, sliding_window=None,
-    logits_soft_cap=None, attn_type=AttentionType.DECODER, kv_cache_dtype=None)``.
-    Creating it registers its parameters for the group's builder to plan.
+    logits_soft_cap=None, attn_type=AttentionType.DECODER, kv_cache_dtype=None, sinks=None)``.
+    Creating it registers its parameters for the group's builder to plan. ``sinks``
+    (``[num_heads]`` float32, ``core/contracts.AttentionImpl``) goes to both wrappers'
+    ``run(..., sinks=)`` (flashinfer-python 0.6.18's keyword: one sink logit per query head).
 
     Raises:
         BackendUnsupportedError: ``num_heads`` not a multiple of ``num_kv_heads``, a
-            non-positive window or cap, or a non-decoder attention type.
+            non-positive window or cap, a non-decoder attention type, or malformed ``sinks``.
     """
 
     backend_name = "flashinfer"
@@ -33,13 +35,14 @@ class FlashInferImpl(AttentionImpl):
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
                  sliding_window: int | None = None, logits_soft_cap: float | None = None,
                  attn_type: AttentionType = AttentionType.DECODER,
-                 kv_cache_dtype: torch.dtype | None = None):
+                 kv_cache_dtype: torch.dtype | None = None, sinks: torch.Tensor | None = None):
         reasons = self.decoder_argument_problems(num_heads, num_kv_heads, sliding_window, logits_soft_cap,
                                                  attn_type)
+        reasons += self.sinks_argument_problems(sinks, num_heads)
         if reasons:
             raise BackendUnsupportedError(self.backend_name, reasons, context=type(self).__name__)
         super().__init__(num_heads, head_size, scale, num_kv_heads, sliding_window, logits_soft_cap,
-                         attn_type, kv_cache_dtype)
+                         attn_type, kv_cache_dtype, sinks)
         self.plan_key = FlashInferPlanKey(num_heads, flashinfer_window_left(sliding_window),
                                           float(logits_soft_cap or 0.0), float(scale))
         LIVE_LAYER_PARAMS.add(self)
@@ -80,12 +83,21 @@ class FlashInferImpl(AttentionImpl):
             check_page_ids(md.paged_kv_indices, kv_cache.shape[0], "flashinfer forward")
         write_kv_by_slot(key, value, kv_cache[:, 0], kv_cache[:, 1], md.slot_mapping)
         nd = md.num_decode_tokens
+        extra = self._sink_kwargs(query.device)
         if plan.decode is not None:
-            plan.decode.run(query[:nd], kv_cache, out=output[:nd])
+            plan.decode.run(query[:nd], kv_cache, out=output[:nd], **extra)
         if plan.prefill is not None:
             lo = md.num_decodes
-            plan.prefill.run(query[lo: md.num_actual_tokens], kv_cache, out=output[lo: md.num_actual_tokens])
+            plan.prefill.run(query[lo: md.num_actual_tokens], kv_cache, out=output[lo: md.num_actual_tokens], **extra)
         return output
+
+    def _sink_kwargs(self, device: torch.device) -> dict[str, torch.Tensor]:
+        """``{"sinks": [num_heads] float32 on device}`` for ``run()``, or ``{}`` without sinks."""
+        if self.sinks is None:
+            return {}
+        if self.sinks.device != device:
+            self.sinks = self.sinks.to(device)
+        return {"sinks": self.sinks}
 
     def _check(self, query, key, value, kv_cache, md, output):
         if not isinstance(md, FlashInferMetadata):

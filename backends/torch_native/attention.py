@@ -35,6 +35,8 @@ from __future__ import annotations
 
 import torch
 
+from attnplug.backends.common.sinks import softmax_with_sinks
+
 
 def write_to_paged_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                          slots: torch.Tensor, token_indices: torch.Tensor) -> None:
@@ -151,7 +153,8 @@ def visibility_mask(query_positions: torch.Tensor, seq_lens: torch.Tensor, key_s
 
 
 def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
-           scale: float, logits_soft_cap: float | None = None) -> torch.Tensor:
+           scale: float, logits_soft_cap: float | None = None,
+           sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Masked multi-head attention with GQA/MQA, computed in float32.
 
     Args:
@@ -167,6 +170,8 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: to
             before the product.
         logits_soft_cap: if set, logits become ``cap * tanh(logits / cap)`` after scaling
             and before masking (Gemma-2 convention).
+        sinks: ``None`` or ``[num_heads]`` float32 sink logits: one more logit column per
+            query head in the softmax, with no value (``backends/common/sinks.py``).
 
     Returns:
         ``[num_reqs, query_len, num_heads, head_size]``, float32.
@@ -187,7 +192,8 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: to
         if logits_soft_cap is not None:
             logits = logits.div_(logits_soft_cap).tanh_().mul_(logits_soft_cap)
         logits = logits.view(n, group, q_len, -1).masked_fill_(hidden_mask, float("-inf"))
-        probs = torch.softmax(logits, dim=-1).view(n, group * q_len, -1)
+        head_sinks = None if sinks is None else sinks[h * group:(h + 1) * group].view(1, group, 1, 1)
+        probs = softmax_with_sinks(logits, head_sinks).view(n, group * q_len, -1)
         head_out = torch.bmm(probs, value[:, :, h])  # [n, group * q_len, D]
         out[:, :, h] = head_out.view(n, group, q_len, head_size).transpose(1, 2)
     return out.view(n, q_len, num_heads, head_size)

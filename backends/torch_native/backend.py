@@ -51,6 +51,10 @@ class TorchNativeBackend(AttentionBackend):
         return True
 
     @classmethod
+    def supports_sink(cls) -> bool:
+        return True
+
+    @classmethod
     def supports_mqa_gqa(cls) -> bool:
         return True
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from attnplug.backends.common.merge import merge_attn_states
+from attnplug.backends.common.sinks import fold_sinks
 from attnplug.backends.torch_native.attention import gather_from_paged_cache, keys_used, visibility_mask
 from attnplug.core.metadata import CommonAttentionMetadata
 
@@ -105,5 +106,7 @@ def cascade_forward(impl, query: torch.Tensor, kv_cache: torch.Tensor, md, outpu
         suffix_out[tokens.flatten()] = out.flatten(0, 1)
         suffix_lse[tokens.flatten()] = lse.flatten(0, 1)
     merged = merge_attn_states(suffix_out, suffix_lse.T, prefix_out[0], prefix_lse[0].T)
+    if impl.sinks is not None:  # the sink joins the merged denominator once
+        merged = fold_sinks(merged, torch.logaddexp(suffix_lse, prefix_lse[0]), impl._sinks_on(dev))
     output[:T] = merged.to(output.dtype)
     return output

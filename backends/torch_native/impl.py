@@ -29,11 +29,13 @@ class TorchNativeAttentionImpl(AttentionImpl):
 
     ``TorchNativeAttentionImpl(num_heads, head_size, scale, num_kv_heads,
     sliding_window=None, logits_soft_cap=None, attn_type=AttentionType.DECODER,
-    kv_cache_dtype=None)``.
+    kv_cache_dtype=None, sinks=None)``; ``sinks``: ``[num_heads]`` float32 sink logits
+    (the contract's semantics, ``core/contracts.AttentionImpl``), on full and windowed layers.
 
     Raises:
         BackendUnsupportedError: ``num_heads`` not a multiple of ``num_kv_heads``, a
-            non-positive window or cap, or an attention type other than decoder.
+            non-positive window or cap, an attention type other than decoder, or ``sinks``
+            that is not a ``[num_heads]`` float32 tensor.
 
     Examples:
         >>> import torch
@@ -54,13 +56,14 @@ class TorchNativeAttentionImpl(AttentionImpl):
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
                  sliding_window: int | None = None, logits_soft_cap: float | None = None,
                  attn_type: AttentionType = AttentionType.DECODER,
-                 kv_cache_dtype: torch.dtype | None = None):
+                 kv_cache_dtype: torch.dtype | None = None, sinks: torch.Tensor | None = None):
         reasons = self.decoder_argument_problems(num_heads, num_kv_heads, sliding_window, logits_soft_cap,
                                                  attn_type)
+        reasons += self.sinks_argument_problems(sinks, num_heads)
         if reasons:
             raise BackendUnsupportedError("torch_native", reasons, context="TorchNativeAttentionImpl")
         super().__init__(num_heads, head_size, scale, num_kv_heads, sliding_window, logits_soft_cap,
-                         attn_type, kv_cache_dtype)
+                         attn_type, kv_cache_dtype, sinks)
 
     def forward(self, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: TorchNativeMetadata,
@@ -103,9 +106,15 @@ class TorchNativeAttentionImpl(AttentionImpl):
                 mask = visibility_mask(seg.query_positions[:, q_lo:q_hi], seg.seq_lens, k_lo, k_hi,
                                        causal=md.causal, sliding_window=self.sliding_window, key_offsets=offsets)
                 out = attend(q, keys[:, k_lo:k_hi], values[:, k_lo:k_hi], mask, self.scale,
-                             self.logits_soft_cap)
+                             self.logits_soft_cap, self._sinks_on(query.device))
                 output[tokens.flatten()] = out.flatten(0, 1).to(output.dtype)
         return output
+
+    def _sinks_on(self, device: torch.device) -> torch.Tensor | None:
+        """``self.sinks`` on ``device`` (moved once; ``None`` without sinks)."""
+        if self.sinks is not None and self.sinks.device != device:
+            self.sinks = self.sinks.to(device)
+        return self.sinks
 
     def _tiles(self, seg: AttentionSegment, causal: bool, num_keys: int) -> list[tuple[int, int, int, int]]:
         """Split a segment into query tiles, each with the key columns it can see.

@@ -59,7 +59,7 @@ class CompileReport:
 
 def attention_variant(dtype: torch.dtype, head_size: int, group: int, max_query_len: int, *,
                       window: int = 0, soft_cap: bool = False, segments: int = 1, lse: bool = False,
-                      causal: bool = True) -> Variant:
+                      causal: bool = True, sinks: bool = False) -> Variant:
     """The ``paged_attention_kernel`` variant ``paged_attention`` launches for these inputs on a GPU
     (``lse``: storing the log-sum-exp, as cascade attention's passes do)."""
     cfg = choose_tiles(max_query_len, group, head_size, dtype, interpreter=False)
@@ -67,14 +67,14 @@ def attention_variant(dtype: torch.dtype, head_size: int, group: int, max_query_
     padded = max(16, 1 << (head_size - 1).bit_length())
     ptrs = dict(query_ptr=t, key_cache_ptr=t, value_cache_ptr=t, output_ptr=t, part_acc_ptr="fp32",
                 part_max_ptr="fp32", part_sum_ptr="fp32", query_start_loc_ptr="i32", seq_lens_ptr="i32",
-                block_table_ptr="i32", visited_tiles_ptr="i32", lse_ptr="fp32")
+                block_table_ptr="i32", visited_tiles_ptr="i32", lse_ptr="fp32", sinks_ptr="fp32")
     ce = dict(NUM_QUERIES_PER_KV=group, HEAD_SIZE=head_size, HEAD_SIZE_PADDED=padded, BLOCK_SIZE=16,
               BLOCK_M=cfg.block_m, BLOCK_Q=cfg.block_q, TILE_N=cfg.tile_n, CAUSAL=causal, SLIDING_WINDOW=window,
               USE_SOFT_CAP=soft_cap, NUM_SEGMENTS=segments, DOT_PRECISION="ieee" if t == "fp32" else "tf32",
-              RECORD_VISITED=False, KV_SAME_STRIDES=True, STORE_LSE=lse)
+              RECORD_VISITED=False, KV_SAME_STRIDES=True, STORE_LSE=lse, USE_SINKS=sinks)
     kind = "decode" if max_query_len == 1 else "prefill"
     extra = (f" window={window}" if window else "") + (" softcap" if soft_cap else "") + \
-        (f" splits={segments}" if segments > 1 else "") + (" lse" if lse else "") + ("" if causal else " non-causal")
+        (f" splits={segments}" if segments > 1 else "") + (" lse" if lse else "") + ("" if causal else " non-causal") + (" sinks" if sinks else "")
     return Variant(f"attention {t} d={head_size} group={group} {kind}{extra} (m={cfg.block_m} n={cfg.tile_n})",
                    "paged_attention_kernel", ptrs, ce, cfg.num_warps, cfg.num_stages)
 
@@ -118,6 +118,7 @@ def variants(full: bool = False) -> list[Variant]:
             out.append(attention_variant(dtype, head_size, 4, 512, window=1024, soft_cap=True))
             out.append(attention_variant(dtype, head_size, 8, 1, segments=16))
             out.append(attention_variant(dtype, head_size, 8, 512, lse=True, causal=False))
+            out.append(attention_variant(dtype, head_size, 8, 128, window=128, sinks=True))  # gpt-oss sliding
             out += support_variants(dtype, head_size)[:2]
     return out + support_variants()[2:]
 

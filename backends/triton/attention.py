@@ -105,7 +105,8 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                     causal: bool = True, sliding_window: int | None = None,
                     logits_soft_cap: float | None = None, num_kv_splits: int = 1,
                     tiles: TileConfig | None = None, visited_tiles: torch.Tensor | None = None,
-                    check_values: bool = True, lse: torch.Tensor | None = None) -> torch.Tensor:
+                    check_values: bool = True, lse: torch.Tensor | None = None,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of a varlen batch over a paged KV cache (GQA/MQA, causal bottom-right).
 
     Query ``j`` of request ``i`` sits at position ``seq_lens[i] - query_len_i + j`` and
@@ -146,6 +147,10 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
             logits is stored there, in natural log (``-inf`` for a query that saw no key),
             as ``backends/common/merge.merge_attn_states`` takes it (transposed). Needs
             ``num_kv_splits == 1``. Cascade attention's passes use it.
+        sinks: ``None``, or ``[num_heads]`` ``torch.float32`` on the same device: per-head
+            sink logits (``core/contracts.AttentionImpl``), one more logit in each row's
+            softmax denominator, no value; counted once with ``num_kv_splits > 1`` (the
+            first segment starts its online softmax at the sink), and included in ``lse``.
 
     Returns:
         ``output``.
@@ -169,6 +174,8 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
            sliding_window, logits_soft_cap)
     if lse is not None:
         _check_lse(lse, query, num_kv_splits)
+    if sinks is not None:
+        _check_sinks(sinks, query)
     if num_reqs == 0 or num_tokens == 0:
         return output
     if check_values and values_checked(query.device):
@@ -188,7 +195,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     launch(kernels, "paged_attention_kernel", grid,
            query, key_cache, value_cache, output, part_acc, part_max, part_sum,
            query_start_loc, seq_lens, block_table, visited_tiles if visited_tiles is not None else seq_lens,
-           lse if lse is not None else part_max, num_reqs, float(scale),
+           lse if lse is not None else part_max, sinks if sinks is not None else part_max, num_reqs, float(scale),
            float(logits_soft_cap) if logits_soft_cap is not None else 0.0,
            query.stride(0), query.stride(1), output.stride(0), output.stride(1),
            key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
@@ -202,6 +209,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
            DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
            RECORD_VISITED=visited_tiles is not None,
            KV_SAME_STRIDES=key_cache.stride()[:2] == value_cache.stride()[:2], STORE_LSE=lse is not None,
+           USE_SINKS=sinks is not None,
            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if num_kv_splits > 1:
         heads_per_program = max(1, min(_next_pow2(num_heads), REDUCE_ELEMENTS_PER_PROGRAM // (padded * num_kv_splits)))
@@ -268,3 +276,10 @@ def _check_lse(lse: torch.Tensor, query: torch.Tensor, num_kv_splits: int) -> No
         raise MetadataError(
             f"paged_attention: lse must be [>= {query.shape[0]}, {query.shape[1]}] float32 on {query.device} with "
             f"num_kv_splits == 1; got {tuple(lse.shape)} {lse.dtype} on {lse.device}, num_kv_splits={num_kv_splits}")
+
+
+def _check_sinks(sinks: torch.Tensor, query: torch.Tensor) -> None:
+    if sinks.dtype != torch.float32 or sinks.device != query.device or tuple(sinks.shape) != (query.shape[1],):
+        raise MetadataError(
+            f"paged_attention: sinks must be [{query.shape[1]}] float32 on {query.device} (one sink logit per "
+            f"query head); got {tuple(sinks.shape)} {sinks.dtype} on {sinks.device}")

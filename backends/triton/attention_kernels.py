@@ -55,6 +55,7 @@ def paged_attention_kernel(
     block_table_ptr,      # [num_reqs, >= cdiv(max_seq_len, BLOCK_SIZE)] int32, kernel block ids
     visited_tiles_ptr,    # [num_q_tiles, num_kv_heads, NUM_SEGMENTS] int32 (RECORD_VISITED only; a test aid)
     lse_ptr,              # [num_tokens, num_heads] fp32 (strided), natural-log LSE (STORE_LSE only)
+    sinks_ptr,            # [num_heads] fp32 sink logits, natural-log domain (USE_SINKS only)
     num_reqs,             # int32
     scale,                # fp32, softmax scale (natural-log domain)
     soft_cap,             # fp32, logits soft-cap (read only when USE_SOFT_CAP)
@@ -79,6 +80,7 @@ def paged_attention_kernel(
     RECORD_VISITED: tl.constexpr,      # store how many key tiles each program visited
     KV_SAME_STRIDES: tl.constexpr,     # value_cache strides == key_cache strides (blocks, tokens)
     STORE_LSE: tl.constexpr,           # also store each row's log-sum-exp (NUM_SEGMENTS == 1 only)
+    USE_SINKS: tl.constexpr,           # one more logit per head in the denominator, no value
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -138,6 +140,13 @@ def paged_attention_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
     acc = tl.full([BLOCK_M, HEAD_SIZE_PADDED], 0.0, dtype=tl.float32)
+    if USE_SINKS:
+        # The sink enters the online softmax as a key seen before all others (running max =
+        # the sink, sum = exp2(0) = 1, no value); segment 0 only, so the reduce counts it once.
+        sink = tl.load(sinks_ptr + head, mask=row_valid, other=float("-inf")) * 1.4426950408889634
+        has_sink = row_valid & (segment == 0)
+        m_i = tl.where(has_sink, sink, m_i)
+        l_i = tl.where(has_sink, 1.0, l_i)
     qk_scale = scale * 1.4426950408889634  # log2(e): logits go to base 2 for exp2
     # Loop invariants (hoisted by hand: the interpreter pays per operation).
     key_offsets = tl.arange(0, TILE_N)

@@ -80,6 +80,10 @@ class TritonBackend(AttentionBackend, metaclass=_TritonBackendMeta):
         return True
 
     @classmethod
+    def supports_sink(cls) -> bool:
+        return True
+
+    @classmethod
     def supports_mqa_gqa(cls) -> bool:
         return True
 

@@ -76,7 +76,7 @@ def with_cascade(md: TritonAttentionMetadata, cm: CommonAttentionMetadata, commo
 
 def cascade_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                       output: torch.Tensor, md: TritonAttentionMetadata, *, scale: float,
-                      logits_soft_cap: float | None) -> torch.Tensor:
+                      logits_soft_cap: float | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of a cascade step (K/V already written): prefix pass, suffix pass, merge.
 
     Args:
@@ -86,6 +86,8 @@ def cascade_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
         output: like ``query``; its first ``md.num_actual_tokens`` rows are overwritten.
         md: metadata with ``md.cascade`` set (full attention).
         scale, logits_soft_cap: the layer's.
+        sinks: the layer's ``[num_heads]`` float32 sink logits or ``None``; they enter the
+            prefix pass only (its LSE then includes them), so the merge counts them once.
 
     Returns:
         ``output``.
@@ -100,7 +102,8 @@ def cascade_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
     suffix_lse = torch.empty_like(prefix_lse)
     common = dict(scale=scale, logits_soft_cap=logits_soft_cap, num_kv_splits=1, check_values=False)
     paged_attention(q, key_cache, value_cache, prefix_out, c.prefix_query_start_loc, c.prefix_seq_lens,
-                    c.prefix_block_table, num_reqs=1, max_query_len=T, causal=False, lse=prefix_lse, **common)
+                    c.prefix_block_table, num_reqs=1, max_query_len=T, causal=False, lse=prefix_lse, sinks=sinks,
+                    **common)
     paged_attention(q, key_cache, value_cache, suffix_out, md.query_start_loc, c.suffix_seq_lens,
                     c.suffix_block_table, num_reqs=md.num_reqs, max_query_len=md.max_query_len, causal=md.causal,
                     lse=suffix_lse, **common)

@@ -22,12 +22,14 @@ class TritonAttentionImpl(AttentionImpl):
     """The attention of one layer with the Triton kernels.
 
     ``TritonAttentionImpl(num_heads, head_size, scale, num_kv_heads, sliding_window=None,
-    logits_soft_cap=None, attn_type=AttentionType.DECODER, kv_cache_dtype=None)``.
+    logits_soft_cap=None, attn_type=AttentionType.DECODER, kv_cache_dtype=None, sinks=None)``;
+    ``sinks``: ``[num_heads]`` float32 sink logits (``core/contracts.AttentionImpl``), applied
+    in the kernel's online softmax (full, windowed, split-KV and cascade steps).
 
     Raises:
         BackendUnsupportedError: ``num_heads`` not a multiple of ``num_kv_heads``, a head
             size the kernels do not take, a non-positive window or cap, or an attention
-            type other than decoder.
+            type other than decoder, or ``sinks`` that is not a ``[num_heads]`` float32 tensor.
 
     Examples (on the CPU this needs ``TRITON_INTERPRET=1`` in the environment):
         >>> import torch
@@ -48,15 +50,16 @@ class TritonAttentionImpl(AttentionImpl):
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
                  sliding_window: int | None = None, logits_soft_cap: float | None = None,
                  attn_type: AttentionType = AttentionType.DECODER,
-                 kv_cache_dtype: torch.dtype | None = None):
+                 kv_cache_dtype: torch.dtype | None = None, sinks: torch.Tensor | None = None):
         reasons = self.decoder_argument_problems(num_heads, num_kv_heads, sliding_window, logits_soft_cap,
                                                  attn_type)
+        reasons += self.sinks_argument_problems(sinks, num_heads)
         if head_size not in HEAD_SIZES:
             reasons.append(f"head_size {head_size} not supported (multiples of 16 up to {HEAD_SIZES[-1]})")
         if reasons:
             raise BackendUnsupportedError("triton", reasons, context="TritonAttentionImpl")
         super().__init__(num_heads, head_size, scale, num_kv_heads, sliding_window, logits_soft_cap,
-                         attn_type, kv_cache_dtype)
+                         attn_type, kv_cache_dtype, sinks)
 
     def forward(self, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: TritonAttentionMetadata,
@@ -103,14 +106,21 @@ class TritonAttentionImpl(AttentionImpl):
                         where="triton forward")
         write_kv_cache(key[:num_writes], value[:num_writes], key_cache, value_cache, md.slot_mapping[:num_writes],
                        check_values=False)
+        sinks = self._sinks_on(query.device)
         if md.cascade is not None and self.sliding_window is None:
             return cascade_attention(query, key_cache, value_cache, output, md, scale=self.scale,
-                                     logits_soft_cap=self.logits_soft_cap)
+                                     logits_soft_cap=self.logits_soft_cap, sinks=sinks)
         return paged_attention(
             query, key_cache, value_cache, output, md.query_start_loc, md.seq_lens, md.block_table_tensor,
             num_reqs=md.num_reqs, max_query_len=md.max_query_len, scale=self.scale, causal=md.causal,
             sliding_window=self.sliding_window, logits_soft_cap=self.logits_soft_cap,
-            num_kv_splits=md.num_kv_splits, check_values=False)
+            num_kv_splits=md.num_kv_splits, check_values=False, sinks=sinks)
+
+    def _sinks_on(self, device: torch.device) -> torch.Tensor | None:
+        """``self.sinks`` on ``device`` (moved once; ``None`` without sinks)."""
+        if self.sinks is not None and self.sinks.device != device:
+            self.sinks = self.sinks.to(device)
+        return self.sinks
 
     def _check(self, query, key, value, kv_cache, md, output) -> None:
         if not isinstance(md, TritonAttentionMetadata):

@@ -45,6 +45,8 @@ class ConformanceCase:
             or ``None`` for ``head_size ** -0.5``. Models pass other values (Gemma's
             ``query_pre_attn_scalar ** -0.5``, Granite's ``attention_multiplier``), so an
             impl must use the one it is given.
+        sinks: the impl gets per-head sink logits (``AttentionImpl(sinks=)``, seeded,
+            ``oracle.CaseInputs.sinks``); the oracle adds them as a softmax column with no value.
         num_pad_tokens: padded tokens appended to every step (``PAD_SLOT_ID`` slots).
         history_chunk: largest history chunk per request per step (``None``: all at once).
         seed: seeds Q/K/V and block ids.
@@ -65,6 +67,7 @@ class ConformanceCase:
     sliding_window: int | None = None
     logits_soft_cap: float | None = None
     scale: float | None = None
+    sinks: bool = False
     num_pad_tokens: int = 0
     history_chunk: int | None = None
     seed: int = 0
@@ -108,6 +111,8 @@ class ConformanceCase:
             need.append("logits_soft_cap")
         if self.num_heads != self.num_kv_heads:
             need.append("mqa_gqa")
+        if self.sinks:
+            need.append("sinks")
         return tuple(need)
 
     @property
@@ -209,5 +214,9 @@ CASES: tuple[ConformanceCase, ...] = (
     _c("mixed_fp16", [(10, 1), (0, 9), (20, 5)], "dtype", dtype="float16", num_pad_tokens=2),
     _c("mixed_bf16", [(10, 1), (0, 9), (20, 5)], "dtype", dtype="bfloat16", num_pad_tokens=2),
     _c("window_fp16", [(13, 1), (0, 9)], "dtype", "window", dtype="float16", sliding_window=5, block_size=4),
+    # attention sinks (gpt-oss): a per-head logit in the denominator, on full and windowed layers
+    _c("sink_logits_gqa", [(10, 1), (0, 9), (20, 5)], "sinks", "gqa", sinks=True, num_pad_tokens=2),
+    _c("sink_logits_sliding", [(13, 1), (0, 11), (9, 6)], "sinks", "window", "chunked", sinks=True,
+       sliding_window=5, block_size=4, history_chunk=5),
 )
 """The built-in catalog. Names are unique; each case is a few dozen tokens at most."""

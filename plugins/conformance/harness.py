@@ -159,9 +159,12 @@ class _Runner:
             max_num_batched_tokens=max_tokens, device=self.device, kernel_block_sizes=[kbs] * NUM_GROUPS,
             reorder_batch_threshold=builder_cls.reorder_batch_threshold, num_blocks=num_blocks,
             group_kinds=[spec.kind] * NUM_GROUPS, validate=True, sliding_windows=[case.sliding_window] * NUM_GROUPS)
+        self.inputs = CaseInputs(case)
+        sink_kwargs = {} if self.inputs.sinks is None else {"sinks": self.inputs.sinks.to(self.device)}
         self.impl = backend_cls.get_impl_cls()(
             case.num_heads, case.head_size, case.softmax_scale, case.num_kv_heads, sliding_window=case.sliding_window,
-            logits_soft_cap=case.logits_soft_cap, attn_type=AttentionType.DECODER, kv_cache_dtype=dtype)
+            logits_soft_cap=case.logits_soft_cap, attn_type=AttentionType.DECODER, kv_cache_dtype=dtype,
+            **sink_kwargs)
         shape = backend_cls.get_kv_cache_shape(num_blocks * (case.block_size // kbs), kbs, case.num_kv_heads,
                                                case.head_size)
         self.caches = [torch.full(shape, POISON, dtype=dtype, device=self.device) for _ in range(NUM_GROUPS)]
@@ -169,7 +172,6 @@ class _Runner:
         self.nan_only = nan_only
         """``None``: every planned block gets NaN; else only these ``(group, kernel block)``
         (the others get ``POISON``), to find which blocks a failing backend reads."""
-        self.inputs = CaseInputs(case)
         self.admitted: set[int] = set()
         self.computed = [0] * len(lens)
 

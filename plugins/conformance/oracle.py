@@ -41,6 +41,12 @@ class CaseInputs:
             qs.append(q)
             ks.append(torch.randn(n, case.num_kv_heads, case.head_size, generator=g))
             vs.append(torch.randn(n, case.num_kv_heads, case.head_size, generator=g))
+        self.sinks: torch.Tensor | None = None
+        """``[num_heads]`` float32 sink logits when ``case.sinks`` (spread around the logits'
+        log-sum-exp so that the sink's share matters), else ``None``."""
+        if case.sinks:
+            g = torch.Generator().manual_seed(case.seed * 7919 + 104729)
+            self.sinks = torch.randn(case.num_heads, generator=g) * 1.5 + 1.0
         self.query = torch.cat(qs).to(dtype)
         self.key = torch.cat(ks).to(dtype)
         self.value = torch.cat(vs).to(dtype)
@@ -84,5 +90,10 @@ def dense_attention(inputs: CaseInputs, token_req: np.ndarray, token_pos: np.nda
         if case.sliding_window is not None:
             visible &= keys[None, :] > pos[:, None] - case.sliding_window
         logits = logits.masked_fill(~visible[None], float("-inf"))
-        out[torch.as_tensor(sel)] = torch.einsum("htn,nhd->thd", torch.softmax(logits, dim=-1), v)
+        if inputs.sinks is not None:  # the sink column: in the denominator, with no value
+            sink_col = inputs.sinks.double().view(-1, 1, 1).expand(-1, logits.shape[1], 1)
+            probs = torch.softmax(torch.cat([logits, sink_col], dim=-1), dim=-1)[..., :-1]
+        else:
+            probs = torch.softmax(logits, dim=-1)
+        out[torch.as_tensor(sel)] = torch.einsum("htn,nhd->thd", probs, v)
     return out

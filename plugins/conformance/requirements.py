@@ -93,7 +93,7 @@ def layer_config(case: ConformanceCase, device: str) -> AttentionLayerConfig:
     return AttentionLayerConfig(
         num_heads=case.num_heads, num_kv_heads=case.num_kv_heads, head_size=case.head_size,
         dtype=torch_dtype(case.dtype), block_size=case.block_size, sliding_window=case.sliding_window,
-        logits_soft_cap=case.logits_soft_cap, device=device)
+        logits_soft_cap=case.logits_soft_cap, device=device, has_sinks=case.sinks)
 
 
 def _kernel_block_size(backend_cls: type[AttentionBackend], case: ConformanceCase) -> tuple[int | None, str | None]:

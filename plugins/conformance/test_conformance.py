@@ -123,6 +123,7 @@ def test_declarations_are_well_formed(attnplug_conformance, attnplug_backend):
     ("sliding_window", dict(sliding_window=8)),
     ("logits_soft_cap", dict(logits_soft_cap=30.0)),
     ("mqa_gqa", dict(num_heads=4, num_kv_heads=1)),
+    ("sinks", dict(has_sinks=True)),
 ])
 def test_validate_configuration_rejects_undeclared_features(attnplug_conformance, attnplug_backend, feature, layer):
     """A feature the backend declares it lacks must be rejected by ``validate_configuration``

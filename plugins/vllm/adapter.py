@@ -52,7 +52,8 @@ def impl_problems(backend: type, *, num_heads: int, num_kv_heads: int, head_size
     if alibi_slopes is not None:
         reasons.append("ALiBi slopes are not part of the attnplug contract")
     if extra.get("sinks") is not None:
-        reasons.append("attention sinks are not part of the attnplug contract")
+        reasons.append("attention sinks are not forwarded by the vLLM bridge yet (attnplug impls take them: "
+                       "AttentionImpl(sinks=), supports_sink())")
     for key in sorted(k for k, v in extra.items() if k != "sinks" and v is not None):
         reasons.append(f"vLLM impl argument {key!r} is not supported by the bridge")
     if kv_cache_dtype not in ("auto", None):

@@ -6,6 +6,7 @@
     attnplug backends --json                # the same, machine-readable, plus plugin faults
     attnplug backends --traceback           # ... and each plugin fault's whole traceback
     attnplug backends --strict              # exit 3 if any plugin faulted
+    attnplug backends --matrix              # the built-ins' feature matrix (docs/feature-matrix.md)
     attnplug backends --explain --model preset [--backend CHOICE] [--device cuda] [--dtype float16]
                                             # per cache group: the chosen backend, every rejection
 
@@ -36,6 +37,8 @@ def _parser() -> argparse.ArgumentParser:
                       epilog=__doc__.split("\n\n")[-1].strip().replace("``", ""))
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.add_argument("--explain", action="store_true", help="explain backend selection for --model")
+    p.add_argument("--matrix", action="store_true",
+                   help="print the built-in backends' feature matrix as Markdown (docs/feature-matrix.md)")
     p.add_argument("--model", default=None, help="'preset', a preset name, or a path to an HF config.json")
     p.add_argument("--backend", default=None, help="as `attnplug run --backend`: NAME or KIND=NAME[,KIND=NAME]")
     p.add_argument("--device", default=None, help="device the model would run on (default: cuda if available)")
@@ -98,9 +101,20 @@ def _row(entry) -> dict[str, Any]:
         "kernel_block_sizes": (None if cls.supported_kernel_block_sizes is None
                                else list(cls.supported_kernel_block_sizes)),
         "devices": list(cls.supported_devices),
+        "capabilities": _capabilities(cls),
         "plugin_api_version": ".".join(map(str, cls.plugin_api_version)),
         "class": f"{cls.__module__}.{cls.__qualname__}",
     }
+
+
+def _capabilities(cls) -> dict[str, Any]:
+    """``BackendCapabilities.of(cls).to_dict()`` (core/capabilities.py), or the error it raised."""
+    from attnplug.core.capabilities import BackendCapabilities
+
+    try:
+        return BackendCapabilities.of(cls).to_dict()
+    except Exception as exc:  # a plugin bug must not break the listing
+        return {"error": f"its declarations raised {type(exc).__name__}: {exc}"}
 
 
 def _problems(registry) -> dict[str, list]:
@@ -117,7 +131,9 @@ def _problems(registry) -> dict[str, list]:
 TABLE_WIDTH = 100
 """Columns the tables are laid out in when stdout is not a terminal (``COLUMNS`` overrides)."""
 
-FEATURE_ABBREV = {"sliding_window": "window", "logits_soft_cap": "softcap", "mqa_gqa": "gqa"}
+FEATURE_ABBREV = {"sliding_window": "window", "logits_soft_cap": "softcap", "mqa_gqa": "gqa",
+                  "batch_invariant": "batch-inv"}
+"""Short names of ``features()`` keys in the table (the declared ones are listed)."""
 DTYPE_ABBREV = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 
 
@@ -158,7 +174,7 @@ def print_backends(registry, show_traceback: bool = False) -> None:
         table.add_column(col, overflow="fold", no_wrap=col in ("name", "source", "kind", "available"))  # short words stay whole
     why_not: list[str] = []
     for r in backend_rows(registry):
-        feats = " ".join(f"{FEATURE_ABBREV.get(k, k)}{'+' if v else '-'}" for k, v in r["features"].items())
+        feats = " ".join(FEATURE_ABBREV.get(k, k) for k, v in r["features"].items() if v) or "-"
         if not r["available"]:
             why_not.append(f"[{len(why_not) + 1}] {r['name']}: {r['unavailable_reason']}")
         avail = "[green]yes[/green]" if r["available"] else f"[red]no[/red] [{len(why_not)}]"
@@ -265,6 +281,11 @@ def main(argv: list[str]) -> int:
         else:
             print_explain(report)
         return status
+    if args.matrix:
+        from attnplug.runner.commands.feature_matrix import builtin_capabilities, feature_matrix_markdown
+
+        sys.stdout.write(feature_matrix_markdown(builtin_capabilities(registry)))
+        return 0
     if args.json:
         print(json.dumps({"backends": backend_rows(registry), **_problems(registry)}, indent=2))
     else:

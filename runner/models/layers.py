@@ -54,15 +54,16 @@ class SwiGLUMLP(nn.Module):
 class Attention(nn.Module):
     """Self-attention of one decoder layer: q/k/v/o projections, RoPE, backend impl.
 
-    The HF parameter names (``q_proj``... ``o_proj``) live here so that a state dict
-    ``model.layers.N.self_attn.*`` loads directly. ``layer_name`` keys the per-layer KV
+    The HF parameter names (``q_proj``... ``o_proj``, and ``sinks`` with ``sinks=True``:
+    gpt-oss's ``[num_heads]`` sink logits, float32, handed to the impl) live here so that a
+    state dict ``model.layers.N.self_attn.*`` loads directly. ``layer_name`` keys the per-layer KV
     cache and metadata dicts.
     """
 
     def __init__(self, layer_name: str, hidden_size: int, num_heads: int, num_kv_heads: int,
                  head_size: int, rope: RotaryEmbedding, backend: type[AttentionBackend],
                  qkv_bias: bool, o_bias: bool, sliding_window: int | None, dtype: torch.dtype,
-                 device: torch.device | str):
+                 device: torch.device | str, sinks: bool = False):
         super().__init__()
         kw = dict(dtype=dtype, device=device)
         self.layer_name = layer_name
@@ -74,9 +75,13 @@ class Attention(nn.Module):
         self.rope = rope
         self.backend = backend
         self.sliding_window = sliding_window
+        extra = {}
+        if sinks:  # gpt-oss: [num_heads] float32 sink logits (the impl shares their storage)
+            self.sinks = nn.Parameter(torch.zeros(num_heads, dtype=torch.float32, device=device))
+            extra["sinks"] = self.sinks.detach()
         self.impl = make_impl(
             backend, layer_name, num_heads, head_size, head_size ** -0.5, num_kv_heads, sliding_window=sliding_window,
-            logits_soft_cap=None, attn_type=AttentionType.DECODER, kv_cache_dtype=dtype)
+            logits_soft_cap=None, attn_type=AttentionType.DECODER, kv_cache_dtype=dtype, **extra)
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                 attn_metadata) -> torch.Tensor:

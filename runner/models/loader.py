@@ -28,6 +28,8 @@ from attnplug.runner.models.deepseek_v32 import DeepseekV32Model, deepseek_v32_l
 from attnplug.runner.models.deepseek_v32_config import DeepseekV32ModelConfig
 from attnplug.runner.models.gemma3 import Gemma3Model, gemma3_layer_configs
 from attnplug.runner.models.gemma3_config import Gemma3ModelConfig
+from attnplug.runner.models.gpt_oss import GptOssModel, gpt_oss_layer_configs
+from attnplug.runner.models.gpt_oss_config import GptOssModelConfig
 from attnplug.runner.models.hybrid import HybridModel, HybridModelConfig, hybrid_layer_configs
 from attnplug.runner.models.llama import BackendForLayer, DecoderModel, layer_configs
 from attnplug.runner.models.qwen3 import Qwen3Model
@@ -63,6 +65,7 @@ MODEL_FAMILIES: dict[type, ModelFamily] = {
     BambaModelConfig: ModelFamily(BambaModel, bamba_layer_configs, takes_block_size=True),
     HybridModelConfig: ModelFamily(HybridModel, hybrid_layer_configs, takes_block_size=True),
     Gemma3ModelConfig: ModelFamily(Gemma3Model, gemma3_layer_configs),
+    GptOssModelConfig: ModelFamily(GptOssModel, gpt_oss_layer_configs),
 }
 """Config class -> its :class:`ModelFamily`. A config's family is that of the nearest
 class in its MRO (``HybridModelConfig`` subclasses ``BambaModelConfig``); a config of no

@@ -32,6 +32,9 @@ Families with their own model class and config:
 ``deepseek_v32``     ``DeepseekV32ForCausalLM``     V3 + sparse attention: an indexer cache
                                                     group, selector + sparse MLA
                                                     (``deepseek_v32``)
+``gpt_oss``          ``GptOssForCausalLM``          sliding / full layers alternating, sinks,
+                                                    MoE with clamped biased experts, YaRN
+                                                    (``gpt_oss``)
 ===================  =============================  ========================================
 """
 
@@ -43,6 +46,7 @@ from attnplug.runner.models.bamba_config import BambaModelConfig, parse_bamba_co
 from attnplug.runner.models.deepseek_config import parse_deepseek_config
 from attnplug.runner.models.deepseek_v32_config import parse_deepseek_v32_config
 from attnplug.runner.models.gemma3_config import Gemma3ModelConfig, parse_gemma3_config
+from attnplug.runner.models.gpt_oss_config import parse_gpt_oss_config
 from attnplug.runner.models.hybrid import parse_hybrid_config
 from attnplug.runner.models.qwen3_config import QWEN3_TYPES, Qwen3ModelConfig, qwen3_extras
 from attnplug.runner.models.config import (
@@ -132,6 +136,7 @@ _HYBRIDS: dict[str, tuple[str, Callable[[Mapping[str, Any]], Any]]] = {
     "deepseek_v2": ("DeepseekV2ForCausalLM", lambda cfg: parse_deepseek_config(cfg, "deepseek_v2")),
     "deepseek_v3": ("DeepseekV3ForCausalLM", lambda cfg: parse_deepseek_config(cfg, "deepseek_v3")),
     "deepseek_v32": ("DeepseekV32ForCausalLM", lambda cfg: parse_deepseek_v32_config(cfg)),
+    "gpt_oss": ("GptOssForCausalLM", parse_gpt_oss_config),
 }
 """Hybrid families: model_type -> (architecture, parser of the config dict)."""
 

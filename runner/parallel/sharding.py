@@ -129,6 +129,9 @@ def shard_tensor(name: str, t: torch.Tensor, cfg: Any, tp: int, rank: int) -> to
     if ".self_attn.kv_b_proj." in name:  # MLA: per head the k_nope rows, then the v rows
         per = cfg.num_attention_heads // tp * (cfg.qk_nope_head_dim + cfg.v_head_dim)
         return _rows(t, rank * per, (rank + 1) * per)
+    if name.endswith(".self_attn.sinks"):  # gpt-oss: one sink logit per query head
+        per = cfg.num_attention_heads // tp
+        return t[rank * per:(rank + 1) * per]
     if ".self_attn.k_proj." in name or ".self_attn.v_proj." in name:
         lo, hi = kv_head_range(cfg.num_key_value_heads, tp, rank)
         return _rows(t, lo * D, hi * D)

@@ -69,7 +69,13 @@ CASES["deepseek_v3"] = ({**BASE, "model_type": "deepseek_v3", "architectures": [
 CASES["deepseek_v32"] = ({**CASES["deepseek_v3"][0], "model_type": "deepseek_v32", "architectures": ["DeepseekV32ForCausalLM"],
                           "index_n_heads": 16, "index_head_dim": 32, "index_topk": 6},
                          True, "fixed")  # the indexer replicated (every rank selects the same tokens)
-TP2 = ["bamba-g1", "gemma3", "llama-kv1", "llama-kv2", "qwen3_moe", "deepseek_v3"]
+CASES["gpt_oss"] = ({**BASE, "model_type": "gpt_oss", "architectures": ["GptOssForCausalLM"], "num_key_value_heads": 2,
+                    "head_dim": 16, "intermediate_size": 32, "num_local_experts": 4, "num_experts_per_tok": 2,
+                    "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"],
+                    "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "truncate": False, "rope_theta": 10000.0,
+                                        "original_max_position_embeddings": 32}},
+                   True, "fixed")  # each rank's heads with their own sinks; experts split over the ranks
+TP2 = ["bamba-g1", "gemma3", "llama-kv1", "llama-kv2", "qwen3_moe", "deepseek_v3", "gpt_oss"]
 PP2 = ["bamba-pp", "gemma3-alt", "llama-kv1", "llama-kv2"]
 TP2xPP2 = ["bamba-pp", "gemma3-alt", "llama-kv1", "llama-kv2"]
 SLOW = {"bamba-g2": (2, 1), "deepseek_v32": (2, 1)}

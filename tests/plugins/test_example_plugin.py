@@ -53,7 +53,9 @@ def test_backends_lists_it_with_its_distribution(installed, tmp_path):
     assert (row["distribution"], row["version"], row["builtin"]) == ("attnplug-sdpa-example", "0.1.0", False)
     assert row["entry_point"] == "sdpa_example = attnplug_sdpa_example.plugin"
     assert row["available"] and row["features"] == {"sliding_window": True, "logits_soft_cap": False,
-                                                   "mqa_gqa": True}
+                                                   "mqa_gqa": True, "sinks": False, "alibi": False,
+                                                   "alibi_sqrt": False, "non_causal": False, "lse_return": False,
+                                                   "batch_invariant": False}
     assert data["faults"] == []
     table = _attnplug(installed, "backends", cwd=tmp_path)
     assert "sdpa_example" in table.stdout and "attnplug-sdpa-example" in table.stdout

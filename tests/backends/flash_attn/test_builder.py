@@ -123,8 +123,11 @@ def test_fa3_scheduler_metadata_uses_the_layers_parameters():
 def test_fa3_scheduler_metadata_sits_in_the_persistent_buffer_and_graphs_refuse_an_oversized_one(monkeypatch):
     b = make_paged_batch([5, 0], [1, 3], block_size=4)
     builder, impl = _setup(b)
-    md = builder.build(0, b.cm)
-    assert md.scheduler_metadata.data_ptr() == builder._scheduler_metadata.data_ptr()
+    md = builder.build(0, b.cm)  # eager: FA3's own tensor, so a later build cannot overwrite it
+    assert md.scheduler_metadata is not None
+    assert md.scheduler_metadata.data_ptr() != builder._scheduler_metadata.data_ptr()
+    graph = builder.build_for_cudagraph_capture(b.cm)  # graphs: the persistent buffer (fixed address)
+    assert graph.scheduler_metadata.data_ptr() == builder._scheduler_metadata.data_ptr()
     size = builder._scheduler_metadata.shape[0]
     assert size >= 1 + 4 * 8, "room for 1 + 4 * round_up(max_num_reqs, 4) entries (FA3's largest layout)"
     big = lambda *a, **k: torch.ones(size + 1, dtype=torch.int32)  # noqa: E731

@@ -1,0 +1,55 @@
+"""The capability vocabulary in selection: a layer's needs (sinks, ALiBi, sqrt-ALiBi,
+non-causal, batch invariance) that a backend does not declare refuse it, one reason each,
+explicitly chosen or automatic; ``BackendCapabilities`` reads the same declarations."""
+
+from __future__ import annotations
+
+import pytest
+
+from attnplug.backends.torch_native import TorchNativeBackend
+from attnplug.core.capabilities import BackendCapabilities, Feature, ScaleGranularity, layer_needs
+from attnplug.core.contracts import AttentionLayerConfig
+from attnplug.core.errors import BackendUnsupportedError
+from attnplug.plugins.selection import select_backend
+
+NEEDY = AttentionLayerConfig(num_heads=4, num_kv_heads=2, head_size=64, has_sinks=True, use_alibi=True,
+                             causal=False, batch_invariant=True)
+
+
+def test_layer_needs_names_each_feature():
+    assert set(layer_needs(NEEDY)) == {Feature.SINKS, Feature.ALIBI, Feature.NON_CAUSAL, Feature.BATCH_INVARIANT}
+    sqrt = AttentionLayerConfig(4, 2, 64, use_alibi=True, use_alibi_sqrt=True, sliding_window=8)
+    assert set(layer_needs(sqrt)) == {Feature.ALIBI_SQRT, Feature.SLIDING_WINDOW}
+    assert layer_needs(AttentionLayerConfig(4, 2, 64)) == {}
+
+
+def test_an_explicit_choice_is_refused_with_every_missing_feature():
+    with pytest.raises(BackendUnsupportedError) as exc:
+        select_backend(NEEDY, "full_attention", cli_choice="torch_native", env={})
+    reasons = exc.value.reasons
+    assert "ALiBi position biases not supported" in reasons
+    assert "non-causal attention not supported" in reasons
+    assert "batch-invariant attention not supported" in reasons
+    assert not any("sinks" in r for r in reasons)  # torch_native declares sinks
+    assert "chosen explicitly by --backend" in str(exc.value)
+
+
+def test_automatic_selection_skips_backends_without_sinks():
+    layer = AttentionLayerConfig(num_heads=4, num_kv_heads=2, head_size=64, has_sinks=True)
+    no_sinks = type("NoSinks", (TorchNativeBackend,), {"get_name": classmethod(lambda cls: "no_sinks"),
+                                                       "supports_sink": classmethod(lambda cls: False)})
+    assert "attention sinks (per-head sink logits) not supported" in no_sinks.validate_configuration(layer)
+    assert select_backend(layer, "full_attention", env={}).name == "torch_native"
+
+
+def test_capabilities_are_the_declarations():
+    caps = BackendCapabilities.of(TorchNativeBackend)
+    assert caps.features == frozenset({Feature.SLIDING_WINDOW, Feature.LOGITS_SOFT_CAP, Feature.MQA_GQA,
+                                       Feature.SINKS})
+    assert caps.kv_cache_dtypes == ("auto",) and caps.scale_granularities == () and caps.cudagraph == "NEVER"
+    fp8 = type("Fp8", (TorchNativeBackend,), {"supported_kv_cache_dtypes": ("auto", "fp8_e4m3"),
+                                              "supports_per_head_kv_scales": True})
+    assert BackendCapabilities.of(fp8).scale_granularities == (ScaleGranularity.PER_TENSOR, ScaleGranularity.PER_HEAD)
+    d = caps.to_dict()
+    assert d["features"]["sinks"] is True and d["features"]["alibi"] is False and set(d["features"]) == {
+        f.value for f in Feature}
