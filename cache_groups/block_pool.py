@@ -29,8 +29,8 @@ from attnplug.cache_groups.sliding_window import max_live_blocks, num_skipped_bl
 from attnplug.cache_groups.specs import (
     FullAttentionSpec,
     KVCacheSpec,
-    MambaSpec,
     SlidingWindowSpec,
+    StateSpec,
     cdiv,
 )
 from attnplug.core.constants import NULL_BLOCK_ID
@@ -292,11 +292,11 @@ def make_block_manager(spec: KVCacheSpec, pool: BlockPool) -> SingleTypeBlockMan
         return SlidingWindowManager(spec, pool)
     if isinstance(spec, FullAttentionSpec):
         return FullAttentionManager(spec, pool)
-    if isinstance(spec, MambaSpec):
+    if isinstance(spec, StateSpec):
         return MambaStateManager(spec, pool)
     raise KVCacheSpecError(
         f"no block policy for {type(spec).__name__}; supported: FullAttentionSpec, "
-        "SlidingWindowSpec, MambaSpec")
+        "SlidingWindowSpec, StateSpec (MambaSpec, GDN)")
 
 
 class KVCacheManager:

@@ -125,14 +125,18 @@ class Mamba2MetadataBuilder(AttentionMetadataBuilder):
     cudagraph_support = AttentionCGSupport.NEVER
     reorder_batch_threshold = 1
     supports_update_block_table = True
+    chunks_from_sequence_start = False
+    """``False``: chunk boundaries at absolute positions that are multiples of ``chunk_size``
+    (Mamba2, as mamba_ssm's chunked scan with initial states); ``True``: each sequence's
+    chunks start at its first scheduled token (flash-linear-attention's varlen chunks, GDN)."""
 
     def __init__(self, kv_cache_spec, layer_names: list[str], config: BuilderConfig,
                  device: torch.device | str):
         super().__init__(kv_cache_spec, layer_names, config, device)
         try:
             self.chunk_size = int(kv_cache_spec.chunk_size)
-            self.conv_state_len = int(kv_cache_spec.conv_state_shape[-1])
-        except (AttributeError, IndexError, TypeError):
+            self.conv_state_len = int(_conv_state_shape(kv_cache_spec)[-1])
+        except (AttributeError, IndexError, TypeError, KVCacheSpecError):
             raise KVCacheSpecError(
                 f"Mamba2MetadataBuilder needs a MambaSpec (chunk_size, conv_state_shape), got "
                 f"{kv_cache_spec!r}; select a Mamba backend only for 'mamba' cache groups") from None
@@ -224,7 +228,8 @@ class Mamba2MetadataBuilder(AttentionMetadataBuilder):
         if nd == R and not layout_always:
             return self._build_decodes(cm, R)
         computed = cm.num_computed_tokens_cpu[:R].numpy().astype(np.int64)
-        layout = compute_prefill_layout(query_lens[nd:], computed[nd:], self.chunk_size, self.conv_state_len)
+        starts = np.zeros(R - nd, dtype=np.int64) if self.chunks_from_sequence_start else computed[nd:]
+        layout = compute_prefill_layout(query_lens[nd:], starts, self.chunk_size, self.conv_state_len)
         views = self._upload(computed > 0, np.flatnonzero(computed == 0), layout)
         state_indices = self._state_indices_from(cm.block_table_tensor, R, self._state_indices)
         qsl_p = cm.query_start_loc[nd:R + 1] - int(qsl[nd])
@@ -294,6 +299,12 @@ class Mamba2MetadataBuilder(AttentionMetadataBuilder):
             out = torch.full_like(out, PAD_SLOT_ID)
         state_indices = self._state_indices_from(block_table, metadata.num_reqs, out)
         return dataclasses.replace(metadata, state_indices=state_indices, block_table_tensor=block_table)
+
+
+def _conv_state_shape(spec) -> tuple[int, ...]:
+    """The declared ``conv_state`` tensor's shape (a ``StateSpec``), else ``spec.conv_state_shape``."""
+    tensor = getattr(spec, "tensor", None)
+    return tuple(tensor("conv_state").shape) if tensor is not None else tuple(spec.conv_state_shape)
 
 
 def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:

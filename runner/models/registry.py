@@ -29,6 +29,11 @@ Families with their own model class and config:
                                                     the default ``attnplug run`` preset
 ``deepseek_v2``      ``DeepseekV2ForCausalLM``      multi-head latent attention (MLA cache
 ``deepseek_v3``      ``DeepseekV3ForCausalLM``      group) + MoE (``deepseek``)
+``qwen3_next``       ``Qwen3NextForCausalLM``       Gated DeltaNet layers (GDN state group) +
+                                                    gated attention, MoE with a shared expert
+                                                    (``qwen3_next``)
+``qwen3_5_text``     ``Qwen3_5ForCausalLM``         Qwen3.5 text: GDN + gated attention, dense
+                                                    MLP (``qwen3_next``)
 ===================  =============================  ========================================
 """
 
@@ -41,6 +46,7 @@ from attnplug.runner.models.deepseek_config import parse_deepseek_config
 from attnplug.runner.models.gemma3_config import Gemma3ModelConfig, parse_gemma3_config
 from attnplug.runner.models.hybrid import parse_hybrid_config
 from attnplug.runner.models.qwen3_config import QWEN3_TYPES, Qwen3ModelConfig, qwen3_extras
+from attnplug.runner.models.qwen3_next_config import parse_qwen3_next_config
 from attnplug.runner.models.config import (
     DecoderModelConfig,
     ModelConfigError,
@@ -127,6 +133,8 @@ _HYBRIDS: dict[str, tuple[str, Callable[[Mapping[str, Any]], Any]]] = {
     "attnplug_hybrid": ("AttnplugHybridForCausalLM", parse_hybrid_config),
     "deepseek_v2": ("DeepseekV2ForCausalLM", lambda cfg: parse_deepseek_config(cfg, "deepseek_v2")),
     "deepseek_v3": ("DeepseekV3ForCausalLM", lambda cfg: parse_deepseek_config(cfg, "deepseek_v3")),
+    "qwen3_next": ("Qwen3NextForCausalLM", parse_qwen3_next_config),
+    "qwen3_5_text": ("Qwen3_5ForCausalLM", parse_qwen3_next_config),
 }
 """Hybrid families: model_type -> (architecture, parser of the config dict)."""
 
