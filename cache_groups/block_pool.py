@@ -296,7 +296,7 @@ def make_block_manager(spec: KVCacheSpec, pool: BlockPool) -> SingleTypeBlockMan
         return MambaStateManager(spec, pool)
     raise KVCacheSpecError(
         f"no block policy for {type(spec).__name__}; supported: FullAttentionSpec, "
-        "SlidingWindowSpec, StateSpec (MambaSpec, GDN)")
+        "SlidingWindowSpec, StateSpec")
 
 
 class KVCacheManager:
