@@ -26,6 +26,7 @@ from typing import Any, ClassVar
 import torch
 
 from attnplug.core.contracts import AttentionBackend
+from attnplug.core.errors import KVCacheSpecError
 
 
 class StateLayerConfig:
@@ -74,13 +75,13 @@ class StateBackend(AttentionBackend):
             ``[num_slots, *t.shape]`` of ``t.dtype``, in declaration order.
 
         Raises:
-            ValueError: the spec's ``state_kind`` is not this backend's.
+            KVCacheSpecError: the spec's ``state_kind`` is not this backend's.
         """
         kind = getattr(kv_cache_spec, "state_kind", None)
         if cls.state_kind and kind != cls.state_kind:
-            raise ValueError(f"backend {cls.get_name()!r} serves {cls.state_kind!r} state, the spec declares {kind!r}")
+            raise KVCacheSpecError(f"backend {cls.get_name()!r} serves {cls.state_kind!r} state, the spec declares {kind!r}")
         tensors = [torch.zeros((num_slots, *t.shape), dtype=t.dtype, device=device) for t in kv_cache_spec.tensors]
-        return cls.state_cache_cls(*tensors)
+        return tuple(tensors) if cls.state_cache_cls is tuple else cls.state_cache_cls(*tensors)
 
     @classmethod
     def validate_configuration(cls, layer: Any) -> list[str]:
