@@ -60,3 +60,14 @@ def test_layer_kinds_come_from_the_config():
         resolve_model_config(dict(QWEN3_5, layer_types=["mamba"] * 4))
     with pytest.raises(ModelConfigError, match="linear_num_value_heads 3 is not a multiple"):
         resolve_model_config(dict(QWEN3_5, linear_num_value_heads=3))
+
+
+def test_tensor_parallel_is_refused_in_one_line_until_gdn_layers_shard():
+    from attnplug.runner.models import resolve_model_config
+    from attnplug.runner.parallel.sharding import check_shardable
+    from attnplug.runner.parallel.state import ParallelConfigError
+
+    check_shardable(resolve_model_config(QWEN3_NEXT), 1)
+    with pytest.raises(ParallelConfigError, match="qwen3_next .Gated DeltaNet layers, gated attention. has no "
+                                                  "tensor-parallel sharding yet"):
+        check_shardable(resolve_model_config(QWEN3_NEXT), 2)
