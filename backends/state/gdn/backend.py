@@ -42,3 +42,49 @@ class GDNTorchBackend(GDNBackend):
     def get_impl_cls(cls) -> type[GDNImpl]:
         from attnplug.backends.state.gdn.impl import GDNTorchImpl
         return GDNTorchImpl
+
+
+class _GDNTritonMeta(type(GDNBackend)):
+    """Computes the mode-dependent declarations on access, as ``TritonBackend`` does: CPU only
+    under the Triton interpreter, no bfloat16 there."""
+
+    @property
+    def supported_devices(cls) -> tuple[str, ...]:
+        from attnplug.backends.triton.runtime import interpreting
+        return ("cuda", "cpu") if interpreting() else ("cuda",)
+
+    @property
+    def supported_dtypes(cls) -> tuple[torch.dtype, ...]:
+        from attnplug.backends.triton.runtime import interpreting
+        return (torch.float16, torch.float32) if interpreting() else (torch.float16, torch.bfloat16, torch.float32)
+
+
+class GDNTritonBackend(GDNBackend, metaclass=_GDNTritonMeta):
+    """``gdn_triton``: :class:`GDNTorchBackend` with the gated delta rule in a Triton kernel
+    (the fused recurrence over packed sequences, one program per sequence and value head).
+
+    Runs compiled on CUDA, or on the CPU in the Triton interpreter (``TRITON_INTERPRET=1``
+    before the first ``import triton``; float16/float32 there).
+    """
+
+    supported_kernel_block_sizes = None
+
+    @classmethod
+    def get_name(cls) -> str:
+        return "gdn_triton"
+
+    @classmethod
+    def is_available(cls) -> tuple[bool, str]:
+        from attnplug.backends.triton.runtime import unavailable_reason
+        why = unavailable_reason()
+        return (True, "") if why is None else (False, why)
+
+    @classmethod
+    def get_builder_cls(cls) -> type[AttentionMetadataBuilder]:
+        from attnplug.backends.state.gdn.metadata import GDNMetadataBuilder
+        return GDNMetadataBuilder
+
+    @classmethod
+    def get_impl_cls(cls) -> type[GDNImpl]:
+        from attnplug.backends.state.gdn.impl import GDNTritonImpl
+        return GDNTritonImpl

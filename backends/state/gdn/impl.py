@@ -50,7 +50,7 @@ class GDNTorchImpl(GDNImpl):
             x, conv = causal_conv1d_decode(mixed_qkv[:nd].float(), weight, bias, conv)
             q, k, v, g, beta = self._inputs(F.silu(x), a[:nd], b[:nd], gates)
             rec = _gather(state.recurrent_state, slots[:nd])
-            o, rec = ops.gated_delta_step(rec, q, k, v, g, beta)
+            o, rec = self.decode_rule(rec, q, k, v, g, beta)
             self._write(state, slots[:nd], conv, rec)
             output[:nd] = o.to(output.dtype)
         if md.num_prefills:
@@ -83,8 +83,38 @@ class GDNTorchImpl(GDNImpl):
                                         md.conv_final_pos, md.conv_window_pos)
         q, k, v, g, beta = self._inputs(F.silu(x), a, b, gates)
         rec0 = _gather(state.recurrent_state, slots)
-        o, rec = ops.chunk_gated_delta_rule(q, k, v, g, beta, rec0, md.chunk_token_index, md.token_chunk_index,
-                                            md.chunk_grid_index, chunk_size=md.chunk_size,
-                                            max_chunks_per_seq=md.max_chunks_per_seq)
+        o, rec = self.prefill_rule(q, k, v, g, beta, rec0, md)
         self._write(state, slots, conv, rec)
         return o
+
+    # --- the rule itself: what another implementation (Triton, a library) replaces -----------
+    def decode_rule(self, state, q, k, v, g, beta):
+        """One token per row: ``state`` ``[n, H, dk, dv]`` (a float32 copy, may be updated in
+        place), ``q``/``k`` ``[n, H, dk]``, ``v`` ``[n, H, dv]``, ``g``/``beta`` ``[n, H]`` ->
+        ``(o [n, H, dv], new state)``."""
+        return ops.gated_delta_step(state, q, k, v, g, beta)
+
+    def prefill_rule(self, q, k, v, g, beta, initial_state, md: GDNMetadata):
+        """The prefill part's packed sequences (``md``'s layout) from ``initial_state``
+        ``[num_prefills, H, dk, dv]`` -> ``(o [num_prefill_tokens, H, dv], final states)``."""
+        return ops.chunk_gated_delta_rule(q, k, v, g, beta, initial_state, md.chunk_token_index,
+                                          md.token_chunk_index, md.chunk_grid_index, chunk_size=md.chunk_size,
+                                          max_chunks_per_seq=md.max_chunks_per_seq)
+
+
+class GDNTritonImpl(GDNTorchImpl):
+    """The GDN core with the rule in Triton (``triton_ops.fused_recurrent_gated_delta_rule``):
+    decode rows and the prefill part's sequences each run the fused recurrence; conv, gates
+    and slot handling are :class:`GDNTorchImpl`'s."""
+
+    def decode_rule(self, state, q, k, v, g, beta):
+        from attnplug.backends.state.gdn.triton_ops import fused_recurrent_gated_delta_rule
+
+        n = q.shape[0]
+        cu = torch.arange(n + 1, dtype=torch.int32, device=q.device)
+        return fused_recurrent_gated_delta_rule(q, k, v, g, beta, state, cu)
+
+    def prefill_rule(self, q, k, v, g, beta, initial_state, md: GDNMetadata):
+        from attnplug.backends.state.gdn.triton_ops import fused_recurrent_gated_delta_rule
+
+        return fused_recurrent_gated_delta_rule(q, k, v, g, beta, initial_state, md.query_start_loc_p)
