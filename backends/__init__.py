@@ -15,6 +15,7 @@ BUILTIN_BACKENDS: dict[str, str] = {
     "mamba2_torch": "attnplug.backends.mamba2.backend:Mamba2Backend",
     "gdn_torch": "attnplug.backends.state.gdn.backend:GDNTorchBackend",
     "gdn_triton": "attnplug.backends.state.gdn.backend:GDNTritonBackend",
+    "gdn_fla": "attnplug.backends.state.gdn.backend:GDNFlaBackend",
     "triton": "attnplug.backends.triton.backend:TritonBackend",
     "flash_attn": "attnplug.backends.flash_attn.backend:FlashAttnBackend",
     "flashinfer": "attnplug.backends.flashinfer.backend:FlashInferBackend",

@@ -12,7 +12,10 @@ import path, e.g. ``attnplug check attnplug.backends.emulators:FlashInferEmulate
 * ``backends.py`` — the real builders and impls wired to the emulators;
 * ``mla_kernels.py`` / ``mla_backends.py`` — FlashMLA (``get_mla_metadata``,
   ``flash_mla_with_kvcache``) and FlashInfer's ``BatchMLAPagedAttentionWrapper``, and the
-  ``flashmla`` / ``flashinfer_mla`` builders and impls wired to them.
+  ``flashmla`` / ``flashinfer_mla`` builders and impls wired to them;
+* ``fla_kernels.py`` / ``fla_backends.py`` — flash-linear-attention's
+  ``chunk_gated_delta_rule`` and ``fused_recurrent_gated_delta_rule``, and the ``gdn_fla``
+  builder and impl wired to them (``GDNFlaEmulatedBackend``).
 """
 
 from attnplug.backends.emulators.backends import (
@@ -22,6 +25,8 @@ from attnplug.backends.emulators.backends import (
     FlashAttn3EmulatedBackend,
     FlashInferEmulatedBackend,
 )
+from attnplug.backends.emulators.fla_backends import GDNFlaEmulatedBackend
+from attnplug.backends.emulators.fla_kernels import FLA_EMULATOR, FlaContractError, FlaEmulator
 from attnplug.backends.emulators.mla_backends import FlashInferMLAEmulatedBackend, FlashMLAEmulatedBackend
 from attnplug.backends.emulators.mla_kernels import FlashMLAEmulator, MLAContractError
 from attnplug.backends.emulators.flash_attn_kernels import FlashAttnContractError, FlashAttnEmulator
@@ -33,7 +38,8 @@ from attnplug.backends.emulators.flashinfer_kernels import (
 )
 
 __all__ = [
-    "EMULATED_FLASHINFER", "FA2_EMULATOR", "FA3_EMULATOR", "BatchDecodeWithPagedKVCacheWrapper",
+    "EMULATED_FLASHINFER", "FA2_EMULATOR", "FA3_EMULATOR", "FLA_EMULATOR", "FlaContractError", "FlaEmulator",
+    "GDNFlaEmulatedBackend", "BatchDecodeWithPagedKVCacheWrapper",
     "BatchPrefillWithPagedKVCacheWrapper", "FlashAttn2EmulatedBackend", "FlashAttn3EmulatedBackend",
     "FlashAttnContractError", "FlashAttnEmulator", "FlashInferContractError", "FlashInferEmulatedBackend",
     "FlashInferMLAEmulatedBackend", "FlashMLAEmulatedBackend", "FlashMLAEmulator", "MLAContractError",

@@ -88,3 +88,37 @@ class GDNTritonBackend(GDNBackend, metaclass=_GDNTritonMeta):
     def get_impl_cls(cls) -> type[GDNImpl]:
         from attnplug.backends.state.gdn.impl import GDNTritonImpl
         return GDNTritonImpl
+
+
+class GDNFlaBackend(GDNBackend):
+    """``gdn_fla``: the GDN rule in flash-linear-attention's kernels (``chunk_gated_delta_rule``
+    for prefill, ``fused_recurrent_gated_delta_rule`` for decode; CUDA, ``pip install
+    flash-linear-attention``); builder and conv as ``gdn_torch``. Tested on CPU through
+    ``attnplug.backends.emulators:GDNFlaEmulatedBackend``."""
+
+    supported_dtypes = (torch.float16, torch.bfloat16, torch.float32)
+    supported_kernel_block_sizes = None
+    supported_devices = ("cuda",)
+
+    @classmethod
+    def get_name(cls) -> str:
+        return "gdn_fla"
+
+    @classmethod
+    def is_available(cls) -> tuple[bool, str]:
+        from attnplug.backends.state.gdn.fla import load_fla_kernels
+        if not torch.cuda.is_available():
+            return False, "flash-linear-attention needs a CUDA device"
+        if load_fla_kernels() is None:
+            return False, "flash-linear-attention is not installed (pip install flash-linear-attention)"
+        return True, ""
+
+    @classmethod
+    def get_builder_cls(cls) -> type[AttentionMetadataBuilder]:
+        from attnplug.backends.state.gdn.metadata import GDNMetadataBuilder
+        return GDNMetadataBuilder
+
+    @classmethod
+    def get_impl_cls(cls) -> type[GDNImpl]:
+        from attnplug.backends.state.gdn.fla import GDNFlaImpl
+        return GDNFlaImpl

@@ -27,7 +27,14 @@ def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
 
 
 class GDNTorchImpl(GDNImpl):
-    """The torch GDN core (see :class:`~attnplug.core.gdn.GDNImpl`)."""
+    """The torch GDN core (see :class:`~attnplug.core.gdn.GDNImpl`).
+
+    ``raw_qk = True`` (a subclass whose rule normalises, scales and expands q/k itself, as
+    flash-linear-attention's kernels do) hands the rule q and k as ``[n, num_k_heads,
+    head_k_dim]`` straight from the conv.
+    """
+
+    raw_qk = False
 
     def forward(self, layer: Any, mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                 state: GDNStateCache, attn_metadata: GDNMetadata, output: torch.Tensor) -> torch.Tensor:
@@ -64,10 +71,11 @@ class GDNTorchImpl(GDNImpl):
         n = x.shape[0]
         q, k, v = x.split([cfg.key_dim, cfg.key_dim, cfg.value_dim], dim=-1)
         rep = cfg.num_v_heads // cfg.num_k_heads
-        q = ops.l2norm(q.reshape(n, cfg.num_k_heads, cfg.head_k_dim)) * cfg.head_k_dim ** -0.5
-        k = ops.l2norm(k.reshape(n, cfg.num_k_heads, cfg.head_k_dim))
-        if rep > 1:
-            q, k = q.repeat_interleave(rep, dim=1), k.repeat_interleave(rep, dim=1)
+        q, k = q.reshape(n, cfg.num_k_heads, cfg.head_k_dim), k.reshape(n, cfg.num_k_heads, cfg.head_k_dim)
+        if not self.raw_qk:
+            q, k = ops.l2norm(q) * cfg.head_k_dim ** -0.5, ops.l2norm(k)
+            if rep > 1:
+                q, k = q.repeat_interleave(rep, dim=1), k.repeat_interleave(rep, dim=1)
         neg_A, dt_bias = gates
         g = neg_A * F.softplus(a.float() + dt_bias)
         return q, k, v.reshape(n, cfg.num_v_heads, cfg.head_v_dim), g, torch.sigmoid(b.float())

@@ -3,24 +3,13 @@ rule over packed sequences with initial states, and the backend's impl == gdn_to
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import numpy as np
 import torch
 
 from attnplug.backends.state.gdn import GDNTorchBackend, GDNTritonBackend, ops
 from attnplug.backends.state.gdn.triton_ops import fused_recurrent_gated_delta_rule
 from attnplug.core.gdn import GDNLayerConfig
-
-
-def _gdn_impl_helpers():
-    """The stepper of ``tests/backends/state/test_gdn_impl.py`` (loaded by path: tests are no package)."""
-    path = Path(__file__).parents[1] / "state" / "test_gdn_impl.py"
-    spec = importlib.util.spec_from_file_location("_gdn_impl_helpers", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.LCFG, mod.Stepper, mod._part, mod._seq
+from gdn_stepper import LCFG, Stepper, _part, _seq  # noqa: E402 (tests/backends/conftest.py registers it)
 
 
 def test_fused_recurrent_kernel_matches_the_torch_rule_per_sequence():
@@ -41,7 +30,6 @@ def test_fused_recurrent_kernel_matches_the_torch_rule_per_sequence():
 
 
 def test_triton_impl_equals_the_torch_impl_on_a_mixed_step():
-    LCFG, Stepper, _part, _seq = _gdn_impl_helpers()
     assert GDNTritonBackend.validate_configuration(LCFG) == []
     assert GDNTritonBackend.validate_configuration(GDNLayerConfig(1, 2, 4, 3, 4, dtype=torch.bfloat16)) != []
     runs = {}
