@@ -36,6 +36,7 @@ class GDNMetadata(Mamba2Metadata):
 
 
 _NO_CHUNKS = np.zeros((0, 2), dtype=np.int64)
+_NO_OFFSETS = np.zeros(1, dtype=np.int64)
 
 
 def fla_chunk_tables(chunk_seq_idx: np.ndarray, num_prefills: int) -> tuple[np.ndarray, np.ndarray]:
@@ -81,6 +82,8 @@ class GDNMetadataBuilder(Mamba2MetadataBuilder):
         if md.num_prefills:
             ci, co = fla_chunk_tables(md.chunk_seq_idx, md.num_prefills)
         else:
-            ci, co = _NO_CHUNKS, np.zeros(1, dtype=np.int64)
-        fields = {f.name: getattr(md, f.name) for f in dataclasses.fields(Mamba2Metadata)}
-        return GDNMetadata(**fields, chunk_indices=ci, chunk_offsets=co)
+            ci, co = _NO_CHUNKS, _NO_OFFSETS
+        out = object.__new__(GDNMetadata)       # the fields of md as they are (a frozen dataclass: no
+        out.__dict__.update(md.__dict__)        # per-field constructor on every decode step)
+        out.__dict__.update(chunk_indices=ci, chunk_offsets=co)
+        return out
