@@ -119,6 +119,9 @@ def parse_qwen3_next_config(cfg: Mapping[str, Any]) -> Qwen3NextModelConfig:
                                f"linear_num_key_heads {sizes['linear_num_key_heads']}")
     if cfg.get("hidden_act", "silu") not in ("silu", "swish"):
         raise ModelConfigError(f"hidden_act {cfg.get('hidden_act')!r} not supported (the GDN conv and MLP use silu)")
+    rope = cfg.get("rope_parameters") or {}
+    if "partial_rotary_factor" not in cfg and "partial_rotary_factor" not in rope:
+        cfg = {**cfg, "partial_rotary_factor": 0.25}   # transformers' default for these families
     theta, scaling = parse_rope(cfg)
     return Qwen3NextModelConfig(
         model_type=model_type, num_hidden_layers=n, num_attention_heads=heads,

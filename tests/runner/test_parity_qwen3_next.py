@@ -56,6 +56,8 @@ def test_layer_kinds_come_from_the_config():
     assert resolve_model_config(explicit).layer_types[0] == "full_attention"
     default = {k: v for k, v in QWEN3_5.items() if k != "full_attention_interval"}
     assert resolve_model_config(dict(default, num_hidden_layers=8)).layer_types.count("full_attention") == 2
+    no_factor = {k: v for k, v in QWEN3_5.items() if k != "partial_rotary_factor"}
+    assert resolve_model_config(no_factor).rope_scaling.partial_rotary_factor == 0.25, "transformers' default"
     with pytest.raises(ModelConfigError, match="layer_types"):
         resolve_model_config(dict(QWEN3_5, layer_types=["mamba"] * 4))
     with pytest.raises(ModelConfigError, match="linear_num_value_heads 3 is not a multiple"):
