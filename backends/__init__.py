@@ -13,6 +13,9 @@ from __future__ import annotations
 BUILTIN_BACKENDS: dict[str, str] = {
     "torch_native": "attnplug.backends.torch_native.backend:TorchNativeBackend",
     "mamba2_torch": "attnplug.backends.mamba2.backend:Mamba2Backend",
+    "gdn_torch": "attnplug.backends.state.gdn.backend:GDNTorchBackend",
+    "gdn_triton": "attnplug.backends.state.gdn.backend:GDNTritonBackend",
+    "gdn_fla": "attnplug.backends.state.gdn.backend:GDNFlaBackend",
     "triton": "attnplug.backends.triton.backend:TritonBackend",
     "flash_attn": "attnplug.backends.flash_attn.backend:FlashAttnBackend",
     "flashinfer": "attnplug.backends.flashinfer.backend:FlashInferBackend",

@@ -16,11 +16,13 @@ from attnplug.cache_groups.specs import (
     MambaSpec,
     MLAAttentionSpec,
     SlidingWindowSpec,
+    StateSpec,
+    StateTensorSpec,
     cdiv,
 )
 
 __all__ = [
     "AttentionSpec", "BlockTable", "CpuGpuBuffer", "FullAttentionSpec", "KVCacheConfig", "KVCacheGroupSpec",
-    "KVCacheSpec", "MLAAttentionSpec", "MambaSpec", "MultiGroupBlockTable", "SlidingWindowSpec", "cdiv", "cumsum_and_arange",
+    "KVCacheSpec", "MLAAttentionSpec", "MambaSpec", "MultiGroupBlockTable", "SlidingWindowSpec", "StateSpec", "StateTensorSpec", "cdiv", "cumsum_and_arange",
     "expand_to_kernel_block_ids", "group_layers_by_spec", "repeat_indices",
 ]

@@ -27,8 +27,8 @@ from attnplug.cache_groups.sliding_window import max_live_blocks, num_skipped_bl
 from attnplug.cache_groups.specs import (
     FullAttentionSpec,
     KVCacheSpec,
-    MambaSpec,
     SlidingWindowSpec,
+    StateSpec,
     cdiv,
 )
 from attnplug.core.constants import NULL_BLOCK_ID
@@ -295,11 +295,11 @@ def make_block_manager(spec: KVCacheSpec, pool: BlockPool, state_slots: int = 1)
         return SlidingWindowManager(spec, pool)
     if isinstance(spec, FullAttentionSpec):
         return FullAttentionManager(spec, pool)
-    if isinstance(spec, MambaSpec):
+    if isinstance(spec, StateSpec):
         return MambaStateManager(spec, pool, state_slots)
     raise KVCacheSpecError(
         f"no block policy for {type(spec).__name__}; supported: FullAttentionSpec, "
-        "SlidingWindowSpec, MambaSpec")
+        "SlidingWindowSpec, StateSpec")
 
 
 class KVCacheManager:

@@ -38,7 +38,7 @@ from typing import Sequence
 
 from attnplug.cache_groups.block_hash import BlockHash, hash_request_tokens
 from attnplug.cache_groups.prefix_cache import PrefixCachingBlockPool
-from attnplug.cache_groups.specs import FullAttentionSpec, KVCacheSpec, MambaSpec, SlidingWindowSpec, cdiv
+from attnplug.cache_groups.specs import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec, StateSpec, cdiv
 from attnplug.core.constants import NULL_BLOCK_ID
 from attnplug.core.errors import KVCacheSpecError, SchedulingError
 
@@ -106,10 +106,10 @@ def group_hit(spec: KVCacheSpec, cached: Cached, max_num_blocks: int) -> list[in
         return sliding_window_hit(cached, max_num_blocks, spec.sliding_window, spec.block_size)
     if isinstance(spec, FullAttentionSpec):
         return full_attention_hit(cached, max_num_blocks)
-    if isinstance(spec, MambaSpec):
+    if isinstance(spec, StateSpec):
         return mamba_hit(cached, max_num_blocks)
     raise KVCacheSpecError(f"no prefix-cache hit rule for {type(spec).__name__}; supported: "
-                           "FullAttentionSpec, SlidingWindowSpec, MambaSpec")
+                           "FullAttentionSpec, SlidingWindowSpec, StateSpec")
 
 
 # --- the coordinator --------------------------------------------------------------------

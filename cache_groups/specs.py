@@ -168,12 +168,125 @@ class SlidingWindowSpec(AttentionSpec):
 
 
 @dataclass(frozen=True)
-class MambaSpec(KVCacheSpec):
+class StateTensorSpec:
+    """One tensor a state layer keeps per request (per state slot).
+
+    ``shape`` excludes the slot dimension: a layer's cache for this tensor is
+    ``[num_slots, *shape]`` of ``dtype``.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype = torch.float32
+
+    def __post_init__(self):
+        if not isinstance(self.name, str) or not self.name.isidentifier():
+            raise KVCacheSpecError(f"state tensor name must be an identifier, got {self.name!r}")
+        shape = tuple(self.shape) if isinstance(self.shape, (tuple, list)) else None
+        if shape is None or any(not isinstance(d, int) or isinstance(d, bool) or d < 0 for d in shape):
+            raise KVCacheSpecError(f"state tensor {self.name!r}: shape must be a tuple of ints >= 0, got {self.shape!r}")
+        if not isinstance(self.dtype, torch.dtype):
+            raise KVCacheSpecError(f"state tensor {self.name!r}: dtype must be a torch.dtype, got {self.dtype!r}")
+        object.__setattr__(self, "shape", shape)
+
+    @property
+    def numel(self) -> int:
+        """Elements of one slot's tensor."""
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of one slot's tensor."""
+        return self.numel * _dtype_bytes(self.dtype)
+
+
+@dataclass(frozen=True)
+class StateSpec(KVCacheSpec):
+    """A recurrent-state layer: one slot per running request holding the tensors it declares.
+
+    The group kind is ``GroupKind.MAMBA`` (a state group: one block = one state slot per
+    request, no paged K/V) for every state kind; ``state_kind`` says which layer math the
+    slots belong to (``"mamba2"``, ``"gdn"``, or a third party's name) and is what a
+    state backend checks. Allocation (``StateBackend.allocate_state_cache``: one
+    ``[num_slots, *shape]`` tensor per declared tensor, in declaration order), slot copies
+    (prefix-caching checkpoints) and the page size all work from ``tensors``.
+
+    Fields:
+        block_size: the manager's accounting unit in tokens (one block per request).
+        tensors: the per-slot tensors, in the order the layer's cache tuple holds them;
+            names unique.
+        state_kind: the layer math, e.g. ``"mamba2"``, ``"gdn"``.
+        chunk_size: tokens per chunk of the kind's chunked prefill scan (``0``: none).
+
+    Raises:
+        KVCacheSpecError: no tensors, a duplicate name, an empty ``state_kind`` or a
+            negative ``chunk_size``.
+
+    Examples:
+        >>> s = StateSpec(block_size=64, state_kind="gdn", chunk_size=64, tensors=(
+        ...     StateTensorSpec("conv_state", (96, 3), torch.float32),
+        ...     StateTensorSpec("recurrent_state", (4, 16, 16), torch.float32)))
+        >>> s.page_size_bytes, s.tensor("conv_state").shape
+        (5248, (96, 3))
+    """
+
+    tensors: tuple[StateTensorSpec, ...] = ()
+    state_kind: str = "state"
+    chunk_size: int = 0
+
+    def __post_init__(self):
+        super().__post_init__()
+        tensors = tuple(self.tensors) if isinstance(self.tensors, (tuple, list)) else None
+        if not tensors or not all(isinstance(t, StateTensorSpec) for t in tensors):
+            raise KVCacheSpecError(f"a state spec declares at least one StateTensorSpec, got {self.tensors!r}")
+        names = [t.name for t in tensors]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise KVCacheSpecError(f"state tensor names must be unique, repeated: {dup}")
+        if not isinstance(self.state_kind, str) or not self.state_kind:
+            raise KVCacheSpecError(f"state_kind must be a non-empty str, got {self.state_kind!r}")
+        if not isinstance(self.chunk_size, int) or isinstance(self.chunk_size, bool) or self.chunk_size < 0:
+            raise KVCacheSpecError(f"chunk_size must be an int >= 0, got {self.chunk_size!r}")
+        object.__setattr__(self, "tensors", tensors)
+
+    @property
+    def kind(self) -> GroupKind:
+        return GroupKind.MAMBA
+
+    def tensor(self, name: str) -> StateTensorSpec:
+        """The declared tensor ``name``.
+
+        Raises:
+            KVCacheSpecError: no tensor of that name (the declared names listed).
+        """
+        for t in self.tensors:
+            if t.name == name:
+                return t
+        raise KVCacheSpecError(f"{self.state_kind} state has no tensor {name!r} (declared: "
+                               f"{', '.join(t.name for t in self.tensors)})")
+
+    @property
+    def page_size_bytes(self) -> int:
+        """Bytes of one request's state: the sum of the declared tensors' bytes."""
+        return sum(t.nbytes for t in self.tensors)
+
+    def max_memory_usage_bytes(self, max_model_len: int, max_num_batched_tokens: int) -> int:
+        """One state slot, whatever the length."""
+        return self.page_size_bytes
+
+
+@dataclass(frozen=True)
+class MambaSpec(StateSpec):
     """Mamba2 state: one slot per running request holding its conv and SSM states.
 
     ``conv_state_shape`` is ``[conv_dim, d_conv - 1]``; ``ssm_state_shape`` is
     ``[nheads, headdim, d_state]``. ``block_size`` is the manager's accounting unit
-    (usually ``max_model_len``: one block per request).
+    (usually ``max_model_len``: one block per request). The declared tensors are derived:
+    ``conv_state`` (``dtype``) then ``ssm_state`` (``ssm_dtype``); ``state_kind`` is
+    ``"mamba2"``.
     """
 
     conv_state_shape: tuple[int, ...] = (1, 1)
@@ -181,22 +294,10 @@ class MambaSpec(KVCacheSpec):
     dtype: torch.dtype = torch.float32
     ssm_dtype: torch.dtype = torch.float32
     chunk_size: int = 256
+    state_kind: str = "mamba2"
 
-    @property
-    def kind(self) -> GroupKind:
-        return GroupKind.MAMBA
-
-    @property
-    def page_size_bytes(self) -> int:
-        """Bytes of one request's state: conv state plus SSM state."""
-        n_conv = 1
-        for s in self.conv_state_shape:
-            n_conv *= s
-        n_ssm = 1
-        for s in self.ssm_state_shape:
-            n_ssm *= s
-        return n_conv * _dtype_bytes(self.dtype) + n_ssm * _dtype_bytes(self.ssm_dtype)
-
-    def max_memory_usage_bytes(self, max_model_len: int, max_num_batched_tokens: int) -> int:
-        """One state slot, whatever the length."""
-        return self.page_size_bytes
+    def __post_init__(self):
+        object.__setattr__(self, "tensors", (StateTensorSpec("conv_state", tuple(self.conv_state_shape), self.dtype),
+                                             StateTensorSpec("ssm_state", tuple(self.ssm_state_shape), self.ssm_dtype)))
+        object.__setattr__(self, "state_kind", "mamba2")
+        super().__post_init__()

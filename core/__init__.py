@@ -26,6 +26,7 @@ from attnplug.core.errors import (
 )
 from attnplug.core.mamba import MambaBackend, MambaImpl, MambaLayerConfig, MambaStateCache
 from attnplug.core.metadata import CommonAttentionMetadata
+from attnplug.core.state import StateBackend, StateLayerConfig
 from attnplug.core.mla import (
     MLABackend,
     MLAContextChunk,
@@ -43,7 +44,7 @@ __all__ = [
     "BuilderConfig", "AttnplugError", "BackendUnsupportedError", "ConfigError", "InvalidSchedulerOutput",
     "KVCacheSpecError", "MetadataError", "MetadataInvariantError", "PluginValidationError",
     "TraceFormatError", "UnknownBackendError", "CommonAttentionMetadata", "BatchView", "RowState",
-    "validate", "MambaBackend", "MambaImpl", "MambaLayerConfig", "MambaStateCache",
+    "validate", "MambaBackend", "MambaImpl", "MambaLayerConfig", "MambaStateCache", "StateBackend", "StateLayerConfig",
     "MLABackend", "MLAContextChunk", "MLADecodeMetadata", "MLAImpl", "MLALayerConfig", "MLAMetadata",
     "MLAPrefillMetadata", "BackendCapabilities", "Feature", "ScaleGranularity", "layer_needs",
 ]

@@ -28,15 +28,15 @@ from typing import Any, ClassVar, NamedTuple
 
 import torch
 
-from attnplug.core.contracts import AttentionBackend
+from attnplug.core.state import StateBackend, StateLayerConfig
 
 SUPPORTED_MAMBA_ACTIVATIONS: tuple[str, ...] = ("silu", "swish")
 """Activations of the causal conv1d a Mamba2 layer may ask for (``swish`` == ``silu``)."""
 
 
 @dataclass(frozen=True)
-class MambaLayerConfig:
-    """What a Mamba2 mixer layer needs of a backend.
+class MambaLayerConfig(StateLayerConfig):
+    """What a Mamba2 mixer layer needs of a backend (``state_kind = "mamba2"``).
 
     ``conv_dim = num_heads * head_size + 2 * n_groups * state_size`` channels go through
     the causal conv1d (x, B and C); head ``h`` reads B/C group ``h // (num_heads //
@@ -56,6 +56,7 @@ class MambaLayerConfig:
     activation: str = "silu"
     time_step_limit: tuple[float, float] = (0.0, math.inf)
     device: str = "cpu"
+    state_kind: ClassVar[str] = "mamba2"
 
     @property
     def intermediate_size(self) -> int:
@@ -96,24 +97,23 @@ class MambaStateCache(NamedTuple):
     device; the SSM state after the request's last computed token."""
 
 
-class MambaBackend(AttentionBackend):
-    """Base of backends that serve Mamba state groups (``kv_cache_kind = "mamba"``).
+class MambaBackend(StateBackend):
+    """Base of backends that serve Mamba2 state groups (``kv_cache_kind = "mamba"``,
+    ``state_kind = "mamba2"``).
 
     Subclasses name their builder and impl (``get_builder_cls``, ``get_impl_cls``) and
     may override :meth:`allocate_state_cache` (a different state layout) and
     :meth:`validate_configuration` (call ``super()``). The impl class is a
-    :class:`MambaImpl`, built as ``Impl(layer_config)``.
+    :class:`MambaImpl`, built as ``Impl(layer_config)``. The default allocation is
+    :meth:`StateBackend.allocate_state_cache` over the spec's declared tensors
+    (``conv_state`` then ``ssm_state``), as a :class:`MambaStateCache`.
     """
 
-    kv_cache_kind: ClassVar[str] = "mamba"
+    state_kind: ClassVar[str] = "mamba2"
+    state_cache_cls: ClassVar[type] = MambaStateCache
     supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float32, torch.float16, torch.bfloat16)
     supported_ssm_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float32,)
     """SSM state dtypes the backend accepts."""
-
-    @classmethod
-    def supports_mqa_gqa(cls) -> bool:
-        """Attention-only features (windows, soft-cap, GQA) do not apply to state layers."""
-        return False
 
     @classmethod
     def allocate_state_cache(cls, kv_cache_spec: Any, num_slots: int,
@@ -125,7 +125,8 @@ class MambaBackend(AttentionBackend):
 
         Args:
             kv_cache_spec: the group's :class:`~attnplug.cache_groups.specs.MambaSpec`
-                (``conv_state_shape``, ``ssm_state_shape``, ``dtype``, ``ssm_dtype``).
+                (declares ``conv_state`` ``[conv_dim, conv_kernel_size - 1]`` in ``dtype``
+                and ``ssm_state`` ``[num_heads, head_size, state_size]`` in ``ssm_dtype``).
             num_slots: slots to allocate (``>= 2``; slot 0 is the reserved null block).
             device: where the state lives.
 
@@ -133,9 +134,7 @@ class MambaBackend(AttentionBackend):
             The :class:`MambaStateCache` (``[num_slots, *conv_state_shape]`` and
             ``[num_slots, *ssm_state_shape]``).
         """
-        conv = torch.zeros((num_slots, *kv_cache_spec.conv_state_shape), dtype=kv_cache_spec.dtype, device=device)
-        ssm = torch.zeros((num_slots, *kv_cache_spec.ssm_state_shape), dtype=kv_cache_spec.ssm_dtype, device=device)
-        return MambaStateCache(conv, ssm)
+        return super().allocate_state_cache(kv_cache_spec, num_slots, device)
 
     @classmethod
     def validate_configuration(cls, layer: Any) -> list[str]:
@@ -144,23 +143,11 @@ class MambaBackend(AttentionBackend):
         Fields a config does not carry are not checked (selection may describe a layer
         from an HF config before the model is built).
         """
-        reasons: list[str] = []
-        ok, why = cls.is_available()
-        if not ok:
-            reasons.append(f"not available on this machine: {why}")
-        dtype = getattr(layer, "dtype", None)
-        if dtype is not None and dtype not in cls.supported_dtypes:
-            reasons.append(f"dtype {dtype} not supported (supported: "
-                           f"{', '.join(str(d) for d in cls.supported_dtypes)})")
+        reasons = super().validate_configuration(layer)
         ssm_dtype = getattr(layer, "ssm_dtype", None)
         if ssm_dtype is not None and ssm_dtype not in cls.supported_ssm_dtypes:
             reasons.append(f"ssm state dtype {ssm_dtype} not supported (supported: "
                            f"{', '.join(str(d) for d in cls.supported_ssm_dtypes)})")
-        dev = torch.device(getattr(layer, "device", "cpu")).type
-        if dev not in cls.supported_devices:
-            reasons.append(f"device {dev!r} not supported (supported: {list(cls.supported_devices)})")
-        elif dev == "cuda" and not torch.cuda.is_available():
-            reasons.append("device 'cuda' requested but torch.cuda.is_available() is False")
         act = getattr(layer, "activation", None)
         if act is not None and act not in SUPPORTED_MAMBA_ACTIVATIONS:
             reasons.append(f"conv activation {act!r} not supported (supported: {list(SUPPORTED_MAMBA_ACTIVATIONS)})")

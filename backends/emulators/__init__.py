@@ -15,6 +15,9 @@ import path, e.g. ``attnplug check attnplug.backends.emulators:FlashInferEmulate
   ``flashmla`` / ``flashinfer_mla`` builders and impls wired to them;
 * ``sparse_kernels.py`` / ``sparse_backends.py`` — FlashMLA's ``flash_mla_sparse_fwd`` and
   the ``flashmla_sparse`` impl wired to it.
+* ``fla_kernels.py`` / ``fla_backends.py`` — flash-linear-attention's
+  ``chunk_gated_delta_rule`` and ``fused_recurrent_gated_delta_rule``, and the ``gdn_fla``
+  builder and impl wired to them (``GDNFlaEmulatedBackend``).
 """
 
 from attnplug.backends.emulators.backends import (
@@ -24,6 +27,8 @@ from attnplug.backends.emulators.backends import (
     FlashAttn3EmulatedBackend,
     FlashInferEmulatedBackend,
 )
+from attnplug.backends.emulators.fla_backends import GDNFlaEmulatedBackend
+from attnplug.backends.emulators.fla_kernels import FLA_EMULATOR, FlaContractError, FlaEmulator
 from attnplug.backends.emulators.mla_backends import FlashInferMLAEmulatedBackend, FlashMLAEmulatedBackend
 from attnplug.backends.emulators.mla_kernels import FlashMLAEmulator, MLAContractError
 from attnplug.backends.emulators.flash_attn_kernels import FlashAttnContractError, FlashAttnEmulator
@@ -35,7 +40,8 @@ from attnplug.backends.emulators.flashinfer_kernels import (
 )
 
 __all__ = [
-    "EMULATED_FLASHINFER", "FA2_EMULATOR", "FA3_EMULATOR", "BatchDecodeWithPagedKVCacheWrapper",
+    "EMULATED_FLASHINFER", "FA2_EMULATOR", "FA3_EMULATOR", "FLA_EMULATOR", "FlaContractError", "FlaEmulator",
+    "GDNFlaEmulatedBackend", "BatchDecodeWithPagedKVCacheWrapper",
     "BatchPrefillWithPagedKVCacheWrapper", "FlashAttn2EmulatedBackend", "FlashAttn3EmulatedBackend",
     "FlashAttnContractError", "FlashAttnEmulator", "FlashInferContractError", "FlashInferEmulatedBackend",
     "FlashInferMLAEmulatedBackend", "FlashMLAEmulatedBackend", "FlashMLAEmulator", "MLAContractError",

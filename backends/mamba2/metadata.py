@@ -151,14 +151,18 @@ class Mamba2MetadataBuilder(AttentionMetadataBuilder):
     cudagraph_support = AttentionCGSupport.NEVER
     reorder_batch_threshold = 1
     supports_update_block_table = True
+    chunks_from_sequence_start = False
+    """``False``: chunk boundaries at absolute positions that are multiples of ``chunk_size``
+    (Mamba2, as mamba_ssm's chunked scan with initial states); ``True``: each sequence's
+    chunks start at its first scheduled token (flash-linear-attention's varlen chunks, GDN)."""
 
     def __init__(self, kv_cache_spec, layer_names: list[str], config: BuilderConfig,
                  device: torch.device | str):
         super().__init__(kv_cache_spec, layer_names, config, device)
         try:
             self.chunk_size = int(kv_cache_spec.chunk_size)
-            self.conv_state_len = int(kv_cache_spec.conv_state_shape[-1])
-        except (AttributeError, IndexError, TypeError):
+            self.conv_state_len = int(_conv_state_shape(kv_cache_spec)[-1])
+        except (AttributeError, IndexError, TypeError, KVCacheSpecError):
             raise KVCacheSpecError(
                 f"Mamba2MetadataBuilder needs a MambaSpec (chunk_size, conv_state_shape), got "
                 f"{kv_cache_spec!r}; select a Mamba backend only for 'mamba' cache groups") from None
@@ -253,7 +257,8 @@ class Mamba2MetadataBuilder(AttentionMetadataBuilder):
         drafts = cm.num_draft_tokens_cpu
         if drafts is not None and bool((drafts[nd:R] > 0).any()):
             return self._build_verifying(cm, R, nd, qsl, computed, drafts[:R].numpy().astype(np.int64))
-        layout = compute_prefill_layout(query_lens[nd:], computed[nd:], self.chunk_size, self.conv_state_len)
+        starts = np.zeros(R - nd, dtype=np.int64) if self.chunks_from_sequence_start else computed[nd:]
+        layout = compute_prefill_layout(query_lens[nd:], starts, self.chunk_size, self.conv_state_len)
         views = self._upload(computed > 0, np.flatnonzero(computed == 0), layout)
         state_indices = self._state_indices_from(cm.block_table_tensor, R, self._state_indices)
         qsl_p = cm.query_start_loc[nd:R + 1] - int(qsl[nd])
@@ -274,7 +279,8 @@ class Mamba2MetadataBuilder(AttentionMetadataBuilder):
         bt = cm.block_table_tensor
         ver = compute_verify_layout(qsl, drafts, nd, int(bt.shape[1]))
         prows = ver.prefill_rows
-        layout = compute_prefill_layout(np.diff(qsl)[prows], computed[prows], self.chunk_size, self.conv_state_len)
+        starts = np.zeros(len(prows), dtype=np.int64) if self.chunks_from_sequence_start else computed[prows]
+        layout = compute_prefill_layout(np.diff(qsl)[prows], starts, self.chunk_size, self.conv_state_len)
         views = self._upload(computed > 0, np.flatnonzero(computed == 0), layout)
         state_indices = self._state_indices_from(bt, R, self._state_indices)
         arrays = [ver.verify_rows, ver.verify_token_index, ver.verify_write_index, ver.verify_write_bt_index,
@@ -359,6 +365,12 @@ class Mamba2MetadataBuilder(AttentionMetadataBuilder):
             changes["verify_write_slots"] = block_table.reshape(-1).index_select(
                 0, metadata.verify_write_bt_index).long()
         return dataclasses.replace(metadata, state_indices=state_indices, block_table_tensor=block_table, **changes)
+
+
+def _conv_state_shape(spec) -> tuple[int, ...]:
+    """The declared ``conv_state`` tensor's shape (a ``StateSpec``), else ``spec.conv_state_shape``."""
+    tensor = getattr(spec, "tensor", None)
+    return tuple(tensor("conv_state").shape) if tensor is not None else tuple(spec.conv_state_shape)
 
 
 def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -116,18 +116,20 @@ def unavailable_reason() -> str | None:
     return "no CUDA device (on the CPU, set TRITON_INTERPRET=1: Triton interpreter, slow)"
 
 
-def kernel_module(name: str) -> ModuleType:
-    """The kernel module ``attnplug.backends.triton.<name>``, decorated in the mode of
+def kernel_module(name: str, package: str = _PACKAGE) -> ModuleType:
+    """The kernel module ``<package>.<name>``, decorated in the mode of
     :func:`interpreting` (the first import forces ``triton.knobs.runtime.interpret`` to it
     for its duration, so a variable changed after ``import triton`` cannot split the modes).
 
     Args:
-        name: ``"attention_kernels"`` or ``"cache_kernels"``.
+        name: ``"attention_kernels"`` or ``"cache_kernels"`` (of this package), or a kernel
+            module of ``package``.
+        package: the package holding the module (default ``attnplug.backends.triton``).
 
     Raises:
         ImportError: Triton is not importable.
     """
-    full = f"{_PACKAGE}.{name}"
+    full = f"{package}.{name}"
     module = sys.modules.get(full)
     if module is not None:
         return module

@@ -119,7 +119,7 @@ def model_layer_groups(model: str, *, dtype: torch.dtype | None = None, device: 
     Raises:
         ConfigError: an unknown model, or a config without the basic attention fields.
     """
-    from attnplug.core.mamba import MambaLayerConfig as ModelMambaLayerConfig
+    from attnplug.core.state import StateLayerConfig
     from attnplug.runner.models import UnsupportedModelError, model_layer_configs, resolve_model_config
 
     what, cfg = _load(model)
@@ -132,7 +132,7 @@ def model_layer_groups(model: str, *, dtype: torch.dtype | None = None, device: 
         return f"{what} (read generically: the runner has no {cfg.get('model_type')!r} model)", \
             _generic(cfg, dtype, device, block_size)
     layers = model_layer_configs(model_cfg, dtype, device, block_size)
-    per_layer = {name: ("mamba" if isinstance(c, ModelMambaLayerConfig) else "mla" if hasattr(c, "kv_lora_rank")
+    per_layer = {name: ("mamba" if isinstance(c, StateLayerConfig) else "mla" if hasattr(c, "kv_lora_rank")
                         else "indexer" if hasattr(c, "index_head_dim")
                         else "sliding_window" if c.sliding_window else "full_attention", c)
                  for name, c in layers.items()}

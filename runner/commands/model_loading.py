@@ -14,7 +14,7 @@ from typing import Any, Callable
 import torch
 
 from attnplug.core.errors import AttnplugError
-from attnplug.core.mamba import MambaLayerConfig
+from attnplug.core.state import StateLayerConfig
 from attnplug.core.mla import MLALayerConfig
 
 
@@ -57,7 +57,7 @@ def build_with_backends(config: Any, *, backend: str | None, block_size: int, re
 
     def backend_for_layer(layer_name, layer_cfg):
         if layer_name not in chosen:
-            if isinstance(layer_cfg, MambaLayerConfig):
+            if isinstance(layer_cfg, StateLayerConfig):
                 kind = "mamba"
             elif isinstance(layer_cfg, MLALayerConfig):
                 kind = "mla"

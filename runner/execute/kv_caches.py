@@ -33,10 +33,12 @@ from attnplug.cache_groups.specs import KVCacheSpec
 from attnplug.core.contracts import AttentionBackend
 from attnplug.core.devices import resolve_device
 from attnplug.core.errors import BackendUnsupportedError, KVCacheSpecError
-from attnplug.core.mamba import MambaBackend, MambaStateCache
+from attnplug.core.mamba import MambaStateCache
+from attnplug.core.state import StateBackend
 
-KVCache = Union[torch.Tensor, MambaStateCache]
-"""One layer's cache: a paged K/V tensor (attention groups) or a :class:`MambaStateCache`."""
+KVCache = Union[torch.Tensor, MambaStateCache, tuple]
+"""One layer's cache: a paged K/V tensor (attention groups) or a state tuple (state groups: a
+:class:`MambaStateCache` for Mamba2, one tensor per declared state tensor in general)."""
 
 
 def _check_one_per_group(kv_cache_config: KVCacheConfig, what: str, values: Sequence) -> None:
@@ -108,10 +110,11 @@ def allocate_kv_caches(kv_cache_config: KVCacheConfig, backends: Sequence[type[A
       kernel_block_size, num_kv_heads, head_size]`` (K at index 0 of dim 1, V at 1), dtype
       ``spec.dtype``. Kernel blocks ``0 .. k-1`` are manager block 0, the null block,
       which the block pool never hands to a request.
-    * Mamba groups (``spec.kind is GroupKind.MAMBA``): ``backend.allocate_state_cache(spec,
-      num_blocks_of(g), device)``, one state slot per block id (a
-      :class:`~attnplug.core.mamba.MambaStateCache`; conv state in ``spec.dtype``, SSM
-      state in ``spec.ssm_dtype``).
+    * State groups (``spec.kind is GroupKind.MAMBA``: Mamba2, GDN, any
+      :class:`~attnplug.cache_groups.specs.StateSpec`): ``backend.allocate_state_cache(spec,
+      num_blocks_of(g), device)``, one state slot per block id: a tuple with one
+      ``[num_slots, *shape]`` tensor per tensor the spec declares (a
+      :class:`~attnplug.core.mamba.MambaStateCache` for Mamba2).
 
     Memory: with the default layout, each layer of group ``g`` takes ``num_blocks_of(g) *
     spec.page_size_bytes`` bytes (Mamba: ``num_blocks_of(g)`` slots of
@@ -128,8 +131,8 @@ def allocate_kv_caches(kv_cache_config: KVCacheConfig, backends: Sequence[type[A
         passes ``kv_caches[layer_name]`` to that layer's impl ``forward``.
 
     Raises:
-        BackendUnsupportedError: a Mamba group whose backend is not a
-            :class:`~attnplug.core.mamba.MambaBackend` (it cannot allocate state slots).
+        BackendUnsupportedError: a state group whose backend is not a
+            :class:`~attnplug.core.state.StateBackend` (it cannot allocate state slots).
         KVCacheSpecError: not one backend and one kernel block size per group, or a kernel
             block size that does not divide its group's block size.
     """
@@ -141,10 +144,10 @@ def allocate_kv_caches(kv_cache_config: KVCacheConfig, backends: Sequence[type[A
         spec = group.kv_cache_spec
         num_blocks = kv_cache_config.num_blocks_of(g)
         if spec.kind is GroupKind.MAMBA:
-            if not isinstance(backend, type) or not issubclass(backend, MambaBackend):
+            if not isinstance(backend, type) or not issubclass(backend, StateBackend):
                 raise BackendUnsupportedError(backend.get_name(), [
                     "cache group is a Mamba state group but the backend is not a MambaBackend "
-                    "(it cannot allocate state slots)"], f"cache group {g}")
+                    "(a StateBackend: it cannot allocate state slots)"], f"cache group {g}")
             for name in group.layer_names:
                 caches[name] = backend.allocate_state_cache(spec, num_blocks, device)
             continue

@@ -4,8 +4,9 @@
 Mamba group ``g``, ``(g, src_slot, dst_slot)`` pairs: *restores* run before the step's
 forward (a prefix hit's checkpoint into the request's own slot), *saves* after it (the
 request's slot, now the state after a multiple of the Mamba block size, into a checkpoint
-slot). A copy moves both states of every layer of the group
-(:class:`~attnplug.core.mamba.MambaStateCache`: ``conv_state`` and ``ssm_state`` rows).
+slot). A copy moves every declared state tensor of every layer of the group (a layer's cache is
+a tuple of ``[num_slots, ...]`` tensors: ``conv_state`` and ``ssm_state`` for Mamba2,
+``conv_state`` and ``recurrent_state`` for GDN).
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ def copy_state_slots(kv_caches: Mapping[str, object], layer_names: Sequence[Sequ
     """Copy slot ``src`` to ``dst`` in every Mamba layer of group ``g``, for each ``(g, src, dst)``.
 
     Args:
-        kv_caches: ``{layer_name: cache}``; a Mamba layer's cache has ``conv_state`` and
-            ``ssm_state`` (``[num_slots, ...]``, any device).
+        kv_caches: ``{layer_name: cache}``; a state layer's cache is a tuple of tensors
+            ``[num_slots, ...]`` (any device), e.g. ``MambaStateCache``.
         layer_names: per group, its layers.
         copies: the pairs, applied in order (indices ``[src] -> [dst]`` along dim 0).
 
@@ -37,12 +38,12 @@ def copy_state_slots(kv_caches: Mapping[str, object], layer_names: Sequence[Sequ
     for g, src, dst in copies:
         for name in layer_names[g]:
             cache = kv_caches[name]
-            if not hasattr(cache, "ssm_state"):
+            if not isinstance(cache, tuple) or not cache or not all(isinstance(t, torch.Tensor) for t in cache):
                 raise MetadataError(f"mamba_state_copies: group {g} layer {name!r} has no state cache")
-            slots = cache.ssm_state.shape[0]
+            slots = cache[0].shape[0]
             if not (0 < src < slots and 0 < dst < slots):
                 raise MetadataError(f"mamba_state_copies: slots {src} -> {dst} outside [1, {slots}) in group {g}")
-            for t in (cache.conv_state, cache.ssm_state):
+            for t in cache:
                 t[dst].copy_(t[src])
         n += 1
     return n

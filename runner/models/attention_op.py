@@ -8,6 +8,7 @@ helpers emit one opaque op per layer instead, so Dynamo never traces a backend's
 
 * ``attnplug::attention(query, key, value, kv_cache!, output!, layer_name) -> ()``
 * ``attnplug::mamba_mixer(hidden_states_B_C, dt, conv_state!, ssm_state!, output!, layer_name) -> ()``
+* ``attnplug::gdn_mixer(mixed_qkv, a, b, conv_state!, recurrent_state!, output!, layer_name) -> ()``
 
 (``!``: declared in ``mutates_args``; the fake implementations return nothing, so
 tracing needs no kernel.) Metadata objects are not tensors and cannot be op arguments, so
@@ -27,6 +28,7 @@ from typing import Any, Iterator, Mapping
 import torch
 
 from attnplug.core.errors import MetadataError
+from attnplug.core.gdn import GDNStateCache
 from attnplug.core.mamba import MambaStateCache
 
 
@@ -141,6 +143,25 @@ def _mamba_mixer_fake(hidden_states_B_C, dt, conv_state, ssm_state, output, laye
     return None
 
 
+@torch.library.custom_op("attnplug::gdn_mixer", mutates_args=("conv_state", "recurrent_state", "output"))
+def gdn_mixer_op(mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, conv_state: torch.Tensor,
+                 recurrent_state: torch.Tensor, output: torch.Tensor, layer_name: str) -> None:
+    """``layer.impl.forward(layer, mixed_qkv, a, b, GDNStateCache(conv_state, recurrent_state),
+    metadata, output)`` for the context's layer ``layer_name`` (shapes as ``GDNImpl.forward``,
+    core/gdn.py): this step's slots of both states and ``output`` are written in place.
+
+    Raises:
+        MetadataError: no forward context, or it lacks the layer; whatever the impl raises.
+    """
+    layer, meta = _layer_and_metadata(layer_name)
+    layer.impl.forward(layer, mixed_qkv, a, b, GDNStateCache(conv_state, recurrent_state), meta, output)
+
+
+@gdn_mixer_op.register_fake
+def _gdn_mixer_fake(mixed_qkv, a, b, conv_state, recurrent_state, output, layer_name) -> None:
+    return None
+
+
 def attend(layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
            attn_metadata: Any, output: torch.Tensor) -> None:
     """Run ``layer.impl`` on one attention layer's step; ``output`` is written in place.
@@ -163,6 +184,16 @@ def mix(layer: Any, hidden_states_B_C: torch.Tensor, dt: torch.Tensor, state: Ma
         mamba_mixer_op(hidden_states_B_C, dt, state.conv_state, state.ssm_state, output, layer.layer_name)
     else:
         layer.impl.forward(layer, hidden_states_B_C, dt, state, attn_metadata, output)
+
+
+def mix_gdn(layer: Any, mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, state: GDNStateCache,
+            attn_metadata: Any, output: torch.Tensor) -> None:
+    """Run ``layer.impl`` on one GDN layer's step (as :func:`attend`, through
+    ``attnplug::gdn_mixer`` while compiling); ``state`` and ``output`` are written in place."""
+    if torch.compiler.is_compiling():
+        gdn_mixer_op(mixed_qkv, a, b, state.conv_state, state.recurrent_state, output, layer.layer_name)
+    else:
+        layer.impl.forward(layer, mixed_qkv, a, b, state, attn_metadata, output)
 
 
 class CompiledModel:

@@ -18,6 +18,7 @@ from torch import nn
 from attnplug.core.contracts import AttentionLayerConfig
 from attnplug.core.errors import BackendUnsupportedError
 from attnplug.core.mamba import MambaLayerConfig
+from attnplug.core.state import StateLayerConfig
 from attnplug.core.mla import MLALayerConfig
 from attnplug.runner.models.bamba import BambaModel, bamba_layer_configs
 from attnplug.runner.models.bamba_config import BambaModelConfig
@@ -34,6 +35,8 @@ from attnplug.runner.models.hybrid import HybridModel, HybridModelConfig, hybrid
 from attnplug.runner.models.llama import BackendForLayer, DecoderModel, layer_configs
 from attnplug.runner.models.qwen3 import Qwen3Model
 from attnplug.runner.models.qwen3_config import Qwen3ModelConfig
+from attnplug.runner.models.qwen3_next import Qwen3NextModel, qwen3_next_layer_configs
+from attnplug.runner.models.qwen3_next_config import Qwen3NextModelConfig
 from attnplug.runner.models.registry import resolve_model_config
 from attnplug.runner.models.weights import IGNORED_HF_KEYS, WeightLoadError, load_hf_state_dict
 
@@ -66,6 +69,7 @@ MODEL_FAMILIES: dict[type, ModelFamily] = {
     HybridModelConfig: ModelFamily(HybridModel, hybrid_layer_configs, takes_block_size=True),
     Gemma3ModelConfig: ModelFamily(Gemma3Model, gemma3_layer_configs),
     GptOssModelConfig: ModelFamily(GptOssModel, gpt_oss_layer_configs),
+    Qwen3NextModelConfig: ModelFamily(Qwen3NextModel, qwen3_next_layer_configs, takes_block_size=True),
 }
 """Config class -> its :class:`ModelFamily`. A config's family is that of the nearest
 class in its MRO (``HybridModelConfig`` subclasses ``BambaModelConfig``); a config of no
@@ -82,13 +86,19 @@ def model_family(cfg: Any) -> ModelFamily:
     return MODEL_FAMILIES[DecoderModelConfig]
 
 
+DEFAULT_STATE_BACKENDS: dict[str, str] = {"mamba2": "mamba2_torch", "gdn": "gdn_torch"}
+"""``state_kind`` -> the built-in backend a state layer gets when none is chosen."""
+
+
 def _default_backend(layer_name: str, layer_cfg: AttentionLayerConfig | MambaLayerConfig):
     from attnplug.plugins.discovery import get_backend
     if isinstance(layer_cfg, MLALayerConfig):
         return get_backend("torch_native_sparse_mla" if getattr(layer_cfg, "index_topk", None) else "torch_native_mla")
     if hasattr(layer_cfg, "index_head_dim"):
         return get_backend("torch_native_indexer")
-    return get_backend("mamba2_torch" if isinstance(layer_cfg, MambaLayerConfig) else "torch_native")
+    if isinstance(layer_cfg, StateLayerConfig):
+        return get_backend(DEFAULT_STATE_BACKENDS[layer_cfg.state_kind])
+    return get_backend("torch_native")
 
 
 def model_layer_configs(cfg: DecoderModelConfig | BambaModelConfig | Gemma3ModelConfig, dtype: torch.dtype,

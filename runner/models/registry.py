@@ -35,6 +35,11 @@ Families with their own model class and config:
 ``gpt_oss``          ``GptOssForCausalLM``          sliding / full layers alternating, sinks,
                                                     MoE with clamped biased experts, YaRN
                                                     (``gpt_oss``)
+``qwen3_next``       ``Qwen3NextForCausalLM``       Gated DeltaNet layers (GDN state group) +
+                                                    gated attention, MoE with a shared expert
+                                                    (``qwen3_next``)
+``qwen3_5_text``     ``Qwen3_5ForCausalLM``         Qwen3.5 text: GDN + gated attention, dense
+                                                    MLP (``qwen3_next``)
 ===================  =============================  ========================================
 """
 
@@ -49,6 +54,7 @@ from attnplug.runner.models.gemma3_config import Gemma3ModelConfig, parse_gemma3
 from attnplug.runner.models.gpt_oss_config import parse_gpt_oss_config
 from attnplug.runner.models.hybrid import parse_hybrid_config
 from attnplug.runner.models.qwen3_config import QWEN3_TYPES, Qwen3ModelConfig, qwen3_extras
+from attnplug.runner.models.qwen3_next_config import parse_qwen3_next_config
 from attnplug.runner.models.config import (
     DecoderModelConfig,
     ModelConfigError,
@@ -137,6 +143,8 @@ _HYBRIDS: dict[str, tuple[str, Callable[[Mapping[str, Any]], Any]]] = {
     "deepseek_v3": ("DeepseekV3ForCausalLM", lambda cfg: parse_deepseek_config(cfg, "deepseek_v3")),
     "deepseek_v32": ("DeepseekV32ForCausalLM", lambda cfg: parse_deepseek_v32_config(cfg)),
     "gpt_oss": ("GptOssForCausalLM", parse_gpt_oss_config),
+    "qwen3_next": ("Qwen3NextForCausalLM", parse_qwen3_next_config),
+    "qwen3_5_text": ("Qwen3_5ForCausalLM", parse_qwen3_next_config),
 }
 """Hybrid families: model_type -> (architecture, parser of the config dict)."""
 

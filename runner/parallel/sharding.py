@@ -64,7 +64,7 @@ def check_shardable(cfg: Any, tp: int) -> None:
     ``mamba_n_groups`` 1 or a multiple of ``tp`` (B/C groups
     replicated or split; a norm group split over some ranks only is not supported) and
     ``mamba_expand % tp == 0`` (the rank config keeps ``mamba_expand * hidden_size ==
-    heads * head_size``).
+    heads * head_size``). Qwen3-Next / Qwen3.5 (GDN layers) are refused for ``tp > 1``.
     """
     H, K, I = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size
     problems = []
@@ -76,6 +76,9 @@ def check_shardable(cfg: Any, tp: int) -> None:
             problems.append(f"mamba_n_groups {G} is neither 1 nor a multiple of {tp}")
         if cfg.mamba_expand % tp:
             problems.append(f"mamba_expand {cfg.mamba_expand} is not a multiple of {tp}")
+    if hasattr(cfg, "linear_num_value_heads") and tp > 1:
+        problems.append(f"{cfg.model_type} (Gated DeltaNet layers, gated attention) has no tensor-parallel "
+                        "sharding yet: run it with tp=1")
     if H % tp:
         problems.append(f"num_attention_heads {H} is not a multiple of {tp}")
     if K % tp and tp % K:

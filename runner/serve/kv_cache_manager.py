@@ -39,7 +39,7 @@ from attnplug.cache_groups.block_pool import KVCacheManager, RequestLike, make_b
 from attnplug.cache_groups.grouping import KVCacheConfig
 from attnplug.cache_groups.hybrid_hits import CacheHit, HybridPrefixCoordinator
 from attnplug.cache_groups.prefix_cache import PrefixCachingBlockPool
-from attnplug.cache_groups.specs import MambaSpec
+from attnplug.cache_groups.specs import StateSpec
 from attnplug.core.constants import NULL_BLOCK_ID
 from attnplug.core.errors import SchedulingError
 from attnplug.runner.serve.mamba_checkpoints import MambaCheckpoints, MambaStateCopies
@@ -125,7 +125,7 @@ class PrefixCachingKVCacheManager(SchedulerKVCacheManager):
         self.managers = [make_block_manager(g.kv_cache_spec, p, kv_cache_config.state_slots_per_request)
                          for g, p in zip(kv_cache_config.groups, self.pools)]
         self.specs = [g.kv_cache_spec for g in kv_cache_config.groups]
-        mamba = [g for g, s in enumerate(self.specs) if isinstance(s, MambaSpec)]
+        mamba = [g for g, s in enumerate(self.specs) if isinstance(s, StateSpec)]
         bm = mamba_block_size or default_mamba_block_size(self.specs)
         # the coordinator sees a Mamba group as one checkpoint per Bm tokens
         hit_specs = [dataclasses.replace(s, block_size=bm) if g in mamba else s for g, s in enumerate(self.specs)]

@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from attnplug.cache_groups.specs import MambaSpec
+from attnplug.cache_groups.specs import StateSpec
 
 
 @dataclass
@@ -50,7 +50,7 @@ class MambaStateCopies:
 
 def mamba_block_size(specs) -> int:
     """The checkpoint interval: lcm of the attention groups' block sizes (16 with none)."""
-    sizes = [s.block_size for s in specs if not isinstance(s, MambaSpec)]
+    sizes = [s.block_size for s in specs if not isinstance(s, StateSpec)]
     return math.lcm(*sizes) if sizes else 16
 
 

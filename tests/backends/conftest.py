@@ -1,7 +1,8 @@
 """Fixtures shared by the backend tests.
 
 It also registers ``tests/backends/spec_verify_cases.py`` as the module ``spec_verify_cases``
-(loaded by path) for the speculative-decoding builder tests here and in ``triton/``: putting
+(loaded by path) for the speculative-decoding builder tests here and in ``triton/``, and
+``gdn_stepper.py`` (the GDN impl stepper) for ``state/`` and ``triton/``: putting
 ``tests/backends`` on ``sys.path`` instead would make its ``flash_attn`` / ``flashinfer`` test
 folders importable namespace packages, and the flash_attn backend would then report
 "flash_attn 0 is too old"."""
@@ -16,15 +17,15 @@ from typing import Any, Callable
 import pytest
 
 
-def _register_spec_verify_cases() -> None:
-    if "spec_verify_cases" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("spec_verify_cases",
-                                                      Path(__file__).resolve().parent / "spec_verify_cases.py")
-        sys.modules["spec_verify_cases"] = module = importlib.util.module_from_spec(spec)
+def _register(name: str) -> None:
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parent / f"{name}.py")
+        sys.modules[name] = module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
 
 
-_register_spec_verify_cases()
+_register("spec_verify_cases")
+_register("gdn_stepper")
 
 
 @pytest.fixture

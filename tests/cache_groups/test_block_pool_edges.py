@@ -111,7 +111,7 @@ def test_each_policy_draws_from_the_pool_it_is_given():
 
 def test_no_block_policy_message():
     with pytest.raises(KVCacheSpecError, match=exactly(
-            "no block policy for KVCacheSpec; supported: FullAttentionSpec, SlidingWindowSpec, MambaSpec")):
+            "no block policy for KVCacheSpec; supported: FullAttentionSpec, SlidingWindowSpec, StateSpec")):
         make_block_manager(KVCacheSpec(block_size=4), BlockPool(4))
 
 

@@ -181,7 +181,7 @@ def test_mamba_hit_at_block_size_one():
 
 def test_hit_rule_refusals():
     refused(KVCacheSpecError, lambda: group_hit(KVCacheSpec(block_size=4), [1], 1),
-            "no prefix-cache hit rule for KVCacheSpec; supported: FullAttentionSpec, SlidingWindowSpec, MambaSpec")
+            "no prefix-cache hit rule for KVCacheSpec; supported: FullAttentionSpec, SlidingWindowSpec, StateSpec")
     full = FullAttentionSpec(block_size=4)
     refused(KVCacheSpecError, lambda: find_longest_cache_hit([full], [[1], [2]], 4), "1 specs for 2 groups' lookups")
     refused(KVCacheSpecError, lambda: find_longest_cache_hit([], [], 4), "0 specs for 0 groups' lookups")

@@ -12,7 +12,9 @@ builder planning for FlashAttention 3 (``FlashAttn3EmulatedBuilder``: with no li
 registered there is no ``get_scheduler_metadata`` call, as with mixed layer parameters);
 ``flashinfer`` the real builder's page metadata (no live layer: no ``plan()`` call; it has
 no ``update_block_table``); ``mamba2`` the Mamba2 builder on a ``MambaSpec`` reading its
-state slot from column 0 of the same block table; ``mla`` the common MLA builder
+state slot from column 0 of the same block table; ``gdn`` the GDN builder (the Mamba2 one with
+chunks from each sequence's start and flash-linear-attention's chunk tables) on Qwen3-Next's GDN
+state spec; ``mla`` the common MLA builder
 (``torch_native_mla`` / ``triton_mla``: decodes first, the context chunk plan) on DeepSeek's
 latent spec (512 + 64, bfloat16; it has no ``update_block_table``).
 
@@ -39,7 +41,8 @@ import torch
 
 from attnplug.cache_groups.grouping import KVCacheConfig, group_layers_by_spec
 from attnplug.cache_groups.kinds import GroupKind
-from attnplug.cache_groups.specs import FullAttentionSpec, KVCacheSpec, MambaSpec, MLAAttentionSpec, cdiv
+from attnplug.cache_groups.specs import (FullAttentionSpec, KVCacheSpec, MambaSpec, MLAAttentionSpec, StateSpec,
+                                         StateTensorSpec, cdiv)
 from attnplug.core.contracts import BuilderConfig
 from attnplug.runner.commands.bench.metadata import (
     LAYERS_PER_GROUP,
@@ -51,7 +54,7 @@ from attnplug.runner.commands.bench.workloads import PROMPT_LENGTHS, Workload, s
 from attnplug.runner.execute.group_metadata import GroupMetadataBuilder
 from attnplug.runner.step.compiler import StepCompiler
 
-BACKENDS = ("torch_native", "triton", "flash_attn", "flashinfer", "mamba2", "mla")
+BACKENDS = ("torch_native", "triton", "flash_attn", "flashinfer", "mamba2", "gdn", "mla")
 BUILDER_TARGETS_US = {("triton", 256): 8.0, ("triton", 1024): 20.0, ("flash_attn", 256): 20.0,
                       ("flash_attn", 1024): 45.0, ("mamba2", 256): 40.0, ("torch_native", 256): 60.0}
 """Issue 14's targets for ``build()`` on steady decode (µs, median)."""
@@ -60,6 +63,10 @@ ATTN_SPEC = FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=128, dtyp
 MLA_SPEC = MLAAttentionSpec(block_size=16, kv_lora_rank=512, qk_rope_head_dim=64, dtype=torch.bfloat16)
 MAMBA_SPEC = MambaSpec(block_size=16, conv_state_shape=(4096 + 512, 3), ssm_state_shape=(64, 64, 128),
                        dtype=torch.bfloat16, ssm_dtype=torch.float32, chunk_size=256)
+GDN_SPEC = StateSpec(block_size=16, state_kind="gdn", chunk_size=64, tensors=(
+    StateTensorSpec("conv_state", (2 * 16 * 128 + 32 * 128, 3), torch.bfloat16),
+    StateTensorSpec("recurrent_state", (32, 128, 128), torch.float32)))
+"""Qwen3-Next-80B's GDN layer: 16 key heads, 32 value heads, head dims 128, conv kernel 4."""
 
 
 def builder_class(name: str) -> type:
@@ -74,6 +81,8 @@ def builder_class(name: str) -> type:
         from attnplug.backends.emulators.backends import FlashInferEmulatedBuilder as cls
     elif name == "mamba2":
         from attnplug.backends.mamba2.metadata import Mamba2MetadataBuilder as cls
+    elif name == "gdn":
+        from attnplug.backends.state.gdn.metadata import GDNMetadataBuilder as cls
     elif name == "mla":
         from attnplug.backends.mla.common.builder import MLACommonMetadataBuilder as cls
     else:
@@ -115,7 +124,7 @@ def time_builders(workload: Workload, steps: int, backend: str) -> dict[str, flo
     allocate megabytes) would pay for that one's cache misses."""
     c = workload.config
     bcfg = BuilderConfig(c["max_num_reqs"], c["max_num_batched_tokens"], c["max_model_len"])
-    spec = {"mamba2": MAMBA_SPEC, "mla": MLA_SPEC}.get(backend, ATTN_SPEC)
+    spec = {"mamba2": MAMBA_SPEC, "gdn": GDN_SPEC, "mla": MLA_SPEC}.get(backend, ATTN_SPEC)
     cls = builder_class(backend)
     first, second = cls(spec, ["g0"], bcfg, "cpu"), cls(spec, ["g1"], bcfg, "cpu")
     times: dict[str, list[int]] = {"build": [], "update_block_table": []}
