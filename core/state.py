@@ -51,6 +51,12 @@ class StateBackend(AttentionBackend):
     """``state_cache_cls(*tensors)`` is one layer's cache (default: a plain tuple)."""
     supported_state_dtypes: ClassVar[tuple[torch.dtype, ...] | None] = None
     """Dtypes a declared state tensor may have (``None``: any)."""
+    supports_draft_verification: ClassVar[bool] = False
+    """The builder and impl serve verifying rows (speculative decoding): for a row with ``d``
+    drafts (``CommonAttentionMetadata.num_draft_tokens_cpu``) they leave the state after its
+    first ``j + 1`` tokens in block-table column ``j``, ``j = 0 .. d``
+    (docs/mamba-state-backends.md, "Speculative decoding on a state group"). A model whose
+    state groups' backends do not declare it refuses ``--speculative``."""
 
     @classmethod
     def supports_mqa_gqa(cls) -> bool:

@@ -26,6 +26,8 @@ class Mamba2Backend(MambaBackend):
         ('mamba2_torch', 'mamba')
     """
 
+    supports_draft_verification = True  # verifying rows: backends/mamba2/verify.py
+
     supported_dtypes = (torch.float32, torch.float16, torch.bfloat16)
     supported_ssm_dtypes = (torch.float32,)
     supported_kernel_block_sizes = None

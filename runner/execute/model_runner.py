@@ -18,9 +18,10 @@ import numpy as np
 import torch
 
 from attnplug.cache_groups.grouping import KVCacheConfig
+from attnplug.cache_groups.kinds import GroupKind
 from attnplug.core.contracts import AttentionBackend, BuilderConfig
 from attnplug.core.devices import resolve_device
-from attnplug.core.errors import MetadataError
+from attnplug.core.errors import ConfigError, MetadataError
 from attnplug.runner.execute.cascade import CascadeConfig, CascadePlanner
 from attnplug.runner.execute.group_metadata import GroupMetadataBuilder
 from attnplug.runner.execute.kv_caches import allocate_kv_caches, kernel_kv_cache_spec, negotiate_kernel_block_sizes
@@ -71,6 +72,23 @@ class HostBufferFence:
             self._event.synchronize()
 
 
+def _refuse_drafts_on_unverifying_state_backends(kv_cache_config: KVCacheConfig,
+                                                 backends: Sequence[type[AttentionBackend]]) -> None:
+    """Speculative decoding (``state_slots_per_request > 1``) needs every state group's backend
+    to serve verifying rows (``StateBackend.supports_draft_verification``).
+
+    Raises:
+        ConfigError: ``--speculative``, naming each group and backend that does not.
+    """
+    if kv_cache_config.state_slots_per_request <= 1:
+        return
+    unable = [f"group {g} ({b.get_name()})" for g, (grp, b) in enumerate(zip(kv_cache_config.groups, backends))
+              if grp.kv_cache_spec.kind is GroupKind.MAMBA and not getattr(b, "supports_draft_verification", False)]
+    if unable:
+        raise ConfigError("--speculative", f"state backend(s) of {', '.join(unable)} do not verify drafts "
+                          "(StateBackend.supports_draft_verification; mamba2_torch does): run without --speculative")
+
+
 class ModelRunner:
     """Executes scheduler outputs on a model whose attention layers use pluggable backends.
 
@@ -113,6 +131,7 @@ class ModelRunner:
         self.device = resolve_device(device)
         self.record_logits = record_logits
         groups = kv_cache_config.groups
+        _refuse_drafts_on_unverifying_state_backends(kv_cache_config, self.backends)
         kernel_block_sizes = negotiate_kernel_block_sizes(kv_cache_config, self.backends)
         self.kernel_block_sizes = kernel_block_sizes
         builder_cfg = BuilderConfig(config.max_num_reqs, config.max_num_batched_tokens, config.max_model_len)

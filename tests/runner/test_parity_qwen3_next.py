@@ -73,3 +73,11 @@ def test_tensor_parallel_is_refused_in_one_line_until_gdn_layers_shard():
     with pytest.raises(ParallelConfigError, match="qwen3_next .Gated DeltaNet layers, gated attention. has no "
                                                   "tensor-parallel sharding yet"):
         check_shardable(resolve_model_config(QWEN3_NEXT), 2)
+
+
+def test_speculative_decoding_on_gdn_groups_is_refused_naming_the_backend():
+    from attnplug.core.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"--speculative: state backend\(s\) of group .*gdn_torch.* do not verify"):
+        run_parity(QWEN3_5, num_requests=1, seed=1, max_tokens=2, block_size=4, prompt_len_range=(4, 6),
+                   speculative="ngram:k=2")

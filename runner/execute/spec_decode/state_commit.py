@@ -39,7 +39,7 @@ def commit_draft_states(runner, rows: np.ndarray, tokens: Sequence[Sequence[int]
         n = src.shape[0]
         for name in runner.kv_cache_config.groups[g].layer_names:
             cache = runner.kv_caches[name]
-            for t in (cache.conv_state, cache.ssm_state):
+            for t in tuple(cache):  # every tensor the state spec declares (core/state.py)
                 s, d = torch.from_numpy(src).to(t.device), torch.from_numpy(dst).to(t.device)
                 t.index_copy_(0, d, t.index_select(0, s))
     return n
