@@ -17,8 +17,12 @@ What maps to what:
 * refused when the class is built (``BackendUnsupportedError``): a backend whose cache kind is
   not paged attention -- MLA (vLLM's ``forward_mha`` / ``forward_mqa`` interface), a sparse
   selector, a state backend -- each with the vLLM interface it would need.
-* refused at construction with the reason (``BackendUnsupportedError``): ALiBi, attention
-  sinks, quantized (fp8) KV cache, KV sharing, a soft cap or window the attnplug backend
+* attention sinks: vLLM's ``sinks`` impl argument (the model's ``[num_heads]`` parameter)
+  reaches the attnplug impl as float32 (``AttentionImpl(sinks=)``), re-read before each
+  forward because vLLM loads weights after building the impl; refused for a backend whose
+  ``supports_sink()`` is False.
+* refused at construction with the reason (``BackendUnsupportedError``): ALiBi, a
+  quantized (fp8) KV cache, KV sharing, a soft cap or window the attnplug backend
   does not declare, non-decoder attention; at forward: fused output quantization
   (``output_scale`` / ``output_block_scale``), which vLLM only asks of impls that say
   ``fused_output_quant_supported`` (these say no).
@@ -27,6 +31,8 @@ What maps to what:
 from __future__ import annotations
 
 from typing import Any
+
+import torch
 
 from attnplug.cache_groups.specs import FullAttentionSpec, SlidingWindowSpec
 from attnplug.core.contracts import BuilderConfig
@@ -51,9 +57,12 @@ def impl_problems(backend: type, *, num_heads: int, num_kv_heads: int, head_size
     reasons = []
     if alibi_slopes is not None:
         reasons.append("ALiBi slopes are not part of the attnplug contract")
-    if extra.get("sinks") is not None:
-        reasons.append("attention sinks are not forwarded by the vLLM bridge yet (attnplug impls take them: "
-                       "AttentionImpl(sinks=), supports_sink())")
+    sinks = extra.get("sinks")
+    if sinks is not None and not backend.supports_sink():
+        reasons.append(f"attention sinks not supported by {backend.get_name()} (supports_sink() is False)")
+    elif sinks is not None and (not isinstance(sinks, torch.Tensor) or tuple(sinks.shape) != (num_heads,)):
+        reasons.append(f"sinks must be a [{num_heads}] tensor (one logit per query head), got "
+                       f"{getattr(sinks, 'shape', type(sinks).__name__)}")
     for key in sorted(k for k, v in extra.items() if k != "sinks" and v is not None):
         reasons.append(f"vLLM impl argument {key!r} is not supported by the bridge")
     if kv_cache_dtype not in ("auto", None):
@@ -154,8 +163,14 @@ def _bridged_impl(backend: type, vllm_name: str) -> type:
             self.num_kv_heads, self.sliding_window = num_kv_heads, sliding_window
             self.kv_cache_dtype, self.attn_type = kv_cache_dtype, attn_type
             self.logits_soft_cap, self.kv_sharing_target_layer_name = logits_soft_cap, None
+            # vLLM's sinks are the model's parameter (its dtype, loaded after this constructor):
+            # the inner impl gets a float32 copy, refreshed before each forward (num_heads values)
+            self.sinks = extra.get("sinks")
+            sinks32 = None if self.sinks is None else torch.zeros(num_heads, dtype=torch.float32,
+                                                                  device=self.sinks.device)
             self.inner = backend.get_impl_cls()(num_heads, head_size, scale, num_kv_heads,
-                                                sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
+                                                sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+                                                **({} if sinks32 is None else {"sinks": sinks32}))
 
         def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
                     output_block_scale=None):
@@ -164,6 +179,8 @@ def _bridged_impl(backend: type, vllm_name: str) -> type:
                                               context="the vLLM bridge")
             if attn_metadata is None:  # vLLM's profiling run: no metadata, nothing to attend
                 return output
+            if self.sinks is not None:
+                self.inner.sinks = self.sinks.detach().to(device=query.device, dtype=torch.float32)
             cache = attnplug_view(kv_cache, backend, self.num_kv_heads, self.head_size)
             self.inner.forward(None, query, key, value, cache, attn_metadata, output)
             return output
@@ -204,6 +221,10 @@ def _bridged_backend(backend: type, vllm_name: str, impl_cls: type, builder_cls:
         @classmethod
         def supports_sliding_window(cls) -> bool:
             return backend.supports_sliding_window()
+
+        @classmethod
+        def supports_sink(cls) -> bool:
+            return backend.supports_sink()
 
         @classmethod
         def supports_attn_type(cls, attn_type: str) -> bool:

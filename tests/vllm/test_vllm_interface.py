@@ -73,14 +73,19 @@ def _step(V, computed: list[int], scheduled: list[int], blocks: list[list[int]],
         is_prefilling=torch.tensor([c + s < 40 for c, s in zip(computed, scheduled)]))
 
 
-def _dense(q, k, v):
-    """Causal attention of the last ``len(q)`` positions of ``k``/``v`` (one request)."""
+def _dense(q, k, v, sinks=None):
+    """Causal attention of the last ``len(q)`` positions of ``k``/``v`` (one request); with
+    ``sinks`` (``[HEADS]``) an extra logit per head in the softmax denominator, no value."""
     rep = HEADS // KV_HEADS
     k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
     start = k.shape[0] - q.shape[0]
     scores = torch.einsum("qhd,khd->hqk", q, k) * HEAD_SIZE ** -0.5
     mask = torch.arange(k.shape[0])[None, :] > (start + torch.arange(q.shape[0]))[:, None]
-    return torch.einsum("hqk,khd->qhd", scores.masked_fill(mask, float("-inf")).softmax(-1), v)
+    scores = scores.masked_fill(mask, float("-inf"))
+    if sinks is not None:
+        scores = torch.cat([scores, sinks[:, None, None].expand(-1, q.shape[0], 1)], dim=-1)
+    probs = scores.softmax(-1)[..., : k.shape[0]]
+    return torch.einsum("hqk,khd->qhd", probs, v)
 
 
 def test_vllm_plans_the_cache_in_a_layout_the_bridge_declared(vllm_layer):
@@ -94,8 +99,9 @@ def test_vllm_plans_the_cache_in_a_layout_the_bridge_declared(vllm_layer):
     assert [g.layer_names for g in kv_config.kv_cache_groups] == [[layer.layer_name]]
 
 
-def test_bridged_builder_and_impl_called_as_vllm_calls_them_match_dense_attention(vllm_layer):
-    V, config, backend, layer = vllm_layer
+def _two_steps_match_dense(V, config, backend, layer, sinks=None):
+    """Two steps through ``layer`` (A: chunks of 21 and 16; B: 8 prompt tokens, then a
+    decode) == dense attention (with ``sinks`` when given); padding rows untouched."""
     spec = layer.get_kv_cache_spec(config)
     names = [layout.name for layout in backend.supported_kv_cache_layouts()]
     kv_config, layout = V.plan_kv_cache(config, {layer.layer_name: spec}, 12 * spec.page_size_bytes, names)
@@ -105,7 +111,7 @@ def test_bridged_builder_and_impl_called_as_vllm_calls_them_match_dense_attentio
     assert isinstance(layer.impl, backend.get_impl_cls())
 
     g = torch.Generator().manual_seed(0)
-    total = {"A": 37, "B": 9}  # A: chunks of 21 and 16; B: 8 prompt tokens, then a decode
+    total = {"A": 37, "B": 9}
     k_all = {r: torch.randn(n, KV_HEADS, HEAD_SIZE, generator=g) for r, n in total.items()}
     v_all = {r: torch.randn(n, KV_HEADS, HEAD_SIZE, generator=g) for r, n in total.items()}
     q_all = {r: torch.randn(n, HEADS, HEAD_SIZE, generator=g) for r, n in total.items()}
@@ -121,10 +127,27 @@ def test_bridged_builder_and_impl_called_as_vllm_calls_them_match_dense_attentio
             metadata = builder.build(0, cm, fast_build=False)
         out = torch.full_like(q, 7.0)
         assert layer.impl.forward(layer, q, k, v, cache, metadata, out) is out
-        want = torch.cat([_dense(q_all[r][a:b], k_all[r][:b], v_all[r][:b]) for r, a, b in rows])
+        want = torch.cat([_dense(q_all[r][a:b], k_all[r][:b], v_all[r][:b], sinks) for r, a, b in rows])
         n = sum(scheduled)
         torch.testing.assert_close(out[:n], want, atol=1e-5, rtol=1e-5)
         assert (out[n:] == 7.0).all()  # padding rows untouched
+
+
+def test_bridged_builder_and_impl_called_as_vllm_calls_them_match_dense_attention(vllm_layer):
+    V, config, backend, layer = vllm_layer
+    _two_steps_match_dense(V, config, backend, layer)
+
+
+def test_sinks_given_to_vllms_layer_reach_the_attnplug_impl(vllm_layer):
+    """gpt-oss's way: the model's sink parameter (its dtype) passed to vLLM's ``Attention``,
+    its values loaded after the impl is built."""
+    V, config, backend, _ = vllm_layer
+    sinks = torch.nn.Parameter(torch.zeros(HEADS), requires_grad=False)
+    with V.set_current_vllm_config(config):
+        layer = V.Attention(HEADS, HEAD_SIZE, HEAD_SIZE ** -0.5, num_kv_heads=KV_HEADS, sinks=sinks,
+                            prefix="model.layers.1.self_attn.attn", attn_backend=backend)
+    sinks.data.copy_(torch.tensor([2.0, -1.0, 0.5, 4.0]))  # "weight loading", after construction
+    _two_steps_match_dense(V, config, backend, layer, sinks.detach())
 
 
 def test_vllm_features_the_bridge_refuses_fail_inside_vllms_own_layer(vllm_layer):

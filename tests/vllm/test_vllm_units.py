@@ -116,7 +116,7 @@ def _impl_cls():
 
 @pytest.mark.parametrize("kwargs, reason", [
     ({"alibi_slopes": [0.5] * 4}, "ALiBi"),
-    ({"sinks": torch.zeros(4)}, "sinks"),
+    ({"sinks": torch.zeros(3)}, r"sinks must be a \[4\] tensor"),
     ({"kv_cache_dtype": "fp8"}, "fp8"),
     ({"kv_sharing_target_layer_name": "model.layers.0.self_attn.attn"}, "KV sharing"),
     ({"attn_type": "encoder_only"}, "decoder only"),
@@ -140,6 +140,16 @@ def test_backends_of_other_cache_kinds_are_refused_naming_the_vllm_interface(reg
     with pytest.raises(BackendUnsupportedError, match=interface) as e:
         bridge_classes(get_backend(registered), "CUSTOM")
     assert registered in str(e.value) and "kv_cache_kind 'attention'" in str(e.value)
+
+
+def test_sinks_are_refused_for_a_backend_that_does_not_declare_them():
+    from attnplug.plugins.vllm.adapter import bridge_classes
+
+    no_sinks = type("NoSinks", (TorchNativeBackend,), {"supports_sink": classmethod(lambda cls: False)})
+    bridged = bridge_classes(no_sinks, "CUSTOM")
+    assert bridged.supports_sink() is False and bridge_classes(TorchNativeBackend, "CUSTOM").supports_sink() is True
+    with pytest.raises(BackendUnsupportedError, match=r"attention sinks not supported by torch_native"):
+        bridged.get_impl_cls()(4, 32, 32 ** -0.5, 2, sinks=torch.zeros(4))
 
 
 def test_a_supported_layer_builds_and_profile_run_is_a_no_op():
