@@ -1,6 +1,6 @@
 """The commands' torch thread policy (runner/commands/threads.py): precedence of the flag, the
 environment variable and OMP_NUM_THREADS; the default's arithmetic (CPUs, local ranks, load);
-bad values refused in one line with exit status 2; the count a run reports is the one it ran."""
+bad values refused in one line with exit status 2; `bench threads` runs and records each count."""
 
 from __future__ import annotations
 
@@ -68,12 +68,29 @@ def test_the_variable_is_refused_by_name(monkeypatch, capsys):
     assert capsys.readouterr().err.startswith("attnplug bench: ATTNPLUG_TORCH_THREADS must be an integer")
 
 
-def test_run_reports_the_thread_count_it_ran_with(capsys):
+def test_apply_sets_the_count_and_a_bad_one_changes_nothing(monkeypatch, capsys):
     before = torch.get_num_threads()
     want = 2 if before == 1 else 1
+    monkeypatch.setenv("ATTNPLUG_TORCH_THREADS", str(want))
     try:
-        assert cli_main(["run", "--model", "tiny-llama", "--num-requests", "2", "--max-model-len", "128",
-                         "--invariance-requests", "0", "--torch-threads", str(want), "--json"]) == 0
+        assert threads.apply(None, "attnplug run") is None and torch.get_num_threads() == want
+        assert threads.apply("0", "attnplug run") == 2 and torch.get_num_threads() == want
     finally:
         torch.set_num_threads(before)
-    assert json.loads(capsys.readouterr().out)["torch_threads"] == want
+    assert capsys.readouterr().err == "attnplug run: --torch-threads must be an integer in [1, 1024], got '0'\n"
+
+
+def test_bench_threads_runs_each_count_and_records_it(capsys):
+    before = torch.get_num_threads()
+    assert cli_main(["bench", "threads", "--counts", "1,2", "--repeat", "1", "--json", "--model", "tiny-llama",
+                     "--num-requests", "1", "--max-model-len", "32", "--output-len", "2",
+                     "--max-num-seqs", "2"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert [(r["count"], r["torch_threads"], r["runs"]) for r in report["rows"]] == [("1", 1, 1), ("2", 2, 1)]
+    assert report["outputs_identical"] and report["rows"][0]["wall_ratio_to_first"] == 1.0
+    assert torch.get_num_threads() == before
+
+
+def test_bench_threads_refuses_a_bad_count(capsys):
+    assert cli_main(["bench", "threads", "--counts", "1,zero"]) == 2
+    assert capsys.readouterr().err.startswith("attnplug bench threads: --counts must be an integer")

@@ -196,13 +196,16 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "moe":  # `attnplug bench moe ...`: runner/commands/bench/moe.py
         from attnplug.runner.commands.bench.moe import main as moe_main
         return moe_main(list(argv[1:]))
+    if argv and argv[0] == "threads":  # `attnplug bench threads ...`: runner/commands/bench/threads.py
+        from attnplug.runner.commands.bench.threads import main as threads_main
+        return threads_main(list(argv[1:]))
     if argv and argv[0] == "attention":  # `attnplug bench attention ...`: runner/commands/bench/attention.py
         from attnplug.runner.commands.bench.attention import main as attention_main
         return attention_main(list(argv[1:]))
     parser = OneLineParser(prog="attnplug bench", description=__doc__.split("\n\n")[0])
-    parser.add_argument("which", nargs="?", default="step", choices=["step", "attention", "broadcast", "moe"],
-                        help="the benchmark to run (default: step; `attention --help` / `moe --help` for their "
-                             "options; `broadcast` runs under torchrun)")
+    parser.add_argument("which", nargs="?", default="step", choices=["step", "attention", "broadcast", "moe", "threads"],
+                        help="the benchmark to run (default: step; `attention --help` / `moe --help` / `threads --help` "
+                             "for their options; `broadcast` runs under torchrun)")
     parser.add_argument("--steps", type=_int_at_least(1), default=300,
                         help="timed steady-decode steps per size (default 300)")
     parser.add_argument("--sizes", type=_sizes, default=[16, 64, 256, 1024],
