@@ -126,7 +126,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--repeat", type=bounded_int(1, 10000), default=20, help="timed calls of the block (median)")
     p.add_argument("--naive-repeat", type=bounded_int(1, 10000), default=3, help="timed calls of the loop (median)")
     threads.add_flag(p, "1")
-    p.add_argument("--threads", dest="torch_threads", default=None, metavar="N", help="the same as --torch-threads")
+    p.add_argument("--threads", dest="torch_threads", default=None, metavar="N",
+                   help="the same as --torch-threads")
     p.add_argument("--json", action="store_true", help="print the figures as JSON instead of the table")
     args = p.parse_args(argv)
     try:

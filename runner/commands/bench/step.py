@@ -5,10 +5,10 @@ commit) and ``common metadata`` (the per-group ``CommonAttentionMetadata``), for
 :class:`StepCompiler` with its compiled fast paths ("ours"), the same compiler on its
 numpy paths only ("numpy path", ``native=False``; what runs where the extension is not
 built) and the naive per-request Python implementation (:mod:`attnplug.runner.step.oracle`)
-side by side, on the same recorded steps, in the same process, with
-one torch thread unless ``--torch-threads`` / ``ATTNPLUG_TORCH_THREADS`` say otherwise. Each workload is replayed ``--repeat`` times
-and the run with the lowest median total is reported ("best of N", as ``timeit`` does:
-the machine is shared and noisy). Workloads are in
+side by side, on the same recorded steps, in the same process, with one torch thread
+unless ``--torch-threads`` / ``ATTNPLUG_TORCH_THREADS`` say otherwise. Each workload is
+replayed ``--repeat`` times and the run with the lowest median total is reported ("best of
+N", as ``timeit`` does: the machine is shared and noisy). Workloads are in
 :mod:`attnplug.runner.commands.bench.workloads`. Appending the sampled tokens after each step is
 not timed. The garbage collector is paused while a workload is timed (as ``timeit`` does).
 
@@ -203,9 +203,10 @@ def main(argv: list[str] | None = None) -> int:
         from attnplug.runner.commands.bench.attention import main as attention_main
         return attention_main(list(argv[1:]))
     parser = OneLineParser(prog="attnplug bench", description=__doc__.split("\n\n")[0])
-    parser.add_argument("which", nargs="?", default="step", choices=["step", "attention", "broadcast", "moe", "threads"],
-                        help="the benchmark to run (default: step; `attention --help` / `moe --help` / `threads --help` "
-                             "for their options; `broadcast` runs under torchrun)")
+    parser.add_argument("which", nargs="?", default="step",
+                        choices=["step", "attention", "broadcast", "moe", "threads"],
+                        help="the benchmark to run (default: step; `attention --help` / `moe --help` / "
+                             "`threads --help` for their options; `broadcast` runs under torchrun)")
     parser.add_argument("--steps", type=_int_at_least(1), default=300,
                         help="timed steady-decode steps per size (default 300)")
     parser.add_argument("--sizes", type=_sizes, default=[16, 64, 256, 1024],
