@@ -29,9 +29,10 @@ $(VENV)/.test: $(VENV)/.base
 	touch $@
 
 # The vLLM bridge's tests run in one environment per supported minor, with vLLM's own pins
-# (plugins/vllm/v0_XX/requirements-cpu.txt; docs/vllm.md); torch is hard-linked from $(VENV).
+# (plugins/vllm/v0_XX/requirements-cpu.txt; docs/vllm.md); torch and triton are hard-linked from
+# $(VENV) (after .test: triton is not in .base, which `make run` uses).
 VLLM_MINORS := 0.32 0.33
-.venv-vllm/0.%/.test: $(VENV)/.base tests/vllm/build_env.py plugins/vllm/v0_%/requirements-cpu.txt plugins/vllm/v0_%/pip-check-expected.txt
+.venv-vllm/0.%/.test: $(VENV)/.test tests/vllm/build_env.py plugins/vllm/v0_%/requirements-cpu.txt plugins/vllm/v0_%/pip-check-expected.txt
 	$(PY) tests/vllm/build_env.py 0.$*
 	touch $@
 
