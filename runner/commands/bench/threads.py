@@ -86,8 +86,11 @@ def main(argv: list[str]) -> int:
     from attnplug.runner.commands import real_run, serving_flags
     from attnplug.runner.commands.run import _parser as run_parser
 
-    p = OneLineParser(prog="attnplug bench threads", description=__doc__.splitlines()[0])
-    p.add_argument("--counts", default="1,2,default", help="thread counts to compare, first is the reference")
+    p = OneLineParser(prog="attnplug bench threads", description=__doc__.splitlines()[0],
+                      epilog="Every other flag is `attnplug run`'s (--model, --num-requests, --output-len, ...).")
+    p.add_argument("--counts", default="1,2,default",
+                   help="thread counts (ints) or 'default' (what `attnplug run` would choose now), comma-separated; "
+                        "the first is the reference (default 1,2,default)")
     p.add_argument("--repeat", type=bounded_int(1, 100), default=3, help="rounds (each runs every count once)")
     p.add_argument("--json", action="store_true", help="print the figures as JSON instead of the table")
     args, rest = p.parse_known_args(argv)
