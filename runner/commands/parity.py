@@ -23,6 +23,7 @@ import torch
 
 from attnplug.core.errors import AttnplugError
 from attnplug.runner.commands.limits import OneLineParser, bounded_int
+from attnplug.runner.commands import threads
 from attnplug.runner.commands.parity_compare import (  # noqa: F401 (TOLERANCES, ParityResult: re-exported)
     DTYPES, TOLERANCES, ParityResult, compare_with_reference)
 
@@ -129,7 +130,10 @@ def main(argv: list[str]) -> int:
                    help="speculative decoding as `attnplug run --speculative` (e.g. ngram:k=3)")
     p.add_argument("--json", action="store_true",
                    help="print the result as one JSON object (every ParityResult field) instead of the line")
+    threads.add_flag(p)
     args = p.parse_args(argv)
+    if (status := threads.apply(args.torch_threads, "attnplug parity")) is not None:
+        return status
     for key, value in (REAL_DEFAULTS if args.model else RANDOM_DEFAULTS).items():
         if getattr(args, key) is None:
             setattr(args, key, value)

@@ -28,7 +28,7 @@ from attnplug.core.errors import AttnplugError
 from attnplug.runner.models.presets import PRESETS, RUN_PRESET
 from attnplug.runner.commands.assemble import EngineSetup, build_engine
 from attnplug.runner.commands.limits import OneLineParser, bounded_int, device_flag
-from attnplug.runner.commands import replay, run_parallel, serving_flags
+from attnplug.runner.commands import replay, run_parallel, serving_flags, threads
 from attnplug.runner.commands.shared_prefixes import SYSTEM_PROMPT_LEN, SYSTEM_PROMPTS
 from attnplug.runner.commands.run_plot import group_labels, missing_matplotlib, plot_path_problem, save_plot
 from attnplug.runner.commands import real_run
@@ -123,6 +123,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="also draw per-step stage times, tokens scheduled and KV blocks in use per group, and "
                         "TTFT / ITL over time (needs matplotlib: pip install 'attnplug[plot]')")
     serving_flags.add_flags(p)  # arrivals, sampling, warm-up, repeats, goodput
+    threads.add_flag(p)  # --torch-threads; ATTNPLUG_TORCH_THREADS (threads.py)
     return p
 
 
@@ -175,6 +176,8 @@ def main(argv: list[str]) -> int:
     if args.plot and (missing := plot_path_problem(args.plot) or missing_matplotlib()):
         print(missing, file=sys.stderr)
         return 2
+    if (status := threads.apply(args.torch_threads, "attnplug run")) is not None:
+        return status
     if run_parallel.wanted(args):  # under torchrun: rank 0 runs _main, the others serve it
         return run_parallel.run(args, lambda: _main(args))
     return _main(args)

@@ -33,7 +33,9 @@ def arrivals_text(a: dict[str, Any]) -> str:
 
 def latency_table(summary: dict[str, Any]) -> Table:
     pcts = _percentiles(summary)
-    t = Table(title="latency, ms (vllm bench serve's definitions)", show_header=True)
+    n = summary.get("torch_threads")
+    threads = "" if n is None else f"; {n} torch thread{'s' if n != 1 else ''}"
+    t = Table(title=f"latency, ms (vllm bench serve's definitions{threads})", show_header=True)
     for col in ("metric", "mean", "median", "std", *pcts):
         t.add_column(col, justify="left" if col == "metric" else "right")
     for m in LATENCY_METRICS:

@@ -2,10 +2,14 @@
 tokenised through the model's chat template, output lengths and arrival order from the
 trace, completions decoded for the table and ``--json``.
 
+A timed-trace ``.jsonl`` (``timed_trace.py``) keeps its own prompt lengths and shared
+hash ids: each id's block is a window of the tokenised prompt text.
+
 Request ``i`` pairs prompt ``i`` (``text_prompts.load_prompts``; the bundled set repeated
 when more requests are asked for than it holds) with trace row ``i``: its ``max_tokens``
 is the prompt line's ``max_tokens`` if given, else the row's output length
-(``traces.load_trace``, scaled to ``--max-model-len``), cut so that prompt plus output fit
+(``traces.load_trace`` with ``scale=1``: the trace's own count, at most half of
+``--max-model-len``; the row's prompt length is not used), cut so that prompt plus output fit
 ``--max-model-len``. Generation also stops at the model's EOS token (``<|im_end|>`` for
 SmolLM2), which ends the reply as the chat template expects.
 """
@@ -27,8 +31,7 @@ def add_text_requests(setup, args, tokenizer, max_model_len: int) -> None:
     ``args.prompts`` (a JSONL path, or ``None``: the bundled set) and ``args.trace``.
 
     Raises:
-        TraceFormatError: a bad prompts file or trace, a timed-trace .jsonl (token ids, no
-            text), or a prompt that does not leave
+        TraceFormatError: a bad prompts file or trace, or a prompt that does not leave
             room for one output token under ``max_model_len``.
     """
     from attnplug.runner.commands.serving_flags import sampling_params
@@ -36,16 +39,17 @@ def add_text_requests(setup, args, tokenizer, max_model_len: int) -> None:
 
     from attnplug.runner.commands.timed_trace import is_timed_trace
 
-    if is_timed_trace(args.trace):  # its hash_ids are token blocks: there is no text to give a real model
-        raise TraceFormatError(f"{args.trace}: a timed-trace .jsonl makes token-id prompts from its hash_ids; "
-                               "real weights answer text prompts: give --model PRESET (e.g. tiny-hybrid) with it, "
-                               "or --prompts FILE.jsonl with a CSV trace")
+    if is_timed_trace(args.trace):  # its hash_ids are token blocks: windows of the prompt text
+        return _add_timed_trace_requests(setup, args, tokenizer, max_model_len)
     path = getattr(args, "prompts", None)
     wanted = args.num_requests
     prompts = load_prompts(path, limit=wanted if path else None)
     if path is None:
         prompts = cycled(prompts, wanted)
-    trace = load_trace(args.trace, len(prompts), max_model_len=max_model_len, skip_invalid=args.skip_invalid)
+    # the prompts are text, so the trace gives only output lengths: taken as they are (scale 1),
+    # cut to half of max_model_len (clamp), not shrunk with the trace's prompt lengths
+    trace = load_trace(args.trace, len(prompts), max_model_len=max_model_len, scale=1.0, clamp=True,
+                       skip_invalid=args.skip_invalid)
     rows = list(trace) or [None]
     eos = tokenizer.eos_token_id
     for i, tp in enumerate(prompts):
@@ -69,6 +73,32 @@ def add_text_requests(setup, args, tokenizer, max_model_len: int) -> None:
                         "scale": trace.scale, "prompts": path or "bundled"}
     if args.trace in BUNDLED_TRACES:  # the licence (CC-BY 4.0) travels with what the data produced
         setup.trace_info["attribution"] = BUNDLED_ATTRIBUTION
+
+
+def _add_timed_trace_requests(setup, args, tokenizer, max_model_len: int) -> None:
+    """A timed-trace ``.jsonl`` on real weights: its lengths, arrivals and hash ids as for a
+    preset (``timed_trace.py``), each hash id's block a window of the tokenised prompt text
+    (the bundled prompts or ``--prompts``), so shared ids share text prefixes."""
+    from attnplug.runner.commands.serving_flags import sampling_params
+    from attnplug.runner.commands.timed_trace import load_timed_trace
+
+    path = getattr(args, "prompts", None)
+    text = "\n\n".join(m["content"] for tp in load_prompts(path) for m in tp.messages)
+    trace, prompts = load_timed_trace(args.trace, args.num_requests, max_model_len=max_model_len,
+                                      vocab_size=setup.model.config.vocab_size, seed=args.seed,
+                                      chunk_size=getattr(args, "timed_trace_chunk_hash_size", 16),
+                                      skip_invalid=args.skip_invalid, corpus=tokenizer.encode(text))
+    eos = tokenizer.eos_token_id
+    for i, (row, ids) in enumerate(zip(trace, prompts)):
+        rid = f"req-{i}"
+        setup.prompts[rid] = ids
+        setup.sampling_params[rid] = dataclasses.replace(sampling_params(args, i, row.output_len),
+                                                         stop_token_ids=(eos,) if eos is not None else ())
+        setup.trace_arrival_s[rid] = row.arrival_s
+        setup.texts[rid] = {"id": rid, "kind": "timed-trace", "group": None, "prompt": tokenizer.decode(ids),
+                            "messages": []}
+    setup.trace_info = {"source": args.trace, "requests": len(trace), "skipped_rows": trace.num_skipped,
+                        "scale": 1.0, "prompts": f"windows of {path or 'the bundled prompts'}"}
 
 
 def _label(tp: TextPrompt) -> str:

@@ -13,7 +13,10 @@ timed_trace`` (``vllm/benchmarks/datasets/datasets.py``, ``TimedTrace``).
   stream; a prompt takes its blocks in order, cut to ``input_length`` (a last partial block
   is the first tokens of that block, so it is still a prefix of the full one — vLLM draws a
   partial block afresh), and tokens beyond its blocks are its own (a
-  ``default_rng([seed, i])`` stream, as ``traces.make_prompts``).
+  ``default_rng([seed, i])`` stream, as ``traces.make_prompts``). With real weights
+  (``--model smollm2``) a block is instead ``chunk_size`` tokens of the prompt text (the
+  bundled prompts, or ``--prompts``) from an offset that stream draws: text, and equal ids
+  still equal blocks.
 
 Other keys are ignored. A file is recognised by its ``.jsonl`` suffix (``--trace X.jsonl``).
 A bad line is one message: ``FILE, line N: field 'F' ...`` (or ``--skip-invalid``).
@@ -23,7 +26,7 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -89,11 +92,22 @@ def _parse_line(raw: bytes, max_model_len: int) -> tuple[float, int, int, list[i
 
 
 class _Blocks:
-    """The token blocks of hash ids (cached: a shared id is drawn once)."""
+    """The token blocks of hash ids (cached: a shared id is drawn once).
 
-    def __init__(self, vocab_size: int, seed: int, chunk_size: int):
+    Without ``corpus`` a block is ``chunk_size`` random ids; with ``corpus`` (token ids of
+    real text) it is the ``chunk_size`` tokens of the corpus from an offset the same stream
+    draws (wrapping around), so a real-weight model reads text."""
+
+    def __init__(self, vocab_size: int, seed: int, chunk_size: int, corpus: Sequence[int] | None = None):
         self.vocab_size, self.seed, self.chunk_size = vocab_size, seed, chunk_size
+        self.corpus = np.asarray(corpus, dtype=np.int64) if corpus else None
         self._cache: dict[int, list[int]] = {}
+
+    def _draw(self, rng: np.random.Generator, size: int) -> list[int]:
+        if self.corpus is None:
+            return rng.integers(0, self.vocab_size, size=size).tolist()
+        start = int(rng.integers(0, len(self.corpus)))
+        return np.take(self.corpus, np.arange(start, start + size), mode="wrap").tolist()
 
     def prompt(self, i: int, hashes: list[int], n: int) -> list[int]:
         out: list[int] = []
@@ -101,19 +115,21 @@ class _Blocks:
             if len(out) >= n:
                 break
             if h not in self._cache:
-                rng = np.random.default_rng([self.seed, 3_000_000, h])
-                self._cache[h] = rng.integers(0, self.vocab_size, size=self.chunk_size).tolist()
+                self._cache[h] = self._draw(np.random.default_rng([self.seed, 3_000_000, h]), self.chunk_size)
             out.extend(self._cache[h][: n - len(out)])
         if len(out) < n:
-            own = np.random.default_rng([self.seed, i]).integers(0, self.vocab_size, size=n).tolist()
+            own = self._draw(np.random.default_rng([self.seed, i]), n)
             out.extend(own[len(out):])
         return out
 
 
 def load_timed_trace(path: str, num_requests: int | None, *, max_model_len: int, vocab_size: int, seed: int = 0,
-                     chunk_size: int = CHUNK_HASH_SIZE,
-                     skip_invalid: bool = False) -> tuple[LoadedTrace, list[list[int]]]:
+                     chunk_size: int = CHUNK_HASH_SIZE, skip_invalid: bool = False,
+                     corpus: Sequence[int] | None = None) -> tuple[LoadedTrace, list[list[int]]]:
     """The first ``num_requests`` valid lines of a timed trace, and their prompts.
+
+    ``corpus``: token ids of real text; blocks and a prompt's own tokens are windows of it
+    (:class:`_Blocks`) instead of random ids — for real weights (``text_requests.py``).
 
     Returns:
         ``(trace, prompts)``: ``trace[i].arrival_s`` is seconds after the first loaded
@@ -125,7 +141,7 @@ def load_timed_trace(path: str, num_requests: int | None, *, max_model_len: int,
     """
     if chunk_size < 1:
         raise TraceFormatError(f"chunk_size must be >= 1, got {chunk_size}")
-    blocks = _Blocks(vocab_size, seed, chunk_size)
+    blocks = _Blocks(vocab_size, seed, chunk_size, corpus)
     reqs: list[TraceRequest] = []
     prompts: list[list[int]] = []
     skipped, first_skipped, t0 = 0, "", None

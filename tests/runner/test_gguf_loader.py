@@ -171,11 +171,27 @@ def test_prompts_json_carries_texts_and_token_ids(tmp_path, capsys):
     assert a["finish_reason"] in ("stop", "length")
 
 
-def test_timed_trace_with_real_weights_is_one_line(tmp_path, capsys):
-    """A timed-trace .jsonl (token-id prompts from hash_ids) cannot feed a text model: one
-    line saying so, not a misleading CSV-header complaint."""
+def test_timed_trace_on_real_weights_shares_text_blocks_by_hash_id(tmp_path, capsys):
+    """A timed-trace .jsonl on a text model: each hash id's block is a window of the prompt
+    text, so equal ids give equal tokens, other ids other text; lengths as the trace says."""
     write_tiny_llama(tmp_path / "m.gguf")
+    text = "the quick brown fox jumps over the lazy dog, then runs far away into the old dark wood"
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": text}) + "\n")
     trace = tmp_path / "t.jsonl"
-    trace.write_text('{"timestamp": 0, "input_length": 5, "output_length": 2, "hash_ids": [1]}\n')
-    err = _run_err(capsys, ["--model", str(tmp_path / "m.gguf"), "--trace", str(trace)])
-    assert "timed-trace .jsonl" in err and "--model PRESET" in err
+    rows = [(0, 10, [1, 2]), (5, 12, [1, 3]), (9, 6, [4])]
+    trace.write_text("".join(json.dumps({"timestamp": t, "input_length": n, "output_length": 2, "hash_ids": h}) + "\n"
+                             for t, n, h in rows))
+    assert run_main(["--model", str(tmp_path / "m.gguf"), "--trace", str(trace), "--prompts", str(prompts),
+                     "--timed-trace-chunk-hash-size", "4", "--invariance-requests", "0", "--max-model-len", "64",
+                     "--json"]) == 0
+    items = json.loads(capsys.readouterr().out)["completions"]
+    a, b, c = (x["prompt_token_ids"] for x in items)
+    assert [len(a), len(b), len(c)] == [10, 12, 6]
+    assert a[:4] == b[:4] and a[4:8] != b[4:8] and c[:4] != a[:4]
+    ring = load_gguf(str(tmp_path / "m.gguf")).tokenizer.encode(text) * 2  # windows wrap around
+
+    def is_window(block):
+        return any(ring[k:k + len(block)] == block for k in range(len(ring) // 2))
+
+    assert all(is_window(p[k:k + 4]) for p in (a, b, c) for k in range(0, len(p), 4))

@@ -12,7 +12,7 @@ The block is a Qwen3-MoE-like default (``--hidden-size``, ``--num-experts``...),
 MLP of a config (``--hf-config``: ``qwen3_moe``, ``deepseek_v2``, ``deepseek_v3``, ``gpt_oss``).
 A config whose MoE the block cannot run (an unknown family, a router or expert kind not
 implemented, inconsistent expert counts) is one line naming the field, exit status 2.
-The table (or ``--json``) records the torch thread count (``--threads``, default 1).
+The table (or ``--json``) records the torch thread count (``--torch-threads`` / ``ATTNPLUG_TORCH_THREADS``, default 1).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import torch
 
 from attnplug.core.errors import AttnplugError
 from attnplug.runner.commands.limits import OneLineParser, bounded_int
+from attnplug.runner.commands import threads
 
 TOLERANCE = 1e-4
 """Largest ``max |Δ|`` between the two paths (float32) that is not a wrong result."""
@@ -124,7 +125,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--moe-intermediate-size", type=bounded_int(1, 65536), default=256)
     p.add_argument("--repeat", type=bounded_int(1, 10000), default=20, help="timed calls of the block (median)")
     p.add_argument("--naive-repeat", type=bounded_int(1, 10000), default=3, help="timed calls of the loop (median)")
-    p.add_argument("--threads", type=bounded_int(1, 1024), default=1, help="torch threads (default 1)")
+    threads.add_flag(p, "1")
+    p.add_argument("--threads", dest="torch_threads", default=None, metavar="N",
+                   help="the same as --torch-threads")
     p.add_argument("--json", action="store_true", help="print the figures as JSON instead of the table")
     args = p.parse_args(argv)
     try:
@@ -132,7 +135,8 @@ def main(argv: list[str]) -> int:
     except AttnplugError as e:
         print(f"attnplug bench moe: {e}", file=sys.stderr)
         return 2
-    torch.set_num_threads(args.threads)
+    if (status := threads.apply(args.torch_threads, "attnplug bench moe", default=1)) is not None:
+        return status
     rows = run_moe_bench(moe, args.tokens, args.repeat, args.naive_repeat)
     bad = [r["tokens"] for r in rows if not r["max_abs_diff"] <= TOLERANCE]
     if args.json:

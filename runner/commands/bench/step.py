@@ -5,10 +5,10 @@ commit) and ``common metadata`` (the per-group ``CommonAttentionMetadata``), for
 :class:`StepCompiler` with its compiled fast paths ("ours"), the same compiler on its
 numpy paths only ("numpy path", ``native=False``; what runs where the extension is not
 built) and the naive per-request Python implementation (:mod:`attnplug.runner.step.oracle`)
-side by side, on the same recorded steps, in the same process, with
-``torch.set_num_threads(1)``. Each workload is replayed ``--repeat`` times
-and the run with the lowest median total is reported ("best of N", as ``timeit`` does:
-the machine is shared and noisy). Workloads are in
+side by side, on the same recorded steps, in the same process, with one torch thread
+unless ``--torch-threads`` / ``ATTNPLUG_TORCH_THREADS`` say otherwise. Each workload is
+replayed ``--repeat`` times and the run with the lowest median total is reported ("best of
+N", as ``timeit`` does: the machine is shared and noisy). Workloads are in
 :mod:`attnplug.runner.commands.bench.workloads`. Appending the sampled tokens after each step is
 not timed. The garbage collector is paused while a workload is timed (as ``timeit`` does).
 
@@ -42,6 +42,7 @@ import torch
 from attnplug.runner.commands.bench.timing import render_stage_table, timed_compile
 from attnplug.runner.commands.bench.workloads import Workload, steady_decode, trace_replay
 from attnplug.runner.commands.limits import OneLineParser, bounded_int
+from attnplug.runner.commands import threads
 from attnplug.runner.commands.traces import BUNDLED_ATTRIBUTION
 from attnplug.runner.step.oracle import NaiveStepCompiler
 from attnplug.runner.step.kernels import kernels_available
@@ -195,13 +196,17 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "moe":  # `attnplug bench moe ...`: runner/commands/bench/moe.py
         from attnplug.runner.commands.bench.moe import main as moe_main
         return moe_main(list(argv[1:]))
+    if argv and argv[0] == "threads":  # `attnplug bench threads ...`: runner/commands/bench/threads.py
+        from attnplug.runner.commands.bench.threads import main as threads_main
+        return threads_main(list(argv[1:]))
     if argv and argv[0] == "attention":  # `attnplug bench attention ...`: runner/commands/bench/attention.py
         from attnplug.runner.commands.bench.attention import main as attention_main
         return attention_main(list(argv[1:]))
     parser = OneLineParser(prog="attnplug bench", description=__doc__.split("\n\n")[0])
-    parser.add_argument("which", nargs="?", default="step", choices=["step", "attention", "broadcast", "moe"],
-                        help="the benchmark to run (default: step; `attention --help` / `moe --help` for their "
-                             "options; `broadcast` runs under torchrun)")
+    parser.add_argument("which", nargs="?", default="step",
+                        choices=["step", "attention", "broadcast", "moe", "threads"],
+                        help="the benchmark to run (default: step; `attention --help` / `moe --help` / "
+                             "`threads --help` for their options; `broadcast` runs under torchrun)")
     parser.add_argument("--steps", type=_int_at_least(1), default=300,
                         help="timed steady-decode steps per size (default 300)")
     parser.add_argument("--sizes", type=_sizes, default=[16, 64, 256, 1024],
@@ -235,8 +240,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=_int_at_least(1), default=3,
                         help="replay each workload this many times and report the run with the lowest "
                              "median total (default 3; the naive implementation runs once)")
+    threads.add_flag(parser, "1 (host-side stages, reproducible on a shared machine)")
     args = parser.parse_args(argv)
-    torch.set_num_threads(1)
+    if (status := threads.apply(args.torch_threads, "attnplug bench", default=1)) is not None:
+        return status
     report = {"torch_threads": torch.get_num_threads(), "load_average": list(os.getloadavg()),
               "repeat": args.repeat}
     sizes = args.sizes

@@ -1,0 +1,129 @@
+"""The commands' torch thread policy: ``--torch-threads N``, ``ATTNPLUG_TORCH_THREADS``, and a
+default that does not oversubscribe the CPUs (docs/performance.md, "Torch threads").
+
+Precedence, first that is set: the ``--torch-threads`` flag, the ``ATTNPLUG_TORCH_THREADS``
+environment variable, ``OMP_NUM_THREADS`` (torch already read it at import: it is kept), else
+the command's default. The default of ``attnplug run`` and ``attnplug parity`` is
+:func:`default_threads`: the CPUs this process may run on (``os.sched_getaffinity``) divided
+among the local ranks (torchrun's ``LOCAL_WORLD_SIZE``), minus the CPUs other processes keep busy
+(the 1-minute load average, whole CPUs), at least 1. torch's intra-op threads wait for each
+other at the end of every parallel region; on a CPU another process holds, that wait is a
+time slice, which is why more threads than free CPUs runs several times slower than one
+thread (measured in docs/performance.md). The benchmarks default to 1 thread (the figures of
+one implementation against another, reproducible on a shared machine) and take the flag and
+the variable the same way. Every timing table records ``torch.get_num_threads()``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Mapping
+
+ENV_VAR = "ATTNPLUG_TORCH_THREADS"
+FLAG = "--torch-threads"
+MAX_THREADS = 1024
+"""Highest thread count accepted by the flag and the variable."""
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on: ``len(os.sched_getaffinity(0))`` where the OS has it
+    (Linux), else ``os.cpu_count()``, at least 1."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+def local_ranks(environ: Mapping[str, str]) -> int:
+    """Processes of this run on this machine: torchrun's ``LOCAL_WORLD_SIZE`` (a positive
+    decimal int), else 1."""
+    text = environ.get("LOCAL_WORLD_SIZE", "").strip()
+    return int(text) if text.isascii() and text.isdigit() and int(text) > 0 else 1
+
+
+def default_threads(cpus: int, ranks: int, load_average: float) -> int:
+    """The default thread count: ``cpus // ranks`` (this rank's share), lowered to what the
+    other processes leave free — ``(cpus - floor(load_average)) // ranks`` — at least 1.
+
+    Args:
+        cpus: CPUs this process may use (:func:`usable_cpus`), >= 1.
+        ranks: local ranks sharing them (:func:`local_ranks`), >= 1.
+        load_average: the 1-minute load average (runnable tasks, ``os.getloadavg()[0]``);
+            a fraction of a CPU busy counts as free.
+    """
+    share = cpus // max(ranks, 1)
+    free = (cpus - math.floor(max(load_average, 0.0))) // max(ranks, 1)
+    return max(1, min(share, free))
+
+
+def _parse(text: str, origin: str) -> int:
+    """A thread count from ``text``: a decimal int in ``[1, MAX_THREADS]``, else ``ValueError``
+    with one line naming ``origin``."""
+    s = text.strip()
+    if not (s.isascii() and s.isdigit()) or not 1 <= int(s) <= MAX_THREADS:
+        shown = text if len(text) <= 40 else text[:40] + "..."
+        raise ValueError(f"{origin} must be an integer in [1, {MAX_THREADS}], got {shown!r}")
+    return int(s)
+
+
+def resolve(flag: str | None, environ: Mapping[str, str], default: int | None = None,
+            load_average: float | None = None) -> tuple[int, str]:
+    """The thread count and where it came from (``--torch-threads``, ``ATTNPLUG_TORCH_THREADS``,
+    ``OMP_NUM_THREADS``, ``default``), by the precedence of the module docstring.
+
+    Args:
+        flag: the flag's text, or ``None`` when it was not given.
+        environ: the environment (``os.environ``).
+        default: the command's default count; ``None``: :func:`default_threads` of this
+            machine (``load_average`` defaults to ``os.getloadavg()[0]``).
+
+    Raises:
+        ValueError: one line naming the flag or variable whose value is not an integer in
+            ``[1, MAX_THREADS]`` (an ``OMP_NUM_THREADS`` torch cannot read is left to torch).
+    """
+    if flag is not None:
+        return _parse(flag, FLAG), FLAG
+    if environ.get(ENV_VAR, "") != "":
+        return _parse(environ[ENV_VAR], ENV_VAR), ENV_VAR
+    omp = environ.get("OMP_NUM_THREADS", "").strip()
+    if omp.isascii() and omp.isdigit() and int(omp) > 0:
+        return min(int(omp), MAX_THREADS), "OMP_NUM_THREADS"
+    if default is not None:
+        return default, "default"
+    if load_average is None:
+        try:
+            load_average = os.getloadavg()[0]
+        except OSError:
+            load_average = 0.0
+    return default_threads(usable_cpus(), local_ranks(environ), load_average), "default"
+
+
+def add_flag(parser, default_text: str = "the CPUs free for this process (docs/performance.md)") -> None:
+    """Add ``--torch-threads N`` to an ``argparse`` parser (kept as text: :func:`apply` checks it)."""
+    parser.add_argument(FLAG, dest="torch_threads", default=None, metavar="N",
+                        help=f"torch intra-op threads, an integer in [1, {MAX_THREADS}]; beats {ENV_VAR} and "
+                             f"OMP_NUM_THREADS; default: {default_text}")
+
+
+def apply(flag: str | None, prog: str, default: int | None = None) -> int | None:
+    """Resolve the thread count (:func:`resolve`) and ``torch.set_num_threads`` it.
+
+    Returns ``None`` when set, or 2 after printing one line ``PROG: ...`` on stderr naming
+    the bad flag or variable (nothing is changed then)."""
+    import sys
+
+    import torch
+
+    try:
+        n, _ = resolve(flag, os.environ, default)
+    except ValueError as e:
+        print(f"{prog}: {e}", file=sys.stderr)
+        return 2
+    if torch.get_num_threads() != n:
+        torch.set_num_threads(n)
+    return None
+
+
+__all__ = ["ENV_VAR", "FLAG", "MAX_THREADS", "add_flag", "apply", "default_threads", "local_ranks", "resolve",
+           "usable_cpus"]
