@@ -205,13 +205,14 @@ class StepCompiler:
             self._check_step_size(scheduler_output, int(b.num_scheduled_tokens[:b.num_reqs].sum()),
                                   num_tokens_padded)
             inputs = self._preparer.prepare(b, self.group_kinds, num_tokens_padded)
+        bufs = self._preparer.buffers
         if prev_token_ids is not None:
-            patch = plan_patch(inputs, b)
+            patch = plan_patch(self.kernels, b, bufs, inputs.num_reqs, prev_token_ids)
             if patch is not None:
                 patch_input_ids(inputs.input_ids, patch, prev_token_ids)
                 self.patch_counts["slice" if patch.contiguous else "scatter"] += 1
         if b.num_spec_tokens[:inputs.num_reqs].any():
-            inputs.spec_decode_metadata = spec_decode_metadata(inputs, b)
+            inputs.spec_decode_metadata = spec_decode_metadata(self.kernels, b, bufs, inputs.num_reqs)
         if build_metadata or self.validate:
             self.build_common_attn_metadata(inputs)
         if self.validate:

@@ -11,7 +11,8 @@ holds a placeholder (:data:`PLACEHOLDER_TOKEN_ID`) where each such token goes:
 2. step t + 1's ``prepare_inputs`` gathers ``input_ids`` from the host history as usual
    (the placeholder included), then :func:`patch_input_ids` overwrites those entries on
    the device from step t's tensor: one slice copy when the rows kept their order (the
-   steady state: row i's token is entry i), else one ``index_copy_``;
+   steady state: row i's token is entry i), else one ``index_copy_`` (the step's kernels
+   plan it, :func:`plan_patch`; on a CPU device they write the tokens as they plan);
 3. when step t's outputs are read back, :func:`fill_output_tokens` writes the real
    tokens over the placeholders (the request may have moved, left the batch, or finished).
 
@@ -58,11 +59,13 @@ class PatchPlan:
         dest: ``[k]`` ``int64`` flat token indices of this step.
         src: ``[k]`` ``int64`` indices into the previous step's sampled tensor.
         contiguous: ``dest == src == arange(k)`` (a slice copy suffices).
+        written: the kernels already wrote the tokens (host buffers that are the device's).
     """
 
     dest: np.ndarray
     src: np.ndarray
     contiguous: bool
+    written: bool = False
 
 
 def append_placeholders(batch: InputBatch, max_model_len: int, rows: np.ndarray) -> Placeholders:
@@ -93,43 +96,42 @@ def append_placeholders(batch: InputBatch, max_model_len: int, rows: np.ndarray)
     return Placeholders(tuple(batch.req_ids[r] for r in rows.tolist()), held)
 
 
-def plan_patch(inputs: StepInputs, batch: InputBatch) -> PatchPlan | None:
+def plan_patch(kernels, batch: InputBatch, bufs, R: int, prev_token_ids: torch.Tensor | None = None
+               ) -> PatchPlan | None:
     """Which of this step's tokens are the previous step's placeholders (after stage 2:
-    rows may have moved; their ``prev_sampled_*`` columns moved with them). Consumes the
-    columns: afterwards every row's ``prev_sampled_index`` is -1.
+    rows may have moved; their ``prev_sampled_*`` columns moved with them), planned by the
+    step's kernels (``StepKernels.plan_patch``) into ``bufs.patch_*`` (``PrepareBuffers``).
+    Consumes the columns: afterwards every row's ``prev_sampled_index`` is -1.
+
+    Args:
+        kernels, batch, bufs: the step's kernels, batch and buffers; ``R``: its rows.
+        prev_token_ids: the previous step's sampled tokens. When the step's device
+            buffers are its host buffers (a CPU device) and these are a contiguous 1-D
+            ``int64`` CPU tensor, the kernels write them into ``input_ids`` as they plan
+            (the plan's ``written``); else :func:`patch_input_ids` does it on the device.
 
     Returns:
-        The plan, or ``None`` when no token of this step is a placeholder.
+        The plan (views of ``bufs``, valid until the next step), or ``None`` when no token
+        of this step is a placeholder.
     """
-    R = inputs.num_reqs
-    src_col = batch.prev_sampled_index[:R]
-    if R == 0 or src_col.max() < 0:
+    host = None
+    p = prev_token_ids
+    if p is not None and bufs.input_ids.aliased and p.is_cpu and p.dtype is torch.int64 and p.dim() == 1 \
+            and p.is_contiguous():
+        host = p.numpy()
+    k, contiguous = kernels.plan_patch(batch, bufs, R, host)
+    if k == 0:
         return None
-    # offset of the placeholder within the row's scheduled tokens (e.g. 0 for a decode)
-    offset = batch.prev_sampled_pos[:R] - inputs.num_computed_tokens
-    hit = (src_col >= 0) & (offset >= 0) & (offset < inputs.num_scheduled_tokens)
-    if inputs.num_actual_tokens == R and hit.all() and not offset.any():
-        # every row decodes its placeholder (token r is row r): a slice if the order held
-        src = src_col.astype(np.int64)
-        src_col[:] = -1
-        dest = np.arange(R, dtype=np.int64)
-        return PatchPlan(dest, src, bool((src == dest).all()))
-    rows = np.flatnonzero(hit)
-    src = src_col[rows].astype(np.int64)
-    src_col[:] = -1
-    if rows.shape[0] == 0:
-        return None
-    dest = inputs.query_start_loc_cpu.numpy()[rows].astype(np.int64) + offset[rows]
-    k = rows.shape[0]
-    contiguous = bool(dest[-1] == k - 1 and src[-1] == k - 1 and (dest == np.arange(k)).all()
-                      and (src == dest).all())
-    return PatchPlan(dest, src, contiguous)
+    return PatchPlan(bufs.patch_dest[:k], bufs.patch_src[:k], contiguous, host is not None)
 
 
 def patch_input_ids(input_ids: torch.Tensor, plan: PatchPlan, prev_token_ids: torch.Tensor) -> None:
     """Write the previous step's device tokens into ``input_ids`` (``[P]`` ``int32``,
     device) as ``plan`` says; ``prev_token_ids``: ``[n]`` integer, same device. No host
-    synchronisation: the index tensors are host data copied without blocking."""
+    synchronisation: the index tensors are host data copied without blocking. A plan whose
+    tokens were ``written`` already is a no-op."""
+    if plan.written:
+        return
     k = plan.dest.shape[0]
     if plan.contiguous:
         input_ids[:k].copy_(prev_token_ids[:k], non_blocking=True)
