@@ -158,12 +158,12 @@ class StepKernels(Protocol):
         """Asynchronous scheduling: plan the patch of this step's ``input_ids`` into
         ``bufs.patch_dest`` / ``bufs.patch_src`` and consume the rows' ``prev_sampled_index``
         (``runner/step/placeholders.py``); with ``prev_host`` (the previous step's tokens,
-        ``[n]`` ``int64`` on the host: a CPU device) also write them into the host
-        ``input_ids``.
+        ``[n]`` on the host: a CPU device) also write them into the host
+        ``input_ids`` when it is a 1-D ``int64`` array (contiguous, for the compiled kernels).
 
         Returns:
-            ``(k, contiguous)``: ``k`` tokens to patch; ``contiguous`` when
-            ``dest == src == arange(k)``."""
+            ``(k, contiguous, written)``: ``k`` tokens to patch; ``contiguous`` when
+            ``dest == src == arange(k)``; ``written``: the tokens were written."""
 
 
 class CompiledKernels:
@@ -185,8 +185,8 @@ class CompiledKernels:
         self._new: tuple[Any, Any] | None = None
         self._prep: tuple[Any, Any] | None = None
         self._drafts: tuple[Any, Any] | None = None
-        self._spec: tuple[Any, Any] | None = None
-        self._patch: tuple[Any, Any] | None = None
+        self._spec: tuple[Any, Any, Any] | None = None
+        self._patch: tuple[Any, Any, Any] | None = None
 
     # --- binding ---------------------------------------------------------------------------
     def _row_ops(self, table):
@@ -293,22 +293,22 @@ class CompiledKernels:
             self._drafts[1].write(rows, lens, flat)
 
     def spec_layout(self, batch, bufs, R):
-        key = (batch, bufs)
-        if self._spec is None or self._spec[0] != key:
-            self._spec = (key, NATIVE.SpecLayout(
+        op = self._spec
+        if op is None or op[0] is not batch or op[1] is not bufs:
+            op = self._spec = (batch, bufs, NATIVE.SpecLayout(
                 batch.num_spec_tokens, bufs.query_start_loc.np, bufs.discard, bufs.input_ids.np,
                 bufs.spec_logits_indices.np, bufs.spec_target.np, bufs.spec_bonus.np, bufs.spec_cu.np,
                 bufs.spec_draft_ids.np))
-        return self._spec[1].layout(R)
+        return op[2].layout(R)
 
     def plan_patch(self, batch, bufs, R, prev_host):
-        key = (batch, bufs)
-        if self._patch is None or self._patch[0] != key:
-            self._patch = (key, NATIVE.Patch(batch.prev_sampled_index, batch.prev_sampled_pos,
-                                             batch.num_computed_tokens_cpu, batch.num_scheduled_tokens,
-                                             bufs.query_start_loc.np, bufs.input_ids.np, bufs.patch_dest,
-                                             bufs.patch_src))
-        return self._patch[1].plan(R, prev_host)
+        op = self._patch
+        if op is None or op[0] is not batch or op[1] is not bufs:
+            op = self._patch = (batch, bufs, NATIVE.Patch(
+                batch.prev_sampled_index, batch.prev_sampled_pos, batch.num_computed_tokens_cpu,
+                batch.num_scheduled_tokens, bufs.query_start_loc.np, bufs.input_ids.np, bufs.patch_dest,
+                bufs.patch_src))
+        return op[2].plan(R, prev_host)
 
 
 _NO_SEL = np.zeros(0, np.int64)

@@ -76,11 +76,11 @@ def spec_layout_numpy(batch: Any, bufs: Any, R: int) -> tuple[int, int, list[int
     return k, D, counts.tolist()
 
 
-def plan_patch_numpy(batch: Any, bufs: Any, R: int, prev_host: np.ndarray | None) -> tuple[int, bool]:
+def plan_patch_numpy(batch: Any, bufs: Any, R: int, prev_host: np.ndarray | None) -> tuple[int, bool, bool]:
     """``StepKernels.plan_patch`` in numpy."""
     src_col = batch.prev_sampled_index[:R]
     if R == 0 or src_col.max() < 0:
-        return 0, True
+        return 0, True, False
     # offset of the placeholder within the row's scheduled tokens (e.g. 0 for a decode)
     ncc = batch.num_computed_tokens_cpu[:R]
     offset = batch.prev_sampled_pos[:R] - ncc
@@ -93,8 +93,9 @@ def plan_patch_numpy(batch: Any, bufs: Any, R: int, prev_host: np.ndarray | None
     np.add(bufs.query_start_loc.np[rows], offset[rows], out=dest)
     contiguous = bool(k == 0 or (dest[-1] == k - 1 and src[-1] == k - 1 and (dest == bufs.arange[:k]).all()
                                  and (src == dest).all()))
-    if prev_host is not None and k:
+    written = prev_host is not None and prev_host.dtype == np.int64 and prev_host.ndim == 1
+    if written and k:
         if src.max() >= prev_host.shape[0]:
             raise IndexError(f"plan_patch: token {int(src.max())} of {prev_host.shape[0]} sampled")
         bufs.input_ids.np[dest] = prev_host[src]
-    return k, contiguous
+    return k, contiguous, written

@@ -12,7 +12,7 @@ holds a placeholder (:data:`PLACEHOLDER_TOKEN_ID`) where each such token goes:
    (the placeholder included), then :func:`patch_input_ids` overwrites those entries on
    the device from step t's tensor: one slice copy when the rows kept their order (the
    steady state: row i's token is entry i), else one ``index_copy_`` (the step's kernels
-   plan it, :func:`plan_patch`; on a CPU device they write the tokens as they plan);
+   plan it, :func:`patch_step`; on a CPU device they write the tokens as they plan);
 3. when step t's outputs are read back, :func:`fill_output_tokens` writes the real
    tokens over the placeholders (the request may have moved, left the batch, or finished).
 
@@ -23,6 +23,7 @@ are filled (at most one step is in flight).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import repeat
 from typing import Sequence
 
 import numpy as np
@@ -59,13 +60,11 @@ class PatchPlan:
         dest: ``[k]`` ``int64`` flat token indices of this step.
         src: ``[k]`` ``int64`` indices into the previous step's sampled tensor.
         contiguous: ``dest == src == arange(k)`` (a slice copy suffices).
-        written: the kernels already wrote the tokens (host buffers that are the device's).
     """
 
     dest: np.ndarray
     src: np.ndarray
     contiguous: bool
-    written: bool = False
 
 
 def append_placeholders(batch: InputBatch, max_model_len: int, rows: np.ndarray) -> Placeholders:
@@ -93,45 +92,45 @@ def append_placeholders(batch: InputBatch, max_model_len: int, rows: np.ndarray)
     batch.prev_sampled_index[:R] = -1
     batch.prev_sampled_index[rows] = np.arange(n, dtype=np.int32)
     batch.prev_sampled_pos[rows] = held
-    return Placeholders(tuple(batch.req_ids[r] for r in rows.tolist()), held)
+    ids = batch.req_ids  # (a property that copies: read once)
+    return Placeholders(tuple([ids[r] for r in rows.tolist()]), held)
 
 
-def plan_patch(kernels, batch: InputBatch, bufs, R: int, prev_token_ids: torch.Tensor | None = None
-               ) -> PatchPlan | None:
-    """Which of this step's tokens are the previous step's placeholders (after stage 2:
-    rows may have moved; their ``prev_sampled_*`` columns moved with them), planned by the
-    step's kernels (``StepKernels.plan_patch``) into ``bufs.patch_*`` (``PrepareBuffers``).
-    Consumes the columns: afterwards every row's ``prev_sampled_index`` is -1.
+def patch_step(kernels, batch: InputBatch, bufs, R: int, prev_token_ids: torch.Tensor,
+               input_ids: torch.Tensor, host_device: bool = False) -> str | None:
+    """Put the previous step's sampled tokens over this step's placeholders in ``input_ids``
+    (after stage 2: rows may have moved; their ``prev_sampled_*`` columns moved with them).
+
+    The step's kernels plan it (``StepKernels.plan_patch``, into ``bufs.patch_*`` of
+    ``PrepareBuffers``) and consume the columns: afterwards every row's
+    ``prev_sampled_index`` is -1. When the step's device buffers are its host buffers (a
+    CPU device) and ``prev_token_ids`` is a contiguous 1-D ``int64`` tensor, the kernels
+    write the tokens as they plan; else :func:`patch_input_ids` copies them on the device.
 
     Args:
         kernels, batch, bufs: the step's kernels, batch and buffers; ``R``: its rows.
-        prev_token_ids: the previous step's sampled tokens. When the step's device
-            buffers are its host buffers (a CPU device) and these are a contiguous 1-D
-            ``int64`` CPU tensor, the kernels write them into ``input_ids`` as they plan
-            (the plan's ``written``); else :func:`patch_input_ids` does it on the device.
+        prev_token_ids: ``[n]`` integer, on the device: the previous step's sampled tokens,
+            in the order its ``append_placeholders`` got.
+        input_ids: ``[P]`` ``int32``, device: this step's tokens.
+        host_device: the step's device buffers are its host buffers (``bufs.input_ids.aliased``).
 
     Returns:
-        The plan (views of ``bufs``, valid until the next step), or ``None`` when no token
-        of this step is a placeholder.
+        ``"slice"`` (rows kept their order: token ``i`` is entry ``i``), ``"scatter"``, or
+        ``None`` when no token of this step is a placeholder.
     """
-    host = None
-    p = prev_token_ids
-    if p is not None and bufs.input_ids.aliased and p.is_cpu and p.dtype is torch.int64 and p.dim() == 1 \
-            and p.is_contiguous():
-        host = p.numpy()
-    k, contiguous = kernels.plan_patch(batch, bufs, R, host)
+    host = prev_token_ids.numpy() if host_device and prev_token_ids.is_cpu else None
+    k, contiguous, written = kernels.plan_patch(batch, bufs, R, host)
     if k == 0:
         return None
-    return PatchPlan(bufs.patch_dest[:k], bufs.patch_src[:k], contiguous, host is not None)
+    if not written:
+        patch_input_ids(input_ids, PatchPlan(bufs.patch_dest[:k], bufs.patch_src[:k], contiguous), prev_token_ids)
+    return "slice" if contiguous else "scatter"
 
 
 def patch_input_ids(input_ids: torch.Tensor, plan: PatchPlan, prev_token_ids: torch.Tensor) -> None:
     """Write the previous step's device tokens into ``input_ids`` (``[P]`` ``int32``,
     device) as ``plan`` says; ``prev_token_ids``: ``[n]`` integer, same device. No host
-    synchronisation: the index tensors are host data copied without blocking. A plan whose
-    tokens were ``written`` already is a no-op."""
-    if plan.written:
-        return
+    synchronisation: the index tensors are host data copied without blocking."""
     k = plan.dest.shape[0]
     if plan.contiguous:
         input_ids[:k].copy_(prev_token_ids[:k], non_blocking=True)
@@ -157,6 +156,9 @@ def fill_output_tokens(batch: InputBatch, requests: dict[str, CachedRequestState
     if len(token_ids) != len(placeholders.req_ids):
         raise MetadataError(f"fill_output_tokens: {len(token_ids)} tokens for {len(placeholders.req_ids)} "
                             "placeholders")
+    written = _fill_rows(batch, placeholders, token_ids)
+    if written is not None:
+        return written
     written = 0
     for rid, pos, tok in zip(placeholders.req_ids, placeholders.positions.tolist(), token_ids):
         if not 0 <= tok < 2**31:
@@ -171,3 +173,24 @@ def fill_output_tokens(batch: InputBatch, requests: dict[str, CachedRequestState
         history[pos] = tok
         written += 1
     return written
+
+
+def _fill_rows(batch: InputBatch, placeholders: Placeholders, token_ids: Sequence[int]) -> int | None:
+    """:func:`fill_output_tokens` when every request is still in the batch, each placeholder
+    is there and every token is an int in ``[0, 2**31)`` (the usual case): one scatter.
+    ``None`` (nothing written) otherwise: the per-request loop then decides and words errors."""
+    ids, pos = placeholders.req_ids, placeholders.positions
+    n = len(ids)
+    if n == 0:
+        return 0
+    rows = np.fromiter(map(batch.req_id_to_index.get, ids, repeat(-1, n)), np.int64, n)
+    try:
+        toks = np.fromiter(token_ids, np.int64, n)
+    except (TypeError, ValueError, OverflowError):
+        return None
+    table = batch.token_ids_cpu
+    if rows.min() < 0 or toks.min() < 0 or toks.max() >= 2**31 or pos.max() >= table.shape[1] \
+            or (table[rows, pos] != PLACEHOLDER_TOKEN_ID).any():
+        return None
+    table[rows, pos] = toks
+    return n

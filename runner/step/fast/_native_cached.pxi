@@ -113,6 +113,13 @@ cdef class CachedScan:
         cdef PyObject* spec_next = NULL
         cdef Py_ssize_t spec_pos = 0
         cdef bint spec_in_order = has_spec and PyDict_Next(spec, &spec_pos, &spec_key, &spec_next)
+        cdef PyObject* ahead_key = NULL
+        cdef PyObject* ahead_val = NULL
+        cdef Py_ssize_t ahead_pos = spec_pos  # a second cursor, PREFETCH entries ahead
+        for j in range(PREFETCH if spec_in_order else 0):
+            if not PyDict_Next(spec, &ahead_pos, &ahead_key, &ahead_val):
+                break
+            _prefetch(ahead_val)
         cdef object rid, e
         cdef int32_t[:, ::1] tab
         cdef int64_t B
@@ -129,6 +136,7 @@ cdef class CachedScan:
                 _prefetch(PyList_GET_ITEM(req_ids, i + PREFETCH))
                 _prefetch(PyList_GET_ITEM(num_computed_tokens, i + PREFETCH))
                 _prefetch(PyList_GET_ITEM(new_token_ids, i + PREFETCH))
+                _prefetch(PyList_GET_ITEM(new_block_ids, i + PREFETCH))
             rid = <object>PyList_GET_ITEM(req_ids, i)
             if type(rid) is not str:
                 return False
@@ -161,8 +169,10 @@ cdef class CachedScan:
                 if spec_in_order and spec_next is not NULL and spec_key == <PyObject*>rid:
                     d = spec_next
                     spec_next = NULL
-                    if PyDict_Next(spec, &spec_pos, &spec_key, &spec_next):
-                        _prefetch(spec_next)
+                    if PyDict_Next(spec, &spec_pos, &spec_key, &spec_next) and _items(<object>spec_next, &bitems, &nd):
+                        _prefetch(bitems)  # its header was fetched PREFETCH entries ago
+                    if PyDict_Next(spec, &ahead_pos, &ahead_key, &ahead_val):
+                        _prefetch(ahead_val)
                 else:
                     d = PyDict_GetItem(spec, rid)
                     if d is not NULL:

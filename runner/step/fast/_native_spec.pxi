@@ -124,19 +124,20 @@ cdef class Patch:
 
     def plan(self, Py_ssize_t R, prev):
         """Plan the patch of rows ``0 .. R - 1`` and consume their ``prev_sampled_index``
-        (-1 afterwards); with ``prev`` (the previous step's tokens, a 1-D ``int64`` host
-        array) also write them into the host ``input_ids``.
+        (-1 afterwards); when ``prev`` (the previous step's tokens on the host, or ``None``)
+        is a C-contiguous 1-D ``int64`` array, also write them into the host ``input_ids``.
 
         Returns:
-            ``(k, contiguous)``: ``dest[:k]`` / ``src[:k]`` hold the plan; ``contiguous``
-            when ``dest == src == arange(k)``.
+            ``(k, contiguous, written)``: ``dest[:k]`` / ``src[:k]`` hold the plan;
+            ``contiguous`` when ``dest == src == arange(k)``; ``written``: the tokens were
+            written.
 
         Raises:
             IndexError: a source index outside ``prev`` (checked before anything is written).
         """
         cdef Py_ssize_t r, k = 0, M = self.prev_index.shape[0]
         cdef int64_t s, off, t
-        cdef bint contiguous = True
+        cdef bint contiguous = True, written = False
         cdef const int64_t[::1] host
         if R > M:
             raise IndexError(f"Patch.plan: {R} rows")
@@ -154,7 +155,12 @@ cdef class Patch:
                 contiguous = False
             k += 1
         if prev is not None:
-            host = prev
+            try:
+                host = prev
+                written = True
+            except (ValueError, TypeError, BufferError):  # another dtype, shape or layout
+                pass
+        if written:
             for r in range(k):
                 if self.src[r] >= host.shape[0] or self.dest[r] >= self.input_ids.shape[0]:
                     raise IndexError(f"Patch.plan: token {self.src[r]} of {host.shape[0]} sampled")
@@ -162,4 +168,4 @@ cdef class Patch:
                 self.input_ids[self.dest[r]] = <int32_t>host[self.src[r]]
         for r in range(R):
             self.prev_index[r] = -1
-        return k, contiguous
+        return k, contiguous, written
