@@ -156,7 +156,7 @@ def fill_output_tokens(batch: InputBatch, requests: dict[str, CachedRequestState
     if len(token_ids) != len(placeholders.req_ids):
         raise MetadataError(f"fill_output_tokens: {len(token_ids)} tokens for {len(placeholders.req_ids)} "
                             "placeholders")
-    written = _fill_rows(batch, placeholders, token_ids)
+    written = _fill_rows(batch, requests, placeholders, token_ids)
     if written is not None:
         return written
     written = 0
@@ -175,10 +175,12 @@ def fill_output_tokens(batch: InputBatch, requests: dict[str, CachedRequestState
     return written
 
 
-def _fill_rows(batch: InputBatch, placeholders: Placeholders, token_ids: Sequence[int]) -> int | None:
-    """:func:`fill_output_tokens` when every request is still in the batch, each placeholder
-    is there and every token is an int in ``[0, 2**31)`` (the usual case): one scatter.
-    ``None`` (nothing written) otherwise: the per-request loop then decides and words errors."""
+def _fill_rows(batch: InputBatch, requests: dict[str, CachedRequestState], placeholders: Placeholders,
+               token_ids: Sequence[int]) -> int | None:
+    """:func:`fill_output_tokens` when every request is still in the batch or finished, each
+    placeholder is there and every token is an int in ``[0, 2**31)`` (the usual case): one
+    scatter. ``None`` (nothing written) otherwise: the per-request loop then decides (a
+    request that left the batch but not the runner) and words errors."""
     ids, pos = placeholders.req_ids, placeholders.positions
     n = len(ids)
     if n == 0:
@@ -188,9 +190,18 @@ def _fill_rows(batch: InputBatch, placeholders: Placeholders, token_ids: Sequenc
         toks = np.fromiter(token_ids, np.int64, n)
     except (TypeError, ValueError, OverflowError):
         return None
+    if toks.min() < 0 or toks.max() >= 2**31:
+        return None
+    if rows.min() < 0:  # finished ones are skipped; one that is detached takes the loop
+        gone = np.flatnonzero(rows < 0).tolist()
+        if any(ids[i] in requests for i in gone):
+            return None
+        kept = rows >= 0
+        rows, pos, toks = rows[kept], pos[kept], toks[kept]
+        if rows.shape[0] == 0:
+            return 0
     table = batch.token_ids_cpu
-    if rows.min() < 0 or toks.min() < 0 or toks.max() >= 2**31 or pos.max() >= table.shape[1] \
-            or (table[rows, pos] != PLACEHOLDER_TOKEN_ID).any():
+    if pos.max() >= table.shape[1] or (table[rows, pos] != PLACEHOLDER_TOKEN_ID).any():
         return None
     table[rows, pos] = toks
-    return n
+    return int(rows.shape[0])
