@@ -2,7 +2,7 @@
 numpy kernels give the same ``input_ids`` / ``SpecDecodeMetadata``, whether the kernel
 writes the previous step's tokens itself (a CPU device, ``int64`` tokens) or the device
 copy does (other dtypes), and whether the drafts' dict lists its requests in the cached
-order or not."""
+order or not. Filling the placeholders skips a finished request."""
 
 from __future__ import annotations
 
@@ -28,8 +28,10 @@ def _patched(native: bool, dtype: torch.dtype) -> tuple[list[int], dict, list[in
                              {"b": 1, "c": 1}, finished_req_ids={"a"})
     sc.update_states(second)
     inputs = sc.prepare_inputs(second, prev_token_ids=torch.tensor([21, 22, 23], dtype=dtype))
-    sc.fill_output_tokens(ph, [21, 22, 23])
-    return inputs.input_ids.tolist(), dict(sc.patch_counts), sc.input_batch.prev_sampled_index[:2].tolist()
+    assert sc.fill_output_tokens(ph, [21, 22, 23]) == 2  # "a" finished: skipped
+    b = sc.input_batch
+    assert b.token_ids_cpu[[0, 1], 3].tolist() == [23, 22]
+    return inputs.input_ids.tolist(), dict(sc.patch_counts), b.prev_sampled_index[:2].tolist()
 
 
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
