@@ -3,8 +3,9 @@
 A regular output is what a scheduler sends almost every step: every cached request is
 in the batch, scheduled once, not resumed, carries no token deltas, appends block ids
 (lists of ints) that fit, and verifies drafts only on decoding rows. The kernels'
-``scan_cached`` (``runner/step/kernels.py``; compiled: ``fast/_native_cached.pxi``) checks all
-of that in one pass and writes the plan into the checker's :class:`ScanBuffers`;
+``scan_cached`` (``runner/step/kernels.py``; compiled: the ``CachedScan`` of
+``runner/step/fast/``) checks all of that in one pass and writes the plan into the
+checker's :class:`ScanBuffers`;
 ``scan_new`` checks and stages the new requests (when it declines,
 ``check_new.plan_new_requests`` plans them as on the numpy path); finished ids were
 checked by ``check_finished_and_new`` for both paths. When the cached scan declines

@@ -10,8 +10,8 @@ The same ``N`` without drafts (one token per request and step) runs beside it.
 
 Timed per step: ``update_states`` (the drafts of a regular step are checked by the
 kernels' cached scan, ``runner/step/kernels.py``), ``prepare_inputs`` (including
-``SpecDecodeMetadata``, laid out by the kernels) and the common metadata; appending the emitted tokens (``append_verified_tokens``) is not timed,
-as in the other tables. Columns: our compiler (compiled paths where the step allows) and
+``SpecDecodeMetadata``, laid out by the kernels) and the common metadata; appending the
+emitted tokens (``append_verified_tokens``) is not timed, as in the other tables. Columns: our compiler (compiled paths where the step allows) and
 the numpy paths only, interleaved, best of ``--repeat``; "with / without drafts" is ours'
 update + prepare with ``k`` drafts over the same requests without (issue 30's target:
 at most 1.5 at N = 256 and 1024).
