@@ -25,6 +25,8 @@ import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from attnplug.cache_groups.kinds import GroupKind
+
 SVG_NS = "http://www.w3.org/2000/svg"
 MAX_TOKENS = 256
 """Most tokens drawn per step."""
@@ -117,7 +119,7 @@ class StepPicture:
         cv.y = 30
         owner = self._token_rows(step, cv)
         for g, view in enumerate(self.groups):
-            if view.kind != "mamba":
+            if view.kind != GroupKind.MAMBA:
                 self._slots(step, g, view, owner, cv)
         for g, view in enumerate(self.groups):
             self._table(step, g, view, cv)
@@ -188,18 +190,18 @@ class StepPicture:
     def _table(self, step: dict, g: int, view: GroupView, cv: _Canvas) -> None:
         k, outer = view.kernel_block_size, cv.root
         cv.root = cv.el("g", class_="table", data_group=g, data_kind=view.kind)
-        head = f"group {g}: {view.kind}" + (f", block size {view.block_size}" if view.kind != "mamba" else "")
-        if k != view.block_size and view.kind != "mamba":
+        head = f"group {g}: {view.kind}" + (f", block size {view.block_size}" if view.kind != GroupKind.MAMBA else "")
+        if k != view.block_size and view.kind != GroupKind.MAMBA:
             head += f" (kernel {k})"
         if view.sliding_window is not None:
             head += f", window {view.sliding_window}"
-        if view.kind == "mamba":
+        if view.kind == GroupKind.MAMBA:
             head += ", one state slot per request"
         cv.el("text", text=head, x=8, y=cv.y + 12, font_size=12, font_weight="bold", font_family="sans-serif",
               class_="group-title")
         y, table = cv.y + 18, cv.root
         written: set[int] = set()
-        if view.kind != "mamba":
+        if view.kind != GroupKind.MAMBA:
             written = {s // k for s in step["slot_mapping"][g] if s >= 0}
         rows = step["block_table"][g]
         for i, row in enumerate(rows[:MAX_ROWS]):
@@ -222,7 +224,7 @@ class StepPicture:
                     cls.append("written")
                 what = {"null": "the null block", "freed": "freed by the window"}
                 notes = ", ".join(what[n] for n in cls[1:] if n in what)
-                span = f"positions {j * k}..{j * k + k - 1}" if view.kind != "mamba" else "state slot"
+                span = f"positions {j * k}..{j * k + k - 1}" if view.kind != GroupKind.MAMBA else "state slot"
                 gcell = cv.cell(x, y, " ".join(cls), fill, [str(bid)],
                                 title=f"request {rid}, column {j} ({span}): block {bid}" + (f" ({notes})" if notes
                                                                                            else ""), **attrs)

@@ -7,6 +7,7 @@ from typing import Any
 import rich.console
 from rich.table import Table
 
+from attnplug.cache_groups.kinds import GroupKind
 from attnplug.runner.commands.prefix_report import prefix_caching_rows
 from attnplug.runner.commands.serving_report import print_serving_tables
 
@@ -88,8 +89,8 @@ def print_run_table(summary: dict[str, Any], console: Console | None = None) -> 
         if grp.get("sliding_window"):
             kind += f" W={grp['sliding_window']}"
         capacity = grp.get("capacity", summary["num_blocks_per_group"] - 1)
-        unit = "state slots" if grp["kind"] == "mamba" else "KV blocks"
-        block = "-" if grp["kind"] == "mamba" else str(grp["block_size"])
+        unit = "state slots" if grp["kind"] == GroupKind.MAMBA else "KV blocks"
+        block = "-" if grp["kind"] == GroupKind.MAMBA else str(grp["block_size"])
         per_token = grp.get("bytes_per_token_per_layer")
         kv = f"{grp['kv_cache_bytes'] / 2**20:.2f}" if "kv_cache_bytes" in grp else "-"
         g.add_row(str(i), kind, str(grp["layers"]), block, grp["backend"], f"{peak}/{capacity} {unit}",

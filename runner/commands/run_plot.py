@@ -17,6 +17,7 @@ import importlib.util
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from attnplug.cache_groups.kinds import GroupKind
 from attnplug.runner.execute.model_runner import STAGES
 
 STAGE_LABELS = {"update_states": "update", "prepare_inputs": "prepare", "metadata_build": "build",
@@ -145,6 +146,6 @@ def group_labels(summary: dict) -> list[str]:
     out = []
     for g, grp in enumerate(summary["cache_groups"]):
         window = f" W={grp['sliding_window']}" if grp.get("sliding_window") else ""
-        unit = "state slots" if grp["kind"] == "mamba" else "blocks"
+        unit = "state slots" if grp["kind"] == GroupKind.MAMBA else "blocks"
         out.append(f"g{g} {grp['kind']}{window} ({grp['capacity']} {unit})")
     return out

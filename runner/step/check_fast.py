@@ -3,8 +3,9 @@
 A regular output is what a scheduler sends almost every step: every cached request is
 in the batch, scheduled once, not resumed, carries no token deltas, appends block ids
 (lists of ints) that fit, and verifies drafts only on decoding rows. The kernels'
-``scan_cached`` (``runner/step/kernels.py``; compiled: ``fast/_native_cached.pxi``) checks all
-of that in one pass and writes the plan into the checker's :class:`ScanBuffers`;
+``scan_cached`` (``runner/step/kernels.py``; compiled: the ``CachedScan`` of
+``runner/step/fast/``) checks all of that in one pass and writes the plan into the
+checker's :class:`ScanBuffers`;
 ``scan_new`` checks and stages the new requests (when it declines,
 ``check_new.plan_new_requests`` plans them as on the numpy path); finished ids were
 checked by ``check_finished_and_new`` for both paths. When the cached scan declines
@@ -82,26 +83,26 @@ def plan_update_scanned(lay: StepLayout, batch: InputBatch, kernels: StepKernels
         mask[rows_c] = True
         unscheduled = [rid for rid, r in idx.items() if not mask[r] and rid not in fin_set]
     return UpdatePlan(finished, unscheduled, new_states, new_counts, [], [], rows_c, bufs.counts[:nC],
-                      bufs.ncts[:nC], appends=_appends(bufs, scan.num_appends),
+                      bufs.ncts[:nC], appends=_appends(bufs, scan),
                       staged_new=staged, spec_tokens=_spec_tokens(bufs, C, scan.num_spec, scan.spec_total))
 
 
-def _appends(bufs: ScanBuffers, m: int) -> BlockAppends | None:
-    """The scan's appends as :class:`BlockAppends` (views of ``bufs``; ``flat`` a copy)."""
+def _appends(bufs: ScanBuffers, scan) -> BlockAppends | None:
+    """The scan's appends as :class:`BlockAppends` (views of ``bufs``)."""
+    m = scan.num_appends
     if m == 0:
         return None
-    starts, lens = bufs.app_start[:, :m], bufs.app_len[:, :m]
-    totals = bufs.app_total.tolist()
-    flat = np.concatenate([bufs.app_ids[g, :n] for g, n in enumerate(totals)])
-    one_each = sum(totals) == lens.shape[0] * m and bool((lens == 1).all())
-    return BlockAppends(bufs.app_sel[:m], starts, 1 if one_each else lens, starts + lens, flat, one_each)
+    one_each = scan.one_each
+    return BlockAppends(bufs.app_sel[:m], bufs.app_start[:, :m], 1 if one_each else bufs.app_len[:, :m],
+                        bufs.app_after[:, :m], bufs.app_flat[:scan.num_appended], one_each)
 
 
 def _spec_tokens(bufs: ScanBuffers, C: list, n: int, total: int) -> SpecTokens | None:
-    """The scan's drafts as :class:`SpecTokens` (``flat`` a view of ``bufs``)."""
+    """The scan's drafts as :class:`SpecTokens` (views of ``bufs``)."""
     if n == 0:
         return None
-    lens_c = bufs.spec_lens[:len(C)]
-    idx = np.flatnonzero(lens_c)
-    ids = list(itemgetter(*idx.tolist())(C)) if n > 1 else [C[int(idx[0])]]
-    return SpecTokens(ids, lens_c[idx], bufs.spec_ids[:total], bufs.rows[idx])
+    if n == len(C):  # every cached request verifies drafts (in cached order)
+        ids = C
+    else:
+        ids = list(itemgetter(*bufs.spec_sel[:n].tolist())(C)) if n > 1 else [C[int(bufs.spec_sel[0])]]
+    return SpecTokens(ids, bufs.spec_lens[:n], bufs.spec_ids[:total], bufs.spec_rows[:n])

@@ -52,8 +52,7 @@ from attnplug.runner.step.placeholders import (
     Placeholders,
     append_placeholders,
     fill_output_tokens,
-    patch_input_ids,
-    plan_patch,
+    patch_step,
 )
 from attnplug.runner.step.plan import UpdatePlan
 from attnplug.runner.step.prepare import InputPreparer, StepInputs
@@ -141,6 +140,8 @@ class StepCompiler:
         self.checker = UpdateChecker(lay, self.input_batch, self.requests, kernels)
         """Stage 1 (``runner/step/check.py``): ``checker.plan(scheduler_output)``."""
         self._preparer = InputPreparer(max_num_reqs, max_model_len, max_num_batched_tokens, self.device, kernels)
+        self._host_device = self._preparer.buffers.input_ids.aliased
+        """The step's device buffers are its host buffers (a CPU device)."""
         self.validate = os.environ.get("ATTNPLUG_VALIDATE") == "1" if validate is None else bool(validate)
         self.patch_counts = {"slice": 0, "scatter": 0}
         """Asynchronous scheduling: steps whose ``input_ids`` took the previous step's device
@@ -206,12 +207,13 @@ class StepCompiler:
                                   num_tokens_padded)
             inputs = self._preparer.prepare(b, self.group_kinds, num_tokens_padded)
         if prev_token_ids is not None:
-            patch = plan_patch(inputs, b)
-            if patch is not None:
-                patch_input_ids(inputs.input_ids, patch, prev_token_ids)
-                self.patch_counts["slice" if patch.contiguous else "scatter"] += 1
+            kind = patch_step(self.kernels, b, self._preparer.buffers, inputs.num_reqs, prev_token_ids,
+                              inputs.input_ids, self._host_device)
+            if kind is not None:
+                self.patch_counts[kind] += 1
         if b.num_spec_tokens[:inputs.num_reqs].any():
-            inputs.spec_decode_metadata = spec_decode_metadata(inputs, b)
+            inputs.spec_decode_metadata = spec_decode_metadata(self.kernels, b, self._preparer.buffers,
+                                                               inputs.num_reqs)
         if build_metadata or self.validate:
             self.build_common_attn_metadata(inputs)
         if self.validate:

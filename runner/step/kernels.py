@@ -67,16 +67,32 @@ class PrepareBuffers:
     """``[T]`` ``int64`` scratch: flat indices into the token table."""
     row_starts: np.ndarray
     """``[M]`` ``int64`` ``row * max_model_len``."""
+    spec_logits_indices: CpuGpuBuffer
+    """``[T]`` ``int64`` ``SpecDecodeMetadata.logits_indices`` (``runner/step/spec_metadata.py``)."""
+    spec_target: CpuGpuBuffer
+    """``[T]`` ``int64`` ``target_logits_indices``."""
+    spec_bonus: CpuGpuBuffer
+    """``[M]`` ``int64`` ``bonus_logits_indices``."""
+    spec_cu: CpuGpuBuffer
+    """``[M]`` ``int64`` ``cu_num_draft_tokens``."""
+    spec_draft_ids: CpuGpuBuffer
+    """``[T]`` ``int64`` ``draft_token_ids``."""
+    patch_dest: np.ndarray
+    """``[M]`` ``int64`` asynchronous patch: token indices of this step (``placeholders.py``)."""
+    patch_src: np.ndarray
+    """``[M]`` ``int64`` asynchronous patch: indices into the previous step's sampled tensor."""
 
     @classmethod
     def allocate(cls, max_num_reqs: int, max_model_len: int, max_num_batched_tokens: int,
                  device: torch.device | str) -> "PrepareBuffers":
         M, T = max_num_reqs, max_num_batched_tokens
-        return cls(CpuGpuBuffer((M + 1,), torch.int32, device), CpuGpuBuffer((T,), torch.int64, device),
+        i64 = lambda n: CpuGpuBuffer((n,), torch.int64, device)  # noqa: E731
+        return cls(CpuGpuBuffer((M + 1,), torch.int32, device), i64(T),
                    CpuGpuBuffer((T,), torch.int32, device), CpuGpuBuffer((M,), torch.int32, device),
-                   CpuGpuBuffer((M,), torch.int64, device), np.zeros(T, np.int64), np.zeros(M, bool),
+                   i64(M), np.zeros(T, np.int64), np.zeros(M, bool),
                    np.zeros(M, bool), np.arange(max(T, M) + 1, dtype=np.int64), np.zeros(T, np.int64),
-                   np.arange(M, dtype=np.int64) * max_model_len)
+                   np.arange(M, dtype=np.int64) * max_model_len, i64(T), i64(T), i64(M), i64(M), i64(T),
+                   np.zeros(M, np.int64), np.zeros(M, np.int64))
 
 
 class StepKernels(Protocol):
@@ -123,6 +139,32 @@ class StepKernels(Protocol):
         Returns:
             ``(num_actual_tokens, max_query_len, max_seq_len)``."""
 
+    def write_drafts(self, batch: Any, rows: np.ndarray | None, lens: np.ndarray | None,
+                     flat: np.ndarray | None) -> None:
+        """Stage 2: every row's ``num_spec_tokens`` to 0, then row ``rows[i]``'s ``lens[i]``
+        drafts (``flat``, ``int32``, request after request) after its ``num_tokens`` tokens
+        (``rows`` / ``lens`` ``[n]`` ``int64``; ``None``: no drafts this step)."""
+
+    def spec_layout(self, batch: Any, bufs: PrepareBuffers, R: int) -> tuple[int, int, list[int]]:
+        """Stage 3 of a step with drafts: fill ``bufs.spec_*`` for the rows of ``0 .. R - 1``
+        whose logits are kept (``runner/step/spec_metadata.py``); the drafts are read from
+        the host ``input_ids``.
+
+        Returns:
+            ``(num_kept_rows, num_drafts, draft count per kept row)``."""
+
+    def plan_patch(self, batch: Any, bufs: PrepareBuffers, R: int, prev_host: np.ndarray | None
+                   ) -> tuple[int, bool]:
+        """Asynchronous scheduling: plan the patch of this step's ``input_ids`` into
+        ``bufs.patch_dest`` / ``bufs.patch_src`` and consume the rows' ``prev_sampled_index``
+        (``runner/step/placeholders.py``); with ``prev_host`` (the previous step's tokens,
+        ``[n]`` on the host: a CPU device) also write them into the host
+        ``input_ids`` when it is a 1-D ``int64`` array (contiguous, for the compiled kernels).
+
+        Returns:
+            ``(k, contiguous, written)``: ``k`` tokens to patch; ``contiguous`` when
+            ``dest == src == arange(k)``; ``written``: the tokens were written."""
+
 
 class CompiledKernels:
     """The compiled implementation of :class:`StepKernels` (``runner/step/fast/``).
@@ -142,6 +184,9 @@ class CompiledKernels:
         self._cached: tuple[Any, Any] | None = None
         self._new: tuple[Any, Any] | None = None
         self._prep: tuple[Any, Any] | None = None
+        self._drafts: tuple[Any, Any] | None = None
+        self._spec: tuple[Any, Any, Any] | None = None
+        self._patch: tuple[Any, Any, Any] | None = None
 
     # --- binding ---------------------------------------------------------------------------
     def _row_ops(self, table):
@@ -160,7 +205,8 @@ class CompiledKernels:
                 batch.num_tokens, batch.num_computed_tokens_nulled, batch.block_table.num_blocks_per_row,
                 [bt.block_table_np for bt in tabs], layout.capacity_col[:, 0], layout.num_blocks_per_group,
                 layout.null_block_allowed, layout.max_model_len, bufs.rows, bufs.ncts, bufs.counts, bufs.app_sel,
-                bufs.app_start, bufs.app_len, bufs.app_ids, bufs.app_total, bufs.spec_lens, bufs.spec_ids)
+                bufs.app_start, bufs.app_len, bufs.app_ids, bufs.app_total, bufs.app_after, bufs.app_flat,
+                bufs.spec_sel, bufs.spec_rows, bufs.spec_lens, bufs.spec_ids)
             self._cached = (key, scan)
         return self._cached[1]
 
@@ -237,6 +283,32 @@ class CompiledKernels:
     def prepare(self, batch, bufs, writes_slots, R, num_tokens_padded):
         return self._prepare_loop(batch, bufs, writes_slots).prepare(
             R, -1 if num_tokens_padded is None else num_tokens_padded)
+
+    def write_drafts(self, batch, rows, lens, flat) -> None:
+        if self._drafts is None or self._drafts[0] is not batch:
+            self._drafts = (batch, NATIVE.DraftRows(batch.token_ids_cpu, batch.num_tokens, batch.num_spec_tokens))
+        if rows is None:
+            self._drafts[1].write(_NO_SEL, _NO_SEL, _NO_IDS)
+        else:
+            self._drafts[1].write(rows, lens, flat)
+
+    def spec_layout(self, batch, bufs, R):
+        op = self._spec
+        if op is None or op[0] is not batch or op[1] is not bufs:
+            op = self._spec = (batch, bufs, NATIVE.SpecLayout(
+                batch.num_spec_tokens, bufs.query_start_loc.np, bufs.discard, bufs.input_ids.np,
+                bufs.spec_logits_indices.np, bufs.spec_target.np, bufs.spec_bonus.np, bufs.spec_cu.np,
+                bufs.spec_draft_ids.np))
+        return op[2].layout(R)
+
+    def plan_patch(self, batch, bufs, R, prev_host):
+        op = self._patch
+        if op is None or op[0] is not batch or op[1] is not bufs:
+            op = self._patch = (batch, bufs, NATIVE.Patch(
+                batch.prev_sampled_index, batch.prev_sampled_pos, batch.num_computed_tokens_cpu,
+                batch.num_scheduled_tokens, bufs.query_start_loc.np, bufs.input_ids.np, bufs.patch_dest,
+                bufs.patch_src))
+        return op[2].plan(R, prev_host)
 
 
 _NO_SEL = np.zeros(0, np.int64)

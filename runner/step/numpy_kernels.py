@@ -13,6 +13,7 @@ import numpy as np
 
 from attnplug.cache_groups.ragged import cumsum_and_arange, repeat_indices
 from attnplug.core.constants import PAD_SLOT_ID
+from attnplug.runner.step.numpy_spec import plan_patch_numpy, spec_layout_numpy, write_drafts_numpy
 
 INT32_MAX = 2**31 - 1
 
@@ -128,6 +129,15 @@ class NumpyKernels:
         max_seq_len = int(seq_lens.max()) if R else 0
         max_query_len = (1 if Q == R else int(sched.max())) if R else 0
         return Q, max_query_len, max_seq_len
+
+    def write_drafts(self, batch, rows, lens, flat) -> None:
+        write_drafts_numpy(batch, rows, lens, flat)
+
+    def spec_layout(self, batch, bufs, R):
+        return spec_layout_numpy(batch, bufs, R)
+
+    def plan_patch(self, batch, bufs, R, prev_host):
+        return plan_patch_numpy(batch, bufs, R, prev_host)
 
 
 def merge_cached_numpy(batch: Any, plan: Any, rows_c: np.ndarray) -> None:

@@ -11,7 +11,8 @@ holds a placeholder (:data:`PLACEHOLDER_TOKEN_ID`) where each such token goes:
 2. step t + 1's ``prepare_inputs`` gathers ``input_ids`` from the host history as usual
    (the placeholder included), then :func:`patch_input_ids` overwrites those entries on
    the device from step t's tensor: one slice copy when the rows kept their order (the
-   steady state: row i's token is entry i), else one ``index_copy_``;
+   steady state: row i's token is entry i), else one ``index_copy_`` (the step's kernels
+   plan it, :func:`patch_step`; on a CPU device they write the tokens as they plan);
 3. when step t's outputs are read back, :func:`fill_output_tokens` writes the real
    tokens over the placeholders (the request may have moved, left the batch, or finished).
 
@@ -22,6 +23,7 @@ are filled (at most one step is in flight).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import repeat
 from typing import Sequence
 
 import numpy as np
@@ -90,40 +92,39 @@ def append_placeholders(batch: InputBatch, max_model_len: int, rows: np.ndarray)
     batch.prev_sampled_index[:R] = -1
     batch.prev_sampled_index[rows] = np.arange(n, dtype=np.int32)
     batch.prev_sampled_pos[rows] = held
-    return Placeholders(tuple(batch.req_ids[r] for r in rows.tolist()), held)
+    ids = batch.req_ids  # (a property that copies: read once)
+    return Placeholders(tuple([ids[r] for r in rows.tolist()]), held)
 
 
-def plan_patch(inputs: StepInputs, batch: InputBatch) -> PatchPlan | None:
-    """Which of this step's tokens are the previous step's placeholders (after stage 2:
-    rows may have moved; their ``prev_sampled_*`` columns moved with them). Consumes the
-    columns: afterwards every row's ``prev_sampled_index`` is -1.
+def patch_step(kernels, batch: InputBatch, bufs, R: int, prev_token_ids: torch.Tensor,
+               input_ids: torch.Tensor, host_device: bool = False) -> str | None:
+    """Put the previous step's sampled tokens over this step's placeholders in ``input_ids``
+    (after stage 2: rows may have moved; their ``prev_sampled_*`` columns moved with them).
+
+    The step's kernels plan it (``StepKernels.plan_patch``, into ``bufs.patch_*`` of
+    ``PrepareBuffers``) and consume the columns: afterwards every row's
+    ``prev_sampled_index`` is -1. When the step's device buffers are its host buffers (a
+    CPU device) and ``prev_token_ids`` is a contiguous 1-D ``int64`` tensor, the kernels
+    write the tokens as they plan; else :func:`patch_input_ids` copies them on the device.
+
+    Args:
+        kernels, batch, bufs: the step's kernels, batch and buffers; ``R``: its rows.
+        prev_token_ids: ``[n]`` integer, on the device: the previous step's sampled tokens,
+            in the order its ``append_placeholders`` got.
+        input_ids: ``[P]`` ``int32``, device: this step's tokens.
+        host_device: the step's device buffers are its host buffers (``bufs.input_ids.aliased``).
 
     Returns:
-        The plan, or ``None`` when no token of this step is a placeholder.
+        ``"slice"`` (rows kept their order: token ``i`` is entry ``i``), ``"scatter"``, or
+        ``None`` when no token of this step is a placeholder.
     """
-    R = inputs.num_reqs
-    src_col = batch.prev_sampled_index[:R]
-    if R == 0 or src_col.max() < 0:
+    host = prev_token_ids.numpy() if host_device and prev_token_ids.is_cpu else None
+    k, contiguous, written = kernels.plan_patch(batch, bufs, R, host)
+    if k == 0:
         return None
-    # offset of the placeholder within the row's scheduled tokens (e.g. 0 for a decode)
-    offset = batch.prev_sampled_pos[:R] - inputs.num_computed_tokens
-    hit = (src_col >= 0) & (offset >= 0) & (offset < inputs.num_scheduled_tokens)
-    if inputs.num_actual_tokens == R and hit.all() and not offset.any():
-        # every row decodes its placeholder (token r is row r): a slice if the order held
-        src = src_col.astype(np.int64)
-        src_col[:] = -1
-        dest = np.arange(R, dtype=np.int64)
-        return PatchPlan(dest, src, bool((src == dest).all()))
-    rows = np.flatnonzero(hit)
-    src = src_col[rows].astype(np.int64)
-    src_col[:] = -1
-    if rows.shape[0] == 0:
-        return None
-    dest = inputs.query_start_loc_cpu.numpy()[rows].astype(np.int64) + offset[rows]
-    k = rows.shape[0]
-    contiguous = bool(dest[-1] == k - 1 and src[-1] == k - 1 and (dest == np.arange(k)).all()
-                      and (src == dest).all())
-    return PatchPlan(dest, src, contiguous)
+    if not written:
+        patch_input_ids(input_ids, PatchPlan(bufs.patch_dest[:k], bufs.patch_src[:k], contiguous), prev_token_ids)
+    return "slice" if contiguous else "scatter"
 
 
 def patch_input_ids(input_ids: torch.Tensor, plan: PatchPlan, prev_token_ids: torch.Tensor) -> None:
@@ -155,6 +156,9 @@ def fill_output_tokens(batch: InputBatch, requests: dict[str, CachedRequestState
     if len(token_ids) != len(placeholders.req_ids):
         raise MetadataError(f"fill_output_tokens: {len(token_ids)} tokens for {len(placeholders.req_ids)} "
                             "placeholders")
+    written = _fill_rows(batch, requests, placeholders, token_ids)
+    if written is not None:
+        return written
     written = 0
     for rid, pos, tok in zip(placeholders.req_ids, placeholders.positions.tolist(), token_ids):
         if not 0 <= tok < 2**31:
@@ -169,3 +173,35 @@ def fill_output_tokens(batch: InputBatch, requests: dict[str, CachedRequestState
         history[pos] = tok
         written += 1
     return written
+
+
+def _fill_rows(batch: InputBatch, requests: dict[str, CachedRequestState], placeholders: Placeholders,
+               token_ids: Sequence[int]) -> int | None:
+    """:func:`fill_output_tokens` when every request is still in the batch or finished, each
+    placeholder is there and every token is an int in ``[0, 2**31)`` (the usual case): one
+    scatter. ``None`` (nothing written) otherwise: the per-request loop then decides (a
+    request that left the batch but not the runner) and words errors."""
+    ids, pos = placeholders.req_ids, placeholders.positions
+    n = len(ids)
+    if n == 0:
+        return 0
+    rows = np.fromiter(map(batch.req_id_to_index.get, ids, repeat(-1, n)), np.int64, n)
+    try:
+        toks = np.fromiter(token_ids, np.int64, n)
+    except (TypeError, ValueError, OverflowError):
+        return None
+    if toks.min() < 0 or toks.max() >= 2**31:
+        return None
+    if rows.min() < 0:  # finished ones are skipped; one that is detached takes the loop
+        gone = np.flatnonzero(rows < 0).tolist()
+        if any(ids[i] in requests for i in gone):
+            return None
+        kept = rows >= 0
+        rows, pos, toks = rows[kept], pos[kept], toks[kept]
+        if rows.shape[0] == 0:
+            return 0
+    table = batch.token_ids_cpu
+    if pos.max() >= table.shape[1] or (table[rows, pos] != PLACEHOLDER_TOKEN_ID).any():
+        return None
+    table[rows, pos] = toks
+    return int(rows.shape[0])

@@ -55,8 +55,10 @@ class SpecTokens:
 @dataclass
 class ScanBuffers:
     """The plan buffers a compiled cached scan writes (owned by the ``UpdateChecker``;
-    ``M`` = ``max_num_reqs``, ``G`` = cache groups). Entry ``i`` of the ``[M]`` arrays
-    belongs to the ``i``-th cached request of the step."""
+    ``M`` = ``max_num_reqs``, ``G`` = cache groups, ``A`` = appended ids one group may take,
+    ``S`` = drafts one step may carry). Entry ``i`` of ``rows`` / ``ncts`` / ``counts``
+    belongs to the ``i``-th cached request of the step; the ``app_*`` and ``spec_*`` arrays
+    are compact (the appending / verifying requests only)."""
 
     rows: np.ndarray
     """``[M]`` ``int64`` batch rows."""
@@ -74,18 +76,26 @@ class ScanBuffers:
     """``[G, A]`` ``int32`` per group, the appended ids in ``app_sel`` order."""
     app_total: np.ndarray
     """``[G]`` ``int64`` appended ids per group."""
+    app_after: np.ndarray
+    """``[G, M]`` ``int64`` per appending request, blocks held after the append."""
+    app_flat: np.ndarray
+    """``[G * A]`` ``int32`` every group's appended ids back to back (``BlockAppends.flat``)."""
+    spec_sel: np.ndarray
+    """``[M]`` ``int64`` per verifying request (in cached order), its cached index."""
+    spec_rows: np.ndarray
+    """``[M]`` ``int64`` per verifying request, its batch row."""
     spec_lens: np.ndarray
-    """``[M]`` ``int64`` drafts per cached request (0: none)."""
+    """``[M]`` ``int64`` per verifying request, its draft count (``>= 1``)."""
     spec_ids: np.ndarray
     """``[S]`` ``int32`` the drafts, request after request in cached order."""
 
     @classmethod
     def allocate(cls, max_num_reqs: int, num_groups: int, append_capacity: int = 1 << 12,
                  spec_capacity: int = 1 << 14) -> "ScanBuffers":
-        M, G = max_num_reqs, num_groups
-        return cls(np.zeros(M, np.int64), np.zeros(M, np.int64), np.zeros(M, np.int64), np.zeros(M, np.int64),
-                   np.zeros((G, M), np.int64), np.zeros((G, M), np.int64), np.zeros((G, append_capacity), np.int32),
-                   np.zeros(G, np.int64), np.zeros(M, np.int64), np.zeros(spec_capacity, np.int32))
+        M, G, A = max_num_reqs, num_groups, append_capacity
+        i64 = lambda *shape: np.zeros(shape, np.int64)  # noqa: E731
+        return cls(i64(M), i64(M), i64(M), i64(M), i64(G, M), i64(G, M), np.zeros((G, A), np.int32), i64(G),
+                   i64(G, M), np.zeros(G * A, np.int32), i64(M), i64(M), i64(M), np.zeros(spec_capacity, np.int32))
 
 
 @dataclass

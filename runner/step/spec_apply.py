@@ -34,26 +34,18 @@ from attnplug.runner.step.input_batch import InputBatch
 
 
 def write_spec_tokens(batch: InputBatch, spec_tokens: SpecTokens | None, rows_moved: bool = True) -> None:
-    """Stage 2: clear the previous step's draft counts, write this step's drafts (one
-    scatter into the token table). ``rows_moved``: stage 2 moved a row since stage 1
-    (then ``spec_tokens.rows`` is stale and the ids are looked up)."""
-    batch.num_spec_tokens[:] = 0
+    """Stage 2: clear the previous step's draft counts, write this step's drafts (the
+    kernels' ``write_drafts``). ``rows_moved``: stage 2 moved a row since stage 1 (then
+    ``spec_tokens.rows`` is stale and the ids are looked up)."""
     if spec_tokens is None:
+        batch.kernels.write_drafts(batch, None, None, None)
         return
-    ids, lens = spec_tokens.req_ids, spec_tokens.lens
+    ids = spec_tokens.req_ids
     if spec_tokens.rows is not None and not rows_moved:
         rows = spec_tokens.rows
     else:
         rows = np.fromiter(map(batch.req_id_to_index.__getitem__, ids), np.int64, len(ids))
-    held = batch.num_tokens[rows]
-    d = int(lens[0])
-    if lens.shape[0] * d == spec_tokens.flat.shape[0] and (lens == d).all():  # the same d everywhere
-        cols = held[:, None] + np.arange(d, dtype=np.int64)
-        batch.token_ids_cpu[rows[:, None], cols] = spec_tokens.flat.reshape(-1, d)
-    else:
-        _, offsets = cumsum_and_arange(lens)
-        batch.token_ids_cpu[np.repeat(rows, lens), np.repeat(held, lens) + offsets] = spec_tokens.flat
-    batch.num_spec_tokens[rows] = lens
+    batch.kernels.write_drafts(batch, rows, spec_tokens.lens, spec_tokens.flat)
 
 
 def append_verified_tokens(batch: InputBatch, max_model_len: int, rows: Sequence[int],

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from attnplug.core.errors import MetadataError
+from attnplug.runner.step.numpy_spec import layout_arrays
 
 
 @dataclass
@@ -155,31 +156,8 @@ def build_spec_decode_metadata(query_start_loc: Sequence[int] | np.ndarray | tor
             draft_token_ids = [draft_token_ids[int(r)] for r in sel]
         ends, counts, R = ends[sel], counts[sel], sel.shape[0]
 
-    arrays = _layout_arrays(ends, counts)
+    arrays = layout_arrays(ends, counts)
     return _metadata(arrays, counts, _drafts(input_ids, draft_token_ids, arrays[3], counts, device), device)
-
-
-def _layout_arrays(ends: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, ...]:
-    """``(logits_indices, target_logits_indices, bonus_logits_indices, draft positions)``
-    (``int64``) for rows ending at ``ends`` (exclusive) with ``counts`` drafts (validated)."""
-    R = counts.shape[0]
-    if R and (counts == counts[0]).all():  # the same d everywhere (the usual step): 2-D, no repeat
-        d = int(counts[0])
-        w = d + 1
-        grid = np.arange(R * w, dtype=np.int64).reshape(R, w)
-        logits_2d = ends[:, None] - w + grid[0]
-        return (logits_2d.ravel(), grid[:, :d].ravel(), grid[:, d].copy(), (logits_2d[:, :d] + 1).ravel())
-    per_row = counts + 1                         # logits positions per row
-    cu_logits = np.cumsum(per_row)               # end (exclusive) of each row's logits rows
-    total = int(cu_logits[-1]) if cu_logits.shape[0] else 0
-    # logits row t of row i is position t + (ends[i] - cu_logits[i])
-    logits_idx = np.repeat(ends - cu_logits, per_row)
-    logits_idx += np.arange(total, dtype=np.int64)
-    bonus_idx = cu_logits - 1
-    is_target = np.ones(total, dtype=bool)
-    is_target[bonus_idx] = False
-    target_idx = np.flatnonzero(is_target)
-    return logits_idx, target_idx, bonus_idx, logits_idx[target_idx] + 1
 
 
 def _metadata(arrays: tuple[np.ndarray, ...], counts: np.ndarray, drafts: torch.Tensor, device) -> SpecDecodeMetadata:
@@ -199,20 +177,20 @@ def _tensor(a: np.ndarray, device) -> torch.Tensor:
     return t if t.device == torch.device(device) else t.to(device)
 
 
-def spec_decode_metadata(inputs, batch) -> SpecDecodeMetadata:
-    """The step's metadata from ``StepInputs`` and its ``InputBatch`` (``prepare_inputs``
-    calls it when a row holds drafts): the kept rows (``~discard``), their draft counts
-    ``batch.num_spec_tokens``, the drafts read from ``inputs.input_ids`` (on its device).
-    The inputs are the step compiler's own (validated in stage 1): no checks here."""
-    R = inputs.num_reqs
-    ends = inputs.query_start_loc_cpu.numpy()[1:R + 1].astype(np.int64)
-    counts = batch.num_spec_tokens[:R].astype(np.int64)
-    discard = inputs.discard[:R]
-    if discard.any():
-        keep = np.flatnonzero(~discard)
-        ends, counts = ends[keep], counts[keep]
-    arrays = _layout_arrays(ends, counts)
-    ids = inputs.input_ids
-    pos = torch.from_numpy(arrays[3])
-    drafts = ids.index_select(0, pos if ids.device.type == "cpu" else pos.to(ids.device)).to(torch.int64)
-    return _metadata(arrays, counts, drafts, ids.device)
+def spec_decode_metadata(kernels, batch, bufs, R: int) -> SpecDecodeMetadata:
+    """The step's metadata (``prepare_inputs`` calls it when a row holds drafts), laid out
+    by the step's kernels (``StepKernels.spec_layout``) into the persistent buffers
+    ``bufs.spec_*`` (``PrepareBuffers``): the kept rows (``~discard``) of rows ``0 .. R - 1``,
+    their draft counts ``batch.num_spec_tokens``, the drafts read from the host
+    ``input_ids``. The tensors are device views of those buffers, valid until the next
+    ``update_states`` (as ``StepInputs``' own). The inputs are the step compiler's own
+    (validated in stage 1): no checks here."""
+    k, D, counts = kernels.spec_layout(batch, bufs, R)
+    return SpecDecodeMetadata(
+        draft_token_ids=bufs.spec_draft_ids.copy_to_gpu(D),
+        num_draft_tokens=counts,
+        cu_num_draft_tokens=bufs.spec_cu.copy_to_gpu(k),
+        target_logits_indices=bufs.spec_target.copy_to_gpu(D),
+        bonus_logits_indices=bufs.spec_bonus.copy_to_gpu(k),
+        logits_indices=bufs.spec_logits_indices.copy_to_gpu(D + k),
+    )

@@ -230,8 +230,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="async table: prepare_inputs with the previous step's tokens on the device, "
                              "timed steps per workload (0 skips it; default 100)")
     parser.add_argument("--spec-steps", type=_int_at_least(0), default=100,
-                        help="speculative-decoding table (N=256, k=3 drafts per request, and without): timed "
-                             "steps (0 skips it; default 100)")
+                        help="speculative-decoding table (k=3 drafts per request, and without, at each "
+                             "--sizes N >= 256, else N=256): timed steps (0 skips it; default 100)")
     parser.add_argument("--state-spec-steps", type=_int_at_least(0), default=0,
                         help="hybrid table: a Mamba2 group's step with k=3 drafts for N=64 requests beside "
                              "decodes and the same tokens as prefill chunks (bench/spec_state.py): timed steps "
@@ -291,7 +291,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.spec_steps > 0:  # runner/commands/bench/spec_decode.py
         from attnplug.runner.commands.bench.spec_decode import render_spec, run_spec
 
-        report["spec_decode"] = run_spec(256, 3, args.spec_steps, args.repeat, kernels_available() and not args.no_numpy)
+        spec_sizes = [n for n in sizes if n >= 256] or [256]
+        report["spec_decode"] = [row for n in spec_sizes for row in run_spec(
+            n, 3, args.spec_steps, args.repeat, kernels_available() and not args.no_numpy)]
         if not args.json:
             print("\n" + render_spec(report["spec_decode"], args.markdown))
     if args.state_spec_steps > 0:  # runner/commands/bench/spec_state.py: a hybrid model's state group

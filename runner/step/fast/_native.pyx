@@ -16,6 +16,9 @@ The loops that numpy cannot vectorize without many small calls, each a single pa
 * :class:`Prepare` (``_native_prepare.pxi``) — ``prepare_inputs``' per-token arithmetic:
   ``query_start_loc``, positions, ``input_ids``, ``seq_lens``, ``logits_indices``,
   discard and prefill masks, and every group's slot mapping.
+* :class:`DraftRows`, :class:`SpecLayout` and :class:`Patch` (``_native_spec.pxi``) — speculative decoding's drafts
+  written into their rows and laid out for verification; the asynchronous patch's plan
+  (and, on a CPU device, the patch itself).
 
 The contract that keeps them simple: a fast path either handles its input completely or
 reports it *irregular* and changes nothing; the caller then runs the vectorized numpy
@@ -33,7 +36,7 @@ from cpython.object cimport PyObject
 from cpython.tuple cimport PyTuple_GET_ITEM
 from libc.stdint cimport int32_t, int64_t, uint8_t
 from libc.stdlib cimport qsort
-from libc.string cimport memcpy
+from libc.string cimport memcpy, memset
 
 import numpy as np
 
@@ -60,7 +63,7 @@ cdef Py_ssize_t PREFETCH = 8  # objects this many requests ahead are prefetched
 cdef int64_t PAD_SLOT = -1  # core.constants.PAD_SLOT_ID
 cdef int32_t NULL_BLOCK = 0  # core.constants.NULL_BLOCK_ID
 
-NATIVE_API = 5
+NATIVE_API = 6
 """Bumped whenever a signature here changes (``runner.step.fast`` checks it)."""
 
 
@@ -266,3 +269,4 @@ include "_native_cached.pxi"
 include "_native_admit.pxi"
 include "_native_rows.pxi"
 include "_native_prepare.pxi"
+include "_native_spec.pxi"

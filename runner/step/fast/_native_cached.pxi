@@ -23,7 +23,10 @@ cdef class CachedScan:
         app_ids: ``[G, A]`` ``int32``: per group the appended ids, in ``app_sel`` order
             (more than ``A`` in one group: irregular).
         app_total: ``[G]`` ``int64``: appended ids per group.
-        spec_lens: ``[max_num_reqs]`` ``int64``: drafts per cached request (0: none).
+        app_after: ``[G, max_num_reqs]`` ``int64``: per appending request, blocks held after.
+        app_flat: ``[G * A]`` ``int32``: every group's appended ids back to back (group-major).
+        spec_sel, spec_rows, spec_lens: ``[max_num_reqs]`` ``int64``: per verifying request
+            (in ``req_ids`` order) its cached index, its row and its draft count.
         spec_ids: ``[S]`` ``int32``: the drafts, in ``req_ids`` order (more: irregular).
     """
 
@@ -35,16 +38,18 @@ cdef class CachedScan:
     cdef int64_t[::1] stamp
     cdef int64_t gen, max_model_len
     cdef readonly int G, max_num_reqs
-    cdef int64_t[::1] _rows, _ncts, _counts, _sel, _ntot, _spec_lens
-    cdef int64_t[:, ::1] _start, _len
+    cdef int64_t[::1] _rows, _ncts, _counts, _sel, _ntot, _spec_sel, _spec_rows, _spec_lens
+    cdef int64_t[:, ::1] _start, _len, _after
     cdef int32_t[:, ::1] _ids
+    cdef int32_t[::1] _flat
     cdef int32_t[::1] _spec_ids
     cdef int64_t[::1] _tab_addr, _tab_width
-    cdef readonly Py_ssize_t num_cached, num_appends, total_tokens, num_spec, spec_total
+    cdef readonly Py_ssize_t num_cached, num_appends, total_tokens, num_spec, spec_total, num_appended
+    cdef readonly bint one_each
 
     def __init__(self, num_tokens, nulled, num_blocks_per_row, list block_tables, capacity, pool, null_ok,
                  int64_t max_model_len, rows, ncts, counts, app_sel, app_start, app_len, app_ids, app_total,
-                 spec_lens, spec_ids):
+                 app_after, app_flat, spec_sel, spec_rows, spec_lens, spec_ids):
         self.num_tokens, self.nulled = num_tokens, nulled
         self.nblocks = num_blocks_per_row
         self.G = self.nblocks.shape[0]
@@ -64,10 +69,14 @@ cdef class CachedScan:
         self.gen = 0
         self._rows, self._ncts, self._counts = rows, ncts, counts
         self._sel, self._start, self._len, self._ids, self._ntot = app_sel, app_start, app_len, app_ids, app_total
-        self._spec_lens, self._spec_ids = spec_lens, spec_ids
+        self._after, self._flat = app_after, app_flat
+        self._spec_sel, self._spec_rows, self._spec_lens, self._spec_ids = spec_sel, spec_rows, spec_lens, spec_ids
         if (self._rows.shape[0] < self.max_num_reqs or self._ncts.shape[0] < self.max_num_reqs
                 or self._counts.shape[0] < self.max_num_reqs or self._sel.shape[0] < self.max_num_reqs
-                or self._spec_lens.shape[0] < self.max_num_reqs or self._start.shape[0] != self.G
+                or self._spec_lens.shape[0] < self.max_num_reqs or self._spec_sel.shape[0] < self.max_num_reqs
+                or self._spec_rows.shape[0] < self.max_num_reqs or self._after.shape[0] != self.G
+                or self._after.shape[1] < self.max_num_reqs or self._flat.shape[0] < self.G * self._ids.shape[1]
+                or self._start.shape[0] != self.G
                 or self._len.shape[0] != self.G or self._ids.shape[0] != self.G or self._ntot.shape[0] != self.G
                 or self._start.shape[1] < self.max_num_reqs or self._len.shape[1] < self.max_num_reqs):
             raise ValueError("CachedScan: a plan buffer is smaller than the batch")
@@ -100,6 +109,17 @@ cdef class CachedScan:
         cdef PyObject* key
         cdef Py_ssize_t pos = 0
         cdef bint in_order = True
+        cdef PyObject* spec_key = NULL
+        cdef PyObject* spec_next = NULL
+        cdef Py_ssize_t spec_pos = 0
+        cdef bint spec_in_order = has_spec and PyDict_Next(spec, &spec_pos, &spec_key, &spec_next)
+        cdef PyObject* ahead_key = NULL
+        cdef PyObject* ahead_val = NULL
+        cdef Py_ssize_t ahead_pos = spec_pos  # a second cursor, PREFETCH entries ahead
+        for j in range(PREFETCH if spec_in_order else 0):
+            if not PyDict_Next(spec, &ahead_pos, &ahead_key, &ahead_val):
+                break
+            _prefetch(ahead_val)
         cdef object rid, e
         cdef int32_t[:, ::1] tab
         cdef int64_t B
@@ -116,6 +136,7 @@ cdef class CachedScan:
                 _prefetch(PyList_GET_ITEM(req_ids, i + PREFETCH))
                 _prefetch(PyList_GET_ITEM(num_computed_tokens, i + PREFETCH))
                 _prefetch(PyList_GET_ITEM(new_token_ids, i + PREFETCH))
+                _prefetch(PyList_GET_ITEM(new_block_ids, i + PREFETCH))
             rid = <object>PyList_GET_ITEM(req_ids, i)
             if type(rid) is not str:
                 return False
@@ -141,16 +162,30 @@ cdef class CachedScan:
                 return False
             seq = v + c
             held = self.num_tokens[r]
-            self._spec_lens[i] = 0
             if has_spec:
-                d = PyDict_GetItem(spec, rid)
+                # the drafts' dict usually lists its requests in this order too: take its
+                # next entry when it is this request (no hashing), else look the id up
+                d = NULL
+                if spec_in_order and spec_next is not NULL and spec_key == <PyObject*>rid:
+                    d = spec_next
+                    spec_next = NULL
+                    if PyDict_Next(spec, &spec_pos, &spec_key, &spec_next) and _items(<object>spec_next, &bitems, &nd):
+                        _prefetch(bitems)  # its header was fetched PREFETCH entries ago
+                    if PyDict_Next(spec, &ahead_pos, &ahead_key, &ahead_val):
+                        _prefetch(ahead_val)
+                else:
+                    d = PyDict_GetItem(spec, rid)
+                    if d is not NULL:
+                        spec_in_order = False
                 if d is not NULL:  # drafts: a decoding row verifying nd >= 1 of them
                     if not _items(<object>d, &bitems, &nd) or nd < 1 or held - v != 1 or c != 1 + nd \
                             or held + nd > self.max_model_len or stot + nd > self._spec_ids.shape[0]:
                         return False
                     if _pack(bitems, nd, &self._spec_ids[stot], 0, INT32_MAX + 1, &lo, &hi) != nd:
                         return False
-                    self._spec_lens[i] = nd
+                    self._spec_sel[ns] = i
+                    self._spec_rows[ns] = r
+                    self._spec_lens[ns] = nd
                     stot += nd
                     ns += 1
                     held += nd
@@ -211,9 +246,28 @@ cdef class CachedScan:
                     return False
         if ns != len(spec):  # drafts for a request that is not a scheduled cached one
             return False
+        self._flatten_appends(m)
         self.num_cached, self.num_appends, self.total_tokens = n, m, total
         self.num_spec, self.spec_total = ns, stot
         return True
+
+    cdef void _flatten_appends(self, Py_ssize_t m) noexcept:
+        """``app_after`` and ``app_flat`` (every group's appended ids back to back) of the
+        ``m`` appending requests; ``one_each``: every one appends one block per group."""
+        cdef Py_ssize_t g, j, off = 0, L
+        cdef bint one = True
+        for g in range(self.G):
+            for j in range(m):
+                L = self._len[g, j]
+                self._after[g, j] = self._start[g, j] + L
+                if L != 1:
+                    one = False
+            L = self._ntot[g]
+            if L:
+                memcpy(&self._flat[off], &self._ids[g, 0], L * sizeof(int32_t))
+            off += L
+        self.num_appended = off
+        self.one_each = one
 
     def is_scheduled(self, Py_ssize_t row):
         """Whether the last ``scan`` saw a request at ``row``."""

@@ -1,0 +1,171 @@
+# DraftRows, SpecLayout and Patch: speculative decoding's drafts and the asynchronous patch — included by
+# _native.pyx (shares its cimports and helpers)
+
+cdef class DraftRows:
+    """Stage 2 of a step with drafts: they go after their rows' tokens. Bound to the
+    batch's ``[max_num_reqs, max_model_len]`` ``int32`` token table and its ``num_tokens``
+    and ``num_spec_tokens`` ``[max_num_reqs]`` ``int32`` columns."""
+
+    cdef int32_t[:, ::1] tokens
+    cdef int32_t[::1] num_tokens, num_spec
+
+    def __init__(self, tokens, num_tokens, num_spec):
+        self.tokens, self.num_tokens, self.num_spec = tokens, num_tokens, num_spec
+
+    def write(self, const int64_t[::1] rows, const int64_t[::1] lens, const int32_t[::1] flat):
+        """Clear every row's draft count, then put row ``rows[i]``'s ``lens[i]`` drafts
+        (``flat``, request after request) after its ``num_tokens`` tokens.
+
+        Raises:
+            IndexError: a row outside the batch, or drafts past the token table or ``flat``
+                (checked before anything is written).
+        """
+        cdef Py_ssize_t i, n = rows.shape[0], M = self.num_spec.shape[0], W = self.tokens.shape[1], off = 0
+        cdef int64_t r, L, h
+        if lens.shape[0] != n:
+            raise IndexError("DraftRows.write: rows and lens differ in length")
+        for i in range(n):
+            r, L = rows[i], lens[i]
+            if r < 0 or r >= M or L < 0:
+                raise IndexError(f"DraftRows.write: row {r} / {L} drafts")
+            h = self.num_tokens[r]
+            if h + L > W or off + L > flat.shape[0]:
+                raise IndexError(f"DraftRows.write: row {r}'s drafts leave the token table")
+            off += L
+        memset(&self.num_spec[0], 0, M * sizeof(int32_t))
+        off = 0
+        for i in range(n):
+            r, L = rows[i], lens[i]
+            if L:
+                memcpy(&self.tokens[r, self.num_tokens[r]], &flat[off], L * sizeof(int32_t))
+            self.num_spec[r] = <int32_t>L
+            off += L
+
+
+
+cdef class SpecLayout:
+    """Stage 3 of a step with drafts: the verification layout (``runner/step/spec_metadata.py``).
+
+    Args:
+        num_spec: the batch's ``[max_num_reqs]`` ``int32`` ``num_spec_tokens``.
+        qsl: ``[max_num_reqs + 1]`` ``int32`` ``query_start_loc`` (host).
+        discard: ``[max_num_reqs]`` ``bool``.
+        input_ids: ``[T]`` ``int32`` (host).
+        logits, target, bonus, cu, draft_ids: ``int64`` outputs of :meth:`layout`
+            (``[T]``, ``[T]``, ``[max_num_reqs]``, ``[max_num_reqs]``, ``[T]``).
+    """
+
+    cdef int32_t[::1] num_spec, qsl, input_ids
+    cdef uint8_t[::1] discard
+    cdef int64_t[::1] logits, target, bonus, cu, draft_ids
+
+    def __init__(self, num_spec, qsl, discard, input_ids, logits, target, bonus, cu, draft_ids):
+        self.num_spec, self.qsl, self.discard, self.input_ids = num_spec, qsl, discard.view(np.uint8), input_ids
+        self.logits, self.target, self.bonus, self.cu, self.draft_ids = logits, target, bonus, cu, draft_ids
+
+    def layout(self, Py_ssize_t R):
+        """Fill the spec buffers for the kept rows (``~discard``) of rows ``0 .. R - 1``
+        (``runner/step/spec_metadata.py``: ``logits_indices``, ``target_logits_indices``,
+        ``bonus_logits_indices``, ``cu_num_draft_tokens``, ``draft_token_ids`` read from the
+        host ``input_ids``).
+
+        Returns:
+            ``(num_kept, num_drafts, counts)``: ``counts`` the kept rows' draft counts (a list).
+
+        Raises:
+            IndexError: a row's query shorter than ``1 + d`` or a buffer too small (the
+                step's validation excludes both).
+        """
+        cdef Py_ssize_t r, j, k = 0, D = 0, L = 0, T = self.logits.shape[0]
+        cdef int64_t d, end
+        cdef list counts = []
+        if R > self.num_spec.shape[0]:
+            raise IndexError(f"SpecLayout.layout: {R} rows")
+        for r in range(R):
+            if self.discard[r]:
+                continue
+            d = self.num_spec[r]
+            end = self.qsl[r + 1]
+            if d < 0 or end - d - 1 < self.qsl[r] or L + d + 1 > T or end > self.input_ids.shape[0]:
+                raise IndexError(f"SpecLayout.layout: row {r}: {d} drafts in its query")
+            for j in range(d + 1):
+                self.logits[L + j] = end - d - 1 + j
+            for j in range(d):
+                self.target[D + j] = L + j
+                self.draft_ids[D + j] = self.input_ids[end - d + j]
+            L += d + 1
+            D += d
+            self.bonus[k] = L - 1
+            self.cu[k] = D
+            counts.append(d)
+            k += 1
+        return k, D, counts
+
+
+cdef class Patch:
+    """Asynchronous scheduling: where the previous step's sampled tokens go in this step's
+    ``input_ids`` (``runner/step/placeholders.py``). Bound to the batch's columns and the
+    step's buffers.
+
+    Args:
+        prev_index, prev_pos, ncc, sched: ``[max_num_reqs]`` ``int32`` columns
+            (``prev_sampled_index``, ``prev_sampled_pos``, ``num_computed_tokens``,
+            ``num_scheduled_tokens``).
+        qsl: ``[max_num_reqs + 1]`` ``int32`` (host); input_ids: ``[T]`` ``int32`` (host).
+        dest, src: ``[max_num_reqs]`` ``int64`` outputs of :meth:`plan`.
+    """
+
+    cdef int32_t[::1] prev_index, prev_pos, ncc, sched, qsl, input_ids
+    cdef int64_t[::1] dest, src
+
+    def __init__(self, prev_index, prev_pos, ncc, sched, qsl, input_ids, dest, src):
+        self.prev_index, self.prev_pos, self.ncc, self.sched = prev_index, prev_pos, ncc, sched
+        self.qsl, self.input_ids, self.dest, self.src = qsl, input_ids, dest, src
+
+    def plan(self, Py_ssize_t R, prev):
+        """Plan the patch of rows ``0 .. R - 1`` and consume their ``prev_sampled_index``
+        (-1 afterwards); when ``prev`` (the previous step's tokens on the host, or ``None``)
+        is a C-contiguous 1-D ``int64`` array, also write them into the host ``input_ids``.
+
+        Returns:
+            ``(k, contiguous, written)``: ``dest[:k]`` / ``src[:k]`` hold the plan;
+            ``contiguous`` when ``dest == src == arange(k)``; ``written``: the tokens were
+            written.
+
+        Raises:
+            IndexError: a source index outside ``prev`` (checked before anything is written).
+        """
+        cdef Py_ssize_t r, k = 0, M = self.prev_index.shape[0]
+        cdef int64_t s, off, t
+        cdef bint contiguous = True, written = False
+        cdef const int64_t[::1] host
+        if R > M:
+            raise IndexError(f"Patch.plan: {R} rows")
+        for r in range(R):
+            s = self.prev_index[r]
+            if s < 0:
+                continue
+            off = self.prev_pos[r] - self.ncc[r]
+            if off < 0 or off >= self.sched[r]:
+                continue
+            t = self.qsl[r] + off
+            self.dest[k] = t
+            self.src[k] = s
+            if t != k or s != k:
+                contiguous = False
+            k += 1
+        if prev is not None:
+            try:
+                host = prev
+                written = True
+            except (ValueError, TypeError, BufferError):  # another dtype, shape or layout
+                pass
+        if written:
+            for r in range(k):
+                if self.src[r] >= host.shape[0] or self.dest[r] >= self.input_ids.shape[0]:
+                    raise IndexError(f"Patch.plan: token {self.src[r]} of {host.shape[0]} sampled")
+            for r in range(k):
+                self.input_ids[self.dest[r]] = <int32_t>host[self.src[r]]
+        for r in range(R):
+            self.prev_index[r] = -1
+        return k, contiguous, written

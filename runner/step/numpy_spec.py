@@ -1,0 +1,101 @@
+"""The numpy kernels of speculative decoding's drafts and of the asynchronous patch
+(``StepKernels.write_drafts`` / ``spec_layout`` / ``plan_patch``, ``runner/step/kernels.py``).
+
+The layout of a step with drafts (``runner/step/spec_metadata.py`` has a worked example): a
+kept row ending (exclusive) at token ``e`` with ``d`` drafts owns ``1 + d`` logits rows,
+whose token indices are ``e - 1 - d .. e - 1``; the first ``d`` of them verify its drafts
+(``target_logits_indices``), the last gives the bonus token (``bonus_logits_indices``); its
+drafts sit at ``e - d .. e - 1``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from attnplug.cache_groups.ragged import cumsum_and_arange
+
+
+def layout_arrays(ends: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, ...]:
+    """``(logits_indices, target_logits_indices, bonus_logits_indices, draft positions)``
+    (``int64``) for rows ending at ``ends`` (``[R]``, exclusive token indices) with
+    ``counts`` (``[R]``, validated) drafts each."""
+    R = counts.shape[0]
+    if R and (counts == counts[0]).all():  # the same d everywhere (the usual step): 2-D, no repeat
+        d = int(counts[0])
+        w = d + 1
+        grid = np.arange(R * w, dtype=np.int64).reshape(R, w)
+        logits_2d = ends[:, None] - w + grid[0]
+        return (logits_2d.ravel(), grid[:, :d].ravel(), grid[:, d].copy(), (logits_2d[:, :d] + 1).ravel())
+    per_row = counts + 1                         # logits positions per row
+    cu_logits = np.cumsum(per_row)               # end (exclusive) of each row's logits rows
+    total = int(cu_logits[-1]) if cu_logits.shape[0] else 0
+    # logits row t of row i is position t + (ends[i] - cu_logits[i])
+    logits_idx = np.repeat(ends - cu_logits, per_row)
+    logits_idx += np.arange(total, dtype=np.int64)
+    bonus_idx = cu_logits - 1
+    is_target = np.ones(total, dtype=bool)
+    is_target[bonus_idx] = False
+    target_idx = np.flatnonzero(is_target)
+    return logits_idx, target_idx, bonus_idx, logits_idx[target_idx] + 1
+
+
+def write_drafts_numpy(batch: Any, rows: np.ndarray | None, lens: np.ndarray | None,
+                       flat: np.ndarray | None) -> None:
+    """``StepKernels.write_drafts`` in numpy (one scatter into the token table)."""
+    batch.num_spec_tokens[:] = 0
+    if rows is None or rows.shape[0] == 0:
+        return
+    held = batch.num_tokens[rows]
+    d = int(lens[0])
+    if lens.shape[0] * d == flat.shape[0] and (lens == d).all():  # the same d everywhere
+        cols = held[:, None] + np.arange(d, dtype=np.int64)
+        batch.token_ids_cpu[rows[:, None], cols] = flat.reshape(-1, d)
+    else:
+        _, offsets = cumsum_and_arange(lens)
+        batch.token_ids_cpu[np.repeat(rows, lens), np.repeat(held, lens) + offsets] = flat
+    batch.num_spec_tokens[rows] = lens
+
+
+def spec_layout_numpy(batch: Any, bufs: Any, R: int) -> tuple[int, int, list[int]]:
+    """``StepKernels.spec_layout`` in numpy (:func:`layout_arrays` into ``bufs.spec_*``)."""
+    ends = bufs.query_start_loc.np[1:R + 1].astype(np.int64)
+    counts = batch.num_spec_tokens[:R].astype(np.int64)
+    discard = bufs.discard[:R]
+    if discard.any():
+        keep = np.flatnonzero(~discard)
+        ends, counts = ends[keep], counts[keep]
+    logits, target, bonus, positions = layout_arrays(ends, counts)
+    k, D = counts.shape[0], target.shape[0]
+    bufs.spec_logits_indices.np[:logits.shape[0]] = logits
+    bufs.spec_target.np[:D] = target
+    bufs.spec_bonus.np[:k] = bonus
+    np.cumsum(counts, out=bufs.spec_cu.np[:k])
+    bufs.spec_draft_ids.np[:D] = bufs.input_ids.np[positions]
+    return k, D, counts.tolist()
+
+
+def plan_patch_numpy(batch: Any, bufs: Any, R: int, prev_host: np.ndarray | None) -> tuple[int, bool, bool]:
+    """``StepKernels.plan_patch`` in numpy."""
+    src_col = batch.prev_sampled_index[:R]
+    if R == 0 or src_col.max() < 0:
+        return 0, True, False
+    # offset of the placeholder within the row's scheduled tokens (e.g. 0 for a decode)
+    ncc = batch.num_computed_tokens_cpu[:R]
+    offset = batch.prev_sampled_pos[:R] - ncc
+    hit = (src_col >= 0) & (offset >= 0) & (offset < batch.num_scheduled_tokens[:R])
+    rows = np.flatnonzero(hit)
+    k = rows.shape[0]
+    src, dest = bufs.patch_src[:k], bufs.patch_dest[:k]
+    src[:] = src_col[rows]
+    src_col[:] = -1
+    np.add(bufs.query_start_loc.np[rows], offset[rows], out=dest)
+    contiguous = bool(k == 0 or (dest[-1] == k - 1 and src[-1] == k - 1 and (dest == bufs.arange[:k]).all()
+                                 and (src == dest).all()))
+    written = prev_host is not None and prev_host.dtype == np.int64 and prev_host.ndim == 1
+    if written and k:
+        if src.max() >= prev_host.shape[0]:
+            raise IndexError(f"plan_patch: token {int(src.max())} of {prev_host.shape[0]} sampled")
+        bufs.input_ids.np[dest] = prev_host[src]
+    return k, contiguous, written
