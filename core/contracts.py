@@ -236,6 +236,12 @@ class AttentionBackend(ABC):
     supported_attn_types: ClassVar[tuple[AttentionType, ...]] = (AttentionType.DECODER,)
     kv_cache_kind: ClassVar[str] = "attention"
     """``"attention"`` (paged K/V) or ``"mamba"`` (state slots)."""
+    supported_kv_cache_dtypes: ClassVar[tuple[str, ...]] = ("auto",)
+    """``--kv-cache-dtype`` names the impl writes and reads (vLLM's ``supported_kv_cache_dtypes``):
+    ``"auto"`` (the model's dtype), ``"fp8_e4m3"``, ``"fp8_e5m2"`` (``core/kv_quant.py``). A
+    backend that lists an fp8 name reads ``layer.k_scale`` / ``layer.v_scale`` in ``forward``."""
+    supports_per_head_kv_scales: ClassVar[bool] = False
+    """``k_scale`` / ``v_scale`` may be ``[num_kv_heads]`` (else per tensor, shape ``[]``, only)."""
 
     @classmethod
     @abstractmethod
@@ -352,4 +358,17 @@ class AttentionBackend(ABC):
             reasons.append("device 'cuda' requested but torch.cuda.is_available() is False")
         if layer.attn_type not in cls.supported_attn_types:
             reasons.append(f"attention type {layer.attn_type.value!r} not supported")
+        reasons.extend(cls._kv_cache_dtype_problems(layer))
         return reasons
+
+    @classmethod
+    def _kv_cache_dtype_problems(cls, layer: AttentionLayerConfig) -> list[str]:
+        """A quantized ``layer.kv_cache_dtype`` the backend does not list in
+        ``supported_kv_cache_dtypes`` (``core/kv_quant.py``)."""
+        from attnplug.core.kv_quant import is_quantized, kv_cache_dtype_name
+
+        kv = layer.effective_kv_cache_dtype
+        if is_quantized(kv) and kv_cache_dtype_name(kv) not in cls.supported_kv_cache_dtypes:
+            return [f"kv_cache_dtype {kv_cache_dtype_name(kv)} not supported (supported: "
+                    f"{', '.join(cls.supported_kv_cache_dtypes)})"]
+        return []
