@@ -6,11 +6,12 @@ shape ``[num_kv_heads]`` when the layer's backend declares ``supports_per_head_k
 else ``[]``), read by the backend's impl at every forward. Their source, said in the run's
 table (vLLM's three ways, ``docs/features/quantization/quantized_kvcache.md`` upstream):
 
-* ``checkpoint``: the state dict had ``...self_attn.k_scale`` / ``v_scale`` (an fp8
-  checkpoint's calibrated scales) and :func:`load_checkpoint_scales` copied them;
 * ``first_batch``: computed once, from the K and V of the first step that reaches the layer,
   as ``amax(|x|) / finfo(cache dtype).max`` (per KV head, or over all heads), then frozen;
 * ``unit``: 1.0 (no calibration).
+
+Scales stored in a checkpoint (an fp8 checkpoint's ``self_attn.k_scale`` / ``v_scale``) are
+not read yet: neither bundled model has them.
 """
 
 from __future__ import annotations
@@ -21,9 +22,8 @@ import torch
 
 from attnplug.core.kv_quant import is_quantized
 
-KV_SCALE_SOURCES: tuple[str, ...] = ("first_batch", "unit", "checkpoint")
-"""``--kv-scales`` values; ``checkpoint`` falls back to ``first_batch`` for a layer whose
-checkpoint has no scales."""
+KV_SCALE_SOURCES: tuple[str, ...] = ("first_batch", "unit")
+"""``--kv-scales`` values."""
 
 MIN_SCALE: float = 1e-8
 """Floor of a computed scale (an all-zero head would otherwise give 0 and divide by it)."""
@@ -49,9 +49,8 @@ def attach_kv_scales(model: torch.nn.Module, cache_dtype: torch.dtype, source: s
     Args:
         model: the built model.
         cache_dtype: an fp8 dtype (``core/kv_quant.FP8_DTYPES``).
-        source: one of :data:`KV_SCALE_SOURCES`; ``first_batch`` and ``checkpoint`` mark the
-            layers for :func:`calibrate_once` (``checkpoint`` unmarks those
-            :func:`load_checkpoint_scales` fills).
+        source: one of :data:`KV_SCALE_SOURCES`; ``first_batch`` marks the layers for
+            :func:`calibrate_once`.
         per_head: ``{layer_name: bool}``: the layer's backend takes ``[num_kv_heads]`` scales.
 
     Returns:
@@ -74,28 +73,6 @@ def attach_kv_scales(model: torch.nn.Module, cache_dtype: torch.dtype, source: s
         layer.kv_scales_pending = source != "unit"
         sources[name] = source
     return sources
-
-
-def load_checkpoint_scales(model: torch.nn.Module, state_dict: Mapping[str, torch.Tensor]) -> list[str]:
-    """Copy ``<prefix>.k_scale`` / ``<prefix>.v_scale`` of ``state_dict`` into the layers
-    (``<prefix>`` = the layer module's name in the model, e.g. ``model.layers.0.self_attn``).
-
-    A scalar scale fills every head. Returns the layer names that got scales (no longer
-    pending calibration)."""
-    loaded = []
-    for mod_name, layer in model.named_modules():
-        if not hasattr(layer, "kv_scales_pending"):
-            continue
-        ks, vs = state_dict.get(f"{mod_name}.k_scale"), state_dict.get(f"{mod_name}.v_scale")
-        if ks is None or vs is None:
-            continue
-        layer.k_scale.copy_(torch.as_tensor(ks, dtype=torch.float32).expand_as(layer.k_scale)
-                            if torch.as_tensor(ks).numel() == 1 else ks.float())
-        layer.v_scale.copy_(torch.as_tensor(vs, dtype=torch.float32).expand_as(layer.v_scale)
-                            if torch.as_tensor(vs).numel() == 1 else vs.float())
-        layer.kv_scales_pending = False
-        loaded.append(layer.layer_name)
-    return loaded
 
 
 def calibrate_once(layer: Any, key: torch.Tensor, value: torch.Tensor) -> None:
