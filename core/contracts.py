@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 import torch
 
 from attnplug.core.devices import resolve_device
+from attnplug.core.kv_layout import KVCacheLayout
 from attnplug.core.metadata import CommonAttentionMetadata
 
 PLUGIN_API_VERSION: tuple[int, int] = (1, 0)
@@ -242,6 +243,9 @@ class AttentionBackend(ABC):
     backend that lists an fp8 name reads ``layer.k_scale`` / ``layer.v_scale`` in ``forward``."""
     supports_per_head_kv_scales: ClassVar[bool] = False
     """``k_scale`` / ``v_scale`` may be ``[num_kv_heads]`` (else per tensor, shape ``[]``, only)."""
+    kv_cache_layout: ClassVar[KVCacheLayout] = KVCacheLayout()
+    """The cache's dimension order and where fp8 scales live (``core/kv_layout.py``); the
+    default ``get_kv_cache_shape`` and ``split_kv_cache`` follow it."""
 
     @classmethod
     @abstractmethod
@@ -261,9 +265,10 @@ class AttentionBackend(ABC):
     @classmethod
     def get_kv_cache_shape(cls, num_blocks: int, block_size: int, num_kv_heads: int,
                            head_size: int) -> tuple[int, ...]:
-        """Shape of one layer's KV cache; default ``[num_blocks, 2, block_size, num_kv_heads,
-        head_size]`` (K at index 0, V at index 1; NHD inside a block)."""
-        return (num_blocks, 2, block_size, num_kv_heads, head_size)
+        """Shape of one layer's KV cache: ``kv_cache_layout.shape(...)``; with the default
+        layout ``[num_blocks, 2, block_size, num_kv_heads, head_size]`` (K at index 0, V at
+        index 1; NHD inside a block)."""
+        return cls.kv_cache_layout.shape(num_blocks, block_size, num_kv_heads, head_size)
 
     @classmethod
     def split_kv_cache(cls, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -276,10 +281,11 @@ class AttentionBackend(ABC):
             ``(key_cache, value_cache)``, each ``[num_blocks, block_size, num_kv_heads,
             head_size]`` (kernel blocks, NHD), views sharing ``kv_cache``'s storage
             (writing through them writes the cache). The conformance suite and debugging
-            tools read and poison caches through this; a backend whose
-            ``get_kv_cache_shape`` differs from the default must override it.
+            tools read and poison caches through this. The default follows
+            ``kv_cache_layout``; a backend whose cache is not a permutation of its
+            dimensions (another packing) must override it.
         """
-        return kv_cache[:, 0], kv_cache[:, 1]
+        return cls.kv_cache_layout.split(kv_cache)
 
     @classmethod
     def supports_sliding_window(cls) -> bool:
