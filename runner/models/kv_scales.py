@@ -28,6 +28,12 @@ KV_SCALE_SOURCES: tuple[str, ...] = ("first_batch", "unit")
 MIN_SCALE: float = 1e-8
 """Floor of a computed scale (an all-zero head would otherwise give 0 and divide by it)."""
 
+FIRST_BATCH_HEADROOM: float = 4.0
+"""A first-batch scale covers this many times the batch's amax: later tokens often exceed the
+first batch's (RoPE rotates K into dimensions the first positions barely used), and a value
+past the range saturates, while fp8's exponent keeps the relative precision of smaller
+values whatever the scale (only values below ``scale * 2^-6`` (e4m3) become subnormal)."""
+
 
 def attention_layers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
     """``{layer_name: module}`` of the model's paged-K/V attention layers: modules with a
@@ -79,13 +85,13 @@ def calibrate_once(layer: Any, key: torch.Tensor, value: torch.Tensor) -> None:
     """If ``layer`` is still pending calibration, set its scales from this batch and freeze them.
 
     ``key`` / ``value``: ``[num_tokens, num_kv_heads, head_size]`` (this step's, before the
-    cache write). ``scale = max(amax(|x|) / finfo.max, MIN_SCALE)`` per KV head (a
-    ``[num_kv_heads]`` buffer) or over every head (``[]``). No host sync.
+    cache write). ``scale = max(FIRST_BATCH_HEADROOM * amax(|x|) / finfo.max, MIN_SCALE)``
+    per KV head (a ``[num_kv_heads]`` buffer) or over every head (``[]``). No host sync.
     """
     if not getattr(layer, "kv_scales_pending", False) or key.shape[0] == 0:
         return
     big = torch.finfo(layer.kv_cache_dtype).max
     for x, buf in ((key, layer.k_scale), (value, layer.v_scale)):
         amax = x.detach().float().abs().amax(dim=(0, 2)) if buf.dim() == 1 else x.detach().float().abs().amax()
-        buf.copy_((amax / big).clamp_min(MIN_SCALE))
+        buf.copy_((FIRST_BATCH_HEADROOM * amax / big).clamp_min(MIN_SCALE))
     layer.kv_scales_pending = False

@@ -11,7 +11,7 @@ import torch
 
 from attnplug.cache_groups.specs import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
 from attnplug.runner.commands.kv_cache_setup import blocks_for_memory, quantized_specs
-from attnplug.runner.models.kv_scales import calibrate_once
+from attnplug.runner.models.kv_scales import FIRST_BATCH_HEADROOM, calibrate_once
 
 
 def test_fp8_pages_hold_twice_the_blocks_of_bf16_in_the_same_memory():
@@ -34,9 +34,10 @@ def test_first_batch_calibration_sets_per_head_scales_once():
     k[1, 0, 2], k[2, 1, 0] = -896.0, 44.8
     v = torch.full((3, 2, 4), 4.48)
     calibrate_once(layer, k, v)
-    assert torch.allclose(layer.k_scale, torch.tensor([2.0, 0.1])) and torch.allclose(layer.v_scale, torch.tensor(0.01))
+    want_k = torch.tensor([2.0, 0.1]) * FIRST_BATCH_HEADROOM
+    assert torch.allclose(layer.k_scale, want_k) and torch.allclose(layer.v_scale, 0.01 * torch.tensor(FIRST_BATCH_HEADROOM))
     calibrate_once(layer, k * 100, v * 100)  # frozen: the second batch changes nothing
-    assert torch.allclose(layer.k_scale, torch.tensor([2.0, 0.1])) and not layer.kv_scales_pending
+    assert torch.allclose(layer.k_scale, want_k) and not layer.kv_scales_pending
 
 
 def _run(kv_cache_dtype: str):
