@@ -52,6 +52,7 @@ def write_kv_cache_kernel(
     FP8_MAX: tl.constexpr,  # the cache dtype's largest finite value (448 e4m3fn, 57344 e5m2)
     FP8_MANTISSA: tl.constexpr,  # mantissa bits: 3 (e4m3fn), 2 (e5m2)
     FP8_MIN_EXP: tl.constexpr,   # exponent of the smallest normal: -6 (e4m3fn), -14 (e5m2)
+    ROUND_ON_GRID: tl.constexpr,  # round to the fp8 grid in fp32 first (the interpreter's cast is wrong)
 ):
     """Grid ``(cdiv(num_tokens * NUM_KV_HEADS, ROWS_PER_PROGRAM),)``: each program copies
     ``ROWS_PER_PROGRAM`` (token, KV head) rows of K and V, cast to the cache dtype, to the
@@ -74,7 +75,7 @@ def write_kv_cache_kernel(
         v_s = tl.load(v_scale_ptr + head, mask=in_range, other=1.0)
         k = tl.minimum(tl.maximum(k.to(tl.float32) / k_s[:, None], -FP8_MAX), FP8_MAX)
         v = tl.minimum(tl.maximum(v.to(tl.float32) / v_s[:, None], -FP8_MAX), FP8_MAX)
-        if INTERPRETED:  # the interpreter's fp32 -> fp8 cast loses a rounding carry (124.0 -> 64.0):
+        if ROUND_ON_GRID:  # the interpreter's fp32 -> fp8 cast loses a rounding carry (124.0 -> 64.0):
             k = _round_to_fp8_grid(k, FP8_MANTISSA, FP8_MIN_EXP)  # round in fp32 so the cast is exact
             v = _round_to_fp8_grid(v, FP8_MANTISSA, FP8_MIN_EXP)
     k_dst = block * stride_kc_blk + in_block * stride_kc_tok + head * stride_kc_head

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from attnplug.backends.triton.runtime import kernel_module, launch
+from attnplug.backends.triton.runtime import interpreting, kernel_module, launch
 from attnplug.backends.common.value_checks import check_slots, values_checked
 from attnplug.core.constants import PAD_SLOT_ID
 from attnplug.core.errors import MetadataError
@@ -82,7 +82,7 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tens
         ROWS_PER_PROGRAM=rows_per_program, BLOCK_SIZE=block_size,
         KV_FP8=kv_fp8, FP8_MAX=float(torch.finfo(key_cache.dtype).max) if kv_fp8 else 0.0,
         FP8_MANTISSA=3 if key_cache.dtype == torch.float8_e4m3fn else 2,
-        FP8_MIN_EXP=-6 if key_cache.dtype == torch.float8_e4m3fn else -14,
+        FP8_MIN_EXP=-6 if key_cache.dtype == torch.float8_e4m3fn else -14, ROUND_ON_GRID=kv_fp8 and interpreting(),
     )
 
 
