@@ -18,7 +18,7 @@ import torch
 
 from attnplug.cache_groups.kinds import GroupKind
 from attnplug.cache_groups.specs import AttentionSpec, KVCacheSpec
-from attnplug.core.kv_quant import KV_CACHE_DTYPES, is_quantized, kv_cache_dtype_name, parse_kv_cache_dtype
+from attnplug.core.kv_quant import KV_CACHE_DTYPES, kv_cache_dtype_name, parse_kv_cache_dtype
 from attnplug.runner.models.kv_scales import KV_SCALE_SOURCES, attach_kv_scales
 
 QUANTIZABLE_KINDS = (GroupKind.FULL_ATTENTION, GroupKind.SLIDING_WINDOW)
@@ -82,4 +82,4 @@ def blocks_for_memory(specs_by_group: list[KVCacheSpec], layers_by_group: list[i
     return max(2, (mib * 2**20) // per_block)
 
 
-__all__ = ["add_flags", "blocks_for_memory", "cache_dtype", "prepare_scales", "quantized_specs", "is_quantized"]
+__all__ = ["add_flags", "blocks_for_memory", "cache_dtype", "prepare_scales", "quantized_specs"]

@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 from types import SimpleNamespace
 
-import torch
 
 from attnplug.backends.torch_native import TorchNativeAttentionImpl, TorchNativeBackend
 from attnplug.backends.torch_native.attention import write_to_paged_cache
