@@ -74,3 +74,15 @@ def test_smollm2_fp8_cache_agrees_with_the_fp32_cache():
     res = run_real_parity("smollm2", num_requests=4, max_tokens=64, kv_cache_dtype="fp8_e4m3")
     assert res.ok and res.kv_cache["token_agreement"] >= 0.4, res.line()  # measured 97/167 (58%)
     assert 0 < res.kv_cache["mean_abs_dlogit"] < 1.0, res.line()
+
+
+def test_selection_refuses_a_backend_without_fp8_with_the_reason():
+    from attnplug.core.contracts import AttentionLayerConfig
+    from attnplug.core.errors import AttnplugError
+    from attnplug.runner.commands.assemble import resolve_backend
+
+    cfg = AttentionLayerConfig(num_heads=4, num_kv_heads=2, head_size=64, dtype=torch.float16,
+                               kv_cache_dtype=torch.float8_e4m3fn)
+    with pytest.raises(AttnplugError, match="kv_cache_dtype fp8_e4m3 not supported \\(supported: auto\\)"):
+        resolve_backend("flashinfer", {"l0": cfg}, {"l0": "full_attention"})
+    assert resolve_backend("torch_native", {"l0": cfg}, {"l0": "full_attention"})["l0"].get_name() == "torch_native"
