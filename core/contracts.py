@@ -18,6 +18,7 @@ import torch
 
 from attnplug.core.capabilities import FeatureDeclarations, layer_needs
 from attnplug.core.devices import resolve_device
+from attnplug.core.kv_layout import KVCacheLayout
 from attnplug.core.metadata import CommonAttentionMetadata
 
 PLUGIN_API_VERSION: tuple[int, int] = (1, 0)
@@ -277,6 +278,15 @@ class AttentionBackend(FeatureDeclarations, ABC):
     supported_attn_types: ClassVar[tuple[AttentionType, ...]] = (AttentionType.DECODER,)
     kv_cache_kind: ClassVar[str] = "attention"
     """``"attention"`` (paged K/V) or ``"mamba"`` (state slots)."""
+    supported_kv_cache_dtypes: ClassVar[tuple[str, ...]] = ("auto",)
+    """``--kv-cache-dtype`` names the impl writes and reads (vLLM's ``supported_kv_cache_dtypes``):
+    ``"auto"`` (the model's dtype), ``"fp8_e4m3"``, ``"fp8_e5m2"`` (``core/kv_quant.py``). A
+    backend that lists an fp8 name reads ``layer.k_scale`` / ``layer.v_scale`` in ``forward``."""
+    supports_per_head_kv_scales: ClassVar[bool] = False
+    """``k_scale`` / ``v_scale`` may be ``[num_kv_heads]`` (else per tensor, shape ``[]``, only)."""
+    kv_cache_layout: ClassVar[KVCacheLayout] = KVCacheLayout()
+    """The cache's dimension order and where fp8 scales live (``core/kv_layout.py``); the
+    default ``get_kv_cache_shape`` and ``split_kv_cache`` follow it."""
 
     @classmethod
     @abstractmethod
@@ -296,9 +306,10 @@ class AttentionBackend(FeatureDeclarations, ABC):
     @classmethod
     def get_kv_cache_shape(cls, num_blocks: int, block_size: int, num_kv_heads: int,
                            head_size: int) -> tuple[int, ...]:
-        """Shape of one layer's KV cache; default ``[num_blocks, 2, block_size, num_kv_heads,
-        head_size]`` (K at index 0, V at index 1; NHD inside a block)."""
-        return (num_blocks, 2, block_size, num_kv_heads, head_size)
+        """Shape of one layer's KV cache: ``kv_cache_layout.shape(...)``; with the default
+        layout ``[num_blocks, 2, block_size, num_kv_heads, head_size]`` (K at index 0, V at
+        index 1; NHD inside a block)."""
+        return cls.kv_cache_layout.shape(num_blocks, block_size, num_kv_heads, head_size)
 
     @classmethod
     def split_kv_cache(cls, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -311,10 +322,11 @@ class AttentionBackend(FeatureDeclarations, ABC):
             ``(key_cache, value_cache)``, each ``[num_blocks, block_size, num_kv_heads,
             head_size]`` (kernel blocks, NHD), views sharing ``kv_cache``'s storage
             (writing through them writes the cache). The conformance suite and debugging
-            tools read and poison caches through this; a backend whose
-            ``get_kv_cache_shape`` differs from the default must override it.
+            tools read and poison caches through this. The default follows
+            ``kv_cache_layout``; a backend whose cache is not a permutation of its
+            dimensions (another packing) must override it.
         """
-        return kv_cache[:, 0], kv_cache[:, 1]
+        return cls.kv_cache_layout.split(kv_cache)
 
     @classmethod
     def is_available(cls) -> tuple[bool, str]:
@@ -371,4 +383,17 @@ class AttentionBackend(FeatureDeclarations, ABC):
             reasons.append("device 'cuda' requested but torch.cuda.is_available() is False")
         if layer.attn_type not in cls.supported_attn_types:
             reasons.append(f"attention type {layer.attn_type.value!r} not supported")
+        reasons.extend(cls._kv_cache_dtype_problems(layer))
         return reasons
+
+    @classmethod
+    def _kv_cache_dtype_problems(cls, layer: AttentionLayerConfig) -> list[str]:
+        """A quantized ``layer.kv_cache_dtype`` the backend does not list in
+        ``supported_kv_cache_dtypes`` (``core/kv_quant.py``)."""
+        from attnplug.core.kv_quant import is_quantized, kv_cache_dtype_name
+
+        kv = layer.effective_kv_cache_dtype
+        if is_quantized(kv) and kv_cache_dtype_name(kv) not in cls.supported_kv_cache_dtypes:
+            return [f"kv_cache_dtype {kv_cache_dtype_name(kv)} not supported (supported: "
+                    f"{', '.join(cls.supported_kv_cache_dtypes)})"]
+        return []

@@ -14,10 +14,12 @@ import torch
 
 from attnplug.core.constants import NULL_BLOCK_ID, PAD_SLOT_ID
 from attnplug.core.errors import MetadataError
+from attnplug.core.kv_quant import quantize_kv
 
 
 def write_kv_by_slot(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
-                     value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+                     value_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
     """Scatter each token's K and V to its slot of the paged cache, in place.
 
     Args:
@@ -31,6 +33,9 @@ def write_kv_by_slot(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Te
         slot_mapping: ``[num_tokens]``, ``torch.int64``, same device; flat slot
             ``block_id * block_size + offset``; ``PAD_SLOT_ID`` = write nothing. Real slots
             must be distinct and outside the null block.
+        k_scale, v_scale: float32 ``[]`` or ``[num_kv_heads]``, or ``None`` (1.0): an fp8
+            cache stores ``saturate(x / scale)`` (``core/kv_quant.py``); other caches ignore
+            them.
 
     Raises:
         MetadataError: shapes or dtypes that disagree (nothing is written then).
@@ -64,6 +69,6 @@ def write_kv_by_slot(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Te
     blocks = torch.div(slots, block_size, rounding_mode="floor")
     offsets = slots - blocks * block_size
     keep = real.view(n, 1, 1)
-    for src, cache in ((key, key_cache), (value, value_cache)):
-        new = torch.where(keep, src[:n].to(cache.dtype), cache[blocks, offsets])
+    for src, cache, scale in ((key, key_cache, k_scale), (value, value_cache, v_scale)):
+        new = torch.where(keep, quantize_kv(src[:n], scale, cache.dtype), cache[blocks, offsets])
         cache.index_put_((blocks, offsets), new)

@@ -57,8 +57,13 @@ def paged_varlen_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            kv_lens: torch.Tensor, block_table: torch.Tensor, max_seqlen_q: int,
                            max_seqlen_k: int | None,
                            softmax_scale: float | None, causal: bool, window_size, softcap: float,
-                           page_multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """The common contract of both versions; returns ``(out, softmax_lse)``."""
+                           page_multiple: int = 1, descale: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The common contract of both versions; returns ``(out, softmax_lse)``.
+
+    ``descale``: FA3's fp8 ``(q_descale, k_descale, v_descale)``, each ``[batch_size,
+    num_heads_k]`` float32 or ``None`` (1.0) (``hopper/flash_attn_interface.py``): q, k and v
+    are ``float8_e4m3fn``; the real values are ``stored * descale`` of the request and KV
+    head (a query head reads its KV head's), and the output is bfloat16."""
     _require(q.dim() == 3, f"q must be [total_q, nheads, headdim], got {tuple(q.shape)}")
     _require(k_cache.dim() == 4 and v_cache.shape == k_cache.shape,
              f"paged k/v must be [num_blocks, page_block_size, nheads_k, headdim], got {tuple(k_cache.shape)} / "
@@ -71,6 +76,10 @@ def paged_varlen_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
              "nheads % nheads_k == 0)")
     _require(page % page_multiple == 0, f"page_block_size {page} must be a multiple of {page_multiple}")
     _require(q.dtype == k_cache.dtype == v_cache.dtype, f"q/k/v dtypes differ: {q.dtype}, {k_cache.dtype}")
+    fp8 = q.dtype == torch.float8_e4m3fn
+    _require(fp8 or descale is None or all(d is None for d in descale),
+             "q_descale / k_descale / v_descale are for float8_e4m3fn q / k / v only")
+    _require(q.dtype not in (torch.float8_e5m2,), "FA3 fp8 takes float8_e4m3fn only")
     _int32("cu_seqlens_q", cu_seqlens_q, 1)
     _int32("kv lengths", kv_lens, 1)
     _int32("block_table", block_table, 2)
@@ -106,14 +115,29 @@ def paged_varlen_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                  f"block_table row {i} points outside the cache ({k_cache.shape[0]} blocks): {used.tolist()}")
         k = gather_pages(k_cache, pages, lk)
         v = gather_pages(v_cache, pages, lk)
+        qi = q[cu[i]:cu[i + 1]]
+        if fp8:  # the kernel's fp32 math on stored * descale (same as scaling the logits / output)
+            qi, k, v = (_descaled(t, d, i, num_heads // k_cache.shape[2] if name == "q" else 1)
+                        for name, t, d in zip("qkv", (qi, k, v), descale or (None, None, None)))
         at = torch.arange(lq, device=q.device) + lk - lq  # i + Lk - Lq
         lo = at - left if left >= 0 else torch.zeros_like(at)
         hi = at + right if right >= 0 else torch.full_like(at, lk - 1)
-        o, s = attend_ranges(q[cu[i]:cu[i + 1]], k, v, lo, hi.clamp(max=lk - 1), scale, softcap)
+        o, s = attend_ranges(qi, k, v, lo, hi.clamp(max=lk - 1), scale, softcap)
         out[cu[i]:cu[i + 1]] = o
         lse[:, cu[i]:cu[i + 1]] = s
     # a row that saw no key: FlashAttention's non-split kernels write +inf (softmax.h), not -inf
-    return out.to(q.dtype), torch.where(torch.isneginf(lse), torch.full_like(lse, float("inf")), lse)
+    return out.to(torch.bfloat16 if fp8 else q.dtype), torch.where(torch.isneginf(lse), torch.full_like(lse, float("inf")), lse)
+
+
+def _descaled(t: torch.Tensor, descale: torch.Tensor | None, batch: int, group: int) -> torch.Tensor:
+    """``t`` (``[tokens, heads, headdim]`` fp8) as float32 times its request's descale row
+    (``[batch_size, num_heads_k]``; query heads repeat their KV head's ``group`` times)."""
+    t = t.float()
+    if descale is None:
+        return t
+    _require(descale.dim() == 2 and descale.dtype == torch.float32,
+             f"descale must be float32 [batch_size, num_heads_k], got {descale.dtype} {tuple(descale.shape)}")
+    return t * descale[batch].repeat_interleave(group).view(1, -1, 1)
 
 
 def fa3_plan(batch_size: int, max_seqlen_q: int, seqlen_k: int, num_heads_q: int, num_heads_kv: int,
@@ -226,7 +250,8 @@ class FlashAttnEmulator:
                      "attention call derives (max_seqlen_k = page_table.shape[1] * page_size, as "
                      "flash_attn_with_kvcache passes none)")
         out, lse = paged_varlen_attention(q, k_cache, v_cache, cu_seqlens_q, cache_seqlens, page_table, max_seqlen_q,
-                                          None, softmax_scale, causal, tuple(window_size), float(softcap or 0.0))
+                                          None, softmax_scale, causal, tuple(window_size), float(softcap or 0.0),
+                                          descale=(q_descale, k_descale, v_descale))
         return (out, lse, None) if return_softmax_lse else out  # upstream: (out, softmax_lse, *rest)
 
     def get_scheduler_metadata(self, batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, num_heads_kv, headdim,

@@ -139,7 +139,12 @@ class _Wrapper:
         self.num_plans += 1
 
     def _run(self, q: torch.Tensor, paged_kv_cache, out: torch.Tensor | None, return_lse: bool,
-             sinks: torch.Tensor | None = None):
+             sinks: torch.Tensor | None = None, k_scale: float | None = None,
+             v_scale: float | None = None):
+        """``k_scale`` / ``v_scale``: FlashInfer's per-tensor fp8 calibration scales (python
+        floats; ``None`` = 1.0; ``BatchPrefillWithPagedKVCacheWrapper.run`` docs): the kernel
+        reads the stored fp8 values, multiplies ``sm_scale`` by ``k_scale`` and the output by
+        ``v_scale``. The same as attending over ``stored * scale``, which is what this does."""
         p = self._plan
         _require(p is not None, "run() called before plan()")
         _check_sinks(sinks, q, p.num_qo_heads, return_lse)
@@ -170,6 +175,8 @@ class _Wrapper:
                 continue
             pages = p.indices[p.indptr[i]: p.indptr[i + 1]]
             k, v = gather_pages(k_cache, pages, kv_len), gather_pages(v_cache, pages, kv_len)
+            if k_scale is not None or v_scale is not None:
+                k, v = k.float() * (1.0 if k_scale is None else k_scale), v.float() * (1.0 if v_scale is None else v_scale)
             pos = torch.arange(qo_len, device=q.device) + kv_len - qo_len
             hi = pos if (p.causal or self._decode) else torch.full_like(pos, kv_len - 1)
             lo = pos - p.window_left if p.window_left >= 0 else torch.zeros_like(pos)
@@ -204,6 +211,14 @@ def _check_sinks(sinks, q: torch.Tensor, num_qo_heads: int, return_lse: bool) ->
 DECODE_GROUP_SIZES_WITHOUT_TENSOR_CORES = (1, 2, 3, 4, 6, 8)
 """Query heads per KV head FlashInfer's CUDA-core decode kernel takes (``utils.cuh``,
 ``DISPATCH_GQA_GROUP_SIZE``: "Unsupported group_size" otherwise); tensor cores take any."""
+
+
+def _scale(value, name: str) -> float | None:
+    """A per-tensor fp8 scale as FlashInfer takes it: ``None`` or a python number (a tensor
+    would need a host sync inside ``run()``; FlashInfer documents ``Optional[float]``)."""
+    _require(value is None or (isinstance(value, (int, float)) and not isinstance(value, bool)),
+             f"{name} must be a python float (per-tensor), got {type(value).__name__}")
+    return None if value is None else float(value)
 
 
 def _unsupported(**given) -> None:
@@ -251,10 +266,10 @@ class BatchDecodeWithPagedKVCacheWrapper(_Wrapper):
     def run(self, q, paged_kv_cache, *args, q_scale=None, k_scale=None, v_scale=None, out=None, lse=None,
             return_lse=False, enable_pdl=None, window_left=None, sinks=None, q_len_per_req=1,
             skip_softmax_threshold_scale_factor=None, kv_cache_sf=None):
-        _unsupported(positional_options=len(args), q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, lse=lse,
+        _unsupported(positional_options=len(args), q_scale=q_scale, lse=lse,
                      window_left=window_left, q_len_per_req=q_len_per_req,
                      skip_softmax_threshold_scale_factor=skip_softmax_threshold_scale_factor, kv_cache_sf=kv_cache_sf)
-        return self._run(q, paged_kv_cache, out, return_lse, sinks)
+        return self._run(q, paged_kv_cache, out, return_lse, sinks, _scale(k_scale, "k_scale"), _scale(v_scale, "v_scale"))
 
 
 class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
@@ -293,11 +308,11 @@ class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
     def run(self, q, paged_kv_cache, *args, q_scale=None, k_scale=None, v_scale=None, out=None, lse=None,
             return_lse=False, enable_pdl=None, window_left=None, sinks=None, kv_cache_sf=None,
             skip_softmax_threshold_scale_factor=None, use_fp16_softmax=False, uses_spcompress=False):
-        _unsupported(positional_options=len(args), q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, lse=lse,
+        _unsupported(positional_options=len(args), q_scale=q_scale, lse=lse,
                      window_left=window_left, kv_cache_sf=kv_cache_sf,
                      skip_softmax_threshold_scale_factor=skip_softmax_threshold_scale_factor,
                      use_fp16_softmax=use_fp16_softmax, uses_spcompress=uses_spcompress)
-        return self._run(q, paged_kv_cache, out, return_lse, sinks)
+        return self._run(q, paged_kv_cache, out, return_lse, sinks, _scale(k_scale, "k_scale"), _scale(v_scale, "v_scale"))
 
 
 EMULATED_FLASHINFER = SimpleNamespace(

@@ -18,6 +18,7 @@ from attnplug.backends.flash_attn.kernels import (
     kernel_block_sizes_for,
     unavailable_reason,
 )
+from attnplug.core.kv_layout import KVCacheLayout
 from attnplug.core.contracts import AttentionBackend, AttentionImpl, AttentionLayerConfig, AttentionMetadataBuilder
 
 HEAD_SIZES: tuple[int, ...] = tuple(range(8, 257, 8))
@@ -53,6 +54,9 @@ class FlashAttnBackend(AttentionBackend, metaclass=_FlashAttnBackendMeta):
     supported_dtypes = (torch.float16, torch.bfloat16)
     supported_head_sizes = HEAD_SIZES
     supported_devices = ("cuda",)
+    kv_cache_layout = KVCacheLayout(dims=("kv", "block", "token", "head", "dim"))
+    """``[2, num_blocks, block_size, num_kv_heads, head_size]``: ``kv_cache[0]`` / ``[1]`` are the
+    contiguous ``k_cache`` / ``v_cache`` the kernels take."""
 
     @classmethod
     def get_name(cls) -> str:
@@ -72,18 +76,6 @@ class FlashAttnBackend(AttentionBackend, metaclass=_FlashAttnBackendMeta):
     def get_impl_cls(cls) -> type[AttentionImpl]:
         from attnplug.backends.flash_attn.impl import FlashAttnImpl
         return FlashAttnImpl
-
-    @classmethod
-    def get_kv_cache_shape(cls, num_blocks: int, block_size: int, num_kv_heads: int,
-                           head_size: int) -> tuple[int, ...]:
-        """``[2, num_blocks, block_size, num_kv_heads, head_size]`` (K at index 0, V at 1)."""
-        return (2, num_blocks, block_size, num_kv_heads, head_size)
-
-    @classmethod
-    def split_kv_cache(cls, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(kv_cache[0], kv_cache[1])``: contiguous ``[num_blocks, block_size, num_kv_heads,
-        head_size]`` views (what ``k_cache``/``v_cache`` of the kernels are)."""
-        return kv_cache[0], kv_cache[1]
 
     @classmethod
     def supports_sliding_window(cls) -> bool:

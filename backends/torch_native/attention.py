@@ -36,10 +36,12 @@ from __future__ import annotations
 import torch
 
 from attnplug.backends.common.sinks import softmax_with_sinks
+from attnplug.core.kv_quant import dequantize_kv, is_quantized, quantize_kv
 
 
 def write_to_paged_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                         slots: torch.Tensor, token_indices: torch.Tensor) -> None:
+                         slots: torch.Tensor, token_indices: torch.Tensor,
+                         k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
     """Scatter this step's K/V into the paged cache, in place.
 
     Args:
@@ -53,6 +55,8 @@ def write_to_paged_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch
             filtered out by the builder).
         token_indices: ``[num_writes]``, ``torch.int64``, same device; which row of
             ``key``/``value`` goes to each slot.
+        k_scale, v_scale: float32 ``[]`` or ``[num_kv_heads]`` (``core/kv_quant.py``), or
+            ``None`` (1.0); used only by an fp8 cache, which stores ``saturate(x / scale)``.
 
     Only the ``num_writes`` addressed slots change; every other byte of ``kv_cache`` is
     left as it was. Does not synchronise with the host.
@@ -60,12 +64,13 @@ def write_to_paged_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch
     block_size = kv_cache.shape[2]
     block_ids = torch.div(slots, block_size, rounding_mode="floor")
     offsets = slots - block_ids * block_size
-    kv_cache[block_ids, 0, offsets] = key.index_select(0, token_indices).to(kv_cache.dtype)
-    kv_cache[block_ids, 1, offsets] = value.index_select(0, token_indices).to(kv_cache.dtype)
+    kv_cache[block_ids, 0, offsets] = quantize_kv(key.index_select(0, token_indices), k_scale, kv_cache.dtype)
+    kv_cache[block_ids, 1, offsets] = quantize_kv(value.index_select(0, token_indices), v_scale, kv_cache.dtype)
 
 
-def gather_from_paged_cache(kv_cache: torch.Tensor, block_ids: torch.Tensor,
-                            key_used: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def gather_from_paged_cache(kv_cache: torch.Tensor, block_ids: torch.Tensor, key_used: torch.Tensor,
+                            k_scale: torch.Tensor | None = None,
+                            v_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Read whole blocks through a block table into K and V copies, tokens in order.
 
     Args:
@@ -76,11 +81,13 @@ def gather_from_paged_cache(kv_cache: torch.Tensor, block_ids: torch.Tensor,
             where no query will see the key (past ``seq_len``, before every window, null
             block). Those values are zeroed in the copy, so garbage, even NaN, cannot
             leak through ``0 * value`` (their logits are masked to ``-inf``).
+        k_scale, v_scale: an fp8 cache's scales (``core/kv_quant.py``; ``None`` = 1.0).
 
     Returns:
         ``(key, value)``, each ``[num_reqs, num_blocks_per_req * block_size, num_kv_heads,
-        head_size]``, contiguous, in the cache's dtype: key position ``k`` of request
-        ``r`` is ``[r, k]``. Fresh copies: the cache is not aliased.
+        head_size]``, contiguous, in the cache's dtype (an fp8 cache: dequantised,
+        ``stored * scale`` in float32): key position ``k`` of request ``r`` is ``[r, k]``.
+        Fresh copies: the cache is not aliased.
     """
     n, num_blocks_per_req = block_ids.shape
     _, _, block_size, num_kv_heads, head_size = kv_cache.shape
@@ -88,6 +95,8 @@ def gather_from_paged_cache(kv_cache: torch.Tensor, block_ids: torch.Tensor,
     flat_ids = block_ids.flatten()
     key = kv_cache[:, 0].index_select(0, flat_ids).view(shape)  # whole blocks: contiguous copies
     value = kv_cache[:, 1].index_select(0, flat_ids).view(shape)
+    if is_quantized(kv_cache.dtype):
+        key, value = dequantize_kv(key, k_scale, torch.float32), dequantize_kv(value, v_scale, torch.float32)
     value.masked_fill_(~key_used.view(n, -1, 1, 1), 0.0)
     return key, value
 

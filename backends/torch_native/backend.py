@@ -14,7 +14,9 @@ class TorchNativeBackend(AttentionBackend):
     and CUDA, GQA/MQA, sliding window, logits soft-cap, decoder (causal) attention.
 
     KV cache per layer: ``[num_blocks, 2, block_size, num_kv_heads, head_size]``, K at
-    index 0 and V at index 1 of dim 1, tokens NHD inside a block.
+    index 0 and V at index 1 of dim 1, tokens NHD inside a block; in the model's dtype or
+    fp8 (``--kv-cache-dtype fp8_e4m3|fp8_e5m2``: written ``saturate(x / scale)``, read back
+    ``stored * scale`` in float32, per-tensor or per-KV-head scales, ``core/kv_quant.py``).
 
     Examples:
         >>> TorchNativeBackend.get_name()
@@ -27,6 +29,8 @@ class TorchNativeBackend(AttentionBackend):
     supported_head_sizes = None
     supported_kernel_block_sizes = None
     supported_devices = ("cpu", "cuda")
+    supported_kv_cache_dtypes = ("auto", "fp8_e4m3", "fp8_e5m2")
+    supports_per_head_kv_scales = True
 
     @classmethod
     def get_name(cls) -> str:

@@ -85,13 +85,14 @@ def attend_with_lse(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     return out, lse.transpose(1, 2)
 
 
-def cascade_forward(impl, query: torch.Tensor, kv_cache: torch.Tensor, md, output: torch.Tensor) -> torch.Tensor:
+def cascade_forward(impl, query: torch.Tensor, kv_cache: torch.Tensor, md, output: torch.Tensor,
+                    scales: tuple = (None, None)) -> torch.Tensor:
     """Attention of a cascade step (K/V already written): prefix pass, suffix pass, merge."""
     c: TorchNativeCascade = md.cascade
     T, P = md.num_actual_tokens, c.common_prefix_len
     dev = query.device
     used = torch.ones(1, P, dtype=torch.bool, device=dev)
-    pk, pv = gather_from_paged_cache(kv_cache, c.prefix_block_ids, used)
+    pk, pv = gather_from_paged_cache(kv_cache, c.prefix_block_ids, used, *scales)
     prefix_out, prefix_lse = attend_with_lse(query[:T].unsqueeze(0), pk, pv, used.unsqueeze(1).expand(1, T, P),
                                              impl.scale, impl.logits_soft_cap)
     suffix_out = torch.zeros(T, impl.num_heads, impl.head_size, dtype=torch.float32, device=dev)
@@ -99,7 +100,7 @@ def cascade_forward(impl, query: torch.Tensor, kv_cache: torch.Tensor, md, outpu
     for seg in md.segments:
         num_keys = seg.key_block_ids.shape[1] * md.block_size
         used_s = keys_used(seg.seq_lens, seg.query_len, num_keys)
-        keys, values = gather_from_paged_cache(kv_cache, seg.key_block_ids, used_s)
+        keys, values = gather_from_paged_cache(kv_cache, seg.key_block_ids, used_s, *scales)
         mask = visibility_mask(seg.query_positions, seg.seq_lens, 0, num_keys, causal=md.causal)
         tokens = seg.query_token_indices
         out, lse = attend_with_lse(query[tokens], keys, values, mask, impl.scale, impl.logits_soft_cap)

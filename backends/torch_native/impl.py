@@ -15,6 +15,7 @@ from attnplug.backends.torch_native.attention import (
 )
 from attnplug.backends.torch_native.builder import AttentionSegment, TorchNativeMetadata
 from attnplug.backends.torch_native.cascade import cascade_forward
+from attnplug.backends.common.kv_scales import kv_scales_for
 from attnplug.core.contracts import AttentionImpl, AttentionType
 from attnplug.core.errors import BackendUnsupportedError, MetadataError
 
@@ -71,11 +72,14 @@ class TorchNativeAttentionImpl(AttentionImpl):
         """Write this step's K/V at the slot mapping, then attend over the paged cache.
 
         Args:
-            layer: the calling module (unused; may be ``None``).
+            layer: the calling module, or ``None``; an fp8 cache reads its ``k_scale`` /
+                ``v_scale`` (float32 ``[]`` or ``[num_kv_heads]``; absent = 1.0,
+                ``core/kv_quant.py``).
             query: ``[num_tokens, num_heads, head_size]``, float32/float16/bfloat16.
             key, value: ``[num_tokens, num_kv_heads, head_size]``, same dtype and device.
             kv_cache: ``[num_blocks, 2, block_size, num_kv_heads, head_size]`` (K at index
-                0, V at 1), same device; written in place at the real slots only.
+                0, V at 1), same device, any float dtype or fp8 (``stored = saturate(x /
+                scale)``, dequantised on read); written in place at the real slots only.
             attn_metadata: what :class:`TorchNativeMetadataBuilder` built this step.
             output: ``[num_tokens, num_heads, head_size]``, same device; rows
                 ``< num_actual_tokens`` are overwritten, padded rows are left untouched.
@@ -92,14 +96,15 @@ class TorchNativeAttentionImpl(AttentionImpl):
         """
         self._check(query, key, value, kv_cache, attn_metadata, output)
         md = attn_metadata
-        write_to_paged_cache(key, value, kv_cache, md.write_slots, md.write_token_indices)
+        scales = kv_scales_for(layer, self.num_kv_heads, kv_cache.dtype, "torch_native forward")
+        write_to_paged_cache(key, value, kv_cache, md.write_slots, md.write_token_indices, *scales)
         if md.cascade is not None:  # a shared prefix pass + suffix pass (cascade.py)
-            return cascade_forward(self, query, kv_cache, md, output)
+            return cascade_forward(self, query, kv_cache, md, output, scales)
         for seg in md.segments:
             num_keys = seg.key_block_ids.shape[1] * md.block_size  # key columns, from key_offsets on
             offsets = seg.key_offsets if seg.max_key_offset else None
             used = keys_used(seg.seq_lens, seg.query_len, num_keys, self.sliding_window, offsets)
-            keys, values = gather_from_paged_cache(kv_cache, seg.key_block_ids, used)  # [n, keys, H_kv, D]
+            keys, values = gather_from_paged_cache(kv_cache, seg.key_block_ids, used, *scales)  # [n, keys, H_kv, D]
             for q_lo, q_hi, k_lo, k_hi in self._tiles(seg, md.causal, num_keys):
                 tokens = seg.query_token_indices[:, q_lo:q_hi]
                 q = query[tokens]  # [n, tile, num_heads, head_size]

@@ -29,7 +29,8 @@ import torch
 from attnplug.backends.triton.attention import REDUCE_ELEMENTS_PER_PROGRAM, choose_tiles
 from attnplug.backends.triton.runtime import interpreting, kernel_module
 
-_TL_TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+_TL_TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32",
+             torch.float8_e4m3fn: "fp8e4nv", torch.float8_e5m2: "fp8e5"}
 
 
 @dataclass(frozen=True)
@@ -59,22 +60,27 @@ class CompileReport:
 
 def attention_variant(dtype: torch.dtype, head_size: int, group: int, max_query_len: int, *,
                       window: int = 0, soft_cap: bool = False, segments: int = 1, lse: bool = False,
-                      causal: bool = True, sinks: bool = False) -> Variant:
+                      causal: bool = True, sinks: bool = False, kv_dtype: torch.dtype | None = None) -> Variant:
     """The ``paged_attention_kernel`` variant ``paged_attention`` launches for these inputs on a GPU
-    (``lse``: storing the log-sum-exp, as cascade attention's passes do)."""
+    (``lse``: storing the log-sum-exp, as cascade attention's passes do; ``kv_dtype``: an fp8
+    cache, dequantised in the kernel)."""
     cfg = choose_tiles(max_query_len, group, head_size, dtype, interpreter=False)
     t = _TL_TYPES[dtype]
     padded = max(16, 1 << (head_size - 1).bit_length())
-    ptrs = dict(query_ptr=t, key_cache_ptr=t, value_cache_ptr=t, output_ptr=t, part_acc_ptr="fp32",
+    kv = _TL_TYPES[kv_dtype] if kv_dtype is not None else t
+    ptrs = dict(query_ptr=t, key_cache_ptr=kv, value_cache_ptr=kv, output_ptr=t, part_acc_ptr="fp32",
                 part_max_ptr="fp32", part_sum_ptr="fp32", query_start_loc_ptr="i32", seq_lens_ptr="i32",
-                block_table_ptr="i32", visited_tiles_ptr="i32", lse_ptr="fp32", sinks_ptr="fp32")
+                block_table_ptr="i32", visited_tiles_ptr="i32", lse_ptr="fp32", sinks_ptr="fp32",
+                k_scale_ptr="fp32", v_scale_ptr="fp32")
     ce = dict(NUM_QUERIES_PER_KV=group, HEAD_SIZE=head_size, HEAD_SIZE_PADDED=padded, BLOCK_SIZE=16,
               BLOCK_M=cfg.block_m, BLOCK_Q=cfg.block_q, TILE_N=cfg.tile_n, CAUSAL=causal, SLIDING_WINDOW=window,
               USE_SOFT_CAP=soft_cap, NUM_SEGMENTS=segments, DOT_PRECISION="ieee" if t == "fp32" else "tf32",
-              RECORD_VISITED=False, KV_SAME_STRIDES=True, STORE_LSE=lse, USE_SINKS=sinks)
+              RECORD_VISITED=False, KV_SAME_STRIDES=True, STORE_LSE=lse, USE_SINKS=sinks,
+              KV_FP8=kv_dtype is not None)
     kind = "decode" if max_query_len == 1 else "prefill"
     extra = (f" window={window}" if window else "") + (" softcap" if soft_cap else "") + \
-        (f" splits={segments}" if segments > 1 else "") + (" lse" if lse else "") + ("" if causal else " non-causal") + (" sinks" if sinks else "")
+        (f" splits={segments}" if segments > 1 else "") + (" lse" if lse else "") + ("" if causal else " non-causal") \
+        + (" sinks" if sinks else "") + (f" kv={kv}" if kv_dtype is not None else "")
     return Variant(f"attention {t} d={head_size} group={group} {kind}{extra} (m={cfg.block_m} n={cfg.tile_n})",
                    "paged_attention_kernel", ptrs, ce, cfg.num_warps, cfg.num_stages)
 
@@ -91,10 +97,15 @@ def support_variants(dtype: torch.dtype = torch.float16, head_size: int = 128, n
                      query_start_loc_ptr="i32"),
                 dict(HEAD_SIZE=head_size, HEAD_SIZE_PADDED=padded, NUM_SEGMENTS=segments,
                      HEADS_PER_PROGRAM=heads_per_program)),
-        Variant(f"write_kv_cache {t} d={head_size}", "write_kv_cache_kernel",
-                dict(key_ptr=t, value_ptr=t, key_cache_ptr=t, value_cache_ptr=t, slot_mapping_ptr="i64"),
-                dict(NUM_KV_HEADS=8, HEAD_SIZE=head_size, HEAD_SIZE_PADDED=padded,
-                     ROWS_PER_PROGRAM=max(1, 2048 // padded), BLOCK_SIZE=16)),
+        *(Variant(f"write_kv_cache {t} d={head_size}" + (f" cache={_TL_TYPES[c]}" if c != dtype else ""),
+                  "write_kv_cache_kernel",
+                  dict(key_ptr=t, value_ptr=t, key_cache_ptr=_TL_TYPES[c], value_cache_ptr=_TL_TYPES[c],
+                       slot_mapping_ptr="i64", k_scale_ptr="fp32", v_scale_ptr="fp32"),
+                  dict(NUM_KV_HEADS=8, HEAD_SIZE=head_size, HEAD_SIZE_PADDED=padded,
+                       ROWS_PER_PROGRAM=max(1, 2048 // padded), BLOCK_SIZE=16, KV_FP8=c != dtype,
+                       FP8_MAX=448.0 if c != dtype else 0.0, FP8_MANTISSA=3, FP8_MIN_EXP=-6,
+                       ROUND_ON_GRID=False))
+          for c in (dtype, torch.float8_e4m3fn)),
         Variant("slot_mapping", "slot_mapping_kernel",
                 dict(query_start_loc_ptr="i32", positions_ptr="i64", block_table_ptr="i32", slot_mapping_ptr="i64"),
                 dict(BLOCK_SIZE=16, PAD_SLOT=-1, TOKENS_PER_ITER=256)),
@@ -108,6 +119,8 @@ def variants(full: bool = False) -> list[Variant]:
                 attention_variant(torch.float32, 64, 4, 512), attention_variant(torch.float16, 128, 4, 1, segments=16),
                 attention_variant(torch.bfloat16, 128, 4, 512, lse=True, causal=False),  # cascade prefix pass
                 attention_variant(torch.float16, 128, 4, 1, lse=True),  # a decode step's suffix pass
+                attention_variant(torch.bfloat16, 128, 4, 1, kv_dtype=torch.float8_e4m3fn),  # --kv-cache-dtype fp8
+                attention_variant(torch.float16, 128, 4, 512, kv_dtype=torch.float8_e5m2),
                 *support_variants()]
     out = []
     for dtype in (torch.float16, torch.bfloat16, torch.float32):
@@ -119,8 +132,8 @@ def variants(full: bool = False) -> list[Variant]:
             out.append(attention_variant(dtype, head_size, 8, 1, segments=16))
             out.append(attention_variant(dtype, head_size, 8, 512, lse=True, causal=False))
             out.append(attention_variant(dtype, head_size, 8, 128, window=128, sinks=True))  # gpt-oss sliding
-            out += support_variants(dtype, head_size)[:2]
-    return out + support_variants()[2:]
+            out += support_variants(dtype, head_size)[:3]
+    return out + support_variants()[3:]
 
 
 def _resource_usage(cubin: bytes) -> tuple[int, int, int]:

@@ -23,6 +23,7 @@ from attnplug.backends.triton.constants import MAX_HEAD_SIZE
 from attnplug.backends.triton.runtime import interpreting, kernel_module, launch
 from attnplug.backends.common.value_checks import check_batch, values_checked
 from attnplug.core.errors import MetadataError
+from attnplug.core.kv_quant import is_quantized, per_head_scales
 
 REDUCE_ELEMENTS_PER_PROGRAM = 4096
 """fp32 partial-output elements one split-KV reduce program combines (heads x segments x
@@ -106,7 +107,8 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                     logits_soft_cap: float | None = None, num_kv_splits: int = 1,
                     tiles: TileConfig | None = None, visited_tiles: torch.Tensor | None = None,
                     check_values: bool = True, lse: torch.Tensor | None = None,
-                    sinks: torch.Tensor | None = None) -> torch.Tensor:
+                    sinks: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
+                    v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of a varlen batch over a paged KV cache (GQA/MQA, causal bottom-right).
 
     Query ``j`` of request ``i`` sits at position ``seq_lens[i] - query_len_i + j`` and
@@ -151,6 +153,10 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
             sink logits (``core/contracts.AttentionImpl``), one more logit in each row's
             softmax denominator, no value; counted once with ``num_kv_splits > 1`` (the
             first segment starts its online softmax at the sink), and included in ``lse``.
+        k_scale, v_scale: an fp8 cache's descales, float32 ``[]`` or ``[num_kv_heads]``
+            (``None``: 1.0); real = stored * scale (``core/kv_quant.py``). The kernel casts
+            fp8 K/V tiles to the query's dtype, folds ``k_scale`` into the softmax scale and
+            ``v_scale`` into the accumulator (one KV head per program).
 
     Returns:
         ``output``.
@@ -192,10 +198,14 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         part_sum = torch.empty_like(part_max)
     else:
         part_acc = part_max = part_sum = output  # never touched when NUM_SEGMENTS == 1
+    kv_fp8 = is_quantized(key_cache.dtype)
+    k_desc, v_desc = (per_head_scales(k_scale, num_kv_heads, query.device),
+                      per_head_scales(v_scale, num_kv_heads, query.device)) if kv_fp8 else (seq_lens, seq_lens)
     launch(kernels, "paged_attention_kernel", grid,
            query, key_cache, value_cache, output, part_acc, part_max, part_sum,
            query_start_loc, seq_lens, block_table, visited_tiles if visited_tiles is not None else seq_lens,
-           lse if lse is not None else part_max, sinks if sinks is not None else part_max, num_reqs, float(scale),
+           lse if lse is not None else part_max, sinks if sinks is not None else part_max, k_desc, v_desc,
+           num_reqs, float(scale),
            float(logits_soft_cap) if logits_soft_cap is not None else 0.0,
            query.stride(0), query.stride(1), output.stride(0), output.stride(1),
            key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
@@ -209,8 +219,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
            DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
            RECORD_VISITED=visited_tiles is not None,
            KV_SAME_STRIDES=key_cache.stride()[:2] == value_cache.stride()[:2], STORE_LSE=lse is not None,
-           USE_SINKS=sinks is not None,
-           num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+           USE_SINKS=sinks is not None, KV_FP8=kv_fp8, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if num_kv_splits > 1:
         heads_per_program = max(1, min(_next_pow2(num_heads), REDUCE_ELEMENTS_PER_PROGRAM // (padded * num_kv_splits)))
         launch(kernels, "reduce_segments_kernel", (num_tokens, -(-num_heads // heads_per_program)),
@@ -256,7 +265,7 @@ def _check(query, key_cache, value_cache, output, query_start_loc, seq_lens, blo
         problems.append(f"tensors on several devices ({sorted(map(str, devices))})")
     if output.shape != query.shape:
         problems.append(f"output {tuple(output.shape)} must match query {tuple(query.shape)}")
-    if key_cache.dtype != query.dtype or value_cache.dtype != query.dtype:
+    if value_cache.dtype != key_cache.dtype or (key_cache.dtype != query.dtype and not is_quantized(key_cache.dtype)):
         problems.append(f"cache dtype {key_cache.dtype} differs from query dtype {query.dtype}")
     for name, t in (("query", query), ("output", output), ("key_cache", key_cache),
                     ("value_cache", value_cache), ("block_table", block_table)):

@@ -56,6 +56,8 @@ def paged_attention_kernel(
     visited_tiles_ptr,    # [num_q_tiles, num_kv_heads, NUM_SEGMENTS] int32 (RECORD_VISITED only; a test aid)
     lse_ptr,              # [num_tokens, num_heads] fp32 (strided), natural-log LSE (STORE_LSE only)
     sinks_ptr,            # [num_heads] fp32 sink logits, natural-log domain (USE_SINKS only)
+    k_scale_ptr,          # [num_kv_heads] fp32, K descale: real = stored * k_scale (KV_FP8 only)
+    v_scale_ptr,          # [num_kv_heads] fp32, V descale (KV_FP8 only)
     num_reqs,             # int32
     scale,                # fp32, softmax scale (natural-log domain)
     soft_cap,             # fp32, logits soft-cap (read only when USE_SOFT_CAP)
@@ -81,6 +83,7 @@ def paged_attention_kernel(
     KV_SAME_STRIDES: tl.constexpr,     # value_cache strides == key_cache strides (blocks, tokens)
     STORE_LSE: tl.constexpr,           # also store each row's log-sum-exp (NUM_SEGMENTS == 1 only)
     USE_SINKS: tl.constexpr,           # one more logit per head in the denominator, no value
+    KV_FP8: tl.constexpr,              # the caches are fp8: cast to q's dtype, descale (core/kv_quant.py)
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -147,6 +150,8 @@ def paged_attention_kernel(
         has_sink = row_valid & (segment == 0)
         m_i = tl.where(has_sink, sink, m_i)
         l_i = tl.where(has_sink, 1.0, l_i)
+    if KV_FP8:  # one KV head per program: K's descale folds into the softmax scale, V's into the output
+        scale = scale * tl.load(k_scale_ptr + kv_head)
     qk_scale = scale * 1.4426950408889634  # log2(e): logits go to base 2 for exp2
     # Loop invariants (hoisted by hand: the interpreter pays per operation).
     key_offsets = tl.arange(0, TILE_N)
@@ -167,6 +172,8 @@ def paged_attention_kernel(
         k_rows = block * stride_k_blk + in_block * stride_k_tok
         kv_mask = key_live[:, None] & dim_valid_row
         k = tl.load(k_head + k_rows[:, None] + dims_row, mask=kv_mask, other=0.0)
+        if KV_FP8:
+            k = k.to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, TILE_N] fp32
         if USE_SOFT_CAP:
             # cap * tanh(x / cap) with tanh(y) = sign(y) * (1 - 2 / (exp(2|y|) + 1)), 2|y| clamped
@@ -193,8 +200,12 @@ def paged_attention_kernel(
         else:
             v_rows = block * stride_v_blk + in_block * stride_v_tok
         v = tl.load(v_head + v_rows[:, None] + dims_row, mask=kv_mask, other=0.0)
+        if KV_FP8:
+            v = v.to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
+    if KV_FP8:
+        acc = acc * tl.load(v_scale_ptr + kv_head)
 
     if NUM_SEGMENTS == 1:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]

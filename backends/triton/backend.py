@@ -16,6 +16,7 @@ import torch
 
 from attnplug.backends.triton.constants import HEAD_SIZES, KERNEL_BLOCK_SIZES
 from attnplug.backends.triton.runtime import interpreting, unavailable_reason
+from attnplug.core.kv_quant import is_quantized
 from attnplug.core.contracts import AttentionBackend, AttentionImpl, AttentionLayerConfig, AttentionMetadataBuilder
 
 
@@ -56,6 +57,8 @@ class TritonBackend(AttentionBackend, metaclass=_TritonBackendMeta):
 
     supported_head_sizes = HEAD_SIZES
     supported_kernel_block_sizes = KERNEL_BLOCK_SIZES
+    supported_kv_cache_dtypes = ("auto", "fp8_e4m3", "fp8_e5m2")
+    supports_per_head_kv_scales = True
 
     @classmethod
     def get_name(cls) -> str:
@@ -107,7 +110,7 @@ class TritonBackend(AttentionBackend, metaclass=_TritonBackendMeta):
         if layer.dtype == torch.bfloat16 and interpreting():
             reasons.append("bfloat16 is not supported under TRITON_INTERPRET=1: the interpreter's tl.dot "
                            "multiplies bfloat16 operands as raw uint16 bits; use float16/float32 there, or a GPU")
-        if layer.effective_kv_cache_dtype != layer.dtype:
+        if layer.effective_kv_cache_dtype != layer.dtype and not is_quantized(layer.effective_kv_cache_dtype):
             reasons.append(f"kv_cache_dtype {layer.effective_kv_cache_dtype} differs from dtype {layer.dtype}: "
                            "the kernels read the cache in the activation dtype (no quantized caches)")
         return reasons

@@ -16,6 +16,19 @@ INTERPRETED: bool = interpreting()
 """Whether the kernels below were decorated for the Triton interpreter."""
 
 
+@triton.jit
+def _round_to_fp8_grid(x, MANTISSA: tl.constexpr, MIN_EXP: tl.constexpr):
+    """``x`` (fp32, within the fp8 range) rounded to the nearest fp8 value, ties to even, as
+    torch's cast rounds: the step is ``2^(max(floor(log2|x|), MIN_EXP) - MANTISSA)``."""
+    a = tl.abs(x)
+    e = tl.maximum(tl.floor(tl.log2(tl.where(a > 0, a, 1.0))), MIN_EXP)
+    step = tl.exp2(e - MANTISSA)
+    y = a / step
+    r = tl.floor(y + 0.5)
+    r = tl.where((r - y == 0.5) & (r % 2 == 1), r - 1, r)
+    return tl.where(x < 0, -r * step, r * step)
+
+
 @triton.jit(do_not_specialize=["num_rows"])  # one compile for every token count
 def write_kv_cache_kernel(
     key_ptr,            # [num_tokens, NUM_KV_HEADS, HEAD_SIZE], last dim contiguous
@@ -23,6 +36,8 @@ def write_kv_cache_kernel(
     key_cache_ptr,      # [num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE] (strided view)
     value_cache_ptr,    # [num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE] (strided view)
     slot_mapping_ptr,   # [num_tokens] int64, flat slots; PAD_SLOT_ID (< 0) = skip
+    k_scale_ptr,        # [NUM_KV_HEADS] fp32 (KV_FP8 only): stored = saturate(k / k_scale)
+    v_scale_ptr,        # [NUM_KV_HEADS] fp32 (KV_FP8 only)
     num_rows,           # int32: num_tokens * NUM_KV_HEADS
     stride_k_tok, stride_k_head,
     stride_v_tok, stride_v_head,
@@ -33,6 +48,11 @@ def write_kv_cache_kernel(
     HEAD_SIZE_PADDED: tl.constexpr,  # next power of two >= HEAD_SIZE
     ROWS_PER_PROGRAM: tl.constexpr,  # (token, KV head) rows per program, power of two
     BLOCK_SIZE: tl.constexpr,
+    KV_FP8: tl.constexpr,  # fp8 caches: divide by the head's scale, clamp to +-FP8_MAX, cast
+    FP8_MAX: tl.constexpr,  # the cache dtype's largest finite value (448 e4m3fn, 57344 e5m2)
+    FP8_MANTISSA: tl.constexpr,  # mantissa bits: 3 (e4m3fn), 2 (e5m2)
+    FP8_MIN_EXP: tl.constexpr,   # exponent of the smallest normal: -6 (e4m3fn), -14 (e5m2)
+    ROUND_ON_GRID: tl.constexpr,  # round to the fp8 grid in fp32 first (the interpreter's cast is wrong)
 ):
     """Grid ``(cdiv(num_tokens * NUM_KV_HEADS, ROWS_PER_PROGRAM),)``: each program copies
     ``ROWS_PER_PROGRAM`` (token, KV head) rows of K and V, cast to the cache dtype, to the
@@ -50,6 +70,14 @@ def write_kv_cache_kernel(
     k = tl.load(key_ptr + token[:, None] * stride_k_tok + head[:, None] * stride_k_head + dims[None, :], mask=mask)
     v = tl.load(value_ptr + token[:, None] * stride_v_tok + head[:, None] * stride_v_head + dims[None, :],
                 mask=mask)
+    if KV_FP8:  # core/kv_quant.py: saturate(x / scale), per KV head
+        k_s = tl.load(k_scale_ptr + head, mask=in_range, other=1.0)
+        v_s = tl.load(v_scale_ptr + head, mask=in_range, other=1.0)
+        k = tl.minimum(tl.maximum(k.to(tl.float32) / k_s[:, None], -FP8_MAX), FP8_MAX)
+        v = tl.minimum(tl.maximum(v.to(tl.float32) / v_s[:, None], -FP8_MAX), FP8_MAX)
+        if ROUND_ON_GRID:  # the interpreter's fp32 -> fp8 cast loses a rounding carry (124.0 -> 64.0):
+            k = _round_to_fp8_grid(k, FP8_MANTISSA, FP8_MIN_EXP)  # round in fp32 so the cast is exact
+            v = _round_to_fp8_grid(v, FP8_MANTISSA, FP8_MIN_EXP)
     k_dst = block * stride_kc_blk + in_block * stride_kc_tok + head * stride_kc_head
     v_dst = block * stride_vc_blk + in_block * stride_vc_tok + head * stride_vc_head
     tl.store(key_cache_ptr + k_dst[:, None] + dims[None, :], k.to(key_cache_ptr.dtype.element_ty), mask=mask)

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import torch
 
-from attnplug.backends.triton.runtime import kernel_module, launch
+from attnplug.backends.triton.runtime import interpreting, kernel_module, launch
 from attnplug.backends.common.value_checks import check_slots, values_checked
 from attnplug.core.constants import PAD_SLOT_ID
 from attnplug.core.errors import MetadataError
+from attnplug.core.kv_quant import is_quantized, per_head_scales
 
 WRITE_ELEMENTS_PER_PROGRAM = 2048
 """Elements of K (and as many of V) one K/V-write program moves: ``(token, KV head)`` rows
@@ -23,7 +24,8 @@ def _next_pow2(n: int) -> int:
 
 
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
-                   value_cache: torch.Tensor, slot_mapping: torch.Tensor, *, check_values: bool = True) -> None:
+                   value_cache: torch.Tensor, slot_mapping: torch.Tensor, *, check_values: bool = True,
+                   k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
     """Write each token's K and V at its slot of the paged cache, in place.
 
     Args:
@@ -38,6 +40,8 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tens
             skipped (nothing is written for them).
         check_values: check the slots where they are checked (below); ``False`` when the
             caller already did.
+        k_scale, v_scale: float32 ``[]`` or ``[num_kv_heads]`` or ``None`` (1.0): an fp8
+            cache stores ``saturate(x / scale)`` (``core/kv_quant.py``); others ignore them.
 
     Raises:
         MetadataError: shapes that disagree, a slot mapping that is not int64; where values are checked (CPU tensors always,
@@ -66,13 +70,19 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tens
     rows_per_program = max(1, WRITE_ELEMENTS_PER_PROGRAM // padded)
     num_rows = num_tokens * num_kv_heads
     kernels = kernel_module("cache_kernels")
+    kv_fp8 = is_quantized(key_cache.dtype)
+    k_s, v_s = ((per_head_scales(k_scale, num_kv_heads, key.device), per_head_scales(v_scale, num_kv_heads, key.device))
+                if kv_fp8 else (slot_mapping, slot_mapping))
     launch(kernels, "write_kv_cache_kernel", (-(-num_rows // rows_per_program),),
-        key, value, key_cache, value_cache, slot_mapping, num_rows,
+        key, value, key_cache, value_cache, slot_mapping, k_s, v_s, num_rows,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         NUM_KV_HEADS=num_kv_heads, HEAD_SIZE=head_size, HEAD_SIZE_PADDED=padded,
         ROWS_PER_PROGRAM=rows_per_program, BLOCK_SIZE=block_size,
+        KV_FP8=kv_fp8, FP8_MAX=float(torch.finfo(key_cache.dtype).max) if kv_fp8 else 0.0,
+        FP8_MANTISSA=3 if key_cache.dtype == torch.float8_e4m3fn else 2,
+        FP8_MIN_EXP=-6 if key_cache.dtype == torch.float8_e4m3fn else -14, ROUND_ON_GRID=kv_fp8 and interpreting(),
     )
 
 

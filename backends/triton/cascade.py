@@ -76,8 +76,10 @@ def with_cascade(md: TritonAttentionMetadata, cm: CommonAttentionMetadata, commo
 
 def cascade_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                       output: torch.Tensor, md: TritonAttentionMetadata, *, scale: float,
-                      logits_soft_cap: float | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                      logits_soft_cap: float | None, sinks: torch.Tensor | None = None,
+                      k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of a cascade step (K/V already written): prefix pass, suffix pass, merge.
+    ``k_scale`` / ``v_scale``: an fp8 cache's descales, as :func:`paged_attention` takes them.
 
     Args:
         query: ``[num_tokens, num_heads, head_size]``; rows past ``md.num_actual_tokens``
@@ -100,7 +102,8 @@ def cascade_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
     suffix_out = torch.empty_like(prefix_out)
     prefix_lse = torch.empty(T, H, dtype=torch.float32, device=dev)
     suffix_lse = torch.empty_like(prefix_lse)
-    common = dict(scale=scale, logits_soft_cap=logits_soft_cap, num_kv_splits=1, check_values=False)
+    common = dict(scale=scale, logits_soft_cap=logits_soft_cap, num_kv_splits=1, check_values=False,
+                  k_scale=k_scale, v_scale=v_scale)
     paged_attention(q, key_cache, value_cache, prefix_out, c.prefix_query_start_loc, c.prefix_seq_lens,
                     c.prefix_block_table, num_reqs=1, max_query_len=T, causal=False, lse=prefix_lse, sinks=sinks,
                     **common)

@@ -14,6 +14,8 @@ from attnplug.backends.triton.constants import HEAD_SIZES
 from attnplug.backends.triton.metadata import TritonAttentionMetadata
 from attnplug.backends.triton.runtime import interpreting
 from attnplug.backends.common.value_checks import check_batch, check_slots, values_checked
+from attnplug.backends.common.kv_scales import kv_scales_for
+from attnplug.core.kv_quant import FP8_DTYPES
 from attnplug.core.contracts import AttentionImpl, AttentionType
 from attnplug.core.errors import BackendUnsupportedError, MetadataError
 
@@ -67,11 +69,14 @@ class TritonAttentionImpl(AttentionImpl):
         """Write this step's K/V at the slot mapping, then attend over the paged cache.
 
         Args:
-            layer: the calling module (unused; may be ``None``).
+            layer: the calling module, or ``None``; an fp8 cache reads its ``k_scale`` /
+                ``v_scale`` (float32 ``[]`` or ``[num_kv_heads]``; absent = 1.0,
+                ``core/kv_quant.py``).
             query: ``[num_tokens, num_heads, head_size]``, float32/float16/bfloat16.
             key, value: ``[num_tokens, num_kv_heads, head_size]``, same dtype and device.
             kv_cache: ``[num_blocks, 2, block_size, num_kv_heads, head_size]`` (K at index
-                0, V at 1), same dtype and device; written in place at the real slots only.
+                0, V at 1), same device, query's dtype or fp8 (``saturate(x / scale)``,
+                dequantised in the kernel); written in place at the real slots only.
             attn_metadata: what :class:`TritonMetadataBuilder` built this step.
             output: ``[num_tokens, num_heads, head_size]``, same dtype and device; rows of
                 real tokens are overwritten, padded rows are left untouched.
@@ -104,17 +109,20 @@ class TritonAttentionImpl(AttentionImpl):
             check_batch(md.query_start_loc, md.seq_lens, md.block_table_tensor, num_reqs=md.num_reqs,
                         num_tokens=query.shape[0], num_blocks=kv_cache.shape[0], block_size=md.block_size,
                         where="triton forward")
+        k_scale, v_scale = kv_scales_for(layer, self.num_kv_heads, kv_cache.dtype, "triton forward")
         write_kv_cache(key[:num_writes], value[:num_writes], key_cache, value_cache, md.slot_mapping[:num_writes],
-                       check_values=False)
+                       check_values=False, k_scale=k_scale, v_scale=v_scale)
         sinks = self._sinks_on(query.device)
         if md.cascade is not None and self.sliding_window is None:
             return cascade_attention(query, key_cache, value_cache, output, md, scale=self.scale,
-                                     logits_soft_cap=self.logits_soft_cap, sinks=sinks)
+                                     logits_soft_cap=self.logits_soft_cap, sinks=sinks, k_scale=k_scale,
+                                     v_scale=v_scale)
         return paged_attention(
             query, key_cache, value_cache, output, md.query_start_loc, md.seq_lens, md.block_table_tensor,
             num_reqs=md.num_reqs, max_query_len=md.max_query_len, scale=self.scale, causal=md.causal,
             sliding_window=self.sliding_window, logits_soft_cap=self.logits_soft_cap,
-            num_kv_splits=md.num_kv_splits, check_values=False, sinks=sinks)
+            num_kv_splits=md.num_kv_splits, check_values=False, sinks=sinks,
+            k_scale=k_scale, v_scale=v_scale)
 
     def _sinks_on(self, device: torch.device) -> torch.Tensor | None:
         """``self.sinks`` on ``device`` (moved once; ``None`` without sinks)."""
@@ -142,7 +150,7 @@ class TritonAttentionImpl(AttentionImpl):
         shape = (2, md.block_size, self.num_kv_heads, self.head_size)
         if kv_cache.dim() != 5 or tuple(kv_cache.shape[1:]) != shape:
             problems.append(f"kv_cache {tuple(kv_cache.shape)} should be [num_blocks, {', '.join(map(str, shape))}]")
-        dtypes = {t.dtype for t in (query, key, value, kv_cache, output)}
+        dtypes = {t.dtype for t in (query, key, value, output)} | ({kv_cache.dtype} - set(FP8_DTYPES))
         if len(dtypes) != 1:
             problems.append(f"query/key/value/kv_cache/output dtypes differ ({sorted(map(str, dtypes))}); the "
                             "kernels need one dtype")

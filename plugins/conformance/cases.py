@@ -22,6 +22,9 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Sequence
 
 DTYPES = ("float32", "float16", "bfloat16")
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")
+"""``kv_cache_dtype`` values (``core/kv_quant.py``); ``auto`` = the case's ``dtype``."""
+KV_SCALES = ("per_tensor", "per_head")
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,11 @@ class ConformanceCase:
         history_chunk: largest history chunk per request per step (``None``: all at once).
         seed: seeds Q/K/V and block ids.
         check_determinism: also run the case twice and demand bit-identical results.
+        kv_cache_dtype: ``"auto"`` (the cache in ``dtype``) or ``"fp8_e4m3"`` / ``"fp8_e5m2"``:
+            the cache is fp8, the impl gets non-unit ``k_scale`` / ``v_scale`` on its ``layer``
+            argument, and the golden attends over the dequantised K/V (``oracle.case_kv_scales``).
+        kv_scales: ``"per_head"`` (``[num_kv_heads]``, a different scale per head) or
+            ``"per_tensor"`` (``[]``); fp8 cases only.
         tags: what the case covers (documentation and ``-k`` selection).
     """
 
@@ -72,6 +80,8 @@ class ConformanceCase:
     history_chunk: int | None = None
     seed: int = 0
     check_determinism: bool = False
+    kv_cache_dtype: str = "auto"
+    kv_scales: str = "per_head"
     tags: tuple[str, ...] = field(default_factory=tuple)
 
     def __post_init__(self):
@@ -97,6 +107,10 @@ class ConformanceCase:
             problems.append(f"logits_soft_cap must be > 0, got {self.logits_soft_cap}")
         if self.scale is not None and not (isinstance(self.scale, (int, float)) and not isinstance(self.scale, bool) and 0 < self.scale < float("inf")):
             problems.append(f"scale must be a finite number > 0 or null (head_size ** -0.5), got {self.scale!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            problems.append(f"kv_cache_dtype {self.kv_cache_dtype!r} not in {KV_CACHE_DTYPES}")
+        if self.kv_scales not in KV_SCALES:
+            problems.append(f"kv_scales {self.kv_scales!r} not in {KV_SCALES}")
         if problems:
             raise ValueError(f"conformance case {self.name!r}: " + "; ".join(problems))
 
@@ -218,5 +232,11 @@ CASES: tuple[ConformanceCase, ...] = (
     _c("sink_logits_gqa", [(10, 1), (0, 9), (20, 5)], "sinks", "gqa", sinks=True, num_pad_tokens=2),
     _c("sink_logits_sliding", [(13, 1), (0, 11), (9, 6)], "sinks", "window", "chunked", sinks=True,
        sliding_window=5, block_size=4, history_chunk=5),
+    # fp8 KV caches with non-unit scales (per KV head: ignoring them, or using head 0's for
+    # every head, fails); the golden attends over the dequantised K/V
+    _c("fp8_e4m3_per_head", [(10, 1), (0, 6), (12, 3)], "fp8", "gqa", kv_cache_dtype="fp8_e4m3",
+       kv_scales="per_head", num_pad_tokens=2),
+    _c("fp8_e5m2_per_tensor", [(9, 1), (0, 5)], "fp8", kv_cache_dtype="fp8_e5m2", kv_scales="per_tensor",
+       num_pad_tokens=1),
 )
 """The built-in catalog. Names are unique; each case is a few dozen tokens at most."""

@@ -14,7 +14,9 @@ from attnplug.core.contracts import AttentionBackend
 from attnplug.plugins.conformance import diagnosis
 from attnplug.plugins.conformance.attribution import blocks_read
 from attnplug.plugins.conformance.harness import CaseRun, StepRecord
-from attnplug.plugins.conformance.oracle import CaseInputs, dense_attention
+from attnplug.core.kv_quant import quantize_kv
+from attnplug.plugins.conformance.cases import ConformanceCase
+from attnplug.plugins.conformance.oracle import CaseInputs, case_kv_scales, dense_attention
 from attnplug.plugins.conformance.poison import bits
 
 TOLERANCES: dict[str, tuple[float, float]] = {
@@ -108,14 +110,16 @@ def _nan_problem(run: CaseRun, s: int, kind: str, g: int, n_nan: int, total: int
     return text + f". Blocks read ({len(found)}{'' if complete else ', maybe more'}): " + listed
 
 
-def _expected_cache(backend: type[AttentionBackend], step: StepRecord, g: int, kbs: int) -> torch.Tensor:
+def _expected_cache(backend: type[AttentionBackend], step: StepRecord, g: int, kbs: int,
+                    case: ConformanceCase) -> torch.Tensor:
     grp = step.groups[g]
     expected = grp.cache_before.clone()
     n = len(step.token_req)
     slots = grp.slot_mapping[:n]
     kc, vc = backend.split_kv_cache(expected)
-    kc[slots // kbs, slots % kbs] = step.key[:n].to(kc.dtype)
-    vc[slots // kbs, slots % kbs] = step.value[:n].to(vc.dtype)
+    k_scale, v_scale = case_kv_scales(case)  # fp8: saturate(x / scale) (core/kv_quant.py)
+    kc[slots // kbs, slots % kbs] = quantize_kv(step.key[:n], k_scale, kc.dtype)
+    vc[slots // kbs, slots % kbs] = quantize_kv(step.value[:n], v_scale, vc.dtype)
     return expected
 
 
@@ -127,7 +131,7 @@ def check_cache_writes(run: CaseRun, backend: type[AttentionBackend]) -> list[st
     for s, step in enumerate(run.steps):
         n = len(step.token_req)
         for g, grp in enumerate(step.groups):
-            expected = _expected_cache(backend, step, g, kbs)
+            expected = _expected_cache(backend, step, g, kbs, run.case)
             if torch.equal(bits(grp.cache_after), bits(expected)):
                 continue
             if n and torch.equal(bits(grp.cache_after), bits(grp.cache_before)):

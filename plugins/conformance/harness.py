@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import traceback
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -29,7 +30,7 @@ from attnplug.core.constants import PAD_SLOT_ID
 from attnplug.core.contracts import AttentionBackend, AttentionType, BuilderConfig
 from attnplug.core.devices import resolve_device
 from attnplug.plugins.conformance.cases import ConformanceCase
-from attnplug.plugins.conformance.oracle import CaseInputs
+from attnplug.plugins.conformance.oracle import CaseInputs, case_kv_scales
 from attnplug.plugins.conformance.poison import PoisonPlan, bits
 from attnplug.plugins.conformance.requirements import torch_dtype
 from attnplug.plugins.conformance.snapshots import changes_since, snapshot, value_differences
@@ -87,6 +88,22 @@ class CaseRun:
     error: str | None = None
     backend: type[AttentionBackend] | None = None
     """The backend class (to rerun the case when a failure needs it)."""
+
+
+def case_cache_dtype(case: ConformanceCase) -> torch.dtype:
+    """The KV cache's dtype: the case's ``dtype``, or its fp8 ``kv_cache_dtype``."""
+    from attnplug.core.kv_quant import parse_kv_cache_dtype
+
+    return parse_kv_cache_dtype(case.kv_cache_dtype) or torch_dtype(case.dtype)
+
+
+def case_layer(case: ConformanceCase, device) -> SimpleNamespace | None:
+    """The ``layer`` argument of ``forward``: ``None``, or for an fp8 case an object with
+    the case's ``k_scale`` / ``v_scale`` (``oracle.case_kv_scales``) on ``device``."""
+    if case.kv_cache_dtype == "auto":
+        return None
+    k_scale, v_scale = case_kv_scales(case)
+    return SimpleNamespace(k_scale=k_scale.to(device), v_scale=v_scale.to(device))
 
 
 def _assign_blocks(case: ConformanceCase, num_blocks_needed: list[int], group: int) -> tuple[list[list[int]], int]:
@@ -147,10 +164,10 @@ class _Runner:
         max_model_len = cdiv(max(lens), case.block_size) * case.block_size
         if case.sliding_window is not None:
             spec = SlidingWindowSpec(block_size=kbs, num_kv_heads=case.num_kv_heads, head_size=case.head_size,
-                                     dtype=dtype, sliding_window=case.sliding_window)
+                                     dtype=case_cache_dtype(case), sliding_window=case.sliding_window)
         else:
             spec = FullAttentionSpec(block_size=kbs, num_kv_heads=case.num_kv_heads, head_size=case.head_size,
-                                     dtype=dtype)
+                                     dtype=case_cache_dtype(case))
         cfg = BuilderConfig(max_num_reqs=len(lens), max_num_batched_tokens=max_tokens, max_model_len=max_model_len)
         builder_cls = backend_cls.get_builder_cls()
         self.builders = [builder_cls(spec, [f"layer{g}"], cfg, self.device) for g in range(NUM_GROUPS)]
@@ -163,11 +180,15 @@ class _Runner:
         sink_kwargs = {} if self.inputs.sinks is None else {"sinks": self.inputs.sinks.to(self.device)}
         self.impl = backend_cls.get_impl_cls()(
             case.num_heads, case.head_size, case.softmax_scale, case.num_kv_heads, sliding_window=case.sliding_window,
-            logits_soft_cap=case.logits_soft_cap, attn_type=AttentionType.DECODER, kv_cache_dtype=dtype,
-            **sink_kwargs)
+            logits_soft_cap=case.logits_soft_cap, attn_type=AttentionType.DECODER,
+            kv_cache_dtype=case_cache_dtype(case), **sink_kwargs)
         shape = backend_cls.get_kv_cache_shape(num_blocks * (case.block_size // kbs), kbs, case.num_kv_heads,
                                                case.head_size)
-        self.caches = [torch.full(shape, POISON, dtype=dtype, device=self.device) for _ in range(NUM_GROUPS)]
+        cache_dtype = case_cache_dtype(case)
+        self.poison_value = min(POISON, torch.finfo(cache_dtype).max)  # finite in an fp8 cache too
+        self.caches = [torch.full(shape, self.poison_value, dtype=cache_dtype, device=self.device)
+                       for _ in range(NUM_GROUPS)]
+        self.layer = case_layer(case, self.device)
         self.plan = PoisonPlan(case, self.blocks, num_blocks, self.steps, kbs)
         self.nan_only = nan_only
         """``None``: every planned block gets NaN; else only these ``(group, kernel block)``
@@ -204,13 +225,13 @@ class _Runner:
             fresh = [kb for i in self.plan.admitted_at(index) for b in self.blocks[g][i]
                      for kb in self.plan.kernel_blocks(b)]
             for half in halves:
-                half[torch.as_tensor(fresh, dtype=torch.int64, device=self.device)] = POISON
+                half[torch.as_tensor(fresh, dtype=torch.int64, device=self.device)] = self.poison_value
             for i in step if W is not None else ():
                 hidden = np.arange(max(0, self.computed[i] - W + 1))
                 slots = torch.as_tensor(_kernel_slots(self.blocks[g][i], hidden, self.case.block_size, self.kbs),
                                         device=self.device)
                 for half in halves:
-                    half[slots // self.kbs, slots % self.kbs] = POISON
+                    half[slots // self.kbs, slots % self.kbs] = self.poison_value
             blocks = self.plan.nan_blocks(index, g, self.computed)
             if self.nan_only is not None:
                 blocks = {kb: why for kb, why in blocks.items() if (g, kb) in self.nan_only}
@@ -280,12 +301,12 @@ class _Runner:
         """``impl.forward``; on CUDA under ``torch.cuda.set_sync_debug_mode("error")``, so a
         forward that synchronises with the host (``.item()``, ``.tolist()``...) fails."""
         if self.device.type != "cuda":
-            self.impl.forward(None, q, k, v, kv_cache, md, out)
+            self.impl.forward(self.layer, q, k, v, kv_cache, md, out)
             return
         previous = torch.cuda.get_sync_debug_mode()
         torch.cuda.set_sync_debug_mode("error")
         try:
-            self.impl.forward(None, q, k, v, kv_cache, md, out)
+            self.impl.forward(self.layer, q, k, v, kv_cache, md, out)
         finally:
             torch.cuda.set_sync_debug_mode(previous)
 

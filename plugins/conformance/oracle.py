@@ -21,6 +21,32 @@ from attnplug.plugins.conformance.requirements import torch_dtype
 SOFTCAP_QUERY_GAIN = 4.0
 """Queries of soft-capped cases are scaled by this so that logits exceed the cap."""
 
+FP8_AMAX = 5.0
+"""The |K| / |V| (before the per-head gains) an fp8 case's scales are sized for: a standard
+normal exceeds it with probability 6e-7 (and saturates alike in backend and golden)."""
+
+
+def fp8_head_gains(case: ConformanceCase) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(k_gain, v_gain)``, float32 ``[num_kv_heads]``: an fp8 case's K of head ``h`` is
+    scaled by ``1 + 2h`` and V by ``1 / (1 + h)``, so every head needs its own scale."""
+    h = torch.arange(case.num_kv_heads, dtype=torch.float32)
+    return 1.0 + 2.0 * h, 1.0 / (1.0 + h)
+
+
+def case_kv_scales(case: ConformanceCase) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The ``k_scale`` / ``v_scale`` (float32, ``[num_kv_heads]`` or ``[]``) an fp8 case
+    gives the impl: ``gain_h * FP8_AMAX / finfo.max`` (the largest gain for per-tensor
+    scales); ``(None, None)`` for an ``auto`` case."""
+    if case.kv_cache_dtype == "auto":
+        return None, None
+    from attnplug.core.kv_quant import parse_kv_cache_dtype
+
+    big = torch.finfo(parse_kv_cache_dtype(case.kv_cache_dtype)).max
+    scales = tuple(g * FP8_AMAX / big for g in fp8_head_gains(case))
+    if case.kv_scales == "per_tensor":
+        scales = tuple(s.max() for s in scales)
+    return scales
+
 
 class CaseInputs:
     """Per request ``i`` with ``L_i = computed_i + scheduled_i`` tokens: ``query``
@@ -50,6 +76,19 @@ class CaseInputs:
         self.query = torch.cat(qs).to(dtype)
         self.key = torch.cat(ks).to(dtype)
         self.value = torch.cat(vs).to(dtype)
+        self.ref_key, self.ref_value = self.key, self.value
+        """What the golden attends over: K/V themselves, or for an fp8 case their
+        round trip through the cache (``saturate(x / scale)`` in fp8, times ``scale``)."""
+        if case.kv_cache_dtype != "auto":
+            from attnplug.core.kv_quant import dequantize_kv, parse_kv_cache_dtype, quantize_kv
+
+            k_gain, v_gain = fp8_head_gains(case)
+            self.key = (self.key.float() * k_gain.view(-1, 1)).to(dtype)
+            self.value = (self.value.float() * v_gain.view(-1, 1)).to(dtype)
+            cache = parse_kv_cache_dtype(case.kv_cache_dtype)
+            k_scale, v_scale = case_kv_scales(case)
+            self.ref_key = dequantize_kv(quantize_kv(self.key, k_scale, cache), k_scale, torch.float32)
+            self.ref_value = dequantize_kv(quantize_kv(self.value, v_scale, cache), v_scale, torch.float32)
 
     def rows(self, token_req: np.ndarray, token_pos: np.ndarray) -> torch.Tensor:
         """``[num_tokens]`` int64 rows of the tables for (request index, position) pairs."""
@@ -59,7 +98,8 @@ class CaseInputs:
 def dense_attention(inputs: CaseInputs, token_req: np.ndarray, token_pos: np.ndarray,
                     kv_head_of: Sequence[int] | None = None) -> torch.Tensor:
     """``[num_tokens, num_heads, head_size]`` float64: exact attention of each (request,
-    position) query over keys ``0 .. position`` of its request (and inside the window).
+    position) query over keys ``0 .. position`` of its request (and inside the window);
+    an fp8 case's keys and values are the dequantised ones (``CaseInputs.ref_key``).
 
     ``kv_head_of[h]`` is the KV head query head ``h`` reads; default ``h // (num_heads //
     num_kv_heads)``, the GQA convention (HF ``repeat_kv``). Another mapping serves the
@@ -79,8 +119,8 @@ def dense_attention(inputs: CaseInputs, token_req: np.ndarray, token_pos: np.nda
         base = int(inputs.offsets[i])
         n = int(pos.max()) + 1
         q = inputs.query[base + pos].double()                                  # [t, H, D]
-        k = inputs.key[base:base + n].double()[:, kv_index]                    # [n, H, D]
-        v = inputs.value[base:base + n].double()[:, kv_index]
+        k = inputs.ref_key[base:base + n].double()[:, kv_index]                # [n, H, D]
+        v = inputs.ref_value[base:base + n].double()[:, kv_index]
         logits = torch.einsum("thd,nhd->htn", q, k) * case.softmax_scale
         if case.logits_soft_cap is not None:
             cap = case.logits_soft_cap

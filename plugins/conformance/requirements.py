@@ -92,8 +92,30 @@ def layer_config(case: ConformanceCase, device: str) -> AttentionLayerConfig:
     """The :class:`AttentionLayerConfig` of ``case`` (``block_size`` is the manager's)."""
     return AttentionLayerConfig(
         num_heads=case.num_heads, num_kv_heads=case.num_kv_heads, head_size=case.head_size,
-        dtype=torch_dtype(case.dtype), block_size=case.block_size, sliding_window=case.sliding_window,
+        dtype=torch_dtype(case.dtype), kv_cache_dtype=_kv_cache_dtype(case), block_size=case.block_size,
+        sliding_window=case.sliding_window,
         logits_soft_cap=case.logits_soft_cap, device=device, has_sinks=case.sinks)
+
+
+def _kv_cache_dtype(case: ConformanceCase) -> torch.dtype | None:
+    from attnplug.core.kv_quant import parse_kv_cache_dtype
+
+    return parse_kv_cache_dtype(case.kv_cache_dtype)
+
+
+def _kv_cache_skips(backend_cls: type[AttentionBackend], case: ConformanceCase) -> list[str]:
+    """An fp8 case on a backend that does not declare its cache dtype (``supported_kv_cache_dtypes``)
+    or, for per-head scales, ``supports_per_head_kv_scales``."""
+    if case.kv_cache_dtype == "auto":
+        return []
+    declared = tuple(getattr(backend_cls, "supported_kv_cache_dtypes", ("auto",)))
+    if case.kv_cache_dtype not in declared:
+        return [f"the case needs kv_cache_dtype {case.kv_cache_dtype}; the backend declares "
+                f"supported_kv_cache_dtypes {list(declared)}"]
+    if case.kv_scales == "per_head" and not getattr(backend_cls, "supports_per_head_kv_scales", False):
+        return ["the case passes per-KV-head k_scale / v_scale; the backend declares "
+                "supports_per_head_kv_scales = False (per-tensor scales only)"]
+    return []
 
 
 def _kernel_block_size(backend_cls: type[AttentionBackend], case: ConformanceCase) -> tuple[int | None, str | None]:
@@ -133,6 +155,7 @@ def assess(backend_cls: type[AttentionBackend], case: ConformanceCase, device: s
     kbs, why_kbs = _kernel_block_size(backend_cls, case)
     if why_kbs:
         skips.append(why_kbs)
+    skips += _kv_cache_skips(backend_cls, case)
     declared = backend_cls.features()
     for feat in case.features:
         if not declared.get(feat, False):

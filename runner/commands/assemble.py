@@ -43,6 +43,9 @@ class EngineSetup:
     """Per request, its arrival in the trace (seconds after the first loaded request)."""
     texts: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Real-weight runs: per request id, its prompt's labels and text (``text_requests.py``)."""
+    kv_cache: dict[str, Any] = field(default_factory=lambda: {"dtype": "auto"})
+    """``{"dtype"}`` (``auto``), or for fp8 also ``"scales"`` (their source) and ``"granularity"``
+    (``runner/commands/kv_cache_setup.py``)."""
 
     def summary(self, results: dict, wall_s: float) -> dict[str, Any]:
         """Machine-readable summary of a finished run (what ``--json`` prints)."""
@@ -67,12 +70,14 @@ class EngineSetup:
                 {"kind": g.kv_cache_spec.kind, "layers": len(g.layer_names), "backend": b.get_name(),
                  "block_size": g.kv_cache_spec.block_size,
                  "sliding_window": getattr(g.kv_cache_spec, "sliding_window", None),
+                 "kv_cache_dtype": str(getattr(g.kv_cache_spec, "dtype", "")).replace("torch.", ""),
                  "capacity": self.kv_cache_config.num_blocks_of(i) - 1,
                  "bytes_per_token_per_layer": kv_bytes_per_token(g.kv_cache_spec),
                  "kv_cache_bytes": self.kv_cache_config.num_blocks_of(i) * g.kv_cache_spec.page_size_bytes
                  * len(g.layer_names)}
                 for i, (g, b) in enumerate(zip(self.kv_cache_config.groups, self.backends))
             ],
+            "kv_cache": dict(self.kv_cache),
             "metadata_builds_per_step": round(counters.total_builds / max(counters.steps, 1), 2),
             "metadata_reuses_per_step": round(counters.total_reuses / max(counters.steps, 1), 2),
             "trace": self.trace_info,
@@ -246,15 +251,22 @@ def build_engine(args, *, alone: bool = False, model: torch.nn.Module | None = N
 
     torch.manual_seed(args.seed)
     device = getattr(args, "device", "cpu")
+    from attnplug.runner.commands import kv_cache_setup
+
     if model is None:
         model = load_model_for_run(args.model, backend=args.backend, block_size=args.block_size,
-                                   seed=args.seed, resolve=resolve_backend, device=device)
-    specs = model.kv_cache_specs(args.block_size)
+                                   seed=args.seed, resolve=resolve_backend, device=device,
+                                   kv_cache_dtype=kv_cache_setup.cache_dtype(args))
+    kv_info = kv_cache_setup.prepare_scales(model, args)  # fp8: k_scale / v_scale on every attention layer
+    specs = kv_cache_setup.quantized_specs(model.kv_cache_specs(args.block_size), kv_cache_setup.cache_dtype(args))
     groups = group_layers_by_spec(specs)
     max_model_len = args.max_model_len
     max_num_seqs = 1 if alone else args.max_num_seqs
     budget = max_model_len if alone else args.max_num_batched_tokens
     num_blocks = args.num_blocks or (max_num_seqs * cdiv(max_model_len, args.block_size) + 1)
+    if getattr(args, "kv_cache_memory", None) and not args.num_blocks and not alone:
+        num_blocks = kv_cache_setup.blocks_for_memory([g.kv_cache_spec for g in groups],
+                                                      [len(g.layer_names) for g in groups], args.kv_cache_memory)
     # Mamba: 1 slot per request, 1 + k with k drafts (scratch slots per draft position), and,
     # with prefix caching, room for state checkpoints
     spec_cfg = speculative_config(args)
@@ -284,7 +296,7 @@ def build_engine(args, *, alone: bool = False, model: torch.nn.Module | None = N
     from attnplug.runner.parallel.executor import wrap_runner
 
     runner = wrap_runner(runner, alone)  # tensor parallel: rank 0 broadcasts each step
-    setup = EngineSetup(model, LLMEngine(sched, runner), kv_cfg, backends)
+    setup = EngineSetup(model, LLMEngine(sched, runner), kv_cfg, backends, kv_cache=kv_info or {"dtype": "auto"})
     if requests and not alone and getattr(model, "attnplug_tokenizer", None) is not None:
         from attnplug.runner.commands.text_requests import add_text_requests
 

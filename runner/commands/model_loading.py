@@ -7,6 +7,7 @@ The chosen backend classes are kept on the model as ``model.attnplug_backends``
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from typing import Any, Callable
@@ -40,7 +41,8 @@ def read_hf_config(path: str) -> dict[str, Any]:
 
 def build_with_backends(config: Any, *, backend: str | None, block_size: int, resolve: Callable,
                         dtype: torch.dtype = torch.float32, device: str = "cpu",
-                        seed: int | None = 0, init: bool = True) -> torch.nn.Module:
+                        seed: int | None = 0, init: bool = True,
+                        kv_cache_dtype: torch.dtype | None = None) -> torch.nn.Module:
     """Build a ``runner.models`` model whose attention layers use the selected backends.
 
     Args:
@@ -50,6 +52,8 @@ def build_with_backends(config: Any, *, backend: str | None, block_size: int, re
         resolve: ``resolve(name, layer_cfgs, kind_of) -> {layer: backend class}``.
         seed: the random weights' seed.
         init: ``False`` skips the random init (single-process only; real weights follow).
+        kv_cache_dtype: an fp8 KV cache dtype (``--kv-cache-dtype``): attention layers are
+            selected with it (a backend that does not declare it is refused); ``None``: auto.
     """
     from attnplug.runner.models import build_model
 
@@ -65,6 +69,8 @@ def build_with_backends(config: Any, *, backend: str | None, block_size: int, re
                 kind = "indexer"
             else:
                 kind = "sliding_window" if layer_cfg.sliding_window else "full_attention"
+                if kv_cache_dtype is not None:  # the fp8 cache is part of what the layer needs
+                    layer_cfg = dataclasses.replace(layer_cfg, kv_cache_dtype=kv_cache_dtype)
             chosen.update(resolve(backend, {layer_name: layer_cfg}, {layer_name: kind}))
         return chosen[layer_name]
 
@@ -89,7 +95,7 @@ def build_with_backends(config: Any, *, backend: str | None, block_size: int, re
 
 def load_model_for_run(model: str, *, backend: str | None, block_size: int, seed: int,
                        resolve: Callable, dtype: torch.dtype = torch.float32,
-                       device: str = "cpu") -> torch.nn.Module:
+                       device: str = "cpu", kv_cache_dtype: torch.dtype | None = None) -> torch.nn.Module:
     """``'preset'`` → the default bundled preset (``presets.DEFAULT_PRESET``); a preset name
     (``presets.PRESETS``) → that preset; a real model's name (``smollm2``) or a ``.gguf``
     path → its real weights (:func:`load_real_model`); else an HF ``config.json`` path.
@@ -99,7 +105,7 @@ def load_model_for_run(model: str, *, backend: str | None, block_size: int, seed
 
     if is_gguf_model(model):
         return load_real_model(model, backend=backend, block_size=block_size, resolve=resolve, dtype=dtype,
-                               device=device)
+                               device=device, kv_cache_dtype=kv_cache_dtype)
     if model == "preset":
         config = presets.preset_config()
     elif model in presets.PRESETS:
@@ -107,11 +113,12 @@ def load_model_for_run(model: str, *, backend: str | None, block_size: int, seed
     else:
         config = read_hf_config(model)
     return build_with_backends(config, backend=backend, block_size=block_size, resolve=resolve,
-                               dtype=dtype, device=device, seed=seed)
+                               dtype=dtype, device=device, seed=seed, kv_cache_dtype=kv_cache_dtype)
 
 
 def load_real_model(model: str, *, backend: str | None, block_size: int, resolve: Callable,
-                    dtype: torch.dtype = torch.float32, device: str = "cpu") -> torch.nn.Module:
+                    dtype: torch.dtype = torch.float32, device: str = "cpu",
+                    kv_cache_dtype: torch.dtype | None = None) -> torch.nn.Module:
     """A GGUF model (a bundled name such as ``smollm2``, or a ``.gguf`` path) with its real
     weights (``runner/models/gguf``, docs/real-weights.md), cast to ``dtype``. The model
     carries ``attnplug_tokenizer`` (its ``ChatTokenizer``) and ``attnplug_weights``
@@ -130,7 +137,7 @@ def load_real_model(model: str, *, backend: str | None, block_size: int, resolve
     for note in real.notes:
         print(f"attnplug: {note}", file=sys.stderr)
     built = build_with_backends(real.config, backend=backend, block_size=block_size, resolve=resolve,
-                                dtype=dtype, device=device, seed=None, init=False)
+                                dtype=dtype, device=device, seed=None, init=False, kv_cache_dtype=kv_cache_dtype)
     built.load_hf_state_dict(real.state_dict)
     built.attnplug_tokenizer = real.tokenizer
     built.attnplug_weights = {"path": real.path, "from_cache": real.from_cache}

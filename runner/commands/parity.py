@@ -63,7 +63,8 @@ def run_parity(cfg_dict: dict, *, num_requests: int = 6, seed: int = 0, force_pr
                block_size: int = 4, backend: str | None = None,
                prompt_len_range: tuple[int, int] = (3, 40), async_scheduling: bool = False,
                prefix_caching: bool = False, system_prompt_len: int = 24,
-               speculative: str | None = None) -> ParityResult:
+               speculative: str | None = None, kv_cache_dtype: str = "auto",
+               kv_scales: str = "first_batch") -> ParityResult:
     """Run the comparison (see the module docstring).
 
     Raises:
@@ -77,7 +78,10 @@ def run_parity(cfg_dict: dict, *, num_requests: int = 6, seed: int = 0, force_pr
         raise AttnplugError(f"dtype {dtype!r} not supported; choose one of {sorted(DTYPES)}")
     tdtype = DTYPES[dtype]
     cfg, hf = _hf_model(cfg_dict, seed, tdtype)
-    model = build_with_backends(cfg, backend=backend, block_size=block_size, resolve=resolve_backend, dtype=tdtype)
+    from attnplug.core.kv_quant import parse_kv_cache_dtype
+
+    model = build_with_backends(cfg, backend=backend, block_size=block_size, resolve=resolve_backend, dtype=tdtype,
+                                kv_cache_dtype=parse_kv_cache_dtype(kv_cache_dtype))
     model.load_hf_state_dict(hf.state_dict())
 
     rng = np.random.default_rng(seed)
@@ -96,7 +100,7 @@ def run_parity(cfg_dict: dict, *, num_requests: int = 6, seed: int = 0, force_pr
         model, prompts, lambda p: _hf_greedy(hf, p, max_tokens), tdtype, backend=backend, block_size=block_size,
         seed=seed, max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens, max_tokens=max_tokens,
         force_preemption=force_preemption, async_scheduling=async_scheduling, prefix_caching=prefix_caching,
-        speculative=speculative)
+        speculative=speculative, kv_cache_dtype=kv_cache_dtype, kv_scales=kv_scales)
 
 
 REAL_DEFAULTS = {"num_requests": 8, "max_tokens": 8, "max_num_batched_tokens": 64, "block_size": 16}
@@ -131,6 +135,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--json", action="store_true",
                    help="print the result as one JSON object (every ParityResult field) instead of the line")
     threads.add_flag(p)
+    from attnplug.runner.commands import kv_cache_setup
+
+    kv_cache_setup.add_flags(p, memory=False)  # fp8: agreement with HF's fp32 cache is measured, not required
     args = p.parse_args(argv)
     if (status := threads.apply(args.torch_threads, "attnplug parity")) is not None:
         return status
@@ -142,7 +149,8 @@ def main(argv: list[str]) -> int:
     common = dict(num_requests=args.num_requests, seed=args.seed, force_preemption=args.force_preemption,
                   dtype=args.dtype, max_num_batched_tokens=args.max_num_batched_tokens, max_tokens=args.max_tokens,
                   block_size=args.block_size, backend=args.backend, async_scheduling=args.async_scheduling,
-                  prefix_caching=args.prefix_caching, speculative=args.speculative)
+                  prefix_caching=args.prefix_caching, speculative=args.speculative,
+                  kv_cache_dtype=args.kv_cache_dtype, kv_scales=args.kv_scales)
     try:
         if args.model:
             from attnplug.runner.commands.parity_real import run_real_parity

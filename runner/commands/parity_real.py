@@ -59,7 +59,8 @@ def hf_generate(hf, prompt: list[int], max_tokens: int, eos: int | None) -> tupl
 def run_real_parity(model: str, *, num_requests: int = 8, max_tokens: int = 8, dtype: str = "float32",
                     max_num_batched_tokens: int = 64, block_size: int = 16, backend: str | None = None,
                     seed: int = 0, force_preemption: bool = False, async_scheduling: bool = False,
-                    prefix_caching: bool = False, speculative: str | None = None) -> ParityResult:
+                    prefix_caching: bool = False, speculative: str | None = None,
+                    kv_cache_dtype: str = "auto", kv_scales: str = "first_batch") -> ParityResult:
     """Run the comparison (module docstring) for ``model`` (``smollm2`` or a ``.gguf`` path).
 
     Raises:
@@ -75,8 +76,10 @@ def run_real_parity(model: str, *, num_requests: int = 8, max_tokens: int = 8, d
         raise AttnplugError(f"dtype {dtype!r} not supported; choose one of {sorted(DTYPES)}")
     tdtype = DTYPES[dtype]
     real = load_gguf(model)
+    from attnplug.core.kv_quant import parse_kv_cache_dtype
+
     ours = build_with_backends(real.config, backend=backend, block_size=block_size, resolve=resolve_backend,
-                               dtype=tdtype, seed=None, init=False)
+                               dtype=tdtype, seed=None, init=False, kv_cache_dtype=parse_kv_cache_dtype(kv_cache_dtype))
     ours.load_hf_state_dict(real.state_dict)
     hf = hf_llama(real.config, real.state_dict, tdtype)
     tok = real.tokenizer
@@ -89,7 +92,7 @@ def run_real_parity(model: str, *, num_requests: int = 8, max_tokens: int = 8, d
         block_size=block_size, seed=seed, max_model_len=longest + max_tokens + block_size,
         max_num_batched_tokens=max_num_batched_tokens, max_tokens=max_tokens, force_preemption=force_preemption,
         async_scheduling=async_scheduling, prefix_caching=prefix_caching, speculative=speculative,
-        stop_token_ids=(eos,) if eos is not None else ())
+        stop_token_ids=(eos,) if eos is not None else (), kv_cache_dtype=kv_cache_dtype, kv_scales=kv_scales)
 
 
 __all__ = ["hf_generate", "hf_llama", "run_real_parity"]

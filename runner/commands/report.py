@@ -38,8 +38,9 @@ def print_run_table(summary: dict[str, Any], console: Console | None = None) -> 
     """Render a ``setup.EngineSetup.summary`` dict as two tables: the run (counts, median
     µs per stage, metadata builds / reuses per step, batch invariance: "K/N identical", or
     "not checked" when no request was re-run) and the cache groups
-    (kind and window, layers, backend, peak KV blocks or Mamba state slots in use against
-    the group's pool, the pool's bytes), then the serving tables (``serving_report.py``)."""
+    (kind and window, layers, backend, cache dtype, peak KV blocks or Mamba state slots in use
+    against the group's pool, the pool's bytes; with ``--kv-cache-dtype`` fp8 the run table
+    says where the scales came from), then the serving tables (``serving_report.py``)."""
     console = console or Console()
     t = Table(title="attnplug run", show_header=True)
     t.add_column("metric")
@@ -73,6 +74,9 @@ def print_run_table(summary: dict[str, Any], console: Console | None = None) -> 
         t.add_row(f"median µs/step {stage}", f"{us:.1f}")
     t.add_row("metadata builds / reuses per step",
               f"{summary['metadata_builds_per_step']} / {summary['metadata_reuses_per_step']}")
+    kvc = summary.get("kv_cache") or {}
+    if kvc.get("dtype", "auto") != "auto":  # --kv-cache-dtype (kv_cache_setup.py)
+        t.add_row("KV cache dtype / scales", f"{kvc['dtype']} / {kvc['scales']} ({kvc['granularity']})")
     inv = summary.get("batch_invariance")
     if inv is not None:
         checked = inv.get("checked", 0)
@@ -80,7 +84,7 @@ def print_run_table(summary: dict[str, Any], console: Console | None = None) -> 
     console.print(t)
 
     g = Table(title="cache groups", show_header=True)
-    for col in ("group", "kind", "layers", "block", "backend", "peak / pool"):
+    for col in ("group", "kind", "layers", "block", "backend", "KV dtype", "peak / pool"):
         g.add_column(col, no_wrap=col != "backend")  # a long backend name wraps, the figures never do
     g.add_column("B/tok", no_wrap=True)  # cache bytes per token and layer (MLA: the latent row)
     g.add_column("KV MiB", no_wrap=True)  # the group's whole cache (every layer, every block)
@@ -93,7 +97,8 @@ def print_run_table(summary: dict[str, Any], console: Console | None = None) -> 
         block = "-" if grp["kind"] == GroupKind.MAMBA else str(grp["block_size"])
         per_token = grp.get("bytes_per_token_per_layer")
         kv = f"{grp['kv_cache_bytes'] / 2**20:.2f}" if "kv_cache_bytes" in grp else "-"
-        g.add_row(str(i), kind, str(grp["layers"]), block, grp["backend"], f"{peak}/{capacity} {unit}",
+        g.add_row(str(i), kind, str(grp["layers"]), block, grp["backend"], grp.get("kv_cache_dtype") or "-",
+                  f"{peak}/{capacity} {unit}",
                   "-" if per_token is None else str(per_token), kv)
     console.print(g)
     print_serving_tables(summary, console)  # serving_report.py (TTFT / TPOT / ITL / E2EL)

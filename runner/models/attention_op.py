@@ -30,6 +30,7 @@ import torch
 from attnplug.core.errors import MetadataError
 from attnplug.core.gdn import GDNStateCache
 from attnplug.core.mamba import MambaStateCache
+from attnplug.runner.models.kv_scales import calibrate_once
 
 
 @dataclass(frozen=True)
@@ -115,6 +116,7 @@ def attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv
         MetadataError: no forward context, or it lacks the layer; whatever the impl raises.
     """
     layer, meta = _layer_and_metadata(layer_name)
+    calibrate_once(layer, key, value)  # fp8 caches whose scales come from the first batch (kv_scales.py)
     layer.impl.forward(layer, query, key, value, kv_cache, meta, output)
 
 
@@ -173,6 +175,7 @@ def attend(layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     if torch.compiler.is_compiling():
         attention_op(query, key, value, kv_cache, output, layer.layer_name)
     else:
+        calibrate_once(layer, key, value)  # fp8 caches whose scales come from the first batch (kv_scales.py)
         layer.impl.forward(layer, query, key, value, kv_cache, attn_metadata, output)
 
 
