@@ -21,6 +21,7 @@ killed by SIGPIPE."""
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "run": ("attnplug.runner.commands.run", "replay a trace through the engine (the main job)"),
+    "serve": ("attnplug.runner.commands.serve", "an OpenAI-compatible server over the engine (docs/serving.md)"),
     "explain": ("attnplug.runner.commands.explain", "print one step's metadata per JSONL step"),
     "bench": ("attnplug.runner.commands.bench.step", "benchmarks: `bench step`, `bench attention` (CUDA), `bench moe`"),
     "parity": ("attnplug.runner.commands.parity", "compare greedy tokens and logits with HF transformers"),

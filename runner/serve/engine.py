@@ -30,6 +30,7 @@ from attnplug.runner.serve.arrival_queue import ArrivalQueue
 from attnplug.runner.serve.clock import Clock, WallClock
 from attnplug.runner.serve.request_timing import RequestTiming
 from attnplug.runner.serve.scheduler import Scheduler
+from attnplug.runner.serve.step_failure import StepFailed, abandon_in_flight
 from attnplug.runner.step.scheduler_output import SamplingParams
 
 
@@ -134,6 +135,18 @@ class LLMEngine:
         self.results[req_id] = RequestResult(req_id, self._prompts.pop(req_id), outs,
                                              self._logits.pop(req_id)[: len(outs)], self.timings.get(req_id))
 
+    def output_token_ids(self, req_id: str) -> list[int]:
+        """The outputs of ``req_id`` made visible so far (a copy): those of its result once
+        it finished, else the tokens of the steps read so far.
+
+        Raises:
+            KeyError: an unknown request, or a finished one whose result was taken out of
+                :attr:`results`.
+        """
+        if req_id in self.results:
+            return list(self.results[req_id].output_token_ids)
+        return list(self._outputs[req_id])
+
     def has_unfinished_requests(self) -> bool:
         """Requests running, waiting, in flight, or not arrived yet."""
         return self.scheduler.has_unfinished_requests() or self._in_flight is not None or len(self.pending) > 0
@@ -181,14 +194,32 @@ class LLMEngine:
         Asynchronously: schedule and launch the next step, then read and apply the one
         launched before it (the ids returned are those its outputs finished)."""
         self._admit_arrived()
-        if self.async_scheduling:
-            return self._step_async()
-        out = self.scheduler.schedule()
-        self._mark_scheduled(out)
-        result = self.runner.execute_model(out)
-        self.stats.num_steps += 1
-        self.stats.num_scheduled_tokens += out.total_num_scheduled_tokens
-        return self._apply(out, result)
+        try:
+            if self.async_scheduling:
+                return self._step_async()
+            out = self.scheduler.schedule()
+            self._mark_scheduled(out)
+            result = self.runner.execute_model(out)
+            self.stats.num_steps += 1
+            self.stats.num_scheduled_tokens += out.total_num_scheduled_tokens
+            return self._apply(out, result)
+        except Exception as exc:
+            self._fail_in_flight(exc)
+
+    def _fail_in_flight(self, exc: Exception):
+        """A step raised: finish the requests of every in-flight step with the outputs they
+        had (``step_failure.abandon_in_flight``) and raise :class:`StepFailed` naming them.
+        An error of the scheduler itself, with no step in flight, is raised as it is."""
+        self._in_flight = None
+        failed = abandon_in_flight(self.scheduler)
+        if not failed:
+            raise exc
+        for rid in (r for r in failed if r in self._outputs):  # not those that finished before
+            n = len(self.scheduler.get_request(rid).output_token_ids)
+            outs = self._outputs.pop(rid)[:n]
+            self.results[rid] = RequestResult(rid, self._prompts.pop(rid), outs,
+                                              self._logits.pop(rid)[: len(outs)], self.timings.get(rid))
+        raise StepFailed(failed, exc) from exc
 
     def _step_async(self) -> list[str]:
         prev, self._in_flight = self._in_flight, None
