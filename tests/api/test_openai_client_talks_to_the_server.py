@@ -40,6 +40,14 @@ def test_completion_is_offline_greedy_with_exact_usage(server):
     assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == len(ref)
     assert r.usage.total_tokens == len(ids) + len(ref)
     assert r.choices[0].finish_reason == ("stop" if ref[-1] == tok.eos_token_id else "length")
+    # a stop token ends it and is counted (usage counts every sampled token, the stop one too)
+    j = 3
+    stop_id = ref[j]
+    r3 = client.completions.create(model="tiny-llama", prompt=prompt, max_tokens=12, temperature=0,
+                                   extra_body={"stop_token_ids": [stop_id]})
+    k = ref.index(stop_id)
+    assert (r3.usage.completion_tokens, r3.choices[0].finish_reason) == (k + 1, "stop")
+    assert r3.choices[0].text == tok.decode(ref[: k + 1])
     # token-id prompts are the same request
     r2 = client.completions.create(model="tiny-llama", prompt=ids, max_tokens=12, temperature=0)
     assert r2.choices[0].text == r.choices[0].text
