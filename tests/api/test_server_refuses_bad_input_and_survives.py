@@ -41,6 +41,7 @@ BAD = [
     ("completions", {**OK, "max_tokens": 0}, "max_tokens"),
     ("completions", {**OK, "max_tokens": -3}, "max_tokens"),
     ("completions", {**OK, "max_tokens": 10_000}, "max_tokens"),
+    ("completions", {**OK, "max_tokens": 127}, "max_tokens"),  # 2 prompt tokens + 127 > max_model_len 128
     ("completions", {**OK, "prompt": "x" * 200}, "prompt"),
     ("completions", {**OK, "prompt": []}, "prompt"),
     ("completions", {**OK, "prompt": [1, 99999]}, "prompt"),
