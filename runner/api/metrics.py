@@ -20,6 +20,7 @@ use ``vllm:``):
 ``attnplug_spec_decode_draft_tokens_total`` counter  draft tokens proposed
 ``attnplug_spec_decode_accepted_tokens_total`` counter  of those, accepted
 ``attnplug_spec_decode_acceptance_rate``    gauge    accepted / proposed (0 with none)
+``attnplug_torch_num_threads``              gauge    ``torch.get_num_threads()`` (timing tables record it)
 ``attnplug_engine_steps_total``             counter  engine steps run
 ``attnplug_engine_failed_steps_total``      counter  steps that raised
 ``attnplug_request_success_total``          counter  per ``finished_reason``: finished, aborted, error
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+import torch
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -75,6 +77,8 @@ class _StatsCollector:
         yield CounterMetricFamily("attnplug_spec_decode_accepted_tokens", "Draft tokens accepted.", s.spec_accepted)
         yield GaugeMetricFamily("attnplug_spec_decode_acceptance_rate", "Accepted / proposed draft tokens.",
                                 s.spec_accepted / s.spec_drafts if s.spec_drafts else 0.0)
+        yield GaugeMetricFamily("attnplug_torch_num_threads", "torch.get_num_threads() of the server.",
+                                torch.get_num_threads())
         yield CounterMetricFamily("attnplug_engine_steps", "Engine steps run.", s.steps)
         yield CounterMetricFamily("attnplug_engine_failed_steps", "Engine steps that raised.", s.failed_steps)
 

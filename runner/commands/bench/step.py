@@ -195,6 +195,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "moe":  # `attnplug bench moe ...`: runner/commands/bench/moe.py
         from attnplug.runner.commands.bench.moe import main as moe_main
         return moe_main(list(argv[1:]))
+    if argv and argv[0] == "serve":  # `attnplug bench serve ...`: runner/commands/bench/serve_client.py
+        from attnplug.runner.commands.bench.serve_client import main as serve_main
+        return serve_main(list(argv[1:]))
     if argv and argv[0] == "attention":  # `attnplug bench attention ...`: runner/commands/bench/attention.py
         from attnplug.runner.commands.bench.attention import main as attention_main
         return attention_main(list(argv[1:]))
