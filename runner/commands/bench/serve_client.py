@@ -156,5 +156,11 @@ def main(argv: list[str]) -> int:
 
 
 def _replay_text(setup, result) -> str:
+    """The replay's completion as the server writes it (a preset: the byte-level tokenizer
+    ``attnplug serve`` gives it)."""
     tok = getattr(setup.model, "attnplug_tokenizer", None)
-    return tok.decode(result.output_token_ids) if tok is not None else ""
+    if tok is None:
+        from attnplug.runner.api.byte_tokenizer import byte_tokenizer
+
+        tok = setup.model.attnplug_tokenizer = byte_tokenizer(setup.model.config.vocab_size)
+    return tok.decode(result.output_token_ids)
