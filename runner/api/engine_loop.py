@@ -108,6 +108,7 @@ class EngineLoop:
     def __init__(self, engine, max_pending: int,
                  on_finish: Callable[[RequestTiming | None, int, int, str], None] | None = None):
         self.engine = engine
+        engine.survive_step_errors = True
         self.max_pending = max_pending
         self.on_finish = on_finish
         self._lock = threading.Lock()

@@ -80,6 +80,10 @@ class LLMEngine:
         self._logits: dict[str, list[torch.Tensor]] = {}
         self.results: dict[str, RequestResult] = {}
         self.async_scheduling = bool(scheduler.config.async_scheduling)
+        self.survive_step_errors = False
+        """A step that raises finishes its requests and raises :class:`StepFailed` naming them,
+        and the engine can go on stepping (a server, ``runner/api/``); off: the exception
+        propagates as it is and the engine is left as the step left it (``attnplug run``)."""
         self._in_flight: tuple | None = None
         """Asynchronous scheduling: ``(SchedulerOutput, AsyncModelRunnerOutput)`` of the step
         launched last, whose outputs are not read yet."""
@@ -192,7 +196,13 @@ class LLMEngine:
         """One schedule + execute + update. Returns the ids of requests finished this step.
 
         Asynchronously: schedule and launch the next step, then read and apply the one
-        launched before it (the ids returned are those its outputs finished)."""
+        launched before it (the ids returned are those its outputs finished).
+
+        Raises:
+            StepFailed: with :attr:`survive_step_errors`, the step raised; the requests of
+                every in-flight step are finished (results with the outputs they had, blocks
+                freed) and the engine may step on.
+        """
         self._admit_arrived()
         try:
             if self.async_scheduling:
@@ -204,12 +214,19 @@ class LLMEngine:
             self.stats.num_scheduled_tokens += out.total_num_scheduled_tokens
             return self._apply(out, result)
         except Exception as exc:
+            if not self.survive_step_errors:
+                raise
             self._fail_in_flight(exc)
 
     def _fail_in_flight(self, exc: Exception):
         """A step raised: finish the requests of every in-flight step with the outputs they
         had (``step_failure.abandon_in_flight``) and raise :class:`StepFailed` naming them.
         An error of the scheduler itself, with no step in flight, is raised as it is."""
+        if self._in_flight is not None:  # the runner holds one unread step: read and drop it
+            try:
+                self._in_flight[1].result()
+            except Exception:
+                pass
         self._in_flight = None
         failed = abandon_in_flight(self.scheduler)
         if not failed:
@@ -226,7 +243,11 @@ class LLMEngine:
         if self.scheduler.has_unfinished_requests():
             out = self.scheduler.schedule()  # planned while the previous step runs
             self._mark_scheduled(out)
-            self._in_flight = (out, self.runner.execute_model_async(out))
+            try:
+                self._in_flight = (out, self.runner.execute_model_async(out))
+            except Exception:
+                self._in_flight = prev  # still unread: _fail_in_flight drains it
+                raise
             self.stats.num_steps += 1
             self.stats.num_scheduled_tokens += out.total_num_scheduled_tokens
         if prev is None:
