@@ -228,7 +228,8 @@ class LLMEngine:
             except Exception:
                 pass
         self._in_flight = None
-        failed = abandon_in_flight(self.scheduler)
+        held = getattr(getattr(self.runner, "compiler", None), "requests", None)  # ModelRunner's states
+        failed = abandon_in_flight(self.scheduler, None if held is None else held.__contains__)
         if not failed:
             raise exc
         for rid in (r for r in failed if r in self._outputs):  # not those that finished before

@@ -47,17 +47,23 @@ def test_failed_step_finishes_its_requests_and_the_engine_goes_on(async_scheduli
     def boom(out):
         raise RuntimeError("planted")
 
+    if async_scheduling:  # aborted while its step is in flight: its blocks wait for that step
+        eng.abort_request("r1")
+        assert eng.scheduler.get_request("r1").free_when_idle
     setattr(eng.runner, name, boom)
     with pytest.raises(StepFailed) as e:
         eng.step()
     setattr(eng.runner, name, real)
-    assert sorted(e.value.req_ids) == ["r0", "r1"] and "planted" in str(e.value)
-    assert {"r0", "r1"} <= set(eng.results) and "r2" not in eng.results
-    assert sum(p.num_used_blocks for p in pools) == 0  # r2 has not been scheduled yet
+    # asynchronously, r1's abort let r2 into the failing step
+    failed = ["r0", "r1", "r2"] if async_scheduling else ["r0", "r1"]
+    assert sorted(e.value.req_ids) == failed and "planted" in str(e.value)
+    assert set(failed) <= set(eng.results)
+    assert sum(p.num_used_blocks for p in pools) == 0  # nothing else holds blocks
     eng.add_request("r3", PROMPTS["r3"], SP)
     results = eng.run()
     ref = _reference()
-    assert results["r2"].output_token_ids == ref["r2"] and results["r3"].output_token_ids == ref["r3"]
+    for rid in sorted({"r2", "r3"} - set(failed)):
+        assert results[rid].output_token_ids == ref[rid]
     assert all(p.num_free_blocks == p.capacity for p in pools)
 
 
