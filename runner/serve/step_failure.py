@@ -16,6 +16,8 @@ in-flight queue), kept apart so that the scheduler's own module stays one concep
 
 from __future__ import annotations
 
+from typing import Callable
+
 from attnplug.core.errors import AttnplugError
 
 
@@ -34,8 +36,14 @@ class StepFailed(AttnplugError):
                          f"its {len(req_ids)} request(s) were finished")
 
 
-def abandon_in_flight(scheduler) -> list[str]:
+def abandon_in_flight(scheduler, runner_holds: Callable[[str], bool] | None = None) -> list[str]:
     """Drop every in-flight step of ``scheduler`` and finish its unfinished requests.
+
+    Args:
+        runner_holds: whether the runner holds a request's state. A request first scheduled
+            in the failed step reached the runner only if the step got as far as applying
+            its deltas; one the runner never held is left out of the next
+            ``finished_req_ids`` (stage 1 refuses unknown ids). ``None``: assume it holds all.
 
     Returns:
         The ids of the requests those steps scheduled (each once, schedule order);
@@ -58,4 +66,6 @@ def abandon_in_flight(scheduler) -> list[str]:
         if req.free_when_idle and req.steps_in_flight == 0:
             req.free_when_idle = False
             scheduler.kv_cache_manager.free(req)
+        if runner_holds is not None and not runner_holds(req_id):
+            scheduler._finished_since_schedule.discard(req_id)
     return list(failed)
