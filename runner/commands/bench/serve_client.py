@@ -15,7 +15,10 @@ the definitions ``attnplug run`` reports.
 With ``--compare-replay`` (default on) the same load is then replayed in this process
 (``replay.measure`` on a fresh engine, as ``attnplug run`` does) and a table prints each
 figure for the server (as its client saw it), the replay, and the ratio; torch threads of
-both sides are recorded (the server's from its ``/metrics``). ``--json`` prints both
+both sides are recorded (the server's from its ``/metrics``), and so are the server's own
+mean TTFT / ITL / E2E of the same requests from its ``/metrics`` histograms
+(``engine_mean_*_ms``: the client's means minus these are the HTTP and streaming overhead,
+measured in one run). ``--json`` prints both
 summaries instead. The server must serve the same model and engine flags.
 """
 
@@ -68,7 +71,7 @@ async def _one(client, model: str, prompt: list[int], sp, start: float) -> tuple
     return timing, n_out, "".join(pieces)
 
 
-async def _drive(args, setup, plan) -> tuple[dict, dict]:
+async def _drive(args, setup, plan, before: dict) -> tuple[dict, dict]:
     import openai
 
     client = openai.AsyncOpenAI(base_url=args.base_url.rstrip("/") + "/v1", api_key="none", max_retries=0,
@@ -77,6 +80,7 @@ async def _drive(args, setup, plan) -> tuple[dict, dict]:
     rids = list(setup.prompts)
     for rid, prompt, sp in plan.warmup:  # one at a time, left out of every figure
         await _one(client, model, prompt, sp, 0.0)
+    before.update(_scrape(args.base_url))  # (blocking, before the timed part)
     t0 = time.perf_counter() + 0.05
     done = await asyncio.gather(*(_one(client, model, setup.prompts[r], setup.sampling_params[r],
                                        t0 + plan.arrival_s[r]) for r in rids))
@@ -88,18 +92,31 @@ async def _drive(args, setup, plan) -> tuple[dict, dict]:
     return summary, {r: d[2] for r, d in zip(rids, done)}
 
 
-def _server_threads(base_url: str) -> float | None:
+def _scrape(base_url: str) -> dict[str, float]:
+    """The server's ``/metrics`` samples without labels (``{}`` for a server without them)."""
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
     try:
         text = httpx.get(base_url.rstrip("/") + "/metrics", timeout=10).text
-        for fam in text_string_to_metric_families(text):
-            if fam.name == "attnplug_torch_num_threads":
-                return fam.samples[0].value
+        return {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+                if not s.labels}
     except Exception:
-        return None
-    return None
+        return {}
+
+
+def _engine_side(before: dict[str, float], after: dict[str, float]) -> dict[str, float | None]:
+    """Mean TTFT / ITL / E2E of this load as the server's engine saw them (its histograms'
+    ``_sum`` / ``_count`` over the run, ms): the client's figures minus these are the HTTP,
+    streaming and client overhead, measured in the same run."""
+    out: dict[str, float | None] = {"torch_threads": after.get("attnplug_torch_num_threads")}
+    for key, name in (("ttft", "time_to_first_token"), ("itl", "inter_token_latency"),
+                      ("e2el", "e2e_request_latency")):
+        base = f"attnplug_{name}_seconds"
+        n = after.get(base + "_count", 0.0) - before.get(base + "_count", 0.0)
+        total = after.get(base + "_sum", 0.0) - before.get(base + "_sum", 0.0)
+        out[f"engine_mean_{key}_ms"] = 1000.0 * total / n if n else None
+    return out
 
 
 def _table(server: dict, replay: dict | None) -> None:
@@ -110,7 +127,7 @@ def _table(server: dict, replay: dict | None) -> None:
     t = Table(title="attnplug serve (client-measured) vs attnplug run replay, same load")
     for col in ("metric", "server", "replay", "server / replay"):
         t.add_column(col, justify="left" if col == "metric" else "right")
-    for key in SHOWN + ["torch_threads"]:
+    for key in SHOWN + ["engine_mean_ttft_ms", "engine_mean_itl_ms", "engine_mean_e2el_ms", "torch_threads"]:
         a, b = server.get(key), (replay or {}).get(key)
         ratio = f"{a / b:.2f}" if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b else "-"
         t.add_row(key, _fmt(a), _fmt(b), ratio)
@@ -137,8 +154,9 @@ def main(argv: list[str]) -> int:
     except AttnplugError as e:
         print(f"attnplug bench serve: {e}", file=sys.stderr)
         return 2
-    server, texts = asyncio.run(_drive(args, setup, plan))
-    server["torch_threads"] = _server_threads(args.base_url)
+    before: dict[str, float] = {}
+    server, texts = asyncio.run(_drive(args, setup, plan, before))
+    server.update(_engine_side(before, _scrape(args.base_url)))
     out = {"server": server, "arrivals": plan.arrivals, "model": args.model}
     if not args.no_compare_replay:
         measured = replay.measure(setup, plan)
