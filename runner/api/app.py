@@ -7,8 +7,9 @@ server-sent events; ``stream_options.include_usage`` adds a usage chunk before
 Errors are OpenAI error objects (``protocol.py``): 400 for a body the server refuses
 (naming the field), 503 when ``max_pending`` requests are already admitted, 500 for a
 request whose engine step raised. A streamed request whose step raised gets an
-``{"error": ...}`` event and the stream ends. A client that goes away mid-stream aborts
-its request: the engine thread frees its blocks at the next step boundary.
+``{"error": ...}`` event and the stream ends. A client that goes away aborts its request
+(streamed: when the next chunk cannot be sent; otherwise within ``DISCONNECT_POLL_S``):
+the engine thread frees its blocks at the next step boundary.
 """
 
 from __future__ import annotations
@@ -35,6 +36,9 @@ from attnplug.runner.api.protocol import ChatRequest, CompletionRequest, Request
 from attnplug.runner.api.text import TextStream
 
 log = logging.getLogger("attnplug.api")
+
+DISCONNECT_POLL_S = 0.1
+"""A non-streamed request checks this often (seconds) whether its client is still there."""
 
 
 @dataclass
@@ -100,16 +104,16 @@ def create_app(served: ServedModel, engine, max_pending: int) -> FastAPI:
         req = _read(await request.body(), CompletionRequest)
         rid = f"cmpl-{uuid.uuid4().hex}"
         er = engine_request(req, completion_prompt(req, served), served, rid, "prompt")
-        return await _serve(req, rid, er, chat=False)
+        return await _serve(request, req, rid, er, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         req = _read(await request.body(), ChatRequest)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         er = engine_request(req, chat_prompt(req, served), served, rid, "messages")
-        return await _serve(req, rid, er, chat=True)
+        return await _serve(request, req, rid, er, chat=True)
 
-    async def _serve(req, rid: str, er: EngineRequest, chat: bool):
+    async def _serve(request: Request, req, rid: str, er: EngineRequest, chat: bool):
         queue = _submit(loop, rid, er, engine.clock.now())
         created, n_prompt = int(time.time()), len(er.prompt_token_ids)
         gen = _generate(loop, served, rid, er, queue)
@@ -118,10 +122,17 @@ def create_app(served: ServedModel, engine, max_pending: int) -> FastAPI:
             body = (_chat_stream if chat else _completion_stream)(gen, rid, created, served.name, n_prompt, include)
             return StreamingResponse(body, media_type="text/event-stream")
         text, end = [], None
-        try:
+
+        async def collect():
+            nonlocal end
             async for piece, outcome in gen:
                 text.append(piece)
                 end = outcome or end
+
+        try:
+            if not await _unless_disconnected(request, collect()):
+                await gen.aclose()  # the client went away: its request is aborted
+                return Response(status_code=499)
         except StepError as e:
             raise RequestError(str(e), None, status=500, type_="internal_server_error") from None
         use = R.usage(n_prompt, end.completion_tokens)
@@ -130,6 +141,21 @@ def create_app(served: ServedModel, engine, max_pending: int) -> FastAPI:
         return R.completion_body(rid, created, served.name, "".join(text), end.finish_reason, use)
 
     return app
+
+
+async def _unless_disconnected(request: Request, work) -> bool:
+    """Run ``work`` unless the client disconnects first (then ``work`` is cancelled);
+    whether it ran to the end. Its exceptions propagate."""
+    task = asyncio.ensure_future(work)
+    while not task.done():
+        await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+        if not task.done() and await request.is_disconnected():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            return False
+    task.result()
+    return True
 
 
 def _read(body: bytes, model):

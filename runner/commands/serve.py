@@ -11,6 +11,7 @@ beyond ``--max-num-seqs`` running plus ``--max-queue-len`` waiting get HTTP 503.
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 from attnplug.core.errors import AttnplugError
@@ -28,6 +29,9 @@ def parser():
     """``run``'s parser, renamed, plus the server's own flags."""
     p = run._parser()
     p.prog = "attnplug serve"
+    for action in p._actions:  # still parsed (to name them when refused), not listed
+        if action.dest in REPLAY_FLAGS:
+            action.help = argparse.SUPPRESS
     p.description = __doc__.splitlines()[0]
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=bounded_int(0, 65535), default=8000, metavar="N",

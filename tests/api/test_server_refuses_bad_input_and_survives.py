@@ -138,3 +138,28 @@ def test_a_client_leaving_mid_stream_aborts_and_frees_its_blocks(server):
     assert pools_full(app) and loop.num_pending == 0
     fams = http.get("/metrics").text
     assert 'attnplug_request_success_total{finished_reason="aborted"}' in fams
+
+
+def test_a_client_leaving_a_non_streamed_request_aborts_it(server):
+    srv, app, http = server
+    loop = app.state.engine_loop
+    body = {**OK, "max_tokens": 120, "ignore_eos": True}
+    before = loop.engine.stats.num_generated_tokens
+    runner = loop.engine.runner
+    real = runner.execute_model
+
+    def slow(out):  # 120 steps take 2.4 s at least: the client leaves long before
+        time.sleep(0.02)
+        return real(out)
+
+    runner.execute_model = slow
+    try:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(srv.url + "/v1/completions", json=body, timeout=0.3)
+        deadline = time.monotonic() + 10
+        while (loop.num_pending or not pools_full(app)) and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        runner.execute_model = real
+    assert pools_full(app) and loop.num_pending == 0
+    assert loop.engine.stats.num_generated_tokens - before < 120  # stopped before its max_tokens
