@@ -29,10 +29,11 @@ def parser():
     """``run``'s parser, renamed, plus the server's own flags."""
     p = run._parser()
     p.prog = "attnplug serve"
+    p.usage = "attnplug serve [--host H] [--port N] [--max-queue-len N] [--served-model-name NAME] [ENGINE FLAGS of run]"
     for action in p._actions:  # still parsed (to name them when refused), not listed
         if action.dest in REPLAY_FLAGS:
             action.help = argparse.SUPPRESS
-    p.description = __doc__.splitlines()[0]
+    p.description = "An OpenAI-compatible server over the engine (docs/serving.md)."
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=bounded_int(0, 65535), default=8000, metavar="N",
                    help="port to listen on (0: any free port, printed at start)")

@@ -27,6 +27,11 @@ def test_replay_flags_are_refused(capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "--request-rate" in err and "replay" in err
+    with pytest.raises(SystemExit) as e:
+        serve.parse(["--help"])
+    helptext = capsys.readouterr().out
+    assert e.value.code == 0 and "--max-queue-len" in helptext and "--backend" in helptext
+    assert "--request-rate" not in helptext  # refused, so not listed
     args = serve.parse(FLAGS + ["--async-scheduling", "--port", "0"])  # run's engine flags, parsed by run's parser
     assert args.async_scheduling and args.max_num_seqs == 4 and args.port == 0
 
