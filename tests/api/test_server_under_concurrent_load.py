@@ -104,7 +104,7 @@ def _run_load(num_requests, concurrency):
 
 
 def test_small_load_with_disconnects_and_malformed_bodies():
-    _run_load(num_requests=24, concurrency=8)
+    _run_load(num_requests=16, concurrency=8)
 
 
 @pytest.mark.slow
