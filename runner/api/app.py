@@ -88,7 +88,7 @@ def create_app(served: ServedModel, engine, max_pending: int) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        return Response(status_code=200 if loop._thread.is_alive() else 503)
+        return Response(status_code=200 if loop.is_alive() else 503)
 
     @app.get("/v1/models")
     async def models():

@@ -13,7 +13,8 @@ step that tells the runner which requests finished (as ``LLMEngine.run`` ends).
 A step that raises fails the requests of that step (``StepFailed``): each gets an
 :class:`Update` with ``error`` set, their blocks go back to the pools, and the loop goes
 on with the others. Finished requests leave the engine's ``results`` / ``timings`` as
-they are sent, so a long-running server keeps no per-request state.
+they are sent, and the scheduler's ``requests`` once nothing needs them
+(``runner/serve/retention.py``), so a long-running server keeps no per-request state.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Any, Callable
 
 from attnplug.core.errors import SchedulingError
 from attnplug.runner.serve.request_timing import RequestTiming
+from attnplug.runner.serve.retention import forget_finished
 from attnplug.runner.serve.step_failure import StepFailed
 from attnplug.runner.step.scheduler_output import SamplingParams
 
@@ -119,6 +121,7 @@ class EngineLoop:
         self._num_pending = 0
         self._stopping = False
         self._dirty = False  # requests finished since the last flush step
+        self._done: list[str] = []  # finished, still in Scheduler.requests (retention.py)
         self.stats = LoopStats()
         self._thread = threading.Thread(target=self._run, name="attnplug-engine", daemon=True)
 
@@ -130,6 +133,10 @@ class EngineLoop:
         self._stopping = True
         self._wake.set()
         self._thread.join(timeout)
+
+    def is_alive(self) -> bool:
+        """The engine thread runs."""
+        return self._thread.is_alive()
 
     @property
     def num_pending(self) -> int:
@@ -179,6 +186,7 @@ class EngineLoop:
                     self._abort_in_engine(rid)
                     self._finish(rid, f"the engine failed: {type(e).__name__}: {e}")
             self._publish()
+            self._done = forget_finished(self.engine.scheduler, self._done)
             self._snapshot()
 
     def _take_inbox(self) -> None:
@@ -232,6 +240,8 @@ class EngineLoop:
         with self._lock:
             self._num_pending -= 1
         self._dirty = True
+        if in_engine:
+            self._done.append(rid)
         if self.on_finish is not None:
             self.on_finish(timing, len(live.sub.prompt_token_ids), len(outs),
                            reason or ("error" if error else "finished"))
@@ -246,6 +256,7 @@ class EngineLoop:
         except Exception:
             log.exception("flush step failed")
         self._dirty = False
+        self._done = forget_finished(sched, self._done)
         self._snapshot()
 
     def _snapshot(self) -> None:

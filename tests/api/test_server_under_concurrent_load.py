@@ -86,9 +86,11 @@ def _run_load(num_requests, concurrency):
         results = asyncio.run(_load(srv.url, jobs, concurrency))
         loop = app.state.engine_loop
         deadline = time.monotonic() + 30
-        while (loop.num_pending or not pools_full(app)) and time.monotonic() < deadline:
+        while (loop.num_pending or not pools_full(app) or loop.engine.scheduler.requests) \
+                and time.monotonic() < deadline:
             time.sleep(0.01)
         assert pools_full(app) and loop.num_pending == 0
+        assert loop.engine.scheduler.requests == {} and loop.engine.results == {}  # nothing kept per request
         assert httpx.get(srv.url + "/health").status_code == 200
     ok = {f"r{i}": a for i, (k, a) in enumerate(jobs) if k == "ok"}
     ref = offline_greedy(PRESET_FLAGS, {r: tok.encode(a[0]) for r, a in ok.items()}, {r: a[1] for r, a in ok.items()})
