@@ -31,6 +31,8 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("runner.execute", {"runner.step", "runner.models", "core", "cache_groups", "plugins"}),
     ("runner.parallel", {"runner.execute", "runner.step", "runner.models", "core", "cache_groups", "plugins"}),
     ("runner.serve", {"runner.execute", "runner.step", "core", "cache_groups"}),
+    ("runner.api", {"runner.serve", "runner.execute", "runner.step", "runner.models", "core", "cache_groups",
+                    "plugins"}),
     ("runner.commands", {"*"}),
     ("runner.data", set()),
     ("runner", {"*"}),  # attnplug.runner (__init__): the public API, lazily
@@ -38,6 +40,8 @@ LAYERS: list[tuple[str, set[str]]] = [
 ]
 NOBODY_IMPORTS = "runner.commands"
 """Only the commands themselves (and ``__main__``) import ``runner.commands``."""
+API = "runner.api"
+"""The server (``runner/api/``) sits above ``runner/serve/``: only ``runner.commands`` imports it."""
 FAST = "runner.step.fast"
 FAST_IMPORTERS = {f"{PKG}.runner.step.kernels", f"{PKG}.runner.step.compiler"}
 """The compiled kernels sit behind one seam: only ``runner/step/kernels.py`` (and the
@@ -157,6 +161,8 @@ def forbidden_arrows(graph: dict[str, set[str]]) -> list[str]:
             dst = layer_of(t)
             if dst == NOBODY_IMPORTS and src != NOBODY_IMPORTS and m != f"{PKG}.__main__":
                 bad.append(f"{m} -> {t} (nothing imports runner/commands)")
+            elif dst == API and src not in (API, NOBODY_IMPORTS):
+                bad.append(f"{m} -> {t} (only runner/commands imports runner.api)")
             elif dst == FAST and src != FAST and m not in FAST_IMPORTERS:
                 bad.append(f"{m} -> {t} (only runner/step/kernels.py and compiler.py import runner.step.fast)")
             elif dst != src and "*" not in allowed[src] and dst not in allowed[src]:
@@ -197,6 +203,8 @@ def test_the_checks_can_fail(tmp_path):
                              "    from attnplug.runner.step.compiler import StepCompiler\n",
         "runner/__init__.py": "", "runner/step/__init__.py": "", "runner/step/compiler.py": "",
         "runner/step/fast/__init__.py": "", "runner/step/prepare.py": "from attnplug.runner.step import fast\n",
+        "runner/api/__init__.py": "", "runner/api/app.py": "",
+        "runner/models/m.py": "from attnplug.runner.api.app import create_app\n",
     }.items():
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text(text)
@@ -204,6 +212,8 @@ def test_the_checks_can_fail(tmp_path):
     assert cycles(g) == [["attnplug.core.a", "attnplug.core.b"]]
     assert forbidden_arrows(g) == ["attnplug.cache_groups.c -> attnplug.runner.step.compiler "
                                    "(cache_groups may import only core)",
+                                   "attnplug.runner.models.m -> attnplug.runner.api.app "
+                                   "(only runner/commands imports runner.api)",
                                    "attnplug.runner.step.prepare -> attnplug.runner.step.fast "
                                    "(only runner/step/kernels.py and compiler.py import runner.step.fast)"]
 

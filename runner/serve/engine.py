@@ -30,6 +30,7 @@ from attnplug.runner.serve.arrival_queue import ArrivalQueue
 from attnplug.runner.serve.clock import Clock, WallClock
 from attnplug.runner.serve.request_timing import RequestTiming
 from attnplug.runner.serve.scheduler import Scheduler
+from attnplug.runner.serve.step_failure import StepFailed, abandon_in_flight
 from attnplug.runner.step.scheduler_output import SamplingParams
 
 
@@ -79,6 +80,10 @@ class LLMEngine:
         self._logits: dict[str, list[torch.Tensor]] = {}
         self.results: dict[str, RequestResult] = {}
         self.async_scheduling = bool(scheduler.config.async_scheduling)
+        self.survive_step_errors = False
+        """A step that raises finishes its requests and raises :class:`StepFailed` naming them,
+        and the engine can go on stepping (a server, ``runner/api/``); off: the exception
+        propagates as it is and the engine is left as the step left it (``attnplug run``)."""
         self._in_flight: tuple | None = None
         """Asynchronous scheduling: ``(SchedulerOutput, AsyncModelRunnerOutput)`` of the step
         launched last, whose outputs are not read yet."""
@@ -134,6 +139,18 @@ class LLMEngine:
         self.results[req_id] = RequestResult(req_id, self._prompts.pop(req_id), outs,
                                              self._logits.pop(req_id)[: len(outs)], self.timings.get(req_id))
 
+    def output_token_ids(self, req_id: str) -> list[int]:
+        """The outputs of ``req_id`` made visible so far (a copy): those of its result once
+        it finished, else the tokens of the steps read so far.
+
+        Raises:
+            KeyError: an unknown request, or a finished one whose result was taken out of
+                :attr:`results`.
+        """
+        if req_id in self.results:
+            return list(self.results[req_id].output_token_ids)
+        return list(self._outputs[req_id])
+
     def has_unfinished_requests(self) -> bool:
         """Requests running, waiting, in flight, or not arrived yet."""
         return self.scheduler.has_unfinished_requests() or self._in_flight is not None or len(self.pending) > 0
@@ -179,23 +196,59 @@ class LLMEngine:
         """One schedule + execute + update. Returns the ids of requests finished this step.
 
         Asynchronously: schedule and launch the next step, then read and apply the one
-        launched before it (the ids returned are those its outputs finished)."""
+        launched before it (the ids returned are those its outputs finished).
+
+        Raises:
+            StepFailed: with :attr:`survive_step_errors`, the step raised; the requests of
+                every in-flight step are finished (results with the outputs they had, blocks
+                freed) and the engine may step on.
+        """
         self._admit_arrived()
-        if self.async_scheduling:
-            return self._step_async()
-        out = self.scheduler.schedule()
-        self._mark_scheduled(out)
-        result = self.runner.execute_model(out)
-        self.stats.num_steps += 1
-        self.stats.num_scheduled_tokens += out.total_num_scheduled_tokens
-        return self._apply(out, result)
+        try:
+            if self.async_scheduling:
+                return self._step_async()
+            out = self.scheduler.schedule()
+            self._mark_scheduled(out)
+            result = self.runner.execute_model(out)
+            self.stats.num_steps += 1
+            self.stats.num_scheduled_tokens += out.total_num_scheduled_tokens
+            return self._apply(out, result)
+        except Exception as exc:
+            if not self.survive_step_errors:
+                raise
+            self._fail_in_flight(exc)
+
+    def _fail_in_flight(self, exc: Exception):
+        """A step raised: finish the requests of every in-flight step with the outputs they
+        had (``step_failure.abandon_in_flight``) and raise :class:`StepFailed` naming them.
+        An error of the scheduler itself, with no step in flight, is raised as it is."""
+        if self._in_flight is not None:  # the runner holds one unread step: read and drop it
+            try:
+                self._in_flight[1].result()
+            except Exception:
+                pass
+        self._in_flight = None
+        held = getattr(getattr(self.runner, "compiler", None), "requests", None)  # ModelRunner's states
+        failed = abandon_in_flight(self.scheduler, None if held is None else held.__contains__)
+        if not failed:
+            raise exc
+        for rid in (r for r in failed if r in self._outputs):  # not those that finished before
+            n = len(self.scheduler.get_request(rid).output_token_ids)
+            outs = self._outputs.pop(rid)[:n]
+            self.results[rid] = RequestResult(rid, self._prompts.pop(rid), outs,
+                                              self._logits.pop(rid)[: len(outs)], self.timings.get(rid))
+        raise StepFailed(failed, exc) from exc
 
     def _step_async(self) -> list[str]:
         prev, self._in_flight = self._in_flight, None
         if self.scheduler.has_unfinished_requests():
             out = self.scheduler.schedule()  # planned while the previous step runs
             self._mark_scheduled(out)
-            self._in_flight = (out, self.runner.execute_model_async(out))
+            try:
+                self._in_flight = (out, self.runner.execute_model_async(out))
+            except Exception:
+                self._in_flight = prev  # still unread: _fail_in_flight drains it
+                raise
             self.stats.num_steps += 1
             self.stats.num_scheduled_tokens += out.total_num_scheduled_tokens
         if prev is None:

@@ -199,6 +199,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "threads":  # `attnplug bench threads ...`: runner/commands/bench/threads.py
         from attnplug.runner.commands.bench.threads import main as threads_main
         return threads_main(list(argv[1:]))
+    if argv and argv[0] == "serve":  # `attnplug bench serve ...`: runner/commands/bench/serve_client.py
+        from attnplug.runner.commands.bench.serve_client import main as serve_main
+        return serve_main(list(argv[1:]))
     if argv and argv[0] == "attention":  # `attnplug bench attention ...`: runner/commands/bench/attention.py
         from attnplug.runner.commands.bench.attention import main as attention_main
         return attention_main(list(argv[1:]))
