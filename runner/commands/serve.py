@@ -15,7 +15,7 @@ import argparse
 import sys
 
 from attnplug.core.errors import AttnplugError
-from attnplug.runner.commands import real_run, run, run_parallel
+from attnplug.runner.commands import real_run, run, run_parallel, threads
 from attnplug.runner.commands.limits import bounded_int
 
 REPLAY_FLAGS = ("trace", "num_requests", "prompts", "invariance_requests", "skip_invalid", "shared_prefixes",
@@ -85,6 +85,8 @@ def main(argv: list[str]) -> int:
     if (problem := real_run.resolve_defaults(args)) is not None:
         print(f"attnplug serve: {problem}", file=sys.stderr)
         return 2
+    if (status := threads.apply(args.torch_threads, "attnplug serve")) is not None:
+        return status  # a bad --torch-threads / ATTNPLUG_TORCH_THREADS: one line, exit 2
     if run_parallel.wanted(args):  # under torchrun: rank 0 serves, the others follow its steps
         return run_parallel.run(args, lambda: _main(args))
     return _main(args)
