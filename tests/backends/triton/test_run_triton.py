@@ -13,7 +13,7 @@ import pytest
 from attnplug.runner.commands import run as run_cmd
 from attnplug.runner.commands.assemble import build_engine
 
-ARGS = ["--num-requests", "4", "--invariance-requests", "0"]
+ARGS = ["--model", "tiny-hybrid", "--num-requests", "4", "--invariance-requests", "0"]  # a random preset: fast
 
 
 def _greedy_tokens(backend: str) -> dict[str, list[int]]:
