@@ -46,10 +46,14 @@ def test_capabilities_are_the_declarations():
     caps = BackendCapabilities.of(TorchNativeBackend)
     assert caps.features == frozenset({Feature.SLIDING_WINDOW, Feature.LOGITS_SOFT_CAP, Feature.MQA_GQA,
                                        Feature.SINKS})
-    assert caps.kv_cache_dtypes == ("auto",) and caps.scale_granularities == () and caps.cudagraph == "NEVER"
-    fp8 = type("Fp8", (TorchNativeBackend,), {"supported_kv_cache_dtypes": ("auto", "fp8_e4m3"),
-                                              "supports_per_head_kv_scales": True})
-    assert BackendCapabilities.of(fp8).scale_granularities == (ScaleGranularity.PER_TENSOR, ScaleGranularity.PER_HEAD)
+    assert caps.kv_cache_dtypes == ("auto", "fp8_e4m3", "fp8_e5m2") and caps.cudagraph == "NEVER"
+    assert caps.scale_granularities == (ScaleGranularity.PER_TENSOR, ScaleGranularity.PER_HEAD)
+    plain = type("NoFp8", (TorchNativeBackend,), {"supported_kv_cache_dtypes": ("auto",)})
+    assert BackendCapabilities.of(plain).kv_cache_dtypes == ("auto",)
+    assert BackendCapabilities.of(plain).scale_granularities == ()
+    per_tensor = type("Fp8", (TorchNativeBackend,), {"supported_kv_cache_dtypes": ("auto", "fp8_e4m3"),
+                                                     "supports_per_head_kv_scales": False})
+    assert BackendCapabilities.of(per_tensor).scale_granularities == (ScaleGranularity.PER_TENSOR,)
     d = caps.to_dict()
     assert d["features"]["sinks"] is True and d["features"]["alibi"] is False and set(d["features"]) == {
         f.value for f in Feature}

@@ -9,7 +9,9 @@ from pathlib import Path
 import pytest
 
 import attnplug.backends.mla.triton.backend as triton_mla_backend
+import attnplug.backends.sparse.triton.backend as triton_sparse_backend
 import attnplug.backends.triton.backend as triton_backend
+import attnplug.backends.triton.runtime as triton_runtime
 from attnplug.backends.torch_native import TorchNativeBackend
 from attnplug.core.capabilities import BackendCapabilities, Feature
 from attnplug.plugins.discovery import get_registry
@@ -26,7 +28,7 @@ def test_the_feature_matrix_page_is_not_stale(monkeypatch):
     # triton's declarations depend on the mode its first import fixed (the CPU and no bfloat16
     # under the interpreter, which tests/backends/triton/conftest.py turns on for the whole
     # session): the page shows the compiled mode
-    for module in (triton_backend, triton_mla_backend):
+    for module in (triton_runtime, triton_backend, triton_mla_backend, triton_sparse_backend):  # gdn reads runtime
         monkeypatch.setattr(module, "interpreting", lambda: False)
     assert feature_matrix_markdown(builtin_capabilities(get_registry())) == DOC.read_text(), (
         "docs/feature-matrix.md is stale: regenerate it with `attnplug backends --matrix > docs/feature-matrix.md`")
