@@ -12,6 +12,7 @@ from __future__ import annotations
 
 BUILTIN_BACKENDS: dict[str, str] = {
     "torch_native": "attnplug.backends.torch_native.backend:TorchNativeBackend",
+    "cpu_sdpa": "attnplug.backends.cpu_sdpa.backend:CpuSdpaBackend",
     "mamba2_torch": "attnplug.backends.mamba2.backend:Mamba2Backend",
     "triton": "attnplug.backends.triton.backend:TritonBackend",
     "flash_attn": "attnplug.backends.flash_attn.backend:FlashAttnBackend",
