@@ -1,0 +1,208 @@
+"""``attnplug bench attention`` on the CPU: µs per ``forward`` and achieved GB/s over a sweep.
+
+What runs when the machine has no CUDA device (or with ``--device cpu``). The sweep is
+synthetic, not the trace (a kernel author wants the axes): every combination of
+
+* workload: ``decode`` (``B`` requests, one new token each after ``context`` cached
+  tokens, all the same length), ``decode-mixed`` (the same, contexts spread evenly over
+  ``context/2 .. context``: the ragged case) and ``prefill`` (``B`` whole prompts of
+  ``context`` tokens);
+* ``--batch`` (decodes) / ``--prefill-batch`` (prompts), ``--context``, ``--heads``
+  (``H:H_kv`` pairs) and ``--head-size``;
+
+for every backend named by ``--backend`` (default: ``torch_native`` and every registered
+attention backend that declares the CPU without an interpreter; ``triton`` on the CPU only
+runs in its interpreter, which times Python). Each backend's ``forward`` runs through the
+attnplug contract exactly as on the GPU (``attention_inputs.backend_inputs``: its own
+builder, built once and not timed; its own cache layout; the K/V write included).
+
+Reported per row: µs per call (median of ``--iters`` wall-clock calls after ``--warmup``),
+GB/s (the least traffic any kernel needs, ``attention._metrics``: cached K/V read once, the
+step's K/V read and written, queries read, outputs written), the speed-up over
+``torch_native`` on the same row ("vs native", > 1 is faster), ``max |Δ|`` against
+``torch_native`` (beyond ``attention.TOLERANCE``: ``error: wrong result``, exit 1), and the
+torch intra-op thread count the run used (``torch.get_num_threads()``, also in the JSON).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from attnplug.runner.commands.bench.attention_inputs import Batch, backend_inputs, dense_kv
+
+
+@dataclass
+class CpuResult:
+    """One (workload, backend) row of the CPU sweep (``None`` where not measured)."""
+
+    workload: str
+    backend: str
+    batch: int
+    context: int
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    us: float | None = None
+    gbps: float | None = None
+    vs_native: float | None = None
+    max_abs_diff: float | None = None
+    note: str = ""
+
+
+def sweep_batches(args) -> list[tuple[Batch, int, int]]:
+    """``(batch, B, context)`` for every workload x batch size x context of the sweep."""
+    out = []
+    for context in args.context:
+        if "decode" in args.workload:
+            out += [(Batch(f"decode B={b} ctx={context}", [(context, 1)] * b), b, context) for b in args.batch]
+        if "decode-mixed" in args.workload:
+            for b in args.batch:
+                ctxs = [context // 2 + (context - context // 2) * i // max(b - 1, 1) for i in range(b)]
+                out.append((Batch(f"decode-mixed B={b} ctx<={context}", [(c, 1) for c in ctxs]), b, context))
+        if "prefill" in args.workload:
+            out += [(Batch(f"prefill B={b} len={context}", [(0, context)] * b), b, context)
+                    for b in args.prefill_batch]
+    return out
+
+
+def time_cpu(fn, iters: int, warmup: int) -> float:
+    """Median wall-clock microseconds of ``fn()`` over ``iters`` calls after ``warmup``."""
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - t0) * 1e6)
+    return statistics.median(samples)
+
+
+def _default_backends() -> list[str]:
+    from attnplug.plugins.discovery import get_registry
+
+    reg = get_registry()
+    names = [n for n in reg.names() if reg.get(n).kv_cache_kind == "attention" and n != "triton"
+             and "cpu" in reg.get(n).supported_devices]
+    return ["torch_native"] + [n for n in names if n != "torch_native"]
+
+
+def _row(batch: Batch, b: int, context: int, name: str, backend, args, dtype, kv_dense):
+    """One backend on one batch: the row and its output (``None`` when skipped or failed)."""
+    from attnplug.core.contracts import AttentionLayerConfig
+    from attnplug.runner.commands.bench.attention import _metrics
+
+    res = CpuResult(batch.name.split()[0], name, b, context, args.num_heads, args.num_kv_heads, args.head_size)
+    layer = AttentionLayerConfig(args.num_heads, args.num_kv_heads, args.head_size, dtype=dtype,
+                                 block_size=args.block_size, device="cpu")
+    reasons = backend.validate_configuration(layer)
+    if reasons:
+        res.note = "skipped: " + "; ".join(reasons)
+        return res, None
+    impl, md, kv, q, k, v, _ = backend_inputs(batch, backend, args, dtype, kv_dense)
+    out = torch.zeros_like(q)
+    res.us = time_cpu(lambda: impl.forward(None, q, k, v, kv, md, out), args.iters, args.warmup)
+    res.gbps = _metrics(batch, res.us / 1e3, args, q.element_size())[1]
+    return res, out
+
+
+def run(args) -> list[CpuResult]:
+    """Time every backend on every batch of the sweep; rows in sweep order, ``torch_native``'s
+    output the reference of its batch."""
+    from attnplug.plugins.discovery import get_registry
+    from attnplug.runner.commands.bench.attention import DTYPES, _check_against_reference
+
+    dtype, reg, results = DTYPES[args.dtype], get_registry(), []
+    for heads in args.heads:
+        for head_size in args.head_size:
+            args.num_heads, args.num_kv_heads = heads
+            shape_args = argparse.Namespace(**{**vars(args), "head_size": head_size})
+            for batch, b, context in sweep_batches(shape_args):
+                kv_dense = dense_kv(batch, shape_args, dtype)
+                rows = [_row(batch, b, context, n, reg.get(n), shape_args, dtype, kv_dense) for n in args.backend]
+                native = next(((r, o) for r, o in rows if r.backend == "torch_native" and r.us), (None, None))
+                for res, out in rows:
+                    if native[0] is not None and res.us:
+                        _check_against_reference(res, out, native[1].float(), dtype)
+                        res.vs_native = native[0].us / res.us
+                results += [r for r, _ in rows]
+    return results
+
+
+COLUMNS = ("workload", "B", "context", "heads", "head size", "backend", "µs/call", "GB/s", "vs native",
+           "max abs diff", "note")
+
+
+def render(results: list[CpuResult], args) -> str:
+    """The markdown table, headed by the thread count and the timing method."""
+    def f(x, fmt):
+        return "-" if x is None else format(x, fmt)
+
+    lines = [f"CPU, torch {torch.__version__}, torch threads {torch.get_num_threads()}, {args.dtype}, "
+             f"block {args.block_size}; µs: median wall-clock of {args.iters} `forward` calls (K/V write included, "
+             "metadata build excluded); vs native: torch_native's µs / this row's.", "",
+             "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    for r in results:
+        cells = (r.workload, str(r.batch), str(r.context), f"{r.num_heads}:{r.num_kv_heads}", str(r.head_size),
+                 r.backend, f(r.us, ",.0f"), f(r.gbps, ".2f"), f(r.vs_native, ".2f"), f(r.max_abs_diff, ".1e"),
+                 r.note)
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _csv(kind):
+    return lambda text: [kind(x) for x in text.split(",") if x.strip()]
+
+
+def _heads(text: str) -> list[tuple[int, int]]:
+    pairs = []
+    for item in text.split(","):
+        h, _, kv = item.partition(":")
+        pairs.append((int(h), int(kv or h)))
+    return pairs
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="attnplug bench attention (cpu)", description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", choices=["cpu"], default="cpu")
+    p.add_argument("--backend", action="append", default=None, metavar="NAME",
+                   help="backend to time (repeatable, or a comma list; default: torch_native and every CPU backend)")
+    p.add_argument("--workload", type=_csv(str), default=["decode", "decode-mixed", "prefill"],
+                   help="comma list of decode, decode-mixed, prefill")
+    p.add_argument("--batch", type=_csv(int), default=[1, 16, 64], help="decode batch sizes (default 1,16,64)")
+    p.add_argument("--prefill-batch", type=_csv(int), default=[1, 4], help="prompts per prefill batch (default 1,4)")
+    p.add_argument("--context", type=_csv(int), default=[128, 1024], help="context / prompt lengths (default 128,1024)")
+    p.add_argument("--heads", type=_heads, default=[(9, 3), (32, 8)],
+                   help="H:H_kv pairs (default 9:3,32:8: SmolLM2-135M's and a Llama-8B layer's)")
+    p.add_argument("--head-size", type=_csv(int), default=[64], help="head sizes (default 64)")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-model-len", type=int, default=None, help="default: the longest context + 1")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--json", metavar="PATH", default=None, help="also write the rows and the thread count as JSON")
+    return p
+
+
+def main(argv: list[str]) -> int:
+    """``attnplug bench attention [--device cpu] ...`` on the CPU; exit 1 on a wrong result."""
+    args = parser().parse_args(argv)
+    args.backend = [n.strip() for item in args.backend for n in item.split(",") if n.strip()] \
+        if args.backend else _default_backends()
+    args.max_model_len = args.max_model_len or max(args.context) + 1
+    results = run(args)
+    print(render(results, args), flush=True)
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as fh:
+            json.dump({"device": "cpu", "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
+                       "args": {k: v for k, v in vars(args).items()}, "results": [asdict(r) for r in results]},
+                      fh, indent=1)
+    return 0 if all(not r.note.startswith("error") for r in results) else 1
+
+
+__all__ = ["CpuResult", "main", "parser", "render", "run", "sweep_batches", "time_cpu"]
