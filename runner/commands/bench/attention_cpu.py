@@ -16,7 +16,9 @@ runs in its interpreter, which times Python). Each backend's ``forward`` runs th
 attnplug contract exactly as on the GPU (``attention_inputs.backend_inputs``: its own
 builder, built once and not timed; its own cache layout; the K/V write included).
 
-Reported per row: µs per call (median of ``--iters`` wall-clock calls after ``--warmup``),
+Reported per row: µs per call (median of ``--iters`` wall-clock calls after ``--warmup``;
+the backends of a row run in rotation, one call each per round, so load on a shared
+machine hits them alike),
 GB/s (the least traffic any kernel needs, ``attention._metrics``: cached K/V read once, the
 step's K/V read and written, queries read, outputs written), the speed-up over
 ``torch_native`` on the same row ("vs native", > 1 is faster), ``max |Δ|`` against
@@ -71,16 +73,20 @@ def sweep_batches(args) -> list[tuple[Batch, int, int]]:
     return out
 
 
-def time_cpu(fn, iters: int, warmup: int) -> float:
-    """Median wall-clock microseconds of ``fn()`` over ``iters`` calls after ``warmup``."""
+def time_interleaved(calls: list, iters: int, warmup: int) -> list[float]:
+    """Median wall-clock microseconds of each of ``calls``, run in rotation (one call of
+    each per round, ``warmup`` rounds untimed, then ``iters`` rounds): a load spike on a
+    shared machine hits every backend of the row alike, so their ratio holds."""
     for _ in range(warmup):
-        fn()
-    samples = []
+        for fn in calls:
+            fn()
+    samples: list[list[float]] = [[] for _ in calls]
     for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        samples.append((time.perf_counter() - t0) * 1e6)
-    return statistics.median(samples)
+        for fn, times in zip(calls, samples):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e6)
+    return [statistics.median(times) for times in samples]
 
 
 def _default_backends() -> list[str]:
@@ -92,10 +98,10 @@ def _default_backends() -> list[str]:
     return ["torch_native"] + [n for n in names if n != "torch_native"]
 
 
-def _row(batch: Batch, b: int, context: int, name: str, backend, args, dtype, kv_dense):
-    """One backend on one batch: the row and its output (``None`` when skipped or failed)."""
+def _prepare(batch: Batch, b: int, context: int, name: str, backend, args, dtype, kv_dense):
+    """One backend on one batch: its row, its ``forward`` call and the output it writes
+    (call and output ``None`` when the backend rejects the layer)."""
     from attnplug.core.contracts import AttentionLayerConfig
-    from attnplug.runner.commands.bench.attention import _metrics
 
     res = CpuResult(batch.name.split()[0], name, b, context, args.num_heads, args.num_kv_heads, args.head_size)
     layer = AttentionLayerConfig(args.num_heads, args.num_kv_heads, args.head_size, dtype=dtype,
@@ -103,34 +109,44 @@ def _row(batch: Batch, b: int, context: int, name: str, backend, args, dtype, kv
     reasons = backend.validate_configuration(layer)
     if reasons:
         res.note = "skipped: " + "; ".join(reasons)
-        return res, None
+        return res, None, None
     impl, md, kv, q, k, v, _ = backend_inputs(batch, backend, args, dtype, kv_dense)
     out = torch.zeros_like(q)
-    res.us = time_cpu(lambda: impl.forward(None, q, k, v, kv, md, out), args.iters, args.warmup)
-    res.gbps = _metrics(batch, res.us / 1e3, args, q.element_size())[1]
-    return res, out
+    return res, (lambda: impl.forward(None, q, k, v, kv, md, out)), out
+
+
+def _time_batch(batch: Batch, b: int, context: int, args, dtype, reg) -> list[CpuResult]:
+    """Every backend on ``batch``, timed in rotation; rates, ratios and the check against
+    ``torch_native`` filled in."""
+    from attnplug.runner.commands.bench.attention import _check_against_reference, _metrics
+
+    kv_dense = dense_kv(batch, args, dtype)
+    rows = [_prepare(batch, b, context, n, reg.get(n), args, dtype, kv_dense) for n in args.backend]
+    live = [(res, call) for res, call, _ in rows if call is not None]
+    for (res, _), us in zip(live, time_interleaved([call for _, call in live], args.iters, args.warmup)):
+        res.us = us
+        res.gbps = _metrics(batch, us / 1e3, args, torch.empty((), dtype=dtype).element_size())[1]
+    native = next(((res, out) for res, _, out in rows if res.backend == "torch_native" and res.us), None)
+    for res, _, out in rows:
+        if native is not None and res.us:
+            _check_against_reference(res, out, native[1].float(), dtype)
+            res.vs_native = native[0].us / res.us
+    return [res for res, _, _ in rows]
 
 
 def run(args) -> list[CpuResult]:
     """Time every backend on every batch of the sweep; rows in sweep order, ``torch_native``'s
     output the reference of its batch."""
     from attnplug.plugins.discovery import get_registry
-    from attnplug.runner.commands.bench.attention import DTYPES, _check_against_reference
+    from attnplug.runner.commands.bench.attention import DTYPES
 
     dtype, reg, results = DTYPES[args.dtype], get_registry(), []
     for heads in args.heads:
         for head_size in args.head_size:
-            args.num_heads, args.num_kv_heads = heads
-            shape_args = argparse.Namespace(**{**vars(args), "head_size": head_size})
+            shape_args = argparse.Namespace(**{**vars(args), "head_size": head_size, "num_heads": heads[0],
+                                               "num_kv_heads": heads[1]})
             for batch, b, context in sweep_batches(shape_args):
-                kv_dense = dense_kv(batch, shape_args, dtype)
-                rows = [_row(batch, b, context, n, reg.get(n), shape_args, dtype, kv_dense) for n in args.backend]
-                native = next(((r, o) for r, o in rows if r.backend == "torch_native" and r.us), (None, None))
-                for res, out in rows:
-                    if native[0] is not None and res.us:
-                        _check_against_reference(res, out, native[1].float(), dtype)
-                        res.vs_native = native[0].us / res.us
-                results += [r for r, _ in rows]
+                results += _time_batch(batch, b, context, shape_args, dtype, reg)
     return results
 
 
@@ -205,4 +221,4 @@ def main(argv: list[str]) -> int:
     return 0 if all(not r.note.startswith("error") for r in results) else 1
 
 
-__all__ = ["CpuResult", "main", "parser", "render", "run", "sweep_batches", "time_cpu"]
+__all__ = ["CpuResult", "main", "parser", "render", "run", "sweep_batches", "time_interleaved"]
