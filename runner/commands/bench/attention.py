@@ -30,8 +30,8 @@ With ``--markdown`` each workload's rows are printed as soon as they are final, 
 ``--json`` is rewritten after each workload (``"complete": false`` until the end), so a
 run cut off by a timeout keeps what it finished.
 
-On a machine without CUDA, or with ``--device cpu``, the command runs the CPU sweep
-instead (``runner/commands/bench/attention_cpu.py``: µs per call and GB/s over batch x
+On a machine without CUDA, or with ``--device cpu``, the command (its dispatch in
+``runner/commands/bench/step.py``) runs the CPU sweep instead (``runner/commands/bench/attention_cpu.py``: µs per call and GB/s over batch x
 context x heads x head size, the torch thread count recorded; the Triton interpreter is
 not timed, it would measure Python).
 
@@ -43,6 +43,7 @@ The batches and what each backend is given for them are built in
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Callable
 
 import torch
@@ -240,14 +241,15 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str]) -> int:
-    if "--device=cpu" in argv or "cpu" in [b for a, b in zip(argv, argv[1:]) if a == "--device"] \
-            or not torch.cuda.is_available():  # the CPU sweep: runner/commands/bench/attention_cpu.py
-        from attnplug.runner.commands.bench.attention_cpu import main as cpu_main
-        return cpu_main(argv)
     args = parser().parse_args(argv)
     args.workload = [w.strip() for w in args.workload.split(",") if w.strip()]
     if args.backend:
         args.backend = [n.strip() for item in args.backend for n in item.split(",") if n.strip()]
+    if not torch.cuda.is_available():  # `attnplug bench attention` routes a CPU to attention_cpu.py first
+        print("attnplug bench attention: the GPU path needs a CUDA device, and torch.cuda.is_available() is False "
+              "here; `attnplug bench attention` runs the CPU sweep instead (runner/commands/bench/attention_cpu.py).",
+              file=sys.stderr)
+        return 2
     done: list[Result] = []
 
     def on_workload(peaks: DevicePeaks, rows: list[Result]) -> None:

@@ -33,3 +33,12 @@ def test_wrong_backend_is_flagged(monkeypatch, capsys):
     monkeypatch.setattr(CpuSdpaAttentionImpl, "_attend_segment", lambda self, *a: real(self, *a) * 1.5)
     assert bench_main(TINY) == 1
     assert "error: wrong result" in capsys.readouterr().out
+
+
+def test_gpu_path_called_without_cuda_points_to_the_sweep(capsys):
+    from attnplug.runner.commands.bench import attention
+
+    if torch.cuda.is_available():
+        return
+    assert attention.main([]) == 2
+    assert "runs the CPU sweep instead" in capsys.readouterr().err
