@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from attnplug.backends.torch_native.attention import keys_used, visibility_mask, write_to_paged_cache
 from attnplug.backends.torch_native.builder import AttentionSegment, TorchNativeMetadata
 from attnplug.backends.torch_native.impl import TorchNativeAttentionImpl
+from attnplug.core.contracts import AttentionType
 
 
 class CpuSdpaAttentionImpl(TorchNativeAttentionImpl):
@@ -61,6 +62,15 @@ class CpuSdpaAttentionImpl(TorchNativeAttentionImpl):
         >>> impl.forward(None, q, k, v, kv_cache, builder.build(0, cm), torch.zeros(4, 2, 8)).shape
         torch.Size([4, 2, 8])
     """
+
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
+                 sliding_window: int | None = None, logits_soft_cap: float | None = None,
+                 attn_type: AttentionType = AttentionType.DECODER,
+                 kv_cache_dtype: torch.dtype | None = None):
+        # The signature is pinned here, not inherited: a feature the reference impl gains
+        # later (attention sinks, fp8 KV scales) must not reach this fast path unnoticed.
+        super().__init__(num_heads, head_size, scale, num_kv_heads, sliding_window, logits_soft_cap, attn_type,
+                         kv_cache_dtype)
 
     def forward(self, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: TorchNativeMetadata,
