@@ -37,6 +37,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from attnplug.runner.commands.bench.attention_inputs import Batch, backend_inputs, dense_kv
+from attnplug.runner.commands.limits import OneLineParser, bounded_int
 
 
 @dataclass
@@ -171,45 +172,74 @@ def render(results: list[CpuResult], args) -> str:
     return "\n".join(lines)
 
 
-def _csv(kind):
-    return lambda text: [kind(x) for x in text.split(",") if x.strip()]
+WORKLOADS = ("decode", "decode-mixed", "prefill")
+
+
+def _positive_ints(text: str) -> list[int]:
+    """A comma list of integers in ``[1, 1_000_000]``."""
+    parse = bounded_int(1, 1_000_000)
+    values = [parse(x) for x in text.split(",") if x.strip()]
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected a comma list of positive integers, got {text!r}")
+    return values
+
+
+def _workloads(text: str) -> list[str]:
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    unknown = [n for n in names if n not in WORKLOADS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"expected a comma list of {', '.join(WORKLOADS)}, got {text!r}")
+    return names
 
 
 def _heads(text: str) -> list[tuple[int, int]]:
+    """``H:H_kv`` pairs (``H`` alone means ``H:H``); ``H`` a multiple of ``H_kv``."""
     pairs = []
     for item in text.split(","):
-        h, _, kv = item.partition(":")
-        pairs.append((int(h), int(kv or h)))
+        h, _, kv = item.strip().partition(":")
+        num_heads, num_kv_heads = _positive_ints(h)[0], _positive_ints(kv or h)[0]
+        if num_heads % num_kv_heads:
+            raise argparse.ArgumentTypeError(f"{item.strip()!r}: query heads must be a multiple of KV heads")
+        pairs.append((num_heads, num_kv_heads))
     return pairs
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="attnplug bench attention (cpu)", description=__doc__.split("\n\n")[0])
+    p = OneLineParser(prog="attnplug bench attention", description=__doc__.split("\n\n")[0])
     p.add_argument("--device", choices=["cpu"], default="cpu")
     p.add_argument("--backend", action="append", default=None, metavar="NAME",
                    help="backend to time (repeatable, or a comma list; default: torch_native and every CPU backend)")
-    p.add_argument("--workload", type=_csv(str), default=["decode", "decode-mixed", "prefill"],
+    p.add_argument("--workload", type=_workloads, default=list(WORKLOADS),
                    help="comma list of decode, decode-mixed, prefill")
-    p.add_argument("--batch", type=_csv(int), default=[1, 16, 64], help="decode batch sizes (default 1,16,64)")
-    p.add_argument("--prefill-batch", type=_csv(int), default=[1, 4], help="prompts per prefill batch (default 1,4)")
-    p.add_argument("--context", type=_csv(int), default=[128, 1024], help="context / prompt lengths (default 128,1024)")
+    p.add_argument("--batch", type=_positive_ints, default=[1, 16, 64], help="decode batch sizes (default 1,16,64)")
+    p.add_argument("--prefill-batch", type=_positive_ints, default=[1, 4], help="prompts per prefill batch (default 1,4)")
+    p.add_argument("--context", type=_positive_ints, default=[128, 1024], help="context / prompt lengths (default 128,1024)")
     p.add_argument("--heads", type=_heads, default=[(9, 3), (32, 8)],
                    help="H:H_kv pairs (default 9:3,32:8: SmolLM2-135M's and a Llama-8B layer's)")
-    p.add_argument("--head-size", type=_csv(int), default=[64], help="head sizes (default 64)")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--max-model-len", type=int, default=None, help="default: the longest context + 1")
+    p.add_argument("--head-size", type=_positive_ints, default=[64], help="head sizes (default 64)")
+    p.add_argument("--block-size", type=bounded_int(1, 4096), default=16)
+    p.add_argument("--max-model-len", type=bounded_int(2, 1_048_576), default=None, help="default: the longest context + 1")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
-    p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--iters", type=bounded_int(1, 100_000), default=20)
+    p.add_argument("--warmup", type=bounded_int(0, 100_000), default=3)
     p.add_argument("--json", metavar="PATH", default=None, help="also write the rows and the thread count as JSON")
     return p
 
 
 def main(argv: list[str]) -> int:
     """``attnplug bench attention [--device cpu] ...`` on the CPU; exit 1 on a wrong result."""
-    args = parser().parse_args(argv)
+    from attnplug.plugins.discovery import get_registry
+
+    p = parser()
+    args = p.parse_args(argv)
     args.backend = [n.strip() for item in args.backend for n in item.split(",") if n.strip()] \
         if args.backend else _default_backends()
+    known = get_registry().names()
+    unknown = [n for n in args.backend if n not in known]
+    if unknown:
+        p.error(f"--backend: unknown backend {', '.join(map(repr, unknown))}; known backends: {', '.join(known)}")
+    if args.max_model_len is not None and args.max_model_len <= max(args.context):
+        p.error(f"--max-model-len {args.max_model_len} must exceed the longest --context ({max(args.context)})")
     args.max_model_len = args.max_model_len or max(args.context) + 1
     results = run(args)
     print(render(results, args), flush=True)

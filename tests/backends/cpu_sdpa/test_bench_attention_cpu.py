@@ -42,3 +42,14 @@ def test_gpu_path_called_without_cuda_points_to_the_sweep(capsys):
         return
     assert attention.main([]) == 2
     assert "runs the CPU sweep instead" in capsys.readouterr().err
+
+
+def test_bad_flags_are_one_line_errors(capsys):
+    import pytest
+
+    for bad in (["--heads", "4:3"], ["--batch", "0"], ["--workload", "decoder"], ["--backend", "nope"],
+                ["--context", "64", "--max-model-len", "64"]):
+        with pytest.raises(SystemExit) as exc:
+            bench_main(["attention", "--device", "cpu", *bad])
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and len(err.strip().splitlines()) == 1, (bad, err)
