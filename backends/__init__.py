@@ -12,6 +12,7 @@ from __future__ import annotations
 
 BUILTIN_BACKENDS: dict[str, str] = {
     "torch_native": "attnplug.backends.torch_native.backend:TorchNativeBackend",
+    "cpu_sdpa": "attnplug.backends.cpu_sdpa.backend:CpuSdpaBackend",
     "mamba2_torch": "attnplug.backends.mamba2.backend:Mamba2Backend",
     "gdn_torch": "attnplug.backends.state.gdn.backend:GDNTorchBackend",
     "gdn_triton": "attnplug.backends.state.gdn.backend:GDNTritonBackend",

@@ -40,7 +40,7 @@ AUTO_PRIORITY: dict[str, tuple[str, ...]] = {
     "cuda": ("flash_attn", "flashinfer", "triton", "torch_native", "flashmla", "flashinfer_mla", "triton_mla",
              "torch_native_mla", "flashmla_sparse", "triton_sparse_mla", "triton_indexer", "torch_native_sparse_mla",
              "torch_native_indexer"),
-    "cpu": ("torch_native", "triton", "torch_native_mla", "triton_mla", "torch_native_sparse_mla",
+    "cpu": ("cpu_sdpa", "torch_native", "triton", "torch_native_mla", "triton_mla", "torch_native_sparse_mla",
             "torch_native_indexer"),
 }
 """Device type -> backend names tried first, in order, when nothing is chosen explicitly.

@@ -21,8 +21,12 @@ What maps to what:
   reaches the attnplug impl as float32 (``AttentionImpl(sinks=)``), re-read before each
   forward because vLLM loads weights after building the impl; refused for a backend whose
   ``supports_sink()`` is False.
-* refused at construction with the reason (``BackendUnsupportedError``): ALiBi, a
-  quantized (fp8) KV cache, KV sharing, a soft cap or window the attnplug backend
+* fp8 KV caches: vLLM's ``kv_cache_dtype`` ``fp8`` / ``fp8_e4m3`` / ``fp8_e5m2`` where the
+  attnplug backend declares the matching ``supported_kv_cache_dtypes``: vLLM's ``uint8`` cache
+  is viewed as the fp8 dtype and the layer's per-tensor ``_k_scale`` / ``_v_scale`` reach the
+  impl as ``k_scale`` / ``v_scale`` (``_VllmScales``).
+* refused at construction with the reason (``BackendUnsupportedError``): ALiBi, an fp8 cache
+  the backend does not declare, KV sharing, a soft cap or window the attnplug backend
   does not declare, non-decoder attention; at forward: fused output quantization
   (``output_scale`` / ``output_block_scale``), which vLLM only asks of impls that say
   ``fused_output_quant_supported`` (these say no).
@@ -37,6 +41,7 @@ import torch
 from attnplug.cache_groups.specs import FullAttentionSpec, SlidingWindowSpec
 from attnplug.core.contracts import BuilderConfig
 from attnplug.core.errors import BackendUnsupportedError
+from attnplug.core.kv_quant import parse_kv_cache_dtype
 from attnplug.plugins.vllm import _vllm as V
 from attnplug.plugins.vllm.kv_layout import attnplug_view, layout_problem
 from attnplug.plugins.vllm.metadata import from_vllm
@@ -48,6 +53,31 @@ def _attnplug_spec(spec: Any):
                   dtype=spec.dtype)
     window = spec.sliding_window if isinstance(spec, V.VllmSlidingWindowSpec) else None
     return SlidingWindowSpec(sliding_window=window, **fields) if window else FullAttentionSpec(**fields)
+
+
+VLLM_KV_CACHE_DTYPES: dict[str, str] = {"auto": "auto", "fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3",
+                                         "fp8_e5m2": "fp8_e5m2"}
+"""vLLM's ``kv_cache_dtype`` strings -> attnplug's ``--kv-cache-dtype`` names (vLLM's ``"fp8"``
+means e4m3, ``vllm/utils/torch_utils.py``). vLLM allocates an fp8 cache as ``torch.uint8``;
+the bridge views it as the fp8 dtype (same element size, no copy)."""
+
+
+def _vllm_kv_dtypes(backend: type) -> list[str]:
+    """The vLLM ``kv_cache_dtype`` strings ``backend`` serves through the bridge."""
+    return [name for name, ours in VLLM_KV_CACHE_DTYPES.items() if ours in backend.supported_kv_cache_dtypes]
+
+
+class _VllmScales:
+    """What an attnplug impl reads from its ``layer`` argument for an fp8 cache
+    (``core/kv_quant.layer_kv_scales``): vLLM's ``Attention`` keeps its per-tensor descales as
+    float32 ``[]`` tensors ``_k_scale`` / ``_v_scale`` (real = stored * scale, attnplug's
+    convention too)."""
+
+    __slots__ = ("k_scale", "v_scale")
+
+    def __init__(self, layer):
+        self.k_scale = getattr(layer, "_k_scale", None)
+        self.v_scale = getattr(layer, "_v_scale", None)
 
 
 def impl_problems(backend: type, *, num_heads: int, num_kv_heads: int, head_size: int, alibi_slopes: Any,
@@ -65,9 +95,13 @@ def impl_problems(backend: type, *, num_heads: int, num_kv_heads: int, head_size
                        f"{getattr(sinks, 'shape', type(sinks).__name__)}")
     for key in sorted(k for k, v in extra.items() if k != "sinks" and v is not None):
         reasons.append(f"vLLM impl argument {key!r} is not supported by the bridge")
-    if kv_cache_dtype not in ("auto", None):
-        reasons.append(f"kv_cache_dtype {kv_cache_dtype!r} not supported (the bridge serves 'auto': the model "
-                       "dtype; no fp8 KV cache)")
+    kv = VLLM_KV_CACHE_DTYPES.get(kv_cache_dtype or "auto")
+    if kv is None:
+        reasons.append(f"kv_cache_dtype {kv_cache_dtype!r} not supported by the bridge (it serves "
+                       f"{', '.join(VLLM_KV_CACHE_DTYPES)})")
+    elif kv not in backend.supported_kv_cache_dtypes:
+        reasons.append(f"kv_cache_dtype {kv_cache_dtype!r} ({kv}) not supported by {backend.get_name()} "
+                       f"(supported_kv_cache_dtypes: {', '.join(backend.supported_kv_cache_dtypes)})")
     if kv_sharing_target_layer_name is not None:
         reasons.append(f"KV sharing (with layer {kv_sharing_target_layer_name!r}) not supported")
     if attn_type != V.VllmAttentionType.DECODER:
@@ -162,6 +196,7 @@ def _bridged_impl(backend: type, vllm_name: str) -> type:
             self.num_heads, self.head_size, self.scale = num_heads, head_size, float(scale)
             self.num_kv_heads, self.sliding_window = num_kv_heads, sliding_window
             self.kv_cache_dtype, self.attn_type = kv_cache_dtype, attn_type
+            self.cache_dtype = parse_kv_cache_dtype(VLLM_KV_CACHE_DTYPES[kv_cache_dtype or "auto"])
             self.logits_soft_cap, self.kv_sharing_target_layer_name = logits_soft_cap, None
             # vLLM's sinks are the model's parameter (its dtype, loaded after this constructor):
             # the inner impl gets a float32 copy, refreshed before each forward (num_heads values)
@@ -170,6 +205,7 @@ def _bridged_impl(backend: type, vllm_name: str) -> type:
                                                                   device=self.sinks.device)
             self.inner = backend.get_impl_cls()(num_heads, head_size, scale, num_kv_heads,
                                                 sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+                                                kv_cache_dtype=self.cache_dtype,
                                                 **({} if sinks32 is None else {"sinks": sinks32}))
 
         def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
@@ -181,8 +217,11 @@ def _bridged_impl(backend: type, vllm_name: str) -> type:
                 return output
             if self.sinks is not None:
                 self.inner.sinks = self.sinks.detach().to(device=query.device, dtype=torch.float32)
+            scales = None
+            if self.cache_dtype is not None:  # fp8: vLLM's uint8 cache seen as fp8, its layer's descales
+                kv_cache, scales = kv_cache.view(self.cache_dtype), _VllmScales(layer)
             cache = attnplug_view(kv_cache, backend, self.num_kv_heads, self.head_size)
-            self.inner.forward(None, query, key, value, cache, attn_metadata, output)
+            self.inner.forward(scales, query, key, value, cache, attn_metadata, output)
             return output
 
     return Impl
@@ -193,7 +232,7 @@ def _bridged_backend(backend: type, vllm_name: str, impl_cls: type, builder_cls:
 
     class Backend(V.VllmAttentionBackend):
         supported_dtypes = list(backend.supported_dtypes)
-        supported_kv_cache_dtypes = ["auto"]
+        supported_kv_cache_dtypes = _vllm_kv_dtypes(backend)
         forward_includes_kv_cache_update = True
         attnplug_backend = backend
 

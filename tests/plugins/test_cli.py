@@ -57,10 +57,10 @@ def test_explain_preset(capsys):
     rc, report = _json(capsys, "backends", "--explain", "--model", "preset", "--device", "cpu", "--json")
     assert rc == 0
     (group,) = report["groups"]
-    assert group["kind"] == "full_attention" and group["chosen"] == "torch_native" and group["source"] == "auto"
+    assert group["kind"] == "full_attention" and group["chosen"] == "cpu_sdpa" and group["source"] == "auto"
     assert group["num_layers"] == 4
     assert cli(["backends", "--explain", "--model", "preset", "--device", "cpu"]) == 0
-    assert "chosen: torch_native" in capsys.readouterr().out
+    assert "chosen: cpu_sdpa" in capsys.readouterr().out
 
 
 def test_explain_hf_config_with_window_softcap_and_mamba(capsys, tmp_path):
@@ -73,7 +73,7 @@ def test_explain_hf_config_with_window_softcap_and_mamba(capsys, tmp_path):
     rc, report = _json(capsys, "backends", "--explain", "--model", str(path), "--device", "cpu", "--json")
     kinds = {g["kind"]: g for g in report["groups"]}
     assert set(kinds) == {"sliding_window", "full_attention", "mamba"}
-    assert kinds["sliding_window"]["chosen"] == "torch_native" and kinds["sliding_window"]["num_layers"] == 2
+    assert kinds["sliding_window"]["chosen"] == "cpu_sdpa" and kinds["sliding_window"]["num_layers"] == 2
     assert "sliding_window=100" in kinds["sliding_window"]["layer"] and "logits_soft_cap=50.0" in kinds["full_attention"]["layer"]
     assert kinds["mamba"]["chosen"] == "mamba2_torch" and kinds["mamba"]["num_layers"] == 2
     assert rc == 0

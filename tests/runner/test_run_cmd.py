@@ -29,7 +29,7 @@ def test_run_json_counts(capsys):
     assert s["requests"] == 16
     assert s["steps"] > 0 and s["generated_tokens"] >= 16
     assert s["batch_invariance"] == {"identical": 8, "checked": 8}
-    assert s["cache_groups"][0]["backend"] == "torch_native"
+    assert s["cache_groups"][0]["backend"] == "cpu_sdpa"
     assert s["prompt_tokens"] + s["generated_tokens"] >= s["scheduled_tokens"] - s["prompt_tokens"] * 0
     assert set(s["median_us_per_step"]) == {"update_states", "prepare_inputs", "metadata_build", "forward", "sample"}
     assert all(v > 0 for v in s["median_us_per_step"].values())

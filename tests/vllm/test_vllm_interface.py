@@ -45,12 +45,14 @@ def vllm_layer(tmp_path_factory, vllm_installed):
     return V, config, backend, layer
 
 
-def _allocate(V, layout, num_blocks: int) -> torch.Tensor:
+def _allocate(V, layout, num_blocks: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """vLLM's logical per-layer cache ``[num_blocks, KV_HEADS, BLOCK, 2 * HEAD_SIZE]`` in
-    ``layout``'s physical order (its ``layer_view_order``), as vLLM's runner reshapes it."""
+    ``layout``'s physical order (its ``layer_view_order``), as vLLM's runner reshapes it
+    (``torch.uint8`` for an fp8 cache, as vLLM allocates it)."""
     logical = (num_blocks, KV_HEADS, BLOCK, 2 * HEAD_SIZE)
     order = layout.layer_view_order
-    phys = torch.full([logical[i] for i in order], 1e3)  # poison: a read of an unwritten slot shows
+    poison = 0x7F if dtype == torch.uint8 else 1e3  # 0x7F: NaN as e4m3fn and as e5m2
+    phys = torch.full([logical[i] for i in order], poison, dtype=dtype)  # poison: a read of an unwritten slot shows
     return phys.permute([order.index(i) for i in range(4)])
 
 
@@ -99,13 +101,14 @@ def test_vllm_plans_the_cache_in_a_layout_the_bridge_declared(vllm_layer):
     assert [g.layer_names for g in kv_config.kv_cache_groups] == [[layer.layer_name]]
 
 
-def _two_steps_match_dense(V, config, backend, layer, sinks=None):
+def _two_steps_match_dense(V, config, backend, layer, sinks=None, fp8=None):
     """Two steps through ``layer`` (A: chunks of 21 and 16; B: 8 prompt tokens, then a
-    decode) == dense attention (with ``sinks`` when given); padding rows untouched."""
+    decode) == dense attention (with ``sinks`` when given; over K/V quantised to ``fp8`` with
+    the layer's ``_k_scale`` / ``_v_scale`` and dequantised, when given); padding rows untouched."""
     spec = layer.get_kv_cache_spec(config)
     names = [layout.name for layout in backend.supported_kv_cache_layouts()]
     kv_config, layout = V.plan_kv_cache(config, {layer.layer_name: spec}, 12 * spec.page_size_bytes, names)
-    cache = _allocate(V, layout, kv_config.num_blocks)
+    cache = _allocate(V, layout, kv_config.num_blocks, torch.uint8 if fp8 is not None else torch.float32)
     with V.set_current_vllm_config(config):
         builder = backend.get_builder_cls()(spec, [layer.layer_name], config, torch.device("cpu"))
     assert isinstance(layer.impl, backend.get_impl_cls())
@@ -127,7 +130,12 @@ def _two_steps_match_dense(V, config, backend, layer, sinks=None):
             metadata = builder.build(0, cm, fast_build=False)
         out = torch.full_like(q, 7.0)
         assert layer.impl.forward(layer, q, k, v, cache, metadata, out) is out
-        want = torch.cat([_dense(q_all[r][a:b], k_all[r][:b], v_all[r][:b], sinks) for r, a, b in rows])
+        k_ref, v_ref = k_all, v_all
+        if fp8 is not None:  # what the cache holds, read back: (x / scale) in fp8, times scale
+            ks, vs = float(layer._k_scale), float(layer._v_scale)
+            k_ref = {r: (t / ks).to(fp8).float() * ks for r, t in k_all.items()}
+            v_ref = {r: (t / vs).to(fp8).float() * vs for r, t in v_all.items()}
+        want = torch.cat([_dense(q_all[r][a:b], k_ref[r][:b], v_ref[r][:b], sinks) for r, a, b in rows])
         n = sum(scheduled)
         torch.testing.assert_close(out[:n], want, atol=1e-5, rtol=1e-5)
         assert (out[n:] == 7.0).all()  # padding rows untouched
@@ -148,6 +156,24 @@ def test_sinks_given_to_vllms_layer_reach_the_attnplug_impl(vllm_layer):
                             prefix="model.layers.1.self_attn.attn", attn_backend=backend)
     sinks.data.copy_(torch.tensor([2.0, -1.0, 0.5, 4.0]))  # "weight loading", after construction
     _two_steps_match_dense(V, config, backend, layer, sinks.detach())
+
+
+@pytest.mark.parametrize("cache_dtype, fp8", [("fp8", torch.float8_e4m3fn), ("fp8_e5m2", torch.float8_e5m2)])
+def test_an_fp8_cache_of_vllm_is_read_with_its_layers_scales(vllm_layer, cache_dtype, fp8):
+    """vLLM's fp8 cache (uint8, its ``"fp8"`` = e4m3) through the bridge: the layer's
+    non-unit per-tensor descales used on write and read (ignoring either fails)."""
+    from vllm.config import CacheConfig
+
+    V, config, backend, _ = vllm_layer
+    fp8_config = V.VllmConfig(model_config=config.model_config,
+                              cache_config=CacheConfig(block_size=BLOCK, cache_dtype=cache_dtype))
+    with V.set_current_vllm_config(fp8_config):
+        layer = V.Attention(HEADS, HEAD_SIZE, HEAD_SIZE ** -0.5, num_kv_heads=KV_HEADS,
+                            prefix=f"model.layers.2.self_attn.attn.{cache_dtype}", attn_backend=backend)
+    assert layer.impl.cache_dtype == fp8
+    layer._k_scale.fill_(0.25)
+    layer._v_scale.fill_(3.0)
+    _two_steps_match_dense(V, fp8_config, backend, layer, fp8=fp8)
 
 
 def test_vllm_features_the_bridge_refuses_fail_inside_vllms_own_layer(vllm_layer):

@@ -117,7 +117,7 @@ def _impl_cls():
 @pytest.mark.parametrize("kwargs, reason", [
     ({"alibi_slopes": [0.5] * 4}, "ALiBi"),
     ({"sinks": torch.zeros(3)}, r"sinks must be a \[4\] tensor"),
-    ({"kv_cache_dtype": "fp8"}, "fp8"),
+    ({"kv_cache_dtype": "fp8_inc"}, "'fp8_inc' not supported by the bridge"),
     ({"kv_sharing_target_layer_name": "model.layers.0.self_attn.attn"}, "KV sharing"),
     ({"attn_type": "encoder_only"}, "decoder only"),
 ])
@@ -150,6 +150,18 @@ def test_sinks_are_refused_for_a_backend_that_does_not_declare_them():
     assert bridged.supports_sink() is False and bridge_classes(TorchNativeBackend, "CUSTOM").supports_sink() is True
     with pytest.raises(BackendUnsupportedError, match=r"attention sinks not supported by torch_native"):
         bridged.get_impl_cls()(4, 32, 32 ** -0.5, 2, sinks=torch.zeros(4))
+
+
+def test_an_fp8_cache_is_refused_for_a_backend_that_does_not_declare_it():
+    from attnplug.plugins.vllm.adapter import bridge_classes
+
+    no_fp8 = type("NoFp8", (TorchNativeBackend,), {"supported_kv_cache_dtypes": ("auto",)})
+    bridged = bridge_classes(no_fp8, "CUSTOM")
+    assert bridged.supported_kv_cache_dtypes == ["auto"]
+    assert set(bridge_classes(TorchNativeBackend, "CUSTOM").supported_kv_cache_dtypes) == {
+        "auto", "fp8", "fp8_e4m3", "fp8_e5m2"}
+    with pytest.raises(BackendUnsupportedError, match=r"'fp8' \(fp8_e4m3\) not supported by torch_native"):
+        bridged.get_impl_cls()(4, 32, 32 ** -0.5, 2, kv_cache_dtype="fp8")
 
 
 def test_a_supported_layer_builds_and_profile_run_is_a_no_op():

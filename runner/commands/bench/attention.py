@@ -30,8 +30,10 @@ With ``--markdown`` each workload's rows are printed as soon as they are final, 
 ``--json`` is rewritten after each workload (``"complete": false`` until the end), so a
 run cut off by a timeout keeps what it finished.
 
-Needs CUDA: on a CPU-only machine it says so and exits with status 2 (timing the Triton
-interpreter would measure Python, not kernels).
+On a machine without CUDA, or with ``--device cpu``, the command (its dispatch in
+``runner/commands/bench/step.py``) runs the CPU sweep instead (``runner/commands/bench/attention_cpu.py``: µs per call and GB/s over batch x
+context x heads x head size, the torch thread count recorded; the Triton interpreter is
+not timed, it would measure Python).
 
 The batches and what each backend is given for them are built in
 ``runner/commands/bench/attention_inputs.py``; the rows, table and JSON are
@@ -243,11 +245,10 @@ def main(argv: list[str]) -> int:
     args.workload = [w.strip() for w in args.workload.split(",") if w.strip()]
     if args.backend:
         args.backend = [n.strip() for item in args.backend for n in item.split(",") if n.strip()]
-    if not torch.cuda.is_available():
-        print("attnplug bench attention: needs a CUDA device, and torch.cuda.is_available() is False here. It times "
-              "GPU kernels and compares them with the device's measured copy bandwidth and matmul rate; on a CPU the "
-              "Triton kernels only run in the interpreter, whose timings measure Python, so nothing is reported. "
-              "Run it on a GPU machine (tests/gpu/run_all.sh does).", file=sys.stderr)
+    if not torch.cuda.is_available():  # `attnplug bench attention` routes a CPU to attention_cpu.py first
+        print("attnplug bench attention: the GPU path needs a CUDA device, and torch.cuda.is_available() is False "
+              "here; `attnplug bench attention` runs the CPU sweep instead (runner/commands/bench/attention_cpu.py).",
+              file=sys.stderr)
         return 2
     done: list[Result] = []
 

@@ -203,8 +203,13 @@ def main(argv: list[str] | None = None) -> int:
         from attnplug.runner.commands.bench.serve_client import main as serve_main
         return serve_main(list(argv[1:]))
     if argv and argv[0] == "attention":  # `attnplug bench attention ...`: runner/commands/bench/attention.py
+        rest = list(argv[1:])
+        if not torch.cuda.is_available() or "--device=cpu" in rest or \
+                "cpu" in [b for a, b in zip(rest, rest[1:]) if a == "--device"]:
+            from attnplug.runner.commands.bench.attention_cpu import main as attention_cpu_main
+            return attention_cpu_main(rest)  # the CPU sweep
         from attnplug.runner.commands.bench.attention import main as attention_main
-        return attention_main(list(argv[1:]))
+        return attention_main(rest)
     parser = OneLineParser(prog="attnplug bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("which", nargs="?", default="step",
                         choices=["step", "attention", "broadcast", "moe", "threads"],

@@ -1,0 +1,67 @@
+"""``CpuSdpaBackend``: paged decode and varlen prefill on torch's fused SDPA kernel (CPU)."""
+
+from __future__ import annotations
+
+import torch
+
+from attnplug.core.contracts import AttentionBackend, AttentionImpl, AttentionMetadataBuilder
+
+
+class CpuSdpaBackend(AttentionBackend):
+    """Attention on the CPU through ``torch.nn.functional.scaled_dot_product_attention``.
+
+    The metadata is ``torch_native``'s (:class:`~attnplug.backends.torch_native.builder.
+    TorchNativeMetadataBuilder`, once per step for all layers of a group: decodes in one
+    segment, each prefill its own, no query padding). Per layer and segment the impl
+    gathers each request's K/V blocks once and calls the fused SDPA kernel (flash-style,
+    online softmax: no ``[T, S]`` float32 logits); see ``impl.py`` for when a mask is
+    still built. Logits soft-cap and cascade steps run the ``torch_native`` path for that
+    layer (SDPA has no soft-cap; the cascade merge needs the LSE).
+
+    Capabilities: float32/float16/bfloat16, any head size, any kernel block size, CPU
+    only, GQA/MQA, sliding window, logits soft-cap (reference path), decoder attention.
+    No attention sinks, no fp8 KV cache.
+
+    KV cache per layer: ``[num_blocks, 2, block_size, num_kv_heads, head_size]`` (the
+    default layout; K at index 0 of dim 1).
+
+    Examples:
+        >>> CpuSdpaBackend.get_name()
+        'cpu_sdpa'
+    """
+
+    supported_dtypes = (torch.float32, torch.float16, torch.bfloat16)
+    supported_head_sizes = None
+    supported_kernel_block_sizes = None
+    supported_devices = ("cpu",)
+
+    @classmethod
+    def get_name(cls) -> str:
+        return "cpu_sdpa"
+
+    @classmethod
+    def get_builder_cls(cls) -> type[AttentionMetadataBuilder]:
+        from attnplug.backends.cpu_sdpa.builder import CpuSdpaMetadataBuilder
+        return CpuSdpaMetadataBuilder
+
+    @classmethod
+    def get_impl_cls(cls) -> type[AttentionImpl]:
+        from attnplug.backends.cpu_sdpa.impl import CpuSdpaAttentionImpl
+        return CpuSdpaAttentionImpl
+
+    @classmethod
+    def supports_sliding_window(cls) -> bool:
+        return True
+
+    @classmethod
+    def supports_logits_soft_cap(cls) -> bool:
+        return True
+
+    @classmethod
+    def supports_mqa_gqa(cls) -> bool:
+        return True
+
+    @classmethod
+    def is_available(cls) -> tuple[bool, str]:
+        """Always: the fused SDPA kernel ships with every CPU build of torch >= 2.1."""
+        return True, ""

@@ -1,0 +1,165 @@
+"""``CpuSdpaAttentionImpl``: gather each segment's K/V once, attend with the fused SDPA kernel.
+
+Per layer: write this step's K/V at the slot mapping, then for each segment of the
+``torch_native`` metadata (all decodes together; each prefill alone):
+
+1. gather the segment's key blocks once (``index_select`` of whole blocks, K and V), cut
+   to the key columns some query sees;
+2. call ``torch.nn.functional.scaled_dot_product_attention`` (CPU: the fused flash kernel,
+   online softmax in float32, no ``[T, S]`` logits temporary) with the least mask the
+   segment needs:
+
+   * decodes of one context length, full attention: no mask at all; decodes of mixed
+     lengths: a ``[n, 1, 1, S]`` key-padding mask (one byte per key, not per logit);
+   * a prefill with no earlier context: ``is_causal=True`` (top-left = bottom-right);
+   * a chunked-prefill continuation or a sliding window: the bottom-right causal /
+     window mask of ``torch_native.attention.visibility_mask``, ``[n, 1, L, S]`` bool.
+
+   Decode GQA/MQA stacks the ``group`` query heads of a KV head as query rows
+   (``[n, H_kv, group, D]``), so K/V are never expanded; prefill GQA uses SDPA's
+   ``enable_gqa``.
+
+Keys no query sees (past a request's ``seq_len`` in a mixed-length decode segment, before
+a window) are zeroed in the gathered copy, K and V: SDPA adds ``-inf`` to masked logits,
+and ``-inf + NaN`` (a poisoned or recycled block) would still be NaN.
+
+A layer with a logits soft-cap, or a cascade step, runs the ``torch_native`` path
+(:class:`~attnplug.backends.torch_native.impl.TorchNativeAttentionImpl`, which this class
+extends): SDPA has no soft-cap, and the cascade merge needs each pass's log-sum-exp.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from attnplug.backends.torch_native.attention import keys_used, visibility_mask, write_to_paged_cache
+from attnplug.backends.torch_native.builder import AttentionSegment, TorchNativeMetadata
+from attnplug.backends.torch_native.impl import TorchNativeAttentionImpl
+from attnplug.core.contracts import AttentionType
+
+
+class CpuSdpaAttentionImpl(TorchNativeAttentionImpl):
+    """One layer's attention through the fused SDPA kernel (see the module docstring).
+
+    ``CpuSdpaAttentionImpl(num_heads, head_size, scale, num_kv_heads, sliding_window=None,
+    logits_soft_cap=None, attn_type=AttentionType.DECODER, kv_cache_dtype=None)``; the
+    arguments, errors and the KV-cache layout are ``torch_native``'s.
+
+    Examples:
+        >>> import torch
+        >>> from attnplug.backends.cpu_sdpa import CpuSdpaBackend
+        >>> from attnplug.cache_groups.specs import FullAttentionSpec
+        >>> from attnplug.core import BuilderConfig, CommonAttentionMetadata
+        >>> spec = FullAttentionSpec(block_size=4, num_kv_heads=1, head_size=8)
+        >>> builder = CpuSdpaBackend.get_builder_cls()(spec, ["l0"], BuilderConfig(2, 16, 16), "cpu")
+        >>> cm = CommonAttentionMetadata.from_lengths([0, 3], [3, 1], [[1, 0], [2, 0]], block_size=4)
+        >>> impl = CpuSdpaBackend.get_impl_cls()(2, 8, 8 ** -0.5, 1)
+        >>> kv_cache = torch.zeros(CpuSdpaBackend.get_kv_cache_shape(3, 4, 1, 8))
+        >>> q, k, v = torch.randn(4, 2, 8), torch.randn(4, 1, 8), torch.randn(4, 1, 8)
+        >>> impl.forward(None, q, k, v, kv_cache, builder.build(0, cm), torch.zeros(4, 2, 8)).shape
+        torch.Size([4, 2, 8])
+    """
+
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
+                 sliding_window: int | None = None, logits_soft_cap: float | None = None,
+                 attn_type: AttentionType = AttentionType.DECODER,
+                 kv_cache_dtype: torch.dtype | None = None):
+        # The signature is pinned here, not inherited: a feature the reference impl gains
+        # later (attention sinks, fp8 KV scales) must not reach this fast path unnoticed.
+        super().__init__(num_heads, head_size, scale, num_kv_heads, sliding_window, logits_soft_cap, attn_type,
+                         kv_cache_dtype)
+
+    def forward(self, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                kv_cache: torch.Tensor, attn_metadata: TorchNativeMetadata,
+                output: torch.Tensor) -> torch.Tensor:
+        """Write this step's K/V at the slot mapping, then attend over the paged cache.
+
+        Args, returns and errors: those of ``TorchNativeAttentionImpl.forward`` (query
+        ``[num_tokens, num_heads, head_size]``, key/value ``[num_tokens, num_kv_heads,
+        head_size]``, kv_cache ``[num_blocks, 2, block_size, num_kv_heads, head_size]``,
+        output ``[num_tokens, num_heads, head_size]`` written in place for the real rows).
+
+        Numerics: SDPA's CPU kernel accumulates logits, softmax and the weighted sum in
+        float32 for every input dtype; K/V are cast to ``query.dtype`` when the cache
+        holds another dtype.
+        """
+        if self.logits_soft_cap is not None or getattr(attn_metadata, "cascade", None) is not None:
+            return super().forward(layer, query, key, value, kv_cache, attn_metadata, output)
+        self._check(query, key, value, kv_cache, attn_metadata, output)
+        md = attn_metadata
+        write_to_paged_cache(key, value, kv_cache, md.write_slots, md.write_token_indices)
+        for seg in md.segments:
+            out = self._attend_segment(query, kv_cache, md, seg)  # [n * query_len, num_heads, head_size]
+            output[seg.query_token_indices.flatten()] = out.to(output.dtype)
+        return output
+
+    def _attend_segment(self, query: torch.Tensor, kv_cache: torch.Tensor, md: TorchNativeMetadata,
+                        seg: AttentionSegment) -> torch.Tensor:
+        """``[n * query_len, num_heads, head_size]`` in ``query.dtype``: the segment's
+        outputs, request-major."""
+        n, q_len = seg.query_token_indices.shape
+        k_lo, k_hi = self._key_columns(seg, md.block_size)
+        keys, values = self._gather(kv_cache, seg, md.block_size, k_lo, k_hi, query.dtype)  # [n, H_kv, S, D]
+        mask, is_causal = self._mask(seg, md, k_lo, k_hi)
+        if mask is not None and (seg.min_seq_len != seg.max_seq_len or self.sliding_window is not None
+                                 or seg.min_key_offset != seg.max_key_offset):
+            used = keys_used(seg.seq_lens, q_len, seg.key_block_ids.shape[1] * md.block_size,
+                             self.sliding_window, seg.key_offsets if seg.max_key_offset else None)
+            hidden = ~used[:, k_lo:k_hi].view(n, 1, -1, 1)  # against [n, H_kv, S, D]
+            keys.masked_fill_(hidden, 0.0)
+            values.masked_fill_(hidden, 0.0)
+        q = query[seg.query_token_indices]  # [n, q_len, num_heads, head_size]
+        if q_len == 1:  # the group's query heads as rows: [n, H_kv, group, D]; K/V never expanded
+            q = q.view(n, self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_size)
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale)
+            return out.reshape(n, self.num_heads, self.head_size)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values,
+                                             attn_mask=mask, is_causal=is_causal, scale=self.scale,
+                                             enable_gqa=self.num_heads != self.num_kv_heads)
+        return out.transpose(1, 2).reshape(n * q_len, self.num_heads, self.head_size)
+
+    def _key_columns(self, seg: AttentionSegment, block_size: int) -> tuple[int, int]:
+        """Key columns ``k_lo .. k_hi - 1`` (end exclusive) that some query of the segment
+        sees: none past ``max_seq_len``, none before the earliest window start (column
+        ``j`` of request ``r`` is position ``key_offsets[r] + j``)."""
+        num_cols = seg.key_block_ids.shape[1] * block_size
+        k_hi = min(num_cols, seg.max_seq_len - seg.min_key_offset)
+        k_lo = 0
+        if self.sliding_window is not None:
+            k_lo = max(0, seg.min_seq_len - seg.query_len - self.sliding_window + 1 - seg.max_key_offset)
+        return k_lo, max(k_hi, k_lo + 1)
+
+    def _gather(self, kv_cache: torch.Tensor, seg: AttentionSegment, block_size: int, k_lo: int, k_hi: int,
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(keys, values)``, each ``[n, num_kv_heads, k_hi - k_lo, head_size]`` in ``dtype``:
+        strided views of one fresh whole-block ``index_select`` copy per K and V.
+
+        Whole blocks (``block_size * H_kv * D`` contiguous elements each) are gathered and
+        the head axis is moved by a view, not a copy: measured on the decode shapes of
+        ``attnplug bench attention``, a per-token gather straight into ``[H_kv, n, S, D]``
+        is ~10x slower than this, and SDPA's CPU kernel reads the strided view at speed."""
+        n = seg.key_block_ids.shape[0]
+        flat = seg.key_block_ids.flatten()
+        shape = (n, seg.key_block_ids.shape[1] * block_size, self.num_kv_heads, self.head_size)
+        keys = kv_cache[:, 0].index_select(0, flat).view(shape)[:, k_lo:k_hi]
+        values = kv_cache[:, 1].index_select(0, flat).view(shape)[:, k_lo:k_hi]
+        return keys.to(dtype).transpose(1, 2), values.to(dtype).transpose(1, 2)
+
+    def _mask(self, seg: AttentionSegment, md: TorchNativeMetadata, k_lo: int,
+              k_hi: int) -> tuple[torch.Tensor | None, bool]:
+        """``(attn_mask, is_causal)`` for SDPA: the least the segment needs (module
+        docstring). ``attn_mask`` is ``[n, 1, query_len, S]`` bool (True = visible) or
+        ``None``."""
+        offsets = seg.key_offsets if seg.max_key_offset else None
+        uniform = seg.min_seq_len == seg.max_seq_len and seg.min_key_offset == seg.max_key_offset
+        if self.sliding_window is None and uniform:
+            if seg.query_len == 1 or not md.causal:
+                return None, False
+            if seg.max_seq_len == seg.query_len and k_lo == 0:
+                return None, True
+        mask = visibility_mask(seg.query_positions, seg.seq_lens, k_lo, k_hi, causal=md.causal,
+                               sliding_window=self.sliding_window, key_offsets=offsets)
+        return mask.unsqueeze(1), False

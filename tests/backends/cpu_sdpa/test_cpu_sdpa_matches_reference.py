@@ -1,0 +1,87 @@
+"""``cpu_sdpa`` against the ``torch_native`` reference.
+
+* the whole conformance catalog passes, its only skips the limitations every attention
+  backend of its kind has (MLA / state cases, property mode off, "undeclared feature"
+  checks of features it declares);
+* the fast path really runs: on decode, ragged decode, chunked prefill and sliding-window
+  steps with NaN-poisoned free blocks, the result matches ``torch_native`` with the
+  reference path made to raise (so no case silently falls back to it).
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from attnplug.backends.cpu_sdpa import CpuSdpaBackend
+from attnplug.backends.torch_native import TorchNativeBackend
+from attnplug.backends.torch_native.impl import TorchNativeAttentionImpl
+from attnplug.cache_groups.specs import FullAttentionSpec, SlidingWindowSpec
+from attnplug.core import BuilderConfig, CommonAttentionMetadata
+
+pytest_plugins = ["pytester"]
+
+EXPECTED_SKIP = re.compile(
+    r"the backend declares '(sliding_window|logits_soft_cap|mqa_gqa)'; the cases test it"
+    r"|the backend serves 'attention' caches"
+    r"|property mode is off")
+
+
+@pytest.mark.slow
+def test_conformance_catalog_passes(pytester):
+    result = pytester.runpytest_inprocess("-p", "no:cacheprovider", "-rs", "--pyargs", "attnplug.plugins.conformance",
+                                          "--attnplug-device", "cpu", "--attnplug-backend", "cpu_sdpa")
+    out = result.parseoutcomes()
+    assert result.ret == pytest.ExitCode.OK, result.stdout.str()
+    assert out.get("passed", 0) >= 100 and not out.get("failed") and not out.get("errors")
+    skips = [line for line in result.outlines if line.startswith("SKIPPED")]
+    assert not [s for s in skips if not EXPECTED_SKIP.search(s)], skips
+
+
+# (num_computed_tokens, num_scheduled_tokens) per request: equal decodes, ragged decodes,
+# decodes + a chunked-prefill continuation + a fresh prompt
+STEPS = {
+    "decode_equal": [(9, 1), (9, 1), (9, 1)],
+    "decode_ragged": [(3, 1), (17, 1), (8, 1)],
+    "mixed": [(12, 1), (5, 1), (6, 7), (0, 9)],
+}
+
+
+def _run(backend, step, window, num_heads=4, num_kv_heads=2, head_size=16, block_size=4):
+    torch.manual_seed(0)
+    lens = [c + s for c, s in step]
+    width = max(-(-n // block_size) for n in lens) + 1
+    table, next_id = torch.zeros(len(step), width, dtype=torch.int32), 1
+    for r, n in enumerate(lens):
+        for b in range(-(-n // block_size)):
+            table[r, b] = next_id
+            next_id += 1
+    cm = CommonAttentionMetadata.from_lengths([c for c, _ in step], [s for _, s in step], table, block_size)
+    spec = (FullAttentionSpec(block_size=block_size, num_kv_heads=num_kv_heads, head_size=head_size) if window is None
+            else SlidingWindowSpec(block_size=block_size, num_kv_heads=num_kv_heads, head_size=head_size,
+                                   sliding_window=window))
+    builder = backend.get_builder_cls()(spec, ["l0"], BuilderConfig(len(step), 64, 64), "cpu")
+    impl = backend.get_impl_cls()(num_heads, head_size, head_size ** -0.5, num_kv_heads, sliding_window=window)
+    kv = torch.randn(backend.get_kv_cache_shape(next_id + 2, block_size, num_kv_heads, head_size))
+    kv[0] = float("nan")  # the null block and the free blocks past every request: poison
+    kv[next_id:] = float("nan")
+    T = sum(s for _, s in step)
+    q, k, v = torch.randn(T, num_heads, head_size), torch.randn(T, num_kv_heads, head_size), \
+        torch.randn(T, num_kv_heads, head_size)
+    return impl.forward(None, q, k, v, kv, builder.build(0, cm), torch.zeros(T, num_heads, head_size))
+
+
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("step", sorted(STEPS))
+def test_fast_path_matches_torch_native(step, window, monkeypatch):
+    expected = _run(TorchNativeBackend, STEPS[step], window)
+
+    def no_fallback(*args, **kwargs):
+        raise AssertionError("cpu_sdpa fell back to the torch_native path")
+
+    monkeypatch.setattr(TorchNativeAttentionImpl, "forward", no_fallback)
+    got = _run(CpuSdpaBackend, STEPS[step], window)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
