@@ -169,6 +169,7 @@ def test_an_fp8_cache_of_vllm_is_read_with_its_layers_scales(vllm_layer, cache_d
                               cache_config=CacheConfig(block_size=BLOCK, cache_dtype=cache_dtype))
     with V.set_current_vllm_config(fp8_config):
         layer = V.Attention(HEADS, HEAD_SIZE, HEAD_SIZE ** -0.5, num_kv_heads=KV_HEADS,
+                            cache_config=fp8_config.cache_config,
                             prefix=f"model.layers.2.self_attn.attn.{cache_dtype}", attn_backend=backend)
     assert layer.impl.cache_dtype == fp8
     layer._k_scale.fill_(0.25)
