@@ -57,6 +57,7 @@ from attnplug.runner.step.placeholders import (
 )
 from attnplug.runner.step.plan import UpdatePlan
 from attnplug.runner.step.prepare import InputPreparer, StepInputs
+from attnplug.runner.step.prompt_embeds import PromptEmbedsConfig, PromptEmbedsStore
 from attnplug.runner.step.request_state import CachedRequestState
 from attnplug.runner.step.scheduler_output import SamplingParams, SchedulerOutput
 from attnplug.runner.step.spec_apply import append_verified_tokens
@@ -94,6 +95,10 @@ class StepCompiler:
         native: use the compiled fast paths (``runner.step.fast``) when they are built;
             ``None`` (default) uses them unless ``ATTNPLUG_NATIVE=0``. Results are the
             same either way; ``False`` runs the numpy paths only.
+        prompt_embeds: a :class:`~attnplug.runner.step.prompt_embeds.PromptEmbedsConfig`
+            (hidden size, model dtype) to take ``NewRequestData.prompt_embeds``; ``None``
+            (default) refuses them. Steps that schedule their prompt positions then carry
+            ``StepInputs.inputs_embeds`` / ``is_embed`` (``runner/step/prompt_embeds.py``).
 
     Attributes:
         layout: the :class:`~attnplug.runner.step.groups.StepLayout` (groups, limits).
@@ -111,7 +116,8 @@ class StepCompiler:
                  kernel_block_sizes: Sequence[int] | None = None,
                  reorder_batch_threshold: int | None = None, *, num_blocks: int | None = None,
                  group_kinds: Sequence[str] | None = None, validate: bool | None = None,
-                 sliding_windows: Sequence[int | None] | None = None, native: bool | None = None):
+                 sliding_windows: Sequence[int | None] | None = None, native: bool | None = None,
+                 prompt_embeds: PromptEmbedsConfig | None = None):
         lay = self.layout = StepLayout.from_args(
             block_sizes, StepLimits(max_num_reqs, max_model_len, max_num_batched_tokens),
             kernel_block_sizes=kernel_block_sizes, num_blocks=num_blocks, group_kinds=group_kinds,
@@ -140,6 +146,10 @@ class StepCompiler:
         self.requests: dict[str, CachedRequestState] = {}
         self.checker = UpdateChecker(lay, self.input_batch, self.requests, kernels)
         """Stage 1 (``runner/step/check.py``): ``checker.plan(scheduler_output)``."""
+        self.checker.prompt_embeds_config = prompt_embeds
+        self.prompt_embeds: PromptEmbedsStore | None = (
+            None if prompt_embeds is None else PromptEmbedsStore(prompt_embeds, max_num_batched_tokens, self.device))
+        """The kept prompt embeddings and the ``inputs_embeds`` buffers (``None``: not enabled)."""
         self._preparer = InputPreparer(max_num_reqs, max_model_len, max_num_batched_tokens, self.device, kernels)
         self.validate = os.environ.get("ATTNPLUG_VALIDATE") == "1" if validate is None else bool(validate)
         self.patch_counts = {"slice": 0, "scatter": 0}
@@ -163,6 +173,8 @@ class StepCompiler:
     def apply(self, plan: UpdatePlan) -> None:
         """Stage 2: apply a plan that ``self.checker.plan`` returned for this state."""
         apply_update(self.layout, self.input_batch, self.requests, plan, self.reorder_batch_threshold)
+        if self.prompt_embeds is not None:
+            self.prompt_embeds.update(plan.finished, plan.prompt_embeds)
 
     def prepare_inputs(self, scheduler_output: SchedulerOutput | None = None,
                        num_tokens_padded: int | None = None, *, build_metadata: bool = True,
@@ -210,6 +222,8 @@ class StepCompiler:
             if patch is not None:
                 patch_input_ids(inputs.input_ids, patch, prev_token_ids)
                 self.patch_counts["slice" if patch.contiguous else "scatter"] += 1
+        if self.prompt_embeds is not None:
+            self._fill_embeds(inputs)
         if b.num_spec_tokens[:inputs.num_reqs].any():
             inputs.spec_decode_metadata = spec_decode_metadata(inputs, b)
         if build_metadata or self.validate:
@@ -217,6 +231,14 @@ class StepCompiler:
         if self.validate:
             self.check(inputs)
         return inputs
+
+    def _fill_embeds(self, inputs: StepInputs) -> None:
+        """Set ``inputs.inputs_embeds`` / ``is_embed`` when the step has embedding rows."""
+        filled = self.prompt_embeds.fill(self.input_batch.req_id_to_index, inputs.num_reqs, inputs.num_padded_tokens,
+                                         inputs.query_start_loc_cpu.numpy(), inputs.num_computed_tokens,
+                                         inputs.num_scheduled_tokens)
+        if filled is not None:
+            inputs.inputs_embeds, inputs.is_embed = filled
 
     def _check_step_size(self, scheduler_output: SchedulerOutput | None, Q: int, num_tokens_padded: int | None):
         if scheduler_output is not None and scheduler_output.total_num_scheduled_tokens != Q:
