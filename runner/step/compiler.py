@@ -322,5 +322,9 @@ class StepCompiler:
 
     def snapshot(self) -> dict:
         """A deep copy of every piece of state (both views), for before/after comparisons
-        in tests (compare with :func:`snapshot_diff`). Not for the hot path."""
-        return snapshot(self.input_batch, self.requests)
+        in tests (compare with :func:`snapshot_diff`). Not for the hot path. With prompt
+        embeddings enabled, ``snap["prompt_embeds"]`` holds the kept ones (float32 copies)."""
+        snap = snapshot(self.input_batch, self.requests)
+        if self.prompt_embeds is not None:
+            snap["prompt_embeds"] = {rid: e.float().cpu().numpy() for rid, e in self.prompt_embeds.embeds.items()}
+        return snap
