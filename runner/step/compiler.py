@@ -57,6 +57,7 @@ from attnplug.runner.step.placeholders import (
 )
 from attnplug.runner.step.plan import UpdatePlan
 from attnplug.runner.step.prepare import InputPreparer, StepInputs
+from attnplug.runner.step.mrope import MRopeStore
 from attnplug.runner.step.prompt_embeds import PromptEmbedsConfig, PromptEmbedsStore
 from attnplug.runner.step.request_state import CachedRequestState
 from attnplug.runner.step.scheduler_output import SamplingParams, SchedulerOutput
@@ -99,6 +100,9 @@ class StepCompiler:
             (hidden size, model dtype) to take ``NewRequestData.prompt_embeds``; ``None``
             (default) refuses them. Steps that schedule their prompt positions then carry
             ``StepInputs.inputs_embeds`` / ``is_embed`` (``runner/step/prompt_embeds.py``).
+        uses_mrope: compute ``StepInputs.mrope_positions`` (``[3, P]``) every step, from
+            the new requests' ``mm_placeholders`` (``runner/step/mrope.py``); ``False``
+            (default) refuses placeholders.
 
     Attributes:
         layout: the :class:`~attnplug.runner.step.groups.StepLayout` (groups, limits).
@@ -117,7 +121,7 @@ class StepCompiler:
                  reorder_batch_threshold: int | None = None, *, num_blocks: int | None = None,
                  group_kinds: Sequence[str] | None = None, validate: bool | None = None,
                  sliding_windows: Sequence[int | None] | None = None, native: bool | None = None,
-                 prompt_embeds: PromptEmbedsConfig | None = None):
+                 prompt_embeds: PromptEmbedsConfig | None = None, uses_mrope: bool = False):
         lay = self.layout = StepLayout.from_args(
             block_sizes, StepLimits(max_num_reqs, max_model_len, max_num_batched_tokens),
             kernel_block_sizes=kernel_block_sizes, num_blocks=num_blocks, group_kinds=group_kinds,
@@ -150,6 +154,9 @@ class StepCompiler:
         self.prompt_embeds: PromptEmbedsStore | None = (
             None if prompt_embeds is None else PromptEmbedsStore(prompt_embeds, max_num_batched_tokens, self.device))
         """The kept prompt embeddings and the ``inputs_embeds`` buffers (``None``: not enabled)."""
+        self.checker.uses_mrope = bool(uses_mrope)
+        self.mrope: MRopeStore | None = MRopeStore(max_num_batched_tokens, self.device) if uses_mrope else None
+        """The M-RoPE prompt positions of resident requests with images (``None``: not enabled)."""
         self._preparer = InputPreparer(max_num_reqs, max_model_len, max_num_batched_tokens, self.device, kernels)
         self.validate = os.environ.get("ATTNPLUG_VALIDATE") == "1" if validate is None else bool(validate)
         self.patch_counts = {"slice": 0, "scatter": 0}
@@ -175,6 +182,8 @@ class StepCompiler:
         apply_update(self.layout, self.input_batch, self.requests, plan, self.reorder_batch_threshold)
         if self.prompt_embeds is not None:
             self.prompt_embeds.update(plan.finished, plan.prompt_embeds)
+        if self.mrope is not None:
+            self.mrope.update(plan.finished, plan.mm_placeholders)
 
     def prepare_inputs(self, scheduler_output: SchedulerOutput | None = None,
                        num_tokens_padded: int | None = None, *, build_metadata: bool = True,
@@ -224,6 +233,11 @@ class StepCompiler:
                 self.patch_counts["slice" if patch.contiguous else "scatter"] += 1
         if self.prompt_embeds is not None:
             self._fill_embeds(inputs)
+        if self.mrope is not None:
+            inputs.mrope_positions = self.mrope.fill(
+                self.input_batch.req_id_to_index, inputs.num_reqs, inputs.num_padded_tokens,
+                inputs.positions_cpu.numpy(), inputs.query_start_loc_cpu.numpy(), inputs.num_computed_tokens,
+                inputs.num_scheduled_tokens)
         if b.num_spec_tokens[:inputs.num_reqs].any():
             inputs.spec_decode_metadata = spec_decode_metadata(inputs, b)
         if build_metadata or self.validate:

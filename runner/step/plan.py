@@ -131,3 +131,6 @@ class UpdatePlan:
     """``{req_id: [num_prompt_tokens, hidden_size] tensor}``: the checked embeddings of the
     new requests that carry them (the caller's tensors; stage 2 copies them,
     ``runner/step/prompt_embeds.py``)."""
+    mm_placeholders: dict = field(default_factory=dict)
+    """``{req_id: (placeholders, num_prompt_tokens)}``: the checked image spans of the new
+    requests that carry them (stage 2 computes their M-RoPE positions, ``runner/step/mrope.py``)."""

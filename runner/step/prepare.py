@@ -93,6 +93,9 @@ class StepInputs:
     is_embed: torch.Tensor | None = None
     """``[P]`` ``bool``, device: token ``t`` takes ``inputs_embeds[t]`` instead of
     embedding ``input_ids[t]``; ``None`` with :attr:`inputs_embeds`."""
+    mrope_positions: torch.Tensor | None = None
+    """``[3, P]`` ``int64``, device: M-RoPE positions (temporal, height, width) of a
+    compiler built with ``uses_mrope`` (``runner/step/mrope.py``); ``None`` otherwise."""
 
 
 class InputPreparer:

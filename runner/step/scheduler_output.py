@@ -34,6 +34,8 @@ from attnplug.core.errors import InvalidSamplingParams
 if TYPE_CHECKING:
     import torch
 
+    from attnplug.runner.step.mrope import PlaceholderRange
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -84,6 +86,10 @@ class NewRequestData:
             built with a ``PromptEmbedsConfig`` takes them; it copies them once (the
             caller's tensor is not kept) and keeps them until the request finishes, so a
             recompute after preemption reads them again. See docs/embedding.md.
+        mm_placeholders: ``None``, or the prompt's image spans, in order
+            (``runner/step/mrope.py``'s ``PlaceholderRange``: offset and the image's grid
+            ``(t, h, w)``); a compiler built with ``uses_mrope=True`` computes the
+            request's M-RoPE positions from them (``StepInputs.mrope_positions``).
     """
 
     req_id: str
@@ -93,6 +99,7 @@ class NewRequestData:
     sampling_params: SamplingParams = field(default_factory=SamplingParams)
     output_token_ids: list[int] = field(default_factory=list)
     prompt_embeds: "torch.Tensor | None" = None
+    mm_placeholders: "list[PlaceholderRange] | None" = None
 
 
 @dataclass
