@@ -84,13 +84,15 @@ class Scheduler:
 
     # --- requests -----------------------------------------------------------------------
     def add_request(self, req_id: str, prompt_token_ids: list[int],
-                    sampling_params: SamplingParams | None = None) -> None:
+                    sampling_params: SamplingParams | None = None, prompt_embeds=None) -> None:
         """Queue a request (FIFO). Validates first; a rejected request changes nothing.
 
         Args:
             req_id: a new, unique id (ids of finished requests are not reused).
             prompt_token_ids: the prompt's token ids, ``1 <= len < max_model_len``.
             sampling_params: defaults to ``SamplingParams()``; ``max_tokens >= 1``.
+            prompt_embeds: ``None``, or the prompt as embeddings (``Request.prompt_embeds``;
+                the runner's stage 1 checks them; ``LLMEngine.add_request`` checks first).
 
         Raises:
             InvalidRequestError: duplicate id, empty or too long prompt, negative token id,
@@ -101,7 +103,8 @@ class Scheduler:
         sp = SamplingParams() if sampling_params is None else sampling_params
         prompt = check_new_request(self.config, self.kv_cache_manager, self.requests, req_id, prompt_token_ids, sp)
         req = Request(req_id, prompt, sp, arrival_index=self._next_arrival,
-                      block_ids=tuple([] for _ in range(self.kv_cache_manager.num_groups)))
+                      block_ids=tuple([] for _ in range(self.kv_cache_manager.num_groups)),
+                      prompt_embeds=prompt_embeds)
         self._next_arrival += 1
         self.requests[req_id] = req
         self.waiting.append(req)
