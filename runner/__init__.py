@@ -29,6 +29,8 @@ _EXPORTS: dict[str, str] = {
     "NewRequestData": "attnplug.runner.step.scheduler_output",
     "CachedRequestData": "attnplug.runner.step.scheduler_output",
     "SamplingParams": "attnplug.runner.step.scheduler_output",
+    "PromptEmbedsConfig": "attnplug.runner.step.prompt_embeds",
+    "PlaceholderRange": "attnplug.runner.step.mrope",
     # executing steps
     "ModelRunner": "attnplug.runner.execute.model_runner",
     "ModelRunnerOutput": "attnplug.runner.execute.model_runner",

@@ -23,6 +23,8 @@ per group, per row, the row's *kernel* block ids; ``slot_mapping`` is per group;
 every row, as the runner computes it for cascade attention, ``runner/execute/cascade.py``:
 0 for sliding-window and Mamba groups). New requests may start at
 ``num_computed_tokens > 0`` on block ids other requests hold (prefix-cache hits);
+prompt embeddings and M-RoPE add ``is_embed`` / ``mrope_positions``
+(``runner/commands/explain_embeds.py``, which documents their input fields);
 a step with drafts adds ``spec_decode``, its ``SpecDecodeMetadata``:
 ``num_draft_tokens``, ``cu_num_draft_tokens``, ``draft_token_ids``,
 ``target_logits_indices``, ``bonus_logits_indices``, ``logits_indices``, over the rows
@@ -56,6 +58,7 @@ from attnplug.runner.commands.explain_input import (
     req_id_of,
     spec_tokens,
 )
+from attnplug.runner.commands.explain_embeds import embeds_json, placeholders_of, prompt_embeds_of
 from attnplug.runner.commands.explain_svg import Pictures
 from attnplug.runner.commands.limits import OneLineParser, clip
 from attnplug.runner.execute.cascade import step_prefix_lens
@@ -105,7 +108,8 @@ def parse_step(obj: Any) -> SchedulerOutput:
             block_ids=block_lists(r, "block_ids", "new.", rid),
             num_computed_tokens=get(r, "num_computed_tokens", int, 0, "new.", rid),
             sampling_params=_sampling(r, rid),
-            output_token_ids=int_list(r, "output_token_ids", "new.", rid, [])))
+            output_token_ids=int_list(r, "output_token_ids", "new.", rid, []),
+            prompt_embeds=prompt_embeds_of(r, rid), mm_placeholders=placeholders_of(r, rid)))
     cached = CachedRequestData()
     for r in get(obj, "cached", list, []):
         rid = req_id_of(r, "cached.")
@@ -146,6 +150,7 @@ def step_to_json(sc: StepCompiler, inputs) -> dict:
         "common_prefix_len": step_prefix_lens(sc, inputs.common_attn_metadata,
                                               [k != "full_attention" for k in sc.layout.group_kinds]),
     }
+    out.update(embeds_json(inputs))  # "is_embed", "mrope_positions" (runner/commands/explain_embeds.py)
     if inputs.spec_decode_metadata is not None:
         out["spec_decode"] = _spec_json(inputs.spec_decode_metadata)
     return out

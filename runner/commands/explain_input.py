@@ -14,7 +14,10 @@ from __future__ import annotations
 import json
 from typing import Any, Iterator
 
+import torch
+
 from attnplug.runner.commands.limits import clip
+from attnplug.runner.step.prompt_embeds import PromptEmbedsConfig
 
 MAX_LINE_BYTES = 16 * 2**20
 """A line longer than this (bytes) is refused without being parsed."""
@@ -25,7 +28,7 @@ MAX_ID_CHARS = 1024
 CONFIG_LIMITS: dict[str, tuple[int, int]] = {
     "block_sizes": (1, 2**16), "kernel_block_sizes": (1, 2**16), "max_num_reqs": (1, 4096),
     "max_model_len": (1, 2**20), "max_num_batched_tokens": (1, 2**20), "num_blocks": (2, 2**31 - 1),
-    "reorder_batch_threshold": (1, 2**20), "sliding_windows": (1, 2**20),
+    "reorder_batch_threshold": (1, 2**20), "sliding_windows": (1, 2**20), "prompt_embeds_hidden_size": (1, 2**16),
 }
 """``key -> (lowest, highest)`` of the config line's integers (each entry of a list too)."""
 
@@ -38,10 +41,11 @@ MAX_TABLE_CELLS = 2**26
 of ``int32`` each, allocated when the compiler is made."""
 
 CONFIG_KEYS = {"block_sizes", "max_num_reqs", "max_model_len", "max_num_batched_tokens", "kernel_block_sizes",
-               "num_blocks", "group_kinds", "reorder_batch_threshold", "sliding_windows"}
+               "num_blocks", "group_kinds", "reorder_batch_threshold", "sliding_windows", "prompt_embeds_hidden_size",
+               "uses_mrope"}
 STEP_KEYS = {"new", "cached", "num_scheduled_tokens", "finished_req_ids", "spec_token_ids"}
 NEW_KEYS = {"req_id", "prompt_token_ids", "block_ids", "num_computed_tokens", "sampling_params",
-            "output_token_ids"}
+            "output_token_ids", "prompt_embeds", "mm_placeholders"}
 CACHED_KEYS = {"req_id", "new_token_ids", "new_block_ids", "num_computed_tokens", "resumed_from_preemption"}
 
 
@@ -261,5 +265,9 @@ def config_args(config: Any) -> dict[str, Any]:
         raise StepFormatError("config.max_num_reqs", f"max_num_reqs {rows} x max_model_len {width} needs tables of "
                                                      f"{max(rows * width, block_cells)} cells, more than "
                                                      f"{MAX_TABLE_CELLS}; lower one of them")
+    hidden = cfg.get("prompt_embeds_hidden_size")
+    embeds = None if hidden is None else PromptEmbedsConfig(_bounded(cfg, "prompt_embeds_hidden_size", hidden),
+                                                            torch.float32)
     return dict(block_sizes=sizes, **out, kernel_block_sizes=kernel, num_blocks=pools, group_kinds=kinds,
-                reorder_batch_threshold=threshold, sliding_windows=windows)
+                reorder_batch_threshold=threshold, sliding_windows=windows, prompt_embeds=embeds,
+                uses_mrope=get(cfg, "uses_mrope", bool, False, "config."))

@@ -10,6 +10,7 @@ model its layers, ``runner/execute/sampler.py`` (``Sampler``) the draws.
 
 from __future__ import annotations
 
+import inspect
 import time
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -35,6 +36,7 @@ from attnplug.runner.execute.spec_decode.state_commit import commit_draft_states
 from attnplug.runner.execute.spec_decode.verify import verified_logits, verify_step
 from attnplug.runner.step.scheduler_output import SchedulerOutput
 from attnplug.runner.step.compiler import StepCompiler
+from attnplug.runner.step.prompt_embeds import PromptEmbedsConfig
 
 __all__ = ["ModelRunner", "ModelRunnerOutput", "RunnerConfig", "STAGES"]
 
@@ -89,6 +91,20 @@ def _refuse_drafts_on_unverifying_state_backends(kv_cache_config: KVCacheConfig,
                           "(StateBackend.supports_draft_verification; mamba2_torch does): run without --speculative")
 
 
+def prompt_embeds_config(model: torch.nn.Module, cudagraph_mode) -> PromptEmbedsConfig:
+    """The compiler's prompt-embeddings config for ``model``.
+
+    Raises:
+        ValueError: ``model.forward`` takes no ``inputs_embeds``, or CUDA graphs are asked
+            for (a captured forward replays ``input_ids`` only).
+    """
+    if "inputs_embeds" not in inspect.signature(model.forward).parameters:
+        raise ValueError(f"enable_prompt_embeds: {type(model).__name__}.forward takes no inputs_embeds")
+    if CUDAGraphMode.parse(cudagraph_mode) is not CUDAGraphMode.NONE:
+        raise ValueError("enable_prompt_embeds needs cudagraph_mode none (graphs replay input_ids only)")
+    return PromptEmbedsConfig(model.config.hidden_size, model.dtype)
+
+
 class ModelRunner:
     """Executes scheduler outputs on a model whose attention layers use pluggable backends.
 
@@ -110,6 +126,11 @@ class ModelRunner:
         cudagraph_capture_sizes: default ``runner.execute.cudagraph.DEFAULT_CAPTURE_SIZES``.
         cascade: when steps run cascade attention (``runner/execute/cascade.py``; default
             ``CascadeConfig()``); ``self.cascade.decisions`` is the latest step's.
+        enable_prompt_embeds: take ``NewRequestData.prompt_embeds`` (vLLM's
+            ``--enable-prompt-embeds``; width ``model.config.hidden_size``, dtype
+            ``model.dtype``); steps with embedding rows pass ``inputs_embeds`` and
+            ``is_embed`` to ``model.forward`` (``runner/step/prompt_embeds.py``), the others
+            ``input_ids`` alone. Needs a model whose ``forward`` takes them and no CUDA graphs.
 
     Raises:
         BackendUnsupportedError: a backend cannot serve a group's block size, or a Mamba
@@ -123,7 +144,7 @@ class ModelRunner:
                  enable_builder_cache: bool = True, seed: int = 0,
                  cudagraph_mode: CUDAGraphMode | str | None = None,
                  cudagraph_capture_sizes: Sequence[int] | None = None,
-                 cascade: CascadeConfig | None = None):
+                 cascade: CascadeConfig | None = None, enable_prompt_embeds: bool = False):
         self.model = model
         self.kv_cache_config = kv_cache_config
         self.backends = list(backends)
@@ -151,6 +172,7 @@ class ModelRunner:
             reorder_batch_threshold=min(threshold) if threshold else None,
             group_kinds=[g.kv_cache_spec.kind for g in groups],
             sliding_windows=[getattr(g.kv_cache_spec, "sliding_window", None) for g in groups],
+            prompt_embeds=prompt_embeds_config(model, cudagraph_mode) if enable_prompt_embeds else None,
         )
         self.metadata_builder = GroupMetadataBuilder(
             builders, [list(g.layer_names) for g in groups], enable_caching=enable_builder_cache)
@@ -286,7 +308,10 @@ class ModelRunner:
             self.host_buffer_fence.mark()  # after every copy out of the host buffers is queued
         t = self._time("metadata_build", t)
         n = inputs.num_padded_tokens
-        forward = lambda: self.model(inputs.input_ids[:n], inputs.positions[:n], per_layer, self.kv_caches)  # noqa: E731
+        embeds = {} if inputs.inputs_embeds is None else {"inputs_embeds": inputs.inputs_embeds[:n],
+                                                          "is_embed": inputs.is_embed[:n]}
+        forward = lambda: self.model(inputs.input_ids[:n], inputs.positions[:n], per_layer, self.kv_caches,  # noqa: E731
+                                     **embeds)
         apply_state_copies(self, scheduler_output, "restores")  # Mamba prefix hits (state_copies.py)
         hidden = graphs.forward(batch, forward) if batch else forward()
         apply_state_copies(self, scheduler_output, "saves")

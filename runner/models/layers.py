@@ -21,6 +21,17 @@ from attnplug.runner.models.impls import make_impl
 from attnplug.runner.models.rope import RotaryEmbedding
 
 
+def merge_embeds(embedded: torch.Tensor, inputs_embeds: torch.Tensor | None,
+                 is_embed: torch.Tensor | None) -> torch.Tensor:
+    """The first layer's input: ``embedded`` (``[T, hidden_size]``, the embedding of
+    ``input_ids``) with rows ``is_embed`` (``[T]`` bool) taken from ``inputs_embeds``
+    (``[T, hidden_size]``, prompt embeddings; ``runner/step/prompt_embeds.py``).
+    ``inputs_embeds is None`` returns ``embedded`` unchanged (text-only steps)."""
+    if inputs_embeds is None:
+        return embedded
+    return torch.where(is_embed.unsqueeze(-1), inputs_embeds.to(embedded.dtype), embedded)
+
+
 class RMSNorm(nn.Module):
     """``weight * x / sqrt(mean(x^2) + eps)``, the statistic in float32 (HF ``LlamaRMSNorm``)."""
 

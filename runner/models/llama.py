@@ -27,7 +27,7 @@ from attnplug.core.contracts import AttentionBackend, AttentionLayerConfig, Atte
 from attnplug.core.devices import resolve_device
 from attnplug.runner.models.config import DecoderModelConfig
 from attnplug.runner.models.layers import (Attention, RMSNorm, RotaryEmbedding, SwiGLUMLP, lookup_layer,
-                                            lookup_metadata)
+                                            lookup_metadata, merge_embeds)
 from attnplug.runner.models.weights import load_hf_state_dict
 
 BackendForLayer = Callable[[str, AttentionLayerConfig], type[AttentionBackend]]
@@ -150,7 +150,8 @@ class DecoderModel(nn.Module):
         return specs
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                attn_metadata: Mapping[str, object], kv_caches: Mapping[str, torch.Tensor]) -> torch.Tensor:
+                attn_metadata: Mapping[str, object], kv_caches: Mapping[str, torch.Tensor], *,
+                inputs_embeds: torch.Tensor | None = None, is_embed: torch.Tensor | None = None) -> torch.Tensor:
         """Run one step over a flat token stream.
 
         Args:
@@ -161,6 +162,10 @@ class DecoderModel(nn.Module):
                 (layers of one cache group share one object).
             kv_caches: ``{layer_name: kv_cache}`` in each layer backend's layout; written
                 in place at the metadata's slot mapping.
+            inputs_embeds: ``None``, or ``[num_tokens, hidden_size]`` model dtype: prompt
+                embeddings (``StepInputs.inputs_embeds``), used where ``is_embed``.
+            is_embed: ``[num_tokens]`` ``bool``, with ``inputs_embeds``: which tokens take
+                their row instead of ``embed_tokens(input_ids)``.
 
         Returns:
             ``[num_tokens, hidden_size]`` final hidden states (after the last norm), model dtype.
@@ -169,7 +174,7 @@ class DecoderModel(nn.Module):
             MetadataError: a layer missing from ``attn_metadata`` or ``kv_caches``, or
                 metadata the backend rejects.
         """
-        hidden = self.model.embed_tokens(input_ids)
+        hidden = merge_embeds(self.model.embed_tokens(input_ids), inputs_embeds, is_embed)
         for layer in self.model.layers:
             name = layer.self_attn.layer_name
             hidden = layer(hidden, positions, lookup_layer(kv_caches, name, "kv_caches"),

@@ -19,11 +19,12 @@ from which ``attnplug run`` computes TTFT, TPOT, ITL and E2EL.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Callable
 
 import torch
 
-from attnplug.core.errors import InvalidRequestError
+from attnplug.core.errors import InvalidRequestError, InvalidSchedulerOutput
 from attnplug.runner.execute.model_runner import ModelRunner
 from attnplug.runner.serve.admission import check_new_request
 from attnplug.runner.serve.arrival_queue import ArrivalQueue
@@ -31,6 +32,7 @@ from attnplug.runner.serve.clock import Clock, WallClock
 from attnplug.runner.serve.request_timing import RequestTiming
 from attnplug.runner.serve.scheduler import Scheduler
 from attnplug.runner.serve.step_failure import StepFailed, abandon_in_flight
+from attnplug.runner.step.prompt_embeds import check_prompt_embeds
 from attnplug.runner.step.scheduler_output import SamplingParams
 
 
@@ -89,7 +91,7 @@ class LLMEngine:
         launched last, whose outputs are not read yet."""
 
     def add_request(self, req_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                    arrival_time: float | None = None) -> None:
+                    arrival_time: float | None = None, *, prompt_embeds: torch.Tensor | None = None) -> None:
         """Queue a request; a rejected one changes nothing.
 
         Args:
@@ -97,10 +99,16 @@ class LLMEngine:
                 already past: it goes to the scheduler now (its arrival is ``clock.now()``
                 when ``None``). A later time: it waits in :attr:`pending`, already validated,
                 and the first step at or after that time admits it.
+            prompt_embeds: ``None``, or the prompt as embeddings, ``[len(prompt_token_ids),
+                hidden_size]`` in the model dtype (the runner needs
+                ``enable_prompt_embeds``; ``prompt_token_ids`` then only fix the length).
+                Such a request never shares prefix-cache blocks.
 
         Raises:
             InvalidRequestError: what ``Scheduler.add_request`` refuses (a pending id
-                counts as used), or a non-finite ``arrival_time``.
+                counts as used), a non-finite ``arrival_time``, or embeddings the runner
+                would refuse (``runner/step/prompt_embeds.py``), or given with a later
+                ``arrival_time`` (not supported).
         """
         now = self.clock.now()
         arrival = now if arrival_time is None else float(arrival_time)
@@ -108,8 +116,10 @@ class LLMEngine:
             raise InvalidRequestError(str(req_id), f"arrival_time must be a finite number, got {arrival_time!r}")
         if req_id in self.pending:
             raise InvalidRequestError(req_id, "duplicate request id; every request needs a new id")
+        if prompt_embeds is not None:
+            self._check_embeds(req_id, prompt_token_ids, prompt_embeds, arrival > now)
         if arrival <= now:
-            self.scheduler.add_request(req_id, prompt_token_ids, sampling_params)
+            self.scheduler.add_request(req_id, prompt_token_ids, sampling_params, prompt_embeds)
         else:
             prompt_token_ids = check_new_request(self.scheduler.config, self.scheduler.kv_cache_manager,
                                                  self.scheduler.requests, req_id, prompt_token_ids, sampling_params)
@@ -119,6 +129,16 @@ class LLMEngine:
         self._outputs[req_id] = []
         self._logits[req_id] = []
         self.stats.num_prompt_tokens += len(prompt_token_ids)
+
+    def _check_embeds(self, req_id, prompt_token_ids, prompt_embeds, later: bool) -> None:
+        """Refuse embeddings stage 1 of the runner would refuse, before the request enters."""
+        if later:
+            raise InvalidRequestError(str(req_id), "prompt_embeds with a later arrival_time are not supported")
+        probe = SimpleNamespace(req_id=req_id, prompt_token_ids=prompt_token_ids, prompt_embeds=prompt_embeds)
+        try:
+            check_prompt_embeds(self.runner.compiler.checker.prompt_embeds_config, [probe])
+        except InvalidSchedulerOutput as e:
+            raise InvalidRequestError(str(req_id), str(e)) from None
 
     def abort_request(self, req_id: str) -> None:
         """Stop a request now (``Scheduler.abort_request``); its result keeps the outputs it

@@ -143,8 +143,9 @@ class PrefixCachingKVCacheManager(SchedulerKVCacheManager):
     def get_computed_blocks(self, request) -> CacheHit:
         """The longest cached prefix valid for every group, of at most ``num_tokens - 1``
         tokens (prompt plus outputs: a resumed request may hit its own blocks). Changes
-        nothing but the request's memoised hashes. ``NO_HIT`` when caching is disabled."""
-        if self.disabled_reason is not None:
+        nothing but the request's memoised hashes. ``NO_HIT`` when caching is disabled, and
+        for a request given prompt embeddings (its prompt ids do not say what it holds)."""
+        if self.disabled_reason is not None or getattr(request, "prompt_embeds", None) is not None:
             return NO_HIT
         tokens = request.all_token_ids
         hashes = self._block_hashes(request.req_id, tokens)
@@ -203,9 +204,10 @@ class PrefixCachingKVCacheManager(SchedulerKVCacheManager):
     def cache_blocks(self, request) -> None:
         """Register the request's blocks that are now full and computed (after a step).
 
-        Only tokens known on the host count (asynchronous scheduling's placeholders do not).
+        Only tokens known on the host count (asynchronous scheduling's placeholders do not);
+        a request given prompt embeddings registers nothing (its ids are placeholders).
         """
-        if self.disabled_reason is not None:
+        if self.disabled_reason is not None or getattr(request, "prompt_embeds", None) is not None:
             return
         rid = request.req_id
         lists = [m.block_ids(rid) for m in self.managers]

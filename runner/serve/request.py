@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from attnplug.runner.step.scheduler_output import SamplingParams
 
@@ -52,6 +53,9 @@ class Request:
         free_when_idle: finished or preempted while a step that uses its blocks is in
             flight: free them when ``steps_in_flight`` reaches 0.
         stopped: sampled one of ``sampling_params.stop_token_ids``.
+        prompt_embeds: ``None``, or the prompt as embeddings ``[len(prompt_token_ids),
+            hidden_size]`` (sent with the request's first ``NewRequestData``; such a
+            request never shares prefix-cache blocks).
     """
 
     req_id: str
@@ -68,6 +72,7 @@ class Request:
     steps_in_flight: int = 0
     free_when_idle: bool = False
     stopped: bool = False
+    prompt_embeds: Any = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -83,24 +83,24 @@ class Scheduler:
         """Speculative decoding (``config.speculative``): drafts and rollback, ``spec_schedule.py``."""
 
     # --- requests -----------------------------------------------------------------------
-    def add_request(self, req_id: str, prompt_token_ids: list[int],
-                    sampling_params: SamplingParams | None = None) -> None:
+    def add_request(self, req_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams | None = None,
+                    prompt_embeds=None) -> None:
         """Queue a request (FIFO). Validates first; a rejected request changes nothing.
 
         Args:
             req_id: a new, unique id (ids of finished requests are not reused).
             prompt_token_ids: the prompt's token ids, ``1 <= len < max_model_len``.
             sampling_params: defaults to ``SamplingParams()``; ``max_tokens >= 1``.
+            prompt_embeds: ``None`` or ``Request.prompt_embeds`` (``LLMEngine.add_request`` checks them).
 
         Raises:
             InvalidRequestError: duplicate id, empty or too long prompt, negative token id,
-                ``max_tokens < 1``, a prompt that can never be scheduled (longer than the
-                budget with chunked prefill off) or a request that cannot fit in some
-                group's pool even alone.
+                ``max_tokens < 1``, a prompt that can never be scheduled (longer than the budget
+                with chunked prefill off) or a request that cannot fit in some group's pool alone.
         """
         sp = SamplingParams() if sampling_params is None else sampling_params
         prompt = check_new_request(self.config, self.kv_cache_manager, self.requests, req_id, prompt_token_ids, sp)
-        req = Request(req_id, prompt, sp, arrival_index=self._next_arrival,
+        req = Request(req_id, prompt, sp, arrival_index=self._next_arrival, prompt_embeds=prompt_embeds,
                       block_ids=tuple([] for _ in range(self.kv_cache_manager.num_groups)))
         self._next_arrival += 1
         self.requests[req_id] = req

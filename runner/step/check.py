@@ -11,7 +11,8 @@ field at fault. The checks, in the order they run:
    (``check_cached.py``);
 4. block deltas: replacements, appends, windows, capacity (``check_blocks.py``,
    ``check_windows.py``);
-5. new requests: prompts, blocks, sampling (``check_new.py``);
+5. new requests: prompts, blocks, sampling (``check_new.py``), then their prompt
+   embeddings (``prompt_embeds.py``) and image spans (``mrope.py``);
 6. draft tokens of speculative decoding (``check_spec.py``, before 3 reads ``seq_lens``;
    the compiled cached scan checks the drafts of a regular step itself).
 
@@ -36,6 +37,8 @@ from attnplug.runner.step.input_batch import InputBatch
 from attnplug.runner.step.int_packer import IntPacker
 from attnplug.runner.step.kernels import StepKernels
 from attnplug.runner.step.plan import ScanBuffers, UpdatePlan
+from attnplug.runner.step.mrope import check_placeholders
+from attnplug.runner.step.prompt_embeds import PromptEmbedsConfig, check_prompt_embeds
 from attnplug.runner.step.request_state import CachedRequestState
 from attnplug.runner.step.scheduler_output import SchedulerOutput
 
@@ -92,6 +95,10 @@ class UpdateChecker:
         self.delta_packer = IntPacker(kernels, 1 << 10)
         self.last_scanned = False
         """Whether the last :meth:`plan` came from the kernels' scans (for tests and benches)."""
+        self.prompt_embeds_config: PromptEmbedsConfig | None = None
+        """Width and dtype of the prompt embeddings new requests may carry (``None``: none)."""
+        self.uses_mrope = False
+        """Whether new requests may carry ``mm_placeholders`` (M-RoPE positions)."""
 
     def plan_new(self, new_reqs: Sequence[NewReq], new_counts: Sequence[int]) -> list[CachedRequestState]:
         """Check the new requests (``check_new.plan_new_requests`` with this checker's packers)."""
@@ -113,6 +120,9 @@ class UpdateChecker:
         self.last_scanned = plan is not None
         if plan is not None:
             check_state_slots(self.layout, self.batch, self.requests, d, plan.spec_tokens)
+            if d.scheduled_new_reqs:
+                plan.prompt_embeds = check_prompt_embeds(self.prompt_embeds_config, d.scheduled_new_reqs)
+                plan.mm_placeholders = check_placeholders(self.uses_mrope, d.scheduled_new_reqs)
             return plan
         lay, batch, reqs = self.layout, self.batch, self.requests
         cached = d.scheduled_cached_reqs
@@ -125,9 +135,12 @@ class UpdateChecker:
         resumed, appends = block_deltas(lay, batch, reqs, cached, rows.rows_c, rows.readd, ncts_c, seq_c)
         check_state_slots(lay, batch, reqs, d, spec)
         new_states = self.plan_new(d.scheduled_new_reqs, new_counts)
+        embeds = check_prompt_embeds(self.prompt_embeds_config, d.scheduled_new_reqs)
+        images = check_placeholders(self.uses_mrope, d.scheduled_new_reqs)
         unscheduled: list[str] = []
         if batch.num_reqs - rows.fin_in_batch > rows.present.shape[0]:
             mask = rows.sched_mask
             unscheduled = [rid for rid, r in batch.req_id_to_index.items() if not mask[r] and rid not in fin_set]
         return UpdatePlan(finished, unscheduled, new_states, new_counts, rows.readd_ids, rows.readd, rows.rows_c,
-                          counts_c, ncts_c, token_deltas, resumed, appends, spec_tokens=spec)
+                          counts_c, ncts_c, token_deltas, resumed, appends, spec_tokens=spec,
+                          prompt_embeds=embeds, mm_placeholders=images)

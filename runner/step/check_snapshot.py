@@ -27,7 +27,7 @@ class NewReq:
     """One ``NewRequestData``, each field read once (same attribute names)."""
 
     __slots__ = ("req_id", "prompt_token_ids", "output_token_ids", "block_ids", "num_computed_tokens",
-                 "sampling_params")
+                 "sampling_params", "prompt_embeds", "mm_placeholders")
 
     def __init__(self, nr: NewRequestData):
         if type(nr) is not NewRequestData and not isinstance(nr, NewRequestData):
@@ -44,6 +44,8 @@ class NewReq:
         self.block_ids = nr.block_ids
         self.num_computed_tokens = nr.num_computed_tokens
         self.sampling_params = nr.sampling_params
+        self.prompt_embeds = nr.prompt_embeds  # checked in check.py (runner/step/prompt_embeds.py)
+        self.mm_placeholders = nr.mm_placeholders  # checked in check.py (runner/step/mrope.py)
 
 
 class CachedDeltas:

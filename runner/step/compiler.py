@@ -56,6 +56,8 @@ from attnplug.runner.step.placeholders import (
 )
 from attnplug.runner.step.plan import UpdatePlan
 from attnplug.runner.step.prepare import InputPreparer, StepInputs
+from attnplug.runner.step.mrope import MRopeStore
+from attnplug.runner.step.prompt_embeds import PromptEmbedsConfig, PromptEmbedsStore
 from attnplug.runner.step.request_state import CachedRequestState
 from attnplug.runner.step.scheduler_output import SamplingParams, SchedulerOutput
 from attnplug.runner.step.spec_apply import append_verified_tokens
@@ -93,6 +95,13 @@ class StepCompiler:
         native: use the compiled fast paths (``runner.step.fast``) when they are built;
             ``None`` (default) uses them unless ``ATTNPLUG_NATIVE=0``. Results are the
             same either way; ``False`` runs the numpy paths only.
+        prompt_embeds: a :class:`~attnplug.runner.step.prompt_embeds.PromptEmbedsConfig`
+            (hidden size, model dtype) to take ``NewRequestData.prompt_embeds``; ``None``
+            (default) refuses them. Steps that schedule their prompt positions then carry
+            ``StepInputs.inputs_embeds`` / ``is_embed`` (``runner/step/prompt_embeds.py``).
+        uses_mrope: compute ``StepInputs.mrope_positions`` (``[3, P]``) every step, from
+            the new requests' ``mm_placeholders`` (``runner/step/mrope.py``); ``False``
+            (default) refuses placeholders.
 
     Attributes:
         layout: the :class:`~attnplug.runner.step.groups.StepLayout` (groups, limits).
@@ -110,7 +119,8 @@ class StepCompiler:
                  kernel_block_sizes: Sequence[int] | None = None,
                  reorder_batch_threshold: int | None = None, *, num_blocks: int | None = None,
                  group_kinds: Sequence[str] | None = None, validate: bool | None = None,
-                 sliding_windows: Sequence[int | None] | None = None, native: bool | None = None):
+                 sliding_windows: Sequence[int | None] | None = None, native: bool | None = None,
+                 prompt_embeds: PromptEmbedsConfig | None = None, uses_mrope: bool = False):
         lay = self.layout = StepLayout.from_args(
             block_sizes, StepLimits(max_num_reqs, max_model_len, max_num_batched_tokens),
             kernel_block_sizes=kernel_block_sizes, num_blocks=num_blocks, group_kinds=group_kinds,
@@ -139,6 +149,13 @@ class StepCompiler:
         self.requests: dict[str, CachedRequestState] = {}
         self.checker = UpdateChecker(lay, self.input_batch, self.requests, kernels)
         """Stage 1 (``runner/step/check.py``): ``checker.plan(scheduler_output)``."""
+        self.checker.prompt_embeds_config = prompt_embeds
+        self.prompt_embeds: PromptEmbedsStore | None = (
+            None if prompt_embeds is None else PromptEmbedsStore(prompt_embeds, max_num_batched_tokens, self.device))
+        """The kept prompt embeddings and the ``inputs_embeds`` buffers (``None``: not enabled)."""
+        self.checker.uses_mrope = bool(uses_mrope)
+        self.mrope: MRopeStore | None = MRopeStore(max_num_batched_tokens, self.device) if uses_mrope else None
+        """The M-RoPE prompt positions of resident requests with images (``None``: not enabled)."""
         self._preparer = InputPreparer(max_num_reqs, max_model_len, max_num_batched_tokens, self.device, kernels)
         self._host_device = self._preparer.buffers.input_ids.aliased
         """The step's device buffers are its host buffers (a CPU device)."""
@@ -164,6 +181,10 @@ class StepCompiler:
     def apply(self, plan: UpdatePlan) -> None:
         """Stage 2: apply a plan that ``self.checker.plan`` returned for this state."""
         apply_update(self.layout, self.input_batch, self.requests, plan, self.reorder_batch_threshold)
+        if self.prompt_embeds is not None:
+            self.prompt_embeds.update(plan.finished, plan.prompt_embeds)
+        if self.mrope is not None:
+            self.mrope.update(plan.finished, plan.mm_placeholders)
 
     def prepare_inputs(self, scheduler_output: SchedulerOutput | None = None,
                        num_tokens_padded: int | None = None, *, build_metadata: bool = True,
@@ -211,6 +232,13 @@ class StepCompiler:
                               inputs.input_ids, self._host_device)
             if kind is not None:
                 self.patch_counts[kind] += 1
+        if self.prompt_embeds is not None:
+            self._fill_embeds(inputs)
+        if self.mrope is not None:
+            inputs.mrope_positions = self.mrope.fill(
+                self.input_batch.req_id_to_index, inputs.num_reqs, inputs.num_padded_tokens,
+                inputs.positions_cpu.numpy(), inputs.query_start_loc_cpu.numpy(), inputs.num_computed_tokens,
+                inputs.num_scheduled_tokens)
         if b.num_spec_tokens[:inputs.num_reqs].any():
             inputs.spec_decode_metadata = spec_decode_metadata(self.kernels, b, self._preparer.buffers,
                                                                inputs.num_reqs)
@@ -219,6 +247,14 @@ class StepCompiler:
         if self.validate:
             self.check(inputs)
         return inputs
+
+    def _fill_embeds(self, inputs: StepInputs) -> None:
+        """Set ``inputs.inputs_embeds`` / ``is_embed`` when the step has embedding rows."""
+        filled = self.prompt_embeds.fill(self.input_batch.req_id_to_index, inputs.num_reqs, inputs.num_padded_tokens,
+                                         inputs.query_start_loc_cpu.numpy(), inputs.num_computed_tokens,
+                                         inputs.num_scheduled_tokens)
+        if filled is not None:
+            inputs.inputs_embeds, inputs.is_embed = filled
 
     def _check_step_size(self, scheduler_output: SchedulerOutput | None, Q: int, num_tokens_padded: int | None):
         if scheduler_output is not None and scheduler_output.total_num_scheduled_tokens != Q:
@@ -302,5 +338,9 @@ class StepCompiler:
 
     def snapshot(self) -> dict:
         """A deep copy of every piece of state (both views), for before/after comparisons
-        in tests (compare with :func:`snapshot_diff`). Not for the hot path."""
-        return snapshot(self.input_batch, self.requests)
+        in tests (compare with :func:`snapshot_diff`). Not for the hot path. With prompt
+        embeddings enabled, ``snap["prompt_embeds"]`` holds the kept ones (float32 copies)."""
+        snap = snapshot(self.input_batch, self.requests)
+        if self.prompt_embeds is not None:
+            snap["prompt_embeds"] = {rid: e.float().cpu().numpy() for rid, e in self.prompt_embeds.embeds.items()}
+        return snap

@@ -137,3 +137,10 @@ class UpdatePlan:
     spec_tokens: SpecTokens | None = None
     """Speculative decoding: the step's checked drafts, or ``None``; stage 2 writes them
     after the requests' tokens (``spec_apply.py``)."""
+    prompt_embeds: dict = field(default_factory=dict)
+    """``{req_id: [num_prompt_tokens, hidden_size] tensor}``: the checked embeddings of the
+    new requests that carry them (the caller's tensors; stage 2 copies them,
+    ``runner/step/prompt_embeds.py``)."""
+    mm_placeholders: dict = field(default_factory=dict)
+    """``{req_id: (placeholders, num_prompt_tokens)}``: the checked image spans of the new
+    requests that carry them (stage 2 computes their M-RoPE positions, ``runner/step/mrope.py``)."""

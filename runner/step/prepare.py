@@ -86,6 +86,16 @@ class StepInputs:
     """Speculative decoding: the verification layout of the rows whose logits are kept,
     when some row verifies drafts this step (``runner/step/spec_metadata.py``); its
     ``logits_indices`` replace :attr:`logits_indices`. ``None`` in a step without drafts."""
+    inputs_embeds: torch.Tensor | None = None
+    """``[P, hidden_size]`` model dtype, device: rows of prompt embeddings
+    (``runner/step/prompt_embeds.py``), meaningful where :attr:`is_embed`; ``None`` in a
+    step that schedules no prompt position of a request given embeddings."""
+    is_embed: torch.Tensor | None = None
+    """``[P]`` ``bool``, device: token ``t`` takes ``inputs_embeds[t]`` instead of
+    embedding ``input_ids[t]``; ``None`` with :attr:`inputs_embeds`."""
+    mrope_positions: torch.Tensor | None = None
+    """``[3, P]`` ``int64``, device: M-RoPE positions (temporal, height, width) of a
+    compiler built with ``uses_mrope`` (``runner/step/mrope.py``); ``None`` otherwise."""
 
 
 class InputPreparer:

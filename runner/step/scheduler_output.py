@@ -27,8 +27,14 @@ changes nothing.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from attnplug.core.errors import InvalidSamplingParams
+
+if TYPE_CHECKING:
+    import torch
+
+    from attnplug.runner.step.mrope import PlaceholderRange
 
 
 @dataclass(frozen=True)
@@ -73,6 +79,17 @@ class NewRequestData:
         sampling_params: sampling settings.
         output_token_ids: tokens already generated (non-empty only when a preempted
             request is re-sent in full).
+        prompt_embeds: ``None``, or the prompt's input embeddings, ``[num_prompt_tokens,
+            hidden_size]`` in the model dtype (vLLM's ``--enable-prompt-embeds``): the
+            model reads row ``i`` instead of embedding ``prompt_token_ids[i]`` (which then
+            only fix the prompt length; any ids in range, e.g. 0). Only a step compiler
+            built with a ``PromptEmbedsConfig`` takes them; it copies them once (the
+            caller's tensor is not kept) and keeps them until the request finishes, so a
+            recompute after preemption reads them again. See docs/embedding.md.
+        mm_placeholders: ``None``, or the prompt's image spans, in order
+            (``runner/step/mrope.py``'s ``PlaceholderRange``: offset and the image's grid
+            ``(t, h, w)``); a compiler built with ``uses_mrope=True`` computes the
+            request's M-RoPE positions from them (``StepInputs.mrope_positions``).
     """
 
     req_id: str
@@ -81,6 +98,8 @@ class NewRequestData:
     num_computed_tokens: int = 0
     sampling_params: SamplingParams = field(default_factory=SamplingParams)
     output_token_ids: list[int] = field(default_factory=list)
+    prompt_embeds: "torch.Tensor | None" = None
+    mm_placeholders: "list[PlaceholderRange] | None" = None
 
 
 @dataclass

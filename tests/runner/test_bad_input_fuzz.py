@@ -15,6 +15,7 @@ import random
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -22,9 +23,11 @@ from attnplug.core.constants import NULL_BLOCK_ID
 from attnplug.core.errors import InvalidSchedulerOutput
 from attnplug.runner.step.compiler import StepCompiler, snapshot_diff
 from attnplug.runner.step.fast import NATIVE
+from attnplug.runner.step.prompt_embeds import PromptEmbedsConfig
 from attnplug.runner.step.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 
 B, W, MAX_LEN, MAX_REQS, BUDGET = 4, 6, 64, 4, 24
+HIDDEN = 8  # prompt embeddings: some new requests carry [len(prompt), HIDDEN] float32
 SIZES = [B, B, MAX_LEN]
 KINDS = ["full_attention", "sliding_window", "mamba"]
 STEPS, EXAMPLES = 12, 10 if os.environ.get("ATTNPLUG_MUTATE") else 50  # fewer per mutant (tests/mutate.py)
@@ -90,7 +93,8 @@ class World:
                 if rng.random() < 0.5:
                     window[i] = NULL_BLOCK_ID
             blocks = (full, window, self.alloc(2, 1))
-            new_reqs.append(NewRequestData(rid, prompt, blocks, ncc))
+            embeds = torch.randn(len(prompt), HIDDEN) if rng.random() < 0.3 else None
+            new_reqs.append(NewRequestData(rid, prompt, blocks, ncc, prompt_embeds=embeds))
             sched[rid] = n
             self.reqs[rid] = dict(held=len(prompt), ncc=ncc, blocks=[list(b) for b in blocks], sched=n)
         return SchedulerOutput(new_reqs, cached, sched, finished_req_ids=finished)
@@ -176,6 +180,16 @@ def corruptions(so: SchedulerOutput):
             ("id not str", (None, "scheduled_new_reqs"), lambda s: setattr(s.scheduled_new_reqs[0], "req_id", 5)),
             ("computed True", (rid, "num_computed_tokens"),
              lambda s: setattr(s.scheduled_new_reqs[0], "num_computed_tokens", True)),
+            ("embeds width", (rid, "prompt_embeds"),
+             lambda s: setattr(s.scheduled_new_reqs[0], "prompt_embeds", torch.zeros(len(nr.prompt_token_ids), 7))),
+            ("embeds length", (rid, "prompt_embeds"),
+             lambda s: setattr(s.scheduled_new_reqs[0], "prompt_embeds", torch.zeros(1 + len(nr.prompt_token_ids), 8))),
+            ("embeds dtype", (rid, "prompt_embeds"), lambda s: setattr(
+                s.scheduled_new_reqs[0], "prompt_embeds", torch.zeros(len(nr.prompt_token_ids), 8, dtype=torch.float16))),
+            ("embeds list", (rid, "prompt_embeds"),
+             lambda s: setattr(s.scheduled_new_reqs[0], "prompt_embeds", [[0.0] * 8] * len(nr.prompt_token_ids))),
+            ("embeds nan", (rid, "prompt_embeds"), lambda s: setattr(
+                s.scheduled_new_reqs[0], "prompt_embeds", torch.full((len(nr.prompt_token_ids), 8), float("nan")))),
         ]
         seq = nr.num_computed_tokens + so.num_scheduled_tokens[rid]
         visible = max(0, nr.num_computed_tokens - W + 1) // B  # first block a query sees
@@ -197,7 +211,8 @@ def test_malformed_outputs_between_valid_steps(native):
     def run(seed):
         rng = random.Random(seed)
         sc = StepCompiler(SIZES, MAX_REQS, MAX_LEN, BUDGET, num_blocks=2000, group_kinds=KINDS,
-                          sliding_windows=[None, W, None], validate=True, native=native)
+                          sliding_windows=[None, W, None], validate=True, native=native,
+                          prompt_embeds=PromptEmbedsConfig(HIDDEN, torch.float32))
         world = World(rng)
         for _ in range(STEPS):
             so = world.step()
