@@ -228,14 +228,17 @@ async def _completion_stream(gen, rid: str, created: int, model: str, n_prompt: 
 
 
 async def _chat_stream(gen, rid: str, created: int, model: str, n_prompt: int, include_usage: bool):
-    yield R.sse(R.chat_chunk(rid, created, model, {"role": "assistant", "content": ""}))
+    # The role rides on the first chunk with text, not a chunk of its own sent on receipt:
+    # clients (vllm bench serve, AIPerf) time TTFT at the first chunk with ``choices`` and
+    # take every later chunk as one inter-token gap.
+    first = True
     try:
         async for piece, end in gen:
-            if end is None:
-                yield R.sse(R.chat_chunk(rid, created, model, {"content": piece}))
-                continue
-            yield R.sse(R.chat_chunk(rid, created, model, {"content": piece} if piece else {}, end.finish_reason))
-            if include_usage:
+            delta = {"content": piece} if piece or end is None else {}
+            if first:
+                first, delta = False, {"role": "assistant", "content": piece}
+            yield R.sse(R.chat_chunk(rid, created, model, delta, end.finish_reason if end else None))
+            if end is not None and include_usage:
                 yield R.sse(R.chat_chunk(rid, created, model, None, use=R.usage(n_prompt, end.completion_tokens)))
     except StepError as e:
         yield R.sse(error_body(str(e), "internal_server_error"))
