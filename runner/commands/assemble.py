@@ -263,17 +263,8 @@ def build_engine(args, *, alone: bool = False, model: torch.nn.Module | None = N
     max_model_len = args.max_model_len
     max_num_seqs = 1 if alone else args.max_num_seqs
     budget = max_model_len if alone else args.max_num_batched_tokens
-    num_blocks = args.num_blocks or (max_num_seqs * cdiv(max_model_len, args.block_size) + 1)
-    if getattr(args, "kv_cache_memory", None) and not args.num_blocks and not alone:
-        num_blocks = kv_cache_setup.blocks_for_memory([g.kv_cache_spec for g in groups],
-                                                      [len(g.layer_names) for g in groups], args.kv_cache_memory)
-    # Mamba: 1 slot per request, 1 + k with k drafts (scratch slots per draft position), and,
-    # with prefix caching, room for state checkpoints
     spec_cfg = speculative_config(args)
-    per_req = 1 + (spec_cfg.k if spec_cfg is not None else 0)
-    checkpoints = 4 * max_num_seqs if getattr(args, "prefix_caching", False) else 0
-    kv_cfg = KVCacheConfig(num_blocks, groups, num_state_slots=max_num_seqs * per_req + 1 + checkpoints,
-                           state_slots_per_request=per_req)
+    kv_cfg = _kv_cache_config(args, groups, max_num_seqs, max_model_len, spec_cfg, alone)
     check_kv_memory(kv_cfg, max_num_seqs, max_model_len, device,
                     "--num-blocks" if args.num_blocks else "the default --num-blocks")
     backends = [model.attnplug_backends[g.layer_names[0]] for g in groups]
@@ -302,33 +293,56 @@ def build_engine(args, *, alone: bool = False, model: torch.nn.Module | None = N
 
         add_text_requests(setup, args, model.attnplug_tokenizer, max_model_len)  # real text, real weights
     elif requests and not alone:
-        from attnplug.runner.commands.serving_flags import sampling_params
-        from attnplug.runner.commands.timed_trace import is_timed_trace, load_timed_trace
-        from attnplug.runner.commands.traces import load_trace, make_prompts
-
-        if is_timed_trace(args.trace):  # its hash_ids make the prompts (timed_trace.py)
-            trace, prompts = load_timed_trace(args.trace, args.num_requests, max_model_len=max_model_len,
-                                              vocab_size=model.config.vocab_size, seed=args.seed,
-                                              chunk_size=getattr(args, "timed_trace_chunk_hash_size", 16),
-                                              skip_invalid=args.skip_invalid)
-        else:
-            trace = load_trace(args.trace, args.num_requests, max_model_len=max_model_len,
-                               skip_invalid=args.skip_invalid)
-            prompts = make_prompts(trace, model.config.vocab_size, seed=args.seed)
-        if (getattr(args, "prefix_caching", False) or getattr(args, "shared_prefixes", False)) \
-                and not is_timed_trace(args.trace):
-            prompts = make_shared_prefix_prompts([r.prompt_len for r in trace], model.config.vocab_size, args.seed,
-                                                 num_system_prompts=args.system_prompts or SYSTEM_PROMPTS,
-                                                 system_prompt_len=args.system_prompt_len or SYSTEM_PROMPT_LEN)
-        for i, (tr, prompt) in enumerate(zip(trace, prompts)):
-            rid = f"req-{i}"
-            setup.prompts[rid] = prompt
-            setup.sampling_params[rid] = sampling_params(args, i, tr.output_len)
-            setup.trace_arrival_s[rid] = tr.arrival_s
-        setup.trace_info = {"source": args.trace, "requests": len(trace), "skipped_rows": trace.num_skipped,
-                            "scale": trace.scale}
-        if trace.num_skipped:
-            setup.trace_info["first_skipped_row"] = trace.first_skipped
-        if args.trace in BUNDLED_TRACES:  # the licence (CC-BY 4.0) travels with what the data produced
-            setup.trace_info["attribution"] = BUNDLED_ATTRIBUTION
+        _add_trace_requests(setup, args, model, max_model_len)  # random-weight presets: the trace's lengths
     return setup
+
+
+def _kv_cache_config(args, groups, max_num_seqs: int, max_model_len: int, spec_cfg, alone: bool) -> KVCacheConfig:
+    """The run's ``KVCacheConfig``: ``--num-blocks`` (default: every request at full length, plus the
+    null block) or the blocks ``--kv-cache-memory`` holds; state groups get 1 slot per request,
+    ``1 + k`` with ``k`` drafts (scratch slots per draft position), plus room for checkpoints
+    with prefix caching."""
+    from attnplug.runner.commands import kv_cache_setup
+
+    num_blocks = args.num_blocks or (max_num_seqs * cdiv(max_model_len, args.block_size) + 1)
+    if getattr(args, "kv_cache_memory", None) and not args.num_blocks and not alone:
+        num_blocks = kv_cache_setup.blocks_for_memory([g.kv_cache_spec for g in groups],
+                                                      [len(g.layer_names) for g in groups], args.kv_cache_memory)
+    per_req = 1 + (spec_cfg.k if spec_cfg is not None else 0)
+    checkpoints = 4 * max_num_seqs if getattr(args, "prefix_caching", False) else 0
+    return KVCacheConfig(num_blocks, groups, num_state_slots=max_num_seqs * per_req + 1 + checkpoints,
+                         state_slots_per_request=per_req)
+
+
+def _add_trace_requests(setup: EngineSetup, args, model: torch.nn.Module, max_model_len: int) -> None:
+    """Requests from ``args.trace`` (CSV or timed-trace ``.jsonl``) with synthetic prompt ids,
+    their sampling params, arrival times and the trace's provenance in ``setup.trace_info``."""
+    from attnplug.runner.commands.serving_flags import sampling_params
+    from attnplug.runner.commands.timed_trace import is_timed_trace, load_timed_trace
+    from attnplug.runner.commands.traces import load_trace, make_prompts
+
+    if is_timed_trace(args.trace):  # its hash_ids make the prompts (timed_trace.py)
+        trace, prompts = load_timed_trace(args.trace, args.num_requests, max_model_len=max_model_len,
+                                          vocab_size=model.config.vocab_size, seed=args.seed,
+                                          chunk_size=getattr(args, "timed_trace_chunk_hash_size", 16),
+                                          skip_invalid=args.skip_invalid)
+    else:
+        trace = load_trace(args.trace, args.num_requests, max_model_len=max_model_len,
+                           skip_invalid=args.skip_invalid)
+        prompts = make_prompts(trace, model.config.vocab_size, seed=args.seed)
+    if (getattr(args, "prefix_caching", False) or getattr(args, "shared_prefixes", False)) \
+            and not is_timed_trace(args.trace):
+        prompts = make_shared_prefix_prompts([r.prompt_len for r in trace], model.config.vocab_size, args.seed,
+                                             num_system_prompts=args.system_prompts or SYSTEM_PROMPTS,
+                                             system_prompt_len=args.system_prompt_len or SYSTEM_PROMPT_LEN)
+    for i, (tr, prompt) in enumerate(zip(trace, prompts)):
+        rid = f"req-{i}"
+        setup.prompts[rid] = prompt
+        setup.sampling_params[rid] = sampling_params(args, i, tr.output_len)
+        setup.trace_arrival_s[rid] = tr.arrival_s
+    setup.trace_info = {"source": args.trace, "requests": len(trace), "skipped_rows": trace.num_skipped,
+                        "scale": trace.scale}
+    if trace.num_skipped:
+        setup.trace_info["first_skipped_row"] = trace.first_skipped
+    if args.trace in BUNDLED_TRACES:  # the licence (CC-BY 4.0) travels with what the data produced
+        setup.trace_info["attribution"] = BUNDLED_ATTRIBUTION
