@@ -75,6 +75,14 @@ def create_app(served: ServedModel, engine, max_pending: int) -> FastAPI:
 
     app = FastAPI(title="attnplug", lifespan=lifespan)
     app.state.engine_loop, app.state.served, app.state.metrics = loop, served, metrics
+    _add_error_handlers(app)
+    _add_info_routes(app, loop, served, metrics)
+    _add_generation_routes(app, loop, served, engine)
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """A refused request answers its OpenAI error object; anything else is a 500 naming the error."""
 
     @app.exception_handler(RequestError)
     async def _refused(_request, exc: RequestError):
@@ -85,6 +93,10 @@ def create_app(served: ServedModel, engine, max_pending: int) -> FastAPI:
         log.exception("request failed")
         return JSONResponse(error_body(f"internal error: {type(exc).__name__}: {exc}", "internal_server_error"),
                             status_code=500)
+
+
+def _add_info_routes(app: FastAPI, loop: EngineLoop, served: ServedModel, metrics: ServerMetrics) -> None:
+    """``/health``, ``/v1/models`` and ``/metrics``."""
 
     @app.get("/health")
     async def health():
@@ -99,48 +111,54 @@ def create_app(served: ServedModel, engine, max_pending: int) -> FastAPI:
     async def prometheus():
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+
+def _add_generation_routes(app: FastAPI, loop: EngineLoop, served: ServedModel, engine) -> None:
+    """``/v1/completions`` and ``/v1/chat/completions``: read the body, build the engine request, serve it."""
+
     @app.post("/v1/completions")
     async def completions(request: Request):
         req = _read(await request.body(), CompletionRequest)
         rid = f"cmpl-{uuid.uuid4().hex}"
         er = engine_request(req, completion_prompt(req, served), served, rid, "prompt")
-        return await _serve(request, req, rid, er, chat=False)
+        return await _serve(loop, served, engine, request, req, rid, er, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         req = _read(await request.body(), ChatRequest)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         er = engine_request(req, chat_prompt(req, served), served, rid, "messages")
-        return await _serve(request, req, rid, er, chat=True)
+        return await _serve(loop, served, engine, request, req, rid, er, chat=True)
 
-    async def _serve(request: Request, req, rid: str, er: EngineRequest, chat: bool):
-        queue = _submit(loop, rid, er, engine.clock.now())
-        created, n_prompt = int(time.time()), len(er.prompt_token_ids)
-        gen = _generate(loop, served, rid, er, queue)
-        if req.stream:
-            include = bool(req.stream_options and req.stream_options.include_usage)
-            body = (_chat_stream if chat else _completion_stream)(gen, rid, created, served.name, n_prompt, include)
-            return StreamingResponse(body, media_type="text/event-stream")
-        text, end = [], None
 
-        async def collect():
-            nonlocal end
-            async for piece, outcome in gen:
-                text.append(piece)
-                end = outcome or end
+async def _serve(loop: EngineLoop, served: ServedModel, engine, request: Request, req, rid: str,
+                 er: EngineRequest, chat: bool):
+    """Submit ``er`` and answer it: an SSE stream when ``req.stream``, else one body (499 when the
+    client left first: its request is aborted and its blocks return)."""
+    queue = _submit(loop, rid, er, engine.clock.now())
+    created, n_prompt = int(time.time()), len(er.prompt_token_ids)
+    gen = _generate(loop, served, rid, er, queue)
+    if req.stream:
+        include = bool(req.stream_options and req.stream_options.include_usage)
+        body = (_chat_stream if chat else _completion_stream)(gen, rid, created, served.name, n_prompt, include)
+        return StreamingResponse(body, media_type="text/event-stream")
+    text, end = [], None
 
-        try:
-            if not await _unless_disconnected(request, collect()):
-                await gen.aclose()  # the client went away: its request is aborted
-                return Response(status_code=499)
-        except StepError as e:
-            raise RequestError(str(e), None, status=500, type_="internal_server_error") from None
-        use = R.usage(n_prompt, end.completion_tokens)
-        if chat:
-            return R.chat_body(rid, created, served.name, "".join(text), end.finish_reason, use)
-        return R.completion_body(rid, created, served.name, "".join(text), end.finish_reason, use)
+    async def collect():
+        nonlocal end
+        async for piece, outcome in gen:
+            text.append(piece)
+            end = outcome or end
 
-    return app
+    try:
+        if not await _unless_disconnected(request, collect()):
+            await gen.aclose()  # the client went away: its request is aborted
+            return Response(status_code=499)
+    except StepError as e:
+        raise RequestError(str(e), None, status=500, type_="internal_server_error") from None
+    use = R.usage(n_prompt, end.completion_tokens)
+    if chat:
+        return R.chat_body(rid, created, served.name, "".join(text), end.finish_reason, use)
+    return R.completion_body(rid, created, served.name, "".join(text), end.finish_reason, use)
 
 
 async def _unless_disconnected(request: Request, work) -> bool:
