@@ -215,57 +215,76 @@ def load_trace(name_or_path: str, num_requests: int | None = None, *, max_model_
     if num_requests is not None and num_requests < 0:
         raise TraceFormatError(f"num_requests must be >= 0, got {num_requests}")
     path, bundled = resolve_trace_path(name_or_path)
-    if scale is None:
-        scale = max(1.0, SOURCE_MAX_MODEL_LEN / max_model_len) if bundled else 1.0
-    if not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
-        raise TraceFormatError(f"scale must be a positive finite number, got {scale!r}")
-    scaling = _Scaling(max_model_len, float(scale), bundled if clamp is None else clamp)
-    hint = "fix the row, or pass --skip-invalid to skip invalid rows"
-    out: list[TraceRequest] = []
-    skipped, clamped, first_skipped = 0, 0, ""
-    t0: float | None = None
+    scaling = _checked_scaling(max_model_len, scale, clamp, bundled)
     try:
         fh = open(path, "rb")
     except OSError as e:
         raise TraceFormatError(f"{path}: cannot open trace: {e.strerror}") from None
     with fh:
-        lines = CsvLines(fh)
-        reader = csv.reader(lines)
-        header = _read_header(reader, lines, path)
-        col = {c: header.index(c) for c in REQUIRED_COLUMNS}
-        while num_requests is None or len(out) < num_requests:
-            first_line = lines.num + 1
-            try:
-                try:
-                    row = next(reader)
-                except StopIteration:
-                    break
-                except BadLine as e:
-                    lineno = e.lineno
-                    raise ValueError(str(e)) from None
-                except csv.Error as e:
-                    lineno = lines.num
-                    raise ValueError(f"not valid CSV: {e}") from None
-                lineno = lines.num
-                if not row or all(not f.strip(BLANKS) for f in row):
-                    continue  # blank lines are not requests
-                ts, p, o, cut = _parse_row(row, len(header), col, scaling)
-            except ValueError as e:
-                where = f"line {lineno}" if lineno <= first_line else f"lines {first_line}-{lineno}"
-                message = f"{path}, {where}: {e}"
-                if not skip_invalid:
-                    raise TraceFormatError(f"{message}; {hint}") from None
-                skipped += 1
-                first_skipped = first_skipped or message
-                continue
-            clamped += cut
-            if t0 is None:
-                t0 = ts
-            out.append(TraceRequest(prompt_len=p, output_len=o, arrival_s=ts - t0))
+        out, skipped, clamped, first_skipped = _read_requests(fh, path, num_requests, scaling, skip_invalid)
     if not out and num_requests != 0:
         why = f"all {skipped} request rows were invalid and skipped" if skipped else "it has no request rows"
         raise TraceFormatError(f"{path}: {why} after the header (line 1), so there is nothing to run")
-    return LoadedTrace(tuple(out), skipped, path, float(scale), clamped, first_skipped)
+    return LoadedTrace(tuple(out), skipped, path, scaling.scale, clamped, first_skipped)
+
+
+def _checked_scaling(max_model_len: int, scale: float | None, clamp: bool | None,
+                     bundled: bool) -> _Scaling:
+    """:func:`load_trace`'s scaling (``TraceFormatError`` for a bad ``scale``): ``scale``
+    defaults to ``SOURCE_MAX_MODEL_LEN / max_model_len`` (at least 1) for a bundled trace and
+    1 for a file; ``clamp`` to ``bundled``."""
+    if scale is None:
+        scale = max(1.0, SOURCE_MAX_MODEL_LEN / max_model_len) if bundled else 1.0
+    if not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
+        raise TraceFormatError(f"scale must be a positive finite number, got {scale!r}")
+    return _Scaling(max_model_len, float(scale), bundled if clamp is None else clamp)
+
+
+def _read_requests(fh, path, num_requests: int | None, scaling: _Scaling,
+                   skip_invalid: bool) -> tuple[list[TraceRequest], int, int, str]:
+    """The header, then rows until ``num_requests`` valid ones (or the end of the file).
+
+    Returns ``(requests, rows skipped, requests clamped, the first skipped row's message)``;
+    arrival times count from the first valid row. Raises ``TraceFormatError`` (one line:
+    ``FILE, line N: what is wrong; how to fix``) on an invalid row unless ``skip_invalid``."""
+    hint = "fix the row, or pass --skip-invalid to skip invalid rows"
+    out: list[TraceRequest] = []
+    skipped, clamped, first_skipped = 0, 0, ""
+    t0: float | None = None
+    lines = CsvLines(fh)
+    reader = csv.reader(lines)
+    header = _read_header(reader, lines, path)
+    col = {c: header.index(c) for c in REQUIRED_COLUMNS}
+    while num_requests is None or len(out) < num_requests:
+        first_line = lines.num + 1
+        try:
+            try:
+                row = next(reader)
+            except StopIteration:
+                break
+            except BadLine as e:
+                lineno = e.lineno
+                raise ValueError(str(e)) from None
+            except csv.Error as e:
+                lineno = lines.num
+                raise ValueError(f"not valid CSV: {e}") from None
+            lineno = lines.num
+            if not row or all(not f.strip(BLANKS) for f in row):
+                continue  # blank lines are not requests
+            ts, p, o, cut = _parse_row(row, len(header), col, scaling)
+        except ValueError as e:
+            where = f"line {lineno}" if lineno <= first_line else f"lines {first_line}-{lineno}"
+            message = f"{path}, {where}: {e}"
+            if not skip_invalid:
+                raise TraceFormatError(f"{message}; {hint}") from None
+            skipped += 1
+            first_skipped = first_skipped or message
+            continue
+        clamped += cut
+        if t0 is None:
+            t0 = ts
+        out.append(TraceRequest(prompt_len=p, output_len=o, arrival_s=ts - t0))
+    return out, skipped, clamped, first_skipped
 
 
 def make_prompts(trace_requests: Sequence[TraceRequest], vocab_size: int,
