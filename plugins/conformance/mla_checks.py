@@ -10,6 +10,7 @@ import torch
 
 from attnplug.plugins.conformance.mla_cases import ABSORB_CASE, CHUNK_CASE, REENTRANT_CASES, MLACase, fitted
 from attnplug.plugins.conformance.mla_harness import OUTPUT_SENTINEL, TOLERANCE, MLARun, MLAStep, reference_output
+from attnplug.plugins.conformance.snapshots import rows_written_outside
 
 
 def _close(case: MLACase, what: str, got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> list[str]:
@@ -53,12 +54,8 @@ def check_cache(run: MLARun) -> list[str]:
         part = "the k_pe (rope) part" if latent_ok else "the latent (kv_c_normed) part"
         problems.append(f"case {case.name!r}: latent rows of tokens {bad[:8]} differ from [kv_c_normed | k_pe] at "
                         f"their slot_mapping slots (first difference in {part})")
-    others = torch.ones(before.shape[0], dtype=torch.bool)
-    others[slots] = False
-    same = (before[others] == after[others]) | (torch.isnan(before[others]) & torch.isnan(after[others]))
-    changed = (~same).any(1).nonzero().flatten()
-    if len(changed):
-        rows = others.nonzero().flatten()[changed].tolist()
+    rows = rows_written_outside(before, after, slots)
+    if rows:
         problems.append(f"case {case.name!r}: cache rows {rows[:8]} not in slot_mapping were written")
     return problems
 

@@ -120,3 +120,21 @@ def value_differences(a: Any, b: Any, path: str = "", depth: int = 0) -> list[st
             return [f"{name}: keys differ"]
         return [d for k in a for d in value_differences(a[k], b[k], f"{path}[{k!r}]", depth + 1)]
     return []
+
+
+def rows_written_outside(before: torch.Tensor, after: torch.Tensor, slots: torch.Tensor) -> list[int]:
+    """The rows, not in ``slots``, whose contents differ between two copies of a cache.
+
+    Args:
+        before, after: ``[num_rows, row_width]`` views of the cache before and after a step.
+        slots: int64 ``[num_tokens]``, the rows the step may write (its ``slot_mapping``).
+
+    Returns:
+        Row indices of ``before`` (ascending) outside ``slots`` where any element changed; NaN
+        poison that stays NaN counts as unchanged.
+    """
+    others = torch.ones(before.shape[0], dtype=torch.bool)
+    others[slots] = False
+    b, a = before[others], after[others]
+    changed = (~((b == a) | (torch.isnan(b) & torch.isnan(a)))).any(1).nonzero().flatten()
+    return others.nonzero().flatten()[changed].tolist()

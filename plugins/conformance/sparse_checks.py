@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from attnplug.plugins.conformance.snapshots import rows_written_outside
 from attnplug.plugins.conformance.sparse_harness import (
     OUTPUT_SENTINEL,
     SelectorRun,
@@ -88,10 +89,7 @@ def check_key_cache(run: SelectorRun) -> list[str]:
     bad = (after[slots] != run.new_rows).any(1).nonzero().flatten().tolist()
     if bad:
         problems.append(f"case {case.name!r}: indexer key rows of tokens {bad[:8]} differ from k at their slots")
-    others = torch.ones(before.shape[0], dtype=torch.bool)
-    others[slots] = False
-    same = (before[others] == after[others]) | (torch.isnan(before[others]) & torch.isnan(after[others]))
-    changed = (~same).any(1).nonzero().flatten().tolist()
+    changed = rows_written_outside(before, after, slots)
     if changed:
         problems.append(f"case {case.name!r}: indexer cache rows {changed[:8]} changed though no token maps there")
     return problems
