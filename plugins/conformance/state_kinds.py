@@ -25,7 +25,11 @@ import torch
 import torch.nn.functional as F
 
 from attnplug.cache_groups.specs import StateSpec, StateTensorSpec
-from attnplug.plugins.conformance.requirements import torch_dtype
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """A case's dtype name (``"float32"``, ``"float16"``, ``"bfloat16"``) as a torch dtype."""
+    return getattr(torch, name)
 
 
 def _conv_reference(case, w: torch.Tensor, b: torch.Tensor, x: torch.Tensor):
