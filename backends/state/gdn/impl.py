@@ -1,6 +1,8 @@
 """``GDNTorchImpl``: the Gated DeltaNet layer core in plain torch (reference implementation).
 
-Decode rows: one conv step and one recurrent step each (batched). Prefill part: the
+Decode rows: one conv step and one recurrent step each (batched). Verifying rows
+(speculative decoding): one conv step and one recurrent step per position, the states
+after each position kept (``_verify``). Prefill part: the
 varlen causal conv1d continuing from each slot's conv state (``backends.mamba2.ops``,
 shared with Mamba2) and the chunked gated delta rule with per-sequence initial states
 (``ops.chunk_gated_delta_rule``). Slots of rows without an initial state are zeroed
@@ -87,15 +89,13 @@ class GDNTorchImpl(GDNImpl):
         rec = _gather(state.recurrent_state, own)
         conv_all = conv.new_empty((Rv, L, *conv.shape[1:]))
         rec_all = rec.new_empty((Rv, L, *rec.shape[1:]))
-        o_all = None
+        o_all = rec.new_empty((Rv, L, self.layer_config.num_v_heads, self.layer_config.head_v_dim))
         for t in range(L):
             x, conv = causal_conv1d_decode(x_all[:, t], weight, bias, conv)
             conv_all[:, t] = conv
             q, k, v, g, beta = self._inputs(F.silu(x), a_all[:, t], b_all[:, t], gates)
             o, rec = self.decode_rule(rec, q, k, v, g, beta)
             rec_all[:, t] = rec
-            if o_all is None:
-                o_all = o.new_empty((Rv, L, *o.shape[1:]))
             o_all[:, t] = o
         w, dst = md.verify_write_index, md.verify_write_slots
         state.conv_state.index_copy_(0, dst, conv_all.flatten(0, 1).index_select(0, w).to(state.conv_state.dtype))
