@@ -7,7 +7,7 @@ cache group (``attnplug.cache_groups.grouping``). Names follow vLLM V1's
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -220,10 +220,16 @@ class StateSpec(KVCacheSpec):
             names unique.
         state_kind: the layer math, e.g. ``"mamba2"``, ``"gdn"``.
         chunk_size: tokens per chunk of the kind's chunked prefill scan (``0``: none).
+        page_size_padded: keyword-only, optional: the bytes one slot's page takes when
+            it is padded to another group's page (vLLM's ``MambaSpec.page_size_padded``:
+            the page of an attention block of ``block_size`` tokens, so the pools can
+            share a page size); ``None``: the declared tensors' bytes. The declared
+            tensors must fit in it.
 
     Raises:
-        KVCacheSpecError: no tensors, a duplicate name, an empty ``state_kind`` or a
-            negative ``chunk_size``.
+        KVCacheSpecError: no tensors, a duplicate name, an empty ``state_kind``, a
+            negative ``chunk_size``, or a ``page_size_padded`` the declared tensors do
+            not fit in (one line naming the field, the bytes and the block size).
 
     Examples:
         >>> s = StateSpec(block_size=64, state_kind="gdn", chunk_size=64, tensors=(
@@ -236,6 +242,7 @@ class StateSpec(KVCacheSpec):
     tensors: tuple[StateTensorSpec, ...] = ()
     state_kind: str = "state"
     chunk_size: int = 0
+    page_size_padded: int | None = field(default=None, kw_only=True)
 
     def __post_init__(self):
         super().__post_init__()
@@ -250,7 +257,19 @@ class StateSpec(KVCacheSpec):
             raise KVCacheSpecError(f"state_kind must be a non-empty str, got {self.state_kind!r}")
         if not isinstance(self.chunk_size, int) or isinstance(self.chunk_size, bool) or self.chunk_size < 0:
             raise KVCacheSpecError(f"chunk_size must be an int >= 0, got {self.chunk_size!r}")
+        self._check_page(tensors)
         object.__setattr__(self, "tensors", tensors)
+
+    def _check_page(self, tensors: tuple[StateTensorSpec, ...]) -> None:
+        padded = self.page_size_padded
+        if padded is None:
+            return
+        need = sum(t.nbytes for t in tensors)
+        if not isinstance(padded, int) or isinstance(padded, bool) or padded < need:
+            raise KVCacheSpecError(
+                f"page_size_padded: {padded!r} bytes (the page of a block of {self.block_size} tokens) does not fit "
+                f"the {self.state_kind} state's {need} bytes ({', '.join(f'{t.name} {t.nbytes}' for t in tensors)}); "
+                "raise the block size or leave page_size_padded unset")
 
     @property
     def kind(self) -> GroupKind:
@@ -270,7 +289,10 @@ class StateSpec(KVCacheSpec):
 
     @property
     def page_size_bytes(self) -> int:
-        """Bytes of one request's state: the sum of the declared tensors' bytes."""
+        """Bytes of one request's state: the sum of the declared tensors' bytes, or
+        ``page_size_padded`` when set."""
+        if self.page_size_padded is not None:
+            return self.page_size_padded
         return sum(t.nbytes for t in self.tensors)
 
     def max_memory_usage_bytes(self, max_model_len: int, max_num_batched_tokens: int) -> int:

@@ -173,23 +173,30 @@ def assess(backend_cls: type[AttentionBackend], case: ConformanceCase, device: s
     return Assessment((), mismatch, kbs, cfg)
 
 
-def state_layer_config(case, device: str):
-    """The :class:`~attnplug.core.mamba.MambaLayerConfig` of a state case (``state_cases.StateCase``)."""
-    from attnplug.core.mamba import MambaLayerConfig
+def state_layer_config(case, device: str, backend_cls: type[AttentionBackend] | None = None):
+    """The layer config of a state case (``state_cases.StateCase``) in ``backend_cls``'s state
+    kind (``state_kinds.py``; no backend, or an empty ``state_kind``: Mamba2's
+    :class:`~attnplug.core.mamba.MambaLayerConfig`)."""
+    from attnplug.plugins.conformance.state_kinds import Mamba2Kind, kind_of
 
-    return MambaLayerConfig(num_heads=case.num_heads, head_size=case.head_size, state_size=case.state_size,
-                            n_groups=case.n_groups, conv_kernel_size=case.conv_kernel_size,
-                            chunk_size=case.chunk_size, dtype=torch_dtype(case.dtype), device=str(device))
+    kind = kind_of(backend_cls) if backend_cls is not None else Mamba2Kind
+    return kind.layer_config(case, str(device))
 
 
 def assess_state(backend_cls: type[AttentionBackend], case, device: str) -> tuple[tuple[str, ...], str | None]:
     """``(skip reasons, claim mismatch)`` of a state case (``state_cases.StateCase``) on a
     backend, by the same rule as :func:`assess`: skips only for declared limitations
-    (``kv_cache_kind``, ``is_available()``, ``supported_devices``, ``supported_dtypes``,
-    ``supported_ssm_dtypes``); a declared-covered case that ``validate_configuration``
-    rejects is a mismatch (the case fails)."""
+    (``kv_cache_kind``, a ``state_kind`` the family has no model of, ``is_available()``,
+    ``supported_devices``, ``supported_dtypes``, the state tensors' declared dtypes:
+    ``supported_ssm_dtypes`` / ``supported_state_dtypes``); a declared-covered case that
+    ``validate_configuration`` rejects is a mismatch (the case fails)."""
+    from attnplug.plugins.conformance.state_kinds import KINDS, kind_of
+
     if backend_cls.kv_cache_kind != "mamba":
         return (f"the backend serves {backend_cls.kv_cache_kind!r} caches; this case is a mamba state case",), None
+    if kind_of(backend_cls) is None:
+        return (f"no conformance model of state kind {backend_cls.state_kind!r} (known: {sorted(KINDS)}; "
+                "plugins/conformance/state_kinds.py)",), None
     skips = []
     ok, why = backend_cls.is_available()
     if not ok:
@@ -197,12 +204,17 @@ def assess_state(backend_cls: type[AttentionBackend], case, device: str) -> tupl
     dev = torch.device(device).type
     if dev not in backend_cls.supported_devices:
         skips.append(f"the case runs on {dev!r}; the backend declares devices {list(backend_cls.supported_devices)}")
-    cfg = state_layer_config(case, device)
+    cfg = state_layer_config(case, device, backend_cls)
     if cfg.dtype not in backend_cls.supported_dtypes:
         skips.append(f"the case needs dtype {case.dtype}; the backend declares "
                      f"{[str(d).replace('torch.', '') for d in backend_cls.supported_dtypes]}")
-    if cfg.ssm_dtype not in getattr(backend_cls, "supported_ssm_dtypes", (torch.float32,)):
+    ssm_dtype = getattr(cfg, "ssm_dtype", None)
+    if ssm_dtype is not None and ssm_dtype not in getattr(backend_cls, "supported_ssm_dtypes", (torch.float32,)):
         skips.append(f"the case needs SSM state dtype float32; the backend declares {backend_cls.supported_ssm_dtypes}")
+    state_dtype = getattr(cfg, "state_dtype", None)
+    declared = getattr(backend_cls, "supported_state_dtypes", None)
+    if state_dtype is not None and declared is not None and state_dtype not in declared:
+        skips.append(f"the case needs recurrent state dtype float32; the backend declares {declared}")
     if skips:
         return tuple(skips), None
     reasons = backend_cls.validate_configuration(cfg)

@@ -1,7 +1,9 @@
-"""State-backend conformance cases: small, JSON-serializable Mamba2 workloads.
+"""State-backend conformance cases: small, JSON-serializable state-layer workloads.
 
-A state case describes one Mamba2 layer (heads, head size, state size, B/C groups, conv
-kernel, scan chunk size, dtype) and a schedule: per step, which requests compute how
+A state case describes one state layer in Mamba2 terms (heads, head size, state size, B/C
+groups, conv kernel, scan chunk size, dtype; ``state_kinds.py`` maps them onto the layer of
+the backend's ``state_kind``: for GDN, value heads, value head dim, key head dim and key
+heads) and a schedule: per step, which requests compute how
 many of their next tokens. The harness (``state_harness.py``) turns it into scheduler
 outputs on the real runner path. A request scheduled for one token after earlier
 tokens is a decode row; anything else a prefill chunk. ``preempt`` lists ``(step,

@@ -1,5 +1,6 @@
 """The properties the suite checks on a state run (:class:`~attnplug.plugins.conformance.
-state_harness.StateRun`), against the float64 reference recurrence (``state_oracle.py``).
+state_harness.StateRun`), against the float64 reference recurrence of the run's state kind (``state_oracle.py``,
+``state_kinds.py``).
 
 Each ``check_*`` returns a list of problems (empty: the property holds), each naming the
 step, cache group, request, position or slot concerned.
@@ -12,12 +13,18 @@ import torch
 from attnplug.plugins.conformance.checks import MAX_LISTED, TOLERANCES
 from attnplug.plugins.conformance.poison import bits
 from attnplug.plugins.conformance.state_harness import OUTPUT_SENTINEL, StateRun
-from attnplug.plugins.conformance.state_oracle import Reference
+from attnplug.plugins.conformance.state_kinds import KINDS, display_name
+from attnplug.plugins.conformance.state_oracle import Reference, StateInputs
 
 
 def header(run: StateRun) -> str:
-    return (f"state case {run.case.name!r} on backend {run.backend_name!r} (device {run.device})\n"
-            f"  case JSON: {run.case.describe()}")
+    return (f"state case {run.case.name!r} on backend {run.backend_name!r} ({run.state_kind} state, device "
+            f"{run.device})\n  case JSON: {run.case.describe()}")
+
+
+def reference(run: StateRun) -> Reference:
+    """The float64 reference of the run's case in the run's state kind."""
+    return Reference(StateInputs(run.case, kind=KINDS[run.state_kind]))
 
 
 def _close(got: torch.Tensor, want: torch.Tensor, dtype: str) -> torch.Tensor:
@@ -38,7 +45,7 @@ def check_outputs(run: StateRun, ref: Reference) -> list[str]:
                 if step.checked is not None and not step.checked[t]:
                     continue   # a rejected draft: fed other inputs, outside the reference
                 r, p = int(step.token_req[t]), int(step.token_pos[t])
-                got, want = grp.output[t], ref.y[r][p]
+                got, want = grp.output[t].flatten(), ref.y[r][p].flatten()
                 ok = _close(got, want, run.case.dtype)
                 if not bool(ok.all()):
                     c = int((~ok).nonzero()[0, 0])
@@ -57,17 +64,17 @@ def check_outputs(run: StateRun, ref: Reference) -> list[str]:
 
 
 def check_states(run: StateRun, ref: Reference) -> list[str]:
-    """After each step, every scheduled request's slot holds the recurrence's conv and SSM
-    states after its computed tokens (a verifying row: after the runner's commit, the state
-    of the accepted prefix), and no other slot changed (bit for bit; a verifying row's
+    """After each step, every scheduled request's slot holds the recurrence's state (every
+    declared tensor: conv and SSM / recurrent state) after its computed tokens (a verifying
+    row: after the runner's commit, the state of the accepted prefix), and no other slot changed (bit for bit; a verifying row's
     scratch slots may)."""
     problems = []
     for step in run.steps:
         for g, grp in enumerate(step.groups):
             for r, slot in grp.slots.items():
                 n = step.computed_after[r]
-                for name, got, want in (("conv state", grp.conv_after[slot], ref.conv[r][n]),
-                                        ("SSM state", grp.ssm_after[slot], ref.ssm[r][n])):
+                for j, tname in enumerate(grp.names):
+                    name, got, want = display_name(tname), grp.after[j][slot], ref.states[r][j][n]
                     ok = _close(got, want, run.case.dtype)
                     if not bool(ok.all()):
                         idx = tuple(int(i) for i in (~ok).nonzero()[0])
@@ -75,12 +82,12 @@ def check_states(run: StateRun, ref: Reference) -> list[str]:
                                         f"after {n} tokens differs from the recurrence at {list(idx)}: got "
                                         f"{float(got[idx]):.6g}, expected {float(want[idx]):.6g}")
             owned = set(grp.slots.values()) | grp.scratch
-            for name, before, after in (("conv", grp.conv_before, grp.conv_after),
-                                        ("SSM", grp.ssm_before, grp.ssm_after)):
+            for tname, before, after in zip(grp.names, grp.before, grp.after):
+                name = display_name(tname)
                 changed = (bits(before) != bits(after)).flatten(1).any(dim=1).nonzero().flatten().tolist()
                 stray = [s for s in changed if s not in owned]
                 if stray:
-                    problems.append(f"step {step.index}, cache group {g}: {name} state of slot(s) {stray} changed, "
+                    problems.append(f"step {step.index}, cache group {g}: {name} of slot(s) {stray} changed, "
                                     f"but the step's requests hold slots {sorted(owned)} (a padded row's write, "
                                     "PAD_SLOT_ID = -1 used as an index, the null slot 0 written, or a stray write)")
     return problems

@@ -1,15 +1,18 @@
-"""Run one state case on one Mamba backend through the real runner path, and record it.
+"""Run one state case on one state backend (any kind) through the real runner path, and record it.
 
 Per step: ``SchedulerOutput`` -> ``StepCompiler.update_states`` -> ``prepare_inputs`` ->
 the builder's ``build`` (group 0) / ``update_block_table`` (group 1) -> the impl's
-``forward``, on two Mamba cache groups with the same spec and different state slots.
+``forward``, on two state cache groups with the same spec and different state slots. The
+spec, layer config, inputs and reference come from the backend's ``state_kind``
+(``state_kinds.py``): the spec declares the kind's tensors and the backend allocates them
+(``allocate_state_cache``); poison, copies and records go over every declared tensor.
 
 Every slot starts as NaN (the null slot 0, spare slots, and the slots of requests not
 admitted yet: a new request's slot holds a previous owner's stale state, which it must
 zero, never read); a preempted request's slot is poisoned again when it is freed.
 Padded tokens carry inputs of ``PAD_INPUT`` and ``PAD_SLOT_ID`` rows; the output starts
-as ``OUTPUT_SENTINEL``. The record keeps, per step and group, the output rows, both
-states before and after ``forward``, and which slot each request held.
+as ``OUTPUT_SENTINEL``. The record keeps, per step and group, the output rows, every
+state tensor before and after ``forward``, and which slot each request held.
 """
 
 from __future__ import annotations
@@ -21,13 +24,13 @@ import numpy as np
 import torch
 
 from attnplug.cache_groups.kinds import GroupKind
-from attnplug.cache_groups.specs import MambaSpec
 from attnplug.core.contracts import AttentionBackend, BuilderConfig
 from attnplug.core.devices import resolve_device
-from attnplug.plugins.conformance.requirements import state_layer_config, torch_dtype
+from attnplug.plugins.conformance.requirements import torch_dtype
 from attnplug.plugins.conformance.snapshots import changes_since, snapshot
 from attnplug.plugins.conformance.state_cases import StateCase
 from attnplug.plugins.conformance.state_hybrid import HybridBook
+from attnplug.plugins.conformance.state_kinds import kind_of
 from attnplug.plugins.conformance.state_oracle import StateInputs, request_plan
 
 PAD_INPUT = -777.0
@@ -40,11 +43,13 @@ class StateGroupStep:
     """One cache group's part of a step (CPU tensors)."""
 
     output: torch.Tensor
-    """``[num_padded_tokens, num_heads * head_size]``, the case dtype (padded rows included)."""
-    conv_before: torch.Tensor
-    conv_after: torch.Tensor
-    ssm_before: torch.Tensor
-    ssm_after: torch.Tensor
+    """``[num_padded_tokens, *kind.output_shape]``, the case dtype (padded rows included)."""
+    names: tuple[str, ...]
+    """The declared state tensors' names (``StateSpec.tensors``)."""
+    before: tuple[torch.Tensor, ...]
+    """Each state tensor ``[num_slots, *shape]`` before ``forward``."""
+    after: tuple[torch.Tensor, ...]
+    """... and after it (a verifying row: after the runner's commit)."""
     slots: dict[int, int]
     """``{request index: its state slot}`` for the step's requests."""
     scratch: set[int] = field(default_factory=set)
@@ -74,6 +79,7 @@ class StateRun:
     case: StateCase
     backend_name: str
     device: str
+    state_kind: str = "mamba2"
     steps: list[StateStep] = field(default_factory=list)
     error: str | None = None
 
@@ -85,7 +91,8 @@ class _StateRunner:
 
         self._types = (CachedRequestData, NewRequestData, SchedulerOutput)
         self.case, self.device = case, resolve_device(device)
-        lcfg = state_layer_config(case, str(self.device))
+        self.kind = kind = kind_of(backend_cls)
+        lcfg = kind.layer_config(case, str(self.device))
         lens, self.prompt_lens, self.starts = request_plan(case)
         self.book = HybridBook(case, NUM_GROUPS)
         per_req = self.book.slots_per_request
@@ -98,9 +105,8 @@ class _StateRunner:
         self.slot: list[dict[int, int]] = [{} for _ in range(NUM_GROUPS)]
         self.scratch: list[dict[int, list[int]]] = [{} for _ in range(NUM_GROUPS)]
         bs = max(1, self.max_len // per_req)   # the block table then has >= 1 + drafts columns
-        spec = MambaSpec(block_size=bs, conv_state_shape=lcfg.conv_state_shape,
-                         ssm_state_shape=lcfg.ssm_state_shape, dtype=lcfg.dtype, ssm_dtype=lcfg.ssm_dtype,
-                         chunk_size=case.chunk_size)
+        spec = kind.spec(case, bs)
+        self.names = tuple(t.name for t in spec.tensors)
         max_tokens = max(sum(n for _, n in st) for st in case.steps) + case.num_pad_tokens
         cfg = BuilderConfig(max_num_reqs=case.num_requests, max_num_batched_tokens=max_tokens,
                             max_model_len=self.max_len)
@@ -114,9 +120,9 @@ class _StateRunner:
         self.impl = backend_cls.get_impl_cls()(lcfg)
         self.states = [backend_cls.allocate_state_cache(spec, num_slots, self.device) for _ in range(NUM_GROUPS)]
         for st in self.states:
-            st.conv_state.fill_(float("nan"))
-            st.ssm_state.fill_(float("nan"))
-        self.inputs = StateInputs(case, self.device)
+            for t in st:
+                t.fill_(float("nan"))
+        self.inputs = StateInputs(case, self.device, kind)
         self.lens = lens
         self.computed = list(self.starts)
         self.held = list(self.prompt_lens)
@@ -137,8 +143,8 @@ class _StateRunner:
             if s == index and r in self.admitted:
                 for g in range(NUM_GROUPS):   # the freed slots: poisoned as if reused by another request
                     for x in [self.slot[g][r]] + self.scratch[g][r]:
-                        self.states[g].conv_state[x] = float("nan")
-                        self.states[g].ssm_state[x] = float("nan")
+                        for t in self.states[g]:
+                            t[x] = float("nan")
                 self.computed[r] = 0
                 self.resuming.add(r)
         new, cached = [], CachedRequestData()
@@ -170,16 +176,17 @@ class _StateRunner:
         token_req = np.asarray([int(inputs.req_ids[r][1:]) for r in range(inputs.num_reqs)], dtype=np.int64)[rows]
         token_pos = inputs.positions_cpu[:Q].numpy().astype(np.int64)
         P = inputs.num_padded_tokens
-        xbc = torch.full((P, self.inputs.conv_dim), PAD_INPUT, dtype=torch_dtype(case.dtype))
-        dt = torch.full((P, case.num_heads), PAD_INPUT, dtype=xbc.dtype)
+        dtype = torch_dtype(case.dtype)
+        ins = [torch.full((P, w), PAD_INPUT, dtype=dtype) for w in self.kind.input_widths(case)]
         rejected = self.book.rejected_positions(index, step, self.computed)
         checked = np.ones(Q, dtype=bool)
         for t, (r, p) in enumerate(zip(token_req.tolist(), token_pos.tolist())):
+            src = self.inputs.fields[r]
             if (r, p) in rejected:   # a rejected draft: other inputs, no reference output
-                xbc[t], dt[t], checked[t] = self.inputs.xbc_rejected[r][p], self.inputs.dt_rejected[r][p], False
-            else:
-                xbc[t], dt[t] = self.inputs.xbc[r][p], self.inputs.dt[r][p]
-        xbc, dt = xbc.to(self.device), dt.to(self.device)
+                src, checked[t] = self.inputs.rejected[r], False
+            for x, f in zip(ins, src):
+                x[t] = f[p]
+        ins = [x.to(self.device) for x in ins]
         verifying = self.book.verifying(index)
         for r, n in step:
             self.computed[r] += n if r not in verifying else 1 + verifying[r]
@@ -200,22 +207,22 @@ class _StateRunner:
         for g, cm in enumerate(cms):
             record.mutations += [f"build()/update_block_table() mutated CommonAttentionMetadata.{d} (group {g})"
                                  for d in changes_since(cm, snaps[g])]
-        hidden = case.num_heads * case.head_size
+        out_shape = self.kind.output_shape(case)
         for g, md in enumerate((md0, md1)):
             st = self.states[g]
-            before = (st.conv_state.clone(), st.ssm_state.clone())
-            out = torch.full((P, hidden), OUTPUT_SENTINEL, dtype=xbc.dtype, device=self.device)
-            self.impl.forward(self.inputs.layer, xbc, dt, st, md, out)
+            before = tuple(t.clone() for t in st)
+            out = torch.full((P, *out_shape), OUTPUT_SENTINEL, dtype=dtype, device=self.device)
+            self.impl.forward(self.inputs.layer, *ins, st, md, out)
             scratch = {x for r in verifying for x in self.scratch[g][r][:dict(step)[r] - 1]}
-            record.groups.append(StateGroupStep(out.cpu(), before[0].cpu(), st.conv_state.cpu().clone(),
-                                                before[1].cpu(), st.ssm_state.cpu().clone(),
+            record.groups.append(StateGroupStep(out.cpu(), self.names, tuple(t.cpu() for t in before),
+                                                tuple(t.cpu().clone() for t in st),
                                                 {r: self.slot[g][r] for r, _ in step}, scratch))
             if g == 1 and md1 is not md1_fresh:
-                fresh_state = type(st)(before[0].clone(), before[1].clone())
+                fresh_state = type(st)(*(t.clone() for t in before))
                 fresh_out = torch.full_like(out, OUTPUT_SENTINEL)
-                self.impl.forward(self.inputs.layer, xbc, dt, fresh_state, md1_fresh, fresh_out)
-                same = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in (
-                    (fresh_out, out), (fresh_state.conv_state, st.conv_state), (fresh_state.ssm_state, st.ssm_state)))
+                self.impl.forward(self.inputs.layer, *ins, fresh_state, md1_fresh, fresh_out)
+                same = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+                           for a, b in [(fresh_out, out), *zip(fresh_state, st)])
                 if not same:
                     record.update_vs_fresh.append("forward() with update_block_table() metadata differs from "
                                                   "forward() with a fresh build()")
@@ -225,7 +232,8 @@ class _StateRunner:
 
 def run_state_case(backend_cls: type[AttentionBackend], case: StateCase, device: str) -> StateRun:
     """Run ``case`` on ``backend_cls``; a backend's exception goes to ``StateRun.error``."""
-    run = StateRun(case, backend_cls.get_name(), device)
+    kind = kind_of(backend_cls)
+    run = StateRun(case, backend_cls.get_name(), device, kind.state_kind if kind else "")
     index = -1
     try:
         runner = _StateRunner(backend_cls, case, device)

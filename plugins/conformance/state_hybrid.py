@@ -12,7 +12,7 @@ the engine takes:
   emitted tokens are appended (``StepCompiler.append_verified_tokens``), so the next step
   sees the rolled-back ``num_computed_tokens`` and one real token left;
 * **prefix hits** (``StateCase.prefix_hits``): when the source has computed exactly
-  ``tokens``, its slot is copied into a checkpoint slot (a *save*); the hit request is
+  ``tokens``, its slot (every declared tensor) is copied into a checkpoint slot (a *save*); the hit request is
   admitted with ``num_computed_tokens = tokens`` and the checkpoint is copied into its own
   slot before its first forward (a *restore*), every state tensor's row ``src`` into row
   ``dst``, as ``runner/execute/state_copies.py`` does (``plugins.conformance`` may not
@@ -27,9 +27,9 @@ from attnplug.plugins.conformance.state_cases import StateCase
 
 
 def copy_slots(states, copies) -> None:
-    """``(g, src, dst)``: row ``src`` of group ``g``'s conv and SSM state into row ``dst``."""
+    """``(g, src, dst)``: row ``src`` of every state tensor of group ``g`` into row ``dst``."""
     for g, src, dst in copies:
-        for t in (states[g].conv_state, states[g].ssm_state):
+        for t in states[g]:
             t[dst].copy_(t[src])
 
 
@@ -91,11 +91,10 @@ class HybridBook:
             rows = [rows_of[f"r{r}"] for r in verifying]
             copies = draft_state_copies(tables, rows, [[1] * (a + 1) for a in verifying.values()])
             for g, (src, dst) in enumerate(copies):
-                for t in (runner.states[g].conv_state, runner.states[g].ssm_state):
+                for t in runner.states[g]:
                     t.index_copy_(0, torch.as_tensor(dst, device=t.device),
                                   t.index_select(0, torch.as_tensor(src, device=t.device)))
-                record.groups[g].conv_after = runner.states[g].conv_state.cpu().clone()
-                record.groups[g].ssm_after = runner.states[g].ssm_state.cpu().clone()
+                record.groups[g].after = tuple(t.cpu().clone() for t in runner.states[g])
         done = [(r, runner.computed[r] + 1 - runner.held[r]) for r, _ in step if runner.computed[r] >= runner.held[r]]
         if done:
             sc.append_verified_tokens([rows_of[f"r{r}"] for r, _ in done], [[1] * k for _, k in done])

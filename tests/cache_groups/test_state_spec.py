@@ -88,3 +88,34 @@ def test_bad_tensor_declarations_are_refused():
         StateTensorSpec("not a name", (2,))
     with pytest.raises(KVCacheSpecError, match="has no tensor 'ssm' .declared: shift, wkv, count."):
         RWKV.tensor("ssm")
+
+
+def test_a_state_page_that_does_not_fit_the_padded_page_is_refused_in_one_line():
+    """vLLM pads a state page to an attention block's page (``page_size_padded``); the
+    declared tensors must fit in it, or the spec is refused naming the field."""
+    import dataclasses
+
+    from attnplug.backends.state.gdn import GDNTorchBackend
+    from attnplug.cache_groups.specs import FullAttentionSpec
+    from attnplug.runner.models.qwen3_next import gdn_state_spec
+
+    gdn = gdn_state_spec(GDNLayerConfig(num_k_heads=2, num_v_heads=4, head_k_dim=8, head_v_dim=8,
+                                        conv_kernel_size=4), 16)
+    need = gdn.page_size_bytes
+    assert need == (2 * 16 + 32) * 3 * 4 + 4 * 8 * 8 * 4
+    small = FullAttentionSpec(block_size=4, num_kv_heads=2, head_size=8, dtype=torch.float32).page_size_bytes
+    big = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=8, dtype=torch.float32).page_size_bytes
+    assert small < need <= big
+    padded = dataclasses.replace(gdn, page_size_padded=big)
+    assert padded.page_size_bytes == big and padded.tensors == gdn.tensors
+    assert [tuple(t.shape) for t in GDNTorchBackend.allocate_state_cache(padded, 3, "cpu")] == [
+        (3, 64, 3), (3, 4, 8, 8)], "allocation follows the declared tensors"
+    with pytest.raises(KVCacheSpecError) as e:
+        dataclasses.replace(gdn, block_size=4, page_size_padded=small)
+    msg = str(e.value)
+    assert msg.startswith(f"page_size_padded: {small} bytes (the page of a block of 4 tokens) does not fit the gdn "
+                          f"state's {need} bytes (conv_state 768, recurrent_state 1024)") and "\n" not in msg
+    assert gdn.page_size_padded is None and gdn.page_size_bytes == need, "the spec it was derived from is unchanged"
+    with pytest.raises(KVCacheSpecError, match="page_size_padded: 'x' bytes"):
+        StateSpec(block_size=16, tensors=(StateTensorSpec("a", (1,)),), page_size_padded="x")
+

@@ -1,5 +1,5 @@
-"""The state-backend (Mamba) conformance suite: mamba2_torch passes it, and a Mamba backend
-with one realistic bug fails it naming the case (docs/conformance.md)."""
+"""The state-backend conformance suite: mamba2_torch and the GDN backends pass it, and a Mamba2
+or GDN backend with one realistic bug fails it naming the case (docs/conformance.md)."""
 
 from __future__ import annotations
 
@@ -27,6 +27,25 @@ def test_mamba2_torch_passes_every_state_case(pytester):
     result = _run_suite(pytester, "mamba2_torch", "state_")
     assert result.ret == pytest.ExitCode.OK, result.stdout.str()
     assert result.parseoutcomes().get("passed") == 3 * len(STATE_CASES) + 1   # + the allocation check
+
+
+def test_gdn_torch_passes_every_state_case(pytester):
+    """The same catalog in GDN terms (``state_kinds.GDNKind``): spec, inputs and reference of
+    the ``"gdn"`` kind, verifying rows included (``supports_draft_verification``)."""
+    result = _run_suite(pytester, "gdn_torch", "state_")
+    assert result.ret == pytest.ExitCode.OK, result.stdout.str()
+    assert result.parseoutcomes().get("passed") == 3 * len(STATE_CASES) + 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["gdn_triton", "attnplug.backends.emulators:GDNFlaEmulatedBackend"])
+def test_the_other_gdn_backends_pass_every_state_case(pytester, monkeypatch, backend):
+    """gdn_triton in the Triton interpreter (bfloat16 cases skip: declared), gdn_fla's lowering
+    over the flash-linear-attention emulator."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    result = _run_suite(pytester, backend, "state_")
+    assert result.ret == pytest.ExitCode.OK, result.stdout.str()
+    assert result.parseoutcomes().get("failed") is None and result.parseoutcomes().get("passed", 0) >= 3 * 10
 
 
 def test_attnplug_check_accepts_a_mamba_backend():
@@ -60,10 +79,17 @@ PLANTED = [  # (backend class, the case that must fail, its failing test, a phra
 ]
 
 
-def test_the_hybrid_state_family_fails_each_planted_bug_naming_the_case(pytester):
+PLANTED_GDN = [(f"GDN{cls}", case, test, needle.replace("SSM state", "recurrent state"))
+               for cls, case, test, needle in PLANTED]
+
+
+@pytest.mark.parametrize("planted", [PLANTED, PLANTED_GDN], ids=["mamba2", "gdn"])
+def test_the_hybrid_state_family_fails_each_planted_bug_naming_the_case(pytester, planted):
     """One bug of each kind the field reported on hybrid models (tests/plugins/broken_state_backends.py:
     a rejected draft's state kept, the conv state not carried across a chunk boundary,
-    ``has_initial_state`` wrong for a prefix hit, a padded row writing slot 0), in one session."""
+    ``has_initial_state`` wrong for a prefix hit, a padded row writing slot 0), in one session,
+    in mamba2_torch and in gdn_torch."""
+    PLANTED = planted
     backends = [a for cls, *_ in PLANTED for a in ("--attnplug-backend", f"broken_state_backends:{cls}")]
     keyword = " or ".join(sorted({case for _, case, _, _ in PLANTED}))
     result = _run_suite(pytester, backends[1], keyword, *backends[2:])

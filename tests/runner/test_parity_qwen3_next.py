@@ -75,9 +75,40 @@ def test_tensor_parallel_is_refused_in_one_line_until_gdn_layers_shard():
         check_shardable(resolve_model_config(QWEN3_NEXT), 2)
 
 
-def test_speculative_decoding_on_gdn_groups_is_refused_naming_the_backend():
+SPEC_MODES = {"chunked": {}, "preempt": {"force_preemption": True}, "prefix": {"prefix_caching": True}}
+SPEC_DEFAULT = {("qwen3_5", "chunked")}
+
+
+def _spec_cases():
+    for family, cfg in (("qwen3_next", QWEN3_NEXT), ("qwen3_5", QWEN3_5)):
+        for mode in SPEC_MODES:
+            marks = () if (family, mode) in SPEC_DEFAULT else (pytest.mark.slow,)
+            yield pytest.param(dict(cfg, vocab_size=12, num_hidden_layers=2), mode, id=f"{family}-ngram-{mode}",
+                               marks=marks)
+
+
+@pytest.mark.parametrize("cfg,mode", list(_spec_cases()))
+def test_gdn_hybrid_greedy_with_drafts_matches_hf(cfg, mode):
+    """``--speculative ngram:k=3`` on a GDN hybrid (a 12-token vocabulary: greedy outputs
+    repeat, so drafts are both accepted and rejected): every verifying row's per-draft conv
+    and recurrent states land in its scratch slots and the accepted one becomes its state."""
+    res = run_parity(cfg, num_requests=3, seed=1, max_num_batched_tokens=16, max_tokens=12, block_size=4,
+                     prompt_len_range=(10, 24) if mode == "prefix" else (3, 16), speculative="ngram:k=3",
+                     **SPEC_MODES[mode])
+    assert res.ok, res.line()
+    assert res.spec["accepted"] > 0, f"no draft was accepted: the state commit did not run ({res.spec})"
+    assert res.spec["proposed"] > res.spec["accepted"], f"no draft was rejected ({res.spec})"
+    if mode == "preempt":
+        assert res.preemptions > 0, "forced preemption did not preempt anything"
+    if mode == "prefix":
+        assert "prefix-hit tokens" in res.line() and " 0 prefix-hit" not in res.line(), res.line()
+
+
+def test_speculative_decoding_on_a_state_backend_that_does_not_verify_is_refused(monkeypatch):
+    from attnplug.backends.state.gdn.backend import GDNTorchBackend
     from attnplug.core.errors import ConfigError
 
+    monkeypatch.setattr(GDNTorchBackend, "supports_draft_verification", False)
     with pytest.raises(ConfigError, match=r"--speculative: state backend\(s\) of group .*gdn_torch.* do not verify"):
         run_parity(QWEN3_5, num_requests=1, seed=1, max_tokens=2, block_size=4, prompt_len_range=(4, 6),
                    speculative="ngram:k=2")

@@ -45,18 +45,27 @@ def test_bamba_greedy_with_drafts_matches_hf(prefix_caching):
     assert res.spec["proposed"] > res.spec["accepted"], f"no draft was rejected ({res.spec})"
 
 
-def engine(spec, *, slots_per_request=None, budget=16):
-    model = build_with_backends(BAMBA, backend=None, block_size=4, resolve=resolve_backend, seed=3)
+def engine(spec, *, slots_per_request=None, budget=16, cfg=BAMBA):
+    model = build_with_backends(cfg, backend=None, block_size=4, resolve=resolve_backend, seed=3)
     args = SimpleNamespace(model=None, backend=None, block_size=4, seed=0, max_model_len=64, max_num_seqs=3,
                            max_num_batched_tokens=budget, num_blocks=None, record_logits=False,
                            force_preemption_every=None, async_scheduling=False, speculative=spec)
     return build_engine(args, model=model, requests=False).engine
 
 
-def test_more_drafts_than_state_slots_is_refused_naming_request_and_field():
-    eng = engine("ngram:k=2")
+def _qwen3_5():
+    from test_parity_qwen3_next import QWEN3_5
+    return dict(QWEN3_5, num_hidden_layers=2)
+
+
+@pytest.mark.parametrize("family", ["bamba", "qwen3_5"])
+def test_more_drafts_than_state_slots_is_refused_naming_request_and_field(family):
+    """Mamba2 (Bamba) and GDN (Qwen3.5) state groups alike."""
+    eng = engine("ngram:k=2", cfg=BAMBA if family == "bamba" else _qwen3_5())
     sched, runner = eng.scheduler, eng.runner
-    eng.add_request("a", [4, 8, 4, 8, 4, 8, 4, 8], SamplingParams(max_tokens=12))
+    # Qwen3.5's attention group comes second: a prompt short enough that its blocks hold the extra draft
+    prompt = [4, 8] * (4 if family == "bamba" else 3)
+    eng.add_request("a", prompt, SamplingParams(max_tokens=12))
     while True:
         out = sched.schedule()
         if out.scheduled_spec_decode_tokens.get("a"):

@@ -25,6 +25,8 @@ class GDNTorchBackend(GDNBackend):
         ('gdn_torch', 'mamba', 'gdn')
     """
 
+    supports_draft_verification = True  # verifying rows: GDNTorchImpl._verify (backends/mamba2/verify.py layout)
+
     supported_dtypes = (torch.float32, torch.float16, torch.bfloat16)
     supported_kernel_block_sizes = None
     supported_devices = ("cpu", "cuda")
@@ -67,6 +69,8 @@ class GDNTritonBackend(GDNBackend, metaclass=_GDNTritonMeta):
     before the first ``import triton``; float16/float32 there).
     """
 
+    supports_draft_verification = True  # verifying rows: the Triton rule one position at a time
+
     supported_kernel_block_sizes = None
 
     @classmethod
@@ -95,6 +99,8 @@ class GDNFlaBackend(GDNBackend):
     for prefill, ``fused_recurrent_gated_delta_rule`` for decode; CUDA, ``pip install
     flash-linear-attention``); builder and conv as ``gdn_torch``. Tested on CPU through
     ``attnplug.backends.emulators:GDNFlaEmulatedBackend``."""
+
+    supports_draft_verification = True  # verifying rows: fused_recurrent_gated_delta_rule per position
 
     supported_dtypes = (torch.float16, torch.bfloat16, torch.float32)
     supported_kernel_block_sizes = None

@@ -1,6 +1,8 @@
 """``GDNTorchImpl``: the Gated DeltaNet layer core in plain torch (reference implementation).
 
-Decode rows: one conv step and one recurrent step each (batched). Prefill part: the
+Decode rows: one conv step and one recurrent step each (batched). Verifying rows
+(speculative decoding): one conv step and one recurrent step per position, the states
+after each position kept (``_verify``). Prefill part: the
 varlen causal conv1d continuing from each slot's conv state (``backends.mamba2.ops``,
 shared with Mamba2) and the chunked gated delta rule with per-sequence initial states
 (``ops.chunk_gated_delta_rule``). Slots of rows without an initial state are zeroed
@@ -60,10 +62,46 @@ class GDNTorchImpl(GDNImpl):
             o, rec = self.decode_rule(rec, q, k, v, g, beta)
             self._write(state, slots[:nd], conv, rec)
             output[:nd] = o.to(output.dtype)
-        if md.num_prefills:
+        if md.num_verify_rows:  # speculative decoding: plain prefill rows gathered, then the verifying rows
+            if md.num_prefills:
+                ti = md.prefill_token_index
+                o = self._prefill(mixed_qkv.index_select(0, ti), a.index_select(0, ti), b.index_select(0, ti),
+                                  state, slots.index_select(0, md.prefill_rows), weight, bias, gates, md)
+                output.index_copy_(0, ti, o.to(output.dtype))
+            self._verify(mixed_qkv, a, b, state, slots, weight, bias, gates, md, output)
+        elif md.num_prefills:
             o = self._prefill(mixed_qkv[nd:T], a[nd:T], b[nd:T], state, slots[nd:], weight, bias, gates, md)
             output[nd:T] = o.to(output.dtype)
         return output
+
+    def _verify(self, qkv, a, b, state: GDNStateCache, slots, weight, bias, gates, md: GDNMetadata,
+                output) -> None:
+        """Verifying rows (speculative decoding, ``backends/mamba2/verify.py``'s layout): one
+        conv step and one :meth:`decode_rule` step per position over all verifying rows; the
+        conv and recurrent states after position ``t`` go to the row's block-table column
+        ``t`` (``md.verify_write_slots``), the outputs to their tokens."""
+        Rv, L = md.num_verify_rows, md.max_verify_len
+        ti = md.verify_token_index
+        x_all = qkv.index_select(0, ti).float().view(Rv, L, -1)
+        a_all, b_all = a.index_select(0, ti).view(Rv, L, -1), b.index_select(0, ti).view(Rv, L, -1)
+        own = slots.index_select(0, md.verify_rows)
+        conv = _gather(state.conv_state, own)
+        rec = _gather(state.recurrent_state, own)
+        conv_all = conv.new_empty((Rv, L, *conv.shape[1:]))
+        rec_all = rec.new_empty((Rv, L, *rec.shape[1:]))
+        o_all = rec.new_empty((Rv, L, self.layer_config.num_v_heads, self.layer_config.head_v_dim))
+        for t in range(L):
+            x, conv = causal_conv1d_decode(x_all[:, t], weight, bias, conv)
+            conv_all[:, t] = conv
+            q, k, v, g, beta = self._inputs(F.silu(x), a_all[:, t], b_all[:, t], gates)
+            o, rec = self.decode_rule(rec, q, k, v, g, beta)
+            rec_all[:, t] = rec
+            o_all[:, t] = o
+        w, dst = md.verify_write_index, md.verify_write_slots
+        state.conv_state.index_copy_(0, dst, conv_all.flatten(0, 1).index_select(0, w).to(state.conv_state.dtype))
+        state.recurrent_state.index_copy_(
+            0, dst, rec_all.flatten(0, 1).index_select(0, w).to(state.recurrent_state.dtype))
+        output.index_copy_(0, ti.index_select(0, w), o_all.flatten(0, 1).index_select(0, w).to(output.dtype))
 
     def _inputs(self, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, gates):
         """Conv output ``[n, conv_dim]`` -> l2-normalised, scaled, head-expanded q, k; v; g; beta."""

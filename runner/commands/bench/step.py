@@ -241,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="speculative-decoding table (k=3 drafts per request, and without, at each "
                              "--sizes N >= 256, else N=256): timed steps (0 skips it; default 100)")
     parser.add_argument("--state-spec-steps", type=_int_at_least(0), default=0,
-                        help="hybrid table: a Mamba2 group's step with k=3 drafts for N=64 requests beside "
+                        help="hybrid table: a Mamba2 and a GDN group's step with k=3 drafts for N=64 requests beside "
                              "decodes and the same tokens as prefill chunks (bench/spec_state.py): timed steps "
                              "(default 0: skipped; 20 is enough)")
     parser.add_argument("--json", action="store_true", help="print every figure as JSON instead of tables")
