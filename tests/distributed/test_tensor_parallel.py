@@ -75,7 +75,18 @@ CASES["gpt_oss"] = ({**BASE, "model_type": "gpt_oss", "architectures": ["GptOssF
                     "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "truncate": False, "rope_theta": 10000.0,
                                         "original_max_position_embeddings": 32}},
                    True, "fixed")  # each rank's heads with their own sinks; experts split over the ranks
-TP2 = ["bamba-g1", "gemma3", "llama-kv1", "llama-kv2", "qwen3_moe", "deepseek_v3", "gpt_oss"]
+QWEN3_NEXT_BASE = {**BASE, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 4, "num_key_value_heads": 2,
+                   "head_dim": 8, "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 8,
+                   "linear_value_head_dim": 8, "linear_conv_kernel_dim": 4, "full_attention_interval": 2,
+                   "rms_norm_eps": 1e-5, "partial_rotary_factor": 0.5}
+# GDN key / value heads, conv channels and state split per rank (two value heads per key head: HF's
+# grouped in_proj_qkvz), gated q_proj's query + gate rows per head, experts and the gated shared expert split
+CASES["qwen3_next"] = ({**QWEN3_NEXT_BASE, "model_type": "qwen3_next", "architectures": ["Qwen3NextForCausalLM"],
+                       "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+                       "shared_expert_intermediate_size": 16, "norm_topk_prob": True}, True, "fixed")
+CASES["qwen3_5"] = ({**QWEN3_NEXT_BASE, "model_type": "qwen3_5_text", "architectures": ["Qwen3_5ForCausalLM"]},
+                    True, "fixed")  # flat in_proj_qkv / z / b / a, dense MLP
+TP2 = ["bamba-g1", "gemma3", "llama-kv1", "llama-kv2", "qwen3_moe", "deepseek_v3", "gpt_oss", "qwen3_next", "qwen3_5"]
 PP2 = ["bamba-pp", "gemma3-alt", "llama-kv1", "llama-kv2"]
 TP2xPP2 = ["bamba-pp", "gemma3-alt", "llama-kv1", "llama-kv2"]
 SLOW = {"bamba-g2": (2, 1), "deepseek_v32": (2, 1)}
@@ -164,13 +175,24 @@ def _references(name: str, hf, case: dict):
 def _expected_caches(cfg: dict, tp: int, pp: int, rank: int) -> dict:
     """The cache facts of global rank ``rank``: its stage's layers only, its heads only."""
     layers = stage_layers(cfg["num_hidden_layers"], pp)[rank // tp]
-    attn = set(cfg.get("attn_layer_indices", range(cfg["num_hidden_layers"])))
-    names = [f"model.layers.{i}.self_attn.attn" if i in attn else f"model.layers.{i}.mamba" for i in layers]
+    n = cfg["num_hidden_layers"]
+    gdn = "linear_num_value_heads" in cfg
+    every = cfg.get("full_attention_interval", 1)
+    attn = set(cfg.get("attn_layer_indices", [i for i in range(n) if (i + 1) % every == 0]))
+    state = "linear_attn" if gdn else "mamba"
+    names = [f"model.layers.{i}.self_attn.attn" if i in attn else f"model.layers.{i}.{state}" for i in layers]
     kv_heads = 1 if "kv_lora_rank" in cfg else max(1, cfg["num_key_value_heads"] // tp)  # MLA: one latent row
     per_layer = 2 if "index_topk" in cfg else 1  # DeepSeek-V3.2: + the indexer's key row (whole on every rank)
     names += [f"model.layers.{i}.self_attn.indexer" for i in layers if per_layer == 2]
     return {"layers": names, "kv_heads": [kv_heads] * per_layer * sum(i in attn for i in layers),
-            "mamba_ssm_heads": [cfg.get("mamba_n_heads", 0) // tp] * sum(i not in attn for i in layers)}
+            "mamba_ssm_heads": [cfg.get("mamba_n_heads", 0) // tp] * sum(i not in attn for i in layers if not gdn),
+            "gdn_state": [_gdn_rank_state(cfg, tp)] * sum(i not in attn for i in layers if gdn)}
+
+
+def _gdn_rank_state(cfg: dict, tp: int) -> list[int]:
+    """A GDN layer's value heads and conv channels (q, k: key heads; v: value heads) on one rank."""
+    k, v = cfg["linear_num_key_heads"] // tp, cfg["linear_num_value_heads"] // tp
+    return [v, 2 * k * cfg["linear_key_head_dim"] + v * cfg["linear_value_head_dim"]]
 
 
 def _check(result, name: str, tp: int, pp: int) -> None:

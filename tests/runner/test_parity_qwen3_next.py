@@ -64,15 +64,17 @@ def test_layer_kinds_come_from_the_config():
         resolve_model_config(dict(QWEN3_5, linear_num_value_heads=3))
 
 
-def test_tensor_parallel_is_refused_in_one_line_until_gdn_layers_shard():
+def test_tensor_parallel_refuses_gdn_key_heads_that_do_not_split_in_one_line():
     from attnplug.runner.models import resolve_model_config
-    from attnplug.runner.parallel.sharding import check_shardable
+    from attnplug.runner.parallel.sharding import check_shardable, shard_config
     from attnplug.runner.parallel.state import ParallelConfigError
 
-    check_shardable(resolve_model_config(QWEN3_NEXT), 1)
-    with pytest.raises(ParallelConfigError, match="qwen3_next .Gated DeltaNet layers, gated attention. has no "
-                                                  "tensor-parallel sharding yet"):
-        check_shardable(resolve_model_config(QWEN3_NEXT), 2)
+    rank = shard_config(resolve_model_config(QWEN3_NEXT), 2)  # TP=2 itself: tests/distributed/test_tensor_parallel.py
+    assert (rank.linear_num_key_heads, rank.linear_num_value_heads, rank.shared_expert_intermediate_size) == (1, 2, 8)
+    with pytest.raises(ParallelConfigError, match="linear_num_key_heads 2 is not a multiple of 4"):
+        check_shardable(resolve_model_config(dict(QWEN3_5, num_attention_heads=8, num_key_value_heads=4)), 4)
+    with pytest.raises(ParallelConfigError, match="shared_expert_intermediate_size 9 is not a multiple of 2"):
+        check_shardable(resolve_model_config(dict(QWEN3_NEXT, shared_expert_intermediate_size=9)), 2)
 
 
 def test_speculative_decoding_on_gdn_groups_is_refused_naming_the_backend():
