@@ -3,8 +3,10 @@ PP = 2 on 4 (one spawn per layout, every case in it). Greedy tokens identical to
 and to HF transformers, for Llama GQA (KV heads split, and one KV head replicated on both
 ranks), Gemma3 (sliding and global layers), DeepSeek-V3 (MLA heads split, the latent cache
 replicated on every rank), Qwen3-MoE (experts split on their intermediate
-dimension, router whole, q/k norms on each rank's heads) and Bamba (Mamba2 heads, conv channels and B/C
-groups split or replicated; stages of one Mamba2 and one attention layer), under chunked
+dimension, router whole, q/k norms on each rank's heads), Bamba (Mamba2 heads, conv channels and B/C
+groups split or replicated; stages of one Mamba2 and one attention layer) and Qwen3-Next /
+Qwen3.5 / Qwen3.5-MoE (Gated DeltaNet key and value heads, conv channels and state split;
+gated q_proj rows per head; the gated shared expert split), under chunked
 prefill and forced preemption, with the cross-rank metadata check on every step; every
 rank's caches hold its stage's layers and its heads only. And the faults: a rank fed a
 different step, a rank that raises, rank 0 failing between steps.
@@ -86,10 +88,14 @@ CASES["qwen3_next"] = ({**QWEN3_NEXT_BASE, "model_type": "qwen3_next", "architec
                        "shared_expert_intermediate_size": 16, "norm_topk_prob": True}, True, "fixed")
 CASES["qwen3_5"] = ({**QWEN3_NEXT_BASE, "model_type": "qwen3_5_text", "architectures": ["Qwen3_5ForCausalLM"]},
                     True, "fixed")  # flat in_proj_qkv / z / b / a, dense MLP
-TP2 = ["bamba-g1", "gemma3", "llama-kv1", "llama-kv2", "qwen3_moe", "deepseek_v3", "gpt_oss", "qwen3_next", "qwen3_5"]
+CASES["qwen3_5_moe"] = ({**{k: v for k, v in CASES["qwen3_5"][0].items() if k != "intermediate_size"},
+                         "model_type": "qwen3_5_moe_text", "architectures": ["Qwen3_5MoeForCausalLM"],
+                         "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+                         "shared_expert_intermediate_size": 16}, True, "fixed")  # Qwen3.5 + MoE on every layer
+TP2 = ["bamba-g1", "gemma3", "llama-kv1", "llama-kv2", "qwen3_moe", "deepseek_v3", "gpt_oss", "qwen3_next"]
 PP2 = ["bamba-pp", "gemma3-alt", "llama-kv1", "llama-kv2"]
 TP2xPP2 = ["bamba-pp", "gemma3-alt", "llama-kv1", "llama-kv2"]
-SLOW = {"bamba-g2": (2, 1), "deepseek_v32": (2, 1)}
+SLOW = {"bamba-g2": (2, 1), "deepseek_v32": (2, 1), "qwen3_5": (2, 1), "qwen3_5_moe": (2, 1)}
 """Cases run only with the slow tests: ``name: (world size, pipeline stages)``."""
 MAX_TOKENS = 5
 
