@@ -4,7 +4,7 @@ and to HF transformers, for Llama GQA (KV heads split, and one KV head replicate
 ranks), Gemma3 (sliding and global layers), DeepSeek-V3 (MLA heads split, the latent cache
 replicated on every rank), Qwen3-MoE (experts split on their intermediate
 dimension, router whole, q/k norms on each rank's heads), Bamba (Mamba2 heads, conv channels and B/C
-groups split or replicated; stages of one Mamba2 and one attention layer) and Qwen3-Next /
+groups split or replicated; stages of one Mamba2 and one attention layer) and Qwen3-Next (also PP=2, TP=2 x PP=2, slow) /
 Qwen3.5 / Qwen3.5-MoE (Gated DeltaNet key and value heads, conv channels and state split;
 gated q_proj rows per head; the gated shared expert split), under chunked
 prefill and forced preemption, with the cross-rank metadata check on every step; every
@@ -95,7 +95,11 @@ CASES["qwen3_5_moe"] = ({**{k: v for k, v in CASES["qwen3_5"][0].items() if k !=
 TP2 = ["bamba-g1", "gemma3", "llama-kv1", "llama-kv2", "qwen3_moe", "deepseek_v3", "gpt_oss", "qwen3_next"]
 PP2 = ["bamba-pp", "gemma3-alt", "llama-kv1", "llama-kv2"]
 TP2xPP2 = ["bamba-pp", "gemma3-alt", "llama-kv1", "llama-kv2"]
-SLOW = {"bamba-g2": (2, 1), "deepseek_v32": (2, 1), "qwen3_5": (2, 1), "qwen3_5_moe": (2, 1)}
+# two stages of a GDN and a gated-attention layer each (the same cache groups per stage)
+CASES["qwen3_next-pp"] = CASES["qwen3_next"]
+CASES["qwen3_next-tp2xpp2"] = CASES["qwen3_next"]
+SLOW = {"bamba-g2": (2, 1), "deepseek_v32": (2, 1), "qwen3_5": (2, 1), "qwen3_5_moe": (2, 1), "qwen3_next-pp": (2, 2),
+        "qwen3_next-tp2xpp2": (4, 2)}
 """Cases run only with the slow tests: ``name: (world size, pipeline stages)``."""
 MAX_TOKENS = 5
 
