@@ -1,5 +1,5 @@
-"""``Qwen3NextModel``: HF ``Qwen3NextForCausalLM`` and ``Qwen3_5ForCausalLM`` (text) over
-pluggable backends.
+"""``Qwen3NextModel``: HF ``Qwen3NextForCausalLM``, ``Qwen3_5ForCausalLM`` and ``Qwen3_5MoeForCausalLM`` (text)
+over pluggable backends.
 
 Module tree and parameter names match HF so that its ``state_dict`` loads key for key::
 
@@ -251,7 +251,7 @@ class Qwen3NextModel(nn.Module):
         return self.lm_head(hidden_states).float()
 
     def load_hf_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
-        """Copy an HF ``Qwen3NextForCausalLM`` / ``Qwen3_5ForCausalLM`` state dict into this
+        """Copy an HF ``Qwen3NextForCausalLM`` / ``Qwen3_5ForCausalLM`` / ``Qwen3_5MoeForCausalLM`` state dict into this
         model (strict; see :func:`attnplug.runner.models.weights.load_hf_state_dict`)."""
         load_hf_state_dict(self, state_dict)
 
