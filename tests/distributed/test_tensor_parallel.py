@@ -196,7 +196,7 @@ def _expected_caches(cfg: dict, tp: int, pp: int, rank: int) -> dict:
     names += [f"model.layers.{i}.self_attn.indexer" for i in layers if per_layer == 2]
     return {"layers": names, "kv_heads": [kv_heads] * per_layer * sum(i in attn for i in layers),
             "mamba_ssm_heads": [cfg.get("mamba_n_heads", 0) // tp] * sum(i not in attn for i in layers if not gdn),
-            "gdn_state": [_gdn_rank_state(cfg, tp)] * sum(i not in attn for i in layers if gdn)}
+            "gdn_state": [_gdn_rank_state(cfg, tp) for i in layers if gdn and i not in attn]}
 
 
 def _gdn_rank_state(cfg: dict, tp: int) -> list[int]:
