@@ -26,7 +26,7 @@ from attnplug.core.errors import AttnplugError
 from attnplug.runner.commands.limits import OneLineParser, bounded_int
 from attnplug.runner.commands import threads
 from attnplug.runner.commands.parity_compare import (  # noqa: F401 (TOLERANCES, ParityResult: re-exported)
-    DTYPES, TOLERANCES, ParityResult, compare_with_reference)
+    DTYPES, PROMPT_LEN_RANGE, TOLERANCES, ParityResult, compare_with_reference, parity_max_model_len)
 
 
 def _hf_model(cfg_dict: dict, seed: int, dtype: torch.dtype):
@@ -57,15 +57,6 @@ def _hf_greedy(hf, prompt: list[int], num_tokens: int) -> tuple[list[int], list[
         logits.append(step)
         ids = torch.cat([ids, torch.tensor([[tok]])], dim=1)
     return out, logits
-
-
-PROMPT_LEN_RANGE = (3, 40)
-"""Default ``[lo, hi]`` prompt lengths of a random-weight parity run (:func:`run_parity`)."""
-
-
-def parity_max_model_len(prompt_len_range: tuple[int, int], max_tokens: int, block_size: int) -> int:
-    """The engine's ``max_model_len`` of a parity run: the longest prompt, its tokens, a block."""
-    return int(prompt_len_range[1] + max_tokens + block_size)
 
 
 def parity_models(cfg_dict: dict, seed: int, tdtype: torch.dtype, *, backend: str | None, block_size: int,
@@ -190,7 +181,7 @@ def main(argv: list[str]) -> int:
         except AttnplugError as e:
             print(f"attnplug parity: {e}", file=sys.stderr)
             return 2
-        return parity_parallel.run(args, cfg_dict, common)
+        return parity_parallel.run(args, cfg_dict, common, run_parity=run_parity, parity_models=parity_models)
     try:
         if args.model:
             from attnplug.runner.commands.parity_real import run_real_parity

@@ -76,6 +76,15 @@ class ParityResult:
                 f"max |dlogit| = {self.max_abs_dlogit:.3g} (tolerance {self.tolerance:g}); first divergence: {where}")
 
 
+PROMPT_LEN_RANGE = (3, 40)
+"""Default ``[lo, hi]`` prompt lengths of a random-weight parity run (``parity.run_parity``)."""
+
+
+def parity_max_model_len(prompt_len_range: tuple[int, int], max_tokens: int, block_size: int) -> int:
+    """The engine's ``max_model_len`` of a parity run: the longest prompt, its tokens, a block."""
+    return int(prompt_len_range[1] + max_tokens + block_size)
+
+
 def engine_args(num_requests: int, *, backend: str | None, block_size: int, seed: int, max_model_len: int,
                 max_num_batched_tokens: int, force_preemption: bool = False, async_scheduling: bool = False,
                 prefix_caching: bool = False, speculative: str | None = None, kv_cache_dtype: str = "auto",
@@ -161,4 +170,5 @@ def compare_with_reference(model, prompts: dict[str, list[int]], reference, tdty
     return res
 
 
-__all__ = ["DTYPES", "FP8_MIN_AGREEMENT", "TOLERANCES", "ParityResult", "compare_with_reference", "engine_args"]
+__all__ = ["DTYPES", "FP8_MIN_AGREEMENT", "TOLERANCES", "ParityResult", "PROMPT_LEN_RANGE", "compare_with_reference",
+           "engine_args", "parity_max_model_len"]

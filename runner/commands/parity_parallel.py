@@ -15,17 +15,17 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
+from typing import Callable
 
 from attnplug.core.errors import AttnplugError
 
 PREFIX = "attnplug parity: "
 
 
-def _peer_build(cfg_dict: dict, common: dict):
+def _peer_build(cfg_dict: dict, common: dict, parity_models: Callable):
     """A rank > 0's ``build(alone) -> ModelRunner``: its rank model, now, then engines on demand."""
     from attnplug.runner.commands.assemble import build_engine
-    from attnplug.runner.commands.parity import PROMPT_LEN_RANGE, parity_max_model_len, parity_models
-    from attnplug.runner.commands.parity_compare import DTYPES, engine_args
+    from attnplug.runner.commands.parity_compare import DTYPES, PROMPT_LEN_RANGE, engine_args, parity_max_model_len
 
     _, _, model = parity_models(cfg_dict, common["seed"], DTYPES[common["dtype"]], backend=common["backend"],
                                 block_size=common["block_size"], kv_cache_dtype=common["kv_cache_dtype"])
@@ -39,11 +39,11 @@ def _peer_build(cfg_dict: dict, common: dict):
     return build
 
 
-def run(args, cfg_dict: dict, common: dict) -> int:
+def run(args, cfg_dict: dict, common: dict, *, run_parity: Callable, parity_models: Callable) -> int:
     """This rank's part of a distributed parity run (``args``: the parsed flags, with
     ``tensor_parallel_size``, ``pipeline_parallel_size``, ``dist_broadcast``; ``common``:
-    ``run_parity``'s keyword arguments). Returns the exit status."""
-    from attnplug.runner.commands.parity import run_parity
+    ``run_parity``'s keyword arguments; ``run_parity`` / ``parity_models``: ``parity.py``'s,
+    passed in so that this module does not import it back). Returns the exit status."""
     from attnplug.runner.parallel.channel import Channel
     from attnplug.runner.parallel.launch import run_rank
     from attnplug.runner.parallel.state import init_parallel, shutdown
@@ -66,7 +66,7 @@ def run(args, cfg_dict: dict, common: dict) -> int:
             return 0 if res.ok else 1
 
         try:
-            build = _peer_build(cfg_dict, common) if state.rank != 0 else None
+            build = _peer_build(cfg_dict, common, parity_models) if state.rank != 0 else None
         except AttnplugError as e:  # every rank refuses alike (e.g. a model that does not split)
             print(PREFIX + str(e), file=sys.stderr)
             return 2
