@@ -6,7 +6,8 @@ weights into our model, runs N requests of different prompt lengths through our 
 (continuous batching, chunked prefill under a small token budget, optionally forced
 preemption) and through HF greedy decoding one request at a time (``attn_implementation
 ="eager"``, full recompute each step), then compares every generated token and the logits
-that chose it.
+that chose it. Under torchrun, ``--tensor-parallel-size`` / ``--pipeline-parallel-size``
+shard our model over the ranks (``parity_parallel.py``; docs/distributed.md).
 
 Tolerances on ``max |dlogit|`` (absolute, logits of the whole vocabulary), per dtype:
 ``float32`` 2e-3, ``bfloat16`` 0.5, ``float16`` 0.1. Tokens must be identical.
@@ -25,7 +26,7 @@ from attnplug.core.errors import AttnplugError
 from attnplug.runner.commands.limits import OneLineParser, bounded_int
 from attnplug.runner.commands import threads
 from attnplug.runner.commands.parity_compare import (  # noqa: F401 (TOLERANCES, ParityResult: re-exported)
-    DTYPES, TOLERANCES, ParityResult, compare_with_reference)
+    DTYPES, PROMPT_LEN_RANGE, TOLERANCES, ParityResult, compare_with_reference, parity_max_model_len)
 
 
 def _hf_model(cfg_dict: dict, seed: int, dtype: torch.dtype):
@@ -58,10 +59,32 @@ def _hf_greedy(hf, prompt: list[int], num_tokens: int) -> tuple[list[int], list[
     return out, logits
 
 
+def parity_models(cfg_dict: dict, seed: int, tdtype: torch.dtype, *, backend: str | None, block_size: int,
+                  kv_cache_dtype: str = "auto"):
+    """``(hf config, HF model, our model)`` on the same seeded random weights. Under tensor
+    parallel (``runner.parallel.state.current()``) our model is this rank's and loads its
+    shard of the HF weights (``sharding.shard_state_dict``)."""
+    from attnplug.core.kv_quant import parse_kv_cache_dtype
+    from attnplug.runner.commands.assemble import resolve_backend
+    from attnplug.runner.commands.model_loading import build_with_backends
+    from attnplug.runner.parallel.state import current
+
+    cfg, hf = _hf_model(cfg_dict, seed, tdtype)
+    model = build_with_backends(cfg, backend=backend, block_size=block_size, resolve=resolve_backend, dtype=tdtype,
+                                kv_cache_dtype=parse_kv_cache_dtype(kv_cache_dtype))
+    state_dict, state = hf.state_dict(), current()
+    if state is not None and state.tp_size > 1:
+        from attnplug.runner.parallel.sharding import shard_state_dict
+
+        state_dict = shard_state_dict(state_dict, model.full_config, state.tp_size, state.tp_rank)
+    model.load_hf_state_dict(state_dict)
+    return cfg, hf, model
+
+
 def run_parity(cfg_dict: dict, *, num_requests: int = 6, seed: int = 0, force_preemption: bool = False,
                dtype: str = "float32", max_num_batched_tokens: int = 24, max_tokens: int = 6,
                block_size: int = 4, backend: str | None = None,
-               prompt_len_range: tuple[int, int] = (3, 40), async_scheduling: bool = False,
+               prompt_len_range: tuple[int, int] = PROMPT_LEN_RANGE, async_scheduling: bool = False,
                prefix_caching: bool = False, system_prompt_len: int = 24,
                speculative: str | None = None, kv_cache_dtype: str = "auto",
                kv_scales: str = "first_batch") -> ParityResult:
@@ -71,18 +94,11 @@ def run_parity(cfg_dict: dict, *, num_requests: int = 6, seed: int = 0, force_pr
         AttnplugError: unsupported architecture (lists the supported ones), missing
             transformers, bad options.
     """
-    from attnplug.runner.commands.model_loading import build_with_backends
-    from attnplug.runner.commands.assemble import resolve_backend
-
     if dtype not in DTYPES:
         raise AttnplugError(f"dtype {dtype!r} not supported; choose one of {sorted(DTYPES)}")
     tdtype = DTYPES[dtype]
-    cfg, hf = _hf_model(cfg_dict, seed, tdtype)
-    from attnplug.core.kv_quant import parse_kv_cache_dtype
-
-    model = build_with_backends(cfg, backend=backend, block_size=block_size, resolve=resolve_backend, dtype=tdtype,
-                                kv_cache_dtype=parse_kv_cache_dtype(kv_cache_dtype))
-    model.load_hf_state_dict(hf.state_dict())
+    cfg, hf, model = parity_models(cfg_dict, seed, tdtype, backend=backend, block_size=block_size,
+                                   kv_cache_dtype=kv_cache_dtype)
 
     rng = np.random.default_rng(seed)
     lo, hi = prompt_len_range
@@ -95,7 +111,7 @@ def run_parity(cfg_dict: dict, *, num_requests: int = 6, seed: int = 0, force_pr
         shared = make_shared_prefix_prompts(lengths.tolist(), vocab, seed, num_system_prompts=2,
                                             system_prompt_len=system_prompt_len, continuation_prob=0.3)
         prompts = {f"req-{i}": p for i, p in enumerate(shared)}
-    max_model_len = int(hi + max_tokens + block_size)
+    max_model_len = parity_max_model_len(prompt_len_range, max_tokens, block_size)
     return compare_with_reference(
         model, prompts, lambda p: _hf_greedy(hf, p, max_tokens), tdtype, backend=backend, block_size=block_size,
         seed=seed, max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens, max_tokens=max_tokens,
@@ -135,7 +151,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--json", action="store_true",
                    help="print the result as one JSON object (every ParityResult field) instead of the line")
     threads.add_flag(p)
-    from attnplug.runner.commands import kv_cache_setup
+    from attnplug.runner.commands import kv_cache_setup, run_parallel
+
+    run_parallel.add_flags(p)  # under torchrun: our model sharded over the ranks (parity_parallel.py)
 
     kv_cache_setup.add_flags(p, memory=False)  # fp8: agreement with HF's fp32 cache is measured, not required
     args = p.parse_args(argv)
@@ -151,6 +169,19 @@ def main(argv: list[str]) -> int:
                   block_size=args.block_size, backend=args.backend, async_scheduling=args.async_scheduling,
                   prefix_caching=args.prefix_caching, speculative=args.speculative,
                   kv_cache_dtype=args.kv_cache_dtype, kv_scales=args.kv_scales)
+    if run_parallel.wanted(args):
+        if args.model:
+            print("attnplug parity: real weights (--model) run in one process: drop --tensor-parallel-size / "
+                  "--pipeline-parallel-size", file=sys.stderr)
+            return 2
+        from attnplug.runner.commands import parity_parallel
+
+        try:
+            cfg_dict = read_hf_config(args.hf_config)
+        except AttnplugError as e:
+            print(f"attnplug parity: {e}", file=sys.stderr)
+            return 2
+        return parity_parallel.run(args, cfg_dict, common, run_parity=run_parity, parity_models=parity_models)
     try:
         if args.model:
             from attnplug.runner.commands.parity_real import run_real_parity

@@ -76,6 +76,29 @@ class ParityResult:
                 f"max |dlogit| = {self.max_abs_dlogit:.3g} (tolerance {self.tolerance:g}); first divergence: {where}")
 
 
+PROMPT_LEN_RANGE = (3, 40)
+"""Default ``[lo, hi]`` prompt lengths of a random-weight parity run (``parity.run_parity``)."""
+
+
+def parity_max_model_len(prompt_len_range: tuple[int, int], max_tokens: int, block_size: int) -> int:
+    """The engine's ``max_model_len`` of a parity run: the longest prompt, its tokens, a block."""
+    return int(prompt_len_range[1] + max_tokens + block_size)
+
+
+def engine_args(num_requests: int, *, backend: str | None, block_size: int, seed: int, max_model_len: int,
+                max_num_batched_tokens: int, force_preemption: bool = False, async_scheduling: bool = False,
+                prefix_caching: bool = False, speculative: str | None = None, kv_cache_dtype: str = "auto",
+                kv_scales: str = "first_batch") -> SimpleNamespace:
+    """The options ``build_engine`` reads for a parity run of ``num_requests`` prompts (every
+    tensor-parallel rank builds its engine from the same ones: ``parity_parallel.py``)."""
+    return SimpleNamespace(
+        model=None, backend=backend, block_size=block_size, seed=seed, max_model_len=max_model_len,
+        max_num_seqs=num_requests, max_num_batched_tokens=max_num_batched_tokens, num_blocks=None,
+        force_preemption_every=3 if force_preemption else None, record_logits=True,
+        async_scheduling=async_scheduling, prefix_caching=prefix_caching, speculative=speculative,
+        kv_cache_dtype=kv_cache_dtype, kv_scales=kv_scales)
+
+
 def compare_with_reference(model, prompts: dict[str, list[int]], reference, tdtype: torch.dtype, *,
                            backend: str | None, block_size: int, seed: int, max_model_len: int,
                            max_num_batched_tokens: int, max_tokens: int, force_preemption: bool = False,
@@ -92,12 +115,10 @@ def compare_with_reference(model, prompts: dict[str, list[int]], reference, tdty
     from attnplug.runner.commands.assemble import build_engine
     from attnplug.runner.step.scheduler_output import SamplingParams
 
-    args = SimpleNamespace(
-        model=None, backend=backend, block_size=block_size, seed=seed, max_model_len=max_model_len,
-        max_num_seqs=len(prompts), max_num_batched_tokens=max_num_batched_tokens, num_blocks=None,
-        force_preemption_every=3 if force_preemption else None, record_logits=True,
-        async_scheduling=async_scheduling, prefix_caching=prefix_caching, speculative=speculative,
-        kv_cache_dtype=kv_cache_dtype, kv_scales=kv_scales)
+    args = engine_args(len(prompts), backend=backend, block_size=block_size, seed=seed, max_model_len=max_model_len,
+                       max_num_batched_tokens=max_num_batched_tokens, force_preemption=force_preemption,
+                       async_scheduling=async_scheduling, prefix_caching=prefix_caching, speculative=speculative,
+                       kv_cache_dtype=kv_cache_dtype, kv_scales=kv_scales)
     setup = build_engine(args, model=model, requests=False)
     for rid, p in prompts.items():
         setup.engine.add_request(rid, p, SamplingParams(temperature=0.0, max_tokens=max_tokens,
@@ -149,4 +170,5 @@ def compare_with_reference(model, prompts: dict[str, list[int]], reference, tdty
     return res
 
 
-__all__ = ["DTYPES", "FP8_MIN_AGREEMENT", "TOLERANCES", "ParityResult", "compare_with_reference"]
+__all__ = ["DTYPES", "FP8_MIN_AGREEMENT", "TOLERANCES", "ParityResult", "PROMPT_LEN_RANGE", "compare_with_reference",
+           "engine_args", "parity_max_model_len"]

@@ -1,5 +1,5 @@
-"""``Qwen3NextModel``: HF ``Qwen3NextForCausalLM`` and ``Qwen3_5ForCausalLM`` (text) over
-pluggable backends.
+"""``Qwen3NextModel``: HF ``Qwen3NextForCausalLM``, ``Qwen3_5ForCausalLM`` and ``Qwen3_5MoeForCausalLM`` (text)
+over pluggable backends.
 
 Module tree and parameter names match HF so that its ``state_dict`` loads key for key::
 
@@ -26,7 +26,7 @@ in float32; text positions make Qwen3.5's multimodal RoPE the plain partial RoPE
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Callable, Mapping
 
 import torch
 from torch import nn
@@ -117,7 +117,12 @@ class GatedAttention(Attention):
 class SharedExpertMoE(nn.Module):
     """Qwen3-Next's sparse MLP: routed experts (``moe.Router``, ``moe.Experts``) plus one
     shared SwiGLU expert scaled by ``sigmoid(shared_expert_gate(x))`` (HF
-    ``Qwen3NextSparseMoeBlock``)."""
+    ``Qwen3NextSparseMoeBlock``).
+
+    ``reduce``: ``None``, or (tensor parallel) the all-reduce applied once to the block's
+    partial sum (routed experts plus the gated shared expert, each on the rank's slice of
+    its intermediate dimension; ``runner/parallel/gdn_sharding.py``).
+    """
 
     def __init__(self, cfg: Qwen3NextModelConfig, dtype: torch.dtype, device):
         super().__init__()
@@ -125,12 +130,14 @@ class SharedExpertMoE(nn.Module):
         self.experts = Experts(cfg.moe, dtype, device)
         self.shared_expert = SwiGLUMLP(cfg.hidden_size, cfg.shared_expert_intermediate_size, False, dtype, device)
         self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False, dtype=dtype, device=device)
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``[num_tokens, hidden_size]`` -> same shape and dtype."""
         weights, ids = self.gate(x)
         out = self.experts(x, weights, ids)
-        return out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out if self.reduce is None else self.reduce(out)
 
 
 class Qwen3NextDecoderLayer(nn.Module):
@@ -244,7 +251,7 @@ class Qwen3NextModel(nn.Module):
         return self.lm_head(hidden_states).float()
 
     def load_hf_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
-        """Copy an HF ``Qwen3NextForCausalLM`` / ``Qwen3_5ForCausalLM`` state dict into this
+        """Copy an HF ``Qwen3NextForCausalLM`` / ``Qwen3_5ForCausalLM`` / ``Qwen3_5MoeForCausalLM`` state dict into this
         model (strict; see :func:`attnplug.runner.models.weights.load_hf_state_dict`)."""
         load_hf_state_dict(self, state_dict)
 

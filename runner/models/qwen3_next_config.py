@@ -1,4 +1,5 @@
-"""``Qwen3NextModelConfig``: HF ``Qwen3NextForCausalLM`` and ``Qwen3_5ForCausalLM`` (text) configs.
+"""``Qwen3NextModelConfig``: HF ``Qwen3NextForCausalLM``, ``Qwen3_5ForCausalLM`` and
+``Qwen3_5MoeForCausalLM`` (text) configs.
 
 Both families interleave Gated DeltaNet layers (``"linear_attention"``) with gated full
 attention (``"full_attention"``); layer ``i``'s kind is ``layer_types[i]``, or, without
@@ -12,7 +13,10 @@ on q and k per head, RoPE on the first ``partial_rotary_factor * head_dim`` dime
 Qwen3-Next's MLP is a mixture of experts (softmax router, top-k, renormalised when
 ``norm_topk_prob``) plus one shared SwiGLU expert of ``shared_expert_intermediate_size``
 scaled by ``sigmoid(shared_expert_gate(x))``, on layers ``i`` not in ``mlp_only_layers``
-with ``(i + 1) % decoder_sparse_step == 0``; Qwen3.5 (dense) has a SwiGLU MLP everywhere.
+with ``(i + 1) % decoder_sparse_step == 0``; Qwen3.5 (dense) has a SwiGLU MLP everywhere;
+Qwen3.5-MoE has the mixture of experts with the gated shared expert on every layer, its
+router always renormalising the top-k weights (transformers' ``Qwen3_5MoeTopKRouter``; the
+config has no ``norm_topk_prob``, ``decoder_sparse_step`` or dense ``intermediate_size``).
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ from typing import Any, Mapping
 from attnplug.runner.models.config import ModelConfigError, RopeScaling, parse_rope
 from attnplug.runner.models.moe_config import MoEConfig, parse_moe, sparse_layers
 
-QWEN3_NEXT_TYPES: dict[str, str] = {"qwen3_next": "qwen3_next", "qwen3_5_text": "qwen3_5"}
+QWEN3_NEXT_TYPES: dict[str, str] = {"qwen3_next": "qwen3_next", "qwen3_5_text": "qwen3_5",
+                                    "qwen3_5_moe_text": "qwen3_5"}
 """model_type -> GDN projection layout (``runner.models.gdn.PROJECTION_LAYOUTS``)."""
 LAYER_KINDS = ("linear_attention", "full_attention")
 
@@ -90,7 +95,11 @@ def _positive(cfg: Mapping[str, Any], key: str, default: Any = None) -> int:
 
 
 def _moe_fields(cfg: Mapping[str, Any], num_layers: int) -> dict[str, Any]:
-    if cfg.get("model_type") != "qwen3_next" or not cfg.get("num_experts", 0):
+    model_type = cfg.get("model_type")
+    if model_type == "qwen3_5_moe_text":  # every layer sparse, the top-k weights always renormalised
+        return {"moe": parse_moe({**cfg, "norm_topk_prob": True}, "qwen3_moe"), "sparse_layers": (True,) * num_layers,
+                "shared_expert_intermediate_size": _positive(cfg, "shared_expert_intermediate_size")}
+    if model_type != "qwen3_next" or not cfg.get("num_experts", 0):
         return {"moe": None, "sparse_layers": (False,) * num_layers}
     sparse = sparse_layers(num_layers, mlp_only_layers=cfg.get("mlp_only_layers") or (),
                            decoder_sparse_step=cfg.get("decoder_sparse_step", 1))
@@ -99,7 +108,7 @@ def _moe_fields(cfg: Mapping[str, Any], num_layers: int) -> dict[str, Any]:
 
 
 def parse_qwen3_next_config(cfg: Mapping[str, Any]) -> Qwen3NextModelConfig:
-    """Normalize a ``qwen3_next`` or ``qwen3_5_text`` config dict.
+    """Normalize a ``qwen3_next``, ``qwen3_5_text`` or ``qwen3_5_moe_text`` config dict.
 
     Raises:
         ModelConfigError: a missing or non-positive size (named), bad ``layer_types``,
@@ -111,6 +120,8 @@ def parse_qwen3_next_config(cfg: Mapping[str, Any]) -> Qwen3NextModelConfig:
         raise ModelConfigError(f"not a Qwen3-Next / Qwen3.5 text config: model_type {model_type!r}")
     n = _positive(cfg, "num_hidden_layers")
     heads = _positive(cfg, "num_attention_heads")
+    if model_type == "qwen3_5_moe_text":  # no dense MLP: the field only sizes the (unused) dense width
+        cfg = {**cfg, "intermediate_size": cfg.get("intermediate_size") or _positive(cfg, "moe_intermediate_size")}
     sizes = {k: _positive(cfg, k) for k in ("vocab_size", "hidden_size", "intermediate_size",
                                            "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
                                            "linear_value_head_dim")}

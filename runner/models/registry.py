@@ -40,6 +40,9 @@ Families with their own model class and config:
                                                     (``qwen3_next``)
 ``qwen3_5_text``     ``Qwen3_5ForCausalLM``         Qwen3.5 text: GDN + gated attention, dense
                                                     MLP (``qwen3_next``)
+``qwen3_5_moe_text`` ``Qwen3_5MoeForCausalLM``      Qwen3.5-MoE text: Qwen3.5 with the MoE +
+                                                    gated shared expert on every layer
+                                                    (``qwen3_next``)
 ===================  =============================  ========================================
 """
 
@@ -145,6 +148,7 @@ _HYBRIDS: dict[str, tuple[str, Callable[[Mapping[str, Any]], Any]]] = {
     "gpt_oss": ("GptOssForCausalLM", parse_gpt_oss_config),
     "qwen3_next": ("Qwen3NextForCausalLM", parse_qwen3_next_config),
     "qwen3_5_text": ("Qwen3_5ForCausalLM", parse_qwen3_next_config),
+    "qwen3_5_moe_text": ("Qwen3_5MoeForCausalLM", parse_qwen3_next_config),
 }
 """Hybrid families: model_type -> (architecture, parser of the config dict)."""
 

@@ -22,6 +22,8 @@ For ``tp`` ranks, rank ``r`` holds:
   ``kv_b_proj`` (``qk_nope_head_dim + v_head_dim`` each), their ``v_head_dim`` input columns
   of ``o_proj``; ``q_a_proj``, ``kv_a_proj_with_mqa`` and their norms whole, so every rank
   computes and caches the same latent rows (the latent cache is per rank, replicated);
+* Qwen3-Next / Qwen3.5: Gated DeltaNet key and value heads, the gated ``q_proj`` and the
+  shared expert as ``runner/parallel/gdn_sharding.py`` describes;
 * everything else (norms, Gemma's and Qwen3's per-head ``q_norm``/``k_norm``) whole.
 
 The rank model is the same family's model built from :func:`shard_config` (heads and
@@ -35,6 +37,7 @@ from typing import Any, Mapping
 
 import torch
 
+from attnplug.runner.parallel.gdn_sharding import qwen3_next_problems, qwen3_next_rank_sizes, qwen3_next_tensor
 from attnplug.runner.parallel.state import ParallelConfigError
 
 COLUMN = ("mlp.gate_proj", "mlp.up_proj", "feed_forward.gate_proj", "feed_forward.up_proj")
@@ -64,7 +67,8 @@ def check_shardable(cfg: Any, tp: int) -> None:
     ``mamba_n_groups`` 1 or a multiple of ``tp`` (B/C groups
     replicated or split; a norm group split over some ranks only is not supported) and
     ``mamba_expand % tp == 0`` (the rank config keeps ``mamba_expand * hidden_size ==
-    heads * head_size``). Qwen3-Next / Qwen3.5 (GDN layers) are refused for ``tp > 1``.
+    heads * head_size``); for Qwen3-Next / Qwen3.5 ``linear_num_key_heads % tp == 0`` and
+    ``shared_expert_intermediate_size % tp == 0`` (``gdn_sharding.qwen3_next_problems``).
     """
     H, K, I = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size
     problems = []
@@ -76,9 +80,8 @@ def check_shardable(cfg: Any, tp: int) -> None:
             problems.append(f"mamba_n_groups {G} is neither 1 nor a multiple of {tp}")
         if cfg.mamba_expand % tp:
             problems.append(f"mamba_expand {cfg.mamba_expand} is not a multiple of {tp}")
-    if hasattr(cfg, "linear_num_value_heads") and tp > 1:
-        problems.append(f"{cfg.model_type} (Gated DeltaNet layers, gated attention) has no tensor-parallel "
-                        "sharding yet: run it with tp=1")
+    if hasattr(cfg, "linear_num_value_heads"):
+        problems += qwen3_next_problems(cfg, tp)
     if H % tp:
         problems.append(f"num_attention_heads {H} is not a multiple of {tp}")
     if K % tp and tp % K:
@@ -95,7 +98,8 @@ def check_shardable(cfg: Any, tp: int) -> None:
 
 def shard_config(cfg: Any, tp: int) -> Any:
     """The config of one rank's model: ``H/tp`` query heads, ``max(1, K/tp)`` KV heads,
-    ``intermediate_size / tp``, ``moe_intermediate_size / tp``; every other field (``hidden_size``, ``head_size``,
+    ``intermediate_size / tp``, ``moe_intermediate_size / tp`` (Qwen3-Next / Qwen3.5: GDN key and
+    value heads and ``shared_expert_intermediate_size`` too); every other field (``hidden_size``, ``head_size``,
     ``vocab_size``...) unchanged. Raises :class:`ParallelConfigError` (:func:`check_shardable`)."""
     check_shardable(cfg, tp)
     mamba = {}
@@ -104,6 +108,8 @@ def shard_config(cfg: Any, tp: int) -> Any:
                      mamba_n_groups=max(1, cfg.mamba_n_groups // tp))
     if getattr(cfg, "moe", None) is not None:
         mamba["moe"] = dataclasses.replace(cfg.moe, moe_intermediate_size=cfg.moe.moe_intermediate_size // tp)
+    if hasattr(cfg, "linear_num_value_heads"):
+        mamba.update(qwen3_next_rank_sizes(cfg, tp))
     return dataclasses.replace(cfg, num_attention_heads=cfg.num_attention_heads // tp,
                                num_key_value_heads=max(1, cfg.num_key_value_heads // tp),
                                intermediate_size=cfg.intermediate_size // tp, **mamba)
@@ -126,6 +132,10 @@ def shard_tensor(name: str, t: torch.Tensor, cfg: Any, tp: int, rank: int) -> to
     D = cfg.head_size
     if name in VOCAB:
         return _vocab_rows(t, tp, rank)
+    if hasattr(cfg, "linear_num_value_heads"):
+        part = qwen3_next_tensor(name, t, cfg, tp, rank)
+        if part is not None:
+            return part
     if ".self_attn.q_proj." in name or ".self_attn.q_b_proj." in name:
         per = cfg.num_attention_heads // tp
         return _rows(t, rank * per * D, (rank + 1) * per * D)

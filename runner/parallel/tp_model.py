@@ -25,11 +25,14 @@ def parallelize(model: nn.Module, full_cfg: Any, state: ParallelState) -> nn.Mod
     """Swap ``o_proj`` / ``down_proj`` for :class:`RowParallelLinear` and the embedding / LM
     head for their vocab-parallel versions, in place (weights uninitialised: load a shard). A
     mixture-of-experts MLP keeps its modules and all-reduces its output once (``MoEBlock.reduce``;
-    the experts' ``down_proj_bias`` is added on rank 0 only)."""
+    the experts' ``down_proj_bias`` is added on rank 0 only). A Gated DeltaNet layer's ``out_proj``
+    is row-parallel too (its heads, conv channels and state are the rank's own)."""
     dtype, device = model.dtype, model.device
     for layer in model.model.layers:
         if hasattr(layer, "self_attn"):
             layer.self_attn.o_proj = _row_parallel(layer.self_attn.o_proj, state, dtype, device)
+        if hasattr(layer, "linear_attn"):  # Qwen3-Next / Qwen3.5: a Gated DeltaNet layer (heads per rank)
+            layer.linear_attn.out_proj = _row_parallel(layer.linear_attn.out_proj, state, dtype, device)
         if hasattr(layer, "mamba"):  # Bamba / hybrid: the Mamba2 mixer
             mixer = layer.mamba
             mixer.out_proj = _row_parallel(mixer.out_proj, state, dtype, device)
@@ -58,7 +61,7 @@ def build_tp_model(config: Any, state: ParallelState, *, backend_for_layer: Back
 
     Args:
         config: as :func:`attnplug.runner.models.build_model` (an HF config of a Llama-family,
-            Gemma3, Bamba or attnplug_hybrid model).
+            Gemma3, Bamba, attnplug_hybrid, Qwen3-Next or Qwen3.5 model).
         state: the rank and its groups (:func:`attnplug.runner.parallel.state.init_parallel`).
         backend_for_layer: ``(layer_name, layer_cfg) -> backend``, called with the *rank's*
             layer configs (``num_heads = H/tp``, ``num_kv_heads = max(1, K/tp)``).

@@ -89,12 +89,17 @@ def run_engine(model, args, prompts: dict[str, list[int]], max_tokens: int):
 
 def cache_facts(model, runner) -> dict:
     """What this rank's caches hold: the layers it allocated caches for (the runner's
-    ``kv_caches``), each attention layer's KV heads (its spec) and each Mamba2 layer's SSM
-    heads (the allocated state tensor ``[slots, heads, head_size, state]``)."""
+    ``kv_caches``), each attention layer's KV heads (its spec), each Mamba2 layer's SSM
+    heads (the allocated state tensor ``[slots, heads, head_size, state]``) and each GDN
+    layer's value heads and conv channels (``recurrent_state [slots, heads, d_k, d_v]``,
+    ``conv_state [slots, conv_dim, kernel - 1]``)."""
     specs = model.kv_cache_specs(4)
+    caches = runner.kv_caches.values()
     return {"layers": list(runner.kv_caches),
             "kv_heads": [s.num_kv_heads for s in specs.values() if hasattr(s, "num_kv_heads")],
-            "mamba_ssm_heads": [c.ssm_state.shape[1] for c in runner.kv_caches.values() if hasattr(c, "ssm_state")]}
+            "mamba_ssm_heads": [c.ssm_state.shape[1] for c in caches if hasattr(c, "ssm_state")],
+            "gdn_state": [[c.recurrent_state.shape[1], c.conv_state.shape[1]]  # value heads, conv channels
+                          for c in caches if hasattr(c, "recurrent_state")]}
 
 
 def tp_cases(rank: int, cases: list[dict], outdir: str, pp: int = 1) -> int:

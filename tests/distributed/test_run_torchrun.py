@@ -1,7 +1,8 @@
 """``attnplug run --tensor-parallel-size 2`` / ``--pipeline-parallel-size 2`` under torchrun (2
 real processes, gloo; both: 4, slow) gives the same ``outputs_digest`` as one process (tiny-llama,
-an attnplug_hybrid model of sliding-window, full-attention and Mamba2 layers, and a Qwen3-MoE
-model: experts split on their intermediate dimension), and reports
+an attnplug_hybrid model of sliding-window, full-attention and Mamba2 layers, a Qwen3-MoE
+model: experts split on their intermediate dimension, and, slow, a Qwen3-Next model: Gated
+DeltaNet heads split), and reports
 the broadcast and the collectives; the parallel flags refuse a launch they do not fit in one
 line (exit 2)."""
 
@@ -25,6 +26,16 @@ QWEN3_MOE_CONFIG = {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCau
                     "initializer_range": 0.1, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                     "norm_topk_prob": True, "mlp_only_layers": [0]}
 """A dense first layer, then experts sharded on their intermediate dimension, q/k norms per rank head."""
+QWEN3_NEXT = "<qwen3_next>"
+QWEN3_NEXT_CONFIG = {"model_type": "qwen3_next", "architectures": ["Qwen3NextForCausalLM"], "vocab_size": 256,
+                     "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
+                     "num_key_value_heads": 2, "head_dim": 8, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+                     "linear_key_head_dim": 8, "linear_value_head_dim": 8, "full_attention_interval": 2,
+                     "max_position_embeddings": 512, "initializer_range": 0.1, "num_experts": 4,
+                     "num_experts_per_tok": 2, "moe_intermediate_size": 16, "shared_expert_intermediate_size": 16,
+                     "norm_topk_prob": True}
+"""Gated DeltaNet layers (heads, conv channels, state split) beside gated attention, MoE + gated shared expert."""
+CONFIGS = {QWEN3_MOE: ("qwen3_moe.json", QWEN3_MOE_CONFIG), QWEN3_NEXT: ("qwen3_next.json", QWEN3_NEXT_CONFIG)}
 
 ARGS = ["--model", "tiny-llama", "--num-requests", "4", "--max-model-len", "256", "--max-num-batched-tokens", "64",
         "--invariance-requests", "1", "--json"]
@@ -41,17 +52,19 @@ ARGS = ["--model", "tiny-llama", "--num-requests", "4", "--max-model-len", "256"
     pytest.param(2, 2, "fixed", ["--model", HYBRID6], marks=pytest.mark.slow),
     (2, 1, "fixed", ["--model", QWEN3_MOE]),
     pytest.param(1, 2, "fixed", ["--model", "tiny-qwen3-moe"], marks=pytest.mark.slow),
+    pytest.param(2, 1, "fixed", ["--model", QWEN3_NEXT], marks=pytest.mark.slow),
 ], ids=["tp2", "pp2", "tp2xpp2", "tp2-async", "pp2-async", "tp2-hybrid", "pp2-hybrid6", "tp2xpp2-hybrid6",
-        "tp2-qwen3_moe", "pp2-qwen3_moe"])
+        "tp2-qwen3_moe", "pp2-qwen3_moe", "tp2-qwen3_next"])
 def test_torchrun_digest_equals_one_process(capsys, tmp_path, tp, pp, broadcast, extra):
     if HYBRID6 in extra:  # tiny-hybrid over 6 layers, so that both stages form the same cache groups
         cfg = {**presets.preset_config("tiny-hybrid"), "num_hidden_layers": 6, "attn_layer_indices": [0, 2, 3, 5],
                "sliding_attn_layer_indices": [0, 3]}
         (tmp_path / "config.json").write_text(json.dumps(cfg))
         extra = [str(tmp_path / "config.json") if x == HYBRID6 else x for x in extra]
-    if QWEN3_MOE in extra:
-        (tmp_path / "qwen3_moe.json").write_text(json.dumps(QWEN3_MOE_CONFIG))
-        extra = [str(tmp_path / "qwen3_moe.json") if x == QWEN3_MOE else x for x in extra]
+    for key, (file, cfg) in CONFIGS.items():
+        if key in extra:
+            (tmp_path / file).write_text(json.dumps(cfg))
+            extra = [str(tmp_path / file) if x == key else x for x in extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "ATTNPLUG_VALIDATE": "1"}
     env.pop("WORLD_SIZE", None)
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(tp * pp), "-m",

@@ -3,8 +3,10 @@ PP = 2 on 4 (one spawn per layout, every case in it). Greedy tokens identical to
 and to HF transformers, for Llama GQA (KV heads split, and one KV head replicated on both
 ranks), Gemma3 (sliding and global layers), DeepSeek-V3 (MLA heads split, the latent cache
 replicated on every rank), Qwen3-MoE (experts split on their intermediate
-dimension, router whole, q/k norms on each rank's heads) and Bamba (Mamba2 heads, conv channels and B/C
-groups split or replicated; stages of one Mamba2 and one attention layer), under chunked
+dimension, router whole, q/k norms on each rank's heads), Bamba (Mamba2 heads, conv channels and B/C
+groups split or replicated; stages of one Mamba2 and one attention layer) and Qwen3-Next (also PP=2, TP=2 x PP=2, slow) /
+Qwen3.5 / Qwen3.5-MoE (Gated DeltaNet key and value heads, conv channels and state split;
+gated q_proj rows per head; the gated shared expert split), under chunked
 prefill and forced preemption, with the cross-rank metadata check on every step; every
 rank's caches hold its stage's layers and its heads only. And the faults: a rank fed a
 different step, a rank that raises, rank 0 failing between steps.
@@ -75,10 +77,29 @@ CASES["gpt_oss"] = ({**BASE, "model_type": "gpt_oss", "architectures": ["GptOssF
                     "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "truncate": False, "rope_theta": 10000.0,
                                         "original_max_position_embeddings": 32}},
                    True, "fixed")  # each rank's heads with their own sinks; experts split over the ranks
-TP2 = ["bamba-g1", "gemma3", "llama-kv1", "llama-kv2", "qwen3_moe", "deepseek_v3", "gpt_oss"]
+QWEN3_NEXT_BASE = {**BASE, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 4, "num_key_value_heads": 2,
+                   "head_dim": 8, "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 8,
+                   "linear_value_head_dim": 8, "linear_conv_kernel_dim": 4, "full_attention_interval": 2,
+                   "rms_norm_eps": 1e-5, "partial_rotary_factor": 0.5}
+# GDN key / value heads, conv channels and state split per rank (two value heads per key head: HF's
+# grouped in_proj_qkvz), gated q_proj's query + gate rows per head, experts and the gated shared expert split
+CASES["qwen3_next"] = ({**QWEN3_NEXT_BASE, "model_type": "qwen3_next", "architectures": ["Qwen3NextForCausalLM"],
+                       "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+                       "shared_expert_intermediate_size": 16, "norm_topk_prob": True}, True, "fixed")
+CASES["qwen3_5"] = ({**QWEN3_NEXT_BASE, "model_type": "qwen3_5_text", "architectures": ["Qwen3_5ForCausalLM"]},
+                    True, "fixed")  # flat in_proj_qkv / z / b / a, dense MLP
+CASES["qwen3_5_moe"] = ({**{k: v for k, v in CASES["qwen3_5"][0].items() if k != "intermediate_size"},
+                         "model_type": "qwen3_5_moe_text", "architectures": ["Qwen3_5MoeForCausalLM"],
+                         "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+                         "shared_expert_intermediate_size": 16}, True, "fixed")  # Qwen3.5 + MoE on every layer
+TP2 = ["bamba-g1", "gemma3", "llama-kv1", "llama-kv2", "qwen3_moe", "deepseek_v3", "gpt_oss", "qwen3_next"]
 PP2 = ["bamba-pp", "gemma3-alt", "llama-kv1", "llama-kv2"]
 TP2xPP2 = ["bamba-pp", "gemma3-alt", "llama-kv1", "llama-kv2"]
-SLOW = {"bamba-g2": (2, 1), "deepseek_v32": (2, 1)}
+# two stages of a GDN and a gated-attention layer each (the same cache groups per stage)
+CASES["qwen3_next-pp"] = CASES["qwen3_next"]
+CASES["qwen3_next-tp2xpp2"] = CASES["qwen3_next"]
+SLOW = {"bamba-g2": (2, 1), "deepseek_v32": (2, 1), "qwen3_5": (2, 1), "qwen3_5_moe": (2, 1), "qwen3_next-pp": (2, 2),
+        "qwen3_next-tp2xpp2": (4, 2)}
 """Cases run only with the slow tests: ``name: (world size, pipeline stages)``."""
 MAX_TOKENS = 5
 
@@ -164,13 +185,24 @@ def _references(name: str, hf, case: dict):
 def _expected_caches(cfg: dict, tp: int, pp: int, rank: int) -> dict:
     """The cache facts of global rank ``rank``: its stage's layers only, its heads only."""
     layers = stage_layers(cfg["num_hidden_layers"], pp)[rank // tp]
-    attn = set(cfg.get("attn_layer_indices", range(cfg["num_hidden_layers"])))
-    names = [f"model.layers.{i}.self_attn.attn" if i in attn else f"model.layers.{i}.mamba" for i in layers]
+    n = cfg["num_hidden_layers"]
+    gdn = "linear_num_value_heads" in cfg
+    every = cfg.get("full_attention_interval", 1)
+    attn = set(cfg.get("attn_layer_indices", [i for i in range(n) if (i + 1) % every == 0]))
+    state = "linear_attn" if gdn else "mamba"
+    names = [f"model.layers.{i}.self_attn.attn" if i in attn else f"model.layers.{i}.{state}" for i in layers]
     kv_heads = 1 if "kv_lora_rank" in cfg else max(1, cfg["num_key_value_heads"] // tp)  # MLA: one latent row
     per_layer = 2 if "index_topk" in cfg else 1  # DeepSeek-V3.2: + the indexer's key row (whole on every rank)
     names += [f"model.layers.{i}.self_attn.indexer" for i in layers if per_layer == 2]
     return {"layers": names, "kv_heads": [kv_heads] * per_layer * sum(i in attn for i in layers),
-            "mamba_ssm_heads": [cfg.get("mamba_n_heads", 0) // tp] * sum(i not in attn for i in layers)}
+            "mamba_ssm_heads": [cfg.get("mamba_n_heads", 0) // tp] * sum(i not in attn for i in layers if not gdn),
+            "gdn_state": [_gdn_rank_state(cfg, tp) for i in layers if gdn and i not in attn]}
+
+
+def _gdn_rank_state(cfg: dict, tp: int) -> list[int]:
+    """A GDN layer's value heads and conv channels (q, k: key heads; v: value heads) on one rank."""
+    k, v = cfg["linear_num_key_heads"] // tp, cfg["linear_num_value_heads"] // tp
+    return [v, 2 * k * cfg["linear_key_head_dim"] + v * cfg["linear_value_head_dim"]]
 
 
 def _check(result, name: str, tp: int, pp: int) -> None:

@@ -1,5 +1,6 @@
-"""`attnplug parity` on tiny random Qwen3-Next (GDN + gated attention + MoE) and Qwen3.5 text
-(GDN + gated attention, dense) vs HF's torch path, fp32.
+"""`attnplug parity` on tiny random Qwen3-Next (GDN + gated attention + MoE), Qwen3.5 text
+(GDN + gated attention, dense) and Qwen3.5-MoE text (Qwen3.5 with the MoE and its gated shared
+expert on every layer, top-k always renormalised) vs HF's torch path, fp32.
 
 HF recomputes every sequence from scratch; our engine carries each GDN layer's conv and
 recurrent states across chunked-prefill steps in per-request slots, drops them on
@@ -23,13 +24,17 @@ QWEN3_NEXT = dict(BASE, model_type="qwen3_next", architectures=["Qwen3NextForCau
                   num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16,
                   norm_topk_prob=True)
 QWEN3_5 = dict(BASE, model_type="qwen3_5_text", architectures=["Qwen3_5ForCausalLM"])
+QWEN3_5_MOE = dict({k: v for k, v in BASE.items() if k != "intermediate_size"}, model_type="qwen3_5_moe_text",
+                   architectures=["Qwen3_5MoeForCausalLM"], num_experts=4, num_experts_per_tok=2,
+                   moe_intermediate_size=16, shared_expert_intermediate_size=16)  # MoE on every layer
 MODES = {"chunked": {}, "preempt": {"force_preemption": True}, "prefix": {"prefix_caching": True},
          "async": {"async_scheduling": True}}
-DEFAULT = {("qwen3_next", "preempt"), ("qwen3_next", "prefix"), ("qwen3_5", "async"), ("qwen3_5", "prefix")}
+DEFAULT = {("qwen3_next", "preempt"), ("qwen3_next", "prefix"), ("qwen3_5", "async"), ("qwen3_5", "prefix"),
+           ("qwen3_5_moe", "preempt")}
 
 
 def _cases():
-    for family, cfg in (("qwen3_next", QWEN3_NEXT), ("qwen3_5", QWEN3_5)):
+    for family, cfg in (("qwen3_next", QWEN3_NEXT), ("qwen3_5", QWEN3_5), ("qwen3_5_moe", QWEN3_5_MOE)):
         for mode in MODES:
             marks = () if (family, mode) in DEFAULT else (pytest.mark.slow,)
             yield pytest.param(cfg, mode, id=f"{family}-{mode}", marks=marks)
@@ -62,17 +67,23 @@ def test_layer_kinds_come_from_the_config():
         resolve_model_config(dict(QWEN3_5, layer_types=["mamba"] * 4))
     with pytest.raises(ModelConfigError, match="linear_num_value_heads 3 is not a multiple"):
         resolve_model_config(dict(QWEN3_5, linear_num_value_heads=3))
+    moe = resolve_model_config(QWEN3_5_MOE)  # every layer sparse; HF's router always renormalises
+    assert moe.sparse_layers == (True,) * 4 and moe.moe.norm_topk_prob and moe.gdn_layout == "qwen3_5"
+    with pytest.raises(ModelConfigError, match="shared_expert_intermediate_size must be a positive int"):
+        resolve_model_config({k: v for k, v in QWEN3_5_MOE.items() if k != "shared_expert_intermediate_size"})
 
 
-def test_tensor_parallel_is_refused_in_one_line_until_gdn_layers_shard():
+def test_tensor_parallel_refuses_gdn_key_heads_that_do_not_split_in_one_line():
     from attnplug.runner.models import resolve_model_config
-    from attnplug.runner.parallel.sharding import check_shardable
+    from attnplug.runner.parallel.sharding import check_shardable, shard_config
     from attnplug.runner.parallel.state import ParallelConfigError
 
-    check_shardable(resolve_model_config(QWEN3_NEXT), 1)
-    with pytest.raises(ParallelConfigError, match="qwen3_next .Gated DeltaNet layers, gated attention. has no "
-                                                  "tensor-parallel sharding yet"):
-        check_shardable(resolve_model_config(QWEN3_NEXT), 2)
+    rank = shard_config(resolve_model_config(QWEN3_NEXT), 2)  # TP=2 itself: tests/distributed/test_tensor_parallel.py
+    assert (rank.linear_num_key_heads, rank.linear_num_value_heads, rank.shared_expert_intermediate_size) == (1, 2, 8)
+    with pytest.raises(ParallelConfigError, match="linear_num_key_heads 2 is not a multiple of 4"):
+        check_shardable(resolve_model_config(dict(QWEN3_5, num_attention_heads=8, num_key_value_heads=4)), 4)
+    with pytest.raises(ParallelConfigError, match="shared_expert_intermediate_size 9 is not a multiple of 2"):
+        check_shardable(resolve_model_config(dict(QWEN3_NEXT, shared_expert_intermediate_size=9)), 2)
 
 
 SPEC_MODES = {"chunked": {}, "preempt": {"force_preemption": True}, "prefix": {"prefix_caching": True}}
