@@ -21,6 +21,8 @@ the step's sampled tokens back. Semantics follow vLLM V1's scheduler (prefix cac
   prompt plus generated tokens (chunked if needed, even with chunked prefill disabled).
 * A request finishes at ``sampling_params.max_tokens`` outputs or ``max_model_len`` tokens;
   its blocks are freed at once and its id is sent in the next step's ``finished_req_ids``.
+* With a KV connector (``core/kv_connector.py``), a waiting request whose prefix the
+  connector holds beyond the local hit loads first, without compute (``kv_loads.py``).
 """
 
 from __future__ import annotations
@@ -28,10 +30,12 @@ from __future__ import annotations
 from collections import deque
 
 from attnplug.cache_groups.grouping import KVCacheConfig
-from attnplug.core.errors import SchedulingError
+from attnplug.core.errors import ConfigError, SchedulingError
+from attnplug.core.kv_connector import KVConnectorBase, KVConnectorOutput
 from attnplug.runner.serve.admission import check_new_request
 from attnplug.runner.serve.deltas import make_output
 from attnplug.runner.serve.kv_cache_manager import make_kv_cache_manager
+from attnplug.runner.serve.kv_loads import RemoteKVLoads
 from attnplug.runner.serve.request import Request, RequestStatus
 from attnplug.runner.serve.scheduler_config import SchedulerConfig
 from attnplug.runner.serve.spec_schedule import SpecScheduler, make_spec_scheduler
@@ -46,9 +50,11 @@ class Scheduler:
     Args:
         config: the step limits.
         kv_cache_config: the cache groups; one block pool of ``num_blocks`` per group.
+        kv_connector: the scheduler-side KV connector (``core/kv_connector.py``), or ``None``.
 
     Raises:
         KVCacheSpecError: a group's spec has no block policy.
+        ConfigError: a KV connector with asynchronous scheduling (not supported).
 
     Examples:
         >>> from attnplug.cache_groups.grouping import KVCacheConfig, KVCacheGroupSpec
@@ -62,7 +68,11 @@ class Scheduler:
         []
     """
 
-    def __init__(self, config: SchedulerConfig, kv_cache_config: KVCacheConfig):
+    def __init__(self, config: SchedulerConfig, kv_cache_config: KVCacheConfig,
+                 kv_connector: KVConnectorBase | None = None):
+        if kv_connector is not None and config.async_scheduling:
+            raise ConfigError("--kv-connector", "a KV connector needs synchronous scheduling "
+                              "(drop --async-scheduling)")
         self.config = config
         self.kv_cache_manager = make_kv_cache_manager(kv_cache_config, config)
         self.requests: dict[str, Request] = {}
@@ -81,6 +91,9 @@ class Scheduler:
         """Asynchronous scheduling: per in-flight output (``id``), the requests that sample in it."""
         self.spec: SpecScheduler | None = make_spec_scheduler(config, kv_cache_config)
         """Speculative decoding (``config.speculative``): drafts and rollback, ``spec_schedule.py``."""
+        self.kv_connector = kv_connector
+        self.kv_loads: RemoteKVLoads | None = RemoteKVLoads(self, kv_connector) if kv_connector is not None else None
+        """Requests whose KV is loading through the connector (``kv_loads.py``)."""
 
     # --- requests -----------------------------------------------------------------------
     def add_request(self, req_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams | None = None,
@@ -128,10 +141,10 @@ class Scheduler:
         return self.requests[req_id]
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.kv_loads)
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + len(self.running) + (len(self.kv_loads) if self.kv_loads is not None else 0)
 
     @property
     def peak_blocks_per_group(self) -> list[int]:
@@ -258,11 +271,26 @@ class Scheduler:
         new_reqs: list[Request] = []
         resumed: list[Request] = []
         if not preempted or not sched:
-            while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
+            loading = len(self.kv_loads) if self.kv_loads is not None else 0
+            while self.waiting and budget > 0 and len(self.running) + loading < cfg.max_num_seqs:
                 req = self.waiting[0]
                 if req.free_when_idle:
                     break  # its old blocks are still in use by the step in flight
+                if req.kv_load is not None and not req.sent_to_runner and req.status is RequestStatus.WAITING:
+                    n = self._admit_loaded(req, budget)  # its connector load ended: it holds blocks
+                    if n is None:
+                        break
+                    new_reqs.append(req)
+                    sched[req.req_id] = n
+                    budget -= n
+                    continue
                 hit = self.kv_cache_manager.get_computed_blocks(req)  # prefix caching (NO_HIT without)
+                ext = self.kv_loads.lookup(req, hit.num_computed_tokens) if self.kv_loads is not None else 0
+                if ext:  # the connector holds more: load it first, compute nothing yet
+                    if not self.kv_loads.start(req, hit, ext):
+                        break
+                    loading += 1
+                    continue
                 total = req.num_tokens_to_compute - hit.num_computed_tokens
                 if not cfg.enable_chunked_prefill and not req.sent_to_runner and total > budget:
                     break
@@ -283,10 +311,27 @@ class Scheduler:
         out = make_output(self.requests, sched, new_blocks, new_reqs, resumed, finished)
         out.mamba_state_copies = self.kv_cache_manager.plan_state_copies(sched, self.requests)
         out.scheduled_spec_decode_tokens = spec_tokens
+        if self.kv_connector is not None:
+            out.kv_connector_metadata = self.kv_connector.build_connector_meta(out)
         self.num_steps += 1
         if sched:
             self._launch(out)
         return out
+
+    def _admit_loaded(self, req: Request, budget: int) -> int | None:
+        """Admit a request whose connector load ended (it holds blocks for its
+        ``num_computed_tokens``): tokens scheduled, or ``None`` when it does not fit now."""
+        total = req.num_tokens_to_compute
+        if not self.config.enable_chunked_prefill and total > budget:
+            return None
+        n = self.kv_cache_manager.align_num_new_tokens(req, req.num_computed_tokens, min(total, budget))
+        if self._allocate(req, n) is None:
+            return None
+        self.waiting.popleft()
+        self.running.append(req)
+        req.status = RequestStatus.RUNNING
+        req.sent_to_runner = True
+        return n
 
     def _launch(self, out: SchedulerOutput) -> None:
         """The step goes in flight: count it against its requests; asynchronously, advance
@@ -304,7 +349,8 @@ class Scheduler:
         self._placeholders[id(out)] = sampling
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
-                           sampled_token_ids: dict[str, list[int]]) -> list[str]:
+                           sampled_token_ids: dict[str, list[int]],
+                           kv_connector_output: KVConnectorOutput | None = None) -> list[str]:
         """Advance the step's requests and take their sampled tokens.
 
         Every scheduled request advances ``num_computed_tokens`` by its scheduled count
@@ -319,6 +365,8 @@ class Scheduler:
             scheduler_output: the oldest in-flight ``schedule()`` output.
             sampled_token_ids: ``{req_id: [token ids]}`` (usually one token) for the
                 non-discarded requests of the step.
+            kv_connector_output: the worker's connector loads that ended in the step
+                (``ModelRunnerOutput.kv_connector_output``), or ``None``.
 
         Returns:
             Ids of the requests that finished this step (blocks freed once no in-flight
@@ -331,6 +379,8 @@ class Scheduler:
         """
         if not self._in_flight or scheduler_output is not self._in_flight[0]:
             if not scheduler_output.num_scheduled_tokens and not sampled_token_ids:
+                if self.kv_loads is not None:
+                    self.kv_loads.finish(kv_connector_output)  # a step that only loaded
                 return []  # an empty step needs no update
             raise SchedulingError(
                 "update_from_output() got a SchedulerOutput that is not the oldest in-flight schedule()'s "
@@ -357,6 +407,8 @@ class Scheduler:
             self.spec.check_sampled(scheduler_output, sampled_token_ids)
         self._in_flight.popleft()
         del self._placeholders[id(scheduler_output)]
+        if self.kv_loads is not None:
+            self.kv_loads.finish(kv_connector_output)
         self.kv_cache_manager.finish_step()  # prefix caching: Mamba checkpoints of the step
         finished: list[str] = []
         for req_id, n in scheduled.items():
@@ -389,11 +441,15 @@ class Scheduler:
         return req.remaining_output_tokens(max_len) == 0 and req.num_output_placeholders == 0 or req.stopped
 
     def _finish(self, req: Request) -> None:
+        loading = self.kv_loads is not None and req.req_id in self.kv_loads.loading
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)  # preempted while its last step was in flight, or aborted
-        self._release(req)
+        if not loading:  # a loading request's blocks go back when its load ends (kv_loads.py)
+            self._release(req)
+        if self.kv_connector is not None:
+            self.kv_connector.request_finished(req)
         req.block_ids = tuple([] for _ in range(self.kv_cache_manager.num_groups))
         req.status = RequestStatus.FINISHED
         req.sent_to_runner = False

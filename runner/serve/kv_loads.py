@@ -1,0 +1,96 @@
+"""The scheduler's side of KV connector loads (``core/kv_connector.py``).
+
+At admission a waiting request asks the connector how many tokens beyond its local prefix
+hit it can provide. When it can (``n > 0``), :meth:`RemoteKVLoads.start` allocates blocks
+for ``local + n`` tokens, tells the connector where they are, and parks the request in
+``WAITING_FOR_REMOTE_KVS``: it is not scheduled for compute and takes no token budget,
+though it counts against ``max_num_seqs``. The worker reports each load's outcome in
+``ModelRunnerOutput.kv_connector_output``; :meth:`RemoteKVLoads.finish` then puts the
+request back at the front of the waiting queue, holding its blocks, with
+``num_computed_tokens = local + n`` (loaded) or ``local`` (failed: it recomputes the
+rest, so a fault costs compute, never correctness). Its next admission schedules it as a
+new request starting at that count (:meth:`Scheduler._admit_loaded`).
+
+A request finished (aborted) while loading keeps its blocks until the load's outcome
+arrives: the worker may still be writing into them.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from attnplug.core.kv_connector import KVConnectorBase, KVConnectorOutput
+from attnplug.runner.serve.request import Request, RequestStatus
+
+if TYPE_CHECKING:  # pragma: no cover
+    from attnplug.runner.serve.scheduler import Scheduler
+
+
+class RemoteKVLoads:
+    """The requests whose KV is loading, and the scheduler hooks around them.
+
+    Args:
+        scheduler: the owning scheduler (its pools, queues and ``kv_cache_manager``).
+        connector: the scheduler-side connector instance.
+    """
+
+    def __init__(self, scheduler: "Scheduler", connector: KVConnectorBase):
+        self.scheduler = scheduler
+        self.connector = connector
+        self.loading: dict[str, Request] = {}
+        self.num_loaded = 0
+        self.num_failed = 0
+
+    def __len__(self) -> int:
+        return len(self.loading)
+
+    def lookup(self, req: Request, local: int) -> int:
+        """Tokens the connector can provide beyond ``local`` (0 for a request that already
+        loaded, failed, or was ever sent to the runner)."""
+        if req.kv_load is not None or req.sent_to_runner:
+            return 0
+        n, _load_async = self.connector.get_num_new_matched_tokens(req, local)
+        # attnplug always waits for the load's outcome before computing (load_async or not),
+        # so a failed load can fall back to recomputation.
+        return max(0, min(int(n), req.num_tokens - 1 - local))
+
+    def start(self, req: Request, hit, n: int) -> bool:
+        """Allocate blocks for ``hit + n`` tokens and park ``req`` (first in the waiting queue)
+        until its load ends; ``False`` when a pool is short (nothing changed)."""
+        sched = self.scheduler
+        if sched._allocate(req, n, hit) is None:
+            return False
+        req.num_computed_tokens = hit.num_computed_tokens
+        sched.kv_cache_manager.record_admission(req, hit)
+        self.connector.update_state_after_alloc(req, req.block_ids, n)
+        sched.waiting.popleft()
+        req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        req.kv_load = "loading"
+        req.kv_load_tokens = n
+        self.loading[req.req_id] = req
+        return True
+
+    def finish(self, output: KVConnectorOutput | None) -> None:
+        """Take the worker's outcomes: loaded or failed requests go back to the front of the
+        waiting queue (arrival order), aborted ones free their blocks."""
+        if not output:
+            return
+        sched = self.scheduler
+        back = []
+        for rid in sorted(output.finished_recving | output.failed_recving):
+            req = self.loading.pop(rid, None)
+            if req is None:
+                continue
+            ok = rid in output.finished_recving and rid not in output.failed_recving
+            self.num_loaded += ok
+            self.num_failed += not ok
+            if req.is_finished:  # aborted while loading
+                sched.kv_cache_manager.free(req)
+                continue
+            req.kv_load = "loaded" if ok else "failed"
+            if ok:
+                req.num_computed_tokens += req.kv_load_tokens
+            req.status = RequestStatus.WAITING
+            back.append(req)
+        for req in sorted(back, key=lambda r: r.arrival_index, reverse=True):
+            sched.waiting.appendleft(req)
