@@ -1,0 +1,54 @@
+"""Done-when of the Redis connector: run A fills the store; run B (new engine, new connector:
+nothing shared but the server) gets its prefixes from it — the tokens it computes drop by
+exactly the hit, its greedy outputs equal a run without the connector — on a full-attention
+model and on a model with sliding-window groups."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.mark.parametrize("model", ["llama", "gemma3"])
+def test_second_run_loads_prefixes_from_the_store_with_identical_outputs(redis_server, kv_engines, model):
+    plain, base = kv_engines.run(kv_engines.build(model, None))
+    out_a, a = kv_engines.run(kv_engines.build(model, redis_server.url))
+    assert out_a == plain
+    assert a["kv_connector"]["tokens_saved"] > 0 and redis_server.client.dbsize() > 0
+    # run A may already hit: a later request shares a head with one saved in an earlier step
+    assert a["scheduled_tokens"] == base["scheduled_tokens"] - a["kv_connector"]["hit_tokens"]
+    out_b, b = kv_engines.run(kv_engines.build(model, redis_server.url))
+    kv = b["kv_connector"]
+    assert out_b == plain, "outputs after loading from the store differ from a run without the connector"
+    assert kv["hit_tokens"] > a["kv_connector"]["hit_tokens"] and kv["tokens_loaded"] == kv["hit_tokens"], kv
+    assert b["scheduled_tokens"] == base["scheduled_tokens"] - kv["hit_tokens"], (b["scheduled_tokens"], kv)
+    assert kv["faults"] == {} and kv["loads_failed"] == 0
+    assert kv["tokens_saved"] == 0, "run B saved blocks the store already held"
+
+
+def test_store_hits_extend_local_prefix_hits(redis_server, kv_engines):
+    """With prefix caching on, the store provides what the local cache lacks (beyond its hit)."""
+    plain, _ = kv_engines.run(kv_engines.build("llama", None))
+    kv_engines.run(kv_engines.build("llama", redis_server.url))
+    out, s = kv_engines.run(kv_engines.build("llama", redis_server.url, prefix_caching=True))
+    assert out == plain
+    assert s["kv_connector"]["hit_tokens"] > 0 and s["kv_connector"]["faults"] == {}
+
+
+def test_a_loading_request_is_not_scheduled_for_compute(redis_server, kv_engines):
+    from attnplug.runner.serve.request import RequestStatus
+    from attnplug.runner.step.scheduler_output import SamplingParams
+
+    kv_engines.run(kv_engines.build("llama", redis_server.url), prompts=kv_engines.PROMPTS[:1])
+    setup = kv_engines.build("llama", redis_server.url)
+    eng = setup.engine
+    eng.add_request("r-0", kv_engines.PROMPTS[0], SamplingParams(max_tokens=2))
+    out = eng.scheduler.schedule()
+    req = eng.scheduler.get_request("r-0")
+    assert req.status is RequestStatus.WAITING_FOR_REMOTE_KVS and not out.num_scheduled_tokens
+    assert out.kv_connector_metadata.loads and out.kv_connector_metadata.loads[0].req_id == "r-0"
+    result = eng.runner.execute_model(out)
+    assert result.kv_connector_output.finished_recving == {"r-0"}
+    eng.scheduler.update_from_output(out, result.sampled_token_ids, result.kv_connector_output)
+    nxt = eng.scheduler.schedule()
+    assert nxt.scheduled_new_reqs[0].num_computed_tokens == 28  # 30 tokens: 7 blocks of 4, one left to compute
+    assert nxt.num_scheduled_tokens == {"r-0": 2}
