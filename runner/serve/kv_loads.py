@@ -9,7 +9,7 @@ though it counts against ``max_num_seqs``. The worker reports each load's outcom
 request back at the front of the waiting queue, holding its blocks, with
 ``num_computed_tokens = local + n`` (loaded) or ``local`` (failed: it recomputes the
 rest, so a fault costs compute, never correctness). Its next admission schedules it as a
-new request starting at that count (:meth:`Scheduler._admit_loaded`).
+new request starting at that count (:meth:`RemoteKVLoads.admit_loaded`).
 
 A request finished (aborted) while loading keeps its blocks until the load's outcome
 arrives: the worker may still be writing into them.
@@ -17,24 +17,28 @@ arrives: the worker may still be writing into them.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
+from attnplug.core.errors import ConfigError
 from attnplug.core.kv_connector import KVConnectorBase, KVConnectorOutput
 from attnplug.runner.serve.request import Request, RequestStatus
-
-if TYPE_CHECKING:  # pragma: no cover
-    from attnplug.runner.serve.scheduler import Scheduler
 
 
 class RemoteKVLoads:
     """The requests whose KV is loading, and the scheduler hooks around them.
 
     Args:
-        scheduler: the owning scheduler (its pools, queues and ``kv_cache_manager``).
+        scheduler: the owning ``Scheduler`` (its queues, ``kv_cache_manager``, ``_allocate``).
         connector: the scheduler-side connector instance.
+
+    Raises:
+        ConfigError: the scheduler runs asynchronously (not supported with a connector).
     """
 
-    def __init__(self, scheduler: "Scheduler", connector: KVConnectorBase):
+    def __init__(self, scheduler: Any, connector: KVConnectorBase):
+        if scheduler.config.async_scheduling:
+            raise ConfigError("--kv-connector", "a KV connector needs synchronous scheduling "
+                              "(drop --async-scheduling)")
         self.scheduler = scheduler
         self.connector = connector
         self.loading: dict[str, Request] = {}
@@ -69,6 +73,29 @@ class RemoteKVLoads:
         req.kv_load_tokens = n
         self.loading[req.req_id] = req
         return True
+
+    def admit_loaded(self, req: Request, budget: int) -> int | None:
+        """Admit ``req`` (first waiting; its load ended, it holds blocks for its
+        ``num_computed_tokens``) as running: the tokens it computes this step, or ``None``
+        when it does not fit now (nothing changed)."""
+        sched = self.scheduler
+        total = req.num_tokens_to_compute
+        if not sched.config.enable_chunked_prefill and total > budget:
+            return None
+        n = sched.kv_cache_manager.align_num_new_tokens(req, req.num_computed_tokens, min(total, budget))
+        if sched._allocate(req, n) is None:
+            return None
+        sched.waiting.popleft()
+        sched.running.append(req)
+        req.status = RequestStatus.RUNNING
+        req.sent_to_runner = True
+        return n
+
+    def on_finish(self, req: Request) -> bool:
+        """``req`` finished (aborted): tell the connector; ``True`` when it is loading (its
+        blocks are then freed when the load ends, not now)."""
+        self.connector.request_finished(req)
+        return req.req_id in self.loading
 
     def finish(self, output: KVConnectorOutput | None) -> None:
         """Take the worker's outcomes: loaded or failed requests go back to the front of the

@@ -30,13 +30,15 @@ from __future__ import annotations
 from collections import deque
 
 from attnplug.cache_groups.grouping import KVCacheConfig
-from attnplug.core.errors import ConfigError, SchedulingError
+from attnplug.core.errors import SchedulingError
 from attnplug.core.kv_connector import KVConnectorBase, KVConnectorOutput
 from attnplug.runner.serve.admission import check_new_request
 from attnplug.runner.serve.deltas import make_output
 from attnplug.runner.serve.kv_cache_manager import make_kv_cache_manager
 from attnplug.runner.serve.kv_loads import RemoteKVLoads
+from attnplug.runner.serve.preemption import maybe_force_preemption, preempt_running
 from attnplug.runner.serve.request import Request, RequestStatus
+from attnplug.runner.serve.sampled_checks import check_sampled_tokens
 from attnplug.runner.serve.scheduler_config import SchedulerConfig
 from attnplug.runner.serve.spec_schedule import SpecScheduler, make_spec_scheduler
 from attnplug.runner.step.scheduler_output import SamplingParams, SchedulerOutput
@@ -70,9 +72,6 @@ class Scheduler:
 
     def __init__(self, config: SchedulerConfig, kv_cache_config: KVCacheConfig,
                  kv_connector: KVConnectorBase | None = None):
-        if kv_connector is not None and config.async_scheduling:
-            raise ConfigError("--kv-connector", "a KV connector needs synchronous scheduling "
-                              "(drop --async-scheduling)")
         self.config = config
         self.kv_cache_manager = make_kv_cache_manager(kv_cache_config, config)
         self.requests: dict[str, Request] = {}
@@ -170,29 +169,8 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def preempt(self, req_id: str) -> None:
-        """Test hook: preempt a running request now, between steps (as if out of blocks).
-
-        Raises:
-            SchedulingError: the request is not running, or a step is in flight (call
-                ``update_from_output`` first).
-        """
-        if self._in_flight and not self.config.async_scheduling:
-            raise SchedulingError("preempt() during a step: call update_from_output() first")
-        req = self.requests.get(req_id)
-        if req is None or req.status is not RequestStatus.RUNNING:
-            status = None if req is None else req.status.value
-            raise SchedulingError(f"cannot preempt {req_id!r}: status {status}, only running requests")
-        self._preempt(req)
-
-    def _maybe_force_preemption(self) -> Request | None:
-        every = self.config.force_preemption_every
-        if every is None or (self.num_steps + 1) % every or len(self.running) < 2:
-            return None
-        for req in reversed(self.running):
-            if req.num_output_tokens >= 1 and req.num_preemptions == 0:
-                self._preempt(req)
-                return req
-        return None
+        """Test hook: preempt a running request now, between steps (``preemption.preempt_running``)."""
+        preempt_running(self, req_id)
 
     # --- one step -----------------------------------------------------------------------
     def _allocate(self, req: Request, n: int, hit=None) -> tuple[list[int], ...] | None:
@@ -230,7 +208,7 @@ class Scheduler:
         new_blocks: dict[str, tuple[list[int], ...]] = {}
         preempted: list[Request] = []
         spec_tokens: dict[str, list[int]] = {}
-        forced = self._maybe_force_preemption()
+        forced = maybe_force_preemption(self)
         if forced is not None:
             preempted.append(forced)
 
@@ -277,8 +255,7 @@ class Scheduler:
                 if req.free_when_idle:
                     break  # its old blocks are still in use by the step in flight
                 if req.kv_load is not None and not req.sent_to_runner and req.status is RequestStatus.WAITING:
-                    n = self._admit_loaded(req, budget)  # its connector load ended: it holds blocks
-                    if n is None:
+                    if (n := self.kv_loads.admit_loaded(req, budget)) is None:  # its load ended: holds blocks
                         break
                     new_reqs.append(req)
                     sched[req.req_id] = n
@@ -317,21 +294,6 @@ class Scheduler:
         if sched:
             self._launch(out)
         return out
-
-    def _admit_loaded(self, req: Request, budget: int) -> int | None:
-        """Admit a request whose connector load ended (it holds blocks for its
-        ``num_computed_tokens``): tokens scheduled, or ``None`` when it does not fit now."""
-        total = req.num_tokens_to_compute
-        if not self.config.enable_chunked_prefill and total > budget:
-            return None
-        n = self.kv_cache_manager.align_num_new_tokens(req, req.num_computed_tokens, min(total, budget))
-        if self._allocate(req, n) is None:
-            return None
-        self.waiting.popleft()
-        self.running.append(req)
-        req.status = RequestStatus.RUNNING
-        req.sent_to_runner = True
-        return n
 
     def _launch(self, out: SchedulerOutput) -> None:
         """The step goes in flight: count it against its requests; asynchronously, advance
@@ -387,22 +349,7 @@ class Scheduler:
                 "(or was already applied); pass each step's output exactly once, in order")
         scheduled = scheduler_output.num_scheduled_tokens
         sampling = self._placeholders[id(scheduler_output)] if self.config.async_scheduling else None
-        for req_id, toks in sampled_token_ids.items():
-            if req_id not in scheduled:
-                raise SchedulingError(f"sampled tokens for {req_id!r}, which was not scheduled this step")
-            if not toks:
-                raise SchedulingError(f"empty sampled token list for {req_id!r}; omit the key instead")
-        for req_id, n in scheduled.items():
-            req = self.requests[req_id]
-            complete = req_id in sampling if sampling is not None else req.num_computed_tokens + n >= req.num_tokens
-            if complete and req_id not in sampled_token_ids:
-                raise SchedulingError(
-                    f"{req_id!r} computed all its {req.num_tokens} tokens this step but no sampled "
-                    "token was given; pass its sample (only partial prefills are discarded)")
-            if not complete and req_id in sampled_token_ids:
-                raise SchedulingError(
-                    f"{req_id!r} is a partial prefill ({req.num_computed_tokens + n} of "
-                    f"{req.num_tokens} tokens); its sampled tokens must be discarded")
+        check_sampled_tokens(self.requests, scheduled, sampling, sampled_token_ids)
         if self.spec is not None:
             self.spec.check_sampled(scheduler_output, sampled_token_ids)
         self._in_flight.popleft()
@@ -441,15 +388,12 @@ class Scheduler:
         return req.remaining_output_tokens(max_len) == 0 and req.num_output_placeholders == 0 or req.stopped
 
     def _finish(self, req: Request) -> None:
-        loading = self.kv_loads is not None and req.req_id in self.kv_loads.loading
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)  # preempted while its last step was in flight, or aborted
-        if not loading:  # a loading request's blocks go back when its load ends (kv_loads.py)
+        if self.kv_loads is None or not self.kv_loads.on_finish(req):  # loading: blocks held until it ends
             self._release(req)
-        if self.kv_connector is not None:
-            self.kv_connector.request_finished(req)
         req.block_ids = tuple([] for _ in range(self.kv_cache_manager.num_groups))
         req.status = RequestStatus.FINISHED
         req.sent_to_runner = False
