@@ -52,3 +52,24 @@ def test_a_loading_request_is_not_scheduled_for_compute(redis_server, kv_engines
     nxt = eng.scheduler.schedule()
     assert nxt.scheduled_new_reqs[0].num_computed_tokens == 28  # 30 tokens: 7 blocks of 4, one left to compute
     assert nxt.num_scheduled_tokens == {"r-0": 2}
+
+
+@pytest.mark.slow
+def test_attnplug_run_twice_second_process_reads_the_store(redis_server):
+    """Two ``attnplug run`` processes on the tiny-llama preset: the second loads its prefixes."""
+    import json
+    import subprocess
+    import sys
+
+    def run(*flags):
+        p = subprocess.run([sys.executable, "-m", "attnplug", "run", "--model", "tiny-llama", "--num-requests", "6",
+                            "--invariance-requests", "0", "--json", *flags], capture_output=True, text=True,
+                           timeout=300)
+        assert p.returncode == 0, p.stderr
+        return json.loads(p.stdout)
+
+    conn = ["--kv-connector", "redis", "--kv-connector-config", f"url={redis_server.url}"]
+    plain, a, b = run(), run(*conn), run(*conn)
+    assert plain["outputs_digest"] == a["outputs_digest"] == b["outputs_digest"]
+    hit = b["kv_connector"]["hit_tokens"]
+    assert hit > 0 and b["scheduled_tokens"] == plain["scheduled_tokens"] - hit
