@@ -160,8 +160,11 @@ class RedisConnector(KVConnectorBase):
         self.stats.lookups += 1
         self.stats.query_tokens += max(0, max_tokens - num_computed_tokens)
         keys = self.chains.keys(tokens)
+        # every block from the local hit to the last full one (a hit stops one token short, and
+        # a window's shorter hits need earlier blocks; the tail block is asked for so that a
+        # process never saves again what the store already holds)
         wanted = [(g, i) for g, grp in enumerate(self.groups)
-                  for i in needed_blocks(grp, num_computed_tokens, max_tokens)]
+                  for i in range(num_computed_tokens // grp.block_size, len(tokens) // grp.block_size)]
         if not wanted:
             return 0, True
         try:
