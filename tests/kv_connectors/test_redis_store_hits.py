@@ -73,3 +73,22 @@ def test_attnplug_run_twice_second_process_reads_the_store(redis_server):
     assert plain["outputs_digest"] == a["outputs_digest"] == b["outputs_digest"]
     hit = b["kv_connector"]["hit_tokens"]
     assert hit > 0 and b["scheduled_tokens"] == plain["scheduled_tokens"] - hit
+
+
+def test_a_request_aborted_while_loading_frees_its_blocks_when_the_load_ends(redis_server, kv_engines):
+    from attnplug.runner.step.scheduler_output import SamplingParams
+
+    kv_engines.run(kv_engines.build("llama", redis_server.url), prompts=kv_engines.PROMPTS[:1])
+    setup = kv_engines.build("llama", redis_server.url)
+    eng, sched = setup.engine, setup.engine.scheduler
+    free = sched.kv_cache_manager.num_free_blocks_per_group
+    eng.add_request("r-0", kv_engines.PROMPTS[0], SamplingParams(max_tokens=2))
+    out = sched.schedule()
+    assert "r-0" in sched.kv_loads.loading
+    eng.abort_request("r-0")
+    assert sched.kv_cache_manager.num_free_blocks_per_group != free, "blocks freed while the worker may write them"
+    result = eng.runner.execute_model(out)
+    sched.update_from_output(out, result.sampled_token_ids, result.kv_connector_output)
+    assert not sched.kv_loads.loading and not sched.has_unfinished_requests()
+    assert sched.kv_cache_manager.num_free_blocks_per_group == free
+    eng.runner.kv_connector.close()
