@@ -3,7 +3,9 @@
 A value holds manager block ``b`` of every layer of one cache group, in the group's
 declared layout (``core/kv_layout.py``): for each layer in group order, the slice of its
 cache tensor at kernel blocks ``b*k .. b*k+k-1`` along the layout's ``block`` dimension
-(``k = block_size // kernel_block_size``), as raw bytes of the cache dtype. Encoding::
+(``k = block_size // kernel_block_size``), as raw bytes of the cache dtype. For a Mamba
+(state) group the "block" is one state slot: per layer, row ``slot`` of each declared
+state tensor (``conv_state``, ``ssm_state``), one *part* each. Encoding::
 
     MAGIC (8 bytes, b"APKVBLK1")
     header length (4 bytes, big-endian)   header (JSON, utf-8: the layout fingerprint)
@@ -45,10 +47,10 @@ class BlockLayout:
 
     Attributes:
         kind, block_size, kernel_block_size, sliding_window: the group's (``KVConnectorGroup``).
-        layout_dims: the cache tensor's dimension order.
-        dtype: the cache dtype's name.
-        slice_shape: one layer's slice of one manager block (the cache's shape with the
-            ``block`` dimension set to ``k``).
+        layout_dims: the cache tensor's dimension order (``()`` for a state group).
+        parts: per layer, ``(dtype name, shape)`` of each part: one for an attention group
+            (the cache's shape with the ``block`` dimension set to ``k``), one per state
+            tensor (a slot's row) for a state group.
         num_layers: layers in the group.
     """
 
@@ -57,56 +59,54 @@ class BlockLayout:
     kernel_block_size: int
     sliding_window: int | None
     layout_dims: tuple[str, ...]
-    dtype: str
-    slice_shape: tuple[int, ...]
+    parts: tuple[tuple[str, tuple[int, ...]], ...]
     num_layers: int
 
     def header(self) -> bytes:
         return json.dumps({"v": 1, "kind": self.kind, "block_size": self.block_size,
                            "kernel_block_size": self.kernel_block_size, "sliding_window": self.sliding_window,
-                           "layout_dims": list(self.layout_dims), "dtype": self.dtype,
-                           "slice_shape": list(self.slice_shape), "num_layers": self.num_layers},
+                           "layout_dims": list(self.layout_dims),
+                           "parts": [[d, list(shape)] for d, shape in self.parts], "num_layers": self.num_layers},
                           sort_keys=True).encode()
 
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return getattr(torch, self.dtype)
-
-    @property
-    def slice_bytes(self) -> int:
-        n = self.torch_dtype.itemsize
-        for s in self.slice_shape:
+    def part_bytes(self, i: int) -> int:
+        dtype, shape = self.parts[i]
+        n = getattr(torch, dtype).itemsize
+        for s in shape:
             n *= s
         return n
 
     @property
     def payload_bytes(self) -> int:
-        return self.slice_bytes * self.num_layers
+        return sum(self.part_bytes(i) for i in range(len(self.parts))) * self.num_layers
 
 
-def encode_block(layout: BlockLayout, slices: Sequence[torch.Tensor]) -> bytes:
-    """The value of one block: ``slices`` = per layer, its ``layout.slice_shape`` CPU tensor.
+def encode_block(layout: BlockLayout, slices: Sequence[Sequence[torch.Tensor]]) -> bytes:
+    """The value of one block: ``slices`` = per layer, its parts (CPU tensors of ``layout.parts``).
 
     Raises:
-        ValueError: not one slice per layer, or a slice of another shape or dtype.
+        ValueError: not one entry per layer and part, or a part of another shape or dtype.
     """
     if len(slices) != layout.num_layers:
         raise ValueError(f"{len(slices)} layer slices for a group of {layout.num_layers} layers")
     parts = []
-    for t in slices:
-        if tuple(t.shape) != layout.slice_shape or t.dtype != layout.torch_dtype:
-            raise ValueError(f"slice {tuple(t.shape)} {t.dtype}, expected {layout.slice_shape} {layout.dtype}")
-        parts.append(t.contiguous().view(torch.uint8).numpy().tobytes())
+    for layer in slices:
+        if len(layer) != len(layout.parts):
+            raise ValueError(f"{len(layer)} parts per layer, expected {len(layout.parts)}")
+        for t, (dtype, shape) in zip(layer, layout.parts):
+            if tuple(t.shape) != shape or t.dtype != getattr(torch, dtype):
+                raise ValueError(f"part {tuple(t.shape)} {t.dtype}, expected {shape} {dtype}")
+            parts.append(t.contiguous().view(torch.uint8).reshape(-1).numpy().tobytes())
     header = layout.header()
     body = header + b"".join(parts)
     return MAGIC + len(header).to_bytes(4, "big") + body + hashlib.sha256(body).digest()
 
 
-def decode_block(layout: BlockLayout, value: bytes) -> list[torch.Tensor]:
-    """The per-layer slices of a value written by :func:`encode_block` for ``layout``.
+def decode_block(layout: BlockLayout, value: bytes) -> list[list[torch.Tensor]]:
+    """The per-layer parts of a value written by :func:`encode_block` for ``layout``.
 
     Returns:
-        ``num_layers`` CPU tensors of ``layout.slice_shape`` and dtype.
+        per layer, one CPU tensor per ``layout.parts`` entry (its dtype and shape).
 
     Raises:
         BlockFault: ``truncated``, ``checksum`` or ``layout`` (module docstring).
@@ -130,6 +130,12 @@ def decode_block(layout: BlockLayout, value: bytes) -> list[torch.Tensor]:
     if len(payload) != layout.payload_bytes:  # same header, so only a writer bug gets here
         raise BlockFault("truncated", f"payload of {len(payload)} bytes, expected {layout.payload_bytes}")
     raw = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-    n = layout.slice_bytes
-    return [raw[i * n:(i + 1) * n].view(layout.torch_dtype).reshape(layout.slice_shape)
-            for i in range(layout.num_layers)]
+    out, at = [], 0
+    for _ in range(layout.num_layers):
+        layer = []
+        for i, (dtype, shape) in enumerate(layout.parts):
+            n = layout.part_bytes(i)
+            layer.append(raw[at:at + n].view(getattr(torch, dtype)).reshape(shape))
+            at += n
+        out.append(layer)
+    return out

@@ -17,7 +17,10 @@ the tier and the server before the step returns.
 Settings (``--kv-connector-config``): ``url`` (``redis://127.0.0.1:6379/0``), ``namespace``
 (default: the model's identity), ``prefix`` (``attnplug:kv``), ``cpu_bytes`` (CPU tier
 capacity, 64 MiB; 0 disables it), ``timeout_s`` (1.0), ``save`` / ``load`` (both true).
-Not served: Mamba (state) groups and backends without a declared ``kv_cache_layout``.
+Mamba (state) groups: a value is the state slot after a multiple of the Mamba block size
+``Bm`` (the group's ``block_size`` in the context), saved when a step's chunk ends there (the
+scheduler cuts chunks at those multiples with prefix caching on) and loaded into the
+request's own slot. Not served: attention backends without a declared ``kv_cache_layout``.
 """
 
 from __future__ import annotations
@@ -116,10 +119,10 @@ class RedisConnector(KVConnectorBase):
         super().__init__(context, role)
         self.settings = parse_settings(context.config)
         for g, grp in enumerate(context.groups):
-            if grp.kind not in ("full_attention", "sliding_window"):
-                raise ConfigError("--kv-connector", f"redis: cache group {g} is a {grp.kind} group; "
-                                  "the redis connector moves full-attention and sliding-window blocks only")
-            if grp.layout_dims is None:
+            if grp.kind not in ("full_attention", "sliding_window", "mamba"):
+                raise ConfigError("--kv-connector", f"redis: cache group {g} is a {grp.kind} group; the redis "
+                                  "connector moves full-attention, sliding-window and Mamba groups only")
+            if grp.layout_dims is None and grp.kind != "mamba":
                 raise ConfigError("--kv-connector", f"redis: cache group {g}'s backend {grp.backend!r} declares "
                                   "no kv_cache_layout, so its blocks have no known position in the cache")
         self.groups = context.groups
@@ -190,8 +193,8 @@ class RedisConnector(KVConnectorBase):
         local, h, keys = found
         if local + num_external_tokens != h:
             raise ValueError(f"{request.req_id}: allocated for {num_external_tokens} tokens, looked up {h - local}")
-        blocks = [(g, block_ids[g][i], keys[g][i]) for g, grp in enumerate(self.groups)
-                  for i in needed_blocks(grp, local, h)]
+        blocks = [(g, block_ids[g][0] if grp.kind == "mamba" else block_ids[g][i], keys[g][i])
+                  for g, grp in enumerate(self.groups) for i in needed_blocks(grp, local, h)]
         self._known.update(k for _, _, k in blocks)
         self._loads.append(LoadSpec(request.req_id, num_external_tokens, blocks))
 
@@ -229,12 +232,23 @@ class RedisConnector(KVConnectorBase):
             for rid, n in out.num_scheduled_tokens.items():
                 tr = self._tracked.get(rid)
                 if tr is not None and rid in computed:
-                    meta.saves.extend(self._saves_of(tr, min(computed[rid] + n, tr.prompt_len)))
+                    meta.saves.extend(self._saves_of(tr, computed[rid] + n))
         return meta
 
-    def _saves_of(self, tr: _Tracked, end: int) -> list[SaveSpec]:
+    def _saves_of(self, tr: _Tracked, chunk_end: int) -> list[SaveSpec]:
+        """Saves of a step whose chunk ends at ``chunk_end``: every prompt block now full; a
+        Mamba group's slot when the chunk ends at a multiple of ``Bm`` inside the prompt."""
         saves = []
+        end = min(chunk_end, tr.prompt_len)
         for g, grp in enumerate(self.groups):
+            if grp.kind == "mamba":
+                i = chunk_end // grp.block_size - 1
+                if chunk_end == end and chunk_end % grp.block_size == 0 and i >= tr.saved[g] and tr.block_ids[g]:
+                    if tr.keys[g][i] not in self._known:
+                        self._known.add(tr.keys[g][i])
+                        saves.append(SaveSpec(g, tr.block_ids[g][0], tr.keys[g][i]))
+                    tr.saved[g] = i + 1
+                continue
             full = min(end // grp.block_size, len(tr.keys[g]), len(tr.block_ids[g]))
             for i in range(tr.saved[g], full):
                 key, bid = tr.keys[g][i], tr.block_ids[g][i]
@@ -256,6 +270,9 @@ class RedisConnector(KVConnectorBase):
             ConfigError: a layer's cache is not one tensor in the group's declared layout.
         """
         for g, grp in enumerate(self.groups):
+            if grp.kind == "mamba":
+                self._register_state_group(g, grp, kv_caches)
+                continue
             dim = grp.layout_dims.index("block")
             k = grp.block_size // grp.kernel_block_size
             layers = []
@@ -270,13 +287,33 @@ class RedisConnector(KVConnectorBase):
             shape[dim] = k
             self._caches.append(layers)
             self._block_dims.append(dim)
+            dtype = str(layers[0][1].dtype).replace("torch.", "")
             self._layouts.append(BlockLayout(grp.kind, grp.block_size, grp.kernel_block_size, grp.sliding_window,
-                                             tuple(grp.layout_dims), grp.dtype, tuple(shape), len(layers)))
+                                             tuple(grp.layout_dims), ((dtype, tuple(shape)),), len(layers)))
         self._executor = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="attnplug-kv-load")
 
-    def _block_view(self, g: int, layer: int, block_id: int) -> torch.Tensor:
-        k = self._layouts[g].slice_shape[self._block_dims[g]]
-        return self._caches[g][layer][1].narrow(self._block_dims[g], block_id * k, k)
+    def _register_state_group(self, g: int, grp, kv_caches: Mapping[str, Any]) -> None:
+        """A Mamba group: each layer's cache is a tuple of ``[num_slots, ...]`` state tensors."""
+        layers = []
+        for j, name in enumerate(grp.layer_names):
+            t = kv_caches[name]
+            if not isinstance(t, tuple) or not t or not all(isinstance(x, torch.Tensor) for x in t):
+                raise ConfigError("--kv-connector", f"redis: Mamba layer {name!r}'s cache is not a tuple of tensors")
+            layers.append((name, t))
+            self._layer_index[name] = (g, j)
+        parts = tuple((str(x.dtype).replace("torch.", ""), tuple(x.shape[1:])) for x in layers[0][1])
+        self._caches.append(layers)
+        self._block_dims.append(-1)
+        self._layouts.append(BlockLayout(grp.kind, grp.block_size, grp.kernel_block_size, None, (), parts,
+                                         len(layers)))
+
+    def _block_view(self, g: int, layer: int, block_id: int) -> list[torch.Tensor]:
+        """Views of ``block_id`` in layer ``layer`` of group ``g``, one per part."""
+        cache = self._caches[g][layer][1]
+        if self._block_dims[g] < 0:  # a state group: the slot's row of each state tensor
+            return [t[block_id] for t in cache]
+        k = self._layouts[g].parts[0][1][self._block_dims[g]]
+        return [cache.narrow(self._block_dims[g], block_id * k, k)]
 
     def start_load_kv(self) -> None:
         """Submit each load of the bound step to the fetch thread."""
@@ -325,9 +362,10 @@ class RedisConnector(KVConnectorBase):
                 continue
             nbytes = 0
             for g, bid, slices in blocks:
-                for j, s in enumerate(slices):
-                    self._block_view(g, j, bid).copy_(s)
-                    nbytes += s.numel() * s.element_size()
+                for j, parts in enumerate(slices):
+                    for view, s in zip(self._block_view(g, j, bid), parts):
+                        view.copy_(s)
+                        nbytes += s.numel() * s.element_size()
             self.stats.tokens_loaded += spec.num_tokens
             self.stats.bytes_loaded += nbytes
             self.stats.load_time_ns.append(time.perf_counter_ns() - t0)
@@ -345,7 +383,7 @@ class RedisConnector(KVConnectorBase):
             if spec.group != g:
                 continue
             entry = self._pending_saves.setdefault(spec.key, (spec, [None] * n))
-            entry[1][j] = self._block_view(g, j, spec.block_id).to("cpu", copy=True)
+            entry[1][j] = [v.to("cpu", copy=True) for v in self._block_view(g, j, spec.block_id)]
 
     def wait_for_save(self) -> None:
         """Encode the step's complete blocks and write them (tier, then one pipeline)."""

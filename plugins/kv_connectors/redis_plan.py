@@ -7,7 +7,9 @@ A hit of ``h`` tokens (``h`` a multiple of every group's block size) after a loc
 * full attention: every block ``[local // B, h // B)`` (the local hit holds the earlier ones);
 * a sliding window of ``W`` tokens: only the blocks the first computed query (position ``h``)
   can see, ``[max(local, max(0, h - W + 1)) // B, h // B)`` (``p - W < k <= p``,
-  ``cache_groups/sliding_window.py``); earlier blocks stay unloaded (the runner nulls them).
+  ``cache_groups/sliding_window.py``); earlier blocks stay unloaded (the runner nulls them);
+* a Mamba group (``B`` = the Mamba block size ``Bm``): the one checkpoint at ``h``, index
+  ``h // Bm - 1`` (the state after exactly ``h`` tokens).
 
 Keys: ``{prefix}:{namespace}:g{group}:{sha256 chain hash of the block, hex}``; the chain
 hash (``cache_groups/block_hash.py``) names the whole prefix up to that block, so equal
@@ -26,6 +28,8 @@ from attnplug.core.kv_connector import KVConnectorGroup
 def needed_blocks(group: KVConnectorGroup, local: int, h: int) -> range:
     """Logical block indices of ``group`` a hit of ``h`` tokens loads (module docstring)."""
     B = group.block_size
+    if group.kind == "mamba":
+        return range(h // B - 1, h // B) if h > local else range(0)
     first = local
     if group.kind == "sliding_window" and group.sliding_window:
         first = max(local, max(0, h - group.sliding_window + 1))

@@ -66,14 +66,18 @@ def model_id(args) -> str:
 
 def connector_context(args, kv_cfg, backends) -> KVConnectorContext:
     from attnplug.runner.execute.kv_caches import negotiate_kernel_block_sizes
+    from attnplug.runner.serve.mamba_checkpoints import mamba_block_size
 
     sizes = negotiate_kernel_block_sizes(kv_cfg, backends)
+    bm = mamba_block_size([g.kv_cache_spec for g in kv_cfg.groups])  # a Mamba group's "block": Bm tokens
     groups = []
     for grp, backend, kbs in zip(kv_cfg.groups, backends, sizes):
         spec = grp.kv_cache_spec
-        layout = getattr(backend, "kv_cache_layout", None)
+        kind = str(getattr(spec.kind, "value", spec.kind))
+        layout = getattr(backend, "kv_cache_layout", None) if kind != "mamba" else None
+        size = bm if kind == "mamba" else spec.block_size
         groups.append(KVConnectorGroup(
-            tuple(grp.layer_names), str(getattr(spec.kind, "value", spec.kind)), spec.block_size, int(kbs),
+            tuple(grp.layer_names), kind, size, size if kind == "mamba" else int(kbs),
             getattr(spec, "sliding_window", None), tuple(layout.dims) if layout is not None else None,
             str(getattr(spec, "dtype", "")).replace("torch.", ""), backend.get_name()))
     return KVConnectorContext(tuple(groups), model_id(args), parse_config(getattr(args, "kv_connector_config", None)))
@@ -97,6 +101,9 @@ def make_connectors(args, kv_cfg, backends, alone: bool):
     from attnplug.plugins.kv_connectors import get_kv_connector
 
     cls = get_kv_connector(name)
+    if any(g.kv_cache_spec.kind == "mamba" for g in kv_cfg.groups) and not getattr(args, "prefix_caching", False):
+        raise ConfigError("--kv-connector", "a model with Mamba layers needs --prefix-caching with a KV connector "
+                          "(its chunks are then cut at Mamba checkpoints, the states the store keeps)")
     ctx = connector_context(args, kv_cfg, backends)
     return cls(ctx, KVConnectorRole.SCHEDULER), cls(ctx, KVConnectorRole.WORKER)
 

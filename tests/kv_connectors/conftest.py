@@ -22,7 +22,12 @@ GEMMA3 = {**LLAMA, "model_type": "gemma3_text", "architectures": ["Gemma3ForCaus
           "head_dim": 16, "sliding_window": 7,
           "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
           "query_pre_attn_scalar": 24, "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0}
-MODELS = {"llama": LLAMA, "gemma3": GEMMA3}
+BAMBA = {"model_type": "bamba", "architectures": ["BambaForCausalLM"], "vocab_size": 128, "hidden_size": 32,
+         "intermediate_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+         "attn_layer_indices": [1], "mamba_n_heads": 4, "mamba_d_state": 8, "mamba_n_groups": 2,
+         "mamba_d_conv": 4, "mamba_expand": 2, "mamba_chunk_size": 8, "max_position_embeddings": 256,
+         "initializer_range": 0.1, "rms_norm_eps": 1e-5}
+MODELS = {"llama": LLAMA, "gemma3": GEMMA3, "bamba": BAMBA}
 BLOCK = 4
 # prompt lengths: several blocks each, two sharing a 12-token head
 PROMPTS = [list(range(3, 33)), list(range(3, 15)) + [90, 91, 92, 93, 94, 95, 96, 97, 98],

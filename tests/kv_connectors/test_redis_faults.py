@@ -40,12 +40,13 @@ def _relayout(value: bytes) -> bytes:
 
     hlen = int.from_bytes(value[len(MAGIC):len(MAGIC) + 4], "big")
     h = json.loads(value[len(MAGIC) + 4:len(MAGIC) + 4 + hlen])
+    ((dtype, shape),) = [(d, tuple(sh)) for d, sh in h["parts"]]
     layout = BlockLayout(h["kind"], h["block_size"], h["kernel_block_size"], h["sliding_window"],
-                         tuple(h["layout_dims"]), h["dtype"], tuple(h["slice_shape"]), h["num_layers"])
+                         tuple(h["layout_dims"]), ((dtype, shape),), h["num_layers"])
     slices = decode_block(layout, value)
     other = BlockLayout(**{**layout.__dict__, "layout_dims": ("kv", "block", "token", "head", "dim"),
-                           "slice_shape": (layout.slice_shape[1], layout.slice_shape[0], *layout.slice_shape[2:])})
-    return encode_block(other, [s.transpose(0, 1).contiguous() for s in slices])
+                           "parts": ((dtype, (shape[1], shape[0], *shape[2:])),)})
+    return encode_block(other, [[p[0].transpose(0, 1).contiguous()] for p in slices])
 
 
 @pytest.mark.parametrize("kind, change", [("checksum", _garble), ("truncated", lambda v: v[:len(v) // 2]),
@@ -100,16 +101,19 @@ def test_a_dead_store_from_the_start_is_a_run_without_hits(kv_engines):
 def test_codec_names_each_fault():
     from attnplug.plugins.kv_connectors.block_codec import BlockFault
 
-    layout = BlockLayout("full_attention", 4, 4, None, ("block", "kv", "token", "head", "dim"), "float32",
-                         (1, 2, 4, 2, 8), 2)
-    slices = [torch.randn(1, 2, 4, 2, 8) for _ in range(2)]
+    layout = BlockLayout("full_attention", 4, 4, None, ("block", "kv", "token", "head", "dim"),
+                         (("float32", (1, 2, 4, 2, 8)),), 2)
+    slices = [[torch.randn(1, 2, 4, 2, 8)] for _ in range(2)]
     value = encode_block(layout, slices)
-    assert all(torch.equal(a, b) for a, b in zip(decode_block(layout, value), slices))
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(decode_block(layout, value), slices))
+    state = BlockLayout("mamba", 4, 4, None, (), (("float32", (6, 3)), ("bfloat16", (2, 4, 8))), 2)
+    parts = [[torch.randn(6, 3), torch.randn(2, 4, 8).bfloat16()] for _ in range(2)]
+    back = decode_block(state, encode_block(state, parts))
+    assert all(torch.equal(x, y) for a, b in zip(back, parts) for x, y in zip(a, b))
     flipped = bytearray(value)
     flipped[len(value) // 2] ^= 1
     for bad, kind in [(bytes(flipped), "checksum"), (value[:-1], "truncated"), (b"xyz", "truncated"),
-                      (encode_block(BlockLayout(**{**layout.__dict__, "dtype": "float32", "sliding_window": 8}),
-                                    slices), "layout")]:
+                      (encode_block(BlockLayout(**{**layout.__dict__, "sliding_window": 8}), slices), "layout")]:
         with pytest.raises(BlockFault) as e:
             decode_block(layout, bad)
         assert e.value.kind == kind

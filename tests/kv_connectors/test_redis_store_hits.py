@@ -25,6 +25,21 @@ def test_second_run_loads_prefixes_from_the_store_with_identical_outputs(redis_s
     assert kv["tokens_saved"] == 0, "run B saved blocks the store already held"
 
 
+def test_a_hybrid_models_mamba_states_travel_with_its_attention_blocks(redis_server, kv_engines):
+    """Bamba (Mamba2 + attention), prefix caching on (chunks cut at Mamba checkpoints): run B
+    restores each hit's Mamba state from the store, with the attention blocks."""
+    plain, base = kv_engines.run(kv_engines.build("bamba", None, prefix_caching=True))
+    out_a, a = kv_engines.run(kv_engines.build("bamba", redis_server.url, prefix_caching=True))
+    assert out_a == plain
+    out_b, b = kv_engines.run(kv_engines.build("bamba", redis_server.url, prefix_caching=True))
+    kv = b["kv_connector"]
+    assert out_b == plain, "outputs after loading Mamba states from the store differ"
+    assert kv["hit_tokens"] > a["kv_connector"]["hit_tokens"] and kv["faults"] == {}, kv
+    assert redis_server.client.keys("attnplug:kv:*:g0:*") and redis_server.client.keys("attnplug:kv:*:g1:*")
+    uncached = base["scheduled_tokens"] + base["prefix_caching"]["hit_tokens"]  # every token computed
+    assert b["scheduled_tokens"] == uncached - b["prefix_caching"]["hit_tokens"] - kv["hit_tokens"], (b, kv)
+
+
 def test_store_hits_extend_local_prefix_hits(redis_server, kv_engines):
     """With prefix caching on, the store provides what the local cache lacks (beyond its hit)."""
     plain, _ = kv_engines.run(kv_engines.build("llama", None))
