@@ -284,8 +284,9 @@ class LLMEngine:
     def _apply(self, out, result) -> list[str]:
         """Feed one step's outputs to the scheduler; keep what it accepted."""
         before = {rid: self.scheduler.get_request(rid).num_output_tokens for rid in result.sampled_token_ids}
-        finished = self.scheduler.update_from_output(out, result.sampled_token_ids,
-                                                     getattr(result, "kv_connector_output", None))
+        kv = getattr(result, "kv_connector_output", None)  # a KV connector's loads that ended
+        finished = (self.scheduler.update_from_output(out, result.sampled_token_ids) if kv is None
+                    else self.scheduler.update_from_output(out, result.sampled_token_ids, kv))
         now = self.clock.now()  # when this step's tokens became visible
         for rid, toks in result.sampled_token_ids.items():
             accepted = self.scheduler.get_request(rid).num_output_tokens - before[rid]
