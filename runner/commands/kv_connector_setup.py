@@ -110,24 +110,23 @@ def make_connectors(args, kv_cfg, backends, alone: bool):
 
 def kv_connector_summary(engine) -> dict[str, Any]:
     """``{"kv_connector": ...}`` (module docstring), or ``{}`` without a connector."""
-    sched_conn = getattr(engine.scheduler, "kv_connector", None)
-    work_conn = getattr(engine.runner, "kv_connector", None)
-    if sched_conn is None or work_conn is None:
+    from attnplug.runner.serve.kv_loads import connector_counters
+
+    c = connector_counters(engine)
+    if c is None:
         return {}
-    s, w = sched_conn.stats, work_conn.stats
-    faults = dict(s.faults)
-    for k, v in w.faults.items():
-        faults[k] = faults.get(k, 0) + v
     loads = engine.scheduler.kv_loads
     step_ns = getattr(engine.runner, "kv_connector_step_ns", [])
     return {"kv_connector": {
-        "name": sched_conn.name, "lookups": s.lookups, "query_tokens": s.query_tokens, "hit_tokens": s.hit_tokens,
-        "hit_rate": round(s.hit_rate, 4), "loads_finished": loads.num_loaded, "loads_failed": loads.num_failed,
-        "tokens_loaded": w.tokens_loaded, "bytes_loaded": w.bytes_loaded,
-        "tokens_saved": w.tokens_saved, "bytes_saved": w.bytes_saved,
-        "load_ms_mean": round(sum(w.load_time_ns) / len(w.load_time_ns) / 1e6, 3) if w.load_time_ns else 0.0,
+        "name": engine.scheduler.kv_connector.name, "lookups": c["lookups"], "query_tokens": c["query_tokens"],
+        "hit_tokens": c["hit_tokens"],
+        "hit_rate": round(c["hit_tokens"] / c["query_tokens"], 4) if c["query_tokens"] else 0.0,
+        "loads_finished": loads.num_loaded, "loads_failed": loads.num_failed,
+        "tokens_loaded": c["tokens_loaded"], "bytes_loaded": c["bytes_loaded"],
+        "tokens_saved": c["tokens_saved"], "bytes_saved": c["bytes_saved"],
+        "load_ms_mean": round(c["load_ms_mean"], 3),
         "connector_ms_per_step": round(sum(step_ns) / len(step_ns) / 1e6, 3) if step_ns else 0.0,
-        "faults": dict(sorted(faults.items()))}}
+        "faults": c["faults"]}}
 
 
 def kv_connector_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:

@@ -121,3 +121,21 @@ class RemoteKVLoads:
             back.append(req)
         for req in sorted(back, key=lambda r: r.arrival_index, reverse=True):
             sched.waiting.appendleft(req)
+
+
+def connector_counters(engine) -> dict | None:
+    """The KV connector's counters of ``engine`` (both sides), or ``None`` without one."""
+    sched_conn = engine.scheduler.kv_connector
+    work_conn = getattr(engine.runner, "kv_connector", None)
+    if sched_conn is None or work_conn is None:
+        return None
+    s, w = sched_conn.stats, work_conn.stats
+    faults = dict(s.faults)
+    for k, v in w.faults.items():
+        faults[k] = faults.get(k, 0) + v
+    return {"lookups": s.lookups, "query_tokens": s.query_tokens, "hit_tokens": s.hit_tokens,
+            "tokens_loaded": w.tokens_loaded,
+            "bytes_loaded": w.bytes_loaded, "tokens_saved": w.tokens_saved, "bytes_saved": w.bytes_saved,
+            "load_seconds": sum(w.load_time_ns) / 1e9,
+            "load_ms_mean": sum(w.load_time_ns) / len(w.load_time_ns) / 1e6 if w.load_time_ns else 0.0,
+            "faults": dict(sorted(faults.items()))}

@@ -107,3 +107,19 @@ def test_a_request_aborted_while_loading_frees_its_blocks_when_the_load_ends(red
     assert not sched.kv_loads.loading and not sched.has_unfinished_requests()
     assert sched.kv_cache_manager.num_free_blocks_per_group == free
     eng.runner.kv_connector.close()
+
+
+def test_the_servers_metrics_show_the_connector(redis_server, kv_engines):
+    from attnplug.runner.api.engine_loop import EngineLoop
+    from attnplug.runner.api.metrics import ServerMetrics
+
+    kv_engines.run(kv_engines.build("llama", redis_server.url))
+    setup = kv_engines.build("llama", redis_server.url)
+    _, s = kv_engines.run(setup)
+    loop = EngineLoop(setup.engine, max_pending=4)
+    loop._snapshot()
+    text = ServerMetrics(lambda: loop.stats).render().decode()
+    kv = s["kv_connector"]
+    assert f"attnplug_kv_connector_hit_tokens_total {float(kv['hit_tokens'])}" in text
+    assert f"attnplug_kv_connector_loaded_bytes_total {float(kv['bytes_loaded'])}" in text
+    assert "attnplug_kv_connector_hit_rate" in text
