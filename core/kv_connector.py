@@ -34,7 +34,7 @@ Worker side (``runner/execute/kv_transfer.py``, inside ``ModelRunner``):
   ``wait_for_layer_load(layer_name)`` before a layer's attention, ``save_kv_layer(layer_name,
   kv_layer)`` after it, ``wait_for_save()`` at the step's end (the step's blocks may be
   reused from the next step on, so what a save reads must be read by then),
-  ``get_finished()`` -> :class:`KVConnectorOutput`, ``clear_connector_metadata()``.
+  ``get_finished(block)`` -> :class:`KVConnectorOutput`, ``clear_connector_metadata()``.
 
 Every connector also keeps a :class:`KVConnectorStats` (``stats``) and counts faults by kind.
 """
@@ -220,13 +220,10 @@ class KVConnectorBase:
     def wait_for_save(self) -> None:
         """Block until every save of this step has read the caches."""
 
-    def get_finished(self) -> KVConnectorOutput:
-        """Loads completed or failed since the last call."""
+    def get_finished(self, block: bool = False) -> KVConnectorOutput:
+        """Loads completed or failed since the last call; with ``block`` (a step that computed
+        nothing) wait until at least one of the loads in progress ends."""
         return KVConnectorOutput()
-
-    def has_pending_loads(self) -> bool:
-        """Whether some asynchronous load is still in progress (the engine then keeps stepping)."""
-        return False
 
     def close(self) -> None:
         """Release connections and threads."""

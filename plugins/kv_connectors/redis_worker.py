@@ -96,9 +96,6 @@ class RedisWorkerSide:
                 raise
         return out
 
-    def has_pending_loads(self) -> bool:
-        return bool(self._inflight)
-
     def get_finished(self, block: bool = False) -> KVConnectorOutput:
         """Loads done since the last call, their blocks copied into the caches; with
         ``block`` (a step that computed nothing) wait for at least one first."""
