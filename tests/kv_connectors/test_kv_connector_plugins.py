@@ -63,6 +63,7 @@ def test_run_refuses_bad_connector_flags_in_one_line(capsys):
     for flags, needle in [(["--kv-connector", "nope"], "unknown KV connector"),
                           (["--kv-connector", "redis", "--kv-connector-config", "colour=red"], "unknown redis"),
                           (["--kv-connector-config", "url=x"], "without --kv-connector"),
+                          (["--kv-connector", "redis", "--async-scheduling"], "synchronous scheduling"),
                           (["--kv-connector", "redis", "--model", "tiny-hybrid"], "needs --prefix-caching")]:
         status = main(["--model", "tiny-llama", "--num-requests", "1", "--invariance-requests", "0", *flags])
         err = capsys.readouterr().err
