@@ -123,3 +123,11 @@ def test_the_servers_metrics_show_the_connector(redis_server, kv_engines):
     assert f"attnplug_kv_connector_hit_tokens_total {float(kv['hit_tokens'])}" in text
     assert f"attnplug_kv_connector_loaded_bytes_total {float(kv['bytes_loaded'])}" in text
     assert "attnplug_kv_connector_hit_rate" in text
+
+
+def test_loaded_requests_preempted_later_recompute_to_the_same_outputs(redis_server, kv_engines):
+    plain, _ = kv_engines.run(kv_engines.build("gemma3", None))
+    kv_engines.run(kv_engines.build("gemma3", redis_server.url))
+    out, s = kv_engines.run(kv_engines.build("gemma3", redis_server.url, preempt=2))
+    assert s["preemptions"] > 0 and s["kv_connector"]["hit_tokens"] > 0
+    assert out == plain
