@@ -44,6 +44,7 @@ class RemoteKVLoads:
         self.loading: dict[str, Request] = {}
         self.num_loaded = 0
         self.num_failed = 0
+        self.num_dropped = 0
 
     def __len__(self) -> int:
         return len(self.loading)
@@ -74,22 +75,41 @@ class RemoteKVLoads:
         self.loading[req.req_id] = req
         return True
 
-    def admit_loaded(self, req: Request, budget: int) -> int | None:
+    def admit_loaded(self, req: Request, budget: int, stepping: bool) -> int | None:
         """Admit ``req`` (first waiting; its load ended, it holds blocks for its
         ``num_computed_tokens``) as running: the tokens it computes this step, or ``None``
-        when it does not fit now (nothing changed)."""
+        when it does not fit now.
+
+        When its blocks cannot grow while nothing runs and nothing is scheduled yet
+        (``stepping`` false), requests behind it that hold loaded blocks give them back, last
+        first, until it fits (:meth:`_drop_held`): without that, requests that each hold part
+        of the pool would wait for each other forever."""
         sched = self.scheduler
         total = req.num_tokens_to_compute
         if not sched.config.enable_chunked_prefill and total > budget:
             return None
         n = sched.kv_cache_manager.align_num_new_tokens(req, req.num_computed_tokens, min(total, budget))
-        if sched._allocate(req, n) is None:
-            return None
+        while sched._allocate(req, n) is None:
+            if sched.running or stepping or not self._drop_held(req):
+                return None
         sched.waiting.popleft()
         sched.running.append(req)
         req.status = RequestStatus.RUNNING
         req.sent_to_runner = True
         return n
+
+    def _drop_held(self, front: Request) -> bool:
+        """The last waiting request behind ``front`` that holds blocks from its load frees them
+        and will compute from token 0 (``kv_load = "dropped"``); ``False`` when there is none."""
+        for r in reversed(self.scheduler.waiting):
+            if r is not front and r.kv_load in ("loaded", "failed") and not r.sent_to_runner and any(r.block_ids):
+                self.scheduler.kv_cache_manager.free(r)
+                r.block_ids = tuple([] for _ in r.block_ids)
+                r.num_computed_tokens = 0
+                r.kv_load = "dropped"
+                self.num_dropped += 1
+                return True
+        return False
 
     def on_finish(self, req: Request) -> bool:
         """``req`` finished (aborted): tell the connector; ``True`` when it is loading (its

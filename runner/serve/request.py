@@ -60,7 +60,7 @@ class Request:
             hidden_size]`` (sent with the request's first ``NewRequestData``; such a
             request never shares prefix-cache blocks).
         kv_load: the KV connector's load of this request: ``None`` (never asked),
-            ``"loading"``, ``"loaded"`` or ``"failed"`` (``runner/serve/kv_loads.py``).
+            ``"loading"``, ``"loaded"``, ``"failed"`` or ``"dropped"`` (``runner/serve/kv_loads.py``).
         kv_load_tokens: tokens that load brings beyond the local prefix hit.
     """
 

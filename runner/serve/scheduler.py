@@ -255,7 +255,7 @@ class Scheduler:
                 if req.free_when_idle:
                     break  # its old blocks are still in use by the step in flight
                 if req.kv_load is not None and not req.sent_to_runner and req.status is RequestStatus.WAITING:
-                    if (n := self.kv_loads.admit_loaded(req, budget)) is None:  # its load ended: holds blocks
+                    if (n := self.kv_loads.admit_loaded(req, budget, bool(sched))) is None:  # load ended
                         break
                     new_reqs.append(req)
                     sched[req.req_id] = n

@@ -76,7 +76,7 @@ def redis_server(tmp_path):
 
 
 def build(cfg_name: str, url: str | None, *, prefix_caching: bool = False, budget: int = 16,
-          preempt: int | None = None, **config):
+          preempt: int | None = None, num_blocks: int | None = None, **config):
     """An engine on a tiny random-weight model (seeded: the same weights every call)."""
     from attnplug.runner.commands.assemble import build_engine, resolve_backend
     from attnplug.runner.commands.model_loading import build_with_backends
@@ -84,7 +84,7 @@ def build(cfg_name: str, url: str | None, *, prefix_caching: bool = False, budge
     model = build_with_backends(MODELS[cfg_name], backend=None, block_size=BLOCK, resolve=resolve_backend, seed=3)
     conf = ",".join([f"url={url}", *(f"{k}={v}" for k, v in config.items())]) if url else None
     args = SimpleNamespace(model=f"test-{cfg_name}", backend=None, block_size=BLOCK, seed=3, max_model_len=96,
-                           max_num_seqs=4, max_num_batched_tokens=budget, num_blocks=None, record_logits=False,
+                           max_num_seqs=4, max_num_batched_tokens=budget, num_blocks=num_blocks, record_logits=False,
                            force_preemption_every=preempt, async_scheduling=False, speculative=None,
                            prefix_caching=prefix_caching, kv_connector="redis" if url else None,
                            kv_connector_config=conf)

@@ -131,3 +131,20 @@ def test_loaded_requests_preempted_later_recompute_to_the_same_outputs(redis_ser
     out, s = kv_engines.run(kv_engines.build("gemma3", redis_server.url, preempt=2))
     assert s["preemptions"] > 0 and s["kv_connector"]["hit_tokens"] > 0
     assert out == plain
+
+
+def test_loaded_requests_holding_the_whole_pool_do_not_wait_for_each_other(redis_server, kv_engines):
+    """Two loads fill the pool (7 blocks each of 14); the first then needs one more block: the
+    second gives its blocks back and computes from scratch later, instead of both waiting."""
+    prompts = [kv_engines.PROMPTS[0], [p + 50 for p in kv_engines.PROMPTS[0]]]
+    plain, _ = kv_engines.run(kv_engines.build("llama", None), prompts=prompts)
+    kv_engines.run(kv_engines.build("llama", redis_server.url), prompts=prompts)
+    setup = kv_engines.build("llama", redis_server.url, num_blocks=15)
+    from attnplug.runner.step.scheduler_output import SamplingParams
+
+    for i, p in enumerate(prompts):
+        setup.engine.add_request(f"r-{i}", p, SamplingParams(max_tokens=6))
+    results = setup.engine.run(max_steps=100)
+    assert not setup.engine.has_unfinished_requests(), "loaded requests wait for each other's blocks"
+    assert {rid: r.output_token_ids for rid, r in sorted(results.items())} == plain
+    assert setup.engine.scheduler.kv_loads.num_dropped == 1
