@@ -93,11 +93,14 @@ class KVConnectorContext:
         model_id: names the model's weights and shapes (a preset name and seed, a file's
             digest): a store shared by runs keeps runs of different models apart with it.
         config: the connector's own settings (``--kv-connector-config``), str keys.
+        reported_faults: fault kinds already reported by an instance built with this context
+            (both roles of one run share it, so each kind is reported once per run).
     """
 
     groups: tuple[KVConnectorGroup, ...]
     model_id: str
     config: Mapping[str, Any] = field(default_factory=dict)
+    reported_faults: set[str] = field(default_factory=set, compare=False)
 
 
 @dataclass
@@ -230,7 +233,9 @@ class KVConnectorBase:
 
     # --- faults ---------------------------------------------------------------------------
     def record_fault(self, kind: str) -> bool:
-        """Count a fault of ``kind``; ``True`` the first time (the caller then reports it once)."""
-        n = self.stats.faults.get(kind, 0)
-        self.stats.faults[kind] = n + 1
-        return n == 0
+        """Count a fault of ``kind``; ``True`` the first time in the run (both roles built from
+        one context together): the caller then reports it, once."""
+        self.stats.faults[kind] = self.stats.faults.get(kind, 0) + 1
+        first = kind not in self.context.reported_faults
+        self.context.reported_faults.add(kind)
+        return first

@@ -64,7 +64,7 @@ def test_a_bad_value_makes_the_request_recompute_with_identical_outputs(redis_se
     assert sum(kind in r.getMessage() for r in caplog.records) == 1, "a fault kind is reported once"
 
 
-def test_the_store_killed_mid_run_costs_compute_not_correctness(redis_server, kv_engines):
+def test_the_store_killed_mid_run_costs_compute_not_correctness(redis_server, kv_engines, caplog):
     plain, base, _ = _fill(redis_server, kv_engines)
     setup = kv_engines.build("llama", redis_server.url)
     from attnplug.runner.step.scheduler_output import SamplingParams
@@ -79,7 +79,8 @@ def test_the_store_killed_mid_run_costs_compute_not_correctness(redis_server, kv
     assert result.kv_connector_output.failed_recving and not result.kv_connector_output.finished_recving
     eng.scheduler.update_from_output(out, result.sampled_token_ids, result.kv_connector_output)
     eng.add_request("late", kv_engines.PROMPTS[0], SamplingParams(max_tokens=6))  # its lookup fails too
-    results = eng.run()
+    with caplog.at_level(logging.WARNING, logger="attnplug.kv_connectors"):
+        results = eng.run()
     s = setup.summary(results, 1.0)
     out = {rid: r.output_token_ids for rid, r in sorted(results.items())}
     kv = s["kv_connector"]
@@ -87,6 +88,7 @@ def test_the_store_killed_mid_run_costs_compute_not_correctness(redis_server, kv
     assert out.pop("late") == plain["r-0"] and out == plain
     assert kv["tokens_loaded"] == 0 and kv["loads_failed"] == len(kv_engines.PROMPTS)
     assert kv["faults"]["store_unavailable"] >= len(kv_engines.PROMPTS) + 1  # the loads and the late lookup
+    assert sum("store_unavailable" in r.getMessage() for r in caplog.records) == 1, "reported once, both sides"
     eng.scheduler.kv_connector.close()
     eng.runner.kv_connector.close()
 
