@@ -139,7 +139,8 @@ class KVConnectorStats:
     Attributes:
         lookups: admissions that asked the connector (``get_num_new_matched_tokens``).
         query_tokens: tokens those admissions could have got (``num_tokens - 1 - local hit``).
-        hit_tokens: tokens the connector said it could provide.
+        hit_tokens: tokens the connector provides to admitted loads (a connector counts them
+            when the load is planned, ``update_state_after_alloc``).
         tokens_loaded / bytes_loaded: tokens and value bytes written into the caches.
         tokens_saved / bytes_saved: tokens and value bytes sent to the store.
         load_time_ns: per step that loaded, nanoseconds its loads took (fetch, check, copy).

@@ -154,7 +154,6 @@ class RedisConnector(RedisWorkerSide, KVConnectorBase):
         if h <= num_computed_tokens:
             return 0, True
         self._lookups[request.req_id] = (num_computed_tokens, h, keys)
-        self.stats.hit_tokens += h - num_computed_tokens
         return h - num_computed_tokens, True
 
     def update_state_after_alloc(self, request: Any, block_ids: Sequence[Sequence[int]],
@@ -169,6 +168,7 @@ class RedisConnector(RedisWorkerSide, KVConnectorBase):
         blocks = [(g, block_ids[g][0] if grp.kind == "mamba" else block_ids[g][i], keys[g][i])
                   for g, grp in enumerate(self.groups) for i in needed_blocks(grp, local, h)]
         self._known.update(k for _, _, k in blocks)
+        self.stats.hit_tokens += num_external_tokens  # counted once the load is planned (not per retry)
         self._loads.append(LoadSpec(request.req_id, num_external_tokens, blocks))
 
     def build_connector_meta(self, scheduler_output: Any) -> RedisConnectorMetadata:
