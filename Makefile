@@ -39,7 +39,11 @@ VLLM_MINORS := 0.32 0.33
 run: $(VENV)/.base
 	$(VENV)/bin/attnplug run
 
+# The Redis KV connector's tests start their own redis-server (Debian's package, installed here
+# when missing: CI runs as root) on loopback (docs/kv-connectors.md).
 test: $(VENV)/.test $(VLLM_MINORS:%=.venv-vllm/%/.test)
+	command -v redis-server >/dev/null || apt-get install -y -q redis-server >/dev/null || \
+	  { apt-get update -q >/dev/null && apt-get install -y -q redis-server >/dev/null; }
 	ATTNPLUG_VALIDATE=1 $(PY) -m pytest -q
 	for m in $(VLLM_MINORS); do ATTNPLUG_VALIDATE=1 ATTNPLUG_REQUIRE_VLLM=$$m .venv-vllm/$$m/bin/python -m pytest -q tests/vllm || exit 1; done
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from attnplug.core.errors import SchedulingError
+from attnplug.runner.serve.kv_loads import connector_counters
 from attnplug.runner.serve.request_timing import RequestTiming
 from attnplug.runner.serve.retention import forget_finished
 from attnplug.runner.serve.step_failure import StepFailed
@@ -82,7 +83,8 @@ class LoopStats:
     ``blocks_in_use`` / ``blocks_total``: per cache group (blocks requests own; the pool's
     capacity, null block excluded). ``prefix_queries`` / ``prefix_hits``: prompt tokens looked
     up in the prefix cache / found there. ``spec_drafts`` / ``spec_accepted``: draft tokens
-    proposed / accepted."""
+    proposed / accepted. ``kv_connector``: with ``--kv-connector``, the connector's counters
+    (``runner/commands/kv_connector_setup.py``'s ``kv_connector_summary`` keys), else ``None``."""
 
     running: int = 0
     waiting: int = 0
@@ -95,6 +97,7 @@ class LoopStats:
     spec_accepted: int = 0
     steps: int = 0
     failed_steps: int = 0
+    kv_connector: dict | None = None
 
 
 class EngineLoop:
@@ -272,6 +275,7 @@ class EngineLoop:
             s.prefix_queries, s.prefix_hits = pc.queries, pc.hits
         if sched.spec is not None:
             s.spec_drafts, s.spec_accepted = sched.spec.stats.num_draft_tokens, sched.spec.stats.num_accepted_tokens
+        s.kv_connector = connector_counters(self.engine)
         self.stats = s
 
 

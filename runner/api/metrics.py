@@ -79,8 +79,30 @@ class _StatsCollector:
                                 s.spec_accepted / s.spec_drafts if s.spec_drafts else 0.0)
         yield GaugeMetricFamily("attnplug_torch_num_threads", "torch.get_num_threads() of the server.",
                                 torch.get_num_threads())
+        yield from _kv_connector_metrics(s.kv_connector)
         yield CounterMetricFamily("attnplug_engine_steps", "Engine steps run.", s.steps)
         yield CounterMetricFamily("attnplug_engine_failed_steps", "Engine steps that raised.", s.failed_steps)
+
+
+def _kv_connector_metrics(kv: dict | None):
+    """``--kv-connector``: its counters (docs/kv-connectors.md); nothing without a connector."""
+    if kv is None:
+        return
+    for key, name, doc in [("query_tokens", "query_tokens", "Tokens the KV store was asked for."),
+                           ("hit_tokens", "hit_tokens", "Tokens the KV store held."),
+                           ("tokens_loaded", "loaded_tokens", "Tokens loaded from the KV store."),
+                           ("bytes_loaded", "loaded_bytes", "Bytes loaded from the KV store."),
+                           ("tokens_saved", "saved_tokens", "Tokens saved to the KV store."),
+                           ("bytes_saved", "saved_bytes", "Bytes saved to the KV store."),
+                           ("load_seconds", "load_seconds", "Seconds KV loads took (fetch, checks, copy).")]:
+        yield CounterMetricFamily(f"attnplug_kv_connector_{name}", doc, kv[key])
+    yield GaugeMetricFamily("attnplug_kv_connector_hit_rate", "KV store hits / queries (tokens).",
+                            kv["hit_tokens"] / kv["query_tokens"] if kv["query_tokens"] else 0.0)
+    faults = CounterMetricFamily("attnplug_kv_connector_faults", "KV connector faults (the request recomputed).",
+                                 labels=["kind"])
+    for kind, n in sorted(kv["faults"].items()):
+        faults.add_metric([kind], n)
+    yield faults
 
 
 class ServerMetrics:

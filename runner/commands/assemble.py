@@ -24,6 +24,7 @@ from attnplug.runner.step.scheduler_output import SamplingParams
 from attnplug.runner.commands.limits import clip, memory_problem
 from attnplug.runner.commands.traces import BUNDLED_ATTRIBUTION, BUNDLED_TRACES
 from attnplug.runner.commands.prefix_report import prefix_caching_summary
+from attnplug.runner.commands.kv_connector_setup import kv_connector_summary, make_connectors
 from attnplug.runner.commands.shared_prefixes import SYSTEM_PROMPT_LEN, SYSTEM_PROMPTS, make_shared_prefix_prompts
 from attnplug.runner.execute.cascade import CascadeConfig
 
@@ -89,6 +90,7 @@ class EngineSetup:
             "outputs_digest": outputs_digest(results),
             **prefix_caching_summary(eng),
             **spec_summary(eng),  # runner/commands/speculative.py
+            **kv_connector_summary(eng),  # --kv-connector (kv_connector_setup.py)
         }
 
 
@@ -269,6 +271,7 @@ def build_engine(args, *, alone: bool = False, model: torch.nn.Module | None = N
                     "--num-blocks" if args.num_blocks else "the default --num-blocks")
     backends = [model.attnplug_backends[g.layer_names[0]] for g in groups]
     check_builders(kv_cfg, backends, budget, max_num_seqs, max_model_len, device)
+    kv_sched, kv_worker = make_connectors(args, kv_cfg, backends, alone)  # --kv-connector
     sched = Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
                                       max_model_len=max_model_len, enable_chunked_prefill=not alone,
                                       force_preemption_every=getattr(args, "force_preemption_every", None),
@@ -276,7 +279,7 @@ def build_engine(args, *, alone: bool = False, model: torch.nn.Module | None = N
                                       enable_prefix_caching=getattr(args, "prefix_caching", False),
                                       speculative=attach_draft_model(spec_cfg, args, model,
                                                                      device, resolve_backend)),
-                      kv_cfg)
+                      kv_cfg, kv_connector=kv_sched)
     runner = ModelRunner(model, kv_cfg, backends,
                          RunnerConfig(max_num_reqs=max_num_seqs, max_model_len=max_model_len,
                                       max_num_batched_tokens=budget),
@@ -284,6 +287,10 @@ def build_engine(args, *, alone: bool = False, model: torch.nn.Module | None = N
                          cascade=CascadeConfig(enabled=not getattr(args, "no_cascade", False),
                                                min_prefix_len=getattr(args, "cascade_min_prefix_len", 256),
                                                min_num_reqs=getattr(args, "cascade_min_num_reqs", 8)))
+    if kv_worker is not None:
+        from attnplug.runner.execute.kv_transfer import attach_kv_connector
+
+        attach_kv_connector(runner, kv_worker)
     from attnplug.runner.parallel.executor import wrap_runner
 
     runner = wrap_runner(runner, alone)  # tensor parallel: rank 0 broadcasts each step

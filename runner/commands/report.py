@@ -9,6 +9,7 @@ from rich.table import Table
 
 from attnplug.cache_groups.kinds import GroupKind
 from attnplug.runner.commands.prefix_report import prefix_caching_rows
+from attnplug.runner.commands.kv_connector_setup import kv_connector_rows
 from attnplug.runner.commands.serving_report import print_serving_tables
 
 
@@ -61,6 +62,8 @@ def print_run_table(summary: dict[str, Any], console: Console | None = None) -> 
         t.add_row("torch threads", str(summary["torch_threads"]))
         t.add_row("outputs digest", summary["outputs_digest"][:16])
     for metric, value in prefix_caching_rows(summary):  # --prefix-caching (prefix_report.py)
+        t.add_row(metric, value)
+    for metric, value in kv_connector_rows(summary):  # --kv-connector (kv_connector_setup.py)
         t.add_row(metric, value)
     if "tokens_per_step" in summary:
         t.add_row("generated tokens / step", f"{summary['tokens_per_step']:.3f}")

@@ -31,7 +31,7 @@ from attnplug.runner.commands.limits import OneLineParser, bounded_int, device_f
 from attnplug.runner.commands import replay, run_parallel, serving_flags, threads
 from attnplug.runner.commands.shared_prefixes import SYSTEM_PROMPT_LEN, SYSTEM_PROMPTS
 from attnplug.runner.commands.run_plot import group_labels, missing_matplotlib, plot_path_problem, save_plot
-from attnplug.runner.commands import kv_cache_setup, real_run
+from attnplug.runner.commands import kv_cache_setup, kv_connector_setup, real_run
 
 
 INT32_MAX = 2**31 - 1
@@ -125,6 +125,7 @@ def _parser() -> argparse.ArgumentParser:
     serving_flags.add_flags(p)  # arrivals, sampling, warm-up, repeats, goodput
     threads.add_flag(p)  # --torch-threads; ATTNPLUG_TORCH_THREADS (threads.py)
     kv_cache_setup.add_flags(p)  # --kv-cache-dtype, --kv-scales, --kv-cache-memory
+    kv_connector_setup.add_flags(p)  # --kv-connector, --kv-connector-config
     return p
 
 

@@ -25,6 +25,7 @@ from attnplug.core.devices import resolve_device
 from attnplug.core.errors import ConfigError, MetadataError
 from attnplug.runner.execute.cascade import CascadeConfig, CascadePlanner
 from attnplug.runner.execute.group_metadata import GroupMetadataBuilder
+from attnplug.runner.execute import kv_transfer
 from attnplug.runner.execute.kv_caches import allocate_kv_caches, kernel_kv_cache_spec, negotiate_kernel_block_sizes
 from attnplug.runner.execute.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
 from attnplug.runner.execute.cudagraph import CUDAGraphMode
@@ -203,6 +204,10 @@ class ModelRunner:
         """Times a step's outputs were waited for (``AsyncModelRunnerOutput.result``)."""
         self.output_wait_ns = 0
         """Nanoseconds spent in those waits (the device-to-host copy of the tokens)."""
+        self.kv_connector = None
+        """The worker-side KV connector (``kv_transfer.attach_kv_connector``), or ``None``."""
+        self.kv_connector_step_ns: list[int] = []
+        """Per step, nanoseconds in the connector's hooks (loads started and finished, saves)."""
 
     def reset_stats(self) -> None:
         """Start the figures afresh (``LLMEngine.reset_stats``, after warm-up): stage
@@ -213,6 +218,7 @@ class ModelRunner:
         self.metadata_builder.counters = type(self.metadata_builder.counters)()
         self.cascade.num_cascade_steps = self.cascade.num_steps = 0
         self.cascade.reason_counts = {}
+        self.kv_connector_step_ns = []
 
     def _time(self, stage: str, t0: int) -> int:
         t1 = time.perf_counter_ns()
@@ -230,6 +236,14 @@ class ModelRunner:
         """
         if self._unread:
             raise MetadataError("execute_model: read every execute_model_async result first")
+        if self.kv_connector is None:
+            return self._execute(scheduler_output)
+        kv_transfer.before_forward(self, scheduler_output)
+        out = self._execute(scheduler_output)
+        out.kv_connector_output = kv_transfer.after_forward(self, bool(out.req_ids))
+        return out
+
+    def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         step = self._run(scheduler_output, None)
         if step is None:
             return ModelRunnerOutput([], {})
@@ -261,6 +275,8 @@ class ModelRunner:
             MetadataError: the result of the step before the previous one is still unread, or
                 the step carries draft tokens (speculative decoding is synchronous).
         """
+        if self.kv_connector is not None:
+            raise MetadataError("execute_model_async: a KV connector needs synchronous steps (execute_model)")
         if len(self._unread) >= 2:
             raise MetadataError("execute_model_async: at most one step in flight; read the older result first")
         if scheduler_output.scheduled_spec_decode_tokens:  # docs/speculative-decoding.md

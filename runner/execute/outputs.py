@@ -28,11 +28,14 @@ class ModelRunnerOutput:
             prefills and recomputes produce nothing).
         logits: ``{req_id: [vocab_size] float32 CPU}`` for the same rows, when the runner
             was created with ``record_logits=True``.
+        kv_connector_output: with a KV connector, its loads that ended in the step
+            (``core/kv_connector.py``'s ``KVConnectorOutput``), else ``None``.
     """
 
     req_ids: list[str]
     sampled_token_ids: dict[str, list[int]]
     logits: dict[str, torch.Tensor] = field(default_factory=dict)
+    kv_connector_output: Any = None
 
 
 class AsyncModelRunnerOutput:

@@ -177,7 +177,7 @@ class LLMEngine:
 
     def reset_stats(self) -> None:
         """Start every figure afresh (after warm-up requests): the engine's counters, the
-        scheduler's (preemptions, peak blocks, prefix-cache and speculation counters) and the
+        scheduler's (preemptions, peak blocks, prefix-cache, speculation and KV connector counters) and the
         runner's (stage timings, output waits, metadata builds, cascade decisions). Requests,
         caches and results are kept."""
         self.stats = EngineStats()
@@ -189,6 +189,11 @@ class LLMEngine:
             kv.stats = type(kv.stats)()
         if sched.spec is not None:
             sched.spec.stats = type(sched.spec.stats)()
+        for conn in (sched.kv_connector, getattr(self.runner, "kv_connector", None)):  # KV connector counters
+            if conn is not None:
+                conn.stats = type(conn.stats)()
+        if sched.kv_loads is not None:
+            sched.kv_loads.num_loaded = sched.kv_loads.num_failed = 0
         reset = getattr(self.runner, "reset_stats", None)
         if reset is not None:
             reset()
@@ -279,7 +284,9 @@ class LLMEngine:
     def _apply(self, out, result) -> list[str]:
         """Feed one step's outputs to the scheduler; keep what it accepted."""
         before = {rid: self.scheduler.get_request(rid).num_output_tokens for rid in result.sampled_token_ids}
-        finished = self.scheduler.update_from_output(out, result.sampled_token_ids)
+        kv = getattr(result, "kv_connector_output", None)  # a KV connector's loads that ended
+        finished = (self.scheduler.update_from_output(out, result.sampled_token_ids) if kv is None
+                    else self.scheduler.update_from_output(out, result.sampled_token_ids, kv))
         now = self.clock.now()  # when this step's tokens became visible
         for rid, toks in result.sampled_token_ids.items():
             accepted = self.scheduler.get_request(rid).num_output_tokens - before[rid]

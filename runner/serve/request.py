@@ -15,12 +15,15 @@ from attnplug.runner.step.scheduler_output import SamplingParams
 
 
 class RequestStatus(enum.Enum):
-    """Lifecycle: ``WAITING -> RUNNING -> (PREEMPTED -> RUNNING)* -> FINISHED``."""
+    """Lifecycle: ``WAITING -> RUNNING -> (PREEMPTED -> RUNNING)* -> FINISHED``; with a KV
+    connector ``WAITING -> WAITING_FOR_REMOTE_KVS -> WAITING -> RUNNING ...``."""
 
     WAITING = "waiting"
     """Added, never scheduled yet."""
     RUNNING = "running"
     """Admitted: owns blocks, scheduled every step the budget allows."""
+    WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"
+    """Blocks allocated, its KV loading through the connector; not scheduled for compute."""
     PREEMPTED = "preempted"
     """Blocks freed and ``num_computed_tokens`` reset; waits to be recomputed."""
     FINISHED = "finished"
@@ -56,6 +59,9 @@ class Request:
         prompt_embeds: ``None``, or the prompt as embeddings ``[len(prompt_token_ids),
             hidden_size]`` (sent with the request's first ``NewRequestData``; such a
             request never shares prefix-cache blocks).
+        kv_load: the KV connector's load of this request: ``None`` (never asked),
+            ``"loading"``, ``"loaded"``, ``"failed"`` or ``"dropped"`` (``runner/serve/kv_loads.py``).
+        kv_load_tokens: tokens that load brings beyond the local prefix hit.
     """
 
     req_id: str
@@ -73,6 +79,8 @@ class Request:
     free_when_idle: bool = False
     stopped: bool = False
     prompt_embeds: Any = None
+    kv_load: str | None = None
+    kv_load_tokens: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:

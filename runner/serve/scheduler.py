@@ -21,6 +21,8 @@ the step's sampled tokens back. Semantics follow vLLM V1's scheduler (prefix cac
   prompt plus generated tokens (chunked if needed, even with chunked prefill disabled).
 * A request finishes at ``sampling_params.max_tokens`` outputs or ``max_model_len`` tokens;
   its blocks are freed at once and its id is sent in the next step's ``finished_req_ids``.
+* With a KV connector (``core/kv_connector.py``), a waiting request whose prefix the
+  connector holds beyond the local hit loads first, without compute (``kv_loads.py``).
 """
 
 from __future__ import annotations
@@ -29,10 +31,14 @@ from collections import deque
 
 from attnplug.cache_groups.grouping import KVCacheConfig
 from attnplug.core.errors import SchedulingError
+from attnplug.core.kv_connector import KVConnectorBase, KVConnectorOutput
 from attnplug.runner.serve.admission import check_new_request
 from attnplug.runner.serve.deltas import make_output
 from attnplug.runner.serve.kv_cache_manager import make_kv_cache_manager
+from attnplug.runner.serve.kv_loads import RemoteKVLoads
+from attnplug.runner.serve.preemption import maybe_force_preemption, preempt_running
 from attnplug.runner.serve.request import Request, RequestStatus
+from attnplug.runner.serve.sampled_checks import check_sampled_tokens
 from attnplug.runner.serve.scheduler_config import SchedulerConfig
 from attnplug.runner.serve.spec_schedule import SpecScheduler, make_spec_scheduler
 from attnplug.runner.step.scheduler_output import SamplingParams, SchedulerOutput
@@ -46,9 +52,11 @@ class Scheduler:
     Args:
         config: the step limits.
         kv_cache_config: the cache groups; one block pool of ``num_blocks`` per group.
+        kv_connector: the scheduler-side KV connector (``core/kv_connector.py``), or ``None``.
 
     Raises:
         KVCacheSpecError: a group's spec has no block policy.
+        ConfigError: a KV connector with asynchronous scheduling (not supported).
 
     Examples:
         >>> from attnplug.cache_groups.grouping import KVCacheConfig, KVCacheGroupSpec
@@ -62,7 +70,8 @@ class Scheduler:
         []
     """
 
-    def __init__(self, config: SchedulerConfig, kv_cache_config: KVCacheConfig):
+    def __init__(self, config: SchedulerConfig, kv_cache_config: KVCacheConfig,
+                 kv_connector: KVConnectorBase | None = None):
         self.config = config
         self.kv_cache_manager = make_kv_cache_manager(kv_cache_config, config)
         self.requests: dict[str, Request] = {}
@@ -81,6 +90,9 @@ class Scheduler:
         """Asynchronous scheduling: per in-flight output (``id``), the requests that sample in it."""
         self.spec: SpecScheduler | None = make_spec_scheduler(config, kv_cache_config)
         """Speculative decoding (``config.speculative``): drafts and rollback, ``spec_schedule.py``."""
+        self.kv_connector = kv_connector
+        self.kv_loads: RemoteKVLoads | None = RemoteKVLoads(self, kv_connector) if kv_connector is not None else None
+        """Requests whose KV is loading through the connector (``kv_loads.py``)."""
 
     # --- requests -----------------------------------------------------------------------
     def add_request(self, req_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams | None = None,
@@ -128,10 +140,10 @@ class Scheduler:
         return self.requests[req_id]
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.kv_loads)
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + len(self.running) + (len(self.kv_loads) if self.kv_loads is not None else 0)
 
     @property
     def peak_blocks_per_group(self) -> list[int]:
@@ -157,29 +169,8 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def preempt(self, req_id: str) -> None:
-        """Test hook: preempt a running request now, between steps (as if out of blocks).
-
-        Raises:
-            SchedulingError: the request is not running, or a step is in flight (call
-                ``update_from_output`` first).
-        """
-        if self._in_flight and not self.config.async_scheduling:
-            raise SchedulingError("preempt() during a step: call update_from_output() first")
-        req = self.requests.get(req_id)
-        if req is None or req.status is not RequestStatus.RUNNING:
-            status = None if req is None else req.status.value
-            raise SchedulingError(f"cannot preempt {req_id!r}: status {status}, only running requests")
-        self._preempt(req)
-
-    def _maybe_force_preemption(self) -> Request | None:
-        every = self.config.force_preemption_every
-        if every is None or (self.num_steps + 1) % every or len(self.running) < 2:
-            return None
-        for req in reversed(self.running):
-            if req.num_output_tokens >= 1 and req.num_preemptions == 0:
-                self._preempt(req)
-                return req
-        return None
+        """Test hook: preempt a running request now, between steps (``preemption.preempt_running``)."""
+        preempt_running(self, req_id)
 
     # --- one step -----------------------------------------------------------------------
     def _allocate(self, req: Request, n: int, hit=None) -> tuple[list[int], ...] | None:
@@ -217,7 +208,7 @@ class Scheduler:
         new_blocks: dict[str, tuple[list[int], ...]] = {}
         preempted: list[Request] = []
         spec_tokens: dict[str, list[int]] = {}
-        forced = self._maybe_force_preemption()
+        forced = maybe_force_preemption(self)
         if forced is not None:
             preempted.append(forced)
 
@@ -258,11 +249,25 @@ class Scheduler:
         new_reqs: list[Request] = []
         resumed: list[Request] = []
         if not preempted or not sched:
-            while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
+            loading = len(self.kv_loads) if self.kv_loads is not None else 0
+            while self.waiting and budget > 0 and len(self.running) + loading < cfg.max_num_seqs:
                 req = self.waiting[0]
                 if req.free_when_idle:
                     break  # its old blocks are still in use by the step in flight
+                if req.kv_load is not None and not req.sent_to_runner and req.status is RequestStatus.WAITING:
+                    if (n := self.kv_loads.admit_loaded(req, budget, bool(sched))) is None:  # load ended
+                        break
+                    new_reqs.append(req)
+                    sched[req.req_id] = n
+                    budget -= n
+                    continue
                 hit = self.kv_cache_manager.get_computed_blocks(req)  # prefix caching (NO_HIT without)
+                ext = self.kv_loads.lookup(req, hit.num_computed_tokens) if self.kv_loads is not None else 0
+                if ext:  # the connector holds more: load it first, compute nothing yet
+                    if not self.kv_loads.start(req, hit, ext):
+                        break
+                    loading += 1
+                    continue
                 total = req.num_tokens_to_compute - hit.num_computed_tokens
                 if not cfg.enable_chunked_prefill and not req.sent_to_runner and total > budget:
                     break
@@ -283,6 +288,8 @@ class Scheduler:
         out = make_output(self.requests, sched, new_blocks, new_reqs, resumed, finished)
         out.mamba_state_copies = self.kv_cache_manager.plan_state_copies(sched, self.requests)
         out.scheduled_spec_decode_tokens = spec_tokens
+        if self.kv_connector is not None:
+            out.kv_connector_metadata = self.kv_connector.build_connector_meta(out)
         self.num_steps += 1
         if sched:
             self._launch(out)
@@ -304,7 +311,8 @@ class Scheduler:
         self._placeholders[id(out)] = sampling
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
-                           sampled_token_ids: dict[str, list[int]]) -> list[str]:
+                           sampled_token_ids: dict[str, list[int]],
+                           kv_connector_output: KVConnectorOutput | None = None) -> list[str]:
         """Advance the step's requests and take their sampled tokens.
 
         Every scheduled request advances ``num_computed_tokens`` by its scheduled count
@@ -319,6 +327,8 @@ class Scheduler:
             scheduler_output: the oldest in-flight ``schedule()`` output.
             sampled_token_ids: ``{req_id: [token ids]}`` (usually one token) for the
                 non-discarded requests of the step.
+            kv_connector_output: the worker's connector loads that ended in the step
+                (``ModelRunnerOutput.kv_connector_output``), or ``None``.
 
         Returns:
             Ids of the requests that finished this step (blocks freed once no in-flight
@@ -331,32 +341,21 @@ class Scheduler:
         """
         if not self._in_flight or scheduler_output is not self._in_flight[0]:
             if not scheduler_output.num_scheduled_tokens and not sampled_token_ids:
+                if self.kv_loads is not None:
+                    self.kv_loads.finish(kv_connector_output)  # a step that only loaded
                 return []  # an empty step needs no update
             raise SchedulingError(
                 "update_from_output() got a SchedulerOutput that is not the oldest in-flight schedule()'s "
                 "(or was already applied); pass each step's output exactly once, in order")
         scheduled = scheduler_output.num_scheduled_tokens
         sampling = self._placeholders[id(scheduler_output)] if self.config.async_scheduling else None
-        for req_id, toks in sampled_token_ids.items():
-            if req_id not in scheduled:
-                raise SchedulingError(f"sampled tokens for {req_id!r}, which was not scheduled this step")
-            if not toks:
-                raise SchedulingError(f"empty sampled token list for {req_id!r}; omit the key instead")
-        for req_id, n in scheduled.items():
-            req = self.requests[req_id]
-            complete = req_id in sampling if sampling is not None else req.num_computed_tokens + n >= req.num_tokens
-            if complete and req_id not in sampled_token_ids:
-                raise SchedulingError(
-                    f"{req_id!r} computed all its {req.num_tokens} tokens this step but no sampled "
-                    "token was given; pass its sample (only partial prefills are discarded)")
-            if not complete and req_id in sampled_token_ids:
-                raise SchedulingError(
-                    f"{req_id!r} is a partial prefill ({req.num_computed_tokens + n} of "
-                    f"{req.num_tokens} tokens); its sampled tokens must be discarded")
+        check_sampled_tokens(self.requests, scheduled, sampling, sampled_token_ids)
         if self.spec is not None:
             self.spec.check_sampled(scheduler_output, sampled_token_ids)
         self._in_flight.popleft()
         del self._placeholders[id(scheduler_output)]
+        if self.kv_loads is not None:
+            self.kv_loads.finish(kv_connector_output)
         self.kv_cache_manager.finish_step()  # prefix caching: Mamba checkpoints of the step
         finished: list[str] = []
         for req_id, n in scheduled.items():
@@ -393,7 +392,8 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)  # preempted while its last step was in flight, or aborted
-        self._release(req)
+        if self.kv_loads is None or not self.kv_loads.on_finish(req):  # loading: blocks held until it ends
+            self._release(req)
         req.block_ids = tuple([] for _ in range(self.kv_cache_manager.num_groups))
         req.status = RequestStatus.FINISHED
         req.sent_to_runner = False

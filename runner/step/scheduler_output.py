@@ -156,6 +156,9 @@ class SchedulerOutput:
             compute, scheduled ``1 + d`` tokens: that token, then the drafts (which the
             runner writes after the request's last token, ``spec_token_ids``). Empty
             lists mean no drafts. See ``runner/step/check_spec.py`` for the checks.
+        kv_connector_metadata: the step's KV connector work (loads, saves), built by the
+            scheduler-side connector for the worker side (``core/kv_connector.py``), or
+            ``None``. The step compiler does not read it.
     """
 
     scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
@@ -165,6 +168,7 @@ class SchedulerOutput:
     finished_req_ids: set[str] = field(default_factory=set)
     mamba_state_copies: object | None = None
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    kv_connector_metadata: object | None = None
 
     def __post_init__(self):
         if not self.total_num_scheduled_tokens and self.num_scheduled_tokens:
