@@ -96,6 +96,10 @@ class BuilderConfig:
     max_num_reqs: int
     max_num_batched_tokens: int
     max_model_len: int
+    dtype: torch.dtype | None = None
+    """The activation dtype queries arrive in (the model's dtype); ``None``: the KV-cache
+    spec's dtype, which is the same unless the cache is quantized (fp8). A builder that
+    plans kernels for the query dtype (FlashInfer's ``q_data_type``) reads it."""
 
 
 class AttentionMetadataBuilder(ABC):
@@ -284,6 +288,12 @@ class AttentionBackend(FeatureDeclarations, ABC):
     backend that lists an fp8 name reads ``layer.k_scale`` / ``layer.v_scale`` in ``forward``."""
     supports_per_head_kv_scales: ClassVar[bool] = False
     """``k_scale`` / ``v_scale`` may be ``[num_kv_heads]`` (else per tensor, shape ``[]``, only)."""
+    supports_quant_query_input: ClassVar[bool] = False
+    """With an fp8 cache the impl quantizes the query to the cache dtype too (vLLM's impl
+    attribute of that name; FA3 requires q, k and v in one fp8 dtype): it reads
+    ``layer.q_scale`` (float32 ``[]`` or ``[num_kv_heads]``, ``None`` = 1.0), stores
+    ``saturate(q / q_scale)`` and computes with ``stored * q_scale``. Backends without it
+    never read ``q_scale``."""
     kv_cache_layout: ClassVar[KVCacheLayout] = KVCacheLayout()
     """The cache's dimension order and where fp8 scales live (``core/kv_layout.py``); the
     default ``get_kv_cache_shape`` and ``split_kv_cache`` follow it."""
