@@ -97,9 +97,7 @@ class BuilderConfig:
     max_num_batched_tokens: int
     max_model_len: int
     dtype: torch.dtype | None = None
-    """The activation dtype queries arrive in (the model's dtype); ``None``: the KV-cache
-    spec's dtype, which is the same unless the cache is quantized (fp8). A builder that
-    plans kernels for the query dtype (FlashInfer's ``q_data_type``) reads it."""
+    """The queries' (model's) dtype; ``None``: the spec's (differs for an fp8 cache)."""
 
 
 class AttentionMetadataBuilder(ABC):
@@ -289,11 +287,8 @@ class AttentionBackend(FeatureDeclarations, ABC):
     supports_per_head_kv_scales: ClassVar[bool] = False
     """``k_scale`` / ``v_scale`` may be ``[num_kv_heads]`` (else per tensor, shape ``[]``, only)."""
     supports_quant_query_input: ClassVar[bool] = False
-    """With an fp8 cache the impl quantizes the query to the cache dtype too (vLLM's impl
-    attribute of that name; FA3 requires q, k and v in one fp8 dtype): it reads
-    ``layer.q_scale`` (float32 ``[]`` or ``[num_kv_heads]``, ``None`` = 1.0), stores
-    ``saturate(q / q_scale)`` and computes with ``stored * q_scale``. Backends without it
-    never read ``q_scale``."""
+    """With an fp8 cache the impl reads fp8 queries, ``saturate(q / layer.q_scale)`` (FA3;
+    vLLM's name; ``core/kv_quant.quantize_query``). Others never read ``q_scale``."""
     kv_cache_layout: ClassVar[KVCacheLayout] = KVCacheLayout()
     """The cache's dimension order and where fp8 scales live (``core/kv_layout.py``); the
     default ``get_kv_cache_shape`` and ``split_kv_cache`` follow it."""
@@ -393,17 +388,7 @@ class AttentionBackend(FeatureDeclarations, ABC):
             reasons.append("device 'cuda' requested but torch.cuda.is_available() is False")
         if layer.attn_type not in cls.supported_attn_types:
             reasons.append(f"attention type {layer.attn_type.value!r} not supported")
-        reasons.extend(cls._kv_cache_dtype_problems(layer))
+        from attnplug.core.kv_quant import kv_cache_dtype_problems
+
+        reasons.extend(kv_cache_dtype_problems(cls, layer.effective_kv_cache_dtype))
         return reasons
-
-    @classmethod
-    def _kv_cache_dtype_problems(cls, layer: AttentionLayerConfig) -> list[str]:
-        """A quantized ``layer.kv_cache_dtype`` the backend does not list in
-        ``supported_kv_cache_dtypes`` (``core/kv_quant.py``)."""
-        from attnplug.core.kv_quant import is_quantized, kv_cache_dtype_name
-
-        kv = layer.effective_kv_cache_dtype
-        if is_quantized(kv) and kv_cache_dtype_name(kv) not in cls.supported_kv_cache_dtypes:
-            return [f"kv_cache_dtype {kv_cache_dtype_name(kv)} not supported (supported: "
-                    f"{', '.join(cls.supported_kv_cache_dtypes)})"]
-        return []

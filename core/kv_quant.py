@@ -156,3 +156,13 @@ def quantize_query(query: torch.Tensor, q_scale: torch.Tensor | None, num_kv_hea
     if q_scale is not None and q_scale.dim() == 1:
         q_scale = q_scale.repeat_interleave(query.shape[1] // num_kv_heads)
     return quantize_kv(query, q_scale, cache_dtype)
+
+
+def kv_cache_dtype_problems(backend_cls: Any, kv: torch.dtype) -> list[str]:
+    """A quantized cache dtype ``kv`` that ``backend_cls`` does not list in
+    ``supported_kv_cache_dtypes`` (one reason; empty: fine). Part of the base
+    ``AttentionBackend.validate_configuration``."""
+    declared = tuple(getattr(backend_cls, "supported_kv_cache_dtypes", ("auto",)))
+    if is_quantized(kv) and kv_cache_dtype_name(kv) not in declared:
+        return [f"kv_cache_dtype {kv_cache_dtype_name(kv)} not supported (supported: {', '.join(declared)})"]
+    return []
