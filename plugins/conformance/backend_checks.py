@@ -99,12 +99,17 @@ def check_reentrant(backend_cls: type[AttentionBackend], device: str,
     built = [builder.build(0, cm) for cm, _, _ in steps]
     problems = []
     for i, (md, (_, kv, qkv)) in enumerate(zip(built, steps)):
-        late = forward(md, kv, qkv)
+        where = f"case {case.name!r}, step {i}: built before {len(steps) - 1 - i} later build(s) and run after them"
+        try:
+            late = forward(md, kv, qkv)
+        except Exception as exc:  # e.g. a kernel refusing a plan made for another step
+            problems.append(f"{where}, forward raised {type(exc).__name__}: {exc} (a build right before it "
+                            "runs): the metadata points into state a later build() overwrote")
+            continue
         if not torch.equal(late.nan_to_num(), sequential[i].nan_to_num()):
             diff = float((late.double() - sequential[i].double()).abs().nan_to_num(float("inf")).max())
             problems.append(
-                f"case {case.name!r}, step {i}: built before {len(steps) - 1 - i} later build(s) and run after "
-                f"them, the output differs from a build right before its forward (max |diff| {diff:.3g}): the "
+                f"{where}, the output differs from a build right before its forward (max |diff| {diff:.3g}): the "
                 "metadata points into state a later build() overwrote (a persistent buffer, a plan kept in a "
                 "kernel wrapper); give each build its own")
     return problems
