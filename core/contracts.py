@@ -185,7 +185,9 @@ class AttentionImpl(ABC):
     and soft-capping, and contributes no value (the probabilities sum to less than 1).
     It applies on full and sliding-window layers alike. Only models pass it; they pass it
     only to a backend whose ``supports_sink()`` is True (selection refuses the others), and
-    an impl given sinks it cannot apply must raise, never drop them.
+    an impl given sinks it cannot apply must raise, never drop them. ``alibi_slopes``
+    (keyword, vLLM's; only to a backend whose ``supports_alibi()`` is True): ``[num_heads]``
+    float32; head ``h``'s logit of a key ``d`` positions back gets ``- slopes[h] * d``.
     """
 
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,

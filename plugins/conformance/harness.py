@@ -30,7 +30,7 @@ from attnplug.core.constants import PAD_SLOT_ID
 from attnplug.core.contracts import AttentionBackend, AttentionType, BuilderConfig
 from attnplug.core.devices import resolve_device
 from attnplug.plugins.conformance.cases import ConformanceCase
-from attnplug.plugins.conformance.oracle import CaseInputs, case_kv_scales, case_q_scale
+from attnplug.plugins.conformance.oracle import CaseInputs, alibi_slopes, case_kv_scales, case_q_scale
 from attnplug.plugins.conformance.poison import PoisonPlan, bits
 from attnplug.plugins.conformance.requirements import torch_dtype
 from attnplug.plugins.conformance.snapshots import changes_since, snapshot, value_differences
@@ -181,6 +181,8 @@ class _Runner:
             group_kinds=[spec.kind] * NUM_GROUPS, validate=True, sliding_windows=[case.sliding_window] * NUM_GROUPS)
         self.inputs = CaseInputs(case)
         sink_kwargs = {} if self.inputs.sinks is None else {"sinks": self.inputs.sinks.to(self.device)}
+        if case.alibi:  # only to backends that declare ALiBi (requirements.assess skips the others)
+            sink_kwargs["alibi_slopes"] = alibi_slopes(case).to(self.device)
         self.impl = backend_cls.get_impl_cls()(
             case.num_heads, case.head_size, case.softmax_scale, case.num_kv_heads, sliding_window=case.sliding_window,
             logits_soft_cap=case.logits_soft_cap, attn_type=AttentionType.DECODER,

@@ -48,6 +48,14 @@ def case_kv_scales(case: ConformanceCase) -> tuple[torch.Tensor | None, torch.Te
     return scales
 
 
+def alibi_slopes(case: ConformanceCase) -> torch.Tensor | None:
+    """``[num_heads]`` float32 ALiBi slopes of an ``alibi`` case (Press et al.'s geometric
+    sequence ``2 ** (-8 (h + 1) / num_heads)``), else ``None``."""
+    if not case.alibi:
+        return None
+    return 2.0 ** (-8.0 * torch.arange(1, case.num_heads + 1, dtype=torch.float32) / case.num_heads)
+
+
 def quantizes_query(backend_cls, case: ConformanceCase) -> bool:
     """``backend_cls`` reads this fp8 case's query in fp8 too (``supports_quant_query_input``,
     FA3): it is then held to the dense oracle over the dequantised query as well, at the
@@ -157,6 +165,9 @@ def dense_attention(inputs: CaseInputs, token_req: np.ndarray, token_pos: np.nda
         visible = keys[None, :] <= pos[:, None]
         if case.sliding_window is not None:
             visible &= keys[None, :] > pos[:, None] - case.sliding_window
+        if case.alibi:  # - slope_h * (query position - key position)
+            distance = (pos[:, None] - keys[None, :]).double()
+            logits = logits - alibi_slopes(case).double().view(-1, 1, 1) * distance[None]
         logits = logits.masked_fill(~visible[None], float("-inf"))
         if inputs.sinks is not None:  # the sink column: in the denominator, with no value
             sink_col = inputs.sinks.double().view(-1, 1, 1).expand(-1, logits.shape[1], 1)

@@ -159,6 +159,7 @@ def test_kv_layout_matches_cache_shape(attnplug_conformance, attnplug_backend):
     ("logits_soft_cap", dict(logits_soft_cap=30.0)),
     ("mqa_gqa", dict(num_heads=4, num_kv_heads=1)),
     ("sinks", dict(has_sinks=True)),
+    ("alibi", dict(use_alibi=True)),
 ])
 def test_validate_configuration_rejects_undeclared_features(attnplug_conformance, attnplug_backend, feature, layer):
     """A feature the backend declares it lacks must be rejected by ``validate_configuration``
