@@ -25,6 +25,7 @@ pytest_plugins = ["pytester"]
 
 EXPECTED_SKIP = re.compile(
     r"the backend declares '(sliding_window|logits_soft_cap|mqa_gqa)'; the cases test it"
+    r"|the case needs '(sinks|alibi)'; the backend declares features\(\)\['(sinks|alibi)'\] = False"
     r"|the backend serves 'attention' caches"
     r"|property mode is off")
 
