@@ -106,7 +106,7 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder):
         self._wrappers: dict[tuple, list[Any]] = {}
         """Eager wrappers per ``(kind, plan key)``: a pool (``_free_wrapper``)."""
         self._owners: dict[int, Any] = {}
-        """``id(wrapper) -> weakref`` of the metadata holding it (dead: free)."""
+        """``id(wrapper) -> weakref`` of the ``FlashInferPlan`` holding it (dead: free)."""
         self._claimed: list[Any] = []
         self._graph_wrappers: dict[tuple, Any] = {}
 
@@ -193,9 +193,11 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder):
             num_prefill_tokens=cm.num_actual_tokens - num_decodes, page_size=self.page_size,
             slot_mapping=slot_mapping, paged_kv_indptr=indptr_t, paged_kv_indices=indices,
             paged_kv_last_page_len=last_t, qo_indptr=qo_indptr, plans=plans)
-        owner = weakref.ref(md)
-        for w in self._claimed:  # held until this metadata is dropped (re-entrancy)
-            self._owners[id(w)] = owner
+        claimed = {id(w) for w in self._claimed}
+        for plan in plans.values():  # held while the plan is alive: this metadata and any copy of it
+            for w in (plan.decode, plan.prefill):
+                if w is not None and id(w) in claimed:
+                    self._owners[id(w)] = weakref.ref(plan)
         return md
 
     def plan_keys(self) -> list[FlashInferPlanKey]:
@@ -218,8 +220,9 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder):
         Re-entrancy (``docs/writing-a-backend.md``): FlashInfer keeps a plan in its wrapper,
         so metadata whose wrapper a later build re-planned would run the later step. Each
         eager build therefore plans wrappers that no live metadata holds; a wrapper returns
-        to the pool when the metadata that planned it is dropped (a weak reference). Build
-        then forward, step after step, reuses one wrapper per key; N builds before their
+        to the pool when the ``FlashInferPlan`` it serves is dropped (a weak reference: the
+        metadata and any ``dataclasses.replace`` copy of it share the plan). Build then
+        forward, step after step, reuses one wrapper per key; N builds before their
         forwards hold N."""
         pool = self._wrappers.setdefault(wkey, [])
         for wrapper in pool:

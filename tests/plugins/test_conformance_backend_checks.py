@@ -80,3 +80,29 @@ def test_split_views_that_disagree_with_the_descriptor_fail():
                          ids=lambda b: b.get_name())
 def test_builtin_layouts_match_their_descriptors(backend):
     assert check_kv_layout(backend) == []
+
+
+def test_flashinfer_wrappers_stay_held_by_a_copy_of_the_metadata():
+    """A wrapper returns to the pool when its plan is dropped, not when one metadata object is:
+    a ``dataclasses.replace`` copy (sharing the plans) keeps it."""
+    import dataclasses
+
+    import torch
+
+    from attnplug.cache_groups.specs import FullAttentionSpec
+    from attnplug.core.contracts import BuilderConfig
+    from attnplug.core.metadata import CommonAttentionMetadata
+
+    impl = FlashInferEmulatedBackend.get_impl_cls()(4, 16, 0.25, 2)  # noqa: F841 (planned while alive)
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=16)
+    builder = FlashInferEmulatedBackend.get_builder_cls()(spec, ["l0"], BuilderConfig(2, 16, 64), "cpu")
+    cm = CommonAttentionMetadata.from_lengths([5, 0], [1, 6], [[1, 2], [3, 4]], block_size=16)
+    md = builder.build(0, cm)
+    copy = dataclasses.replace(md, slot_mapping=md.slot_mapping.clone())
+    del md
+    builder.build(0, cm)  # the copy holds the first wrappers: a second set is made
+    assert all(len(pool) == 2 for pool in builder._wrappers.values())
+    del copy
+    builder.build(0, cm)  # now the first set is free again
+    assert all(len(pool) == 2 for pool in builder._wrappers.values())
+    assert torch.is_tensor(builder._workspace)
