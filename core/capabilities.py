@@ -190,6 +190,8 @@ class BackendCapabilities:
         attn_types: ``AttentionType`` values (``"decoder"``...).
         cudagraph: the builder's ``AttentionCGSupport`` name (``"NEVER"``...), or ``"-"``
             when the backend has no attention builder to ask.
+        quant_query: with an fp8 cache the impl reads fp8 queries too, scaled by the
+            layer's ``q_scale`` (``supports_quant_query_input``; FA3).
     """
 
     name: str
@@ -203,6 +205,7 @@ class BackendCapabilities:
     devices: tuple[str, ...]
     attn_types: tuple[str, ...]
     cudagraph: str
+    quant_query: bool = False
 
     @classmethod
     def of(cls, backend_cls: Any) -> "BackendCapabilities":
@@ -228,7 +231,8 @@ class BackendCapabilities:
             kernel_block_sizes=None if blocks is None else tuple(blocks),
             devices=tuple(backend_cls.supported_devices),
             attn_types=tuple(getattr(t, "value", str(t)) for t in backend_cls.supported_attn_types),
-            cudagraph=_cudagraph_level(backend_cls))
+            cudagraph=_cudagraph_level(backend_cls),
+            quant_query=bool(getattr(backend_cls, "supports_quant_query_input", False)) and bool(granularities))
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able: enums as their values, features as ``{name: bool}`` over every :class:`Feature`."""
@@ -240,6 +244,7 @@ class BackendCapabilities:
             "head_sizes": None if self.head_sizes is None else list(self.head_sizes),
             "kernel_block_sizes": None if self.kernel_block_sizes is None else list(self.kernel_block_sizes),
             "devices": list(self.devices), "attn_types": list(self.attn_types), "cudagraph": self.cudagraph,
+            "quant_query": self.quant_query,
         }
 
 

@@ -96,6 +96,8 @@ class BuilderConfig:
     max_num_reqs: int
     max_num_batched_tokens: int
     max_model_len: int
+    dtype: torch.dtype | None = None
+    """The queries' (model's) dtype; ``None``: the spec's (differs for an fp8 cache)."""
 
 
 class AttentionMetadataBuilder(ABC):
@@ -183,7 +185,9 @@ class AttentionImpl(ABC):
     and soft-capping, and contributes no value (the probabilities sum to less than 1).
     It applies on full and sliding-window layers alike. Only models pass it; they pass it
     only to a backend whose ``supports_sink()`` is True (selection refuses the others), and
-    an impl given sinks it cannot apply must raise, never drop them.
+    an impl given sinks it cannot apply must raise, never drop them. ``alibi_slopes``
+    (keyword, vLLM's; only to a backend whose ``supports_alibi()`` is True): ``[num_heads]``
+    float32; head ``h``'s logit of a key ``d`` positions back gets ``- slopes[h] * d``.
     """
 
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
@@ -284,6 +288,9 @@ class AttentionBackend(FeatureDeclarations, ABC):
     backend that lists an fp8 name reads ``layer.k_scale`` / ``layer.v_scale`` in ``forward``."""
     supports_per_head_kv_scales: ClassVar[bool] = False
     """``k_scale`` / ``v_scale`` may be ``[num_kv_heads]`` (else per tensor, shape ``[]``, only)."""
+    supports_quant_query_input: ClassVar[bool] = False
+    """With an fp8 cache the impl reads fp8 queries, ``saturate(q / layer.q_scale)`` (FA3;
+    vLLM's name; ``core/kv_quant.quantize_query``). Others never read ``q_scale``."""
     kv_cache_layout: ClassVar[KVCacheLayout] = KVCacheLayout()
     """The cache's dimension order and where fp8 scales live (``core/kv_layout.py``); the
     default ``get_kv_cache_shape`` and ``split_kv_cache`` follow it."""
@@ -383,17 +390,7 @@ class AttentionBackend(FeatureDeclarations, ABC):
             reasons.append("device 'cuda' requested but torch.cuda.is_available() is False")
         if layer.attn_type not in cls.supported_attn_types:
             reasons.append(f"attention type {layer.attn_type.value!r} not supported")
-        reasons.extend(cls._kv_cache_dtype_problems(layer))
+        from attnplug.core.kv_quant import kv_cache_dtype_problems
+
+        reasons.extend(kv_cache_dtype_problems(cls, layer.effective_kv_cache_dtype))
         return reasons
-
-    @classmethod
-    def _kv_cache_dtype_problems(cls, layer: AttentionLayerConfig) -> list[str]:
-        """A quantized ``layer.kv_cache_dtype`` the backend does not list in
-        ``supported_kv_cache_dtypes`` (``core/kv_quant.py``)."""
-        from attnplug.core.kv_quant import is_quantized, kv_cache_dtype_name
-
-        kv = layer.effective_kv_cache_dtype
-        if is_quantized(kv) and kv_cache_dtype_name(kv) not in cls.supported_kv_cache_dtypes:
-            return [f"kv_cache_dtype {kv_cache_dtype_name(kv)} not supported (supported: "
-                    f"{', '.join(cls.supported_kv_cache_dtypes)})"]
-        return []

@@ -139,3 +139,30 @@ def per_head_scales(scale: torch.Tensor | None, num_kv_heads: int, device: torch
         return torch.ones(num_kv_heads, dtype=torch.float32, device=device)
     s = scale.to(device=device, dtype=torch.float32)
     return s.expand(num_kv_heads).contiguous() if s.dim() == 0 else s.contiguous()
+
+
+def layer_q_scale(layer: Any) -> torch.Tensor | None:
+    """The ``q_scale`` an attention layer module carries (``None`` where absent or
+    ``layer=None``: 1.0). Read only by backends that declare ``supports_quant_query_input``
+    (their impl quantizes the query to the cache's fp8 dtype; FA3)."""
+    return None if layer is None else getattr(layer, "q_scale", None)
+
+
+def quantize_query(query: torch.Tensor, q_scale: torch.Tensor | None, num_kv_heads: int,
+                   cache_dtype: torch.dtype) -> torch.Tensor:
+    """``query`` ``[num_tokens, num_heads, head_size]`` stored as ``saturate(q / q_scale)`` in
+    ``cache_dtype`` (fp8), ``q_scale`` float32 ``[]`` or ``[num_kv_heads]`` (query head ``h``
+    uses its KV head's, ``h // (num_heads // num_kv_heads)``) or ``None`` (1.0). No host sync."""
+    if q_scale is not None and q_scale.dim() == 1:
+        q_scale = q_scale.repeat_interleave(query.shape[1] // num_kv_heads)
+    return quantize_kv(query, q_scale, cache_dtype)
+
+
+def kv_cache_dtype_problems(backend_cls: Any, kv: torch.dtype) -> list[str]:
+    """A quantized cache dtype ``kv`` that ``backend_cls`` does not list in
+    ``supported_kv_cache_dtypes`` (one reason; empty: fine). Part of the base
+    ``AttentionBackend.validate_configuration``."""
+    declared = tuple(getattr(backend_cls, "supported_kv_cache_dtypes", ("auto",)))
+    if is_quantized(kv) and kv_cache_dtype_name(kv) not in declared:
+        return [f"kv_cache_dtype {kv_cache_dtype_name(kv)} not supported (supported: {', '.join(declared)})"]
+    return []

@@ -19,8 +19,9 @@ class CpuSdpaBackend(AttentionBackend):
     layer (SDPA has no soft-cap; the cascade merge needs the LSE).
 
     Capabilities: float32/float16/bfloat16, any head size, any kernel block size, CPU
-    only, GQA/MQA, sliding window, logits soft-cap (reference path), decoder attention.
-    No attention sinks, no fp8 KV cache.
+    only, GQA/MQA, sliding window, logits soft-cap (reference path), decoder attention,
+    fp8 KV caches (e4m3 / e5m2, per-tensor or per-KV-head scales: written ``saturate(x /
+    scale)``, the gathered blocks dequantised before SDPA). No attention sinks.
 
     KV cache per layer: ``[num_blocks, 2, block_size, num_kv_heads, head_size]`` (the
     default layout; K at index 0 of dim 1).
@@ -34,6 +35,8 @@ class CpuSdpaBackend(AttentionBackend):
     supported_head_sizes = None
     supported_kernel_block_sizes = None
     supported_devices = ("cpu",)
+    supported_kv_cache_dtypes = ("auto", "fp8_e4m3", "fp8_e5m2")
+    supports_per_head_kv_scales = True
 
     @classmethod
     def get_name(cls) -> str:

@@ -35,10 +35,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from attnplug.backends.common.kv_scales import kv_scales_for
 from attnplug.backends.torch_native.attention import keys_used, visibility_mask, write_to_paged_cache
 from attnplug.backends.torch_native.builder import AttentionSegment, TorchNativeMetadata
 from attnplug.backends.torch_native.impl import TorchNativeAttentionImpl
 from attnplug.core.contracts import AttentionType
+from attnplug.core.kv_quant import dequantize_kv, is_quantized
 
 
 class CpuSdpaAttentionImpl(TorchNativeAttentionImpl):
@@ -68,7 +70,7 @@ class CpuSdpaAttentionImpl(TorchNativeAttentionImpl):
                  attn_type: AttentionType = AttentionType.DECODER,
                  kv_cache_dtype: torch.dtype | None = None):
         # The signature is pinned here, not inherited: a feature the reference impl gains
-        # later (attention sinks, fp8 KV scales) must not reach this fast path unnoticed.
+        # later (attention sinks, ...) must not reach this fast path unnoticed.
         super().__init__(num_heads, head_size, scale, num_kv_heads, sliding_window, logits_soft_cap, attn_type,
                          kv_cache_dtype)
 
@@ -90,19 +92,20 @@ class CpuSdpaAttentionImpl(TorchNativeAttentionImpl):
             return super().forward(layer, query, key, value, kv_cache, attn_metadata, output)
         self._check(query, key, value, kv_cache, attn_metadata, output)
         md = attn_metadata
-        write_to_paged_cache(key, value, kv_cache, md.write_slots, md.write_token_indices)
+        scales = kv_scales_for(layer, self.num_kv_heads, kv_cache.dtype, "cpu_sdpa forward")
+        write_to_paged_cache(key, value, kv_cache, md.write_slots, md.write_token_indices, *scales)
         for seg in md.segments:
-            out = self._attend_segment(query, kv_cache, md, seg)  # [n * query_len, num_heads, head_size]
+            out = self._attend_segment(query, kv_cache, md, seg, scales)  # [n * query_len, num_heads, head_size]
             output[seg.query_token_indices.flatten()] = out.to(output.dtype)
         return output
 
     def _attend_segment(self, query: torch.Tensor, kv_cache: torch.Tensor, md: TorchNativeMetadata,
-                        seg: AttentionSegment) -> torch.Tensor:
+                        seg: AttentionSegment, scales=(None, None)) -> torch.Tensor:
         """``[n * query_len, num_heads, head_size]`` in ``query.dtype``: the segment's
-        outputs, request-major."""
+        outputs, request-major. ``scales``: an fp8 cache's ``(k_scale, v_scale)``."""
         n, q_len = seg.query_token_indices.shape
         k_lo, k_hi = self._key_columns(seg, md.block_size)
-        keys, values = self._gather(kv_cache, seg, md.block_size, k_lo, k_hi, query.dtype)  # [n, H_kv, S, D]
+        keys, values = self._gather(kv_cache, seg, md.block_size, k_lo, k_hi, query.dtype, scales)  # [n,H_kv,S,D]
         mask, is_causal = self._mask(seg, md, k_lo, k_hi)
         if mask is not None and (seg.min_seq_len != seg.max_seq_len or self.sliding_window is not None
                                  or seg.min_key_offset != seg.max_key_offset):
@@ -133,9 +136,10 @@ class CpuSdpaAttentionImpl(TorchNativeAttentionImpl):
         return k_lo, max(k_hi, k_lo + 1)
 
     def _gather(self, kv_cache: torch.Tensor, seg: AttentionSegment, block_size: int, k_lo: int, k_hi: int,
-                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+                dtype: torch.dtype, scales=(None, None)) -> tuple[torch.Tensor, torch.Tensor]:
         """``(keys, values)``, each ``[n, num_kv_heads, k_hi - k_lo, head_size]`` in ``dtype``:
-        strided views of one fresh whole-block ``index_select`` copy per K and V.
+        strided views of one fresh whole-block ``index_select`` copy per K and V (an fp8
+        cache: dequantised, ``stored * scale`` per KV head, ``core/kv_quant.py``).
 
         Whole blocks (``block_size * H_kv * D`` contiguous elements each) are gathered and
         the head axis is moved by a view, not a copy: measured on the decode shapes of
@@ -146,6 +150,8 @@ class CpuSdpaAttentionImpl(TorchNativeAttentionImpl):
         shape = (n, seg.key_block_ids.shape[1] * block_size, self.num_kv_heads, self.head_size)
         keys = kv_cache[:, 0].index_select(0, flat).view(shape)[:, k_lo:k_hi]
         values = kv_cache[:, 1].index_select(0, flat).view(shape)[:, k_lo:k_hi]
+        if is_quantized(kv_cache.dtype):
+            keys, values = dequantize_kv(keys, scales[0], dtype), dequantize_kv(values, scales[1], dtype)
         return keys.to(dtype).transpose(1, 2), values.to(dtype).transpose(1, 2)
 
     def _mask(self, seg: AttentionSegment, md: TorchNativeMetadata, k_lo: int,

@@ -117,6 +117,10 @@ def paged_varlen_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         v = gather_pages(v_cache, pages, lk)
         qi = q[cu[i]:cu[i + 1]]
         if fp8:  # the kernel's fp32 math on stored * descale (same as scaling the logits / output)
+            for name, d in zip("qkv", descale or (None, None, None)):
+                _require(d is None or tuple(d.shape) == (B, k_cache.shape[2]),
+                         f"{name}_descale must be [batch_size, num_heads_k] = [{B}, {k_cache.shape[2]}], got "
+                         f"{None if d is None else tuple(d.shape)}")
             qi, k, v = (_descaled(t, d, i, num_heads // k_cache.shape[2] if name == "q" else 1)
                         for name, t, d in zip("qkv", (qi, k, v), descale or (None, None, None)))
         at = torch.arange(lq, device=q.device) + lk - lq  # i + Lk - Lq

@@ -25,10 +25,34 @@ HEAD_SIZES: tuple[int, ...] = tuple(range(8, 257, 8))
 """Head sizes: multiples of 8 up to 256 (both versions round up to their compiled sizes)."""
 
 
+FA3_KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "fp8_e4m3")
+"""FA3's ``flash_attn_with_kvcache`` reads ``float8_e4m3fn`` q / K / V with ``q_descale`` /
+``k_descale`` / ``v_descale`` (``hopper/flash_attn_interface.py``); it has no e5m2 kernels."""
+
+FA2_NO_FP8_REASON = ("FlashAttention 2's flash_attn_varlen_func takes no descale arguments (fp8 KV caches "
+                     "need FlashAttention 3's flash_attn_with_kvcache q/k/v_descale)")
+
+
 class _FlashAttnBackendMeta(ABCMeta):
     @property
     def supported_kernel_block_sizes(cls) -> tuple[int, ...] | None:
         return kernel_block_sizes_for(cls.kernels_version())
+
+    @property
+    def supported_kv_cache_dtypes(cls) -> tuple[str, ...]:
+        """``auto`` and ``fp8_e4m3`` under FlashAttention 3; ``auto`` only under FA2 (and when
+        nothing is installed)."""
+        return FA3_KV_CACHE_DTYPES if cls.kernels_version() == 3 else ("auto",)
+
+    @property
+    def supports_per_head_kv_scales(cls) -> bool:
+        """FA3's descales are ``[batch_size, num_heads_k]``: one scale per KV head."""
+        return cls.kernels_version() == 3
+
+    @property
+    def supports_quant_query_input(cls) -> bool:
+        """FA3 requires q in the cache's fp8 dtype: the impl quantizes it with ``layer.q_scale``."""
+        return cls.kernels_version() == 3
 
 
 class FlashAttnBackend(AttentionBackend, metaclass=_FlashAttnBackendMeta):
@@ -36,7 +60,10 @@ class FlashAttnBackend(AttentionBackend, metaclass=_FlashAttnBackendMeta):
 
     Capabilities: float16/bfloat16, head sizes that are multiples of 8 up to 256, GQA/MQA,
     sliding window (``window_size=(W-1, 0)``), logits soft-cap, decoder (causal)
-    attention, cascade attention over a shared prefix; CUDA only. Kernel block sizes:
+    attention, cascade attention over a shared prefix; CUDA only. fp8 KV cache
+    (``fp8_e4m3``, per-tensor or per-KV-head scales) under FA3 only: the impl quantizes
+    the query with ``layer.q_scale`` and passes ``q_descale`` / ``k_descale`` /
+    ``v_descale`` ``[batch_size, num_kv_heads]`` float32 (FA3's fp8 output is bfloat16). Kernel block sizes:
     any under FA3, multiples of 256 under FA2. CUDA graphs: ``ALWAYS`` under FA3,
     ``UNIFORM_BATCH`` under FA2 (its kernel choice depends on host-side query lengths).
 
@@ -97,10 +124,16 @@ class FlashAttnBackend(AttentionBackend, metaclass=_FlashAttnBackendMeta):
 
     @classmethod
     def validate_configuration(cls, layer: AttentionLayerConfig) -> list[str]:
-        """The base checks plus: the KV cache dtype must be the activation dtype (the kernels
-        read the cache in the query dtype)."""
+        """The base checks (fp8 caches: ``supported_kv_cache_dtypes``, FA3 only, the FA2 reason
+        named) plus: an unquantized KV cache must be in the activation dtype (the kernels
+        read it in the query dtype)."""
+        from attnplug.core.kv_quant import is_quantized
+
         reasons = super().validate_configuration(layer)
-        if layer.effective_kv_cache_dtype != layer.dtype:
-            reasons.append(f"kv_cache_dtype {layer.effective_kv_cache_dtype} differs from dtype {layer.dtype}: "
-                           "this backend has no quantized KV cache")
+        kv = layer.effective_kv_cache_dtype
+        if is_quantized(kv) and cls.kernels_version() != 3:
+            reasons.append(FA2_NO_FP8_REASON)
+        elif not is_quantized(kv) and kv != layer.dtype:
+            reasons.append(f"kv_cache_dtype {kv} differs from dtype {layer.dtype}: the kernels read the cache in "
+                           "the query's dtype (quantized caches: fp8_e4m3 under FlashAttention 3)")
         return reasons

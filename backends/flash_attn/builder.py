@@ -179,7 +179,7 @@ class FlashAttnMetadataBuilder(AttentionMetadataBuilder):
             slot_mapping = cm.slot_mapping
         md = FlashAttnMetadata(
             cm.num_reqs, cm.num_actual_tokens, int(max_query_len), int(max_seq_len), self.block_size, cm.causal,
-            qsl, seq_lens, self._cu_seqlens_k_of(seq_lens), block_table, slot_mapping, self.window_size,
+            qsl, seq_lens, self._cu_seqlens_k_of(seq_lens, graph), block_table, slot_mapping, self.window_size,
             graph=graph)
         cascade = self._cascade(md, cm, common_prefix_len) if common_prefix_len > 0 else None
         sched = None if (fast_build or cascade is not None) else self._scheduler_metadata_for(md, graph)
@@ -187,11 +187,14 @@ class FlashAttnMetadataBuilder(AttentionMetadataBuilder):
             return md
         return dataclasses.replace(md, cascade=cascade, scheduler_metadata=sched)
 
-    def _cu_seqlens_k_of(self, seq_lens: torch.Tensor) -> torch.Tensor | None:
-        """FA2's ``cu_seqlens_k`` in the persistent buffer; ``None`` under FA3 (unused there)."""
+    def _cu_seqlens_k_of(self, seq_lens: torch.Tensor, graph: bool) -> torch.Tensor | None:
+        """FA2's ``cu_seqlens_k``: in the persistent buffer for a CUDA-graph build (replays
+        read it), a new tensor for an eager one (re-entrancy: a later build must not
+        overwrite it before this metadata runs); ``None`` under FA3 (unused there)."""
         if self._version != 2:
             return None
-        cu_k = self._cu_seqlens_k[: seq_lens.shape[0] + 1]
+        n = seq_lens.shape[0] + 1
+        cu_k = self._cu_seqlens_k[:n] if graph else torch.zeros(n, dtype=torch.int32, device=seq_lens.device)
         torch.cumsum(seq_lens, 0, dtype=torch.int32, out=cu_k[1:])
         return cu_k
 

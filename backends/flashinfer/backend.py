@@ -17,7 +17,9 @@ class FlashInferBackend(AttentionBackend):
 
     Capabilities: float16/bfloat16, head sizes 64/128/256, any kernel block (page) size,
     GQA/MQA, sliding window (``window_left = W - 1``), logits soft-cap, decoder (causal)
-    attention; CUDA only. CUDA graphs: ``UNIFORM_SINGLE_TOKEN_DECODE`` (pure-decode
+    attention, attention sinks (``run(sinks=)``), fp8 KV caches (e4m3 / e5m2; per-tensor
+    scales as ``run(k_scale=, v_scale=)``, per-KV-head ones folded into query and output);
+    CUDA only. CUDA graphs: ``UNIFORM_SINGLE_TOKEN_DECODE`` (pure-decode
     batches run on CUDA-graph decode wrappers with fixed buffers; ``plan()`` itself runs
     outside graphs, in the builder).
 
@@ -36,6 +38,12 @@ class FlashInferBackend(AttentionBackend):
     supported_head_sizes = HEAD_SIZES
     supported_kernel_block_sizes = None
     supported_devices = ("cuda",)
+    supported_kv_cache_dtypes = ("auto", "fp8_e4m3", "fp8_e5m2")
+    """fp8 caches: planned with ``kv_data_type`` = the cache dtype, read with ``run(k_scale=,
+    v_scale=)`` (``impl.py``)."""
+    supports_per_head_kv_scales = True
+    """FlashInfer's ``k_scale`` / ``v_scale`` are per-tensor floats; per-KV-head scales are folded
+    exactly into the query (``k_scale``) and the output (``v_scale``) by the impl."""
 
     @classmethod
     def get_name(cls) -> str:
@@ -76,9 +84,13 @@ class FlashInferBackend(AttentionBackend):
 
     @classmethod
     def validate_configuration(cls, layer: AttentionLayerConfig) -> list[str]:
-        """The base checks plus: the KV cache dtype must be the activation dtype."""
+        """The base checks (fp8 caches: ``supported_kv_cache_dtypes``) plus: an unquantized KV
+        cache must be in the activation dtype."""
+        from attnplug.core.kv_quant import is_quantized
+
         reasons = super().validate_configuration(layer)
-        if layer.effective_kv_cache_dtype != layer.dtype:
-            reasons.append(f"kv_cache_dtype {layer.effective_kv_cache_dtype} differs from dtype {layer.dtype}: "
-                           "this backend plans q and kv in one dtype (no quantized KV cache)")
+        kv = layer.effective_kv_cache_dtype
+        if not is_quantized(kv) and kv != layer.dtype:
+            reasons.append(f"kv_cache_dtype {kv} differs from dtype {layer.dtype}: an unquantized cache must be in "
+                           "the queries' dtype (quantized caches: fp8_e4m3 / fp8_e5m2)")
         return reasons

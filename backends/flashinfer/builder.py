@@ -9,11 +9,14 @@ decode and one prefill ``plan()`` per distinct layer configuration (query heads,
 ``window_left = W - 1``, soft-cap, scale) of the group's live impls. CUDA-graph builds
 (``build_for_cudagraph_capture``: pure single-token decodes only) use graph decode wrappers,
 one per padded batch size, all on the builder's fixed buffers, and copy the slot mapping
-into a persistent buffer; eager builds use one ordinary decode wrapper per configuration.
+into a persistent buffer. Eager builds are re-entrant: each plans wrappers no live metadata
+holds (a pool per configuration, normally one wrapper each) and keeps its own copies of the
+page metadata, so N builds before their N forwards run as built (``_free_wrapper``).
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import numpy as np
@@ -29,7 +32,12 @@ from attnplug.core.constants import PAD_SLOT_ID
 from attnplug.core.contracts import AttentionCGSupport, AttentionMetadataBuilder, BuilderConfig
 from attnplug.core.devices import same_device
 from attnplug.core.errors import BackendUnsupportedError, MetadataError
+from attnplug.core.kv_quant import is_quantized
 from attnplug.core.metadata import CommonAttentionMetadata
+
+def _CLAIMED():  # the owner of a wrapper claimed by the build in progress (a live "weakref")
+    return True
+
 
 WORKSPACE_BYTES = 128 << 20
 """FlashInfer's float workspace (shared by every wrapper of a builder)."""
@@ -77,6 +85,13 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder):
         self.sliding_window = getattr(kv_cache_spec, "sliding_window", None)
         self.window_left = flashinfer_window_left(self.sliding_window)
         self.dtype = kv_cache_spec.dtype
+        """``kv_data_type`` of every plan: the cache's dtype (fp8 for a quantized cache)."""
+        self.q_dtype = config.dtype or kv_cache_spec.dtype
+        """``q_data_type``: the activation dtype (``BuilderConfig.dtype``; the spec's dtype when
+        not given, which an fp8 cache refuses below)."""
+        if is_quantized(self.dtype) and not (config.dtype is not None and not is_quantized(config.dtype)):
+            raise MetadataError(f"FlashInferMetadataBuilder: the KV cache is {self.dtype} but BuilderConfig.dtype "
+                                f"is {config.dtype}: plan() needs the queries' (activation) dtype as q_data_type")
         self.max_num_blocks_per_req = cdiv(config.max_model_len, self.page_size)
         n, dev = config.max_num_reqs, self.device
         self._indptr_buf = torch.zeros(n + 1, dtype=torch.int32, device=dev)
@@ -88,7 +103,12 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder):
         self._workspace: torch.Tensor | None = None
         self.validate_values = builder_values_checked()
         """Check the host values of every step (``ATTNPLUG_VALIDATE=1`` when created)."""
-        self._wrappers: dict[tuple, Any] = {}
+        self._wrappers: dict[tuple, list[Any]] = {}
+        """Eager wrappers per ``(kind, plan key)``: a pool (``_free_wrapper``)."""
+        self._owners: dict[int, Any] = {}
+        """``id(wrapper) -> weakref`` of the ``FlashInferPlan`` holding it (dead: free)."""
+        self._claimed: list[Any] = []
+        self._graph_wrappers: dict[tuple, Any] = {}
 
     # --- build ---------------------------------------------------------------------------
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
@@ -103,7 +123,7 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder):
 
         Returns:
             The metadata every layer of the group passes to ``forward``. Its wrappers are
-            re-planned by this builder's next ``build``.
+            its own while it is alive (a later ``build`` plans others): re-entrant.
 
         Raises:
             MetadataError: sizes that disagree, or prefills before decodes (the runner did
@@ -143,28 +163,42 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder):
         B = B_padded if pure_decode else n
         indptr_t, last_t, indices, _ = self._pages.compute(seq_lens, B, cm.block_table_tensor)
         qo_indptr = self._pages.prefill_qo_indptr(qsl, num_decodes)
+        if not graph:  # re-entrancy: this metadata keeps its own copies (the buffers are the next build's)
+            indptr_t, last_t, indices, qo_indptr = (t.clone() for t in (indptr_t, last_t, indices, qo_indptr))
         num_decode_tokens = B if pure_decode else num_decodes
         plans = {}
-        for key in self.plan_keys():
-            decode = prefill = None
-            if num_decode_tokens:
-                decode = self._plan_decode(key, indptr_t[: num_decode_tokens + 1], indices,
-                                           last_t[:num_decode_tokens], graph=graph)
-            if num_decodes < n:
-                lo = int(indptr_t[num_decodes])
-                prefill = self._plan_prefill(key, qo_indptr, indptr_t[num_decodes: n + 1] - lo,
-                                             indices[lo: int(indptr_t[n])], last_t[num_decodes:n])
-            plans[key] = FlashInferPlan(decode, prefill)
+        self._claimed = []
+        try:
+            for key in self.plan_keys():
+                decode = prefill = None
+                if num_decode_tokens:
+                    decode = self._plan_decode(key, indptr_t[: num_decode_tokens + 1], indices,
+                                               last_t[:num_decode_tokens], graph=graph)
+                if num_decodes < n:
+                    lo = int(indptr_t[num_decodes])
+                    prefill = self._plan_prefill(key, qo_indptr, indptr_t[num_decodes: n + 1] - lo,
+                                                 indices[lo: int(indptr_t[n])], last_t[num_decodes:n])
+                plans[key] = FlashInferPlan(decode, prefill)
+        except BaseException:
+            for w in self._claimed:  # a failed build holds no wrapper
+                self._owners.pop(id(w), None)
+            raise
         slot_mapping = cm.slot_mapping
         if graph:
             slot_mapping = self._slot_mapping_buf[: slot_mapping.shape[0]]
             slot_mapping.copy_(cm.slot_mapping, non_blocking=True)
-        return FlashInferMetadata(
+        md = FlashInferMetadata(
             num_reqs=n, num_actual_tokens=cm.num_actual_tokens, num_decodes=num_decodes,
             num_decode_tokens=num_decode_tokens, num_prefills=n - num_decodes,
             num_prefill_tokens=cm.num_actual_tokens - num_decodes, page_size=self.page_size,
             slot_mapping=slot_mapping, paged_kv_indptr=indptr_t, paged_kv_indices=indices,
             paged_kv_last_page_len=last_t, qo_indptr=qo_indptr, plans=plans)
+        claimed = {id(w) for w in self._claimed}
+        for plan in plans.values():  # held while the plan is alive: this metadata and any copy of it
+            for w in (plan.decode, plan.prefill):
+                if w is not None and id(w) in claimed:
+                    self._owners[id(w)] = weakref.ref(plan)
+        return md
 
     def plan_keys(self) -> list[FlashInferPlanKey]:
         """One key per distinct configuration of the live impls matching this group's spec."""
@@ -179,39 +213,59 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder):
             self._workspace = torch.zeros(self.workspace_bytes, dtype=torch.uint8, device=self.device)
         return self._workspace
 
+    def _free_wrapper(self, wkey: tuple, make) -> Any:
+        """An eager wrapper of ``wkey`` no live metadata holds (a new one from ``make()`` when
+        all are held), claimed by the build in progress.
+
+        Re-entrancy (``docs/writing-a-backend.md``): FlashInfer keeps a plan in its wrapper,
+        so metadata whose wrapper a later build re-planned would run the later step. Each
+        eager build therefore plans wrappers that no live metadata holds; a wrapper returns
+        to the pool when the ``FlashInferPlan`` it serves is dropped (a weak reference: the
+        metadata and any ``dataclasses.replace`` copy of it share the plan). Build then
+        forward, step after step, reuses one wrapper per key; N builds before their
+        forwards hold N."""
+        pool = self._wrappers.setdefault(wkey, [])
+        for wrapper in pool:
+            ref = self._owners.get(id(wrapper))
+            if ref is None or ref() is None:
+                break
+        else:
+            wrapper = make()
+            pool.append(wrapper)
+        self._owners[id(wrapper)] = _CLAIMED
+        self._claimed.append(wrapper)
+        return wrapper
+
     def _plan_decode(self, key: FlashInferPlanKey, indptr, indices, last_page_len, graph: bool):
         fi = self.load_flashinfer()
         B = last_page_len.shape[0]
-        wkey = ("decode", key, B if graph else None)
-        wrapper = self._wrappers.get(wkey)
-        if wrapper is None:
-            tensor_cores = key.num_qo_heads // int(self.kv_cache_spec.num_kv_heads) > 4
-            if graph:
+        tensor_cores = key.num_qo_heads // int(self.kv_cache_spec.num_kv_heads) > 4
+        if graph:  # one per padded batch size, on the fixed buffers (replays read those)
+            wkey = ("decode", key, B)
+            wrapper = self._graph_wrappers.get(wkey)
+            if wrapper is None:
                 wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(
                     self._workspace_buffer(), "NHD", use_cuda_graph=True, use_tensor_cores=tensor_cores,
                     paged_kv_indptr_buffer=self._indptr_buf[: B + 1], paged_kv_indices_buffer=self._indices_buf,
                     paged_kv_last_page_len_buffer=self._last_page_len_buf[:B])
-            else:
-                wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(self._workspace_buffer(), "NHD",
-                                                                use_tensor_cores=tensor_cores)
-            self._wrappers[wkey] = wrapper
+                self._graph_wrappers[wkey] = wrapper
+        else:
+            wrapper = self._free_wrapper(("decode", key), lambda: fi.BatchDecodeWithPagedKVCacheWrapper(
+                self._workspace_buffer(), "NHD", use_tensor_cores=tensor_cores))
         wrapper.plan(indptr, indices, last_page_len, key.num_qo_heads, int(self.kv_cache_spec.num_kv_heads),
                      int(self.kv_cache_spec.head_size), self.page_size, window_left=key.window_left,
-                     logits_soft_cap=key.logits_soft_cap or None, q_data_type=self.dtype, kv_data_type=self.dtype,
+                     logits_soft_cap=key.logits_soft_cap or None, q_data_type=self.q_dtype, kv_data_type=self.dtype,
                      sm_scale=key.sm_scale)
         return wrapper
 
     def _plan_prefill(self, key: FlashInferPlanKey, qo_indptr, indptr, indices, last_page_len):
         fi = self.load_flashinfer()
-        wkey = ("prefill", key)
-        wrapper = self._wrappers.get(wkey)
-        if wrapper is None:
-            wrapper = fi.BatchPrefillWithPagedKVCacheWrapper(self._workspace_buffer(), "NHD")
-            self._wrappers[wkey] = wrapper
+        wrapper = self._free_wrapper(("prefill", key),
+                                     lambda: fi.BatchPrefillWithPagedKVCacheWrapper(self._workspace_buffer(), "NHD"))
         wrapper.plan(qo_indptr, indptr, indices, last_page_len, key.num_qo_heads,
                      int(self.kv_cache_spec.num_kv_heads), int(self.kv_cache_spec.head_size), self.page_size,
                      causal=True, sm_scale=key.sm_scale, window_left=key.window_left,
-                     logits_soft_cap=key.logits_soft_cap or None, q_data_type=self.dtype, kv_data_type=self.dtype)
+                     logits_soft_cap=key.logits_soft_cap or None, q_data_type=self.q_dtype, kv_data_type=self.dtype)
         return wrapper
 
     # --- validation (raises before anything is planned) ----------------------------------

@@ -163,7 +163,8 @@ def visibility_mask(query_positions: torch.Tensor, seq_lens: torch.Tensor, key_s
 
 def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
            scale: float, logits_soft_cap: float | None = None,
-           sinks: torch.Tensor | None = None) -> torch.Tensor:
+           sinks: torch.Tensor | None = None,
+           alibi: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Masked multi-head attention with GQA/MQA, computed in float32.
 
     Args:
@@ -181,6 +182,11 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: to
             and before masking (Gemma-2 convention).
         sinks: ``None`` or ``[num_heads]`` float32 sink logits: one more logit column per
             query head in the softmax, with no value (``backends/common/sinks.py``).
+        alibi: ``None`` or ``(slopes, distance)``: ALiBi (Press et al., vLLM's
+            ``alibi_slopes``): ``slopes`` ``[num_heads]`` float32, ``distance`` ``[num_reqs,
+            query_len, num_keys]`` float32 = query position - key position; head ``h``'s
+            logits get ``- slopes[h] * distance`` after scaling and the soft-cap, before
+            masking (vLLM's order).
 
     Returns:
         ``[num_reqs, query_len, num_heads, head_size]``, float32.
@@ -200,7 +206,11 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: to
         logits = torch.bmm(q[:, h], k.transpose(1, 2))  # [n, group * q_len, keys]
         if logits_soft_cap is not None:
             logits = logits.div_(logits_soft_cap).tanh_().mul_(logits_soft_cap)
-        logits = logits.view(n, group, q_len, -1).masked_fill_(hidden_mask, float("-inf"))
+        logits = logits.view(n, group, q_len, -1)
+        if alibi is not None:
+            slopes, distance = alibi
+            logits = logits - slopes[h * group:(h + 1) * group].view(1, group, 1, 1) * distance.unsqueeze(1)
+        logits = logits.masked_fill_(hidden_mask, float("-inf"))
         head_sinks = None if sinks is None else sinks[h * group:(h + 1) * group].view(1, group, 1, 1)
         probs = softmax_with_sinks(logits, head_sinks).view(n, group * q_len, -1)
         head_out = torch.bmm(probs, value[:, :, h])  # [n, group * q_len, D]

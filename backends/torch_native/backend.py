@@ -59,6 +59,11 @@ class TorchNativeBackend(AttentionBackend):
         return True
 
     @classmethod
+    def supports_alibi(cls) -> bool:
+        """``alibi_slopes`` (``impl.py``): ``- slope_h * distance`` on the logits."""
+        return True
+
+    @classmethod
     def supports_mqa_gqa(cls) -> bool:
         return True
 

@@ -30,13 +30,16 @@ class TorchNativeAttentionImpl(AttentionImpl):
 
     ``TorchNativeAttentionImpl(num_heads, head_size, scale, num_kv_heads,
     sliding_window=None, logits_soft_cap=None, attn_type=AttentionType.DECODER,
-    kv_cache_dtype=None, sinks=None)``; ``sinks``: ``[num_heads]`` float32 sink logits
-    (the contract's semantics, ``core/contracts.AttentionImpl``), on full and windowed layers.
+    kv_cache_dtype=None, sinks=None, alibi_slopes=None)``; ``sinks``: ``[num_heads]`` float32
+    sink logits (the contract's semantics, ``core/contracts.AttentionImpl``), on full and
+    windowed layers; ``alibi_slopes``: ``[num_heads]`` float32 ALiBi slopes (vLLM's impl
+    argument): head ``h``'s logit of a key ``d`` positions back gets ``- slopes[h] * d``
+    (not on cascade steps: refused).
 
     Raises:
         BackendUnsupportedError: ``num_heads`` not a multiple of ``num_kv_heads``, a
-            non-positive window or cap, an attention type other than decoder, or ``sinks``
-            that is not a ``[num_heads]`` float32 tensor.
+            non-positive window or cap, an attention type other than decoder, or ``sinks`` /
+            ``alibi_slopes`` that is not a ``[num_heads]`` float32 tensor.
 
     Examples:
         >>> import torch
@@ -57,14 +60,19 @@ class TorchNativeAttentionImpl(AttentionImpl):
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
                  sliding_window: int | None = None, logits_soft_cap: float | None = None,
                  attn_type: AttentionType = AttentionType.DECODER,
-                 kv_cache_dtype: torch.dtype | None = None, sinks: torch.Tensor | None = None):
+                 kv_cache_dtype: torch.dtype | None = None, sinks: torch.Tensor | None = None,
+                 alibi_slopes: torch.Tensor | None = None):
         reasons = self.decoder_argument_problems(num_heads, num_kv_heads, sliding_window, logits_soft_cap,
                                                  attn_type)
         reasons += self.sinks_argument_problems(sinks, num_heads)
+        reasons += [r.replace("sinks", "alibi_slopes").replace("sink logit", "ALiBi slope")
+                    for r in self.sinks_argument_problems(alibi_slopes, num_heads)]
         if reasons:
             raise BackendUnsupportedError("torch_native", reasons, context="TorchNativeAttentionImpl")
         super().__init__(num_heads, head_size, scale, num_kv_heads, sliding_window, logits_soft_cap,
                          attn_type, kv_cache_dtype, sinks)
+        self.alibi_slopes = alibi_slopes
+        """``[num_heads]`` float32 ALiBi slopes or ``None`` (``attention.attend``'s ``alibi``)."""
 
     def forward(self, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: TorchNativeMetadata,
@@ -99,6 +107,9 @@ class TorchNativeAttentionImpl(AttentionImpl):
         scales = kv_scales_for(layer, self.num_kv_heads, kv_cache.dtype, "torch_native forward")
         write_to_paged_cache(key, value, kv_cache, md.write_slots, md.write_token_indices, *scales)
         if md.cascade is not None:  # a shared prefix pass + suffix pass (cascade.py)
+            if self.alibi_slopes is not None:
+                raise MetadataError("torch_native forward: a cascade step on an ALiBi layer (cascade.py's passes "
+                                    "add no position bias); run without cascade attention")
             return cascade_forward(self, query, kv_cache, md, output, scales)
         for seg in md.segments:
             num_keys = seg.key_block_ids.shape[1] * md.block_size  # key columns, from key_offsets on
@@ -111,9 +122,23 @@ class TorchNativeAttentionImpl(AttentionImpl):
                 mask = visibility_mask(seg.query_positions[:, q_lo:q_hi], seg.seq_lens, k_lo, k_hi,
                                        causal=md.causal, sliding_window=self.sliding_window, key_offsets=offsets)
                 out = attend(q, keys[:, k_lo:k_hi], values[:, k_lo:k_hi], mask, self.scale,
-                             self.logits_soft_cap, self._sinks_on(query.device))
+                             self.logits_soft_cap, self._sinks_on(query.device),
+                             self._alibi(seg.query_positions[:, q_lo:q_hi], k_lo, k_hi, offsets))
                 output[tokens.flatten()] = out.flatten(0, 1).to(output.dtype)
         return output
+
+    def _alibi(self, query_positions: torch.Tensor, k_lo: int, k_hi: int, key_offsets: torch.Tensor | None):
+        """``attend``'s ``(slopes, distance)`` for key columns ``k_lo .. k_hi - 1`` (column
+        ``j`` is position ``key_offsets + j``), or ``None`` without ALiBi."""
+        if self.alibi_slopes is None:
+            return None
+        dev = query_positions.device
+        if self.alibi_slopes.device != dev:
+            self.alibi_slopes = self.alibi_slopes.to(dev)
+        key_pos = torch.arange(k_lo, k_hi, device=dev).unsqueeze(0)
+        if key_offsets is not None:
+            key_pos = key_pos + key_offsets.unsqueeze(1)
+        return self.alibi_slopes, (query_positions.unsqueeze(2) - key_pos.unsqueeze(1)).float()
 
     def _sinks_on(self, device: torch.device) -> torch.Tensor | None:
         """``self.sinks`` on ``device`` (moved once; ``None`` without sinks)."""

@@ -71,12 +71,12 @@ def attention_variant(dtype: torch.dtype, head_size: int, group: int, max_query_
     ptrs = dict(query_ptr=t, key_cache_ptr=kv, value_cache_ptr=kv, output_ptr=t, part_acc_ptr="fp32",
                 part_max_ptr="fp32", part_sum_ptr="fp32", query_start_loc_ptr="i32", seq_lens_ptr="i32",
                 block_table_ptr="i32", visited_tiles_ptr="i32", lse_ptr="fp32", sinks_ptr="fp32",
-                k_scale_ptr="fp32", v_scale_ptr="fp32")
+                alibi_ptr="fp32", k_scale_ptr="fp32", v_scale_ptr="fp32")
     ce = dict(NUM_QUERIES_PER_KV=group, HEAD_SIZE=head_size, HEAD_SIZE_PADDED=padded, BLOCK_SIZE=16,
               BLOCK_M=cfg.block_m, BLOCK_Q=cfg.block_q, TILE_N=cfg.tile_n, CAUSAL=causal, SLIDING_WINDOW=window,
               USE_SOFT_CAP=soft_cap, NUM_SEGMENTS=segments, DOT_PRECISION="ieee" if t == "fp32" else "tf32",
               RECORD_VISITED=False, KV_SAME_STRIDES=True, STORE_LSE=lse, USE_SINKS=sinks,
-              KV_FP8=kv_dtype is not None)
+              USE_ALIBI=False, KV_FP8=kv_dtype is not None)
     kind = "decode" if max_query_len == 1 else "prefill"
     extra = (f" window={window}" if window else "") + (" softcap" if soft_cap else "") + \
         (f" splits={segments}" if segments > 1 else "") + (" lse" if lse else "") + ("" if causal else " non-causal") \

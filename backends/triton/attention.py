@@ -108,7 +108,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                     tiles: TileConfig | None = None, visited_tiles: torch.Tensor | None = None,
                     check_values: bool = True, lse: torch.Tensor | None = None,
                     sinks: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
-                    v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                    v_scale: torch.Tensor | None = None, alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of a varlen batch over a paged KV cache (GQA/MQA, causal bottom-right).
 
     Query ``j`` of request ``i`` sits at position ``seq_lens[i] - query_len_i + j`` and
@@ -153,6 +153,9 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
             sink logits (``core/contracts.AttentionImpl``), one more logit in each row's
             softmax denominator, no value; counted once with ``num_kv_splits > 1`` (the
             first segment starts its online softmax at the sink), and included in ``lse``.
+        alibi_slopes: ``None``, or ``[num_heads]`` ``torch.float32`` on the same device: ALiBi,
+            each logit gets ``- slope_h * (query position - key position)`` after scale and
+            soft-cap (vLLM's ``alibi_slopes``).
         k_scale, v_scale: an fp8 cache's descales, float32 ``[]`` or ``[num_kv_heads]``
             (``None``: 1.0); real = stored * scale (``core/kv_quant.py``). The kernel casts
             fp8 K/V tiles to the query's dtype, folds ``k_scale`` into the softmax scale and
@@ -182,6 +185,8 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         _check_lse(lse, query, num_kv_splits)
     if sinks is not None:
         _check_sinks(sinks, query)
+    if alibi_slopes is not None:
+        _check_sinks(alibi_slopes, query, "alibi_slopes")
     if num_reqs == 0 or num_tokens == 0:
         return output
     if check_values and values_checked(query.device):
@@ -204,7 +209,8 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     launch(kernels, "paged_attention_kernel", grid,
            query, key_cache, value_cache, output, part_acc, part_max, part_sum,
            query_start_loc, seq_lens, block_table, visited_tiles if visited_tiles is not None else seq_lens,
-           lse if lse is not None else part_max, sinks if sinks is not None else part_max, k_desc, v_desc,
+           lse if lse is not None else part_max, sinks if sinks is not None else part_max,
+           alibi_slopes if alibi_slopes is not None else part_max, k_desc, v_desc,
            num_reqs, float(scale),
            float(logits_soft_cap) if logits_soft_cap is not None else 0.0,
            query.stride(0), query.stride(1), output.stride(0), output.stride(1),
@@ -219,7 +225,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
            DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
            RECORD_VISITED=visited_tiles is not None,
            KV_SAME_STRIDES=key_cache.stride()[:2] == value_cache.stride()[:2], STORE_LSE=lse is not None,
-           USE_SINKS=sinks is not None, KV_FP8=kv_fp8, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+           USE_SINKS=sinks is not None, USE_ALIBI=alibi_slopes is not None, KV_FP8=kv_fp8, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if num_kv_splits > 1:
         heads_per_program = max(1, min(_next_pow2(num_heads), REDUCE_ELEMENTS_PER_PROGRAM // (padded * num_kv_splits)))
         launch(kernels, "reduce_segments_kernel", (num_tokens, -(-num_heads // heads_per_program)),
@@ -287,8 +293,8 @@ def _check_lse(lse: torch.Tensor, query: torch.Tensor, num_kv_splits: int) -> No
             f"num_kv_splits == 1; got {tuple(lse.shape)} {lse.dtype} on {lse.device}, num_kv_splits={num_kv_splits}")
 
 
-def _check_sinks(sinks: torch.Tensor, query: torch.Tensor) -> None:
+def _check_sinks(sinks: torch.Tensor, query: torch.Tensor, name: str = "sinks") -> None:
     if sinks.dtype != torch.float32 or sinks.device != query.device or tuple(sinks.shape) != (query.shape[1],):
         raise MetadataError(
-            f"paged_attention: sinks must be [{query.shape[1]}] float32 on {query.device} (one sink logit per "
+            f"paged_attention: {name} must be [{query.shape[1]}] float32 on {query.device} (one value per "
             f"query head); got {tuple(sinks.shape)} {sinks.dtype} on {sinks.device}")

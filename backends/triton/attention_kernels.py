@@ -56,6 +56,7 @@ def paged_attention_kernel(
     visited_tiles_ptr,    # [num_q_tiles, num_kv_heads, NUM_SEGMENTS] int32 (RECORD_VISITED only; a test aid)
     lse_ptr,              # [num_tokens, num_heads] fp32 (strided), natural-log LSE (STORE_LSE only)
     sinks_ptr,            # [num_heads] fp32 sink logits, natural-log domain (USE_SINKS only)
+    alibi_ptr,            # [num_heads] fp32 ALiBi slopes, natural-log domain (USE_ALIBI only)
     k_scale_ptr,          # [num_kv_heads] fp32, K descale: real = stored * k_scale (KV_FP8 only)
     v_scale_ptr,          # [num_kv_heads] fp32, V descale (KV_FP8 only)
     num_reqs,             # int32
@@ -83,6 +84,7 @@ def paged_attention_kernel(
     KV_SAME_STRIDES: tl.constexpr,     # value_cache strides == key_cache strides (blocks, tokens)
     STORE_LSE: tl.constexpr,           # also store each row's log-sum-exp (NUM_SEGMENTS == 1 only)
     USE_SINKS: tl.constexpr,           # one more logit per head in the denominator, no value
+    USE_ALIBI: tl.constexpr,           # logits - slope_h * (query position - key position)
     KV_FP8: tl.constexpr,              # the caches are fp8: cast to q's dtype, descale (core/kv_quant.py)
 ):
     tile = tl.program_id(0)
@@ -163,6 +165,8 @@ def paged_attention_kernel(
     row_valid_col = row_valid[:, None]
     q_pos_col = q_pos[:, None]
     oldest_col = q_pos_col - SLIDING_WINDOW  # keys must be > this (window rows only)
+    if USE_ALIBI:  # per row (query head) slope, base 2 like the scaled logits
+        alibi_col = (tl.load(alibi_ptr + head, mask=row_valid, other=0.0) * 1.4426950408889634)[:, None]
 
     for t in range(tile_lo, tile_hi):
         keys = t * TILE_N + key_offsets
@@ -184,6 +188,8 @@ def paged_attention_kernel(
         else:
             s = s * qk_scale
         keys_row = keys[None, :]
+        if USE_ALIBI:  # after scale and soft-cap, before masking (vLLM's order)
+            s = s - alibi_col * (q_pos_col - keys_row).to(tl.float32)
         visible = row_valid_col & key_live[None, :]
         if CAUSAL:
             visible = visible & (keys_row <= q_pos_col)

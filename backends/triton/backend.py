@@ -87,6 +87,11 @@ class TritonBackend(AttentionBackend, metaclass=_TritonBackendMeta):
         return True
 
     @classmethod
+    def supports_alibi(cls) -> bool:
+        """``alibi_slopes``: ``- slope_h * (query position - key position)`` in the kernel."""
+        return True
+
+    @classmethod
     def supports_mqa_gqa(cls) -> bool:
         return True
 

@@ -25,6 +25,8 @@ class TritonAttentionImpl(AttentionImpl):
 
     ``TritonAttentionImpl(num_heads, head_size, scale, num_kv_heads, sliding_window=None,
     logits_soft_cap=None, attn_type=AttentionType.DECODER, kv_cache_dtype=None, sinks=None)``;
+    ``alibi_slopes=None`` (``[num_heads]`` float32 ALiBi slopes, in the kernel; an ALiBi layer
+    attends in one pass on cascade steps too);
     ``sinks``: ``[num_heads]`` float32 sink logits (``core/contracts.AttentionImpl``), applied
     in the kernel's online softmax (full, windowed, split-KV and cascade steps).
 
@@ -52,16 +54,21 @@ class TritonAttentionImpl(AttentionImpl):
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
                  sliding_window: int | None = None, logits_soft_cap: float | None = None,
                  attn_type: AttentionType = AttentionType.DECODER,
-                 kv_cache_dtype: torch.dtype | None = None, sinks: torch.Tensor | None = None):
+                 kv_cache_dtype: torch.dtype | None = None, sinks: torch.Tensor | None = None,
+                 alibi_slopes: torch.Tensor | None = None):
         reasons = self.decoder_argument_problems(num_heads, num_kv_heads, sliding_window, logits_soft_cap,
                                                  attn_type)
         reasons += self.sinks_argument_problems(sinks, num_heads)
+        reasons += [r.replace("sinks", "alibi_slopes").replace("sink logit", "ALiBi slope")
+                    for r in self.sinks_argument_problems(alibi_slopes, num_heads)]
         if head_size not in HEAD_SIZES:
             reasons.append(f"head_size {head_size} not supported (multiples of 16 up to {HEAD_SIZES[-1]})")
         if reasons:
             raise BackendUnsupportedError("triton", reasons, context="TritonAttentionImpl")
         super().__init__(num_heads, head_size, scale, num_kv_heads, sliding_window, logits_soft_cap,
                          attn_type, kv_cache_dtype, sinks)
+        self.alibi_slopes = alibi_slopes
+        """``[num_heads]`` float32 ALiBi slopes or ``None`` (``paged_attention(alibi_slopes=)``)."""
 
     def forward(self, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: TritonAttentionMetadata,
@@ -113,7 +120,10 @@ class TritonAttentionImpl(AttentionImpl):
         write_kv_cache(key[:num_writes], value[:num_writes], key_cache, value_cache, md.slot_mapping[:num_writes],
                        check_values=False, k_scale=k_scale, v_scale=v_scale)
         sinks = self._sinks_on(query.device)
-        if md.cascade is not None and self.sliding_window is None:
+        alibi = self.alibi_slopes
+        if alibi is not None and alibi.device != query.device:
+            alibi = self.alibi_slopes = alibi.to(query.device)
+        if md.cascade is not None and self.sliding_window is None and alibi is None:
             return cascade_attention(query, key_cache, value_cache, output, md, scale=self.scale,
                                      logits_soft_cap=self.logits_soft_cap, sinks=sinks, k_scale=k_scale,
                                      v_scale=v_scale)
@@ -122,7 +132,7 @@ class TritonAttentionImpl(AttentionImpl):
             num_reqs=md.num_reqs, max_query_len=md.max_query_len, scale=self.scale, causal=md.causal,
             sliding_window=self.sliding_window, logits_soft_cap=self.logits_soft_cap,
             num_kv_splits=md.num_kv_splits, check_values=False, sinks=sinks,
-            k_scale=k_scale, v_scale=v_scale)
+            k_scale=k_scale, v_scale=v_scale, alibi_slopes=alibi)
 
     def _sinks_on(self, device: torch.device) -> torch.Tensor | None:
         """``self.sinks`` on ``device`` (moved once; ``None`` without sinks)."""

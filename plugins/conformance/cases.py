@@ -48,6 +48,9 @@ class ConformanceCase:
             or ``None`` for ``head_size ** -0.5``. Models pass other values (Gemma's
             ``query_pre_attn_scalar ** -0.5``, Granite's ``attention_multiplier``), so an
             impl must use the one it is given.
+        alibi: the impl gets ALiBi slopes (``AttentionImpl(alibi_slopes=)``, the standard
+            ``2 ** (-8 (h + 1) / num_heads)``, ``oracle.alibi_slopes``); the oracle subtracts
+            ``slope_h * (query position - key position)`` from the logits.
         sinks: the impl gets per-head sink logits (``AttentionImpl(sinks=)``, seeded,
             ``oracle.CaseInputs.sinks``); the oracle adds them as a softmax column with no value.
         num_pad_tokens: padded tokens appended to every step (``PAD_SLOT_ID`` slots).
@@ -76,6 +79,7 @@ class ConformanceCase:
     logits_soft_cap: float | None = None
     scale: float | None = None
     sinks: bool = False
+    alibi: bool = False
     num_pad_tokens: int = 0
     history_chunk: int | None = None
     seed: int = 0
@@ -127,6 +131,8 @@ class ConformanceCase:
             need.append("mqa_gqa")
         if self.sinks:
             need.append("sinks")
+        if self.alibi:
+            need.append("alibi")
         return tuple(need)
 
     @property
@@ -232,6 +238,10 @@ CASES: tuple[ConformanceCase, ...] = (
     _c("sink_logits_gqa", [(10, 1), (0, 9), (20, 5)], "sinks", "gqa", sinks=True, num_pad_tokens=2),
     _c("sink_logits_sliding", [(13, 1), (0, 11), (9, 6)], "sinks", "window", "chunked", sinks=True,
        sliding_window=5, block_size=4, history_chunk=5),
+    # ALiBi: - slope_h * (query position - key position) on the logits, on full and windowed layers
+    _c("alibi_gqa", [(10, 1), (0, 9), (20, 5)], "alibi", "gqa", alibi=True, num_pad_tokens=2),
+    _c("alibi_sliding_chunked", [(21, 1), (0, 11), (9, 6)], "alibi", "window", "chunked", alibi=True,
+       sliding_window=5, history_chunk=5),
     # fp8 KV caches with non-unit scales (per KV head: ignoring them, or using head 0's for
     # every head, fails); the golden attends over the dequantised K/V
     _c("fp8_e4m3_per_head", [(10, 1), (0, 6), (12, 3)], "fp8", "gqa", kv_cache_dtype="fp8_e4m3",

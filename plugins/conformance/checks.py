@@ -16,7 +16,7 @@ from attnplug.plugins.conformance.attribution import blocks_read
 from attnplug.plugins.conformance.harness import CaseRun, StepRecord
 from attnplug.core.kv_quant import quantize_kv
 from attnplug.plugins.conformance.cases import ConformanceCase
-from attnplug.plugins.conformance.oracle import CaseInputs, case_kv_scales, dense_attention
+from attnplug.plugins.conformance.oracle import CaseInputs, case_kv_scales, dense_attention, quantizes_query
 from attnplug.plugins.conformance.poison import bits
 
 TOLERANCES: dict[str, tuple[float, float]] = {
@@ -45,14 +45,17 @@ def _where(step: StepRecord, token: int) -> str:
 
 def check_outputs(run: CaseRun, reference: CaseRun | None, name_blocks: bool = True) -> list[str]:
     """Every step's output of both cache groups vs ``reference`` (group 0 of the same step),
-    or vs the dense float64 oracle when ``reference`` is ``None``.
+    or vs the dense float64 oracle when ``reference`` is ``None`` (over the dequantised query
+    too, at the bfloat16 tolerance, for a backend that reads fp8 queries:
+    ``oracle.quantizes_query``).
 
     NaN in an output (where the expected value is finite) means the backend read a block
     that held NaN (``poison.py``); the first such step and group names the blocks read
     (``attribution.py``, by rerunning the case) unless ``name_blocks`` is False.
     """
-    atol, rtol = TOLERANCES[run.case.dtype]
-    inputs = CaseInputs(run.case) if reference is None else None
+    quant_q = quantizes_query(run.backend, run.case)
+    atol, rtol = max(TOLERANCES[run.case.dtype], TOLERANCES["bfloat16"]) if quant_q else TOLERANCES[run.case.dtype]
+    inputs = CaseInputs(run.case, quantized_query=quant_q) if reference is None else None
     problems = []
     named_nan = False
     for s, step in enumerate(run.steps):

@@ -30,7 +30,7 @@ from attnplug.core.constants import PAD_SLOT_ID
 from attnplug.core.contracts import AttentionBackend, AttentionType, BuilderConfig
 from attnplug.core.devices import resolve_device
 from attnplug.plugins.conformance.cases import ConformanceCase
-from attnplug.plugins.conformance.oracle import CaseInputs, case_kv_scales
+from attnplug.plugins.conformance.oracle import CaseInputs, alibi_slopes, case_kv_scales, case_q_scale
 from attnplug.plugins.conformance.poison import PoisonPlan, bits
 from attnplug.plugins.conformance.requirements import torch_dtype
 from attnplug.plugins.conformance.snapshots import changes_since, snapshot, value_differences
@@ -99,11 +99,13 @@ def case_cache_dtype(case: ConformanceCase) -> torch.dtype:
 
 def case_layer(case: ConformanceCase, device) -> SimpleNamespace | None:
     """The ``layer`` argument of ``forward``: ``None``, or for an fp8 case an object with
-    the case's ``k_scale`` / ``v_scale`` (``oracle.case_kv_scales``) on ``device``."""
+    the case's ``k_scale`` / ``v_scale`` (``oracle.case_kv_scales``) and ``q_scale``
+    (``oracle.case_q_scale``, read by backends that quantize the query) on ``device``."""
     if case.kv_cache_dtype == "auto":
         return None
     k_scale, v_scale = case_kv_scales(case)
-    return SimpleNamespace(k_scale=k_scale.to(device), v_scale=v_scale.to(device))
+    return SimpleNamespace(k_scale=k_scale.to(device), v_scale=v_scale.to(device),
+                           q_scale=case_q_scale(case).to(device))
 
 
 def _assign_blocks(case: ConformanceCase, num_blocks_needed: list[int], group: int) -> tuple[list[list[int]], int]:
@@ -168,7 +170,8 @@ class _Runner:
         else:
             spec = FullAttentionSpec(block_size=kbs, num_kv_heads=case.num_kv_heads, head_size=case.head_size,
                                      dtype=case_cache_dtype(case))
-        cfg = BuilderConfig(max_num_reqs=len(lens), max_num_batched_tokens=max_tokens, max_model_len=max_model_len)
+        cfg = BuilderConfig(max_num_reqs=len(lens), max_num_batched_tokens=max_tokens, max_model_len=max_model_len,
+                            dtype=dtype)
         builder_cls = backend_cls.get_builder_cls()
         self.builders = [builder_cls(spec, [f"layer{g}"], cfg, self.device) for g in range(NUM_GROUPS)]
         self.compiler = StepCompiler(
@@ -178,6 +181,8 @@ class _Runner:
             group_kinds=[spec.kind] * NUM_GROUPS, validate=True, sliding_windows=[case.sliding_window] * NUM_GROUPS)
         self.inputs = CaseInputs(case)
         sink_kwargs = {} if self.inputs.sinks is None else {"sinks": self.inputs.sinks.to(self.device)}
+        if case.alibi:  # only to backends that declare ALiBi (requirements.assess skips the others)
+            sink_kwargs["alibi_slopes"] = alibi_slopes(case).to(self.device)
         self.impl = backend_cls.get_impl_cls()(
             case.num_heads, case.head_size, case.softmax_scale, case.num_kv_heads, sliding_window=case.sliding_window,
             logits_soft_cap=case.logits_soft_cap, attn_type=AttentionType.DECODER,

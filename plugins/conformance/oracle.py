@@ -48,12 +48,39 @@ def case_kv_scales(case: ConformanceCase) -> tuple[torch.Tensor | None, torch.Te
     return scales
 
 
+def alibi_slopes(case: ConformanceCase) -> torch.Tensor | None:
+    """``[num_heads]`` float32 ALiBi slopes of an ``alibi`` case (Press et al.'s geometric
+    sequence ``2 ** (-8 (h + 1) / num_heads)``), else ``None``."""
+    if not case.alibi:
+        return None
+    return 2.0 ** (-8.0 * torch.arange(1, case.num_heads + 1, dtype=torch.float32) / case.num_heads)
+
+
+def quantizes_query(backend_cls, case: ConformanceCase) -> bool:
+    """``backend_cls`` reads this fp8 case's query in fp8 too (``supports_quant_query_input``,
+    FA3): it is then held to the dense oracle over the dequantised query as well, at the
+    bfloat16 tolerance (FA3's fp8 output is bfloat16), not to torch_native."""
+    return case.kv_cache_dtype != "auto" and bool(getattr(backend_cls, "supports_quant_query_input", False))
+
+
+def case_q_scale(case: ConformanceCase) -> torch.Tensor | None:
+    """The float32 ``[]`` ``q_scale`` an fp8 case gives the impl (read only by backends that
+    quantize the query): the query's expected amax over ``finfo.max``, non-unit so that a
+    backend ignoring it (no ``q_descale``) fails; ``None`` for an ``auto`` case."""
+    if case.kv_cache_dtype == "auto":
+        return None
+    from attnplug.core.kv_quant import parse_kv_cache_dtype
+
+    gain = SOFTCAP_QUERY_GAIN if case.logits_soft_cap is not None else 1.0
+    return torch.tensor(gain * FP8_AMAX / torch.finfo(parse_kv_cache_dtype(case.kv_cache_dtype)).max)
+
+
 class CaseInputs:
     """Per request ``i`` with ``L_i = computed_i + scheduled_i`` tokens: ``query``
     ``[L_i, num_heads, head_size]``, ``key``/``value`` ``[L_i, num_kv_heads, head_size]`` in
     the case dtype, concatenated over requests (``offsets[i]`` is request i's first row)."""
 
-    def __init__(self, case: ConformanceCase):
+    def __init__(self, case: ConformanceCase, quantized_query: bool = False):
         self.case = case
         dtype = torch_dtype(case.dtype)
         lens = [c + s for c, s in case.requests]
@@ -89,6 +116,15 @@ class CaseInputs:
             k_scale, v_scale = case_kv_scales(case)
             self.ref_key = dequantize_kv(quantize_kv(self.key, k_scale, cache), k_scale, torch.float32)
             self.ref_value = dequantize_kv(quantize_kv(self.value, v_scale, cache), v_scale, torch.float32)
+        self.ref_query = self.query
+        """What the golden's queries are: the query, or with ``quantized_query`` (a backend that
+        reads fp8 queries, :func:`quantizes_query`) its round trip through ``case_q_scale``."""
+        if quantized_query and case.kv_cache_dtype != "auto":
+            from attnplug.core.kv_quant import dequantize_kv, parse_kv_cache_dtype, quantize_kv
+
+            q_scale = case_q_scale(case)
+            stored = quantize_kv(self.query, q_scale, parse_kv_cache_dtype(case.kv_cache_dtype))
+            self.ref_query = dequantize_kv(stored, q_scale, torch.float32)
 
     def rows(self, token_req: np.ndarray, token_pos: np.ndarray) -> torch.Tensor:
         """``[num_tokens]`` int64 rows of the tables for (request index, position) pairs."""
@@ -118,7 +154,7 @@ def dense_attention(inputs: CaseInputs, token_req: np.ndarray, token_pos: np.nda
         pos = torch.as_tensor(token_pos[sel], dtype=torch.int64)
         base = int(inputs.offsets[i])
         n = int(pos.max()) + 1
-        q = inputs.query[base + pos].double()                                  # [t, H, D]
+        q = inputs.ref_query[base + pos].double()                              # [t, H, D]
         k = inputs.ref_key[base:base + n].double()[:, kv_index]                # [n, H, D]
         v = inputs.ref_value[base:base + n].double()[:, kv_index]
         logits = torch.einsum("thd,nhd->htn", q, k) * case.softmax_scale
@@ -129,6 +165,9 @@ def dense_attention(inputs: CaseInputs, token_req: np.ndarray, token_pos: np.nda
         visible = keys[None, :] <= pos[:, None]
         if case.sliding_window is not None:
             visible &= keys[None, :] > pos[:, None] - case.sliding_window
+        if case.alibi:  # - slope_h * (query position - key position)
+            distance = (pos[:, None] - keys[None, :]).double()
+            logits = logits - alibi_slopes(case).double().view(-1, 1, 1) * distance[None]
         logits = logits.masked_fill(~visible[None], float("-inf"))
         if inputs.sinks is not None:  # the sink column: in the denominator, with no value
             sink_col = inputs.sinks.double().view(-1, 1, 1).expand(-1, logits.shape[1], 1)

@@ -94,7 +94,7 @@ def layer_config(case: ConformanceCase, device: str) -> AttentionLayerConfig:
         num_heads=case.num_heads, num_kv_heads=case.num_kv_heads, head_size=case.head_size,
         dtype=torch_dtype(case.dtype), kv_cache_dtype=_kv_cache_dtype(case), block_size=case.block_size,
         sliding_window=case.sliding_window,
-        logits_soft_cap=case.logits_soft_cap, device=device, has_sinks=case.sinks)
+        logits_soft_cap=case.logits_soft_cap, device=device, has_sinks=case.sinks, use_alibi=case.alibi)
 
 
 def _kv_cache_dtype(case: ConformanceCase) -> torch.dtype | None:

@@ -11,6 +11,7 @@ import pytest
 from attnplug.core.contracts import AttentionBackend
 from attnplug.plugins.conformance.cases import ConformanceCase
 from attnplug.plugins.conformance.harness import CaseRun, run_case
+from attnplug.plugins.conformance.oracle import quantizes_query
 from attnplug.plugins.conformance.requirements import Assessment, assess, resolve_device
 from attnplug.plugins.discovery import get_registry, resolve_backend_spec
 
@@ -84,10 +85,11 @@ class ConformanceSession:
         return self._runs[key]
 
     def reference(self, backend: type[AttentionBackend], case: ConformanceCase) -> CaseRun | None:
-        """The torch_native run of ``case`` (``None`` when ``backend`` is torch_native: it is
-        then held to the dense oracle instead)."""
+        """The torch_native run of ``case`` (``None`` when ``backend`` is torch_native, or
+        reads this fp8 case's query in fp8 (``oracle.quantizes_query``): it is then held to the
+        dense oracle instead)."""
         ref = get_registry().get(REFERENCE)
-        if backend is ref:
+        if backend is ref or quantizes_query(backend, case):  # fp8 queries: the dense oracle over them
             return None
         device = self.device(backend)
         kbs = case.kernel_block_size or case.block_size

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from attnplug.core.contracts import PLUGIN_API_VERSION, AttentionLayerConfig
-from attnplug.plugins.conformance import checks
+from attnplug.plugins.conformance import backend_checks, checks
 from attnplug.plugins.registry import check_api_version
 
 pytestmark = pytest.mark.attnplug_conformance
@@ -119,11 +119,47 @@ def test_declarations_are_well_formed(attnplug_conformance, attnplug_backend):
                     + "\n".join(f"  - {p}" for p in problems), pytrace=False)
 
 
+def _attention_backend(session, spec):
+    """The backend of ``spec`` and its device; skips what the attention suite cannot run."""
+    from attnplug.plugins.conformance.requirements import untestable_reason
+
+    backend = session.backends[spec]
+    if backend.kv_cache_kind != "attention":
+        pytest.skip(f"the backend serves {backend.kv_cache_kind!r} caches")
+    why = untestable_reason(backend, session.device(backend))
+    if why:
+        pytest.skip(why)
+    return backend, session.device(backend)
+
+
+def test_builder_is_reentrant(attnplug_conformance, attnplug_backend):
+    """Case ``reentrant_builds``: one builder builds three steps before any runs; each forward
+    then equals a build right before it (``backend_checks.check_reentrant``)."""
+    backend, device = _attention_backend(attnplug_conformance, attnplug_backend)
+    problems = backend_checks.check_reentrant(backend, device)
+    if problems:
+        pytest.fail(f"backend {attnplug_backend!r}: the builder is not re-entrant:\n"
+                    + "\n".join(f"  - {p}" for p in problems), pytrace=False)
+
+
+def test_kv_layout_matches_cache_shape(attnplug_conformance, attnplug_backend):
+    """The declared ``kv_cache_layout`` is what ``get_kv_cache_shape`` / ``split_kv_cache`` do
+    (``backend_checks.check_kv_layout``)."""
+    backend = attnplug_conformance.backends[attnplug_backend]
+    if backend.kv_cache_kind != "attention":
+        pytest.skip(f"the backend serves {backend.kv_cache_kind!r} caches")
+    problems = backend_checks.check_kv_layout(backend)
+    if problems:
+        pytest.fail(f"backend {attnplug_backend!r}: the KV layout descriptor disagrees with the cache:\n"
+                    + "\n".join(f"  - {p}" for p in problems), pytrace=False)
+
+
 @pytest.mark.parametrize("feature, layer", [
     ("sliding_window", dict(sliding_window=8)),
     ("logits_soft_cap", dict(logits_soft_cap=30.0)),
     ("mqa_gqa", dict(num_heads=4, num_kv_heads=1)),
     ("sinks", dict(has_sinks=True)),
+    ("alibi", dict(use_alibi=True)),
 ])
 def test_validate_configuration_rejects_undeclared_features(attnplug_conformance, attnplug_backend, feature, layer):
     """A feature the backend declares it lacks must be rejected by ``validate_configuration``

@@ -182,7 +182,7 @@ def check_buildable(backend: type[AttentionBackend], group: str) -> None:
 
 
 def check_builders(kv_cfg: KVCacheConfig, backends: list[type[AttentionBackend]], budget: int,
-                   max_num_seqs: int, max_model_len: int, device: str) -> None:
+                   max_num_seqs: int, max_model_len: int, device: str, dtype: torch.dtype | None = None) -> None:
     """Construct each cache group's builder once, as ``ModelRunner`` will
     (``docs/embedding.md``), so that a builder whose constructor raises is named.
 
@@ -194,7 +194,7 @@ def check_builders(kv_cfg: KVCacheConfig, backends: list[type[AttentionBackend]]
     from attnplug.runner.execute.kv_caches import kernel_kv_cache_spec, negotiate_kernel_block_sizes
 
     sizes = negotiate_kernel_block_sizes(kv_cfg, backends)
-    cfg = BuilderConfig(max_num_seqs, budget, max_model_len)
+    cfg = BuilderConfig(max_num_seqs, budget, max_model_len, dtype=dtype)
     for g, (group, backend, kbs) in enumerate(zip(kv_cfg.groups, backends, sizes)):
         where = f"cache group {g} ({group.kv_cache_spec.kind.value})"
         check_buildable(backend, where)
@@ -270,7 +270,7 @@ def build_engine(args, *, alone: bool = False, model: torch.nn.Module | None = N
     check_kv_memory(kv_cfg, max_num_seqs, max_model_len, device,
                     "--num-blocks" if args.num_blocks else "the default --num-blocks")
     backends = [model.attnplug_backends[g.layer_names[0]] for g in groups]
-    check_builders(kv_cfg, backends, budget, max_num_seqs, max_model_len, device)
+    check_builders(kv_cfg, backends, budget, max_num_seqs, max_model_len, device, getattr(model, "dtype", None))
     kv_sched, kv_worker = make_connectors(args, kv_cfg, backends, alone)  # --kv-connector
     sched = Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
                                       max_model_len=max_model_len, enable_chunked_prefill=not alone,

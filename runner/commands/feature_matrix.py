@@ -20,9 +20,11 @@ refused for it with that reason (`AttentionBackend.validate_configuration`), nev
 served without it. `y` = declared, `.` = not declared.
 
 Two rows depend on the machine, and show the reference machine (no flash-attn installed, no
-`TRITON_INTERPRET`): `flash_attn` declares any kernel block size and `ALWAYS` CUDA graphs when
-FlashAttention 3 is installed (multiples of 256 and `UNIFORM_BATCH` under FlashAttention 2, the
-default); `triton` adds the CPU (float16, float32) under `TRITON_INTERPRET=1`.
+`TRITON_INTERPRET`): `flash_attn` declares any kernel block size, `ALWAYS` CUDA graphs and the
+`fp8_e4m3` KV cache (per-tensor and per-head scales, fp8 queries scaled by `q_scale`: FA3's
+`q_descale` / `k_descale` / `v_descale`) when FlashAttention 3 is installed (multiples of 256,
+`UNIFORM_BATCH` and no fp8 under FlashAttention 2, the default: its `flash_attn_varlen_func`
+takes no descale); `triton` adds the CPU (float16, float32) under `TRITON_INTERPRET=1`.
 """
 
 
@@ -51,6 +53,8 @@ def feature_matrix_markdown(caps: list[BackendCapabilities]) -> str:
               "|---|---|---|---|---|---|---|---|---|"]
     for c in caps:
         scales = ", ".join(g.value for g in c.scale_granularities) or "-"
+        if c.quant_query:
+            scales += " (+ fp8 queries, q_scale)"
         lines.append(f"| `{c.name}` | {', '.join(c.dtypes)} | {', '.join(c.kv_cache_dtypes)} | {scales} | "
                      f"{_sizes(c.head_sizes)} | {_sizes(c.kernel_block_sizes)} | {', '.join(c.devices)} | "
                      f"{', '.join(c.attn_types)} | {c.cudagraph} |")

@@ -18,6 +18,7 @@ import torch
 
 from attnplug.cache_groups.kinds import GroupKind
 from attnplug.cache_groups.specs import AttentionSpec, KVCacheSpec
+from attnplug.core.errors import AttnplugError
 from attnplug.core.kv_quant import KV_CACHE_DTYPES, kv_cache_dtype_name, parse_kv_cache_dtype
 from attnplug.runner.models.kv_scales import KV_SCALE_SOURCES, attach_kv_scales
 
@@ -30,9 +31,11 @@ def add_flags(p: argparse.ArgumentParser, memory: bool = True) -> None:
     p.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
                    help="KV cache dtype: auto (the model's dtype) or fp8_e4m3 / fp8_e5m2 (1 byte per element, "
                         "per-tensor or per-KV-head scales; docs/configuration.md)")
-    p.add_argument("--kv-scales", default="first_batch", choices=list(KV_SCALE_SOURCES),
-                   help="fp8 caches: where k_scale / v_scale come from: first_batch (amax of the first step's "
-                        "K/V / fp8 max, then frozen; default) or unit (1.0)")
+    p.add_argument("--kv-scales", default="auto", choices=list(KV_SCALE_SOURCES),
+                   help="fp8 caches: where k_scale / v_scale come from: checkpoint (the weights' "
+                        "self_attn.k_scale / v_scale), first_batch (amax of the first step's K/V / fp8 max, then "
+                        "frozen), unit (1.0), or auto (default: checkpoint when the weights carry them, else "
+                        "first_batch)")
     if memory:
         from attnplug.runner.commands.limits import bounded_int
 
@@ -59,18 +62,27 @@ def quantized_specs(specs: dict[str, KVCacheSpec], dtype: torch.dtype | None) ->
 def prepare_scales(model: torch.nn.Module, args) -> dict[str, str] | None:
     """Attach ``k_scale`` / ``v_scale`` to every attention layer of ``model`` for an fp8
     cache (once: a model reused by a later engine keeps its scales); returns ``{"dtype",
-    "scales", "granularity"}`` for the run's table, ``None`` for ``auto``."""
+    "scales", "granularity"}`` for the run's table (``scales``: where they came from, ``auto``
+    resolved), ``None`` for ``auto``.
+
+    Raises:
+        AttnplugError: ``--kv-scales checkpoint`` without checkpoint scales for every layer.
+    """
     dtype = cache_dtype(args)
     if dtype is None:
         return None
     if getattr(model, "attnplug_kv_scales", None) is None:
         backends = getattr(model, "attnplug_backends", {})
         per_head = {name: bool(getattr(b, "supports_per_head_kv_scales", False)) for name, b in backends.items()}
-        source = getattr(args, "kv_scales", "first_batch") or "first_batch"
-        sources = attach_kv_scales(model, dtype, source, per_head)
+        quant_q = {name: bool(getattr(b, "supports_quant_query_input", False)) for name, b in backends.items()}
+        source = getattr(args, "kv_scales", "auto") or "auto"
+        try:
+            sources = attach_kv_scales(model, dtype, source, per_head, quant_q)
+        except ValueError as exc:  # --kv-scales checkpoint without (all) checkpoint scales
+            raise AttnplugError(str(exc)) from None
         heads = {per_head.get(n, False) for n in sources}
         model.attnplug_kv_scales = {
-            "dtype": kv_cache_dtype_name(dtype), "scales": source,
+            "dtype": kv_cache_dtype_name(dtype), "scales": next(iter(set(sources.values())), source),
             "granularity": "per KV head" if heads == {True} else "per tensor" if heads == {False} else "mixed"}
     return model.attnplug_kv_scales
 

@@ -156,7 +156,8 @@ class ModelRunner:
         _refuse_drafts_on_unverifying_state_backends(kv_cache_config, self.backends)
         kernel_block_sizes = negotiate_kernel_block_sizes(kv_cache_config, self.backends)
         self.kernel_block_sizes = kernel_block_sizes
-        builder_cfg = BuilderConfig(config.max_num_reqs, config.max_num_batched_tokens, config.max_model_len)
+        builder_cfg = BuilderConfig(config.max_num_reqs, config.max_num_batched_tokens, config.max_model_len,
+                                    dtype=getattr(model, "dtype", None))
         builders = []
         for group, backend, kbs in zip(groups, self.backends, kernel_block_sizes):
             builders.append(backend.get_builder_cls()(kernel_kv_cache_spec(group.kv_cache_spec, kbs),

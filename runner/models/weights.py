@@ -61,18 +61,24 @@ def load_hf_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor])
             parameter names. With tied embeddings ``lm_head.weight`` may be absent (it is
             ``model.embed_tokens.weight``) or present (then ignored). Keys matching
             :data:`IGNORED_HF_KEYS` are ignored. Tensors are cast to the model's dtype and
-            device.
+            device. An fp8 checkpoint's ``*.self_attn.k_scale`` / ``v_scale`` / ``q_scale``
+            (``kv_scale``) are kept as ``model.attnplug_checkpoint_kv_scales``
+            (``kv_scales.split_checkpoint_scales``), what ``--kv-scales checkpoint`` / ``auto``
+            use.
 
     Raises:
         WeightLoadError: missing, unexpected, or wrongly shaped tensors (all listed); the
             model is unchanged.
     """
+    from attnplug.runner.models.kv_scales import split_checkpoint_scales
+
     params = dict(model.named_parameters())  # tied lm_head.weight appears once, as embed_tokens
     tied = model.config.tie_word_embeddings
     given = {k: v for k, v in state_dict.items()
              if not IGNORED_HF_KEYS.search(k) and not (tied and k == "lm_head.weight")}
+    given, kv_scales, scale_problems = split_checkpoint_scales(model, given)
     missing = sorted(set(params) - set(given))
-    unexpected = sorted(set(given) - set(params))
+    unexpected = sorted(set(given) - set(params)) + scale_problems
     mismatched = [(k, tuple(params[k].shape), tuple(given[k].shape)) for k in sorted(set(params) & set(given))
                   if tuple(params[k].shape) != tuple(given[k].shape)]
     if missing or unexpected or mismatched:
@@ -80,6 +86,7 @@ def load_hf_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor])
     with torch.no_grad():
         for name, p in params.items():
             p.copy_(given[name].to(device=p.device, dtype=p.dtype))
+    model.attnplug_checkpoint_kv_scales = kv_scales or None
 
 
 @torch.no_grad()

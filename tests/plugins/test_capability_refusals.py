@@ -27,11 +27,15 @@ def test_an_explicit_choice_is_refused_with_every_missing_feature():
     with pytest.raises(BackendUnsupportedError) as exc:
         select_backend(NEEDY, "full_attention", cli_choice="torch_native", env={})
     reasons = exc.value.reasons
-    assert "ALiBi position biases not supported" in reasons
+    assert not any("ALiBi" in r for r in reasons)  # torch_native declares ALiBi
     assert "non-causal attention not supported" in reasons
     assert "batch-invariant attention not supported" in reasons
     assert not any("sinks" in r for r in reasons)  # torch_native declares sinks
     assert "chosen explicitly by --backend" in str(exc.value)
+    with pytest.raises(BackendUnsupportedError) as exc:  # cpu_sdpa declares neither sinks nor ALiBi
+        select_backend(NEEDY, "full_attention", cli_choice="cpu_sdpa", env={})
+    assert {"ALiBi position biases not supported", "attention sinks (per-head sink logits) not supported",
+            "non-causal attention not supported"} <= set(exc.value.reasons)
 
 
 def test_automatic_selection_skips_backends_without_sinks():
@@ -45,7 +49,7 @@ def test_automatic_selection_skips_backends_without_sinks():
 def test_capabilities_are_the_declarations():
     caps = BackendCapabilities.of(TorchNativeBackend)
     assert caps.features == frozenset({Feature.SLIDING_WINDOW, Feature.LOGITS_SOFT_CAP, Feature.MQA_GQA,
-                                       Feature.SINKS})
+                                       Feature.SINKS, Feature.ALIBI})
     assert caps.kv_cache_dtypes == ("auto", "fp8_e4m3", "fp8_e5m2") and caps.cudagraph == "NEVER"
     assert caps.scale_granularities == (ScaleGranularity.PER_TENSOR, ScaleGranularity.PER_HEAD)
     plain = type("NoFp8", (TorchNativeBackend,), {"supported_kv_cache_dtypes": ("auto",)})
@@ -55,5 +59,5 @@ def test_capabilities_are_the_declarations():
                                                      "supports_per_head_kv_scales": False})
     assert BackendCapabilities.of(per_tensor).scale_granularities == (ScaleGranularity.PER_TENSOR,)
     d = caps.to_dict()
-    assert d["features"]["sinks"] is True and d["features"]["alibi"] is False and set(d["features"]) == {
+    assert d["features"]["sinks"] is True and d["features"]["alibi_sqrt"] is False and set(d["features"]) == {
         f.value for f in Feature}

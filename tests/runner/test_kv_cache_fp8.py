@@ -84,5 +84,5 @@ def test_selection_refuses_a_backend_without_fp8_with_the_reason():
     cfg = AttentionLayerConfig(num_heads=4, num_kv_heads=2, head_size=64, dtype=torch.float16,
                                kv_cache_dtype=torch.float8_e4m3fn)
     with pytest.raises(AttnplugError, match="kv_cache_dtype fp8_e4m3 not supported \\(supported: auto\\)"):
-        resolve_backend("flashinfer", {"l0": cfg}, {"l0": "full_attention"})
+        resolve_backend("flash_attn", {"l0": cfg}, {"l0": "full_attention"})
     assert resolve_backend("torch_native", {"l0": cfg}, {"l0": "full_attention"})["l0"].get_name() == "torch_native"

@@ -25,6 +25,7 @@ pytest_plugins = ["pytester"]
 
 EXPECTED_SKIP = re.compile(
     r"the backend declares '(sliding_window|logits_soft_cap|mqa_gqa)'; the cases test it"
+    r"|the case needs '(sinks|alibi)'; the backend declares features\(\)\['(sinks|alibi)'\] = False"
     r"|the backend serves 'attention' caches"
     r"|property mode is off")
 
@@ -49,7 +50,8 @@ STEPS = {
 }
 
 
-def _run(backend, step, window, num_heads=4, num_kv_heads=2, head_size=16, block_size=4):
+def _run(backend, step, window, num_heads=4, num_kv_heads=2, head_size=16, block_size=4, cache_dtype=None,
+         layer=None):
     torch.manual_seed(0)
     lens = [c + s for c, s in step]
     width = max(-(-n // block_size) for n in lens) + 1
@@ -67,10 +69,12 @@ def _run(backend, step, window, num_heads=4, num_kv_heads=2, head_size=16, block
     kv = torch.randn(backend.get_kv_cache_shape(next_id + 2, block_size, num_kv_heads, head_size))
     kv[0] = float("nan")  # the null block and the free blocks past every request: poison
     kv[next_id:] = float("nan")
+    if cache_dtype is not None:
+        kv = kv.to(cache_dtype)
     T = sum(s for _, s in step)
     q, k, v = torch.randn(T, num_heads, head_size), torch.randn(T, num_kv_heads, head_size), \
         torch.randn(T, num_kv_heads, head_size)
-    return impl.forward(None, q, k, v, kv, builder.build(0, cm), torch.zeros(T, num_heads, head_size))
+    return impl.forward(layer, q, k, v, kv, builder.build(0, cm), torch.zeros(T, num_heads, head_size))
 
 
 @pytest.mark.parametrize("window", [None, 5])
@@ -83,5 +87,19 @@ def test_fast_path_matches_torch_native(step, window, monkeypatch):
 
     monkeypatch.setattr(TorchNativeAttentionImpl, "forward", no_fallback)
     got = _run(CpuSdpaBackend, STEPS[step], window)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
+def test_fp8_fast_path_matches_torch_native(cache_dtype, monkeypatch):
+    """An fp8 cache with per-KV-head k_scale and a per-tensor v_scale: written and read with
+    the scales on the fast path, equal to torch_native's dequantising reference."""
+    from types import SimpleNamespace
+
+    layer = SimpleNamespace(k_scale=torch.tensor([0.02, 0.05]), v_scale=torch.tensor(0.03))
+    expected = _run(TorchNativeBackend, STEPS["mixed"], None, cache_dtype=cache_dtype, layer=layer)
+    monkeypatch.setattr(TorchNativeAttentionImpl, "forward", lambda *a, **k: (_ for _ in ()).throw(AssertionError))
+    got = _run(CpuSdpaBackend, STEPS["mixed"], None, cache_dtype=cache_dtype, layer=layer)
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)

@@ -37,4 +37,12 @@ def test_emulated_flash_backends_pass_the_conformance_suite(pytester):
     for case in ("fa2_pages_256_mixed", "fa2_pages_256_window_softcap", "fa2_pages_512_kernel_256_fp16"):
         assert f"test_outputs_match_reference[{FA2}-{case}] PASSED" in out, case
     assert f"test_update_block_table_equals_fresh_build[{FA3}-mixed] PASSED" in out
+    # fp8 KV caches: FA3 (e4m3, per-head descales, fp8 queries) and FlashInfer (both dtypes)
+    assert f"test_outputs_match_reference[{FA3}-fp8_e4m3_per_head] PASSED" in out
+    for case in ("fp8_e4m3_per_head", "fp8_e5m2_per_tensor"):
+        assert f"test_outputs_match_reference[{FI}-{case}] PASSED" in out, case
+        assert f"test_kv_written_exactly_at_slot_mapping[{FI}-{case}] PASSED" in out, case
+    for backend in (FA3, FI, FA2):
+        assert f"test_builder_is_reentrant[{backend}] PASSED" in out, backend
+        assert f"test_kv_layout_matches_cache_shape[{backend}] PASSED" in out, backend
     assert f"test_deterministic[{FA2}-fa2_pages_256_mixed] PASSED" in out

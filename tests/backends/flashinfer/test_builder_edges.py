@@ -123,11 +123,15 @@ def test_every_wrapper_argument_and_reuse():
     assert kw == dict(causal=True, sm_scale=0.25, window_left=4, logits_soft_cap=30.0, q_data_type=torch.float32,
                       kv_data_type=torch.float32)
     assert md.num_reqs == 2 and md.num_prefills == 1
-    builder.build(0, b.cm)  # the same configuration: the same wrappers, planned again
-    assert len(rec.of("decode", "init")) == 1 and len(rec.of("prefill", "init")) == 1
-    assert len(rec.of("decode", "plan")) == 2 and len(rec.of("prefill", "plan")) == 2
-    assert set(builder._wrappers) == {("decode", next(iter(md.plans)), None), ("prefill", next(iter(md.plans)))}
-    assert all(w is not None for w in builder._wrappers.values())
+    key = next(iter(md.plans))
+    builder.build(0, b.cm)  # md is alive: it keeps its wrappers, this build plans new ones (re-entrancy)
+    assert len(rec.of("decode", "init")) == 2 and len(rec.of("prefill", "init")) == 2
+    del md  # dropped (the second metadata was never kept): the next build re-plans a free wrapper
+    builder.build(0, b.cm)
+    assert len(rec.of("decode", "init")) == 2 and len(rec.of("prefill", "init")) == 2
+    assert len(rec.of("decode", "plan")) == 3 and len(rec.of("prefill", "plan")) == 3
+    assert set(builder._wrappers) == {("decode", key), ("prefill", key)}
+    assert all(len(pool) == 2 for pool in builder._wrappers.values())
 
 
 @pytest.mark.parametrize("num_heads,tensor_cores", [(8, False), (10, True), (16, True)])

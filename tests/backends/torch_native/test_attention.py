@@ -327,7 +327,7 @@ def test_capabilities_and_lookup():
     with pytest.raises(UnknownBackendError, match="torch_native"):
         get_backend("nope")
     assert TorchNativeBackend.features() == {"sliding_window": True, "logits_soft_cap": True, "mqa_gqa": True,
-                                             "sinks": True, "alibi": False, "alibi_sqrt": False, "non_causal": False,
+                                             "sinks": True, "alibi": True, "alibi_sqrt": False, "non_causal": False,
                                              "lse_return": False, "batch_invariant": False}
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
         cfg = AttentionLayerConfig(num_heads=8, num_kv_heads=2, head_size=72, dtype=dtype, block_size=5,

@@ -27,7 +27,7 @@ EXPECTED_SKIP = re.compile(
     r"manager block size (1|4) is not a multiple of any declared kernel block size"
     r"|the case runs kernel block size 4 under manager block size 8; the backend declares kernel block sizes"
     r"|the case needs dtype bfloat16; the backend declares \['float16', 'float32'\]"
-    r"|the backend declares '(sliding_window|logits_soft_cap|mqa_gqa|sinks)'; the cases test it"
+    r"|the backend declares '(sliding_window|logits_soft_cap|mqa_gqa|sinks|alibi)'; the cases test it"
     r"|the backend serves 'attention' caches"  # the Mamba state cases (plugins/conformance/state_*)
     r"|property mode is off")
 
