@@ -56,6 +56,9 @@ class Request:
         prompt_embeds: ``None``, or the prompt as embeddings ``[len(prompt_token_ids),
             hidden_size]`` (sent with the request's first ``NewRequestData``; such a
             request never shares prefix-cache blocks).
+        mm_features: ``None``, or the prompt's images (``runner/step/multimodal.py``'s
+            ``MultiModalFeature``; sent with the first ``NewRequestData``); their content
+            hashes enter the hashes of the blocks their spans overlap (prefix caching).
     """
 
     req_id: str
@@ -73,6 +76,7 @@ class Request:
     free_when_idle: bool = False
     stopped: bool = False
     prompt_embeds: Any = None
+    mm_features: Any = None
 
     @property
     def num_prompt_tokens(self) -> int:
