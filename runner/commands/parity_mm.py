@@ -98,7 +98,7 @@ def run_mm_parity(cfg_dict: dict, *, num_requests: int, seed: int, force_preempt
     if unused.get("speculative") or unused.get("kv_cache_dtype", "auto") != "auto":
         raise AttnplugError("parity on a multimodal config supports neither --speculative nor an fp8 KV cache")
     cfg, hf = _hf_model(cfg_dict, seed, tdtype)
-    model = build_with_backends(cfg_dict, backend=backend, block_size=block_size, resolve=resolve_backend,
+    model = build_with_backends(cfg.to_dict(), backend=backend, block_size=block_size, resolve=resolve_backend,
                                 dtype=tdtype)
     model.load_hf_state_dict(hf.state_dict())
     prompts, features = make_mm_requests(cfg, num_requests, seed, prefix_caching)

@@ -7,7 +7,8 @@ its own position row (``runner/step/mrope.py`` computes the rows). The vision to
 (``vision_config``) is a ViT over ``patch_size x patch_size x temporal_patch_size`` patches with
 2-D rotary positions and a patch merger that folds ``spatial_merge_size**2`` patches into one
 language-model token. transformers >= 5 nests the text fields in ``text_config``; older configs
-keep them at the top level: both are read.
+keep them at the top level: both are read. Absent fields take transformers' Qwen2-VL defaults
+(``rms_norm_eps`` 1e-5, ``rope_theta`` 1e6).
 """
 
 from __future__ import annotations
@@ -105,6 +106,7 @@ def parse_qwen2_vl_config(cfg: Mapping[str, Any]) -> Qwen2VLModelConfig:
     if rope.get("type") == "mrope" or rope.get("rope_type") == "mrope":  # M-RoPE over default frequencies
         rope.pop("type", None)
         rope["rope_type"] = "default"
+    rope.setdefault("rope_theta", text.get("rope_theta", 1_000_000.0))  # transformers' Qwen2-VL default
     text["rope_parameters"] = rope
     theta, scaling = parse_rope(text)
     hidden, heads = int(text["hidden_size"]), int(text["num_attention_heads"])
@@ -120,7 +122,7 @@ def parse_qwen2_vl_config(cfg: Mapping[str, Any]) -> Qwen2VLModelConfig:
         intermediate_size=int(text["intermediate_size"]), num_hidden_layers=layers, num_attention_heads=heads,
         num_key_value_heads=int(text.get("num_key_value_heads") or heads), head_size=head_size,
         max_position_embeddings=int(text.get("max_position_embeddings", 32768)),
-        rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)), rope_theta=theta, rope_scaling=scaling,
+        rms_norm_eps=float(text.get("rms_norm_eps", 1e-5)), rope_theta=theta, rope_scaling=scaling,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
         qkv_bias=True, o_proj_bias=False, mlp_bias=False, sliding_windows=(None,) * layers,
         initializer_range=float(text.get("initializer_range", 0.02)), hidden_act=str(text.get("hidden_act", "silu")),
