@@ -353,8 +353,15 @@ class StepCompiler:
     def snapshot(self) -> dict:
         """A deep copy of every piece of state (both views), for before/after comparisons
         in tests (compare with :func:`snapshot_diff`). Not for the hot path. With prompt
-        embeddings enabled, ``snap["prompt_embeds"]`` holds the kept ones (float32 copies)."""
+        embeddings enabled, ``snap["prompt_embeds"]`` holds the kept ones (float32 copies);
+        with images, ``snap["mm_features"]`` each request's image hashes and spans, and with
+        M-RoPE ``snap["mrope"]`` each request's positions and delta."""
         snap = snapshot(self.input_batch, self.requests)
         if self.prompt_embeds is not None:
             snap["prompt_embeds"] = {rid: e.float().cpu().numpy() for rid, e in self.prompt_embeds.embeds.items()}
+        if self.mm is not None:
+            snap["mm_features"] = {rid: [(f.mm_hash, f.mm_position.offset, f.mm_position.grid_thw) for f in feats]
+                                   for rid, feats in self.mm.features.items()}
+        if self.mrope is not None:
+            snap["mrope"] = {rid: (pos.copy(), delta) for rid, (pos, delta) in self.mrope.prompts.items()}
         return snap
