@@ -91,8 +91,7 @@ class Scheduler:
             req_id: a new, unique id (ids of finished requests are not reused).
             prompt_token_ids: the prompt's token ids, ``1 <= len < max_model_len``.
             sampling_params: defaults to ``SamplingParams()``; ``max_tokens >= 1``.
-            prompt_embeds: ``None`` or ``Request.prompt_embeds`` (``LLMEngine.add_request`` checks them).
-            mm_features: ``None`` or ``Request.mm_features`` (``LLMEngine.add_request`` checks them).
+            prompt_embeds, mm_features: ``None`` or ``Request``'s (``LLMEngine.add_request`` checks them).
 
         Raises:
             InvalidRequestError: duplicate id, empty or too long prompt, negative token id,
