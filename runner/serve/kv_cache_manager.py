@@ -138,6 +138,7 @@ class PrefixCachingKVCacheManager(SchedulerKVCacheManager):
         self.stats = PrefixCacheStats()
         self._hashes: dict[str, dict[int, list[BlockHash]]] = {}
         self._num_cached: dict[str, list[int]] = {}
+        self._spans: dict[str, tuple] = {}  # requests with images: (offset, length, mm_hash) each
 
     # --- hooks --------------------------------------------------------------------------
     def get_computed_blocks(self, request) -> CacheHit:
@@ -236,6 +237,7 @@ class PrefixCachingKVCacheManager(SchedulerKVCacheManager):
                 m.pool.free(reversed(blocks))
         self._num_cached.pop(rid, None)
         self._hashes.pop(rid, None)
+        self._spans.pop(rid, None)
 
     def align_num_new_tokens(self, request, start: int, num_new_tokens: int) -> int:
         """Mamba groups: a chunk ends at the last checkpoint boundary inside it."""
@@ -266,7 +268,13 @@ class PrefixCachingKVCacheManager(SchedulerKVCacheManager):
 
     # --- internals ----------------------------------------------------------------------
     def _block_hashes(self, request, tokens: list[int]) -> dict[int, list[BlockHash]]:
-        rid = request.req_id
+        """The request's (or request id's: its images as last seen) block hashes, memoised."""
+        if isinstance(request, str):
+            rid, spans = request, self._spans.get(request, ())
+        else:
+            rid, spans = request.req_id, _mm_spans(request)
+            if spans:
+                self._spans[rid] = spans
         prev = self._hashes.get(rid)
         if prev is not None:
             # a memoised chain is a prefix of the tokens' chain only if it covers no more
@@ -274,7 +282,7 @@ class PrefixCachingKVCacheManager(SchedulerKVCacheManager):
                 if len(chain) > len(tokens) // b:
                     prev = None
                     break
-        out = self.coordinator.block_hashes(tokens, None, prev, mm_spans=_mm_spans(request))
+        out = self.coordinator.block_hashes(tokens, None, prev, mm_spans=spans)
         self._hashes[rid] = out
         return out
 
