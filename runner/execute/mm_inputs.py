@@ -11,11 +11,19 @@ from attnplug.runner.execute.encoder_cache import EncoderCache
 from attnplug.runner.step.multimodal import MultiModalConfig
 
 
-def multimodal_config(model: torch.nn.Module) -> MultiModalConfig | None:
-    """The model's image input (a model with ``embed_image`` and a ``config.vision``), else ``None``."""
+def multimodal_config(model: torch.nn.Module, graphs: bool) -> MultiModalConfig | None:
+    """The model's image input (a model with ``embed_image`` and a ``config.vision``), else ``None``.
+
+    Raises:
+        ValueError: such a model with CUDA graphs (``graphs``): a captured forward replays
+            ``input_ids`` and 1-D positions only.
+    """
     vision = getattr(getattr(model, "config", None), "vision", None)
     if not hasattr(model, "embed_image") or vision is None:
         return None
+    if graphs:
+        raise ValueError(f"{type(model).__name__} (images, M-RoPE positions) needs cudagraph_mode none "
+                         "(graphs replay input_ids and 1-D positions only)")
     return MultiModalConfig(vision.spatial_merge_size, vision.patch_dim)
 
 

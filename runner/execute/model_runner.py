@@ -180,7 +180,8 @@ class ModelRunner:
             group_kinds=[g.kv_cache_spec.kind for g in groups],
             sliding_windows=[getattr(g.kv_cache_spec, "sliding_window", None) for g in groups],
             prompt_embeds=prompt_embeds_config(model, cudagraph_mode) if enable_prompt_embeds else None,
-            uses_mrope=bool(getattr(model, "uses_mrope", False)), multimodal=multimodal_config(model),
+            uses_mrope=bool(getattr(model, "uses_mrope", False)), multimodal=multimodal_config(
+                model, CUDAGraphMode.parse(cudagraph_mode) is not CUDAGraphMode.NONE),
         )
         self.mm_inputs: MultiModalInputs | None = None
         """Images (a model with ``embed_image``): the encoder cache and the image rows' buffer."""

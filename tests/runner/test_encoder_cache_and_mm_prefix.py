@@ -111,3 +111,19 @@ def test_prefix_cache_hits_only_with_the_same_image(same_image):
         assert hit >= span_end // BLOCK * BLOCK, hit
     else:
         assert hit == feats[0].mm_position.offset // BLOCK * BLOCK == 8, hit
+
+
+def test_engine_refuses_a_bad_image_up_front_and_graphs_with_images():
+    import dataclasses
+
+    from attnplug.core.errors import InvalidRequestError
+    from attnplug.runner.execute.mm_inputs import multimodal_config
+
+    eng = engine()
+    prompt, (f,) = request([3], (1, 2, 4), 0)
+    bad = dataclasses.replace(f, image_grid_thw=(1, 4, 4))  # 4 placeholder tokens' worth for a span of 2
+    with pytest.raises(InvalidRequestError, match="mm_features.*span has grid"):
+        eng.add_request("x", prompt, SamplingParams(max_tokens=1), mm_features=[bad])
+    assert "x" not in eng.scheduler.requests
+    with pytest.raises(ValueError, match="cudagraph_mode none"):
+        multimodal_config(eng.runner.model, True)
