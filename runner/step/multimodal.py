@@ -69,7 +69,7 @@ def mm_content_hash(pixel_values: torch.Tensor, image_grid_thw: tuple[int, int, 
     h = hashlib.sha256(b"attnplug-mm-v1")
     h.update(repr((tuple(int(g) for g in image_grid_thw), str(pixel_values.dtype),
                    tuple(pixel_values.shape))).encode())
-    h.update(pixel_values.detach().contiguous().cpu().numpy().tobytes())
+    h.update(pixel_values.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())  # any dtype
     return h.hexdigest()
 
 

@@ -127,3 +127,13 @@ def test_engine_refuses_a_bad_image_up_front_and_graphs_with_images():
     assert "x" not in eng.scheduler.requests
     with pytest.raises(ValueError, match="cudagraph_mode none"):
         multimodal_config(eng.runner.model, True)
+
+
+def test_content_hash_follows_pixels_grid_and_dtype():
+    from attnplug.runner.step.multimodal import mm_content_hash
+
+    px = torch.randn(8, 24, generator=torch.Generator().manual_seed(0))
+    h = mm_content_hash(px, (1, 2, 4))
+    assert h == mm_content_hash(px.clone(), (1, 2, 4))
+    assert len({h, mm_content_hash(px + 1e-3, (1, 2, 4)), mm_content_hash(px, (1, 4, 2)),
+                mm_content_hash(px.bfloat16(), (1, 2, 4))}) == 4
