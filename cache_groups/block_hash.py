@@ -145,3 +145,25 @@ def hash_request_tokens(token_ids: Sequence[int], block_size: int,
         j = (i - num_full) * block_size + toks.size
         out.append(hash_block_tokens(parent, toks[j:j + block_size], keys, cache_salt if i == 0 else None))
     return out
+
+
+def mm_extra_keys(mm_spans: Sequence[tuple[int, int, str]], block_size: int,
+                  num_full_blocks: int) -> list[tuple[str, ...]]:
+    """Per full block, the content hashes of the multimodal items (images) whose placeholder
+    span overlaps it, in span order (vLLM's multimodal extra keys): two prompts with the same
+    placeholder token ids but different images then differ from the first block an image
+    touches, and share every block when the images are the same.
+
+    Args:
+        mm_spans: ``(offset, length, mm_hash)`` per item, in prompt order.
+        block_size: tokens per block; ``num_full_blocks``: blocks to key.
+
+    Returns:
+        ``num_full_blocks`` tuples (empty for blocks no span overlaps).
+    """
+    keys: list[list[str]] = [[] for _ in range(num_full_blocks)]
+    for offset, length, mm_hash in mm_spans:
+        first, last = offset // block_size, (offset + length - 1) // block_size
+        for i in range(first, min(last + 1, num_full_blocks)):
+            keys[i].append(mm_hash)
+    return [tuple(k) for k in keys]

@@ -36,7 +36,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from attnplug.cache_groups.block_hash import BlockHash, hash_request_tokens
+from attnplug.cache_groups.block_hash import BlockHash, hash_request_tokens, mm_extra_keys
 from attnplug.cache_groups.prefix_cache import PrefixCachingBlockPool
 from attnplug.cache_groups.specs import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec, StateSpec, cdiv
 from attnplug.core.constants import NULL_BLOCK_ID
@@ -183,13 +183,18 @@ class HybridPrefixCoordinator:
         self.pools = tuple(pools)
 
     def block_hashes(self, token_ids: Sequence[int], cache_salt: str | bytes | None = None,
-                     prev: dict[int, list[BlockHash]] | None = None) -> dict[int, list[BlockHash]]:
+                     prev: dict[int, list[BlockHash]] | None = None,
+                     mm_spans: Sequence[tuple[int, int, str]] = ()) -> dict[int, list[BlockHash]]:
         """Per distinct block size, the hash chain of the full blocks of ``token_ids``.
 
-        ``prev`` (an earlier result for the same request) makes it incremental.
+        ``prev`` (an earlier result for the same request) makes it incremental;
+        ``mm_spans``: ``(offset, length, mm_hash)`` of the request's images, whose hashes
+        enter the blocks their spans overlap (:func:`mm_extra_keys`).
         """
         prev = prev or {}
-        return {b: hash_request_tokens(token_ids, b, cache_salt, prev.get(b, ()))
+        n = len(token_ids)
+        return {b: hash_request_tokens(token_ids, b, cache_salt, prev.get(b, ()),
+                                       mm_extra_keys(mm_spans, b, n // b) if mm_spans else None)
                 for b in sorted({s.block_size for s in self.specs})}
 
     def get_computed_blocks(self, token_ids: Sequence[int], cache_salt: str | bytes | None = None,

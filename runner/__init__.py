@@ -31,6 +31,10 @@ _EXPORTS: dict[str, str] = {
     "SamplingParams": "attnplug.runner.step.scheduler_output",
     "PromptEmbedsConfig": "attnplug.runner.step.prompt_embeds",
     "PlaceholderRange": "attnplug.runner.step.mrope",
+    "MultiModalConfig": "attnplug.runner.step.multimodal",
+    "MultiModalFeature": "attnplug.runner.step.multimodal",
+    "MMSlice": "attnplug.runner.step.multimodal",
+    "image_feature": "attnplug.runner.step.multimodal",
     # executing steps
     "ModelRunner": "attnplug.runner.execute.model_runner",
     "ModelRunnerOutput": "attnplug.runner.execute.model_runner",

@@ -97,6 +97,15 @@ def run_parity(cfg_dict: dict, *, num_requests: int = 6, seed: int = 0, force_pr
     if dtype not in DTYPES:
         raise AttnplugError(f"dtype {dtype!r} not supported; choose one of {sorted(DTYPES)}")
     tdtype = DTYPES[dtype]
+    if cfg_dict.get("model_type") == "qwen2_vl":  # images: runner/commands/parity_mm.py
+        from attnplug.runner.commands.parity_mm import run_mm_parity
+        from attnplug.runner.models import resolve_model_config
+
+        resolve_model_config(cfg_dict)  # a bad config: ModelConfigError (an AttnplugError), one line
+        return run_mm_parity(cfg_dict, num_requests=num_requests, seed=seed, force_preemption=force_preemption,
+                             tdtype=tdtype, max_num_batched_tokens=max_num_batched_tokens, max_tokens=max_tokens,
+                             block_size=block_size, backend=backend, async_scheduling=async_scheduling,
+                             prefix_caching=prefix_caching, speculative=speculative, kv_cache_dtype=kv_cache_dtype)
     cfg, hf, model = parity_models(cfg_dict, seed, tdtype, backend=backend, block_size=block_size,
                                    kv_cache_dtype=kv_cache_dtype)
 

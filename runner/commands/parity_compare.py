@@ -104,14 +104,17 @@ def compare_with_reference(model, prompts: dict[str, list[int]], reference, tdty
                            max_num_batched_tokens: int, max_tokens: int, force_preemption: bool = False,
                            async_scheduling: bool = False, prefix_caching: bool = False,
                            speculative: str | None = None, stop_token_ids: tuple[int, ...] = (),
-                           kv_cache_dtype: str = "auto", kv_scales: str = "first_batch") -> ParityResult:
+                           kv_cache_dtype: str = "auto", kv_scales: str = "first_batch",
+                           mm_features: dict | None = None) -> ParityResult:
     """Run ``prompts`` (request id -> token ids) through our engine on ``model`` (greedy,
     ``max_tokens`` each, the given scheduling options), then compare each request's tokens
     and logits with ``reference(prompt) -> (tokens, logits per token)``.
 
     With ``stop_token_ids`` a request may stop early: its tokens must then equal the
     reference's up to and including the stop token. With an fp8 ``kv_cache_dtype`` the
-    result measures agreement instead of demanding identity (``ParityResult.kv_cache``)."""
+    result measures agreement instead of demanding identity (``ParityResult.kv_cache``).
+    With ``mm_features`` (request id -> its images) each request is added with its images and
+    the reference is called as ``reference(req_id, prompt)``."""
     from attnplug.runner.commands.assemble import build_engine
     from attnplug.runner.step.scheduler_output import SamplingParams
 
@@ -122,7 +125,8 @@ def compare_with_reference(model, prompts: dict[str, list[int]], reference, tdty
     setup = build_engine(args, model=model, requests=False)
     for rid, p in prompts.items():
         setup.engine.add_request(rid, p, SamplingParams(temperature=0.0, max_tokens=max_tokens,
-                                                        stop_token_ids=stop_token_ids))
+                                                        stop_token_ids=stop_token_ids),
+                                 **({"mm_features": mm_features[rid]} if mm_features else {}))
     results = setup.engine.run()
 
     tol = TOLERANCES[tdtype]
@@ -131,7 +135,7 @@ def compare_with_reference(model, prompts: dict[str, list[int]], reference, tdty
     first = None
     for rid, prompt in prompts.items():
         ours = results[rid]
-        ref_tokens, ref_logits = reference(prompt)
+        ref_tokens, ref_logits = reference(rid, prompt) if mm_features else reference(prompt)
         cut = next((j + 1 for j, t in enumerate(ref_tokens) if t in stop_token_ids), len(ref_tokens))
         ref_tokens, ref_logits = ref_tokens[:cut], ref_logits[:cut]
         same = ours.output_token_ids == ref_tokens

@@ -38,6 +38,7 @@ from attnplug.runner.execute.spec_decode.verify import verified_logits, verify_s
 from attnplug.runner.step.scheduler_output import SchedulerOutput
 from attnplug.runner.step.compiler import StepCompiler
 from attnplug.runner.step.prompt_embeds import PromptEmbedsConfig
+from attnplug.runner.execute.mm_inputs import MultiModalInputs, multimodal_config
 
 __all__ = ["ModelRunner", "ModelRunnerOutput", "RunnerConfig", "STAGES"]
 
@@ -132,6 +133,11 @@ class ModelRunner:
             ``model.dtype``); steps with embedding rows pass ``inputs_embeds`` and
             ``is_embed`` to ``model.forward`` (``runner/step/prompt_embeds.py``), the others
             ``input_ids`` alone. Needs a model whose ``forward`` takes them and no CUDA graphs.
+        encoder_cache_tokens: a model with ``embed_image`` (Qwen2-VL) takes
+            ``NewRequestData.mm_features``; its encoder outputs are cached up to this many
+            rows (default ``max(max_num_batched_tokens, max_model_len)``;
+            ``runner/execute/encoder_cache.py``). A model with ``uses_mrope`` gets
+            ``StepInputs.mrope_positions`` ``[3, n]`` as its positions.
 
     Raises:
         BackendUnsupportedError: a backend cannot serve a group's block size, or a Mamba
@@ -145,7 +151,8 @@ class ModelRunner:
                  enable_builder_cache: bool = True, seed: int = 0,
                  cudagraph_mode: CUDAGraphMode | str | None = None,
                  cudagraph_capture_sizes: Sequence[int] | None = None,
-                 cascade: CascadeConfig | None = None, enable_prompt_embeds: bool = False):
+                 cascade: CascadeConfig | None = None, enable_prompt_embeds: bool = False,
+                 encoder_cache_tokens: int | None = None):
         self.model = model
         self.kv_cache_config = kv_cache_config
         self.backends = list(backends)
@@ -175,7 +182,15 @@ class ModelRunner:
             group_kinds=[g.kv_cache_spec.kind for g in groups],
             sliding_windows=[getattr(g.kv_cache_spec, "sliding_window", None) for g in groups],
             prompt_embeds=prompt_embeds_config(model, cudagraph_mode) if enable_prompt_embeds else None,
+            uses_mrope=bool(getattr(model, "uses_mrope", False)), multimodal=multimodal_config(
+                model, CUDAGraphMode.parse(cudagraph_mode) is not CUDAGraphMode.NONE),
         )
+        self.mm_inputs: MultiModalInputs | None = None
+        """Images (a model with ``embed_image``): the encoder cache and the image rows' buffer."""
+        if self.compiler.mm is not None:
+            self.mm_inputs = MultiModalInputs(
+                model, config.max_num_batched_tokens, model.config.hidden_size, model.dtype, self.device,
+                encoder_cache_tokens or max(config.max_num_batched_tokens, config.max_model_len))
         self.metadata_builder = GroupMetadataBuilder(
             builders, [list(g.layer_names) for g in groups], enable_caching=enable_builder_cache)
         self.cascade = CascadePlanner(cascade or CascadeConfig(), builders,
@@ -306,6 +321,8 @@ class ModelRunner:
         if self.host_buffer_fence is not None:
             self.host_buffer_fence.wait()  # the last step's copies out of the host buffers are done
         self.compiler.update_states(scheduler_output)
+        if self.mm_inputs is not None:
+            self.mm_inputs.applied(scheduler_output)
         t = self._time("update_states", t)
         if scheduler_output.total_num_scheduled_tokens == 0:
             return None
@@ -325,13 +342,18 @@ class ModelRunner:
             self.host_buffer_fence.mark()  # after every copy out of the host buffers is queued
         t = self._time("metadata_build", t)
         n = inputs.num_padded_tokens
-        embeds = {} if inputs.inputs_embeds is None else {"inputs_embeds": inputs.inputs_embeds[:n],
-                                                          "is_embed": inputs.is_embed[:n]}
-        forward = lambda: self.model(inputs.input_ids[:n], inputs.positions[:n], per_layer, self.kv_caches,  # noqa: E731
-                                     **embeds)
+        if self.mm_inputs is not None:  # images: encoder rows (runner/execute/mm_inputs.py)
+            embeds = self.mm_inputs.embeds(inputs, n)
+        else:
+            embeds = {} if inputs.inputs_embeds is None else {"inputs_embeds": inputs.inputs_embeds[:n],
+                                                              "is_embed": inputs.is_embed[:n]}
+        pos = inputs.positions[:n] if inputs.mrope_positions is None else inputs.mrope_positions[:, :n]
+        forward = lambda: self.model(inputs.input_ids[:n], pos, per_layer, self.kv_caches, **embeds)  # noqa: E731
         apply_state_copies(self, scheduler_output, "restores")  # Mamba prefix hits (state_copies.py)
         hidden = graphs.forward(batch, forward) if batch else forward()
         apply_state_copies(self, scheduler_output, "saves")
+        if self.mm_inputs is not None:
+            self.mm_inputs.done(inputs)
         t = self._time("forward", t)
 
         keep = np.flatnonzero(~np.asarray(inputs.discard))

@@ -33,6 +33,8 @@ from attnplug.runner.models.gpt_oss import GptOssModel, gpt_oss_layer_configs
 from attnplug.runner.models.gpt_oss_config import GptOssModelConfig
 from attnplug.runner.models.hybrid import HybridModel, HybridModelConfig, hybrid_layer_configs
 from attnplug.runner.models.llama import BackendForLayer, DecoderModel, layer_configs
+from attnplug.runner.models.qwen2_vl import Qwen2VLModel
+from attnplug.runner.models.qwen2_vl_config import Qwen2VLModelConfig
 from attnplug.runner.models.qwen3 import Qwen3Model
 from attnplug.runner.models.qwen3_config import Qwen3ModelConfig
 from attnplug.runner.models.qwen3_next import Qwen3NextModel, qwen3_next_layer_configs
@@ -63,6 +65,7 @@ class ModelFamily:
 MODEL_FAMILIES: dict[type, ModelFamily] = {
     DecoderModelConfig: ModelFamily(DecoderModel, layer_configs),
     Qwen3ModelConfig: ModelFamily(Qwen3Model, layer_configs),
+    Qwen2VLModelConfig: ModelFamily(Qwen2VLModel, layer_configs),
     DeepseekModelConfig: ModelFamily(DeepseekModel, deepseek_layer_configs),
     DeepseekV32ModelConfig: ModelFamily(DeepseekV32Model, deepseek_v32_layer_configs),
     BambaModelConfig: ModelFamily(BambaModel, bamba_layer_configs, takes_block_size=True),

@@ -44,6 +44,9 @@ Families with their own model class and config:
                                                     gated shared expert on every layer
                                                     (``qwen3_next``)
 ===================  =============================  ========================================
+
+``qwen2_vl`` (``Qwen2VLForConditionalGeneration``): a vision tower + Qwen2 with M-RoPE
+(``qwen2_vl``, ``qwen2_vl_vision``); images reach it as ``NewRequestData.mm_features``.
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ from attnplug.runner.models.gpt_oss_config import parse_gpt_oss_config
 from attnplug.runner.models.hybrid import parse_hybrid_config
 from attnplug.runner.models.qwen3_config import QWEN3_TYPES, Qwen3ModelConfig, qwen3_extras
 from attnplug.runner.models.qwen3_next_config import parse_qwen3_next_config
+from attnplug.runner.models.qwen2_vl_config import parse_qwen2_vl_config
 from attnplug.runner.models.config import (
     DecoderModelConfig,
     ModelConfigError,
@@ -149,6 +153,7 @@ _HYBRIDS: dict[str, tuple[str, Callable[[Mapping[str, Any]], Any]]] = {
     "qwen3_next": ("Qwen3NextForCausalLM", parse_qwen3_next_config),
     "qwen3_5_text": ("Qwen3_5ForCausalLM", parse_qwen3_next_config),
     "qwen3_5_moe_text": ("Qwen3_5MoeForCausalLM", parse_qwen3_next_config),
+    "qwen2_vl": ("Qwen2VLForConditionalGeneration", parse_qwen2_vl_config),
 }
 """Hybrid families: model_type -> (architecture, parser of the config dict)."""
 

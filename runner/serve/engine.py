@@ -32,6 +32,7 @@ from attnplug.runner.serve.clock import Clock, WallClock
 from attnplug.runner.serve.request_timing import RequestTiming
 from attnplug.runner.serve.scheduler import Scheduler
 from attnplug.runner.serve.step_failure import StepFailed, abandon_in_flight
+from attnplug.runner.step.multimodal import check_mm_features
 from attnplug.runner.step.prompt_embeds import check_prompt_embeds
 from attnplug.runner.step.scheduler_output import SamplingParams
 
@@ -91,7 +92,8 @@ class LLMEngine:
         launched last, whose outputs are not read yet."""
 
     def add_request(self, req_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                    arrival_time: float | None = None, *, prompt_embeds: torch.Tensor | None = None) -> None:
+                    arrival_time: float | None = None, *, prompt_embeds: torch.Tensor | None = None,
+                    mm_features: list | None = None) -> None:
         """Queue a request; a rejected one changes nothing.
 
         Args:
@@ -103,11 +105,15 @@ class LLMEngine:
                 hidden_size]`` in the model dtype (the runner needs
                 ``enable_prompt_embeds``; ``prompt_token_ids`` then only fix the length).
                 Such a request never shares prefix-cache blocks.
+            mm_features: ``None``, or the prompt's images in order (``MultiModalFeature``s,
+                ``runner/step/multimodal.py``; the runner's model needs ``embed_image``):
+                each one's placeholder tokens take its encoder output.
 
         Raises:
             InvalidRequestError: what ``Scheduler.add_request`` refuses (a pending id
                 counts as used), a non-finite ``arrival_time``, or embeddings the runner
-                would refuse (``runner/step/prompt_embeds.py``), or given with a later
+                would refuse (``runner/step/prompt_embeds.py``), images it would refuse
+                (``runner/step/multimodal.py``), either given with a later
                 ``arrival_time`` (not supported).
         """
         now = self.clock.now()
@@ -118,8 +124,10 @@ class LLMEngine:
             raise InvalidRequestError(req_id, "duplicate request id; every request needs a new id")
         if prompt_embeds is not None:
             self._check_embeds(req_id, prompt_token_ids, prompt_embeds, arrival > now)
+        if mm_features:
+            self._check_images(req_id, prompt_token_ids, mm_features, arrival > now)
         if arrival <= now:
-            self.scheduler.add_request(req_id, prompt_token_ids, sampling_params, prompt_embeds)
+            self.scheduler.add_request(req_id, prompt_token_ids, sampling_params, prompt_embeds, mm_features)
         else:
             prompt_token_ids = check_new_request(self.scheduler.config, self.scheduler.kv_cache_manager,
                                                  self.scheduler.requests, req_id, prompt_token_ids, sampling_params)
@@ -137,6 +145,17 @@ class LLMEngine:
         probe = SimpleNamespace(req_id=req_id, prompt_token_ids=prompt_token_ids, prompt_embeds=prompt_embeds)
         try:
             check_prompt_embeds(self.runner.compiler.checker.prompt_embeds_config, [probe])
+        except InvalidSchedulerOutput as e:
+            raise InvalidRequestError(str(req_id), str(e)) from None
+
+    def _check_images(self, req_id, prompt_token_ids, mm_features, later: bool) -> None:
+        """Refuse images stage 1 of the runner would refuse, before the request enters."""
+        if later:
+            raise InvalidRequestError(str(req_id), "mm_features with a later arrival_time are not supported")
+        probe = SimpleNamespace(req_id=req_id, prompt_token_ids=prompt_token_ids, mm_features=mm_features,
+                                mm_placeholders=None)
+        try:
+            check_mm_features(self.runner.compiler.checker.mm_config, [probe])
         except InvalidSchedulerOutput as e:
             raise InvalidRequestError(str(req_id), str(e)) from None
 

@@ -138,17 +138,20 @@ class PrefixCachingKVCacheManager(SchedulerKVCacheManager):
         self.stats = PrefixCacheStats()
         self._hashes: dict[str, dict[int, list[BlockHash]]] = {}
         self._num_cached: dict[str, list[int]] = {}
+        self._spans: dict[str, tuple] = {}  # requests with images: (offset, length, mm_hash) each
 
     # --- hooks --------------------------------------------------------------------------
     def get_computed_blocks(self, request) -> CacheHit:
         """The longest cached prefix valid for every group, of at most ``num_tokens - 1``
         tokens (prompt plus outputs: a resumed request may hit its own blocks). Changes
         nothing but the request's memoised hashes. ``NO_HIT`` when caching is disabled, and
-        for a request given prompt embeddings (its prompt ids do not say what it holds)."""
+        for a request given prompt embeddings (its prompt ids do not say what it holds). A
+        request with images hits too: its blocks' hashes include the images' content hashes
+        (``_mm_spans``), so the same placeholder ids with another image never match."""
         if self.disabled_reason is not None or getattr(request, "prompt_embeds", None) is not None:
             return NO_HIT
         tokens = request.all_token_ids
-        hashes = self._block_hashes(request.req_id, tokens)
+        hashes = self._block_hashes(request, tokens)
         return self.coordinator.get_computed_blocks(tokens, block_hashes=hashes)
 
     def allocate_slots(self, request: RequestLike, num_new_tokens: int,
@@ -215,7 +218,7 @@ class PrefixCachingKVCacheManager(SchedulerKVCacheManager):
             return
         tokens = request.all_token_ids
         computed = min(request.num_computed_tokens, len(tokens))
-        hashes = self._block_hashes(rid, tokens)
+        hashes = self._block_hashes(request, tokens)
         done = self._num_cached.setdefault(rid, [0] * self.num_groups)
         for g, (m, ids) in enumerate(zip(self.managers, lists)):
             if self.mamba and g in self.mamba.groups:
@@ -234,6 +237,7 @@ class PrefixCachingKVCacheManager(SchedulerKVCacheManager):
                 m.pool.free(reversed(blocks))
         self._num_cached.pop(rid, None)
         self._hashes.pop(rid, None)
+        self._spans.pop(rid, None)
 
     def align_num_new_tokens(self, request, start: int, num_new_tokens: int) -> int:
         """Mamba groups: a chunk ends at the last checkpoint boundary inside it."""
@@ -263,7 +267,14 @@ class PrefixCachingKVCacheManager(SchedulerKVCacheManager):
         return [p.num_evictions for p in self.pools]
 
     # --- internals ----------------------------------------------------------------------
-    def _block_hashes(self, rid: str, tokens: list[int]) -> dict[int, list[BlockHash]]:
+    def _block_hashes(self, request, tokens: list[int]) -> dict[int, list[BlockHash]]:
+        """The request's (or request id's: its images as last seen) block hashes, memoised."""
+        if isinstance(request, str):
+            rid, spans = request, self._spans.get(request, ())
+        else:
+            rid, spans = request.req_id, _mm_spans(request)
+            if spans:
+                self._spans[rid] = spans
         prev = self._hashes.get(rid)
         if prev is not None:
             # a memoised chain is a prefix of the tokens' chain only if it covers no more
@@ -271,9 +282,18 @@ class PrefixCachingKVCacheManager(SchedulerKVCacheManager):
                 if len(chain) > len(tokens) // b:
                     prev = None
                     break
-        out = self.coordinator.block_hashes(tokens, None, prev)
+        out = self.coordinator.block_hashes(tokens, None, prev, mm_spans=spans)
         self._hashes[rid] = out
         return out
+
+
+def _mm_spans(request) -> tuple[tuple[int, int, str], ...]:
+    """``(offset, length, mm_hash)`` of each of the request's images (``()`` without any):
+    the blocks a span overlaps hash the image's content hash too (``block_hash.mm_extra_keys``)."""
+    feats = getattr(request, "mm_features", None)
+    if not feats:
+        return ()
+    return tuple((f.mm_position.offset, f.mm_position.length, f.mm_hash) for f in feats)
 
 
 def make_kv_cache_manager(kv_cache_config: KVCacheConfig, config) -> SchedulerKVCacheManager:

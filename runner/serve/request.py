@@ -62,6 +62,9 @@ class Request:
         kv_load: the KV connector's load of this request: ``None`` (never asked),
             ``"loading"``, ``"loaded"``, ``"failed"`` or ``"dropped"`` (``runner/serve/kv_loads.py``).
         kv_load_tokens: tokens that load brings beyond the local prefix hit.
+        mm_features: ``None``, or the prompt's images (``runner/step/multimodal.py``'s
+            ``MultiModalFeature``; sent with the first ``NewRequestData``); their content
+            hashes enter the hashes of the blocks their spans overlap (prefix caching).
     """
 
     req_id: str
@@ -81,6 +84,7 @@ class Request:
     prompt_embeds: Any = None
     kv_load: str | None = None
     kv_load_tokens: int = 0
+    mm_features: Any = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -96,14 +96,14 @@ class Scheduler:
 
     # --- requests -----------------------------------------------------------------------
     def add_request(self, req_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams | None = None,
-                    prompt_embeds=None) -> None:
+                    prompt_embeds=None, mm_features=None) -> None:
         """Queue a request (FIFO). Validates first; a rejected request changes nothing.
 
         Args:
             req_id: a new, unique id (ids of finished requests are not reused).
             prompt_token_ids: the prompt's token ids, ``1 <= len < max_model_len``.
             sampling_params: defaults to ``SamplingParams()``; ``max_tokens >= 1``.
-            prompt_embeds: ``None`` or ``Request.prompt_embeds`` (``LLMEngine.add_request`` checks them).
+            prompt_embeds, mm_features: ``None`` or ``Request``'s (``LLMEngine.add_request`` checks them).
 
         Raises:
             InvalidRequestError: duplicate id, empty or too long prompt, negative token id,
@@ -113,7 +113,7 @@ class Scheduler:
         sp = SamplingParams() if sampling_params is None else sampling_params
         prompt = check_new_request(self.config, self.kv_cache_manager, self.requests, req_id, prompt_token_ids, sp)
         req = Request(req_id, prompt, sp, arrival_index=self._next_arrival, prompt_embeds=prompt_embeds,
-                      block_ids=tuple([] for _ in range(self.kv_cache_manager.num_groups)))
+                      mm_features=mm_features or None, block_ids=tuple([] for _ in range(self.kv_cache_manager.num_groups)))
         self._next_arrival += 1
         self.requests[req_id] = req
         self.waiting.append(req)

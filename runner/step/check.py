@@ -38,6 +38,7 @@ from attnplug.runner.step.int_packer import IntPacker
 from attnplug.runner.step.kernels import StepKernels
 from attnplug.runner.step.plan import ScanBuffers, UpdatePlan
 from attnplug.runner.step.mrope import check_placeholders
+from attnplug.runner.step.multimodal import MultiModalConfig, check_mm_features
 from attnplug.runner.step.prompt_embeds import PromptEmbedsConfig, check_prompt_embeds
 from attnplug.runner.step.request_state import CachedRequestState
 from attnplug.runner.step.scheduler_output import SchedulerOutput
@@ -99,6 +100,8 @@ class UpdateChecker:
         """Width and dtype of the prompt embeddings new requests may carry (``None``: none)."""
         self.uses_mrope = False
         """Whether new requests may carry ``mm_placeholders`` (M-RoPE positions)."""
+        self.mm_config: MultiModalConfig | None = None
+        """What images new requests may carry (``mm_features``; ``None``: none)."""
 
     def plan_new(self, new_reqs: Sequence[NewReq], new_counts: Sequence[int]) -> list[CachedRequestState]:
         """Check the new requests (``check_new.plan_new_requests`` with this checker's packers)."""
@@ -123,6 +126,7 @@ class UpdateChecker:
             if d.scheduled_new_reqs:
                 plan.prompt_embeds = check_prompt_embeds(self.prompt_embeds_config, d.scheduled_new_reqs)
                 plan.mm_placeholders = check_placeholders(self.uses_mrope, d.scheduled_new_reqs)
+                self._check_images(plan, d.scheduled_new_reqs)
             return plan
         lay, batch, reqs = self.layout, self.batch, self.requests
         cached = d.scheduled_cached_reqs
@@ -141,6 +145,16 @@ class UpdateChecker:
         if batch.num_reqs - rows.fin_in_batch > rows.present.shape[0]:
             mask = rows.sched_mask
             unscheduled = [rid for rid, r in batch.req_id_to_index.items() if not mask[r] and rid not in fin_set]
-        return UpdatePlan(finished, unscheduled, new_states, new_counts, rows.readd_ids, rows.readd, rows.rows_c,
+        plan = UpdatePlan(finished, unscheduled, new_states, new_counts, rows.readd_ids, rows.readd, rows.rows_c,
                           counts_c, ncts_c, token_deltas, resumed, appends, spec_tokens=spec,
                           prompt_embeds=embeds, mm_placeholders=images)
+        self._check_images(plan, d.scheduled_new_reqs)
+        return plan
+
+    def _check_images(self, plan: UpdatePlan, new_reqs) -> None:
+        """The new requests' ``mm_features`` into ``plan`` (``runner/step/multimodal.py``);
+        with M-RoPE their spans join ``plan.mm_placeholders``."""
+        plan.mm_features = check_mm_features(self.mm_config, new_reqs)
+        if self.uses_mrope:
+            for rid, (feats, L) in plan.mm_features.items():
+                plan.mm_placeholders[rid] = (tuple(f.mm_position for f in feats), L)

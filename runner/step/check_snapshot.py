@@ -27,7 +27,7 @@ class NewReq:
     """One ``NewRequestData``, each field read once (same attribute names)."""
 
     __slots__ = ("req_id", "prompt_token_ids", "output_token_ids", "block_ids", "num_computed_tokens",
-                 "sampling_params", "prompt_embeds", "mm_placeholders")
+                 "sampling_params", "prompt_embeds", "mm_placeholders", "mm_features")
 
     def __init__(self, nr: NewRequestData):
         if type(nr) is not NewRequestData and not isinstance(nr, NewRequestData):
@@ -46,6 +46,7 @@ class NewReq:
         self.sampling_params = nr.sampling_params
         self.prompt_embeds = nr.prompt_embeds  # checked in check.py (runner/step/prompt_embeds.py)
         self.mm_placeholders = nr.mm_placeholders  # checked in check.py (runner/step/mrope.py)
+        self.mm_features = nr.mm_features  # checked in check.py (runner/step/multimodal.py)
 
 
 class CachedDeltas:

@@ -57,6 +57,7 @@ from attnplug.runner.step.placeholders import (
 from attnplug.runner.step.plan import UpdatePlan
 from attnplug.runner.step.prepare import InputPreparer, StepInputs
 from attnplug.runner.step.mrope import MRopeStore
+from attnplug.runner.step.multimodal import MultiModalConfig, MultiModalStore
 from attnplug.runner.step.prompt_embeds import PromptEmbedsConfig, PromptEmbedsStore
 from attnplug.runner.step.request_state import CachedRequestState
 from attnplug.runner.step.scheduler_output import SamplingParams, SchedulerOutput
@@ -100,8 +101,12 @@ class StepCompiler:
             (default) refuses them. Steps that schedule their prompt positions then carry
             ``StepInputs.inputs_embeds`` / ``is_embed`` (``runner/step/prompt_embeds.py``).
         uses_mrope: compute ``StepInputs.mrope_positions`` (``[3, P]``) every step, from
-            the new requests' ``mm_placeholders`` (``runner/step/mrope.py``); ``False``
+            the new requests' ``mm_placeholders`` or ``mm_features`` (``runner/step/mrope.py``); ``False``
             (default) refuses placeholders.
+        multimodal: a :class:`~attnplug.runner.step.multimodal.MultiModalConfig` to take
+            ``NewRequestData.mm_features`` (images): kept per request until it finishes;
+            each step with placeholder tokens lists them in ``StepInputs.mm_slices``
+            (``runner/step/multimodal.py``); ``None`` (default) refuses images.
 
     Attributes:
         layout: the :class:`~attnplug.runner.step.groups.StepLayout` (groups, limits).
@@ -120,7 +125,8 @@ class StepCompiler:
                  reorder_batch_threshold: int | None = None, *, num_blocks: int | None = None,
                  group_kinds: Sequence[str] | None = None, validate: bool | None = None,
                  sliding_windows: Sequence[int | None] | None = None, native: bool | None = None,
-                 prompt_embeds: PromptEmbedsConfig | None = None, uses_mrope: bool = False):
+                 prompt_embeds: PromptEmbedsConfig | None = None, uses_mrope: bool = False,
+                 multimodal: MultiModalConfig | None = None):
         lay = self.layout = StepLayout.from_args(
             block_sizes, StepLimits(max_num_reqs, max_model_len, max_num_batched_tokens),
             kernel_block_sizes=kernel_block_sizes, num_blocks=num_blocks, group_kinds=group_kinds,
@@ -155,6 +161,8 @@ class StepCompiler:
         """The kept prompt embeddings and the ``inputs_embeds`` buffers (``None``: not enabled)."""
         self.checker.uses_mrope = bool(uses_mrope)
         self.mrope: MRopeStore | None = MRopeStore(max_num_batched_tokens, self.device) if uses_mrope else None
+        self.checker.mm_config = multimodal
+        self.mm: MultiModalStore | None = MultiModalStore() if multimodal is not None else None
         """The M-RoPE prompt positions of resident requests with images (``None``: not enabled)."""
         self._preparer = InputPreparer(max_num_reqs, max_model_len, max_num_batched_tokens, self.device, kernels)
         self._host_device = self._preparer.buffers.input_ids.aliased
@@ -185,6 +193,8 @@ class StepCompiler:
             self.prompt_embeds.update(plan.finished, plan.prompt_embeds)
         if self.mrope is not None:
             self.mrope.update(plan.finished, plan.mm_placeholders)
+        if self.mm is not None:
+            self.mm.update(plan.finished, plan.mm_features)
 
     def prepare_inputs(self, scheduler_output: SchedulerOutput | None = None,
                        num_tokens_padded: int | None = None, *, build_metadata: bool = True,
@@ -239,6 +249,10 @@ class StepCompiler:
                 self.input_batch.req_id_to_index, inputs.num_reqs, inputs.num_padded_tokens,
                 inputs.positions_cpu.numpy(), inputs.query_start_loc_cpu.numpy(), inputs.num_computed_tokens,
                 inputs.num_scheduled_tokens)
+        if self.mm is not None and self.mm.features:
+            inputs.mm_slices = self.mm.slices(self.input_batch.req_id_to_index, inputs.num_reqs,
+                                              inputs.query_start_loc_cpu.numpy(), inputs.num_computed_tokens,
+                                              inputs.num_scheduled_tokens)
         if b.num_spec_tokens[:inputs.num_reqs].any():
             inputs.spec_decode_metadata = spec_decode_metadata(self.kernels, b, self._preparer.buffers,
                                                                inputs.num_reqs)
@@ -339,8 +353,15 @@ class StepCompiler:
     def snapshot(self) -> dict:
         """A deep copy of every piece of state (both views), for before/after comparisons
         in tests (compare with :func:`snapshot_diff`). Not for the hot path. With prompt
-        embeddings enabled, ``snap["prompt_embeds"]`` holds the kept ones (float32 copies)."""
+        embeddings enabled, ``snap["prompt_embeds"]`` holds the kept ones (float32 copies);
+        with images, ``snap["mm_features"]`` each request's image hashes and spans, and with
+        M-RoPE ``snap["mrope"]`` each request's positions and delta."""
         snap = snapshot(self.input_batch, self.requests)
         if self.prompt_embeds is not None:
             snap["prompt_embeds"] = {rid: e.float().cpu().numpy() for rid, e in self.prompt_embeds.embeds.items()}
+        if self.mm is not None:
+            snap["mm_features"] = {rid: [(f.mm_hash, f.mm_position.offset, f.mm_position.grid_thw) for f in feats]
+                                   for rid, feats in self.mm.features.items()}
+        if self.mrope is not None:
+            snap["mrope"] = {rid: (pos.copy(), delta) for rid, (pos, delta) in self.mrope.prompts.items()}
         return snap

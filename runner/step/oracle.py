@@ -1,5 +1,8 @@
 """A deliberately naive step compiler: per-request dicts, per-token Python loops.
 
+It knows prompt embeddings and images too (``is_embed`` / ``embed_rows`` / ``image_rows``:
+which row each token takes, recomputed per token).
+
 Two uses: the test oracle (it recomputes every step's inputs from scratch out of plain
 Python lists, sharing no code with ``StepCompiler`` beyond the data classes) and the
 baseline of ``attnplug bench step``. It follows the same row placement policy as
@@ -56,6 +59,14 @@ class NaiveStepInputs:
     draft_token_ids: list[int] | None = None
     row_draft_tokens: list[int] | None = None
     """Drafts of every row (``CommonAttentionMetadata.num_draft_tokens_cpu``; ``None``: no drafts)."""
+    is_embed: list[bool] | None = None
+    """Per token: its row comes from the request's prompt embeddings (a prompt position of a
+    request given them); ``None`` when no token of the step does."""
+    embed_rows: list | None = None
+    """The prompt-embedding rows of the tokens ``is_embed``, in token order (1-D tensors)."""
+    image_rows: list[tuple[str, int] | None] | None = None
+    """Per token: ``(mm_hash, row of the image's encoder output)`` for a placeholder token of
+    an image, else ``None``; ``None`` when no token of the step is one."""
 
 
 class NaiveStepCompiler:
@@ -160,6 +171,8 @@ class NaiveStepCompiler:
                 "blocks": [list(b) for b in nr.block_ids],
                 "sampling_params": nr.sampling_params,
                 "spec": [],
+                "embeds": None if nr.prompt_embeds is None else nr.prompt_embeds.detach().clone(),
+                "images": [(f.mm_position.offset, f.mm_position.length, f.mm_hash) for f in nr.mm_features or ()],
             }
             to_add.append(nr.req_id)
         for i, rid in enumerate(cached.req_ids):
@@ -199,6 +212,24 @@ class NaiveStepCompiler:
             back = [j for j in range(len(self.rows) - 1, d - 1, -1) if dec[j]]
             for a, b in zip(front, back):
                 self.rows[a], self.rows[b] = self.rows[b], self.rows[a]
+
+    def _embedding_sources(self, out: NaiveStepInputs) -> None:
+        """``is_embed`` / ``embed_rows`` / ``image_rows`` of the step, token by token."""
+        is_embed, rows, images = [], [], []
+        for rid in out.req_ids:
+            st = self.reqs[rid]
+            c, e = st["ncc"], st.get("embeds")
+            for p in range(c, c + self.sched[rid]):
+                inside = e is not None and p < e.shape[0]
+                is_embed.append(inside)
+                if inside:
+                    rows.append(e[p])
+                images.append(next(((h, p - off) for off, length, h in st.get("images", ())
+                                    if off <= p < off + length), None))
+        if any(is_embed):
+            out.is_embed, out.embed_rows = is_embed, rows
+        if any(x is not None for x in images):
+            out.image_rows = images
 
     def prepare_inputs(self, scheduler_output=None) -> NaiveStepInputs:
         """Recompute every input of the step from the per-request lists."""
@@ -240,6 +271,7 @@ class NaiveStepCompiler:
         out.max_query_len = max(out.num_scheduled_tokens, default=0)
         out.max_seq_len = max(out.seq_lens, default=0)
         out.common_prefix_len = [self._common_prefix_len(g, out) for g in range(len(self.block_sizes))]
+        self._embedding_sources(out)
         if any(self.reqs[rid]["spec"] for rid in self.rows):
             out.row_draft_tokens = [len(self.reqs[rid]["spec"]) for rid in self.rows]
             out.num_draft_tokens, out.spec_logits_indices, out.draft_token_ids = [], [], []

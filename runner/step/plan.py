@@ -144,3 +144,6 @@ class UpdatePlan:
     mm_placeholders: dict = field(default_factory=dict)
     """``{req_id: (placeholders, num_prompt_tokens)}``: the checked image spans of the new
     requests that carry them (stage 2 computes their M-RoPE positions, ``runner/step/mrope.py``)."""
+    mm_features: dict = field(default_factory=dict)
+    """``{req_id: (features, num_prompt_tokens)}``: the checked images of the new requests that
+    carry them (``runner/step/multimodal.py``); their spans are in ``mm_placeholders`` too."""

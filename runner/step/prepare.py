@@ -96,6 +96,10 @@ class StepInputs:
     mrope_positions: torch.Tensor | None = None
     """``[3, P]`` ``int64``, device: M-RoPE positions (temporal, height, width) of a
     compiler built with ``uses_mrope`` (``runner/step/mrope.py``); ``None`` otherwise."""
+    mm_slices: list | None = None
+    """Images: per scheduled placeholder run, which rows of which image's encoder output
+    its flat tokens take (``runner/step/multimodal.py``'s ``MMSlice``, host data); ``None``
+    in a compiler without a ``MultiModalConfig`` or a step with no resident image."""
 
 
 class InputPreparer:

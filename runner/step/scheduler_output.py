@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     import torch
 
     from attnplug.runner.step.mrope import PlaceholderRange
+    from attnplug.runner.step.multimodal import MultiModalFeature
 
 
 @dataclass(frozen=True)
@@ -90,6 +91,11 @@ class NewRequestData:
             (``runner/step/mrope.py``'s ``PlaceholderRange``: offset and the image's grid
             ``(t, h, w)``); a compiler built with ``uses_mrope=True`` computes the
             request's M-RoPE positions from them (``StepInputs.mrope_positions``).
+        mm_features: ``None``, or the prompt's images in order (``runner/step/multimodal.py``'s
+            ``MultiModalFeature``: pixel values, patch grid, content hash, placeholder span);
+            a compiler built with a ``MultiModalConfig`` keeps them until the request
+            finishes and lists each step's placeholder slices (``StepInputs.mm_slices``);
+            they also give the M-RoPE spans (``mm_placeholders`` must then be ``None``).
     """
 
     req_id: str
@@ -100,6 +106,7 @@ class NewRequestData:
     output_token_ids: list[int] = field(default_factory=list)
     prompt_embeds: "torch.Tensor | None" = None
     mm_placeholders: "list[PlaceholderRange] | None" = None
+    mm_features: "list[MultiModalFeature] | None" = None
 
 
 @dataclass

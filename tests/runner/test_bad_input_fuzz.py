@@ -9,8 +9,9 @@ apply and pass ``validate``. ``MALFORMED`` counts what was sent: at least 5,000 
 
 from __future__ import annotations
 
-import os
 import copy
+import dataclasses
+import os
 import random
 
 import numpy as np
@@ -23,11 +24,14 @@ from attnplug.core.constants import NULL_BLOCK_ID
 from attnplug.core.errors import InvalidSchedulerOutput
 from attnplug.runner.step.compiler import StepCompiler, snapshot_diff
 from attnplug.runner.step.fast import NATIVE
+from attnplug.runner.step.mrope import PlaceholderRange
+from attnplug.runner.step.multimodal import MultiModalConfig, image_feature
 from attnplug.runner.step.prompt_embeds import PromptEmbedsConfig
 from attnplug.runner.step.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 
 B, W, MAX_LEN, MAX_REQS, BUDGET = 4, 6, 64, 4, 24
 HIDDEN = 8  # prompt embeddings: some new requests carry [len(prompt), HIDDEN] float32
+PATCH_DIM = 24  # images: some new requests carry one (runner/step/multimodal.py)
 SIZES = [B, B, MAX_LEN]
 KINDS = ["full_attention", "sliding_window", "mamba"]
 STEPS, EXAMPLES = 12, 10 if os.environ.get("ATTNPLUG_MUTATE") else 50  # fewer per mutant (tests/mutate.py)
@@ -94,7 +98,10 @@ class World:
                     window[i] = NULL_BLOCK_ID
             blocks = (full, window, self.alloc(2, 1))
             embeds = torch.randn(len(prompt), HIDDEN) if rng.random() < 0.3 else None
-            new_reqs.append(NewRequestData(rid, prompt, blocks, ncc, prompt_embeds=embeds))
+            images = None  # an image of 2 placeholder tokens at position 1 (patch grid 2 x 4, merge 2)
+            if embeds is None and len(prompt) >= 4 and rng.random() < 0.4:
+                images = [image_feature(torch.randn(8, PATCH_DIM), (1, 2, 4), 1, 2)]
+            new_reqs.append(NewRequestData(rid, prompt, blocks, ncc, prompt_embeds=embeds, mm_features=images))
             sched[rid] = n
             self.reqs[rid] = dict(held=len(prompt), ncc=ncc, blocks=[list(b) for b in blocks], sched=n)
         return SchedulerOutput(new_reqs, cached, sched, finished_req_ids=finished)
@@ -191,12 +198,35 @@ def corruptions(so: SchedulerOutput):
             ("embeds nan", (rid, "prompt_embeds"), lambda s: setattr(
                 s.scheduled_new_reqs[0], "prompt_embeds", torch.full((len(nr.prompt_token_ids), 8), float("nan")))),
         ]
+        if nr.mm_features:
+            out += image_corruptions(nr)
         seq = nr.num_computed_tokens + so.num_scheduled_tokens[rid]
         visible = max(0, nr.num_computed_tokens - W + 1) // B  # first block a query sees
         if visible < cdiv(seq, B):
             out.append(("null block in the window", (rid, "block_ids"),
                         lambda s: s.scheduled_new_reqs[0].block_ids[1].__setitem__(visible, NULL_BLOCK_ID)))
     return out
+
+
+def image_corruptions(nr: NewRequestData):
+    """Bad images of a new request that carries one: each names the request and ``mm_features``."""
+    rid, L, (f,) = nr.req_id, len(nr.prompt_token_ids), nr.mm_features
+    where = (rid, "mm_features")
+
+    def feature(**kw):
+        return lambda s: setattr(s.scheduled_new_reqs[0], "mm_features", [dataclasses.replace(f, **kw)])
+    return [
+        ("image grid vs placeholders", where, feature(image_grid_thw=(1, 4, 4), pixel_values=torch.zeros(16, PATCH_DIM))),
+        ("image span outside the prompt", where, feature(mm_position=PlaceholderRange(L - 1, (1, 1, 2)))),
+        ("image span at a negative offset", where, feature(mm_position=PlaceholderRange(-1, (1, 1, 2)))),
+        ("image pixels shape", where, feature(pixel_values=torch.zeros(8, PATCH_DIM + 1))),
+        ("image grid not mergeable", where, feature(image_grid_thw=(1, 3, 4))),
+        ("image pixels nan", where, feature(pixel_values=torch.full((8, PATCH_DIM), float("nan")))),
+        ("image hash empty", where, feature(mm_hash="")),
+        ("image not a feature", where, lambda s: setattr(s.scheduled_new_reqs[0], "mm_features", [{"offset": 1}])),
+        ("image and placeholders", where,
+         lambda s: setattr(s.scheduled_new_reqs[0], "mm_placeholders", [f.mm_position])),
+    ]
 
 
 @pytest.mark.parametrize("native", [True, False])
@@ -212,7 +242,8 @@ def test_malformed_outputs_between_valid_steps(native):
         rng = random.Random(seed)
         sc = StepCompiler(SIZES, MAX_REQS, MAX_LEN, BUDGET, num_blocks=2000, group_kinds=KINDS,
                           sliding_windows=[None, W, None], validate=True, native=native,
-                          prompt_embeds=PromptEmbedsConfig(HIDDEN, torch.float32))
+                          prompt_embeds=PromptEmbedsConfig(HIDDEN, torch.float32), uses_mrope=True,
+                          multimodal=MultiModalConfig(2, PATCH_DIM))
         world = World(rng)
         for _ in range(STEPS):
             so = world.step()

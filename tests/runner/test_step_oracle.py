@@ -32,10 +32,14 @@ from attnplug.runner.step.scheduler_output import (
 from attnplug.runner.execute.cascade import step_prefix_lens
 from attnplug.runner.step.fast import NATIVE
 from attnplug.runner.step.compiler import StepCompiler
+from attnplug.runner.step.multimodal import MultiModalConfig, image_feature
+from attnplug.runner.step.prompt_embeds import PromptEmbedsConfig
 
 STEPS_PER_EXAMPLE = 25
 MAX_EXAMPLES = 15 if os.environ.get("ATTNPLUG_MUTATE") else 90  # fewer per mutant (tests/mutate.py)
-STEP_COUNT = {"steps": 0, "native": 0, "numpy": 0, "in_flight": 0, "shared": 0, "common_prefix": 0}
+STEP_COUNT = {"steps": 0, "native": 0, "numpy": 0, "in_flight": 0, "shared": 0, "common_prefix": 0, "embeds": 0,
+              "images": 0}
+HIDDEN, PATCH_DIM = 4, 3  # prompt embeddings' width; an image patch's values (merge size 1)
 
 LAYOUTS = [
     # (block_sizes, kernel_block_sizes, group_kinds)
@@ -188,11 +192,36 @@ class RandomScheduler:
                     for b in ids:
                         self.refs[g][b] += 1
                 STEP_COUNT["shared"] += 1
-            new.append(NewRequestData(rid, prompt, blocks, ncc, sp, outs))
+            embeds, images = None, None  # prompt embeddings / an image on some new requests
+            if rng.random() < 0.12:
+                embeds = torch.randn(plen, HIDDEN, generator=torch.Generator().manual_seed(rng.randrange(2**31)))
+            elif plen >= 2 and rng.random() < 0.15:
+                k = rng.randint(1, min(plen, 6))
+                images = [image_feature(torch.full((k, PATCH_DIM), float(rng.randrange(99))), (1, 1, k),
+                                        rng.randrange(0, plen - k + 1), 1)]
+            new.append(NewRequestData(rid, prompt, blocks, ncc, sp, outs, prompt_embeds=embeds, mm_features=images))
             sched[rid] = n
             self.kv[rid] = ncc + n
             budget -= n
         return SchedulerOutput(new, cached, sched, finished_req_ids=finished)
+
+
+def compare_embedding_rows(inp, ref) -> None:
+    """Prompt-embedding rows and image slices, token by token, against the oracle's."""
+    Q = inp.num_actual_tokens
+    if ref.is_embed is None:
+        assert inp.inputs_embeds is None and inp.is_embed is None
+    else:
+        assert inp.is_embed[:Q].tolist() == ref.is_embed
+        assert torch.equal(inp.inputs_embeds[:Q][inp.is_embed[:Q]], torch.stack(ref.embed_rows))
+        STEP_COUNT["embeds"] += 1
+    got: list = [None] * Q
+    for s in inp.mm_slices or ():
+        for j in range(s.length):
+            assert got[s.dest + j] is None
+            got[s.dest + j] = (s.feature.mm_hash, s.start + j)
+    assert got == (ref.image_rows or [None] * Q)
+    STEP_COUNT["images"] += ref.image_rows is not None
 
 
 def compare(sc: StepCompiler, oracle: NaiveStepCompiler, inp, ref) -> None:
@@ -224,6 +253,7 @@ def compare(sc: StepCompiler, oracle: NaiveStepCompiler, inp, ref) -> None:
         assert cms[g].slot_mapping is inp.slot_mapping[g]
         assert cms[g].block_table_tensor is inp.block_table_tensor[g]
         assert cms[g].query_start_loc is cms[0].query_start_loc  # one template, replaced copies
+    compare_embedding_rows(inp, ref)
     skip = [k != "full_attention" for k in sc.layout.group_kinds]
     assert step_prefix_lens(sc, cms, skip) == ref.common_prefix_len
     STEP_COUNT["common_prefix"] += any(ref.common_prefix_len)
@@ -247,7 +277,9 @@ def test_random_steps_match_naive_oracle(rng, layout, threshold, regular, native
     block_sizes, kernel_sizes, kinds = layout
     kw = dict(kernel_block_sizes=kernel_sizes, reorder_batch_threshold=threshold,
               num_blocks=NUM_BLOCKS, group_kinds=kinds)
-    sc = StepCompiler(block_sizes, MAX_NUM_REQS, MAX_MODEL_LEN, MAX_TOKENS, validate=True, native=native, **kw)
+    sc = StepCompiler(block_sizes, MAX_NUM_REQS, MAX_MODEL_LEN, MAX_TOKENS, validate=True, native=native,
+                      prompt_embeds=PromptEmbedsConfig(HIDDEN, torch.float32), multimodal=MultiModalConfig(1, PATCH_DIM),
+                      **kw)
     oracle = NaiveStepCompiler(block_sizes, MAX_NUM_REQS, MAX_MODEL_LEN, MAX_TOKENS, **kw)
     sched = RandomScheduler(rng, layout, oracle, regular)
     for _ in range(STEPS_PER_EXAMPLE):
@@ -283,7 +315,9 @@ def test_random_steps_with_a_step_in_flight_match_the_oracle(rng, layout, thresh
     block_sizes, kernel_sizes, kinds = layout
     kw = dict(kernel_block_sizes=kernel_sizes, reorder_batch_threshold=threshold,
               num_blocks=NUM_BLOCKS, group_kinds=kinds)
-    sc = StepCompiler(block_sizes, MAX_NUM_REQS, MAX_MODEL_LEN, MAX_TOKENS, validate=True, native=native, **kw)
+    sc = StepCompiler(block_sizes, MAX_NUM_REQS, MAX_MODEL_LEN, MAX_TOKENS, validate=True, native=native,
+                      prompt_embeds=PromptEmbedsConfig(HIDDEN, torch.float32), multimodal=MultiModalConfig(1, PATCH_DIM),
+                      **kw)
     oracle = NaiveStepCompiler(block_sizes, MAX_NUM_REQS, MAX_MODEL_LEN, MAX_TOKENS, **kw)
     sched = RandomScheduler(rng, layout, oracle)
     prev = None  # (placeholders, device tokens) of the step before
@@ -313,6 +347,7 @@ def test_zz_enough_random_steps_ran():
         import pytest
         pytest.skip("tests/mutate.py runs fewer examples")
     assert STEP_COUNT["steps"] >= 2000, STEP_COUNT
+    assert STEP_COUNT["embeds"] >= 500 and STEP_COUNT["images"] >= 500, STEP_COUNT  # the embedding rows ran
     # both planning paths ran often (the compiled one only where it is built)
     assert STEP_COUNT["numpy"] >= 500, STEP_COUNT
     if NATIVE is not None:
