@@ -62,6 +62,8 @@ class Request:
         kv_load: the KV connector's load of this request: ``None`` (never asked),
             ``"loading"``, ``"loaded"``, ``"failed"`` or ``"dropped"`` (``runner/serve/kv_loads.py``).
         kv_load_tokens: tokens that load brings beyond the local prefix hit.
+        kv_remote_tokens: leading ``output_token_ids`` another instance sampled (a KV
+            connector's ``take_remote_output_tokens``: a disaggregated prefill), not this one.
     """
 
     req_id: str
@@ -81,6 +83,7 @@ class Request:
     prompt_embeds: Any = None
     kv_load: str | None = None
     kv_load_tokens: int = 0
+    kv_remote_tokens: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:
