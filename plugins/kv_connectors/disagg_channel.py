@@ -180,15 +180,18 @@ class PeerChannel:
             self._thread.join(timeout)
 
 
-_CURRENT: PeerChannel | None = None
+_CURRENT: dict[str, PeerChannel] = {}
 
 
-def install(channel: PeerChannel | None) -> None:
-    """Make ``channel`` the process's wire (both connector instances of a run use it)."""
-    global _CURRENT
-    _CURRENT = channel
+def install(channel: PeerChannel | None, role: str | None = None) -> None:
+    """Make ``channel`` the process's wire for its role (both connector instances of a run
+    use it); ``install(None, role)`` removes it. One per role, so a test can hold both ends."""
+    if channel is None:
+        _CURRENT.pop(role, None)
+    else:
+        _CURRENT[channel.role] = channel
 
 
-def current() -> PeerChannel | None:
-    """The process's wire, or ``None`` (not launched as a disaggregated pair)."""
-    return _CURRENT
+def current(role: str) -> PeerChannel | None:
+    """The process's wire for ``role``, or ``None`` (not launched as a disaggregated pair)."""
+    return _CURRENT.get(role)

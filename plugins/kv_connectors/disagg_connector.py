@@ -111,8 +111,8 @@ class DisaggConnector(RedisWorkerSide, KVConnectorBase):
                                   "is not a full-attention group with a declared kv_cache_layout")
         self.kv_role = _role(context.config)
         self.timeout_s = float(context.config.get("timeout_s", 120.0))
-        self.channel = disagg_channel.current()
-        if self.channel is None or self.channel.role != self.kv_role:
+        self.channel = disagg_channel.current(self.kv_role)
+        if self.channel is None:
             raise ConfigError("--kv-connector", f"disagg: no {self.kv_role} wire in this process (launch with "
                               "torchrun --nproc-per-node 2 ... attnplug run --kv-connector disagg)")
         self.groups = context.groups

@@ -63,7 +63,7 @@ def run(args, main: Callable[[], int]) -> int:
             return main()
         finally:
             channel.close()
-            wire.install(None)
+            wire.install(None, role)
     finally:
         dist.barrier()
         dist.destroy_process_group()
