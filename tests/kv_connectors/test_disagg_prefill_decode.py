@@ -7,6 +7,7 @@ are the same as over gloo). Slow: ``torchrun --nproc-per-node 2 -m attnplug run`
 
 from __future__ import annotations
 
+import itertools
 import queue
 from types import SimpleNamespace
 
@@ -17,13 +18,13 @@ from tests.kv_connectors.conftest import BLOCK, MODELS, PROMPTS
 from tests.kv_connectors.conftest import run as run_engine
 
 
-def _build(role: str | None, cfg_name: str = "llama"):
+def _build(role: str | None, cfg_name: str = "llama", num_blocks: int | None = None):
     from attnplug.runner.commands.assemble import build_engine, resolve_backend
     from attnplug.runner.commands.model_loading import build_with_backends
 
     model = build_with_backends(MODELS[cfg_name], backend=None, block_size=BLOCK, resolve=resolve_backend, seed=3)
     args = SimpleNamespace(model=f"test-{cfg_name}", backend=None, block_size=BLOCK, seed=3, max_model_len=96,
-                           max_num_seqs=4, max_num_batched_tokens=16, num_blocks=None, record_logits=False,
+                           max_num_seqs=4, max_num_batched_tokens=16, num_blocks=num_blocks, record_logits=False,
                            force_preemption_every=None, async_scheduling=False, speculative=None,
                            prefix_caching=False, kv_connector="disagg" if role else None,
                            kv_connector_config=f"role={role},timeout_s=5" if role else None)
@@ -40,12 +41,12 @@ def _pair(tamper=lambda data: data):
     return prod, cons
 
 
-def _disaggregated(tamper=lambda data: data):
+def _disaggregated(tamper=lambda data: data, consumer_blocks: int | None = None):
     prod, cons = _pair(tamper)
     try:
         pre, ps = run_engine(_build("producer"), max_tokens=1)
         prod.close()
-        out, s = run_engine(_build("consumer"), max_tokens=6)
+        out, s = run_engine(_build("consumer", num_blocks=consumer_blocks), max_tokens=6)
     finally:
         cons.close(5)
         wire.install(None, "producer")
@@ -93,6 +94,21 @@ def test_consumer_only_decodes_and_matches_one_engine():
     assert s["scheduled_tokens"] == len(PROMPTS) * (6 - 1)  # the decode steps only
     assert ps["kv_connector"]["prompt_tokens_computed"] == prompt_tokens
     assert ps["kv_connector"]["tokens_saved"] == prompt_tokens
+
+
+def test_a_consumer_short_of_blocks_asks_again_without_rereading_the_wire():
+    """16 blocks of 4 tokens: not every prompt fits at once, so admissions that found the
+    load but not the blocks are asked again (the first token is kept, not waited for again).
+    A loaded request that gives its blocks back to unblock the front one (the scheduler's
+    ``kv_load = "dropped"``) computes its prompt here: counted, outputs unchanged."""
+    plain, _ = run_engine(_build(None), max_tokens=6)
+    _, _, out, s = _disaggregated(consumer_blocks=16)
+    kv = s["kv_connector"]
+    assert out == plain
+    assert kv["lookups"] > len(PROMPTS) and kv["faults"] == {}, kv
+    whole_prompts = {sum(len(p) for p, keep in zip(PROMPTS, mask) if keep)
+                     for mask in itertools.product((0, 1), repeat=len(PROMPTS))}
+    assert kv["loads_finished"] == len(PROMPTS) and kv["prompt_tokens_computed"] in whole_prompts, kv
 
 
 def test_a_corrupt_block_in_transfer_recomputes_with_identical_outputs():
