@@ -172,8 +172,9 @@ class PeerChannel:
             self._cond.wait_for(lambda: key in self._box or self._ended, timeout=timeout)
             return self._box.pop(key, None)
 
-    def close(self, timeout: float = 60.0) -> None:
-        """Producer: send ``end``. Consumer: wait for the receiver thread to see it."""
+    def close(self, timeout: float | None = None) -> None:
+        """Producer: send ``end``. Consumer: wait (up to ``timeout`` seconds; default: no
+        limit) for the receiver thread to see it, receiving whatever comes before it."""
         if self.role == "producer":
             self.send({"kind": "end"})
         elif self._thread is not None:

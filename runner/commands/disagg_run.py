@@ -41,14 +41,20 @@ def run(args, main: Callable[[], int]) -> int:
         cfg = parse_config(args.kv_connector_config)
     except ConfigError as e:
         return _fail(str(e))
+    import torch
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method="env://")
     rank = dist.get_rank()
     role = "producer" if rank == 0 else "consumer"
     try:
-        if getattr(args, "kv_role", None) not in (None, role) or cfg.get("role", role) != role:
+        fits = getattr(args, "kv_role", None) in (None, role) and cfg.get("role", role) == role
+        agreed = torch.tensor([int(fits)])
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN)  # both ranks go on, or both stop
+        if not fits:
             return _fail(f"--kv-role: rank {rank} is the {role} (rank 0 prefills, rank 1 decodes)")
+        if not agreed.item():
+            return _fail("--kv-role: the other rank refused its role")
         cfg["role"] = role
         args.invariance_requests = 0  # its batch-of-one replays would compute prompts here
         args.kv_connector_config = json.dumps(cfg)
@@ -62,7 +68,7 @@ def run(args, main: Callable[[], int]) -> int:
                     return main()
             return main()
         finally:
-            channel.close()
+            channel.close()  # consumer: drains the wire until the producer's end (so it never blocks)
             wire.install(None, role)
     finally:
         dist.barrier()
