@@ -121,6 +121,7 @@ class DisaggConnector(RedisWorkerSide, KVConnectorBase):
         self._step = 0
         self._tracked: dict[str, tuple[int, list[list[int]]]] = {}  # producer: prompt_len, blocks
         self._sent: set[str] = set()
+        self._first_tokens: dict[str, int] = {}  # consumer: each request's first token, once received
         self._remote_tokens: dict[str, list[int]] = {}
         self._loads: list[PrefillLoad] = []
         self._offered: dict[str, int] = {}
@@ -144,17 +145,24 @@ class DisaggConnector(RedisWorkerSide, KVConnectorBase):
         prompt = list(request.prompt_token_ids)
         self.stats.lookups += 1
         self.stats.query_tokens += max(0, len(prompt) - num_computed_tokens)
-        msg = self.channel.take("tokens", request.req_id, self.timeout_s)
-        if msg is None:
-            self._fault("timeout", f"{request.req_id}: no prefill within {self.timeout_s}s")
+        rid = request.req_id
+        first = self._first_tokens.get(rid)
+        if first is None:  # asked again when its blocks did not fit at the last admission
+            msg = self.channel.take("tokens", rid, self.timeout_s)
+            if msg is None:
+                self._fault("timeout", f"{rid}: no prefill within {self.timeout_s}s")
+                return 0, True
+            if msg.header.get("prompt_token_ids") != prompt or msg.header.get("first_token") is None:
+                self._fault("mismatch", f"{rid}: the producer's prompt or first token differs")
+                return 0, True
+            first = self._first_tokens[rid] = int(msg.header["first_token"])
+        if request.sampling_params.max_tokens <= 1:
             return 0, True
-        if msg.header.get("prompt_token_ids") != prompt or msg.header.get("first_token") is None:
-            self._fault("mismatch", f"{request.req_id}: the producer's prompt or first token differs")
+        if not request.output_token_ids:
+            self._remote_tokens[rid] = [first]
+        elif request.output_token_ids[:1] != [first]:
             return 0, True
-        if request.output_token_ids or request.sampling_params.max_tokens <= 1:
-            return 0, True
-        self._remote_tokens[request.req_id] = [int(msg.header["first_token"])]
-        self._offered[request.req_id] = len(prompt)
+        self._offered[rid] = len(prompt)
         return max(0, len(prompt) - num_computed_tokens), True
 
     def take_remote_output_tokens(self, request: Any) -> list[int]:
@@ -211,6 +219,7 @@ class DisaggConnector(RedisWorkerSide, KVConnectorBase):
         rid = request.req_id
         self._tracked.pop(rid, None)
         self._remote_tokens.pop(rid, None)
+        self._first_tokens.pop(rid, None)
         self._offered.pop(rid, None)
         if self.kv_role == "producer":
             first = request.output_token_ids[0] if request.output_token_ids else None
