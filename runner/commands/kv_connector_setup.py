@@ -150,6 +150,8 @@ def kv_connector_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
             ("kv bytes loaded / saved", f"{c['bytes_loaded']} / {c['bytes_saved']}"),
             ("kv loads finished / failed", f"{c['loads_finished']} / {c['loads_failed']}"),
             ("kv ms per load / per step", f"{c['load_ms_mean']:.3f} / {c['connector_ms_per_step']:.3f}")]
+    if "role" in c:
+        rows.append(("kv role / prompt tokens computed", f"{c['role']} / {c['prompt_tokens_computed']}"))
     if c["faults"]:
         rows.append(("kv connector faults", ", ".join(f"{k} {v}" for k, v in c["faults"].items())))
     return rows
