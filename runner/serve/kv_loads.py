@@ -51,7 +51,8 @@ class RemoteKVLoads:
 
     def lookup(self, req: Request, local: int) -> int:
         """Tokens the connector can provide beyond ``local`` (0 for a request that already
-        loaded, failed, or was ever sent to the runner)."""
+        loaded, failed, or was ever sent to the runner). Tokens the connector says another
+        instance sampled (``take_remote_output_tokens``) become the request's first outputs."""
         if req.kv_load is not None or req.sent_to_runner:
             return 0
         n, _load_async = self.connector.get_num_new_matched_tokens(req, local)
