@@ -202,6 +202,13 @@ class KVConnectorBase:
     def request_finished(self, request: Any) -> None:
         """``request`` finished or was aborted; forget it."""
 
+    def take_remote_output_tokens(self, request: Any) -> list[int]:
+        """Tokens another instance already sampled for ``request`` (a disaggregated prefill's
+        first token), asked once right after ``get_num_new_matched_tokens``; the scheduler
+        appends them to the request's outputs, so its first computed token is a decode step.
+        Default: none (attnplug's own extension; vLLM's decode instance recomputes instead)."""
+        return []
+
     # --- worker side ----------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: Mapping[str, Any]) -> None:
         """The caches, once, ``{layer_name: cache}``."""

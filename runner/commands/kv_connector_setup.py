@@ -6,7 +6,9 @@
 lookups: tokens the store provided / tokens it could have); ``loads_finished``,
 ``loads_failed``; ``tokens_loaded``, ``bytes_loaded``, ``tokens_saved``, ``bytes_saved``;
 ``load_ms_mean`` (per load: fetch, checks, copy), ``connector_ms_per_step`` (the worker's
-time in the connector hooks, mean over steps); ``faults`` (``{kind: count}``, both sides).
+time in the connector hooks, mean over steps); ``faults`` (``{kind: count}``, both sides);
+with ``disagg``, ``role`` and ``prompt_tokens_computed`` (prompt tokens this process ran
+through the model: 0 on a consumer whose loads all succeeded).
 ``kv_connector_rows(summary)`` are the run table's rows.
 """
 
@@ -26,6 +28,9 @@ def add_flags(p) -> None:
     p.add_argument("--kv-connector-config", default=None, metavar="JSON|k=v,...",
                    help='the connector\'s settings, a JSON object or key=value pairs, e.g. '
                         'url=redis://127.0.0.1:6379/0')
+    p.add_argument("--kv-role", choices=("producer", "consumer"), default=None,
+                   help="--kv-connector disagg under torchrun: this rank's role (rank 0 producer: prefill; "
+                        "rank 1 consumer: decode); checked against the rank")
 
 
 def parse_config(text: str | None) -> dict[str, Any]:
@@ -92,6 +97,8 @@ def make_connectors(args, kv_cfg, backends, alone: bool):
             asynchronous scheduling / tensor parallelism (not supported with a connector).
     """
     name = getattr(args, "kv_connector", None)
+    if getattr(args, "kv_role", None) and name != "disagg":
+        raise ConfigError("--kv-role", "only with --kv-connector disagg")
     if not name or alone:
         if getattr(args, "kv_connector_config", None) and not name:
             raise ConfigError("--kv-connector-config", "given without --kv-connector")
@@ -116,6 +123,7 @@ def kv_connector_summary(engine) -> dict[str, Any]:
     if c is None:
         return {}
     loads = engine.scheduler.kv_loads
+    sched = engine.scheduler.kv_connector
     step_ns = getattr(engine.runner, "kv_connector_step_ns", [])
     return {"kv_connector": {
         "name": engine.scheduler.kv_connector.name, "lookups": c["lookups"], "query_tokens": c["query_tokens"],
@@ -126,7 +134,9 @@ def kv_connector_summary(engine) -> dict[str, Any]:
         "tokens_saved": c["tokens_saved"], "bytes_saved": c["bytes_saved"],
         "load_ms_mean": round(c["load_ms_mean"], 3),
         "connector_ms_per_step": round(sum(step_ns) / len(step_ns) / 1e6, 3) if step_ns else 0.0,
-        "faults": c["faults"]}}
+        "faults": c["faults"],
+        **({"role": sched.kv_role, "prompt_tokens_computed": sched.prompt_tokens_computed}
+           if hasattr(sched, "kv_role") else {})}}
 
 
 def kv_connector_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
@@ -140,6 +150,8 @@ def kv_connector_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
             ("kv bytes loaded / saved", f"{c['bytes_loaded']} / {c['bytes_saved']}"),
             ("kv loads finished / failed", f"{c['loads_finished']} / {c['loads_failed']}"),
             ("kv ms per load / per step", f"{c['load_ms_mean']:.3f} / {c['connector_ms_per_step']:.3f}")]
+    if "role" in c:
+        rows.append(("kv role / prompt tokens computed", f"{c['role']} / {c['prompt_tokens_computed']}"))
     if c["faults"]:
         rows.append(("kv connector faults", ", ".join(f"{k} {v}" for k, v in c["faults"].items())))
     return rows

@@ -31,7 +31,7 @@ from attnplug.runner.commands.limits import OneLineParser, bounded_int, device_f
 from attnplug.runner.commands import replay, run_parallel, serving_flags, threads
 from attnplug.runner.commands.shared_prefixes import SYSTEM_PROMPT_LEN, SYSTEM_PROMPTS
 from attnplug.runner.commands.run_plot import group_labels, missing_matplotlib, plot_path_problem, save_plot
-from attnplug.runner.commands import kv_cache_setup, kv_connector_setup, real_run
+from attnplug.runner.commands import disagg_run, kv_cache_setup, kv_connector_setup, real_run
 
 
 INT32_MAX = 2**31 - 1
@@ -180,6 +180,8 @@ def main(argv: list[str]) -> int:
         return 2
     if (status := threads.apply(args.torch_threads, "attnplug run")) is not None:
         return status
+    if disagg_run.wanted(args):  # torchrun, 2 ranks: prefill on rank 0, decode on rank 1
+        return disagg_run.run(args, lambda: _main(args))
     if run_parallel.wanted(args):  # under torchrun: rank 0 runs _main, the others serve it
         return run_parallel.run(args, lambda: _main(args))
     return _main(args)

@@ -42,7 +42,8 @@ def make_output(requests: dict[str, Request], sched: dict[str, int], new_blocks:
                                block_ids=tuple(list(b) for b in r.block_ids),
                                num_computed_tokens=r.num_computed_tokens,
                                sampling_params=r.sampling_params, prompt_embeds=r.prompt_embeds,
-                               mm_features=r.mm_features)
+                               mm_features=r.mm_features,
+                               output_token_ids=list(r.output_token_ids))
                 for r in new_reqs]
     # Order num_scheduled_tokens like the deltas: cached (running, resumed), then new.
     order = [*cached.req_ids, *(r.req_id for r in new_reqs)]

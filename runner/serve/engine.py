@@ -322,7 +322,8 @@ class LLMEngine:
                 self._logits[rid].extend(lg[:accepted]) if lg.dim() == 2 else self._logits[rid].append(lg)
         for rid in finished:
             req = self.scheduler.get_request(rid)
-            outs = self._outputs.pop(rid)[: len(req.output_token_ids)]
+            remote = req.output_token_ids[:req.kv_remote_tokens]  # sampled by a disaggregated prefill
+            outs = (remote + self._outputs.pop(rid))[: len(req.output_token_ids)]
             self.results[rid] = RequestResult(rid, self._prompts.pop(rid), outs,
                                               self._logits.pop(rid)[: len(outs)], self.timings.get(rid))
         return finished

@@ -51,10 +51,15 @@ class RemoteKVLoads:
 
     def lookup(self, req: Request, local: int) -> int:
         """Tokens the connector can provide beyond ``local`` (0 for a request that already
-        loaded, failed, or was ever sent to the runner)."""
+        loaded, failed, or was ever sent to the runner). Tokens the connector says another
+        instance sampled (``take_remote_output_tokens``) become the request's first outputs."""
         if req.kv_load is not None or req.sent_to_runner:
             return 0
         n, _load_async = self.connector.get_num_new_matched_tokens(req, local)
+        remote = self.connector.take_remote_output_tokens(req)  # a disaggregated prefill's first token
+        if remote and not req.output_token_ids:
+            req.output_token_ids.extend(int(t) for t in remote)
+            req.kv_remote_tokens = len(remote)
         # attnplug always waits for the load's outcome before computing (load_async or not),
         # so a failed load can fall back to recomputation.
         return max(0, min(int(n), req.num_tokens - 1 - local))

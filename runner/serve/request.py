@@ -65,6 +65,8 @@ class Request:
         mm_features: ``None``, or the prompt's images (``runner/step/multimodal.py``'s
             ``MultiModalFeature``; sent with the first ``NewRequestData``); their content
             hashes enter the hashes of the blocks their spans overlap (prefix caching).
+        kv_remote_tokens: leading ``output_token_ids`` another instance sampled (a KV
+            connector's ``take_remote_output_tokens``: a disaggregated prefill), not this one.
     """
 
     req_id: str
@@ -85,6 +87,7 @@ class Request:
     kv_load: str | None = None
     kv_load_tokens: int = 0
     mm_features: Any = None
+    kv_remote_tokens: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:
