@@ -13,11 +13,12 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from attnplug.runner.models.config import ModelConfigError, RopeScaling, parse_rope
+from attnplug.runner.models.config import (DecoderSizes, ModelConfigError, RopeScaling, parse_rope,
+                                           positive_int_problems)
 
 
 @dataclass(frozen=True)
-class BambaModelConfig:
+class BambaModelConfig(DecoderSizes):
     """A Bamba hybrid decoder (Mamba2 + attention layers), normalized.
 
     ``head_size`` is the attention head size (``hidden_size // num_attention_heads``
@@ -25,14 +26,6 @@ class BambaModelConfig:
     ``mamba_head_size`` is HF ``mamba_d_head``.
     """
 
-    model_type: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_size: int
     rotary_dim: int
     max_position_embeddings: int
     rms_norm_eps: float
@@ -72,13 +65,9 @@ class BambaModelConfig:
         return self.mamba_intermediate_size + 2 * self.mamba_n_groups * self.mamba_d_state
 
     def __post_init__(self):
-        problems = []
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                     "num_key_value_heads", "head_size", "mamba_n_heads", "mamba_head_size", "mamba_n_groups",
-                     "mamba_d_state", "mamba_d_conv", "mamba_expand", "mamba_chunk_size"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v <= 0:
-                problems.append(f"{name} must be a positive int, got {v!r}")
+        problems = positive_int_problems(self, (
+            *self.SIZE_FIELDS, "mamba_n_heads", "mamba_head_size", "mamba_n_groups", "mamba_d_state", "mamba_d_conv",
+            "mamba_expand", "mamba_chunk_size"), bool_ok=True)
         if not problems:
             if self.num_attention_heads % self.num_key_value_heads:
                 problems.append(f"num_attention_heads {self.num_attention_heads} is not a multiple of "

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, ClassVar, Iterable, Mapping
 
 from attnplug.core.errors import AttnplugError
 
@@ -22,6 +22,22 @@ class ModelConfigError(AttnplugError, ValueError):
 
 
 ModelConfigError.__module__ = "attnplug"
+
+
+def is_positive_int(value: Any) -> bool:
+    """``value`` is an ``int`` (``bool`` excluded) greater than 0."""
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def positive_int_problems(config: Any, names: Iterable[str], *, bool_ok: bool = False) -> list[str]:
+    """One ``"<name> must be a positive int, got <value!r>"`` per attribute of ``config``
+    named in ``names`` (in that order) that is not a positive int; ``[]`` when all are.
+
+    ``bool_ok``: let ``True`` pass as 1 (the Llama-family and Bamba configs' check has
+    always done so; the newer families' does not).
+    """
+    return [f"{name} must be a positive int, got {v!r}" for name in names
+            if not (is_positive_int(v := getattr(config, name)) or (bool_ok and v is True))]
 
 SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "linear", "llama3", "yarn")
 """RoPE scaling types :func:`attnplug.runner.models.rope.rope_frequencies` implements."""
@@ -58,13 +74,12 @@ class RopeScaling:
 
 
 @dataclass(frozen=True)
-class DecoderModelConfig:
-    """A Llama-family decoder (Llama, Qwen2, Mistral), normalized.
-
-    ``head_size`` is HF ``head_dim`` (``hidden_size // num_attention_heads`` when absent).
-    ``sliding_windows[i]`` is layer i's window W in tokens (current token included: key k
-    visible to query p iff ``p - W < k <= p``), ``None`` for full attention.
-    """
+class DecoderSizes:
+    """The fields every decoder config starts with, in HF's names: ``model_type``;
+    ``vocab_size`` (tokens), ``hidden_size``, ``intermediate_size`` (MLP width),
+    ``num_hidden_layers``, ``num_attention_heads``, ``num_key_value_heads`` and ``head_size``
+    (HF ``head_dim``), all ints > 0 once a family's ``__post_init__`` has checked
+    :data:`SIZE_FIELDS` (:func:`positive_int_problems`)."""
 
     model_type: str
     vocab_size: int
@@ -74,6 +89,20 @@ class DecoderModelConfig:
     num_attention_heads: int
     num_key_value_heads: int
     head_size: int
+
+    SIZE_FIELDS: ClassVar[tuple[str, ...]] = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                              "num_attention_heads", "num_key_value_heads", "head_size")
+
+
+@dataclass(frozen=True)
+class DecoderModelConfig(DecoderSizes):
+    """A Llama-family decoder (Llama, Qwen2, Mistral), normalized.
+
+    ``head_size`` is HF ``head_dim`` (``hidden_size // num_attention_heads`` when absent).
+    ``sliding_windows[i]`` is layer i's window W in tokens (current token included: key k
+    visible to query p iff ``p - W < k <= p``), ``None`` for full attention.
+    """
+
     max_position_embeddings: int
     rms_norm_eps: float
     rope_theta: float
@@ -87,12 +116,7 @@ class DecoderModelConfig:
     hidden_act: str = "silu"
 
     def __post_init__(self):
-        problems = []
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                     "num_attention_heads", "num_key_value_heads", "head_size", "max_position_embeddings"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v <= 0:
-                problems.append(f"{name} must be a positive int, got {v!r}")
+        problems = positive_int_problems(self, (*self.SIZE_FIELDS, "max_position_embeddings"), bool_ok=True)
         if not problems and self.num_attention_heads % self.num_key_value_heads:
             problems.append(f"num_attention_heads {self.num_attention_heads} is not a multiple of "
                             f"num_key_value_heads {self.num_key_value_heads}")

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
-from attnplug.runner.models.config import ModelConfigError
+from attnplug.runner.models.config import ModelConfigError, positive_int_problems
 from attnplug.runner.models.deepseek_config import DeepseekModelConfig, parse_deepseek_config
 
 INDEX_FIELDS = ("index_n_heads", "index_head_dim", "index_topk")
@@ -27,8 +27,7 @@ class DeepseekV32ModelConfig(DeepseekModelConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        bad = [f"{n} must be a positive int, got {getattr(self, n)!r}" for n in INDEX_FIELDS
-               if not isinstance(getattr(self, n), int) or isinstance(getattr(self, n), bool) or getattr(self, n) <= 0]
+        bad = positive_int_problems(self, INDEX_FIELDS)
         if not bad and self.index_head_dim < self.qk_rope_head_dim:
             bad.append(f"index_head_dim {self.index_head_dim} < qk_rope_head_dim {self.qk_rope_head_dim} (the "
                        "indexer rotates its first qk_rope_head_dim dimensions)")

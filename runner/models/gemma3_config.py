@@ -23,14 +23,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from attnplug.runner.models.config import ModelConfigError, RopeScaling, parse_rope
+from attnplug.runner.models.config import (DecoderSizes, ModelConfigError, RopeScaling, parse_rope,
+                                           positive_int_problems)
 
 LAYER_KINDS = ("sliding_attention", "full_attention")
 DEFAULT_SLIDING_WINDOW_PATTERN = 6
 
 
 @dataclass(frozen=True)
-class Gemma3ModelConfig:
+class Gemma3ModelConfig(DecoderSizes):
     """A Gemma3 text decoder, normalized.
 
     ``layer_types[i]`` is ``"sliding_attention"`` or ``"full_attention"``;
@@ -39,14 +40,6 @@ class Gemma3ModelConfig:
     ``rope_local_theta`` the sliding layers' (never scaled).
     """
 
-    model_type: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_size: int
     max_position_embeddings: int
     rms_norm_eps: float
     rope_theta: float
@@ -73,12 +66,7 @@ class Gemma3ModelConfig:
         return float(self.query_pre_attn_scalar) ** -0.5
 
     def __post_init__(self):
-        problems = []
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                     "num_key_value_heads", "head_size", "max_position_embeddings", "sliding_window"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-                problems.append(f"{name} must be a positive int, got {v!r}")
+        problems = positive_int_problems(self, (*self.SIZE_FIELDS, "max_position_embeddings", "sliding_window"))
         if not problems and self.num_attention_heads % self.num_key_value_heads:
             problems.append(f"num_attention_heads {self.num_attention_heads} is not a multiple of "
                             f"num_key_value_heads {self.num_key_value_heads}")

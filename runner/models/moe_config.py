@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from attnplug.runner.models.config import ModelConfigError
+from attnplug.runner.models.config import ModelConfigError, positive_int_problems
 
 SCORING_FUNCS = ("softmax", "sigmoid")
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc", "topk_softmax")
@@ -94,11 +94,10 @@ class MoEConfig:
 
     def first_problem(self) -> str | None:
         """The first inconsistency, naming its field, or ``None``."""
-        for name in ("hidden_size", "num_experts", "num_experts_per_tok", "moe_intermediate_size", "n_group",
-                     "topk_group"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-                return f"{name} must be a positive int, got {v!r}"
+        sizes = positive_int_problems(self, ("hidden_size", "num_experts", "num_experts_per_tok",
+                                             "moe_intermediate_size", "n_group", "topk_group"))
+        if sizes:
+            return sizes[0]
         if self.scoring_func not in SCORING_FUNCS:
             return f"scoring_func {self.scoring_func!r} is not implemented (implemented: {', '.join(SCORING_FUNCS)})"
         if self.topk_method not in TOPK_METHODS:

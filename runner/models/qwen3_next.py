@@ -26,24 +26,24 @@ in float32; text positions make Qwen3.5's multimodal RoPE the plain partial RoPE
 
 from __future__ import annotations
 
-from typing import Callable, Mapping
+from typing import Callable
 
 import torch
 from torch import nn
 
-from attnplug.cache_groups.specs import FullAttentionSpec, KVCacheSpec, StateSpec, StateTensorSpec
-from attnplug.core.contracts import AttentionBackend, AttentionLayerConfig, AttentionType
-from attnplug.core.devices import resolve_device
+from attnplug.cache_groups.specs import StateSpec, StateTensorSpec
+from attnplug.core.contracts import AttentionBackend, AttentionLayerConfig
 from attnplug.core.gdn import GDN_STATE_DTYPE, GDNLayerConfig
 from attnplug.runner.models.attention_op import attend
 from attnplug.runner.models.gdn import GatedDeltaNet
 from attnplug.runner.models.gemma3 import GemmaRMSNorm as OffsetRMSNorm
-from attnplug.runner.models.layers import Attention, SwiGLUMLP, lookup_layer, lookup_metadata
+from attnplug.runner.models.hybrid_lm import HybridCausalLM, HybridDecoderLayer, hybrid_layer_configs
+from attnplug.runner.models.layers import Attention, SwiGLUMLP
 from attnplug.runner.models.llama import attention_layer_name
 from attnplug.runner.models.moe import Experts, Router
 from attnplug.runner.models.qwen3_next_config import Qwen3NextModelConfig
 from attnplug.runner.models.rope import RotaryEmbedding
-from attnplug.runner.models.weights import init_hf_style, load_hf_state_dict
+from attnplug.runner.models.weights import init_hf_style
 
 GDN_CHUNK_SIZE = 64
 """Chunk length of the GDN prefill scan (transformers' and flash-linear-attention's default)."""
@@ -54,23 +54,18 @@ def gdn_layer_name(index: int) -> str:
     return f"model.layers.{index}.linear_attn"
 
 
+def _gdn_layer_config(cfg: Qwen3NextModelConfig, dtype: torch.dtype, device: str, block_size: int) -> GDNLayerConfig:
+    return GDNLayerConfig(
+        num_k_heads=cfg.linear_num_key_heads, num_v_heads=cfg.linear_num_value_heads,
+        head_k_dim=cfg.linear_key_head_dim, head_v_dim=cfg.linear_value_head_dim,
+        conv_kernel_size=cfg.linear_conv_kernel_dim, chunk_size=GDN_CHUNK_SIZE, dtype=dtype,
+        block_size=block_size, activation=cfg.hidden_act, device=device)
+
+
 def qwen3_next_layer_configs(cfg: Qwen3NextModelConfig, dtype: torch.dtype, device: torch.device | str,
                              block_size: int) -> dict[str, AttentionLayerConfig | GDNLayerConfig]:
     """``{layer_name: AttentionLayerConfig | GDNLayerConfig}`` in model order."""
-    dev = torch.device(device).type
-    out: dict[str, AttentionLayerConfig | GDNLayerConfig] = {}
-    for i, kind in enumerate(cfg.layer_types):
-        if kind == "full_attention":
-            out[attention_layer_name(i)] = AttentionLayerConfig(
-                num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads, head_size=cfg.head_size,
-                dtype=dtype, block_size=block_size, attn_type=AttentionType.DECODER, device=dev)
-        else:
-            out[gdn_layer_name(i)] = GDNLayerConfig(
-                num_k_heads=cfg.linear_num_key_heads, num_v_heads=cfg.linear_num_value_heads,
-                head_k_dim=cfg.linear_key_head_dim, head_v_dim=cfg.linear_value_head_dim,
-                conv_kernel_size=cfg.linear_conv_kernel_dim, chunk_size=GDN_CHUNK_SIZE, dtype=dtype,
-                block_size=block_size, activation=cfg.hidden_act, device=dev)
-    return out
+    return hybrid_layer_configs(cfg, dtype, device, block_size, gdn_layer_name, _gdn_layer_config)
 
 
 def gdn_state_spec(layer_cfg: GDNLayerConfig, block_size: int) -> StateSpec:
@@ -140,8 +135,10 @@ class SharedExpertMoE(nn.Module):
         return out if self.reduce is None else self.reduce(out)
 
 
-class Qwen3NextDecoderLayer(nn.Module):
+class Qwen3NextDecoderLayer(HybridDecoderLayer):
     """``h += mixer(norm(h)); h += mlp(norm(h))``, the mixer a GDN layer or gated attention."""
+
+    state_attr, mlp_norm_attr, mlp_attr = "linear_attn", "post_attention_layernorm", "mlp"
 
     def __init__(self, cfg: Qwen3NextModelConfig, index: int, layer_cfg, rope: RotaryEmbedding,
                  backend: type[AttentionBackend], dtype: torch.dtype, device):
@@ -158,15 +155,6 @@ class Qwen3NextDecoderLayer(nn.Module):
         self.mlp = (SharedExpertMoE(cfg, dtype, device) if cfg.sparse_layers[index]
                     else SwiGLUMLP(cfg.hidden_size, cfg.intermediate_size, False, dtype, device))
 
-    def forward(self, hidden, positions, cache, attn_metadata):
-        h = self.input_layernorm(hidden)
-        if hasattr(self, "linear_attn"):
-            h = self.linear_attn(h, cache, attn_metadata)
-        else:
-            h = self.self_attn(h, positions, cache, attn_metadata)
-        hidden = hidden + h
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
-
 
 class Qwen3NextBody(nn.Module):
     """HF's ``Qwen3NextModel`` / ``Qwen3_5TextModel``: embeddings, blocks, final norm."""
@@ -181,10 +169,14 @@ class Qwen3NextBody(nn.Module):
         self.norm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
 
 
-class Qwen3NextModel(nn.Module):
+class Qwen3NextModel(HybridCausalLM):
     """A Qwen3-Next or Qwen3.5 (text) causal LM whose attention and GDN layers run through
     pluggable backends. Same step interface as
-    :class:`~attnplug.runner.models.bamba.BambaModel`.
+    :class:`~attnplug.runner.models.bamba.BambaModel`; the wrapper (constructor,
+    ``attention_layers``, ``mamba_layers`` (the GDN layers), ``layer_configs``,
+    ``kv_cache_specs``, ``forward``, ``compute_logits``, ``load_hf_state_dict`` of an HF
+    ``Qwen3NextForCausalLM`` / ``Qwen3_5ForCausalLM`` / ``Qwen3_5MoeForCausalLM`` state dict)
+    is :class:`~attnplug.runner.models.hybrid_lm.HybridCausalLM`.
 
     Args:
         cfg: the normalized config.
@@ -194,66 +186,14 @@ class Qwen3NextModel(nn.Module):
         block_size: recorded in the layer configs.
     """
 
-    def __init__(self, cfg: Qwen3NextModelConfig, backends: list[type[AttentionBackend]],
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", block_size: int = 16):
-        super().__init__()
-        self.config, self.dtype, self.device = cfg, dtype, resolve_device(device)
-        layer_cfgs = list(qwen3_next_layer_configs(cfg, dtype, device, block_size).values())
-        self.model = Qwen3NextBody(cfg, layer_cfgs, backends, dtype, device)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, device=device)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-        self.layer_names: list[str] = [layer.layer_name for layer in self.model.layers]
+    body_class = Qwen3NextBody
+    build_layer_configs = staticmethod(qwen3_next_layer_configs)
+    state_attr = "linear_attn"
+    final_norm_attr = "norm"
 
-    @property
-    def attention_layers(self) -> dict[str, GatedAttention]:
-        """``{layer_name: GatedAttention}`` of the attention layers, in model order."""
-        return {l.layer_name: l.self_attn for l in self.model.layers if hasattr(l, "self_attn")}
-
-    @property
-    def mamba_layers(self) -> dict[str, GatedDeltaNet]:
-        """``{layer_name: GatedDeltaNet}`` of the state (GDN) layers, in model order."""
-        return {l.layer_name: l.linear_attn for l in self.model.layers if hasattr(l, "linear_attn")}
-
-    def layer_configs(self, block_size: int) -> dict[str, AttentionLayerConfig | GDNLayerConfig]:
-        """What each layer needs of a backend (see :func:`qwen3_next_layer_configs`)."""
-        return qwen3_next_layer_configs(self.config, self.dtype, self.device, block_size)
-
-    def kv_cache_specs(self, block_size: int) -> dict[str, KVCacheSpec]:
-        """``{layer_name: FullAttentionSpec | StateSpec}`` in model order (GDN layers:
-        :func:`gdn_state_spec`)."""
-        cfg = self.config
-        specs: dict[str, KVCacheSpec] = {}
-        for name, lc in self.layer_configs(block_size).items():
-            if isinstance(lc, GDNLayerConfig):
-                specs[name] = gdn_state_spec(lc, block_size)
-            else:
-                specs[name] = FullAttentionSpec(block_size=block_size, num_kv_heads=cfg.num_key_value_heads,
-                                                head_size=cfg.head_size, dtype=self.dtype)
-        return specs
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: Mapping[str, object],
-                kv_caches: Mapping[str, object]) -> torch.Tensor:
-        """Run one step over a flat token stream (see ``DecoderModel.forward``).
-
-        Raises:
-            MetadataError: a layer missing from ``attn_metadata`` or ``kv_caches``.
-        """
-        hidden = self.model.embed_tokens(input_ids)
-        for layer in self.model.layers:
-            name = layer.layer_name
-            hidden = layer(hidden, positions, lookup_layer(kv_caches, name, "kv_caches"),
-                           lookup_metadata(attn_metadata, name))
-        return self.model.norm(hidden)
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """``[n, hidden_size]`` -> ``[n, vocab_size]`` float32 logits (LM head)."""
-        return self.lm_head(hidden_states).float()
-
-    def load_hf_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
-        """Copy an HF ``Qwen3NextForCausalLM`` / ``Qwen3_5ForCausalLM`` / ``Qwen3_5MoeForCausalLM`` state dict into this
-        model (strict; see :func:`attnplug.runner.models.weights.load_hf_state_dict`)."""
-        load_hf_state_dict(self, state_dict)
+    def state_spec(self, layer_cfg: GDNLayerConfig, block_size: int) -> StateSpec:
+        """A GDN layer's :class:`StateSpec` (:func:`gdn_state_spec`)."""
+        return gdn_state_spec(layer_cfg, block_size)
 
     @torch.no_grad()
     def init_weights(self, seed: int | None = None, std: float | None = None) -> None:

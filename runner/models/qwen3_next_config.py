@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from attnplug.runner.models.config import ModelConfigError, RopeScaling, parse_rope
+from attnplug.runner.models.config import DecoderSizes, ModelConfigError, RopeScaling, is_positive_int, parse_rope
 from attnplug.runner.models.moe_config import MoEConfig, parse_moe, sparse_layers
 
 QWEN3_NEXT_TYPES: dict[str, str] = {"qwen3_next": "qwen3_next", "qwen3_5_text": "qwen3_5",
@@ -34,17 +34,10 @@ LAYER_KINDS = ("linear_attention", "full_attention")
 
 
 @dataclass(frozen=True)
-class Qwen3NextModelConfig:
-    """A Qwen3-Next or Qwen3.5 text decoder, normalized (field names as HF's config)."""
+class Qwen3NextModelConfig(DecoderSizes):
+    """A Qwen3-Next or Qwen3.5 text decoder, normalized (field names as HF's config; sizes
+    checked as HF's config is read, by :func:`parse_qwen3_next_config`)."""
 
-    model_type: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_size: int
     layer_types: tuple[str, ...]
     linear_num_key_heads: int
     linear_num_value_heads: int
@@ -89,7 +82,7 @@ def layer_types_of(cfg: Mapping[str, Any], num_layers: int) -> tuple[str, ...]:
 
 def _positive(cfg: Mapping[str, Any], key: str, default: Any = None) -> int:
     v = cfg.get(key, default)
-    if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+    if not is_positive_int(v):
         raise ModelConfigError(f"{cfg.get('model_type')} config: {key} must be a positive int, got {v!r}")
     return v
 
