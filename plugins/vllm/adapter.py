@@ -18,8 +18,9 @@ What maps to what:
   not paged attention -- MLA (vLLM's ``forward_mha`` / ``forward_mqa`` interface), a sparse
   selector, a state backend -- each with the vLLM interface it would need.
 * attention sinks: vLLM's ``sinks`` impl argument (the model's ``[num_heads]`` parameter)
-  reaches the attnplug impl as float32 (``AttentionImpl(sinks=)``), re-read before each
-  forward because vLLM loads weights after building the impl; refused for a backend whose
+  reaches the attnplug impl as one persistent float32 buffer (``AttentionImpl(sinks=)``),
+  refreshed in place (``copy_``) before each forward because vLLM loads weights after
+  building the impl; refused for a backend whose
   ``supports_sink()`` is False.
 * fp8 KV caches: vLLM's ``kv_cache_dtype`` ``fp8`` / ``fp8_e4m3`` / ``fp8_e5m2`` where the
   attnplug backend declares the matching ``supported_kv_cache_dtypes``: vLLM's ``uint8`` cache
@@ -199,10 +200,12 @@ def _bridged_impl(backend: type, vllm_name: str) -> type:
             self.cache_dtype = parse_kv_cache_dtype(VLLM_KV_CACHE_DTYPES[kv_cache_dtype or "auto"])
             self.logits_soft_cap, self.kv_sharing_target_layer_name = logits_soft_cap, None
             # vLLM's sinks are the model's parameter (its dtype, loaded after this constructor):
-            # the inner impl gets a float32 copy, refreshed before each forward (num_heads values)
+            # the inner impl holds one float32 [num_heads] buffer, refreshed in place (copy_)
+            # before each forward; re-made only if the parameter moves to another device
             self.sinks = extra.get("sinks")
             sinks32 = None if self.sinks is None else torch.zeros(num_heads, dtype=torch.float32,
                                                                   device=self.sinks.device)
+            self.sinks32 = sinks32
             self.inner = backend.get_impl_cls()(num_heads, head_size, scale, num_kv_heads,
                                                 sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
                                                 kv_cache_dtype=self.cache_dtype,
@@ -216,7 +219,10 @@ def _bridged_impl(backend: type, vllm_name: str) -> type:
             if attn_metadata is None:  # vLLM's profiling run: no metadata, nothing to attend
                 return output
             if self.sinks is not None:
-                self.inner.sinks = self.sinks.detach().to(device=query.device, dtype=torch.float32)
+                if self.sinks32.device != query.device:  # the model moved after construction: once
+                    self.sinks32 = torch.zeros_like(self.sinks32, device=query.device)
+                self.sinks32.copy_(self.sinks.detach())
+                self.inner.sinks = self.sinks32  # an attribute, no allocation
             scales = None
             if self.cache_dtype is not None:  # fp8: vLLM's uint8 cache seen as fp8, its layer's descales
                 kv_cache, scales = kv_cache.view(self.cache_dtype), _VllmScales(layer)
