@@ -30,6 +30,7 @@ the other cache kinds (vLLM's MLA, sparse and state backends: ``is_mla`` / ``is_
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -82,6 +83,19 @@ def _vllm_config(num_heads: int, num_kv_heads: int, head_size: int, dtype: torch
     return V.VllmConfig(model_config=model)
 
 
+def _static_shapes() -> contextlib.AbstractContextManager:
+    """vLLM's ``torch.compile``-d calls (FLEX_ATTENTION's ``flex_attention`` and
+    ``create_block_mask``) compiled for static shapes, one graph per case shape: with
+    dynamo's automatic dynamic shapes, torch 2.13's inductor fails to compile the CPU flex
+    template once a second shape arrives (``CppCompileError``: ``'cur_kvSplitSize4' was not
+    declared`` in its generated C++). Running them eagerly is no way out: eager
+    ``flex_attention`` multiplies every cached block (masked ones by zero), so the suite's
+    NaN-poisoned blocks reach every output. The suite's shapes outnumber vLLM's
+    ``recompile_limit`` (16), so the limit is raised for the call."""
+    return torch._dynamo.config.patch(automatic_dynamic_shapes=False, recompile_limit=4096,
+                                      accumulated_recompile_limit=1 << 16)
+
+
 class _Metadata:
     """One step: vLLM's ``CommonAttentionMetadata``, the slot mapping of its real tokens, and
     vLLM's backend metadata, built by vLLM's builder on the first forward (:meth:`vllm_for`):
@@ -97,7 +111,7 @@ class _Metadata:
         if self._vllm is None:
             config = self.builder.owner.config
             config.cache_config.num_gpu_blocks = num_blocks
-            with V.set_current_vllm_config(config):
+            with V.set_current_vllm_config(config), _static_shapes():
                 self._vllm = self.builder.inner.build(0, self.common)
         return self._vllm
 
@@ -155,7 +169,7 @@ def _reverse(name: str) -> type[AttentionBackend]:
             n = attn_metadata.num_actual_tokens
             impl = self.layer.impl
             view = kv_cache if packed else vllm_view(kv_cache, layout)
-            with V.set_current_vllm_config(self.config):
+            with V.set_current_vllm_config(self.config), _static_shapes():
                 if not vcls.forward_includes_kv_cache_update:
                     self._write(key[:n], value[:n], kv_cache, view, attn_metadata.slot_mapping[:n])
                 impl.forward(self.layer, query, key, value, view, attn_metadata.vllm_for(view.shape[0]), output)
