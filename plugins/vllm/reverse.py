@@ -118,6 +118,16 @@ class _Metadata:
         return self._vllm
 
 
+def _readable_dtypes(name: str, vcls: Any, sizes: list) -> tuple[torch.dtype, ...]:
+    """vLLM's dtypes for ``name`` (a :data:`KV_SPLITS` backend) less those whose kernel ISA
+    on this machine packs K/V in a way the bridge cannot read: on an AMX CPU, CPU_ATTN runs
+    bf16 with its ``amx`` kernel at every multiple-of-32 block size (head sizes that are
+    multiples of 32), so bf16 is not declared there and the suite skips those cases with
+    that declaration instead of failing in ``split_kv_cache``."""
+    block = min((getattr(s, "base", s) for s in sizes), default=32)
+    return tuple(d for d in vcls.supported_dtypes if V.cpu_attn_isa(d, block, 64) in KV_SPLITS[name])
+
+
 def vllm_backend(name: str) -> type[AttentionBackend]:
     """The attnplug backend running vLLM's ``AttentionBackendEnum[name]``.
 
@@ -209,7 +219,7 @@ def _reverse(name: str) -> type[AttentionBackend]:
     sizes = vcls.get_supported_kernel_block_sizes()
 
     class Backend(AttentionBackend):
-        supported_dtypes = tuple(vcls.supported_dtypes)
+        supported_dtypes = _readable_dtypes(name, vcls, sizes) if packed else tuple(vcls.supported_dtypes)
         supported_head_sizes = tuple(vcls.get_supported_head_sizes()) or None
         supported_kernel_block_sizes = tuple(getattr(s, "base", s) for s in sizes) or None
         supported_devices = ("cpu",) if V.current_platform.is_cpu() else ("cuda",)

@@ -8,7 +8,7 @@ vLLM's own ``reshape_and_cache_flash`` writes.
 
 The default test runs the suite's ``prefill_only`` and ``decode_only`` cases (each a
 ``torch.compile`` of vLLM's flex kernel on the CPU: minutes for the whole catalog, whose
-result docs/vllm.md records). The planted-packing test (slow) reads FLEX's cache as
+result docs/vllm.md records). The planted-packing test reads FLEX's cache as
 ``LBHNC`` instead of its declared ``LBNHC``: vLLM's kernel then reads other tokens' K/V and
 the output checks fail.
 """
@@ -19,8 +19,6 @@ import os
 import re
 import subprocess
 import sys
-
-import pytest
 
 SUBSET = "prefill_only or decode_only"
 PLANT = """
@@ -46,11 +44,12 @@ def test_attnplug_check_passes_vllm_flex_attention_with_its_declared_packing(vll
     proc, counts = _check("--", "-k", SUBSET)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
     assert counts.get("failed", 0) == 0 and counts.get("error", 0) == 0, counts
-    assert counts.get("passed", 0) >= 8, counts  # 2 cases x (outputs, exact KV writes, metadata, determinism)
+    # 2 cases x (outputs, exact KV writes, metadata unmutated, update_block_table, determinism)
+    # less what a case does not exercise: 7 passed, 2 skipped on 0.32 and 0.33
+    assert counts.get("passed", 0) >= 7, counts
 
 
-@pytest.mark.slow
 def test_a_wrong_packing_fails_the_check(vllm_installed):
-    proc, counts = _check("--", "-k", "decode_only", plant=True)
+    proc, counts = _check("--", "-k", "decode_only and test_outputs_match_reference", plant=True)
     assert proc.returncode != 0 and counts.get("failed", 0) >= 1, proc.stdout[-3000:]
     assert "outputs differ" in proc.stdout or "differ from the reference" in proc.stdout, proc.stdout[-3000:]
