@@ -9,8 +9,8 @@ vLLM's own ``reshape_and_cache_flash`` writes.
 The default test runs the suite's ``prefill_only`` and ``decode_only`` cases (each a
 ``torch.compile`` of vLLM's flex kernel on the CPU: minutes for the whole catalog, whose
 result docs/vllm.md records). The planted-packing test reads FLEX's cache as
-``LBHNC`` instead of its declared ``LBNHC``: vLLM's kernel then reads other tokens' K/V and
-the output checks fail.
+``LBHNC`` instead of its declared ``LBNHC``: the check fails (vLLM's FLEX impl cannot even
+view a cache laid out so: its flattening of blocks and tokens needs ``LBNHC``'s strides).
 """
 
 from __future__ import annotations
@@ -52,4 +52,5 @@ def test_attnplug_check_passes_vllm_flex_attention_with_its_declared_packing(vll
 def test_a_wrong_packing_fails_the_check(vllm_installed):
     proc, counts = _check("--", "-k", "decode_only and test_outputs_match_reference", plant=True)
     assert proc.returncode != 0 and counts.get("failed", 0) >= 1, proc.stdout[-3000:]
-    assert "outputs differ" in proc.stdout or "differ from the reference" in proc.stdout, proc.stdout[-3000:]
+    # vLLM's FLEX impl views the cache it is handed as its declared LBNHC; the LBHNC strides refuse that view
+    assert "view size is not compatible" in proc.stdout or "differ" in proc.stdout, proc.stdout[-3000:]
