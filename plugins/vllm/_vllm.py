@@ -33,6 +33,7 @@ VllmAttentionType = ADAPTER.VllmAttentionType
 VllmCGSupport = ADAPTER.VllmCGSupport
 VllmCommonAttentionMetadata = ADAPTER.VllmCommonAttentionMetadata
 VllmConfig = ADAPTER.VllmConfig
+VllmMLAImpl = ADAPTER.VllmMLAImpl
 VllmMetadataBuilder = ADAPTER.VllmMetadataBuilder
 VllmSlidingWindowSpec = ADAPTER.VllmSlidingWindowSpec
 cpu_attn_isa = ADAPTER.cpu_attn_isa
@@ -46,6 +47,7 @@ set_current_vllm_config = ADAPTER.set_current_vllm_config
 __all__ = ["ADAPTER", "SUPPORTED_MINORS", "UnsupportedVllmVersion", "VLLM_VERSION", "Attention",
     "AttentionBackendEnum", "KVCacheLayout", "ModelConfig", "MultipleOf", "VllmAttentionBackend",
     "VllmAttentionImpl", "VllmAttentionType", "VllmCGSupport", "VllmCommonAttentionMetadata", "VllmConfig",
+    "VllmMLAImpl",
     "VllmMetadataBuilder", "VllmSlidingWindowSpec", "cpu_attn_isa", "current_platform",
     "get_current_vllm_config", "get_kv_cache_configs", "plan_kv_cache", "register_backend",
     "set_current_vllm_config"]

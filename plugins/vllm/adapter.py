@@ -14,12 +14,14 @@ What maps to what:
   builder's ``cudagraph_support`` level, same numbering.
 * metadata: ``metadata.from_vllm`` (costs documented there), then the attnplug builder.
 * KV cache: ``kv_layout`` (zero-copy view; block-compact layouts declared).
-* refused when the class is built (``BackendUnsupportedError``): a backend whose cache kind is
-  not paged attention -- MLA (vLLM's ``forward_mha`` / ``forward_mqa`` interface), a sparse
-  selector, a state backend -- each with the vLLM interface it would need.
+* MLA backends (dense): vLLM's MLA impl interface (``forward_mha`` / ``forward_mqa``,
+  ``mla_adapter.py``).
+* refused when the class is built (``BackendUnsupportedError``): a sparse MLA backend, a
+  sparse selector (indexer), a state backend -- each with the vLLM interface it would need.
 * attention sinks: vLLM's ``sinks`` impl argument (the model's ``[num_heads]`` parameter)
-  reaches the attnplug impl as float32 (``AttentionImpl(sinks=)``), re-read before each
-  forward because vLLM loads weights after building the impl; refused for a backend whose
+  reaches the attnplug impl as one persistent float32 buffer (``AttentionImpl(sinks=)``),
+  refreshed in place (``copy_``) before each forward because vLLM loads weights after
+  building the impl; refused for a backend whose
   ``supports_sink()`` is False.
 * fp8 KV caches: vLLM's ``kv_cache_dtype`` ``fp8`` / ``fp8_e4m3`` / ``fp8_e5m2`` where the
   attnplug backend declares the matching ``supported_kv_cache_dtypes``: vLLM's ``uint8`` cache
@@ -126,6 +128,10 @@ def bridge_classes(backend: type, vllm_name: str) -> type:
     class answers vLLM's selection and layout questions from ``backend``'s declarations.
     """
     name = backend.get_name()
+    if backend.kv_cache_kind == "mla" and not getattr(backend, "sparse", False):
+        from attnplug.plugins.vllm.mla_adapter import bridge_mla_classes
+
+        return bridge_mla_classes(backend, vllm_name)
     if backend.kv_cache_kind != "attention":
         raise BackendUnsupportedError(name, [_unbridged_kind_reason(backend.kv_cache_kind)],
                                       context=f"vLLM (as {vllm_name}, the attnplug bridge)")
@@ -138,21 +144,23 @@ def bridge_classes(backend: type, vllm_name: str) -> type:
     return backend_cls
 
 
-_UNBRIDGED_KINDS = {
-    "mla": "an MLA backend: vLLM drives MLA through its own MLA impl interface (forward_mha for prefill over "
-           "decompressed K/V, forward_mqa for decode over the latent cache), which the bridge does not "
-           "translate yet (docs/vllm.md)",
+_UNBRIDGED_KINDS = {  # "mla" reaches here only for a sparse MLA backend
+    "mla": "a sparse MLA backend (DeepSeek-V3.2: attends to an indexer's top-k): vLLM drives it through its "
+           "sparse MLA layer and indexer backend, which the bridge does not translate (dense MLA backends are "
+           "translated: plugins/vllm/mla_adapter.py; docs/vllm.md)",
     "indexer": "a sparse-attention selector (indexer): vLLM keeps its DeepSeek-V3.2 indexer as a backend of its "
                "own, which the bridge does not translate (docs/vllm.md)",
-    "mamba": "a state backend: vLLM drives Mamba / GDN state through its own state backends and KV manager, "
-             "which the bridge does not translate (docs/vllm.md)",
+    "mamba": "a state backend (Mamba2 / GDN): vLLM selects state backends from its own MambaAttentionBackendEnum "
+             "(MAMBA1, MAMBA2, SHORT_CONV, LINEAR, GDN_ATTN), not AttentionBackendEnum, and the model's layer, its "
+             "MambaSpec KV manager and the conv / SSM state tensors it allocates fix the state layout and the "
+             "metadata; the bridge does not translate them (docs/vllm.md)",
 }
 
 
 def _unbridged_kind_reason(kind: str) -> str:
-    """Why the bridge refuses a backend of cache kind ``kind`` (it serves ``"attention"`` only)."""
+    """Why the bridge refuses a backend of cache kind ``kind`` (it serves ``"attention"`` and dense ``"mla"``)."""
     what = _UNBRIDGED_KINDS.get(kind, f"a backend of cache kind {kind!r}: the bridge serves attention backends only")
-    return f"{what}; the bridge serves paged-attention backends (kv_cache_kind 'attention') only"
+    return f"{what}; the bridge serves paged-attention backends (kv_cache_kind 'attention') and dense MLA only"
 
 
 def _bridged_builder(backend: type) -> type:
@@ -199,10 +207,12 @@ def _bridged_impl(backend: type, vllm_name: str) -> type:
             self.cache_dtype = parse_kv_cache_dtype(VLLM_KV_CACHE_DTYPES[kv_cache_dtype or "auto"])
             self.logits_soft_cap, self.kv_sharing_target_layer_name = logits_soft_cap, None
             # vLLM's sinks are the model's parameter (its dtype, loaded after this constructor):
-            # the inner impl gets a float32 copy, refreshed before each forward (num_heads values)
+            # the inner impl holds one float32 [num_heads] buffer, refreshed in place (copy_)
+            # before each forward; re-made only if the parameter moves to another device
             self.sinks = extra.get("sinks")
             sinks32 = None if self.sinks is None else torch.zeros(num_heads, dtype=torch.float32,
                                                                   device=self.sinks.device)
+            self.sinks32 = sinks32
             self.inner = backend.get_impl_cls()(num_heads, head_size, scale, num_kv_heads,
                                                 sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
                                                 kv_cache_dtype=self.cache_dtype,
@@ -216,7 +226,10 @@ def _bridged_impl(backend: type, vllm_name: str) -> type:
             if attn_metadata is None:  # vLLM's profiling run: no metadata, nothing to attend
                 return output
             if self.sinks is not None:
-                self.inner.sinks = self.sinks.detach().to(device=query.device, dtype=torch.float32)
+                if self.sinks32.device != query.device:  # the model moved after construction: once
+                    self.sinks32 = torch.zeros_like(self.sinks32, device=query.device)
+                self.sinks32.copy_(self.sinks.detach())
+                self.inner.sinks = self.sinks32  # an attribute, no allocation
             scales = None
             if self.cache_dtype is not None:  # fp8: vLLM's uint8 cache seen as fp8, its layer's descales
                 kv_cache, scales = kv_cache.view(self.cache_dtype), _VllmScales(layer)

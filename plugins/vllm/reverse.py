@@ -1,24 +1,36 @@
 """A vLLM attention backend as an attnplug backend: ``attnplug check vllm:NAME``.
 
-``vllm_backend("CPU_ATTN")`` is an attnplug ``AttentionBackend`` whose impl runs vLLM's
-``AttentionBackendEnum.CPU_ATTN`` class, built as vLLM builds it: a real ``VllmConfig``
-(its ``ModelConfig`` read from a ``config.json`` written for the layer's sizes) and a
-real vLLM ``Attention`` layer made under it (so it registers in the config's forward
-context and carries its KV scales), whose impl is the backend's. The builder is vLLM's,
-made on the first ``build`` (after the impl: vLLM's CPU builder finds its layers in the
-config) with the layer's own ``get_kv_cache_spec`` at the step's kernel block size.
+``vllm_backend("FLEX_ATTENTION")`` is an attnplug ``AttentionBackend`` whose impl runs vLLM's
+``AttentionBackendEnum.FLEX_ATTENTION`` class, built as vLLM builds it: a real ``VllmConfig``
+(its ``ModelConfig`` read from a ``config.json`` written for the layer's sizes) and a real
+vLLM ``Attention`` layer made under it (so it registers in the config's forward context and
+carries its KV scales), whose impl is the backend's. The builder is vLLM's, made on the first
+``build`` (after the impl: vLLM's CPU builder finds its layers in the config) with the
+layer's own ``get_kv_cache_spec`` at the step's kernel block size.
 
 Declarations come from vLLM's: dtypes, head sizes, kernel block sizes (``MultipleOf(n)``
 -> ``(n,)``: every multiple of n is then split into n-token kernel blocks), sliding
-window, decoder only. The KV cache is vLLM's per-layer logical ``[num_blocks,
-num_kv_heads, block_size, 2 * head_size]`` (layout ``LBHNC``); how K and V share the
-last two dims is the backend's own convention (for CPU_ATTN: K transposed per block and
-head, see :data:`KV_SPLITS`), read back through ``split_kv_cache`` -- the conformance
-suite reads and poisons caches only that way.
+window, decoder only, and the KV packing: the backend's ``supported_kv_cache_layouts()``
+read as attnplug's ``KVCacheLayout`` (``reverse_layout.py``), so the conformance suite
+allocates, poisons and reads the cache in the order vLLM's kernels read it, and the impl
+hands vLLM its logical ``[num_blocks, num_kv_heads, block_size, 2 * head_size]`` view of
+the same storage. CPU_ATTN is the exception (:data:`KV_SPLITS`): its kernels pack K
+transposed, which its declaration (``LBHNC``) does not say.
+
+The K/V write is vLLM's own (``do_kv_cache_update``) where it runs; where its compiled
+cache op is not loaded (vLLM 0.33's CUDA wheel on a CPU) the impl writes by the same
+layout (``reverse_layout.write_kv``, ``reshape_and_cache_flash``'s contract) and the
+backend's ``kv_writer`` says ``"attnplug"``: the suite's KV check then judges that write,
+and its output checks judge that vLLM's attention reads the packing the layout names.
+
+Refused (``ValueError``): an unknown name, a backend class that does not import here, and
+the other cache kinds (vLLM's MLA, sparse and state backends: ``is_mla`` / ``is_sparse`` /
+``is_ssm``), which attnplug's paged-attention suite does not drive.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -30,10 +42,17 @@ import torch
 from attnplug.core.contracts import AttentionBackend, AttentionImpl, AttentionMetadataBuilder
 from attnplug.core.errors import BackendUnsupportedError
 from attnplug.plugins.vllm import _vllm as V
+from attnplug.plugins.vllm.reverse_layout import (
+    PACKING_OVERRIDES,
+    declared_layout,
+    missing_compiled_op,
+    vllm_view,
+    write_kv,
+)
 
 KV_SPLITS: dict[str, tuple[str, ...]] = {"CPU_ATTN": ("vec", "vec16")}
-"""The vLLM backends the reverse bridge can read, and the kernel ISAs whose packing it
-knows. vLLM 0.32's CPU_ATTN writes each (block, KV head) slice of ``[block_size, 2 *
+"""The backends of ``reverse_layout.PACKING_OVERRIDES`` and the kernel ISAs whose packing
+the bridge knows. vLLM 0.32's CPU_ATTN writes each (block, KV head) slice of ``[block_size, 2 *
 head_size]`` as K *transposed* (``[head_size, block_size]``: dim d of token n at
 ``d * block_size + n``) followed by V row-major (``[block_size, head_size]``), for its
 ``vec`` and ``vec16`` kernels (found by writing known K/V through
@@ -64,26 +83,73 @@ def _vllm_config(num_heads: int, num_kv_heads: int, head_size: int, dtype: torch
     return V.VllmConfig(model_config=model)
 
 
-class _Metadata:
-    """vLLM's metadata for one step and the slot mapping of its real tokens."""
+def _static_shapes() -> contextlib.AbstractContextManager:
+    """vLLM's ``torch.compile``-d calls (FLEX_ATTENTION's ``flex_attention`` and
+    ``create_block_mask``) compiled for static shapes, one graph per case shape: with
+    dynamo's automatic dynamic shapes, torch 2.13's inductor fails to compile the CPU flex
+    template once a second shape arrives (``CppCompileError``: ``'cur_kvSplitSize4' was not
+    declared`` in its generated C++). Running them eagerly is no way out: eager
+    ``flex_attention`` multiplies every cached block (masked ones by zero), so the suite's
+    NaN-poisoned blocks reach every output. The suite's shapes outnumber vLLM's
+    ``recompile_limit`` (16), so the limit is raised for the call. Off the CPU: unchanged."""
+    if not V.current_platform.is_cpu():
+        return contextlib.nullcontext()
+    return torch._dynamo.config.patch(automatic_dynamic_shapes=False, recompile_limit=4096,
+                                      accumulated_recompile_limit=1 << 16)
 
-    def __init__(self, vllm_metadata: Any, slot_mapping: torch.Tensor, num_actual_tokens: int):
-        self.vllm, self.slot_mapping, self.num_actual_tokens = vllm_metadata, slot_mapping, num_actual_tokens
+
+class _Metadata:
+    """One step: vLLM's ``CommonAttentionMetadata``, the slot mapping of its real tokens, and
+    vLLM's backend metadata, built by vLLM's builder on the first forward (:meth:`vllm_for`):
+    some builders (FLEX_ATTENTION's) read the cache's size, ``cache_config.num_gpu_blocks``,
+    which vLLM's engine sets after planning and attnplug's builder contract does not carry."""
+
+    def __init__(self, builder: Any, common: Any, slot_mapping: torch.Tensor, num_actual_tokens: int):
+        self.builder, self.common, self._vllm = builder, common, None
+        self.slot_mapping, self.num_actual_tokens = slot_mapping, num_actual_tokens
+
+    def vllm_for(self, num_blocks: int) -> Any:
+        """vLLM's metadata for a cache of ``num_blocks`` kernel blocks (built once)."""
+        if self._vllm is None:
+            config = self.builder.owner.config
+            config.cache_config.num_gpu_blocks = num_blocks
+            with V.set_current_vllm_config(config), _static_shapes():
+                self._vllm = self.builder.inner.build(0, self.common)
+        return self._vllm
+
+
+def _readable_dtypes(name: str, vcls: Any, sizes: list) -> tuple[torch.dtype, ...]:
+    """vLLM's dtypes for ``name`` (a :data:`KV_SPLITS` backend) less those whose kernel ISA
+    on this machine packs K/V in a way the bridge cannot read: on an AMX CPU, CPU_ATTN runs
+    bf16 with its ``amx`` kernel at every multiple-of-32 block size (head sizes that are
+    multiples of 32), so bf16 is not declared there and the suite skips those cases with
+    that declaration instead of failing in ``split_kv_cache``."""
+    block = min((getattr(s, "base", s) for s in sizes), default=32)
+    return tuple(d for d in vcls.supported_dtypes if V.cpu_attn_isa(d, block, 64) in KV_SPLITS[name])
 
 
 def vllm_backend(name: str) -> type[AttentionBackend]:
     """The attnplug backend running vLLM's ``AttentionBackendEnum[name]``.
 
     Raises:
-        ValueError: ``name`` is not an ``AttentionBackendEnum`` member, or the bridge does
-            not know how that backend packs K and V (:data:`KV_SPLITS`).
+        ValueError: ``name`` is not an ``AttentionBackendEnum`` member, its class does not
+            import here, or it is not a paged-attention backend (MLA, sparse, state).
     """
     if name not in V.AttentionBackendEnum.__members__:
         raise ValueError(f"vllm:{name}: not a vLLM AttentionBackendEnum member (known: "
                          f"{', '.join(V.AttentionBackendEnum.__members__)})")
-    if name not in KV_SPLITS:
-        raise ValueError(f"vllm:{name}: how it packs K and V in its KV cache is not declared to the bridge "
-                         f"(known: {', '.join(KV_SPLITS)}; plugins/vllm/reverse.py KV_SPLITS)")
+    try:
+        vcls = V.AttentionBackendEnum[name].get_class()
+    except Exception as exc:  # noqa: BLE001 - vLLM's backend modules fail in many ways without their kernels
+        raise ValueError(f"vllm:{name}: its class does not import here ({type(exc).__name__}: "
+                         f"{str(exc).splitlines()[0] if str(exc) else ''})") from exc
+    for kind, what in (("is_mla", "an MLA backend"), ("is_sparse", "a sparse-attention backend"),
+                       ("is_ssm", "a state (SSM) backend")):
+        if getattr(vcls, kind, lambda: False)():
+            raise ValueError(f"vllm:{name}: {what} ({kind}() is True); the reverse bridge drives paged-attention "
+                             "backends only (docs/vllm.md)")
+    if name not in PACKING_OVERRIDES:
+        declared_layout(vcls)  # a layout it cannot read fails here, naming it
     return _reverse(name)
 
 
@@ -91,6 +157,8 @@ def vllm_backend(name: str) -> type[AttentionBackend]:
 def _reverse(name: str) -> type[AttentionBackend]:
     vcls = V.AttentionBackendEnum[name].get_class()
     impls: dict[tuple, Any] = {}  # (num_kv_heads, head_size, dtype) -> the last impl made, for the builder
+    packed = name in PACKING_OVERRIDES  # the cache is vLLM's logical 4-D tensor, packed by the kernel's own rule
+    layout, vllm_layout = (None, "LBHNC") if packed else declared_layout(vcls)
 
     class Impl(AttentionImpl):
         def __init__(self, num_heads, head_size, scale, num_kv_heads, sliding_window=None, logits_soft_cap=None,
@@ -112,11 +180,23 @@ def _reverse(name: str) -> type[AttentionBackend]:
         def forward(self, layer, query, key, value, kv_cache, attn_metadata, output):
             n = attn_metadata.num_actual_tokens
             impl = self.layer.impl
-            with V.set_current_vllm_config(self.config):
+            view = kv_cache if packed else vllm_view(kv_cache, layout)
+            with V.set_current_vllm_config(self.config), _static_shapes():
                 if not vcls.forward_includes_kv_cache_update:
-                    impl.do_kv_cache_update(self.layer, key[:n], value[:n], kv_cache, attn_metadata.slot_mapping[:n])
-                impl.forward(self.layer, query, key, value, kv_cache, attn_metadata.vllm, output)
+                    self._write(key[:n], value[:n], kv_cache, view, attn_metadata.slot_mapping[:n])
+                impl.forward(self.layer, query, key, value, view, attn_metadata.vllm_for(view.shape[0]), output)
             return output
+
+        def _write(self, key, value, kv_cache, view, slot_mapping):
+            """vLLM's ``do_kv_cache_update``; the layout's write where its compiled op is not loaded."""
+            if Backend.kv_writer == "vllm":
+                try:
+                    return self.layer.impl.do_kv_cache_update(self.layer, key, value, view, slot_mapping)
+                except AttributeError as exc:
+                    if packed or not missing_compiled_op(exc):
+                        raise
+                    Backend.kv_writer = "attnplug"
+            write_kv(layout, kv_cache, key, value, slot_mapping)
 
     class Builder(AttentionMetadataBuilder):
         def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
@@ -134,16 +214,21 @@ def _reverse(name: str) -> type[AttentionBackend]:
                 num_reqs=m.num_reqs, num_actual_tokens=m.num_actual_tokens, max_query_len=m.max_query_len,
                 max_seq_len=m.max_seq_len, block_table_tensor=m.block_table_tensor, slot_mapping=m.slot_mapping,
                 causal=m.causal, positions=m.positions, is_prefilling=m.is_prefilling)
-            with V.set_current_vllm_config(self.owner.config):
-                return _Metadata(self.inner.build(0, vm), m.slot_mapping, m.num_actual_tokens)
+            return _Metadata(self, vm, m.slot_mapping, m.num_actual_tokens)
 
     sizes = vcls.get_supported_kernel_block_sizes()
 
     class Backend(AttentionBackend):
-        supported_dtypes = tuple(vcls.supported_dtypes)
+        supported_dtypes = _readable_dtypes(name, vcls, sizes) if packed else tuple(vcls.supported_dtypes)
         supported_head_sizes = tuple(vcls.get_supported_head_sizes()) or None
         supported_kernel_block_sizes = tuple(getattr(s, "base", s) for s in sizes) or None
         supported_devices = ("cpu",) if V.current_platform.is_cpu() else ("cuda",)
+        kv_cache_layout = layout if layout is not None else AttentionBackend.kv_cache_layout
+        vllm_kv_cache_layout = vllm_layout
+        """The vLLM ``KVCacheLayout`` name the cache follows (the backend's first declared)."""
+        kv_writer = "vllm"
+        """Who writes K/V: ``"vllm"`` (its ``do_kv_cache_update``) or ``"attnplug"`` (after
+        that raised for a compiled op that is not loaded: ``reverse_layout.write_kv``)."""
 
         @classmethod
         def get_name(cls):
@@ -163,10 +248,14 @@ def _reverse(name: str) -> type[AttentionBackend]:
 
         @classmethod
         def get_kv_cache_shape(cls, num_blocks, block_size, num_kv_heads, head_size):
+            if not packed:
+                return layout.shape(num_blocks, block_size, num_kv_heads, head_size)
             return (num_blocks, num_kv_heads, block_size, 2 * head_size)
 
         @classmethod
         def split_kv_cache(cls, kv_cache):
+            if not packed:
+                return layout.split(kv_cache)
             _, _, bs, two_hs = kv_cache.shape
             isa = V.cpu_attn_isa(kv_cache.dtype, bs, two_hs // 2)
             if isa not in KV_SPLITS[name]:

@@ -5,6 +5,9 @@
 #     run(command="bash tests/gpu/device_run.sh", timeout_s=560)            # everything
 #     run(command="SECTIONS=bench_attention BUDGET_S=120 bash tests/gpu/device_run.sh",
 #         timeout_s=180)     # rerun a part at once, while the machine is warm (30 s)
+#     run(command="SECTIONS=vllm_e2e BUDGET_S=200 bash tests/gpu/device_run.sh",
+#         timeout_s=260)     # vLLM 0.33 LLM.generate through the bridge vs FLASH_ATTN
+#                            # (never run yet; needs vLLM 0.33 in that python, see run_all.sh)
 #
 # A session has 15 minutes of device time in all, the machine's start (1-2 min) included.
 #
@@ -55,7 +58,7 @@ PY="$PY" RESULTS="$WORK/results" WHEELS="" DEADLINE=$(( $(date +%s) + ${BUDGET_S
   bash tests/gpu/run_all.sh
 status=$?
 
-for f in summary.md bench_attention.md bench_attention.json gpu_conformance.log gpu_tests.log install.log; do  # + tarball: 7 files
+for f in summary.md bench_attention.md bench_attention.json gpu_conformance.log gpu_tests.log install.log; do  # + tarball: 7 files (vllm_e2e.log/.json: in the tarball)
   [ -e "$WORK/results/$f" ] && cp "$WORK/results/$f" "$OUTDIR/"
 done
 tar -czf "$OUTDIR/gpu_results.tar.gz" -C "$WORK" results

@@ -14,8 +14,8 @@
 #              RESULTS (default gpu_results; on the project's device machine use
 #              tests/gpu/device_run.sh, which keeps within the tool's 8 files),
 #              SECTIONS (comma-separated subset to rerun: gpu_conformance, bench_attention,
-#              gpu_tests, run_cuda, check_flash_attn, check_flashinfer; default all; they
-#              run in this order whatever the list's order),
+#              gpu_tests, run_cuda, check_flash_attn, check_flashinfer, vllm_e2e; default all;
+#              they run in this order whatever the list's order),
 #              PYTEST_ARGS (extra pytest arguments for both pytest sections, e.g. "-x"),
 #              DEADLINE (epoch seconds: no section runs past it; sections left are reported),
 #              WORKERS (pytest-xdist workers when xdist is installed, default 8).
@@ -26,7 +26,7 @@ PY=${PY:-.venv/bin/python}
 ATTNPLUG=${ATTNPLUG:-"$PY -m attnplug"}
 WHEELS=${WHEELS-.whl}
 RESULTS=${RESULTS:-gpu_results}
-SECTIONS=${SECTIONS:-gpu_conformance,bench_attention,gpu_tests,run_cuda,check_flash_attn,check_flashinfer}
+SECTIONS=${SECTIONS:-gpu_conformance,bench_attention,gpu_tests,run_cuda,check_flash_attn,check_flashinfer,vllm_e2e}
 PYTEST_ARGS=${PYTEST_ARGS:-}
 mkdir -p "$RESULTS"
 SUMMARY="$RESULTS/summary.md"
@@ -128,6 +128,18 @@ for backend in flash_attn flashinfer; do
     echo "| check_$backend | skipped: not installed | 0 |" >> "$SUMMARY"
   fi
 done
+
+# vLLM 0.33 end to end: LLM.generate with attnplug backends through the bridge vs vLLM's own
+# FLASH_ATTN, same greedy tokens (tests/gpu/vllm_e2e.py; NEVER RUN YET, docs/vllm.md). Needs
+# vLLM 0.33 in $PY: the device machine is offline and vLLM's wheel (336 MB) is over the
+# 64 MiB of carried files, so there it is reported as skipped unless its image has vLLM.
+if wanted vllm_e2e; then
+  if "$PY" -c "import vllm, sys; sys.exit(0 if vllm.__version__.startswith('0.33.') else 1)" 2> /dev/null; then
+    section vllm_e2e 150 "$PY" tests/gpu/vllm_e2e.py "$RESULTS/vllm_e2e.json"
+  else
+    echo "| vllm_e2e | skipped: vLLM 0.33 not installed in $PY | 0 |" >> "$SUMMARY"
+  fi
+fi
 
 echo; cat "$SUMMARY"
 exit $status

@@ -155,7 +155,13 @@ def test_sinks_given_to_vllms_layer_reach_the_attnplug_impl(vllm_layer):
         layer = V.Attention(HEADS, HEAD_SIZE, HEAD_SIZE ** -0.5, num_kv_heads=KV_HEADS, sinks=sinks,
                             prefix="model.layers.1.self_attn.attn", attn_backend=backend)
     sinks.data.copy_(torch.tensor([2.0, -1.0, 0.5, 4.0]))  # "weight loading", after construction
+    buffer = layer.impl.sinks32
     _two_steps_match_dense(V, config, backend, layer, sinks.detach())
+    # one persistent float32 buffer, refreshed in place: no conversion allocated per forward
+    assert layer.impl.sinks32 is buffer and layer.impl.inner.sinks is buffer and buffer.dtype == torch.float32
+    sinks.data.copy_(torch.tensor([0.0, 1.0, -2.0, 3.0]))  # a reload reaches the same buffer
+    _two_steps_match_dense(V, config, backend, layer, sinks.detach())
+    assert layer.impl.inner.sinks is buffer and buffer.tolist() == [0.0, 1.0, -2.0, 3.0]
 
 
 @pytest.mark.parametrize("cache_dtype, fp8", [("fp8", torch.float8_e4m3fn), ("fp8_e5m2", torch.float8_e5m2)])

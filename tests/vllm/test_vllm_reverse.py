@@ -35,5 +35,7 @@ def test_attnplug_check_passes_vllm_cpu_attn_on_its_block_sizes(vllm_installed):
     tail = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
     assert " passed" in tail and "failed" not in tail, tail
-    assert int(tail.split(" passed")[0].split()[-1]) >= 30, tail  # the 10 block-32 cases, 3 checks each
+    # the 10 block-32 cases, 3 checks each; on an AMX CPU the bf16 case is not declared (its amx kernel
+    # packs K/V in a way the bridge cannot read), so at least the other 9
+    assert int(tail.split(" passed")[0].split()[-1]) >= 27, tail
 

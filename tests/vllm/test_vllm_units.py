@@ -128,10 +128,10 @@ def test_unsupported_vllm_features_are_refused_at_construction(kwargs, reason):
 
 
 @pytest.mark.parametrize("registered, interface", [
-    ("torch_native_mla", "forward_mqa"),
-    ("torch_native_sparse_mla", "forward_mqa"),
+    ("torch_native_sparse_mla", "sparse MLA layer and indexer backend"),
     ("torch_native_indexer", "indexer"),
-    ("mamba2_torch", "state backends"),
+    ("mamba2_torch", "MambaAttentionBackendEnum"),
+    ("gdn_torch", "MambaAttentionBackendEnum"),
 ])
 def test_backends_of_other_cache_kinds_are_refused_naming_the_vllm_interface(registered, interface):
     from attnplug.plugins.discovery import get_backend
@@ -139,7 +139,7 @@ def test_backends_of_other_cache_kinds_are_refused_naming_the_vllm_interface(reg
 
     with pytest.raises(BackendUnsupportedError, match=interface) as e:
         bridge_classes(get_backend(registered), "CUSTOM")
-    assert registered in str(e.value) and "kv_cache_kind 'attention'" in str(e.value)
+    assert registered in str(e.value) and "kv_cache_kind 'attention') and dense MLA only" in str(e.value)
 
 
 def test_sinks_are_refused_for_a_backend_that_does_not_declare_them():
@@ -172,11 +172,33 @@ def test_a_supported_layer_builds_and_profile_run_is_a_no_op():
     assert (out == 5.0).all()  # attn_metadata None (vLLM's profiling run): nothing written
 
 
-def test_reverse_bridge_refuses_unknown_and_unreadable_vllm_backends():
+def test_reverse_bridge_refuses_unknown_and_other_kinds_of_vllm_backends():
     from attnplug.plugins.vllm.reverse import vllm_backend
 
     with pytest.raises(ValueError, match="not a vLLM AttentionBackendEnum member.*CPU_ATTN"):
         vllm_backend("NO_SUCH_BACKEND")
-    with pytest.raises(ValueError, match="how it packs K and V"):
-        vllm_backend("FLASH_ATTN")  # a real vLLM backend whose cache packing the bridge does not know
+    with pytest.raises(ValueError, match=r"vllm:TRITON_MLA: (an MLA backend \(is_mla\(\) is True\)|its class does not "
+                                         r"import here)"):
+        vllm_backend("TRITON_MLA")  # a real vLLM backend of another cache kind
     assert vllm_backend("CPU_ATTN").get_name() == "vllm:CPU_ATTN"
+
+
+def test_reverse_bridge_reads_the_kv_packing_from_vllms_layout_declaration():
+    """FLEX_ATTENTION declares ``LBNHC`` (``[B, N, H, 2 * head_size]``, K then V in the
+    content): attnplug's descriptor is ``(block, token, head, kv, dim)``; CPU_ATTN keeps its
+    named packing (vLLM's logical 4-D tensor)."""
+    from attnplug.plugins.vllm.reverse import vllm_backend
+    from attnplug.plugins.vllm.reverse_layout import declared_layout, vllm_view
+
+    flex = vllm_backend("FLEX_ATTENTION")
+    assert flex.vllm_kv_cache_layout == "LBNHC"
+    assert flex.kv_cache_layout.dims == ("block", "token", "head", "kv", "dim")
+    assert flex.get_kv_cache_shape(5, 16, 2, 8) == (5, 16, 2, 2, 8)
+    cache = torch.arange(5 * 16 * 2 * 2 * 8, dtype=torch.float32).view(5, 16, 2, 2, 8)
+    view = vllm_view(cache, flex.kv_cache_layout)  # what vLLM's FLEX impl is handed
+    assert tuple(view.shape) == (5, 2, 16, 16) and view.data_ptr() == cache.data_ptr()
+    k, v = flex.split_kv_cache(cache)
+    assert torch.equal(view[3, 1, 7, :8], k[3, 7, 1]) and torch.equal(view[3, 1, 7, 8:], v[3, 7, 1])
+    assert view.transpose(1, 2).is_contiguous()  # LBNHC: the physical order [B, N, H, C] vLLM declared
+    assert declared_layout(V.AttentionBackendEnum["FLEX_ATTENTION"].get_class())[0] == flex.kv_cache_layout
+    assert vllm_backend("CPU_ATTN").get_kv_cache_shape(5, 32, 2, 8) == (5, 2, 32, 16)

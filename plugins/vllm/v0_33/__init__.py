@@ -25,6 +25,7 @@ from vllm.v1.attention.backend import (
     AttentionMetadataBuilder as VllmMetadataBuilder,
     AttentionType as VllmAttentionType,
     CommonAttentionMetadata as VllmCommonAttentionMetadata,
+    MLAAttentionImpl as VllmMLAImpl,
     MultipleOf,
 )
 from vllm.v1.attention.backends.cpu_attn import _get_attn_isa as cpu_attn_isa  # CPU_ATTN's kernel choice
@@ -58,7 +59,8 @@ def plan_kv_cache(vllm_config: VllmConfig, kv_cache_spec: dict, available_memory
 __all__ = [
     "Attention", "AttentionBackendEnum", "INTERFACE", "KVCacheLayout", "MINOR", "ModelConfig", "MultipleOf",
     "VllmAttentionBackend", "VllmAttentionImpl", "VllmAttentionType", "VllmCGSupport",
-    "VllmCommonAttentionMetadata", "VllmConfig", "VllmMetadataBuilder", "VllmSlidingWindowSpec", "cpu_attn_isa",
+    "VllmCommonAttentionMetadata", "VllmConfig", "VllmMLAImpl", "VllmMetadataBuilder", "VllmSlidingWindowSpec",
+    "cpu_attn_isa",
     "current_platform", "get_current_vllm_config", "get_kv_cache_configs", "plan_kv_cache", "register_backend",
     "set_current_vllm_config",
 ]
