@@ -175,7 +175,8 @@ def _bridged_builder(backend: type) -> type:
             sched = vllm_config.scheduler_config
             limits = BuilderConfig(max_num_reqs=sched.max_num_seqs,
                                    max_num_batched_tokens=sched.max_num_batched_tokens,
-                                   max_model_len=vllm_config.model_config.max_model_len)
+                                   max_model_len=vllm_config.model_config.max_model_len,
+                                   dtype=vllm_config.model_config.dtype)  # the queries' dtype (an fp8 cache's differs)
             self.inner = backend.get_builder_cls()(_attnplug_spec(kv_cache_spec), layer_names, limits,
                                                    device)
 

@@ -113,7 +113,8 @@ def _mla_builder(backend: type) -> type:
             sched = vllm_config.scheduler_config
             limits = BuilderConfig(max_num_reqs=sched.max_num_seqs,
                                    max_num_batched_tokens=sched.max_num_batched_tokens,
-                                   max_model_len=vllm_config.model_config.max_model_len)
+                                   max_model_len=vllm_config.model_config.max_model_len,
+                                   dtype=vllm_config.model_config.dtype)  # the queries' dtype (an fp8 cache's differs)
             self.inner = inner_cls(spec, layer_names, limits, device)
 
         def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
