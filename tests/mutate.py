@@ -52,6 +52,7 @@ TARGETS: dict[str, list[str]] = {
     "core/validation.py": ["tests/core"],
     "cache_groups/*.py": ["tests/cache_groups"],  # module-level tests only (issue 23)
     "runner/step/*.py": STEP_TESTS,
+    "runner/step/check/*.py": STEP_TESTS,
     "backends/flash_attn/builder.py": ["tests/backends/flash_attn/test_builder.py",
                                        "tests/backends/flash_attn/test_cascade_clamp.py",
                                        "tests/backends/flash_attn/test_builder_edges.py"],

@@ -112,7 +112,7 @@ class StepKernels(Protocol):
 
     def scan_cached(self, batch: Any, layout: "StepLayout", bufs: ScanBuffers, d: Any,
                     finished: list[str]) -> Any:
-        """Plan the cached requests (and drafts) of the output ``d`` (``check_snapshot.Deltas``)
+        """Plan the cached requests (and drafts) of the output ``d`` (``check.snapshot.Deltas``)
         into ``bufs``; return the scan (its counts: ``num_cached``, ``num_appends``,
         ``total_tokens``, ``num_spec``, ``spec_total``), or ``None`` to decline."""
 

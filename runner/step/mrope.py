@@ -24,7 +24,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from attnplug.runner.step.check_types import err, is_int, show
+from attnplug.runner.step.check.types import err, is_int, show
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from attnplug.core.errors import MetadataError
-from attnplug.runner.step.check_types import row_indices
+from attnplug.runner.step.check.types import row_indices
 from attnplug.runner.step.input_batch import InputBatch
 from attnplug.runner.step.prepare import StepInputs
 from attnplug.runner.step.request_state import CachedRequestState

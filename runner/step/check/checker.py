@@ -1,0 +1,146 @@
+"""Stage 1 of a step: check a ``SchedulerOutput`` in full against the state; change nothing.
+
+:class:`UpdateChecker` reads the output once, field family by field family, and returns
+an :class:`~attnplug.runner.step.plan.UpdatePlan` that stage 2 (``runner/step/apply.py``)
+applies; the first problem raises :class:`InvalidSchedulerOutput` naming the request and
+field at fault. The checks, in the order they run:
+
+1. containers, read once (``check/snapshot.py``), and ids: ``check_finished_and_new``;
+2. the kernels' scans (``check/fast.py``) for a regular output, else the vectorized checks:
+3. cached rows, ``num_scheduled_tokens``, computed tokens and token deltas
+   (``check/cached.py``);
+4. block deltas: replacements, appends, windows, capacity (``check/blocks.py``,
+   ``check/windows.py``);
+5. new requests: prompts, blocks, sampling (``check/new.py``), then their prompt
+   embeddings (``prompt_embeds.py``) and image spans (``mrope.py``);
+6. draft tokens of speculative decoding (``check/spec.py``, before 3 reads ``seq_lens``;
+   the compiled cached scan checks the drafts of a regular step itself).
+
+Per-request Python work is limited to what the data structure forces (one dict lookup
+per scheduled request, a loop over the few requests that carry token or block payloads);
+there is no per-token Python loop.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from attnplug.runner.step.check.blocks import block_deltas
+from attnplug.runner.step.check.cached import cached_rows, computed_and_token_deltas, scheduled_counts
+from attnplug.runner.step.check.fast import plan_update_scanned
+from attnplug.runner.step.check.types import err, show
+from attnplug.runner.step.check.new import plan_new_requests
+from attnplug.runner.step.check.snapshot import Deltas, NewReq
+from attnplug.runner.step.check.spec import check_spec_tokens, check_state_slots
+from attnplug.runner.step.groups import StepLayout
+from attnplug.runner.step.input_batch import InputBatch
+from attnplug.runner.step.int_packer import IntPacker
+from attnplug.runner.step.kernels import StepKernels
+from attnplug.runner.step.plan import ScanBuffers, UpdatePlan
+from attnplug.runner.step.mrope import check_placeholders
+from attnplug.runner.step.prompt_embeds import PromptEmbedsConfig, check_prompt_embeds
+from attnplug.runner.step.request_state import CachedRequestState
+from attnplug.runner.step.scheduler_output import SchedulerOutput
+
+
+def check_finished_and_new(reqs: dict[str, CachedRequestState], d: Deltas
+                           ) -> tuple[list[str], set[str], set[str]]:
+    """The checks both planning paths run first (after :class:`Deltas` read the output):
+    finished ids, new ids.
+
+    Returns:
+        ``(finished, fin_set, new_ids)``: finished ids deduplicated in order, as a set,
+        and the new requests' ids.
+    """
+    finished = d.finished_req_ids
+    fin_set = set(finished)
+    for rid in finished:
+        if rid not in reqs:
+            if type(rid) is not str:
+                err(None, "finished_req_ids", f"request ids must be str, got {type(rid).__name__} {show(rid)}")
+            err(rid, "finished_req_ids", "unknown request: the runner never held it or already dropped it")
+    new_ids: set[str] = set()
+    for nr in d.scheduled_new_reqs:
+        rid = nr.req_id
+        if rid in reqs and rid not in fin_set:
+            err(rid, "scheduled_new_reqs", "request is already resident: send it in scheduled_cached_reqs "
+                "(or finish it in the same step to restart it)")
+        if rid in new_ids:
+            err(rid, "scheduled_new_reqs", "request listed twice")
+        new_ids.add(rid)
+    return finished, fin_set, new_ids
+
+
+class UpdateChecker:
+    """Stage 1 over one batch: its packers, its plan buffers and the step's kernels.
+
+    Args:
+        layout: the step layout.
+        batch: the batch the output is checked against.
+        requests: ``{req_id: CachedRequestState}`` of every resident request.
+        kernels: the step's kernels (``runner/step/kernels.py``): the packing loop and the
+            scans that plan a regular output in one pass.
+
+    The arrays of a plan (prompts, block ids, token deltas, the scanned rows and counts)
+    are views into the packers' and :attr:`buffers`' memory: valid until the next :meth:`plan`.
+    """
+
+    def __init__(self, layout: StepLayout, batch: InputBatch, requests: dict[str, CachedRequestState],
+                 kernels: StepKernels):
+        self.layout, self.batch, self.requests, self.kernels = layout, batch, requests, kernels
+        self.buffers = ScanBuffers.allocate(layout.max_num_reqs, layout.num_groups)
+        """The plan buffers the kernels' cached scan writes (``plan.ScanBuffers``)."""
+        self.prompt_packer = IntPacker(kernels)
+        self.block_packer = IntPacker(kernels, 1 << 12)
+        self.delta_packer = IntPacker(kernels, 1 << 10)
+        self.last_scanned = False
+        """Whether the last :meth:`plan` came from the kernels' scans (for tests and benches)."""
+        self.prompt_embeds_config: PromptEmbedsConfig | None = None
+        """Width and dtype of the prompt embeddings new requests may carry (``None``: none)."""
+        self.uses_mrope = False
+        """Whether new requests may carry ``mm_placeholders`` (M-RoPE positions)."""
+
+    def plan_new(self, new_reqs: Sequence[NewReq], new_counts: Sequence[int]) -> list[CachedRequestState]:
+        """Check the new requests (``check.new.plan_new_requests`` with this checker's packers)."""
+        return plan_new_requests(self.layout, self.prompt_packer, self.block_packer, new_reqs, new_counts)
+
+    def plan(self, so: SchedulerOutput) -> UpdatePlan:
+        """Check ``so`` against the state; change nothing.
+
+        Takes the kernels' scans when the output is regular; the vectorized checks
+        otherwise (same plan, same errors).
+
+        Raises:
+            InvalidSchedulerOutput: the first problem found, with its request id and field.
+        """
+        d = Deltas(so)  # every field read once, here; the checks below read only this
+        finished, fin_set, new_ids = check_finished_and_new(self.requests, d)
+        plan = plan_update_scanned(self.layout, self.batch, self.kernels, self.buffers, self.plan_new, d,
+                                   finished, fin_set)
+        self.last_scanned = plan is not None
+        if plan is not None:
+            check_state_slots(self.layout, self.batch, self.requests, d, plan.spec_tokens)
+            if d.scheduled_new_reqs:
+                plan.prompt_embeds = check_prompt_embeds(self.prompt_embeds_config, d.scheduled_new_reqs)
+                plan.mm_placeholders = check_placeholders(self.uses_mrope, d.scheduled_new_reqs)
+            return plan
+        lay, batch, reqs = self.layout, self.batch, self.requests
+        cached = d.scheduled_cached_reqs
+        C = cached.req_ids
+        rows = cached_rows(lay, batch, reqs, C, finished, fin_set)
+        counts_c, new_counts = scheduled_counts(lay, d, C, new_ids)
+        drafts_c, spec = check_spec_tokens(lay, batch, reqs, d, rows.rows_c, counts_c, new_ids)
+        ncts_c, seq_c, token_deltas = computed_and_token_deltas(lay, batch, reqs, cached, rows, counts_c,
+                                                                self.delta_packer, drafts_c)
+        resumed, appends = block_deltas(lay, batch, reqs, cached, rows.rows_c, rows.readd, ncts_c, seq_c)
+        check_state_slots(lay, batch, reqs, d, spec)
+        new_states = self.plan_new(d.scheduled_new_reqs, new_counts)
+        embeds = check_prompt_embeds(self.prompt_embeds_config, d.scheduled_new_reqs)
+        images = check_placeholders(self.uses_mrope, d.scheduled_new_reqs)
+        unscheduled: list[str] = []
+        if batch.num_reqs - rows.fin_in_batch > rows.present.shape[0]:
+            mask = rows.sched_mask
+            unscheduled = [rid for rid, r in batch.req_id_to_index.items() if not mask[r] and rid not in fin_set]
+        return UpdatePlan(finished, unscheduled, new_states, new_counts, rows.readd_ids, rows.readd, rows.rows_c,
+                          counts_c, ncts_c, token_deltas, resumed, appends, spec_tokens=spec,
+                          prompt_embeds=embeds, mm_placeholders=images)
