@@ -29,6 +29,7 @@ from attnplug.backends.common.buffer_checks import (
     check_step_values,
     copy_block_table,
 )
+from attnplug.backends.common.frozen_fields import new_frozen, replace_fields
 from attnplug.backends.triton.cascade import cascade_fields, with_cascade
 from attnplug.backends.triton.constants import KERNEL_BLOCK_SIZES
 from attnplug.backends.triton.metadata import SplitKVPolicy, TritonAttentionMetadata
@@ -164,9 +165,9 @@ class TritonMetadataBuilder(AttentionMetadataBuilder):
         splits = self.split_kv_policy.num_kv_splits(
             num_reqs=n, num_kv_heads=self.num_kv_heads, max_query_len=cm.max_query_len,
             max_seq_len=split_seq_len, num_sms=self.num_sms)
-        return TritonAttentionMetadata(
-            n, cm.num_actual_tokens, cm.max_query_len, cm.max_seq_len, self.block_size, cm.causal,
-            qsl, seq_lens, block_table, slot_mapping, splits, graph)
+        return new_frozen(  # (TritonAttentionMetadata(...) without the frozen __init__'s cost)
+            TritonAttentionMetadata, n, cm.num_actual_tokens, cm.max_query_len, cm.max_seq_len, self.block_size,
+            cm.causal, qsl, seq_lens, block_table, slot_mapping, splits, graph, None)
 
     def update_block_table(self, metadata: TritonAttentionMetadata, block_table: torch.Tensor,
                            slot_mapping: torch.Tensor) -> TritonAttentionMetadata:
@@ -196,7 +197,7 @@ class TritonMetadataBuilder(AttentionMetadataBuilder):
                 f"update_block_table: metadata has block_size {metadata.block_size}, this builder "
                 f"{self.block_size}: only groups with the same spec may share a build")
         if not metadata.graph:
-            md = dataclasses.replace(metadata, block_table_tensor=block_table, slot_mapping=slot_mapping)
+            md = replace_fields(metadata, block_table_tensor=block_table, slot_mapping=slot_mapping)
             if md.cascade is not None:  # the passes read this group's blocks
                 md = dataclasses.replace(md, cascade=cascade_fields(md, md.cascade.common_prefix_len))
             return md
