@@ -12,7 +12,7 @@ classes (plain frozen dataclasses: no ``__post_init__``, no ``__slots__``, no
 from __future__ import annotations
 
 from dataclasses import fields
-from typing import TypeVar
+from typing import Callable, TypeVar
 
 T = TypeVar("T")
 
@@ -41,6 +41,22 @@ def new_frozen(cls: type[T], *values) -> T:
     obj = object.__new__(cls)
     obj.__dict__.update(zip(names, values))
     return obj
+
+
+def frozen_factory(cls: type[T]) -> Callable[..., T]:
+    """A function ``make(*values) -> cls`` equal to ``cls(*values)`` with every field given
+    in declaration order, for the hot path: generated once per class (as ``dataclasses``
+    generates ``__init__``), it builds the instance dict in one literal (about a third of
+    :func:`new_frozen`'s cost)."""
+    names = field_names(cls)
+    args = ", ".join(f"v{i}" for i in range(len(names)))
+    body = ", ".join(f"{n!r}: v{i}" for i, n in enumerate(names))
+    src = f"def make({args}):\n    obj = _new(cls)\n    _set(obj, '__dict__', {{{body}}})\n    return obj\n"
+    ns: dict = {"_new": object.__new__, "_set": object.__setattr__, "cls": cls}
+    exec(src, ns)  # noqa: S102 -- generated from the dataclass's own field names
+    make = ns["make"]
+    make.__doc__ = f"{cls.__name__}({', '.join(names)}) without the frozen __init__."
+    return make
 
 
 def replace_fields(obj: T, **changes) -> T:

@@ -29,7 +29,7 @@ from attnplug.backends.common.buffer_checks import (
     check_step_values,
     copy_block_table,
 )
-from attnplug.backends.common.frozen_fields import new_frozen, replace_fields
+from attnplug.backends.common.frozen_fields import frozen_factory, replace_fields
 from attnplug.backends.common.window import fa_window_size
 from attnplug.backends.flash_attn.kernels import (
     FA2_PAGE_SIZE_MULTIPLE,
@@ -43,6 +43,10 @@ from attnplug.core.constants import NULL_BLOCK_ID, PAD_SLOT_ID
 from attnplug.core.contracts import AttentionCGSupport, AttentionMetadataBuilder, BuilderConfig
 from attnplug.core.errors import BackendUnsupportedError, MetadataError
 from attnplug.core.metadata import CommonAttentionMetadata
+
+
+_new_metadata = frozen_factory(FlashAttnMetadata)
+"""``FlashAttnMetadata(...)`` with every field, without the frozen ``__init__``'s cost."""
 
 
 class FlashAttnMetadataBuilder(AttentionMetadataBuilder):
@@ -178,8 +182,8 @@ class FlashAttnMetadataBuilder(AttentionMetadataBuilder):
             if block_table.shape[0] != B:
                 block_table = block_table[:B]
             slot_mapping = cm.slot_mapping
-        md = new_frozen(  # (FlashAttnMetadata(...) without the frozen __init__'s cost)
-            FlashAttnMetadata, cm.num_reqs, cm.num_actual_tokens, int(max_query_len), int(max_seq_len),
+        md = _new_metadata(
+            cm.num_reqs, cm.num_actual_tokens, int(max_query_len), int(max_seq_len),
             self.block_size, cm.causal, qsl, seq_lens, self._cu_seqlens_k_of(seq_lens), block_table, slot_mapping,
             self.window_size, None, None, graph)
         cascade = self._cascade(md, cm, common_prefix_len) if common_prefix_len > 0 else None

@@ -62,3 +62,16 @@ def test_live_layer_answers_follow_adds_and_drops():
     gc.collect()
     assert [p.num_heads for p in reg.matching(2, 8, None)] == [6]
     assert reg.matching(2, 16, None) == []
+
+
+@pytest.mark.parametrize("cls", [TritonAttentionMetadata, FlashAttnMetadata])
+def test_the_generated_factory_equals_the_dataclass_init(cls):
+    from attnplug.backends.common.frozen_fields import frozen_factory
+
+    vals = _values(cls)
+    fast, slow = frozen_factory(cls)(*vals), cls(*vals)
+    assert type(fast) is cls and list(fast.__dict__) == list(slow.__dict__)
+    for name in field_names(cls):
+        assert getattr(fast, name) is getattr(slow, name), name
+    with pytest.raises(TypeError):
+        frozen_factory(cls)(*vals[:-1])
