@@ -92,6 +92,7 @@ class TritonMetadataBuilder(AttentionMetadataBuilder):
         self.num_sms = DEFAULT_NUM_SMS
         if dev.type == "cuda" and torch.cuda.is_available():
             self.num_sms = torch.cuda.get_device_properties(dev).multi_processor_count
+        self._max_num_reqs = config.max_num_reqs
         self._last_sized: tuple = (None, None, -1, None, None)
         """``(query_start_loc, seq_lens, num_reqs, the two as sliced)`` of the last eager build."""
         self.validate_values = builder_values_checked()
@@ -128,7 +129,10 @@ class TritonMetadataBuilder(AttentionMetadataBuilder):
         """
         cm = common_attn_metadata
         n = cm.num_reqs
-        self._check(cm, n)
+        if n > self._max_num_reqs or self.validate_values:
+            self._check(cm, n)  # raises, or checks the values
+        else:
+            self._step_checks.check(cm, n)  # (the rest of _check)
         qsl, seq_lens = cm.query_start_loc, cm.seq_lens
         if qsl is not self._last_sized[0] or seq_lens is not self._last_sized[1] or n != self._last_sized[2]:
             # (a tensor's shape is read once per tensor object: the step compiler hands the
