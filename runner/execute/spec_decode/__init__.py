@@ -1,6 +1,6 @@
 """Speculative decoding: drafters, the verification layout, and the rejection sampler.
 
-What is here (usable on its own, tested in ``tests/runner/test_spec_decode.py``):
+What is here (usable on its own, tested in ``tests/runner/step/test_spec_decode.py``):
 
 * ``drafter.py``: the ``Drafter`` interface (``propose(token_histories, k)``), the n-gram /
   prompt-lookup drafter ``NgramDrafter``, and ``parse_speculative`` for ``ngram:k=3[,n=,min_n=]``

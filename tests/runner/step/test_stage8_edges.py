@@ -1,4 +1,4 @@
-"""Stage 8 and drafts at their edges, found by mutation testing (docs/testing.md): ragged
+"""Stage 8 and drafts at their edges, found by mutation testing (docs/mutation-testing.md): ragged
 appends and their typing rule (ints only, rows too), placeholders patched by slice step
 after step, draft ids 0 and 1 on both checking paths, the verified tokens' range, the int
 packers' bounds. Each refusal leaves the state unchanged; no ``ATTNPLUG_VALIDATE`` needed.
