@@ -41,7 +41,7 @@ STEP_TESTS = ["tests/runner/step/test_step_oracle.py", "tests/runner/step/test_i
               "tests/runner/step/test_apply_windows.py", "tests/runner/step/test_bad_input_fuzz.py",
               "tests/runner/step/test_spec_decode.py", "tests/runner/step/test_spec_decode_bad_input.py",
               "tests/runner/step/test_spec_decode_oracle.py", "tests/runner/serve/test_spec_decode_rollback.py",
-              "tests/runner/step/test_placeholders.py", "tests/runner/step/test_step_edges.py", "tests/runner/step/test_stage8_edges.py",
+              "tests/runner/step/test_placeholders.py", "tests/runner/step/test_stage1_refusals_and_bounds.py", "tests/runner/step/test_stage8_refusals_and_draft_bounds.py",
               "tests/runner/step/test_error_messages.py"]
 TARGETS: dict[str, list[str]] = {
     # module glob (repo-relative)      -> the tests that guard it
@@ -55,11 +55,11 @@ TARGETS: dict[str, list[str]] = {
     "runner/step/check/*.py": STEP_TESTS,
     "backends/flash_attn/builder.py": ["tests/backends/flash_attn/test_builder.py",
                                        "tests/backends/flash_attn/test_cascade_clamp.py",
-                                       "tests/backends/flash_attn/test_builder_edges.py"],
+                                       "tests/backends/flash_attn/test_builder_bounds_cascade_and_own_buffers.py"],
     "backends/flashinfer/builder.py": ["tests/backends/flashinfer/test_builder.py",
-                                       "tests/backends/flashinfer/test_builder_edges.py"],
+                                       "tests/backends/flashinfer/test_builder_plan_arguments_and_refusals.py"],
     "backends/triton/builder.py": ["tests/backends/triton/test_builder.py",
-                                   "tests/backends/triton/test_builder_edges.py"],
+                                   "tests/backends/triton/test_builder_split_cascade_and_graph_copies.py"],
     "backends/torch_native/builder.py": ["tests/backends/torch_native", "tests/runner/execute/test_cudagraph_padding.py"],
 }
 NOT_TARGETS = {"runner/step/oracle.py", "runner/step/debug.py"}  # the tests' own reference and views
