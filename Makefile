@@ -47,7 +47,7 @@ test: $(VENV)/.test $(VLLM_MINORS:%=.venv-vllm/%/.test)
 	ATTNPLUG_VALIDATE=1 $(PY) -m pytest -q
 	for m in $(VLLM_MINORS); do ATTNPLUG_VALIDATE=1 ATTNPLUG_REQUIRE_VLLM=$$m .venv-vllm/$$m/bin/python -m pytest -q tests/vllm || exit 1; done
 
-# Mutation testing (docs/testing.md); not part of `make test`. One module in a few minutes:
+# Mutation testing (docs/mutation-testing.md); not part of `make test`. One module in a few minutes:
 #   make mutate MODULE=runner/execute/sampler.py      (ARGS="--jobs 1 --keep --min-score 0.9")
 $(VENV)/.mutate: $(VENV)/.test
 	$(PIP) install -q -e ".[triton,test,mutate]"

@@ -1,4 +1,4 @@
-"""``make mutate``: mutation testing with mutmut 3 (docs/testing.md).
+"""``make mutate``: mutation testing with mutmut 3 (docs/mutation-testing.md).
 
 mutmut names a mutant after its file's path (``src/`` stripped), and it imports the mutated
 copy through ``sys.path``; this repository's root *is* the package ``attnplug``, so each
@@ -14,7 +14,7 @@ Usage (from the repo root, with the venv's python)::
     python tests/mutate.py runner/step/prepare.py --jobs 2
     python tests/mutate.py cache_groups/block_pool.py cache_groups/block_table.py   # one staging
 
-Prints, per module, the mutants killed / not killed / equivalent (listed in docs/testing.md)
+Prints, per module, the mutants killed / not killed / equivalent (listed in docs/mutation-testing.md)
 and the score ``killed / (total - equivalent)``, then every surviving mutant's mutated line.
 Exit status 1 when a module scores under ``--min-score`` (default 0: report only).
 """
@@ -34,32 +34,33 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 STAGE = ROOT / "build" / "mutate"
-STEP_TESTS = ["tests/runner/test_step_oracle.py", "tests/runner/test_input_batch.py",
-              "tests/runner/test_native_paths.py", "tests/runner/test_bad_input.py",
-              "tests/runner/test_row_moves_sampling.py", "tests/runner/test_cudagraph_padding_stale.py",
-              "tests/runner/test_sliding_window_runner.py", "tests/runner/test_worked_examples.py",
-              "tests/runner/test_apply_windows.py", "tests/runner/test_bad_input_fuzz.py",
-              "tests/runner/test_spec_decode.py", "tests/runner/test_spec_decode_bad_input.py",
-              "tests/runner/test_spec_decode_oracle.py", "tests/runner/test_spec_decode_rollback.py",
-              "tests/runner/test_placeholders.py", "tests/runner/test_step_edges.py", "tests/runner/test_stage8_edges.py",
-              "tests/runner/test_error_messages.py"]
+STEP_TESTS = ["tests/runner/step/test_step_oracle.py", "tests/runner/step/test_input_batch.py",
+              "tests/runner/step/test_native_paths.py", "tests/runner/step/test_bad_input.py",
+              "tests/runner/step/test_row_moves_sampling.py", "tests/runner/execute/test_cudagraph_padding_stale.py",
+              "tests/runner/execute/test_sliding_window_runner.py", "tests/runner/step/test_worked_examples.py",
+              "tests/runner/step/test_apply_windows.py", "tests/runner/step/test_bad_input_fuzz.py",
+              "tests/runner/step/test_spec_decode.py", "tests/runner/step/test_spec_decode_bad_input.py",
+              "tests/runner/step/test_spec_decode_oracle.py", "tests/runner/serve/test_spec_decode_rollback.py",
+              "tests/runner/step/test_placeholders.py", "tests/runner/step/test_stage1_refusals_and_bounds.py", "tests/runner/step/test_stage8_refusals_and_draft_bounds.py",
+              "tests/runner/step/test_error_messages.py"]
 TARGETS: dict[str, list[str]] = {
     # module glob (repo-relative)      -> the tests that guard it
-    "runner/execute/sampler.py": ["tests/runner/test_sampler.py"],
-    "runner/execute/cudagraph.py": ["tests/runner/test_cudagraph_padding.py",
-                                    "tests/runner/test_cudagraph_padding_stale.py",
-                                    "tests/runner/test_cudagraph_negotiation.py"],
+    "runner/execute/sampler.py": ["tests/runner/execute/test_sampler.py"],
+    "runner/execute/cudagraph.py": ["tests/runner/execute/test_cudagraph_padding.py",
+                                    "tests/runner/execute/test_cudagraph_padding_stale.py",
+                                    "tests/runner/execute/test_cudagraph_negotiation.py"],
     "core/validation.py": ["tests/core"],
     "cache_groups/*.py": ["tests/cache_groups"],  # module-level tests only (issue 23)
     "runner/step/*.py": STEP_TESTS,
+    "runner/step/check/*.py": STEP_TESTS,
     "backends/flash_attn/builder.py": ["tests/backends/flash_attn/test_builder.py",
                                        "tests/backends/flash_attn/test_cascade_clamp.py",
-                                       "tests/backends/flash_attn/test_builder_edges.py"],
+                                       "tests/backends/flash_attn/test_builder_bounds_cascade_and_own_buffers.py"],
     "backends/flashinfer/builder.py": ["tests/backends/flashinfer/test_builder.py",
-                                       "tests/backends/flashinfer/test_builder_edges.py"],
+                                       "tests/backends/flashinfer/test_builder_plan_arguments_and_refusals.py"],
     "backends/triton/builder.py": ["tests/backends/triton/test_builder.py",
-                                   "tests/backends/triton/test_builder_edges.py"],
-    "backends/torch_native/builder.py": ["tests/backends/torch_native", "tests/runner/test_cudagraph_padding.py"],
+                                   "tests/backends/triton/test_builder_split_cascade_and_graph_copies.py"],
+    "backends/torch_native/builder.py": ["tests/backends/torch_native", "tests/runner/execute/test_cudagraph_padding.py"],
 }
 NOT_TARGETS = {"runner/step/oracle.py", "runner/step/debug.py"}  # the tests' own reference and views
 SKIP = {".venv", ".venv-vllm", "build", "dist", ".git", "tests", "docs", "mutants", "__pycache__", ".hypothesis"}
@@ -138,10 +139,10 @@ def mutmut(where: Path, *args: str, capture: bool = True, check: bool = True) ->
 
 
 def equivalents() -> dict[tuple[str, str], str]:
-    """``{(function, mutated line): kind}`` listed in docs/testing.md: kind ``"equivalent"``
+    """``{(function, mutated line): kind}`` listed in docs/mutation-testing.md: kind ``"equivalent"``
     (no input tells it apart) or ``"cpu"`` (only a CUDA device does)."""
     out, kind = {}, None
-    for line in (ROOT / "docs" / "testing.md").read_text().splitlines():
+    for line in (ROOT / "docs" / "mutation-testing.md").read_text().splitlines():
         if line.startswith("## "):
             kind = {"## Equivalent mutants": "equivalent", "## CPU-equivalent mutants": "cpu"}.get(line.strip())
         m = EQUIVALENT.match(line)
@@ -264,7 +265,7 @@ def report(where: Path, modules: list[str], equiv: dict[tuple[str, str], str], m
         sums[0] += killed
         sums[1] += total
         print(f"\n{mod}: {len(mine)} mutants{' (sampled)' if only is not None else ''}, {killed} killed, {len(open_)} not killed, {n_eq} equivalent, "
-              f"{n_cpu} CPU-equivalent (docs/testing.md); score {killed}/{total} = {100 * score:.1f}% "
+              f"{n_cpu} CPU-equivalent (docs/mutation-testing.md); score {killed}/{total} = {100 * score:.1f}% "
               f"(counting the CPU-equivalent as not killed: {killed}/{total + n_cpu} = "
               f"{100 * killed / max(1, total + n_cpu):.1f}%)")
         for n, status, line in open_:

@@ -73,16 +73,30 @@ class LiveLayerParams:
 
     def __init__(self) -> None:
         self._impls: "weakref.WeakKeyDictionary[Any, AttentionLayerParams]" = weakref.WeakKeyDictionary()
+        self._found: dict[tuple, list[AttentionLayerParams]] = {}
+        """:meth:`matching`'s answers (builders ask every step), valid while ``_found_len``
+        is the number of live impls; :meth:`add` clears them."""
+        self._found_len = 0
 
     def add(self, impl: Any) -> None:
         """Register ``impl`` (held weakly) with its current parameters."""
         self._impls[impl] = AttentionLayerParams.from_impl(impl)
+        self._found.clear()
 
     def matching(self, num_kv_heads: int, head_size: int, sliding_window: int | None) -> list[AttentionLayerParams]:
-        """Distinct parameters of the live impls with this KV layout and window, sorted."""
-        found = {p for p in list(self._impls.values())
-                 if p.num_kv_heads == num_kv_heads and p.head_size == head_size and p.sliding_window == sliding_window}
-        return sorted(found, key=AttentionLayerParams.sort_key)
+        """Distinct parameters of the live impls with this KV layout and window, sorted
+        (a list the caller must not change: it is kept for the next call)."""
+        n = len(self._impls)  # an impl dropped since (an add clears the answers)
+        if n != self._found_len:
+            self._found.clear()
+            self._found_len = n
+        key = (num_kv_heads, head_size, sliding_window)
+        hit = self._found.get(key)
+        if hit is None:
+            found = {p for p in list(self._impls.values()) if p.num_kv_heads == num_kv_heads
+                     and p.head_size == head_size and p.sliding_window == sliding_window}
+            hit = self._found[key] = sorted(found, key=AttentionLayerParams.sort_key)
+        return hit
 
     def for_spec(self, kv_cache_spec: Any) -> list[AttentionLayerParams]:
         """:meth:`matching` for an attention KV-cache spec (``num_kv_heads``, ``head_size``,

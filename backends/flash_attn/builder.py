@@ -29,6 +29,7 @@ from attnplug.backends.common.buffer_checks import (
     check_step_values,
     copy_block_table,
 )
+from attnplug.backends.common.frozen_fields import frozen_factory, replace_fields
 from attnplug.backends.common.window import fa_window_size
 from attnplug.backends.flash_attn.kernels import (
     FA2_PAGE_SIZE_MULTIPLE,
@@ -42,6 +43,10 @@ from attnplug.core.constants import NULL_BLOCK_ID, PAD_SLOT_ID
 from attnplug.core.contracts import AttentionCGSupport, AttentionMetadataBuilder, BuilderConfig
 from attnplug.core.errors import BackendUnsupportedError, MetadataError
 from attnplug.core.metadata import CommonAttentionMetadata
+
+
+_new_metadata = frozen_factory(FlashAttnMetadata)
+"""``FlashAttnMetadata(...)`` with every field, without the frozen ``__init__``'s cost."""
 
 
 class FlashAttnMetadataBuilder(AttentionMetadataBuilder):
@@ -177,15 +182,15 @@ class FlashAttnMetadataBuilder(AttentionMetadataBuilder):
             if block_table.shape[0] != B:
                 block_table = block_table[:B]
             slot_mapping = cm.slot_mapping
-        md = FlashAttnMetadata(
-            cm.num_reqs, cm.num_actual_tokens, int(max_query_len), int(max_seq_len), self.block_size, cm.causal,
-            qsl, seq_lens, self._cu_seqlens_k_of(seq_lens, graph), block_table, slot_mapping, self.window_size,
-            graph=graph)
+        md = _new_metadata(
+            cm.num_reqs, cm.num_actual_tokens, int(max_query_len), int(max_seq_len),
+            self.block_size, cm.causal, qsl, seq_lens, self._cu_seqlens_k_of(seq_lens, graph), block_table, slot_mapping,
+            self.window_size, None, None, graph)
         cascade = self._cascade(md, cm, common_prefix_len) if common_prefix_len > 0 else None
         sched = None if (fast_build or cascade is not None) else self._scheduler_metadata_for(md, graph)
         if cascade is None and sched is None:
             return md
-        return dataclasses.replace(md, cascade=cascade, scheduler_metadata=sched)
+        return replace_fields(md, cascade=cascade, scheduler_metadata=sched)
 
     def _cu_seqlens_k_of(self, seq_lens: torch.Tensor, graph: bool) -> torch.Tensor | None:
         """FA2's ``cu_seqlens_k``: in the persistent buffer for a CUDA-graph build (replays
@@ -225,8 +230,8 @@ class FlashAttnMetadataBuilder(AttentionMetadataBuilder):
             raise MetadataError(f"update_block_table: metadata has block_size {metadata.block_size}, this builder "
                                 f"{self.block_size}: only groups with the same spec may share a build")
         if not metadata.graph:
-            md = dataclasses.replace(metadata, block_table=block_table if block_table.shape[0] == B
-                                     else block_table[:B], slot_mapping=slot_mapping, cascade=None)
+            md = replace_fields(metadata, block_table=block_table if block_table.shape[0] == B
+                                else block_table[:B], slot_mapping=slot_mapping, cascade=None)
         else:
             own = {}
             for name, buf, n in (("query_start_loc", self._query_start_loc, B + 1),
@@ -284,11 +289,11 @@ class FlashAttnMetadataBuilder(AttentionMetadataBuilder):
         """
         if self.kernels_version() != 3:
             return None
-        kernels = self.load_kernels()
-        if kernels.get_scheduler_metadata is None:
-            return None
         layers = {(p.num_heads, p.logits_soft_cap is not None) for p in LIVE_LAYER_PARAMS.for_spec(self.kv_cache_spec)}
         if len(layers) != 1:
+            return None
+        kernels = self.load_kernels()
+        if kernels.get_scheduler_metadata is None:
             return None
         (num_heads, has_softcap), = layers
         # flash_attn_with_kvcache takes no max_seqlen_k: FA3 derives seqlen_k from the page

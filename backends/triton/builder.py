@@ -29,6 +29,7 @@ from attnplug.backends.common.buffer_checks import (
     check_step_values,
     copy_block_table,
 )
+from attnplug.backends.common.frozen_fields import frozen_factory, replace_fields
 from attnplug.backends.triton.cascade import cascade_fields, with_cascade
 from attnplug.backends.triton.constants import KERNEL_BLOCK_SIZES
 from attnplug.backends.triton.metadata import SplitKVPolicy, TritonAttentionMetadata
@@ -37,6 +38,9 @@ from attnplug.core.constants import NULL_BLOCK_ID, PAD_SLOT_ID
 from attnplug.core.contracts import AttentionCGSupport, AttentionMetadataBuilder, BuilderConfig
 from attnplug.core.errors import MetadataError
 from attnplug.core.metadata import CommonAttentionMetadata
+
+_new_metadata = frozen_factory(TritonAttentionMetadata)
+"""``TritonAttentionMetadata(...)`` with every field, without the frozen ``__init__``'s cost."""
 
 DEFAULT_NUM_SMS = 132
 """Streaming multiprocessors assumed when the device is not CUDA (the split-KV policy's
@@ -88,6 +92,9 @@ class TritonMetadataBuilder(AttentionMetadataBuilder):
         self.num_sms = DEFAULT_NUM_SMS
         if dev.type == "cuda" and torch.cuda.is_available():
             self.num_sms = torch.cuda.get_device_properties(dev).multi_processor_count
+        self._max_num_reqs = config.max_num_reqs
+        self._last_sized: tuple = (None, None, -1, None, None)
+        """``(query_start_loc, seq_lens, num_reqs, the two as sliced)`` of the last eager build."""
         self.validate_values = builder_values_checked()
         """Check the host values of every step (``ATTNPLUG_VALIDATE=1`` when created)."""
         self._step_checks = StepTensorChecks(
@@ -122,12 +129,21 @@ class TritonMetadataBuilder(AttentionMetadataBuilder):
         """
         cm = common_attn_metadata
         n = cm.num_reqs
-        self._check(cm, n)
+        if n > self._max_num_reqs or self.validate_values:
+            self._check(cm, n)  # raises, or checks the values
+        else:
+            self._step_checks.check(cm, n)  # (the rest of _check)
         qsl, seq_lens = cm.query_start_loc, cm.seq_lens
-        if qsl.shape[0] != n + 1:
-            qsl = qsl[: n + 1]
-        if seq_lens.shape[0] != n:
-            seq_lens = seq_lens[:n]
+        if qsl is not self._last_sized[0] or seq_lens is not self._last_sized[1] or n != self._last_sized[2]:
+            # (a tensor's shape is read once per tensor object: the step compiler hands the
+            # same views while the row count stays)
+            if qsl.shape[0] != n + 1:
+                qsl = qsl[: n + 1]
+            if seq_lens.shape[0] != n:
+                seq_lens = seq_lens[:n]
+            self._last_sized = (cm.query_start_loc, cm.seq_lens, n, qsl, seq_lens)
+        else:
+            qsl, seq_lens = self._last_sized[3], self._last_sized[4]
         md = self._metadata(cm, n, cm.max_seq_len, qsl, seq_lens, cm.block_table_tensor, cm.slot_mapping, False)
         return with_cascade(md, cm, common_prefix_len, self.sliding_window) if common_prefix_len > 0 else md
 
@@ -161,12 +177,10 @@ class TritonMetadataBuilder(AttentionMetadataBuilder):
     def _metadata(self, cm: CommonAttentionMetadata, n: int, split_seq_len: int, qsl: torch.Tensor,
                   seq_lens: torch.Tensor, block_table: torch.Tensor, slot_mapping: torch.Tensor,
                   graph: bool) -> TritonAttentionMetadata:
-        splits = self.split_kv_policy.num_kv_splits(
-            num_reqs=n, num_kv_heads=self.num_kv_heads, max_query_len=cm.max_query_len,
-            max_seq_len=split_seq_len, num_sms=self.num_sms)
-        return TritonAttentionMetadata(
-            n, cm.num_actual_tokens, cm.max_query_len, cm.max_seq_len, self.block_size, cm.causal,
-            qsl, seq_lens, block_table, slot_mapping, splits, graph)
+        max_query_len = cm.max_query_len
+        splits = self.split_kv_policy.num_kv_splits(n, self.num_kv_heads, max_query_len, split_seq_len, self.num_sms)
+        return _new_metadata(n, cm.num_actual_tokens, max_query_len, cm.max_seq_len, self.block_size, cm.causal,
+                             qsl, seq_lens, block_table, slot_mapping, splits, graph, None)
 
     def update_block_table(self, metadata: TritonAttentionMetadata, block_table: torch.Tensor,
                            slot_mapping: torch.Tensor) -> TritonAttentionMetadata:
@@ -196,7 +210,7 @@ class TritonMetadataBuilder(AttentionMetadataBuilder):
                 f"update_block_table: metadata has block_size {metadata.block_size}, this builder "
                 f"{self.block_size}: only groups with the same spec may share a build")
         if not metadata.graph:
-            md = dataclasses.replace(metadata, block_table_tensor=block_table, slot_mapping=slot_mapping)
+            md = replace_fields(metadata, block_table_tensor=block_table, slot_mapping=slot_mapping)
             if md.cascade is not None:  # the passes read this group's blocks
                 md = dataclasses.replace(md, cascade=cascade_fields(md, md.cascade.common_prefix_len))
             return md

@@ -114,7 +114,7 @@ class SplitKVPolicy:
     max_splits: int = 16
     programs_per_sm: int = 4
 
-    def num_kv_splits(self, *, num_reqs: int, num_kv_heads: int, max_query_len: int, max_seq_len: int,
+    def num_kv_splits(self, num_reqs: int, num_kv_heads: int, max_query_len: int, max_seq_len: int,
                       num_sms: int) -> int:
         """The ``num_kv_splits`` for a step (1 = unified path). Host ints only; no sync.
 
@@ -130,6 +130,8 @@ class SplitKVPolicy:
         if num_reqs == 0 or max_query_len > self.max_query_len or max_seq_len < self.min_seq_len:
             return 1
         programs = max(1, num_reqs * num_kv_heads)
+        if programs >= num_sms * self.programs_per_sm:  # the GPU is full without splits
+            return 1
         want = -(-num_sms * self.programs_per_sm // programs)
         splits = min(want, max(1, max_seq_len // self.min_tokens_per_split), self.max_splits)
         return 1 << (max(1, splits).bit_length() - 1)  # round down to a power of two

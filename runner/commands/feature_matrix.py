@@ -1,7 +1,7 @@
 """The feature matrix: every built-in backend's declared capabilities as one Markdown page.
 
 ``attnplug backends --matrix`` prints it; ``docs/feature-matrix.md`` is its output, and
-``tests/runner/test_feature_matrix_doc.py`` fails when the page and the declarations
+``tests/runner/commands/test_feature_matrix_doc.py`` fails when the page and the declarations
 disagree (regenerate with ``attnplug backends --matrix > docs/feature-matrix.md``).
 Rows come from :class:`~attnplug.core.capabilities.BackendCapabilities` only, so the page
 says exactly what selection checks.
@@ -14,7 +14,7 @@ from attnplug.core.capabilities import FEATURE_DESCRIPTIONS, BackendCapabilities
 HEADER = """# Feature matrix
 
 Generated from the backends' declarations (`core/capabilities.py`, `BackendCapabilities`) by
-`attnplug backends --matrix`; do not edit by hand (`tests/runner/test_feature_matrix_doc.py`
+`attnplug backends --matrix`; do not edit by hand (`tests/runner/commands/test_feature_matrix_doc.py`
 fails when this page is stale). A layer that needs a feature a backend does not declare is
 refused for it with that reason (`AttentionBackend.validate_configuration`), never silently
 served without it. `y` = declared, `.` = not declared.

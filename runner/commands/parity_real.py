@@ -12,7 +12,7 @@ time; tokens must be identical and logits within ``parity.TOLERANCES``.
 
 That HF and we agree shows the engine is right for these weights; that the weights are
 right (dequantisation, the Q / K row order of ``gguf/reader.py``) is shown by the text they
-produce (``tests/runner/test_gguf_real_weights.py``) and by transformers' own GGUF loader.
+produce (``tests/runner/models/test_gguf_real_weights.py``) and by transformers' own GGUF loader.
 """
 
 from __future__ import annotations

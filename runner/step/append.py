@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from attnplug.core.errors import MetadataError
-from attnplug.runner.step.check_types import row_indices
+from attnplug.runner.step.check.types import row_indices
 from attnplug.runner.step.input_batch import InputBatch
 
 

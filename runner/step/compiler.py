@@ -42,7 +42,7 @@ from attnplug.core.errors import InvalidSchedulerOutput, MetadataError
 from attnplug.core.validation import BatchView, validate
 from attnplug.runner.step.append import append_output_tokens
 from attnplug.runner.step.apply import apply_update
-from attnplug.runner.step.check import UpdateChecker
+from attnplug.runner.step.check.checker import UpdateChecker
 from attnplug.runner.step.common_metadata import build_common_attn_metadata
 from attnplug.runner.step.debug import batch_view, snapshot, snapshot_diff
 from attnplug.runner.step.kernels import choose_kernels
@@ -154,7 +154,7 @@ class StepCompiler:
                                       self.device, self.kernel_block_sizes, kernels)
         self.requests: dict[str, CachedRequestState] = {}
         self.checker = UpdateChecker(lay, self.input_batch, self.requests, kernels)
-        """Stage 1 (``runner/step/check.py``): ``checker.plan(scheduler_output)``."""
+        """Stage 1 (``runner/step/check/checker.py``): ``checker.plan(scheduler_output)``."""
         self.checker.prompt_embeds_config = prompt_embeds
         self.prompt_embeds: PromptEmbedsStore | None = (
             None if prompt_embeds is None else PromptEmbedsStore(prompt_embeds, max_num_batched_tokens, self.device))

@@ -112,7 +112,7 @@ class StepKernels(Protocol):
 
     def scan_cached(self, batch: Any, layout: "StepLayout", bufs: ScanBuffers, d: Any,
                     finished: list[str]) -> Any:
-        """Plan the cached requests (and drafts) of the output ``d`` (``check_snapshot.Deltas``)
+        """Plan the cached requests (and drafts) of the output ``d`` (``check.snapshot.Deltas``)
         into ``bufs``; return the scan (its counts: ``num_cached``, ``num_appends``,
         ``total_tokens``, ``num_spec``, ``spec_total``), or ``None`` to decline."""
 
@@ -153,13 +153,13 @@ class StepKernels(Protocol):
         Returns:
             ``(num_kept_rows, num_drafts, draft count per kept row)``."""
 
-    def plan_patch(self, batch: Any, bufs: PrepareBuffers, R: int, prev_host: np.ndarray | None
-                   ) -> tuple[int, bool]:
+    def plan_patch(self, batch: Any, bufs: PrepareBuffers, R: int, prev_host: torch.Tensor | None
+                   ) -> tuple[int, bool, bool]:
         """Asynchronous scheduling: plan the patch of this step's ``input_ids`` into
         ``bufs.patch_dest`` / ``bufs.patch_src`` and consume the rows' ``prev_sampled_index``
         (``runner/step/placeholders.py``); with ``prev_host`` (the previous step's tokens,
-        ``[n]`` on the host: a CPU device) also write them into the host
-        ``input_ids`` when it is a 1-D ``int64`` array (contiguous, for the compiled kernels).
+        ``[n]``, a CPU tensor: the device is the CPU) also write them into the host
+        ``input_ids`` when it is a contiguous 1-D ``int64`` tensor.
 
         Returns:
             ``(k, contiguous, written)``: ``k`` tokens to patch; ``contiguous`` when
@@ -308,7 +308,10 @@ class CompiledKernels:
                 batch.prev_sampled_index, batch.prev_sampled_pos, batch.num_computed_tokens_cpu,
                 batch.num_scheduled_tokens, bufs.query_start_loc.np, bufs.input_ids.np, bufs.patch_dest,
                 bufs.patch_src))
-        return op[2].plan(R, prev_host)
+        if prev_host is not None and prev_host.dtype is torch.int64 and prev_host.dim() == 1 \
+                and prev_host.is_contiguous():
+            return op[2].plan(R, prev_host.data_ptr(), prev_host.shape[0])
+        return op[2].plan(R, 0, 0)
 
 
 _NO_SEL = np.zeros(0, np.int64)

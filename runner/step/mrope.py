@@ -5,7 +5,7 @@ sections of the rotary dimensions. Text tokens have all three equal; the tokens 
 image placeholder span take ``start + (t, h, w)`` over the image's grid (row-major over
 ``t, h, w``), where ``start`` is the position the span begins at; the text after the span
 continues at ``start + max(h, w)``. The convention is transformers' own
-(``Qwen2VLModel.get_rope_index``, v5; tests/runner/test_mrope_positions.py calls it): for
+(``Qwen2VLModel.get_rope_index``, v5; tests/runner/step/test_mrope_positions_match_hf.py calls it): for
 an image (``t = 1``) that is one more than the span's largest position.
 
 The compiler computes each request's prompt positions once, at admission
@@ -24,7 +24,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from attnplug.runner.step.check_types import err, is_int, show
+from attnplug.runner.step.check.types import err, is_int, show
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from attnplug.core.errors import InvalidSchedulerOutput
-from attnplug.runner.step.check_types import err, is_int, show
+from attnplug.runner.step.check.types import err, is_int, show
 from attnplug.runner.step.mrope import PlaceholderRange, check_placeholders
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+import torch
 
 from attnplug.cache_groups.ragged import cumsum_and_arange
 
@@ -76,8 +77,8 @@ def spec_layout_numpy(batch: Any, bufs: Any, R: int) -> tuple[int, int, list[int
     return k, D, counts.tolist()
 
 
-def plan_patch_numpy(batch: Any, bufs: Any, R: int, prev_host: np.ndarray | None) -> tuple[int, bool, bool]:
-    """``StepKernels.plan_patch`` in numpy."""
+def plan_patch_numpy(batch: Any, bufs: Any, R: int, prev_host: torch.Tensor | None) -> tuple[int, bool, bool]:
+    """``StepKernels.plan_patch`` in numpy (``prev_host``: a CPU tensor, or ``None``)."""
     src_col = batch.prev_sampled_index[:R]
     if R == 0 or src_col.max() < 0:
         return 0, True, False
@@ -93,8 +94,9 @@ def plan_patch_numpy(batch: Any, bufs: Any, R: int, prev_host: np.ndarray | None
     np.add(bufs.query_start_loc.np[rows], offset[rows], out=dest)
     contiguous = bool(k == 0 or (dest[-1] == k - 1 and src[-1] == k - 1 and (dest == bufs.arange[:k]).all()
                                  and (src == dest).all()))
-    written = prev_host is not None and prev_host.dtype == np.int64 and prev_host.ndim == 1
+    written = prev_host is not None and prev_host.dtype is torch.int64 and prev_host.dim() == 1
     if written and k:
+        prev_host = prev_host.numpy()
         if src.max() >= prev_host.shape[0]:
             raise IndexError(f"plan_patch: token {int(src.max())} of {prev_host.shape[0]} sampled")
         bufs.input_ids.np[dest] = prev_host[src]

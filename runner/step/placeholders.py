@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from attnplug.core.errors import MetadataError
-from attnplug.runner.step.check_types import row_indices
+from attnplug.runner.step.check.types import row_indices
 from attnplug.runner.step.input_batch import InputBatch
 from attnplug.runner.step.prepare import StepInputs
 from attnplug.runner.step.request_state import CachedRequestState
@@ -118,7 +118,7 @@ def patch_step(kernels, batch: InputBatch, bufs, R: int, prev_token_ids: torch.T
         ``"slice"`` (rows kept their order: token ``i`` is entry ``i``), ``"scatter"``, or
         ``None`` when no token of this step is a placeholder.
     """
-    host = prev_token_ids.numpy() if host_device and prev_token_ids.is_cpu else None
+    host = prev_token_ids if host_device and prev_token_ids.is_cpu else None
     k, contiguous, written = kernels.plan_patch(batch, bufs, R, host)
     if k == 0:
         return None

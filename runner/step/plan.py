@@ -16,7 +16,7 @@ import numpy as np
 from attnplug.runner.step.request_state import CachedRequestState
 
 if TYPE_CHECKING:
-    from attnplug.runner.step.check_snapshot import NewReq
+    from attnplug.runner.step.check.snapshot import NewReq
 
 
 @dataclass

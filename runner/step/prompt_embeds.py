@@ -22,7 +22,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from attnplug.runner.step.check_types import err, show
+from attnplug.runner.step.check.types import err, show
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,7 @@ def check_prompt_embeds(cfg: PromptEmbedsConfig | None, new_reqs: Sequence) -> d
 
     Args:
         cfg: the compiler's config, ``None`` when it takes no embeddings.
-        new_reqs: the snapshot's new requests (``check_snapshot.NewReq``), prompts already
+        new_reqs: the snapshot's new requests (``check.snapshot.NewReq``), prompts already
             checked.
 
     Returns:

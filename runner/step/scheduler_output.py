@@ -19,7 +19,7 @@ and changes nothing):
   ``CachedRequestData`` whose five fields are lists of equal length, a ``dict`` for
   ``num_scheduled_tokens``, a ``set`` (or list/tuple) of ids for ``finished_req_ids``.
 
-Every field is read once per ``update_states`` (``runner/step/check_snapshot.py``), and
+Every field is read once per ``update_states`` (``runner/step/check/snapshot.py``), and
 the runner keeps no reference to the caller's lists afterwards: changing them later
 changes nothing.
 """
@@ -162,7 +162,7 @@ class SchedulerOutput:
             ``d`` drafts is a decoding cached request with exactly one real token left to
             compute, scheduled ``1 + d`` tokens: that token, then the drafts (which the
             runner writes after the request's last token, ``spec_token_ids``). Empty
-            lists mean no drafts. See ``runner/step/check_spec.py`` for the checks.
+            lists mean no drafts. See ``runner/step/check/spec.py`` for the checks.
         kv_connector_metadata: the step's KV connector work (loads, saves), built by the
             scheduler-side connector for the worker side (``core/kv_connector.py``), or
             ``None``. The step compiler does not read it.

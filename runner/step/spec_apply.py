@@ -29,7 +29,7 @@ import numpy as np
 from attnplug.cache_groups.ragged import cumsum_and_arange
 from attnplug.core.errors import MetadataError
 from attnplug.runner.step.plan import SpecTokens
-from attnplug.runner.step.check_types import row_indices
+from attnplug.runner.step.check.types import row_indices
 from attnplug.runner.step.input_batch import InputBatch
 
 

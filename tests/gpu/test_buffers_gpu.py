@@ -1,7 +1,7 @@
 """``CpuGpuBuffer`` on CUDA (marker ``gpu``; skipped without CUDA): the host tensor is
 pinned, the device twin starts with the fill value, and ``copy_to_gpu(n)`` copies exactly
 the first ``n`` rows. Kills the CPU-equivalent mutants of cache_groups/buffers.py listed in
-docs/testing.md (a host tensor that is not pinned; a twin on the CPU). Not run in the
+docs/mutation-testing.md (a host tensor that is not pinned; a twin on the CPU). Not run in the
 session that wrote it (no GPU was lent)."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Speculative decoding: drafters, the verification layout, and the rejection sampler.
 
-What is here (usable on its own, tested in ``tests/runner/test_spec_decode.py``):
+What is here (usable on its own, tested in ``tests/runner/step/test_spec_decode.py``):
 
 * ``drafter.py``: the ``Drafter`` interface (``propose(token_histories, k)``), the n-gram /
   prompt-lookup drafter ``NgramDrafter``, and ``parse_speculative`` for ``ngram:k=3[,n=,min_n=]``
@@ -19,7 +19,7 @@ How a step uses them (docs/speculative-decoding.md):
 1. **Scheduler** (``runner/serve/spec_schedule.py``, hooks in ``scheduler.py``): drafts per
    decoding request, ``1 + d`` scheduled tokens, ``scheduled_spec_decode_tokens``; rollback
    of ``num_computed_tokens`` by the rejected count after the step.
-2. **Step compiler** (``runner/step/check_spec.py``, ``spec_apply.py``, ``spec_metadata.py``):
+2. **Step compiler** (``runner/step/check/spec.py``, ``spec_apply.py``, ``spec_metadata.py``):
    drafts after each row's tokens, ``StepInputs.spec_decode_metadata``,
    ``StepCompiler.append_verified_tokens``.
 3. **Model runner** (``verify.py``): logits at ``metadata.logits_indices`` and the

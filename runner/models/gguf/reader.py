@@ -16,7 +16,7 @@ Conventions undone here:
   layout (the first ``head_dim / 2`` rows pair with the last ``head_dim / 2``) to GGML's
   interleaved layout (rows ``2i`` and ``2i + 1`` pair): within each head, row ``i * 2 + j``
   of the file is HF row ``j * head_dim / 2 + i``. :func:`unpermute_rows` puts them back;
-  ``attnplug parity --model smollm2`` and ``tests/runner/test_gguf_real_weights.py`` check
+  ``attnplug parity --model smollm2`` and ``tests/runner/models/test_gguf_real_weights.py`` check
   the result against transformers' own GGUF loading and against the text it produces.
 * **Tied embeddings.** A file without ``output.weight`` ties the LM head to
   ``token_embd.weight``: ``tie_word_embeddings = True`` and no ``lm_head.weight``.

@@ -122,10 +122,12 @@ cdef class Patch:
         self.prev_index, self.prev_pos, self.ncc, self.sched = prev_index, prev_pos, ncc, sched
         self.qsl, self.input_ids, self.dest, self.src = qsl, input_ids, dest, src
 
-    def plan(self, Py_ssize_t R, prev):
+    def plan(self, Py_ssize_t R, size_t prev_addr, Py_ssize_t prev_len):
         """Plan the patch of rows ``0 .. R - 1`` and consume their ``prev_sampled_index``
-        (-1 afterwards); when ``prev`` (the previous step's tokens on the host, or ``None``)
-        is a C-contiguous 1-D ``int64`` array, also write them into the host ``input_ids``.
+        (-1 afterwards); when ``prev_addr`` is not 0 (the address of the previous step's
+        ``prev_len`` tokens on the host, a C-contiguous ``int64`` vector the caller keeps
+        alive: a tensor's ``data_ptr()``, which costs less than a buffer acquisition),
+        also write them into the host ``input_ids``.
 
         Returns:
             ``(k, contiguous, written)``: ``dest[:k]`` / ``src[:k]`` hold the plan;
@@ -137,35 +139,40 @@ cdef class Patch:
         """
         cdef Py_ssize_t r, k = 0, M = self.prev_index.shape[0]
         cdef int64_t s, off, t
-        cdef bint contiguous = True, written = False
-        cdef const int64_t[::1] host
-        if R > M:
+        cdef bint contiguous = True, written = prev_addr != 0
+        cdef const int64_t* host = <const int64_t*>prev_addr
+        if R > M or prev_len < 0:
             raise IndexError(f"Patch.plan: {R} rows")
+        # raw pointers: stores through the int64 outputs would otherwise make the C
+        # compiler reload every memoryview's data pointer on each row
+        cdef int32_t* pidx = &self.prev_index[0]
+        cdef const int32_t* ppos = &self.prev_pos[0]
+        cdef const int32_t* ncc = &self.ncc[0]
+        cdef const int32_t* sched = &self.sched[0]
+        cdef const int32_t* qsl = &self.qsl[0]
+        cdef int64_t* dest = &self.dest[0]
+        cdef int64_t* src = &self.src[0]
         for r in range(R):
-            s = self.prev_index[r]
+            s = pidx[r]
             if s < 0:
                 continue
-            off = self.prev_pos[r] - self.ncc[r]
-            if off < 0 or off >= self.sched[r]:
+            off = ppos[r] - ncc[r]
+            if off < 0 or off >= sched[r]:
                 continue
-            t = self.qsl[r] + off
-            self.dest[k] = t
-            self.src[k] = s
-            if t != k or s != k:
-                contiguous = False
+            t = qsl[r] + off
+            dest[k] = t
+            src[k] = s
+            contiguous &= (t == k) & (s == k)
             k += 1
-        if prev is not None:
-            try:
-                host = prev
-                written = True
-            except (ValueError, TypeError, BufferError):  # another dtype, shape or layout
-                pass
+        cdef int32_t* ids
+        cdef Py_ssize_t n_ids = self.input_ids.shape[0]
         if written:
             for r in range(k):
-                if self.src[r] >= host.shape[0] or self.dest[r] >= self.input_ids.shape[0]:
-                    raise IndexError(f"Patch.plan: token {self.src[r]} of {host.shape[0]} sampled")
+                if src[r] >= prev_len or dest[r] >= n_ids:
+                    raise IndexError(f"Patch.plan: token {src[r]} of {prev_len} sampled")
+            ids = &self.input_ids[0]
             for r in range(k):
-                self.input_ids[self.dest[r]] = <int32_t>host[self.src[r]]
-        for r in range(R):
-            self.prev_index[r] = -1
+                ids[dest[r]] = <int32_t>host[src[r]]
+        if R:
+            memset(pidx, 0xFF, R * sizeof(int32_t))  # -1 in every row
         return k, contiguous, written

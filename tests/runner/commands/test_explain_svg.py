@@ -16,7 +16,7 @@ from attnplug.runner.commands.explain import main
 from attnplug.runner.commands.explain_svg import PALETTE
 
 NS = {"s": "http://www.w3.org/2000/svg"}
-SEED = Path(__file__).resolve().parents[2] / "docs" / "examples" / "seed_slot_mapping.jsonl"
+SEED = Path(__file__).resolve().parents[3] / "docs" / "examples" / "seed_slot_mapping.jsonl"
 HYBRID = [
     {"config": {"block_sizes": [4, 4, 1], "kernel_block_sizes": [2, 4, 1],
                 "group_kinds": ["full_attention", "sliding_window", "mamba"], "sliding_windows": [None, 4, None],

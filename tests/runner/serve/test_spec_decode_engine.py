@@ -109,7 +109,7 @@ def test_rollback_advances_num_computed_by_the_accepted_tokens_only():
 
 
 def test_async_scheduling_is_refused_at_configuration_time_and_mamba_models_are_not():
-    engine("ngram:k=2", cfg=BAMBA)  # state groups: tests/runner/test_spec_decode_state_groups.py
+    engine("ngram:k=2", cfg=BAMBA)  # state groups: tests/runner/execute/test_spec_decode_state_groups.py
     with pytest.raises(ConfigError, match="synchronous"):
         engine("ngram:k=2", async_scheduling=True)
 

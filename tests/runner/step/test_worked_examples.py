@@ -16,7 +16,7 @@ from attnplug.runner.step.request_state import CachedRequestState
 from attnplug.runner.step.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 from attnplug.runner.step.compiler import StepCompiler
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "docs" / "examples"
+EXAMPLES = Path(__file__).resolve().parents[3] / "docs" / "examples"
 
 
 def explain(name: str) -> list[dict]:

@@ -14,7 +14,7 @@ import numpy as np
 from attnplug.cache_groups.ragged import cumsum_and_arange
 from attnplug.cache_groups.sliding_window import num_skipped_blocks
 from attnplug.core.constants import NULL_BLOCK_ID
-from attnplug.runner.step.check_types import err
+from attnplug.runner.step.check.types import err
 from attnplug.runner.step.groups import StepLayout
 from attnplug.runner.step.input_batch import InputBatch
 from attnplug.runner.step.request_state import CachedRequestState

@@ -1,7 +1,7 @@
 """Stage 1, cached requests: their rows, their counts, their computed tokens and token deltas.
 
 The numpy path of the checks of ``scheduled_cached_reqs`` and ``num_scheduled_tokens``
-(the compiled path is ``runner/step/check_fast.py``). Each function checks one field
+(the compiled path is ``runner/step/check/fast.py``). Each function checks one field
 family and returns it converted; none changes any state.
 """
 
@@ -15,9 +15,9 @@ from operator import itemgetter
 
 import numpy as np
 
-from attnplug.runner.step.check_types import err
-from attnplug.runner.step.check_snapshot import CachedDeltas, Deltas
-from attnplug.runner.step.check_types import is_int, is_int_list, show
+from attnplug.runner.step.check.types import err
+from attnplug.runner.step.check.snapshot import CachedDeltas, Deltas
+from attnplug.runner.step.check.types import is_int, is_int_list, show
 from attnplug.runner.step.groups import StepLayout
 from attnplug.runner.step.input_batch import InputBatch
 from attnplug.runner.step.int_packer import IntPacker
@@ -175,7 +175,7 @@ def computed_and_token_deltas(lay: StepLayout, batch: InputBatch, reqs: dict[str
                               packer: IntPacker, drafts_c: np.ndarray | None = None
                               ) -> tuple[np.ndarray, np.ndarray, list[tuple[int, np.ndarray]]]:
     """``num_computed_tokens`` and ``new_token_ids`` of the cached requests (``drafts_c``:
-    ``[num_cached]`` drafts per request from ``check_spec.py``, held after its tokens).
+    ``[num_cached]`` drafts per request from ``check/spec.py``, held after its tokens).
 
     Returns:
         ``(ncts_c, seq_c, token_deltas)``: ``[num_cached]`` ``int64`` computed tokens and

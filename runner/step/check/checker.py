@@ -5,15 +5,15 @@ an :class:`~attnplug.runner.step.plan.UpdatePlan` that stage 2 (``runner/step/ap
 applies; the first problem raises :class:`InvalidSchedulerOutput` naming the request and
 field at fault. The checks, in the order they run:
 
-1. containers, read once (``check_snapshot.py``), and ids: ``check_finished_and_new``;
-2. the kernels' scans (``check_fast.py``) for a regular output, else the vectorized checks:
+1. containers, read once (``check/snapshot.py``), and ids: ``check_finished_and_new``;
+2. the kernels' scans (``check/fast.py``) for a regular output, else the vectorized checks:
 3. cached rows, ``num_scheduled_tokens``, computed tokens and token deltas
-   (``check_cached.py``);
-4. block deltas: replacements, appends, windows, capacity (``check_blocks.py``,
-   ``check_windows.py``);
-5. new requests: prompts, blocks, sampling (``check_new.py``), then their prompt
+   (``check/cached.py``);
+4. block deltas: replacements, appends, windows, capacity (``check/blocks.py``,
+   ``check/windows.py``);
+5. new requests: prompts, blocks, sampling (``check/new.py``), then their prompt
    embeddings (``prompt_embeds.py``) and image spans (``mrope.py``);
-6. draft tokens of speculative decoding (``check_spec.py``, before 3 reads ``seq_lens``;
+6. draft tokens of speculative decoding (``check/spec.py``, before 3 reads ``seq_lens``;
    the compiled cached scan checks the drafts of a regular step itself).
 
 Per-request Python work is limited to what the data structure forces (one dict lookup
@@ -25,13 +25,13 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from attnplug.runner.step.check_blocks import block_deltas
-from attnplug.runner.step.check_cached import cached_rows, computed_and_token_deltas, scheduled_counts
-from attnplug.runner.step.check_fast import plan_update_scanned
-from attnplug.runner.step.check_types import err, show
-from attnplug.runner.step.check_new import plan_new_requests
-from attnplug.runner.step.check_snapshot import Deltas, NewReq
-from attnplug.runner.step.check_spec import check_spec_tokens, check_state_slots
+from attnplug.runner.step.check.blocks import block_deltas
+from attnplug.runner.step.check.cached import cached_rows, computed_and_token_deltas, scheduled_counts
+from attnplug.runner.step.check.fast import plan_update_scanned
+from attnplug.runner.step.check.types import err, show
+from attnplug.runner.step.check.new import plan_new_requests
+from attnplug.runner.step.check.snapshot import Deltas, NewReq
+from attnplug.runner.step.check.spec import check_spec_tokens, check_state_slots
 from attnplug.runner.step.groups import StepLayout
 from attnplug.runner.step.input_batch import InputBatch
 from attnplug.runner.step.int_packer import IntPacker
@@ -104,7 +104,7 @@ class UpdateChecker:
         """What images new requests may carry (``mm_features``; ``None``: none)."""
 
     def plan_new(self, new_reqs: Sequence[NewReq], new_counts: Sequence[int]) -> list[CachedRequestState]:
-        """Check the new requests (``check_new.plan_new_requests`` with this checker's packers)."""
+        """Check the new requests (``check.new.plan_new_requests`` with this checker's packers)."""
         return plan_new_requests(self.layout, self.prompt_packer, self.block_packer, new_reqs, new_counts)
 
     def plan(self, so: SchedulerOutput) -> UpdatePlan:

@@ -14,9 +14,9 @@ from typing import Any, Sequence
 import numpy as np
 
 from attnplug.core.constants import NULL_BLOCK_ID
-from attnplug.runner.step.check_lists import check_block_list, err, group_lists, repeated_block, repeated_block_message
-from attnplug.runner.step.check_snapshot import NewReq
-from attnplug.runner.step.check_types import is_int, show
+from attnplug.runner.step.check.lists import check_block_list, err, group_lists, repeated_block, repeated_block_message
+from attnplug.runner.step.check.snapshot import NewReq
+from attnplug.runner.step.check.types import is_int, show
 from attnplug.runner.step.groups import StepLayout
 from attnplug.runner.step.int_packer import IntPacker
 from attnplug.runner.step.request_state import CachedRequestState

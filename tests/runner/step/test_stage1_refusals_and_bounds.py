@@ -1,4 +1,4 @@
-"""Stage 1 at its edges, found by mutation testing (docs/testing.md): the exact request,
+"""Stage 1 at its edges, found by mutation testing (docs/mutation-testing.md): the exact request,
 field and words of each refusal, the bounds themselves (a seed of exactly -2**63, an empty
 ``uint64`` block list), drafts for a row whose new tokens arrive in the same output, and
 the views a user prints (``CachedRequestState.__repr__``). Each refusal leaves the state
@@ -276,7 +276,7 @@ def test_top_level_fields_of_the_wrong_type_name_the_field_and_type():
 
 
 def test_a_long_bad_value_is_echoed_truncated():
-    from attnplug.runner.step.check_types import MAX_ECHO
+    from attnplug.runner.step.check.types import MAX_ECHO
     sc = one_group(False)
     nr = NewRequestData("N", "x" * 1000, ([4],))
     e = refused(sc, SchedulerOutput([nr], cached(["A"], [6]), {"A": 1, "N": 1}))
@@ -314,7 +314,7 @@ def test_cached_lists_of_different_lengths_name_the_list():
 
 
 def test_the_largest_float32_temperature_is_accepted():
-    from attnplug.runner.step.check_new import FLOAT32_MAX
+    from attnplug.runner.step.check.new import FLOAT32_MAX
     sc = one_group(False)
     sp = SamplingParams(temperature=FLOAT32_MAX)
     sc.update_states(SchedulerOutput([NewRequestData("T", [5], ([4],), sampling_params=sp)], cached(["A"], [6]),

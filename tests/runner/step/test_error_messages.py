@@ -1,10 +1,10 @@
 """The exact words of every stage-1 refusal in ``test_bad_input.CASES``, on both paths.
 
 A refusal's message is what a scheduler author reads first, so it is pinned word for word
-in ``tests/runner/data/stage1_messages.json`` (reviewed like code): a message that loses
+in ``tests/runner/step/data/stage1_messages.json`` (reviewed like code): a message that loses
 its numbers, its field or its advice fails here, and the compiled path must word each
 refusal as the numpy path does. After a deliberate wording change, regenerate the file
-with ``ATTNPLUG_UPDATE_MESSAGES=1 pytest tests/runner/test_error_messages.py`` and review
+with ``ATTNPLUG_UPDATE_MESSAGES=1 pytest tests/runner/step/test_error_messages.py`` and review
 the diff.
 """
 

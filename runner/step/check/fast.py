@@ -7,7 +7,7 @@ in the batch, scheduled once, not resumed, carries no token deltas, appends bloc
 ``runner/step/fast/``) checks all of that in one pass and writes the plan into the
 checker's :class:`ScanBuffers`;
 ``scan_new`` checks and stages the new requests (when it declines,
-``check_new.plan_new_requests`` plans them as on the numpy path); finished ids were
+``check.new.plan_new_requests`` plans them as on the numpy path); finished ids were
 checked by ``check_finished_and_new`` for both paths. When the cached scan declines
 (anything irregular, including every invalid input), ``UpdateChecker.plan`` runs the
 vectorized checks, which accept every valid output and word every error. Both give the
@@ -21,7 +21,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from attnplug.runner.step.check_snapshot import Deltas, NewReq
+from attnplug.runner.step.check.snapshot import Deltas, NewReq
 from attnplug.runner.step.plan import SpecTokens
 from attnplug.runner.step.groups import StepLayout
 from attnplug.runner.step.input_batch import InputBatch
@@ -41,7 +41,7 @@ def plan_update_scanned(lay: StepLayout, batch: InputBatch, kernels: StepKernels
     Args:
         lay, batch: the step layout and the batch.
         kernels, bufs: the step's kernels and the checker's plan buffers they write.
-        plan_new: the numpy check of new requests (``check_new.plan_new_requests`` with
+        plan_new: the numpy check of new requests (``check.new.plan_new_requests`` with
             its packers), for new requests ``scan_new`` declines.
 
     Raises:

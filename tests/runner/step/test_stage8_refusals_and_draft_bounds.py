@@ -1,8 +1,8 @@
-"""Stage 8 and drafts at their edges, found by mutation testing (docs/testing.md): ragged
+"""Stage 8 and drafts at their edges, found by mutation testing (docs/mutation-testing.md): ragged
 appends and their typing rule (ints only, rows too), placeholders patched by slice step
 after step, draft ids 0 and 1 on both checking paths, the verified tokens' range, the int
 packers' bounds. Each refusal leaves the state unchanged; no ``ATTNPLUG_VALIDATE`` needed.
-The step helpers are ``test_step_edges``'s."""
+The step helpers are ``test_stage1_refusals_and_bounds``'s."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from attnplug.runner.step.compiler import snapshot_diff
 from attnplug.runner.step.scheduler_output import SamplingParams, SchedulerOutput
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_step_edges import cached, one_group, refused  # noqa: E402
+from test_stage1_refusals_and_bounds import cached, one_group, refused  # noqa: E402
 
 
 def test_append_output_tokens_ragged_and_bounds():

@@ -1,6 +1,6 @@
 """``attnplug.core.validate`` at the edges the first crafted batches did not reach.
 
-Found by mutation testing (docs/testing.md): the boundaries of each comparison (a row
+Found by mutation testing (docs/mutation-testing.md): the boundaries of each comparison (a row
 exactly at capacity, a zero-length query, a slot of 0, a window at ``n - W + 1 ≡ 3 (mod
 B)``, block size 1), the visible-block half of the sliding-window check, the Mamba
 state-group check, and the exact message of a failure without a hint. Each test breaks one

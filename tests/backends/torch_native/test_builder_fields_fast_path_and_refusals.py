@@ -1,4 +1,4 @@
-"""The torch_native builder's own contract, found by mutation testing (docs/testing.md):
+"""The torch_native builder's own contract, found by mutation testing (docs/mutation-testing.md):
 every metadata field it passes through, the cascade path (a shared prefix > 0, full
 attention only), the all-decode fast path and its conditions, the refusals word for word
 with their bounds (a table exactly at capacity is fine), and its decode constants sized

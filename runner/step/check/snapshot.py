@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from attnplug.runner.step.check_types import ID_SETS, SEQUENCES, err, is_int_list, show
+from attnplug.runner.step.check.types import ID_SETS, SEQUENCES, err, is_int_list, show
 from attnplug.runner.step.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 
 class NewReq:
@@ -94,7 +94,7 @@ class Deltas:
         if type(nst) is not dict:
             err(None, "num_scheduled_tokens", f"expected a dict {{req_id: int}}, got {type(nst).__name__}")
         self.total_num_scheduled_tokens = so.total_num_scheduled_tokens  # checked with the counts
-        spec = self.spec_decode_tokens = so.scheduled_spec_decode_tokens  # checked in check_spec.py
+        spec = self.spec_decode_tokens = so.scheduled_spec_decode_tokens  # checked in check/spec.py
         if type(spec) is not dict:
             err(None, "scheduled_spec_decode_tokens", f"expected a dict {{req_id: [draft token ids]}}, "
                 f"got {show(spec)}")

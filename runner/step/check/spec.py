@@ -21,9 +21,9 @@ from itertools import chain
 import numpy as np
 
 from attnplug.cache_groups.kinds import GroupKind
-from attnplug.runner.step.check_cached import int64s
-from attnplug.runner.step.check_snapshot import Deltas
-from attnplug.runner.step.check_types import err, int64_list, is_flag, is_int, is_int_list, show
+from attnplug.runner.step.check.cached import int64s
+from attnplug.runner.step.check.snapshot import Deltas
+from attnplug.runner.step.check.types import err, int64_list, is_flag, is_int, is_int_list, show
 from attnplug.runner.step.groups import StepLayout
 from attnplug.runner.step.input_batch import InputBatch
 from attnplug.runner.step.plan import SpecTokens

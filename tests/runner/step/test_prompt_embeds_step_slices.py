@@ -2,7 +2,7 @@
 scheduled prompt rows of the requests given embeddings (``is_embed`` marks them; text
 rows, output rows and padding are not marked); steps without such rows carry ``None``;
 the caller's tensor is copied; a compiler built without a config refuses embeddings,
-changing nothing. (Bad widths, dtypes, lengths: tests/runner/test_bad_input_fuzz.py.)
+changing nothing. (Bad widths, dtypes, lengths: tests/runner/step/test_bad_input_fuzz.py.)
 """
 
 from __future__ import annotations

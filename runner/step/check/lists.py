@@ -1,7 +1,7 @@
 """Stage 1 helpers: checks of one block-id list.
 
-Shared by the checks of new requests (``check_new``) and of cached requests' block
-deltas (``check_blocks``).
+Shared by the checks of new requests (``check.new``) and of cached requests' block
+deltas (``check.blocks``).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from attnplug.core.constants import NULL_BLOCK_ID
-from attnplug.runner.step.check_types import err, int64_list, is_int_list, show
+from attnplug.runner.step.check.types import err, int64_list, is_int_list, show
 from attnplug.runner.step.groups import INT32_MAX, StepLayout
 
 __all__ = ["block_id_array", "check_block_list", "err", "group_lists", "repeated_block", "repeated_block_message",
@@ -62,7 +62,7 @@ def check_block_list(lay: StepLayout, req_id: str, fname: str, g: int, ids: np.n
     skipped prefix); a Mamba group needs its state slot (one block id) from the first step.
     Later steps keep this true by construction (appends are never null, the runner nulls
     only blocks no query can see again), so a cached request is checked only for what it
-    adds (``check_blocks``, ``check_windows``).
+    adds (``check.blocks``, ``check.windows``).
 
     Raises:
         InvalidSchedulerOutput: more blocks than ``cdiv(max_model_len, block_size)``, too

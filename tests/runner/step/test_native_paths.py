@@ -222,7 +222,7 @@ def test_a_padding_that_is_not_an_int_is_refused_on_both_paths(pad):
 
 def test_a_request_object_that_mutates_itself_cannot_crash_the_compiled_scan():
     """A request whose property empties its own prompt while it is read: every field is
-    read once (``runner/step/check_snapshot.py``) and the compiled scan takes a list's items
+    read once (``runner/step/check/snapshot.py``) and the compiled scan takes a list's items
     only right before reading them (it once held a stale pointer across the attribute
     access, and crashed under ``python -X dev``)."""
 

@@ -12,7 +12,7 @@ import numpy as np
 
 from attnplug.cache_groups.ragged import cumsum_and_arange
 from attnplug.core.constants import NULL_BLOCK_ID
-from attnplug.runner.step.check_lists import (
+from attnplug.runner.step.check.lists import (
     block_id_array,
     check_block_list,
     err,
@@ -21,9 +21,9 @@ from attnplug.runner.step.check_lists import (
     repeated_block_message,
     repeated_pair,
 )
-from attnplug.runner.step.check_snapshot import CachedDeltas
-from attnplug.runner.step.check_types import int64_list, is_flag, is_int_list, show
-from attnplug.runner.step.check_windows import check_not_behind_nulled, check_span_not_null
+from attnplug.runner.step.check.snapshot import CachedDeltas
+from attnplug.runner.step.check.types import int64_list, is_flag, is_int_list, show
+from attnplug.runner.step.check.windows import check_not_behind_nulled, check_span_not_null
 from attnplug.runner.step.groups import StepLayout
 from attnplug.runner.step.input_batch import InputBatch
 from attnplug.runner.step.plan import BlockAppends

@@ -17,7 +17,7 @@ from attnplug.core.capabilities import BackendCapabilities, Feature
 from attnplug.plugins.discovery import get_registry
 from attnplug.runner.commands.feature_matrix import builtin_capabilities, feature_matrix_markdown
 
-DOC = Path(__file__).resolve().parents[2] / "docs" / "feature-matrix.md"
+DOC = Path(__file__).resolve().parents[3] / "docs" / "feature-matrix.md"
 
 
 def test_the_feature_matrix_page_is_not_stale(monkeypatch):

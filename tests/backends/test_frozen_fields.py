@@ -1,0 +1,77 @@
+"""``backends/common/frozen_fields.py``: the builders' metadata built without the frozen
+dataclass ``__init__`` equals the ``__init__``-built one, field for field; and the live
+layer registry's cached answers follow adds and drops."""
+
+import dataclasses
+import gc
+
+import pytest
+import torch
+
+from attnplug.backends.common.frozen_fields import field_names, new_frozen, replace_fields
+from attnplug.backends.common.layer_params import LiveLayerParams
+from attnplug.backends.flash_attn.metadata import FlashAttnMetadata
+from attnplug.backends.triton.metadata import TritonAttentionMetadata
+
+
+def _values(cls):
+    """Distinct values, one per field (ints, tensors, None for the defaults' types)."""
+    return tuple(torch.tensor([i]) if "Tensor" in str(f.type) and "None" not in str(f.type) else i
+                 for i, f in enumerate(dataclasses.fields(cls)))
+
+
+@pytest.mark.parametrize("cls", [TritonAttentionMetadata, FlashAttnMetadata])
+def test_new_frozen_equals_the_dataclass_init(cls):
+    vals = _values(cls)
+    fast, slow = new_frozen(cls, *vals), cls(*vals)
+    assert type(fast) is cls and fast.__dict__.keys() == slow.__dict__.keys()
+    for name in field_names(cls):
+        assert getattr(fast, name) is getattr(slow, name), name
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        fast.num_reqs = 7  # still frozen
+    with pytest.raises(TypeError, match="fields"):
+        new_frozen(cls, *vals[:-1])
+
+
+@pytest.mark.parametrize("cls", [TritonAttentionMetadata, FlashAttnMetadata])
+def test_replace_fields_equals_dataclasses_replace(cls):
+    md = cls(*_values(cls))
+    a, b = replace_fields(md, num_reqs=99, slot_mapping="s"), dataclasses.replace(md, num_reqs=99, slot_mapping="s")
+    assert a.__dict__ == b.__dict__ and md.num_reqs == 0 and a is not md
+    with pytest.raises(TypeError, match="no field"):
+        replace_fields(md, not_a_field=1)
+
+
+class _Impl:
+    num_kv_heads, head_size, scale = 2, 8, 0.5
+    sliding_window = logits_soft_cap = kv_cache_dtype = None
+
+    def __init__(self, heads):
+        self.num_heads = heads
+
+
+def test_live_layer_answers_follow_adds_and_drops():
+    reg = LiveLayerParams()
+    a = _Impl(4)
+    reg.add(a)
+    assert [p.num_heads for p in reg.matching(2, 8, None)] == [4]
+    b = _Impl(6)
+    reg.add(b)
+    assert [p.num_heads for p in reg.matching(2, 8, None)] == [4, 6]
+    del a
+    gc.collect()
+    assert [p.num_heads for p in reg.matching(2, 8, None)] == [6]
+    assert reg.matching(2, 16, None) == []
+
+
+@pytest.mark.parametrize("cls", [TritonAttentionMetadata, FlashAttnMetadata])
+def test_the_generated_factory_equals_the_dataclass_init(cls):
+    from attnplug.backends.common.frozen_fields import frozen_factory
+
+    vals = _values(cls)
+    fast, slow = frozen_factory(cls)(*vals), cls(*vals)
+    assert type(fast) is cls and list(fast.__dict__) == list(slow.__dict__)
+    for name in field_names(cls):
+        assert getattr(fast, name) is getattr(slow, name), name
+    with pytest.raises(TypeError):
+        frozen_factory(cls)(*vals[:-1])
