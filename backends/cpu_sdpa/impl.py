@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from attnplug.backends.torch_native.attention import keys_used, visibility_mask, write_to_paged_cache
 from attnplug.backends.torch_native.builder import AttentionSegment, TorchNativeMetadata
 from attnplug.backends.torch_native.impl import TorchNativeAttentionImpl
+from attnplug.backends.cpu_sdpa.builder import DecodeBucket
 from attnplug.core.contracts import AttentionType
 
 
@@ -100,6 +101,8 @@ class CpuSdpaAttentionImpl(TorchNativeAttentionImpl):
                         seg: AttentionSegment) -> torch.Tensor:
         """``[n * query_len, num_heads, head_size]`` in ``query.dtype``: the segment's
         outputs, request-major."""
+        if isinstance(seg, DecodeBucket):
+            return self._attend_bucket(query, kv_cache, seg, md.block_size)
         n, q_len = seg.query_token_indices.shape
         k_lo, k_hi = self._key_columns(seg, md.block_size)
         keys, values = self._gather(kv_cache, seg, md.block_size, k_lo, k_hi, query.dtype)  # [n, H_kv, S, D]
@@ -120,6 +123,27 @@ class CpuSdpaAttentionImpl(TorchNativeAttentionImpl):
                                              attn_mask=mask, is_causal=is_causal, scale=self.scale,
                                              enable_gqa=self.num_heads != self.num_kv_heads)
         return out.transpose(1, 2).reshape(n * q_len, self.num_heads, self.head_size)
+
+    def _attend_bucket(self, query: torch.Tensor, kv_cache: torch.Tensor, seg: DecodeBucket,
+                       block_size: int) -> torch.Tensor:
+        """A decode bucket (``builder.py``): gather, zero the rows no query sees (their
+        flat indices and the key-padding mask come from the builder, once per step), one
+        SDPA call. ``[n, num_heads, head_size]`` in ``query.dtype``."""
+        n = seg.query_token_indices.shape[0]
+        flat = seg.key_block_ids.flatten()
+        rows = flat.shape[0] * block_size
+        keys = kv_cache[:, 0].index_select(0, flat).view(rows, self.num_kv_heads, self.head_size)
+        values = kv_cache[:, 1].index_select(0, flat).view(rows, self.num_kv_heads, self.head_size)
+        if seg.hidden_rows.shape[0]:
+            keys.index_fill_(0, seg.hidden_rows, 0.0)
+            values.index_fill_(0, seg.hidden_rows, 0.0)
+        shape = (n, rows // n, self.num_kv_heads, self.head_size)
+        keys = keys.view(shape)[:, :seg.max_seq_len].to(query.dtype).transpose(1, 2)
+        values = values.view(shape)[:, :seg.max_seq_len].to(query.dtype).transpose(1, 2)
+        q = query[seg.query_token_indices.flatten()].view(n, self.num_kv_heads, self.num_heads // self.num_kv_heads,
+                                                          self.head_size)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=seg.key_mask, scale=self.scale)
+        return out.reshape(n, self.num_heads, self.head_size)
 
     def _key_columns(self, seg: AttentionSegment, block_size: int) -> tuple[int, int]:
         """Key columns ``k_lo .. k_hi - 1`` (end exclusive) that some query of the segment
