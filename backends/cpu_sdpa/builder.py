@@ -24,7 +24,7 @@ import torch
 
 from attnplug.backends.torch_native.builder import AttentionSegment, TorchNativeMetadata, TorchNativeMetadataBuilder
 
-BUCKET_RATIO = 0.75
+BUCKET_RATIO = 0.5
 """A decode bucket takes the next (shorter) request while its ``seq_len`` is at least this
 share of the bucket's longest: padding stays under a third of a bucket's keys, and the
 number of buckets under ``log(max / min) / log(1 / BUCKET_RATIO) + 1`` (each bucket costs
