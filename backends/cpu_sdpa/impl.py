@@ -10,7 +10,9 @@ Per layer: write this step's K/V at the slot mapping, then for each segment of t
    segment needs:
 
    * decodes of one context length, full attention: no mask at all; decodes of mixed
-     lengths: a ``[n, 1, 1, S]`` key-padding mask (one byte per key, not per logit);
+     lengths: a ``[n, 1, 1, S]`` key-padding mask (one byte per key, not per logit), for
+     full attention one per length bucket (``builder.py``'s ``DecodeBucket``: its mask and
+     hidden rows are built once per step by the builder);
    * a prefill with no earlier context: ``is_causal=True`` (top-left = bottom-right);
    * a chunked-prefill continuation or a sliding window: the bottom-right causal /
      window mask of ``torch_native.attention.visibility_mask``, ``[n, 1, L, S]`` bool.
