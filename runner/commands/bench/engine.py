@@ -237,6 +237,8 @@ def bench_model(args, model_name: str, counts: list[int], workdir: str) -> list[
                        vllm_version=worker.info["vllm_version"], ratio_tokens_per_s=statistics.median(ratios),
                        agreement=agreement(ours[-1]["tokens"], theirs[-1]["tokens"]))
         rows.append(row)
+        print(f"attnplug bench engine: {model_name}, {n} thread(s) done: " + json.dumps(row), file=sys.stderr,
+              flush=True)  # a long run's finished rows survive an interruption
     return rows
 
 
