@@ -12,7 +12,8 @@ class CpuSdpaBackend(AttentionBackend):
 
     The metadata is ``torch_native``'s (:class:`~attnplug.backends.torch_native.builder.
     TorchNativeMetadataBuilder`, once per step for all layers of a group: decodes in one
-    segment, each prefill its own, no query padding). Per layer and segment the impl
+    segment — split into length buckets when their lengths differ (``builder.py``) — each
+    prefill its own, no query padding). Per layer and segment the impl
     gathers each request's K/V blocks once and calls the fused SDPA kernel (flash-style,
     online softmax: no ``[T, S]`` float32 logits); see ``impl.py`` for when a mask is
     still built. Logits soft-cap and cascade steps run the ``torch_native`` path for that

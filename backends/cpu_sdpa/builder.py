@@ -1,21 +1,122 @@
-"""``CpuSdpaMetadataBuilder``: ``torch_native``'s per-step lowering, reused as is.
+"""``CpuSdpaMetadataBuilder``: ``torch_native``'s per-step lowering, with the decodes of mixed
+lengths split into length buckets.
 
-Its segments are what the fused kernel wants: every decode in one segment (one batched
-call), each multi-token request its own (no query padding), the block ids of each
-segment's key range computed once per step on the host for all layers of the group.
+``torch_native``'s segments are what the fused kernel wants — every decode in one segment
+(one batched call), each multi-token request its own (no query padding), the block ids of
+each segment's key range computed once per step on the host for all layers of the group —
+except that the one decode segment pads every request's keys to the longest ``seq_len``.
+With contexts of 50 and 600 tokens in one batch, most of the gathered keys (and of SDPA's
+work) would be padding. So a full-attention decode segment of mixed lengths is split into
+:class:`DecodeBucket` segments: the requests sorted by ``seq_len``, longest first, a bucket
+closing when the next request is shorter than :data:`BUCKET_RATIO` of the bucket's longest
+(every bucket pads its keys by less than ``1 / BUCKET_RATIO``). Each bucket also carries,
+computed here once per step for all layers, its key-padding mask and the flat rows of its
+gathered keys that no query sees (zeroed by the impl: ``impl.py``).
 """
 
 from __future__ import annotations
 
-from attnplug.backends.torch_native.builder import TorchNativeMetadata, TorchNativeMetadataBuilder
+import dataclasses
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from attnplug.backends.torch_native.builder import AttentionSegment, TorchNativeMetadata, TorchNativeMetadataBuilder
+
+BUCKET_RATIO = 0.5
+"""A decode bucket takes the next (shorter) request while its ``seq_len`` is at least this
+share of the bucket's longest: padding stays under a third of a bucket's keys, and the
+number of buckets under ``log(max / min) / log(1 / BUCKET_RATIO) + 1`` (each bucket costs
+one gather and one SDPA call per layer)."""
+
+
+@dataclass(frozen=True)
+class DecodeBucket(AttentionSegment):
+    """A full-attention decode segment of similar lengths (module docstring); the fields of
+    :class:`AttentionSegment` (``query_len`` 1, ``key_offsets`` 0, ``key_block_columns`` /
+    ``key_block_live`` set, ``row_start`` ``None``) plus:"""
+
+    key_mask: torch.Tensor | None = None
+    """``[n, 1, 1, max_seq_len]`` bool: key column ``j`` of request ``r`` is visible
+    (``j < seq_lens[r]``)."""
+
+    hidden_rows: torch.Tensor | None = None
+    """``[h]`` int64: rows of the gathered ``[n * num_key_blocks * block_size]`` keys past
+    their request's ``seq_len`` and below ``max_seq_len`` (zeroed before SDPA: ``-inf`` plus
+    a poisoned value would still be NaN)."""
+
+
+def bucket_bounds(seq_sorted: np.ndarray, ratio: float = BUCKET_RATIO) -> list[tuple[int, int]]:
+    """``[(start, end), ...]`` (end exclusive) of the buckets of ``seq_sorted`` (``seq_lens``
+    in descending order): a bucket ends before the first length below ``ratio`` times its
+    first (longest)."""
+    bounds, start, n = [], 0, seq_sorted.shape[0]
+    while start < n:
+        cut = ratio * float(seq_sorted[start])
+        end = start + int(np.searchsorted(-seq_sorted[start:], -cut, side="right"))
+        end = max(end, start + 1)
+        bounds.append((start, end))
+        start = end
+    return bounds
+
+
+def split_decodes(seg: AttentionSegment, block_size: int) -> list[AttentionSegment]:
+    """``seg`` (a full-attention decode segment of mixed lengths) as :class:`DecodeBucket`
+    segments, longest first; ``[seg]`` when it would be one bucket."""
+    seq = seg.seq_lens.cpu().numpy()
+    order = np.argsort(-seq, kind="stable")
+    bounds = bucket_bounds(seq[order])
+    if len(bounds) == 1:
+        return [seg]
+    device = seg.seq_lens.device
+    buckets = []
+    for start, end in bounds:
+        rows = order[start:end]
+        longest, shortest = int(seq[rows[0]]), int(seq[rows[-1]])
+        nkb = -(-longest // block_size)
+        idx = torch.from_numpy(rows).to(device)
+        lens = seq[rows]
+        cols = np.arange(nkb, dtype=np.int64)
+        live_np = cols[None, :] < ((lens + block_size - 1) // block_size)[:, None]
+        width = nkb * block_size
+        visible = np.arange(longest)[None, :] < lens[:, None]  # [n, longest]
+        r, c = np.nonzero(~visible)
+        buckets.append(DecodeBucket(
+            req_indices=seg.req_indices.index_select(0, idx), query_len=1, max_seq_len=longest,
+            min_seq_len=shortest, query_token_indices=seg.query_token_indices.index_select(0, idx),
+            query_positions=seg.query_positions.index_select(0, idx), seq_lens=seg.seq_lens.index_select(0, idx),
+            key_block_ids=seg.key_block_ids.index_select(0, idx)[:, :nkb].long(),
+            key_offsets=seg.key_offsets.index_select(0, idx), min_key_offset=0, max_key_offset=0,
+            key_block_columns=torch.from_numpy(np.where(live_np, cols[None, :], 0)).to(device),
+            key_block_live=torch.from_numpy(live_np).to(device), row_start=None,
+            key_mask=torch.from_numpy(visible).to(device).view(len(rows), 1, 1, longest),
+            hidden_rows=torch.from_numpy(r * width + c).to(device)))
+    return buckets
 
 
 class CpuSdpaMetadataBuilder(TorchNativeMetadataBuilder):
     """Builds :class:`~attnplug.backends.torch_native.builder.TorchNativeMetadata` (see
-    that builder: same fields, same cascade and ``update_block_table`` support)."""
+    that builder: same fields, same cascade and ``update_block_table`` support), the
+    full-attention decodes of mixed lengths as :class:`DecodeBucket` segments."""
+
+    def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False) -> TorchNativeMetadata:
+        """``torch_native``'s build (same arguments, errors and host synchronisation), then
+        the decode segment split by length (module docstring)."""
+        md = super().build(common_prefix_len, common_attn_metadata, fast_build)
+        if md.cascade is not None or self.sliding_window is not None:
+            return md
+        segments: list[AttentionSegment] = []
+        for seg in md.segments:
+            if seg.query_len == 1 and seg.min_seq_len != seg.max_seq_len:
+                segments += split_decodes(seg, self.block_size)
+            else:
+                segments.append(seg)
+        return dataclasses.replace(md, segments=tuple(segments))
 
 
 CpuSdpaMetadata = TorchNativeMetadata
 """The metadata type ``cpu_sdpa`` layers read (``torch_native``'s)."""
 
-__all__ = ["CpuSdpaMetadata", "CpuSdpaMetadataBuilder"]
+__all__ = ["BUCKET_RATIO", "CpuSdpaMetadata", "CpuSdpaMetadataBuilder", "DecodeBucket", "bucket_bounds",
+           "split_decodes"]

@@ -10,7 +10,9 @@ Per layer: write this step's K/V at the slot mapping, then for each segment of t
    segment needs:
 
    * decodes of one context length, full attention: no mask at all; decodes of mixed
-     lengths: a ``[n, 1, 1, S]`` key-padding mask (one byte per key, not per logit);
+     lengths: a ``[n, 1, 1, S]`` key-padding mask (one byte per key, not per logit), for
+     full attention one per length bucket (``builder.py``'s ``DecodeBucket``: its mask and
+     hidden rows are built once per step by the builder);
    * a prefill with no earlier context: ``is_causal=True`` (top-left = bottom-right);
    * a chunked-prefill continuation or a sliding window: the bottom-right causal /
      window mask of ``torch_native.attention.visibility_mask``, ``[n, 1, L, S]`` bool.
@@ -39,6 +41,7 @@ from attnplug.backends.common.kv_scales import kv_scales_for
 from attnplug.backends.torch_native.attention import keys_used, visibility_mask, write_to_paged_cache
 from attnplug.backends.torch_native.builder import AttentionSegment, TorchNativeMetadata
 from attnplug.backends.torch_native.impl import TorchNativeAttentionImpl
+from attnplug.backends.cpu_sdpa.builder import DecodeBucket
 from attnplug.core.contracts import AttentionType
 from attnplug.core.kv_quant import dequantize_kv, is_quantized
 
@@ -103,6 +106,8 @@ class CpuSdpaAttentionImpl(TorchNativeAttentionImpl):
                         seg: AttentionSegment, scales=(None, None)) -> torch.Tensor:
         """``[n * query_len, num_heads, head_size]`` in ``query.dtype``: the segment's
         outputs, request-major. ``scales``: an fp8 cache's ``(k_scale, v_scale)``."""
+        if isinstance(seg, DecodeBucket):
+            return self._attend_bucket(query, kv_cache, seg, md.block_size, scales)
         n, q_len = seg.query_token_indices.shape
         k_lo, k_hi = self._key_columns(seg, md.block_size)
         keys, values = self._gather(kv_cache, seg, md.block_size, k_lo, k_hi, query.dtype, scales)  # [n,H_kv,S,D]
@@ -123,6 +128,30 @@ class CpuSdpaAttentionImpl(TorchNativeAttentionImpl):
                                              attn_mask=mask, is_causal=is_causal, scale=self.scale,
                                              enable_gqa=self.num_heads != self.num_kv_heads)
         return out.transpose(1, 2).reshape(n * q_len, self.num_heads, self.head_size)
+
+    def _attend_bucket(self, query: torch.Tensor, kv_cache: torch.Tensor, seg: DecodeBucket,
+                       block_size: int, scales=(None, None)) -> torch.Tensor:
+        """A decode bucket (``builder.py``): gather (an fp8 cache dequantised, ``stored *
+        scale`` per KV head), zero the rows no query sees (their flat indices and the
+        key-padding mask come from the builder, once per step), one SDPA call.
+        ``[n, num_heads, head_size]`` in ``query.dtype``."""
+        n = seg.query_token_indices.shape[0]
+        flat = seg.key_block_ids.flatten()
+        rows = flat.shape[0] * block_size
+        keys = kv_cache[:, 0].index_select(0, flat).view(rows, self.num_kv_heads, self.head_size)
+        values = kv_cache[:, 1].index_select(0, flat).view(rows, self.num_kv_heads, self.head_size)
+        if is_quantized(kv_cache.dtype):
+            keys, values = dequantize_kv(keys, scales[0], query.dtype), dequantize_kv(values, scales[1], query.dtype)
+        if seg.hidden_rows.shape[0]:
+            keys.index_fill_(0, seg.hidden_rows, 0.0)
+            values.index_fill_(0, seg.hidden_rows, 0.0)
+        shape = (n, rows // n, self.num_kv_heads, self.head_size)
+        keys = keys.view(shape)[:, :seg.max_seq_len].to(query.dtype).transpose(1, 2)
+        values = values.view(shape)[:, :seg.max_seq_len].to(query.dtype).transpose(1, 2)
+        q = query[seg.query_token_indices.flatten()].view(n, self.num_kv_heads, self.num_heads // self.num_kv_heads,
+                                                          self.head_size)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=seg.key_mask, scale=self.scale)
+        return out.reshape(n, self.num_heads, self.head_size)
 
     def _key_columns(self, seg: AttentionSegment, block_size: int) -> tuple[int, int]:
         """Key columns ``k_lo .. k_hi - 1`` (end exclusive) that some query of the segment

@@ -42,8 +42,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x``: ``[num_tokens, hidden_size]``; returns the same shape and dtype."""
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        h = nn.functional.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)  # one fused kernel, same formula
         return self.weight * h.to(x.dtype)
 
 
@@ -105,12 +104,28 @@ class Attention(nn.Module):
         k = self.k_proj(hidden).view(n, self.num_kv_heads, self.head_size)
         v = self.v_proj(hidden).view(n, self.num_kv_heads, self.head_size)
         q, k = self.normalize_qk(q, k)
-        cos, sin = self.rope.cos_sin(positions, hidden.dtype)
+        cos, sin = self.cos_sin(positions, hidden.dtype)
         q, k = self.rope.apply(q, cos, sin), self.rope.apply(k, cos, sin)
-        out = torch.zeros_like(q)  # padded rows stay zero
+        # every real row is written by the impl; padded rows (CUDA graphs) stay zero
+        real = getattr(attn_metadata, "num_actual_tokens", None) == n
+        out = torch.empty_like(q) if real else torch.zeros_like(q)
         attend(self, q, k, v, kv_cache, attn_metadata, out)
         return self.o_proj(out.view(n, self.num_heads * self.head_size))
 
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``self.rope.cos_sin(positions, dtype)``, computed once per step for all the layers
+        sharing this rope: the model hands every layer the same ``positions`` tensor object,
+        so the last result is reused while that object (held by the cache, so never
+        recycled) and ``dtype`` are the same. Not cached while ``torch.compile`` traces."""
+        if torch.compiler.is_compiling():
+            return self.rope.cos_sin(positions, dtype)
+        cached = self.rope.__dict__.get("_step_cos_sin")
+        if cached is not None and cached[0] is positions and cached[1] == dtype:
+            return cached[2]
+        cos_sin = self.rope.cos_sin(positions, dtype)
+        self.rope.__dict__["_step_cos_sin"] = (positions, dtype, cos_sin)
+        return cos_sin
 
     def normalize_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-head q/k normalisation before RoPE: none here (Qwen3 overrides it).

@@ -199,6 +199,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "threads":  # `attnplug bench threads ...`: runner/commands/bench/threads.py
         from attnplug.runner.commands.bench.threads import main as threads_main
         return threads_main(list(argv[1:]))
+    if argv and argv[0] == "engine":  # `attnplug bench engine ...`: runner/commands/bench/engine.py
+        from attnplug.runner.commands.bench.engine import main as engine_main
+        return engine_main(list(argv[1:]))
     if argv and argv[0] == "serve":  # `attnplug bench serve ...`: runner/commands/bench/serve_client.py
         from attnplug.runner.commands.bench.serve_client import main as serve_main
         return serve_main(list(argv[1:]))
@@ -212,9 +215,9 @@ def main(argv: list[str] | None = None) -> int:
         return attention_main(rest)
     parser = OneLineParser(prog="attnplug bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("which", nargs="?", default="step",
-                        choices=["step", "attention", "broadcast", "moe", "threads"],
+                        choices=["step", "attention", "broadcast", "moe", "threads", "engine"],
                         help="the benchmark to run (default: step; `attention --help` / `moe --help` / "
-                             "`threads --help` for their options; `broadcast` runs under torchrun)")
+                             "`threads --help` / `engine --help` for their options; `broadcast` runs under torchrun)")
     parser.add_argument("--steps", type=_int_at_least(1), default=300,
                         help="timed steady-decode steps per size (default 300)")
     parser.add_argument("--sizes", type=_sizes, default=[16, 64, 256, 1024],

@@ -91,15 +91,16 @@ def test_fast_path_matches_torch_native(step, window, monkeypatch):
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("step", ["mixed", "decode_ragged"])  # decode_ragged: the length-bucket path
 @pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
-def test_fp8_fast_path_matches_torch_native(cache_dtype, monkeypatch):
+def test_fp8_fast_path_matches_torch_native(cache_dtype, step, monkeypatch):
     """An fp8 cache with per-KV-head k_scale and a per-tensor v_scale: written and read with
     the scales on the fast path, equal to torch_native's dequantising reference."""
     from types import SimpleNamespace
 
     layer = SimpleNamespace(k_scale=torch.tensor([0.02, 0.05]), v_scale=torch.tensor(0.03))
-    expected = _run(TorchNativeBackend, STEPS["mixed"], None, cache_dtype=cache_dtype, layer=layer)
+    expected = _run(TorchNativeBackend, STEPS[step], None, cache_dtype=cache_dtype, layer=layer)
     monkeypatch.setattr(TorchNativeAttentionImpl, "forward", lambda *a, **k: (_ for _ in ()).throw(AssertionError))
-    got = _run(CpuSdpaBackend, STEPS["mixed"], None, cache_dtype=cache_dtype, layer=layer)
+    got = _run(CpuSdpaBackend, STEPS[step], None, cache_dtype=cache_dtype, layer=layer)
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
