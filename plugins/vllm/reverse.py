@@ -223,7 +223,9 @@ def _reverse(name: str) -> type[AttentionBackend]:
         supported_head_sizes = tuple(vcls.get_supported_head_sizes()) or None
         supported_kernel_block_sizes = tuple(getattr(s, "base", s) for s in sizes) or None
         supported_devices = ("cpu",) if V.current_platform.is_cpu() else ("cuda",)
-        kv_cache_layout = layout if layout is not None else AttentionBackend.kv_cache_layout
+        kv_cache_layout = None if packed else layout
+        """The packing as attnplug's descriptor; ``None`` for a packed cache (CPU_ATTN's transposed
+        K, which no ``KVCacheLayout`` says: ``split_kv_cache`` alone reads it)."""
         vllm_kv_cache_layout = vllm_layout
         """The vLLM ``KVCacheLayout`` name the cache follows (the backend's first declared)."""
         kv_writer = "vllm"
