@@ -65,7 +65,7 @@ def test_random_steps_with_drafts_match_the_oracle(seed, layout, threshold, nati
               group_kinds=kinds)
     sc = StepCompiler(block_sizes, MAX_NUM_REQS, MAX_MODEL_LEN, MAX_TOKENS, validate=True, native=native, **kw)
     oracle = NaiveStepCompiler(block_sizes, MAX_NUM_REQS, MAX_MODEL_LEN, MAX_TOKENS, **kw)
-    sched = RandomScheduler(rng, layout, oracle, regular=rng.random() < 0.5)
+    sched = RandomScheduler(rng, layout, oracle, regular=rng.random() < 0.5, media=False)  # drafts, no media
     for _ in range(STEPS_PER_EXAMPLE):
         so = sched.step()
         spec = add_drafts(rng, sched, so, oracle)

@@ -55,8 +55,10 @@ MAX_NUM_REQS, MAX_MODEL_LEN, MAX_TOKENS, NUM_BLOCKS = 6, 48, 40, 400
 class RandomScheduler:
     """Emits valid, varied SchedulerOutputs by reading the oracle's state."""
 
-    def __init__(self, rng: random.Random, layout, oracle: NaiveStepCompiler, regular: bool = False):
+    def __init__(self, rng: random.Random, layout, oracle: NaiveStepCompiler, regular: bool = False,
+                 media: bool = True):
         self.rng = rng
+        self.media = media  # prompt embeddings / images on some new requests (the compiler must take them)
         self.regular = regular
         """Mostly regular outputs (no token deltas, rare resumes): the compiled fast path."""
         self.block_sizes, _, self.kinds = layout
@@ -193,7 +195,9 @@ class RandomScheduler:
                         self.refs[g][b] += 1
                 STEP_COUNT["shared"] += 1
             embeds, images = None, None  # prompt embeddings / an image on some new requests
-            if rng.random() < 0.12:
+            if not self.media:
+                pass
+            elif rng.random() < 0.12:
                 embeds = torch.randn(plen, HIDDEN, generator=torch.Generator().manual_seed(rng.randrange(2**31)))
             elif plen >= 2 and rng.random() < 0.15:
                 k = rng.randint(1, min(plen, 6))
