@@ -41,6 +41,8 @@ from attnplug.runner.serve.request import Request, RequestStatus
 from attnplug.runner.serve.sampled_checks import check_sampled_tokens
 from attnplug.runner.serve.scheduler_config import SchedulerConfig
 from attnplug.runner.serve.spec_schedule import SpecScheduler, make_spec_scheduler
+from attnplug.runner.serve.step_plan import StepPlan
+from attnplug.runner.serve.waiting_admission import admit_waiting
 from attnplug.runner.step.scheduler_output import SamplingParams, SchedulerOutput
 
 __all__ = ["Scheduler", "SchedulerConfig"]
@@ -202,98 +204,60 @@ class Scheduler:
         if len(self._in_flight) >= (2 if self.config.async_scheduling else 1):
             raise SchedulingError(
                 "schedule() called again before update_from_output() of the previous step")
-        cfg = self.config
-        budget = cfg.max_num_batched_tokens
-        sched: dict[str, int] = {}
-        new_blocks: dict[str, tuple[list[int], ...]] = {}
-        preempted: list[Request] = []
-        spec_tokens: dict[str, list[int]] = {}
+        plan = StepPlan(budget=self.config.max_num_batched_tokens)
         forced = maybe_force_preemption(self)
         if forced is not None:
-            preempted.append(forced)
+            plan.preempted.append(forced)
+        self._schedule_running(plan)
+        if not plan.preempted or not plan.sched:  # no admission after a preemption unless the step is empty
+            admit_waiting(self, plan)
+        finished, self._finished_since_schedule = self._finished_since_schedule, set()
+        out = make_output(self.requests, plan.sched, plan.new_blocks, plan.new_reqs, plan.resumed, finished)
+        out.mamba_state_copies = self.kv_cache_manager.plan_state_copies(plan.sched, self.requests)
+        out.scheduled_spec_decode_tokens = plan.spec_tokens
+        if self.kv_connector is not None:
+            out.kv_connector_metadata = self.kv_connector.build_connector_meta(out)
+        self.num_steps += 1
+        if plan.sched:
+            self._launch(out)
+        return out
 
-        # 1. running requests: decodes first, then unfinished prefills (admission order each).
+    def _schedule_running(self, plan: StepPlan) -> None:
+        """The first phase: running requests, decodes first, then unfinished prefills
+        (admission order each), each with its drafts; a request whose blocks do not fit
+        preempts the last running one (taken back from ``plan`` if already scheduled)."""
+        cfg = self.config
         order = ([r for r in self.running if r.num_tokens_to_compute <= 1]
                  + [r for r in self.running if r.num_tokens_to_compute > 1])
         for req in order:
-            if budget == 0:
+            if plan.budget == 0:
                 break
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             if req.num_tokens_to_compute == 0 or req.remaining_output_tokens(cfg.max_model_len) == 0:
                 continue  # asynchronous: its last output is in flight
-            drafts = self.spec.propose(req, budget) if self.spec is not None else []
+            drafts = self.spec.propose(req, plan.budget) if self.spec is not None else []
             n = self.kv_cache_manager.align_num_new_tokens(
-                req, req.num_computed_tokens, min(req.num_tokens_to_compute + len(drafts), budget))
+                req, req.num_computed_tokens, min(req.num_tokens_to_compute + len(drafts), plan.budget))
             assert n > 0, f"running request {req.req_id} has nothing to compute"
             drafts = drafts[:n - 1]  # a Mamba checkpoint boundary may cut the row: fewer drafts
             while (blocks := self._allocate(req, n)) is None:
                 victim = self.running[-1]
                 self._preempt(victim)
-                preempted.append(victim)
-                if victim.req_id in sched:  # already scheduled this step: take it back
-                    budget += sched.pop(victim.req_id)
-                    del new_blocks[victim.req_id]
-                    spec_tokens.pop(victim.req_id, None)
+                plan.preempted.append(victim)
+                if victim.req_id in plan.sched:  # already scheduled this step: take it back
+                    plan.budget += plan.sched.pop(victim.req_id)
+                    del plan.new_blocks[victim.req_id]
+                    plan.spec_tokens.pop(victim.req_id, None)
                 if victim is req or victim.free_when_idle:
                     break  # (a victim in flight frees its blocks only after that step)
             if blocks is None:
                 continue
-            sched[req.req_id] = n
-            new_blocks[req.req_id] = blocks
-            budget -= n
+            plan.sched[req.req_id] = n
+            plan.new_blocks[req.req_id] = blocks
+            plan.budget -= n
             if drafts:
-                spec_tokens[req.req_id] = drafts
-
-        # 2. waiting requests, FIFO (none after a preemption unless the step is empty).
-        new_reqs: list[Request] = []
-        resumed: list[Request] = []
-        if not preempted or not sched:
-            loading = len(self.kv_loads) if self.kv_loads is not None else 0
-            while self.waiting and budget > 0 and len(self.running) + loading < cfg.max_num_seqs:
-                req = self.waiting[0]
-                if req.free_when_idle:
-                    break  # its old blocks are still in use by the step in flight
-                if req.kv_load is not None and not req.sent_to_runner and req.status is RequestStatus.WAITING:
-                    if (n := self.kv_loads.admit_loaded(req, budget, bool(sched))) is None:  # load ended
-                        break
-                    new_reqs.append(req)
-                    sched[req.req_id] = n
-                    budget -= n
-                    continue
-                hit = self.kv_cache_manager.get_computed_blocks(req)  # prefix caching (NO_HIT without)
-                ext = self.kv_loads.lookup(req, hit.num_computed_tokens) if self.kv_loads is not None else 0
-                if ext:  # the connector holds more: load it first, compute nothing yet
-                    if not self.kv_loads.start(req, hit, ext):
-                        break
-                    loading += 1
-                    continue
-                total = req.num_tokens_to_compute - hit.num_computed_tokens
-                if not cfg.enable_chunked_prefill and not req.sent_to_runner and total > budget:
-                    break
-                n = self.kv_cache_manager.align_num_new_tokens(req, hit.num_computed_tokens, min(total, budget))
-                if self._allocate(req, n, hit) is None:
-                    break
-                req.num_computed_tokens = hit.num_computed_tokens
-                self.kv_cache_manager.record_admission(req, hit)
-                self.waiting.popleft()
-                self.running.append(req)
-                req.status = RequestStatus.RUNNING
-                (resumed if req.sent_to_runner else new_reqs).append(req)
-                req.sent_to_runner = True
-                sched[req.req_id] = n
-                budget -= n
-
-        finished, self._finished_since_schedule = self._finished_since_schedule, set()
-        out = make_output(self.requests, sched, new_blocks, new_reqs, resumed, finished)
-        out.mamba_state_copies = self.kv_cache_manager.plan_state_copies(sched, self.requests)
-        out.scheduled_spec_decode_tokens = spec_tokens
-        if self.kv_connector is not None:
-            out.kv_connector_metadata = self.kv_connector.build_connector_meta(out)
-        self.num_steps += 1
-        if sched:
-            self._launch(out)
-        return out
+                plan.spec_tokens[req.req_id] = drafts
 
     def _launch(self, out: SchedulerOutput) -> None:
         """The step goes in flight: count it against its requests; asynchronously, advance

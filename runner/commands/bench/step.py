@@ -30,6 +30,7 @@ max over the ``--repeat`` replays, the torch thread count and the load average a
 from __future__ import annotations
 
 import gc
+import importlib
 import json
 import os
 import statistics
@@ -188,31 +189,34 @@ def _int_at_least(low: int):
     return bounded_int(low, MAX_STEPS)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``attnplug bench step [--steps N] [--sizes 16,64,...] [--trace-steps N] ...``"""
-    if argv and argv[0] == "broadcast":  # under torchrun: runner/commands/bench/broadcast.py
-        from attnplug.runner.commands.bench.broadcast import main as broadcast_main
-        return broadcast_main(list(argv[1:]))
-    if argv and argv[0] == "moe":  # `attnplug bench moe ...`: runner/commands/bench/moe.py
-        from attnplug.runner.commands.bench.moe import main as moe_main
-        return moe_main(list(argv[1:]))
-    if argv and argv[0] == "threads":  # `attnplug bench threads ...`: runner/commands/bench/threads.py
-        from attnplug.runner.commands.bench.threads import main as threads_main
-        return threads_main(list(argv[1:]))
-    if argv and argv[0] == "engine":  # `attnplug bench engine ...`: runner/commands/bench/engine.py
-        from attnplug.runner.commands.bench.engine import main as engine_main
-        return engine_main(list(argv[1:]))
-    if argv and argv[0] == "serve":  # `attnplug bench serve ...`: runner/commands/bench/serve_client.py
-        from attnplug.runner.commands.bench.serve_client import main as serve_main
-        return serve_main(list(argv[1:]))
-    if argv and argv[0] == "attention":  # `attnplug bench attention ...`: runner/commands/bench/attention.py
-        rest = list(argv[1:])
-        if not torch.cuda.is_available() or "--device=cpu" in rest or \
-                "cpu" in [b for a, b in zip(rest, rest[1:]) if a == "--device"]:
-            from attnplug.runner.commands.bench.attention_cpu import main as attention_cpu_main
-            return attention_cpu_main(rest)  # the CPU sweep
-        from attnplug.runner.commands.bench.attention import main as attention_main
-        return attention_main(rest)
+# `attnplug bench NAME ...` for the benchmarks with their own module and flags: NAME -> (module, its main)
+_SUBCOMMANDS = {
+    "broadcast": "attnplug.runner.commands.bench.broadcast",  # under torchrun
+    "moe": "attnplug.runner.commands.bench.moe",
+    "threads": "attnplug.runner.commands.bench.threads",
+    "engine": "attnplug.runner.commands.bench.engine",
+    "serve": "attnplug.runner.commands.bench.serve_client",
+}
+
+
+def _subcommand(argv: list[str]) -> int | None:
+    """Run ``argv[0]``'s own benchmark (:data:`_SUBCOMMANDS`, or ``attention``: the CPU sweep
+    without CUDA or with ``--device cpu``) and return its status; ``None`` for the step bench."""
+    if not argv:
+        return None
+    rest = list(argv[1:])
+    if argv[0] in _SUBCOMMANDS:
+        return importlib.import_module(_SUBCOMMANDS[argv[0]]).main(rest)
+    if argv[0] == "attention":
+        cpu = (not torch.cuda.is_available() or "--device=cpu" in rest
+               or "cpu" in [b for a, b in zip(rest, rest[1:]) if a == "--device"])
+        module = "attention_cpu" if cpu else "attention"
+        return importlib.import_module(f"attnplug.runner.commands.bench.{module}").main(rest)
+    return None
+
+
+def _parser() -> OneLineParser:
+    """The step bench's flags."""
     parser = OneLineParser(prog="attnplug bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("which", nargs="?", default="step",
                         choices=["step", "attention", "broadcast", "moe", "threads", "engine"],
@@ -252,16 +256,16 @@ def main(argv: list[str] | None = None) -> int:
                         help="replay each workload this many times and report the run with the lowest "
                              "median total (default 3; the naive implementation runs once)")
     threads.add_flag(parser, "1 (host-side stages, reproducible on a shared machine)")
-    args = parser.parse_args(argv)
-    if (status := threads.apply(args.torch_threads, "attnplug bench", default=1)) is not None:
-        return status
-    report = {"torch_threads": torch.get_num_threads(), "load_average": list(os.getloadavg()),
-              "repeat": args.repeat}
-    sizes = args.sizes
+    return parser
+
+
+def _step_compiler_rows(args, report: dict) -> list:
+    """The step-compiler table (steady decode at each size, the trace replay): printed unless
+    ``--json``; its figures in ``report["step_compiler"]``. Returns the table's rows."""
     rows, json_rows = [], []
     workloads = [] if args.no_compiler else [
         (steady_decode(n, max(args.steps, 0 if args.no_naive else args.naive_steps),
-                       prompt_arrays=args.prompt_arrays), args.steps, TARGETS_US.get(n)) for n in sizes]
+                       prompt_arrays=args.prompt_arrays), args.steps, TARGETS_US.get(n)) for n in args.sizes]
     if args.trace_steps > 0 and not args.no_compiler:
         workloads.append((trace_replay(args.trace_steps + 10), args.trace_steps, None))
     for w, steps, target in workloads:
@@ -276,6 +280,13 @@ def main(argv: list[str] | None = None) -> int:
         print(text)
     if args.trace_steps > 0 and not args.no_compiler and not args.json:
         print(f"trace replay: request lengths from the bundled trace `conv`, {BUNDLED_ATTRIBUTION}.")
+    return rows
+
+
+def _other_tables(args, report: dict, after_rows: bool) -> None:
+    """The hybrid-metadata, builders, async, speculative and state-speculative tables, each
+    when its step count is > 0: printed unless ``--json``, figures into ``report``."""
+    sizes = args.sizes
     if args.hybrid_steps > 0:
         from attnplug.runner.commands.bench.metadata import render_hybrid, run_hybrid
 
@@ -283,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
         report["hybrid_metadata"] = dict(workload=name, **hybrid)
         text = "" if args.json else render_hybrid(name, hybrid, args.markdown)
         if text:
-            print(("\n" if rows else "") + text)
+            print(("\n" if after_rows else "") + text)
     if args.builder_steps > 0:
         from attnplug.runner.commands.bench.builders import render_builders, run_builders, run_full_step
 
@@ -313,6 +324,19 @@ def main(argv: list[str] | None = None) -> int:
         report["spec_state"] = run_spec_state(64, 3, args.state_spec_steps, args.repeat)
         if not args.json:
             print("\n" + render_spec_state(report["spec_state"], args.markdown))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``attnplug bench step [--steps N] [--sizes 16,64,...] [--trace-steps N] ...``"""
+    if (status := _subcommand(argv or [])) is not None:
+        return status
+    args = _parser().parse_args(argv)
+    if (status := threads.apply(args.torch_threads, "attnplug bench", default=1)) is not None:
+        return status
+    report = {"torch_threads": torch.get_num_threads(), "load_average": list(os.getloadavg()),
+              "repeat": args.repeat}
+    rows = _step_compiler_rows(args, report)
+    _other_tables(args, report, bool(rows))
     if args.json:
         print(json.dumps(report, indent=1))
     elif args.builder_steps > 0 or args.async_steps > 0 or args.spec_steps > 0 or args.state_spec_steps > 0 or rows:
