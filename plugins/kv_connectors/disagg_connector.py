@@ -243,15 +243,7 @@ class DisaggConnector(RedisWorkerSide, KVConnectorBase):
                 self._fault(exc.kind, str(exc))
                 self._done.failed_recving.add(spec.req_id)
                 continue
-            nbytes = 0
-            for g, bid, layers in blocks:
-                for j, parts in enumerate(layers):
-                    for view, s in zip(self._block_view(g, j, bid), parts):
-                        view.copy_(s)
-                        nbytes += s.numel() * s.element_size()
-            self.stats.tokens_loaded += spec.num_tokens
-            self.stats.bytes_loaded += nbytes
-            self.stats.load_time_ns.append(time.perf_counter_ns() - t0)
+            self._install_blocks(blocks, spec.num_tokens, t0)
             self._done.finished_recving.add(spec.req_id)
 
     def _checked_blocks(self, spec: PrefillLoad, msg) -> list[tuple[int, int, list]]:

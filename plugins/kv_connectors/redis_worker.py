@@ -74,6 +74,21 @@ class RedisWorkerSide:
         k = self._layouts[g].parts[0][1][self._block_dims[g]]
         return [cache.narrow(self._block_dims[g], block_id * k, k)]
 
+    def _install_blocks(self, blocks, num_tokens: int, t0_ns: int) -> None:
+        """Copy checked blocks into the cache and count the load: ``blocks`` is a list of
+        ``(group, block id, per-layer parts)`` (each part a tensor shaped as
+        :meth:`_block_view`'s view); ``num_tokens`` the tokens they bring; ``t0_ns`` when the
+        load started (``time.perf_counter_ns``)."""
+        nbytes = 0
+        for g, bid, layers in blocks:
+            for j, parts in enumerate(layers):
+                for view, part in zip(self._block_view(g, j, bid), parts):
+                    view.copy_(part)
+                    nbytes += part.numel() * part.element_size()
+        self.stats.tokens_loaded += num_tokens
+        self.stats.bytes_loaded += nbytes
+        self.stats.load_time_ns.append(time.perf_counter_ns() - t0_ns)
+
     def start_load_kv(self) -> None:
         """Submit each load of the bound step to the fetch thread."""
         meta = self._meta
@@ -116,15 +131,7 @@ class RedisWorkerSide:
                 self._fault("store_unavailable", str(exc))
                 res.failed_recving.add(rid)
                 continue
-            nbytes = 0
-            for g, bid, slices in blocks:
-                for j, parts in enumerate(slices):
-                    for view, s in zip(self._block_view(g, j, bid), parts):
-                        view.copy_(s)
-                        nbytes += s.numel() * s.element_size()
-            self.stats.tokens_loaded += spec.num_tokens
-            self.stats.bytes_loaded += nbytes
-            self.stats.load_time_ns.append(time.perf_counter_ns() - t0)
+            self._install_blocks(blocks, spec.num_tokens, t0)
             res.finished_recving.add(rid)
         return res
 
