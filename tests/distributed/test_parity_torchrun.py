@@ -50,5 +50,6 @@ def test_parity_parallel_refusals_are_one_line(tmp_path, capsys, monkeypatch):
     assert parity_main(["--hf-config", str(cfg), "--tensor-parallel-size", "2"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "WORLD_SIZE is 1" in err, err
+    assert "-m attnplug parity" in err, err  # the launch line to copy names the command that failed
     assert parity_main(["--model", "smollm2", "--tensor-parallel-size", "2"]) == 2
     assert "real weights (--model) run in one process" in capsys.readouterr().err
