@@ -84,3 +84,13 @@ def test_world_size_mismatch_counts_processes_in_the_singular_too():
         check_sizes(1, 1, 2)
     with pytest.raises(ParallelConfigError, match=r"= 2 processes, but WORLD_SIZE is 1"):
         check_sizes(2, 1, 1)
+
+
+def test_a_mistyped_model_name_lists_the_presets(capsys):
+    """``--model tiny-lama`` said "model config not found: pass 'preset'", naming no preset."""
+    from attnplug.runner.commands.run import main as run_main
+
+    assert run_main(["--model", "tiny-lama", "--num-requests", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert "--model 'tiny-lama' is neither a preset (tiny-llama, tiny-hybrid" in err and "smollm2" in err, err
