@@ -64,7 +64,9 @@ def test_run_refuses_bad_connector_flags_in_one_line(capsys):
                           (["--kv-connector", "redis", "--kv-connector-config", "colour=red"], "unknown redis"),
                           (["--kv-connector-config", "url=x"], "without --kv-connector"),
                           (["--kv-connector", "redis", "--async-scheduling"], "synchronous scheduling"),
-                          (["--kv-connector", "redis", "--model", "tiny-hybrid"], "needs --prefix-caching")]:
+                          (["--kv-connector", "redis", "--model", "tiny-hybrid"], "needs --prefix-caching"),
+                          # run B read run A's fp8 blocks with its own first-batch scales: other tokens
+                          (["--kv-connector", "redis", "--kv-cache-dtype", "fp8_e4m3"], "first_batch scales")]:
         status = main(["--model", "tiny-llama", "--num-requests", "1", "--invariance-requests", "0", *flags])
         err = capsys.readouterr().err
         assert status == 2, (flags, err)
