@@ -94,3 +94,16 @@ def test_a_mistyped_model_name_lists_the_presets(capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Traceback" not in err, err
     assert "--model 'tiny-lama' is neither a preset (tiny-llama, tiny-hybrid" in err and "smollm2" in err, err
+
+
+@pytest.mark.parametrize("command", ["run", "parity"])
+def test_kv_scales_without_an_fp8_cache_is_refused(capsys, command):
+    """``--kv-scales unit`` with the default ``--kv-cache-dtype auto`` ran silently, scales unused."""
+    from attnplug.runner.commands.parity import main as parity_main
+    from attnplug.runner.commands.run import main as run_main
+
+    argv = ["--kv-scales", "unit", "--num-requests", "1"] + (["--model", "tiny-llama"] if command == "run" else
+                                                              ["--hf-config", "/nonexistent/config.json"])
+    assert (run_main if command == "run" else parity_main)(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--kv-scales unit: scales apply to an fp8 KV cache only" in err, err
