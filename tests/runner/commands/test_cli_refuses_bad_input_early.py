@@ -96,14 +96,15 @@ def test_a_mistyped_model_name_lists_the_presets(capsys):
     assert "--model 'tiny-lama' is neither a preset (tiny-llama, tiny-hybrid" in err and "smollm2" in err, err
 
 
-@pytest.mark.parametrize("command", ["run", "parity"])
+@pytest.mark.parametrize("command", ["run", "parity", "serve"])
 def test_kv_scales_without_an_fp8_cache_is_refused(capsys, command):
     """``--kv-scales unit`` with the default ``--kv-cache-dtype auto`` ran silently, scales unused."""
     from attnplug.runner.commands.parity import main as parity_main
     from attnplug.runner.commands.run import main as run_main
+    from attnplug.runner.commands.serve import main as serve_main
 
-    argv = ["--kv-scales", "unit", "--num-requests", "1"] + (["--model", "tiny-llama"] if command == "run" else
-                                                              ["--hf-config", "/nonexistent/config.json"])
-    assert (run_main if command == "run" else parity_main)(argv) == 2
+    argv = ["--kv-scales", "unit"] + (["--hf-config", "/nonexistent/config.json", "--num-requests", "1"]
+                                      if command == "parity" else ["--model", "tiny-llama"])
+    assert {"run": run_main, "parity": parity_main, "serve": serve_main}[command](argv) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--kv-scales unit: scales apply to an fp8 KV cache only" in err, err
