@@ -77,6 +77,11 @@ def build_with_backends(config: Any, *, backend: str | None, block_size: int, re
     from attnplug.runner.parallel.state import current
 
     state = current()
+    if state is not None and state.pp_size > 1 and state.tp_size == 1:  # (tp > 1: build_tp_model checks)
+        from attnplug.runner.models import resolve_model_config
+        from attnplug.runner.parallel.sharding import check_shardable
+
+        check_shardable(resolve_model_config(config), 1)  # a model no rank can take a part of (qwen2_vl)
     if state is not None and state.tp_size > 1:  # this rank's shard (runner/parallel/tp_model.py)
         from attnplug.runner.parallel.tp_model import build_tp_model
 
