@@ -123,8 +123,8 @@ def load_model_for_run(model: str, *, backend: str | None, block_size: int, seed
     elif not os.path.exists(model):
         from attnplug.runner.models.gguf import BUNDLED_MODELS
 
-        raise AttnplugError(f"--model {model!r} is neither a preset ({', '.join(presets.PRESETS)}), a bundled "
-                            f"model ({', '.join(BUNDLED_MODELS)}), a .gguf path nor a path to an HF config.json")
+        raise AttnplugError(f"model {model!r} not found: not a preset ({', '.join(presets.PRESETS)}), a bundled "
+                            f"model ({', '.join(BUNDLED_MODELS)}), a .gguf path or a path to an HF config.json")
     else:
         config = read_hf_config(model)
     return build_with_backends(config, backend=backend, block_size=block_size, resolve=resolve,

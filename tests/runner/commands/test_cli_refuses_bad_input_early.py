@@ -93,7 +93,7 @@ def test_a_mistyped_model_name_lists_the_presets(capsys):
     assert run_main(["--model", "tiny-lama", "--num-requests", "1"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Traceback" not in err, err
-    assert "--model 'tiny-lama' is neither a preset (tiny-llama, tiny-hybrid" in err and "smollm2" in err, err
+    assert "model 'tiny-lama' not found: not a preset (tiny-llama, tiny-hybrid" in err and "smollm2" in err, err
 
 
 @pytest.mark.parametrize("command", ["run", "parity", "serve"])
