@@ -45,6 +45,8 @@ logger = logging.getLogger("attnplug.kv_connectors")
 
 _DEFAULTS = {"url": "redis://127.0.0.1:6379/0", "namespace": None, "prefix": "attnplug:kv",
              "cpu_bytes": 64 << 20, "timeout_s": 1.0, "save": True, "load": True}
+_URL_SCHEMES = ("redis://", "rediss://", "unix://")  # the schemes redis-py's from_url accepts
+_BOOL_WORDS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
 
 
 @dataclass
@@ -61,7 +63,9 @@ def parse_settings(config: Mapping[str, Any]) -> dict[str, Any]:
     """The connector's settings with defaults.
 
     Raises:
-        ConfigError: an unknown key or a value of the wrong type (origin ``--kv-connector-config``).
+        ConfigError: an unknown key, a value of the wrong type, a negative ``cpu_bytes``, a
+            ``timeout_s`` <= 0, a ``url`` not ``redis://``, ``rediss://`` or ``unix://``, or a
+            ``save``/``load`` that is not a boolean (origin ``--kv-connector-config``).
     """
     unknown = sorted(set(config) - set(_DEFAULTS))
     if unknown:
@@ -73,9 +77,19 @@ def parse_settings(config: Mapping[str, Any]) -> dict[str, Any]:
         out["timeout_s"] = float(out["timeout_s"])
     except (TypeError, ValueError):
         raise ConfigError("--kv-connector-config", "cpu_bytes must be an int and timeout_s a number") from None
+    if out["cpu_bytes"] < 0 or not out["timeout_s"] > 0:
+        raise ConfigError("--kv-connector-config", f"cpu_bytes must be >= 0 (got {out['cpu_bytes']}) and "
+                          f"timeout_s > 0 (got {out['timeout_s']})")
+    if not isinstance(out["url"], str) or not out["url"].startswith(_URL_SCHEMES):
+        raise ConfigError("--kv-connector-config", f"url {out['url']!r} must start with one of {list(_URL_SCHEMES)}")
     for k in ("save", "load"):
-        if isinstance(out[k], str):
-            out[k] = out[k].lower() in ("1", "true", "yes", "on")
+        value = out[k]
+        if isinstance(value, str) and value.lower() in _BOOL_WORDS:
+            out[k] = _BOOL_WORDS[value.lower()]
+        elif isinstance(value, bool) or value in (0, 1):
+            out[k] = bool(value)
+        else:
+            raise ConfigError("--kv-connector-config", f"{k} must be true or false (got {value!r})")
     return out
 
 

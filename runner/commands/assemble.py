@@ -271,7 +271,7 @@ def build_engine(args, *, alone: bool = False, model: torch.nn.Module | None = N
                     "--num-blocks" if args.num_blocks else "the default --num-blocks")
     backends = [model.attnplug_backends[g.layer_names[0]] for g in groups]
     check_builders(kv_cfg, backends, budget, max_num_seqs, max_model_len, device, getattr(model, "dtype", None))
-    kv_sched, kv_worker = make_connectors(args, kv_cfg, backends, alone)  # --kv-connector
+    kv_sched, kv_worker = make_connectors(args, kv_cfg, backends, alone, kv_info)  # --kv-connector
     sched = Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
                                       max_model_len=max_model_len, enable_chunked_prefill=not alone,
                                       force_preemption_every=getattr(args, "force_preemption_every", None),

@@ -44,6 +44,16 @@ def add_flags(p: argparse.ArgumentParser, memory: bool = True) -> None:
                             "--num-blocks); with fp8 the same MiB hold 2x (vs 16-bit) or 4x (vs fp32) the blocks")
 
 
+def flag_problem(args) -> str | None:
+    """One line when ``--kv-scales`` names a source without an fp8 ``--kv-cache-dtype`` (the
+    scales would go unused), else ``None``."""
+    source = getattr(args, "kv_scales", "auto") or "auto"
+    if source != "auto" and cache_dtype(args) is None:
+        return (f"--kv-scales {source}: scales apply to an fp8 KV cache only; give --kv-cache-dtype fp8_e4m3 "
+                "or fp8_e5m2, or drop --kv-scales")
+    return None
+
+
 def cache_dtype(args) -> torch.dtype | None:
     """The fp8 dtype ``args.kv_cache_dtype`` names, or ``None`` (``auto`` / absent)."""
     return parse_kv_cache_dtype(getattr(args, "kv_cache_dtype", None) or "auto")
@@ -94,4 +104,4 @@ def blocks_for_memory(specs_by_group: list[KVCacheSpec], layers_by_group: list[i
     return max(2, (mib * 2**20) // per_block)
 
 
-__all__ = ["add_flags", "blocks_for_memory", "cache_dtype", "prepare_scales", "quantized_specs"]
+__all__ = ["add_flags", "blocks_for_memory", "cache_dtype", "flag_problem", "prepare_scales", "quantized_specs"]

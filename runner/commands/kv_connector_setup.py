@@ -88,13 +88,17 @@ def connector_context(args, kv_cfg, backends) -> KVConnectorContext:
     return KVConnectorContext(tuple(groups), model_id(args), parse_config(getattr(args, "kv_connector_config", None)))
 
 
-def make_connectors(args, kv_cfg, backends, alone: bool):
+def make_connectors(args, kv_cfg, backends, alone: bool, kv_scales: dict[str, str] | None = None):
     """``(scheduler side, worker side)`` instances of ``--kv-connector``, or ``(None, None)``
-    (no flag, or the batch-of-one engine of the invariance check).
+    (no flag, or the batch-of-one engine of the invariance check). ``kv_scales``: the fp8
+    cache's ``{"dtype", "scales", "granularity"}`` (``kv_cache_setup.prepare_scales``), ``None``
+    for a cache in the model's dtype.
 
     Raises:
-        ConfigError: an unknown connector, bad settings, a group it cannot serve, or
-            asynchronous scheduling / tensor parallelism (not supported with a connector).
+        ConfigError: an unknown connector, bad settings, a group it cannot serve,
+            asynchronous scheduling / tensor parallelism (not supported with a connector), or
+            an fp8 cache whose scales are ``first_batch`` (each process computes its own, so a
+            block written by another process would be read with the wrong scales).
     """
     name = getattr(args, "kv_connector", None)
     if getattr(args, "kv_role", None) and name != "disagg":
@@ -108,6 +112,10 @@ def make_connectors(args, kv_cfg, backends, alone: bool):
     from attnplug.plugins.kv_connectors import get_kv_connector
 
     cls = get_kv_connector(name)
+    if kv_scales is not None and kv_scales.get("scales") == "first_batch":
+        raise ConfigError("--kv-connector", f"an {kv_scales.get('dtype')} KV cache with first_batch scales (what "
+                          "--kv-scales auto means without checkpoint scales): each process computes its own, so "
+                          "blocks another process wrote would read back wrong; use --kv-scales unit or checkpoint")
     if any(g.kv_cache_spec.kind == "mamba" for g in kv_cfg.groups) and not getattr(args, "prefix_caching", False):
         raise ConfigError("--kv-connector", "a model with Mamba layers needs --prefix-caching with a KV connector "
                           "(its chunks are then cut at Mamba checkpoints, the states the store keeps)")

@@ -31,7 +31,7 @@ def read_hf_config(path: str) -> dict[str, Any]:
         with open(path, encoding="utf-8") as f:
             cfg = json.load(f)
     except FileNotFoundError:
-        raise AttnplugError(f"model config {path!r} not found: pass 'preset' or a path to an HF config.json") from None
+        raise AttnplugError(f"model config {path!r} not found: give a path to an HF config.json (a file, or a directory holding one)") from None
     except json.JSONDecodeError as e:
         raise AttnplugError(f"model config {path!r} is not valid JSON: {e}") from None
     if not isinstance(cfg, dict):
@@ -77,6 +77,11 @@ def build_with_backends(config: Any, *, backend: str | None, block_size: int, re
     from attnplug.runner.parallel.state import current
 
     state = current()
+    if state is not None and state.pp_size > 1 and state.tp_size == 1:  # (tp > 1: build_tp_model checks)
+        from attnplug.runner.models import resolve_model_config
+        from attnplug.runner.parallel.sharding import check_shardable
+
+        check_shardable(resolve_model_config(config), 1)  # a model no rank can take a part of (qwen2_vl)
     if state is not None and state.tp_size > 1:  # this rank's shard (runner/parallel/tp_model.py)
         from attnplug.runner.parallel.tp_model import build_tp_model
 
@@ -99,7 +104,12 @@ def load_model_for_run(model: str, *, backend: str | None, block_size: int, seed
     """``'preset'`` → the default bundled preset (``presets.DEFAULT_PRESET``); a preset name
     (``presets.PRESETS``) → that preset; a real model's name (``smollm2``) or a ``.gguf``
     path → its real weights (:func:`load_real_model`); else an HF ``config.json`` path.
-    Random weights from ``seed`` (the same on any ``device``)."""
+    Random weights from ``seed`` (the same on any ``device``).
+
+    Raises:
+        AttnplugError: a name that is no preset, bundled model or existing path (the message
+            lists the presets and bundled models), or a config file :func:`read_hf_config` refuses.
+    """
     from attnplug.runner.models import presets
     from attnplug.runner.models.gguf import is_gguf_model
 
@@ -110,6 +120,11 @@ def load_model_for_run(model: str, *, backend: str | None, block_size: int, seed
         config = presets.preset_config()
     elif model in presets.PRESETS:
         config = presets.preset_config(model)
+    elif not os.path.exists(model):
+        from attnplug.runner.models.gguf import BUNDLED_MODELS
+
+        raise AttnplugError(f"model {model!r} not found: not a preset ({', '.join(presets.PRESETS)}), a bundled "
+                            f"model ({', '.join(BUNDLED_MODELS)}), a .gguf path or a path to an HF config.json")
     else:
         config = read_hf_config(model)
     return build_with_backends(config, backend=backend, block_size=block_size, resolve=resolve,

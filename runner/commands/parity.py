@@ -166,6 +166,9 @@ def main(argv: list[str]) -> int:
 
     kv_cache_setup.add_flags(p, memory=False)  # fp8: agreement with HF's fp32 cache is measured, not required
     args = p.parse_args(argv)
+    if (why := kv_cache_setup.flag_problem(args)) is not None:
+        print(f"attnplug parity: {why}", file=sys.stderr)
+        return 2
     if (status := threads.apply(args.torch_threads, "attnplug parity")) is not None:
         return status
     for key, value in (REAL_DEFAULTS if args.model else RANDOM_DEFAULTS).items():

@@ -53,7 +53,7 @@ def run(args, cfg_dict: dict, common: dict, *, run_parity: Callable, parity_mode
 
     try:  # a model that does not split: one line on every rank, before any process group
         check_shardable(resolve_model_config(cfg_dict), args.tensor_parallel_size)
-        state = init_parallel(args.tensor_parallel_size, args.pipeline_parallel_size, "cpu")
+        state = init_parallel(args.tensor_parallel_size, args.pipeline_parallel_size, "cpu", "parity")
     except AttnplugError as e:
         print(PREFIX + str(e), file=sys.stderr)
         return 2

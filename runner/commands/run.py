@@ -175,6 +175,9 @@ def main(argv: list[str]) -> int:
     if (why := serving_flags.check(args)) is not None:
         print(f"attnplug run: {why}", file=sys.stderr)
         return 2
+    if (why := kv_cache_setup.flag_problem(args)) is not None:
+        print(f"attnplug run: {why}", file=sys.stderr)
+        return 2
     if args.plot and (missing := plot_path_problem(args.plot) or missing_matplotlib()):
         print(missing, file=sys.stderr)
         return 2

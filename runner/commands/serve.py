@@ -15,7 +15,7 @@ import argparse
 import sys
 
 from attnplug.core.errors import AttnplugError
-from attnplug.runner.commands import real_run, run, run_parallel, threads
+from attnplug.runner.commands import kv_cache_setup, real_run, run, run_parallel, threads
 from attnplug.runner.commands.limits import bounded_int
 
 REPLAY_FLAGS = ("trace", "num_requests", "prompts", "invariance_requests", "skip_invalid", "shared_prefixes",
@@ -84,6 +84,9 @@ def main(argv: list[str]) -> int:
     args = parse(argv)
     if (problem := real_run.resolve_defaults(args)) is not None:
         print(f"attnplug serve: {problem}", file=sys.stderr)
+        return 2
+    if (why := kv_cache_setup.flag_problem(args)) is not None:
+        print(f"attnplug serve: {why}", file=sys.stderr)
         return 2
     if (status := threads.apply(args.torch_threads, "attnplug serve")) is not None:
         return status  # a bad --torch-threads / ATTNPLUG_TORCH_THREADS: one line, exit 2

@@ -69,7 +69,11 @@ def check_shardable(cfg: Any, tp: int) -> None:
     ``mamba_expand % tp == 0`` (the rank config keeps ``mamba_expand * hidden_size ==
     heads * head_size``); for Qwen3-Next / Qwen3.5 ``linear_num_key_heads % tp == 0`` and
     ``shared_expert_intermediate_size % tp == 0`` (``gdn_sharding.qwen3_next_problems``).
+    A ``qwen2_vl`` config is refused whatever ``tp`` (its vision tower is not sharded).
     """
+    if getattr(cfg, "model_type", None) == "qwen2_vl":  # docs/models.md: nothing shards its vision tower
+        raise ParallelConfigError("qwen2_vl (images) runs in one process only, not under tensor or pipeline "
+                                  "parallel: nothing shards its vision tower")
     H, K, I = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size
     problems = []
     if hasattr(cfg, "mamba_n_heads"):

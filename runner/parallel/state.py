@@ -91,12 +91,13 @@ def set_state(state: ParallelState | None) -> None:
     _STATE = state
 
 
-def check_sizes(tp: int, pp: int, world_size: int) -> None:
-    """Raise :class:`ParallelConfigError` unless ``tp * pp == world_size``."""
+def check_sizes(tp: int, pp: int, world_size: int, command: str = "run") -> None:
+    """Raise :class:`ParallelConfigError` unless ``tp * pp == world_size`` (the message shows
+    the torchrun line for ``attnplug <command>``)."""
     if tp * pp != world_size:
         raise ParallelConfigError(
             f"--tensor-parallel-size {tp} x --pipeline-parallel-size {pp} = {tp * pp} process{'es' if tp * pp != 1 else ''}, but "
-            f"WORLD_SIZE is {world_size}: launch with torchrun --nproc-per-node {tp * pp} -m attnplug run ...")
+            f"WORLD_SIZE is {world_size}: launch with torchrun --nproc-per-node {tp * pp} -m attnplug {command} ...")
 
 
 def timeout_s() -> float:
@@ -108,19 +109,20 @@ def timeout_s() -> float:
         raise ParallelConfigError(f"ATTNPLUG_DIST_TIMEOUT={raw!r} is not a number of seconds") from None
 
 
-def init_parallel(tp: int, pp: int = 1, device: str = "cpu") -> ParallelState:
+def init_parallel(tp: int, pp: int = 1, device: str = "cpu", command: str = "run") -> ParallelState:
     """Join the process group torchrun set up and install the :class:`ParallelState`.
 
     Args:
         tp, pp: tensor- and pipeline-parallel sizes; ``tp * pp`` must be ``WORLD_SIZE``.
         device: ``cpu`` (gloo) or ``cuda`` (NCCL, device ``cuda:<LOCAL_RANK>``).
+        command: the ``attnplug`` subcommand the size error's torchrun line names.
 
     Raises:
         ParallelConfigError: sizes that do not match ``WORLD_SIZE`` (read before anything
             is initialised), or ``cuda`` without CUDA.
     """
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    check_sizes(tp, pp, world)
+    check_sizes(tp, pp, world, command)
     kind = str(device).split(":")[0]
     if kind == "cuda" and not torch.cuda.is_available():
         raise ParallelConfigError("--device cuda with tensor parallel, but CUDA is not available")

@@ -17,6 +17,17 @@ pytest.importorskip("transformers")
 
 from attnplug.runner.commands.parity import main as parity_main  # noqa: E402
 
+QWEN2_VL = {  # tests/runner/models/test_parity_qwen2_vl.py's
+    "model_type": "qwen2_vl", "architectures": ["Qwen2VLForConditionalGeneration"],
+    "text_config": {"vocab_size": 96, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
+                    "num_attention_heads": 4, "num_key_value_heads": 2, "initializer_range": 0.1,
+                    "bos_token_id": 0, "eos_token_id": 1,
+                    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]}},
+    "vision_config": {"depth": 2, "embed_dim": 16, "hidden_size": 32, "num_heads": 2, "spatial_merge_size": 2,
+                      "patch_size": 2, "temporal_patch_size": 2, "in_channels": 3, "mlp_ratio": 2,
+                      "initializer_range": 0.1},
+    "image_token_id": 90, "video_token_id": 91, "vision_start_token_id": 92, "vision_end_token_id": 93,
+}
 QWEN3_NEXT = {"model_type": "qwen3_next", "architectures": ["Qwen3NextForCausalLM"], "vocab_size": 128,
               "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
               "num_key_value_heads": 2, "head_dim": 8, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
@@ -50,5 +61,10 @@ def test_parity_parallel_refusals_are_one_line(tmp_path, capsys, monkeypatch):
     assert parity_main(["--hf-config", str(cfg), "--tensor-parallel-size", "2"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "WORLD_SIZE is 1" in err, err
+    assert "-m attnplug parity" in err, err  # the launch line to copy names the command that failed
+    cfg.write_text(json.dumps(QWEN2_VL))  # was a traceback on every rank (HF's AutoModelForCausalLM)
+    assert parity_main(["--hf-config", str(cfg), "--tensor-parallel-size", "2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "qwen2_vl (images) runs in one process only" in err, err
     assert parity_main(["--model", "smollm2", "--tensor-parallel-size", "2"]) == 2
     assert "real weights (--model) run in one process" in capsys.readouterr().err

@@ -64,8 +64,26 @@ def test_run_refuses_bad_connector_flags_in_one_line(capsys):
                           (["--kv-connector", "redis", "--kv-connector-config", "colour=red"], "unknown redis"),
                           (["--kv-connector-config", "url=x"], "without --kv-connector"),
                           (["--kv-connector", "redis", "--async-scheduling"], "synchronous scheduling"),
-                          (["--kv-connector", "redis", "--model", "tiny-hybrid"], "needs --prefix-caching")]:
+                          (["--kv-connector", "redis", "--model", "tiny-hybrid"], "needs --prefix-caching"),
+                          # run B read run A's fp8 blocks with its own first-batch scales: other tokens
+                          (["--kv-connector", "redis", "--kv-cache-dtype", "fp8_e4m3"], "first_batch scales")]:
         status = main(["--model", "tiny-llama", "--num-requests", "1", "--invariance-requests", "0", *flags])
         err = capsys.readouterr().err
         assert status == 2, (flags, err)
         assert needle in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("setting, needle", [("url=http://x", "url 'http://x' must start"),
+                                             ("save=maybe", "save must be true or false"),
+                                             ("load=2", "load must be true or false"),
+                                             ("cpu_bytes=-1", "cpu_bytes must be >= 0"),
+                                             ("timeout_s=0", "timeout_s > 0")])
+def test_redis_settings_refuse_bad_values_in_one_line(capsys, setting, needle):
+    """A URL redis-py cannot parse was a traceback; an unknown boolean word ran silently as false."""
+    from attnplug.runner.commands.run import main
+
+    status = main(["--model", "tiny-llama", "--num-requests", "1", "--invariance-requests", "0",
+                   "--kv-connector", "redis", "--kv-connector-config", setting])
+    err = capsys.readouterr().err
+    assert status == 2, err
+    assert needle in err and len(err.strip().splitlines()) == 1, err

@@ -84,3 +84,27 @@ def test_world_size_mismatch_counts_processes_in_the_singular_too():
         check_sizes(1, 1, 2)
     with pytest.raises(ParallelConfigError, match=r"= 2 processes, but WORLD_SIZE is 1"):
         check_sizes(2, 1, 1)
+
+
+def test_a_mistyped_model_name_lists_the_presets(capsys):
+    """``--model tiny-lama`` said "model config not found: pass 'preset'", naming no preset."""
+    from attnplug.runner.commands.run import main as run_main
+
+    assert run_main(["--model", "tiny-lama", "--num-requests", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert "model 'tiny-lama' not found: not a preset (tiny-llama, tiny-hybrid" in err and "smollm2" in err, err
+
+
+@pytest.mark.parametrize("command", ["run", "parity", "serve"])
+def test_kv_scales_without_an_fp8_cache_is_refused(capsys, command):
+    """``--kv-scales unit`` with the default ``--kv-cache-dtype auto`` ran silently, scales unused."""
+    from attnplug.runner.commands.parity import main as parity_main
+    from attnplug.runner.commands.run import main as run_main
+    from attnplug.runner.commands.serve import main as serve_main
+
+    argv = ["--kv-scales", "unit"] + (["--hf-config", "/nonexistent/config.json", "--num-requests", "1"]
+                                      if command == "parity" else ["--model", "tiny-llama"])
+    assert {"run": run_main, "parity": parity_main, "serve": serve_main}[command](argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--kv-scales unit: scales apply to an fp8 KV cache only" in err, err
