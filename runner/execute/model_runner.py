@@ -283,7 +283,7 @@ class ModelRunner:
         The step's sampled tokens stay on the device: the token history gets placeholders
         (``runner/step/placeholders.py``) and the next step's ``input_ids`` take the tokens
         from the device. Call the returned object's ``result()`` (the one wait per step,
-        ``runner/execute/async_output.py``) after launching the next step and before the
+        ``runner/execute/outputs.py``: ``AsyncModelRunnerOutput``) after launching the next step and before the
         one after it.
 
         Raises:
