@@ -1,0 +1,256 @@
+# cython: language_level=3, boundscheck=False, wraparound=False
+"""Paged attention for the CPU that reads K/V in place through the block table.
+
+One call attends every query row of a set of requests (decodes, speculative rows,
+prefills and chunked-prefill continuations alike: varlen, bottom-right causal over the
+request's cached context): no gather, no padding, no mask. The work is split over
+``(request, KV head)`` pairs (OpenMP when the module was built with it, else one thread);
+each pair walks its request's keys once, in chunks, for all the query rows that read them
+(the ``H / H_kv`` query heads of the GQA group times the request's query tokens, in tiles)
+with an online softmax in float32 (running max ``m``, running sum ``l``, rescaled
+accumulator). Keys outside a row's range (past its position, before its sliding window)
+are never read, so a poisoned or recycled block past ``seq_len`` cannot leak in.
+
+The Python-facing wrapper is ``backends/cpu_sdpa/paged.py`` (validation, strides); this
+module takes raw addresses and strides and trusts them.
+"""
+
+from libc.stdint cimport int32_t, int64_t, uintptr_t
+
+cdef extern from *:
+    """
+    #include <math.h>
+    #include <stdint.h>
+    #ifdef _OPENMP
+    #include <omp.h>
+    #endif
+
+    #define AP_ROWS 32      /* query rows (token x query head of one KV head) per tile */
+    #define AP_CHUNK 32     /* keys per online-softmax step */
+    #define AP_DMAX 256     /* the largest head size */
+
+    typedef struct {
+        void *out; int64_t out_tok, out_head;
+        const void *q; int64_t q_tok, q_head;
+        const void *kv; int64_t kv_blk, kv_half, kv_tok, kv_head;
+        const int32_t *block_table; int64_t bt_row;
+        const int32_t *qsl; const int32_t *seq_lens;
+        const int64_t *reqs; int64_t n_reqs;
+        int num_heads, num_kv_heads, head_size, block_size;
+        float scale; int window; float softcap; int causal;
+    } ap_args;
+
+    #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
+    #define AP_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+    #else
+    #define AP_CLONES
+    #endif
+
+    static inline float ap_bf16_to_f32(uint16_t x) {
+        union { uint32_t u; float f; } c; c.u = ((uint32_t)x) << 16; return c.f;
+    }
+    static inline uint16_t ap_f32_to_bf16(float f) {   /* round to nearest even, NaN kept */
+        union { uint32_t u; float f; } c; c.f = f;
+        if ((c.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((c.u >> 16) | 0x40u);
+        c.u += 0x7fffu + ((c.u >> 16) & 1u);
+        return (uint16_t)(c.u >> 16);
+    }
+
+    /* One (request, KV head) pair: every query row of the request for the query heads of
+       that KV head. TYPE: the element type of q / kv / out; LOAD / STORE convert. */
+    #define AP_DEFINE_ITEM(NAME, TYPE, LOAD, STORE)                                          \\
+    static AP_CLONES void NAME(const ap_args *a, int64_t item) {                              \\
+        const int hk = (int)(item % a->num_kv_heads);                                         \\
+        const int64_t r = a->reqs[item / a->num_kv_heads];                                    \\
+        const int G = a->num_heads / a->num_kv_heads, D = a->head_size, B = a->block_size;    \\
+        const int64_t q0 = a->qsl[r], ql = a->qsl[r + 1] - q0, L = a->seq_lens[r];            \\
+        const int64_t nrows = ql * G;                                                         \\
+        const int32_t *bt = a->block_table + r * a->bt_row;                                   \\
+        const TYPE *q = (const TYPE *)a->q; const TYPE *kv = (const TYPE *)a->kv;             \\
+        TYPE *out = (TYPE *)a->out;                                                           \\
+        float qf[AP_ROWS * AP_DMAX], acc[AP_ROWS * AP_DMAX], kf[AP_DMAX], vf[AP_DMAX];        \\
+        float m[AP_ROWS], l[AP_ROWS], s[AP_CHUNK];                                            \\
+        int64_t rlo[AP_ROWS], rhi[AP_ROWS];                                                   \\
+        const TYPE *kp[AP_CHUNK];                                                             \\
+        for (int64_t row0 = 0; row0 < nrows; row0 += AP_ROWS) {                               \\
+            const int nr = (int)(nrows - row0 < AP_ROWS ? nrows - row0 : AP_ROWS);            \\
+            int64_t klo = INT64_MAX, khi = 0;                                                 \\
+            for (int i = 0; i < nr; i++) {                                                    \\
+                const int64_t t = (row0 + i) / G, g = (row0 + i) % G;                         \\
+                const int64_t p = L - ql + t;                                                 \\
+                rhi[i] = a->causal ? p + 1 : L;                                               \\
+                rlo[i] = (a->window > 0 && p - a->window + 1 > 0) ? p - a->window + 1 : 0;    \\
+                if (rlo[i] < klo) klo = rlo[i];                                               \\
+                if (rhi[i] > khi) khi = rhi[i];                                               \\
+                const TYPE *qr = q + (q0 + t) * a->q_tok + (hk * G + g) * a->q_head;          \\
+                for (int d = 0; d < D; d++) qf[i * D + d] = LOAD(qr[d]) * a->scale;           \\
+                for (int d = 0; d < D; d++) acc[i * D + d] = 0.0f;                            \\
+                m[i] = -INFINITY; l[i] = 0.0f;                                                \\
+            }                                                                                 \\
+            for (int64_t c0 = klo; c0 < khi; c0 += AP_CHUNK) {                                \\
+                const int nc = (int)(khi - c0 < AP_CHUNK ? khi - c0 : AP_CHUNK);              \\
+                for (int j = 0; j < nc; j++) {                                                \\
+                    const int64_t pos = c0 + j;                                               \\
+                    kp[j] = kv + (int64_t)bt[pos / B] * a->kv_blk + (pos % B) * a->kv_tok     \\
+                            + (int64_t)hk * a->kv_head;                                       \\
+                }                                                                             \\
+                for (int i = 0; i < nr; i++) {                                                \\
+                    const int jlo = rlo[i] > c0 ? (int)(rlo[i] - c0) : 0;                     \\
+                    const int jhi = rhi[i] - c0 < nc ? (int)(rhi[i] - c0) : nc;               \\
+                    if (jlo >= jhi) continue;                                                 \\
+                    const float *qi = qf + i * D;                                             \\
+                    float mx = -INFINITY;                                                     \\
+                    for (int j = jlo; j < jhi; j++) {                                         \\
+                        float part[8] = {0, 0, 0, 0, 0, 0, 0, 0};                             \\
+                        for (int d = 0; d < D; d += 8) {                                      \\
+                            for (int u = 0; u < 8; u++) kf[u] = LOAD(kp[j][d + u]);           \\
+                            for (int u = 0; u < 8; u++) part[u] += qi[d + u] * kf[u];         \\
+                        }                                                                     \\
+                        float x = ((part[0] + part[4]) + (part[1] + part[5]))                 \\
+                                  + ((part[2] + part[6]) + (part[3] + part[7]));              \\
+                        if (a->softcap > 0.0f) x = a->softcap * tanhf(x / a->softcap);        \\
+                        s[j] = x;                                                             \\
+                        if (x > mx) mx = x;                                                   \\
+                    }                                                                         \\
+                    float *ai = acc + i * D;                                                  \\
+                    if (mx > m[i]) {                                                          \\
+                        if (m[i] != -INFINITY) {                                              \\
+                            const float corr = expf(m[i] - mx);                               \\
+                            l[i] *= corr;                                                     \\
+                            for (int d = 0; d < D; d++) ai[d] *= corr;                        \\
+                        }                                                                     \\
+                        m[i] = mx;                                                            \\
+                    }                                                                         \\
+                    for (int j = jlo; j < jhi; j++) {                                         \\
+                        const float pj = expf(s[j] - m[i]);                                   \\
+                        const TYPE *vr = kp[j] + a->kv_half;                                  \\
+                        l[i] += pj;                                                           \\
+                        for (int d = 0; d < D; d++) vf[d] = LOAD(vr[d]);                      \\
+                        for (int d = 0; d < D; d++) ai[d] += pj * vf[d];                      \\
+                    }                                                                         \\
+                }                                                                             \\
+            }                                                                                 \\
+            for (int i = 0; i < nr; i++) {                                                    \\
+                const int64_t t = (row0 + i) / G, g = (row0 + i) % G;                         \\
+                TYPE *o = out + (q0 + t) * a->out_tok + (hk * G + g) * a->out_head;           \\
+                const float inv = 1.0f / l[i];                                                \\
+                for (int d = 0; d < D; d++) o[d] = STORE(acc[i * D + d] * inv);               \\
+            }                                                                                 \\
+        }                                                                                     \\
+    }
+
+    #define AP_ID(x) (x)
+    AP_DEFINE_ITEM(ap_item_f32, float, AP_ID, AP_ID)
+    AP_DEFINE_ITEM(ap_item_bf16, uint16_t, ap_bf16_to_f32, ap_f32_to_bf16)
+    #if defined(__FLT16_MAX__)
+    #define AP_HAVE_F16 1
+    #define AP_F16_LOAD(x) ((float)(x))
+    #define AP_F16_STORE(x) ((_Float16)(x))
+    AP_DEFINE_ITEM(ap_item_f16, _Float16, AP_F16_LOAD, AP_F16_STORE)
+    #else
+    #define AP_HAVE_F16 0
+    #endif
+
+    /* dtype: 0 float32, 1 bfloat16, 2 float16. Returns 0, or -1 for an unsupported dtype. */
+    static int ap_run(const ap_args *a, int dtype, int num_threads) {
+        void (*item)(const ap_args *, int64_t) = 0;
+        if (dtype == 0) item = ap_item_f32;
+        else if (dtype == 1) item = ap_item_bf16;
+    #if AP_HAVE_F16
+        else if (dtype == 2) item = ap_item_f16;
+    #endif
+        if (!item) return -1;
+        const int64_t n = a->n_reqs * a->num_kv_heads;
+    #ifdef _OPENMP
+        if (num_threads > 1 && n > 1) {
+            #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+            for (int64_t it = 0; it < n; it++) item(a, it);
+            return 0;
+        }
+    #endif
+        for (int64_t it = 0; it < n; it++) item(a, it);
+        return 0;
+    }
+
+    static int ap_openmp(void) {
+    #ifdef _OPENMP
+        return 1;
+    #else
+        return 0;
+    #endif
+    }
+    """
+    ctypedef struct ap_args:
+        void *out
+        int64_t out_tok, out_head
+        const void *q
+        int64_t q_tok, q_head
+        const void *kv
+        int64_t kv_blk, kv_half, kv_tok, kv_head
+        const int32_t *block_table
+        int64_t bt_row
+        const int32_t *qsl
+        const int32_t *seq_lens
+        const int64_t *reqs
+        int64_t n_reqs
+        int num_heads, num_kv_heads, head_size, block_size
+        float scale
+        int window
+        float softcap
+        int causal
+    int ap_run(const ap_args *a, int dtype, int num_threads) nogil
+    int ap_openmp()
+    int AP_DMAX
+    int AP_HAVE_F16
+
+
+MAX_HEAD_SIZE = AP_DMAX
+"""The largest head size the kernel takes (its per-row accumulators live on the stack)."""
+
+HAS_FLOAT16 = bool(AP_HAVE_F16)
+"""float16 is compiled in (the C compiler has ``_Float16``)."""
+
+OPENMP = bool(ap_openmp())
+"""Built with OpenMP: ``num_threads > 1`` splits the ``(request, KV head)`` pairs."""
+
+
+def paged_attention(uintptr_t out, int64_t out_tok, int64_t out_head,
+                    uintptr_t q, int64_t q_tok, int64_t q_head,
+                    uintptr_t kv, int64_t kv_blk, int64_t kv_half, int64_t kv_tok, int64_t kv_head,
+                    uintptr_t block_table, int64_t bt_row, uintptr_t query_start_loc, uintptr_t seq_lens,
+                    uintptr_t reqs, int64_t n_reqs, int num_heads, int num_kv_heads, int head_size,
+                    int block_size, float scale, int window, float softcap, bint causal, int dtype,
+                    int num_threads):
+    """Raw entry point (addresses and element strides; ``paged.py`` checks them). Runs
+    without the GIL. Raises ``ValueError`` for an unsupported ``dtype`` code."""
+    cdef ap_args a
+    cdef int rc
+    a.out = <void *> out
+    a.out_tok = out_tok
+    a.out_head = out_head
+    a.q = <const void *> q
+    a.q_tok = q_tok
+    a.q_head = q_head
+    a.kv = <const void *> kv
+    a.kv_blk = kv_blk
+    a.kv_half = kv_half
+    a.kv_tok = kv_tok
+    a.kv_head = kv_head
+    a.block_table = <const int32_t *> block_table
+    a.bt_row = bt_row
+    a.qsl = <const int32_t *> query_start_loc
+    a.seq_lens = <const int32_t *> seq_lens
+    a.reqs = <const int64_t *> reqs
+    a.n_reqs = n_reqs
+    a.num_heads = num_heads
+    a.num_kv_heads = num_kv_heads
+    a.head_size = head_size
+    a.block_size = block_size
+    a.scale = scale
+    a.window = window
+    a.softcap = softcap
+    a.causal = causal
+    with nogil:
+        rc = ap_run(&a, dtype, num_threads)
+    if rc != 0:
+        raise ValueError(f"paged_attention: unsupported dtype code {dtype}")
