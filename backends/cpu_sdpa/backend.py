@@ -8,7 +8,13 @@ from attnplug.core.contracts import AttentionBackend, AttentionImpl, AttentionMe
 
 
 class CpuSdpaBackend(AttentionBackend):
-    """Attention on the CPU through ``torch.nn.functional.scaled_dot_product_attention``.
+    """Attention on the CPU: a compiled paged kernel, else torch's fused SDPA.
+
+    Where the optional compiled module ``_paged`` was built and takes the layer (float32 /
+    bfloat16 / float16 with the cache in the same dtype, head size a multiple of 8 up to
+    256; sliding window and soft-cap included), one kernel call per layer attends every
+    query row of the step reading K/V in place through the block table (``paged.py``).
+    Otherwise (no compiled module, fp8 caches, other head sizes):
 
     The metadata is ``torch_native``'s (:class:`~attnplug.backends.torch_native.builder.
     TorchNativeMetadataBuilder`, once per step for all layers of a group: decodes in one
@@ -22,7 +28,8 @@ class CpuSdpaBackend(AttentionBackend):
     Capabilities: float32/float16/bfloat16, any head size, any kernel block size, CPU
     only, GQA/MQA, sliding window, logits soft-cap (reference path), decoder attention,
     fp8 KV caches (e4m3 / e5m2, per-tensor or per-KV-head scales: written ``saturate(x /
-    scale)``, the gathered blocks dequantised before SDPA). No attention sinks.
+    scale)``, the gathered blocks dequantised before SDPA: the SDPA path). No attention
+    sinks.
 
     KV cache per layer: ``[num_blocks, 2, block_size, num_kv_heads, head_size]`` (the
     default layout; K at index 0 of dim 1).
@@ -69,3 +76,23 @@ class CpuSdpaBackend(AttentionBackend):
     def is_available(cls) -> tuple[bool, str]:
         """Always: the fused SDPA kernel ships with every CPU build of torch >= 2.1."""
         return True, ""
+
+
+class CpuSdpaGatherBackend(CpuSdpaBackend):
+    """``cpu_sdpa`` with the compiled kernel off: the SDPA path on gathered blocks for every
+    layer. Not registered: ``attnplug bench attention``'s ``cpu_sdpa:gather`` rows and the
+    tests of that path use it (the path a build without the compiled module runs)."""
+
+    @classmethod
+    def get_name(cls) -> str:
+        return "cpu_sdpa:gather"
+
+    @classmethod
+    def get_builder_cls(cls) -> type[AttentionMetadataBuilder]:
+        from attnplug.backends.cpu_sdpa.builder import CpuSdpaGatherMetadataBuilder
+        return CpuSdpaGatherMetadataBuilder
+
+    @classmethod
+    def get_impl_cls(cls) -> type[AttentionImpl]:
+        from attnplug.backends.cpu_sdpa.impl import CpuSdpaGatherAttentionImpl
+        return CpuSdpaGatherAttentionImpl

@@ -12,6 +12,12 @@ closing when the next request is shorter than :data:`BUCKET_RATIO` of the bucket
 (every bucket pads its keys by less than ``1 / BUCKET_RATIO``). Each bucket also carries,
 computed here once per step for all layers, its key-padding mask and the flat rows of its
 gathered keys that no query sees (zeroed by the impl: ``impl.py``).
+
+Where the compiled paged kernel (``paged.py``) takes the group's spec (its dtype and head
+size) the buckets are not built: the kernel reads the block table, ``query_start_loc`` and
+``seq_lens`` in place, for every request in one call per layer. The builder then adds what
+the kernel needs once per step (:class:`CpuSdpaMetadata`: the requests to attend and the
+largest block id they may read, checked against the cache by the impl).
 """
 
 from __future__ import annotations
@@ -22,7 +28,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from attnplug.backends.cpu_sdpa import paged
 from attnplug.backends.torch_native.builder import AttentionSegment, TorchNativeMetadata, TorchNativeMetadataBuilder
+from attnplug.core.errors import MetadataError
 
 BUCKET_RATIO = 0.5
 """A decode bucket takes the next (shorter) request while its ``seq_len`` is at least this
@@ -95,16 +103,49 @@ def split_decodes(seg: AttentionSegment, block_size: int) -> list[AttentionSegme
     return buckets
 
 
-class CpuSdpaMetadataBuilder(TorchNativeMetadataBuilder):
-    """Builds :class:`~attnplug.backends.torch_native.builder.TorchNativeMetadata` (see
-    that builder: same fields, same cascade and ``update_block_table`` support), the
-    full-attention decodes of mixed lengths as :class:`DecodeBucket` segments."""
+@dataclass(frozen=True)
+class CpuSdpaMetadata(TorchNativeMetadata):
+    """``torch_native``'s metadata (every field, the same meaning) plus, when the paged
+    kernel takes the group, what it reads once per step:"""
 
-    def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False) -> TorchNativeMetadata:
+    paged_reqs: torch.Tensor | None = None
+    """``[num_reqs]``, ``torch.int64``, contiguous: the requests the kernel attends (all of
+    them, in batch order); ``None`` when the layers run the SDPA path (then ``segments``
+    carry the decode buckets)."""
+
+    max_block_id: int = -1
+    """The largest block id in the first ``num_reqs`` rows of ``block_table_tensor`` (the
+    impl checks it against ``kv_cache.shape[0]`` before the kernel reads raw memory)."""
+
+
+class CpuSdpaMetadataBuilder(TorchNativeMetadataBuilder):
+    """Builds :class:`CpuSdpaMetadata` (see ``torch_native``'s builder: same fields, same
+    cascade and ``update_block_table`` support): for the paged kernel when it takes the
+    group's spec (module docstring), else with the full-attention decodes of mixed lengths
+    as :class:`DecodeBucket` segments."""
+
+    paged_kernel = True
+    """Build for the compiled kernel where it takes the spec (``False``: always the SDPA
+    path's buckets; ``CpuSdpaGatherBackend`` and the tests of that path set it)."""
+
+    def _use_kernel(self, causal: bool) -> bool:
+        spec = self.kv_cache_spec
+        return self.paged_kernel and paged.unsupported(spec.dtype, spec.dtype, spec.head_size, causal,
+                                                       self.sliding_window) is None
+
+    def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False) -> CpuSdpaMetadata:
         """``torch_native``'s build (same arguments, errors and host synchronisation), then
-        the decode segment split by length (module docstring)."""
+        the kernel's fields or the decode buckets (module docstring).
+
+        Raises ``MetadataError`` (besides ``torch_native``'s) when a request's ``seq_len``
+        needs more block-table columns than the table has."""
         md = super().build(common_prefix_len, common_attn_metadata, fast_build)
-        if md.cascade is not None or self.sliding_window is not None:
+        md = CpuSdpaMetadata(**{f.name: getattr(md, f.name) for f in dataclasses.fields(md)})
+        if md.cascade is not None:
+            return md
+        if self._use_kernel(md.causal) and _kernel_layout(md.block_table_tensor, md.query_start_loc, md.seq_lens):
+            return self._with_kernel_fields(md, md.block_table_tensor)
+        if self.sliding_window is not None:
             return md
         segments: list[AttentionSegment] = []
         for seg in md.segments:
@@ -114,9 +155,42 @@ class CpuSdpaMetadataBuilder(TorchNativeMetadataBuilder):
                 segments.append(seg)
         return dataclasses.replace(md, segments=tuple(segments))
 
+    def update_block_table(self, metadata: CpuSdpaMetadata, block_table: torch.Tensor,
+                           slot_mapping: torch.Tensor) -> CpuSdpaMetadata:
+        """``torch_native``'s (same arguments and errors), the kernel's fields read anew
+        from ``block_table``."""
+        md = super().update_block_table(metadata, block_table, slot_mapping)
+        if md.paged_reqs is None:
+            return md
+        if not _kernel_layout(block_table, md.query_start_loc, md.seq_lens):
+            raise MetadataError(f"cpu_sdpa update_block_table: block_table {block_table.dtype} with strides "
+                                f"{block_table.stride()}: the paged kernel reads int32 rows with a contiguous last dim")
+        return self._with_kernel_fields(md, block_table)
 
-CpuSdpaMetadata = TorchNativeMetadata
-"""The metadata type ``cpu_sdpa`` layers read (``torch_native``'s)."""
+    def _with_kernel_fields(self, md: CpuSdpaMetadata, block_table: torch.Tensor) -> CpuSdpaMetadata:
+        n = md.num_reqs
+        if md.max_seq_len > block_table.shape[1] * self.block_size:
+            raise MetadataError(f"cpu_sdpa build: max_seq_len={md.max_seq_len} needs "
+                                f"{-(-md.max_seq_len // self.block_size)} block-table columns, the table has "
+                                f"{block_table.shape[1]}")
+        return dataclasses.replace(md, paged_reqs=torch.arange(n, dtype=torch.int64, device=block_table.device),
+                                   max_block_id=int(block_table[:n].max()) if n else -1)
 
-__all__ = ["BUCKET_RATIO", "CpuSdpaMetadata", "CpuSdpaMetadataBuilder", "DecodeBucket", "bucket_bounds",
-           "split_decodes"]
+
+class CpuSdpaGatherMetadataBuilder(CpuSdpaMetadataBuilder):
+    """The SDPA path's metadata (decode buckets) whatever the spec (``CpuSdpaGatherBackend``)."""
+
+    paged_kernel = False
+
+
+def _kernel_layout(block_table: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor) -> bool:
+    """The step's tensors are as the kernel reads them in place: int32 on the CPU, the block
+    table's rows with a contiguous last dim, ``query_start_loc`` and ``seq_lens`` contiguous
+    (the engine's always are; otherwise the builder falls back to the SDPA path's buckets)."""
+    return (block_table.dtype == query_start_loc.dtype == seq_lens.dtype == torch.int32
+            and block_table.device.type == "cpu" and block_table.stride(-1) == 1
+            and query_start_loc.is_contiguous() and seq_lens.is_contiguous())
+
+
+__all__ = ["BUCKET_RATIO", "CpuSdpaGatherMetadataBuilder", "CpuSdpaMetadata", "CpuSdpaMetadataBuilder",
+           "DecodeBucket", "bucket_bounds", "split_decodes"]

@@ -1,7 +1,13 @@
-"""``CpuSdpaAttentionImpl``: gather each segment's K/V once, attend with the fused SDPA kernel.
+"""``CpuSdpaAttentionImpl``: the compiled paged kernel, else SDPA on gathered blocks.
 
-Per layer: write this step's K/V at the slot mapping, then for each segment of the
-``torch_native`` metadata (all decodes together; each prefill alone):
+Per layer: write this step's K/V at the slot mapping, then
+
+* **the paged kernel** (``paged.py``, when it was built and takes the layer: float32 /
+  bfloat16 / float16 with the cache in the same dtype, head size a multiple of 8 up to
+  256; soft-cap and sliding window included): one call for every query row of the step,
+  reading K/V in place through the block table (the metadata's ``paged_reqs`` is set);
+* **otherwise the SDPA path**, for each segment of the ``torch_native`` metadata (all
+  decodes together, in length buckets; each prefill alone):
 
 1. gather the segment's key blocks once (``index_select`` of whole blocks, K and V), cut
    to the key columns some query sees;
@@ -25,9 +31,10 @@ Keys no query sees (past a request's ``seq_len`` in a mixed-length decode segmen
 a window) are zeroed in the gathered copy, K and V: SDPA adds ``-inf`` to masked logits,
 and ``-inf + NaN`` (a poisoned or recycled block) would still be NaN.
 
-A layer with a logits soft-cap, or a cascade step, runs the ``torch_native`` path
+A cascade step runs the ``torch_native`` path
 (:class:`~attnplug.backends.torch_native.impl.TorchNativeAttentionImpl`, which this class
-extends): SDPA has no soft-cap, and the cascade merge needs each pass's log-sum-exp.
+extends: the cascade merge needs each pass's log-sum-exp), and so does a layer with a
+logits soft-cap off the kernel (SDPA has no soft-cap).
 """
 
 from __future__ import annotations
@@ -41,8 +48,10 @@ from attnplug.backends.common.kv_scales import kv_scales_for
 from attnplug.backends.torch_native.attention import keys_used, visibility_mask, write_to_paged_cache
 from attnplug.backends.torch_native.builder import AttentionSegment, TorchNativeMetadata
 from attnplug.backends.torch_native.impl import TorchNativeAttentionImpl
+from attnplug.backends.cpu_sdpa import paged
 from attnplug.backends.cpu_sdpa.builder import DecodeBucket
 from attnplug.core.contracts import AttentionType
+from attnplug.core.errors import MetadataError
 from attnplug.core.kv_quant import dequantize_kv, is_quantized
 
 
@@ -76,6 +85,11 @@ class CpuSdpaAttentionImpl(TorchNativeAttentionImpl):
         # later (attention sinks, ...) must not reach this fast path unnoticed.
         super().__init__(num_heads, head_size, scale, num_kv_heads, sliding_window, logits_soft_cap, attn_type,
                          kv_cache_dtype)
+        self._kernel_ok: dict[tuple, bool] = {}
+
+    paged_kernel = True
+    """Run the compiled paged kernel where it takes the call (``False``: always the SDPA
+    path; ``CpuSdpaGatherBackend`` and the tests of that path set it)."""
 
     def forward(self, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: TorchNativeMetadata,
@@ -87,20 +101,46 @@ class CpuSdpaAttentionImpl(TorchNativeAttentionImpl):
         head_size]``, kv_cache ``[num_blocks, 2, block_size, num_kv_heads, head_size]``,
         output ``[num_tokens, num_heads, head_size]`` written in place for the real rows).
 
-        Numerics: SDPA's CPU kernel accumulates logits, softmax and the weighted sum in
-        float32 for every input dtype; K/V are cast to ``query.dtype`` when the cache
-        holds another dtype.
+        Numerics: the paged kernel and SDPA's CPU kernel both accumulate logits, softmax
+        and the weighted sum in float32 for every input dtype; on the SDPA path K/V are
+        cast to ``query.dtype`` when the cache holds another dtype.
+
+        Raises (besides ``torch_native``'s): ``MetadataError`` when the metadata's block
+        table names a block past ``kv_cache`` (the kernel reads raw memory).
         """
-        if self.logits_soft_cap is not None or getattr(attn_metadata, "cascade", None) is not None:
-            return super().forward(layer, query, key, value, kv_cache, attn_metadata, output)
-        self._check(query, key, value, kv_cache, attn_metadata, output)
         md = attn_metadata
+        if getattr(md, "cascade", None) is None and getattr(md, "paged_reqs", None) is not None \
+                and self._kernel_takes(query, kv_cache, md.causal):
+            self._check(query, key, value, kv_cache, md, output)
+            if md.max_block_id >= kv_cache.shape[0]:
+                raise MetadataError(f"cpu_sdpa forward: the block table names block {md.max_block_id}, the KV cache "
+                                    f"has {kv_cache.shape[0]} blocks")
+            write_to_paged_cache(key, value, kv_cache, md.write_slots, md.write_token_indices)
+            return paged.paged_attention(output, query, kv_cache, md.block_table_tensor, md.query_start_loc,
+                                         md.seq_lens, md.paged_reqs, scale=self.scale,
+                                         sliding_window=self.sliding_window, logits_soft_cap=self.logits_soft_cap,
+                                         causal=md.causal)
+        if self.logits_soft_cap is not None or getattr(md, "cascade", None) is not None:
+            return super().forward(layer, query, key, value, kv_cache, md, output)
+        self._check(query, key, value, kv_cache, md, output)
         scales = kv_scales_for(layer, self.num_kv_heads, kv_cache.dtype, "cpu_sdpa forward")
         write_to_paged_cache(key, value, kv_cache, md.write_slots, md.write_token_indices, *scales)
         for seg in md.segments:
             out = self._attend_segment(query, kv_cache, md, seg, scales)  # [n * query_len, num_heads, head_size]
             output[seg.query_token_indices.flatten()] = out.to(output.dtype)
         return output
+
+    def _kernel_takes(self, query: torch.Tensor, kv_cache: torch.Tensor, causal: bool) -> bool:
+        """The paged kernel runs this call (``paged_kernel`` on, ``paged.unsupported`` says
+        nothing; remembered per dtype pair)."""
+        if not self.paged_kernel:
+            return False
+        key = (query.dtype, kv_cache.dtype, causal, query.device.type)
+        ok = self._kernel_ok.get(key)
+        if ok is None:
+            ok = self._kernel_ok[key] = query.device.type == "cpu" and paged.unsupported(
+                query.dtype, kv_cache.dtype, self.head_size, causal, self.sliding_window) is None
+        return ok
 
     def _attend_segment(self, query: torch.Tensor, kv_cache: torch.Tensor, md: TorchNativeMetadata,
                         seg: AttentionSegment, scales=(None, None)) -> torch.Tensor:
@@ -198,3 +238,9 @@ class CpuSdpaAttentionImpl(TorchNativeAttentionImpl):
         mask = visibility_mask(seg.query_positions, seg.seq_lens, k_lo, k_hi, causal=md.causal,
                                sliding_window=self.sliding_window, key_offsets=offsets)
         return mask.unsqueeze(1), False
+
+
+class CpuSdpaGatherAttentionImpl(CpuSdpaAttentionImpl):
+    """The SDPA path for every call (``CpuSdpaGatherBackend``)."""
+
+    paged_kernel = False

@@ -12,7 +12,8 @@ synthetic, not the trace (a kernel author wants the axes): every combination of
 
 for every backend named by ``--backend`` (default: ``torch_native`` and every registered
 attention backend that declares the CPU without an interpreter; ``triton`` on the CPU only
-runs in its interpreter, which times Python). Each backend's ``forward`` runs through the
+runs in its interpreter, which times Python; ``cpu_sdpa:gather``, ``cpu_sdpa`` with its compiled
+paged kernel off — the SDPA path on gathered blocks — when that kernel is built). Each backend's ``forward`` runs through the
 attnplug contract exactly as on the GPU (``attention_inputs.backend_inputs``: its own
 builder, built once and not timed; its own cache layout; the K/V write included).
 
@@ -90,13 +91,28 @@ def time_interleaved(calls: list, iters: int, warmup: int) -> list[float]:
     return [statistics.median(times) for times in samples]
 
 
+VARIANTS = {"cpu_sdpa:gather": "CpuSdpaGatherBackend"}
+"""Backends the sweep times besides the registry's (``backends/cpu_sdpa/backend.py``'s classes):
+``cpu_sdpa`` with its compiled kernel off, the path a build without the kernel runs."""
+
+
+def _get_backend(reg, name: str):
+    if name in VARIANTS:
+        from attnplug.backends.cpu_sdpa import backend
+
+        return getattr(backend, VARIANTS[name])
+    return reg.get(name)
+
+
 def _default_backends() -> list[str]:
+    from attnplug.backends.cpu_sdpa import paged
     from attnplug.plugins.discovery import get_registry
 
     reg = get_registry()
     names = [n for n in reg.names() if reg.get(n).kv_cache_kind == "attention" and n != "triton"
              and "cpu" in reg.get(n).supported_devices]
-    return ["torch_native"] + [n for n in names if n != "torch_native"]
+    names = ["torch_native"] + [n for n in names if n != "torch_native"]
+    return names + (["cpu_sdpa:gather"] if paged.available() and "cpu_sdpa" in names else [])
 
 
 def _prepare(batch: Batch, b: int, context: int, name: str, backend, args, dtype, kv_dense):
@@ -122,7 +138,7 @@ def _time_batch(batch: Batch, b: int, context: int, args, dtype, reg) -> list[Cp
     from attnplug.runner.commands.bench.attention import _check_against_reference, _metrics
 
     kv_dense = dense_kv(batch, args, dtype)
-    rows = [_prepare(batch, b, context, n, reg.get(n), args, dtype, kv_dense) for n in args.backend]
+    rows = [_prepare(batch, b, context, n, _get_backend(reg, n), args, dtype, kv_dense) for n in args.backend]
     live = [(res, call) for res, call, _ in rows if call is not None]
     for (res, _), us in zip(live, time_interleaved([call for _, call in live], args.iters, args.warmup)):
         res.us = us
@@ -234,7 +250,7 @@ def main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     args.backend = [n.strip() for item in args.backend for n in item.split(",") if n.strip()] \
         if args.backend else _default_backends()
-    known = get_registry().names()
+    known = [*get_registry().names(), *VARIANTS]
     unknown = [n for n in args.backend if n not in known]
     if unknown:
         p.error(f"--backend: unknown backend {', '.join(map(repr, unknown))}; known backends: {', '.join(known)}")
@@ -251,4 +267,4 @@ def main(argv: list[str]) -> int:
     return 0 if all(not r.note.startswith("error") for r in results) else 1
 
 
-__all__ = ["CpuResult", "main", "parser", "render", "run", "sweep_batches", "time_interleaved"]
+__all__ = ["VARIANTS", "CpuResult", "main", "parser", "render", "run", "sweep_batches", "time_interleaved"]

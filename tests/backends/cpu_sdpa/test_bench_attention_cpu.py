@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
+from attnplug.backends.cpu_sdpa import paged
 from attnplug.backends.cpu_sdpa.impl import CpuSdpaAttentionImpl
 from attnplug.runner.commands.bench.step import main as bench_main
 
@@ -31,6 +33,16 @@ def test_cpu_sweep_rows_and_json(tmp_path, capsys):
 def test_wrong_backend_is_flagged(monkeypatch, capsys):
     real = CpuSdpaAttentionImpl._attend_segment
     monkeypatch.setattr(CpuSdpaAttentionImpl, "_attend_segment", lambda self, *a: real(self, *a) * 1.5)
+    assert bench_main([*TINY, "--backend", "cpu_sdpa:gather"]) == 1
+    out = capsys.readouterr().out
+    assert "error: wrong result" in out and "| cpu_sdpa:gather |" in out
+
+
+def test_wrong_paged_kernel_is_flagged(monkeypatch, capsys):
+    if not paged.available():
+        pytest.skip("the compiled paged kernel is not built")
+    real = paged.paged_attention
+    monkeypatch.setattr(paged, "paged_attention", lambda *a, **kw: real(*a, **kw).mul_(1.5))
     assert bench_main(TINY) == 1
     assert "error: wrong result" in capsys.readouterr().out
 
@@ -45,8 +57,6 @@ def test_gpu_path_called_without_cuda_points_to_the_sweep(capsys):
 
 
 def test_bad_flags_are_one_line_errors(capsys):
-    import pytest
-
     for bad in (["--heads", "4:3"], ["--batch", "0"], ["--workload", "decoder"], ["--backend", "nope"],
                 ["--context", "64", "--max-model-len", "64"]):
         with pytest.raises(SystemExit) as exc:

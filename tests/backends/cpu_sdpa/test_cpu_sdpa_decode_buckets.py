@@ -1,4 +1,5 @@
-"""``cpu_sdpa``'s builder splits full-attention decodes of mixed lengths into length buckets
+"""``cpu_sdpa``'s builder, on its SDPA path (no compiled paged kernel, or a spec the kernel does
+not take; ``CpuSdpaGatherMetadataBuilder`` forces it), splits full-attention decodes of mixed lengths into length buckets
 (``backends/cpu_sdpa/builder.py``): each bucket pads its keys by less than ``1 / BUCKET_RATIO``,
 every decode lands in exactly one bucket, and the bucket's mask and hidden rows are the
 keys past each request's ``seq_len``. That the bucketed attention equals ``torch_native``'s
@@ -9,7 +10,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from attnplug.backends.cpu_sdpa.builder import BUCKET_RATIO, CpuSdpaMetadataBuilder, DecodeBucket, bucket_bounds
+from attnplug.backends.cpu_sdpa.builder import (
+    BUCKET_RATIO,
+    CpuSdpaGatherMetadataBuilder,
+    DecodeBucket,
+    bucket_bounds,
+)
 from attnplug.cache_groups.specs import FullAttentionSpec
 from attnplug.core import BuilderConfig, CommonAttentionMetadata
 
@@ -29,7 +35,7 @@ def test_mixed_length_decodes_become_buckets_with_their_masks():
     table = torch.arange(1, 1 + len(lens) * width, dtype=torch.int32).view(len(lens), width)
     cm = CommonAttentionMetadata.from_lengths([n - 1 for n in lens], [1] * len(lens), table, block)
     spec = FullAttentionSpec(block_size=block, num_kv_heads=1, head_size=8)
-    md = CpuSdpaMetadataBuilder(spec, ["l0"], BuilderConfig(len(lens), 64, 64), "cpu").build(0, cm)
+    md = CpuSdpaGatherMetadataBuilder(spec, ["l0"], BuilderConfig(len(lens), 64, 64), "cpu").build(0, cm)
     assert all(isinstance(s, DecodeBucket) for s in md.segments) and len(md.segments) == 3
     rows = sorted(r for s in md.segments for r in s.req_indices.tolist())
     assert rows == list(range(len(lens)))

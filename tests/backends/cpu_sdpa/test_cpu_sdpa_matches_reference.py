@@ -3,9 +3,12 @@
 * the whole conformance catalog passes, its only skips the limitations every attention
   backend of its kind has (MLA / state cases, property mode off, "undeclared feature"
   checks of features it declares);
-* the fast path really runs: on decode, ragged decode, chunked prefill and sliding-window
+* the fast paths really run: on decode, ragged decode, chunked prefill and sliding-window
   steps with NaN-poisoned free blocks, the result matches ``torch_native`` with the
-  reference path made to raise (so no case silently falls back to it).
+  reference path made to raise (so no case silently falls back to it) — the compiled
+  paged kernel (checked to be called), the SDPA path on gathered blocks
+  (``CpuSdpaGatherBackend``: checked not to call the kernel), and ``CpuSdpaBackend`` with
+  the compiled module gone (the fallback a build without a C compiler runs).
 """
 
 from __future__ import annotations
@@ -15,7 +18,8 @@ import re
 import pytest
 import torch
 
-from attnplug.backends.cpu_sdpa import CpuSdpaBackend
+from attnplug.backends.cpu_sdpa import CpuSdpaBackend, paged
+from attnplug.backends.cpu_sdpa.backend import CpuSdpaGatherBackend
 from attnplug.backends.torch_native import TorchNativeBackend
 from attnplug.backends.torch_native.impl import TorchNativeAttentionImpl
 from attnplug.cache_groups.specs import FullAttentionSpec, SlidingWindowSpec
@@ -51,7 +55,7 @@ STEPS = {
 
 
 def _run(backend, step, window, num_heads=4, num_kv_heads=2, head_size=16, block_size=4, cache_dtype=None,
-         layer=None):
+         layer=None, logits_soft_cap=None):
     torch.manual_seed(0)
     lens = [c + s for c, s in step]
     width = max(-(-n // block_size) for n in lens) + 1
@@ -65,7 +69,8 @@ def _run(backend, step, window, num_heads=4, num_kv_heads=2, head_size=16, block
             else SlidingWindowSpec(block_size=block_size, num_kv_heads=num_kv_heads, head_size=head_size,
                                    sliding_window=window))
     builder = backend.get_builder_cls()(spec, ["l0"], BuilderConfig(len(step), 64, 64), "cpu")
-    impl = backend.get_impl_cls()(num_heads, head_size, head_size ** -0.5, num_kv_heads, sliding_window=window)
+    impl = backend.get_impl_cls()(num_heads, head_size, head_size ** -0.5, num_kv_heads, sliding_window=window,
+                                  logits_soft_cap=logits_soft_cap)
     kv = torch.randn(backend.get_kv_cache_shape(next_id + 2, block_size, num_kv_heads, head_size))
     kv[0] = float("nan")  # the null block and the free blocks past every request: poison
     kv[next_id:] = float("nan")
@@ -77,17 +82,50 @@ def _run(backend, step, window, num_heads=4, num_kv_heads=2, head_size=16, block
     return impl.forward(layer, q, k, v, kv, builder.build(0, cm), torch.zeros(T, num_heads, head_size))
 
 
+def _path(monkeypatch, path: str):
+    """The backend class for ``path`` with the kernel's calls counted (``calls[0]``)."""
+    if path == "kernel" and not paged.available():
+        pytest.skip("the compiled paged kernel is not built")
+    if path == "no_module":
+        monkeypatch.setattr(paged, "_paged", None)
+    calls, real = [0], paged.paged_attention
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(paged, "paged_attention", counted)
+    return (CpuSdpaGatherBackend if path == "gather" else CpuSdpaBackend), calls
+
+
+@pytest.mark.parametrize("path", ["kernel", "gather", "no_module"])
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("step", sorted(STEPS))
-def test_fast_path_matches_torch_native(step, window, monkeypatch):
+def test_fast_path_matches_torch_native(step, window, path, monkeypatch):
     expected = _run(TorchNativeBackend, STEPS[step], window)
 
     def no_fallback(*args, **kwargs):
         raise AssertionError("cpu_sdpa fell back to the torch_native path")
 
+    backend, calls = _path(monkeypatch, path)
     monkeypatch.setattr(TorchNativeAttentionImpl, "forward", no_fallback)
-    got = _run(CpuSdpaBackend, STEPS[step], window)
+    got = _run(backend, STEPS[step], window)
+    assert calls[0] == (path == "kernel")
     assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("path", ["kernel", "gather"])
+def test_soft_cap_runs_the_kernel_and_matches_torch_native(path, monkeypatch):
+    """A soft-capped layer: the kernel caps in place; the SDPA path (no soft-cap) runs the
+    reference (so only the kernel path forbids it)."""
+    step = STEPS["mixed"]
+    expected = _run(TorchNativeBackend, step, None, logits_soft_cap=2.0)
+    backend, calls = _path(monkeypatch, path)
+    if path == "kernel":
+        monkeypatch.setattr(TorchNativeAttentionImpl, "forward", lambda *a, **k: (_ for _ in ()).throw(AssertionError))
+    got = _run(backend, step, None, logits_soft_cap=2.0)
+    assert calls[0] == (path == "kernel")
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
