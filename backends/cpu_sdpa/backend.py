@@ -80,12 +80,12 @@ class CpuSdpaBackend(AttentionBackend):
 
 class CpuSdpaGatherBackend(CpuSdpaBackend):
     """``cpu_sdpa`` with the compiled kernel off: the SDPA path on gathered blocks for every
-    layer. Not registered: ``attnplug bench attention``'s ``cpu_sdpa:gather`` rows and the
+    layer. Not registered: ``attnplug bench attention``'s ``cpu_sdpa-gather`` rows and the
     tests of that path use it (the path a build without the compiled module runs)."""
 
     @classmethod
     def get_name(cls) -> str:
-        return "cpu_sdpa:gather"
+        return "cpu_sdpa-gather"
 
     @classmethod
     def get_builder_cls(cls) -> type[AttentionMetadataBuilder]:

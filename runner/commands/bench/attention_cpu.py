@@ -12,7 +12,7 @@ synthetic, not the trace (a kernel author wants the axes): every combination of
 
 for every backend named by ``--backend`` (default: ``torch_native`` and every registered
 attention backend that declares the CPU without an interpreter; ``triton`` on the CPU only
-runs in its interpreter, which times Python; ``cpu_sdpa:gather``, ``cpu_sdpa`` with its compiled
+runs in its interpreter, which times Python; ``cpu_sdpa-gather``, ``cpu_sdpa`` with its compiled
 paged kernel off — the SDPA path on gathered blocks — when that kernel is built). Each backend's ``forward`` runs through the
 attnplug contract exactly as on the GPU (``attention_inputs.backend_inputs``: its own
 builder, built once and not timed; its own cache layout; the K/V write included).
@@ -91,7 +91,7 @@ def time_interleaved(calls: list, iters: int, warmup: int) -> list[float]:
     return [statistics.median(times) for times in samples]
 
 
-VARIANTS = {"cpu_sdpa:gather": "CpuSdpaGatherBackend"}
+VARIANTS = {"cpu_sdpa-gather": "CpuSdpaGatherBackend"}
 """Backends the sweep times besides the registry's (``backends/cpu_sdpa/backend.py``'s classes):
 ``cpu_sdpa`` with its compiled kernel off, the path a build without the kernel runs."""
 
@@ -112,7 +112,7 @@ def _default_backends() -> list[str]:
     names = [n for n in reg.names() if reg.get(n).kv_cache_kind == "attention" and n != "triton"
              and "cpu" in reg.get(n).supported_devices]
     names = ["torch_native"] + [n for n in names if n != "torch_native"]
-    return names + (["cpu_sdpa:gather"] if paged.available() and "cpu_sdpa" in names else [])
+    return names + (["cpu_sdpa-gather"] if paged.available() and "cpu_sdpa" in names else [])
 
 
 def _prepare(batch: Batch, b: int, context: int, name: str, backend, args, dtype, kv_dense):

@@ -33,9 +33,9 @@ def test_cpu_sweep_rows_and_json(tmp_path, capsys):
 def test_wrong_backend_is_flagged(monkeypatch, capsys):
     real = CpuSdpaAttentionImpl._attend_segment
     monkeypatch.setattr(CpuSdpaAttentionImpl, "_attend_segment", lambda self, *a: real(self, *a) * 1.5)
-    assert bench_main([*TINY, "--backend", "cpu_sdpa:gather"]) == 1
+    assert bench_main([*TINY, "--backend", "cpu_sdpa-gather"]) == 1
     out = capsys.readouterr().out
-    assert "error: wrong result" in out and "| cpu_sdpa:gather |" in out
+    assert "error: wrong result" in out and "| cpu_sdpa-gather |" in out
 
 
 def test_wrong_paged_kernel_is_flagged(monkeypatch, capsys):
