@@ -25,7 +25,7 @@ cdef extern from *:
     #include <omp.h>
     #endif
 
-    #define AP_ROWS 32      /* query rows (token x query head of one KV head) per tile */
+    #define AP_ROWS 32      /* query rows (token x query head) per tile */
     #define AP_CHUNK 32     /* keys per online-softmax step */
     #define AP_DMAX 256     /* the largest head size */
 
@@ -36,7 +36,7 @@ cdef extern from *:
         const int32_t *block_table; int64_t bt_row;
         const int32_t *qsl; const int32_t *seq_lens;
         const int64_t *reqs; int64_t n_reqs;
-        int num_heads, num_kv_heads, head_size, block_size;
+        int num_heads, num_kv_heads, head_size, block_size, head_splits;
         float scale; int window; float softcap; int causal;
     } ap_args;
 
@@ -60,29 +60,33 @@ cdef extern from *:
        that KV head. TYPE: the element type of q / kv / out; LOAD / STORE convert. */
     #define AP_DEFINE_ITEM(NAME, TYPE, LOAD, STORE)                                          \\
     static AP_CLONES void NAME(const ap_args *a, int64_t item) {                              \\
-        const int hk = (int)(item % a->num_kv_heads);                                         \\
-        const int64_t r = a->reqs[item / a->num_kv_heads];                                    \\
         const int G = a->num_heads / a->num_kv_heads, D = a->head_size, B = a->block_size;    \\
+        const int per = (a->num_kv_heads + a->head_splits - 1) / a->head_splits;              \\
+        const int hk0 = (int)(item % a->head_splits) * per;                                   \\
+        const int hk1 = hk0 + per < a->num_kv_heads ? hk0 + per : a->num_kv_heads;            \\
+        const int HH = (hk1 - hk0) * G;   /* query heads of this item, from hk0 * G on */     \\
+        const int64_t r = a->reqs[item / a->head_splits];                                     \\
         const int64_t q0 = a->qsl[r], ql = a->qsl[r + 1] - q0, L = a->seq_lens[r];            \\
-        const int64_t nrows = ql * G;                                                         \\
+        const int64_t nrows = ql * HH;                                                        \\
         const int32_t *bt = a->block_table + r * a->bt_row;                                   \\
         const TYPE *q = (const TYPE *)a->q; const TYPE *kv = (const TYPE *)a->kv;             \\
         TYPE *out = (TYPE *)a->out;                                                           \\
-        float qf[AP_ROWS * AP_DMAX], acc[AP_ROWS * AP_DMAX], kf[AP_DMAX], vf[AP_DMAX];        \\
-        float m[AP_ROWS], l[AP_ROWS], s[AP_CHUNK];                                            \\
-        int64_t rlo[AP_ROWS], rhi[AP_ROWS];                                                   \\
+        float qf[AP_ROWS * AP_DMAX], acc[AP_ROWS * AP_DMAX];                                  \\
+        float m[AP_ROWS], l[AP_ROWS], s[AP_ROWS * AP_CHUNK];                                            \\
+        int64_t rlo[AP_ROWS], rhi[AP_ROWS], koff[AP_ROWS];                                    \\
         const TYPE *kp[AP_CHUNK];                                                             \\
         for (int64_t row0 = 0; row0 < nrows; row0 += AP_ROWS) {                               \\
             const int nr = (int)(nrows - row0 < AP_ROWS ? nrows - row0 : AP_ROWS);            \\
             int64_t klo = INT64_MAX, khi = 0;                                                 \\
             for (int i = 0; i < nr; i++) {                                                    \\
-                const int64_t t = (row0 + i) / G, g = (row0 + i) % G;                         \\
+                const int64_t t = (row0 + i) / HH, h = hk0 * G + (row0 + i) % HH;             \\
+                koff[i] = (int64_t)(h / G) * a->kv_head;                                      \\
                 const int64_t p = L - ql + t;                                                 \\
                 rhi[i] = a->causal ? p + 1 : L;                                               \\
                 rlo[i] = (a->window > 0 && p - a->window + 1 > 0) ? p - a->window + 1 : 0;    \\
                 if (rlo[i] < klo) klo = rlo[i];                                               \\
                 if (rhi[i] > khi) khi = rhi[i];                                               \\
-                const TYPE *qr = q + (q0 + t) * a->q_tok + (hk * G + g) * a->q_head;          \\
+                const TYPE *qr = q + (q0 + t) * a->q_tok + h * a->q_head;                     \\
                 for (int d = 0; d < D; d++) qf[i * D + d] = LOAD(qr[d]) * a->scale;           \\
                 for (int d = 0; d < D; d++) acc[i * D + d] = 0.0f;                            \\
                 m[i] = -INFINITY; l[i] = 0.0f;                                                \\
@@ -91,48 +95,62 @@ cdef extern from *:
                 const int nc = (int)(khi - c0 < AP_CHUNK ? khi - c0 : AP_CHUNK);              \\
                 for (int j = 0; j < nc; j++) {                                                \\
                     const int64_t pos = c0 + j;                                               \\
-                    kp[j] = kv + (int64_t)bt[pos / B] * a->kv_blk + (pos % B) * a->kv_tok     \\
-                            + (int64_t)hk * a->kv_head;                                       \\
+                    kp[j] = kv + (int64_t)bt[pos / B] * a->kv_blk + (pos % B) * a->kv_tok;    \\
                 }                                                                             \\
+                /* the chunk's logits for every row of the tile: each key loaded once */      \\
+                for (int j = 0; j < nc; j++) {                                                \\
+                    for (int i = 0; i < nr; i++) {                                            \\
+                        const float *qi = qf + i * D;                                         \\
+                        const TYPE *k = kp[j] + koff[i];                                      \\
+                        float x = 0.0f;                                                       \\
+                        _Pragma("omp simd reduction(+:x)")                                    \\
+                        for (int d = 0; d < D; d++) x += qi[d] * LOAD(k[d]);                  \\
+                        s[i * AP_CHUNK + j] = x;                                              \\
+                    }                                                                         \\
+                }                                                                             \\
+                /* per row: the keys it sees, the running max, the weights */                 \\
                 for (int i = 0; i < nr; i++) {                                                \\
+                    float *si = s + i * AP_CHUNK;                                             \\
                     const int jlo = rlo[i] > c0 ? (int)(rlo[i] - c0) : 0;                     \\
                     const int jhi = rhi[i] - c0 < nc ? (int)(rhi[i] - c0) : nc;               \\
-                    if (jlo >= jhi) continue;                                                 \\
-                    const float *qi = qf + i * D;                                             \\
                     float mx = -INFINITY;                                                     \\
-                    for (int j = jlo; j < jhi; j++) {                                         \\
-                        float part[8] = {0, 0, 0, 0, 0, 0, 0, 0};                             \\
-                        for (int d = 0; d < D; d += 8) {                                      \\
-                            for (int u = 0; u < 8; u++) kf[u] = LOAD(kp[j][d + u]);           \\
-                            for (int u = 0; u < 8; u++) part[u] += qi[d + u] * kf[u];         \\
-                        }                                                                     \\
-                        float x = ((part[0] + part[4]) + (part[1] + part[5]))                 \\
-                                  + ((part[2] + part[6]) + (part[3] + part[7]));              \\
-                        if (a->softcap > 0.0f) x = a->softcap * tanhf(x / a->softcap);        \\
-                        s[j] = x;                                                             \\
-                        if (x > mx) mx = x;                                                   \\
+                    for (int j = 0; j < nc; j++) {                                            \\
+                        if (j < jlo || j >= jhi) { si[j] = -INFINITY; continue; }             \\
+                        if (a->softcap > 0.0f) si[j] = a->softcap * tanhf(si[j] / a->softcap);\\
+                        if (si[j] > mx) mx = si[j];                                           \\
                     }                                                                         \\
-                    float *ai = acc + i * D;                                                  \\
+                    if (mx == -INFINITY) { for (int j = 0; j < nc; j++) si[j] = 0.0f; continue; }\\
                     if (mx > m[i]) {                                                          \\
                         if (m[i] != -INFINITY) {                                              \\
                             const float corr = expf(m[i] - mx);                               \\
+                            float *ai = acc + i * D;                                          \\
                             l[i] *= corr;                                                     \\
                             for (int d = 0; d < D; d++) ai[d] *= corr;                        \\
                         }                                                                     \\
                         m[i] = mx;                                                            \\
                     }                                                                         \\
-                    for (int j = jlo; j < jhi; j++) {                                         \\
-                        const float pj = expf(s[j] - m[i]);                                   \\
-                        const TYPE *vr = kp[j] + a->kv_half;                                  \\
-                        l[i] += pj;                                                           \\
-                        for (int d = 0; d < D; d++) vf[d] = LOAD(vr[d]);                      \\
-                        for (int d = 0; d < D; d++) ai[d] += pj * vf[d];                      \\
+                    float sum = 0.0f;                                                         \\
+                    for (int j = 0; j < nc; j++) {                                            \\
+                        si[j] = (j < jlo || j >= jhi) ? 0.0f : expf(si[j] - m[i]);            \\
+                        sum += si[j];                                                         \\
+                    }                                                                         \\
+                    l[i] += sum;                                                              \\
+                }                                                                             \\
+                /* the weighted values: each value row loaded once for every row of the tile */\\
+                for (int j = 0; j < nc; j++) {                                                \\
+                    for (int i = 0; i < nr; i++) {                                            \\
+                        const float pj = s[i * AP_CHUNK + j];                                 \\
+                        if (pj == 0.0f) continue;                                             \\
+                        float *ai = acc + i * D;                                              \\
+                        const TYPE *vr = kp[j] + a->kv_half + koff[i];                        \\
+                        _Pragma("omp simd")                                                   \\
+                        for (int d = 0; d < D; d++) ai[d] += pj * LOAD(vr[d]);                \\
                     }                                                                         \\
                 }                                                                             \\
             }                                                                                 \\
             for (int i = 0; i < nr; i++) {                                                    \\
-                const int64_t t = (row0 + i) / G, g = (row0 + i) % G;                         \\
-                TYPE *o = out + (q0 + t) * a->out_tok + (hk * G + g) * a->out_head;           \\
+                const int64_t t = (row0 + i) / HH, h = hk0 * G + (row0 + i) % HH;             \\
+                TYPE *o = out + (q0 + t) * a->out_tok + h * a->out_head;                      \\
                 const float inv = 1.0f / l[i];                                                \\
                 for (int d = 0; d < D; d++) o[d] = STORE(acc[i * D + d] * inv);               \\
             }                                                                                 \\
@@ -160,7 +178,13 @@ cdef extern from *:
         else if (dtype == 2) item = ap_item_f16;
     #endif
         if (!item) return -1;
-        const int64_t n = a->n_reqs * a->num_kv_heads;
+        /* one item per request (all its heads: each key token's K/V row, H_kv * D
+           contiguous, read once); split by KV head when there are too few requests to
+           keep the threads busy */
+        ap_args b = *a;
+        b.head_splits = (num_threads > 1 && a->n_reqs < 2 * num_threads) ? a->num_kv_heads : 1;
+        a = &b;
+        const int64_t n = a->n_reqs * a->head_splits;
     #ifdef _OPENMP
         if (num_threads > 1 && n > 1) {
             #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
@@ -193,7 +217,7 @@ cdef extern from *:
         const int32_t *seq_lens
         const int64_t *reqs
         int64_t n_reqs
-        int num_heads, num_kv_heads, head_size, block_size
+        int num_heads, num_kv_heads, head_size, block_size, head_splits
         float scale
         int window
         float softcap

@@ -15,9 +15,12 @@ gathered keys that no query sees (zeroed by the impl: ``impl.py``).
 
 Where the compiled paged kernel (``paged.py``) takes the group's spec (its dtype and head
 size) the buckets are not built: the kernel reads the block table, ``query_start_loc`` and
-``seq_lens`` in place, for every request in one call per layer. The builder then adds what
-the kernel needs once per step (:class:`CpuSdpaMetadata`: the requests to attend and the
-largest block id they may read, checked against the cache by the impl).
+``seq_lens`` in place, for every request with at most :data:`KERNEL_MAX_QUERY_LEN` query
+tokens (decodes, speculative rows, short chunks) in one call per layer; the longer prompts
+keep their own segment for SDPA, whose blocked matrix products beat the kernel's per-row dot
+products there (measured: docs/performance.md). The builder adds what the kernel needs once
+per step (:class:`CpuSdpaMetadata`: the requests to attend and the largest block id they may
+read, checked against the cache by the impl).
 """
 
 from __future__ import annotations
@@ -31,6 +34,9 @@ import torch
 from attnplug.backends.cpu_sdpa import paged
 from attnplug.backends.torch_native.builder import AttentionSegment, TorchNativeMetadata, TorchNativeMetadataBuilder
 from attnplug.core.errors import MetadataError
+
+KERNEL_MAX_QUERY_LEN = 8
+"""Requests with at most this many query tokens run the paged kernel; longer ones SDPA."""
 
 BUCKET_RATIO = 0.5
 """A decode bucket takes the next (shorter) request while its ``seq_len`` is at least this
@@ -109,9 +115,18 @@ class CpuSdpaMetadata(TorchNativeMetadata):
     kernel takes the group, what it reads once per step:"""
 
     paged_reqs: torch.Tensor | None = None
-    """``[num_reqs]``, ``torch.int64``, contiguous: the requests the kernel attends (all of
-    them, in batch order); ``None`` when the layers run the SDPA path (then ``segments``
-    carry the decode buckets)."""
+    """``[n]``, ``torch.int64``, contiguous: the requests the kernel attends, those with at
+    most ``KERNEL_MAX_QUERY_LEN`` query tokens; ``None`` when the layers run the SDPA path
+    (then ``segments`` carry the decodes in buckets). ``segments`` always covers every
+    request (``torch_native``'s, for a layer the kernel does not take)."""
+
+    sdpa_segments: tuple[AttentionSegment, ...] = ()
+    """With ``paged_reqs``: the segments of ``segments`` longer than
+    ``KERNEL_MAX_QUERY_LEN`` query tokens, which run SDPA next to the kernel."""
+
+    paged_all_reqs: torch.Tensor | None = None
+    """``[num_reqs]``, ``torch.int64``: every request, for a layer that runs the kernel on
+    all rows (a soft-capped layer: SDPA has no soft-cap); set with ``paged_reqs``."""
 
     max_block_id: int = -1
     """The largest block id in the first ``num_reqs`` rows of ``block_table_tensor`` (the
@@ -173,7 +188,11 @@ class CpuSdpaMetadataBuilder(TorchNativeMetadataBuilder):
             raise MetadataError(f"cpu_sdpa build: max_seq_len={md.max_seq_len} needs "
                                 f"{-(-md.max_seq_len // self.block_size)} block-table columns, the table has "
                                 f"{block_table.shape[1]}")
-        return dataclasses.replace(md, paged_reqs=torch.arange(n, dtype=torch.int64, device=block_table.device),
+        short = [seg.req_indices for seg in md.segments if seg.query_len <= KERNEL_MAX_QUERY_LEN]
+        long = tuple(seg for seg in md.segments if seg.query_len > KERNEL_MAX_QUERY_LEN)
+        reqs = torch.cat(short) if short else torch.zeros(0, dtype=torch.int64, device=block_table.device)
+        return dataclasses.replace(md, sdpa_segments=long, paged_reqs=reqs.to(torch.int64).contiguous(),
+                                   paged_all_reqs=torch.arange(n, dtype=torch.int64, device=block_table.device),
                                    max_block_id=int(block_table[:n].max()) if n else -1)
 
 
@@ -192,5 +211,5 @@ def _kernel_layout(block_table: torch.Tensor, query_start_loc: torch.Tensor, seq
             and query_start_loc.is_contiguous() and seq_lens.is_contiguous())
 
 
-__all__ = ["BUCKET_RATIO", "CpuSdpaGatherMetadataBuilder", "CpuSdpaMetadata", "CpuSdpaMetadataBuilder",
+__all__ = ["BUCKET_RATIO", "KERNEL_MAX_QUERY_LEN", "CpuSdpaGatherMetadataBuilder", "CpuSdpaMetadata", "CpuSdpaMetadataBuilder",
            "DecodeBucket", "bucket_bounds", "split_decodes"]

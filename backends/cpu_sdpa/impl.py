@@ -4,8 +4,10 @@ Per layer: write this step's K/V at the slot mapping, then
 
 * **the paged kernel** (``paged.py``, when it was built and takes the layer: float32 /
   bfloat16 / float16 with the cache in the same dtype, head size a multiple of 8 up to
-  256; soft-cap and sliding window included): one call for every query row of the step,
-  reading K/V in place through the block table (the metadata's ``paged_reqs`` is set);
+  256; soft-cap and sliding window included): one call for the query rows of every
+  request with at most ``KERNEL_MAX_QUERY_LEN`` query tokens (the metadata's
+  ``paged_reqs``; a soft-capped layer: every request), reading K/V in place through the
+  block table; the longer prompts then run the SDPA path below, one segment each;
 * **otherwise the SDPA path**, for each segment of the ``torch_native`` metadata (all
   decodes together, in length buckets; each prefill alone):
 
@@ -116,10 +118,16 @@ class CpuSdpaAttentionImpl(TorchNativeAttentionImpl):
                 raise MetadataError(f"cpu_sdpa forward: the block table names block {md.max_block_id}, the KV cache "
                                     f"has {kv_cache.shape[0]} blocks")
             write_to_paged_cache(key, value, kv_cache, md.write_slots, md.write_token_indices)
-            return paged.paged_attention(output, query, kv_cache, md.block_table_tensor, md.query_start_loc,
-                                         md.seq_lens, md.paged_reqs, scale=self.scale,
-                                         sliding_window=self.sliding_window, logits_soft_cap=self.logits_soft_cap,
-                                         causal=md.causal)
+            capped = self.logits_soft_cap is not None  # SDPA has no soft-cap: every row on the kernel
+            reqs = md.paged_all_reqs if capped else md.paged_reqs
+            if reqs.shape[0]:
+                paged.paged_attention(output, query, kv_cache, md.block_table_tensor, md.query_start_loc,
+                                      md.seq_lens, reqs, scale=self.scale, sliding_window=self.sliding_window,
+                                      logits_soft_cap=self.logits_soft_cap, causal=md.causal)
+            for seg in () if capped else md.sdpa_segments:  # the long prompts: SDPA
+                output[seg.query_token_indices.flatten()] = self._attend_segment(query, kv_cache, md, seg).to(
+                    output.dtype)
+            return output
         if self.logits_soft_cap is not None or getattr(md, "cascade", None) is not None:
             return super().forward(layer, query, key, value, kv_cache, md, output)
         self._check(query, key, value, kv_cache, md, output)

@@ -5,7 +5,9 @@ Hypothesis draws a step (decodes, speculative rows, fresh prompts, chunked-prefi
 continuations), a shuffled block table with NaN-poisoned free blocks and garbage past each
 request's blocks, the head shape (GQA/MQA/MHA, head sizes 8..256), a sliding window and a
 soft-cap; both backends run the step through the attnplug contract (builder + impl) and
-``cpu_sdpa`` must have called the kernel once, without the reference path.
+``cpu_sdpa`` must have called the kernel once when a request has at most
+``KERNEL_MAX_QUERY_LEN`` query tokens (or the layer is soft-capped), never the reference
+path; and the kernel alone, on every row (the long prompts included), matches too.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from attnplug.backends.cpu_sdpa import CpuSdpaBackend, paged
+from attnplug.backends.cpu_sdpa.builder import KERNEL_MAX_QUERY_LEN
 from attnplug.backends.torch_native import TorchNativeBackend
 from attnplug.backends.torch_native.impl import TorchNativeAttentionImpl
 from attnplug.cache_groups.specs import FullAttentionSpec, SlidingWindowSpec
@@ -69,11 +72,12 @@ def _inputs(num_heads, num_kv_heads, head_size, block_size, step, window, dtype,
 
 
 def _forward(backend, num_heads, num_kv_heads, head_size, window, cap, cm, spec, kv, qkv, num_reqs):
+    """``(output, metadata, kv cache after the write)`` of one forward through ``backend``."""
     builder = backend.get_builder_cls()(spec, ["l0"], BuilderConfig(num_reqs, 512, 512), "cpu")
     impl = backend.get_impl_cls()(num_heads, head_size, head_size ** -0.5, num_kv_heads, sliding_window=window,
                                   logits_soft_cap=cap)
-    out = torch.full_like(qkv[0], float("nan"))
-    return impl.forward(None, *qkv, kv.clone(), builder.build(0, cm), out)
+    out, kv, md = torch.full_like(qkv[0], float("nan")), kv.clone(), builder.build(0, cm)
+    return impl.forward(None, *qkv, kv, md, out), md, kv
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -81,7 +85,7 @@ def _forward(backend, num_heads, num_kv_heads, head_size, window, cap, cm, spec,
 def test_kernel_matches_torch_native_on_random_paged_layouts(layout):
     num_heads, num_kv_heads, head_size, block_size, step, window, cap, dtype, seed = layout
     args = _inputs(num_heads, num_kv_heads, head_size, block_size, step, window, dtype, seed)
-    expected = _forward(TorchNativeBackend, num_heads, num_kv_heads, head_size, window, cap, *args)
+    expected = _forward(TorchNativeBackend, num_heads, num_kv_heads, head_size, window, cap, *args)[0]
     calls, real, real_native = [0], paged.paged_attention, TorchNativeAttentionImpl.forward
 
     def counted(*a, **kw):
@@ -93,12 +97,18 @@ def test_kernel_matches_torch_native_on_random_paged_layouts(layout):
 
     paged.paged_attention, TorchNativeAttentionImpl.forward = counted, no_fallback
     try:
-        got = _forward(CpuSdpaBackend, num_heads, num_kv_heads, head_size, window, cap, *args)
+        got, md, kv = _forward(CpuSdpaBackend, num_heads, num_kv_heads, head_size, window, cap, *args)
     finally:
         paged.paged_attention, TorchNativeAttentionImpl.forward = real, real_native
-    assert calls[0] == 1
+    short = any(s <= KERNEL_MAX_QUERY_LEN for _, s in step)
+    assert calls[0] == (short or cap is not None)
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got.float(), expected.float(), rtol=TOL[dtype], atol=TOL[dtype])
+    # the kernel alone on every row (the long prompts included, which the backend gives SDPA)
+    alone = paged.paged_attention(torch.full_like(got, float("nan")), args[3][0], kv, md.block_table_tensor,
+                                  md.query_start_loc, md.seq_lens, md.paged_all_reqs, scale=head_size ** -0.5,
+                                  sliding_window=window, logits_soft_cap=cap)
+    torch.testing.assert_close(alone.float(), expected.float(), rtol=TOL[dtype], atol=TOL[dtype])
 
 
 def test_threads_split_the_work_without_changing_the_result():
@@ -109,7 +119,7 @@ def test_threads_split_the_work_without_changing_the_result():
     md = builder.build(0, cm)
     impl.forward(None, *qkv, kv, md, torch.empty_like(qkv[0]))  # writes this step's K/V
     outs = [paged.paged_attention(torch.empty_like(qkv[0]), qkv[0], kv, md.block_table_tensor, md.query_start_loc,
-                                  md.seq_lens, md.paged_reqs, scale=0.125, num_threads=t) for t in (1, 2)]
+                                  md.seq_lens, md.paged_all_reqs, scale=0.125, num_threads=t) for t in (1, 2)]
     assert torch.equal(outs[0], outs[1])
 
 
