@@ -14,6 +14,8 @@ back to its SDPA path where either says no (docs/backends.md).
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 try:
@@ -24,6 +26,11 @@ except ImportError:  # not compiled (no C compiler at install): the SDPA path ru
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 if _paged is not None and _paged.HAS_FLOAT16:
     _DTYPE_CODES[torch.float16] = 2
+
+ENV_SWITCH = "ATTNPLUG_CPU_PAGED_KERNEL"
+"""``ATTNPLUG_CPU_PAGED_KERNEL=0`` turns the kernel off (``cpu_sdpa`` runs its SDPA path
+everywhere, as a build without the compiled module does): for measuring one against the
+other in a whole run (docs/performance.md)."""
 
 HEAD_SIZE_MULTIPLE = 8
 """The kernel's dot products run 8 lanes wide: head sizes must be multiples of 8."""
@@ -36,12 +43,14 @@ def available() -> bool:
 
 def unsupported(dtype: torch.dtype, kv_cache_dtype: torch.dtype | None, head_size: int, causal: bool = True,
                 sliding_window: int | None = None) -> str | None:
-    """Why the kernel cannot run a layer (``None`` when it can): no compiled module, a
-    dtype other than float32 / bfloat16 / float16 (float16 only where the C compiler has
+    """Why the kernel cannot run a layer (``None`` when it can): no compiled module, turned
+    off by ``ATTNPLUG_CPU_PAGED_KERNEL=0``, a dtype other than float32 / bfloat16 / float16 (float16 only where the C compiler has
     ``_Float16``), a KV cache in another dtype than the queries (fp8), a head size not a
     multiple of 8 or above 256, a sliding window without causal attention."""
     if _paged is None:
         return "the compiled module attnplug.backends.cpu_sdpa._paged is not built"
+    if os.environ.get(ENV_SWITCH, "1") == "0":
+        return f"turned off by {ENV_SWITCH}=0"
     if dtype not in _DTYPE_CODES:
         return f"dtype {dtype} (kernel: {', '.join(map(str, _DTYPE_CODES))})"
     if kv_cache_dtype is not None and kv_cache_dtype != dtype:
@@ -123,4 +132,4 @@ def _check(out, query, kv_cache, block_table, query_start_loc, seq_lens, reqs, s
                              + (", contiguous" if dim == 1 else "") + f" (got {t.dtype}, {tuple(t.shape)})")
 
 
-__all__ = ["HEAD_SIZE_MULTIPLE", "available", "paged_attention", "unsupported"]
+__all__ = ["ENV_SWITCH", "HEAD_SIZE_MULTIPLE", "available", "paged_attention", "unsupported"]

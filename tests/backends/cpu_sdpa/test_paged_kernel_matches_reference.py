@@ -146,10 +146,12 @@ def test_bad_inputs_are_refused_before_the_kernel_reads():
         impl.forward(None, *qkv, small, md, torch.empty_like(q))
 
 
-def test_unsupported_layers_fall_back_with_a_reason():
+def test_unsupported_layers_fall_back_with_a_reason(monkeypatch):
     assert paged.unsupported(torch.float32, torch.float32, 64) is None
     assert "head size" in paged.unsupported(torch.float32, torch.float32, 20)
     assert "head size" in paged.unsupported(torch.float32, torch.float32, 264)
     assert "KV cache dtype" in paged.unsupported(torch.float32, torch.float8_e5m2, 64)
     assert "dtype" in paged.unsupported(torch.float64, torch.float64, 64)
     assert "causal" in paged.unsupported(torch.float32, torch.float32, 64, causal=False, sliding_window=4)
+    monkeypatch.setenv(paged.ENV_SWITCH, "0")
+    assert "turned off" in paged.unsupported(torch.float32, torch.float32, 64)
