@@ -21,6 +21,7 @@ cdef extern from *:
     """
     #include <math.h>
     #include <stdint.h>
+    #include <string.h>
     #ifdef _OPENMP
     #include <omp.h>
     #endif
@@ -56,9 +57,74 @@ cdef extern from *:
         return (uint16_t)(c.u >> 16);
     }
 
+    /* exp(x) for x <= 0 (a logit minus the running max), in plain arithmetic so that a
+       loop of it vectorizes: x = n ln2 + r, |r| <= ln2 / 2, e^r by the degree-6 minimax
+       polynomial of Cephes' expf (about 1 ulp), 2^n through the exponent bits. */
+    static inline float ap_expf(float x) {
+        x = x > -87.0f ? x : -87.0f;
+        const float n = __builtin_floorf(x * 1.44269504088896341f + 0.5f);
+        const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+        float p = 1.9875691500e-4f;
+        p = p * r + 1.3981999507e-3f;
+        p = p * r + 8.3334519073e-3f;
+        p = p * r + 4.1665795894e-2f;
+        p = p * r + 1.6666665459e-1f;
+        p = p * r + 5.0000001201e-1f;
+        p = p * r * r + r + 1.0f;
+        const int32_t bits = ((int32_t)n + 127) << 23;
+        float two_n;
+        memcpy(&two_n, &bits, sizeof two_n);
+        return p * two_n;
+    }
+
+    /* 8 lanes (GCC/Clang vector extensions: each target clone lowers them to its widest
+       registers). Head sizes are multiples of 8. */
+    typedef float ap_v8 __attribute__((vector_size(32)));
+    typedef int32_t ap_v8i __attribute__((vector_size(32)));
+    typedef uint16_t ap_v8u16 __attribute__((vector_size(16)));
+    typedef uint32_t ap_v8u32 __attribute__((vector_size(32)));
+    #define AP_INLINE static inline __attribute__((always_inline))
+    AP_INLINE ap_v8 ap_ld8_f32(const float *p) { ap_v8 v; memcpy(&v, p, sizeof v); return v; }
+    AP_INLINE ap_v8 ap_ld8_bf16(const uint16_t *p) {
+        ap_v8u16 h; memcpy(&h, p, sizeof h);
+        ap_v8u32 w = __builtin_convertvector(h, ap_v8u32) << 16;
+        ap_v8 f; memcpy(&f, &w, sizeof f); return f;
+    }
+    /* out[k] = the sum of the lanes of xk, k = 0..3 (a transpose-and-add tree) */
+    AP_INLINE void ap_sum4(ap_v8 x0, ap_v8 x1, ap_v8 x2, ap_v8 x3, float *out) {
+        const ap_v8i ev = {0, 8, 2, 10, 4, 12, 6, 14}, od = {1, 9, 3, 11, 5, 13, 7, 15};
+        const ap_v8i lo = {0, 1, 8, 9, 4, 5, 12, 13}, hi = {2, 3, 10, 11, 6, 7, 14, 15};
+        const ap_v8 h01 = __builtin_shuffle(x0, x1, ev) + __builtin_shuffle(x0, x1, od);
+        const ap_v8 h23 = __builtin_shuffle(x2, x3, ev) + __builtin_shuffle(x2, x3, od);
+        const ap_v8 h = __builtin_shuffle(h01, h23, lo) + __builtin_shuffle(h01, h23, hi);
+        out[0] = h[0] + h[4]; out[1] = h[1] + h[5]; out[2] = h[2] + h[6]; out[3] = h[3] + h[7];
+    }
+    /* ap_expf on 8 lanes, x <= 0; -inf lanes give exactly 0 */
+    AP_INLINE ap_v8 ap_exp8(ap_v8 x) {
+        const ap_v8i seen = x > -INFINITY;
+        const ap_v8i big = x > -87.0f;
+        ap_v8i xi; memcpy(&xi, &x, sizeof xi);
+        const ap_v8 lo = {-87.0f, -87.0f, -87.0f, -87.0f, -87.0f, -87.0f, -87.0f, -87.0f};
+        ap_v8i loi; memcpy(&loi, &lo, sizeof loi);
+        xi = (xi & big) | (loi & ~big);
+        memcpy(&x, &xi, sizeof x);
+        const ap_v8i ni = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, ap_v8i); /* x <= 0: nearest */
+        const ap_v8 n = __builtin_convertvector(ni, ap_v8);
+        const ap_v8 r = x - n * 0.693359375f + n * 2.12194440e-4f;
+        ap_v8 p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+        p = p * r + 8.3334519073e-3f;
+        p = p * r + 4.1665795894e-2f;
+        p = p * r + 1.6666665459e-1f;
+        p = p * r + 5.0000001201e-1f;
+        p = p * r * r + r + 1.0f;
+        const ap_v8i bits = ((ni + 127) << 23) & seen;   /* 2^n, or +0 for an unseen lane */
+        ap_v8 two_n; memcpy(&two_n, &bits, sizeof two_n);
+        return p * two_n;
+    }
+
     /* One (request, KV head) pair: every query row of the request for the query heads of
        that KV head. TYPE: the element type of q / kv / out; LOAD / STORE convert. */
-    #define AP_DEFINE_ITEM(NAME, TYPE, LOAD, STORE)                                          \\
+    #define AP_DEFINE_ITEM(NAME, TYPE, LOAD, LOAD8, STORE)                                          \\
     static AP_CLONES void NAME(const ap_args *a, int64_t item) {                              \\
         const int G = a->num_heads / a->num_kv_heads, D = a->head_size, B = a->block_size;    \\
         const int per = (a->num_kv_heads + a->head_splits - 1) / a->head_splits;              \\
@@ -98,7 +164,22 @@ cdef extern from *:
                     kp[j] = kv + (int64_t)bt[pos / B] * a->kv_blk + (pos % B) * a->kv_tok;    \\
                 }                                                                             \\
                 /* the chunk's logits for every row of the tile: each key loaded once */      \\
-                for (int j = 0; j < nc; j++) {                                                \\
+                int j4 = 0;                                                                   \\
+                for (; j4 + 4 <= nc; j4 += 4) {  /* four keys per pass: 8-lane partial sums */\\
+                    for (int i = 0; i < nr; i++) {                                            \\
+                        const float *qi = qf + i * D;                                         \\
+                        const TYPE *k0 = kp[j4] + koff[i], *k1 = kp[j4 + 1] + koff[i];        \\
+                        const TYPE *k2 = kp[j4 + 2] + koff[i], *k3 = kp[j4 + 3] + koff[i];    \\
+                        ap_v8 x0 = {0}, x1 = {0}, x2 = {0}, x3 = {0};                         \\
+                        for (int d = 0; d < D; d += 8) {                                      \\
+                            ap_v8 qd; memcpy(&qd, qi + d, sizeof qd);                         \\
+                            x0 += qd * LOAD8(k0 + d); x1 += qd * LOAD8(k1 + d);               \\
+                            x2 += qd * LOAD8(k2 + d); x3 += qd * LOAD8(k3 + d);               \\
+                        }                                                                     \\
+                        ap_sum4(x0, x1, x2, x3, s + i * AP_CHUNK + j4);                       \\
+                    }                                                                         \\
+                }                                                                             \\
+                for (int j = j4; j < nc; j++) {                                               \\
                     for (int i = 0; i < nr; i++) {                                            \\
                         const float *qi = qf + i * D;                                         \\
                         const TYPE *k = kp[j] + koff[i];                                      \\
@@ -113,28 +194,32 @@ cdef extern from *:
                     float *si = s + i * AP_CHUNK;                                             \\
                     const int jlo = rlo[i] > c0 ? (int)(rlo[i] - c0) : 0;                     \\
                     const int jhi = rhi[i] - c0 < nc ? (int)(rhi[i] - c0) : nc;               \\
+                    if (a->softcap > 0.0f)                                                    \\
+                        for (int j = jlo; j < jhi; j++) si[j] = a->softcap * tanhf(si[j] / a->softcap);\\
                     float mx = -INFINITY;                                                     \\
-                    for (int j = 0; j < nc; j++) {                                            \\
-                        if (j < jlo || j >= jhi) { si[j] = -INFINITY; continue; }             \\
-                        if (a->softcap > 0.0f) si[j] = a->softcap * tanhf(si[j] / a->softcap);\\
-                        if (si[j] > mx) mx = si[j];                                           \\
+                    _Pragma("omp simd reduction(max:mx)")                                     \\
+                    for (int j = 0; j < AP_CHUNK; j++) {                                      \\
+                        si[j] = (j < jlo || j >= jhi) ? -INFINITY : si[j];                    \\
+                        mx = si[j] > mx ? si[j] : mx;                                         \\
                     }                                                                         \\
-                    if (mx == -INFINITY) { for (int j = 0; j < nc; j++) si[j] = 0.0f; continue; }\\
+                    if (mx == -INFINITY) { for (int j = 0; j < AP_CHUNK; j++) si[j] = 0.0f; continue; }\\
                     if (mx > m[i]) {                                                          \\
                         if (m[i] != -INFINITY) {                                              \\
-                            const float corr = expf(m[i] - mx);                               \\
+                            const float corr = ap_expf(m[i] - mx);                            \\
                             float *ai = acc + i * D;                                          \\
                             l[i] *= corr;                                                     \\
                             for (int d = 0; d < D; d++) ai[d] *= corr;                        \\
                         }                                                                     \\
                         m[i] = mx;                                                            \\
                     }                                                                         \\
-                    float sum = 0.0f;                                                         \\
-                    for (int j = 0; j < nc; j++) {                                            \\
-                        si[j] = (j < jlo || j >= jhi) ? 0.0f : expf(si[j] - m[i]);            \\
-                        sum += si[j];                                                         \\
+                    ap_v8 tot = {0};                                                          \\
+                    for (int j = 0; j < AP_CHUNK; j += 8) {  /* -inf (unseen) lanes become 0 */\\
+                        ap_v8 x; memcpy(&x, si + j, sizeof x);                                \\
+                        const ap_v8 e = ap_exp8(x - m[i]);                                    \\
+                        memcpy(si + j, &e, sizeof e);                                         \\
+                        tot += e;                                                             \\
                     }                                                                         \\
-                    l[i] += sum;                                                              \\
+                    l[i] += ((tot[0] + tot[4]) + (tot[1] + tot[5])) + ((tot[2] + tot[6]) + (tot[3] + tot[7]));\\
                 }                                                                             \\
                 /* the weighted values: each value row loaded once for every row of the tile */\\
                 for (int j = 0; j < nc; j++) {                                                \\
@@ -158,13 +243,17 @@ cdef extern from *:
     }
 
     #define AP_ID(x) (x)
-    AP_DEFINE_ITEM(ap_item_f32, float, AP_ID, AP_ID)
-    AP_DEFINE_ITEM(ap_item_bf16, uint16_t, ap_bf16_to_f32, ap_f32_to_bf16)
+    AP_DEFINE_ITEM(ap_item_f32, float, AP_ID, ap_ld8_f32, AP_ID)
+    AP_DEFINE_ITEM(ap_item_bf16, uint16_t, ap_bf16_to_f32, ap_ld8_bf16, ap_f32_to_bf16)
     #if defined(__FLT16_MAX__)
     #define AP_HAVE_F16 1
     #define AP_F16_LOAD(x) ((float)(x))
     #define AP_F16_STORE(x) ((_Float16)(x))
-    AP_DEFINE_ITEM(ap_item_f16, _Float16, AP_F16_LOAD, AP_F16_STORE)
+    typedef _Float16 ap_v8h __attribute__((vector_size(16)));
+    static inline __attribute__((always_inline)) ap_v8 ap_ld8_f16(const _Float16 *p) {
+        ap_v8h h; memcpy(&h, p, sizeof h); return __builtin_convertvector(h, ap_v8);
+    }
+    AP_DEFINE_ITEM(ap_item_f16, _Float16, AP_F16_LOAD, ap_ld8_f16, AP_F16_STORE)
     #else
     #define AP_HAVE_F16 0
     #endif
