@@ -84,6 +84,11 @@ cdef extern from *:
     typedef uint16_t ap_v8u16 __attribute__((vector_size(16)));
     typedef uint32_t ap_v8u32 __attribute__((vector_size(32)));
     #define AP_INLINE static inline __attribute__((always_inline))
+    #if defined(__clang__)
+    #define AP_SHUF(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+    #else
+    #define AP_SHUF(a, b, ...) __builtin_shuffle(a, b, (ap_v8i){__VA_ARGS__})
+    #endif
     AP_INLINE ap_v8 ap_ld8_f32(const float *p) { ap_v8 v; memcpy(&v, p, sizeof v); return v; }
     AP_INLINE ap_v8 ap_ld8_bf16(const uint16_t *p) {
         ap_v8u16 h; memcpy(&h, p, sizeof h);
@@ -92,11 +97,13 @@ cdef extern from *:
     }
     /* out[k] = the sum of the lanes of xk, k = 0..3 (a transpose-and-add tree) */
     AP_INLINE void ap_sum4(ap_v8 x0, ap_v8 x1, ap_v8 x2, ap_v8 x3, float *out) {
-        const ap_v8i ev = {0, 8, 2, 10, 4, 12, 6, 14}, od = {1, 9, 3, 11, 5, 13, 7, 15};
-        const ap_v8i lo = {0, 1, 8, 9, 4, 5, 12, 13}, hi = {2, 3, 10, 11, 6, 7, 14, 15};
-        const ap_v8 h01 = __builtin_shuffle(x0, x1, ev) + __builtin_shuffle(x0, x1, od);
-        const ap_v8 h23 = __builtin_shuffle(x2, x3, ev) + __builtin_shuffle(x2, x3, od);
-        const ap_v8 h = __builtin_shuffle(h01, h23, lo) + __builtin_shuffle(h01, h23, hi);
+        #define AP_EV 0, 8, 2, 10, 4, 12, 6, 14
+        #define AP_OD 1, 9, 3, 11, 5, 13, 7, 15
+        #define AP_LO 0, 1, 8, 9, 4, 5, 12, 13
+        #define AP_HI 2, 3, 10, 11, 6, 7, 14, 15
+        const ap_v8 h01 = AP_SHUF(x0, x1, AP_EV) + AP_SHUF(x0, x1, AP_OD);
+        const ap_v8 h23 = AP_SHUF(x2, x3, AP_EV) + AP_SHUF(x2, x3, AP_OD);
+        const ap_v8 h = AP_SHUF(h01, h23, AP_LO) + AP_SHUF(h01, h23, AP_HI);
         out[0] = h[0] + h[4]; out[1] = h[1] + h[5]; out[2] = h[2] + h[6]; out[3] = h[3] + h[7];
     }
     /* ap_expf on 8 lanes, x <= 0; -inf lanes give exactly 0 */
