@@ -142,3 +142,14 @@ def test_fp8_fast_path_matches_torch_native(cache_dtype, step, monkeypatch):
     got = _run(CpuSdpaBackend, STEPS[step], None, cache_dtype=cache_dtype, layer=layer)
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_paged_kernel_is_built_wherever_the_step_kernels_are():
+    """Both extensions are optional (pyproject.toml), so a compile error in ``_paged.pyx``
+    would only show as skipped kernel tests; where the C compiler built the step compiler's
+    module it must have built this one too."""
+    from attnplug.runner.step.fast import NATIVE
+
+    if NATIVE is None:
+        pytest.skip("no compiled extension at all (no C compiler at install)")
+    assert paged.available(), paged.unsupported(torch.float32, torch.float32, 64)
