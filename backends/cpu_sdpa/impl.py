@@ -79,6 +79,10 @@ class CpuSdpaAttentionImpl(TorchNativeAttentionImpl):
         torch.Size([4, 2, 8])
     """
 
+    paged_kernel = True
+    """Run the compiled paged kernel where it takes the call (``False``: always the SDPA
+    path; ``CpuSdpaGatherBackend`` and the tests of that path set it)."""
+
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
                  sliding_window: int | None = None, logits_soft_cap: float | None = None,
                  attn_type: AttentionType = AttentionType.DECODER,
@@ -88,10 +92,6 @@ class CpuSdpaAttentionImpl(TorchNativeAttentionImpl):
         super().__init__(num_heads, head_size, scale, num_kv_heads, sliding_window, logits_soft_cap, attn_type,
                          kv_cache_dtype)
         self._kernel_ok: dict[tuple, bool] = {}
-
-    paged_kernel = True
-    """Run the compiled paged kernel where it takes the call (``False``: always the SDPA
-    path; ``CpuSdpaGatherBackend`` and the tests of that path set it)."""
 
     def forward(self, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: TorchNativeMetadata,
@@ -113,21 +113,7 @@ class CpuSdpaAttentionImpl(TorchNativeAttentionImpl):
         md = attn_metadata
         if getattr(md, "cascade", None) is None and getattr(md, "paged_reqs", None) is not None \
                 and self._kernel_takes(query, kv_cache, md.causal):
-            self._check(query, key, value, kv_cache, md, output)
-            if md.max_block_id >= kv_cache.shape[0]:
-                raise MetadataError(f"cpu_sdpa forward: the block table names block {md.max_block_id}, the KV cache "
-                                    f"has {kv_cache.shape[0]} blocks")
-            write_to_paged_cache(key, value, kv_cache, md.write_slots, md.write_token_indices)
-            capped = self.logits_soft_cap is not None  # SDPA has no soft-cap: every row on the kernel
-            reqs = md.paged_all_reqs if capped else md.paged_reqs
-            if reqs.shape[0]:
-                paged.paged_attention(output, query, kv_cache, md.block_table_tensor, md.query_start_loc,
-                                      md.seq_lens, reqs, scale=self.scale, sliding_window=self.sliding_window,
-                                      logits_soft_cap=self.logits_soft_cap, causal=md.causal)
-            for seg in () if capped else md.sdpa_segments:  # the long prompts: SDPA
-                output[seg.query_token_indices.flatten()] = self._attend_segment(query, kv_cache, md, seg).to(
-                    output.dtype)
-            return output
+            return self._forward_paged(query, key, value, kv_cache, md, output)
         if self.logits_soft_cap is not None or getattr(md, "cascade", None) is not None:
             return super().forward(layer, query, key, value, kv_cache, md, output)
         self._check(query, key, value, kv_cache, md, output)
@@ -136,6 +122,26 @@ class CpuSdpaAttentionImpl(TorchNativeAttentionImpl):
         for seg in md.segments:
             out = self._attend_segment(query, kv_cache, md, seg, scales)  # [n * query_len, num_heads, head_size]
             output[seg.query_token_indices.flatten()] = out.to(output.dtype)
+        return output
+
+    def _forward_paged(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                       md, output: torch.Tensor) -> torch.Tensor:
+        """``forward`` on the kernel's metadata (``md.paged_reqs`` set): checks, the K/V
+        write, one kernel call for the short rows (every row on a soft-capped layer), SDPA
+        for each longer prompt."""
+        self._check(query, key, value, kv_cache, md, output)
+        if md.max_block_id >= kv_cache.shape[0]:
+            raise MetadataError(f"cpu_sdpa forward: the block table names block {md.max_block_id}, the KV cache "
+                                f"has {kv_cache.shape[0]} blocks")
+        write_to_paged_cache(key, value, kv_cache, md.write_slots, md.write_token_indices)
+        capped = self.logits_soft_cap is not None  # SDPA has no soft-cap: every row on the kernel
+        reqs = md.paged_all_reqs if capped else md.paged_reqs
+        if reqs.shape[0]:
+            paged.paged_attention(output, query, kv_cache, md.block_table_tensor, md.query_start_loc, md.seq_lens,
+                                  reqs, scale=self.scale, sliding_window=self.sliding_window,
+                                  logits_soft_cap=self.logits_soft_cap, causal=md.causal)
+        for seg in () if capped else md.sdpa_segments:  # the long prompts: SDPA
+            output[seg.query_token_indices.flatten()] = self._attend_segment(query, kv_cache, md, seg).to(output.dtype)
         return output
 
     def _kernel_takes(self, query: torch.Tensor, kv_cache: torch.Tensor, causal: bool) -> bool:
