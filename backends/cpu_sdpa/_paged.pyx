@@ -3,12 +3,12 @@
 
 One call attends every query row of a set of requests (decodes, speculative rows,
 prefills and chunked-prefill continuations alike: varlen, bottom-right causal over the
-request's cached context): no gather, no padding, no mask. The work is split over
-``(request, KV head)`` pairs (OpenMP when the module was built with it, else one thread);
-each pair walks its request's keys once, in chunks, for all the query rows that read them
-(the ``H / H_kv`` query heads of the GQA group times the request's query tokens, in tiles)
-with an online softmax in float32 (running max ``m``, running sum ``l``, rescaled
-accumulator). Keys outside a row's range (past its position, before its sliding window)
+request's cached context): no gather, no padding, no mask. A work item is a request (or,
+with fewer requests than twice the threads, a request's KV head): it walks the request's
+keys once, in chunks of ``AP_CHUNK``, for all the query rows that read them (query tokens
+times query heads, in tiles of ``AP_ROWS``; each key token's ``H_kv * D`` K and V rows are
+contiguous), with an online softmax in float32 (running max ``m``, running sum ``l``,
+rescaled accumulator). Items run on OpenMP threads when the module was built with it. Keys outside a row's range (past its position, before its sliding window)
 are never read, so a poisoned or recycled block past ``seq_len`` cannot leak in.
 
 The Python-facing wrapper is ``backends/cpu_sdpa/paged.py`` (validation, strides); this
@@ -129,8 +129,9 @@ cdef extern from *:
         return p * two_n;
     }
 
-    /* One (request, KV head) pair: every query row of the request for the query heads of
-       that KV head. TYPE: the element type of q / kv / out; LOAD / STORE convert. */
+    /* One work item: every query row of request reqs[item / head_splits] for the query
+       heads of its KV heads hk0 .. hk1 - 1. TYPE: the element type of q / kv / out;
+       LOAD / LOAD8 (8 lanes) / STORE convert to and from float. */
     #define AP_DEFINE_ITEM(NAME, TYPE, LOAD, LOAD8, STORE)                                          \\
     static AP_CLONES void NAME(const ap_args *a, int64_t item) {                              \\
         const int G = a->num_heads / a->num_kv_heads, D = a->head_size, B = a->block_size;    \\
