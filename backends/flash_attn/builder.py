@@ -392,7 +392,7 @@ class FlashAttnMetadataBuilder(AttentionMetadataBuilder):
         if self.validate_values:
             check_step_tensors(cm, B, self.device, "flash_attn")
             check_step_values(cm, self.config.max_model_len)
-        if graph:
+        if graph or self.validate_values:
             self._step_checks.check(cm, B)
         else:
             self._passed = self._step_checks.pass_step(cm, B) + (None, None)  # (_build adds the template)
