@@ -1,7 +1,7 @@
 """The triton and flash_attn builders beside vLLM's own, on the same steps (run in a vLLM environment).
 
 ``python -m attnplug.runner.commands.bench.builders_vllm [--backends triton,flash_attn]
-[--sizes 256,1024] [--steps 60] [--before REV] [--json]`` in ``.venv-vllm/0.33``
+[--sizes 256,1024] [--steps 60] [--before REV] [--cold] [--json]`` in ``.venv-vllm/0.33``
 (``make .venv-vllm/0.33/.test``; ``VLLM_TARGET_DEVICE=cpu`` is set here, as
 ``tests/vllm/conftest.py`` does). Per backend and size ``N``: the steady-decode workload of
 ``attnplug bench step`` (``runner/commands/bench/workloads.py``) through the step
@@ -25,9 +25,9 @@ group 1's block table and slot mapping (``update_block_table``) where it has one
 one: it must import against the current tree), the "before" of a change, in the same run.
 
 The contenders take turns, twice per step, cycling through every order of them (each is
-first, and follows each other one, equally often), each call after an 8 MiB read that
-leaves the core's L1/L2 cold (as the step compiler's ``prepare_inputs`` does before a real
-build), in one process; median µs
+first, and follows each other one, equally often), in one process (``--cold``: each call
+after an 8 MiB read that leaves the core's L1/L2 cold; without it a call finds what the
+step compiler and the contender before it left in the caches); median µs
 per call over the steps, 1 torch thread. Prints one line per backend and size and the
 ratios to vLLM's build (``--json``: a JSON object).
 """
@@ -48,9 +48,8 @@ from pathlib import Path
 HEADS, KV_HEADS, HEAD_SIZE, BLOCK, MAX_MODEL_LEN = 32, 8, 128, 16, 8192
 BACKENDS = ("triton", "flash_attn")
 EVICT_BYTES = 8 << 20
-"""Read before every timed call: more than a core's L2 (2 MiB here), so that no contender
-finds the caches warmed by the one before it (the step compiler's ``prepare_inputs`` runs
-before a real build)."""
+"""``--cold``: read before every timed call, more than a core's L2 (2 MiB here), so that no
+contender finds the caches warmed by the one before it or by the previous step."""
 BUILDER_FILES = {"triton": "backends/triton/builder.py", "flash_attn": "backends/flash_attn/builder.py"}
 
 
@@ -107,10 +106,10 @@ def _before(backend: str, rev: str) -> type:
     return type("FlashAttn3EmulatedBuilderBefore", (mod.FlashAttnMetadataBuilder,), ns)
 
 
-def run(backend: str, num_reqs: int, steps: int, before: str | None = None) -> dict[str, float]:
+def run(backend: str, num_reqs: int, steps: int, before: str | None = None, cold: bool = False) -> dict[str, float]:
     """Median µs per call: ``"<who> build"`` and ``"<who> update_block_table"`` for ``who`` in
     ours, vllm (flash_attn only for its update) and before (``before`` given), and the
-    ratios ``"<who> / vllm build"``."""
+    ratios ``"<who> / vllm build"``. ``cold``: each call after an 8 MiB read (``EVICT_BYTES``)."""
     import numpy as np
 
     from attnplug.core.contracts import BuilderConfig
@@ -129,7 +128,7 @@ def run(backend: str, num_reqs: int, steps: int, before: str | None = None) -> d
         classes["before"] = _before(backend, before)
     contenders = [(who, cls(ATTN_SPEC, ["g0"], bcfg, "cpu"), cls(ATTN_SPEC, ["g1"], bcfg, "cpu"), False)
                   for who, cls in classes.items()] + [("vllm", vllm0, vllm1, True)]
-    evict = np.ones(EVICT_BYTES // 8)
+    evict = np.ones(EVICT_BYTES // 8) if cold else None
     orders = list(itertools.permutations(contenders))  # each first, and after each other, equally often
     clock = time.perf_counter_ns
     times: dict[str, list[int]] = {}
@@ -144,7 +143,8 @@ def run(backend: str, num_reqs: int, steps: int, before: str | None = None) -> d
             causal=True)
         for rep in range(2):
             for who, b0, b1, theirs in orders[(2 * i + rep) % len(orders)]:
-                evict.sum()  # every call starts with cold L1/L2, as after prepare_inputs
+                if evict is not None:
+                    evict.sum()  # the call starts with cold L1/L2
                 t0 = clock()
                 md = b0.build(0, vcm if theirs else cm)
                 t1 = clock()
@@ -170,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sizes", default="256,1024", help="request counts N (comma-separated)")
     p.add_argument("--steps", type=int, default=60, help="timed steady-decode steps per size")
     p.add_argument("--before", metavar="REV", help="also time the builder module of commit REV (module docstring)")
+    p.add_argument("--cold", action="store_true", help="evict L1/L2 before every timed call (EVICT_BYTES)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     backends = args.backends.split(",")
@@ -181,12 +182,14 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(1)
     load = os.getloadavg()[0]
-    rows = {b: {int(n): run(b, int(n), args.steps, args.before) for n in args.sizes.split(",")} for b in backends}
+    rows = {b: {int(n): run(b, int(n), args.steps, args.before, args.cold) for n in args.sizes.split(",")}
+            for b in backends}
     if args.json:
-        print(json.dumps({"torch_threads": torch.get_num_threads(), "load_average": load, "rows": rows}))
+        print(json.dumps({"torch_threads": torch.get_num_threads(), "load_average": load, "cold": args.cold,
+                          "rows": rows}))
         return 0
     print(f"attnplug's builders vs vLLM's, median µs per call ({torch.get_num_threads()} torch thread, "
-          f"load average {load:.2f} at the start)")
+          f"load average {load:.2f} at the start{', cold L1/L2' if args.cold else ''})")
     for b, by_n in rows.items():
         for n, r in by_n.items():
             parts = [f"{who} build {r[f'{who} build']:.2f} (update_block_table "
