@@ -13,7 +13,9 @@ FA3's scheduler metadata. ``build_for_cudagraph_capture`` copies the tensors int
 persistent buffers allocated once from the :class:`BuilderConfig` (the block table's
 live columns only), so a captured graph replays with the next step's contents whatever
 the caller passes. Host values are checked only with ``ATTNPLUG_VALIDATE=1``
-(``backends/common/buffer_checks.py``).
+(``backends/common/buffer_checks.py``). An eager build with the same tensor objects and
+``num_reqs`` as the last checked one compares a handful of host ints against that pass
+instead of checking again, and fills its metadata from the last one's (``_passed``).
 """
 
 from __future__ import annotations
@@ -170,8 +172,10 @@ class FlashAttnMetadataBuilder(AttentionMetadataBuilder):
         Reads host ints and ``_cpu`` tensors; the device work is copies and one cumsum.
         """
         cm = common_attn_metadata
-        qsl, seq_lens, block_table, slot_mapping = cm.query_start_loc, cm.seq_lens, cm.block_table_tensor, cm.slot_mapping
-        n, num_actual_tokens, max_query_len, max_seq_len = cm.num_reqs, cm.num_actual_tokens, cm.max_query_len, cm.max_seq_len
+        qsl, seq_lens, block_table, slot_mapping = (cm.query_start_loc, cm.seq_lens, cm.block_table_tensor,
+                                                    cm.slot_mapping)
+        n, num_actual_tokens, max_query_len, max_seq_len = (cm.num_reqs, cm.num_actual_tokens, cm.max_query_len,
+                                                            cm.max_seq_len)
         p_qsl, p_seq_lens, p_bt, p_sm, _, p_tokens, p_seq_len, p_n, template = self._passed
         if not (p_qsl is qsl and p_seq_lens is seq_lens and p_bt is block_table and p_sm is slot_mapping
                 and p_n == n and num_actual_tokens <= p_tokens and max_seq_len <= p_seq_len

@@ -6,7 +6,9 @@ mapping. ``prepare_inputs`` returns those as views of its persistent buffers, at
 addresses every step (``runner/step/prepare.py``, ``cache_groups/block_table.py``), so an
 eager ``build`` passes them through (as vLLM's Triton builder does): a build is host-int
 arithmetic (the split-KV decision) and a few structural checks, never a device copy and
-never a host synchronisation. The host values are checked only with
+never a host synchronisation. A build with the same tensor objects and row count as the
+last checked one compares a handful of host ints against that pass instead of checking
+again, and fills its metadata from the last one's (``_passed``). The host values are checked only with
 ``ATTNPLUG_VALIDATE=1`` (``backends/common/buffer_checks.py``).
 
 ``build_for_cudagraph_capture`` (capture and replays) copies into persistent buffers of
@@ -246,8 +248,9 @@ class TritonMetadataBuilder(AttentionMetadataBuilder):
     # --- validation (raises before anything is copied) ---------------------------------
     def _build_checked(self, cm: CommonAttentionMetadata, n: int, splits: int) -> TritonAttentionMetadata:
         """An eager build the last pass does not cover: the row bound, with ``validate_values``
-        the host values, the structure in full (``StepTensorChecks.pass_step``); then the metadata, whose instance dict becomes the template of the builds the new
-        pass covers (kept unless every build is checked)."""
+        the host values, the structure in full (``StepTensorChecks.pass_step``); then the
+        metadata, whose instance dict becomes the template of the builds the new pass
+        covers (kept unless every build is checked)."""
         self._check_num_reqs(n)
         if self.validate_values:
             check_step_tensors(cm, n, self.device, "triton")  # (the host copies' sizes first)
