@@ -109,3 +109,19 @@ def test_with_validation_no_pass_is_kept_and_host_values_are_checked_every_build
     assert b._passed[0] is None and b._passed[:7] == NOT_PASSED
     with pytest.raises(MetadataError, match="max_query_len must bound"):
         b.build(0, cm.replace(max_query_len=0))  # a host-value lie the structure does not see
+
+
+def test_a_warm_flash_attention_2_build_sums_this_steps_seq_lens(monkeypatch):
+    """FA2's ``cu_seqlens_k`` is computed every build (a new tensor), never taken from the kept dict."""
+    from attnplug.backends.emulators import FlashAttn2EmulatedBackend
+
+    monkeypatch.delenv("ATTNPLUG_VALIDATE", raising=False)
+    spec = FullAttentionSpec(block_size=256, num_kv_heads=2, head_size=32)
+    b = FlashAttn2EmulatedBackend.get_builder_cls()(spec, ["l0"], BuilderConfig(3, 64, 512), "cpu")
+    cm = CommonAttentionMetadata.from_lengths([19, 5], [1, 1], [[1, 0], [3, 0]], block_size=256)
+    first = b.build(0, cm)
+    assert b._passed[0] is cm.query_start_loc and first.cu_seqlens_k.tolist() == [0, 20, 26]
+    cm.seq_lens.add_(1)  # the next decode step, in the same buffer
+    nxt = b.build(0, cm.replace(max_seq_len=21, num_actual_tokens=2))
+    assert nxt.cu_seqlens_k.tolist() == [0, 21, 28] and first.cu_seqlens_k.tolist() == [0, 20, 26]
+    assert nxt.cu_seqlens_k is not first.cu_seqlens_k and nxt.seq_lens is first.seq_lens
