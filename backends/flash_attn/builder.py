@@ -34,13 +34,14 @@ from attnplug.backends.common.buffer_checks import (
 )
 from attnplug.backends.common.frozen_fields import frozen_factory, replace_fields, tables_replacer, template_factory
 from attnplug.backends.common.window import fa_window_size
+from attnplug.backends.flash_attn.cascade import cascade_fields, cascade_for
 from attnplug.backends.flash_attn.kernels import (
     FA2_PAGE_SIZE_MULTIPLE,
     LIVE_LAYER_PARAMS,
     FlashAttnKernels,
     installed_kernels,
 )
-from attnplug.backends.flash_attn.metadata import FlashAttnCascadeMetadata, FlashAttnMetadata
+from attnplug.backends.flash_attn.metadata import FlashAttnMetadata
 from attnplug.cache_groups.specs import cdiv
 from attnplug.core.constants import NULL_BLOCK_ID, PAD_SLOT_ID
 from attnplug.core.contracts import AttentionCGSupport, AttentionMetadataBuilder, BuilderConfig
@@ -76,7 +77,7 @@ class FlashAttnMetadataBuilder(AttentionMetadataBuilder):
     cudagraph_support = AttentionCGSupport.UNIFORM_BATCH
     reorder_batch_threshold = None
     supports_update_block_table = True
-    supports_cascade = True  # full attention only: _cascade returns None with a sliding window
+    supports_cascade = True  # full attention only: cascade_for returns None with a sliding window
 
     @classmethod
     def load_kernels(cls) -> FlashAttnKernels:
@@ -223,7 +224,8 @@ class FlashAttnMetadataBuilder(AttentionMetadataBuilder):
             self.window_size, None, None, graph)
         if not graph and not self.validate_values:
             self._passed = self._passed[:7] + (cm.num_reqs, dict(md.__dict__))  # (pass_step in _check)
-        cascade = self._cascade(md, cm, common_prefix_len) if common_prefix_len > 0 else None
+        cascade = (cascade_for(md, cm, common_prefix_len, self.sliding_window, self.device) if common_prefix_len > 0
+                   else None)
         sched = None if (fast_build or cascade is not None) else self._scheduler_metadata_for(md, graph)
         if cascade is None and sched is None:
             return md
@@ -292,35 +294,10 @@ class FlashAttnMetadataBuilder(AttentionMetadataBuilder):
                                      slot_mapping=self._copy_slot_mapping(slot_mapping), scheduler_metadata=sched,
                                      cascade=None, **own)
         if metadata.cascade is not None:
-            md = dataclasses.replace(md, cascade=self._cascade_fields(md, metadata.cascade.common_prefix_len))
+            md = dataclasses.replace(md, cascade=cascade_fields(md, metadata.cascade.common_prefix_len, self.device))
         return md
 
-    # --- cascade and FA3 scheduling ------------------------------------------------------
-    def _cascade(self, md: FlashAttnMetadata, cm: CommonAttentionMetadata,
-                 common_prefix_len: int) -> FlashAttnCascadeMetadata | None:
-        n = cm.num_reqs
-        if common_prefix_len <= 0 or n == 0 or self.sliding_window is not None:
-            return None
-        prefix = min(int(common_prefix_len), int(cm.num_computed_tokens_cpu[:n].min()))
-        prefix = prefix // self.block_size * self.block_size
-        return self._cascade_fields(md, prefix) if prefix > 0 else None
-
-    def _cascade_fields(self, md: FlashAttnMetadata, prefix: int) -> FlashAttnCascadeMetadata:
-        dev, B = self.device, md.batch_size
-        num_prefix_blocks = prefix // self.block_size
-        suffix = (md.seq_lens - prefix).clamp_(min=0)
-        cu_suffix = torch.zeros(B + 1, dtype=torch.int32, device=dev)
-        torch.cumsum(suffix, 0, dtype=torch.int32, out=cu_suffix[1:])
-        return FlashAttnCascadeMetadata(
-            common_prefix_len=prefix,
-            cu_prefix_query_lens=torch.tensor([0, md.num_actual_tokens], dtype=torch.int32, device=dev),
-            prefix_kv_lens=torch.tensor([prefix], dtype=torch.int32, device=dev),
-            cu_prefix_kv_lens=torch.tensor([0, prefix], dtype=torch.int32, device=dev),
-            prefix_block_table=md.block_table[:1, :num_prefix_blocks],
-            suffix_kv_lens=suffix, cu_suffix_kv_lens=cu_suffix,
-            suffix_block_table=md.block_table[:, num_prefix_blocks:],
-            max_suffix_kv_len=max(0, md.max_seq_len - prefix))
-
+    # --- FA3 scheduling --------------------------------------------------------------------
     def _scheduler_metadata_for(self, md: FlashAttnMetadata, graph: bool = False) -> torch.Tensor | None:
         """FA3 ``get_scheduler_metadata`` for one step, in a persistent buffer when it fits.
 
