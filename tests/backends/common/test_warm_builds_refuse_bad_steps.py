@@ -98,6 +98,8 @@ def test_a_warm_update_block_table_refuses_what_the_full_checks_refuse(cls, monk
             g1.update_block_table(dataclasses.replace(md, **change), bt, sm)
     with pytest.raises(MetadataError, match="block_table_tensor is torch.int32 \\(1, 3\\)"):
         g1.update_block_table(md, bt[:1], sm)
+    with pytest.raises(MetadataError, match="slot_mapping is torch.int32"):  # the same table, another mapping
+        g1.update_block_table(md, bt, sm.to(torch.int32))
 
 
 @pytest.mark.parametrize("cls", BUILDERS, ids=IDS)
@@ -125,3 +127,28 @@ def test_a_warm_flash_attention_2_build_sums_this_steps_seq_lens(monkeypatch):
     nxt = b.build(0, cm.replace(max_seq_len=21, num_actual_tokens=2))
     assert nxt.cu_seqlens_k.tolist() == [0, 21, 28] and first.cu_seqlens_k.tolist() == [0, 20, 26]
     assert nxt.cu_seqlens_k is not first.cu_seqlens_k and nxt.seq_lens is first.seq_lens
+
+
+def test_the_split_decision_of_a_build_is_the_policys_on_both_sides_of_the_saturating_count(monkeypatch):
+    """``SplitKVPolicy.saturating_num_reqs`` only spares asking the policy: the decision is the same."""
+    from attnplug.backends.triton import SplitKVPolicy
+
+    class Splitting(TritonMetadataBuilder):
+        split_kv_policy = SplitKVPolicy(min_seq_len=1, min_tokens_per_split=8, max_splits=4)
+
+    monkeypatch.delenv("ATTNPLUG_VALIDATE", raising=False)
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=32)
+    b = Splitting(spec, ["l0"], BuilderConfig(80, 128, 64), "cpu")
+    sat = b.split_kv_policy.saturating_num_reqs(8, b.num_sms)
+    for n in (sat - 1, sat, sat + 1):
+        cm = CommonAttentionMetadata.from_lengths([40] * n, [1] * n, [[1, 2, 3]] * n, block_size=16)
+        want = b.split_kv_policy.num_kv_splits(n, 8, 1, 41, b.num_sms)
+        assert b.build(0, cm).num_kv_splits == want and (want > 1) == (n < sat), n
+        assert b.build(0, cm).num_kv_splits == want, "warm: the same decision"
+
+
+def test_a_graph_build_with_validation_names_the_backend(monkeypatch):
+    monkeypatch.setenv("ATTNPLUG_VALIDATE", "1")
+    b, cm = TritonMetadataBuilder(SPEC, ["l0"], CFG, "cpu"), _step()
+    with pytest.raises(MetadataError, match="the triton builder needs torch.int32"):
+        b.build_for_cudagraph_capture(cm.replace(seq_lens=cm.seq_lens.long()))
