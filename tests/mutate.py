@@ -55,11 +55,13 @@ TARGETS: dict[str, list[str]] = {
     "runner/step/check/*.py": STEP_TESTS,
     "backends/flash_attn/builder.py": ["tests/backends/flash_attn/test_builder.py",
                                        "tests/backends/flash_attn/test_cascade_clamp.py",
-                                       "tests/backends/flash_attn/test_builder_bounds_cascade_and_own_buffers.py"],
+                                       "tests/backends/flash_attn/test_builder_bounds_cascade_and_own_buffers.py",
+                                       "tests/backends/common/test_warm_builds_refuse_bad_steps.py"],
     "backends/flashinfer/builder.py": ["tests/backends/flashinfer/test_builder.py",
                                        "tests/backends/flashinfer/test_builder_plan_arguments_and_refusals.py"],
     "backends/triton/builder.py": ["tests/backends/triton/test_builder.py",
-                                   "tests/backends/triton/test_builder_split_cascade_and_graph_copies.py"],
+                                   "tests/backends/triton/test_builder_split_cascade_and_graph_copies.py",
+                                   "tests/backends/common/test_warm_builds_refuse_bad_steps.py"],
     "backends/torch_native/builder.py": ["tests/backends/torch_native", "tests/runner/execute/test_cudagraph_padding.py"],
 }
 NOT_TARGETS = {"runner/step/oracle.py", "runner/step/debug.py"}  # the tests' own reference and views

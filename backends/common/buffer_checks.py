@@ -156,6 +156,11 @@ def copy_block_table(buffer: torch.Tensor, block_table: torch.Tensor, num_rows: 
     return buffer[:num_rows]
 
 
+NOT_PASSED = (None,) * 7
+"""A pass (:meth:`StepTensorChecks.pass_step`, :meth:`StepTensorChecks.pass_tables`) that
+no step matches: its tensor entries are ``None``."""
+
+
 class StepTensorChecks:
     """:func:`check_step_tensors`, :func:`check_slot_mapping` and :func:`check_block_table`
     for one builder, remembering the tensor objects they last passed.
@@ -185,6 +190,48 @@ class StepTensorChecks:
         self.slot_capacity = int(slot_capacity)
         self._memo: tuple | None = None
         self._tables: tuple | None = None
+
+    def pass_step(self, cm: CommonAttentionMetadata, num_rows: int) -> tuple:
+        """Check ``cm``'s step tensors for ``num_rows`` rows in full (:func:`check_step_tensors`,
+        :func:`check_slot_mapping`, :func:`check_block_table`) and return the pass, a tuple
+        ``(query_start_loc, seq_lens, block_table_tensor, slot_mapping, num_rows,
+        max_num_actual_tokens, max_max_seq_len)``: the four tensor objects checked, the row
+        count, and the largest ``num_actual_tokens`` (the slot mapping's length) and
+        ``max_seq_len`` (what the block table's columns address) they allow.
+
+        A later step with the same four objects (``is``), the same ``num_rows``,
+        ``num_actual_tokens <= max_num_actual_tokens`` and ``max_seq_len <= max_max_seq_len``
+        passes these checks too (a tensor object's dtype, device and shape never change):
+        builders keep the pass and compare those host ints, in their own frame, instead of
+        calling the checks again. The host copies (``query_start_loc_cpu``,
+        ``seq_lens_cpu``) are checked here; a builder that reads them on every build must
+        not skip on the pass alone.
+
+        Raises:
+            MetadataError: as the three checks do.
+        """
+        check_step_tensors(cm, num_rows, self.device, self.backend)
+        bt, sm = cm.block_table_tensor, cm.slot_mapping
+        _, _, max_rows, max_tokens, max_seq_len = self.pass_tables(bt, sm, num_rows, cm.num_actual_tokens,
+                                                                   cm.max_seq_len)
+        return cm.query_start_loc, cm.seq_lens, bt, sm, num_rows, max_tokens, max_seq_len
+
+    def pass_tables(self, block_table: torch.Tensor, slot_mapping: torch.Tensor, num_rows: int,
+                    num_actual_tokens: int, max_seq_len: int) -> tuple:
+        """:func:`check_slot_mapping` and :func:`check_block_table` in full; returns the pass
+        ``(block_table, slot_mapping, max_num_rows, max_num_actual_tokens, max_max_seq_len)``
+        (the bounds these two objects allow: block-table rows, slot-mapping length, and
+        the tokens the addressable columns hold), as :meth:`pass_step`.
+
+        Raises:
+            MetadataError: as the two checks do.
+        """
+        check_slot_mapping(slot_mapping, num_actual_tokens, self.slot_capacity, self.device)
+        check_block_table(block_table, num_rows, max_seq_len, block_size=self.block_size,
+                          max_num_blocks_per_req=self.max_num_blocks_per_req, max_model_len=self.max_model_len,
+                          device=self.device, backend=self.backend)
+        cols = min(block_table.shape[1], self.max_num_blocks_per_req)
+        return block_table, slot_mapping, block_table.shape[0], slot_mapping.shape[0], cols * self.block_size
 
     def check(self, cm: CommonAttentionMetadata, num_rows: int) -> None:
         """Check ``cm``'s step tensors for ``num_rows`` rows (see the class docstring).

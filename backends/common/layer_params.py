@@ -77,11 +77,20 @@ class LiveLayerParams:
         """:meth:`matching`'s answers (builders ask every step), valid while ``_found_len``
         is the number of live impls; :meth:`add` clears them."""
         self._found_len = 0
+        self.version = 0
+        """Changes whenever an impl is added or dropped: a builder that derived a plan from
+        :meth:`matching` may keep it while this stays the same (``int``)."""
 
     def add(self, impl: Any) -> None:
         """Register ``impl`` (held weakly) with its current parameters."""
+        if impl not in self._impls:
+            weakref.finalize(impl, self._dropped).atexit = False
         self._impls[impl] = AttentionLayerParams.from_impl(impl)
         self._found.clear()
+        self.version += 1
+
+    def _dropped(self) -> None:
+        self.version += 1
 
     def matching(self, num_kv_heads: int, head_size: int, sliding_window: int | None) -> list[AttentionLayerParams]:
         """Distinct parameters of the live impls with this KV layout and window, sorted

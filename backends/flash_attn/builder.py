@@ -13,7 +13,9 @@ FA3's scheduler metadata. ``build_for_cudagraph_capture`` copies the tensors int
 persistent buffers allocated once from the :class:`BuilderConfig` (the block table's
 live columns only), so a captured graph replays with the next step's contents whatever
 the caller passes. Host values are checked only with ``ATTNPLUG_VALIDATE=1``
-(``backends/common/buffer_checks.py``).
+(``backends/common/buffer_checks.py``). An eager build with the same tensor objects and
+``num_reqs`` as the last checked one compares a handful of host ints against that pass
+instead of checking again, and fills its metadata from the last one's (``_passed``).
 """
 
 from __future__ import annotations
@@ -23,21 +25,23 @@ import dataclasses
 import torch
 
 from attnplug.backends.common.buffer_checks import (
+    NOT_PASSED,
     StepTensorChecks,
     builder_values_checked,
     check_step_tensors,
     check_step_values,
     copy_block_table,
 )
-from attnplug.backends.common.frozen_fields import frozen_factory, replace_fields
+from attnplug.backends.common.frozen_fields import frozen_factory, replace_fields, tables_replacer, template_factory
 from attnplug.backends.common.window import fa_window_size
+from attnplug.backends.flash_attn.cascade import cascade_fields, cascade_for
 from attnplug.backends.flash_attn.kernels import (
     FA2_PAGE_SIZE_MULTIPLE,
     LIVE_LAYER_PARAMS,
     FlashAttnKernels,
     installed_kernels,
 )
-from attnplug.backends.flash_attn.metadata import FlashAttnCascadeMetadata, FlashAttnMetadata
+from attnplug.backends.flash_attn.metadata import FlashAttnMetadata
 from attnplug.cache_groups.specs import cdiv
 from attnplug.core.constants import NULL_BLOCK_ID, PAD_SLOT_ID
 from attnplug.core.contracts import AttentionCGSupport, AttentionMetadataBuilder, BuilderConfig
@@ -47,6 +51,13 @@ from attnplug.core.metadata import CommonAttentionMetadata
 
 _new_metadata = frozen_factory(FlashAttnMetadata)
 """``FlashAttnMetadata(...)`` with every field, without the frozen ``__init__``'s cost."""
+_from_last = template_factory(FlashAttnMetadata, "num_actual_tokens", "max_query_len", "max_seq_len", "causal",
+                              "cu_seqlens_k")
+"""The metadata of an eager build the last pass covers: its instance dict with the per-step fields."""
+_with_tables = tables_replacer(FlashAttnMetadata, "block_table", "slot_mapping", "cascade")
+"""``replace(md, block_table=..., slot_mapping=..., cascade=...)``, generated for the three fields."""
+_with_scheduler = tables_replacer(FlashAttnMetadata, "scheduler_metadata")
+"""``replace(md, scheduler_metadata=...)``."""
 
 
 class FlashAttnMetadataBuilder(AttentionMetadataBuilder):
@@ -66,7 +77,7 @@ class FlashAttnMetadataBuilder(AttentionMetadataBuilder):
     cudagraph_support = AttentionCGSupport.UNIFORM_BATCH
     reorder_batch_threshold = None
     supports_update_block_table = True
-    supports_cascade = True  # full attention only: _cascade returns None with a sliding window
+    supports_cascade = True  # full attention only: cascade_for returns None with a sliding window
 
     @classmethod
     def load_kernels(cls) -> FlashAttnKernels:
@@ -127,6 +138,17 @@ class FlashAttnMetadataBuilder(AttentionMetadataBuilder):
         self._step_checks = StepTensorChecks(
             device=dev, block_size=self.block_size, max_num_blocks_per_req=self.max_num_blocks_per_req,
             max_model_len=config.max_model_len, slot_capacity=config.max_num_batched_tokens, backend="flash_attn")
+        self._passed: tuple = NOT_PASSED + (None, None)
+        """The last checked eager build's structural pass (``StepTensorChecks.pass_step``, for
+        ``B`` rows), its ``num_reqs`` and its metadata's instance dict (no cascade, no
+        scheduler metadata): a build whose four tensors and ``num_reqs`` are the same and
+        whose host ints fit the pass's bounds skips the checks, and its metadata is that
+        dict with the per-step fields set (``_from_last``). Never set with
+        ``validate_values`` (every build is then checked in full)."""
+        self._tables_passed: tuple = NOT_PASSED[:5]
+        """``StepTensorChecks.pass_tables`` of the last ``update_block_table``."""
+        self._plan_version, self._plan = -1, None
+        """``LIVE_LAYER_PARAMS.version`` when :meth:`_scheduler_plan` last looked, and its answer."""
 
     # --- build ---------------------------------------------------------------------------
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
@@ -151,7 +173,21 @@ class FlashAttnMetadataBuilder(AttentionMetadataBuilder):
         Reads host ints and ``_cpu`` tensors; the device work is copies and one cumsum.
         """
         cm = common_attn_metadata
-        return self._build(cm, common_prefix_len, cm.max_query_len, cm.max_seq_len, fast_build)
+        qsl, seq_lens, block_table, slot_mapping = (cm.query_start_loc, cm.seq_lens, cm.block_table_tensor,
+                                                    cm.slot_mapping)
+        n, num_actual_tokens, max_query_len, max_seq_len = (cm.num_reqs, cm.num_actual_tokens, cm.max_query_len,
+                                                            cm.max_seq_len)
+        p_qsl, p_seq_lens, p_bt, p_sm, _, p_tokens, p_seq_len, p_n, template = self._passed
+        if not (p_qsl is qsl and p_seq_lens is seq_lens and p_bt is block_table and p_sm is slot_mapping
+                and p_n == n and num_actual_tokens <= p_tokens and max_seq_len <= p_seq_len
+                and common_prefix_len <= 0):
+            return self._build(cm, common_prefix_len, max_query_len, max_seq_len, fast_build)
+        md = _from_last(template, num_actual_tokens, max_query_len, max_seq_len, cm.causal,
+                        None if self._version != 2 else self._cu_seqlens_k_of(template["seq_lens"], False))
+        if fast_build or self._version != 3:
+            return md
+        sched = self._scheduler_metadata_for(md)
+        return md if sched is None else _with_scheduler(md, sched)
 
     def build_for_cudagraph_capture(self, common_attn_metadata: CommonAttentionMetadata) -> FlashAttnMetadata:
         """Metadata for a CUDA-graph step (capture, and the replays of the same padded shape).
@@ -166,7 +202,7 @@ class FlashAttnMetadataBuilder(AttentionMetadataBuilder):
 
     def _build(self, cm: CommonAttentionMetadata, common_prefix_len: int, max_query_len: int,
                max_seq_len: int, fast_build: bool, graph: bool = False) -> FlashAttnMetadata:
-        B = self._check(cm)
+        B = self._check(cm, graph)
         if graph:
             qsl = self._query_start_loc[: B + 1]
             qsl.copy_(cm.query_start_loc, non_blocking=True)
@@ -186,7 +222,10 @@ class FlashAttnMetadataBuilder(AttentionMetadataBuilder):
             cm.num_reqs, cm.num_actual_tokens, int(max_query_len), int(max_seq_len),
             self.block_size, cm.causal, qsl, seq_lens, self._cu_seqlens_k_of(seq_lens, graph), block_table, slot_mapping,
             self.window_size, None, None, graph)
-        cascade = self._cascade(md, cm, common_prefix_len) if common_prefix_len > 0 else None
+        if not graph and not self.validate_values:
+            self._passed = self._passed[:7] + (cm.num_reqs, dict(md.__dict__))  # (pass_step in _check)
+        cascade = (cascade_for(md, cm, common_prefix_len, self.sliding_window, self.device) if common_prefix_len > 0
+                   else None)
         sched = None if (fast_build or cascade is not None) else self._scheduler_metadata_for(md, graph)
         if cascade is None and sched is None:
             return md
@@ -225,13 +264,16 @@ class FlashAttnMetadataBuilder(AttentionMetadataBuilder):
         Does not synchronise with the host; graph-safe.
         """
         B = metadata.batch_size
-        self._step_checks.check_tables(block_table, slot_mapping, B, metadata.num_actual_tokens, metadata.max_seq_len)
+        p_bt, p_sm, p_rows, p_tokens, p_seq_len = self._tables_passed
+        if (p_bt is not block_table or p_sm is not slot_mapping or B > p_rows
+                or metadata.num_actual_tokens > p_tokens or metadata.max_seq_len > p_seq_len):
+            p_bt, p_sm, p_rows, p_tokens, p_seq_len = self._tables_passed = self._step_checks.pass_tables(
+                block_table, slot_mapping, B, metadata.num_actual_tokens, metadata.max_seq_len)
         if metadata.block_size != self.block_size:
             raise MetadataError(f"update_block_table: metadata has block_size {metadata.block_size}, this builder "
                                 f"{self.block_size}: only groups with the same spec may share a build")
         if not metadata.graph:
-            md = replace_fields(metadata, block_table=block_table if block_table.shape[0] == B
-                                else block_table[:B], slot_mapping=slot_mapping, cascade=None)
+            md = _with_tables(metadata, block_table if p_rows == B else block_table[:B], slot_mapping, None)
         else:
             own = {}
             for name, buf, n in (("query_start_loc", self._query_start_loc, B + 1),
@@ -252,50 +294,25 @@ class FlashAttnMetadataBuilder(AttentionMetadataBuilder):
                                      slot_mapping=self._copy_slot_mapping(slot_mapping), scheduler_metadata=sched,
                                      cascade=None, **own)
         if metadata.cascade is not None:
-            md = dataclasses.replace(md, cascade=self._cascade_fields(md, metadata.cascade.common_prefix_len))
+            md = dataclasses.replace(md, cascade=cascade_fields(md, metadata.cascade.common_prefix_len, self.device))
         return md
 
-    # --- cascade and FA3 scheduling ------------------------------------------------------
-    def _cascade(self, md: FlashAttnMetadata, cm: CommonAttentionMetadata,
-                 common_prefix_len: int) -> FlashAttnCascadeMetadata | None:
-        n = cm.num_reqs
-        if common_prefix_len <= 0 or n == 0 or self.sliding_window is not None:
-            return None
-        prefix = min(int(common_prefix_len), int(cm.num_computed_tokens_cpu[:n].min()))
-        prefix = prefix // self.block_size * self.block_size
-        return self._cascade_fields(md, prefix) if prefix > 0 else None
-
-    def _cascade_fields(self, md: FlashAttnMetadata, prefix: int) -> FlashAttnCascadeMetadata:
-        dev, B = self.device, md.batch_size
-        num_prefix_blocks = prefix // self.block_size
-        suffix = (md.seq_lens - prefix).clamp_(min=0)
-        cu_suffix = torch.zeros(B + 1, dtype=torch.int32, device=dev)
-        torch.cumsum(suffix, 0, dtype=torch.int32, out=cu_suffix[1:])
-        return FlashAttnCascadeMetadata(
-            common_prefix_len=prefix,
-            cu_prefix_query_lens=torch.tensor([0, md.num_actual_tokens], dtype=torch.int32, device=dev),
-            prefix_kv_lens=torch.tensor([prefix], dtype=torch.int32, device=dev),
-            cu_prefix_kv_lens=torch.tensor([0, prefix], dtype=torch.int32, device=dev),
-            prefix_block_table=md.block_table[:1, :num_prefix_blocks],
-            suffix_kv_lens=suffix, cu_suffix_kv_lens=cu_suffix,
-            suffix_block_table=md.block_table[:, num_prefix_blocks:],
-            max_suffix_kv_len=max(0, md.max_seq_len - prefix))
-
+    # --- FA3 scheduling --------------------------------------------------------------------
     def _scheduler_metadata_for(self, md: FlashAttnMetadata, graph: bool = False) -> torch.Tensor | None:
         """FA3 ``get_scheduler_metadata`` for one step, in a persistent buffer when it fits.
 
         Only when the group's layers agree on (query heads, soft-cap on/off): the call plans
         one kernel configuration. Otherwise ``None`` (the kernel schedules by itself).
         """
-        if self.kernels_version() != 3:
+        if self._version != 3:
             return None
-        layers = {(p.num_heads, p.logits_soft_cap is not None) for p in LIVE_LAYER_PARAMS.for_spec(self.kv_cache_spec)}
-        if len(layers) != 1:
+        plan = self._scheduler_plan()
+        if plan is None:
             return None
         kernels = self.load_kernels()
         if kernels.get_scheduler_metadata is None:
             return None
-        (num_heads, has_softcap), = layers
+        num_heads, has_softcap = plan
         # flash_attn_with_kvcache takes no max_seqlen_k: FA3 derives seqlen_k from the page
         # table's width, and the plan must be made for the seqlen_k the kernel will use (it
         # decides causal vs local, the splits and the metadata's length)
@@ -307,6 +324,17 @@ class FlashAttnMetadataBuilder(AttentionMetadataBuilder):
             qkv_dtype=self.kv_cache_spec.dtype, cu_seqlens_q=md.query_start_loc, page_size=self.block_size,
             causal=md.causal, window_size=md.window_size, has_softcap=has_softcap)
         return self._keep_scheduler_metadata(sched, graph)
+
+    def _scheduler_plan(self) -> tuple | None:
+        """``(num_heads, has_softcap)`` when the group's live layers agree on one (query
+        heads, soft-cap on/off), else ``None``; looked up again only when an impl was added
+        or dropped (``LIVE_LAYER_PARAMS.version``)."""
+        version = LIVE_LAYER_PARAMS.version
+        if version != self._plan_version:
+            layers = {(p.num_heads, p.logits_soft_cap is not None)
+                      for p in LIVE_LAYER_PARAMS.for_spec(self.kv_cache_spec)}
+            self._plan_version, self._plan = version, (next(iter(layers)) if len(layers) == 1 else None)
+        return self._plan
 
     def _keep_scheduler_metadata(self, sched: torch.Tensor, graph: bool = False) -> torch.Tensor:
         """``sched`` itself for an eager build (metadata stays valid after later builds:
@@ -332,8 +360,9 @@ class FlashAttnMetadataBuilder(AttentionMetadataBuilder):
         return view
 
     # --- validation (raises before anything is copied) ----------------------------------
-    def _check(self, cm: CommonAttentionMetadata) -> int:
-        """Raise before anything is copied; returns ``B`` (rows of ``query_start_loc`` - 1)."""
+    def _check(self, cm: CommonAttentionMetadata, graph: bool) -> int:
+        """Raise before anything is copied; returns ``B`` (rows of ``query_start_loc`` - 1).
+        An eager build's structural checks run in full and their pass is kept (``_passed``)."""
         n, cap = cm.num_reqs, self.config.max_num_reqs
         B = cm.query_start_loc.shape[0] - 1
         if not n <= B <= cap:
@@ -344,5 +373,8 @@ class FlashAttnMetadataBuilder(AttentionMetadataBuilder):
         if self.validate_values:
             check_step_tensors(cm, B, self.device, "flash_attn")
             check_step_values(cm, self.config.max_model_len)
-        self._step_checks.check(cm, B)
+        if graph or self.validate_values:
+            self._step_checks.check(cm, B)
+        else:
+            self._passed = self._step_checks.pass_step(cm, B) + (None, None)  # (_build adds the template)
         return B

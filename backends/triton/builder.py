@@ -6,7 +6,9 @@ mapping. ``prepare_inputs`` returns those as views of its persistent buffers, at
 addresses every step (``runner/step/prepare.py``, ``cache_groups/block_table.py``), so an
 eager ``build`` passes them through (as vLLM's Triton builder does): a build is host-int
 arithmetic (the split-KV decision) and a few structural checks, never a device copy and
-never a host synchronisation. The host values are checked only with
+never a host synchronisation. A build with the same tensor objects and row count as the
+last checked one compares a handful of host ints against that pass instead of checking
+again, and fills its metadata from the last one's (``_passed``). The host values are checked only with
 ``ATTNPLUG_VALIDATE=1`` (``backends/common/buffer_checks.py``).
 
 ``build_for_cudagraph_capture`` (capture and replays) copies into persistent buffers of
@@ -23,13 +25,14 @@ from typing import ClassVar
 import torch
 
 from attnplug.backends.common.buffer_checks import (
+    NOT_PASSED,
     StepTensorChecks,
     builder_values_checked,
     check_step_tensors,
     check_step_values,
     copy_block_table,
 )
-from attnplug.backends.common.frozen_fields import frozen_factory, replace_fields
+from attnplug.backends.common.frozen_fields import frozen_factory, tables_replacer, template_factory
 from attnplug.backends.triton.cascade import cascade_fields, with_cascade
 from attnplug.backends.triton.constants import KERNEL_BLOCK_SIZES
 from attnplug.backends.triton.metadata import SplitKVPolicy, TritonAttentionMetadata
@@ -41,6 +44,11 @@ from attnplug.core.metadata import CommonAttentionMetadata
 
 _new_metadata = frozen_factory(TritonAttentionMetadata)
 """``TritonAttentionMetadata(...)`` with every field, without the frozen ``__init__``'s cost."""
+_from_last = template_factory(TritonAttentionMetadata, "num_actual_tokens", "max_query_len", "max_seq_len", "causal",
+                              "num_kv_splits")
+"""The metadata of a build the last pass covers: its instance dict with the per-step host fields."""
+_with_tables = tables_replacer(TritonAttentionMetadata, "block_table_tensor", "slot_mapping")
+"""``replace(md, block_table_tensor=..., slot_mapping=...)``, generated for the two fields."""
 
 DEFAULT_NUM_SMS = 132
 """Streaming multiprocessors assumed when the device is not CUDA (the split-KV policy's
@@ -92,14 +100,21 @@ class TritonMetadataBuilder(AttentionMetadataBuilder):
         self.num_sms = DEFAULT_NUM_SMS
         if dev.type == "cuda" and torch.cuda.is_available():
             self.num_sms = torch.cuda.get_device_properties(dev).multi_processor_count
-        self._max_num_reqs = config.max_num_reqs
-        self._last_sized: tuple = (None, None, -1, None, None)
-        """``(query_start_loc, seq_lens, num_reqs, the two as sliced)`` of the last eager build."""
         self.validate_values = builder_values_checked()
         """Check the host values of every step (``ATTNPLUG_VALIDATE=1`` when created)."""
         self._step_checks = StepTensorChecks(
             device=dev, block_size=self.block_size, max_num_blocks_per_req=self.max_num_blocks_per_req,
             max_model_len=config.max_model_len, slot_capacity=config.max_num_batched_tokens, backend="triton")
+        self._passed: tuple = NOT_PASSED + (None,)
+        """The last checked eager build's structural pass (``StepTensorChecks.pass_step``)
+        and its metadata's instance dict: a build whose four tensors and row count are the
+        same and whose host ints fit the pass's bounds skips the checks, and its metadata
+        is that dict with the five per-step fields set (``_from_last``). Never set with
+        ``validate_values`` (every build is then checked in full)."""
+        self._tables_passed: tuple = NOT_PASSED[:5]
+        """``StepTensorChecks.pass_tables`` of the last ``update_block_table``."""
+        self._unsplit_num_reqs = self.split_kv_policy.saturating_num_reqs(self.num_kv_heads, self.num_sms)
+        """From this many requests on, the split-KV decision is 1 (the policy's bound)."""
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> TritonAttentionMetadata:
@@ -128,24 +143,18 @@ class TritonMetadataBuilder(AttentionMetadataBuilder):
         Without cascade, does not synchronise with the host and launches no device work.
         """
         cm = common_attn_metadata
-        n = cm.num_reqs
-        if n > self._max_num_reqs or self.validate_values:
-            self._check(cm, n)  # raises, or checks the values
+        n, qsl, seq_lens = cm.num_reqs, cm.query_start_loc, cm.seq_lens
+        block_table, slot_mapping = cm.block_table_tensor, cm.slot_mapping
+        num_actual_tokens, max_query_len, max_seq_len = cm.num_actual_tokens, cm.max_query_len, cm.max_seq_len
+        splits = (1 if n >= self._unsplit_num_reqs else
+                  self.split_kv_policy.num_kv_splits(n, self.num_kv_heads, max_query_len, max_seq_len, self.num_sms))
+        p_qsl, p_seq_lens, p_bt, p_sm, p_n, p_tokens, p_seq_len, template = self._passed
+        if (p_qsl is qsl and p_seq_lens is seq_lens and p_bt is block_table and p_sm is slot_mapping
+                and p_n == n and num_actual_tokens <= p_tokens and max_seq_len <= p_seq_len):
+            md = _from_last(template, num_actual_tokens, max_query_len, max_seq_len, cm.causal, splits)
         else:
-            self._step_checks.check(cm, n)  # (the rest of _check)
-        qsl, seq_lens = cm.query_start_loc, cm.seq_lens
-        if qsl is not self._last_sized[0] or seq_lens is not self._last_sized[1] or n != self._last_sized[2]:
-            # (a tensor's shape is read once per tensor object: the step compiler hands the
-            # same views while the row count stays)
-            if qsl.shape[0] != n + 1:
-                qsl = qsl[: n + 1]
-            if seq_lens.shape[0] != n:
-                seq_lens = seq_lens[:n]
-            self._last_sized = (cm.query_start_loc, cm.seq_lens, n, qsl, seq_lens)
-        else:
-            qsl, seq_lens = self._last_sized[3], self._last_sized[4]
-        md = self._metadata(cm, n, cm.max_seq_len, qsl, seq_lens, cm.block_table_tensor, cm.slot_mapping, False)
-        return with_cascade(md, cm, common_prefix_len, self.sliding_window) if common_prefix_len > 0 else md
+            md = self._build_checked(cm, n, splits)  # raises, or keeps the new pass
+        return md if common_prefix_len <= 0 else with_cascade(md, cm, common_prefix_len, self.sliding_window)
 
     def build_for_cudagraph_capture(self, common_attn_metadata: CommonAttentionMetadata) -> TritonAttentionMetadata:
         """Build for a step that captures or replays a CUDA graph (the runner's padded metadata).
@@ -204,13 +213,17 @@ class TritonMetadataBuilder(AttentionMetadataBuilder):
         Does not synchronise with the host; graph-safe.
         """
         n = metadata.num_reqs
-        self._step_checks.check_tables(block_table, slot_mapping, n, metadata.num_actual_tokens, metadata.max_seq_len)
+        p_bt, p_sm, p_rows, p_tokens, p_seq_len = self._tables_passed
+        if (p_bt is not block_table or p_sm is not slot_mapping or n > p_rows
+                or metadata.num_actual_tokens > p_tokens or metadata.max_seq_len > p_seq_len):
+            self._tables_passed = self._step_checks.pass_tables(block_table, slot_mapping, n,
+                                                                metadata.num_actual_tokens, metadata.max_seq_len)
         if metadata.block_size != self.block_size:
             raise MetadataError(
                 f"update_block_table: metadata has block_size {metadata.block_size}, this builder "
                 f"{self.block_size}: only groups with the same spec may share a build")
         if not metadata.graph:
-            md = replace_fields(metadata, block_table_tensor=block_table, slot_mapping=slot_mapping)
+            md = _with_tables(metadata, block_table, slot_mapping)
             if md.cascade is not None:  # the passes read this group's blocks
                 md = dataclasses.replace(md, cascade=cascade_fields(md, md.cascade.common_prefix_len))
             return md
@@ -233,12 +246,34 @@ class TritonMetadataBuilder(AttentionMetadataBuilder):
         return view
 
     # --- validation (raises before anything is copied) ---------------------------------
+    def _build_checked(self, cm: CommonAttentionMetadata, n: int, splits: int) -> TritonAttentionMetadata:
+        """An eager build the last pass does not cover: the row bound, with ``validate_values``
+        the host values, the structure in full (``StepTensorChecks.pass_step``); then the
+        metadata, whose instance dict becomes the template of the builds the new pass
+        covers (kept unless every build is checked)."""
+        self._check_num_reqs(n)
+        if self.validate_values:
+            check_step_tensors(cm, n, self.device, "triton")  # (the host copies' sizes first)
+            check_step_values(cm)
+        passed = self._step_checks.pass_step(cm, n)
+        qsl, seq_lens = cm.query_start_loc, cm.seq_lens
+        md = _new_metadata(n, cm.num_actual_tokens, cm.max_query_len, cm.max_seq_len, self.block_size, cm.causal,
+                           qsl if qsl.shape[0] == n + 1 else qsl[: n + 1],
+                           seq_lens if seq_lens.shape[0] == n else seq_lens[:n],
+                           cm.block_table_tensor, cm.slot_mapping, splits, False, None)
+        if not self.validate_values:
+            self._passed = passed + (dict(md.__dict__),)
+        return md
+
     def _check(self, cm: CommonAttentionMetadata, n: int) -> None:
-        if n > self.config.max_num_reqs:
-            raise MetadataError(
-                f"{n} request rows exceed BuilderConfig.max_num_reqs={self.config.max_num_reqs}: the persistent "
-                "buffers hold that many requests; raise max_num_reqs (max_num_seqs) when creating the runner.")
+        self._check_num_reqs(n)
         if self.validate_values:
             check_step_tensors(cm, n, self.device, "triton")
             check_step_values(cm)
         self._step_checks.check(cm, n)
+
+    def _check_num_reqs(self, n: int) -> None:
+        if n > self.config.max_num_reqs:
+            raise MetadataError(
+                f"{n} request rows exceed BuilderConfig.max_num_reqs={self.config.max_num_reqs}: the persistent "
+                "buffers hold that many requests; raise max_num_reqs (max_num_seqs) when creating the runner.")

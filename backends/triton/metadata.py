@@ -114,6 +114,19 @@ class SplitKVPolicy:
     max_splits: int = 16
     programs_per_sm: int = 4
 
+    def saturating_num_reqs(self, num_kv_heads: int, num_sms: int) -> int:
+        """The request count from which :meth:`num_kv_splits` is 1 whatever the lengths: one
+        program per (request, KV head) already gives every streaming multiprocessor
+        ``programs_per_sm`` programs. Builders compare ``num_reqs`` against it before asking
+        for the decision (a subclass that changes :meth:`num_kv_splits` keeps this bound
+        true or changes it too).
+
+        Examples:
+            >>> SplitKVPolicy().saturating_num_reqs(num_kv_heads=8, num_sms=132)
+            66
+        """
+        return -(-num_sms * self.programs_per_sm // max(1, num_kv_heads))
+
     def num_kv_splits(self, num_reqs: int, num_kv_heads: int, max_query_len: int, max_seq_len: int,
                       num_sms: int) -> int:
         """The ``num_kv_splits`` for a step (1 = unified path). Host ints only; no sync.

@@ -75,3 +75,37 @@ def test_the_generated_factory_equals_the_dataclass_init(cls):
         assert getattr(fast, name) is getattr(slow, name), name
     with pytest.raises(TypeError):
         frozen_factory(cls)(*vals[:-1])
+
+
+@pytest.mark.parametrize("cls", [TritonAttentionMetadata, FlashAttnMetadata])
+def test_the_template_factory_and_the_replacer_equal_dataclasses_replace(cls):
+    from attnplug.backends.common.frozen_fields import tables_replacer, template_factory
+
+    md = cls(*_values(cls))
+    names = ("num_actual_tokens", "max_seq_len", "causal")
+    template = dict(md.__dict__)
+    fast = template_factory(cls, *names)(template, 91, 92, False)
+    slow = dataclasses.replace(md, num_actual_tokens=91, max_seq_len=92, causal=False)
+    assert type(fast) is cls and list(fast.__dict__) == list(slow.__dict__)
+    assert all(getattr(fast, n) is getattr(slow, n) for n in field_names(cls))
+    assert template == md.__dict__ and md.num_actual_tokens == 1, "the template is not modified"
+    swapped = tables_replacer(cls, "slot_mapping")(md, "s")
+    assert swapped.__dict__ == dataclasses.replace(md, slot_mapping="s").__dict__ and swapped is not md
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        fast.num_reqs = 7  # still frozen
+    with pytest.raises(TypeError, match="no field"):
+        template_factory(cls, "not_a_field")
+    with pytest.raises(TypeError, match="no field"):
+        tables_replacer(cls, "not_a_field")
+
+
+def test_the_live_layer_version_changes_on_adds_and_drops():
+    reg = LiveLayerParams()
+    v0 = reg.version
+    a = _Impl(4)
+    reg.add(a)
+    v1 = reg.version
+    assert v1 != v0
+    del a
+    gc.collect()
+    assert reg.version != v1, "a dropped impl changes the version (builders re-plan)"

@@ -158,6 +158,17 @@ def test_split_kv_policy():
     assert p.num_kv_splits(num_reqs=0, max_query_len=0, max_seq_len=0, **kw) == 1
 
 
+def test_split_kv_is_one_from_the_saturating_request_count():
+    for p in (SplitKVPolicy(), SplitKVPolicy(max_query_len=1 << 30, min_seq_len=1, min_tokens_per_split=8, max_splits=4)):
+        for kv_heads in (1, 2, 8, 12):
+            for sms in (1, 8, 132):
+                sat = p.saturating_num_reqs(kv_heads, sms)
+                for n in (sat, sat + 1, 3 * sat):
+                    assert p.num_kv_splits(n, kv_heads, 1, 1 << 20, sms) == 1, (kv_heads, sms, n)
+                if sat > 1 and p.max_splits > 1:  # the smallest such count: one fewer request splits
+                    assert p.num_kv_splits(sat - 1, kv_heads, 1, 1 << 20, sms) > 1, (kv_heads, sms)
+
+
 def test_builder_takes_the_split_path_for_long_decodes():
     cfg = BuilderConfig(max_num_reqs=2, max_num_batched_tokens=8, max_model_len=4096)
     b = TritonMetadataBuilder(SPEC, ["l0"], cfg, "cpu")
