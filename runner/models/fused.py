@@ -23,6 +23,8 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from attnplug.runner.models.cpu_linear import linear
+
 
 def stack_rows(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Concatenate the ``weight`` (and ``bias``) rows of ``linears`` into one new tensor each and
@@ -84,9 +86,10 @@ class FusedProjections:
     def project(self, name: str, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Group ``name`` applied to ``x`` ``[num_tokens, in_features]``: one
         ``[num_tokens, out_features]`` output per part, in :attr:`fused_parts` order (column
-        views of one matmul's result, row stride ``sum(out_features)``)."""
+        views of one matmul's result, row stride ``sum(out_features)``; on the CPU through
+        ``cpu_linear.linear``, the fused weight prepacked)."""
         buffers = self._buffers
-        y = nn.functional.linear(x, buffers[f"{name}_weight"], buffers[f"{name}_bias"])
+        y = linear(x, buffers[f"{name}_weight"], buffers[f"{name}_bias"], self, name)  # prepacked on the CPU
         return y.split(self.fused_sizes[name], dim=-1)
 
     def _apply(self, fn, recurse=True):

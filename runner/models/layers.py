@@ -17,6 +17,7 @@ from torch import nn
 from attnplug.core.contracts import AttentionBackend, AttentionType
 from attnplug.core.errors import MetadataError
 from attnplug.runner.models.attention_op import attend
+from attnplug.runner.models.cpu_linear import Linear
 from attnplug.runner.models.fused import FusedProjections
 from attnplug.runner.models.impls import make_impl
 from attnplug.runner.models.rope import RotaryEmbedding
@@ -60,7 +61,7 @@ class SwiGLUMLP(FusedProjections, nn.Module):
         kw = dict(bias=bias, dtype=dtype, device=device)
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, **kw)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, **kw)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, **kw)
+        self.down_proj = Linear(intermediate_size, hidden_size, **kw)
         self.fuse_projections()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -93,7 +94,7 @@ class Attention(FusedProjections, nn.Module):
         self.q_proj = nn.Linear(hidden_size, num_heads * head_size, bias=qkv_bias, **kw)
         self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_size, bias=qkv_bias, **kw)
         self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_size, bias=qkv_bias, **kw)
-        self.o_proj = nn.Linear(num_heads * head_size, hidden_size, bias=o_bias, **kw)
+        self.o_proj = Linear(num_heads * head_size, hidden_size, bias=o_bias, **kw)
         self.rope = rope
         self.backend = backend
         self.sliding_window = sliding_window
