@@ -28,7 +28,7 @@ from attnplug.runner.models.cpu_linear import linear
 
 def stack_rows(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Concatenate the ``weight`` (and ``bias``) rows of ``linears`` into one new tensor each and
-    re-point every linear's parameters at their rows (the same ``Parameter`` objects).
+    give every linear new ``Parameter`` objects that are views of its rows.
 
     Args:
         linears: ``nn.Linear`` modules with one ``in_features``, dtype and device; all with a
@@ -53,11 +53,14 @@ def stack_rows(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | N
     with torch.no_grad():
         weight = torch.cat([lin.weight.detach() for lin in linears])
         bias = torch.cat([lin.bias.detach() for lin in linears]) if has_bias else None
+    # new Parameters over the views (not ``.data =``): they share the fused tensor's version
+    # counter, so an in-place write through them shows on the fused tensor (cpu_linear's
+    # packed copy is keyed on it)
     for lin, w in zip(linears, weight.split(sizes)):
-        lin.weight.data = w
+        lin.weight = nn.Parameter(w, requires_grad=lin.weight.requires_grad)
     if bias is not None:
         for lin, b in zip(linears, bias.split(sizes)):
-            lin.bias.data = b
+            lin.bias = nn.Parameter(b, requires_grad=lin.bias.requires_grad)
     return weight, bias
 
 
