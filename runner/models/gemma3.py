@@ -40,6 +40,7 @@ from attnplug.cache_groups.specs import FullAttentionSpec, KVCacheSpec, SlidingW
 from attnplug.core.contracts import AttentionBackend, AttentionLayerConfig, AttentionType
 from attnplug.core.devices import resolve_device
 from attnplug.runner.models.attention_op import attend
+from attnplug.runner.models.cpu_linear import Linear
 from attnplug.runner.models.fused import FusedProjections
 from attnplug.runner.models.gemma3_config import Gemma3ModelConfig
 from attnplug.runner.models.layers import lookup_layer, lookup_metadata
@@ -91,7 +92,7 @@ class Gemma3MLP(FusedProjections, nn.Module):
         kw = dict(bias=False, dtype=dtype, device=device)
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, **kw)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, **kw)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, **kw)
+        self.down_proj = Linear(intermediate_size, hidden_size, **kw)
         self.fuse_projections()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -115,7 +116,7 @@ class Gemma3Attention(FusedProjections, nn.Module):
         self.q_proj = nn.Linear(cfg.hidden_size, H * D, **kw)
         self.k_proj = nn.Linear(cfg.hidden_size, H_kv * D, **kw)
         self.v_proj = nn.Linear(cfg.hidden_size, H_kv * D, **kw)
-        self.o_proj = nn.Linear(H * D, cfg.hidden_size, **kw)
+        self.o_proj = Linear(H * D, cfg.hidden_size, **kw)
         self.q_norm = GemmaRMSNorm(D, cfg.rms_norm_eps, dtype, device)
         self.k_norm = GemmaRMSNorm(D, cfg.rms_norm_eps, dtype, device)
         self.rope = rope
@@ -198,7 +199,7 @@ class Gemma3Model(nn.Module):
         self.dtype = dtype
         self.device = resolve_device(device)
         self.model = Gemma3Body(cfg, backends, dtype, device)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, device=device)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, device=device)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         # sqrt(hidden_size) as HF stores it: a float32 scalar rounded to the model dtype.
