@@ -78,7 +78,8 @@ class Attention(FusedProjections, nn.Module):
     state dict ``model.layers.N.self_attn.*`` loads directly. ``layer_name`` keys the per-layer KV
     cache and metadata dicts. ``q_proj``, ``k_proj`` and ``v_proj`` run as one matmul over
     their stacked rows (``fused.py``: buffer ``qkv_weight``, q rows, then k, then v); the
-    impl gets column views of its output (``k`` and ``v`` strided, as in vLLM).
+    impl gets ``v`` as a strided column view of that output (row stride ``(H + 2K) * D``,
+    as vLLM's backends do), ``q`` and ``k`` as RoPE's fresh tensors.
     """
 
     fused_parts = {"qkv": ("q_proj", "k_proj", "v_proj")}
