@@ -40,6 +40,8 @@ from attnplug.cache_groups.specs import FullAttentionSpec, KVCacheSpec, SlidingW
 from attnplug.core.contracts import AttentionBackend, AttentionLayerConfig, AttentionType
 from attnplug.core.devices import resolve_device
 from attnplug.runner.models.attention_op import attend
+from attnplug.runner.models.cpu_linear import Linear
+from attnplug.runner.models.fused import FusedProjections
 from attnplug.runner.models.gemma3_config import Gemma3ModelConfig
 from attnplug.runner.models.layers import lookup_layer, lookup_metadata
 from attnplug.runner.models.rope import RotaryEmbedding
@@ -79,22 +81,30 @@ class GemmaRMSNorm(nn.Module):
         return (h * (1.0 + self.weight.float())).to(x.dtype)
 
 
-class Gemma3MLP(nn.Module):
-    """``down_proj(gelu_tanh(gate_proj(x)) * up_proj(x))`` (no biases)."""
+class Gemma3MLP(FusedProjections, nn.Module):
+    """``down_proj(gelu_tanh(gate_proj(x)) * up_proj(x))`` (no biases); gate and up as one
+    matmul (``fused.py``)."""
+
+    fused_parts = {"gate_up": ("gate_proj", "up_proj")}
 
     def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype, device):
         super().__init__()
         kw = dict(bias=False, dtype=dtype, device=device)
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, **kw)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, **kw)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, **kw)
+        self.down_proj = Linear(intermediate_size, hidden_size, **kw)
+        self.fuse_projections()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(nn.functional.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
+        gate, up = self.project("gate_up", x)
+        return self.down_proj(nn.functional.gelu(gate, approximate="tanh") * up)
 
 
-class Gemma3Attention(nn.Module):
-    """Self-attention of one layer: projections, per-head q/k RMSNorm, RoPE, backend impl."""
+class Gemma3Attention(FusedProjections, nn.Module):
+    """Self-attention of one layer: projections (q/k/v as one matmul, ``fused.py``), per-head
+    q/k RMSNorm, RoPE, backend impl."""
+
+    fused_parts = {"qkv": ("q_proj", "k_proj", "v_proj")}
 
     def __init__(self, cfg: Gemma3ModelConfig, index: int, rope: RotaryEmbedding,
                  backend: type[AttentionBackend], dtype: torch.dtype, device):
@@ -106,7 +116,7 @@ class Gemma3Attention(nn.Module):
         self.q_proj = nn.Linear(cfg.hidden_size, H * D, **kw)
         self.k_proj = nn.Linear(cfg.hidden_size, H_kv * D, **kw)
         self.v_proj = nn.Linear(cfg.hidden_size, H_kv * D, **kw)
-        self.o_proj = nn.Linear(H * D, cfg.hidden_size, **kw)
+        self.o_proj = Linear(H * D, cfg.hidden_size, **kw)
         self.q_norm = GemmaRMSNorm(D, cfg.rms_norm_eps, dtype, device)
         self.k_norm = GemmaRMSNorm(D, cfg.rms_norm_eps, dtype, device)
         self.rope = rope
@@ -115,14 +125,16 @@ class Gemma3Attention(nn.Module):
         self.impl = make_impl(
             backend, self.layer_name, H, D, cfg.attention_scale, H_kv, sliding_window=self.sliding_window,
             logits_soft_cap=None, attn_type=AttentionType.DECODER, kv_cache_dtype=dtype)
+        self.fuse_projections()
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                 attn_metadata) -> torch.Tensor:
         """``hidden`` ``[num_tokens, hidden_size]`` -> ``[num_tokens, hidden_size]``."""
         n = hidden.shape[0]
-        q = self.q_norm(self.q_proj(hidden).view(n, self.num_heads, self.head_size))
-        k = self.k_norm(self.k_proj(hidden).view(n, self.num_kv_heads, self.head_size))
-        v = self.v_proj(hidden).view(n, self.num_kv_heads, self.head_size)
+        q, k, v = self.project("qkv", hidden)
+        q = self.q_norm(q.view(n, self.num_heads, self.head_size))
+        k = self.k_norm(k.view(n, self.num_kv_heads, self.head_size))
+        v = v.view(n, self.num_kv_heads, self.head_size)
         cos, sin = self.rope.cos_sin(positions, hidden.dtype)
         q, k = self.rope.apply(q, cos, sin), self.rope.apply(k, cos, sin)
         out = torch.zeros_like(q)
@@ -187,7 +199,7 @@ class Gemma3Model(nn.Module):
         self.dtype = dtype
         self.device = resolve_device(device)
         self.model = Gemma3Body(cfg, backends, dtype, device)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, device=device)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, device=device)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         # sqrt(hidden_size) as HF stores it: a float32 scalar rounded to the model dtype.

@@ -31,6 +31,7 @@ from torch import nn
 from attnplug.cache_groups.specs import FullAttentionSpec, KVCacheSpec
 from attnplug.core.contracts import AttentionBackend, AttentionLayerConfig, AttentionType
 from attnplug.core.devices import resolve_device
+from attnplug.runner.models.cpu_linear import Linear
 from attnplug.runner.models.layers import Attention, lookup_layer, lookup_metadata
 from attnplug.runner.models.llama import attention_layer_name
 from attnplug.runner.models.weights import load_hf_state_dict
@@ -114,7 +115,7 @@ class HybridCausalLM(nn.Module):
         self.device = resolve_device(device)
         layer_cfgs = list(type(self).build_layer_configs(cfg, dtype, device, block_size).values())
         self.model = self.body_class(cfg, layer_cfgs, backends, dtype, device)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, device=device)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, device=device)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.layer_names: list[str] = [layer.layer_name for layer in self.model.layers]

@@ -17,6 +17,8 @@ from torch import nn
 from attnplug.core.contracts import AttentionBackend, AttentionType
 from attnplug.core.errors import MetadataError
 from attnplug.runner.models.attention_op import attend
+from attnplug.runner.models.cpu_linear import Linear
+from attnplug.runner.models.fused import FusedProjections
 from attnplug.runner.models.impls import make_impl
 from attnplug.runner.models.rope import RotaryEmbedding
 
@@ -46,8 +48,12 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(x.dtype)
 
 
-class SwiGLUMLP(nn.Module):
-    """``down_proj(silu(gate_proj(x)) * up_proj(x))`` (HF ``LlamaMLP``)."""
+class SwiGLUMLP(FusedProjections, nn.Module):
+    """``down_proj(silu(gate_proj(x)) * up_proj(x))`` (HF ``LlamaMLP``); ``gate_proj`` and
+    ``up_proj`` run as one matmul over their stacked rows (``fused.py``: buffer
+    ``gate_up_weight`` ``[2 * intermediate_size, hidden_size]``, gate rows first)."""
+
+    fused_parts = {"gate_up": ("gate_proj", "up_proj")}
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, dtype: torch.dtype,
                  device: torch.device | str):
@@ -55,20 +61,28 @@ class SwiGLUMLP(nn.Module):
         kw = dict(bias=bias, dtype=dtype, device=device)
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, **kw)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, **kw)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, **kw)
+        self.down_proj = Linear(intermediate_size, hidden_size, **kw)
+        self.fuse_projections()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+        """``x`` ``[num_tokens, hidden_size]`` -> the same shape and dtype."""
+        gate, up = self.project("gate_up", x)
+        return self.down_proj(nn.functional.silu(gate) * up)
 
 
-class Attention(nn.Module):
+class Attention(FusedProjections, nn.Module):
     """Self-attention of one decoder layer: q/k/v/o projections, RoPE, backend impl.
 
     The HF parameter names (``q_proj``... ``o_proj``, and ``sinks`` with ``sinks=True``:
     gpt-oss's ``[num_heads]`` sink logits, float32, handed to the impl) live here so that a
     state dict ``model.layers.N.self_attn.*`` loads directly. ``layer_name`` keys the per-layer KV
-    cache and metadata dicts.
+    cache and metadata dicts. ``q_proj``, ``k_proj`` and ``v_proj`` run as one matmul over
+    their stacked rows (``fused.py``: buffer ``qkv_weight``, q rows, then k, then v); the
+    impl gets ``v`` as a strided column view of that output (row stride ``(H + 2K) * D``,
+    as vLLM's backends do), ``q`` and ``k`` as RoPE's fresh tensors.
     """
+
+    fused_parts = {"qkv": ("q_proj", "k_proj", "v_proj")}
 
     def __init__(self, layer_name: str, hidden_size: int, num_heads: int, num_kv_heads: int,
                  head_size: int, rope: RotaryEmbedding, backend: type[AttentionBackend],
@@ -81,7 +95,7 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(hidden_size, num_heads * head_size, bias=qkv_bias, **kw)
         self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_size, bias=qkv_bias, **kw)
         self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_size, bias=qkv_bias, **kw)
-        self.o_proj = nn.Linear(num_heads * head_size, hidden_size, bias=o_bias, **kw)
+        self.o_proj = Linear(num_heads * head_size, hidden_size, bias=o_bias, **kw)
         self.rope = rope
         self.backend = backend
         self.sliding_window = sliding_window
@@ -92,6 +106,7 @@ class Attention(nn.Module):
         self.impl = make_impl(
             backend, layer_name, num_heads, head_size, head_size ** -0.5, num_kv_heads, sliding_window=sliding_window,
             logits_soft_cap=None, attn_type=AttentionType.DECODER, kv_cache_dtype=dtype, **extra)
+        self.fuse_projections()
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                 attn_metadata) -> torch.Tensor:
@@ -100,9 +115,10 @@ class Attention(nn.Module):
         Writes this step's K/V into ``kv_cache`` (through the impl) and attends.
         """
         n = hidden.shape[0]
-        q = self.q_proj(hidden).view(n, self.num_heads, self.head_size)
-        k = self.k_proj(hidden).view(n, self.num_kv_heads, self.head_size)
-        v = self.v_proj(hidden).view(n, self.num_kv_heads, self.head_size)
+        q, k, v = self.project("qkv", hidden)
+        q = q.view(n, self.num_heads, self.head_size)
+        k = k.view(n, self.num_kv_heads, self.head_size)
+        v = v.view(n, self.num_kv_heads, self.head_size)
         q, k = self.normalize_qk(q, k)
         cos, sin = self.cos_sin(positions, hidden.dtype)
         q, k = self.rope.apply(q, cos, sin), self.rope.apply(k, cos, sin)

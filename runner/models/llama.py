@@ -26,6 +26,7 @@ from attnplug.cache_groups.specs import FullAttentionSpec, KVCacheSpec, SlidingW
 from attnplug.core.contracts import AttentionBackend, AttentionLayerConfig, AttentionType
 from attnplug.core.devices import resolve_device
 from attnplug.runner.models.config import DecoderModelConfig
+from attnplug.runner.models.cpu_linear import Linear
 from attnplug.runner.models.layers import (Attention, RMSNorm, RotaryEmbedding, SwiGLUMLP, lookup_layer,
                                             lookup_metadata, merge_embeds)
 from attnplug.runner.models.weights import load_hf_state_dict
@@ -117,7 +118,7 @@ class DecoderModel(nn.Module):
         self.dtype = dtype
         self.device = resolve_device(device)
         self.model = self.body_cls(cfg, backends, dtype, device)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, device=device)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, device=device)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.layer_names: list[str] = [attention_layer_name(i) for i in range(cfg.num_hidden_layers)]

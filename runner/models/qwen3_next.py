@@ -81,7 +81,7 @@ class GatedAttention(Attention):
     ``(1 + w)`` RMSNorm on q and k, partial RoPE (HF ``Qwen3NextAttention``).
 
     ``q_proj`` is ``[2 * num_heads * head_size, hidden]``: per head, the query's rows then the
-    gate's.
+    gate's; it runs with ``k_proj`` and ``v_proj`` as one matmul (``fused.py``).
     """
 
     def __init__(self, cfg: Qwen3NextModelConfig, index: int, rope: RotaryEmbedding,
@@ -93,15 +93,17 @@ class GatedAttention(Attention):
                                 bias=cfg.attention_bias, dtype=dtype, device=device)
         self.q_norm = OffsetRMSNorm(cfg.head_size, cfg.rms_norm_eps, dtype, device)
         self.k_norm = OffsetRMSNorm(cfg.head_size, cfg.rms_norm_eps, dtype, device)
+        self.fuse_projections()  # again: q_proj was replaced
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                 attn_metadata) -> torch.Tensor:
         """``hidden`` ``[num_tokens, hidden_size]`` -> ``[num_tokens, hidden_size]``."""
         n, H, d = hidden.shape[0], self.num_heads, self.head_size
-        q, gate = self.q_proj(hidden).view(n, H, 2 * d).split([d, d], dim=-1)
+        q_gate, k, v = self.project("qkv", hidden)
+        q, gate = q_gate.view(n, H, 2 * d).split([d, d], dim=-1)
         q = self.q_norm(q)
-        k = self.k_norm(self.k_proj(hidden).view(n, self.num_kv_heads, d))
-        v = self.v_proj(hidden).view(n, self.num_kv_heads, d)
+        k = self.k_norm(k.view(n, self.num_kv_heads, d))
+        v = v.view(n, self.num_kv_heads, d)
         cos, sin = self.rope.cos_sin(positions, hidden.dtype)
         q, k = self.rope.apply(q, cos, sin), self.rope.apply(k, cos, sin)
         out = torch.zeros_like(q)  # padded rows stay zero

@@ -18,8 +18,8 @@ stage, vLLM's model ``forward`` call; neither includes the LM head or the sample
 ms/step (wall time per step minus forward: scheduling, input preparation, LM head, sampling,
 output handling) and steps; the ratio attnplug ÷ vLLM of generated tokens/s (median of the
 rounds' ratios; > 1: attnplug faster). Greedy agreement: requests whose tokens are identical,
-and the mean share of each request's tokens before the first difference (fp32 on both sides;
-different matmul and attention kernels may flip a near-tie). ``--json``: the same, with
+and the mean share of each request's tokens before the first difference (``--dtype``, float32
+by default, on both sides; different matmul and attention kernels may flip a near-tie). ``--json``: the same, with
 ``ratio_tokens_per_s`` per model and thread count. Exit status 2 for bad flags or a missing
 vLLM (one line), 1 when the vLLM subprocess fails.
 """
@@ -61,6 +61,8 @@ def _parser() -> OneLineParser:
     p.add_argument("--vllm-python", default=DEFAULT_VLLM_PYTHON,
                    help="the Python of an environment with vLLM's CPU build (default .venv-vllm/0.32/bin/python); "
                         "'none' runs attnplug alone")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="model, activation and KV-cache dtype of both engines (default float32)")
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
     return p
 
@@ -193,7 +195,7 @@ def _summarise(runs: list[dict]) -> dict:
 
 def _vllm_spec(args, run_args, ckpt: str, probe: dict) -> dict:
     return {"model": ckpt, "prompts": list(probe["prompts"].values()), "max_tokens": probe["max_tokens"],
-            "seed": run_args.seed,
+            "seed": run_args.seed, "dtype": args.dtype,
             "engine": {"max_num_seqs": args.max_num_seqs, "block_size": args.block_size,
                        "max_num_batched_tokens": args.max_num_batched_tokens,
                        "max_model_len": args.max_model_len, "enable_prefix_caching": False,
@@ -204,8 +206,14 @@ def bench_model(args, model_name: str, counts: list[int], workdir: str) -> list[
     """Every thread count's rows for one model (module docstring)."""
     from attnplug.runner.commands.assemble import build_engine
 
+    from attnplug.runner.commands.model_loading import load_model_for_run
+    from attnplug.runner.commands.assemble import resolve_backend
+
     run_args = _run_args(args, model_name)
-    model = build_engine(run_args, requests=False).model
+    dtype = getattr(torch, args.dtype)
+    model = load_model_for_run(run_args.model, backend=run_args.backend, block_size=run_args.block_size,
+                               seed=run_args.seed, resolve=resolve_backend, dtype=dtype)
+    model = build_engine(run_args, requests=False, model=model).model
     ckpt = None
     if args.vllm_python != "none":
         ckpt = write_checkpoint(model, hf_config(model_name), tempfile.mkdtemp(dir=workdir))
@@ -227,7 +235,8 @@ def bench_model(args, model_name: str, counts: list[int], workdir: str) -> list[
         finally:
             if worker is not None:
                 worker.close()
-        row = {"model": model_name, "torch_threads": n, "rounds": args.repeat, "attnplug": _summarise(ours),
+        row = {"model": model_name, "torch_threads": n, "dtype": args.dtype, "rounds": args.repeat,
+               "attnplug": _summarise(ours),
                "attnplug_backend": sorted({b.get_name() for b in model.attnplug_backends.values()}),
                "outputs_identical_across_rounds": len({o["outputs_digest"] for o in ours}) == 1,
                "outputs_digest": ours[-1]["outputs_digest"],
@@ -261,7 +270,8 @@ def render(report: dict) -> str:
             lines.append(f"| {row['model']} | {row['torch_threads']} | {name} | {f['generated_tokens_per_s']:,.0f} | "
                          f"{f['forward_ms_per_step']:.2f} | {f['host_ms_per_step']:.2f} | {f['steps']:.0f} | "
                          f"{ratio} | {agree} |")
-    lines.append(f"\n{report['repeat']} rounds per row, alternating; {report['num_requests']} requests x "
+    lines.append(f"\n{report['repeat']} rounds per row, alternating; {report.get('dtype', 'float32')}; "
+                 f"{report['num_requests']} requests x "
                  f"{report['output_len']} tokens; CPUs usable: {report['usable_cpus']}; load average at start / "
                  f"end: {report['load_start'][0]:.2f} / {report['load_end'][0]:.2f}")
     return "\n".join(lines)
@@ -294,7 +304,7 @@ def main(argv: list[str]) -> int:
         return 1 if "vLLM subprocess" in str(e) else 2
     finally:
         torch.set_num_threads(before)
-    report = {"repeat": args.repeat, "num_requests": args.num_requests, "output_len": args.output_len,
+    report = {"repeat": args.repeat, "dtype": args.dtype, "num_requests": args.num_requests, "output_len": args.output_len,
               "limits": {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
                          "block_size": args.block_size, "max_model_len": args.max_model_len},
               "usable_cpus": threads.usable_cpus(), "load_start": load_start, "load_end": list(os.getloadavg()),

@@ -56,7 +56,7 @@ def serve(spec: dict, commands, out) -> None:
     import vllm
     from vllm import LLM, SamplingParams
 
-    llm = LLM(model=spec["model"], skip_tokenizer_init=True, seed=spec["seed"], dtype="float32",
+    llm = LLM(model=spec["model"], skip_tokenizer_init=True, seed=spec["seed"], dtype=spec.get("dtype", "float32"),
               **spec["engine"])
     durations = _timed_forward(llm)
     requests = [{"prompt_token_ids": p} for p in spec["prompts"]]

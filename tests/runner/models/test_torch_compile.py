@@ -4,7 +4,8 @@ Each attention layer becomes one ``attnplug::attention`` node and each Mamba2 mi
 ``attnplug::mamba_mixer`` node; at run time the op calls the layer's impl with the step's
 metadata from the forward context. The tiny models run a real engine loop (scheduler,
 step compiler, builders, sampler) of at least 10 steps with changing token counts,
-compiled and eager: same tokens, same logits, at most two compilations.
+compiled and eager: same tokens, same logits, at most two compilations (both with
+``F.linear``: the fixture turns the prepacked CPU linears off).
 """
 
 from __future__ import annotations
@@ -35,6 +36,17 @@ from attnplug.runner.serve.engine import LLMEngine
 from attnplug.runner.serve.scheduler import Scheduler, SchedulerConfig
 
 BLOCK = 16
+
+
+@pytest.fixture(autouse=True)
+def _one_gemm_kernel(monkeypatch):
+    """Eager and compiled run the same GEMM (``F.linear``): a traced graph uses it, eager CPU
+    linears would otherwise use oneDNN's prepacked kernel (``runner/models/cpu_linear.py``),
+    whose float32 sums differ in the last bits."""
+    from attnplug.runner.models import cpu_linear
+    monkeypatch.setattr(cpu_linear, "ENABLED", False)
+
+
 GEMMA3 = {"model_type": "gemma3_text", "vocab_size": 128, "hidden_size": 64, "intermediate_size": 96,
           "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
           "sliding_window": 7, "layer_types": ["sliding_attention", "sliding_attention", "full_attention",
