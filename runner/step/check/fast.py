@@ -83,8 +83,8 @@ def plan_update_scanned(lay: StepLayout, batch: InputBatch, kernels: StepKernels
         mask[rows_c] = True
         unscheduled = [rid for rid, r in idx.items() if not mask[r] and rid not in fin_set]
     return UpdatePlan(finished, unscheduled, new_states, new_counts, [], [], rows_c, bufs.counts[:nC],
-                      bufs.ncts[:nC], appends=_appends(bufs, scan),
-                      staged_new=staged, spec_tokens=_spec_tokens(bufs, C, scan.num_spec, scan.spec_total))
+                      bufs.ncts[:nC], appends=_appends(bufs, scan) if scan.num_appends else None, staged_new=staged,
+                      spec_tokens=_spec_tokens(bufs, C, scan.num_spec, scan.spec_total) if scan.num_spec else None)
 
 
 def _appends(bufs: ScanBuffers, scan) -> BlockAppends | None:
