@@ -58,7 +58,7 @@ def apply_update(lay: StepLayout, batch: InputBatch, reqs: dict[str, CachedReque
         moved += reorder_decodes_first(batch, reorder_batch_threshold)
     if lay.has_sliding_windows:
         null_skipped_blocks(batch, lay.sliding_windows)
-    if plan.spec_tokens is not None or batch.num_spec_tokens.any():
+    if plan.spec_tokens is not None or batch.drafts_written:
         write_spec_tokens(batch, plan.spec_tokens, rows_moved=bool(moved))
 
 

@@ -87,6 +87,10 @@ class InputBatch:
         """Per row, the draft tokens it verifies this step (speculative decoding), held in
         ``token_ids_cpu`` after its ``num_tokens`` tokens (``spec_token_ids``); written at
         the end of stage 2 (``runner/step/spec_apply.py``), 0 outside such a step."""
+        self.drafts_written = False
+        """Whether ``num_spec_tokens`` may hold a count other than 0: set by stage 2's
+        ``write_spec_tokens`` (the only writer of counts), so a step without drafts skips
+        scanning the column."""
         self.temperature = np.zeros(max_num_reqs, dtype=np.float32)
         self.top_k = np.zeros(max_num_reqs, dtype=np.int32)
         self.top_p = np.ones(max_num_reqs, dtype=np.float32)

@@ -181,12 +181,14 @@ class CompiledKernels:
         self._numpy = NumpyKernels()
         self._sp_cls = sampling_params_cls
         self._rows: tuple[Any, Any] | None = None
-        self._cached: tuple[Any, Any] | None = None
+        self._cached: tuple[Any, Any, Any] | None = None
         self._new: tuple[Any, Any] | None = None
-        self._prep: tuple[Any, Any] | None = None
+        self._prep: tuple[Any, Any, Any, Any] | None = None
         self._drafts: tuple[Any, Any] | None = None
         self._spec: tuple[Any, Any, Any] | None = None
         self._patch: tuple[Any, Any, Any] | None = None
+        self._scan_bufs: ScanBuffers | None = None
+        self._merge_bound: tuple | None = None
 
     # --- binding ---------------------------------------------------------------------------
     def _row_ops(self, table):
@@ -198,17 +200,19 @@ class CompiledKernels:
         return self._rows[1]
 
     def _cached_scan(self, batch, layout, bufs: ScanBuffers):
-        key = (batch, bufs)
-        if self._cached is None or self._cached[0] != key:
-            tabs = batch.block_table.block_tables
-            scan = NATIVE.CachedScan(
-                batch.num_tokens, batch.num_computed_tokens_nulled, batch.block_table.num_blocks_per_row,
-                [bt.block_table_np for bt in tabs], layout.capacity_col[:, 0], layout.num_blocks_per_group,
-                layout.null_block_allowed, layout.max_model_len, bufs.rows, bufs.ncts, bufs.counts, bufs.app_sel,
-                bufs.app_start, bufs.app_len, bufs.app_ids, bufs.app_total, bufs.app_after, bufs.app_flat,
-                bufs.spec_sel, bufs.spec_rows, bufs.spec_lens, bufs.spec_ids)
-            self._cached = (key, scan)
-        return self._cached[1]
+        c = self._cached
+        if c is not None and c[0] is batch and c[1] is bufs:
+            return c[2]
+        tabs = batch.block_table.block_tables
+        scan = NATIVE.CachedScan(
+            batch.num_tokens, batch.num_computed_tokens_nulled, batch.block_table.num_blocks_per_row,
+            [bt.block_table_np for bt in tabs], layout.capacity_col[:, 0], layout.num_blocks_per_group,
+            layout.null_block_allowed, layout.max_model_len, bufs.rows, bufs.ncts, bufs.counts, bufs.app_sel,
+            bufs.app_start, bufs.app_len, bufs.app_ids, bufs.app_total, bufs.app_after, bufs.app_flat,
+            bufs.spec_sel, bufs.spec_rows, bufs.spec_lens, bufs.spec_ids)
+        self._cached = (batch, bufs, scan)
+        self._scan_bufs = bufs
+        return scan
 
     def _new_scan(self, batch, layout):
         if self._new is None or self._new[0] is not batch:
@@ -224,16 +228,18 @@ class CompiledKernels:
         return self._new[1]
 
     def _prepare_loop(self, batch, bufs: PrepareBuffers, writes_slots: tuple[bool, ...]):
-        key = (batch, bufs, writes_slots)
-        if self._prep is None or self._prep[0] != key:
-            tabs = list(batch.block_table)
-            self._prep = (key, NATIVE.Prepare(
-                batch.num_scheduled_tokens, batch.num_computed_tokens_cpu, batch.num_tokens,
-                batch.num_prompt_tokens, batch.token_ids_cpu, bufs.query_start_loc.np, bufs.positions.np,
-                bufs.input_ids.np, bufs.seq_lens.np, bufs.logits_indices.np, bufs.req_indices, bufs.discard,
-                bufs.is_prefilling, [bt.block_table_np if w else None for bt, w in zip(tabs, writes_slots)],
-                [bt.slot_mapping.np for bt in tabs], [bt.block_size for bt in tabs]))
-        return self._prep[1]
+        p = self._prep
+        if p is not None and p[0] is batch and p[1] is bufs and p[2] == writes_slots:
+            return p[3]
+        tabs = list(batch.block_table)
+        prep = NATIVE.Prepare(
+            batch.num_scheduled_tokens, batch.num_computed_tokens_cpu, batch.num_tokens,
+            batch.num_prompt_tokens, batch.token_ids_cpu, bufs.query_start_loc.np, bufs.positions.np,
+            bufs.input_ids.np, bufs.seq_lens.np, bufs.logits_indices.np, bufs.req_indices, bufs.discard,
+            bufs.is_prefilling, [bt.block_table_np if w else None for bt, w in zip(tabs, writes_slots)],
+            [bt.slot_mapping.np for bt in tabs], [bt.block_size for bt in tabs])
+        self._prep = (batch, bufs, writes_slots, prep)
+        return prep
 
     # --- the operations --------------------------------------------------------------------
     def pack_ints(self, seqs: list, out: np.ndarray) -> tuple[int, int, int]:
@@ -265,6 +271,16 @@ class CompiledKernels:
             return
         ap = plan.appends
         ops = self._row_ops(batch.block_table)
+        sb = self._scan_bufs
+        if sb is not None and rows_c.base is sb.rows and (ap is None or ap.flat.base is sb.app_flat):
+            # the cached scan's plan: its arrays are the bound buffers' prefixes
+            mb = self._merge_bound
+            if mb is None or mb[0] is not ops or mb[1] is not sb or mb[2] is not batch:
+                ops.bind_scan(batch.num_computed_tokens_cpu, batch.num_scheduled_tokens, sb.rows, sb.ncts,
+                              sb.counts, sb.app_sel, sb.app_start, sb.app_len, sb.app_flat)
+                self._merge_bound = (ops, sb, batch)
+            ops.merge_scan(rows_c.shape[0], 0 if ap is None else ap.sel.shape[0], ap is None or ap.one_each)
+            return
         if ap is None:
             ops.merge(batch.num_computed_tokens_cpu, batch.num_scheduled_tokens, rows_c, plan.ncts_c,
                       plan.counts_c, _NO_SEL, _NO_STARTS, None, _NO_IDS, True)

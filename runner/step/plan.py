@@ -88,6 +88,9 @@ class ScanBuffers:
     """``[M]`` ``int64`` per verifying request, its draft count (``>= 1``)."""
     spec_ids: np.ndarray
     """``[S]`` ``int32`` the drafts, request after request in cached order."""
+    views: dict = field(default_factory=dict)
+    """Views of these buffers already made, by shape key (``check/fast.py``: a plan's
+    prefixes and :class:`BlockAppends`); they stay valid because the buffers persist."""
 
     @classmethod
     def allocate(cls, max_num_reqs: int, num_groups: int, append_capacity: int = 1 << 12,

@@ -119,6 +119,8 @@ class InputPreparer:
         self.kernels: StepKernels = NumpyKernels() if kernels is None else kernels
         self.buffers = PrepareBuffers.allocate(max_num_reqs, max_model_len, max_num_batched_tokens, device)
         """The host/device buffers the kernels fill (:class:`~attnplug.runner.step.kernels.PrepareBuffers`)."""
+        self._writes: tuple = (None, ())
+        """``(group_kinds, per group whether it writes slots)`` of the last call."""
         self._cached_views: tuple | None = None
         """On a CPU device (buffers aliased: nothing to copy), the views of the last
         ``(batch, R, Q, P)``, reused while those sizes repeat (steady decode)."""
@@ -144,7 +146,10 @@ class InputPreparer:
         R = batch.num_reqs
         sched = batch.num_scheduled_tokens[:R]
         ncc = batch.num_computed_tokens_cpu[:R]
-        writes = tuple(k != GroupKind.MAMBA for k in group_kinds)
+        w = self._writes
+        if w[0] != group_kinds:
+            w = self._writes = (list(group_kinds), tuple(k != GroupKind.MAMBA for k in group_kinds))
+        writes = w[1]
         Q, max_query_len, max_seq_len = self.kernels.prepare(batch, self.buffers, writes, R, num_tokens_padded)
         P = Q if num_tokens_padded is None else int(num_tokens_padded)
         key = (batch, R, Q, P)

@@ -39,7 +39,9 @@ def write_spec_tokens(batch: InputBatch, spec_tokens: SpecTokens | None, rows_mo
     ``spec_tokens.rows`` is stale and the ids are looked up)."""
     if spec_tokens is None:
         batch.kernels.write_drafts(batch, None, None, None)
+        batch.drafts_written = False
         return
+    batch.drafts_written = True
     ids = spec_tokens.req_ids
     if spec_tokens.rows is not None and not rows_moved:
         rows = spec_tokens.rows

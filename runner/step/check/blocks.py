@@ -114,22 +114,28 @@ def check_appends_distinct(lay: StepLayout, batch: InputBatch, reqs: dict[str, C
     safe_rows = np.maximum(rows, 0)
     off = 0
     for g in range(lay.num_groups):
-        starts = ap.starts[g].astype(np.int64)
-        lens = np.ones(m, dtype=np.int64) if ap.one_each else ap.lens[g]
-        n = m if ap.one_each else int(lens.sum())
-        new = ap.flat[off:off + n]
-        off += n
         table = batch.block_table[g].block_table_np
         found = None
         if ap.one_each:
+            starts = ap.starts[g]
+            new = ap.flat[off:off + m]
+            off += m
             width = int(starts.max()) if m else 0
-            if width:
-                hit = (table[safe_rows, :width] == new[:, None]) & (np.arange(width) < starts[:, None])
+            # a row's columns past its held blocks are NULL_BLOCK_ID, which no appended id
+            # is: mask by the held count (and drop re-added rows) only after a raw hit
+            hit = (table[safe_rows, :width] == new[:, None]) if width else None
+            if hit is not None and hit.any():
+                hit &= np.arange(width) < starts[:, None]
                 hit[readd] = False
                 if hit.any():
                     j = int(np.argmax(hit.any(axis=1)))
                     found = (j, int(new[j]))
         else:
+            starts = ap.starts[g].astype(np.int64)
+            lens = ap.lens[g]
+            n = int(lens.sum())
+            new = ap.flat[off:off + n]
+            off += n
             held = starts.copy()
             held[readd] = 0
             _, cols = cumsum_and_arange(held)

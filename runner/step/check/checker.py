@@ -122,11 +122,15 @@ class UpdateChecker:
                                    finished, fin_set)
         self.last_scanned = plan is not None
         if plan is not None:
-            check_state_slots(self.layout, self.batch, self.requests, d, plan.spec_tokens)
-            if d.scheduled_new_reqs:
-                plan.prompt_embeds = check_prompt_embeds(self.prompt_embeds_config, d.scheduled_new_reqs)
-                plan.mm_placeholders = check_placeholders(self.uses_mrope, d.scheduled_new_reqs)
-                self._check_images(plan, d.scheduled_new_reqs)
+            if plan.spec_tokens is not None:
+                check_state_slots(self.layout, self.batch, self.requests, d, plan.spec_tokens)
+            # the three checks look only at requests that carry the field (in order): pass those
+            extras = [nr for nr in d.scheduled_new_reqs if nr.prompt_embeds is not None
+                      or nr.mm_placeholders is not None or nr.mm_features is not None]
+            if extras:
+                plan.prompt_embeds = check_prompt_embeds(self.prompt_embeds_config, extras)
+                plan.mm_placeholders = check_placeholders(self.uses_mrope, extras)
+                self._check_images(plan, extras)
             return plan
         lay, batch, reqs = self.layout, self.batch, self.requests
         cached = d.scheduled_cached_reqs

@@ -76,25 +76,43 @@ def plan_update_scanned(lay: StepLayout, batch: InputBatch, kernels: StepKernels
         new_states = plan_new(new_reqs, new_counts)
     idx = batch.req_id_to_index
     fin_in_batch = sum(1 for rid in finished if rid in idx)
-    rows_c = bufs.rows[:nC]
+    views = bufs.views
+    pre = views.get(nC)
+    if pre is None:
+        pre = _remember(views, nC, (bufs.rows[:nC], bufs.counts[:nC], bufs.ncts[:nC]))
+    rows_c, counts_c, ncts_c = pre
     unscheduled: list[str] = []
     if batch.num_reqs - fin_in_batch > nC:
         mask = np.zeros(lay.max_num_reqs, dtype=bool)
         mask[rows_c] = True
         unscheduled = [rid for rid, r in idx.items() if not mask[r] and rid not in fin_set]
-    return UpdatePlan(finished, unscheduled, new_states, new_counts, [], [], rows_c, bufs.counts[:nC],
-                      bufs.ncts[:nC], appends=_appends(bufs, scan),
-                      staged_new=staged, spec_tokens=_spec_tokens(bufs, C, scan.num_spec, scan.spec_total))
+    return UpdatePlan(finished, unscheduled, new_states, new_counts, [], [], rows_c, counts_c,
+                      ncts_c, appends=_appends(bufs, scan) if scan.num_appends else None, staged_new=staged,
+                      spec_tokens=_spec_tokens(bufs, C, scan.num_spec, scan.spec_total) if scan.num_spec else None)
 
 
 def _appends(bufs: ScanBuffers, scan) -> BlockAppends | None:
-    """The scan's appends as :class:`BlockAppends` (views of ``bufs``)."""
+    """The scan's appends as :class:`BlockAppends` (views of ``bufs``; one object per shape,
+    made once: its arrays show the buffers' current contents)."""
     m = scan.num_appends
     if m == 0:
         return None
     one_each = scan.one_each
-    return BlockAppends(bufs.app_sel[:m], bufs.app_start[:, :m], 1 if one_each else bufs.app_len[:, :m],
-                        bufs.app_after[:, :m], bufs.app_flat[:scan.num_appended], one_each)
+    key = ("appends", m, scan.num_appended, one_each)
+    ap = bufs.views.get(key)
+    if ap is None:
+        ap = _remember(bufs.views, key, BlockAppends(
+            bufs.app_sel[:m], bufs.app_start[:, :m], 1 if one_each else bufs.app_len[:, :m],
+            bufs.app_after[:, :m], bufs.app_flat[:scan.num_appended], one_each))
+    return ap
+
+
+def _remember(views: dict, key, value):
+    """``views[key] = value`` (the cache is emptied first once it holds 1,024 shapes)."""
+    if len(views) >= 1024:
+        views.clear()
+    views[key] = value
+    return value
 
 
 def _spec_tokens(bufs: ScanBuffers, C: list, n: int, total: int) -> SpecTokens | None:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+from itertools import accumulate
+
 import numpy as np
 
 from attnplug.core.constants import NULL_BLOCK_ID
@@ -111,12 +113,19 @@ def repeated_block(flat: np.ndarray, lens: Sequence[int] | np.ndarray) -> tuple[
         flat: ``[sum(lens)]`` integer block ids.
         lens: ``[num_lists]`` the lists' lengths.
 
-    Cost: one ``np.diff`` when the real ids of every list ascend (the block pool's usual
-    order); else one sort of ``(list, id)`` keys.
+    Cost: one compare when the ids of every list ascend and descend only where a list ends
+    (the block pool's usual order); a few vectorized ones when a list starts with nulls;
+    else one sort of ``(list, id)`` keys.
     """
     n = flat.shape[0]
     if n < 2:
         return None
+    # the usual case: ids ascend inside every list, so the only descents are at list ends
+    descents = np.flatnonzero(flat[1:] <= flat[:-1])
+    if descents.shape[0] < len(lens):
+        ends = set(accumulate(int(x) for x in lens))
+        if all(t + 1 in ends for t in descents.tolist()):
+            return None
     ids = flat.astype(np.int64)
     ends = np.cumsum(np.asarray(lens, dtype=np.int64))
     # the pairs (t, t + 1) inside one list; a real id must exceed its predecessor unless

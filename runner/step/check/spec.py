@@ -174,8 +174,10 @@ def check_state_slots(lay: StepLayout, batch: InputBatch, reqs: dict[str, Cached
         InvalidSchedulerOutput: naming the first request with too few, field
             ``scheduled_spec_decode_tokens``.
     """
+    if spec is None:
+        return
     groups = [g for g, k in enumerate(lay.group_kinds) if k is GroupKind.MAMBA]
-    if spec is None or not groups:
+    if not groups:
         return
     cached = d.scheduled_cached_reqs
     where = {rid: i for i, rid in enumerate(cached.req_ids)}

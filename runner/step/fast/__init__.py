@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from types import ModuleType
 
-_EXPECTED_API = 7
+_EXPECTED_API = 8
 
 
 def load_native() -> ModuleType | None:

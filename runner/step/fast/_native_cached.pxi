@@ -214,10 +214,6 @@ cdef class CachedScan:
                         return False
                     if L and _pack(bitems, L, &self._ids[g, self._ntot[g]], 1, self.pool[g], &lo, &hi) != L:
                         return False
-                    if L and not _distinct_append(<const int32_t*><Py_ssize_t>self._tab_addr[g] + r * self._tab_width[g],
-                                                  min(<Py_ssize_t>self.nblocks[g, r], self._tab_width[g]),
-                                                  &self._ids[g, self._ntot[g]], L):
-                        return False  # a block id twice in the row: the numpy path words it
                     self._start[g, m] = self.nblocks[g, r]
                     self._len[g, m] = L
                     self._ntot[g] += L
@@ -226,6 +222,8 @@ cdef class CachedScan:
             self._rows[i] = r
             self._ncts[i] = v
             self._counts[i] = c
+        if m and not self._appends_distinct(m):
+            return False  # a block id twice in a row: the numpy path words it
         for g in range(G):  # no scheduled position in a null block the row already holds
             if not self.null_ok[g]:
                 continue
@@ -250,6 +248,40 @@ cdef class CachedScan:
         self.num_cached, self.num_appends, self.total_tokens = n, m, total
         self.num_spec, self.spec_total = ns, stot
         return True
+
+    cdef bint _appends_distinct(self, Py_ssize_t m) noexcept:
+        """Each of the ``m`` appending requests' new ids (``_ids``, per group in ``_sel``
+        order) repeats neither another of its ids nor one its row holds (``_distinct_append``).
+        Run after the scan's loop: the rows of the appends ``AHEAD`` places on are
+        prefetched, whole, so their cache misses overlap (the rows are cold by now)."""
+        cdef Py_ssize_t g, j, u, off, L, held, r, w, a
+        cdef const int32_t* row
+        cdef const char* line
+        cdef Py_ssize_t AHEAD = 8
+        for g in range(self.G):
+            off = 0
+            w = self._tab_width[g]
+            for a in range(min(AHEAD, m)):
+                self._prefetch_row(g, a, w)
+            for j in range(m):
+                if j + AHEAD < m:
+                    self._prefetch_row(g, j + AHEAD, w)
+                L = self._len[g, j]
+                r = self._rows[self._sel[j]]
+                held = min(<Py_ssize_t>self._start[g, j], w)
+                row = <const int32_t*><Py_ssize_t>self._tab_addr[g] + r * w
+                if L and not _distinct_append(row, held, &self._ids[g, off], L):
+                    return False
+                off += L
+        return True
+
+    cdef inline void _prefetch_row(self, Py_ssize_t g, Py_ssize_t j, Py_ssize_t w) noexcept:
+        """Prefetch the held part of the row of append ``j`` in group ``g`` (64-byte lines)."""
+        cdef Py_ssize_t r = self._rows[self._sel[j]], u
+        cdef Py_ssize_t nbytes = min(<Py_ssize_t>self._start[g, j], w) * sizeof(int32_t)
+        cdef const char* base = <const char*><Py_ssize_t>self._tab_addr[g] + r * w * sizeof(int32_t)
+        for u in range(0, nbytes, 64):
+            _prefetch(base + u)
 
     cdef void _flatten_appends(self, Py_ssize_t m) noexcept:
         """``app_after`` and ``app_flat`` (every group's appended ids back to back) of the

@@ -57,6 +57,12 @@ cdef class Prepare:
         cdef int64_t* slots
         if R > self.sched.shape[0]:
             raise IndexError(f"{R} rows but the batch holds {self.sched.shape[0]}")
+        cdef int32_t* seq_lens = &self.seq_lens[0]
+        cdef int64_t* logits_indices = &self.logits_indices[0]
+        cdef uint8_t* discard = &self.discard[0]
+        cdef uint8_t* is_prefilling = &self.is_prefilling[0]
+        cdef const int32_t* num_tokens = &self.num_tokens[0]
+        cdef const int32_t* num_prompt = &self.num_prompt[0]
         qsl[0] = 0
         for r in range(R):  # per row: the row's tokens, counts and masks
             q = sched[r]
@@ -68,10 +74,10 @@ cdef class Prepare:
                 positions[Q + t] = c + t
             Q += q
             qsl[r + 1] = <int32_t>Q
-            self.seq_lens[r] = <int32_t>(c + q)
-            self.logits_indices[r] = Q - 1
-            self.discard[r] = (c + q) < self.num_tokens[r]
-            self.is_prefilling[r] = c < self.num_prompt[r]
+            seq_lens[r] = <int32_t>(c + q)
+            logits_indices[r] = Q - 1
+            discard[r] = (c + q) < num_tokens[r]
+            is_prefilling[r] = c < num_prompt[r]
             if q > maxq:
                 maxq = q
             if c + q > maxs:

@@ -13,11 +13,17 @@ cdef class BlockRows:
     cdef int32_t[:, ::1] nblocks
     cdef list tables, ktables
     cdef int64_t[::1] kpb
+    cdef bint _bound
+    cdef int32_t[::1] _ncc, _sched, _flat, _no32
+    cdef int64_t[::1] _rows, _ncts, _counts, _sel, _no64
+    cdef int64_t[:, ::1] _start, _len
 
     def __init__(self, num_blocks_per_row, list block_tables, list kernel_tables, kernel_blocks_per_block):
         self.nblocks = num_blocks_per_row
         self.tables, self.ktables = block_tables, kernel_tables
         self.kpb = np.asarray(kernel_blocks_per_block, dtype=np.int64)
+        self._no32, self._no64 = np.zeros(0, np.int32), np.zeros(0, np.int64)
+        self._bound = False
 
     def clear_rows(self, list rows):
         """Set the blocks of ``rows`` (Python ints) to ``NULL_BLOCK_ID`` in every group and
@@ -84,6 +90,28 @@ cdef class BlockRows:
                 self.nblocks[g, d] = <int32_t>n
                 self.nblocks[g, s] = 0
 
+    def bind_scan(self, int32_t[::1] ncc, int32_t[::1] sched, rows, ncts, counts, app_sel, app_start, app_len,
+                  app_flat):
+        """Bind :meth:`merge_scan` to the batch's ``num_computed_tokens`` / ``num_scheduled_tokens``
+        columns and to the plan buffers a ``CachedScan`` writes (``plan.ScanBuffers``)."""
+        self._ncc, self._sched = ncc, sched
+        self._rows, self._ncts, self._counts, self._sel = rows, ncts, counts, app_sel
+        self._start, self._len, self._flat = app_start, app_len, app_flat
+        self._bound = True
+
+    def merge_scan(self, Py_ssize_t n, Py_ssize_t m, bint one_each):
+        """:meth:`merge` of a plan whose arrays are the bound plan buffers' prefixes: ``n``
+        cached requests, ``m`` appending ones (no per-call buffer acquisition).
+
+        Raises:
+            IndexError: as :meth:`merge`; or nothing bound, or ``n`` / ``m`` past the buffers.
+        """
+        if not self._bound or n < 0 or m < 0 or n > self._rows.shape[0] or m > self._sel.shape[0] \
+                or m > self._start.shape[1]:
+            raise IndexError("merge_scan: no plan buffers bound, or counts past them")
+        self._merge(self._ncc, self._sched, self._rows[:n], self._ncts[:n], self._counts[:n], self._sel[:m],
+                    self._start, self._len, one_each, self._flat, self._no64, False)
+
     def merge(self, int32_t[::1] ncc, int32_t[::1] sched, const int64_t[:] rows_c, const int64_t[:] ncts_c,
               const int64_t[:] counts_c, const int64_t[:] sel, const int64_t[:, :] starts, lens,
               flat, bint one_each):
@@ -96,14 +124,24 @@ cdef class BlockRows:
             IndexError: a row, column or id count outside the tables (nothing is written
                 after the first; stage 1 excludes it).
         """
+        cdef const int64_t[:, :] lv = starts
+        if not one_each:
+            lv = lens
+        if flat.dtype == np.int64:
+            self._merge(ncc, sched, rows_c, ncts_c, counts_c, sel, starts, lv, one_each, self._no32, flat, True)
+        else:
+            self._merge(ncc, sched, rows_c, ncts_c, counts_c, sel, starts, lv, one_each, flat, self._no64, False)
+
+    cdef int _merge(self, int32_t[::1] ncc, int32_t[::1] sched, const int64_t[:] rows_c, const int64_t[:] ncts_c,
+                    const int64_t[:] counts_c, const int64_t[:] sel, const int64_t[:, :] starts,
+                    const int64_t[:, :] lv, bint one_each, const int32_t[:] f32, const int64_t[:] f64,
+                    bint wide) except -1:
+        """The body of :meth:`merge` (``lv`` unread when ``one_each``; ids from ``f64`` when
+        ``wide``, else ``f32``)."""
         cdef Py_ssize_t i, j, g, t, off = 0, r, col, q, n, M = self.nblocks.shape[1], m = sel.shape[0]
         cdef Py_ssize_t G = self.nblocks.shape[0]
         cdef int64_t k, b, L
         cdef int32_t[:, ::1] tab, ktab
-        cdef const int64_t[:, :] lv
-        cdef const int64_t[:] f64
-        cdef const int32_t[:] f32
-        cdef bint wide = False
         if rows_c.shape[0] != ncts_c.shape[0] or rows_c.shape[0] != counts_c.shape[0]:
             raise IndexError("merge: rows, num_computed_tokens and counts differ in length")
         for i in range(rows_c.shape[0]):
@@ -113,14 +151,7 @@ cdef class BlockRows:
             ncc[r] = <int32_t>ncts_c[i]
             sched[r] = <int32_t>counts_c[i]
         if m == 0:
-            return
-        if not one_each:
-            lv = lens
-        if flat.dtype == np.int64:
-            f64 = flat
-            wide = True
-        else:
-            f32 = flat
+            return 0
         n = f64.shape[0] if wide else f32.shape[0]
         for g in range(G):
             tab = self.tables[g]
@@ -142,3 +173,4 @@ cdef class BlockRows:
                             ktab[r, (col + t) * k + q] = <int32_t>(b * k + q)
                 off += L
                 self.nblocks[g, r] = <int32_t>(col + L)
+        return 0

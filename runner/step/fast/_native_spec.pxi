@@ -33,12 +33,21 @@ cdef class DraftRows:
                 raise IndexError(f"DraftRows.write: row {r}'s drafts leave the token table")
             off += L
         memset(&self.num_spec[0], 0, M * sizeof(int32_t))
+        if n == 0:
+            return
+        cdef int32_t* tok = &self.tokens[0, 0]
+        cdef const int32_t* ntok = &self.num_tokens[0]
+        cdef int32_t* nspec = &self.num_spec[0]
+        cdef const int32_t* src = &flat[0] if flat.shape[0] else NULL
+        cdef int32_t* dst
+        cdef Py_ssize_t j
         off = 0
         for i in range(n):
             r, L = rows[i], lens[i]
-            if L:
-                memcpy(&self.tokens[r, self.num_tokens[r]], &flat[off], L * sizeof(int32_t))
-            self.num_spec[r] = <int32_t>L
+            dst = tok + r * W + ntok[r]
+            for j in range(L):  # a few ids: stores, not a memcpy call
+                dst[j] = src[off + j]
+            nspec[r] = <int32_t>L
             off += L
 
 
@@ -76,29 +85,48 @@ cdef class SpecLayout:
             IndexError: a row's query shorter than ``1 + d`` or a buffer too small (the
                 step's validation excludes both).
         """
-        cdef Py_ssize_t r, j, k = 0, D = 0, L = 0, T = self.logits.shape[0]
+        cdef Py_ssize_t r, j, k = 0, D = 0, L = 0, T = self.logits.shape[0], nid = self.input_ids.shape[0]
         cdef int64_t d, end
-        cdef list counts = []
-        if R > self.num_spec.shape[0]:
+        cdef list counts
+        if R > self.num_spec.shape[0] or R > self.bonus.shape[0] or R > self.cu.shape[0] \
+                or self.target.shape[0] < T or self.draft_ids.shape[0] < T:
             raise IndexError(f"SpecLayout.layout: {R} rows")
+        if R == 0:
+            return 0, 0, []
+        # local pointers: through the memoryview structs the compiler would reload every
+        # field after every store (it cannot prove the buffers do not alias)
+        cdef const int32_t* nspec = &self.num_spec[0]
+        cdef const int32_t* qsl = &self.qsl[0]
+        cdef const uint8_t* discard = &self.discard[0]
+        cdef const int32_t* ids = &self.input_ids[0]
+        cdef int64_t* logits = &self.logits[0]
+        cdef int64_t* target = &self.target[0]
+        cdef int64_t* draft_ids = &self.draft_ids[0]
+        cdef int64_t* bonus = &self.bonus[0]
+        cdef int64_t* cu = &self.cu[0]
         for r in range(R):
-            if self.discard[r]:
+            if discard[r]:
                 continue
-            d = self.num_spec[r]
-            end = self.qsl[r + 1]
-            if d < 0 or end - d - 1 < self.qsl[r] or L + d + 1 > T or end > self.input_ids.shape[0]:
+            d = nspec[r]
+            end = qsl[r + 1]
+            if d < 0 or end - d - 1 < qsl[r] or L + d + 1 > T or end > nid:
                 raise IndexError(f"SpecLayout.layout: row {r}: {d} drafts in its query")
             for j in range(d + 1):
-                self.logits[L + j] = end - d - 1 + j
+                logits[L + j] = end - d - 1 + j
             for j in range(d):
-                self.target[D + j] = L + j
-                self.draft_ids[D + j] = self.input_ids[end - d + j]
+                target[D + j] = L + j
+                draft_ids[D + j] = ids[end - d + j]
             L += d + 1
             D += d
-            self.bonus[k] = L - 1
-            self.cu[k] = D
-            counts.append(d)
+            bonus[k] = L - 1
+            cu[k] = D
             k += 1
+        # the kept rows' counts: the differences of cu (a list, read without a sync)
+        counts = [None] * k
+        d = 0
+        for j in range(k):
+            counts[j] = cu[j] - d
+            d = cu[j]
         return k, D, counts
 
 

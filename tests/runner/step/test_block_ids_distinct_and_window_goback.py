@@ -136,3 +136,29 @@ def test_max_tokens_below_one_is_refused_at_construction():
         with pytest.raises(InvalidSamplingParams, match="max_tokens must be an int >= 1"):
             SamplingParams(max_tokens=bad)
     assert SamplingParams(max_tokens=1).max_tokens == 1
+
+
+def test_repeated_block_agrees_with_a_per_list_search():
+    """``check.lists.repeated_block`` (its one-compare case for lists that ascend, and the
+    full check) against a plain per-list search, on random lists: ascending ones (the
+    pool's order, descents only where a list ends), some with a repeat, some with nulls."""
+    import numpy as np
+
+    from attnplug.runner.step.check.lists import repeated_block
+
+    rng = np.random.default_rng(0)
+    for _ in range(400):
+        lens = rng.integers(0, 5, size=int(rng.integers(1, 6))).tolist()
+        lists = [sorted(rng.choice(np.arange(1, 40), size=n, replace=False).tolist()) for n in lens]
+        for lst in lists:
+            if lst and rng.random() < 0.25:
+                lst.insert(int(rng.integers(0, len(lst) + 1)), int(rng.choice(lst)))  # a repeat
+            if lst and rng.random() < 0.15:
+                lst[:0] = [0, 0]  # a skipped sliding-window prefix: null may repeat
+        flat = np.asarray([x for lst in lists for x in lst], dtype=np.int32)
+        want = next(((i, next(x for x in lst if x and lst.count(x) > 1)) for i, lst in enumerate(lists)
+                     if any(x and lst.count(x) > 1 for x in lst)), None)
+        got = repeated_block(flat, [len(lst) for lst in lists])
+        assert (got is None) == (want is None), (lists, got)
+        if want is not None:
+            assert got[0] == want[0] and lists[got[0]].count(got[1]) > 1, (lists, got)
