@@ -18,6 +18,8 @@ import os
 
 import torch
 
+from attnplug.core.errors import MetadataError
+
 try:
     from attnplug.backends.cpu_sdpa import _paged
 except ImportError:  # not compiled (no C compiler at install): the SDPA path runs
@@ -92,20 +94,26 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, kv_cache: torch.Tens
             ``torch.get_num_threads()``.
 
     Returns ``out``. Raises ``ValueError`` naming the first argument whose dtype, device,
-    rank or layout the kernel does not take (block ids, lengths and ``query_start_loc``
-    are the metadata's invariants and are not re-checked here; the builder checks the
-    block ids against the cache once per step).
+    rank or layout the kernel does not take, and ``MetadataError`` (a ``ValueError``)
+    naming the first request whose metadata the tensors cannot hold — a request index
+    outside the tables, ``query_start_loc`` negative, decreasing or past ``num_tokens``, a
+    ``seq_len`` negative or shorter than its query, more block-table columns than the table
+    has, a block id in a column the request reads outside ``kv_cache`` (``-1`` padding past
+    the columns read is fine) — checked in C before anything is read or written.
     """
     _check(out, query, kv_cache, block_table, query_start_loc, seq_lens, reqs, sliding_window, causal)
     num_tokens, num_heads, head_size = query.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
     st = kv_cache.stride()
-    _paged.paged_attention(
+    problem = _paged.paged_attention(
         out.data_ptr(), out.stride(0), out.stride(1), query.data_ptr(), query.stride(0), query.stride(1),
         kv_cache.data_ptr(), st[0], st[1], st[2], st[3], block_table.data_ptr(), block_table.stride(0),
         query_start_loc.data_ptr(), seq_lens.data_ptr(), reqs.data_ptr(), reqs.shape[0], num_heads, num_kv_heads,
         head_size, block_size, float(scale), int(sliding_window or 0), float(logits_soft_cap or 0.0), bool(causal),
-        _DTYPE_CODES[query.dtype], int(num_threads or torch.get_num_threads()))
+        _DTYPE_CODES[query.dtype], int(num_threads or torch.get_num_threads()), num_tokens,
+        query_start_loc.shape[0], seq_lens.shape[0], block_table.shape[0], block_table.shape[1], kv_cache.shape[0])
+    if problem is not None:
+        raise MetadataError(f"paged_attention: {problem}; nothing was read or written")
     return out
 
 
