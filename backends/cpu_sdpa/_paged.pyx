@@ -423,10 +423,41 @@ def paged_attention(uintptr_t out, int64_t out_tok, int64_t out_head,
     if rc == -1:
         raise ValueError(f"paged_attention: unsupported dtype code {dtype}")
     if rc < -1:
-        return _CHECK_MESSAGES[-2 - rc].format(r=bad_req, v=bad_val, num_tokens=num_tokens, num_qsl=num_qsl,
-                                               num_seq=num_seq, bt_rows=bt_rows, bt_cols=bt_cols,
-                                               num_blocks=num_blocks, block_size=block_size)
+        return _message(-2 - rc, bad_req, bad_val, num_tokens, num_qsl, num_seq, bt_rows, bt_cols, num_blocks,
+                        block_size)
     return None
+
+
+def check_metadata(uintptr_t block_table, int64_t bt_row, uintptr_t query_start_loc, uintptr_t seq_lens,
+                   uintptr_t reqs, int64_t n_reqs, int block_size, int window, bint causal, int64_t num_tokens,
+                   int64_t num_qsl, int64_t num_seq, int64_t bt_rows, int64_t bt_cols, int64_t num_blocks):
+    """``paged_attention``'s metadata check alone (same arguments, same ``None`` or
+    message), for a caller that must validate before it writes the cache."""
+    cdef ap_args a
+    cdef int rc
+    cdef int64_t bad_req = 0, bad_val = 0
+    a.block_table = <const int32_t *> block_table
+    a.bt_row = bt_row
+    a.qsl = <const int32_t *> query_start_loc
+    a.seq_lens = <const int32_t *> seq_lens
+    a.reqs = <const int64_t *> reqs
+    a.n_reqs = n_reqs
+    a.block_size = block_size
+    a.window = window
+    a.causal = causal
+    with nogil:
+        rc = ap_check(&a, num_tokens, num_qsl, num_seq, bt_rows, bt_cols, num_blocks, &bad_req, &bad_val)
+    if rc:
+        return _message(rc - 1, bad_req, bad_val, num_tokens, num_qsl, num_seq, bt_rows, bt_cols, num_blocks,
+                        block_size)
+    return None
+
+
+def _message(int code, int64_t r, int64_t v, int64_t num_tokens, int64_t num_qsl, int64_t num_seq,
+             int64_t bt_rows, int64_t bt_cols, int64_t num_blocks, int block_size):
+    return _CHECK_MESSAGES[code].format(r=r, v=v, num_tokens=num_tokens, num_qsl=num_qsl, num_seq=num_seq,
+                                        bt_rows=bt_rows, bt_cols=bt_cols, num_blocks=num_blocks,
+                                        block_size=block_size)
 
 
 _CHECK_MESSAGES = (

@@ -117,6 +117,22 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, kv_cache: torch.Tens
     return out
 
 
+def check_metadata(num_tokens: int, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                   query_start_loc: torch.Tensor, seq_lens: torch.Tensor, reqs: torch.Tensor, *,
+                   sliding_window: int | None = None, causal: bool = True) -> None:
+    """:func:`paged_attention`'s check of the metadata against ``num_tokens`` query rows and
+    ``kv_cache``'s blocks, alone (nothing read from the cache): for a caller that writes the
+    cache first and must refuse bad metadata before that write. Arguments as
+    :func:`paged_attention`'s (the index tensors' dtypes and layout are assumed, not
+    checked: the builder's ``_kernel_layout``). Raises ``MetadataError`` as it does."""
+    problem = _paged.check_metadata(
+        block_table.data_ptr(), block_table.stride(0), query_start_loc.data_ptr(), seq_lens.data_ptr(),
+        reqs.data_ptr(), reqs.shape[0], kv_cache.shape[2], int(sliding_window or 0), bool(causal), num_tokens,
+        query_start_loc.shape[0], seq_lens.shape[0], block_table.shape[0], block_table.shape[1], kv_cache.shape[0])
+    if problem is not None:
+        raise MetadataError(f"paged_attention: {problem}; nothing was read or written")
+
+
 def _check(out, query, kv_cache, block_table, query_start_loc, seq_lens, reqs, sliding_window, causal) -> None:
     reason = unsupported(query.dtype, kv_cache.dtype, query.shape[-1] if query.dim() == 3 else 0, causal,
                          sliding_window)
@@ -140,4 +156,4 @@ def _check(out, query, kv_cache, block_table, query_start_loc, seq_lens, reqs, s
                              + (", contiguous" if dim == 1 else "") + f" (got {t.dtype}, {tuple(t.shape)})")
 
 
-__all__ = ["ENV_SWITCH", "HEAD_SIZE_MULTIPLE", "available", "paged_attention", "unsupported"]
+__all__ = ["ENV_SWITCH", "HEAD_SIZE_MULTIPLE", "available", "check_metadata", "paged_attention", "unsupported"]
