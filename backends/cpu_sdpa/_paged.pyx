@@ -8,8 +8,12 @@ with fewer requests than twice the threads, a request's KV head): it walks the r
 keys once, in chunks of ``AP_CHUNK``, for all the query rows that read them (query tokens
 times query heads, in tiles of ``AP_ROWS``; each key token's ``H_kv * D`` K and V rows are
 contiguous), with an online softmax in float32 (running max ``m``, running sum ``l``,
-rescaled accumulator). Items run on OpenMP threads when the module was built with it. Keys outside a row's range (past its position, before its sliding window)
-are never read, so a poisoned or recycled block past ``seq_len`` cannot leak in.
+rescaled accumulator). Items run on OpenMP threads when the module was built with it.
+Only keys from the request's first query row's window start to ``seq_len - 1`` are read (a
+row's unseen keys inside that span: K read, logit masked to ``-inf``, V not read), so a
+poisoned or recycled block past ``seq_len`` or before the window cannot leak in; a NaN logit
+or value a row does see makes the row NaN (as ``torch_native``). ``ap_check`` bounds the
+metadata against the tensors before ``ap_run`` reads anything.
 
 The Python-facing wrapper is ``backends/cpu_sdpa/paged.py`` (validation, strides); this
 module takes raw addresses and strides and trusts them.

@@ -5,7 +5,10 @@ query row of the given requests — decodes, speculative rows, prefills, chunked
 continuations — bottom-right causal over each request's cached context (vLLM's
 ``query_start_loc`` / ``seq_lens`` / ``block_table`` convention), with an optional sliding
 window and logits soft-cap, online softmax in float32 per ``(request, KV head)`` for the
-whole GQA group. No gather, no padding, no mask; keys outside a row's range are never read.
+whole GQA group. No gather, no padding, no mask. Nothing outside a request's keys from its
+first query row's window start to ``seq_len - 1`` is read (within that span, a key a
+row does not see has its K read for the tile's dot products, masked to ``-inf`` before
+the softmax, and its V never read); a NaN in a key or value a row sees makes that row NaN.
 
 The module is an optional build product (pyproject.toml's ext-modules): :func:`available`
 says whether it is there, :func:`unsupported` whether it takes a layer. ``cpu_sdpa`` falls
