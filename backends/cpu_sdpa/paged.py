@@ -128,6 +128,9 @@ def check_metadata(num_tokens: int, kv_cache: torch.Tensor, block_table: torch.T
     cache first and must refuse bad metadata before that write. Arguments as
     :func:`paged_attention`'s (the index tensors' dtypes and layout are assumed, not
     checked: the builder's ``_kernel_layout``). Raises ``MetadataError`` as it does."""
+    if kv_cache.dim() != 5 or kv_cache.shape[2] < 1:
+        raise MetadataError(f"paged_attention: kv_cache {tuple(kv_cache.shape)} is not "
+                            "[num_blocks, 2, block_size >= 1, num_kv_heads, head_size]")
     problem = _paged.check_metadata(
         block_table.data_ptr(), block_table.stride(0), query_start_loc.data_ptr(), seq_lens.data_ptr(),
         reqs.data_ptr(), reqs.shape[0], kv_cache.shape[2], int(sliding_window or 0), bool(causal), num_tokens,
@@ -144,9 +147,10 @@ def _check(out, query, kv_cache, block_table, query_start_loc, seq_lens, reqs, s
     if query.dim() != 3 or out.shape != query.shape or out.dtype != query.dtype:
         raise ValueError(f"paged_attention: query {tuple(query.shape)} / out {tuple(out.shape)} {out.dtype}: "
                          "both [num_tokens, num_heads, head_size] in one dtype")
-    if kv_cache.dim() != 5 or kv_cache.shape[1] != 2 or kv_cache.shape[4] != query.shape[2]:
+    if kv_cache.dim() != 5 or kv_cache.shape[1] != 2 or kv_cache.shape[4] != query.shape[2] \
+            or min(kv_cache.shape[2], kv_cache.shape[3]) < 1:
         raise ValueError(f"paged_attention: kv_cache {tuple(kv_cache.shape)} is not "
-                         f"[num_blocks, 2, block_size, num_kv_heads, {query.shape[2]}]")
+                         f"[num_blocks, 2, block_size >= 1, num_kv_heads >= 1, {query.shape[2]}]")
     if query.shape[1] % kv_cache.shape[3]:
         raise ValueError(f"paged_attention: {query.shape[1]} query heads over {kv_cache.shape[3]} KV heads")
     for name, t in (("out", out), ("query", query), ("kv_cache", kv_cache), ("block_table", block_table)):

@@ -55,6 +55,15 @@ def test_metadata_the_tensors_cannot_hold_is_refused_before_any_read(field, chan
     assert (out == 7.0).all()  # nothing written
 
 
+@pytest.mark.parametrize("shape", [(4, 2, 0, HK, D), (4, 2, B, 0, D)])
+def test_an_empty_block_or_head_axis_is_refused_not_divided_by(shape):
+    q, kv, bt, qsl, sl, reqs = _step()
+    with pytest.raises(ValueError, match="block_size >= 1, num_kv_heads >= 1"):
+        _call(q, torch.zeros(shape), bt, qsl, sl, reqs)
+    with pytest.raises(MetadataError, match="block_size >= 1"):
+        paged.check_metadata(2, torch.zeros(4, 2, 0, HK, D), bt, qsl, sl, reqs)
+
+
 def test_unread_columns_may_hold_padding_and_views_are_read_at_their_offset():
     q, kv, bt, qsl, sl, reqs = _step(ql=1, L=8, table=((-1, 2, 3, -1),))
     # window 3 at position 7 reads keys 5..7: block columns 1 and 2 only
