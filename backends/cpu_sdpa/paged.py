@@ -104,7 +104,8 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, kv_cache: torch.Tens
     has, a block id in a column the request reads outside ``kv_cache`` (``-1`` padding past
     the columns read is fine) — checked in C before anything is read or written.
     """
-    _check(out, query, kv_cache, block_table, query_start_loc, seq_lens, reqs, sliding_window, causal)
+    _check(out, query, kv_cache, block_table, query_start_loc, seq_lens, reqs, sliding_window, causal,
+           logits_soft_cap)
     num_tokens, num_heads, head_size = query.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
     st = kv_cache.stride()
@@ -112,7 +113,7 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, kv_cache: torch.Tens
         out.data_ptr(), out.stride(0), out.stride(1), query.data_ptr(), query.stride(0), query.stride(1),
         kv_cache.data_ptr(), st[0], st[1], st[2], st[3], block_table.data_ptr(), block_table.stride(0),
         query_start_loc.data_ptr(), seq_lens.data_ptr(), reqs.data_ptr(), reqs.shape[0], num_heads, num_kv_heads,
-        head_size, block_size, float(scale), int(sliding_window or 0), float(logits_soft_cap or 0.0), bool(causal),
+        head_size, block_size, float(scale), _window(sliding_window), float(logits_soft_cap or 0.0), bool(causal),
         _DTYPE_CODES[query.dtype], int(num_threads or torch.get_num_threads()), num_tokens,
         query_start_loc.shape[0], seq_lens.shape[0], block_table.shape[0], block_table.shape[1], kv_cache.shape[0])
     if problem is not None:
@@ -133,13 +134,19 @@ def check_metadata(num_tokens: int, kv_cache: torch.Tensor, block_table: torch.T
                             "[num_blocks, 2, block_size >= 1, num_kv_heads, head_size]")
     problem = _paged.check_metadata(
         block_table.data_ptr(), block_table.stride(0), query_start_loc.data_ptr(), seq_lens.data_ptr(),
-        reqs.data_ptr(), reqs.shape[0], kv_cache.shape[2], int(sliding_window or 0), bool(causal), num_tokens,
+        reqs.data_ptr(), reqs.shape[0], kv_cache.shape[2], _window(sliding_window), bool(causal), num_tokens,
         query_start_loc.shape[0], seq_lens.shape[0], block_table.shape[0], block_table.shape[1], kv_cache.shape[0])
     if problem is not None:
         raise MetadataError(f"paged_attention: {problem}; nothing was read or written")
 
 
-def _check(out, query, kv_cache, block_table, query_start_loc, seq_lens, reqs, sliding_window, causal) -> None:
+def _window(sliding_window: int | None) -> int:
+    """The kernel's C ``int`` window: 0 for none; one past any int32 context is no limit."""
+    return min(int(sliding_window or 0), 2 ** 31 - 1)
+
+
+def _check(out, query, kv_cache, block_table, query_start_loc, seq_lens, reqs, sliding_window, causal,
+           logits_soft_cap) -> None:
     reason = unsupported(query.dtype, kv_cache.dtype, query.shape[-1] if query.dim() == 3 else 0, causal,
                          sliding_window)
     if reason is not None:
@@ -151,6 +158,9 @@ def _check(out, query, kv_cache, block_table, query_start_loc, seq_lens, reqs, s
             or min(kv_cache.shape[2], kv_cache.shape[3]) < 1:
         raise ValueError(f"paged_attention: kv_cache {tuple(kv_cache.shape)} is not "
                          f"[num_blocks, 2, block_size >= 1, num_kv_heads >= 1, {query.shape[2]}]")
+    if (sliding_window is not None and sliding_window < 1) or (logits_soft_cap is not None and not logits_soft_cap > 0):
+        raise ValueError(f"paged_attention: sliding_window {sliding_window!r} / logits_soft_cap {logits_soft_cap!r}: "
+                         "None, or a window >= 1 token and a cap > 0")
     if query.shape[1] % kv_cache.shape[3]:
         raise ValueError(f"paged_attention: {query.shape[1]} query heads over {kv_cache.shape[3]} KV heads")
     for name, t in (("out", out), ("query", query), ("kv_cache", kv_cache), ("block_table", block_table)):

@@ -64,6 +64,14 @@ def test_an_empty_block_or_head_axis_is_refused_not_divided_by(shape):
         paged.check_metadata(2, torch.zeros(4, 2, 0, HK, D), bt, qsl, sl, reqs)
 
 
+@pytest.mark.parametrize("kw", [dict(sliding_window=0), dict(sliding_window=-4), dict(logits_soft_cap=0.0),
+                                dict(logits_soft_cap=-3.0), dict(logits_soft_cap=float("nan"))])
+def test_a_window_or_cap_the_kernel_would_ignore_is_refused(kw):
+    q, kv, bt, qsl, sl, reqs = _step()
+    with pytest.raises(ValueError, match="a window >= 1 token and a cap > 0"):
+        _call(q, kv, bt, qsl, sl, reqs, **kw)
+
+
 def test_unread_columns_may_hold_padding_and_views_are_read_at_their_offset():
     q, kv, bt, qsl, sl, reqs = _step(ql=1, L=8, table=((-1, 2, 3, -1),))
     # window 3 at position 7 reads keys 5..7: block columns 1 and 2 only
@@ -75,6 +83,9 @@ def test_unread_columns_may_hold_padding_and_views_are_read_at_their_offset():
     big = torch.cat([torch.full_like(kv[:1], float("nan")), kv])[1:]
     wide = torch.cat([bt, torch.full((1, 5), -1, dtype=torch.int32)], dim=1)
     torch.testing.assert_close(_call(q, big, wide, qsl, sl, reqs, sliding_window=3), got)
+    # a window past any int32 context is no window (not an OverflowError)
+    full = torch.tensor([[1, 2, 3, -1]], dtype=torch.int32)
+    assert torch.equal(_call(q, kv, full, qsl, sl, reqs, sliding_window=2 ** 40), _call(q, kv, full, qsl, sl, reqs))
 
 
 def test_a_nan_in_a_key_a_row_sees_poisons_that_row_as_torch_native():
