@@ -108,7 +108,8 @@ class CpuSdpaAttentionImpl(TorchNativeAttentionImpl):
         cast to ``query.dtype`` when the cache holds another dtype.
 
         Raises (besides ``torch_native``'s): ``MetadataError`` when the metadata's block
-        table names a block past ``kv_cache``, or (the kernel's rows) a block id, length or
+        table names a block past ``kv_cache`` or ``slot_mapping`` a slot outside it (the
+        kernel's metadata), or (the kernel's rows) a block id, length or
         ``query_start_loc`` the tensors cannot hold (``paged.check_metadata``, before the
         K/V write: the kernel reads raw memory).
         """
@@ -135,6 +136,10 @@ class CpuSdpaAttentionImpl(TorchNativeAttentionImpl):
         if md.max_block_id >= kv_cache.shape[0]:
             raise MetadataError(f"cpu_sdpa forward: the block table names block {md.max_block_id}, the KV cache "
                                 f"has {kv_cache.shape[0]} blocks")
+        lo, hi = md.write_slot_range
+        if lo < 0 or hi >= kv_cache.shape[0] * kv_cache.shape[2]:
+            raise MetadataError(f"cpu_sdpa forward: slot_mapping holds slot {lo if lo < 0 else hi}, outside the KV "
+                                f"cache's {kv_cache.shape[0] * kv_cache.shape[2]} slots; the cache is unchanged")
         capped = self.logits_soft_cap is not None  # SDPA has no soft-cap: every row on the kernel
         reqs = md.paged_all_reqs if capped else md.paged_reqs
         if reqs.shape[0]:  # before the write: bad metadata changes nothing

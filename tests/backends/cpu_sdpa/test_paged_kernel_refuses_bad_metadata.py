@@ -1,6 +1,7 @@
 """The compiled paged kernel (``backends/cpu_sdpa/paged.py``) refuses metadata the tensors
 cannot hold with ``MetadataError`` before it reads or writes anything (each case below was a
-segfault or a silent read of garbage), takes ``-1`` padding in the columns it does not read,
+segfault or a silent read of garbage; through the backend, a negative slot or block id
+wrapped silently into the cache's last blocks), takes ``-1`` padding in the columns it does not read,
 and lets a NaN in a key a row sees poison that row, as ``torch_native`` does (a dropped NaN
 would hide a read of a poisoned slot).
 """
@@ -105,7 +106,7 @@ def test_a_nan_in_a_key_a_row_sees_poisons_that_row_as_torch_native():
 
 def test_a_negative_block_id_through_the_backend_contract_is_refused_before_the_write():
     spec = SlidingWindowSpec(block_size=B, num_kv_heads=HK, head_size=D, sliding_window=64)
-    cm = CommonAttentionMetadata.from_lengths([5], [1], [[1, -1, 0, 0]], block_size=B)
+    cm = CommonAttentionMetadata.from_lengths([5], [1], [[-1, 1, 0, 0]], block_size=B)  # the write: slot 5
     md = CpuSdpaBackend.get_builder_cls()(spec, ["l0"], BuilderConfig(1, 16, 16), "cpu").build(0, cm)
     assert md.paged_reqs is not None  # the kernel's metadata: the max-id check alone passes -1
     impl = CpuSdpaBackend.get_impl_cls()(H, D, D ** -0.5, HK, sliding_window=64)
@@ -113,4 +114,18 @@ def test_a_negative_block_id_through_the_backend_contract_is_refused_before_the_
     kv = torch.zeros(4, 2, B, HK, D)
     with pytest.raises(MetadataError, match="block id -1"):
         impl.forward(None, q, k, v, kv, md, torch.empty_like(q))
-    assert (kv == 0).all()  # refused before the write (slot -3 would land in block 3)
+    assert (kv == 0).all()  # refused before the write
+
+
+@pytest.mark.parametrize("slot", [-3, 16])
+def test_a_slot_outside_the_cache_is_refused_before_the_write(slot):
+    spec = FullAttentionSpec(block_size=B, num_kv_heads=HK, head_size=D)
+    cm = CommonAttentionMetadata.from_lengths([5], [1], [[1, 2, 0, 0]], block_size=B)
+    cm = cm.replace(slot_mapping=torch.tensor([slot]))
+    md = CpuSdpaBackend.get_builder_cls()(spec, ["l0"], BuilderConfig(1, 16, 16), "cpu").build(0, cm)
+    impl = CpuSdpaBackend.get_impl_cls()(H, D, D ** -0.5, HK)
+    q, k, v = torch.randn(1, H, D), torch.randn(1, HK, D), torch.randn(1, HK, D)
+    kv = torch.zeros(4, 2, B, HK, D)
+    with pytest.raises(MetadataError, match=f"slot {slot}, outside the KV cache's 16 slots"):
+        impl.forward(None, q, k, v, kv, md, torch.empty_like(q))
+    assert (kv == 0).all()  # slot -3 would have wrapped into block 3
