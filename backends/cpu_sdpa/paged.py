@@ -102,7 +102,11 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, kv_cache: torch.Tens
     outside the tables, ``query_start_loc`` negative, decreasing or past ``num_tokens``, a
     ``seq_len`` negative or shorter than its query, more block-table columns than the table
     has, a block id in a column the request reads outside ``kv_cache`` (``-1`` padding past
-    the columns read is fine) — checked in C before anything is read or written.
+    the columns read is fine) — checked in C before anything is read or written; and
+    ``ValueError`` for a ``sliding_window`` below 1 or a ``logits_soft_cap`` not above 0.
+
+    The C code runs without the GIL (other Python threads go on): no other thread may
+    resize, free or write these tensors during the call.
     """
     _check(out, query, kv_cache, block_table, query_start_loc, seq_lens, reqs, sliding_window, causal,
            logits_soft_cap)
