@@ -8,8 +8,12 @@ with fewer requests than twice the threads, a request's KV head): it walks the r
 keys once, in chunks of ``AP_CHUNK``, for all the query rows that read them (query tokens
 times query heads, in tiles of ``AP_ROWS``; each key token's ``H_kv * D`` K and V rows are
 contiguous), with an online softmax in float32 (running max ``m``, running sum ``l``,
-rescaled accumulator). Items run on OpenMP threads when the module was built with it. Keys outside a row's range (past its position, before its sliding window)
-are never read, so a poisoned or recycled block past ``seq_len`` cannot leak in.
+rescaled accumulator). Items run on OpenMP threads when the module was built with it.
+Only keys from the request's first query row's window start to ``seq_len - 1`` are read (a
+row's unseen keys inside that span: K read, logit masked to ``-inf``, V not read), so a
+poisoned or recycled block past ``seq_len`` or before the window cannot leak in; a NaN logit
+or value a row does see makes the row NaN (as ``torch_native``). ``ap_check`` bounds the
+metadata against the tensors before ``ap_run`` reads anything.
 
 The Python-facing wrapper is ``backends/cpu_sdpa/paged.py`` (validation, strides); this
 module takes raw addresses and strides and trusts them.
@@ -205,11 +209,14 @@ cdef extern from *:
                     if (a->softcap > 0.0f)                                                    \\
                         for (int j = jlo; j < jhi; j++) si[j] = a->softcap * tanhf(si[j] / a->softcap);\\
                     float mx = -INFINITY;                                                     \\
-                    _Pragma("omp simd reduction(max:mx)")                                     \\
+                    int nan = 0;   /* a NaN logit (a poisoned key) poisons the row */         \\
+                    _Pragma("omp simd reduction(max:mx) reduction(|:nan)")                    \\
                     for (int j = 0; j < AP_CHUNK; j++) {                                      \\
                         si[j] = (j < jlo || j >= jhi) ? -INFINITY : si[j];                    \\
+                        nan |= si[j] != si[j];                                                \\
                         mx = si[j] > mx ? si[j] : mx;                                         \\
                     }                                                                         \\
+                    if (nan) l[i] = NAN;                                                      \\
                     if (mx == -INFINITY) { for (int j = 0; j < AP_CHUNK; j++) si[j] = 0.0f; continue; }\\
                     if (mx > m[i]) {                                                          \\
                         if (m[i] != -INFINITY) {                                              \\
@@ -293,6 +300,35 @@ cdef extern from *:
         return 0;
     }
 
+    /* The metadata against the tensors' extents, before any read: 0, or a problem code
+       (1 request index, 2 query_start_loc, 3 seq_len, 4 block-table columns, 5 block id)
+       with the request and the offending value. Only the block-table columns the kernel
+       reads are checked (the window's and the context's; padding past them is not read). */
+    static int ap_check(const ap_args *a, int64_t num_tokens, int64_t num_qsl, int64_t num_seq,
+                        int64_t bt_rows, int64_t bt_cols, int64_t num_blocks,
+                        int64_t *bad_req, int64_t *bad_val) {
+        const int64_t B = a->block_size;
+        for (int64_t i = 0; i < a->n_reqs; i++) {
+            const int64_t r = a->reqs[i];
+            *bad_req = r; *bad_val = r;
+            if (r < 0 || r + 1 >= num_qsl || r >= num_seq || r >= bt_rows) return 1;
+            const int64_t q0 = a->qsl[r], q1 = a->qsl[r + 1], L = a->seq_lens[r];
+            *bad_val = q1;
+            if (q0 < 0 || q1 < q0 || q1 > num_tokens) { *bad_val = q0 < 0 || q1 < q0 ? q0 : q1; return 2; }
+            *bad_val = L;
+            if (L < 0 || (q1 > q0 && (a->causal ? q1 - q0 > L : L == 0))) return 3;
+            if (q1 == q0) continue;   /* no query row: nothing read */
+            const int64_t ncol = (L + B - 1) / B;
+            if (ncol > bt_cols) return 4;
+            const int64_t p = L - (q1 - q0);   /* the first query row's position */
+            const int64_t lo = (a->window > 0 && p - a->window + 1 > 0) ? p - a->window + 1 : 0;
+            const int32_t *bt = a->block_table + r * a->bt_row;
+            for (int64_t c = lo / B; c < ncol; c++)
+                if (bt[c] < 0 || bt[c] >= num_blocks) { *bad_val = bt[c]; return 5; }
+        }
+        return 0;
+    }
+
     static int ap_openmp(void) {
     #ifdef _OPENMP
         return 1;
@@ -320,6 +356,8 @@ cdef extern from *:
         float softcap
         int causal
     int ap_run(const ap_args *a, int dtype, int num_threads) nogil
+    int ap_check(const ap_args *a, int64_t num_tokens, int64_t num_qsl, int64_t num_seq, int64_t bt_rows,
+                 int64_t bt_cols, int64_t num_blocks, int64_t *bad_req, int64_t *bad_val) nogil
     int ap_openmp()
     int AP_DMAX
     int AP_HAVE_F16
@@ -341,11 +379,20 @@ def paged_attention(uintptr_t out, int64_t out_tok, int64_t out_head,
                     uintptr_t block_table, int64_t bt_row, uintptr_t query_start_loc, uintptr_t seq_lens,
                     uintptr_t reqs, int64_t n_reqs, int num_heads, int num_kv_heads, int head_size,
                     int block_size, float scale, int window, float softcap, bint causal, int dtype,
-                    int num_threads):
-    """Raw entry point (addresses and element strides; ``paged.py`` checks them). Runs
-    without the GIL. Raises ``ValueError`` for an unsupported ``dtype`` code."""
+                    int num_threads, int64_t num_tokens, int64_t num_qsl, int64_t num_seq, int64_t bt_rows,
+                    int64_t bt_cols, int64_t num_blocks):
+    """Raw entry point (addresses and element strides; ``paged.py`` checks the tensors).
+    The extents (``num_tokens`` query/out rows, ``num_qsl`` / ``num_seq`` entries of
+    ``query_start_loc`` / ``seq_lens``, the block table's ``bt_rows`` x ``bt_cols``, the
+    cache's ``num_blocks``) bound the metadata, checked in C before any K/V read (request
+    indices, ``query_start_loc`` within ``num_tokens`` and non-decreasing, ``0 <=
+    query_len <= seq_len``, the block-table columns the rows read and their block ids).
+    Runs without the GIL. Returns ``None``, or a message naming the first request whose
+    metadata fails (nothing was read or written). Raises ``ValueError`` for an
+    unsupported ``dtype`` code."""
     cdef ap_args a
     cdef int rc
+    cdef int64_t bad_req = 0, bad_val = 0
     a.out = <void *> out
     a.out_tok = out_tok
     a.out_head = out_head
@@ -372,6 +419,56 @@ def paged_attention(uintptr_t out, int64_t out_tok, int64_t out_head,
     a.softcap = softcap
     a.causal = causal
     with nogil:
-        rc = ap_run(&a, dtype, num_threads)
-    if rc != 0:
+        rc = ap_check(&a, num_tokens, num_qsl, num_seq, bt_rows, bt_cols, num_blocks, &bad_req, &bad_val)
+        if rc == 0:
+            rc = ap_run(&a, dtype, num_threads)
+        else:
+            rc = -1 - rc
+    if rc == -1:
         raise ValueError(f"paged_attention: unsupported dtype code {dtype}")
+    if rc < -1:
+        return _message(-2 - rc, bad_req, bad_val, num_tokens, num_qsl, num_seq, bt_rows, bt_cols, num_blocks,
+                        block_size)
+    return None
+
+
+def check_metadata(uintptr_t block_table, int64_t bt_row, uintptr_t query_start_loc, uintptr_t seq_lens,
+                   uintptr_t reqs, int64_t n_reqs, int block_size, int window, bint causal, int64_t num_tokens,
+                   int64_t num_qsl, int64_t num_seq, int64_t bt_rows, int64_t bt_cols, int64_t num_blocks):
+    """``paged_attention``'s metadata check alone (same arguments, same ``None`` or
+    message), for a caller that must validate before it writes the cache."""
+    cdef ap_args a
+    cdef int rc
+    cdef int64_t bad_req = 0, bad_val = 0
+    a.block_table = <const int32_t *> block_table
+    a.bt_row = bt_row
+    a.qsl = <const int32_t *> query_start_loc
+    a.seq_lens = <const int32_t *> seq_lens
+    a.reqs = <const int64_t *> reqs
+    a.n_reqs = n_reqs
+    a.block_size = block_size
+    a.window = window
+    a.causal = causal
+    with nogil:
+        rc = ap_check(&a, num_tokens, num_qsl, num_seq, bt_rows, bt_cols, num_blocks, &bad_req, &bad_val)
+    if rc:
+        return _message(rc - 1, bad_req, bad_val, num_tokens, num_qsl, num_seq, bt_rows, bt_cols, num_blocks,
+                        block_size)
+    return None
+
+
+def _message(int code, int64_t r, int64_t v, int64_t num_tokens, int64_t num_qsl, int64_t num_seq,
+             int64_t bt_rows, int64_t bt_cols, int64_t num_blocks, int block_size):
+    return _CHECK_MESSAGES[code].format(r=r, v=v, num_tokens=num_tokens, num_qsl=num_qsl, num_seq=num_seq,
+                                        bt_rows=bt_rows, bt_cols=bt_cols, num_blocks=num_blocks,
+                                        block_size=block_size)
+
+
+_CHECK_MESSAGES = (
+    "request index {r} is outside query_start_loc ({num_qsl} entries), seq_lens ({num_seq}) or the "
+    "block table ({bt_rows} rows)",
+    "request {r}: query_start_loc {v} is negative, decreasing or past the {num_tokens} query rows",
+    "request {r}: seq_len {v} is negative or shorter than its query",
+    "request {r}: seq_len {v} needs more than the block table's {bt_cols} columns of {block_size} tokens",
+    "request {r}: block id {v} in a column it reads is outside the KV cache's {num_blocks} blocks",
+)

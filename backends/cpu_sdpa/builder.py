@@ -132,6 +132,11 @@ class CpuSdpaMetadata(TorchNativeMetadata):
     """The largest block id in the first ``num_reqs`` rows of ``block_table_tensor`` (the
     impl checks it against ``kv_cache.shape[0]`` before the kernel reads raw memory)."""
 
+    write_slot_range: tuple[int, int] = (0, -1)
+    """``(min, max)`` of ``write_slots`` (flat slots; ``(0, -1)`` when there are none): the
+    impl checks them against the cache's slots before the K/V write (a negative slot would
+    wrap to the cache's last blocks, one past it is torch's ``IndexError``)."""
+
 
 class CpuSdpaMetadataBuilder(TorchNativeMetadataBuilder):
     """Builds :class:`CpuSdpaMetadata` (see ``torch_native``'s builder: same fields, same
@@ -193,7 +198,9 @@ class CpuSdpaMetadataBuilder(TorchNativeMetadataBuilder):
         reqs = torch.cat(short) if short else torch.zeros(0, dtype=torch.int64, device=block_table.device)
         return dataclasses.replace(md, sdpa_segments=long, paged_reqs=reqs.to(torch.int64).contiguous(),
                                    paged_all_reqs=torch.arange(n, dtype=torch.int64, device=block_table.device),
-                                   max_block_id=int(block_table[:n].max()) if n else -1)
+                                   max_block_id=int(block_table[:n].max()) if n else -1,
+                                   write_slot_range=(int(md.write_slots.min()), int(md.write_slots.max()))
+                                   if md.write_slots.numel() else (0, -1))
 
 
 class CpuSdpaGatherMetadataBuilder(CpuSdpaMetadataBuilder):

@@ -108,7 +108,10 @@ class CpuSdpaAttentionImpl(TorchNativeAttentionImpl):
         cast to ``query.dtype`` when the cache holds another dtype.
 
         Raises (besides ``torch_native``'s): ``MetadataError`` when the metadata's block
-        table names a block past ``kv_cache`` (the kernel reads raw memory).
+        table names a block past ``kv_cache`` or ``slot_mapping`` a slot outside it (the
+        kernel's metadata), or (the kernel's rows) a block id, length or
+        ``query_start_loc`` the tensors cannot hold (``paged.check_metadata``, before the
+        K/V write: the kernel reads raw memory).
         """
         md = attn_metadata
         if getattr(md, "cascade", None) is None and getattr(md, "paged_reqs", None) is not None \
@@ -133,9 +136,16 @@ class CpuSdpaAttentionImpl(TorchNativeAttentionImpl):
         if md.max_block_id >= kv_cache.shape[0]:
             raise MetadataError(f"cpu_sdpa forward: the block table names block {md.max_block_id}, the KV cache "
                                 f"has {kv_cache.shape[0]} blocks")
-        write_to_paged_cache(key, value, kv_cache, md.write_slots, md.write_token_indices)
+        lo, hi = md.write_slot_range
+        if lo < 0 or hi >= kv_cache.shape[0] * kv_cache.shape[2]:
+            raise MetadataError(f"cpu_sdpa forward: slot_mapping holds slot {lo if lo < 0 else hi}, outside the KV "
+                                f"cache's {kv_cache.shape[0] * kv_cache.shape[2]} slots; the cache is unchanged")
         capped = self.logits_soft_cap is not None  # SDPA has no soft-cap: every row on the kernel
         reqs = md.paged_all_reqs if capped else md.paged_reqs
+        if reqs.shape[0]:  # before the write: bad metadata changes nothing
+            paged.check_metadata(query.shape[0], kv_cache, md.block_table_tensor, md.query_start_loc, md.seq_lens,
+                                 reqs, sliding_window=self.sliding_window, causal=md.causal)
+        write_to_paged_cache(key, value, kv_cache, md.write_slots, md.write_token_indices)
         if reqs.shape[0]:
             paged.paged_attention(output, query, kv_cache, md.block_table_tensor, md.query_start_loc, md.seq_lens,
                                   reqs, scale=self.scale, sliding_window=self.sliding_window,

@@ -5,7 +5,10 @@ query row of the given requests — decodes, speculative rows, prefills, chunked
 continuations — bottom-right causal over each request's cached context (vLLM's
 ``query_start_loc`` / ``seq_lens`` / ``block_table`` convention), with an optional sliding
 window and logits soft-cap, online softmax in float32 per ``(request, KV head)`` for the
-whole GQA group. No gather, no padding, no mask; keys outside a row's range are never read.
+whole GQA group. No gather, no padding, no mask. Nothing outside a request's keys from its
+first query row's window start to ``seq_len - 1`` is read (within that span, a key a
+row does not see has its K read for the tile's dot products, masked to ``-inf`` before
+the softmax, and its V never read); a NaN in a key or value a row sees makes that row NaN.
 
 The module is an optional build product (pyproject.toml's ext-modules): :func:`available`
 says whether it is there, :func:`unsupported` whether it takes a layer. ``cpu_sdpa`` falls
@@ -17,6 +20,8 @@ from __future__ import annotations
 import os
 
 import torch
+
+from attnplug.core.errors import MetadataError
 
 try:
     from attnplug.backends.cpu_sdpa import _paged
@@ -92,24 +97,60 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, kv_cache: torch.Tens
             ``torch.get_num_threads()``.
 
     Returns ``out``. Raises ``ValueError`` naming the first argument whose dtype, device,
-    rank or layout the kernel does not take (block ids, lengths and ``query_start_loc``
-    are the metadata's invariants and are not re-checked here; the builder checks the
-    block ids against the cache once per step).
+    rank or layout the kernel does not take, and ``MetadataError`` (a ``ValueError``)
+    naming the first request whose metadata the tensors cannot hold — a request index
+    outside the tables, ``query_start_loc`` negative, decreasing or past ``num_tokens``, a
+    ``seq_len`` negative or shorter than its query, more block-table columns than the table
+    has, a block id in a column the request reads outside ``kv_cache`` (``-1`` padding past
+    the columns read is fine) — checked in C before anything is read or written; and
+    ``ValueError`` for a ``sliding_window`` below 1 or a ``logits_soft_cap`` not above 0.
+
+    The C code runs without the GIL (other Python threads go on): no other thread may
+    resize, free or write these tensors during the call.
     """
-    _check(out, query, kv_cache, block_table, query_start_loc, seq_lens, reqs, sliding_window, causal)
+    _check(out, query, kv_cache, block_table, query_start_loc, seq_lens, reqs, sliding_window, causal,
+           logits_soft_cap)
     num_tokens, num_heads, head_size = query.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
     st = kv_cache.stride()
-    _paged.paged_attention(
+    problem = _paged.paged_attention(
         out.data_ptr(), out.stride(0), out.stride(1), query.data_ptr(), query.stride(0), query.stride(1),
         kv_cache.data_ptr(), st[0], st[1], st[2], st[3], block_table.data_ptr(), block_table.stride(0),
         query_start_loc.data_ptr(), seq_lens.data_ptr(), reqs.data_ptr(), reqs.shape[0], num_heads, num_kv_heads,
-        head_size, block_size, float(scale), int(sliding_window or 0), float(logits_soft_cap or 0.0), bool(causal),
-        _DTYPE_CODES[query.dtype], int(num_threads or torch.get_num_threads()))
+        head_size, block_size, float(scale), _window(sliding_window), float(logits_soft_cap or 0.0), bool(causal),
+        _DTYPE_CODES[query.dtype], int(num_threads or torch.get_num_threads()), num_tokens,
+        query_start_loc.shape[0], seq_lens.shape[0], block_table.shape[0], block_table.shape[1], kv_cache.shape[0])
+    if problem is not None:
+        raise MetadataError(f"paged_attention: {problem}; nothing was read or written")
     return out
 
 
-def _check(out, query, kv_cache, block_table, query_start_loc, seq_lens, reqs, sliding_window, causal) -> None:
+def check_metadata(num_tokens: int, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                   query_start_loc: torch.Tensor, seq_lens: torch.Tensor, reqs: torch.Tensor, *,
+                   sliding_window: int | None = None, causal: bool = True) -> None:
+    """:func:`paged_attention`'s check of the metadata against ``num_tokens`` query rows and
+    ``kv_cache``'s blocks, alone (nothing read from the cache): for a caller that writes the
+    cache first and must refuse bad metadata before that write. Arguments as
+    :func:`paged_attention`'s (the index tensors' dtypes and layout are assumed, not
+    checked: the builder's ``_kernel_layout``). Raises ``MetadataError`` as it does."""
+    if kv_cache.dim() != 5 or kv_cache.shape[2] < 1:
+        raise MetadataError(f"paged_attention: kv_cache {tuple(kv_cache.shape)} is not "
+                            "[num_blocks, 2, block_size >= 1, num_kv_heads, head_size]")
+    problem = _paged.check_metadata(
+        block_table.data_ptr(), block_table.stride(0), query_start_loc.data_ptr(), seq_lens.data_ptr(),
+        reqs.data_ptr(), reqs.shape[0], kv_cache.shape[2], _window(sliding_window), bool(causal), num_tokens,
+        query_start_loc.shape[0], seq_lens.shape[0], block_table.shape[0], block_table.shape[1], kv_cache.shape[0])
+    if problem is not None:
+        raise MetadataError(f"paged_attention: {problem}; nothing was read or written")
+
+
+def _window(sliding_window: int | None) -> int:
+    """The kernel's C ``int`` window: 0 for none; one past any int32 context is no limit."""
+    return min(int(sliding_window or 0), 2 ** 31 - 1)
+
+
+def _check(out, query, kv_cache, block_table, query_start_loc, seq_lens, reqs, sliding_window, causal,
+           logits_soft_cap) -> None:
     reason = unsupported(query.dtype, kv_cache.dtype, query.shape[-1] if query.dim() == 3 else 0, causal,
                          sliding_window)
     if reason is not None:
@@ -117,9 +158,13 @@ def _check(out, query, kv_cache, block_table, query_start_loc, seq_lens, reqs, s
     if query.dim() != 3 or out.shape != query.shape or out.dtype != query.dtype:
         raise ValueError(f"paged_attention: query {tuple(query.shape)} / out {tuple(out.shape)} {out.dtype}: "
                          "both [num_tokens, num_heads, head_size] in one dtype")
-    if kv_cache.dim() != 5 or kv_cache.shape[1] != 2 or kv_cache.shape[4] != query.shape[2]:
+    if kv_cache.dim() != 5 or kv_cache.shape[1] != 2 or kv_cache.shape[4] != query.shape[2] \
+            or min(kv_cache.shape[2], kv_cache.shape[3]) < 1:
         raise ValueError(f"paged_attention: kv_cache {tuple(kv_cache.shape)} is not "
-                         f"[num_blocks, 2, block_size, num_kv_heads, {query.shape[2]}]")
+                         f"[num_blocks, 2, block_size >= 1, num_kv_heads >= 1, {query.shape[2]}]")
+    if (sliding_window is not None and sliding_window < 1) or (logits_soft_cap is not None and not logits_soft_cap > 0):
+        raise ValueError(f"paged_attention: sliding_window {sliding_window!r} / logits_soft_cap {logits_soft_cap!r}: "
+                         "None, or a window >= 1 token and a cap > 0")
     if query.shape[1] % kv_cache.shape[3]:
         raise ValueError(f"paged_attention: {query.shape[1]} query heads over {kv_cache.shape[3]} KV heads")
     for name, t in (("out", out), ("query", query), ("kv_cache", kv_cache), ("block_table", block_table)):
@@ -132,4 +177,4 @@ def _check(out, query, kv_cache, block_table, query_start_loc, seq_lens, reqs, s
                              + (", contiguous" if dim == 1 else "") + f" (got {t.dtype}, {tuple(t.shape)})")
 
 
-__all__ = ["ENV_SWITCH", "HEAD_SIZE_MULTIPLE", "available", "paged_attention", "unsupported"]
+__all__ = ["ENV_SWITCH", "HEAD_SIZE_MULTIPLE", "available", "check_metadata", "paged_attention", "unsupported"]
