@@ -121,6 +121,7 @@ class CpuSdpaAttentionImpl(TorchNativeAttentionImpl):
             return super().forward(layer, query, key, value, kv_cache, md, output)
         self._check(query, key, value, kv_cache, md, output)
         scales = kv_scales_for(layer, self.num_kv_heads, kv_cache.dtype, "cpu_sdpa forward")
+        self._check_write_slots(md, kv_cache, "cpu_sdpa forward")
         write_to_paged_cache(key, value, kv_cache, md.write_slots, md.write_token_indices, *scales)
         for seg in md.segments:
             out = self._attend_segment(query, kv_cache, md, seg, scales)  # [n * query_len, num_heads, head_size]

@@ -16,6 +16,7 @@ from attnplug.backends.torch_native.attention import (
 from attnplug.backends.torch_native.builder import AttentionSegment, TorchNativeMetadata
 from attnplug.backends.torch_native.cascade import cascade_forward
 from attnplug.backends.common.kv_scales import kv_scales_for
+from attnplug.backends.common.value_checks import check_slots, values_checked
 from attnplug.core.contracts import AttentionImpl, AttentionType
 from attnplug.core.errors import BackendUnsupportedError, MetadataError
 
@@ -96,8 +97,9 @@ class TorchNativeAttentionImpl(AttentionImpl):
             ``output``.
 
         Raises:
-            MetadataError: shapes that disagree with each other or with the metadata, or a
-                tensor that is not floating point.
+            MetadataError: shapes that disagree with each other or with the metadata, a
+                tensor that is not floating point, or (where index values are checked:
+                always on the CPU) a write slot outside ``kv_cache``; the cache is unchanged.
 
         Numerics: logits, softmax and the weighted sum run in float32; the result is cast
         to ``output.dtype``. Does not synchronise with the host.
@@ -105,6 +107,7 @@ class TorchNativeAttentionImpl(AttentionImpl):
         self._check(query, key, value, kv_cache, attn_metadata, output)
         md = attn_metadata
         scales = kv_scales_for(layer, self.num_kv_heads, kv_cache.dtype, "torch_native forward")
+        self._check_write_slots(md, kv_cache, "torch_native forward")
         write_to_paged_cache(key, value, kv_cache, md.write_slots, md.write_token_indices, *scales)
         if md.cascade is not None:  # a shared prefix pass + suffix pass (cascade.py)
             if self.alibi_slopes is not None:
@@ -171,6 +174,19 @@ class TorchNativeAttentionImpl(AttentionImpl):
             k_hi = min(num_keys, k_hi - seg.min_key_offset)
             tiles.append((q_lo, q_hi, k_lo, max(k_hi, k_lo + 1)))
         return tiles
+
+    @staticmethod
+    def _check_write_slots(md, kv_cache: torch.Tensor, where: str) -> None:
+        """Every slot this step writes lies inside ``kv_cache`` (``[num_blocks, 2,
+        block_size, ...]``) where the device's index values are checked (always on the
+        CPU; ``values_checked``): torch's advanced indexing would wrap a negative slot into
+        the cache's last blocks silently.
+
+        Raises:
+            MetadataError: naming the first slot outside the cache; the cache is unchanged.
+        """
+        if values_checked(kv_cache.device):
+            check_slots(md.write_slots, kv_cache.shape[0], kv_cache.shape[2], where)
 
     def _check(self, query, key, value, kv_cache, md, output) -> None:
         problems = []

@@ -129,3 +129,23 @@ def test_a_slot_outside_the_cache_is_refused_before_the_write(slot):
     with pytest.raises(MetadataError, match=f"slot {slot}, outside the KV cache's 16 slots"):
         impl.forward(None, q, k, v, kv, md, torch.empty_like(q))
     assert (kv == 0).all()  # slot -3 would have wrapped into block 3
+
+
+@pytest.mark.parametrize("backend", ["torch_native", "cpu_sdpa-gather"])
+@pytest.mark.parametrize("slot", [-3, 16])
+def test_the_sdpa_and_reference_paths_refuse_a_slot_outside_the_cache_before_the_write(backend, slot):
+    """The write both non-kernel paths share (``write_to_paged_cache``) indexes with torch's
+    advanced indexing: slot -3 would land silently in block 3, slot 16 raise torch's
+    IndexError. Both are refused with the project's error and the cache left as it was."""
+    from attnplug.backends.cpu_sdpa.backend import CpuSdpaGatherBackend
+    cls = TorchNativeBackend if backend == "torch_native" else CpuSdpaGatherBackend
+    spec = FullAttentionSpec(block_size=B, num_kv_heads=HK, head_size=D)
+    cm = CommonAttentionMetadata.from_lengths([5], [1], [[1, 2, 0, 0]], block_size=B)
+    cm = cm.replace(slot_mapping=torch.tensor([slot]))
+    md = cls.get_builder_cls()(spec, ["l0"], BuilderConfig(1, 16, 16), "cpu").build(0, cm)
+    impl = cls.get_impl_cls()(H, D, D ** -0.5, HK)
+    q, k, v = torch.randn(1, H, D), torch.randn(1, HK, D), torch.randn(1, HK, D)
+    kv = torch.zeros(4, 2, B, HK, D)
+    with pytest.raises(MetadataError, match=f"slot_mapping\\[0\\] = {slot} is outside the cache's 16 slots"):
+        impl.forward(None, q, k, v, kv, md, torch.empty_like(q))
+    assert (kv == 0).all()
