@@ -68,17 +68,7 @@ def tables_replacer(cls: type[T], *names: str) -> Callable[..., T]:
     Raises:
         TypeError: a name that is not a field of ``cls`` (when generated).
     """
-    fields_ = field_names(cls)
-    for n in names:
-        if n not in fields_:
-            raise TypeError(f"{cls.__name__} has no field {n!r}")
-    args = ", ".join(f"v{i}" for i in range(len(names)))
-    stores = "".join(f"    d[{n!r}] = v{i}\n" for i, n in enumerate(names))
-    src = (f"def replace(obj, {args}):\n    d = obj.__dict__.copy()\n{stores}"
-           "    new = _new(cls)\n    _set_dict(new, d)\n    return new\n")
-    ns: dict = {"_new": object.__new__, "_set_dict": _dict_setter(cls), "cls": cls}
-    exec(src, ns)  # noqa: S102 -- generated from the dataclass's own field names
-    replace = ns["replace"]
+    replace = _dict_copier(cls, names, "obj.__dict__")
     replace.__doc__ = f"{cls.__name__}: replace({', '.join(names)}) without dataclasses.replace."
     return replace
 
@@ -94,19 +84,31 @@ def template_factory(cls: type[T], *names: str) -> Callable[..., T]:
     Raises:
         TypeError: a name that is not a field of ``cls`` (when generated).
     """
+    make = _dict_copier(cls, names, "template")
+    make.__doc__ = f"{cls.__name__} from a template instance dict with ({', '.join(names)}) set."
+    return make
+
+
+def _dict_copier(cls: type[T], names: tuple[str, ...], source: str) -> Callable[..., T]:
+    """Generate ``f(src, *values) -> cls``: a new instance whose ``__dict__`` is a copy of
+    ``source`` (an expression of ``src``: ``"obj.__dict__"`` or ``"template"``) with
+    ``names`` set to ``values`` (one store each), past a frozen ``__setattr__``.
+
+    Raises:
+        TypeError: a name that is not a field of ``cls``.
+    """
     fields_ = field_names(cls)
     for n in names:
         if n not in fields_:
             raise TypeError(f"{cls.__name__} has no field {n!r}")
     args = ", ".join(f"v{i}" for i in range(len(names)))
     stores = "".join(f"    d[{n!r}] = v{i}\n" for i, n in enumerate(names))
-    src = (f"def make(template, {args}):\n    d = template.copy()\n{stores}"
-           "    obj = _new(cls)\n    _set_dict(obj, d)\n    return obj\n")
+    param = source.split(".")[0]
+    src = (f"def copy_with({param}, {args}):\n    d = {source}.copy()\n{stores}"
+           "    new = _new(cls)\n    _set_dict(new, d)\n    return new\n")
     ns: dict = {"_new": object.__new__, "_set_dict": _dict_setter(cls), "cls": cls}
     exec(src, ns)  # noqa: S102 -- generated from the dataclass's own field names
-    make = ns["make"]
-    make.__doc__ = f"{cls.__name__} from a template instance dict with ({', '.join(names)}) set."
-    return make
+    return ns["copy_with"]
 
 
 def _dict_setter(cls: type) -> Callable[[object, dict], None]:
