@@ -373,6 +373,17 @@ OPENMP = bool(ap_openmp())
 """Built with OpenMP: ``num_threads > 1`` splits the ``(request, KV head)`` pairs."""
 
 
+cdef inline void _set_metadata(ap_args *a, uintptr_t block_table, int64_t bt_row, uintptr_t query_start_loc,
+                               uintptr_t seq_lens, uintptr_t reqs, int64_t n_reqs) noexcept:
+    """The per-step metadata fields ``paged_attention`` and ``check_metadata`` share."""
+    a.block_table = <const int32_t *> block_table
+    a.bt_row = bt_row
+    a.qsl = <const int32_t *> query_start_loc
+    a.seq_lens = <const int32_t *> seq_lens
+    a.reqs = <const int64_t *> reqs
+    a.n_reqs = n_reqs
+
+
 def paged_attention(uintptr_t out, int64_t out_tok, int64_t out_head,
                     uintptr_t q, int64_t q_tok, int64_t q_head,
                     uintptr_t kv, int64_t kv_blk, int64_t kv_half, int64_t kv_tok, int64_t kv_head,
@@ -404,12 +415,7 @@ def paged_attention(uintptr_t out, int64_t out_tok, int64_t out_head,
     a.kv_half = kv_half
     a.kv_tok = kv_tok
     a.kv_head = kv_head
-    a.block_table = <const int32_t *> block_table
-    a.bt_row = bt_row
-    a.qsl = <const int32_t *> query_start_loc
-    a.seq_lens = <const int32_t *> seq_lens
-    a.reqs = <const int64_t *> reqs
-    a.n_reqs = n_reqs
+    _set_metadata(&a, block_table, bt_row, query_start_loc, seq_lens, reqs, n_reqs)
     a.num_heads = num_heads
     a.num_kv_heads = num_kv_heads
     a.head_size = head_size
@@ -440,12 +446,7 @@ def check_metadata(uintptr_t block_table, int64_t bt_row, uintptr_t query_start_
     cdef ap_args a
     cdef int rc
     cdef int64_t bad_req = 0, bad_val = 0
-    a.block_table = <const int32_t *> block_table
-    a.bt_row = bt_row
-    a.qsl = <const int32_t *> query_start_loc
-    a.seq_lens = <const int32_t *> seq_lens
-    a.reqs = <const int64_t *> reqs
-    a.n_reqs = n_reqs
+    _set_metadata(&a, block_table, bt_row, query_start_loc, seq_lens, reqs, n_reqs)
     a.block_size = block_size
     a.window = window
     a.causal = causal
