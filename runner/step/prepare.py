@@ -144,13 +144,44 @@ class InputPreparer:
         Host→device copies are non-blocking; nothing synchronises with the device.
         """
         R = batch.num_reqs
-        sched = batch.num_scheduled_tokens[:R]
-        ncc = batch.num_computed_tokens_cpu[:R]
+        counts = self.kernels.prepare(batch, self.buffers, self._slot_writes(group_kinds), R, num_tokens_padded)
+        return self._wrap(batch, R, num_tokens_padded, *counts)
+
+    def prepare_patched(self, batch: InputBatch, group_kinds: list[str], num_tokens_padded: int | None,
+                        prev_host: torch.Tensor | None, expected: int) -> tuple[StepInputs, tuple[int, bool, bool]]:
+        """:meth:`prepare` with the asynchronous patch (``StepKernels.prepare_patched``:
+        one pass on the compiled kernels; ``runner/step/placeholders.py``).
+
+        Args:
+            prev_host: the previous step's sampled tokens when the device is the CPU
+                (``[n]`` CPU tensor; the kernels write them), else ``None``.
+            expected: the step's token count the caller checks next (``-1``: none); a
+                step that fails it is prepared but not patched.
+
+        Returns:
+            ``(inputs, (k, contiguous, written))``: the patch's plan is
+            ``buffers.patch_dest[:k]`` / ``patch_src[:k]``.
+
+        Raises:
+            IndexError: as :meth:`prepare`, or a token index outside ``prev_host``.
+        """
+        R = batch.num_reqs
+        Q, max_query_len, max_seq_len, k, contiguous, written = self.kernels.prepare_patched(
+            batch, self.buffers, self._slot_writes(group_kinds), R, num_tokens_padded, prev_host, expected)
+        return self._wrap(batch, R, num_tokens_padded, Q, max_query_len, max_seq_len), (k, contiguous, written)
+
+    def _slot_writes(self, group_kinds: list[str]) -> tuple[bool, ...]:
+        """Per group whether it writes slots (not a Mamba state group), kept per ``group_kinds``."""
         w = self._writes
         if w[0] != group_kinds:
             w = self._writes = (list(group_kinds), tuple(k != GroupKind.MAMBA for k in group_kinds))
-        writes = w[1]
-        Q, max_query_len, max_seq_len = self.kernels.prepare(batch, self.buffers, writes, R, num_tokens_padded)
+        return w[1]
+
+    def _wrap(self, batch: InputBatch, R: int, num_tokens_padded: int | None, Q: int, max_query_len: int,
+              max_seq_len: int) -> StepInputs:
+        """The :class:`StepInputs` over the buffers the kernels just filled."""
+        sched = batch.num_scheduled_tokens[:R]
+        ncc = batch.num_computed_tokens_cpu[:R]
         P = Q if num_tokens_padded is None else int(num_tokens_padded)
         key = (batch, R, Q, P)
         if self._cached_views is not None and self._cached_views[0] == key:
