@@ -249,11 +249,11 @@ class StepCompiler:
             inputs = self._preparer.prepare(b, self.group_kinds, num_tokens_padded)
             self._check_step_size(scheduler_output, inputs.num_actual_tokens, num_tokens_padded)
         else:
-            inputs, patch = self._preparer.prepare_patched(
-                b, self.group_kinds, num_tokens_padded, patch_host(prev_token_ids, self._host_device),
-                _expected_tokens(scheduler_output))
+            prep = self._preparer
+            inputs = prep.prepare(b, self.group_kinds, num_tokens_padded, (
+                patch_host(prev_token_ids, self._host_device), _expected_tokens(scheduler_output)))
             self._check_step_size(scheduler_output, inputs.num_actual_tokens, num_tokens_padded)
-            kind = finish_patch(self._preparer.buffers, patch, prev_token_ids, inputs.input_ids)
+            kind = finish_patch(prep.buffers, prep.patch, prev_token_ids, inputs.input_ids)
             if kind is not None:
                 self.patch_counts[kind] += 1
         if self.prompt_embeds is not None:

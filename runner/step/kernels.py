@@ -161,8 +161,8 @@ class StepKernels(Protocol):
         ``input_ids`` (``runner/step/placeholders.py``): plan it into ``bufs.patch_dest`` /
         ``bufs.patch_src`` (``dest`` ascending) and consume rows ``0 .. R - 1``'s
         ``prev_sampled_index`` (-1 afterwards); with ``prev_host`` (the previous step's
-        tokens, ``[n]``, a CPU tensor: the device is the CPU) that is a contiguous 1-D
-        ``int64`` tensor, also write them into the host ``input_ids``.
+        tokens, ``[n]``, a contiguous ``int64`` CPU tensor: the device is the CPU;
+        ``placeholders.patch_host``), also write them into the host ``input_ids``.
 
         The patch is applied only when the step passes the caller's next check:
         ``num_actual_tokens == expected`` (``-1``: no check) and ``num_tokens_padded`` is
@@ -332,10 +332,9 @@ class CompiledKernels:
     def prepare_patched(self, batch, bufs, writes_slots, R, num_tokens_padded, prev_host, expected):
         prep = self._prepare_loop(batch, bufs, writes_slots)
         P = -1 if num_tokens_padded is None else num_tokens_padded
-        if prev_host is not None and prev_host.dtype is torch.int64 and prev_host.dim() == 1 \
-                and prev_host.is_contiguous():
-            return prep.prepare_patched(R, P, prev_host.data_ptr(), prev_host.shape[0], expected)
-        return prep.prepare_patched(R, P, 0, 0, expected)
+        if prev_host is None:
+            return prep.prepare_patched(R, P, 0, 0, expected)
+        return prep.prepare_patched(R, P, prev_host.data_ptr(), prev_host.shape[0], expected)
 
 
 _NO_SEL = np.zeros(0, np.int64)

@@ -94,7 +94,7 @@ def plan_patch_numpy(batch: Any, bufs: Any, R: int, prev_host: torch.Tensor | No
     np.add(bufs.query_start_loc.np[rows], offset[rows], out=dest)
     contiguous = bool(k == 0 or (dest[-1] == k - 1 and src[-1] == k - 1 and (dest == bufs.arange[:k]).all()
                                  and (src == dest).all()))
-    written = prev_host is not None and prev_host.dtype is torch.int64 and prev_host.dim() == 1
+    written = prev_host is not None  # (placeholders.patch_host: a contiguous 1-D int64 CPU tensor)
     if written and k:
         prev_host = prev_host.numpy()
         if src.max() >= prev_host.shape[0]:

@@ -101,8 +101,11 @@ def append_placeholders(batch: InputBatch, max_model_len: int, rows: np.ndarray)
 def patch_host(prev_token_ids: torch.Tensor, host_device: bool) -> torch.Tensor | None:
     """The previous step's tokens as the kernels may write them themselves: ``prev_token_ids``
     when the step's device buffers are its host buffers (``host_device``: a CPU device,
-    ``bufs.input_ids.aliased``) and it is on the CPU, else ``None`` (the device copies)."""
-    return prev_token_ids if host_device and prev_token_ids.is_cpu else None
+    ``bufs.input_ids.aliased``) and it is a contiguous 1-D ``int64`` CPU tensor, else
+    ``None`` (the device copies)."""
+    t = prev_token_ids
+    return t if host_device and t.is_cpu and t.dtype is torch.int64 and t.dim() == 1 and t.is_contiguous() \
+        else None
 
 
 def finish_patch(bufs, patch: tuple[int, bool, bool], prev_token_ids: torch.Tensor,
