@@ -52,7 +52,8 @@ from attnplug.runner.step.placeholders import (
     Placeholders,
     append_placeholders,
     fill_output_tokens,
-    patch_step,
+    finish_patch,
+    patch_host,
 )
 from attnplug.runner.step.plan import UpdatePlan
 from attnplug.runner.step.prepare import InputPreparer, StepInputs
@@ -63,6 +64,16 @@ from attnplug.runner.step.request_state import CachedRequestState
 from attnplug.runner.step.scheduler_output import SamplingParams, SchedulerOutput
 from attnplug.runner.step.spec_apply import append_verified_tokens
 from attnplug.runner.step.spec_metadata import spec_decode_metadata
+
+def _expected_tokens(scheduler_output: SchedulerOutput | None) -> int:
+    """The token count ``_check_step_size`` will demand of the step: ``-1`` (no output: no
+    check), the output's ``total_num_scheduled_tokens``, or ``-2`` (never a count) when that
+    is not an ``int`` in ``[0, 2**62)`` (the check then refuses the step)."""
+    if scheduler_output is None:
+        return -1
+    t = scheduler_output.total_num_scheduled_tokens
+    return t if type(t) is int and 0 <= t < 2**62 else -2
+
 
 __all__ = ["StepCompiler", "snapshot_diff"]
 
@@ -228,18 +239,21 @@ class StepCompiler:
                 num_tokens_padded = operator.index(num_tokens_padded)
             except TypeError:
                 raise MetadataError(f"num_tokens_padded must be an int, got {num_tokens_padded!r}") from None
-        if num_tokens_padded is None or 0 <= num_tokens_padded <= self.max_num_batched_tokens:
-            # the kernels count the tokens as they go: check the count afterwards (they
-            # write only the step's output buffers, no request state)
+        if num_tokens_padded is not None and not 0 <= num_tokens_padded <= self.max_num_batched_tokens:
+            self._check_step_size(scheduler_output, int(b.num_scheduled_tokens[:b.num_reqs].sum()),
+                                  num_tokens_padded)
+        # the kernels count the tokens as they go: check the count afterwards (they write
+        # only the step's output buffers; the async patch consumes its columns only for a
+        # step that passes the check)
+        if prev_token_ids is None:
             inputs = self._preparer.prepare(b, self.group_kinds, num_tokens_padded)
             self._check_step_size(scheduler_output, inputs.num_actual_tokens, num_tokens_padded)
         else:
-            self._check_step_size(scheduler_output, int(b.num_scheduled_tokens[:b.num_reqs].sum()),
-                                  num_tokens_padded)
-            inputs = self._preparer.prepare(b, self.group_kinds, num_tokens_padded)
-        if prev_token_ids is not None:
-            kind = patch_step(self.kernels, b, self._preparer.buffers, inputs.num_reqs, prev_token_ids,
-                              inputs.input_ids, self._host_device)
+            prep = self._preparer
+            inputs = prep.prepare(b, self.group_kinds, num_tokens_padded, (
+                patch_host(prev_token_ids, self._host_device), _expected_tokens(scheduler_output)))
+            self._check_step_size(scheduler_output, inputs.num_actual_tokens, num_tokens_padded)
+            kind = finish_patch(prep.buffers, prep.patch, prev_token_ids, inputs.input_ids)
             if kind is not None:
                 self.patch_counts[kind] += 1
         if self.prompt_embeds is not None:

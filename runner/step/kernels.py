@@ -11,8 +11,9 @@ step's cost. Two implementations, chosen once per ``StepCompiler`` (:func:`choos
 The operations: ``pack_ints`` (Python int lists → one ``int32`` buffer), ``scan_cached``
 and ``scan_new`` (stage 1's fast plans), ``merge_cached`` (stage 2's merge of a plan's
 cached deltas), ``clear_rows`` and ``move_rows`` (every group's block table),
-``write_new_rows`` (rows of the requests ``scan_new`` staged) and ``prepare`` (stage 3's
-per-token arithmetic). A scan either plans its whole input or
+``write_new_rows`` (rows of the requests ``scan_new`` staged), ``prepare`` (stage 3's
+per-token arithmetic) and ``prepare_patched`` (``prepare`` with the asynchronous patch:
+one pass on the compiled kernels). A scan either plans its whole input or
 declines and changes nothing; on a decline the vectorized checks (``runner/step/check*.py``)
 plan the step, and they word every error, so the numpy kernels' scans always decline.
 Everything else gives the same bytes on both implementations (``tests/runner/
@@ -153,17 +154,28 @@ class StepKernels(Protocol):
         Returns:
             ``(num_kept_rows, num_drafts, draft count per kept row)``."""
 
-    def plan_patch(self, batch: Any, bufs: PrepareBuffers, R: int, prev_host: torch.Tensor | None
-                   ) -> tuple[int, bool, bool]:
-        """Asynchronous scheduling: plan the patch of this step's ``input_ids`` into
-        ``bufs.patch_dest`` / ``bufs.patch_src`` and consume the rows' ``prev_sampled_index``
-        (``runner/step/placeholders.py``); with ``prev_host`` (the previous step's tokens,
-        ``[n]``, a CPU tensor: the device is the CPU) also write them into the host
-        ``input_ids`` when it is a contiguous 1-D ``int64`` tensor.
+    def prepare_patched(self, batch: Any, bufs: PrepareBuffers, writes_slots: tuple[bool, ...], R: int,
+                        num_tokens_padded: int | None, prev_host: torch.Tensor | None, expected: int
+                        ) -> tuple[int, int, int, int, bool, bool]:
+        """Asynchronous scheduling: :meth:`prepare` and the patch of this step's
+        ``input_ids`` (``runner/step/placeholders.py``): plan it into ``bufs.patch_dest`` /
+        ``bufs.patch_src`` (``dest`` ascending) and consume rows ``0 .. R - 1``'s
+        ``prev_sampled_index`` (-1 afterwards); with ``prev_host`` (the previous step's
+        tokens, ``[n]``, a contiguous ``int64`` CPU tensor: the device is the CPU;
+        ``placeholders.patch_host``), also write them into the host ``input_ids``.
+
+        The patch is applied only when the step passes the caller's next check:
+        ``num_actual_tokens == expected`` (``-1``: no check) and ``num_tokens_padded`` is
+        ``None`` or at least ``num_actual_tokens``; else ``k = 0`` and the columns stay.
 
         Returns:
-            ``(k, contiguous, written)``: ``k`` tokens to patch; ``contiguous`` when
-            ``dest == src == arange(k)``; ``written``: the tokens were written."""
+            ``(num_actual_tokens, max_query_len, max_seq_len, k, contiguous, written)``:
+            ``k`` tokens to patch; ``contiguous`` when ``dest == src == arange(k)``;
+            ``written``: the tokens were written.
+
+        Raises:
+            IndexError: as :meth:`prepare`, or a source index outside ``prev_host``
+                (nothing consumed)."""
 
 
 class CompiledKernels:
@@ -186,7 +198,6 @@ class CompiledKernels:
         self._prep: tuple[Any, Any, Any, Any] | None = None
         self._drafts: tuple[Any, Any] | None = None
         self._spec: tuple[Any, Any, Any] | None = None
-        self._patch: tuple[Any, Any, Any] | None = None
         self._scan_bufs: ScanBuffers | None = None
         self._merge_bound: tuple | None = None
 
@@ -238,6 +249,7 @@ class CompiledKernels:
             bufs.input_ids.np, bufs.seq_lens.np, bufs.logits_indices.np, bufs.req_indices, bufs.discard,
             bufs.is_prefilling, [bt.block_table_np if w else None for bt, w in zip(tabs, writes_slots)],
             [bt.slot_mapping.np for bt in tabs], [bt.block_size for bt in tabs])
+        prep.bind_patch(batch.prev_sampled_index, batch.prev_sampled_pos, bufs.patch_dest, bufs.patch_src)
         self._prep = (batch, bufs, writes_slots, prep)
         return prep
 
@@ -317,17 +329,12 @@ class CompiledKernels:
                 bufs.spec_draft_ids.np))
         return op[2].layout(R)
 
-    def plan_patch(self, batch, bufs, R, prev_host):
-        op = self._patch
-        if op is None or op[0] is not batch or op[1] is not bufs:
-            op = self._patch = (batch, bufs, NATIVE.Patch(
-                batch.prev_sampled_index, batch.prev_sampled_pos, batch.num_computed_tokens_cpu,
-                batch.num_scheduled_tokens, bufs.query_start_loc.np, bufs.input_ids.np, bufs.patch_dest,
-                bufs.patch_src))
-        if prev_host is not None and prev_host.dtype is torch.int64 and prev_host.dim() == 1 \
-                and prev_host.is_contiguous():
-            return op[2].plan(R, prev_host.data_ptr(), prev_host.shape[0])
-        return op[2].plan(R, 0, 0)
+    def prepare_patched(self, batch, bufs, writes_slots, R, num_tokens_padded, prev_host, expected):
+        prep = self._prepare_loop(batch, bufs, writes_slots)
+        P = -1 if num_tokens_padded is None else num_tokens_padded
+        if prev_host is None:
+            return prep.prepare_patched(R, P, 0, 0, expected)
+        return prep.prepare_patched(R, P, prev_host.data_ptr(), prev_host.shape[0], expected)
 
 
 _NO_SEL = np.zeros(0, np.int64)

@@ -136,8 +136,12 @@ class NumpyKernels:
     def spec_layout(self, batch, bufs, R):
         return spec_layout_numpy(batch, bufs, R)
 
-    def plan_patch(self, batch, bufs, R, prev_host):
-        return plan_patch_numpy(batch, bufs, R, prev_host)
+    def prepare_patched(self, batch, bufs, writes_slots, R, num_tokens_padded, prev_host, expected):
+        # two passes here (the compiled kernels fuse them): prepare, then the patch's plan
+        Q, max_query_len, max_seq_len = self.prepare(batch, bufs, writes_slots, R, num_tokens_padded)
+        if (expected >= 0 and Q != expected) or (num_tokens_padded is not None and num_tokens_padded < Q):
+            return Q, max_query_len, max_seq_len, 0, True, False  # the caller refuses this step
+        return (Q, max_query_len, max_seq_len) + plan_patch_numpy(batch, bufs, R, prev_host)
 
 
 def merge_cached_numpy(batch: Any, plan: Any, rows_c: np.ndarray) -> None:

@@ -1,5 +1,5 @@
 """The numpy kernels of speculative decoding's drafts and of the asynchronous patch
-(``StepKernels.write_drafts`` / ``spec_layout`` / ``plan_patch``, ``runner/step/kernels.py``).
+(``StepKernels.write_drafts`` / ``spec_layout`` / ``prepare_patched``'s patch, ``runner/step/kernels.py``).
 
 The layout of a step with drafts (``runner/step/spec_metadata.py`` has a worked example): a
 kept row ending (exclusive) at token ``e`` with ``d`` drafts owns ``1 + d`` logits rows,
@@ -78,7 +78,8 @@ def spec_layout_numpy(batch: Any, bufs: Any, R: int) -> tuple[int, int, list[int
 
 
 def plan_patch_numpy(batch: Any, bufs: Any, R: int, prev_host: torch.Tensor | None) -> tuple[int, bool, bool]:
-    """``StepKernels.plan_patch`` in numpy (``prev_host``: a CPU tensor, or ``None``)."""
+    """The patch of ``StepKernels.prepare_patched`` in numpy, after ``prepare`` (a second
+    pass; ``prev_host``: a CPU tensor, or ``None``). Returns ``(k, contiguous, written)``."""
     src_col = batch.prev_sampled_index[:R]
     if R == 0 or src_col.max() < 0:
         return 0, True, False
@@ -90,14 +91,14 @@ def plan_patch_numpy(batch: Any, bufs: Any, R: int, prev_host: torch.Tensor | No
     k = rows.shape[0]
     src, dest = bufs.patch_src[:k], bufs.patch_dest[:k]
     src[:] = src_col[rows]
-    src_col[:] = -1
     np.add(bufs.query_start_loc.np[rows], offset[rows], out=dest)
     contiguous = bool(k == 0 or (dest[-1] == k - 1 and src[-1] == k - 1 and (dest == bufs.arange[:k]).all()
                                  and (src == dest).all()))
-    written = prev_host is not None and prev_host.dtype is torch.int64 and prev_host.dim() == 1
+    written = prev_host is not None  # (placeholders.patch_host: a contiguous 1-D int64 CPU tensor)
     if written and k:
         prev_host = prev_host.numpy()
         if src.max() >= prev_host.shape[0]:
             raise IndexError(f"plan_patch: token {int(src.max())} of {prev_host.shape[0]} sampled")
         bufs.input_ids.np[dest] = prev_host[src]
+    src_col[:] = -1  # consumed (after the bounds check: an error changes no column)
     return k, contiguous, written

@@ -11,8 +11,10 @@ holds a placeholder (:data:`PLACEHOLDER_TOKEN_ID`) where each such token goes:
 2. step t + 1's ``prepare_inputs`` gathers ``input_ids`` from the host history as usual
    (the placeholder included), then :func:`patch_input_ids` overwrites those entries on
    the device from step t's tensor: one slice copy when the rows kept their order (the
-   steady state: row i's token is entry i), else one ``index_copy_`` (the step's kernels
-   plan it, :func:`patch_step`; on a CPU device they write the tokens as they plan);
+   steady state: row i's token is entry i), else one ``index_copy_``. The step's kernels
+   plan it in the same call as the gather (``StepKernels.prepare_patched``,
+   :func:`finish_patch`); on a CPU device they write the tokens themselves, and the
+   compiled kernels then do not read the placeholders from the history;
 3. when step t's outputs are read back, :func:`fill_output_tokens` writes the real
    tokens over the placeholders (the request may have moved, left the batch, or finished).
 
@@ -96,30 +98,35 @@ def append_placeholders(batch: InputBatch, max_model_len: int, rows: np.ndarray)
     return Placeholders(tuple([ids[r] for r in rows.tolist()]), held)
 
 
-def patch_step(kernels, batch: InputBatch, bufs, R: int, prev_token_ids: torch.Tensor,
-               input_ids: torch.Tensor, host_device: bool = False) -> str | None:
-    """Put the previous step's sampled tokens over this step's placeholders in ``input_ids``
-    (after stage 2: rows may have moved; their ``prev_sampled_*`` columns moved with them).
+def patch_host(prev_token_ids: torch.Tensor, host_device: bool) -> torch.Tensor | None:
+    """The previous step's tokens as the kernels may write them themselves: ``prev_token_ids``
+    when the step's device buffers are its host buffers (``host_device``: a CPU device,
+    ``bufs.input_ids.aliased``) and it is a contiguous 1-D ``int64`` CPU tensor, else
+    ``None`` (the device copies)."""
+    t = prev_token_ids
+    return t if host_device and t.is_cpu and t.dtype is torch.int64 and t.dim() == 1 and t.is_contiguous() \
+        else None
 
-    The step's kernels plan it (``StepKernels.plan_patch``, into ``bufs.patch_*`` of
-    ``PrepareBuffers``) and consume the columns: afterwards every row's
-    ``prev_sampled_index`` is -1. When the step's device buffers are its host buffers (a
-    CPU device) and ``prev_token_ids`` is a contiguous 1-D ``int64`` tensor, the kernels
-    write the tokens as they plan; else :func:`patch_input_ids` copies them on the device.
+
+def finish_patch(bufs, patch: tuple[int, bool, bool], prev_token_ids: torch.Tensor,
+                 input_ids: torch.Tensor) -> str | None:
+    """Complete the patch the step's kernels planned with its ``prepare``
+    (``StepKernels.prepare_patched``, into ``bufs.patch_*`` of ``PrepareBuffers``): when
+    they did not write the tokens (``patch[2]``), :func:`patch_input_ids` copies them on the
+    device. The kernels already consumed the rows' ``prev_sampled_index``.
 
     Args:
-        kernels, batch, bufs: the step's kernels, batch and buffers; ``R``: its rows.
+        bufs: the step's ``PrepareBuffers``.
+        patch: ``(k, contiguous, written)`` as the kernels returned it.
         prev_token_ids: ``[n]`` integer, on the device: the previous step's sampled tokens,
             in the order its ``append_placeholders`` got.
         input_ids: ``[P]`` ``int32``, device: this step's tokens.
-        host_device: the step's device buffers are its host buffers (``bufs.input_ids.aliased``).
 
     Returns:
         ``"slice"`` (rows kept their order: token ``i`` is entry ``i``), ``"scatter"``, or
         ``None`` when no token of this step is a placeholder.
     """
-    host = prev_token_ids if host_device and prev_token_ids.is_cpu else None
-    k, contiguous, written = kernels.plan_patch(batch, bufs, R, host)
+    k, contiguous, written = patch
     if k == 0:
         return None
     if not written:

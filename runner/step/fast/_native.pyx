@@ -15,10 +15,11 @@ The loops that numpy cannot vectorize without many small calls, each a single pa
   plan's cached deltas merged (counts, appended blocks with their kernel expansion).
 * :class:`Prepare` (``_native_prepare.pxi``) — ``prepare_inputs``' per-token arithmetic:
   ``query_start_loc``, positions, ``input_ids``, ``seq_lens``, ``logits_indices``,
-  discard and prefill masks, and every group's slot mapping.
-* :class:`DraftRows`, :class:`SpecLayout` and :class:`Patch` (``_native_spec.pxi``) — speculative decoding's drafts
-  written into their rows and laid out for verification; the asynchronous patch's plan
-  (and, on a CPU device, the patch itself).
+  discard and prefill masks, and every group's slot mapping; with the asynchronous patch
+  (``prepare_patched``) in the same pass: its plan and, on a CPU device, the previous
+  step's tokens in place of the placeholders, which it does not read.
+* :class:`DraftRows` and :class:`SpecLayout` (``_native_spec.pxi``) — speculative decoding's drafts
+  written into their rows and laid out for verification.
 
 The contract that keeps them simple: a fast path either handles its input completely or
 reports it *irregular* and changes nothing; the caller then runs the vectorized numpy

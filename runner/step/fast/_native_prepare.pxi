@@ -15,6 +15,10 @@ cdef class Prepare:
     cdef uint8_t[::1] discard, is_prefilling
     cdef list slot_tables, slot_mappings
     cdef int64_t[::1] block_sizes
+    cdef int32_t[::1] prev_index, prev_pos
+    cdef int64_t[::1] pdest, psrc
+    cdef bint patch_bound
+    cdef Py_ssize_t num_patch
 
     def __init__(self, sched, ncc, num_tokens, num_prompt, tokens, qsl, positions, input_ids, seq_lens,
                  logits_indices, req_indices, discard, is_prefilling, list slot_tables, list slot_mappings,
@@ -26,6 +30,14 @@ cdef class Prepare:
         self.discard, self.is_prefilling = discard.view(np.uint8), is_prefilling.view(np.uint8)
         self.slot_tables, self.slot_mappings = slot_tables, slot_mappings
         self.block_sizes = np.asarray(block_sizes, dtype=np.int64)
+
+    def bind_patch(self, prev_index, prev_pos, dest, src):
+        """Bind the asynchronous patch's columns for :meth:`prepare_patched`:
+        ``prev_index`` / ``prev_pos`` ``[max_num_reqs]`` ``int32`` (the batch's
+        ``prev_sampled_index`` / ``prev_sampled_pos``), ``dest`` / ``src``
+        ``[max_num_reqs]`` ``int64`` (``PrepareBuffers.patch_dest`` / ``patch_src``)."""
+        self.prev_index, self.prev_pos, self.pdest, self.psrc = prev_index, prev_pos, dest, src
+        self.patch_bound = True
 
     def prepare(self, Py_ssize_t R, Py_ssize_t P):
         """Fill the buffers for ``R`` rows, padding the token dimension to ``P`` (``P <
@@ -39,36 +51,106 @@ cdef class Prepare:
                 buffer would overflow, or a position's block lies outside its row (the
                 step compiler's validation excludes all three).
         """
-        cdef Py_ssize_t r, t, Q = 0, q, maxq = 0, maxs = 0, g, col, ncols
-        cdef int64_t pos, c, B, shift
+        cdef int64_t maxq = 0, maxs = 0
+        cdef Py_ssize_t Q = self._rows(R, False, &maxq, &maxs)
+        self._gather(Q, P, 0, NULL)
+        self._slots(Q, P)
+        return Q, maxq, maxs
+
+    def prepare_patched(self, Py_ssize_t R, Py_ssize_t P, size_t prev_addr, Py_ssize_t prev_len,
+                        Py_ssize_t expected):
+        """:meth:`prepare` and the asynchronous patch (``StepKernels.plan_patch``) in one
+        pass: the row loop plans the patch into ``dest`` / ``src`` (rows whose
+        ``prev_sampled_index`` is set and whose placeholder lies in this step's tokens);
+        with ``prev_addr`` (the address of the previous step's ``prev_len`` sampled
+        tokens on the host, a C-contiguous ``int64`` vector the caller keeps alive) the
+        gather writes those tokens and skips the token table's placeholders. Needs
+        :meth:`bind_patch`.
+
+        The patch is applied, and rows ``0 .. R - 1``'s ``prev_sampled_index`` consumed
+        (-1), only when the step is the one the caller checks next: ``num_actual_tokens
+        == expected`` (``expected = -1``: no check) and ``P`` is no padding below it
+        (``P < 0`` or ``P >= num_actual_tokens``); else nothing is patched (``k = 0``)
+        and the columns stay as they were, the buffers as :meth:`prepare` leaves them.
+
+        Returns:
+            ``(num_actual_tokens, max_query_len, max_seq_len, k, contiguous, written)``:
+            ``dest[:k]`` / ``src[:k]`` hold the patch; ``contiguous`` when ``dest == src
+            == arange(k)``; ``written``: the tokens were written into ``input_ids``.
+
+        Raises:
+            IndexError: as :meth:`prepare`, or a source index outside the previous
+                step's tokens (before any column is consumed).
+        """
+        if not self.patch_bound:
+            raise RuntimeError("Prepare.prepare_patched before bind_patch")
+        if R > self.prev_index.shape[0] or prev_len < 0:
+            raise IndexError(f"Prepare.prepare_patched: {R} rows")
+        cdef int64_t maxq = 0, maxs = 0
+        cdef Py_ssize_t Q = self._rows(R, True, &maxq, &maxs), k = self.num_patch, r
+        cdef bint contiguous = True, written = prev_addr != 0
+        cdef const int64_t* src = &self.psrc[0]
+        cdef const int64_t* dest = &self.pdest[0]
+        if (expected >= 0 and Q != expected) or (0 <= P < Q):
+            self._gather(Q, P, 0, NULL)  # the caller refuses this step: no patch
+            self._slots(Q, P)
+            return Q, maxq, maxs, 0, True, False
+        for r in range(k):
+            contiguous &= (dest[r] == r) & (src[r] == r)
+        if written:
+            for r in range(k):
+                if src[r] >= prev_len:
+                    raise IndexError(f"Prepare.prepare_patched: token {src[r]} of {prev_len} sampled")
+            self._gather(Q, P, k, <const int64_t*>prev_addr)
+        else:
+            self._gather(Q, P, 0, NULL)
+        self._slots(Q, P)
+        if R:
+            memset(&self.prev_index[0], 0xFF, R * sizeof(int32_t))  # consumed: -1 in every row
+        return Q, maxq, maxs, k, contiguous, written
+
+    cdef Py_ssize_t _rows(self, Py_ssize_t R, bint patch, int64_t* maxq_out, int64_t* maxs_out) except -1:
+        """The per-row loop: each row's token rows, positions, counts and masks; with
+        ``patch`` also the patch's plan (``num_patch`` entries of ``pdest`` / ``psrc``).
+        Returns ``num_actual_tokens``."""
+        cdef Py_ssize_t r, t, Q = 0, q, maxq = 0, maxs = 0, k = 0
+        cdef int64_t c, s, off
         cdef Py_ssize_t width = self.tokens.shape[1], cap = self.positions.shape[0]
-        cdef int32_t[:, ::1] tab
-        cdef int64_t[::1] sm
+        if R > self.sched.shape[0]:
+            raise IndexError(f"{R} rows but the batch holds {self.sched.shape[0]}")
         # local pointers: the compiler cannot prove the buffers do not alias, so reading
         # them through the memoryview structs would reload every field after every store
         cdef int32_t* sched = &self.sched[0]
         cdef int32_t* ncc = &self.ncc[0]
         cdef int32_t* qsl = &self.qsl[0]
-        cdef int32_t* ids = &self.input_ids[0]
-        cdef int32_t* tok = &self.tokens[0, 0]
-        cdef int32_t* tb
         cdef int64_t* positions = &self.positions[0]
         cdef int64_t* req = &self.req_indices[0]
-        cdef int64_t* slots
-        if R > self.sched.shape[0]:
-            raise IndexError(f"{R} rows but the batch holds {self.sched.shape[0]}")
         cdef int32_t* seq_lens = &self.seq_lens[0]
         cdef int64_t* logits_indices = &self.logits_indices[0]
         cdef uint8_t* discard = &self.discard[0]
         cdef uint8_t* is_prefilling = &self.is_prefilling[0]
         cdef const int32_t* num_tokens = &self.num_tokens[0]
         cdef const int32_t* num_prompt = &self.num_prompt[0]
+        cdef const int32_t* pidx = NULL
+        cdef const int32_t* ppos = NULL
+        cdef int64_t* pdest = NULL
+        cdef int64_t* psrc = NULL
+        if patch:
+            pidx, ppos = &self.prev_index[0], &self.prev_pos[0]
+            pdest, psrc = &self.pdest[0], &self.psrc[0]
         qsl[0] = 0
-        for r in range(R):  # per row: the row's tokens, counts and masks
+        for r in range(R):  # per row: the row's tokens, counts and masks (and its patch)
             q = sched[r]
             c = ncc[r]
             if q < 0 or c < 0 or c + q > width or Q + q > cap:
                 raise IndexError(f"row {r}: positions [{c}, {c + q}) leave the token table or buffers")
+            if patch:
+                s = pidx[r]
+                off = ppos[r] - c
+                if s >= 0 and 0 <= off < q:  # its placeholder is one of this step's tokens
+                    pdest[k] = Q + off
+                    psrc[k] = s
+                    k += 1
             for t in range(q):
                 req[Q + t] = r
                 positions[Q + t] = c + t
@@ -82,13 +164,53 @@ cdef class Prepare:
                 maxq = q
             if c + q > maxs:
                 maxs = c + q
+        self.num_patch = k
+        maxq_out[0] = maxq
+        maxs_out[0] = maxs
+        return Q
+
+    cdef int _gather(self, Py_ssize_t Q, Py_ssize_t P, Py_ssize_t k, const int64_t* host) except -1:
+        """``input_ids`` of the ``Q`` tokens from the token table, then the padding to
+        ``P``; with ``host``, the ``k`` patched tokens (``pdest`` ascending) come from
+        ``host[psrc]`` and their table entries (placeholders) are not read."""
+        cdef Py_ssize_t t, j, end, cap = self.positions.shape[0], width = self.tokens.shape[1]
+        cdef int32_t* ids = &self.input_ids[0]
+        cdef const int32_t* tok = &self.tokens[0, 0]
+        cdef const int64_t* req = &self.req_indices[0]
+        cdef int64_t* positions = &self.positions[0]
+        cdef const int64_t* dest
+        cdef const int64_t* src
         if P > cap:
             raise IndexError(f"padding to {P} tokens but the buffers hold {cap}")
-        for t in range(Q):  # the gather, in its own loop: independent loads overlap
-            ids[t] = tok[req[t] * width + positions[t]]
+        if k == 0:
+            for t in range(Q):  # the gather, in its own loop: independent loads overlap
+                ids[t] = tok[req[t] * width + positions[t]]
+        else:
+            dest, src = &self.pdest[0], &self.psrc[0]
+            t = 0
+            for j in range(k + 1):  # the runs between patched tokens, then the patched one
+                end = dest[j] if j < k else Q
+                while t < end:
+                    ids[t] = tok[req[t] * width + positions[t]]
+                    t += 1
+                if j < k:
+                    ids[t] = <int32_t>host[src[j]]
+                    t += 1
         for t in range(Q, P):
             positions[t] = 0
             ids[t] = 0
+        return 0
+
+    cdef int _slots(self, Py_ssize_t Q, Py_ssize_t P) except -1:
+        """Every group's slot mapping of the ``Q`` tokens, padded to ``P`` with ``PAD_SLOT``."""
+        cdef Py_ssize_t t, g, col, ncols
+        cdef int64_t pos, B, shift
+        cdef int32_t[:, ::1] tab
+        cdef int64_t[::1] sm
+        cdef const int32_t* tb
+        cdef int64_t* slots
+        cdef const int64_t* positions = &self.positions[0]
+        cdef const int64_t* req = &self.req_indices[0]
         for g in range(len(self.slot_tables)):
             sm = self.slot_mappings[g]
             slots = &sm[0]
@@ -113,4 +235,4 @@ cdef class Prepare:
                 slots[t] = <int64_t>tb[req[t] * ncols + col] * B + (pos - col * B)
             for t in range(Q, P):
                 slots[t] = PAD_SLOT
-        return Q, maxq, maxs
+        return 0

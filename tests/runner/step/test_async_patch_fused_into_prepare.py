@@ -1,0 +1,75 @@
+"""The asynchronous patch runs inside the step's ``prepare`` (``StepKernels.prepare_patched``:
+one pass on the compiled kernels, prepare then the patch's plan on the numpy ones): every
+placeholder row gets its token from the previous step's tensor, whatever the rows'
+order, a new request's prompt and the padding come out as without a patch, and a step
+that ``prepare_inputs`` refuses (a token count that is not the batch's) or a sampled
+tensor too short consumes no ``prev_sampled_index``: the right call afterwards patches."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attnplug.core.errors import InvalidSchedulerOutput
+from attnplug.runner.step.compiler import StepCompiler
+from attnplug.runner.step.kernels import kernels_available
+from attnplug.runner.step.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+
+NATIVE = [False] + ([True] if kernels_available() else [])
+SAMPLED = {"c": 30, "a": 10, "d": 40, "b": 20}
+"""The previous step's sampled token of each request, in the order of its sampled tensor."""
+
+
+def _compiler(native: bool) -> tuple[StepCompiler, SchedulerOutput]:
+    """Four prefilled requests sampled in the order c, a, d, b (placeholders appended); the
+    next output (applied, returned) finishes b, decodes a, c, d and admits e (a two-token
+    prompt)."""
+    sc = StepCompiler([4], 8, 32, 32, num_blocks=16, native=native)
+    new = [NewRequestData(r, [i + 1, i + 2, i + 3], ([i + 1],), 0) for i, r in enumerate("abcd")]
+    first = SchedulerOutput(new, CachedRequestData(), dict.fromkeys("abcd", 3))
+    sc.update_states(first)
+    sc.prepare_inputs(first)
+    rows = [sc.input_batch.req_id_to_index[r] for r in SAMPLED]
+    sc.append_placeholders(rows)
+    second = SchedulerOutput([NewRequestData("e", [5, 6], ([9],), 0)],
+                             CachedRequestData(["a", "c", "d"], [False] * 3, [[], [], []], [None] * 3, [3, 3, 3]),
+                             {"a": 1, "c": 1, "d": 1, "e": 2}, finished_req_ids={"b"})
+    sc.update_states(second)
+    return sc, second
+
+
+def _expected(sc: StepCompiler) -> list[int]:
+    """Each row's tokens: a decoding request's sampled token, e's prompt."""
+    out = []
+    for rid in sc.input_batch.req_ids[:sc.input_batch.num_reqs]:
+        out += [5, 6] if rid == "e" else [SAMPLED[rid]]
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])  # the kernel writes / the device copy does
+@pytest.mark.parametrize("native", NATIVE)
+def test_every_placeholder_row_is_patched_in_the_prepare_pass(native, dtype):
+    sc, second = _compiler(native)
+    prev = torch.tensor(list(SAMPLED.values()), dtype=dtype)
+    inputs = sc.prepare_inputs(second, num_tokens_padded=8, prev_token_ids=prev)
+    assert inputs.input_ids.tolist() == _expected(sc) + [0, 0, 0]  # padding after the 5 tokens
+    assert inputs.positions.tolist()[:5] == [p for r in sc.input_batch.req_ids[:4] for p in ([0, 1] if r == "e" else [3])]
+    assert sc.patch_counts == {"slice": 0, "scatter": 1}
+    assert (sc.input_batch.prev_sampled_index[:4] == -1).all()  # consumed
+
+
+@pytest.mark.parametrize("native", NATIVE)
+def test_a_refused_step_consumes_nothing_and_the_right_call_patches(native):
+    sc, second = _compiler(native)
+    before = sc.input_batch.prev_sampled_index[:4].copy()
+    assert (before >= 0).sum() == 3
+    prev = torch.tensor(list(SAMPLED.values()), dtype=torch.int64)
+    wrong = SchedulerOutput([], CachedRequestData(), {"a": 1})  # 1 token, the batch holds 5
+    with pytest.raises(InvalidSchedulerOutput, match="total_num_scheduled_tokens"):
+        sc.prepare_inputs(wrong, prev_token_ids=prev)
+    assert sc.input_batch.prev_sampled_index[:4].tolist() == before.tolist()
+    with pytest.raises(IndexError):  # a sampled tensor shorter than the placeholders point into
+        sc.prepare_inputs(second, prev_token_ids=prev[:1])
+    assert sc.input_batch.prev_sampled_index[:4].tolist() == before.tolist()
+    assert sc.prepare_inputs(second, prev_token_ids=prev).input_ids.tolist() == _expected(sc)
+    assert sc.patch_counts == {"slice": 0, "scatter": 1}
