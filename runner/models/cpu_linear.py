@@ -13,8 +13,9 @@ The packed copy is a cache: it is rebuilt when the weight changes (its version c
 bumped by every in-place write such as ``load_hf_state_dict``'s copy, or its storage, after
 ``.to()``), it costs a second copy of each packed weight's memory, and it is never saved,
 pickled or deep-copied. Off the CPU, for dtypes other than float32 / bfloat16, while
-``torch.compile`` traces, with autograd recording, or with ``ATTNPLUG_CPU_PACKED_LINEAR=0``
-the call is plain ``F.linear``.
+``torch.compile`` traces, with autograd recording, for an inference tensor (made under
+``torch.inference_mode``: it keeps no version counter, so a stale copy could not be told)
+or with ``ATTNPLUG_CPU_PACKED_LINEAR=0`` the call is plain ``F.linear``.
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, own
     ``x``'s dtype), on the CPU with ``weight`` prepacked (cached in ``owner``, under ``key``);
     see the module docstring for when it is plain ``F.linear``."""
     if (not ENABLED or x.device.type != "cpu" or weight.dtype not in PACKED_DTYPES or x.dtype != weight.dtype
-            or torch.compiler.is_compiling()
+            or torch.compiler.is_compiling() or weight.is_inference()
             or (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad))):
         return nn.functional.linear(x, weight, bias)
     cache = owner.__dict__.get("packed_weights")

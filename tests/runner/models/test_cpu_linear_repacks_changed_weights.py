@@ -73,3 +73,16 @@ def test_autograd_and_other_devices_fall_back_to_f_linear():
     y = lin(torch.randn(2, 4))  # grad mode, weight requires grad: plain F.linear, differentiable
     y.sum().backward()
     assert lin.weight.grad is not None and "packed_weights" not in lin.__dict__
+
+
+def test_a_weight_made_under_inference_mode_runs_unpacked():
+    """An inference tensor keeps no version counter (``_version`` raises), so a packed copy
+    of it could not be invalidated: ``linear`` runs ``F.linear`` on it instead, and stays
+    correct after the weight is rewritten in place (the failure seen: ``RuntimeError:
+    Inference tensors do not track version counter`` from ``attnplug bench moe``)."""
+    with torch.inference_mode():
+        owner = torch.nn.Linear(8, 4, bias=False)
+        x = torch.randn(3, 8)
+        assert torch.allclose(cpu_linear.linear(x, owner.weight, None, owner), x @ owner.weight.T)
+        owner.weight.mul_(2.0)
+        assert torch.allclose(cpu_linear.linear(x, owner.weight, None, owner), x @ owner.weight.T)
