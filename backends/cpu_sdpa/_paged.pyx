@@ -110,6 +110,17 @@ cdef extern from *:
         const ap_v8 h = AP_SHUF(h01, h23, AP_LO) + AP_SHUF(h01, h23, AP_HI);
         out[0] = h[0] + h[4]; out[1] = h[1] + h[5]; out[2] = h[2] + h[6]; out[3] = h[3] + h[7];
     }
+    /* the sums of the lanes of x0 .. x7 as one vector (the same transpose-and-add tree
+       as ap_sum4, so the same roundings) */
+    AP_INLINE ap_v8 ap_sum8(ap_v8 x0, ap_v8 x1, ap_v8 x2, ap_v8 x3, ap_v8 x4, ap_v8 x5, ap_v8 x6, ap_v8 x7) {
+        const ap_v8 h01 = AP_SHUF(x0, x1, AP_EV) + AP_SHUF(x0, x1, AP_OD);
+        const ap_v8 h23 = AP_SHUF(x2, x3, AP_EV) + AP_SHUF(x2, x3, AP_OD);
+        const ap_v8 h45 = AP_SHUF(x4, x5, AP_EV) + AP_SHUF(x4, x5, AP_OD);
+        const ap_v8 h67 = AP_SHUF(x6, x7, AP_EV) + AP_SHUF(x6, x7, AP_OD);
+        const ap_v8 g03 = AP_SHUF(h01, h23, AP_LO) + AP_SHUF(h01, h23, AP_HI);
+        const ap_v8 g47 = AP_SHUF(h45, h67, AP_LO) + AP_SHUF(h45, h67, AP_HI);
+        return AP_SHUF(g03, g47, 0, 1, 2, 3, 8, 9, 10, 11) + AP_SHUF(g03, g47, 4, 5, 6, 7, 12, 13, 14, 15);
+    }
     /* ap_expf on 8 lanes, x <= 0; -inf lanes give exactly 0 */
     AP_INLINE ap_v8 ap_exp8(ap_v8 x) {
         const ap_v8i seen = x > -INFINITY;
@@ -219,6 +230,26 @@ cdef extern from *:
                 }                                                                             \\
                 /* the chunk's logits for every row of the tile: each key loaded once */      \\
                 int j4 = 0;                                                                   \\
+                for (; j4 + 8 <= nc; j4 += 8) {  /* eight keys per pass, one vector of logits */\\
+                    for (int i = 0; i < nr; i++) {                                            \\
+                        const float *qi = qf + i * D;                                         \\
+                        const TYPE *k0 = kp[j4] + koff[i], *k1 = kp[j4 + 1] + koff[i];        \\
+                        const TYPE *k2 = kp[j4 + 2] + koff[i], *k3 = kp[j4 + 3] + koff[i];    \\
+                        const TYPE *k4 = kp[j4 + 4] + koff[i], *k5 = kp[j4 + 5] + koff[i];    \\
+                        const TYPE *k6 = kp[j4 + 6] + koff[i], *k7 = kp[j4 + 7] + koff[i];    \\
+                        ap_v8 x0 = {0}, x1 = {0}, x2 = {0}, x3 = {0};                         \\
+                        ap_v8 x4 = {0}, x5 = {0}, x6 = {0}, x7 = {0};                         \\
+                        for (int d = 0; d < D; d += 8) {                                      \\
+                            ap_v8 qd; memcpy(&qd, qi + d, sizeof qd);                         \\
+                            x0 += qd * LOAD8(k0 + d); x1 += qd * LOAD8(k1 + d);               \\
+                            x2 += qd * LOAD8(k2 + d); x3 += qd * LOAD8(k3 + d);               \\
+                            x4 += qd * LOAD8(k4 + d); x5 += qd * LOAD8(k5 + d);               \\
+                            x6 += qd * LOAD8(k6 + d); x7 += qd * LOAD8(k7 + d);               \\
+                        }                                                                     \\
+                        const ap_v8 lg = ap_sum8(x0, x1, x2, x3, x4, x5, x6, x7);             \\
+                        memcpy(s + i * AP_CHUNK + j4, &lg, sizeof lg);                        \\
+                    }                                                                         \\
+                }                                                                             \\
                 for (; j4 + 4 <= nc; j4 += 4) {  /* four keys per pass: 8-lane partial sums */\\
                     for (int i = 0; i < nr; i++) {                                            \\
                         const float *qi = qf + i * D;                                         \\
