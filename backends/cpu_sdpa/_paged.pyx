@@ -224,9 +224,13 @@ cdef extern from *:
             }                                                                                 \\
             for (int64_t c0 = klo; c0 < khi; c0 += AP_CHUNK) {                                \\
                 const int nc = (int)(khi - c0 < AP_CHUNK ? khi - c0 : AP_CHUNK);              \\
-                for (int j = 0; j < nc; j++) {                                                \\
-                    const int64_t pos = c0 + j;                                               \\
-                    kp[j] = kv + (int64_t)bt[pos / B] * a->kv_blk + (pos % B) * a->kv_tok;    \\
+                {   /* one division per chunk, not two per key */                             \\
+                    int64_t col = c0 / B, slot = c0 % B;                                      \\
+                    const TYPE *blk = kv + (int64_t)bt[col] * a->kv_blk;                      \\
+                    for (int j = 0; j < nc; j++) {                                            \\
+                        kp[j] = blk + slot * a->kv_tok;                                       \\
+                        if (++slot == B && j + 1 < nc) { slot = 0; blk = kv + (int64_t)bt[++col] * a->kv_blk; }\\
+                    }                                                                         \\
                 }                                                                             \\
                 /* the chunk's logits for every row of the tile: each key loaded once */      \\
                 int j4 = 0;                                                                   \\
