@@ -169,6 +169,8 @@ cdef extern from *:
     AP_INLINE void NAME(float *acc, const float *p, int ng, const TYPE *const *kp, int64_t off, \\
                         int jlo, int jhi, int D) {                                            \\
         int d0 = 0;                                                                           \\
+        if (ng == 4)                                                                          \\
+            for (; d0 + 32 <= D; d0 += 32) AP_VACC_BLOCK(TYPE, LOAD8, 4, 4)                   \\
         for (; d0 + 16 <= D; d0 += 16)                                                        \\
             switch (ng) {                                                                     \\
             case 4: AP_VACC_BLOCK(TYPE, LOAD8, 4, 2) break;                                   \\
