@@ -110,6 +110,17 @@ cdef extern from *:
         const ap_v8 h = AP_SHUF(h01, h23, AP_LO) + AP_SHUF(h01, h23, AP_HI);
         out[0] = h[0] + h[4]; out[1] = h[1] + h[5]; out[2] = h[2] + h[6]; out[3] = h[3] + h[7];
     }
+    /* the sums of the lanes of x0 .. x7 as one vector (the same transpose-and-add tree
+       as ap_sum4, so the same roundings) */
+    AP_INLINE ap_v8 ap_sum8(ap_v8 x0, ap_v8 x1, ap_v8 x2, ap_v8 x3, ap_v8 x4, ap_v8 x5, ap_v8 x6, ap_v8 x7) {
+        const ap_v8 h01 = AP_SHUF(x0, x1, AP_EV) + AP_SHUF(x0, x1, AP_OD);
+        const ap_v8 h23 = AP_SHUF(x2, x3, AP_EV) + AP_SHUF(x2, x3, AP_OD);
+        const ap_v8 h45 = AP_SHUF(x4, x5, AP_EV) + AP_SHUF(x4, x5, AP_OD);
+        const ap_v8 h67 = AP_SHUF(x6, x7, AP_EV) + AP_SHUF(x6, x7, AP_OD);
+        const ap_v8 g03 = AP_SHUF(h01, h23, AP_LO) + AP_SHUF(h01, h23, AP_HI);
+        const ap_v8 g47 = AP_SHUF(h45, h67, AP_LO) + AP_SHUF(h45, h67, AP_HI);
+        return AP_SHUF(g03, g47, 0, 1, 2, 3, 8, 9, 10, 11) + AP_SHUF(g03, g47, 4, 5, 6, 7, 12, 13, 14, 15);
+    }
     /* ap_expf on 8 lanes, x <= 0; -inf lanes give exactly 0 */
     AP_INLINE ap_v8 ap_exp8(ap_v8 x) {
         const ap_v8i seen = x > -INFINITY;
@@ -133,10 +144,53 @@ cdef extern from *:
         return p * two_n;
     }
 
+
+    /* acc[g * D + d] += the sum over keys j in [jlo, jhi) of p[g * AP_CHUNK + j] * V_j[d],
+       g < NG, d in [d0, d0 + 8 NV): each value row loaded once for the NG rows, the
+       accumulators in registers */
+    #define AP_VACC_BLOCK(TYPE, LOAD8, NG, NV)                                               \\
+        {                                                                                     \\
+            ap_v8 A[NG][NV];                                                                  \\
+            for (int g = 0; g < NG; g++)                                                      \\
+                for (int v = 0; v < NV; v++) A[g][v] = ap_ld8_f32(acc + g * D + d0 + 8 * v);  \\
+            for (int j = jlo; j < jhi; j++) {                                                 \\
+                const TYPE *vr = kp[j] + off + d0;                                            \\
+                ap_v8 V[NV];                                                                  \\
+                for (int v = 0; v < NV; v++) V[v] = LOAD8(vr + 8 * v);                        \\
+                for (int g = 0; g < NG; g++) {                                                \\
+                    const float pg = p[g * AP_CHUNK + j];                                     \\
+                    for (int v = 0; v < NV; v++) A[g][v] += pg * V[v];                        \\
+                }                                                                             \\
+            }                                                                                 \\
+            for (int g = 0; g < NG; g++)                                                      \\
+                for (int v = 0; v < NV; v++) memcpy(acc + g * D + d0 + 8 * v, &A[g][v], 32);  \\
+        }
+    #define AP_DEFINE_VACC(NAME, TYPE, LOAD8)                                                 \\
+    AP_INLINE void NAME(float *acc, const float *p, int ng, const TYPE *const *kp, int64_t off, \\
+                        int jlo, int jhi, int D) {                                            \\
+        int d0 = 0;                                                                           \\
+        if (ng == 4)                                                                          \\
+            for (; d0 + 32 <= D; d0 += 32) AP_VACC_BLOCK(TYPE, LOAD8, 4, 4)                   \\
+        for (; d0 + 16 <= D; d0 += 16)                                                        \\
+            switch (ng) {                                                                     \\
+            case 4: AP_VACC_BLOCK(TYPE, LOAD8, 4, 2) break;                                   \\
+            case 3: AP_VACC_BLOCK(TYPE, LOAD8, 3, 2) break;                                   \\
+            case 2: AP_VACC_BLOCK(TYPE, LOAD8, 2, 2) break;                                   \\
+            default: AP_VACC_BLOCK(TYPE, LOAD8, 1, 2) break;                                  \\
+            }                                                                                 \\
+        if (d0 < D)                                                                           \\
+            switch (ng) {                                                                     \\
+            case 4: AP_VACC_BLOCK(TYPE, LOAD8, 4, 1) break;                                   \\
+            case 3: AP_VACC_BLOCK(TYPE, LOAD8, 3, 1) break;                                   \\
+            case 2: AP_VACC_BLOCK(TYPE, LOAD8, 2, 1) break;                                   \\
+            default: AP_VACC_BLOCK(TYPE, LOAD8, 1, 1) break;                                  \\
+            }                                                                                 \\
+    }
+
     /* One work item: every query row of request reqs[item / head_splits] for the query
        heads of its KV heads hk0 .. hk1 - 1. TYPE: the element type of q / kv / out;
        LOAD / LOAD8 (8 lanes) / STORE convert to and from float. */
-    #define AP_DEFINE_ITEM(NAME, TYPE, LOAD, LOAD8, STORE)                                          \\
+    #define AP_DEFINE_ITEM(NAME, TYPE, LOAD, LOAD8, STORE, VACC)                                        \\
     static AP_CLONES void NAME(const ap_args *a, int64_t item) {                              \\
         const int G = a->num_heads / a->num_kv_heads, D = a->head_size, B = a->block_size;    \\
         const int per = (a->num_kv_heads + a->head_splits - 1) / a->head_splits;              \\
@@ -152,6 +206,7 @@ cdef extern from *:
         float qf[AP_ROWS * AP_DMAX], acc[AP_ROWS * AP_DMAX];                                  \\
         float m[AP_ROWS], l[AP_ROWS], s[AP_ROWS * AP_CHUNK];                                            \\
         int64_t rlo[AP_ROWS], rhi[AP_ROWS], koff[AP_ROWS];                                    \\
+        int vjlo[AP_ROWS], vjhi[AP_ROWS];   /* the keys of the chunk each row sees */         \\
         const TYPE *kp[AP_CHUNK];                                                             \\
         for (int64_t row0 = 0; row0 < nrows; row0 += AP_ROWS) {                               \\
             const int nr = (int)(nrows - row0 < AP_ROWS ? nrows - row0 : AP_ROWS);            \\
@@ -171,12 +226,36 @@ cdef extern from *:
             }                                                                                 \\
             for (int64_t c0 = klo; c0 < khi; c0 += AP_CHUNK) {                                \\
                 const int nc = (int)(khi - c0 < AP_CHUNK ? khi - c0 : AP_CHUNK);              \\
-                for (int j = 0; j < nc; j++) {                                                \\
-                    const int64_t pos = c0 + j;                                               \\
-                    kp[j] = kv + (int64_t)bt[pos / B] * a->kv_blk + (pos % B) * a->kv_tok;    \\
+                {   /* one division per chunk, not two per key */                             \\
+                    int64_t col = c0 / B, slot = c0 % B;                                      \\
+                    const TYPE *blk = kv + (int64_t)bt[col] * a->kv_blk;                      \\
+                    for (int j = 0; j < nc; j++) {                                            \\
+                        kp[j] = blk + slot * a->kv_tok;                                       \\
+                        if (++slot == B && j + 1 < nc) { slot = 0; blk = kv + (int64_t)bt[++col] * a->kv_blk; }\\
+                    }                                                                         \\
                 }                                                                             \\
                 /* the chunk's logits for every row of the tile: each key loaded once */      \\
                 int j4 = 0;                                                                   \\
+                for (; j4 + 8 <= nc; j4 += 8) {  /* eight keys per pass, one vector of logits */\\
+                    for (int i = 0; i < nr; i++) {                                            \\
+                        const float *qi = qf + i * D;                                         \\
+                        const TYPE *k0 = kp[j4] + koff[i], *k1 = kp[j4 + 1] + koff[i];        \\
+                        const TYPE *k2 = kp[j4 + 2] + koff[i], *k3 = kp[j4 + 3] + koff[i];    \\
+                        const TYPE *k4 = kp[j4 + 4] + koff[i], *k5 = kp[j4 + 5] + koff[i];    \\
+                        const TYPE *k6 = kp[j4 + 6] + koff[i], *k7 = kp[j4 + 7] + koff[i];    \\
+                        ap_v8 x0 = {0}, x1 = {0}, x2 = {0}, x3 = {0};                         \\
+                        ap_v8 x4 = {0}, x5 = {0}, x6 = {0}, x7 = {0};                         \\
+                        for (int d = 0; d < D; d += 8) {                                      \\
+                            ap_v8 qd; memcpy(&qd, qi + d, sizeof qd);                         \\
+                            x0 += qd * LOAD8(k0 + d); x1 += qd * LOAD8(k1 + d);               \\
+                            x2 += qd * LOAD8(k2 + d); x3 += qd * LOAD8(k3 + d);               \\
+                            x4 += qd * LOAD8(k4 + d); x5 += qd * LOAD8(k5 + d);               \\
+                            x6 += qd * LOAD8(k6 + d); x7 += qd * LOAD8(k7 + d);               \\
+                        }                                                                     \\
+                        const ap_v8 lg = ap_sum8(x0, x1, x2, x3, x4, x5, x6, x7);             \\
+                        memcpy(s + i * AP_CHUNK + j4, &lg, sizeof lg);                        \\
+                    }                                                                         \\
+                }                                                                             \\
                 for (; j4 + 4 <= nc; j4 += 4) {  /* four keys per pass: 8-lane partial sums */\\
                     for (int i = 0; i < nr; i++) {                                            \\
                         const float *qi = qf + i * D;                                         \\
@@ -217,6 +296,7 @@ cdef extern from *:
                         mx = si[j] > mx ? si[j] : mx;                                         \\
                     }                                                                         \\
                     if (nan) l[i] = NAN;                                                      \\
+                    vjlo[i] = jlo; vjhi[i] = mx == -INFINITY ? jlo : jhi;                      \\
                     if (mx == -INFINITY) { for (int j = 0; j < AP_CHUNK; j++) si[j] = 0.0f; continue; }\\
                     if (mx > m[i]) {                                                          \\
                         if (m[i] != -INFINITY) {                                              \\
@@ -236,16 +316,17 @@ cdef extern from *:
                     }                                                                         \\
                     l[i] += ((tot[0] + tot[4]) + (tot[1] + tot[5])) + ((tot[2] + tot[6]) + (tot[3] + tot[7]));\\
                 }                                                                             \\
-                /* the weighted values: each value row loaded once for every row of the tile */\\
-                for (int j = 0; j < nc; j++) {                                                \\
-                    for (int i = 0; i < nr; i++) {                                            \\
-                        const float pj = s[i * AP_CHUNK + j];                                 \\
-                        if (pj == 0.0f) continue;                                             \\
-                        float *ai = acc + i * D;                                              \\
-                        const TYPE *vr = kp[j] + a->kv_half + koff[i];                        \\
-                        _Pragma("omp simd")                                                   \\
-                        for (int d = 0; d < D; d++) ai[d] += pj * LOAD(vr[d]);                \\
-                    }                                                                         \\
+                /* the weighted values: the consecutive rows of one KV head that see the   \\
+                   same keys of the chunk (a GQA group) share each value load, their       \\
+                   accumulators held in registers over the chunk's keys */                 \\
+                for (int i = 0; i < nr; ) {                                                   \\
+                    int ng = 1;                                                               \\
+                    while (ng < 4 && i + ng < nr && koff[i + ng] == koff[i]                   \\
+                           && vjlo[i + ng] == vjlo[i] && vjhi[i + ng] == vjhi[i]) ng++;       \\
+                    if (vjlo[i] < vjhi[i])                                                    \\
+                        VACC(acc + i * D, s + i * AP_CHUNK, ng, kp, a->kv_half + koff[i],     \\
+                             vjlo[i], vjhi[i], D);                                            \\
+                    i += ng;                                                                  \\
                 }                                                                             \\
             }                                                                                 \\
             for (int i = 0; i < nr; i++) {                                                    \\
@@ -258,8 +339,10 @@ cdef extern from *:
     }
 
     #define AP_ID(x) (x)
-    AP_DEFINE_ITEM(ap_item_f32, float, AP_ID, ap_ld8_f32, AP_ID)
-    AP_DEFINE_ITEM(ap_item_bf16, uint16_t, ap_bf16_to_f32, ap_ld8_bf16, ap_f32_to_bf16)
+    AP_DEFINE_VACC(ap_vacc_f32, float, ap_ld8_f32)
+    AP_DEFINE_VACC(ap_vacc_bf16, uint16_t, ap_ld8_bf16)
+    AP_DEFINE_ITEM(ap_item_f32, float, AP_ID, ap_ld8_f32, AP_ID, ap_vacc_f32)
+    AP_DEFINE_ITEM(ap_item_bf16, uint16_t, ap_bf16_to_f32, ap_ld8_bf16, ap_f32_to_bf16, ap_vacc_bf16)
     #if defined(__FLT16_MAX__)
     #define AP_HAVE_F16 1
     #define AP_F16_LOAD(x) ((float)(x))
@@ -268,7 +351,8 @@ cdef extern from *:
     static inline __attribute__((always_inline)) ap_v8 ap_ld8_f16(const _Float16 *p) {
         ap_v8h h; memcpy(&h, p, sizeof h); return __builtin_convertvector(h, ap_v8);
     }
-    AP_DEFINE_ITEM(ap_item_f16, _Float16, AP_F16_LOAD, ap_ld8_f16, AP_F16_STORE)
+    AP_DEFINE_VACC(ap_vacc_f16, _Float16, ap_ld8_f16)
+    AP_DEFINE_ITEM(ap_item_f16, _Float16, AP_F16_LOAD, ap_ld8_f16, AP_F16_STORE, ap_vacc_f16)
     #else
     #define AP_HAVE_F16 0
     #endif
