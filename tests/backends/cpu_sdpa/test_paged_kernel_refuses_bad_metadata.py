@@ -117,28 +117,19 @@ def test_a_negative_block_id_through_the_backend_contract_is_refused_before_the_
     assert (kv == 0).all()  # refused before the write
 
 
+@pytest.mark.parametrize("backend, message", [
+    ("cpu_sdpa", "slot {slot}, outside the KV cache's 16 slots"),  # the kernel path's range check
+    ("torch_native", "slot_mapping\\[0\\] = {slot} is outside the cache's 16 slots"),
+    ("cpu_sdpa-gather", "slot_mapping\\[0\\] = {slot} is outside the cache's 16 slots"),
+])
 @pytest.mark.parametrize("slot", [-3, 16])
-def test_a_slot_outside_the_cache_is_refused_before_the_write(slot):
-    spec = FullAttentionSpec(block_size=B, num_kv_heads=HK, head_size=D)
-    cm = CommonAttentionMetadata.from_lengths([5], [1], [[1, 2, 0, 0]], block_size=B)
-    cm = cm.replace(slot_mapping=torch.tensor([slot]))
-    md = CpuSdpaBackend.get_builder_cls()(spec, ["l0"], BuilderConfig(1, 16, 16), "cpu").build(0, cm)
-    impl = CpuSdpaBackend.get_impl_cls()(H, D, D ** -0.5, HK)
-    q, k, v = torch.randn(1, H, D), torch.randn(1, HK, D), torch.randn(1, HK, D)
-    kv = torch.zeros(4, 2, B, HK, D)
-    with pytest.raises(MetadataError, match=f"slot {slot}, outside the KV cache's 16 slots"):
-        impl.forward(None, q, k, v, kv, md, torch.empty_like(q))
-    assert (kv == 0).all()  # slot -3 would have wrapped into block 3
-
-
-@pytest.mark.parametrize("backend", ["torch_native", "cpu_sdpa-gather"])
-@pytest.mark.parametrize("slot", [-3, 16])
-def test_the_sdpa_and_reference_paths_refuse_a_slot_outside_the_cache_before_the_write(backend, slot):
-    """The write both non-kernel paths share (``write_to_paged_cache``) indexes with torch's
-    advanced indexing: slot -3 would land silently in block 3, slot 16 raise torch's
-    IndexError. Both are refused with the project's error and the cache left as it was."""
+def test_a_slot_outside_the_cache_is_refused_before_the_write(backend, message, slot):
+    """Every CPU path's write indexes the cache with torch's advanced indexing: slot -3
+    would land silently in block 3, slot 16 raise torch's IndexError. Each refuses both
+    with the project's error and leaves the cache as it was."""
     from attnplug.backends.cpu_sdpa.backend import CpuSdpaGatherBackend
-    cls = TorchNativeBackend if backend == "torch_native" else CpuSdpaGatherBackend
+    cls = {"cpu_sdpa": CpuSdpaBackend, "torch_native": TorchNativeBackend,
+           "cpu_sdpa-gather": CpuSdpaGatherBackend}[backend]
     spec = FullAttentionSpec(block_size=B, num_kv_heads=HK, head_size=D)
     cm = CommonAttentionMetadata.from_lengths([5], [1], [[1, 2, 0, 0]], block_size=B)
     cm = cm.replace(slot_mapping=torch.tensor([slot]))
@@ -146,6 +137,7 @@ def test_the_sdpa_and_reference_paths_refuse_a_slot_outside_the_cache_before_the
     impl = cls.get_impl_cls()(H, D, D ** -0.5, HK)
     q, k, v = torch.randn(1, H, D), torch.randn(1, HK, D), torch.randn(1, HK, D)
     kv = torch.zeros(4, 2, B, HK, D)
-    with pytest.raises(MetadataError, match=f"slot_mapping\\[0\\] = {slot} is outside the cache's 16 slots"):
+    with pytest.raises(MetadataError, match=message.format(slot=slot)):
         impl.forward(None, q, k, v, kv, md, torch.empty_like(q))
     assert (kv == 0).all()
+
