@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -17,17 +18,9 @@ pytest.importorskip("transformers")
 
 from attnplug.runner.commands.parity import main as parity_main  # noqa: E402
 
-QWEN2_VL = {  # tests/runner/models/test_parity_qwen2_vl.py's
-    "model_type": "qwen2_vl", "architectures": ["Qwen2VLForConditionalGeneration"],
-    "text_config": {"vocab_size": 96, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
-                    "num_attention_heads": 4, "num_key_value_heads": 2, "initializer_range": 0.1,
-                    "bos_token_id": 0, "eos_token_id": 1,
-                    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]}},
-    "vision_config": {"depth": 2, "embed_dim": 16, "hidden_size": 32, "num_heads": 2, "spatial_merge_size": 2,
-                      "patch_size": 2, "temporal_patch_size": 2, "in_channels": 3, "mlp_ratio": 2,
-                      "initializer_range": 0.1},
-    "image_token_id": 90, "video_token_id": 91, "vision_start_token_id": 92, "vision_end_token_id": 93,
-}
+sys.path.insert(0, str(Path(__file__).parents[1] / "runner" / "models"))
+from parity_runs import QWEN2_VL  # noqa: E402
+
 QWEN3_NEXT = {"model_type": "qwen3_next", "architectures": ["Qwen3NextForCausalLM"], "vocab_size": 128,
               "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
               "num_key_value_heads": 2, "head_dim": 8, "linear_num_key_heads": 2, "linear_num_value_heads": 4,

@@ -8,6 +8,8 @@ scheduling; an inconsistent MLA config is one line naming the field, exit 2."""
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -16,6 +18,10 @@ pytest.importorskip("transformers")
 from attnplug.runner.commands.parity import main as parity_main  # noqa: E402
 from attnplug.runner.commands.parity import run_parity  # noqa: E402
 from attnplug.runner.models import build_model  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
+from parity_runs import PARITY_OPTIONS as OPTIONS  # noqa: E402
+from parity_runs import assert_parity  # noqa: E402
 
 BASE = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32,
         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4, "kv_lora_rank": 32,
@@ -30,13 +36,6 @@ V3 = {**BASE, "model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausa
 V2 = {**BASE, "model_type": "deepseek_v2", "architectures": ["DeepseekV2ForCausalLM"], "q_lora_rank": None,
       "n_shared_experts": 2, "topk_method": "greedy"}
 CONFIGS = {"v3": V3, "v2": V2}
-OPTIONS = {
-    "chunked": {},
-    "preempt": {"force_preemption": True},
-    "prefix": {"prefix_caching": True, "system_prompt_len": 12},
-    "ngram": {"speculative": "ngram:k=3"},
-    "async": {"async_scheduling": True},
-}
 RUNS = [("v3", o) for o in OPTIONS] + [("v2", o) for o in ("chunked", "preempt", "ngram")]
 
 
@@ -44,14 +43,7 @@ RUNS = [("v3", o) for o in OPTIONS] + [("v2", o) for o in ("chunked", "preempt",
 def test_deepseek_parity_with_hf(name, option):
     res = run_parity(CONFIGS[name], num_requests=4, seed=1, max_num_batched_tokens=16, max_tokens=5, block_size=4,
                      **OPTIONS[option])
-    assert res.ok, res.line()
-    assert res.num_identical == res.num_requests == 4 and res.max_abs_dlogit <= res.tolerance
-    if option == "preempt":
-        assert res.preemptions > 0, "forced preemption did not preempt anything"
-    if option == "prefix":
-        assert res.prefix_cache_hits > 0, "no prefix-cache hit: the shared prefixes were not reused"
-    if option == "ngram":
-        assert res.spec["proposed"] > 0, "no draft was proposed"
+    assert_parity(res, option, 4)
 
 
 def test_deepseek_parity_with_context_chunked_through_a_tiny_workspace(monkeypatch):

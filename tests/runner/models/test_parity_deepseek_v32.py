@@ -6,6 +6,8 @@ forced preemption and prefix caching; the indexer group is in the run's cache ta
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -14,6 +16,9 @@ pytest.importorskip("transformers")
 from attnplug.runner.commands.parity import run_parity  # noqa: E402
 from attnplug.runner.models import build_model  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).parent))
+from parity_runs import assert_parity, options  # noqa: E402
+
 V32 = {"model_type": "deepseek_v32", "architectures": ["DeepseekV32ForCausalLM"], "vocab_size": 128,
        "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32, "num_hidden_layers": 2,
        "num_attention_heads": 4, "num_key_value_heads": 4, "kv_lora_rank": 32, "q_lora_rank": 48,
@@ -21,23 +26,14 @@ V32 = {"model_type": "deepseek_v32", "architectures": ["DeepseekV32ForCausalLM"]
        "num_experts_per_tok": 2, "n_shared_experts": 1, "n_group": 2, "topk_group": 1, "first_k_dense_replace": 1,
        "routed_scaling_factor": 2.5, "norm_topk_prob": True, "max_position_embeddings": 256, "rope_theta": 10000.0,
        "initializer_range": 0.1, "index_n_heads": 16, "index_head_dim": 32, "index_topk": 6}
-OPTIONS = {
-    "chunked": {},
-    "preempt": {"force_preemption": True},
-    "prefix": {"prefix_caching": True, "system_prompt_len": 12},
-}
+OPTIONS = options("chunked", "preempt", "prefix")
 
 
 @pytest.mark.parametrize("option", list(OPTIONS))
 def test_deepseek_v32_parity_with_hf(option):
     res = run_parity(V32, num_requests=3, seed=1, max_num_batched_tokens=16, max_tokens=4, block_size=4,
                      prompt_len_range=(10, 24), **OPTIONS[option])
-    assert res.ok, res.line()
-    assert res.num_identical == res.num_requests == 3
-    if option == "preempt":
-        assert res.preemptions > 0, "forced preemption did not preempt anything"
-    if option == "prefix":
-        assert res.prefix_cache_hits > 0, "no prefix-cache hit: the shared prefixes were not reused"
+    assert_parity(res, option, 3, check_dlogit=False)
 
 
 def test_deepseek_v32_has_an_indexer_group_beside_the_latent_group():

@@ -5,6 +5,9 @@ caching and n-gram speculative decoding; and selection refuses a backend without
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 
 pytest.importorskip("transformers")
@@ -13,6 +16,9 @@ from attnplug.core.errors import BackendUnsupportedError  # noqa: E402
 from attnplug.runner.commands.parity import run_parity  # noqa: E402
 from attnplug.runner.models import build_model, resolve_model_config  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).parent))
+from parity_runs import assert_parity, options  # noqa: E402
+
 GPT_OSS = {"model_type": "gpt_oss", "architectures": ["GptOssForCausalLM"], "vocab_size": 128, "hidden_size": 64,
            "intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
            "head_dim": 16, "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "initializer_range": 0.1,
@@ -20,26 +26,14 @@ GPT_OSS = {"model_type": "gpt_oss", "architectures": ["GptOssForCausalLM"], "voc
            "num_experts_per_tok": 2, "swiglu_limit": 7.0,
            "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
                                "truncate": False, "original_max_position_embeddings": 32, "rope_theta": 10000.0}}
-OPTIONS = {
-    "chunked": {},
-    "preempt": {"force_preemption": True},
-    "prefix": {"prefix_caching": True, "system_prompt_len": 12},
-    "ngram": {"speculative": "ngram:k=3"},
-}
+OPTIONS = options("chunked", "preempt", "prefix", "ngram")
 
 
 @pytest.mark.parametrize("option", list(OPTIONS))
 def test_gpt_oss_parity_with_hf(option):
     res = run_parity(GPT_OSS, num_requests=4, seed=1, max_num_batched_tokens=16, max_tokens=5, block_size=4,
                      prompt_len_range=(3, 30), **OPTIONS[option])
-    assert res.ok, res.line()
-    assert res.num_identical == res.num_requests == 4 and res.max_abs_dlogit <= res.tolerance
-    if option == "preempt":
-        assert res.preemptions > 0, "forced preemption did not preempt anything"
-    if option == "prefix":
-        assert res.prefix_cache_hits > 0, "no prefix-cache hit: the shared prefixes were not reused"
-    if option == "ngram":
-        assert res.spec["proposed"] > 0, "no draft was proposed"
+    assert_parity(res, option, 4)
 
 
 def test_gpt_oss_layers_have_windows_and_sinks():

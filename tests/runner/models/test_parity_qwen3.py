@@ -7,6 +7,8 @@ async scheduling; and the CLI on a Qwen3-MoE config.json."""
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -16,6 +18,10 @@ from attnplug.runner.commands.parity import main as parity_main  # noqa: E402
 from attnplug.runner.commands.parity import run_parity  # noqa: E402
 from attnplug.runner.models import Qwen3ModelConfig, build_model, resolve_model_config  # noqa: E402
 from attnplug.runner.models.moe import MoEBlock  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
+from parity_runs import PARITY_OPTIONS as OPTIONS  # noqa: E402
+from parity_runs import assert_parity  # noqa: E402
 
 BASE = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 256,
@@ -32,13 +38,6 @@ CONFIGS = {
     "qwen3_moe-sparse-step": {**QWEN3_MOE, "num_hidden_layers": 3, "mlp_only_layers": [], "decoder_sparse_step": 2,
                               "norm_topk_prob": False, "num_experts_per_tok": 3},
 }
-OPTIONS = {
-    "chunked": {},
-    "preempt": {"force_preemption": True},
-    "prefix": {"prefix_caching": True, "system_prompt_len": 12},
-    "ngram": {"speculative": "ngram:k=3"},
-    "async": {"async_scheduling": True},
-}
 RUNS = [("qwen3", o) for o in OPTIONS] + [("qwen3_moe-dense-first", o) for o in OPTIONS] + [
     ("qwen3-tied", "preempt"), ("qwen3-yarn", "chunked"), ("qwen3_moe-sparse-step", "preempt"),
     ("qwen3_moe-sparse-step", "prefix")]
@@ -48,14 +47,7 @@ RUNS = [("qwen3", o) for o in OPTIONS] + [("qwen3_moe-dense-first", o) for o in 
 def test_qwen3_parity_with_hf(name, option):
     res = run_parity(CONFIGS[name], num_requests=5, seed=1, max_num_batched_tokens=16, max_tokens=5, block_size=4,
                      **OPTIONS[option])
-    assert res.ok, res.line()
-    assert res.num_identical == res.num_requests == 5 and res.max_abs_dlogit <= res.tolerance
-    if option == "preempt":
-        assert res.preemptions > 0, "forced preemption did not preempt anything"
-    if option == "prefix":
-        assert res.prefix_cache_hits > 0, "no prefix-cache hit: the shared prefixes were not reused"
-    if option == "ngram":
-        assert res.spec["proposed"] > 0, "no draft was proposed"
+    assert_parity(res, option, 5)
 
 
 def test_qwen3_moe_layers_and_weights():
