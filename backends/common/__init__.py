@@ -3,6 +3,9 @@
 Not a backend: nothing here is registered. Each module is one concept:
 
 * ``window.py`` — attnplug's sliding window ``W`` in the kernel libraries' conventions;
+* ``decoder_impl.py`` — the constructor of a decoder impl taking sinks and ALiBi slopes:
+  every argument checked, then stored (``torch_native``, ``triton``);
+* ``features.py`` — the sliding-window / soft-cap declarations the paged backends share;
 * ``cache_write.py`` — a graph-safe torch scatter of K/V into a paged cache by slot;
 * ``layer_params.py`` — the live impls' per-layer attention parameters (scale, soft-cap,
   window, heads), which builders need to plan kernels before any layer runs;

@@ -13,6 +13,7 @@ from abc import ABCMeta
 
 import torch
 
+from attnplug.backends.common.features import WindowAndSoftCapFeatures
 from attnplug.backends.flash_attn.kernels import (
     installed_version,
     kernel_block_sizes_for,
@@ -55,7 +56,7 @@ class _FlashAttnBackendMeta(ABCMeta):
         return cls.kernels_version() == 3
 
 
-class FlashAttnBackend(AttentionBackend, metaclass=_FlashAttnBackendMeta):
+class FlashAttnBackend(WindowAndSoftCapFeatures, AttentionBackend, metaclass=_FlashAttnBackendMeta):
     """FlashAttention (2 or 3) over attnplug's paged KV cache.
 
     Capabilities: float16/bfloat16, head sizes that are multiples of 8 up to 256, GQA/MQA,
@@ -103,18 +104,6 @@ class FlashAttnBackend(AttentionBackend, metaclass=_FlashAttnBackendMeta):
     def get_impl_cls(cls) -> type[AttentionImpl]:
         from attnplug.backends.flash_attn.impl import FlashAttnImpl
         return FlashAttnImpl
-
-    @classmethod
-    def supports_sliding_window(cls) -> bool:
-        return True
-
-    @classmethod
-    def supports_logits_soft_cap(cls) -> bool:
-        return True
-
-    @classmethod
-    def supports_mqa_gqa(cls) -> bool:
-        return True
 
     @classmethod
     def is_available(cls) -> tuple[bool, str]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from attnplug.backends.common.features import WindowAndSoftCapFeatures
 from attnplug.backends.flashinfer.kernels import unavailable_reason
 from attnplug.core.contracts import AttentionBackend, AttentionImpl, AttentionLayerConfig, AttentionMetadataBuilder
 
@@ -11,7 +12,7 @@ HEAD_SIZES: tuple[int, ...] = (64, 128, 256)
 """Head sizes FlashInfer's kernels are built for (its ahead-of-time kernel package, or its JIT at first use)."""
 
 
-class FlashInferBackend(AttentionBackend):
+class FlashInferBackend(WindowAndSoftCapFeatures, AttentionBackend):
     """FlashInfer over attnplug's paged KV cache: decodes first (one decode wrapper),
     prefills last (one prefill wrapper), each planned once per step.
 
@@ -60,20 +61,8 @@ class FlashInferBackend(AttentionBackend):
         return FlashInferImpl
 
     @classmethod
-    def supports_sliding_window(cls) -> bool:
-        return True
-
-    @classmethod
-    def supports_logits_soft_cap(cls) -> bool:
-        return True
-
-    @classmethod
     def supports_sink(cls) -> bool:
         """``run(..., sinks=)`` (flashinfer-python 0.6.18, both wrappers)."""
-        return True
-
-    @classmethod
-    def supports_mqa_gqa(cls) -> bool:
         return True
 
     @classmethod

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import torch
 
+from attnplug.backends.common.features import WindowAndSoftCapFeatures
 from attnplug.core.contracts import AttentionBackend, AttentionImpl, AttentionMetadataBuilder
 
 
-class TorchNativeBackend(AttentionBackend):
+class TorchNativeBackend(WindowAndSoftCapFeatures, AttentionBackend):
     """Reference attention in plain torch: every feature, any shape, readable over fast.
 
     Capabilities: float32/float16/bfloat16, any head size, any kernel block size, CPU
@@ -47,24 +48,12 @@ class TorchNativeBackend(AttentionBackend):
         return TorchNativeAttentionImpl
 
     @classmethod
-    def supports_sliding_window(cls) -> bool:
-        return True
-
-    @classmethod
-    def supports_logits_soft_cap(cls) -> bool:
-        return True
-
-    @classmethod
     def supports_sink(cls) -> bool:
         return True
 
     @classmethod
     def supports_alibi(cls) -> bool:
         """``alibi_slopes`` (``impl.py``): ``- slope_h * distance`` on the logits."""
-        return True
-
-    @classmethod
-    def supports_mqa_gqa(cls) -> bool:
         return True
 
     @classmethod

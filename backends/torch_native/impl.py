@@ -15,10 +15,10 @@ from attnplug.backends.torch_native.attention import (
 )
 from attnplug.backends.torch_native.builder import AttentionSegment, TorchNativeMetadata
 from attnplug.backends.torch_native.cascade import cascade_forward
+from attnplug.backends.common.decoder_impl import SinksAlibiDecoderImpl
 from attnplug.backends.common.kv_scales import kv_scales_for
 from attnplug.backends.common.value_checks import check_slots, values_checked
-from attnplug.core.contracts import AttentionImpl, AttentionType
-from attnplug.core.errors import BackendUnsupportedError, MetadataError
+from attnplug.core.errors import MetadataError
 
 QUERY_TILE_TOKENS: int = 256
 """Queries of one request attended per op. Bounds the float32 logits temporary (a 4096-token
@@ -26,7 +26,7 @@ prompt would otherwise need ``num_heads * 4096 * 4096 * 4`` bytes per temporary)
 changes the result."""
 
 
-class TorchNativeAttentionImpl(AttentionImpl):
+class TorchNativeAttentionImpl(SinksAlibiDecoderImpl):
     """The reference attention of one layer (see ``attention.py`` for the math).
 
     ``TorchNativeAttentionImpl(num_heads, head_size, scale, num_kv_heads,
@@ -58,22 +58,10 @@ class TorchNativeAttentionImpl(AttentionImpl):
         torch.Size([4, 2, 8])
     """
 
-    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
-                 sliding_window: int | None = None, logits_soft_cap: float | None = None,
-                 attn_type: AttentionType = AttentionType.DECODER,
-                 kv_cache_dtype: torch.dtype | None = None, sinks: torch.Tensor | None = None,
-                 alibi_slopes: torch.Tensor | None = None):
-        reasons = self.decoder_argument_problems(num_heads, num_kv_heads, sliding_window, logits_soft_cap,
-                                                 attn_type)
-        reasons += self.sinks_argument_problems(sinks, num_heads)
-        reasons += [r.replace("sinks", "alibi_slopes").replace("sink logit", "ALiBi slope")
-                    for r in self.sinks_argument_problems(alibi_slopes, num_heads)]
-        if reasons:
-            raise BackendUnsupportedError("torch_native", reasons, context="TorchNativeAttentionImpl")
-        super().__init__(num_heads, head_size, scale, num_kv_heads, sliding_window, logits_soft_cap,
-                         attn_type, kv_cache_dtype, sinks)
-        self.alibi_slopes = alibi_slopes
-        """``[num_heads]`` float32 ALiBi slopes or ``None`` (``attention.attend``'s ``alibi``)."""
+    backend_name = "torch_native"
+    impl_name = "TorchNativeAttentionImpl"
+    # the constructor (argument checks, then ``alibi_slopes``, ``attention.attend``'s ``alibi``)
+    # is backends/common/decoder_impl.SinksAlibiDecoderImpl's
 
     def forward(self, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: TorchNativeMetadata,

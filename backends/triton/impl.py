@@ -15,12 +15,12 @@ from attnplug.backends.triton.metadata import TritonAttentionMetadata
 from attnplug.backends.triton.runtime import interpreting
 from attnplug.backends.common.value_checks import check_batch, check_slots, values_checked
 from attnplug.backends.common.kv_scales import kv_scales_for
+from attnplug.backends.common.decoder_impl import SinksAlibiDecoderImpl
 from attnplug.core.kv_quant import FP8_DTYPES
-from attnplug.core.contracts import AttentionImpl, AttentionType
-from attnplug.core.errors import BackendUnsupportedError, MetadataError
+from attnplug.core.errors import MetadataError
 
 
-class TritonAttentionImpl(AttentionImpl):
+class TritonAttentionImpl(SinksAlibiDecoderImpl):
     """The attention of one layer with the Triton kernels.
 
     ``TritonAttentionImpl(num_heads, head_size, scale, num_kv_heads, sliding_window=None,
@@ -51,24 +51,17 @@ class TritonAttentionImpl(AttentionImpl):
         torch.Size([4, 2, 16])
     """
 
-    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
-                 sliding_window: int | None = None, logits_soft_cap: float | None = None,
-                 attn_type: AttentionType = AttentionType.DECODER,
-                 kv_cache_dtype: torch.dtype | None = None, sinks: torch.Tensor | None = None,
-                 alibi_slopes: torch.Tensor | None = None):
-        reasons = self.decoder_argument_problems(num_heads, num_kv_heads, sliding_window, logits_soft_cap,
-                                                 attn_type)
-        reasons += self.sinks_argument_problems(sinks, num_heads)
-        reasons += [r.replace("sinks", "alibi_slopes").replace("sink logit", "ALiBi slope")
-                    for r in self.sinks_argument_problems(alibi_slopes, num_heads)]
+    backend_name = "triton"
+    impl_name = "TritonAttentionImpl"
+    # the constructor (argument checks, then ``alibi_slopes``, ``paged_attention(alibi_slopes=)``)
+    # is backends/common/decoder_impl.SinksAlibiDecoderImpl's, with this limit:
+
+    @classmethod
+    def extra_argument_problems(cls, head_size: int) -> list[str]:
+        """A head size the kernels do not take (``constants.HEAD_SIZES``)."""
         if head_size not in HEAD_SIZES:
-            reasons.append(f"head_size {head_size} not supported (multiples of 16 up to {HEAD_SIZES[-1]})")
-        if reasons:
-            raise BackendUnsupportedError("triton", reasons, context="TritonAttentionImpl")
-        super().__init__(num_heads, head_size, scale, num_kv_heads, sliding_window, logits_soft_cap,
-                         attn_type, kv_cache_dtype, sinks)
-        self.alibi_slopes = alibi_slopes
-        """``[num_heads]`` float32 ALiBi slopes or ``None`` (``paged_attention(alibi_slopes=)``)."""
+            return [f"head_size {head_size} not supported (multiples of 16 up to {HEAD_SIZES[-1]})"]
+        return []
 
     def forward(self, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: TritonAttentionMetadata,
