@@ -5,6 +5,7 @@ Not a backend: nothing here is registered. Each module is one concept:
 * ``window.py`` — attnplug's sliding window ``W`` in the kernel libraries' conventions;
 * ``decoder_impl.py`` — the constructor of a decoder impl taking sinks and ALiBi slopes:
   every argument checked, then stored (``torch_native``, ``triton``);
+* ``shape_checks.py`` — the per-head shapes of query / key / value, checked by every impl;
 * ``features.py`` — the sliding-window / soft-cap declarations the paged backends share;
 * ``cache_write.py`` — a graph-safe torch scatter of K/V into a paged cache by slot;
 * ``layer_params.py`` — the live impls' per-layer attention parameters (scale, soft-cap,

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from attnplug.backends.common.cache_write import write_kv_by_slot
+from attnplug.backends.common.shape_checks import qkv_shape_problems
 from attnplug.backends.common.merge import merge_attn_states
 from attnplug.backends.common.value_checks import check_batch, check_slots, values_checked
 from attnplug.backends.common.window import fa_window_size
@@ -194,13 +195,7 @@ class FlashAttnImpl(AttentionImpl):
         if not isinstance(md, FlashAttnMetadata):
             raise MetadataError(f"attn_metadata is a {type(md).__name__}, not FlashAttnMetadata: the layer's "
                                 "metadata must come from the flash_attn builder of its cache group.")
-        problems = []
-        expect_q, expect_kv = (self.num_heads, self.head_size), (self.num_kv_heads, self.head_size)
-        if query.dim() != 3 or tuple(query.shape[1:]) != expect_q:
-            problems.append(f"query {tuple(query.shape)} should be [num_tokens, {expect_q[0]}, {expect_q[1]}]")
-        for name, t in (("key", key), ("value", value)):
-            if t.dim() != 3 or tuple(t.shape[1:]) != expect_kv:
-                problems.append(f"{name} {tuple(t.shape)} should be [num_tokens, {expect_kv[0]}, {expect_kv[1]}]")
+        problems = qkv_shape_problems(query, key, value, self.num_heads, self.num_kv_heads, self.head_size)
         if output.shape != query.shape:
             problems.append(f"output {tuple(output.shape)} should match query {tuple(query.shape)}")
         if min(query.shape[0], key.shape[0], value.shape[0]) < md.slot_mapping.shape[0]:

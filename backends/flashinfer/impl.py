@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from attnplug.backends.common.cache_write import write_kv_by_slot
+from attnplug.backends.common.shape_checks import qkv_shape_problems
 from attnplug.backends.common.kv_scales import kv_scales_for
 from attnplug.backends.common.value_checks import check_page_ids, check_slots, values_checked
 from attnplug.backends.common.window import flashinfer_window_left
@@ -144,13 +145,7 @@ class FlashInferImpl(AttentionImpl):
         if not isinstance(md, FlashInferMetadata):
             raise MetadataError(f"attn_metadata is a {type(md).__name__}, not FlashInferMetadata: the layer's "
                                 "metadata must come from the flashinfer builder of its cache group.")
-        problems = []
-        expect_q, expect_kv = (self.num_heads, self.head_size), (self.num_kv_heads, self.head_size)
-        if query.dim() != 3 or tuple(query.shape[1:]) != expect_q:
-            problems.append(f"query {tuple(query.shape)} should be [num_tokens, {expect_q[0]}, {expect_q[1]}]")
-        for name, t in (("key", key), ("value", value)):
-            if t.dim() != 3 or tuple(t.shape[1:]) != expect_kv:
-                problems.append(f"{name} {tuple(t.shape)} should be [num_tokens, {expect_kv[0]}, {expect_kv[1]}]")
+        problems = qkv_shape_problems(query, key, value, self.num_heads, self.num_kv_heads, self.head_size)
         if output.shape != query.shape or not output.is_contiguous():
             problems.append(f"output {tuple(output.shape)} should be contiguous and match query {tuple(query.shape)}")
         if output.dtype != query.dtype or output.device != query.device:

@@ -16,6 +16,7 @@ from attnplug.backends.torch_native.attention import (
 from attnplug.backends.torch_native.builder import AttentionSegment, TorchNativeMetadata
 from attnplug.backends.torch_native.cascade import cascade_forward
 from attnplug.backends.common.decoder_impl import SinksAlibiDecoderImpl
+from attnplug.backends.common.shape_checks import qkv_shape_problems
 from attnplug.backends.common.kv_scales import kv_scales_for
 from attnplug.backends.common.value_checks import check_slots, values_checked
 from attnplug.core.errors import MetadataError
@@ -177,7 +178,6 @@ class TorchNativeAttentionImpl(SinksAlibiDecoderImpl):
             check_slots(md.write_slots, kv_cache.shape[0], kv_cache.shape[2], where)
 
     def _check(self, query, key, value, kv_cache, md, output) -> None:
-        problems = []
         if not isinstance(md, TorchNativeMetadata):
             raise MetadataError(
                 f"attn_metadata is a {type(md).__name__}, not TorchNativeMetadata: the layer's "
@@ -188,13 +188,7 @@ class TorchNativeAttentionImpl(SinksAlibiDecoderImpl):
                 f"the metadata's key ranges start at a {md.sliding_window}-token window but this layer "
                 f"attends with sliding_window={self.sliding_window}: it would miss keys. A layer must sit "
                 "in a cache group whose SlidingWindowSpec has its window (or a FullAttentionSpec group).")
-        expect_q = (self.num_heads, self.head_size)
-        expect_kv = (self.num_kv_heads, self.head_size)
-        if query.dim() != 3 or tuple(query.shape[1:]) != expect_q:
-            problems.append(f"query {tuple(query.shape)} should be [num_tokens, {expect_q[0]}, {expect_q[1]}]")
-        for name, t in (("key", key), ("value", value)):
-            if t.dim() != 3 or tuple(t.shape[1:]) != expect_kv:
-                problems.append(f"{name} {tuple(t.shape)} should be [num_tokens, {expect_kv[0]}, {expect_kv[1]}]")
+        problems = qkv_shape_problems(query, key, value, self.num_heads, self.num_kv_heads, self.head_size)
         if output.shape != query.shape:
             problems.append(f"output {tuple(output.shape)} should match query {tuple(query.shape)}")
         n = md.num_actual_tokens

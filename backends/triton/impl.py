@@ -14,6 +14,7 @@ from attnplug.backends.triton.constants import HEAD_SIZES
 from attnplug.backends.triton.metadata import TritonAttentionMetadata
 from attnplug.backends.triton.runtime import interpreting
 from attnplug.backends.common.value_checks import check_batch, check_slots, values_checked
+from attnplug.backends.common.shape_checks import qkv_shape_problems
 from attnplug.backends.common.kv_scales import kv_scales_for
 from attnplug.backends.common.decoder_impl import SinksAlibiDecoderImpl
 from attnplug.core.kv_quant import FP8_DTYPES
@@ -138,14 +139,7 @@ class TritonAttentionImpl(SinksAlibiDecoderImpl):
             raise MetadataError(
                 f"attn_metadata is a {type(md).__name__}, not TritonAttentionMetadata: the layer's metadata "
                 "must come from the triton builder of its cache group.")
-        problems = []
-        expect_q = (self.num_heads, self.head_size)
-        expect_kv = (self.num_kv_heads, self.head_size)
-        if query.dim() != 3 or tuple(query.shape[1:]) != expect_q:
-            problems.append(f"query {tuple(query.shape)} should be [num_tokens, {expect_q[0]}, {expect_q[1]}]")
-        for name, t in (("key", key), ("value", value)):
-            if t.dim() != 3 or tuple(t.shape[1:]) != expect_kv:
-                problems.append(f"{name} {tuple(t.shape)} should be [num_tokens, {expect_kv[0]}, {expect_kv[1]}]")
+        problems = qkv_shape_problems(query, key, value, self.num_heads, self.num_kv_heads, self.head_size)
         if output.shape != query.shape:
             problems.append(f"output {tuple(output.shape)} should match query {tuple(query.shape)}")
         if min(query.shape[0], key.shape[0], value.shape[0]) < md.num_actual_tokens:
