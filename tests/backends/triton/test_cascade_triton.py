@@ -5,23 +5,21 @@ triton backend gives the same tokens and logits with cascade on and off."""
 
 from __future__ import annotations
 
-import numpy as np
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
 from attnplug.backends.torch_native import TorchNativeBackend
 from attnplug.backends.triton import TritonBackend, TritonMetadataBuilder, paged_attention
-from attnplug.cache_groups.grouping import KVCacheConfig, group_layers_by_spec
 from attnplug.cache_groups.specs import FullAttentionSpec, SlidingWindowSpec
 from attnplug.core.contracts import BuilderConfig
 from attnplug.core.errors import MetadataError
 from attnplug.core.metadata import CommonAttentionMetadata
-from attnplug.runner.execute.cascade import CascadeConfig
-from attnplug.runner.execute.model_runner import ModelRunner, RunnerConfig
-from attnplug.runner.models import build_model
-from attnplug.runner.serve.engine import LLMEngine
-from attnplug.runner.serve.scheduler import Scheduler, SchedulerConfig
-from attnplug.runner.step.scheduler_output import SamplingParams
+
+sys.path.insert(0, str(Path(__file__).parents[2] / "runner" / "execute"))
+from shared_prefix_cascade import SharedPrefixRun, assert_cascade_on_equals_off  # noqa: E402
 
 H, HKV, D, B = 4, 2, 32, 16
 CFG = BuilderConfig(max_num_reqs=4, max_num_batched_tokens=64, max_model_len=128)
@@ -97,43 +95,13 @@ def test_sliding_window_groups_never_cascade():
                                atol=2e-5, rtol=2e-5)
 
 
-LLAMA = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 97, "hidden_size": 64,
-         "intermediate_size": 96, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 1,
-         "max_position_embeddings": 128, "rms_norm_eps": 1e-6, "initializer_range": 0.1}
-SYSTEM = np.random.default_rng(5).integers(0, 97, size=40).tolist()  # 2 full blocks + 8 tokens
-
-
-def _run(cascade: CascadeConfig):
-    model = build_model(LLAMA, backend_for_layer=lambda name, cfg: TritonBackend, block_size=B, seed=3)
-    groups = group_layers_by_spec(model.kv_cache_specs(B))
-    kv = KVCacheConfig(24, groups)
-    runner = ModelRunner(model, kv, [TritonBackend] * len(groups), RunnerConfig(4, 64, 64), record_logits=True,
-                         cascade=cascade)
-    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4, max_model_len=64,
-                                      enable_prefix_caching=True), kv)
-    engine = LLMEngine(sched, runner)
-    sp = SamplingParams(temperature=0.0, max_tokens=2)
-    engine.add_request("first", SYSTEM + [1, 2, 3], sp)
-    engine.step()  # computes the system prompt: its full blocks are cached
-    for i in range(2):
-        engine.add_request(f"r{i}", SYSTEM + [10 + i] * (3 + 2 * i), sp)
-    res = engine.run()
-    return runner, {rid: (r.output_token_ids, torch.stack(r.logits)) for rid, r in res.items()}
+RUN = SharedPrefixRun(num_layers=1, max_position_embeddings=128, num_blocks=24, max_num_reqs=4, max_model_len=64,
+                      max_tokens=2, num_sharing=2)
 
 
 @pytest.mark.parametrize("threshold", [16, 64], ids=["prefix-above-threshold", "prefix-below-threshold"])
 def test_runner_cascade_on_equals_off_with_triton(threshold):
-    on_runner, on = _run(CascadeConfig(min_prefix_len=threshold, min_num_reqs=2))
-    off_runner, off = _run(CascadeConfig(enabled=False))
-    assert off_runner.cascade.num_cascade_steps == 0
-    if threshold <= 32:  # the shared prefix: two full 16-token blocks
-        assert on_runner.cascade.num_cascade_steps >= 2
-    else:
-        assert on_runner.cascade.num_cascade_steps == 0
-    assert on.keys() == off.keys() and len(on) == 3
-    for rid in on:
-        assert on[rid][0] == off[rid][0], rid
-        torch.testing.assert_close(on[rid][1], off[rid][1], atol=2e-4, rtol=1e-4)
+    assert_cascade_on_equals_off(RUN, TritonBackend, threshold)
 
 
 def test_update_block_table_recuts_the_cascade_passes_from_the_other_groups_table():
