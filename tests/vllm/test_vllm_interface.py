@@ -17,9 +17,14 @@ with dense causal attention over the whole token history.
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from vllm_steps import vllm_step  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_SIZE, BLOCK = 4, 2, 32, 16
 
@@ -54,25 +59,6 @@ def _allocate(V, layout, num_blocks: int, dtype: torch.dtype = torch.float32) ->
     poison = 0x7F if dtype == torch.uint8 else 1e3  # 0x7F: NaN as e4m3fn and as e5m2
     phys = torch.full([logical[i] for i in order], poison, dtype=dtype)  # poison: a read of an unwritten slot shows
     return phys.permute([order.index(i) for i in range(4)])
-
-
-def _step(V, computed: list[int], scheduled: list[int], blocks: list[list[int]], pad: int):
-    """vLLM's ``CommonAttentionMetadata`` for one step (``pad`` padding tokens at the end)."""
-    qsl = torch.tensor([0] + scheduled).cumsum(0).to(torch.int32)
-    seq = torch.tensor([c + s for c, s in zip(computed, scheduled)], dtype=torch.int32)
-    positions = torch.cat([torch.arange(c, c + s) for c, s in zip(computed, scheduled)] + [torch.zeros(pad)]).long()
-    table = torch.zeros(len(blocks), 8, dtype=torch.int32)
-    for i, row in enumerate(blocks):
-        table[i, : len(row)] = torch.tensor(row, dtype=torch.int32)
-    req = torch.repeat_interleave(torch.arange(len(scheduled)), torch.tensor(scheduled))
-    real = positions[: len(req)]
-    slots = torch.cat([table[req, real // BLOCK].long() * BLOCK + real % BLOCK, torch.full((pad,), -1)])
-    n = int(qsl[-1])
-    return V.VllmCommonAttentionMetadata(
-        query_start_loc=qsl, query_start_loc_cpu=qsl.clone(), seq_lens=seq, num_reqs=len(scheduled),
-        num_actual_tokens=n + pad, max_query_len=max(scheduled), max_seq_len=int(seq.max()) + BLOCK,
-        block_table_tensor=table, slot_mapping=slots, causal=True, positions=positions,
-        is_prefilling=torch.tensor([c + s < 40 for c, s in zip(computed, scheduled)]))
 
 
 def _dense(q, k, v, sinks=None):
@@ -121,7 +107,8 @@ def _two_steps_match_dense(V, config, backend, layer, sinks=None, fp8=None):
     blocks = [[3, 7, 1], [5]]
     for computed, scheduled in (([0, 0], [21, 8]), ([21, 8], [16, 1])):
         pad = 3
-        cm = _step(V, computed, scheduled, blocks, pad)
+        cm = vllm_step(V, computed, scheduled, blocks, pad, BLOCK,
+                       [c + s < 40 for c, s in zip(computed, scheduled)])
         rows = [(r, c, c + s) for r, c, s in zip("AB", computed, scheduled)]
         q = torch.cat([q_all[r][a:b] for r, a, b in rows] + [torch.randn(pad, HEADS, HEAD_SIZE, generator=g)])
         k = torch.cat([k_all[r][a:b] for r, a, b in rows] + [torch.randn(pad, KV_HEADS, HEAD_SIZE, generator=g)])

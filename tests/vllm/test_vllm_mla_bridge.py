@@ -18,9 +18,14 @@ decodes) beside A's second chunk over 21 cached tokens. The output equals attnpl
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from vllm_steps import vllm_step  # noqa: E402
 
 N, L, R, P, VD, BLOCK = 4, 32, 16, 24, 20, 16
 """heads, kv_lora_rank, qk_rope_head_dim, qk_nope_head_dim, v_head_dim, block size."""
@@ -77,24 +82,6 @@ def _one_process_model_parallel() -> None:
     ps.initialize_model_parallel(1, 1)
 
 
-def _step(V, computed: list[int], scheduled: list[int], blocks: list[list[int]], pad: int):
-    """vLLM's ``CommonAttentionMetadata`` for one step (``pad`` padding tokens, slot -1)."""
-    qsl = torch.tensor([0] + scheduled).cumsum(0).to(torch.int32)
-    seq = torch.tensor([c + s for c, s in zip(computed, scheduled)], dtype=torch.int32)
-    positions = torch.cat([torch.arange(c, c + s) for c, s in zip(computed, scheduled)] + [torch.zeros(pad)]).long()
-    table = torch.zeros(len(blocks), 8, dtype=torch.int32)
-    for i, row in enumerate(blocks):
-        table[i, : len(row)] = torch.tensor(row, dtype=torch.int32)
-    req = torch.repeat_interleave(torch.arange(len(scheduled)), torch.tensor(scheduled))
-    real = positions[: len(req)]
-    slots = torch.cat([table[req, real // BLOCK].long() * BLOCK + real % BLOCK, torch.full((pad,), -1)])
-    return V.VllmCommonAttentionMetadata(
-        query_start_loc=qsl, query_start_loc_cpu=qsl.clone(), seq_lens=seq, num_reqs=len(scheduled),
-        num_actual_tokens=int(qsl[-1]) + pad, max_query_len=max(scheduled), max_seq_len=int(seq.max()) + BLOCK,
-        block_table_tensor=table, slot_mapping=slots, causal=True, positions=positions,
-        is_prefilling=torch.tensor([s > 1 for s in scheduled]))
-
-
 def test_torch_native_mla_in_vllms_mla_layer_equals_attnplugs_reference(mla_layer):
     from attnplug.backends.mla.torch_native.backend import TorchNativeMLABackend
     from attnplug.core.mla import MLALayerConfig
@@ -115,7 +102,7 @@ def test_torch_native_mla_in_vllms_mla_layer_equals_attnplugs_reference(mla_laye
     # step 1: A (21) and B (8) prefill; step 2: B decodes (first, as vLLM orders decodes), A's next 16
     for order, computed, scheduled in ((["A", "B"], [0, 0], [21, 8]), (["B", "A"], [8, 21], [1, 16])):
         pad = 3
-        cm = _step(V, computed, scheduled, [blocks[r] for r in order], pad)
+        cm = vllm_step(V, computed, scheduled, [blocks[r] for r in order], pad, BLOCK, [s > 1 for s in scheduled])
         T = sum(scheduled) + pad
         q = torch.randn(T, N, P + R, generator=g)
         kv_c, k_pe = torch.randn(T, L, generator=g), torch.randn(T, 1, R, generator=g)
