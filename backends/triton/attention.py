@@ -181,12 +181,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     num_kv_heads = key_cache.shape[2]
     _check(query, key_cache, value_cache, output, query_start_loc, seq_lens, block_table, num_reqs, num_kv_splits,
            sliding_window, logits_soft_cap)
-    if lse is not None:
-        _check_lse(lse, query, num_kv_splits)
-    if sinks is not None:
-        _check_sinks(sinks, query)
-    if alibi_slopes is not None:
-        _check_sinks(alibi_slopes, query, "alibi_slopes")
+    _check_optional_tensors(query, num_kv_splits, lse, sinks, alibi_slopes)
     if num_reqs == 0 or num_tokens == 0:
         return output
     if check_values and values_checked(query.device):
@@ -197,15 +192,9 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     padded = max(16, _next_pow2(head_size))
     kernels = kernel_module("attention_kernels")
     grid = (num_query_tiles(num_tokens, num_reqs, cfg.block_q), num_kv_heads, num_kv_splits)
-    if num_kv_splits > 1:
-        part_acc = torch.empty(num_tokens, num_heads, num_kv_splits, padded, dtype=torch.float32, device=query.device)
-        part_max = torch.empty(num_tokens, num_heads, num_kv_splits, dtype=torch.float32, device=query.device)
-        part_sum = torch.empty_like(part_max)
-    else:
-        part_acc = part_max = part_sum = output  # never touched when NUM_SEGMENTS == 1
+    part_acc, part_max, part_sum = _segment_partials(output, num_kv_splits, padded)
     kv_fp8 = is_quantized(key_cache.dtype)
-    k_desc, v_desc = (per_head_scales(k_scale, num_kv_heads, query.device),
-                      per_head_scales(v_scale, num_kv_heads, query.device)) if kv_fp8 else (seq_lens, seq_lens)
+    k_desc, v_desc = _kv_descales(k_scale, v_scale, num_kv_heads, query.device) if kv_fp8 else (seq_lens, seq_lens)
     launch(kernels, "paged_attention_kernel", grid,
            query, key_cache, value_cache, output, part_acc, part_max, part_sum,
            query_start_loc, seq_lens, block_table, visited_tiles if visited_tiles is not None else seq_lens,
@@ -225,15 +214,59 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
            DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
            RECORD_VISITED=visited_tiles is not None,
            KV_SAME_STRIDES=key_cache.stride()[:2] == value_cache.stride()[:2], STORE_LSE=lse is not None,
-           USE_SINKS=sinks is not None, USE_ALIBI=alibi_slopes is not None, KV_FP8=kv_fp8, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+           USE_SINKS=sinks is not None, USE_ALIBI=alibi_slopes is not None, KV_FP8=kv_fp8,
+           num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if num_kv_splits > 1:
-        heads_per_program = max(1, min(_next_pow2(num_heads), REDUCE_ELEMENTS_PER_PROGRAM // (padded * num_kv_splits)))
-        launch(kernels, "reduce_segments_kernel", (num_tokens, -(-num_heads // heads_per_program)),
-               output, part_acc, part_max, part_sum, query_start_loc, num_reqs, num_heads,
-               output.stride(0), output.stride(1),
-               HEAD_SIZE=head_size, HEAD_SIZE_PADDED=padded, NUM_SEGMENTS=num_kv_splits,
-               HEADS_PER_PROGRAM=heads_per_program, num_warps=4)
+        _reduce_segments(kernels, output, (part_acc, part_max, part_sum), query_start_loc, num_reqs, head_size, padded,
+                         num_kv_splits)
     return output
+
+
+def _check_optional_tensors(query: torch.Tensor, num_kv_splits: int, lse: torch.Tensor | None,
+                            sinks: torch.Tensor | None, alibi_slopes: torch.Tensor | None) -> None:
+    """:func:`paged_attention`'s checks of ``lse``, ``sinks`` and ``alibi_slopes`` where given."""
+    if lse is not None:
+        _check_lse(lse, query, num_kv_splits)
+    if sinks is not None:
+        _check_sinks(sinks, query)
+    if alibi_slopes is not None:
+        _check_sinks(alibi_slopes, query, "alibi_slopes")
+
+
+def _segment_partials(output: torch.Tensor, num_kv_splits: int,
+                      padded: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The split-KV partials, fp32 on ``output``'s device: accumulators ``[num_tokens,
+    num_heads, num_kv_splits, padded]``, running maxima and sums ``[num_tokens, num_heads,
+    num_kv_splits]``; with one segment ``output`` three times (the kernel never touches them
+    when ``NUM_SEGMENTS == 1``)."""
+    if num_kv_splits == 1:
+        return output, output, output
+    num_tokens, num_heads = output.shape[:2]
+    part_acc = torch.empty(num_tokens, num_heads, num_kv_splits, padded, dtype=torch.float32, device=output.device)
+    part_max = torch.empty(num_tokens, num_heads, num_kv_splits, dtype=torch.float32, device=output.device)
+    return part_acc, part_max, torch.empty_like(part_max)
+
+
+def _kv_descales(k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, num_kv_heads: int,
+                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """An fp8 cache's K and V descales as float32 ``[num_kv_heads]`` on ``device``
+    (``core/kv_quant.per_head_scales``)."""
+    return per_head_scales(k_scale, num_kv_heads, device), per_head_scales(v_scale, num_kv_heads, device)
+
+
+def _reduce_segments(kernels, output: torch.Tensor, partials: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                     query_start_loc: torch.Tensor, num_reqs: int, head_size: int, padded: int,
+                     num_kv_splits: int) -> None:
+    """The split-KV second launch: ``reduce_segments_kernel`` combines the segments'
+    ``partials`` (see :func:`_segment_partials`) into ``output``, ``heads_per_program`` heads
+    per program (at most :data:`REDUCE_ELEMENTS_PER_PROGRAM` fp32 elements)."""
+    num_tokens, num_heads = output.shape[:2]
+    heads_per_program = max(1, min(_next_pow2(num_heads), REDUCE_ELEMENTS_PER_PROGRAM // (padded * num_kv_splits)))
+    launch(kernels, "reduce_segments_kernel", (num_tokens, -(-num_heads // heads_per_program)),
+           output, *partials, query_start_loc, num_reqs, num_heads,
+           output.stride(0), output.stride(1),
+           HEAD_SIZE=head_size, HEAD_SIZE_PADDED=padded, NUM_SEGMENTS=num_kv_splits,
+           HEADS_PER_PROGRAM=heads_per_program, num_warps=4)
 
 
 def _check(query, key_cache, value_cache, output, query_start_loc, seq_lens, block_table, num_reqs: int,

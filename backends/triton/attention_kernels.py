@@ -92,7 +92,7 @@ def paged_attention_kernel(
     segment = tl.program_id(2)
 
     # The request of this tile: the largest i with query_start_loc[i] // BLOCK_Q + i <= tile
-    # (binary search; helpers are inlined: the interpreter pays a lot per device-function call).
+    # (binary search; inline, as the other per-program steps: see the device functions below).
     req = tl.program_id(0) * 0  # int32 scalar (loop-carried types must not change)
     hi = req + num_reqs
     while hi - req > 1:
@@ -121,7 +121,7 @@ def paged_attention_kernel(
     q = tl.load(query_ptr + token[:, None] * stride_q_tok + head[:, None] * stride_q_head + dims[None, :],
                 mask=row_valid[:, None] & dim_valid[None, :], other=0.0)
 
-    # Keys any row of the tile may see: [key_lo, key_hi).
+    # Keys any row of the tile may see: [key_lo, key_hi); this segment's share of their tiles.
     last_q = tl.minimum(first_q + BLOCK_Q, q_len) - 1
     if CAUSAL:
         key_hi = ctx_len + last_q + 1
@@ -144,22 +144,70 @@ def paged_attention_kernel(
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
-    acc = tl.full([BLOCK_M, HEAD_SIZE_PADDED], 0.0, dtype=tl.float32)
     if USE_SINKS:
-        # The sink enters the online softmax as a key seen before all others (running max =
-        # the sink, sum = exp2(0) = 1, no value); segment 0 only, so the reduce counts it once.
-        sink = tl.load(sinks_ptr + head, mask=row_valid, other=float("-inf")) * 1.4426950408889634
-        has_sink = row_valid & (segment == 0)
-        m_i = tl.where(has_sink, sink, m_i)
-        l_i = tl.where(has_sink, 1.0, l_i)
+        m_i, l_i = _sink_start(sinks_ptr, head, row_valid, segment, m_i, l_i)
     if KV_FP8:  # one KV head per program: K's descale folds into the softmax scale, V's into the output
         scale = scale * tl.load(k_scale_ptr + kv_head)
+    m_i, l_i, acc = _attend_key_tiles(
+        q, m_i, l_i, tile_lo, tile_hi, key_lo, key_hi, q_pos, head, row_valid, dim_valid, dims, alibi_ptr,
+        block_table_ptr + req.to(tl.int64) * stride_bt_req, key_cache_ptr + kv_head * stride_k_head,
+        value_cache_ptr + kv_head * stride_v_head, scale, soft_cap, stride_k_blk, stride_k_tok, stride_v_blk,
+        stride_v_tok, BLOCK_M, HEAD_SIZE_PADDED, BLOCK_SIZE, TILE_N, CAUSAL, SLIDING_WINDOW, USE_SOFT_CAP,
+        DOT_PRECISION, KV_SAME_STRIDES, USE_ALIBI, KV_FP8)
+    if KV_FP8:
+        acc = acc * tl.load(v_scale_ptr + kv_head)
+
+    if NUM_SEGMENTS == 1:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(output_ptr + token[:, None] * stride_o_tok + head[:, None] * stride_o_head + dims[None, :],
+                 out.to(output_ptr.dtype.element_ty), mask=row_valid[:, None] & dim_valid[None, :])
+        if STORE_LSE:
+            # natural log: ln(sum_k e^{s_k}) = (m_i + log2(l_i)) * ln(2) in the base-2 domain;
+            # -inf for a row that saw no key (l_i == 0)
+            lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.log2(tl.where(l_i == 0.0, 1.0, l_i)))
+                           * 0.6931471805599453)
+            tl.store(lse_ptr + token * stride_lse_tok + head * stride_lse_head, lse, mask=row_valid)
+    else:
+        part = (token * tl.num_programs(1) * NUM_QUERIES_PER_KV + head) * NUM_SEGMENTS + segment
+        tl.store(part_max_ptr + part, m_i, mask=row_valid)
+        tl.store(part_sum_ptr + part, l_i, mask=row_valid)
+        tl.store(part_acc_ptr + part[:, None] * HEAD_SIZE_PADDED + dims[None, :], acc,
+                 mask=row_valid[:, None])
+
+
+# The device functions below are called at most once per program: a device-function call
+# costs the interpreter about a millisecond (``triton.runtime.interpreter`` patches
+# ``triton.language`` on each), so none is called per key tile and the short per-program
+# steps stay inline. A GPU compile inlines them.
+
+
+@triton.jit
+def _sink_start(sinks_ptr, head, row_valid, segment, m_i, l_i):
+    """The online softmax's state ``(m_i, l_i)`` with the sink entered as a key seen before
+    all others (running max = the sink in base 2, sum = exp2(0) = 1, no value); segment 0
+    only, so the reduce counts it once."""
+    sink = tl.load(sinks_ptr + head, mask=row_valid, other=float("-inf")) * 1.4426950408889634
+    has_sink = row_valid & (segment == 0)
+    return tl.where(has_sink, sink, m_i), tl.where(has_sink, 1.0, l_i)
+
+
+@triton.jit
+def _attend_key_tiles(q, m_i, l_i, tile_lo, tile_hi, key_lo, key_hi, q_pos, head, row_valid, dim_valid, dims, alibi_ptr,
+                      bt_row, k_head, v_head, scale, soft_cap, stride_k_blk, stride_k_tok, stride_v_blk,
+                      stride_v_tok, BLOCK_M: tl.constexpr, HEAD_SIZE_PADDED: tl.constexpr,
+                      BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, CAUSAL: tl.constexpr,
+                      SLIDING_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                      KV_SAME_STRIDES: tl.constexpr, USE_ALIBI: tl.constexpr, KV_FP8: tl.constexpr):
+    """The online softmax over key tiles ``[tile_lo, tile_hi)`` of one request and KV head:
+    ``(m_i, l_i, acc)``, the base-2 running max and sum per row and the unnormalised fp32
+    ``[BLOCK_M, HEAD_SIZE_PADDED]`` accumulator, from the state ``(m_i, l_i)`` given.
+    ``bt_row``: the request's block-table row; ``k_head`` / ``v_head``: the caches at this
+    KV head; ``scale``: the softmax scale (with an fp8 cache's K descale folded in);
+    ``alibi_ptr``: the ``[num_heads]`` slopes (read only with ``USE_ALIBI``)."""
+    acc = tl.full([BLOCK_M, HEAD_SIZE_PADDED], 0.0, dtype=tl.float32)
     qk_scale = scale * 1.4426950408889634  # log2(e): logits go to base 2 for exp2
     # Loop invariants (hoisted by hand: the interpreter pays per operation).
     key_offsets = tl.arange(0, TILE_N)
-    bt_row = block_table_ptr + req.to(tl.int64) * stride_bt_req
-    k_head = key_cache_ptr + kv_head * stride_k_head
-    v_head = value_cache_ptr + kv_head * stride_v_head
     dims_row = dims[None, :]
     dim_valid_row = dim_valid[None, :]
     row_valid_col = row_valid[:, None]
@@ -210,25 +258,7 @@ def paged_attention_kernel(
             v = v.to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
-    if KV_FP8:
-        acc = acc * tl.load(v_scale_ptr + kv_head)
-
-    if NUM_SEGMENTS == 1:
-        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-        tl.store(output_ptr + token[:, None] * stride_o_tok + head[:, None] * stride_o_head + dims[None, :],
-                 out.to(output_ptr.dtype.element_ty), mask=row_valid[:, None] & dim_valid[None, :])
-        if STORE_LSE:
-            # natural log: ln(sum_k e^{s_k}) = (m_i + log2(l_i)) * ln(2) in the base-2 domain;
-            # -inf for a row that saw no key (l_i == 0)
-            lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.log2(tl.where(l_i == 0.0, 1.0, l_i)))
-                           * 0.6931471805599453)
-            tl.store(lse_ptr + token * stride_lse_tok + head * stride_lse_head, lse, mask=row_valid)
-    else:
-        part = (token * tl.num_programs(1) * NUM_QUERIES_PER_KV + head) * NUM_SEGMENTS + segment
-        tl.store(part_max_ptr + part, m_i, mask=row_valid)
-        tl.store(part_sum_ptr + part, l_i, mask=row_valid)
-        tl.store(part_acc_ptr + part[:, None] * HEAD_SIZE_PADDED + dims[None, :], acc,
-                 mask=row_valid[:, None])
+    return m_i, l_i, acc
 
 
 @triton.jit(do_not_specialize=["num_reqs"])
