@@ -153,61 +153,100 @@ def vllm_backend(name: str) -> type[AttentionBackend]:
     return _reverse(name)
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Target:
+    """What the three classes of one reversed vLLM backend share (data only)."""
+
+    name: str
+    """The ``AttentionBackendEnum`` member's name (``"FLEX_ATTENTION"``)."""
+    vcls: Any
+    """vLLM's backend class."""
+    packed: bool
+    """The cache is vLLM's logical 4-D tensor, packed by the kernel's own rule
+    (``reverse_layout.PACKING_OVERRIDES``: CPU_ATTN)."""
+    layout: Any
+    """attnplug's ``KVCacheLayout`` of the declared packing; ``None`` when ``packed``."""
+    vllm_layout: str
+    """The vLLM ``KVCacheLayout`` name the cache follows."""
+    impls: dict = dataclasses.field(default_factory=dict)
+    """``(num_kv_heads, head_size)`` -> the last impl made, whose vLLM layer the builder uses."""
+
+
 @functools.cache
 def _reverse(name: str) -> type[AttentionBackend]:
     vcls = V.AttentionBackendEnum[name].get_class()
-    impls: dict[tuple, Any] = {}  # (num_kv_heads, head_size, dtype) -> the last impl made, for the builder
-    packed = name in PACKING_OVERRIDES  # the cache is vLLM's logical 4-D tensor, packed by the kernel's own rule
+    packed = name in PACKING_OVERRIDES
     layout, vllm_layout = (None, "LBHNC") if packed else declared_layout(vcls)
+    target = _Target(name, vcls, packed, layout, vllm_layout)
+    impl, builder = _impl_class(target), _builder_class(target)
+    backend = _backend_class(target, builder, impl)
+    impl.backend = backend
+    for cls, role in ((builder, "Builder"), (impl, "Impl"), (backend, "Backend")):
+        cls.__name__ = cls.__qualname__ = f"Vllm_{name}_{role}"
+    return backend
+
+
+def _impl_class(t: _Target) -> type[AttentionImpl]:
+    """The impl: a real vLLM ``Attention`` layer per impl, whose impl runs the forward."""
 
     class Impl(AttentionImpl):
+        backend: type[AttentionBackend]
+        """The reversed backend (its ``kv_writer``); set by :func:`_reverse`."""
+
         def __init__(self, num_heads, head_size, scale, num_kv_heads, sliding_window=None, logits_soft_cap=None,
                      attn_type="decoder", kv_cache_dtype=None):
             reasons = self.decoder_argument_problems(num_heads, num_kv_heads, sliding_window, logits_soft_cap,
                                                      attn_type)
             if reasons:
-                raise BackendUnsupportedError(f"vllm:{name}", reasons)
+                raise BackendUnsupportedError(f"vllm:{t.name}", reasons)
             super().__init__(num_heads, head_size, scale, num_kv_heads, sliding_window, logits_soft_cap,
                              attn_type, kv_cache_dtype)
             self.config = _vllm_config(num_heads, num_kv_heads, head_size, torch.get_default_dtype())
-            self.layer_name = f"attnplug_check.{name}.{len(self.config.compilation_config.static_forward_context)}"
+            self.layer_name = f"attnplug_check.{t.name}.{len(self.config.compilation_config.static_forward_context)}"
             with V.set_current_vllm_config(self.config):
                 self.layer = V.Attention(num_heads, head_size, scale, num_kv_heads=num_kv_heads,
                                          logits_soft_cap=logits_soft_cap, per_layer_sliding_window=sliding_window,
-                                         prefix=self.layer_name, attn_backend=vcls)
-            impls[(num_kv_heads, head_size)] = self
+                                         prefix=self.layer_name, attn_backend=t.vcls)
+            t.impls[(num_kv_heads, head_size)] = self
 
         def forward(self, layer, query, key, value, kv_cache, attn_metadata, output):
             n = attn_metadata.num_actual_tokens
             impl = self.layer.impl
-            view = kv_cache if packed else vllm_view(kv_cache, layout)
+            view = kv_cache if t.packed else vllm_view(kv_cache, t.layout)
             with V.set_current_vllm_config(self.config), _static_shapes():
-                if not vcls.forward_includes_kv_cache_update:
+                if not t.vcls.forward_includes_kv_cache_update:
                     self._write(key[:n], value[:n], kv_cache, view, attn_metadata.slot_mapping[:n])
                 impl.forward(self.layer, query, key, value, view, attn_metadata.vllm_for(view.shape[0]), output)
             return output
 
         def _write(self, key, value, kv_cache, view, slot_mapping):
             """vLLM's ``do_kv_cache_update``; the layout's write where its compiled op is not loaded."""
-            if Backend.kv_writer == "vllm":
+            if self.backend.kv_writer == "vllm":
                 try:
                     return self.layer.impl.do_kv_cache_update(self.layer, key, value, view, slot_mapping)
                 except AttributeError as exc:
-                    if packed or not missing_compiled_op(exc):
+                    if t.packed or not missing_compiled_op(exc):
                         raise
-                    Backend.kv_writer = "attnplug"
-            write_kv(layout, kv_cache, key, value, slot_mapping)
+                    self.backend.kv_writer = "attnplug"
+            write_kv(t.layout, kv_cache, key, value, slot_mapping)
+
+    return Impl
+
+
+def _builder_class(t: _Target) -> type[AttentionMetadataBuilder]:
+    """The builder: vLLM's ``CommonAttentionMetadata`` per step, vLLM's own builder made on
+    the first build (after the impl, whose layer it reads)."""
 
     class Builder(AttentionMetadataBuilder):
         def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
             m = common_attn_metadata
             if not hasattr(self, "inner"):
                 spec = self.kv_cache_spec
-                owner = impls[(spec.num_kv_heads, spec.head_size)]
+                owner = t.impls[(spec.num_kv_heads, spec.head_size)]
                 vspec = owner.layer.get_kv_cache_spec(owner.config)
                 vspec = dataclasses.replace(vspec, block_size=spec.block_size)
                 with V.set_current_vllm_config(owner.config):
-                    self.inner = vcls.get_builder_cls()(vspec, [owner.layer_name], owner.config, self.device)
+                    self.inner = t.vcls.get_builder_cls()(vspec, [owner.layer_name], owner.config, self.device)
                 self.owner = owner
             vm = V.VllmCommonAttentionMetadata(
                 query_start_loc=m.query_start_loc, query_start_loc_cpu=m.query_start_loc_cpu, seq_lens=m.seq_lens,
@@ -216,7 +255,14 @@ def _reverse(name: str) -> type[AttentionBackend]:
                 causal=m.causal, positions=m.positions, is_prefilling=m.is_prefilling)
             return _Metadata(self, vm, m.slot_mapping, m.num_actual_tokens)
 
-    sizes = vcls.get_supported_kernel_block_sizes()
+    return Builder
+
+
+def _backend_class(t: _Target, builder: type[AttentionMetadataBuilder],
+                   impl: type[AttentionImpl]) -> type[AttentionBackend]:
+    """The backend: vLLM's declarations, and the cache in the packing vLLM's kernels read."""
+    sizes = t.vcls.get_supported_kernel_block_sizes()
+    name, vcls, packed, layout = t.name, t.vcls, t.packed, t.layout
 
     class Backend(AttentionBackend):
         supported_dtypes = _readable_dtypes(name, vcls, sizes) if packed else tuple(vcls.supported_dtypes)
@@ -226,7 +272,7 @@ def _reverse(name: str) -> type[AttentionBackend]:
         kv_cache_layout = None if packed else layout
         """The packing as attnplug's descriptor; ``None`` for a packed cache (CPU_ATTN's transposed
         K, which no ``KVCacheLayout`` says: ``split_kv_cache`` alone reads it)."""
-        vllm_kv_cache_layout = vllm_layout
+        vllm_kv_cache_layout = t.vllm_layout
         """The vLLM ``KVCacheLayout`` name the cache follows (the backend's first declared)."""
         kv_writer = "vllm"
         """Who writes K/V: ``"vllm"`` (its ``do_kv_cache_update``) or ``"attnplug"`` (after
@@ -238,11 +284,11 @@ def _reverse(name: str) -> type[AttentionBackend]:
 
         @classmethod
         def get_builder_cls(cls):
-            return Builder
+            return builder
 
         @classmethod
         def get_impl_cls(cls):
-            return Impl
+            return impl
 
         @classmethod
         def supports_sliding_window(cls):
@@ -266,6 +312,4 @@ def _reverse(name: str) -> type[AttentionBackend]:
                     f"{', '.join(KV_SPLITS[name])})"], context="split_kv_cache")
             return _split_transposed_k(kv_cache)
 
-    for cls, role in ((Builder, "Builder"), (Impl, "Impl"), (Backend, "Backend")):
-        cls.__name__ = cls.__qualname__ = f"Vllm_{name}_{role}"
     return Backend
