@@ -19,6 +19,17 @@ SUPPORTED_MINORS: dict[tuple[int, int], str] = {(0, 32): "v0_32", (0, 33): "v0_3
 """``(major, minor)`` -> the adapter package (``attnplug.plugins.vllm.<name>``). How each is
 tested (end to end, interface level, GPU) is in docs/vllm.md's support table."""
 
+ADAPTER_NAMES: tuple[str, ...] = (
+    "Attention", "AttentionBackendEnum", "INTERFACE", "KVCacheLayout", "MINOR", "ModelConfig", "MultipleOf",
+    "VllmAttentionBackend", "VllmAttentionImpl", "VllmAttentionType", "VllmCGSupport",
+    "VllmCommonAttentionMetadata", "VllmConfig", "VllmMLAImpl", "VllmMetadataBuilder", "VllmSlidingWindowSpec",
+    "cpu_attn_isa", "current_platform", "get_current_vllm_config", "get_kv_cache_configs", "plan_kv_cache",
+    "register_backend", "set_current_vllm_config",
+)
+"""The names every adapter package exports (its ``__all__``): where its minor keeps each vLLM
+name the bridge reads through ``_vllm``, plus ``INTERFACE`` (the pasted fingerprint), ``MINOR``
+and ``plan_kv_cache``."""
+
 _RELEASE = re.compile(r"^(\d+)\.(\d+)(?:\.\d+)*(?:\.post\d+)?(?:\+[0-9A-Za-z.]+)?$")
 
 

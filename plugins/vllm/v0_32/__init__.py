@@ -32,6 +32,7 @@ from vllm.v1.kv_cache_interface import SlidingWindowSpec as VllmSlidingWindowSpe
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from attnplug.plugins.vllm.v0_32.interface import INTERFACE
+from attnplug.plugins.vllm.versions import ADAPTER_NAMES
 
 MINOR = (0, 32)
 
@@ -47,11 +48,4 @@ def plan_kv_cache(vllm_config: VllmConfig, kv_cache_spec: dict, available_memory
     return config, layout
 
 
-__all__ = [
-    "Attention", "AttentionBackendEnum", "INTERFACE", "KVCacheLayout", "MINOR", "ModelConfig", "MultipleOf",
-    "VllmAttentionBackend", "VllmAttentionImpl", "VllmAttentionType", "VllmCGSupport",
-    "VllmCommonAttentionMetadata", "VllmConfig", "VllmMLAImpl", "VllmMetadataBuilder", "VllmSlidingWindowSpec",
-    "cpu_attn_isa",
-    "current_platform", "get_current_vllm_config", "get_kv_cache_configs", "plan_kv_cache", "register_backend",
-    "set_current_vllm_config",
-]
+__all__ = list(ADAPTER_NAMES)
