@@ -31,7 +31,7 @@ cdef extern from *:
     #endif
 
     #define AP_ROWS 32      /* query rows (token x query head) per tile */
-    #define AP_CHUNK 32     /* keys per online-softmax step */
+    #define AP_CHUNK 64     /* keys per online-softmax step */
     #define AP_DMAX 256     /* the largest head size */
 
     typedef struct {
@@ -83,29 +83,6 @@ cdef extern from *:
         memcpy(&two_n, &bits, sizeof two_n);
         return p * two_n;
     }
-
-    /* bytes [p, p + n) towards L1 */
-    static inline __attribute__((always_inline)) void ap_prefetch(const void *p, int64_t n) {
-        const char *c = (const char *)p;
-        for (int64_t o = 0; o < n; o += 64) __builtin_prefetch(c + o, 0, 3);
-        __builtin_prefetch(c + n - 1, 0, 3);
-    }
-    /* the K rows (elements [off, off + bytes) of each token row) of the keys c0 .. c0 + AP_CHUNK - 1
-       (at most khi - 1) of the request whose block-table row is bt; kv: the cache's first element */
-    static inline __attribute__((always_inline)) void ap_prefetch_keys_(const char *kv, int64_t esize,
-            const int32_t *bt, int64_t kv_blk, int64_t kv_tok, int64_t B, int64_t c0, int64_t khi, int64_t off,
-            int64_t bytes) {
-        const int n = (int)(khi - c0 < AP_CHUNK ? khi - c0 : AP_CHUNK);
-        int64_t col = c0 / B, slot = c0 % B;
-        const char *blk = kv + ((int64_t)bt[col] * kv_blk + off) * esize;
-        for (int j = 0; j < n; j++) {
-            ap_prefetch(blk + slot * kv_tok * esize, bytes);
-            if (++slot == B && j + 1 < n) { slot = 0; blk = kv + ((int64_t)bt[++col] * kv_blk + off) * esize; }
-        }
-    }
-    #define ap_prefetch_keys(a, bt, kv, c0, khi, off, bytes) \\
-        ap_prefetch_keys_((const char *)(kv), (int64_t)sizeof(*(kv)), bt, (a)->kv_blk, (a)->kv_tok, \\
-                          (a)->block_size, c0, khi, off, bytes)
 
     /* 8 lanes (GCC/Clang vector extensions: each target clone lowers them to its widest
        registers). Head sizes are multiples of 8. */
@@ -299,12 +276,11 @@ cdef extern from *:
         TYPE *out = (TYPE *)a->out;                                                           \\
         float qf[AP_ROWS * AP_DMAX] __attribute__((aligned(64)));                             \\
         float acc[AP_ROWS * AP_DMAX] __attribute__((aligned(64)));                            \\
-        float m[AP_ROWS], l[AP_ROWS], s[AP_ROWS * AP_CHUNK] __attribute__((aligned(64)));     \\
+        VF lv[AP_ROWS];   /* the softmax denominators, lane by lane */   \\
+        float m[AP_ROWS], s[AP_ROWS * AP_CHUNK] __attribute__((aligned(64)));     \\
         int64_t rlo[AP_ROWS], rhi[AP_ROWS], koff[AP_ROWS];                                    \\
         int vjlo[AP_ROWS], vjhi[AP_ROWS];   /* the keys of the chunk each row sees */         \\
         const TYPE *kp[AP_CHUNK];                                                             \\
-        const int64_t kspan0 = (int64_t)hk0 * a->kv_head;   /* the item's heads in a token row */\\
-        const int64_t kspan = (int64_t)(hk1 - hk0) * a->kv_head * (int64_t)sizeof(TYPE);     \\
         for (int64_t row0 = 0; row0 < nrows; row0 += AP_ROWS) {                               \\
             const int nr = (int)(nrows - row0 < AP_ROWS ? nrows - row0 : AP_ROWS);            \\
             int64_t klo = INT64_MAX, khi = 0;                                                 \\
@@ -319,9 +295,8 @@ cdef extern from *:
                 const TYPE *qr = q + (q0 + t) * a->q_tok + h * a->q_head;                     \\
                 for (int d = 0; d < D; d++) qf[i * D + d] = LOAD(qr[d]) * a->scale;           \\
                 for (int d = 0; d < D; d++) acc[i * D + d] = 0.0f;                            \\
-                m[i] = -INFINITY; l[i] = 0.0f;                                                \\
+                m[i] = -INFINITY; lv[i] = (VF){0};                                                  \\
             }                                                                                 \\
-            if (klo < khi) ap_prefetch_keys(a, bt, kv, klo, khi, kspan0, kspan);              \\
             for (int64_t c0 = klo; c0 < khi; c0 += AP_CHUNK) {                                \\
                 const int nc = (int)(khi - c0 < AP_CHUNK ? khi - c0 : AP_CHUNK);              \\
                 {   /* one division per chunk, not two per key */                             \\
@@ -332,10 +307,6 @@ cdef extern from *:
                         if (++slot == B && j + 1 < nc) { slot = 0; blk = kv + (int64_t)bt[++col] * a->kv_blk; }\\
                     }                                                                         \\
                 }                                                                             \\
-                /* prefetch: the chunk's V rows (read after the logits) and the next        \\
-                   chunk's K rows */                                                          \\
-                for (int j = 0; j < nc; j++) ap_prefetch(kp[j] + a->kv_half + kspan0, kspan);\\
-                if (c0 + nc < khi) ap_prefetch_keys(a, bt, kv, c0 + nc, khi, kspan0, kspan);  \\
                 /* the chunk's logits for every row of the tile: W keys per pass, their    \\
                    W-lane partial sums reduced by one transpose-and-add tree */             \\
                 int j4 = 0;                                                                   \\
@@ -392,14 +363,14 @@ cdef extern from *:
                         nan |= si[j] != si[j];                                                \\
                         mx = si[j] > mx ? si[j] : mx;                                         \\
                     }                                                                         \\
-                    if (nan) l[i] = NAN;                                                      \\
+                    if (nan) lv[i][0] = NAN;                                                  \\
                     vjlo[i] = jlo; vjhi[i] = mx == -INFINITY ? jlo : jhi;                     \\
                     if (mx == -INFINITY) { for (int j = 0; j < AP_CHUNK; j++) si[j] = 0.0f; continue; }\\
                     if (mx > m[i]) {                                                          \\
                         if (m[i] != -INFINITY) {                                              \\
                             const float corr = ap_expf(m[i] - mx);                            \\
                             float *ai = acc + i * D;                                          \\
-                            l[i] *= corr;                                                     \\
+                            lv[i] *= corr;                                                    \\
                             for (int d = 0; d < D; d++) ai[d] *= corr;                        \\
                         }                                                                     \\
                         m[i] = mx;                                                            \\
@@ -411,7 +382,7 @@ cdef extern from *:
                         memcpy(si + j, &e, sizeof e);                                         \\
                         tot += e;                                                             \\
                     }                                                                         \\
-                    l[i] += HSUMW(tot);                                                       \\
+                    lv[i] += tot;  /* summed over lanes at the end */                                                    \\
                 }                                                                             \\
                 /* the weighted values: the consecutive rows of one KV head that see the   \\
                    same keys of the chunk (a GQA group) share each value load, their       \\
@@ -429,7 +400,7 @@ cdef extern from *:
             for (int i = 0; i < nr; i++) {                                                    \\
                 const int64_t t = (row0 + i) / HH, h = hk0 * G + (row0 + i) % HH;             \\
                 TYPE *o = out + (q0 + t) * a->out_tok + h * a->out_head;                      \\
-                const float inv = 1.0f / l[i];                                                \\
+                const float inv = 1.0f / HSUMW(lv[i]);                                       \\
                 for (int d = 0; d < D; d++) o[d] = STORE(acc[i * D + d] * inv);               \\
             }                                                                                 \\
         }                                                                                     \\
