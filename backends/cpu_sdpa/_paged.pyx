@@ -221,12 +221,14 @@ cdef extern from *:
             VF A[NG][NV];                                                                     \\
             for (int g = 0; g < NG; g++)                                                      \\
                 for (int v = 0; v < NV; v++) memcpy(&A[g][v], acc + g * D + d0 + W * v, sizeof(VF));\\
-            for (int j = jlo; j < jhi; j++) {                                                 \\
+            const float *P[NG];   /* each row's weights: one base pointer, no index math */\\
+            for (int g = 0; g < NG; g++) P[g] = p + g * AP_CHUNK;                             \\
+            for (int64_t j = jlo; j < jhi; j++) {                                             \\
                 const TYPE *vr = kp[j] + off + d0;                                            \\
                 VF V[NV];                                                                     \\
                 for (int v = 0; v < NV; v++) V[v] = LOADW(vr + W * v);                        \\
                 for (int g = 0; g < NG; g++) {                                                \\
-                    const float pg = p[g * AP_CHUNK + j];                                     \\
+                    const float pg = P[g][j];                                                 \\
                     for (int v = 0; v < NV; v++) A[g][v] += pg * V[v];                        \\
                 }                                                                             \\
             }                                                                                 \\

@@ -17,8 +17,8 @@ head's block, V in the rest: the view ``CPUAttentionBackendImpl.forward`` makes 
 ``[num_blocks, H_kv, block_size, 2 * D]`` allocation), written by its own
 ``cpu_attn_reshape_and_cache`` (the ISA's K/V packing; every slot of every block, outside
 the timing), and a scheduler metadata tensor built
-once per step by ``cpu_attn_get_scheduler_metadata``: built here once per case, outside the
-timing, as its builder does once per step for every layer. The ISA is the one vLLM's
+once per step by ``cpu_attn_get_scheduler_metadata``: built here once per case and thread
+count (it splits the work for that many threads), outside the timing, as its builder does once per step for every layer. The ISA is the one vLLM's
 ``_get_attn_isa`` picks for the dtype, block size and head size.
 """
 
@@ -70,9 +70,9 @@ def main() -> int:
             break
         path, threads, iters, warmup = words[1], int(words[2]), int(words[3]), int(words[4])
         torch.set_num_threads(threads)
-        if path not in cases:
-            cases[path] = _case(path)
-        call, out, isa = cases[path]
+        if (path, threads) not in cases:  # the scheduler metadata is built for a thread count
+            cases[path, threads] = _case(path)
+        call, out, isa = cases[path, threads]
         for _ in range(warmup):
             call()
         times = []
