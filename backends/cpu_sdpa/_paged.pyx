@@ -470,6 +470,7 @@ cdef extern from *:
     #define AP_HAVE_F16 0
     #endif
 
+    static int ap_force_w8 = 0;   /* tests: the 8-lane functions even on an AVX-512 CPU */
     /* the CPU runs the 16-lane functions (AVX-512 F/BW/DQ/VL, x86-64-v4's vector part) */
     static int ap_cpu_w16(void) {
     #if AP_HAVE_W16
@@ -488,7 +489,7 @@ cdef extern from *:
     /* dtype: 0 float32, 1 bfloat16, 2 float16. Returns 0, or -1 for an unsupported dtype. */
     static int ap_run(const ap_args *a, int dtype, int num_threads) {
         void (*item)(const ap_args *, int64_t) = 0;
-        const int w16 = ap_cpu_w16();
+        const int w16 = ap_cpu_w16() && !ap_force_w8;
         if (dtype == 0) item = ap_item_f32(a->head_size, w16);
         else if (dtype == 1) item = ap_item_bf16(a->head_size, w16);
     #if AP_HAVE_F16
@@ -542,6 +543,10 @@ cdef extern from *:
         return 0;
     }
 
+    /* the lanes the item functions for head_size run: 16 or 8 */
+    static int ap_lanes(int head_size) { return ap_cpu_w16() && !ap_force_w8 && head_size % 16 == 0 ? 16 : 8; }
+    static void ap_set_force_w8(int on) { ap_force_w8 = on; }
+
     static int ap_openmp(void) {
     #ifdef _OPENMP
         return 1;
@@ -572,6 +577,8 @@ cdef extern from *:
     int ap_check(const ap_args *a, int64_t num_tokens, int64_t num_qsl, int64_t num_seq, int64_t bt_rows,
                  int64_t bt_cols, int64_t num_blocks, int64_t *bad_req, int64_t *bad_val) nogil
     int ap_openmp()
+    int ap_lanes(int head_size)
+    void ap_set_force_w8(int on)
     int AP_DMAX
     int AP_HAVE_F16
 
@@ -584,6 +591,18 @@ HAS_FLOAT16 = bool(AP_HAVE_F16)
 
 OPENMP = bool(ap_openmp())
 """Built with OpenMP: ``num_threads > 1`` splits the ``(request, KV head)`` pairs."""
+
+
+def vector_lanes(int head_size):
+    """The vector width (float lanes, 16 or 8) the kernel's loops run at for ``head_size``:
+    16 where the CPU has AVX-512 (F, BW, DQ, VL) and ``head_size`` is a multiple of 16, else 8."""
+    return ap_lanes(head_size)
+
+
+def _force_8_lanes(bint on):
+    """Tests only: run the 8-lane functions even where the 16-lane ones would run
+    (process-wide; not thread-safe against concurrent calls)."""
+    ap_set_force_w8(on)
 
 
 cdef inline void _set_metadata(ap_args *a, uintptr_t block_table, int64_t bt_row, uintptr_t query_start_loc,
