@@ -5,10 +5,12 @@ One call attends every query row of a set of requests (decodes, speculative rows
 prefills and chunked-prefill continuations alike: varlen, bottom-right causal over the
 request's cached context): no gather, no padding, no mask. A work item is a request (or,
 with fewer requests than twice the threads, a request's KV head): it walks the request's
-keys once, in chunks of ``AP_CHUNK``, for all the query rows that read them (query tokens
+keys once, in chunks of ``AP_CHUNK`` (64), for all the query rows that read them (query tokens
 times query heads, in tiles of ``AP_ROWS``; each key token's ``H_kv * D`` K and V rows are
 contiguous), with an online softmax in float32 (running max ``m``, running sum ``l``,
-rescaled accumulator). Items run on OpenMP threads when the module was built with it.
+rescaled accumulator). The loops run 16 float lanes wide on an AVX-512 CPU for head sizes
+that are multiples of 16, 8 otherwise (``vector_lanes``); head sizes 32, 64 and 128 have
+their own compiled functions. Items run on OpenMP threads when the module was built with it.
 Only keys from the request's first query row's window start to ``seq_len - 1`` are read (a
 row's unseen keys inside that span: K read, logit masked to ``-inf``, V not read), so a
 poisoned or recycled block past ``seq_len`` or before the window cannot leak in; a NaN logit
