@@ -315,11 +315,16 @@ cdef extern from *:
                    W-lane partial sums reduced by one transpose-and-add tree */             \\
                 int j4 = 0;                                                                   \\
                 for (; j4 + W <= nc; j4 += W) {                                               \\
+                    const TYPE *kk[W];   /* the keys' K rows for the KV head of row i */      \\
+                    int64_t kko = -1;                                                         \\
                     for (int i = 0; i < nr; i++) {                                            \\
                         const float *qi = qf + i * D;                                         \\
-                        const TYPE *kk[W];                                                    \\
+                        if (koff[i] != kko) {   /* a new KV head: rows of one group share them */\\
+                            kko = koff[i];                                                    \\
+                            for (int k = 0; k < W; k++) kk[k] = kp[j4 + k] + kko;             \\
+                        }                                                                     \\
                         VF x[W];                                                              \\
-                        for (int k = 0; k < W; k++) { kk[k] = kp[j4 + k] + koff[i]; x[k] = (VF){0}; }\\
+                        for (int k = 0; k < W; k++) x[k] = (VF){0};                           \\
                         for (int d = 0; d < D; d += W) {                                      \\
                             VF qd; memcpy(&qd, qi + d, sizeof qd);                            \\
                             for (int k = 0; k < W; k++) x[k] += qd * LOADW(kk[k] + d);        \\
