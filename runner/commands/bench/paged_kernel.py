@@ -26,6 +26,7 @@ side is timed.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
@@ -189,10 +190,14 @@ def render(rows: list[Row], report: dict) -> str:
 
 
 def _list(kind):
+    """A comma list of ``kind`` values (argparse ``type=``; a bad item: its message)."""
     def parse(text: str) -> list:
-        items = [kind(x.strip()) for x in text.split(",") if x.strip()]
+        try:
+            items = [kind(x.strip()) for x in text.split(",") if x.strip()]
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
         if not items:
-            raise ValueError(f"empty list {text!r}")
+            raise argparse.ArgumentTypeError(f"empty list {text!r}")
         return items
     return parse
 
