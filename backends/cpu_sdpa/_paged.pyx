@@ -5,7 +5,7 @@ One call attends every query row of a set of requests (decodes, speculative rows
 prefills and chunked-prefill continuations alike: varlen, bottom-right causal over the
 request's cached context): no gather, no padding, no mask. A work item is a request (or,
 with fewer requests than twice the threads, a request's KV head): it walks the request's
-keys once, in chunks of ``AP_CHUNK`` (64), for all the query rows that read them (query tokens
+keys once, in chunks of ``AP_CHUNK`` (128), for all the query rows that read them (query tokens
 times query heads, in tiles of ``AP_ROWS``; each key token's ``H_kv * D`` K and V rows are
 contiguous), with an online softmax in float32 (running max ``m``, running sum ``l``,
 rescaled accumulator). The loops run 16 float lanes wide on an AVX-512 CPU for head sizes
@@ -33,7 +33,7 @@ cdef extern from *:
     #endif
 
     #define AP_ROWS 32      /* query rows (token x query head) per tile */
-    #define AP_CHUNK 64     /* keys per online-softmax step */
+    #define AP_CHUNK 128    /* keys per online-softmax step */
     #define AP_DMAX 256     /* the largest head size */
 
     typedef struct {
@@ -357,7 +357,9 @@ cdef extern from *:
                         s[i * AP_CHUNK + j] = x;                                              \\
                     }                                                                         \\
                 }                                                                             \\
-                /* per row: the keys it sees, the running max, the weights */                 \\
+                /* per row: the keys it sees, the running max, the weights (lanes from     \\
+                   ncw on: never read) */                                                     \\
+                const int ncw = (nc + W - 1) / W * W;                                         \\
                 for (int i = 0; i < nr; i++) {                                                \\
                     float *si = s + i * AP_CHUNK;                                             \\
                     const int jlo = rlo[i] > c0 ? (int)(rlo[i] - c0) : 0;                     \\
@@ -385,7 +387,7 @@ cdef extern from *:
                         m[i] = mx;                                                            \\
                     }                                                                         \\
                     VF tot = {0};                                                             \\
-                    for (int j = 0; j < AP_CHUNK; j += W) {  /* -inf (unseen) lanes become 0 */\\
+                    for (int j = 0; j < ncw; j += W) {  /* -inf (unseen) lanes become 0 */  \\
                         VF x; memcpy(&x, si + j, sizeof x);                                   \\
                         const VF e = EXPW(x - m[i]);                                          \\
                         memcpy(si + j, &e, sizeof e);                                         \\
