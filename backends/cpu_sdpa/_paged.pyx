@@ -5,10 +5,12 @@ One call attends every query row of a set of requests (decodes, speculative rows
 prefills and chunked-prefill continuations alike: varlen, bottom-right causal over the
 request's cached context): no gather, no padding, no mask. A work item is a request (or,
 with fewer requests than twice the threads, a request's KV head): it walks the request's
-keys once, in chunks of ``AP_CHUNK``, for all the query rows that read them (query tokens
+keys once, in chunks of ``AP_CHUNK`` (128), for all the query rows that read them (query tokens
 times query heads, in tiles of ``AP_ROWS``; each key token's ``H_kv * D`` K and V rows are
 contiguous), with an online softmax in float32 (running max ``m``, running sum ``l``,
-rescaled accumulator). Items run on OpenMP threads when the module was built with it.
+rescaled accumulator). The loops run 16 float lanes wide on an AVX-512 CPU for head sizes
+that are multiples of 16, 8 otherwise (``vector_lanes``); head sizes 32, 64 and 128 have
+their own compiled functions. Items run on OpenMP threads when the module was built with it.
 Only keys from the request's first query row's window start to ``seq_len - 1`` are read (a
 row's unseen keys inside that span: K read, logit masked to ``-inf``, V not read), so a
 poisoned or recycled block past ``seq_len`` or before the window cannot leak in; a NaN logit
@@ -31,7 +33,7 @@ cdef extern from *:
     #endif
 
     #define AP_ROWS 32      /* query rows (token x query head) per tile */
-    #define AP_CHUNK 32     /* keys per online-softmax step */
+    #define AP_CHUNK 128    /* keys per online-softmax step */
     #define AP_DMAX 256     /* the largest head size */
 
     typedef struct {
@@ -47,8 +49,11 @@ cdef extern from *:
 
     #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
     #define AP_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+    #define AP_V4 __attribute__((target("arch=x86-64-v4")))
+    #define AP_HAVE_W16 1
     #else
     #define AP_CLONES
+    #define AP_HAVE_W16 0
     #endif
 
     static inline float ap_bf16_to_f32(uint16_t x) {
@@ -145,54 +150,124 @@ cdef extern from *:
     }
 
 
+    /* 16 lanes: the x86-64-v4 (AVX-512) variants of the item functions, for head sizes
+       that are multiples of 16 (ap_run picks them when the CPU has AVX-512) */
+    typedef float ap_v16 __attribute__((vector_size(64)));
+    typedef int32_t ap_v16i __attribute__((vector_size(64)));
+    typedef uint16_t ap_v16u16 __attribute__((vector_size(32)));
+    typedef uint32_t ap_v16u32 __attribute__((vector_size(64)));
+    #if defined(__clang__)
+    #define AP_SHUF16(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+    #else
+    #define AP_SHUF16(a, b, ...) __builtin_shuffle(a, b, (ap_v16i){__VA_ARGS__})
+    #endif
+    AP_INLINE ap_v16 ap_ld16_f32(const float *p) { ap_v16 v; memcpy(&v, p, sizeof v); return v; }
+    AP_INLINE ap_v16 ap_ld16_bf16(const uint16_t *p) {
+        ap_v16u16 h; memcpy(&h, p, sizeof h);
+        ap_v16u32 w = __builtin_convertvector(h, ap_v16u32) << 16;
+        ap_v16 f; memcpy(&f, &w, sizeof f); return f;
+    }
+    /* the sums of the lanes of x[0] .. x[15] as one vector (a transpose-and-add tree) */
+    AP_INLINE ap_v16 ap_sum16(const ap_v16 *x) {
+        #define AP_EV16 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30
+        #define AP_OD16 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31
+        #define AP_LO16 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29
+        #define AP_HI16 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31
+        #define AP_LQ16 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27
+        #define AP_HQ16 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31
+        ap_v16 h[8], g[4], f[2];
+        for (int k = 0; k < 8; k++)
+            h[k] = AP_SHUF16(x[2 * k], x[2 * k + 1], AP_EV16) + AP_SHUF16(x[2 * k], x[2 * k + 1], AP_OD16);
+        for (int k = 0; k < 4; k++)
+            g[k] = AP_SHUF16(h[2 * k], h[2 * k + 1], AP_LO16) + AP_SHUF16(h[2 * k], h[2 * k + 1], AP_HI16);
+        for (int k = 0; k < 2; k++)
+            f[k] = AP_SHUF16(g[2 * k], g[2 * k + 1], AP_LQ16) + AP_SHUF16(g[2 * k], g[2 * k + 1], AP_HQ16);
+        return AP_SHUF16(f[0], f[1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23)
+             + AP_SHUF16(f[0], f[1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    }
+    AP_INLINE ap_v8 ap_sum8p(const ap_v8 *x) { return ap_sum8(x[0], x[1], x[2], x[3], x[4], x[5], x[6], x[7]); }
+    /* ap_exp8 on 16 lanes (the same arithmetic lane by lane) */
+    AP_INLINE ap_v16 ap_exp16(ap_v16 x) {
+        const ap_v16i seen = x > -INFINITY;
+        const ap_v16i big = x > -87.0f;
+        ap_v16i xi; memcpy(&xi, &x, sizeof xi);
+        ap_v16 lo; for (int k = 0; k < 16; k++) lo[k] = -87.0f;
+        ap_v16i loi; memcpy(&loi, &lo, sizeof loi);
+        xi = (xi & big) | (loi & ~big);
+        memcpy(&x, &xi, sizeof x);
+        const ap_v16i ni = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, ap_v16i);
+        const ap_v16 n = __builtin_convertvector(ni, ap_v16);
+        const ap_v16 r = x - n * 0.693359375f + n * 2.12194440e-4f;
+        ap_v16 p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+        p = p * r + 8.3334519073e-3f;
+        p = p * r + 4.1665795894e-2f;
+        p = p * r + 1.6666665459e-1f;
+        p = p * r + 5.0000001201e-1f;
+        p = p * r * r + r + 1.0f;
+        const ap_v16i bits = ((ni + 127) << 23) & seen;
+        ap_v16 two_n; memcpy(&two_n, &bits, sizeof two_n);
+        return p * two_n;
+    }
+    /* the lanes' sum of a vector of exponentials, in a fixed order */
+    AP_INLINE float ap_hsum8(ap_v8 t) { return ((t[0] + t[4]) + (t[1] + t[5])) + ((t[2] + t[6]) + (t[3] + t[7])); }
+    AP_INLINE float ap_hsum16(ap_v16 t) {
+        ap_v8 lo, hi; memcpy(&lo, &t, 32); memcpy(&hi, (const char *)&t + 32, 32);
+        return ap_hsum8(lo + hi);
+    }
+
     /* acc[g * D + d] += the sum over keys j in [jlo, jhi) of p[g * AP_CHUNK + j] * V_j[d],
-       g < NG, d in [d0, d0 + 8 NV): each value row loaded once for the NG rows, the
-       accumulators in registers */
-    #define AP_VACC_BLOCK(TYPE, LOAD8, NG, NV)                                               \\
+       g < NG, d in [d0, d0 + W NV): each value row loaded once for the NG rows, the
+       accumulators in registers (VF: W lanes, LOADW loads W elements as floats) */
+    #define AP_VACC_BLOCK(TYPE, VF, W, LOADW, NG, NV)                                       \\
         {                                                                                     \\
-            ap_v8 A[NG][NV];                                                                  \\
+            VF A[NG][NV];                                                                     \\
             for (int g = 0; g < NG; g++)                                                      \\
-                for (int v = 0; v < NV; v++) A[g][v] = ap_ld8_f32(acc + g * D + d0 + 8 * v);  \\
-            for (int j = jlo; j < jhi; j++) {                                                 \\
+                for (int v = 0; v < NV; v++) memcpy(&A[g][v], acc + g * D + d0 + W * v, sizeof(VF));\\
+            const float *P[NG];   /* each row's weights: one base pointer, no index math */\\
+            for (int g = 0; g < NG; g++) P[g] = p + g * AP_CHUNK;                             \\
+            for (int64_t j = jlo; j < jhi; j++) {                                             \\
                 const TYPE *vr = kp[j] + off + d0;                                            \\
-                ap_v8 V[NV];                                                                  \\
-                for (int v = 0; v < NV; v++) V[v] = LOAD8(vr + 8 * v);                        \\
+                VF V[NV];                                                                     \\
+                for (int v = 0; v < NV; v++) V[v] = LOADW(vr + W * v);                        \\
                 for (int g = 0; g < NG; g++) {                                                \\
-                    const float pg = p[g * AP_CHUNK + j];                                     \\
+                    const float pg = P[g][j];                                                 \\
                     for (int v = 0; v < NV; v++) A[g][v] += pg * V[v];                        \\
                 }                                                                             \\
             }                                                                                 \\
             for (int g = 0; g < NG; g++)                                                      \\
-                for (int v = 0; v < NV; v++) memcpy(acc + g * D + d0 + 8 * v, &A[g][v], 32);  \\
+                for (int v = 0; v < NV; v++) memcpy(acc + g * D + d0 + W * v, &A[g][v], sizeof(VF));\\
         }
-    #define AP_DEFINE_VACC(NAME, TYPE, LOAD8)                                                 \\
+    #define AP_DEFINE_VACC(NAME, TYPE, VF, W, LOADW)                                          \\
     AP_INLINE void NAME(float *acc, const float *p, int ng, const TYPE *const *kp, int64_t off, \\
                         int jlo, int jhi, int D) {                                            \\
         int d0 = 0;                                                                           \\
         if (ng == 4)                                                                          \\
-            for (; d0 + 32 <= D; d0 += 32) AP_VACC_BLOCK(TYPE, LOAD8, 4, 4)                   \\
-        for (; d0 + 16 <= D; d0 += 16)                                                        \\
+            for (; d0 + 4 * W <= D; d0 += 4 * W) AP_VACC_BLOCK(TYPE, VF, W, LOADW, 4, 4)      \\
+        for (; d0 + 2 * W <= D; d0 += 2 * W)                                                  \\
             switch (ng) {                                                                     \\
-            case 4: AP_VACC_BLOCK(TYPE, LOAD8, 4, 2) break;                                   \\
-            case 3: AP_VACC_BLOCK(TYPE, LOAD8, 3, 2) break;                                   \\
-            case 2: AP_VACC_BLOCK(TYPE, LOAD8, 2, 2) break;                                   \\
-            default: AP_VACC_BLOCK(TYPE, LOAD8, 1, 2) break;                                  \\
+            case 4: AP_VACC_BLOCK(TYPE, VF, W, LOADW, 4, 2) break;                            \\
+            case 3: AP_VACC_BLOCK(TYPE, VF, W, LOADW, 3, 2) break;                            \\
+            case 2: AP_VACC_BLOCK(TYPE, VF, W, LOADW, 2, 2) break;                            \\
+            default: AP_VACC_BLOCK(TYPE, VF, W, LOADW, 1, 2) break;                           \\
             }                                                                                 \\
         if (d0 < D)                                                                           \\
             switch (ng) {                                                                     \\
-            case 4: AP_VACC_BLOCK(TYPE, LOAD8, 4, 1) break;                                   \\
-            case 3: AP_VACC_BLOCK(TYPE, LOAD8, 3, 1) break;                                   \\
-            case 2: AP_VACC_BLOCK(TYPE, LOAD8, 2, 1) break;                                   \\
-            default: AP_VACC_BLOCK(TYPE, LOAD8, 1, 1) break;                                  \\
+            case 4: AP_VACC_BLOCK(TYPE, VF, W, LOADW, 4, 1) break;                            \\
+            case 3: AP_VACC_BLOCK(TYPE, VF, W, LOADW, 3, 1) break;                            \\
+            case 2: AP_VACC_BLOCK(TYPE, VF, W, LOADW, 2, 1) break;                            \\
+            default: AP_VACC_BLOCK(TYPE, VF, W, LOADW, 1, 1) break;                           \\
             }                                                                                 \\
     }
 
     /* One work item: every query row of request reqs[item / head_splits] for the query
        heads of its KV heads hk0 .. hk1 - 1. TYPE: the element type of q / kv / out;
-       LOAD / LOAD8 (8 lanes) / STORE convert to and from float. */
-    #define AP_DEFINE_ITEM(NAME, TYPE, LOAD, LOAD8, STORE, VACC)                                        \\
-    static AP_CLONES void NAME(const ap_args *a, int64_t item) {                              \\
-        const int G = a->num_heads / a->num_kv_heads, D = a->head_size, B = a->block_size;    \\
+       LOAD / LOAD8 (8 lanes) / STORE convert to and from float; the main loops run W
+       lanes wide (VF, LOADW, SUMW: W vectors' lane sums as one vector, EXPW, HSUMW);
+       DC: the head size fixed at compile time (0: any); ATTR: the function's target. */
+    #define AP_DEFINE_ITEM(NAME, ATTR, TYPE, LOAD, LOAD8, STORE, VF, W, LOADW, SUMW, EXPW, HSUMW, DC) \\
+    static ATTR void NAME(const ap_args *a, int64_t item) {                                   \\
+        const int G = a->num_heads / a->num_kv_heads, B = a->block_size;                      \\
+        const int D = DC > 0 ? DC : a->head_size;                                             \\
         const int per = (a->num_kv_heads + a->head_splits - 1) / a->head_splits;              \\
         const int hk0 = (int)(item % a->head_splits) * per;                                   \\
         const int hk1 = hk0 + per < a->num_kv_heads ? hk0 + per : a->num_kv_heads;            \\
@@ -203,8 +278,10 @@ cdef extern from *:
         const int32_t *bt = a->block_table + r * a->bt_row;                                   \\
         const TYPE *q = (const TYPE *)a->q; const TYPE *kv = (const TYPE *)a->kv;             \\
         TYPE *out = (TYPE *)a->out;                                                           \\
-        float qf[AP_ROWS * AP_DMAX], acc[AP_ROWS * AP_DMAX];                                  \\
-        float m[AP_ROWS], l[AP_ROWS], s[AP_ROWS * AP_CHUNK];                                            \\
+        float qf[AP_ROWS * AP_DMAX] __attribute__((aligned(64)));                             \\
+        float acc[AP_ROWS * AP_DMAX] __attribute__((aligned(64)));                            \\
+        VF lv[AP_ROWS];   /* the softmax denominators, lane by lane */   \\
+        float m[AP_ROWS], s[AP_ROWS * AP_CHUNK] __attribute__((aligned(64)));     \\
         int64_t rlo[AP_ROWS], rhi[AP_ROWS], koff[AP_ROWS];                                    \\
         int vjlo[AP_ROWS], vjhi[AP_ROWS];   /* the keys of the chunk each row sees */         \\
         const TYPE *kp[AP_CHUNK];                                                             \\
@@ -222,7 +299,7 @@ cdef extern from *:
                 const TYPE *qr = q + (q0 + t) * a->q_tok + h * a->q_head;                     \\
                 for (int d = 0; d < D; d++) qf[i * D + d] = LOAD(qr[d]) * a->scale;           \\
                 for (int d = 0; d < D; d++) acc[i * D + d] = 0.0f;                            \\
-                m[i] = -INFINITY; l[i] = 0.0f;                                                \\
+                m[i] = -INFINITY; lv[i] = (VF){0};                                                  \\
             }                                                                                 \\
             for (int64_t c0 = klo; c0 < khi; c0 += AP_CHUNK) {                                \\
                 const int nc = (int)(khi - c0 < AP_CHUNK ? khi - c0 : AP_CHUNK);              \\
@@ -234,25 +311,25 @@ cdef extern from *:
                         if (++slot == B && j + 1 < nc) { slot = 0; blk = kv + (int64_t)bt[++col] * a->kv_blk; }\\
                     }                                                                         \\
                 }                                                                             \\
-                /* the chunk's logits for every row of the tile: each key loaded once */      \\
+                /* the chunk's logits for every row of the tile: W keys per pass, their    \\
+                   W-lane partial sums reduced by one transpose-and-add tree */             \\
                 int j4 = 0;                                                                   \\
-                for (; j4 + 8 <= nc; j4 += 8) {  /* eight keys per pass, one vector of logits */\\
+                for (; j4 + W <= nc; j4 += W) {                                               \\
+                    const TYPE *kk[W];   /* the keys' K rows for the KV head of row i */      \\
+                    int64_t kko = -1;                                                         \\
                     for (int i = 0; i < nr; i++) {                                            \\
                         const float *qi = qf + i * D;                                         \\
-                        const TYPE *k0 = kp[j4] + koff[i], *k1 = kp[j4 + 1] + koff[i];        \\
-                        const TYPE *k2 = kp[j4 + 2] + koff[i], *k3 = kp[j4 + 3] + koff[i];    \\
-                        const TYPE *k4 = kp[j4 + 4] + koff[i], *k5 = kp[j4 + 5] + koff[i];    \\
-                        const TYPE *k6 = kp[j4 + 6] + koff[i], *k7 = kp[j4 + 7] + koff[i];    \\
-                        ap_v8 x0 = {0}, x1 = {0}, x2 = {0}, x3 = {0};                         \\
-                        ap_v8 x4 = {0}, x5 = {0}, x6 = {0}, x7 = {0};                         \\
-                        for (int d = 0; d < D; d += 8) {                                      \\
-                            ap_v8 qd; memcpy(&qd, qi + d, sizeof qd);                         \\
-                            x0 += qd * LOAD8(k0 + d); x1 += qd * LOAD8(k1 + d);               \\
-                            x2 += qd * LOAD8(k2 + d); x3 += qd * LOAD8(k3 + d);               \\
-                            x4 += qd * LOAD8(k4 + d); x5 += qd * LOAD8(k5 + d);               \\
-                            x6 += qd * LOAD8(k6 + d); x7 += qd * LOAD8(k7 + d);               \\
+                        if (koff[i] != kko) {   /* a new KV head: rows of one group share them */\\
+                            kko = koff[i];                                                    \\
+                            for (int k = 0; k < W; k++) kk[k] = kp[j4 + k] + kko;             \\
                         }                                                                     \\
-                        const ap_v8 lg = ap_sum8(x0, x1, x2, x3, x4, x5, x6, x7);             \\
+                        VF x[W];                                                              \\
+                        for (int k = 0; k < W; k++) x[k] = (VF){0};                           \\
+                        for (int d = 0; d < D; d += W) {                                      \\
+                            VF qd; memcpy(&qd, qi + d, sizeof qd);                            \\
+                            for (int k = 0; k < W; k++) x[k] += qd * LOADW(kk[k] + d);        \\
+                        }                                                                     \\
+                        const VF lg = SUMW(x);                                                \\
                         memcpy(s + i * AP_CHUNK + j4, &lg, sizeof lg);                        \\
                     }                                                                         \\
                 }                                                                             \\
@@ -280,7 +357,9 @@ cdef extern from *:
                         s[i * AP_CHUNK + j] = x;                                              \\
                     }                                                                         \\
                 }                                                                             \\
-                /* per row: the keys it sees, the running max, the weights */                 \\
+                /* per row: the keys it sees, the running max, the weights (lanes from     \\
+                   ncw on: never read) */                                                     \\
+                const int ncw = (nc + W - 1) / W * W;                                         \\
                 for (int i = 0; i < nr; i++) {                                                \\
                     float *si = s + i * AP_CHUNK;                                             \\
                     const int jlo = rlo[i] > c0 ? (int)(rlo[i] - c0) : 0;                     \\
@@ -295,26 +374,26 @@ cdef extern from *:
                         nan |= si[j] != si[j];                                                \\
                         mx = si[j] > mx ? si[j] : mx;                                         \\
                     }                                                                         \\
-                    if (nan) l[i] = NAN;                                                      \\
-                    vjlo[i] = jlo; vjhi[i] = mx == -INFINITY ? jlo : jhi;                      \\
+                    if (nan) lv[i][0] = NAN;                                                  \\
+                    vjlo[i] = jlo; vjhi[i] = mx == -INFINITY ? jlo : jhi;                     \\
                     if (mx == -INFINITY) { for (int j = 0; j < AP_CHUNK; j++) si[j] = 0.0f; continue; }\\
                     if (mx > m[i]) {                                                          \\
                         if (m[i] != -INFINITY) {                                              \\
                             const float corr = ap_expf(m[i] - mx);                            \\
                             float *ai = acc + i * D;                                          \\
-                            l[i] *= corr;                                                     \\
+                            lv[i] *= corr;                                                    \\
                             for (int d = 0; d < D; d++) ai[d] *= corr;                        \\
                         }                                                                     \\
                         m[i] = mx;                                                            \\
                     }                                                                         \\
-                    ap_v8 tot = {0};                                                          \\
-                    for (int j = 0; j < AP_CHUNK; j += 8) {  /* -inf (unseen) lanes become 0 */\\
-                        ap_v8 x; memcpy(&x, si + j, sizeof x);                                \\
-                        const ap_v8 e = ap_exp8(x - m[i]);                                    \\
+                    VF tot = {0};                                                             \\
+                    for (int j = 0; j < ncw; j += W) {  /* -inf (unseen) lanes become 0 */  \\
+                        VF x; memcpy(&x, si + j, sizeof x);                                   \\
+                        const VF e = EXPW(x - m[i]);                                          \\
                         memcpy(si + j, &e, sizeof e);                                         \\
                         tot += e;                                                             \\
                     }                                                                         \\
-                    l[i] += ((tot[0] + tot[4]) + (tot[1] + tot[5])) + ((tot[2] + tot[6]) + (tot[3] + tot[7]));\\
+                    lv[i] += tot;  /* summed over lanes at the end */                                                    \\
                 }                                                                             \\
                 /* the weighted values: the consecutive rows of one KV head that see the   \\
                    same keys of the chunk (a GQA group) share each value load, their       \\
@@ -324,46 +403,106 @@ cdef extern from *:
                     while (ng < 4 && i + ng < nr && koff[i + ng] == koff[i]                   \\
                            && vjlo[i + ng] == vjlo[i] && vjhi[i + ng] == vjhi[i]) ng++;       \\
                     if (vjlo[i] < vjhi[i])                                                    \\
-                        VACC(acc + i * D, s + i * AP_CHUNK, ng, kp, a->kv_half + koff[i],     \\
-                             vjlo[i], vjhi[i], D);                                            \\
+                        NAME##_vacc(acc + i * D, s + i * AP_CHUNK, ng, kp, a->kv_half + koff[i], \\
+                                    vjlo[i], vjhi[i], D);                                     \\
                     i += ng;                                                                  \\
                 }                                                                             \\
             }                                                                                 \\
             for (int i = 0; i < nr; i++) {                                                    \\
                 const int64_t t = (row0 + i) / HH, h = hk0 * G + (row0 + i) % HH;             \\
                 TYPE *o = out + (q0 + t) * a->out_tok + h * a->out_head;                      \\
-                const float inv = 1.0f / l[i];                                                \\
+                const float inv = 1.0f / HSUMW(lv[i]);                                       \\
                 for (int d = 0; d < D; d++) o[d] = STORE(acc[i * D + d] * inv);               \\
             }                                                                                 \\
         }                                                                                     \\
     }
 
+    /* per dtype: the value accumulator and the item function for head sizes 32, 64, 128
+       (loops over the head unrolled at compile time) and any other, 8 lanes wide (target
+       clones: x86-64-v4 / v3 / baseline), and where GCC targets x86-64 the same 16 lanes
+       wide for AVX-512 CPUs (head sizes that are multiples of 16); NAME(head_size, w16)
+       returns the function to run */
+    #define AP_DEFINE_ITEMS8(NAME, TYPE, LOAD, LOAD8, STORE)                                   \\
+        AP_DEFINE_VACC(NAME##_d32_vacc, TYPE, ap_v8, 8, LOAD8)                                \\
+        AP_DEFINE_VACC(NAME##_d64_vacc, TYPE, ap_v8, 8, LOAD8)                                \\
+        AP_DEFINE_VACC(NAME##_d128_vacc, TYPE, ap_v8, 8, LOAD8)                               \\
+        AP_DEFINE_VACC(NAME##_dany_vacc, TYPE, ap_v8, 8, LOAD8)                               \\
+        AP_DEFINE_ITEM(NAME##_d32, AP_CLONES, TYPE, LOAD, LOAD8, STORE, ap_v8, 8, LOAD8, ap_sum8p, ap_exp8, ap_hsum8, 32)\\
+        AP_DEFINE_ITEM(NAME##_d64, AP_CLONES, TYPE, LOAD, LOAD8, STORE, ap_v8, 8, LOAD8, ap_sum8p, ap_exp8, ap_hsum8, 64)\\
+        AP_DEFINE_ITEM(NAME##_d128, AP_CLONES, TYPE, LOAD, LOAD8, STORE, ap_v8, 8, LOAD8, ap_sum8p, ap_exp8, ap_hsum8, 128)\\
+        AP_DEFINE_ITEM(NAME##_dany, AP_CLONES, TYPE, LOAD, LOAD8, STORE, ap_v8, 8, LOAD8, ap_sum8p, ap_exp8, ap_hsum8, 0)
+    #if AP_HAVE_W16
+    #define AP_DEFINE_ITEMS(NAME, TYPE, LOAD, LOAD8, LOAD16, STORE)                            \\
+        AP_DEFINE_ITEMS8(NAME, TYPE, LOAD, LOAD8, STORE)                                      \\
+        AP_DEFINE_VACC(NAME##_w16_d32_vacc, TYPE, ap_v16, 16, LOAD16)                         \\
+        AP_DEFINE_VACC(NAME##_w16_d64_vacc, TYPE, ap_v16, 16, LOAD16)                         \\
+        AP_DEFINE_VACC(NAME##_w16_d128_vacc, TYPE, ap_v16, 16, LOAD16)                        \\
+        AP_DEFINE_VACC(NAME##_w16_dany_vacc, TYPE, ap_v16, 16, LOAD16)                        \\
+        AP_DEFINE_ITEM(NAME##_w16_d32, AP_V4, TYPE, LOAD, LOAD8, STORE, ap_v16, 16, LOAD16, ap_sum16, ap_exp16, ap_hsum16, 32)\\
+        AP_DEFINE_ITEM(NAME##_w16_d64, AP_V4, TYPE, LOAD, LOAD8, STORE, ap_v16, 16, LOAD16, ap_sum16, ap_exp16, ap_hsum16, 64)\\
+        AP_DEFINE_ITEM(NAME##_w16_d128, AP_V4, TYPE, LOAD, LOAD8, STORE, ap_v16, 16, LOAD16, ap_sum16, ap_exp16, ap_hsum16, 128)\\
+        AP_DEFINE_ITEM(NAME##_w16_dany, AP_V4, TYPE, LOAD, LOAD8, STORE, ap_v16, 16, LOAD16, ap_sum16, ap_exp16, ap_hsum16, 0)\\
+        static void (*NAME(int head_size, int w16))(const ap_args *, int64_t) {               \\
+            if (w16 && head_size % 16 == 0)                                                   \\
+                return head_size == 32 ? NAME##_w16_d32 : head_size == 64 ? NAME##_w16_d64    \\
+                     : head_size == 128 ? NAME##_w16_d128 : NAME##_w16_dany;                  \\
+            return head_size == 32 ? NAME##_d32 : head_size == 64 ? NAME##_d64                \\
+                 : head_size == 128 ? NAME##_d128 : NAME##_dany;                              \\
+        }
+    #else
+    #define AP_DEFINE_ITEMS(NAME, TYPE, LOAD, LOAD8, LOAD16, STORE)                            \\
+        AP_DEFINE_ITEMS8(NAME, TYPE, LOAD, LOAD8, STORE)                                      \\
+        static void (*NAME(int head_size, int w16))(const ap_args *, int64_t) {               \\
+            (void)w16;                                                                        \\
+            return head_size == 32 ? NAME##_d32 : head_size == 64 ? NAME##_d64                \\
+                 : head_size == 128 ? NAME##_d128 : NAME##_dany;                              \\
+        }
+    #endif
+
     #define AP_ID(x) (x)
-    AP_DEFINE_VACC(ap_vacc_f32, float, ap_ld8_f32)
-    AP_DEFINE_VACC(ap_vacc_bf16, uint16_t, ap_ld8_bf16)
-    AP_DEFINE_ITEM(ap_item_f32, float, AP_ID, ap_ld8_f32, AP_ID, ap_vacc_f32)
-    AP_DEFINE_ITEM(ap_item_bf16, uint16_t, ap_bf16_to_f32, ap_ld8_bf16, ap_f32_to_bf16, ap_vacc_bf16)
+    AP_DEFINE_ITEMS(ap_item_f32, float, AP_ID, ap_ld8_f32, ap_ld16_f32, AP_ID)
+    AP_DEFINE_ITEMS(ap_item_bf16, uint16_t, ap_bf16_to_f32, ap_ld8_bf16, ap_ld16_bf16, ap_f32_to_bf16)
     #if defined(__FLT16_MAX__)
     #define AP_HAVE_F16 1
     #define AP_F16_LOAD(x) ((float)(x))
     #define AP_F16_STORE(x) ((_Float16)(x))
     typedef _Float16 ap_v8h __attribute__((vector_size(16)));
+    typedef _Float16 ap_v16h __attribute__((vector_size(32)));
     static inline __attribute__((always_inline)) ap_v8 ap_ld8_f16(const _Float16 *p) {
         ap_v8h h; memcpy(&h, p, sizeof h); return __builtin_convertvector(h, ap_v8);
     }
-    AP_DEFINE_VACC(ap_vacc_f16, _Float16, ap_ld8_f16)
-    AP_DEFINE_ITEM(ap_item_f16, _Float16, AP_F16_LOAD, ap_ld8_f16, AP_F16_STORE, ap_vacc_f16)
+    static inline __attribute__((always_inline)) ap_v16 ap_ld16_f16(const _Float16 *p) {
+        ap_v16h h; memcpy(&h, p, sizeof h); return __builtin_convertvector(h, ap_v16);
+    }
+    AP_DEFINE_ITEMS(ap_item_f16, _Float16, AP_F16_LOAD, ap_ld8_f16, ap_ld16_f16, AP_F16_STORE)
     #else
     #define AP_HAVE_F16 0
     #endif
 
+    static int ap_force_w8 = 0;   /* tests: the 8-lane functions even on an AVX-512 CPU */
+    /* the CPU runs the 16-lane functions (AVX-512 F/BW/DQ/VL, x86-64-v4's vector part) */
+    static int ap_cpu_w16(void) {
+    #if AP_HAVE_W16
+        static int w = -1;
+        if (w < 0) {
+            __builtin_cpu_init();
+            w = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
+                && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+        }
+        return w;
+    #else
+        return 0;
+    #endif
+    }
+
     /* dtype: 0 float32, 1 bfloat16, 2 float16. Returns 0, or -1 for an unsupported dtype. */
     static int ap_run(const ap_args *a, int dtype, int num_threads) {
         void (*item)(const ap_args *, int64_t) = 0;
-        if (dtype == 0) item = ap_item_f32;
-        else if (dtype == 1) item = ap_item_bf16;
+        const int w16 = ap_cpu_w16() && !ap_force_w8;
+        if (dtype == 0) item = ap_item_f32(a->head_size, w16);
+        else if (dtype == 1) item = ap_item_bf16(a->head_size, w16);
     #if AP_HAVE_F16
-        else if (dtype == 2) item = ap_item_f16;
+        else if (dtype == 2) item = ap_item_f16(a->head_size, w16);
     #endif
         if (!item) return -1;
         /* one item per request (all its heads: each key token's K/V row, H_kv * D
@@ -413,6 +552,10 @@ cdef extern from *:
         return 0;
     }
 
+    /* the lanes the item functions for head_size run: 16 or 8 */
+    static int ap_lanes(int head_size) { return ap_cpu_w16() && !ap_force_w8 && head_size % 16 == 0 ? 16 : 8; }
+    static void ap_set_force_w8(int on) { ap_force_w8 = on; }
+
     static int ap_openmp(void) {
     #ifdef _OPENMP
         return 1;
@@ -443,6 +586,8 @@ cdef extern from *:
     int ap_check(const ap_args *a, int64_t num_tokens, int64_t num_qsl, int64_t num_seq, int64_t bt_rows,
                  int64_t bt_cols, int64_t num_blocks, int64_t *bad_req, int64_t *bad_val) nogil
     int ap_openmp()
+    int ap_lanes(int head_size)
+    void ap_set_force_w8(int on)
     int AP_DMAX
     int AP_HAVE_F16
 
@@ -455,6 +600,18 @@ HAS_FLOAT16 = bool(AP_HAVE_F16)
 
 OPENMP = bool(ap_openmp())
 """Built with OpenMP: ``num_threads > 1`` splits the ``(request, KV head)`` pairs."""
+
+
+def vector_lanes(int head_size):
+    """The vector width (float lanes, 16 or 8) the kernel's loops run at for ``head_size``:
+    16 where the CPU has AVX-512 (F, BW, DQ, VL) and ``head_size`` is a multiple of 16, else 8."""
+    return ap_lanes(head_size)
+
+
+def _force_8_lanes(bint on):
+    """Tests only: run the 8-lane functions even where the 16-lane ones would run
+    (process-wide; not thread-safe against concurrent calls)."""
+    ap_set_force_w8(on)
 
 
 cdef inline void _set_metadata(ap_args *a, uintptr_t block_table, int64_t bt_row, uintptr_t query_start_loc,

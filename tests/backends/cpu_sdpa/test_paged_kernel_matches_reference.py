@@ -155,3 +155,35 @@ def test_unsupported_layers_fall_back_with_a_reason(monkeypatch):
     assert "causal" in paged.unsupported(torch.float32, torch.float32, 64, causal=False, sliding_window=4)
     monkeypatch.setenv(paged.ENV_SWITCH, "0")
     assert "turned off" in paged.unsupported(torch.float32, torch.float32, 64)
+
+
+_WIDTH_CASES = [  # (H, H_kv, head size, block size, step, window, soft-cap, dtype)
+    (8, 2, 32, 32, [(320, 1), (100, 1), (63, 1), (64, 1), (0, 3)], None, None, torch.float32),  # tiny-llama
+    (9, 3, 64, 16, [(200, 1), (129, 4), (5, 8)], None, None, torch.float32),  # SmolLM2, speculative rows
+    (8, 1, 128, 3, [(70, 2), (33, 1)], 33, 3.0, torch.bfloat16),
+    (4, 2, 256, 4, [(90, 1), (10, 5)], 5, None, torch.float16),
+]
+
+
+@pytest.mark.parametrize("lanes", [8, 16])
+@pytest.mark.parametrize("case", _WIDTH_CASES, ids=lambda c: f"{c[0]}:{c[1]}x{c[2]}-b{c[3]}-{c[7]}")
+def test_both_vector_widths_match_torch_native(lanes, case):
+    """The 16-lane (AVX-512) item functions and the 8-lane ones (what a CPU without
+    AVX-512 runs; forced here) each match the reference, 64-key chunk edges included."""
+    num_heads, num_kv_heads, head_size, block_size, step, window, cap, dtype = case
+    if dtype not in paged._DTYPE_CODES:
+        pytest.skip(f"{dtype} is not compiled in")
+    if lanes == 16 and paged._paged.vector_lanes(head_size) != 16:
+        pytest.skip("this CPU has no AVX-512: the kernel runs 8 lanes only")
+    args = _inputs(num_heads, num_kv_heads, head_size, block_size, step, window, dtype, 11)
+    expected = _forward(TorchNativeBackend, num_heads, num_kv_heads, head_size, window, cap, *args)[0]
+    _, md, kv = _forward(CpuSdpaBackend, num_heads, num_kv_heads, head_size, window, cap, *args)
+    paged._paged._force_8_lanes(lanes == 8)
+    try:
+        assert paged._paged.vector_lanes(head_size) == lanes
+        got = paged.paged_attention(torch.full_like(expected, float("nan")), args[3][0], kv, md.block_table_tensor,
+                                    md.query_start_loc, md.seq_lens, md.paged_all_reqs, scale=head_size ** -0.5,
+                                    sliding_window=window, logits_soft_cap=cap)
+    finally:
+        paged._paged._force_8_lanes(False)
+    torch.testing.assert_close(got.float(), expected.float(), rtol=TOL[dtype], atol=TOL[dtype])
