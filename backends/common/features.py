@@ -1,5 +1,5 @@
 """``WindowAndSoftCapFeatures``: the feature declarations the paged decoder backends
-(``torch_native``, ``triton``, ``flash_attn``, ``flashinfer``) share word for word."""
+(``torch_native``, ``triton``, ``flash_attn``, ``flashinfer``, ``cpu_sdpa``) share word for word."""
 
 from __future__ import annotations
 

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import torch
 
+from attnplug.backends.common.features import WindowAndSoftCapFeatures
 from attnplug.core.contracts import AttentionBackend, AttentionImpl, AttentionMetadataBuilder
 
 
-class CpuSdpaBackend(AttentionBackend):
+class CpuSdpaBackend(WindowAndSoftCapFeatures, AttentionBackend):
     """Attention on the CPU: a compiled paged kernel, else torch's fused SDPA.
 
     Where the optional compiled module ``_paged`` was built and takes the layer (float32 /
@@ -59,18 +60,6 @@ class CpuSdpaBackend(AttentionBackend):
     def get_impl_cls(cls) -> type[AttentionImpl]:
         from attnplug.backends.cpu_sdpa.impl import CpuSdpaAttentionImpl
         return CpuSdpaAttentionImpl
-
-    @classmethod
-    def supports_sliding_window(cls) -> bool:
-        return True
-
-    @classmethod
-    def supports_logits_soft_cap(cls) -> bool:
-        return True
-
-    @classmethod
-    def supports_mqa_gqa(cls) -> bool:
-        return True
 
     @classmethod
     def is_available(cls) -> tuple[bool, str]:
