@@ -2,9 +2,10 @@
 
 A frozen dataclass's ``__init__`` sets each field through ``object.__setattr__`` and
 ``dataclasses.replace`` goes through ``fields()`` and ``__init__`` again: a few µs per
-build for a dozen fields, paid by every group on every step. The builders' metadata
-classes (plain frozen dataclasses: no ``__post_init__``, no ``__slots__``, no
-``InitVar``) are filled here through the instance ``__dict__`` instead, which is what
+build for a dozen fields, paid by every group on every step. Plain frozen metadata
+dataclasses (no ``__post_init__``, no ``__slots__``, no ``InitVar``: the flash_attn
+builder's; the triton one is sealed instead, ``sealed.py``, which builds faster still)
+are filled here through the instance ``__dict__``, which is what
 ``__init__`` ends up writing; the result compares equal to the ``__init__``-built one
 (``tests/backends/test_frozen_fields.py``).
 """

@@ -32,7 +32,7 @@ from attnplug.backends.common.buffer_checks import (
     check_step_values,
     copy_block_table,
 )
-from attnplug.backends.common.frozen_fields import frozen_factory, tables_replacer, template_factory
+from attnplug.backends.common.sealed import sealed_factory, sealed_replacer
 from attnplug.backends.triton.cascade import cascade_fields, with_cascade
 from attnplug.backends.triton.constants import KERNEL_BLOCK_SIZES
 from attnplug.backends.triton.metadata import SplitKVPolicy, TritonAttentionMetadata
@@ -42,12 +42,12 @@ from attnplug.core.contracts import AttentionCGSupport, AttentionMetadataBuilder
 from attnplug.core.errors import MetadataError
 from attnplug.core.metadata import CommonAttentionMetadata
 
-_new_metadata = frozen_factory(TritonAttentionMetadata)
-"""``TritonAttentionMetadata(...)`` with every field, without the frozen ``__init__``'s cost."""
-_from_last = template_factory(TritonAttentionMetadata, "num_actual_tokens", "max_query_len", "max_seq_len", "causal",
-                              "num_kv_splits")
-"""The metadata of a build the last pass covers: its instance dict with the per-step host fields."""
-_with_tables = tables_replacer(TritonAttentionMetadata, "block_table_tensor", "slot_mapping")
+_new_metadata = sealed_factory(TritonAttentionMetadata)
+"""``TritonAttentionMetadata(...)`` with every field, at the cost of a plain dataclass's ``__init__``."""
+_from_last = sealed_replacer(TritonAttentionMetadata, "num_actual_tokens", "max_query_len", "max_seq_len", "causal",
+                             "num_kv_splits")
+"""The metadata of a build the last pass covers: the last metadata with the per-step host fields."""
+_with_tables = sealed_replacer(TritonAttentionMetadata, "block_table_tensor", "slot_mapping")
 """``replace(md, block_table_tensor=..., slot_mapping=...)``, generated for the two fields."""
 
 DEFAULT_NUM_SMS = 132
@@ -107,9 +107,9 @@ class TritonMetadataBuilder(AttentionMetadataBuilder):
             max_model_len=config.max_model_len, slot_capacity=config.max_num_batched_tokens, backend="triton")
         self._passed: tuple = NOT_PASSED + (None,)
         """The last checked eager build's structural pass (``StepTensorChecks.pass_step``)
-        and its metadata's instance dict: a build whose four tensors and row count are the
+        and its metadata: a build whose four tensors and row count are the
         same and whose host ints fit the pass's bounds skips the checks, and its metadata
-        is that dict with the five per-step fields set (``_from_last``). Never set with
+        is a copy of it with the five per-step fields set (``_from_last``). Never set with
         ``validate_values`` (every build is then checked in full)."""
         self._tables_passed: tuple = NOT_PASSED[:5]
         """``StepTensorChecks.pass_tables`` of the last ``update_block_table``."""
@@ -249,7 +249,7 @@ class TritonMetadataBuilder(AttentionMetadataBuilder):
     def _build_checked(self, cm: CommonAttentionMetadata, n: int, splits: int) -> TritonAttentionMetadata:
         """An eager build the last pass does not cover: the row bound, with ``validate_values``
         the host values, the structure in full (``StepTensorChecks.pass_step``); then the
-        metadata, whose instance dict becomes the template of the builds the new pass
+        metadata, which becomes the template of the builds the new pass
         covers (kept unless every build is checked)."""
         self._check_num_reqs(n)
         if self.validate_values:
@@ -262,7 +262,7 @@ class TritonMetadataBuilder(AttentionMetadataBuilder):
                            seq_lens if seq_lens.shape[0] == n else seq_lens[:n],
                            cm.block_table_tensor, cm.slot_mapping, splits, False, None)
         if not self.validate_values:
-            self._passed = passed + (dict(md.__dict__),)
+            self._passed = passed + (md,)
         return md
 
     def _check(self, cm: CommonAttentionMetadata, n: int) -> None:

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from attnplug.backends.common.sealed import sealed
+
 
 @dataclass(frozen=True)
 class TritonCascadeMetadata:
@@ -37,9 +39,13 @@ class TritonCascadeMetadata:
     from column ``P // block_size`` on (a view)."""
 
 
-@dataclass(frozen=True)
+@sealed
+@dataclass(slots=True)
 class TritonAttentionMetadata:
     """One step of one cache group, lowered for the Triton kernels.
+
+    Sealed (``backends/common/sealed.py``): every layer of the group reads the same object,
+    so assigning a field raises ``dataclasses.FrozenInstanceError``, as on a frozen dataclass.
 
     Every tensor lives on the compute device. An eager build passes the step's tensors
     through (views of the step compiler's persistent buffers when the runner built them:

@@ -253,9 +253,8 @@ class StepCompiler:
             inputs = prep.prepare(b, self.group_kinds, num_tokens_padded, (
                 patch_host(prev_token_ids, self._host_device), _expected_tokens(scheduler_output)))
             self._check_step_size(scheduler_output, inputs.num_actual_tokens, num_tokens_padded)
-            kind = finish_patch(prep.buffers, prep.patch, prev_token_ids, inputs.input_ids)
-            if kind is not None:
-                self.patch_counts[kind] += 1
+            if prep.patch[0]:  # some token of this step is a placeholder
+                self.patch_counts[finish_patch(prep.buffers, prep.patch, prev_token_ids, inputs.input_ids)] += 1
         if self.prompt_embeds is not None:
             self._fill_embeds(inputs)
         if self.mrope is not None:

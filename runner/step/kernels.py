@@ -334,7 +334,7 @@ class CompiledKernels:
         P = -1 if num_tokens_padded is None else num_tokens_padded
         if prev_host is None:
             return prep.prepare_patched(R, P, 0, 0, expected)
-        return prep.prepare_patched(R, P, prev_host.data_ptr(), prev_host.shape[0], expected)
+        return prep.prepare_patched(R, P, prev_host.data_ptr(), prev_host.numel(), expected)  # (1-D)
 
 
 _NO_SEL = np.zeros(0, np.int64)

@@ -104,8 +104,10 @@ def patch_host(prev_token_ids: torch.Tensor, host_device: bool) -> torch.Tensor 
     ``bufs.input_ids.aliased``) and it is a contiguous 1-D ``int64`` CPU tensor, else
     ``None`` (the device copies)."""
     t = prev_token_ids
-    return t if host_device and t.is_cpu and t.dtype is torch.int64 and t.dim() == 1 and t.is_contiguous() \
-        else None
+    return t if host_device and t.dtype is _INT64 and t.is_cpu and t.dim() == 1 and t.is_contiguous() else None
+
+
+_INT64 = torch.int64
 
 
 def finish_patch(bufs, patch: tuple[int, bool, bool], prev_token_ids: torch.Tensor,

@@ -1,6 +1,7 @@
-"""``backends/common/frozen_fields.py``: the builders' metadata built without the frozen
+"""``backends/common/frozen_fields.py``: the flash_attn metadata built without the frozen
 dataclass ``__init__`` equals the ``__init__``-built one, field for field; and the live
-layer registry's cached answers follow adds and drops."""
+layer registry's cached answers follow adds and drops. (The triton metadata is sealed:
+``tests/backends/common/test_sealed_metadata.py``.)"""
 
 import dataclasses
 import gc
@@ -11,7 +12,6 @@ import torch
 from attnplug.backends.common.frozen_fields import field_names, new_frozen, replace_fields
 from attnplug.backends.common.layer_params import LiveLayerParams
 from attnplug.backends.flash_attn.metadata import FlashAttnMetadata
-from attnplug.backends.triton.metadata import TritonAttentionMetadata
 
 
 def _values(cls):
@@ -20,7 +20,7 @@ def _values(cls):
                  for i, f in enumerate(dataclasses.fields(cls)))
 
 
-@pytest.mark.parametrize("cls", [TritonAttentionMetadata, FlashAttnMetadata])
+@pytest.mark.parametrize("cls", [FlashAttnMetadata])
 def test_new_frozen_equals_the_dataclass_init(cls):
     vals = _values(cls)
     fast, slow = new_frozen(cls, *vals), cls(*vals)
@@ -33,7 +33,7 @@ def test_new_frozen_equals_the_dataclass_init(cls):
         new_frozen(cls, *vals[:-1])
 
 
-@pytest.mark.parametrize("cls", [TritonAttentionMetadata, FlashAttnMetadata])
+@pytest.mark.parametrize("cls", [FlashAttnMetadata])
 def test_replace_fields_equals_dataclasses_replace(cls):
     md = cls(*_values(cls))
     a, b = replace_fields(md, num_reqs=99, slot_mapping="s"), dataclasses.replace(md, num_reqs=99, slot_mapping="s")
@@ -64,7 +64,7 @@ def test_live_layer_answers_follow_adds_and_drops():
     assert reg.matching(2, 16, None) == []
 
 
-@pytest.mark.parametrize("cls", [TritonAttentionMetadata, FlashAttnMetadata])
+@pytest.mark.parametrize("cls", [FlashAttnMetadata])
 def test_the_generated_factory_equals_the_dataclass_init(cls):
     from attnplug.backends.common.frozen_fields import frozen_factory
 
@@ -77,7 +77,7 @@ def test_the_generated_factory_equals_the_dataclass_init(cls):
         frozen_factory(cls)(*vals[:-1])
 
 
-@pytest.mark.parametrize("cls", [TritonAttentionMetadata, FlashAttnMetadata])
+@pytest.mark.parametrize("cls", [FlashAttnMetadata])
 def test_the_template_factory_and_the_replacer_equal_dataclasses_replace(cls):
     from attnplug.backends.common.frozen_fields import tables_replacer, template_factory
 

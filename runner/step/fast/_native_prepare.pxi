@@ -18,7 +18,6 @@ cdef class Prepare:
     cdef int32_t[::1] prev_index, prev_pos
     cdef int64_t[::1] pdest, psrc
     cdef bint patch_bound
-    cdef Py_ssize_t num_patch
 
     def __init__(self, sched, ncc, num_tokens, num_prompt, tokens, qsl, positions, input_ids, seq_lens,
                  logits_indices, req_indices, discard, is_prefilling, list slot_tables, list slot_mappings,
@@ -52,15 +51,15 @@ cdef class Prepare:
                 step compiler's validation excludes all three).
         """
         cdef int64_t maxq = 0, maxs = 0
-        cdef Py_ssize_t Q = self._rows(R, False, &maxq, &maxs)
-        self._gather(Q, P, 0, NULL)
+        cdef Py_ssize_t Q = self._rows(R, &maxq, &maxs)
+        self._gather(Q, P, 0, NULL, False)
         self._slots(Q, P)
         return Q, maxq, maxs
 
     def prepare_patched(self, Py_ssize_t R, Py_ssize_t P, size_t prev_addr, Py_ssize_t prev_len,
                         Py_ssize_t expected):
-        """:meth:`prepare` and the asynchronous patch (``StepKernels.plan_patch``) in one
-        pass: the row loop plans the patch into ``dest`` / ``src`` (rows whose
+        """:meth:`prepare` and the asynchronous patch (``StepKernels.prepare_patched``) in one
+        call: a loop after the row loop plans the patch into ``dest`` / ``src`` (rows whose
         ``prev_sampled_index`` is set and whose placeholder lies in this step's tokens);
         with ``prev_addr`` (the address of the previous step's ``prev_len`` sampled
         tokens on the host, a C-contiguous ``int64`` vector the caller keeps alive) the
@@ -87,34 +86,64 @@ cdef class Prepare:
         if R > self.prev_index.shape[0] or prev_len < 0:
             raise IndexError(f"Prepare.prepare_patched: {R} rows")
         cdef int64_t maxq = 0, maxs = 0
-        cdef Py_ssize_t Q = self._rows(R, True, &maxq, &maxs), k = self.num_patch, r
+        cdef Py_ssize_t Q = self._rows(R, &maxq, &maxs), k, r
         cdef bint contiguous = True, written = prev_addr != 0
         cdef const int64_t* src = &self.psrc[0]
-        cdef const int64_t* dest = &self.pdest[0]
         if (expected >= 0 and Q != expected) or (0 <= P < Q):
-            self._gather(Q, P, 0, NULL)  # the caller refuses this step: no patch
+            self._gather(Q, P, 0, NULL, False)  # the caller refuses this step: no patch
             self._slots(Q, P)
             return Q, maxq, maxs, 0, True, False
-        for r in range(k):
-            contiguous &= (dest[r] == r) & (src[r] == r)
+        k = self._plan_patch(R, &contiguous)
         if written:
-            for r in range(k):
-                if src[r] >= prev_len:
-                    raise IndexError(f"Prepare.prepare_patched: token {src[r]} of {prev_len} sampled")
-            self._gather(Q, P, k, <const int64_t*>prev_addr)
+            if contiguous:  # src == arange(k)
+                if k > prev_len:
+                    raise IndexError(f"Prepare.prepare_patched: token {k - 1} of {prev_len} sampled")
+            else:
+                for r in range(k):
+                    if src[r] >= prev_len:
+                        raise IndexError(f"Prepare.prepare_patched: token {src[r]} of {prev_len} sampled")
+            self._gather(Q, P, k, <const int64_t*>prev_addr, contiguous)
         else:
-            self._gather(Q, P, 0, NULL)
+            self._gather(Q, P, 0, NULL, False)
         self._slots(Q, P)
         if R:
             memset(&self.prev_index[0], 0xFF, R * sizeof(int32_t))  # consumed: -1 in every row
         return Q, maxq, maxs, k, contiguous, written
 
-    cdef Py_ssize_t _rows(self, Py_ssize_t R, bint patch, int64_t* maxq_out, int64_t* maxs_out) except -1:
-        """The per-row loop: each row's token rows, positions, counts and masks; with
-        ``patch`` also the patch's plan (``num_patch`` entries of ``pdest`` / ``psrc``).
+    cdef Py_ssize_t _plan_patch(self, Py_ssize_t R, bint* contiguous_out) except -1:
+        """The patch's plan after :meth:`_rows` (which wrote ``query_start_loc``): rows whose
+        ``prev_sampled_index`` is set and whose placeholder is one of this step's tokens,
+        into ``pdest`` / ``psrc`` (``dest`` ascending). Its own loop: the row loop stays the
+        one of a synchronous step. Returns ``k``; ``contiguous_out``: ``dest == src ==
+        arange(k)``."""
+        cdef const int32_t* pidx = &self.prev_index[0]
+        cdef const int32_t* ppos = &self.prev_pos[0]
+        cdef const int32_t* ncc = &self.ncc[0]
+        cdef const int32_t* sched = &self.sched[0]
+        cdef const int32_t* qsl = &self.qsl[0]
+        cdef int64_t* pdest = &self.pdest[0]
+        cdef int64_t* psrc = &self.psrc[0]
+        cdef Py_ssize_t r, k = 0
+        cdef int64_t s, off, d
+        cdef bint contiguous = True
+        for r in range(R):
+            s = pidx[r]
+            if s >= 0:
+                off = <int64_t>ppos[r] - ncc[r]
+                if 0 <= off < sched[r]:  # its placeholder is one of this step's tokens
+                    d = qsl[r] + off
+                    pdest[k] = d
+                    psrc[k] = s
+                    contiguous &= (d == k) & (s == k)
+                    k += 1
+        contiguous_out[0] = contiguous
+        return k
+
+    cdef Py_ssize_t _rows(self, Py_ssize_t R, int64_t* maxq_out, int64_t* maxs_out) except -1:
+        """The per-row loop: each row's token rows, positions, counts and masks.
         Returns ``num_actual_tokens``."""
-        cdef Py_ssize_t r, t, Q = 0, q, maxq = 0, maxs = 0, k = 0
-        cdef int64_t c, s, off
+        cdef Py_ssize_t r, t, Q = 0, q, maxq = 0, maxs = 0
+        cdef int64_t c
         cdef Py_ssize_t width = self.tokens.shape[1], cap = self.positions.shape[0]
         if R > self.sched.shape[0]:
             raise IndexError(f"{R} rows but the batch holds {self.sched.shape[0]}")
@@ -131,26 +160,12 @@ cdef class Prepare:
         cdef uint8_t* is_prefilling = &self.is_prefilling[0]
         cdef const int32_t* num_tokens = &self.num_tokens[0]
         cdef const int32_t* num_prompt = &self.num_prompt[0]
-        cdef const int32_t* pidx = NULL
-        cdef const int32_t* ppos = NULL
-        cdef int64_t* pdest = NULL
-        cdef int64_t* psrc = NULL
-        if patch:
-            pidx, ppos = &self.prev_index[0], &self.prev_pos[0]
-            pdest, psrc = &self.pdest[0], &self.psrc[0]
         qsl[0] = 0
-        for r in range(R):  # per row: the row's tokens, counts and masks (and its patch)
+        for r in range(R):  # per row: the row's tokens, counts and masks
             q = sched[r]
             c = ncc[r]
             if q < 0 or c < 0 or c + q > width or Q + q > cap:
                 raise IndexError(f"row {r}: positions [{c}, {c + q}) leave the token table or buffers")
-            if patch:
-                s = pidx[r]
-                off = ppos[r] - c
-                if s >= 0 and 0 <= off < q:  # its placeholder is one of this step's tokens
-                    pdest[k] = Q + off
-                    psrc[k] = s
-                    k += 1
             for t in range(q):
                 req[Q + t] = r
                 positions[Q + t] = c + t
@@ -164,15 +179,16 @@ cdef class Prepare:
                 maxq = q
             if c + q > maxs:
                 maxs = c + q
-        self.num_patch = k
         maxq_out[0] = maxq
         maxs_out[0] = maxs
         return Q
 
-    cdef int _gather(self, Py_ssize_t Q, Py_ssize_t P, Py_ssize_t k, const int64_t* host) except -1:
+    cdef int _gather(self, Py_ssize_t Q, Py_ssize_t P, Py_ssize_t k, const int64_t* host,
+                     bint contiguous) except -1:
         """``input_ids`` of the ``Q`` tokens from the token table, then the padding to
         ``P``; with ``host``, the ``k`` patched tokens (``pdest`` ascending) come from
-        ``host[psrc]`` and their table entries (placeholders) are not read."""
+        ``host[psrc]`` and their table entries (placeholders) are not read
+        (``contiguous``: ``pdest == psrc == arange(k)``, e.g. a decode step: a copy)."""
         cdef Py_ssize_t t, j, end, cap = self.positions.shape[0], width = self.tokens.shape[1]
         cdef int32_t* ids = &self.input_ids[0]
         cdef const int32_t* tok = &self.tokens[0, 0]
@@ -184,6 +200,11 @@ cdef class Prepare:
             raise IndexError(f"padding to {P} tokens but the buffers hold {cap}")
         if k == 0:
             for t in range(Q):  # the gather, in its own loop: independent loads overlap
+                ids[t] = tok[req[t] * width + positions[t]]
+        elif contiguous:  # the first k tokens are the patched ones
+            for t in range(k):
+                ids[t] = <int32_t>host[t]
+            for t in range(k, Q):
                 ids[t] = tok[req[t] * width + positions[t]]
         else:
             dest, src = &self.pdest[0], &self.psrc[0]

@@ -77,9 +77,10 @@ def test_a_warm_build_equals_a_fresh_one(cls, monkeypatch):
     for change in (dict(num_actual_tokens=3, max_query_len=2), dict(max_seq_len=48), dict(causal=False), {}):
         step = cm.replace(**change)  # the same tensor objects, other host ints
         warm, fresh = b.build(0, step), cls(SPEC, ["l0"], CFG, "cpu").build(0, step)
-        assert warm.__dict__.keys() == fresh.__dict__.keys()
-        for name, value in fresh.__dict__.items():
-            got = warm.__dict__[name]
+        assert type(warm) is type(fresh)
+        for f in dataclasses.fields(fresh):
+            name, value = f.name, getattr(fresh, f.name)
+            got = getattr(warm, name)
             assert got is value if isinstance(value, torch.Tensor) and cls is TritonMetadataBuilder else (
                 torch.equal(got, value) if isinstance(value, torch.Tensor) else got == value), name
 

@@ -73,3 +73,29 @@ def test_a_refused_step_consumes_nothing_and_the_right_call_patches(native):
     assert sc.input_batch.prev_sampled_index[:4].tolist() == before.tolist()
     assert sc.prepare_inputs(second, prev_token_ids=prev).input_ids.tolist() == _expected(sc)
     assert sc.patch_counts == {"slice": 0, "scatter": 1}
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+@pytest.mark.parametrize("native", NATIVE)
+def test_rows_in_order_take_each_its_own_token_by_the_slice(native, dtype):
+    """Rows that kept their order (the steady state: the patch is ``dest == src == arange(k)``)
+    get each its own sampled token; a request admitted behind them keeps its prompt, and a
+    ``int64`` sampled tensor one token short refuses the step (the slice's one bound check)."""
+    sc = StepCompiler([4], 8, 32, 32, num_blocks=16, native=native)
+    new = [NewRequestData(r, [i + 1, i + 2, i + 3], ([i + 1],), 0) for i, r in enumerate("abc")]
+    first = SchedulerOutput(new, CachedRequestData(), dict.fromkeys("abc", 3))
+    sc.update_states(first)
+    sc.prepare_inputs(first)
+    sc.append_placeholders([0, 1, 2])
+    second = SchedulerOutput([NewRequestData("e", [5, 6], ([9],), 0)],
+                             CachedRequestData(["a", "b", "c"], [False] * 3, [[], [], []], [None] * 3, [3, 3, 3]),
+                             {"a": 1, "b": 1, "c": 1, "e": 2})
+    sc.update_states(second)
+    prev = torch.tensor([11, 22, 33], dtype=dtype)
+    if dtype is torch.int64:  # the kernels write the tokens (int32: the device copy does)
+        with pytest.raises(IndexError):
+            sc.prepare_inputs(second, prev_token_ids=prev[:2])
+    inputs = sc.prepare_inputs(second, prev_token_ids=prev)
+    assert sc.input_batch.req_ids[:4] == ["a", "b", "c", "e"]
+    assert inputs.input_ids.tolist() == [11, 22, 33, 5, 6]
+    assert sc.patch_counts == {"slice": 1, "scatter": 0}
