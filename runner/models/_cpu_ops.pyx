@@ -120,6 +120,32 @@ cdef extern from *:
         }
     }
 
+    /* each thread of one OpenMP team of nt threads (the pool torch's parallel regions reuse)
+       sets its own CPU affinity: thread t to the CPUs cpus[offs[t] .. offs[t + 1]); returns the
+       number of threads whose sched_setaffinity failed, or -1 if the team was not nt threads */
+    #ifndef _GNU_SOURCE
+    #define _GNU_SOURCE
+    #endif
+    #include <sched.h>
+    static int co_bind_threads(const int64_t *cpus, const int64_t *offs, int nt) {
+        int failed = 0, team = nt;
+    #ifdef _OPENMP
+        #pragma omp parallel num_threads(nt) reduction(+:failed)
+        {
+            int t = omp_get_thread_num();
+            if (t == 0) team = omp_get_num_threads();
+    #else
+        {
+            int t = 0; team = 1;
+    #endif
+            cpu_set_t set;
+            CPU_ZERO(&set);
+            for (int64_t i = offs[t]; i < offs[t + 1]; ++i) CPU_SET((int)cpus[i], &set);
+            if (sched_setaffinity(0, sizeof(set), &set) != 0) failed += 1;
+        }
+        return team == nt ? failed : -1;
+    }
+
     /* rows [0, n) in num_threads contiguous slices (each row's result does not depend on the split) */
     #ifdef _OPENMP
     #define CO_SPLIT(n, nt, BODY) do { \
@@ -167,6 +193,7 @@ cdef extern from *:
                  int64_t o_head, const float *cs, const float *sn, int64_t c_tok, int64_t n,
                  int heads, int head_size, int rot, int interleaved, int nt) nogil
     int co_openmp()
+    int co_bind_threads(const int64_t *cpus, const int64_t *offs, int nt) nogil
 
 
 OPENMP = bool(co_openmp())
@@ -201,3 +228,27 @@ def rope(uintptr_t x, int64_t x_tok, int64_t x_head, uintptr_t out, int64_t o_to
     with nogil:
         co_rope(<const float *> x, x_tok, x_head, <float *> out, o_tok, o_head, <const float *> cos,
                 <const float *> sin, c_tok, n, heads, head_size, rotary_dim, interleaved, num_threads)
+
+
+def bind_threads(list cpu_sets):
+    """Pin thread ``t`` of an OpenMP team of ``len(cpu_sets)`` threads to the CPUs
+    ``cpu_sets[t]`` (``sched_setaffinity`` of each thread, from inside the team). libgomp
+    keeps the team's threads for later regions of the same size, so torch's parallel regions
+    (the same libgomp: one ``libgomp.so.1`` is loaded) run on them. Returns the number of
+    threads whose call failed; raises ``RuntimeError`` when the team came out smaller."""
+    cdef int nt = len(cpu_sets)
+    cdef list flat = [int(c) for cs_ in cpu_sets for c in cs_]
+    offs_l = [0]
+    cdef int64_t total = 0
+    for cs in cpu_sets:
+        total += len(cs)
+        offs_l.append(total)
+    import array
+    cdef long[:] cpus_v = array.array("l", flat or [0])
+    cdef long[:] offs_v = array.array("l", offs_l)
+    cdef int rc
+    with nogil:
+        rc = co_bind_threads(<const int64_t *> &cpus_v[0], <const int64_t *> &offs_v[0], nt)
+    if rc < 0:
+        raise RuntimeError(f"bind_threads: OpenMP gave a team of other than {nt} threads")
+    return rc

@@ -58,9 +58,13 @@ def enabled() -> bool:
 
 def takes(x: torch.Tensor) -> bool:
     """The ops take ``x``: float32 on the CPU, its last dimension contiguous, not traced by
-    ``torch.compile``."""
-    return (x.dtype == torch.float32 and x.device.type == "cpu" and x.stride(-1) == 1
-            and not torch.compiler.is_compiling())
+    ``torch.compile``, autograd not recording (the ops write through raw pointers: no
+    gradient)."""
+    return _layout_ok(x) and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
+
+
+def _layout_ok(x: torch.Tensor) -> bool:
+    return x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() > 0 and x.stride(-1) == 1
 
 
 def _threads(elements: int) -> int:
@@ -68,7 +72,7 @@ def _threads(elements: int) -> int:
 
 
 def _check_rows(name: str, x: torch.Tensor, width: int | None = None) -> None:
-    if x.dim() != 2 or not takes(x):
+    if x.dim() != 2 or not _layout_ok(x):
         raise ValueError(f"{name}: expected a 2-D float32 CPU tensor with a contiguous last dimension, got "
                          f"{tuple(x.shape)} {x.dtype} on {x.device} with strides {x.stride()}")
     if width is not None and x.shape[1] != width:
@@ -76,7 +80,7 @@ def _check_rows(name: str, x: torch.Tensor, width: int | None = None) -> None:
 
 
 def _check_weight(weight: torch.Tensor, d: int) -> None:
-    if weight.shape != (d,) or not weight.is_contiguous() or not takes(weight):
+    if weight.shape != (d,) or not weight.is_contiguous() or not _layout_ok(weight):
         raise ValueError(f"weight: expected a contiguous float32 CPU [{d}], got {tuple(weight.shape)} "
                          f"{weight.dtype} on {weight.device}")
 
@@ -173,14 +177,14 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int,
     Raises:
         ValueError: a tensor of another shape, dtype, device or layout, or a bad ``rotary_dim``.
     """
-    if x.dim() != 3 or not takes(x):
+    if x.dim() != 3 or not _layout_ok(x):
         raise ValueError(f"x: expected a 3-D float32 CPU tensor with a contiguous last dimension, got "
                          f"{tuple(x.shape)} {x.dtype} on {x.device} with strides {x.stride()}")
     n, heads, head_size = x.shape
     if rotary_dim <= 0 or rotary_dim % 2 or rotary_dim > head_size:
         raise ValueError(f"rotary_dim {rotary_dim}: expected an even number in [2, {head_size}]")
     for name, t in (("cos", cos), ("sin", sin)):
-        if t.shape != (n, 1, rotary_dim // 2) or not takes(t):
+        if t.shape != (n, 1, rotary_dim // 2) or not _layout_ok(t):
             raise ValueError(f"{name}: expected float32 CPU [{n}, 1, {rotary_dim // 2}] with a contiguous last "
                              f"dimension, got {tuple(t.shape)} {t.dtype} on {t.device}")
     if cos.stride(0) != sin.stride(0):

@@ -35,6 +35,11 @@ def test_rms_norm_matches_torch_on_a_strided_input(d):
     assert got.is_contiguous()
 
 
+def test_rms_norm_adds_eps_to_the_mean_square():
+    x, w = rows(5, 64, 16, 1e-3), torch.ones(64)  # mean square ~1e-6: eps changes the result by ~2x
+    torch.testing.assert_close(cpu_ops.rms_norm(x, w, 1e-6), torch_rms_norm(x, w, 1e-6), rtol=2e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("d", [64, 576])
 def test_fused_add_rms_norm_writes_the_residual_sum_and_its_norm(d):
     x, res, w = rows(11, d, 2), rows(11, d, 3, 2.0), rows(1, d, 4)[0]
@@ -133,3 +138,12 @@ def test_the_llama_forward_uses_the_fused_ops_unless_switched_off(monkeypatch):
     plain, calls_off = _forward(model, "0", monkeypatch)
     assert calls_off == {}
     torch.testing.assert_close(fused, plain, rtol=0, atol=1e-5)
+
+
+def test_the_forward_takes_only_float32_cpu_tensors_without_autograd():
+    x = torch.ones(2, 8)
+    with torch.no_grad():
+        assert cpu_ops.takes(x)
+        assert not cpu_ops.takes(x.double()) and not cpu_ops.takes(x.t())
+    with torch.enable_grad():
+        assert not cpu_ops.takes(x)  # the ops write through raw pointers: no gradient
