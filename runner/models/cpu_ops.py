@@ -196,4 +196,26 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int,
     return out
 
 
-__all__ = ["ENV_SWITCH", "available", "enabled", "fused_add_rms_norm", "rms_norm", "rope", "silu_and_mul", "takes"]
+def bind_threads(cpu_sets: list[list[int]]) -> None:
+    """Pin thread ``t`` of torch's OpenMP team of ``len(cpu_sets)`` threads to the CPUs
+    ``cpu_sets[t]``, each thread calling ``sched_setaffinity`` for itself inside one parallel
+    region of the compiled module; torch links the same ``libgomp.so.1`` (one is loaded), which
+    keeps that team for later regions of the same size, so torch's ops run on the pinned
+    threads (``runner/commands/threads.py``, ``ATTNPLUG_OMP_BIND``). ``[[all CPUs]] * n``
+    unpins.
+
+    Raises:
+        RuntimeError: the compiled module is not built, or some thread's call failed (a CPU
+            outside the process's set).
+        ValueError: an empty ``cpu_sets`` or an empty set.
+    """
+    if _cpu_ops is None:
+        raise RuntimeError("binding OpenMP threads needs the compiled module attnplug.runner.models._cpu_ops")
+    if not cpu_sets or any(not cs for cs in cpu_sets):
+        raise ValueError(f"cpu_sets: one non-empty list of CPUs per thread, got {cpu_sets!r}")
+    failed = _cpu_ops.bind_threads([list(map(int, cs)) for cs in cpu_sets])
+    if failed:
+        raise RuntimeError(f"sched_setaffinity failed on {failed} of {len(cpu_sets)} threads ({cpu_sets!r})")
+
+
+__all__ = ["ENV_SWITCH", "available", "bind_threads", "enabled", "fused_add_rms_norm", "rms_norm", "rope", "silu_and_mul", "takes"]
