@@ -131,6 +131,31 @@ def apply(flag: str | None, prog: str, default: int | None = None) -> int | None
     return None
 
 
+WAIT_POLICY_COMMANDS = frozenset({"run", "serve", "parity", "bench", "check"})
+"""The subcommands that run models (and load torch anyway): :func:`load_torch_waiting_passively`."""
+
+
+def load_torch_waiting_passively() -> bool:
+    """Import torch with ``OMP_WAIT_POLICY=PASSIVE`` in the environment, then take the variable
+    out again: libgomp reads its environment once, when torch loads it, so torch's OpenMP
+    threads then sleep at the end of a parallel region instead of spinning, and no child
+    process (vLLM's worker in ``bench engine``) inherits the setting. On a shared machine a
+    spinning thread holds a CPU that the thread with the remaining work needs: tiny-llama at
+    2 threads ran 2.6–10× faster passive (docs/performance.md, "The forward outside
+    attention, fourth pass"). Nothing is done when torch is already imported or the user set
+    ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` (theirs is kept). Returns whether it was set."""
+    import sys
+
+    if "torch" in sys.modules or "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ:
+        return False
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    try:
+        import torch  # noqa: F401  (loads libgomp, which reads OMP_WAIT_POLICY now)
+    finally:
+        del os.environ["OMP_WAIT_POLICY"]
+    return True
+
+
 def binding_asked(environ: Mapping[str, str]) -> bool:
     """``ATTNPLUG_OMP_BIND`` is ``1`` (``0``, empty or unset: ``False``).
 
@@ -163,5 +188,6 @@ def bind(n: int) -> None:
     cpu_ops.bind_threads(bind_plan(n, list(os.sched_getaffinity(0))))
 
 
-__all__ = ["BIND_VAR", "ENV_VAR", "FLAG", "MAX_THREADS", "add_flag", "apply", "bind", "bind_plan", "binding_asked", "default_threads", "local_ranks", "resolve",
+__all__ = ["BIND_VAR", "ENV_VAR", "FLAG", "MAX_THREADS", "WAIT_POLICY_COMMANDS", "add_flag", "apply", "bind", "bind_plan",
+           "binding_asked", "load_torch_waiting_passively", "default_threads", "local_ranks", "resolve",
            "usable_cpus"]
