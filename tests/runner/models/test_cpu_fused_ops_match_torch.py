@@ -13,7 +13,7 @@ import torch
 from attnplug.runner.models import cpu_ops
 from attnplug.runner.models.rope import rotate
 
-pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="runner/models/_cpu_ops is not built")
+needs_module = pytest.mark.skipif(not cpu_ops.available(), reason="runner/models/_cpu_ops is not built")
 
 EPS = 1e-6
 
@@ -26,6 +26,7 @@ def rows(n: int, d: int, seed: int, scale: float = 1.0) -> torch.Tensor:
     return torch.randn(n, d, generator=torch.Generator().manual_seed(seed)) * scale
 
 
+@needs_module
 @pytest.mark.parametrize("d", [32, 100, 576])
 def test_rms_norm_matches_torch_on_a_strided_input(d):
     wide = rows(9, d + 7, 0, 3.0)
@@ -35,11 +36,13 @@ def test_rms_norm_matches_torch_on_a_strided_input(d):
     assert got.is_contiguous()
 
 
+@needs_module
 def test_rms_norm_adds_eps_to_the_mean_square():
     x, w = rows(5, 64, 16, 1e-3), torch.ones(64)  # mean square ~1e-6: eps changes the result by ~2x
     torch.testing.assert_close(cpu_ops.rms_norm(x, w, 1e-6), torch_rms_norm(x, w, 1e-6), rtol=2e-6, atol=1e-6)
 
 
+@needs_module
 @pytest.mark.parametrize("d", [64, 576])
 def test_fused_add_rms_norm_writes_the_residual_sum_and_its_norm(d):
     x, res, w = rows(11, d, 2), rows(11, d, 3, 2.0), rows(1, d, 4)[0]
@@ -50,12 +53,14 @@ def test_fused_add_rms_norm_writes_the_residual_sum_and_its_norm(d):
     torch.testing.assert_close(x, want_x, rtol=2e-6, atol=1e-6)
 
 
+@needs_module
 def test_silu_and_mul_matches_torch():
     gu = rows(13, 2 * 96, 5, 4.0)
     gate, up = gu.split(96, dim=-1)
     torch.testing.assert_close(cpu_ops.silu_and_mul(gu), torch.nn.functional.silu(gate) * up, rtol=2e-6, atol=1e-6)
 
 
+@needs_module
 @pytest.mark.parametrize("interleaved", [False, True])
 @pytest.mark.parametrize("rotary_dim", [64, 32])
 def test_rope_is_bit_identical_to_rotate_on_a_view_of_fused_qkv(interleaved, rotary_dim):
@@ -69,6 +74,7 @@ def test_rope_is_bit_identical_to_rotate_on_a_view_of_fused_qkv(interleaved, rot
     assert torch.equal(cpu_ops.rope(q, cos, sin, rotary_dim, interleaved), want)
 
 
+@needs_module
 def test_results_do_not_depend_on_the_thread_split(monkeypatch):
     x, res, w = rows(37, 96, 8), rows(37, 96, 9), rows(1, 96, 10)[0]
     gu = rows(37, 192, 11)
@@ -88,6 +94,7 @@ def test_results_do_not_depend_on_the_thread_split(monkeypatch):
     assert torch.equal(x1, x2) and torch.equal(r1, r2)
 
 
+@needs_module
 def test_bad_inputs_are_refused_and_nothing_is_written():
     x, res, w = rows(4, 32, 12), rows(4, 32, 13), rows(1, 32, 14)[0]
     x0, res0 = x.clone(), res.clone()
@@ -126,6 +133,7 @@ def _forward(model, switch: str, monkeypatch) -> tuple[torch.Tensor, dict[str, i
     return torch.cat(logits), calls
 
 
+@needs_module
 def test_the_llama_forward_uses_the_fused_ops_unless_switched_off(monkeypatch):
     from tests.runner.models.test_hf_forward_parity import hf_model, ours_from
 
@@ -140,6 +148,7 @@ def test_the_llama_forward_uses_the_fused_ops_unless_switched_off(monkeypatch):
     torch.testing.assert_close(fused, plain, rtol=0, atol=1e-5)
 
 
+@needs_module
 def test_the_forward_takes_only_float32_cpu_tensors_without_autograd():
     x = torch.ones(2, 8)
     with torch.no_grad():
@@ -147,3 +156,14 @@ def test_the_forward_takes_only_float32_cpu_tensors_without_autograd():
         assert not cpu_ops.takes(x.double()) and not cpu_ops.takes(x.t())
     with torch.enable_grad():
         assert not cpu_ops.takes(x)  # the ops write through raw pointers: no gradient
+
+
+def test_fused_ops_are_built_wherever_the_step_kernels_are():
+    """The extension is optional (pyproject.toml), so a compile error in ``_cpu_ops.pyx`` would
+    only show as skipped tests; where the C compiler built the step compiler's module it must
+    have built this one too."""
+    from attnplug.runner.step.fast import NATIVE
+
+    if NATIVE is None:
+        pytest.skip("no compiled extension at all (no C compiler at install)")
+    assert cpu_ops.available()
