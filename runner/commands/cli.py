@@ -15,6 +15,8 @@ import importlib
 import os
 import sys
 
+from attnplug.runner.commands import threads
+
 EXIT_BROKEN_PIPE = 128 + 13
 """Exit status when stdout's reader went away: 128 + SIGPIPE, as a shell reports a filter
 killed by SIGPIPE."""
@@ -63,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     if cmd not in SUBCOMMANDS:
         print(f"attnplug: unknown command {cmd!r}\n\n{_usage()}", file=sys.stderr)
         return 2
+    if cmd in threads.WAIT_POLICY_COMMANDS:
+        threads.load_torch_waiting_passively()  # before anything loads torch (threads.py)
     module = importlib.import_module(SUBCOMMANDS[cmd][0])
     try:
         status = int(module.main(rest) or 0)

@@ -21,6 +21,9 @@ import os
 from typing import Mapping
 
 ENV_VAR = "ATTNPLUG_TORCH_THREADS"
+BIND_VAR = "ATTNPLUG_OMP_BIND"
+"""``ATTNPLUG_OMP_BIND=1``: pin torch's OpenMP threads one per CPU (:func:`bind`); ``0`` or unset:
+leave them to the scheduler (the default)."""
 FLAG = "--torch-threads"
 MAX_THREADS = 1024
 """Highest thread count accepted by the flag and the variable."""
@@ -117,13 +120,74 @@ def apply(flag: str | None, prog: str, default: int | None = None) -> int | None
 
     try:
         n, _ = resolve(flag, os.environ, default)
+        pin = binding_asked(os.environ)
     except ValueError as e:
         print(f"{prog}: {e}", file=sys.stderr)
         return 2
     if torch.get_num_threads() != n:
         torch.set_num_threads(n)
+    if pin:
+        bind(n)
     return None
 
 
-__all__ = ["ENV_VAR", "FLAG", "MAX_THREADS", "add_flag", "apply", "default_threads", "local_ranks", "resolve",
+WAIT_POLICY_COMMANDS = frozenset({"run", "serve", "parity", "bench", "check"})
+"""The subcommands that run models (and load torch anyway): :func:`load_torch_waiting_passively`."""
+
+
+def load_torch_waiting_passively() -> bool:
+    """Import torch with ``OMP_WAIT_POLICY=PASSIVE`` in the environment, then take the variable
+    out again: libgomp reads its environment once, when torch loads it, so torch's OpenMP
+    threads then sleep at the end of a parallel region instead of spinning, and no child
+    process (vLLM's worker in ``bench engine``) inherits the setting. On a shared machine a
+    spinning thread holds a CPU that the thread with the remaining work needs: tiny-llama at
+    2 threads ran 2.6–10× faster passive (docs/performance.md, "The forward outside
+    attention, fourth pass"). Nothing is done when torch is already imported or the user set
+    ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` (theirs is kept). Returns whether it was set."""
+    import sys
+
+    if "torch" in sys.modules or "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ:
+        return False
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    try:
+        import torch  # noqa: F401  (loads libgomp, which reads OMP_WAIT_POLICY now)
+    finally:
+        del os.environ["OMP_WAIT_POLICY"]
+    return True
+
+
+def binding_asked(environ: Mapping[str, str]) -> bool:
+    """``ATTNPLUG_OMP_BIND`` is ``1`` (``0``, empty or unset: ``False``).
+
+    Raises:
+        ValueError: any other value (one line naming the variable)."""
+    value = environ.get(BIND_VAR, "").strip()
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{BIND_VAR} must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
+def bind_plan(n: int, cpus: list[int]) -> list[list[int]]:
+    """Thread ``t`` of ``n`` on CPU ``cpus[t % len(cpus)]`` (sorted), one CPU per thread."""
+    cpus = sorted(cpus)
+    return [[cpus[t % len(cpus)]] for t in range(n)]
+
+
+def bind(n: int) -> None:
+    """Pin torch's ``n`` OpenMP threads one per CPU of ``os.sched_getaffinity`` (:func:`bind_plan`;
+    vLLM's CPU build does the like with ``VLLM_CPU_OMP_THREADS_BIND``), through
+    ``runner/models/cpu_ops.bind_threads``. One thread is not pinned. Measured at 2 threads on
+    the loaded 2-core machine: docs/performance.md, "The forward outside attention, fourth pass".
+
+    Raises:
+        RuntimeError: the compiled module ``runner/models/_cpu_ops`` is not built."""
+    if n <= 1:
+        return
+    from attnplug.runner.models import cpu_ops
+
+    cpu_ops.bind_threads(bind_plan(n, list(os.sched_getaffinity(0))))
+
+
+__all__ = ["BIND_VAR", "ENV_VAR", "FLAG", "MAX_THREADS", "WAIT_POLICY_COMMANDS", "add_flag", "apply", "bind", "bind_plan",
+           "binding_asked", "load_torch_waiting_passively", "default_threads", "local_ranks", "resolve",
            "usable_cpus"]

@@ -16,6 +16,7 @@ from torch import nn
 
 from attnplug.core.contracts import AttentionBackend, AttentionType
 from attnplug.core.errors import MetadataError
+from attnplug.runner.models import cpu_ops
 from attnplug.runner.models.attention_op import attend
 from attnplug.runner.models.cpu_linear import Linear
 from attnplug.runner.models.fused import FusedProjections
@@ -66,6 +67,8 @@ class SwiGLUMLP(FusedProjections, nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``[num_tokens, hidden_size]`` -> the same shape and dtype."""
+        if cpu_ops.enabled() and cpu_ops.takes(x):  # one pass over [gate | up] (cpu_ops.py)
+            return self.down_proj(cpu_ops.silu_and_mul(self.project_joined("gate_up", x)))
         gate, up = self.project("gate_up", x)
         return self.down_proj(nn.functional.silu(gate) * up)
 
@@ -121,7 +124,12 @@ class Attention(FusedProjections, nn.Module):
         v = v.view(n, self.num_kv_heads, self.head_size)
         q, k = self.normalize_qk(q, k)
         cos, sin = self.cos_sin(positions, hidden.dtype)
-        q, k = self.rope.apply(q, cos, sin), self.rope.apply(k, cos, sin)
+        if cpu_ops.enabled() and cpu_ops.takes(q) and cpu_ops.takes(k):  # one pass each (cpu_ops.py)
+            rope = self.rope
+            q = cpu_ops.rope(q, cos, sin, rope.rotary_dim, rope.interleaved)
+            k = cpu_ops.rope(k, cos, sin, rope.rotary_dim, rope.interleaved)
+        else:
+            q, k = self.rope.apply(q, cos, sin), self.rope.apply(k, cos, sin)
         # every real row is written by the impl; padded rows (CUDA graphs) stay zero
         real = getattr(attn_metadata, "num_actual_tokens", None) == n
         out = torch.empty_like(q) if real else torch.zeros_like(q)

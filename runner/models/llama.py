@@ -25,6 +25,7 @@ from torch import nn
 from attnplug.cache_groups.specs import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 from attnplug.core.contracts import AttentionBackend, AttentionLayerConfig, AttentionType
 from attnplug.core.devices import resolve_device
+from attnplug.runner.models import cpu_ops
 from attnplug.runner.models.config import DecoderModelConfig
 from attnplug.runner.models.cpu_linear import Linear
 from attnplug.runner.models.layers import (Attention, RMSNorm, RotaryEmbedding, SwiGLUMLP, lookup_layer,
@@ -176,11 +177,49 @@ class DecoderModel(nn.Module):
                 metadata the backend rejects.
         """
         hidden = merge_embeds(self.model.embed_tokens(input_ids), inputs_embeds, is_embed)
+        if cpu_ops.enabled() and cpu_ops.takes(hidden) and self.fused_norms_apply():
+            return self.forward_fused_norms(hidden, positions, attn_metadata, kv_caches)
         for layer in self.model.layers:
             name = layer.self_attn.layer_name
             hidden = layer(hidden, positions, lookup_layer(kv_caches, name, "kv_caches"),
                            lookup_metadata(attn_metadata, name))
         return self.model.norm(hidden)
+
+    def fused_norms_apply(self) -> bool:
+        """Every block is the plain pre-norm :class:`DecoderLayer` block (its ``forward``, not
+        an override) with :class:`RMSNorm` norms, and so is the final norm: then
+        :meth:`forward_fused_norms` computes the same thing (decided once per model)."""
+        ok = self.__dict__.get("_fused_norms_apply")
+        if ok is None:
+            norms = [self.model.norm] + [n for layer in self.model.layers
+                                         for n in (layer.input_layernorm, layer.post_attention_layernorm)]
+            ok = (all(type(layer).forward is DecoderLayer.forward for layer in self.model.layers)
+                  and all(type(n) is RMSNorm for n in norms))
+            self.__dict__["_fused_norms_apply"] = ok
+        return ok
+
+    def forward_fused_norms(self, hidden: torch.Tensor, positions: torch.Tensor,
+                            attn_metadata: Mapping[str, object], kv_caches: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """:meth:`forward`'s blocks with each residual add and the norm after it as one
+        ``cpu_ops.fused_add_rms_norm`` (float32 on the CPU; vLLM's residual-stream form):
+        ``x = norm_0(h)``; per block ``a = attn(x)``, ``h += a``, ``x = post_norm(h)``,
+        ``m = mlp(x)``, ``h += m``, ``x = next_norm(h)`` (the next block's input norm, or the
+        final norm after the last block). ``hidden`` ``[num_tokens, hidden_size]`` is the
+        embedding output (this call's own tensor: it becomes the residual stream)."""
+        layers = self.model.layers
+        residual = hidden if hidden.is_contiguous() else hidden.contiguous()
+        first = layers[0].input_layernorm if len(layers) else self.model.norm
+        x = cpu_ops.rms_norm(residual, first.weight, first.eps)
+        for i, layer in enumerate(layers):
+            name = layer.self_attn.layer_name
+            x = layer.self_attn(x, positions, lookup_layer(kv_caches, name, "kv_caches"),
+                                lookup_metadata(attn_metadata, name))
+            norm = layer.post_attention_layernorm
+            cpu_ops.fused_add_rms_norm(x, residual, norm.weight, norm.eps)
+            x = layer.mlp(x)
+            norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
+            cpu_ops.fused_add_rms_norm(x, residual, norm.weight, norm.eps)
+        return x
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """``[n, hidden_size]`` -> ``[n, vocab_size]`` float32 logits (LM head)."""

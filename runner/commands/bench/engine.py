@@ -123,6 +123,8 @@ def _attnplug_run(run_args, model, n_threads: int) -> dict:
     from attnplug.runner.commands.assemble import build_engine, kv_cache_bytes
 
     torch.set_num_threads(n_threads)
+    if threads.binding_asked(os.environ):  # ATTNPLUG_OMP_BIND=1 (runner/commands/threads.py)
+        threads.bind(n_threads)
     setup = build_engine(run_args, model=model)
     for rid, sp in setup.sampling_params.items():  # EOS ignored: every request makes --output-len tokens
         setup.sampling_params[rid] = dataclasses.replace(sp, stop_token_ids=())
@@ -285,6 +287,7 @@ def main(argv: list[str]) -> int:
         counts = [threads._parse(x, "--threads") for x in _csv(args.threads)]  # noqa: SLF001
         if not counts:
             raise ValueError("--threads needs at least one thread count")
+        threads.binding_asked(os.environ)  # a bad ATTNPLUG_OMP_BIND: one line, exit 2
     except ValueError as e:
         print(f"attnplug bench engine: {e}", file=sys.stderr)
         return 2

@@ -1,0 +1,221 @@
+"""Fused float32 elementwise ops of the Llama-family forward on the CPU, from torch tensors.
+
+The compiled module ``_cpu_ops.pyx`` does in one pass over the rows what the forward
+otherwise does in several torch kernels:
+
+* :func:`fused_add_rms_norm`: ``residual += x; x = RMSNorm(residual)`` in place (vLLM's
+  ``fused_add_rms_norm`` semantics: the residual stream and the normalised input of the
+  next sub-block in one call; replaces ``add`` + ``pow`` + ``mean`` + ``add`` + ``rsqrt`` +
+  ``mul`` + ``mul``);
+* :func:`rms_norm`: the same without the residual (the first layer's input norm);
+* :func:`silu_and_mul`: ``silu(gate) * up`` on the fused gate/up output (vLLM's
+  ``silu_and_mul``: ``silu`` + ``mul`` over two strided halves);
+* :func:`rope`: RoPE of q or k from the step's ``cos`` / ``sin`` (``rope.py``'s conventions,
+  both pairings) into a fresh contiguous tensor (the ``split`` views of the fused q/k/v
+  output in, ``cat`` of four products out, in one pass).
+
+Numerics: the products and sums are rounded as torch's separate kernels round them; the
+sum of squares of RMSNorm is accumulated in a different order (16 float32 lanes), so a
+normalised row may differ from torch's in the last bit. A row's result does not depend on
+the thread count or on the other rows.
+
+The module is an optional build product (pyproject.toml's ext-modules); :func:`enabled`
+says whether the forward uses it. Callers check :func:`takes` on their tensors and keep
+the torch ops otherwise (another dtype or device, ``torch.compile`` tracing).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:
+    from attnplug.runner.models import _cpu_ops
+except ImportError:  # not compiled (no C compiler at install): the torch ops run
+    _cpu_ops = None
+
+ENV_SWITCH = "ATTNPLUG_CPU_FUSED_OPS"
+"""``ATTNPLUG_CPU_FUSED_OPS=0`` turns the fused ops off (the torch ops run, as in a build
+without the compiled module): for measuring one against the other (docs/performance.md).
+Read when a model's forward starts."""
+
+PARALLEL_MIN_ELEMENTS = 1 << 16
+"""Below this many elements per call the op runs on one thread (a parallel region's
+start and barrier cost more than the work; on a loaded machine much more)."""
+
+
+def available() -> bool:
+    """The compiled module was built and imports."""
+    return _cpu_ops is not None
+
+
+def enabled() -> bool:
+    """The forward uses the fused ops: the module is built and ``ATTNPLUG_CPU_FUSED_OPS``
+    is not ``0``."""
+    return _cpu_ops is not None and os.environ.get(ENV_SWITCH, "1") != "0"
+
+
+def takes(x: torch.Tensor) -> bool:
+    """The ops take ``x``: float32 on the CPU, its last dimension contiguous, not traced by
+    ``torch.compile``, autograd not recording (the ops write through raw pointers: no
+    gradient)."""
+    return _layout_ok(x) and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
+
+
+def _layout_ok(x: torch.Tensor) -> bool:
+    return x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() > 0 and x.stride(-1) == 1
+
+
+def _threads(elements: int) -> int:
+    return torch.get_num_threads() if elements >= PARALLEL_MIN_ELEMENTS else 1
+
+
+def _check_rows(name: str, x: torch.Tensor, width: int | None = None) -> None:
+    if x.dim() != 2 or not _layout_ok(x):
+        raise ValueError(f"{name}: expected a 2-D float32 CPU tensor with a contiguous last dimension, got "
+                         f"{tuple(x.shape)} {x.dtype} on {x.device} with strides {x.stride()}")
+    if width is not None and x.shape[1] != width:
+        raise ValueError(f"{name}: expected {width} columns, got {x.shape[1]}")
+
+
+def _check_weight(weight: torch.Tensor, d: int) -> None:
+    if weight.shape != (d,) or not weight.is_contiguous() or not _layout_ok(weight):
+        raise ValueError(f"weight: expected a contiguous float32 CPU [{d}], got {tuple(weight.shape)} "
+                         f"{weight.dtype} on {weight.device}")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * (x * rsqrt(mean(x^2, -1) + eps))`` (HF ``LlamaRMSNorm`` in float32).
+
+    Args:
+        x: ``[num_tokens, hidden_size]`` float32, CPU, last dimension contiguous.
+        weight: ``[hidden_size]`` float32, contiguous.
+        eps: added to the mean square.
+
+    Returns:
+        A new contiguous ``[num_tokens, hidden_size]`` float32 tensor.
+
+    Raises:
+        ValueError: a tensor of another shape, dtype, device or layout (nothing written).
+    """
+    _check_rows("x", x)
+    n, d = x.shape
+    _check_weight(weight, d)
+    out = torch.empty((n, d), dtype=torch.float32)
+    _cpu_ops.rms_norm(x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), d, n, d, float(eps),
+                      _threads(n * d))
+    return out
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    """``residual += x``, then ``x = weight * (residual * rsqrt(mean(residual^2, -1) + eps))``,
+    both in place (vLLM's ``fused_add_rms_norm``).
+
+    Args:
+        x: ``[num_tokens, hidden_size]`` float32, CPU, last dimension contiguous: a sub-block's
+            output in, the next sub-block's normalised input out.
+        residual: the residual stream, same shape and layout rules, not overlapping ``x``.
+        weight: ``[hidden_size]`` float32, contiguous.
+        eps: added to the mean square.
+
+    Raises:
+        ValueError: a tensor of another shape, dtype, device or layout, or ``x`` and
+            ``residual`` sharing storage (nothing written).
+    """
+    _check_rows("x", x)
+    n, d = x.shape
+    _check_rows("residual", residual, d)
+    if residual.shape[0] != n:
+        raise ValueError(f"residual: expected {n} rows, got {residual.shape[0]}")
+    _check_weight(weight, d)
+    if x.untyped_storage().data_ptr() == residual.untyped_storage().data_ptr():
+        raise ValueError("x and residual share storage")
+    _cpu_ops.fused_add_rms_norm(x.data_ptr(), x.stride(0), residual.data_ptr(), residual.stride(0),
+                                weight.data_ptr(), n, d, float(eps), _threads(n * d))
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of ``gate_up = [gate | up]`` (vLLM's ``silu_and_mul``;
+    ``silu(g) = g / (1 + exp(-g))``).
+
+    Args:
+        gate_up: ``[num_tokens, 2 * m]`` float32, CPU, last dimension contiguous.
+
+    Returns:
+        A new contiguous ``[num_tokens, m]`` float32 tensor.
+
+    Raises:
+        ValueError: a tensor of another shape, dtype, device or layout, or an odd width.
+    """
+    _check_rows("gate_up", gate_up)
+    n, w = gate_up.shape
+    if w % 2:
+        raise ValueError(f"gate_up: expected an even number of columns, got {w}")
+    m = w // 2
+    out = torch.empty((n, m), dtype=torch.float32)
+    _cpu_ops.silu_and_mul(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), m, n, m, _threads(n * w))
+    return out
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int,
+         interleaved: bool = False) -> torch.Tensor:
+    """RoPE of every head of ``x`` (``rope.py``'s :func:`~attnplug.runner.models.rope.rotate`
+    on the first ``rotary_dim`` dimensions, the rest copied), into a new tensor.
+
+    Args:
+        x: ``[num_tokens, num_heads, head_size]`` float32, CPU, last dimension contiguous
+            (a column view of the fused q/k/v output is fine).
+        cos, sin: ``[num_tokens, 1, rotary_dim // 2]`` float32, last dimension contiguous
+            (``RotaryEmbedding.cos_sin``).
+        rotary_dim: rotated leading dimensions of a head (even, ``<= head_size``).
+        interleaved: pair ``(2i, 2i + 1)`` (output de-interleaved) instead of ``(i, i + rotary_dim / 2)``.
+
+    Returns:
+        A new contiguous tensor of ``x``'s shape.
+
+    Raises:
+        ValueError: a tensor of another shape, dtype, device or layout, or a bad ``rotary_dim``.
+    """
+    if x.dim() != 3 or not _layout_ok(x):
+        raise ValueError(f"x: expected a 3-D float32 CPU tensor with a contiguous last dimension, got "
+                         f"{tuple(x.shape)} {x.dtype} on {x.device} with strides {x.stride()}")
+    n, heads, head_size = x.shape
+    if rotary_dim <= 0 or rotary_dim % 2 or rotary_dim > head_size:
+        raise ValueError(f"rotary_dim {rotary_dim}: expected an even number in [2, {head_size}]")
+    for name, t in (("cos", cos), ("sin", sin)):
+        if t.shape != (n, 1, rotary_dim // 2) or not _layout_ok(t):
+            raise ValueError(f"{name}: expected float32 CPU [{n}, 1, {rotary_dim // 2}] with a contiguous last "
+                             f"dimension, got {tuple(t.shape)} {t.dtype} on {t.device}")
+    if cos.stride(0) != sin.stride(0):
+        raise ValueError(f"cos and sin: different token strides {cos.stride(0)} and {sin.stride(0)}")
+    out = torch.empty((n, heads, head_size), dtype=torch.float32)
+    _cpu_ops.rope(x.data_ptr(), x.stride(0), x.stride(1), out.data_ptr(), heads * head_size, head_size,
+                  cos.data_ptr(), sin.data_ptr(), cos.stride(0), n, heads, head_size, rotary_dim,
+                  bool(interleaved), _threads(n * heads * head_size))
+    return out
+
+
+def bind_threads(cpu_sets: list[list[int]]) -> None:
+    """Pin thread ``t`` of torch's OpenMP team of ``len(cpu_sets)`` threads to the CPUs
+    ``cpu_sets[t]``, each thread calling ``sched_setaffinity`` for itself inside one parallel
+    region of the compiled module; torch links the same ``libgomp.so.1`` (one is loaded), which
+    keeps that team for later regions of the same size, so torch's ops run on the pinned
+    threads (``runner/commands/threads.py``, ``ATTNPLUG_OMP_BIND``). ``[[all CPUs]] * n``
+    unpins.
+
+    Raises:
+        RuntimeError: the compiled module is not built, or some thread's call failed (a CPU
+            outside the process's set).
+        ValueError: an empty ``cpu_sets`` or an empty set.
+    """
+    if _cpu_ops is None:
+        raise RuntimeError("binding OpenMP threads needs the compiled module attnplug.runner.models._cpu_ops")
+    if not cpu_sets or any(not cs for cs in cpu_sets):
+        raise ValueError(f"cpu_sets: one non-empty list of CPUs per thread, got {cpu_sets!r}")
+    failed = _cpu_ops.bind_threads([list(map(int, cs)) for cs in cpu_sets])
+    if failed:
+        raise RuntimeError(f"sched_setaffinity failed on {failed} of {len(cpu_sets)} threads ({cpu_sets!r})")
+
+
+__all__ = ["ENV_SWITCH", "available", "bind_threads", "enabled", "fused_add_rms_norm", "rms_norm", "rope", "silu_and_mul", "takes"]

@@ -1,0 +1,48 @@
+"""The model-running commands load torch with ``OMP_WAIT_POLICY=PASSIVE`` (libgomp reads it
+once, at load) unless the user chose a policy, and take the variable out again
+(runner/commands/threads.py, ``load_torch_waiting_passively``)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from attnplug.runner.commands import threads
+
+def _display(policy: str | None) -> str:
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    env["OMP_DISPLAY_ENV"] = "VERBOSE"
+    code = ("import os, sys\nfrom attnplug.runner.commands import cli\ntry:\n    cli.main(['run', '--help'])\n"
+            "except SystemExit:\n    pass\nprint('LEFT', os.environ.get('OMP_WAIT_POLICY'))")
+    if policy is not None:
+        env["OMP_WAIT_POLICY"] = policy
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    return done.stdout + done.stderr
+
+
+def test_run_loads_libgomp_passive_and_leaves_no_variable_behind():
+    out = _display(None)
+    assert "GOMP_SPINCOUNT = '0'" in out  # passive: no spinning (libgomp's default spins 300000 times)
+    assert "LEFT None" in out  # children (vLLM's worker in bench engine) do not inherit it
+
+
+def test_a_policy_the_user_set_is_kept():
+    before = os.environ.get("OMP_WAIT_POLICY")
+    try:
+        os.environ["OMP_WAIT_POLICY"] = "ACTIVE"
+        assert threads.load_torch_waiting_passively() is False
+        assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE"
+    finally:
+        if before is None:
+            os.environ.pop("OMP_WAIT_POLICY")
+        else:
+            os.environ["OMP_WAIT_POLICY"] = before
+
+
+def test_nothing_is_done_once_torch_is_loaded():
+    pytest.importorskip("torch")
+    assert threads.load_torch_waiting_passively() is False
+    assert "OMP_WAIT_POLICY" not in os.environ or os.environ["OMP_WAIT_POLICY"] != "PASSIVE"
