@@ -48,7 +48,6 @@ cdef extern from *:
     } ap_args;
 
     #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
-    #include <immintrin.h>
     #define AP_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
     #define AP_V4 __attribute__((target("arch=x86-64-v4")))
     #define AP_HAVE_W16 1
@@ -187,17 +186,6 @@ cdef extern from *:
              + AP_SHUF16(f[0], f[1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
     }
     AP_INLINE ap_v8 ap_sum8p(const ap_v8 *x) { return ap_sum8(x[0], x[1], x[2], x[3], x[4], x[5], x[6], x[7]); }
-    /* the first three levels of ap_sum16's tree on x[0] .. x[7]: lane l < 8 of the result
-       is the sum of lanes 0..7 of x[l], lane 8 + l the sum of lanes 8..15 of x[l] (two
-       keys' 8-lane partial sums per input) */
-    AP_INLINE ap_v16 ap_sum16x8(const ap_v16 *x) {
-        ap_v16 h[4], g[2];
-        for (int k = 0; k < 4; k++)
-            h[k] = AP_SHUF16(x[2 * k], x[2 * k + 1], AP_EV16) + AP_SHUF16(x[2 * k], x[2 * k + 1], AP_OD16);
-        for (int k = 0; k < 2; k++)
-            g[k] = AP_SHUF16(h[2 * k], h[2 * k + 1], AP_LO16) + AP_SHUF16(h[2 * k], h[2 * k + 1], AP_HI16);
-        return AP_SHUF16(g[0], g[1], AP_LQ16) + AP_SHUF16(g[0], g[1], AP_HQ16);
-    }
     /* ap_exp8 on 16 lanes (the same arithmetic lane by lane) */
     AP_INLINE ap_v16 ap_exp16(ap_v16 x) {
         const ap_v16i seen = x > -INFINITY;
@@ -432,14 +420,10 @@ cdef extern from *:
     }
 
     #if AP_HAVE_W16
-    /* head size 32, 16 lanes, a GQA group of G > 1 rows per KV head: the logits of keys
-       j4 .. j4 + 15 for the tile's rows. Each 16-lane vector holds two keys' 8-float
-       pieces (keys p and p + 8, packed once per KV head and shared by the group's rows),
-       so a row's 16 logits take 8 partial-sum vectors and a three-level tree instead of
-       16 and four levels */
-    AP_V4 AP_INLINE ap_v16 ap_cat8(ap_v8 lo, ap_v8 hi) {
-        return (ap_v16)_mm512_insertf32x8(_mm512_castps256_ps512((__m256)lo), (__m256)hi, 1);
-    }
+    /* head size 32, 16 lanes, G > 1: the logits of keys j4 .. j4 + 15 for the tile's rows.
+       Four consecutive rows of one KV head (a GQA group of 4 or more) take four keys at a
+       time: each K row loaded once for the four, their 16 partial-sum vectors reduced by
+       one ap_sum16 tree into the (row, key) logits; any other row takes 16 keys alone */
     #define AP_DEFINE_PAIR32(NAME, TYPE, LOADW)                                                                   \\
     static inline __attribute__((always_inline)) AP_V4 void NAME(float *s, const float *qf, const int64_t *koff,  \\
                                                                  int nr, const void *const *kpv, int j4) {        \\
