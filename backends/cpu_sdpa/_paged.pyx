@@ -264,7 +264,7 @@ cdef extern from *:
        LOAD / LOAD8 (8 lanes) / STORE convert to and from float; the main loops run W
        lanes wide (VF, LOADW, SUMW: W vectors' lane sums as one vector, EXPW, HSUMW);
        DC: the head size fixed at compile time (0: any); ATTR: the function's target. */
-    #define AP_DEFINE_ITEM(NAME, ATTR, TYPE, LOAD, LOAD8, STORE, VF, W, LOADW, SUMW, EXPW, HSUMW, DC) \\
+    #define AP_DEFINE_ITEM(NAME, ATTR, TYPE, LOAD, LOAD8, STORE, VF, W, LOADW, SUMW, EXPW, HSUMW, DC, PAIR) \\
     static ATTR void NAME(const ap_args *a, int64_t item) {                                   \\
         const int G = a->num_heads / a->num_kv_heads, B = a->block_size;                      \\
         const int D = DC > 0 ? DC : a->head_size;                                             \\
@@ -313,7 +313,9 @@ cdef extern from *:
                 }                                                                             \\
                 /* the chunk's logits for every row of the tile: W keys per pass, their    \\
                    W-lane partial sums reduced by one transpose-and-add tree */             \\
-                int j4 = 0;                                                                   \\
+                int j4 = 0;                                                                              \\
+                if (W == 16 && DC == 32 && G > 1)                                                  \\
+                    for (; j4 + 16 <= nc; j4 += 16) PAIR(s, qf, koff, nr, (const void *const *)kp, j4);  \\
                 for (; j4 + W <= nc; j4 += W) {                                               \\
                     const TYPE *kk[W];   /* the keys' K rows for the KV head of row i */      \\
                     int64_t kko = -1;                                                         \\
@@ -417,6 +419,53 @@ cdef extern from *:
         }                                                                                     \\
     }
 
+    #if AP_HAVE_W16
+    /* head size 32, 16 lanes, G > 1: the logits of keys j4 .. j4 + 15 for the tile's rows.
+       Four consecutive rows of one KV head (a GQA group of 4 or more) take four keys at a
+       time: each K row loaded once for the four, their 16 partial-sum vectors reduced by
+       one ap_sum16 tree into the (row, key) logits; any other row takes 16 keys alone */
+    #define AP_DEFINE_PAIR32(NAME, TYPE, LOADW)                                                                   \\
+    static inline __attribute__((always_inline)) AP_V4 void NAME(float *s, const float *qf, const int64_t *koff,  \\
+                                                                 int nr, const void *const *kpv, int j4) {        \\
+        const TYPE *const *kp = (const TYPE *const *)kpv;                                                         \\
+        int i = 0;                                                                                                \\
+        while (i < nr) {                                                                                          \\
+            const int64_t ko = koff[i];                                                                           \\
+            if (i + 4 <= nr && koff[i + 1] == ko && koff[i + 2] == ko && koff[i + 3] == ko) {                     \\
+                ap_v16 Q[4][2];   /* four rows of one KV head: each K load serves the four */                     \\
+                for (int g = 0; g < 4; g++)                                                                       \\
+                    for (int h = 0; h < 2; h++) memcpy(&Q[g][h], qf + (i + g) * 32 + 16 * h, sizeof(ap_v16));     \\
+                for (int k0 = 0; k0 < 16; k0 += 4) {                                                              \\
+                    ap_v16 x[16];   /* lane sums: the logit of row i + g, key j4 + k0 + k at x[4 g + k] */        \\
+                    for (int k = 0; k < 4; k++) {                                                                 \\
+                        const TYPE *kr = kp[j4 + k0 + k] + ko;                                                    \\
+                        const ap_v16 ka = LOADW(kr), kb = LOADW(kr + 16);                                         \\
+                        for (int g = 0; g < 4; g++) x[4 * g + k] = Q[g][0] * ka + Q[g][1] * kb;                   \\
+                    }                                                                                             \\
+                    const ap_v16 lg = ap_sum16(x);                                                                \\
+                    for (int g = 0; g < 4; g++)                                                                   \\
+                        memcpy(s + (i + g) * AP_CHUNK + j4 + k0, (const float *)&lg + 4 * g, 4 * sizeof(float));  \\
+                }                                                                                                 \\
+                i += 4;                                                                                           \\
+            } else {                                                                                              \\
+                ap_v16 qa, qb, x[16];                                                                             \\
+                memcpy(&qa, qf + i * 32, sizeof qa); memcpy(&qb, qf + i * 32 + 16, sizeof qb);                    \\
+                for (int k = 0; k < 16; k++) {                                                                    \\
+                    const TYPE *kr = kp[j4 + k] + ko;                                                             \\
+                    x[k] = qa * LOADW(kr) + qb * LOADW(kr + 16);                                                  \\
+                }                                                                                                 \\
+                const ap_v16 lg = ap_sum16(x);                                                                    \\
+                memcpy(s + i * AP_CHUNK + j4, &lg, sizeof lg);                                                    \\
+                i++;                                                                                              \\
+            }                                                                                                     \\
+        }                                                                                                         \\
+    }
+    #endif
+    /* never called: the 8-lane functions' PAIR argument */
+    static inline void ap_pair_none(float *s, const float *qf, const int64_t *koff, int nr, const void *const *kp, int j4) {
+        (void)s; (void)qf; (void)koff; (void)nr; (void)kp; (void)j4;
+    }
+
     /* per dtype: the value accumulator and the item function for head sizes 32, 64, 128
        (loops over the head unrolled at compile time) and any other, 8 lanes wide (target
        clones: x86-64-v4 / v3 / baseline), and where GCC targets x86-64 the same 16 lanes
@@ -427,21 +476,22 @@ cdef extern from *:
         AP_DEFINE_VACC(NAME##_d64_vacc, TYPE, ap_v8, 8, LOAD8)                                \\
         AP_DEFINE_VACC(NAME##_d128_vacc, TYPE, ap_v8, 8, LOAD8)                               \\
         AP_DEFINE_VACC(NAME##_dany_vacc, TYPE, ap_v8, 8, LOAD8)                               \\
-        AP_DEFINE_ITEM(NAME##_d32, AP_CLONES, TYPE, LOAD, LOAD8, STORE, ap_v8, 8, LOAD8, ap_sum8p, ap_exp8, ap_hsum8, 32)\\
-        AP_DEFINE_ITEM(NAME##_d64, AP_CLONES, TYPE, LOAD, LOAD8, STORE, ap_v8, 8, LOAD8, ap_sum8p, ap_exp8, ap_hsum8, 64)\\
-        AP_DEFINE_ITEM(NAME##_d128, AP_CLONES, TYPE, LOAD, LOAD8, STORE, ap_v8, 8, LOAD8, ap_sum8p, ap_exp8, ap_hsum8, 128)\\
-        AP_DEFINE_ITEM(NAME##_dany, AP_CLONES, TYPE, LOAD, LOAD8, STORE, ap_v8, 8, LOAD8, ap_sum8p, ap_exp8, ap_hsum8, 0)
+        AP_DEFINE_ITEM(NAME##_d32, AP_CLONES, TYPE, LOAD, LOAD8, STORE, ap_v8, 8, LOAD8, ap_sum8p, ap_exp8, ap_hsum8, 32, ap_pair_none)\\
+        AP_DEFINE_ITEM(NAME##_d64, AP_CLONES, TYPE, LOAD, LOAD8, STORE, ap_v8, 8, LOAD8, ap_sum8p, ap_exp8, ap_hsum8, 64, ap_pair_none)\\
+        AP_DEFINE_ITEM(NAME##_d128, AP_CLONES, TYPE, LOAD, LOAD8, STORE, ap_v8, 8, LOAD8, ap_sum8p, ap_exp8, ap_hsum8, 128, ap_pair_none)\\
+        AP_DEFINE_ITEM(NAME##_dany, AP_CLONES, TYPE, LOAD, LOAD8, STORE, ap_v8, 8, LOAD8, ap_sum8p, ap_exp8, ap_hsum8, 0, ap_pair_none)
     #if AP_HAVE_W16
     #define AP_DEFINE_ITEMS(NAME, TYPE, LOAD, LOAD8, LOAD16, STORE)                            \\
         AP_DEFINE_ITEMS8(NAME, TYPE, LOAD, LOAD8, STORE)                                      \\
+        AP_DEFINE_PAIR32(NAME##_w16_pair32, TYPE, LOAD16)                                      \\
         AP_DEFINE_VACC(NAME##_w16_d32_vacc, TYPE, ap_v16, 16, LOAD16)                         \\
         AP_DEFINE_VACC(NAME##_w16_d64_vacc, TYPE, ap_v16, 16, LOAD16)                         \\
         AP_DEFINE_VACC(NAME##_w16_d128_vacc, TYPE, ap_v16, 16, LOAD16)                        \\
         AP_DEFINE_VACC(NAME##_w16_dany_vacc, TYPE, ap_v16, 16, LOAD16)                        \\
-        AP_DEFINE_ITEM(NAME##_w16_d32, AP_V4, TYPE, LOAD, LOAD8, STORE, ap_v16, 16, LOAD16, ap_sum16, ap_exp16, ap_hsum16, 32)\\
-        AP_DEFINE_ITEM(NAME##_w16_d64, AP_V4, TYPE, LOAD, LOAD8, STORE, ap_v16, 16, LOAD16, ap_sum16, ap_exp16, ap_hsum16, 64)\\
-        AP_DEFINE_ITEM(NAME##_w16_d128, AP_V4, TYPE, LOAD, LOAD8, STORE, ap_v16, 16, LOAD16, ap_sum16, ap_exp16, ap_hsum16, 128)\\
-        AP_DEFINE_ITEM(NAME##_w16_dany, AP_V4, TYPE, LOAD, LOAD8, STORE, ap_v16, 16, LOAD16, ap_sum16, ap_exp16, ap_hsum16, 0)\\
+        AP_DEFINE_ITEM(NAME##_w16_d32, AP_V4, TYPE, LOAD, LOAD8, STORE, ap_v16, 16, LOAD16, ap_sum16, ap_exp16, ap_hsum16, 32, NAME##_w16_pair32)\\
+        AP_DEFINE_ITEM(NAME##_w16_d64, AP_V4, TYPE, LOAD, LOAD8, STORE, ap_v16, 16, LOAD16, ap_sum16, ap_exp16, ap_hsum16, 64, ap_pair_none)\\
+        AP_DEFINE_ITEM(NAME##_w16_d128, AP_V4, TYPE, LOAD, LOAD8, STORE, ap_v16, 16, LOAD16, ap_sum16, ap_exp16, ap_hsum16, 128, ap_pair_none)\\
+        AP_DEFINE_ITEM(NAME##_w16_dany, AP_V4, TYPE, LOAD, LOAD8, STORE, ap_v16, 16, LOAD16, ap_sum16, ap_exp16, ap_hsum16, 0, ap_pair_none)\\
         static void (*NAME(int head_size, int w16))(const ap_args *, int64_t) {               \\
             if (w16 && head_size % 16 == 0)                                                   \\
                 return head_size == 32 ? NAME##_w16_d32 : head_size == 64 ? NAME##_w16_d64    \\

@@ -160,6 +160,7 @@ def test_unsupported_layers_fall_back_with_a_reason(monkeypatch):
 _WIDTH_CASES = [  # (H, H_kv, head size, block size, step, window, soft-cap, dtype)
     (8, 2, 32, 32, [(320, 1), (100, 1), (63, 1), (64, 1), (0, 3)], None, None, torch.float32),  # tiny-llama
     (9, 3, 64, 16, [(200, 1), (129, 4), (5, 8)], None, None, torch.float32),  # SmolLM2, speculative rows
+    (6, 2, 32, 16, [(150, 1), (40, 3)], None, None, torch.float32),  # head size 32, groups of 3: one-row logits
     (8, 1, 128, 3, [(70, 2), (33, 1)], 33, 3.0, torch.bfloat16),
     (4, 2, 256, 4, [(90, 1), (10, 5)], 5, None, torch.float16),
 ]
