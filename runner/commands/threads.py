@@ -135,18 +135,36 @@ WAIT_POLICY_COMMANDS = frozenset({"run", "serve", "parity", "bench", "check"})
 """The subcommands that run models (and load torch anyway): :func:`load_torch_waiting_passively`."""
 
 
-def load_torch_waiting_passively() -> bool:
-    """Import torch with ``OMP_WAIT_POLICY=PASSIVE`` in the environment, then take the variable
-    out again: libgomp reads its environment once, when torch loads it, so torch's OpenMP
-    threads then sleep at the end of a parallel region instead of spinning, and no child
-    process (vLLM's worker in ``bench engine``) inherits the setting. On a shared machine a
-    spinning thread holds a CPU that the thread with the remaining work needs: tiny-llama at
-    2 threads ran 2.6–10× faster passive (docs/performance.md, "The forward outside
-    attention, fourth pass"). Nothing is done when torch is already imported or the user set
-    ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` (theirs is kept). Returns whether it was set."""
+def machine_is_shared(cpus: int, load_average: float) -> bool:
+    """Other processes keep at least one CPU busy: ``floor(load_average) >= 1`` (the same
+    reading of the load as :func:`default_threads`; ``cpus`` only bounds it)."""
+    return cpus >= 1 and math.floor(max(load_average, 0.0)) >= 1
+
+
+def load_torch_waiting_passively(load_average: float | None = None) -> bool:
+    """On a shared machine (:func:`machine_is_shared`), import torch with
+    ``OMP_WAIT_POLICY=PASSIVE`` in the environment, then take the variable out again:
+    libgomp reads its environment once, when torch loads it, so torch's OpenMP threads then
+    sleep at the end of a parallel region instead of spinning, and no child process (vLLM's
+    worker in ``bench engine``) inherits the setting. On a loaded machine a spinning thread
+    holds a CPU that the thread with the remaining work needs (tiny-llama at 2 threads ran
+    2.6–10× faster passive at load 1.6–3.7); on a quiet one the wake-ups cost more than the
+    spinning (tiny-llama at 2 threads, load < 1: forward 10.1 ms/step passive against 6.9
+    with libgomp's default), so below a load of 1 libgomp's default stays (docs/performance.md,
+    "The forward outside attention, fourth pass" and "Issue 38 at the end of session 12").
+    Nothing is done when torch is already imported or the user set ``OMP_WAIT_POLICY`` or
+    ``GOMP_SPINCOUNT`` (theirs is kept). ``load_average`` defaults to ``os.getloadavg()[0]``
+    (0 where the OS has none). Returns whether it was set."""
     import sys
 
     if "torch" in sys.modules or "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ:
+        return False
+    if load_average is None:
+        try:
+            load_average = os.getloadavg()[0]
+        except OSError:
+            load_average = 0.0
+    if not machine_is_shared(usable_cpus(), load_average):
         return False
     os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
     try:
@@ -189,5 +207,5 @@ def bind(n: int) -> None:
 
 
 __all__ = ["BIND_VAR", "ENV_VAR", "FLAG", "MAX_THREADS", "WAIT_POLICY_COMMANDS", "add_flag", "apply", "bind", "bind_plan",
-           "binding_asked", "load_torch_waiting_passively", "default_threads", "local_ranks", "resolve",
+           "binding_asked", "load_torch_waiting_passively", "machine_is_shared", "default_threads", "local_ranks", "resolve",
            "usable_cpus"]

@@ -1,5 +1,6 @@
 """The model-running commands load torch with ``OMP_WAIT_POLICY=PASSIVE`` (libgomp reads it
-once, at load) unless the user chose a policy, and take the variable out again
+once, at load) on a shared machine (1-minute load average >= 1) unless the user chose a
+policy, take the variable out again, and leave libgomp's default on a quiet machine
 (runner/commands/threads.py, ``load_torch_waiting_passively``)."""
 
 from __future__ import annotations
@@ -12,10 +13,11 @@ import pytest
 
 from attnplug.runner.commands import threads
 
-def _display(policy: str | None) -> str:
+def _display(policy: str | None, load_average: float = 5.0) -> str:
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     env["OMP_DISPLAY_ENV"] = "VERBOSE"
-    code = ("import os, sys\nfrom attnplug.runner.commands import cli\ntry:\n    cli.main(['run', '--help'])\n"
+    code = (f"import os, sys\nos.getloadavg = lambda: ({load_average}, 0.0, 0.0)\n"
+            "from attnplug.runner.commands import cli\ntry:\n    cli.main(['run', '--help'])\n"
             "except SystemExit:\n    pass\nprint('LEFT', os.environ.get('OMP_WAIT_POLICY'))")
     if policy is not None:
         env["OMP_WAIT_POLICY"] = policy
@@ -23,10 +25,21 @@ def _display(policy: str | None) -> str:
     return done.stdout + done.stderr
 
 
-def test_run_loads_libgomp_passive_and_leaves_no_variable_behind():
-    out = _display(None)
+def test_run_loads_libgomp_passive_on_a_shared_machine_and_leaves_no_variable_behind():
+    out = _display(None, load_average=1.2)
     assert "GOMP_SPINCOUNT = '0'" in out  # passive: no spinning (libgomp's default spins 300000 times)
     assert "LEFT None" in out  # children (vLLM's worker in bench engine) do not inherit it
+
+
+def test_a_quiet_machine_keeps_libgomps_default_spinning():
+    out = _display(None, load_average=0.9)
+    assert "GOMP_SPINCOUNT = '300000'" in out  # libgomp's default: spin, then sleep
+    assert "LEFT None" in out
+
+
+def test_machine_is_shared_from_one_busy_cpu():
+    assert not threads.machine_is_shared(2, 0.99) and threads.machine_is_shared(2, 1.0)
+    assert not threads.machine_is_shared(2, -1.0)
 
 
 def test_a_policy_the_user_set_is_kept():
