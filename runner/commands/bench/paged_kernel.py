@@ -33,11 +33,11 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import asdict, dataclass
 
 import torch
 
+from attnplug.runner.commands.bench.median_time import median_us
 from attnplug.runner.commands.limits import OneLineParser, bounded_int
 
 SHAPES = {"tiny-llama": (8, 2, 32), "smollm2": (9, 3, 64)}
@@ -98,17 +98,6 @@ def make_case(heads: tuple[int, int, int], ctxs: list[int], block_size: int, see
             "seq_lens": torch.tensor(seq, dtype=torch.int32), "scale": d ** -0.5}
 
 
-def _time(call, iters: int, warmup: int) -> float:
-    for _ in range(warmup):
-        call()
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        call()
-        times.append((time.perf_counter() - t0) * 1e6)
-    return statistics.median(times)
-
-
 class VllmSide:
     """``paged_kernel_vllm.py`` in a subprocess of ``python``: one ``time`` line per call."""
 
@@ -155,7 +144,7 @@ def run_case(args, vllm: VllmSide | None, workdir: str, shape: str, batch: int, 
         if vllm is not None and r % 2:
             info = vllm.time(path, threads, args.iters, args.warmup)
             theirs.append(info["us"])
-        ours.append(_time(call, args.iters, args.warmup))
+        ours.append(median_us(call, args.iters, args.warmup))
         if vllm is not None and not r % 2:
             info = vllm.time(path, threads, args.iters, args.warmup)
             theirs.append(info["us"])

@@ -1,8 +1,8 @@
 """The vLLM side of ``attnplug bench paged-kernel``: vLLM's CPU attention op on a case file.
 
 Run as a script (``PYTHON path/to/paged_kernel_vllm.py``) with the Python of an environment
-that has vLLM's CPU build; it imports only torch and vLLM (not attnplug: that environment's
-attnplug may be another checkout). It answers one line per command on stdin:
+that has vLLM's CPU build; it imports only torch, vLLM and ``median_time.py`` beside it
+(not attnplug: that environment's attnplug may be another checkout). It answers one line per command on stdin:
 
 * ``time CASE.pt THREADS ITERS WARMUP`` -> ``TIME {"us": median µs, "torch_threads": n,
   "isa": ...}``, after writing its output to ``CASE.pt.vllm-out.pt`` (the parent compares it
@@ -25,9 +25,9 @@ count (it splits the work for that many threads), outside the timing, as its bui
 from __future__ import annotations
 
 import json
-import statistics
 import sys
-import time
+
+from median_time import median_us  # this script's directory (run by path): bench/median_time.py
 
 
 def _case(path: str):
@@ -73,15 +73,9 @@ def main() -> int:
         if (path, threads) not in cases:  # the scheduler metadata is built for a thread count
             cases[path, threads] = _case(path)
         call, out, isa = cases[path, threads]
-        for _ in range(warmup):
-            call()
-        times = []
-        for _ in range(iters):
-            t0 = time.perf_counter()
-            call()
-            times.append((time.perf_counter() - t0) * 1e6)
+        us = median_us(call, iters, warmup)
         torch.save(out, path + ".vllm-out.pt")
-        print("TIME " + json.dumps({"us": statistics.median(times), "torch_threads": torch.get_num_threads(),
+        print("TIME " + json.dumps({"us": us, "torch_threads": torch.get_num_threads(),
                                     "isa": isa}), flush=True)
     return 0
 
