@@ -1,6 +1,7 @@
 """``CpuSdpaAttentionImpl``: the compiled paged kernel, else SDPA on gathered blocks.
 
-Per layer: write this step's K/V at the slot mapping, then
+Per layer: write this step's K/V at the slot mapping (on the kernel's path by the C copy
+of ``kv_write.py`` where it takes the tensors), then
 
 * **the paged kernel** (``paged.py``, when it was built and takes the layer: float32 /
   bfloat16 / float16 with the cache in the same dtype, head size a multiple of 8 up to
@@ -50,7 +51,7 @@ from attnplug.backends.common.kv_scales import kv_scales_for
 from attnplug.backends.torch_native.attention import keys_used, visibility_mask, write_to_paged_cache
 from attnplug.backends.torch_native.builder import AttentionSegment, TorchNativeMetadata
 from attnplug.backends.torch_native.impl import TorchNativeAttentionImpl
-from attnplug.backends.cpu_sdpa import paged
+from attnplug.backends.cpu_sdpa import kv_write, paged
 from attnplug.backends.cpu_sdpa.builder import DecodeBucket
 from attnplug.core.contracts import AttentionType
 from attnplug.core.errors import MetadataError
@@ -146,7 +147,8 @@ class CpuSdpaAttentionImpl(TorchNativeAttentionImpl):
         if reqs.shape[0]:  # before the write: bad metadata changes nothing
             paged.check_metadata(query.shape[0], kv_cache, md.block_table_tensor, md.query_start_loc, md.seq_lens,
                                  reqs, sliding_window=self.sliding_window, causal=md.causal)
-        write_to_paged_cache(key, value, kv_cache, md.write_slots, md.write_token_indices)
+        if not kv_write.write(key, value, kv_cache, md.write_slots, md.write_token_indices):  # C, else torch
+            write_to_paged_cache(key, value, kv_cache, md.write_slots, md.write_token_indices)
         if reqs.shape[0]:
             paged.paged_attention(output, query, kv_cache, md.block_table_tensor, md.query_start_loc, md.seq_lens,
                                   reqs, scale=self.scale, sliding_window=self.sliding_window,

@@ -7,8 +7,6 @@ built with it:
 * ``rms_norm``: ``out = w * (x * r)``, ``r = 1 / sqrt(sum(x^2) / d + eps)``;
 * ``fused_add_rms_norm``: ``residual += x``, then ``x = w * (residual * r)`` with ``r`` of the
   new residual (the semantics of vLLM's ``fused_add_rms_norm``: both written in place);
-* ``silu_and_mul``: ``out = silu(gate) * up`` over a row ``[gate | up]`` (``silu(g) = g / (1 +
-  exp(-g))``);
 * ``rope``: rotate the first ``rotary_dim`` dimensions of every head of ``x`` by per-row
   ``cos`` / ``sin`` (``[rotary_dim / 2]`` per row) into ``out``; pairs ``(i, i + rotary_dim / 2)``
   ("rotate half", neox style) or ``(2i, 2i + 1)`` written de-interleaved (``rope.py``'s
@@ -73,17 +71,6 @@ cdef extern from *:
             for (int64_t j = 0; j < d; ++j) ri[j] = ri[j] + xi[j];
             float r = co_inv_rms(ri, d, eps);
             for (int64_t j = 0; j < d; ++j) xi[j] = w[j] * (ri[j] * r);
-        }
-    }
-
-    CO_CLONES
-    static void co_silu_and_mul_rows(const float *gu, int64_t gs, float *out, int64_t os,
-                                     int64_t r0, int64_t r1, int64_t m) {
-        for (int64_t i = r0; i < r1; ++i) {
-            const float *g = gu + i * gs;
-            const float *u = g + m;
-            float *oi = out + i * os;
-            for (int64_t j = 0; j < m; ++j) oi[j] = (g[j] / (1.0f + expf(-g[j]))) * u[j];
         }
     }
 
@@ -172,10 +159,6 @@ cdef extern from *:
                                       int64_t n, int64_t d, float eps, int nt) {
         CO_SPLIT(n, nt, co_add_rms_norm_rows(x, xs, res, rs, w, r0, r1, d, eps));
     }
-    static void co_silu_and_mul(const float *gu, int64_t gs, float *out, int64_t os, int64_t n, int64_t m,
-                                int nt) {
-        CO_SPLIT(n, nt, co_silu_and_mul_rows(gu, gs, out, os, r0, r1, m));
-    }
     static void co_rope(const float *x, int64_t x_tok, int64_t x_head, float *out, int64_t o_tok,
                         int64_t o_head, const float *cs, const float *sn, int64_t c_tok, int64_t n,
                         int heads, int head_size, int rot, int interleaved, int nt) {
@@ -187,8 +170,6 @@ cdef extern from *:
                      int64_t n, int64_t d, float eps, int nt) nogil
     void co_fused_add_rms_norm(float *x, int64_t xs, float *res, int64_t rs, const float *w,
                                int64_t n, int64_t d, float eps, int nt) nogil
-    void co_silu_and_mul(const float *gu, int64_t gs, float *out, int64_t os, int64_t n, int64_t m,
-                         int nt) nogil
     void co_rope(const float *x, int64_t x_tok, int64_t x_head, float *out, int64_t o_tok,
                  int64_t o_head, const float *cs, const float *sn, int64_t c_tok, int64_t n,
                  int heads, int head_size, int rot, int interleaved, int nt) nogil
@@ -212,12 +193,6 @@ def fused_add_rms_norm(uintptr_t x, int64_t xs, uintptr_t res, int64_t rs, uintp
     """``res[i] += x[i]``; ``x[i] = w * (res[i] * r_i)`` over ``n`` rows of ``d`` float32, in place."""
     with nogil:
         co_fused_add_rms_norm(<float *> x, xs, <float *> res, rs, <const float *> w, n, d, eps, num_threads)
-
-
-def silu_and_mul(uintptr_t gu, int64_t gs, uintptr_t out, int64_t os, int64_t n, int64_t m, int num_threads):
-    """``out[i, j] = silu(gu[i, j]) * gu[i, m + j]`` over ``n`` rows, ``j < m`` (float32)."""
-    with nogil:
-        co_silu_and_mul(<const float *> gu, gs, <float *> out, os, n, m, num_threads)
 
 
 def rope(uintptr_t x, int64_t x_tok, int64_t x_head, uintptr_t out, int64_t o_tok, int64_t o_head,

@@ -8,11 +8,13 @@ otherwise does in several torch kernels:
   next sub-block in one call; replaces ``add`` + ``pow`` + ``mean`` + ``add`` + ``rsqrt`` +
   ``mul`` + ``mul``);
 * :func:`rms_norm`: the same without the residual (the first layer's input norm);
-* :func:`silu_and_mul`: ``silu(gate) * up`` on the fused gate/up output (vLLM's
-  ``silu_and_mul``: ``silu`` + ``mul`` over two strided halves);
 * :func:`rope`: RoPE of q or k from the step's ``cos`` / ``sin`` (``rope.py``'s conventions,
   both pairings) into a fresh contiguous tensor (the ``split`` views of the fused q/k/v
   output in, ``cat`` of four products out, in one pass).
+
+SiLU-and-mul is not here: torch's ``silu`` (vectorised ``exp``) then ``mul`` over the two
+halves of the fused gate/up output is 4-5x faster than one scalar-``exp`` C pass (measured,
+docs/performance.md, "The forward's small ops, session 13") and bit-identical to HF's.
 
 Numerics: the products and sums are rounded as torch's separate kernels round them; the
 sum of squares of RMSNorm is accumulated in a different order (16 float32 lanes), so a
@@ -135,29 +137,6 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
                                 weight.data_ptr(), n, d, float(eps), _threads(n * d))
 
 
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up`` of ``gate_up = [gate | up]`` (vLLM's ``silu_and_mul``;
-    ``silu(g) = g / (1 + exp(-g))``).
-
-    Args:
-        gate_up: ``[num_tokens, 2 * m]`` float32, CPU, last dimension contiguous.
-
-    Returns:
-        A new contiguous ``[num_tokens, m]`` float32 tensor.
-
-    Raises:
-        ValueError: a tensor of another shape, dtype, device or layout, or an odd width.
-    """
-    _check_rows("gate_up", gate_up)
-    n, w = gate_up.shape
-    if w % 2:
-        raise ValueError(f"gate_up: expected an even number of columns, got {w}")
-    m = w // 2
-    out = torch.empty((n, m), dtype=torch.float32)
-    _cpu_ops.silu_and_mul(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), m, n, m, _threads(n * w))
-    return out
-
-
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int,
          interleaved: bool = False) -> torch.Tensor:
     """RoPE of every head of ``x`` (``rope.py``'s :func:`~attnplug.runner.models.rope.rotate`
@@ -218,4 +197,4 @@ def bind_threads(cpu_sets: list[list[int]]) -> None:
         raise RuntimeError(f"sched_setaffinity failed on {failed} of {len(cpu_sets)} threads ({cpu_sets!r})")
 
 
-__all__ = ["ENV_SWITCH", "available", "bind_threads", "enabled", "fused_add_rms_norm", "rms_norm", "rope", "silu_and_mul", "takes"]
+__all__ = ["ENV_SWITCH", "available", "bind_threads", "enabled", "fused_add_rms_norm", "rms_norm", "rope", "takes"]

@@ -95,13 +95,6 @@ class FusedProjections:
         y = linear(x, buffers[f"{name}_weight"], buffers[f"{name}_bias"], self, name)  # prepacked on the CPU
         return y.split(self.fused_sizes[name], dim=-1)
 
-    def project_joined(self, name: str, x: torch.Tensor) -> torch.Tensor:
-        """:meth:`project` without the split: the one ``[num_tokens, sum(out_features)]``
-        output, parts side by side in :attr:`fused_parts` order (for an op that reads them
-        together: ``cpu_ops.silu_and_mul`` on gate/up)."""
-        buffers = self._buffers
-        return linear(x, buffers[f"{name}_weight"], buffers[f"{name}_bias"], self, name)
-
     def _apply(self, fn, recurse=True):
         """``nn.Module._apply`` (``to``, ``half``, ``cuda``...), then re-stack: the conversion
         gave every parameter and buffer new storage."""

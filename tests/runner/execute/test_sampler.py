@@ -97,6 +97,22 @@ def test_all_greedy_is_argmax_and_draws_nothing():
     assert empty.shape == (0,) and empty.dtype == torch.int64
 
 
+def test_greedy_picks_argmax_s_index_on_ties_infinities_and_nans():
+    """Greedy is ``argmax``'s index exactly: the first of tied maxima, ``+inf`` over finite,
+    the first NaN over everything (the sampler computes it another way, for speed)."""
+    s = Sampler()
+    nan, inf = float("nan"), float("inf")
+    rows = [[1.0, 3.0, 3.0, 0.0], [-inf, -inf, -inf, -inf], [2.0, nan, 5.0, nan], [inf, 1.0, inf, 2.0],
+            [0.0, 0.0, 0.0, 0.0], [-1.0, -2.0, -0.5, -0.5]]
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        logits = torch.tensor(rows, dtype=dtype)
+        out = s(logits, [_sp(t=0.0)] * len(rows), [None] * len(rows))
+        assert out.tolist() == logits.argmax(dim=-1).tolist() == [1, 0, 1, 0, 0, 2], dtype
+    g = torch.Generator().manual_seed(5)
+    big = torch.randint(-4, 4, (64, 2048), generator=g).float()  # many ties per row
+    assert torch.equal(s(big, [_sp(t=0.0)] * 64, [None] * 64), big.argmax(dim=-1))
+
+
 def test_greedy_rows_stay_greedy_in_a_sampled_batch():
     logits = _logits(64, seed=5, scale=0.3)
     params = [_sp(t=0.0) if i % 2 else _sp(t=1.0) for i in range(64)]

@@ -54,13 +54,6 @@ def test_fused_add_rms_norm_writes_the_residual_sum_and_its_norm(d):
 
 
 @needs_module
-def test_silu_and_mul_matches_torch():
-    gu = rows(13, 2 * 96, 5, 4.0)
-    gate, up = gu.split(96, dim=-1)
-    torch.testing.assert_close(cpu_ops.silu_and_mul(gu), torch.nn.functional.silu(gate) * up, rtol=2e-6, atol=1e-6)
-
-
-@needs_module
 @pytest.mark.parametrize("interleaved", [False, True])
 @pytest.mark.parametrize("rotary_dim", [64, 32])
 def test_rope_is_bit_identical_to_rotate_on_a_view_of_fused_qkv(interleaved, rotary_dim):
@@ -77,15 +70,14 @@ def test_rope_is_bit_identical_to_rotate_on_a_view_of_fused_qkv(interleaved, rot
 @needs_module
 def test_results_do_not_depend_on_the_thread_split(monkeypatch):
     x, res, w = rows(37, 96, 8), rows(37, 96, 9), rows(1, 96, 10)[0]
-    gu = rows(37, 192, 11)
-    one = (cpu_ops.rms_norm(x, w, EPS), cpu_ops.silu_and_mul(gu))
+    one = (cpu_ops.rms_norm(x, w, EPS),)
     x1, r1 = x.clone(), res.clone()
     cpu_ops.fused_add_rms_norm(x1, r1, w, EPS)
     monkeypatch.setattr(cpu_ops, "PARALLEL_MIN_ELEMENTS", 1)
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        two = (cpu_ops.rms_norm(x, w, EPS), cpu_ops.silu_and_mul(gu))
+        two = (cpu_ops.rms_norm(x, w, EPS),)
         x2, r2 = x.clone(), res.clone()
         cpu_ops.fused_add_rms_norm(x2, r2, w, EPS)
     finally:
@@ -108,8 +100,6 @@ def test_bad_inputs_are_refused_and_nothing_is_written():
         cpu_ops.fused_add_rms_norm(x, x[:, :], w, EPS)
     with pytest.raises(ValueError, match="contiguous last"):
         cpu_ops.rms_norm(x.t(), w, EPS)
-    with pytest.raises(ValueError, match="even"):
-        cpu_ops.silu_and_mul(rows(4, 33, 15))
     with pytest.raises(ValueError, match="cos"):
         cpu_ops.rope(x.view(4, 2, 16), torch.ones(4, 1, 4), torch.ones(4, 1, 8), 16)
     assert torch.equal(x, x0) and torch.equal(res, res0)
@@ -119,7 +109,7 @@ def _forward(model, switch: str, monkeypatch) -> tuple[torch.Tensor, dict[str, i
     from tests.runner.models.test_hf_forward_parity import run_schedule
 
     calls: dict[str, int] = {}
-    for name in ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "rope"):
+    for name in ("rms_norm", "fused_add_rms_norm", "rope"):
         real = getattr(cpu_ops, name)
 
         def counted(*a, _real=real, _name=name, **k):
@@ -142,7 +132,7 @@ def test_the_llama_forward_uses_the_fused_ops_unless_switched_off(monkeypatch):
     fused, calls = _forward(model, "1", monkeypatch)
     steps, norms_per_step = 2, 2 * layers
     assert calls == {"rms_norm": steps, "fused_add_rms_norm": steps * norms_per_step,
-                     "silu_and_mul": steps * layers, "rope": steps * 2 * layers}
+                     "rope": steps * 2 * layers}
     plain, calls_off = _forward(model, "0", monkeypatch)
     assert calls_off == {}
     torch.testing.assert_close(fused, plain, rtol=0, atol=1e-5)
