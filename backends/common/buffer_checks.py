@@ -17,11 +17,10 @@ Two kinds of check:
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from attnplug.cache_groups.specs import cdiv
+from attnplug.core import switches
 from attnplug.core.devices import same_device
 from attnplug.core.errors import MetadataError
 from attnplug.core.metadata import CommonAttentionMetadata
@@ -29,7 +28,7 @@ from attnplug.core.metadata import CommonAttentionMetadata
 
 def builder_values_checked() -> bool:
     """Whether builders created now check the host values of each step (``ATTNPLUG_VALIDATE=1``)."""
-    return os.environ.get("ATTNPLUG_VALIDATE") == "1"
+    return switches.flag("ATTNPLUG_VALIDATE")
 
 
 def on_device(t: torch.Tensor, device: torch.device) -> bool:

@@ -20,10 +20,9 @@ failed call changes nothing.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from attnplug.core import switches
 from attnplug.core.constants import PAD_SLOT_ID
 from attnplug.core.errors import MetadataError
 
@@ -32,7 +31,7 @@ def values_checked(device: torch.device) -> bool:
     """Whether calls on ``device`` check index values (see the module docstring)."""
     if device.type == "cpu":
         return True
-    if os.environ.get("ATTNPLUG_VALIDATE") != "1":
+    if not switches.flag("ATTNPLUG_VALIDATE"):
         return False
     if device.type != "cuda":
         return True

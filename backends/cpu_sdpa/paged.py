@@ -17,10 +17,9 @@ back to its SDPA path where either says no (docs/backends.md).
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from attnplug.core import switches
 from attnplug.core.errors import MetadataError
 
 try:
@@ -54,7 +53,7 @@ def unsupported(dtype: torch.dtype, kv_cache_dtype: torch.dtype | None, head_siz
     multiple of 8 or above 256, a sliding window without causal attention."""
     if _paged is None:
         return "the compiled module attnplug.backends.cpu_sdpa._paged is not built"
-    if os.environ.get(ENV_SWITCH, "1") == "0":
+    if not switches.flag(ENV_SWITCH):
         return f"turned off by {ENV_SWITCH}=0"
     if dtype not in _DTYPE_CODES:
         return f"dtype {dtype} (kernel: {', '.join(map(str, _DTYPE_CODES))})"

@@ -15,7 +15,6 @@ finishes or is preempted.
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,6 +23,7 @@ import torch
 from attnplug.backends.mamba2.layout import PrefillLayout, compute_prefill_layout, max_num_chunks
 from attnplug.backends.mamba2.verify import compute_verify_layout
 from attnplug.cache_groups.buffers import CpuGpuBuffer
+from attnplug.core import switches
 from attnplug.core.constants import PAD_SLOT_ID
 from attnplug.core.contracts import AttentionCGSupport, AttentionMetadataBuilder, BuilderConfig
 from attnplug.core.errors import KVCacheSpecError, MetadataError
@@ -179,7 +179,7 @@ class Mamba2MetadataBuilder(AttentionMetadataBuilder):
         self._qsl_p0 = torch.zeros(1, dtype=torch.int32, device=self.device)
         self._qsl_p0_cpu = np.zeros(1, dtype=np.int64)
         self._zero = torch.zeros(1, dtype=torch.int64, device=self.device)  # cu_chunk_seqlen of no chunk
-        self.validate_values = os.environ.get("ATTNPLUG_VALIDATE") == "1"
+        self.validate_values = switches.flag("ATTNPLUG_VALIDATE")
         """Run every host check on decode steps too (``ATTNPLUG_VALIDATE=1`` when created)."""
 
     # --- state slots ----------------------------------------------------------------------

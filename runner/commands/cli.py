@@ -15,6 +15,8 @@ import importlib
 import os
 import sys
 
+from attnplug.core import switches
+from attnplug.core.errors import ConfigError
 from attnplug.runner.commands import threads
 
 EXIT_BROKEN_PIPE = 128 + 13
@@ -64,6 +66,11 @@ def main(argv: list[str] | None = None) -> int:
     cmd, rest = argv[0], argv[1:]
     if cmd not in SUBCOMMANDS:
         print(f"attnplug: unknown command {cmd!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    try:
+        switches.check_environment()  # a bad ATTNPLUG_* switch: one line, before anything runs
+    except ConfigError as e:
+        print(f"attnplug {cmd}: {e}", file=sys.stderr)
         return 2
     if cmd in threads.WAIT_POLICY_COMMANDS:
         threads.load_torch_waiting_passively()  # before anything loads torch (threads.py)

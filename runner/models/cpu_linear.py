@@ -20,15 +20,15 @@ or with ``ATTNPLUG_CPU_PACKED_LINEAR=0`` the call is plain ``F.linear``.
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import nn
+
+from attnplug.core import switches
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 """Weight dtypes packed (oneDNN's CPU matmul: float32, and bfloat16 on AVX512-BF16/AMX)."""
 
-ENABLED = (os.environ.get("ATTNPLUG_CPU_PACKED_LINEAR", "1") != "0" and torch.backends.mkldnn.is_available()
+ENABLED = (switches.flag("ATTNPLUG_CPU_PACKED_LINEAR") and torch.backends.mkldnn.is_available()
            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 """Whether CPU linears are prepacked: oneDNN present and ``ATTNPLUG_CPU_PACKED_LINEAR`` not ``0``."""
 

@@ -28,9 +28,9 @@ the torch ops otherwise (another dtype or device, ``torch.compile`` tracing).
 
 from __future__ import annotations
 
-import os
-
 import torch
+
+from attnplug.core import switches
 
 try:
     from attnplug.runner.models import _cpu_ops
@@ -55,7 +55,7 @@ def available() -> bool:
 def enabled() -> bool:
     """The forward uses the fused ops: the module is built and ``ATTNPLUG_CPU_FUSED_OPS``
     is not ``0``."""
-    return _cpu_ops is not None and os.environ.get(ENV_SWITCH, "1") != "0"
+    return _cpu_ops is not None and switches.flag(ENV_SWITCH)
 
 
 def takes(x: torch.Tensor) -> bool:

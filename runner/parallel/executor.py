@@ -10,12 +10,12 @@ identical with nothing sent back.
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Any, Callable
 
 import numpy as np
 
+from attnplug.core import switches
 from attnplug.runner.parallel.channel import (BUILD, ERROR, EXIT, KIND_NAMES, STEP, STEP_ASYNC, Channel,
                                              SourceFailedError)
 from attnplug.runner.parallel.state import ParallelState, current
@@ -23,7 +23,7 @@ from attnplug.runner.parallel.validate import MetadataIdentityCheck
 
 
 def validate_enabled() -> bool:
-    return os.environ.get("ATTNPLUG_VALIDATE", "0") not in ("", "0")
+    return switches.flag("ATTNPLUG_VALIDATE")
 
 
 def attach(runner: Any, state: ParallelState) -> None:

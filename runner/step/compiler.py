@@ -30,13 +30,13 @@ invariants (``attnplug.core.validate``) for every cache group each step.
 from __future__ import annotations
 
 import operator
-import os
 from typing import Sequence
 
 import torch
 
 from attnplug.cache_groups.grouping import KVCacheConfig
 from attnplug.cache_groups.kinds import PAGED_FULL_KINDS, GroupKind
+from attnplug.core import switches
 from attnplug.core.devices import resolve_device
 from attnplug.core.errors import InvalidSchedulerOutput, MetadataError
 from attnplug.core.validation import BatchView, validate
@@ -178,7 +178,7 @@ class StepCompiler:
         self._preparer = InputPreparer(max_num_reqs, max_model_len, max_num_batched_tokens, self.device, kernels)
         self._host_device = self._preparer.buffers.input_ids.aliased
         """The step's device buffers are its host buffers (a CPU device)."""
-        self.validate = os.environ.get("ATTNPLUG_VALIDATE") == "1" if validate is None else bool(validate)
+        self.validate = switches.flag("ATTNPLUG_VALIDATE") if validate is None else bool(validate)
         self.patch_counts = {"slice": 0, "scatter": 0}
         """Asynchronous scheduling: steps whose ``input_ids`` took the previous step's device
         tokens by one slice copy, or by a scatter (rows moved)."""

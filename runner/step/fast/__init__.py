@@ -8,15 +8,16 @@ the tests run both (``StepCompiler(native=False)``).
 
 from __future__ import annotations
 
-import os
 from types import ModuleType
+
+from attnplug.core import switches
 
 _EXPECTED_API = 8
 
 
 def load_native() -> ModuleType | None:
     """The extension, or ``None`` (not built, stale, or disabled by ``ATTNPLUG_NATIVE=0``)."""
-    if os.environ.get("ATTNPLUG_NATIVE", "1") == "0":
+    if not switches.flag("ATTNPLUG_NATIVE"):
         return None
     try:
         from attnplug.runner.step.fast import _native
