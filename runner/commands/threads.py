@@ -171,6 +171,9 @@ def load_torch_waiting_passively(load_average: float | None = None) -> bool:
         import torch  # noqa: F401  (loads libgomp, which reads OMP_WAIT_POLICY now)
     finally:
         del os.environ["OMP_WAIT_POLICY"]
+    from attnplug.runner.models import cpu_ops
+
+    cpu_ops.set_wait_passive(True)  # its ops' parallel threshold for sleeping threads
     return True
 
 
