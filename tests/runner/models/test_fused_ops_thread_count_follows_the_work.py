@@ -46,17 +46,3 @@ def test_one_thread_stays_one_and_the_default_is_torchs_count(policy):
     finally:
         torch.set_num_threads(before)
 
-
-@pytest.mark.skipif(not cpu_ops.available(), reason="the compiled module is not built")
-def test_the_ops_match_torch_at_either_thread_choice(policy):
-    torch.manual_seed(0)
-    x = torch.randn(64, 2 * 384)
-    want = torch.nn.functional.silu(x[:, :384]) * x[:, 384:]
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
-        for passive in (False, True):
-            policy(passive)
-            torch.testing.assert_close(cpu_ops.silu_and_mul(x), want)
-    finally:
-        torch.set_num_threads(before)
