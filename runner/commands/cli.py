@@ -15,8 +15,6 @@ import importlib
 import os
 import sys
 
-from attnplug.core import switches
-from attnplug.core.errors import ConfigError
 from attnplug.runner.commands import threads
 
 EXIT_BROKEN_PIPE = 128 + 13
@@ -67,13 +65,16 @@ def main(argv: list[str] | None = None) -> int:
     if cmd not in SUBCOMMANDS:
         print(f"attnplug: unknown command {cmd!r}\n\n{_usage()}", file=sys.stderr)
         return 2
+    if cmd in threads.WAIT_POLICY_COMMANDS:
+        threads.load_torch_waiting_passively()  # before anything loads torch (threads.py)
+    from attnplug.core import switches  # (loads torch: after the wait policy)
+    from attnplug.core.errors import ConfigError
+
     try:
-        switches.check_environment()  # a bad ATTNPLUG_* switch: one line, before anything runs
+        switches.check_environment()  # a bad ATTNPLUG_* switch: one line, before the command runs
     except ConfigError as e:
         print(f"attnplug {cmd}: {e}", file=sys.stderr)
         return 2
-    if cmd in threads.WAIT_POLICY_COMMANDS:
-        threads.load_torch_waiting_passively()  # before anything loads torch (threads.py)
     module = importlib.import_module(SUBCOMMANDS[cmd][0])
     try:
         status = int(module.main(rest) or 0)

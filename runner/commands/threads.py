@@ -153,7 +153,9 @@ def load_torch_waiting_passively(load_average: float | None = None) -> bool:
     with libgomp's default), so below a load of 1 libgomp's default stays (docs/performance.md,
     "The forward outside attention, fourth pass" and "Issue 38 at the end of session 12").
     Nothing is done when torch is already imported or the user set ``OMP_WAIT_POLICY`` or
-    ``GOMP_SPINCOUNT`` (theirs is kept). ``load_average`` defaults to ``os.getloadavg()[0]``
+    ``GOMP_SPINCOUNT`` (theirs is kept). When it sets the policy it also tells
+    ``runner/models/cpu_ops`` (``set_wait_passive``), whose fused ops then split a call over
+    the threads only from far more work. ``load_average`` defaults to ``os.getloadavg()[0]``
     (0 where the OS has none). Returns whether it was set."""
     import sys
 
@@ -171,6 +173,9 @@ def load_torch_waiting_passively(load_average: float | None = None) -> bool:
         import torch  # noqa: F401  (loads libgomp, which reads OMP_WAIT_POLICY now)
     finally:
         del os.environ["OMP_WAIT_POLICY"]
+    from attnplug.runner.models import cpu_ops
+
+    cpu_ops.set_wait_passive(True)  # its ops' parallel threshold for sleeping threads
     return True
 
 

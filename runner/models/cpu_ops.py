@@ -28,6 +28,8 @@ the torch ops otherwise (another dtype or device, ``torch.compile`` tracing).
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from attnplug.core import switches
@@ -42,9 +44,30 @@ ENV_SWITCH = "ATTNPLUG_CPU_FUSED_OPS"
 without the compiled module): for measuring one against the other (docs/performance.md).
 Read when a model's forward starts."""
 
-PARALLEL_MIN_ELEMENTS = 1 << 16
-"""Below this many elements per call the op runs on one thread (a parallel region's
-start and barrier cost more than the work; on a loaded machine much more)."""
+NS_PER_ELEMENT = {"rms_norm": 0.2, "fused_add_rms_norm": 0.25, "rope": 0.3}
+"""One thread's time per element of each op, in ns (float32; the elements counted are the
+input's: ``rows * hidden_size``, ``rows * heads * head_size``), measured on
+this project's 2-core machine (docs/performance.md, "Two threads (issue 38, session 13)"):
+:func:`threads_for` estimates a call's work from it. Re-measure an op's figure when its kernel
+changes."""
+
+PARALLEL_MIN_WORK_US = 6.0
+"""Below this much estimated one-thread work (µs) a call runs on one thread while torch's
+OpenMP threads spin between parallel regions (libgomp's default): a region's start and
+barrier cost ~2–3 µs there, so RMSNorm of 32k elements (6.5 µs) gains 1.13× from a second
+thread and of 16k (3.3 µs) nothing."""
+
+PARALLEL_MIN_WORK_US_PASSIVE = 200.0
+"""The same while the threads sleep between regions (``OMP_WAIT_POLICY=PASSIVE``, which
+``runner/commands/threads.py`` sets on a shared machine): waking the sleeping thread costs
+~50–100 µs there, so RMSNorm breaks even only at ~500k elements (~130 µs) (and the
+C SiLU-and-mul this project had then gained 1.17× at 131k, ~220 µs)."""
+
+_wait_passive = (os.environ.get("OMP_WAIT_POLICY", "").strip().upper() == "PASSIVE"
+                 or os.environ.get("GOMP_SPINCOUNT", "").strip() == "0")
+"""Whether torch's OpenMP threads sleep between parallel regions (libgomp read its
+environment when torch loaded it, before this module); :func:`set_wait_passive` tells it
+when the variable was set only for that load."""
 
 
 def available() -> bool:
@@ -69,8 +92,28 @@ def _layout_ok(x: torch.Tensor) -> bool:
     return x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() > 0 and x.stride(-1) == 1
 
 
-def _threads(elements: int) -> int:
-    return torch.get_num_threads() if elements >= PARALLEL_MIN_ELEMENTS else 1
+def set_wait_passive(passive: bool) -> None:
+    """Record whether torch's OpenMP threads sleep between parallel regions (``True``:
+    ``OMP_WAIT_POLICY=PASSIVE`` was in the environment when torch loaded libgomp), which
+    picks :data:`PARALLEL_MIN_WORK_US_PASSIVE` over :data:`PARALLEL_MIN_WORK_US`."""
+    global _wait_passive
+    _wait_passive = bool(passive)
+
+
+def parallel_min_work_us() -> float:
+    """The estimated one-thread work (µs) from which a call uses torch's threads."""
+    return PARALLEL_MIN_WORK_US_PASSIVE if _wait_passive else PARALLEL_MIN_WORK_US
+
+
+def threads_for(op: str, elements: int, num_threads: int | None = None) -> int:
+    """Threads for one call of ``op`` (a key of :data:`NS_PER_ELEMENT`) over ``elements``
+    input elements: ``num_threads`` (default ``torch.get_num_threads()``) when the estimated
+    work ``elements * NS_PER_ELEMENT[op]`` reaches :func:`parallel_min_work_us`, else 1."""
+    n = torch.get_num_threads() if num_threads is None else num_threads
+    if n <= 1:
+        return 1
+    return n if elements * NS_PER_ELEMENT[op] >= parallel_min_work_us() * 1e3 else 1
+
 
 
 def _check_rows(name: str, x: torch.Tensor, width: int | None = None) -> None:
@@ -106,7 +149,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     _check_weight(weight, d)
     out = torch.empty((n, d), dtype=torch.float32)
     _cpu_ops.rms_norm(x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), d, n, d, float(eps),
-                      _threads(n * d))
+                      threads_for("rms_norm", n * d))
     return out
 
 
@@ -134,7 +177,7 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     if x.untyped_storage().data_ptr() == residual.untyped_storage().data_ptr():
         raise ValueError("x and residual share storage")
     _cpu_ops.fused_add_rms_norm(x.data_ptr(), x.stride(0), residual.data_ptr(), residual.stride(0),
-                                weight.data_ptr(), n, d, float(eps), _threads(n * d))
+                                weight.data_ptr(), n, d, float(eps), threads_for("fused_add_rms_norm", n * d))
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int,
@@ -171,7 +214,7 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int,
     out = torch.empty((n, heads, head_size), dtype=torch.float32)
     _cpu_ops.rope(x.data_ptr(), x.stride(0), x.stride(1), out.data_ptr(), heads * head_size, head_size,
                   cos.data_ptr(), sin.data_ptr(), cos.stride(0), n, heads, head_size, rotary_dim,
-                  bool(interleaved), _threads(n * heads * head_size))
+                  bool(interleaved), threads_for("rope", n * heads * head_size))
     return out
 
 
@@ -197,4 +240,6 @@ def bind_threads(cpu_sets: list[list[int]]) -> None:
         raise RuntimeError(f"sched_setaffinity failed on {failed} of {len(cpu_sets)} threads ({cpu_sets!r})")
 
 
-__all__ = ["ENV_SWITCH", "available", "bind_threads", "enabled", "fused_add_rms_norm", "rms_norm", "rope", "takes"]
+__all__ = ["ENV_SWITCH", "NS_PER_ELEMENT", "PARALLEL_MIN_WORK_US", "PARALLEL_MIN_WORK_US_PASSIVE", "available", "bind_threads",
+           "enabled", "fused_add_rms_norm", "parallel_min_work_us", "rms_norm", "rope", "set_wait_passive",
+           "takes", "threads_for"]

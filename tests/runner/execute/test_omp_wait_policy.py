@@ -18,7 +18,8 @@ def _display(policy: str | None, load_average: float = 5.0) -> str:
     env["OMP_DISPLAY_ENV"] = "VERBOSE"
     code = (f"import os, sys\nos.getloadavg = lambda: ({load_average}, 0.0, 0.0)\n"
             "from attnplug.runner.commands import cli\ntry:\n    cli.main(['run', '--help'])\n"
-            "except SystemExit:\n    pass\nprint('LEFT', os.environ.get('OMP_WAIT_POLICY'))")
+            "except SystemExit:\n    pass\nprint('LEFT', os.environ.get('OMP_WAIT_POLICY'))\n"
+            "from attnplug.runner.models import cpu_ops\nprint('MIN_WORK_US', cpu_ops.parallel_min_work_us())")
     if policy is not None:
         env["OMP_WAIT_POLICY"] = policy
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
@@ -29,12 +30,20 @@ def test_run_loads_libgomp_passive_on_a_shared_machine_and_leaves_no_variable_be
     out = _display(None, load_average=1.2)
     assert "GOMP_SPINCOUNT = '0'" in out  # passive: no spinning (libgomp's default spins 300000 times)
     assert "LEFT None" in out  # children (vLLM's worker in bench engine) do not inherit it
+    assert "MIN_WORK_US 200.0" in out  # the fused ops' threshold for sleeping threads (cpu_ops)
 
 
 def test_a_quiet_machine_keeps_libgomps_default_spinning():
     out = _display(None, load_average=0.9)
     assert "GOMP_SPINCOUNT = '300000'" in out  # libgomp's default: spin, then sleep
     assert "LEFT None" in out
+    assert "MIN_WORK_US 6.0" in out  # the fused ops' threshold for spinning threads
+
+
+def test_a_passive_policy_the_user_set_gives_the_fused_ops_the_passive_threshold():
+    out = _display("PASSIVE", load_average=0.2)
+    assert "GOMP_SPINCOUNT = '0'" in out and "LEFT PASSIVE" in out
+    assert "MIN_WORK_US 200.0" in out
 
 
 def test_machine_is_shared_from_one_busy_cpu():

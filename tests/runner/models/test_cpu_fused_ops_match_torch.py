@@ -73,7 +73,7 @@ def test_results_do_not_depend_on_the_thread_split(monkeypatch):
     one = (cpu_ops.rms_norm(x, w, EPS),)
     x1, r1 = x.clone(), res.clone()
     cpu_ops.fused_add_rms_norm(x1, r1, w, EPS)
-    monkeypatch.setattr(cpu_ops, "PARALLEL_MIN_ELEMENTS", 1)
+    monkeypatch.setattr(cpu_ops, "parallel_min_work_us", lambda: 0.0)  # every call splits
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
