@@ -17,7 +17,8 @@ Where the compiled paged kernel (``paged.py``) takes the group's spec (its dtype
 size) the buckets are not built: the kernel reads the block table, ``query_start_loc`` and
 ``seq_lens`` in place, in one call per layer, for every request :func:`kernel_takes` gives
 it — decodes, speculative rows and short chunks always; in float32 also every prompt and
-chunk whose keys fit :data:`KERNEL_MAX_PREFILL_SEQ_LEN` — the rest keep their own segment
+chunk whose keys fit :data:`KERNEL_MAX_PREFILL_SEQ_LEN`, and longer continuations at head
+size 32 or less — the rest keep their own segment
 for SDPA, whose blocked matrix products beat the kernel's per-row dot products there
 (measured: docs/performance.md, "Prefill on the paged kernel"). The builder adds what the
 kernel needs once per step (:class:`CpuSdpaMetadata`: the requests to attend and the largest
@@ -48,18 +49,33 @@ and context (:func:`kernel_takes`)."""
 KERNEL_MAX_PREFILL_SEQ_LEN = {torch.float32: 1024}
 """Per dtype: a request with more query tokens than :data:`KERNEL_MAX_QUERY_LEN` still runs
 the paged kernel while its ``seq_len`` (context plus query tokens) is at most this. Measured
-(docs/performance.md, "Prefill on the paged kernel (issue 38, session 13)"): in float32 the
-kernel beats both SDPA paths up to 1,024 keys on tiny-llama's and SmolLM2's shapes, fresh
-prompts and continuations alike, and SDPA wins from 2,048 on; in bfloat16 SDPA's blocked
+(docs/performance.md, "Prefill on the paged kernel (issue 38, session 13)", float32, one
+thread): the kernel beats both SDPA paths up to 1,024 keys on tiny-llama's (8:2 × 32) and
+SmolLM2's (9:3 × 64) shapes, fresh prompts and continuations alike (a fresh 1,024-token
+prompt: even); past that SDPA wins on fresh prompts (2,048 tokens: 1.1–1.3×) and on head
+size 64's continuations over long contexts (4,096 + 512: 1.5×). In bfloat16 SDPA's blocked
 kernels win from 16–64 query tokens on, so bfloat16 / float16 keep the 8-token rule."""
 
+KERNEL_CONTINUATION_MAX_HEAD_SIZE = 32
+"""In a dtype of :data:`KERNEL_MAX_PREFILL_SEQ_LEN`, a chunked-prefill continuation (context
+> 0) with head size at most this runs the kernel at any ``seq_len``: measured faster than
+the gathered SDPA path up to 4,096 + 2,048 tokens at head size 32 (0.59–0.97 of its time)."""
 
-def kernel_takes(query_len: int, seq_len: int, dtype: torch.dtype) -> bool:
+
+def kernel_takes(query_len: int, seq_len: int, head_size: int, dtype: torch.dtype) -> bool:
     """Whether the paged kernel attends a request of ``query_len`` query tokens and
-    ``seq_len`` keys (tokens, context included) in a group of ``dtype`` (the spec's), not
-    SDPA: at most :data:`KERNEL_MAX_QUERY_LEN` query tokens, or ``seq_len`` within the
-    dtype's :data:`KERNEL_MAX_PREFILL_SEQ_LEN`. Computed by the builder once per step."""
-    return query_len <= KERNEL_MAX_QUERY_LEN or seq_len <= KERNEL_MAX_PREFILL_SEQ_LEN.get(dtype, 0)
+    ``seq_len`` keys (tokens, context included) in a group of ``head_size`` and ``dtype``
+    (the spec's), not SDPA: at most :data:`KERNEL_MAX_QUERY_LEN` query tokens; or, in a
+    dtype of :data:`KERNEL_MAX_PREFILL_SEQ_LEN`, ``seq_len`` within its bound, or a
+    continuation (``seq_len > query_len``) with head size at most
+    :data:`KERNEL_CONTINUATION_MAX_HEAD_SIZE`. Computed by the builder once per step."""
+    if query_len <= KERNEL_MAX_QUERY_LEN:
+        return True
+    bound = KERNEL_MAX_PREFILL_SEQ_LEN.get(dtype)
+    if bound is None:
+        return False
+    return seq_len <= bound or (seq_len > query_len and head_size <= KERNEL_CONTINUATION_MAX_HEAD_SIZE)
+
 
 BUCKET_RATIO = 0.5
 """A decode bucket takes the next (shorter) request while its ``seq_len`` is at least this
@@ -246,10 +262,10 @@ class CpuSdpaMetadataBuilder(TorchNativeMetadataBuilder):
             raise MetadataError(f"cpu_sdpa build: max_seq_len={md.max_seq_len} needs "
                                 f"{-(-md.max_seq_len // self.block_size)} block-table columns, the table has "
                                 f"{block_table.shape[1]}")
-        dtype = self.kv_cache_spec.dtype
+        spec = self.kv_cache_spec
         short, long = [], []
         for seg in md.segments:  # decodes: one segment, query_len 1; every longer request its own
-            (short if kernel_takes(seg.query_len, seg.max_seq_len, dtype) else long).append(seg)
+            (short if kernel_takes(seg.query_len, seg.max_seq_len, spec.head_size, spec.dtype) else long).append(seg)
         reqs = torch.cat([seg.req_indices for seg in short]) if short \
             else torch.zeros(0, dtype=torch.int64, device=block_table.device)
         return dataclasses.replace(md, sdpa_segments=self._fresh(md, long), paged_reqs=reqs.to(torch.int64).contiguous(),
@@ -274,6 +290,7 @@ def _kernel_layout(block_table: torch.Tensor, query_start_loc: torch.Tensor, seq
             and query_start_loc.is_contiguous() and seq_lens.is_contiguous())
 
 
-__all__ = ["BUCKET_RATIO", "KERNEL_MAX_PREFILL_SEQ_LEN", "KERNEL_MAX_QUERY_LEN", "CpuSdpaGatherMetadataBuilder",
+__all__ = ["BUCKET_RATIO", "KERNEL_CONTINUATION_MAX_HEAD_SIZE", "KERNEL_MAX_PREFILL_SEQ_LEN", "KERNEL_MAX_QUERY_LEN",
+           "CpuSdpaGatherMetadataBuilder",
            "CpuSdpaMetadata", "CpuSdpaMetadataBuilder", "DecodeBucket", "FreshPrefill", "bucket_bounds",
            "kernel_takes", "split_decodes"]

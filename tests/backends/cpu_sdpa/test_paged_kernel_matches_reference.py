@@ -100,7 +100,7 @@ def test_kernel_matches_torch_native_on_random_paged_layouts(layout):
         got, md, kv = _forward(CpuSdpaBackend, num_heads, num_kv_heads, head_size, window, cap, *args)
     finally:
         paged.paged_attention, TorchNativeAttentionImpl.forward = real, real_native
-    on_kernel = any(kernel_takes(s, c + s, dtype) for c, s in step)
+    on_kernel = any(kernel_takes(s, c + s, head_size, dtype) for c, s in step)
     assert calls[0] == (on_kernel or cap is not None)
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got.float(), expected.float(), rtol=TOL[dtype], atol=TOL[dtype])

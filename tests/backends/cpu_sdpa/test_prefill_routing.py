@@ -1,7 +1,8 @@
 """Where ``cpu_sdpa`` attends a prompt, and the SDPA path's fresh-prompt slices.
 
 * ``builder.kernel_takes``: at most 8 query tokens always on the paged kernel; longer
-  requests on it in float32 while ``seq_len`` <= 1,024, never in bfloat16 / float16
+  requests on it in float32 while ``seq_len`` <= 1,024 (continuations at head size <= 32:
+  any length), never in bfloat16 / float16
   (docs/performance.md, "Prefill on the paged kernel (issue 38, session 13)");
 * the builder routes a step's requests that way (``paged_reqs`` / ``sdpa_segments``), a
   prompt with no earlier context that stays on SDPA as a ``FreshPrefill`` (its token rows),
@@ -28,18 +29,22 @@ from attnplug.core.constants import PAD_SLOT_ID
 
 needs_kernel = pytest.mark.skipif(not paged.available(), reason="the compiled paged kernel is not built")
 
-HEADS, KV_HEADS, HEAD_SIZE, BLOCK = 4, 2, 8, 16
+HEADS, KV_HEADS, HEAD_SIZE, BLOCK = 4, 2, 40, 16  # head size > 32: continuations past 1,024 keys on SDPA
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
 
 
 def test_kernel_takes_short_rows_always_and_float32_prompts_up_to_1024_keys():
-    assert kernel_takes(8, 100_000, torch.bfloat16) and kernel_takes(8, 100_000, torch.float32)
-    assert kernel_takes(9, 1024, torch.float32) and kernel_takes(1000, 1024, torch.float32)
-    assert not kernel_takes(9, 1025, torch.float32) and not kernel_takes(1025, 1025, torch.float32)
-    assert not kernel_takes(9, 9, torch.bfloat16) and not kernel_takes(9, 9, torch.float16)
+    f32, bf16 = torch.float32, torch.bfloat16
+    assert kernel_takes(8, 100_000, 64, bf16) and kernel_takes(8, 100_000, 64, f32)
+    assert kernel_takes(9, 1024, 64, f32) and kernel_takes(1000, 1024, 64, f32) and kernel_takes(1024, 1024, 32, f32)
+    assert not kernel_takes(9, 1025, 64, f32) and not kernel_takes(1025, 1025, 64, f32)
+    # past 1,024 keys: head size <= 32 continuations only
+    assert kernel_takes(512, 4608, 32, f32) and not kernel_takes(1025, 1025, 32, f32)
+    assert not kernel_takes(512, 4608, 64, f32)
+    assert not kernel_takes(9, 9, 64, bf16) and not kernel_takes(9, 9, 32, torch.float16)
 
 
-def _step(step, dtype=torch.float32, window=None, pad_rows=(), seed=0):
+def _step(step, dtype=torch.float32, window=None, pad_rows=(), seed=0, head_size=HEAD_SIZE):
     """``(common metadata, spec, kv cache, (q, k, v))`` of ``step`` = [(context, query_len)]:
     shuffled blocks, NaN in the free ones; ``pad_rows``: token rows given ``PAD_SLOT_ID``."""
     gen = torch.Generator().manual_seed(seed)
@@ -56,22 +61,23 @@ def _step(step, dtype=torch.float32, window=None, pad_rows=(), seed=0):
         slots = cm.slot_mapping.clone()
         slots[list(pad_rows)] = PAD_SLOT_ID
         cm = CommonAttentionMetadata(**{**cm.__dict__, "slot_mapping": slots})
-    kv = torch.randn(num_blocks, 2, BLOCK, KV_HEADS, HEAD_SIZE, generator=gen).to(dtype)
+    kv = torch.randn(num_blocks, 2, BLOCK, KV_HEADS, head_size, generator=gen).to(dtype)
     kv[ids[used:].long()] = float("nan")
     kv[0] = float("nan")
     if window is None:
-        spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=KV_HEADS, head_size=HEAD_SIZE, dtype=dtype)
+        spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=KV_HEADS, head_size=head_size, dtype=dtype)
     else:
-        spec = SlidingWindowSpec(block_size=BLOCK, num_kv_heads=KV_HEADS, head_size=HEAD_SIZE, dtype=dtype,
+        spec = SlidingWindowSpec(block_size=BLOCK, num_kv_heads=KV_HEADS, head_size=head_size, dtype=dtype,
                                  sliding_window=window)
     T = sum(s for _, s in step)
-    qkv = tuple(torch.randn(T, h, HEAD_SIZE, generator=gen).to(dtype) for h in (HEADS, KV_HEADS, KV_HEADS))
+    qkv = tuple(torch.randn(T, h, head_size, generator=gen).to(dtype) for h in (HEADS, KV_HEADS, KV_HEADS))
     return cm, spec, kv, qkv
 
 
 def _forward(backend, cm, spec, kv, qkv, window=None):
     builder = backend.get_builder_cls()(spec, ["l0"], BuilderConfig(cm.num_reqs, 4096, 4096), "cpu")
-    impl = backend.get_impl_cls()(HEADS, HEAD_SIZE, HEAD_SIZE ** -0.5, KV_HEADS, sliding_window=window)
+    d = spec.head_size
+    impl = backend.get_impl_cls()(HEADS, d, d ** -0.5, KV_HEADS, sliding_window=window)
     md = builder.build(0, cm)
     out = torch.full_like(qkv[0], float("nan"))
     return impl.forward(None, *qkv, kv.clone(), md, out), md
@@ -89,6 +95,11 @@ def test_builder_routes_each_request_by_kernel_takes():
     assert sorted(by_req) == [3, 4]
     assert isinstance(by_req[3], FreshPrefill) and by_req[3].token_start == 1 + 30 + 50
     assert not isinstance(by_req[4], FreshPrefill)
+    # head size 32 or less: the continuation past 1,024 keys on the kernel too, not the prompt
+    cm, spec, kv, qkv = _step(step, head_size=16)
+    md = _forward(CpuSdpaBackend, cm, spec, kv, qkv)[1]
+    assert sorted(md.paged_reqs.tolist()) == [0, 1, 2, 4]
+    assert [int(seg.req_indices[0]) for seg in md.sdpa_segments] == [3]
     # bfloat16: every request with more than 8 query tokens on SDPA, the fresh one on slices
     cm, spec, kv, qkv = _step([(40, 1), (0, 30), (200, 50), (5, 8)], dtype=torch.bfloat16)
     md = _forward(CpuSdpaBackend, cm, spec, kv, qkv)[1]
