@@ -13,9 +13,11 @@ class CpuSdpaBackend(WindowAndSoftCapFeatures, AttentionBackend):
 
     Where the optional compiled module ``_paged`` was built and takes the layer (float32 /
     bfloat16 / float16 with the cache in the same dtype, head size a multiple of 8 up to
-    256; sliding window and soft-cap included), one kernel call per layer attends every
-    query row of the step reading K/V in place through the block table (``paged.py``).
-    Otherwise (no compiled module, fp8 caches, other head sizes):
+    256; sliding window and soft-cap included), one kernel call per layer attends the query
+    rows of every request ``builder.kernel_takes`` gives it (decodes and short chunks; in
+    float32 prompts up to 1,024 keys too) reading K/V in place through the block table
+    (``paged.py``); the other prompts run SDPA as below. Otherwise (no compiled module,
+    fp8 caches, other head sizes):
 
     The metadata is ``torch_native``'s (:class:`~attnplug.backends.torch_native.builder.
     TorchNativeMetadataBuilder`, once per step for all layers of a group: decodes in one

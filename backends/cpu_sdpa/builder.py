@@ -15,12 +15,19 @@ gathered keys that no query sees (zeroed by the impl: ``impl.py``).
 
 Where the compiled paged kernel (``paged.py``) takes the group's spec (its dtype and head
 size) the buckets are not built: the kernel reads the block table, ``query_start_loc`` and
-``seq_lens`` in place, for every request with at most :data:`KERNEL_MAX_QUERY_LEN` query
-tokens (decodes, speculative rows, short chunks) in one call per layer; the longer prompts
-keep their own segment for SDPA, whose blocked matrix products beat the kernel's per-row dot
-products there (measured: docs/performance.md). The builder adds what the kernel needs once
-per step (:class:`CpuSdpaMetadata`: the requests to attend and the largest block id they may
-read, checked against the cache by the impl).
+``seq_lens`` in place, in one call per layer, for every request :func:`kernel_takes` gives
+it — decodes, speculative rows and short chunks always; in float32 also every prompt and
+chunk whose keys fit :data:`KERNEL_MAX_PREFILL_SEQ_LEN`, and longer continuations at head
+size 32 or less — the rest keep their own segment
+for SDPA, whose blocked matrix products beat the kernel's per-row dot products there
+(measured: docs/performance.md, "Prefill on the paged kernel"). The builder adds what the
+kernel needs once per step (:class:`CpuSdpaMetadata`: the requests to attend and the largest
+block id they may read, checked against the cache by the impl).
+
+A prompt that stays on SDPA with no earlier context (its keys are exactly this step's
+K/V rows: full attention, every row written) becomes a :class:`FreshPrefill` segment: the
+impl attends over slices of the step's ``key`` / ``value`` (no gather from the cache, no
+mask: ``is_causal``) and writes the output rows as one slice.
 """
 
 from __future__ import annotations
@@ -36,7 +43,39 @@ from attnplug.backends.torch_native.builder import AttentionSegment, TorchNative
 from attnplug.core.errors import MetadataError
 
 KERNEL_MAX_QUERY_LEN = 8
-"""Requests with at most this many query tokens run the paged kernel; longer ones SDPA."""
+"""Requests with at most this many query tokens run the paged kernel whatever their dtype
+and context (:func:`kernel_takes`)."""
+
+KERNEL_MAX_PREFILL_SEQ_LEN = {torch.float32: 1024}
+"""Per dtype: a request with more query tokens than :data:`KERNEL_MAX_QUERY_LEN` still runs
+the paged kernel while its ``seq_len`` (context plus query tokens) is at most this. Measured
+(docs/performance.md, "Prefill on the paged kernel (issue 38, session 13)", float32, one
+thread): the kernel beats both SDPA paths up to 1,024 keys on tiny-llama's (8:2 × 32) and
+SmolLM2's (9:3 × 64) shapes, fresh prompts and continuations alike (a fresh 1,024-token
+prompt: even); past that SDPA wins on fresh prompts (2,048 tokens: 1.1–1.3×) and on head
+size 64's continuations over long contexts (4,096 + 512: 1.5×). In bfloat16 SDPA's blocked
+kernels win from 16–64 query tokens on, so bfloat16 / float16 keep the 8-token rule."""
+
+KERNEL_CONTINUATION_MAX_HEAD_SIZE = 32
+"""In a dtype of :data:`KERNEL_MAX_PREFILL_SEQ_LEN`, a chunked-prefill continuation (context
+> 0) with head size at most this runs the kernel at any ``seq_len``: measured faster than
+the gathered SDPA path up to 4,096 + 2,048 tokens at head size 32 (0.59–0.97 of its time)."""
+
+
+def kernel_takes(query_len: int, seq_len: int, head_size: int, dtype: torch.dtype) -> bool:
+    """Whether the paged kernel attends a request of ``query_len`` query tokens and
+    ``seq_len`` keys (tokens, context included) in a group of ``head_size`` and ``dtype``
+    (the spec's), not SDPA: at most :data:`KERNEL_MAX_QUERY_LEN` query tokens; or, in a
+    dtype of :data:`KERNEL_MAX_PREFILL_SEQ_LEN`, ``seq_len`` within its bound, or a
+    continuation (``seq_len > query_len``) with head size at most
+    :data:`KERNEL_CONTINUATION_MAX_HEAD_SIZE`. Computed by the builder once per step."""
+    if query_len <= KERNEL_MAX_QUERY_LEN:
+        return True
+    bound = KERNEL_MAX_PREFILL_SEQ_LEN.get(dtype)
+    if bound is None:
+        return False
+    return seq_len <= bound or (seq_len > query_len and head_size <= KERNEL_CONTINUATION_MAX_HEAD_SIZE)
+
 
 BUCKET_RATIO = 0.5
 """A decode bucket takes the next (shorter) request while its ``seq_len`` is at least this
@@ -59,6 +98,17 @@ class DecodeBucket(AttentionSegment):
     """``[h]`` int64: rows of the gathered ``[n * num_key_blocks * block_size]`` keys past
     their request's ``seq_len`` and below ``max_seq_len`` (zeroed before SDPA: ``-inf`` plus
     a poisoned value would still be NaN)."""
+
+
+@dataclass(frozen=True)
+class FreshPrefill(AttentionSegment):
+    """A prompt with no earlier context on the SDPA path (module docstring): one request
+    (``n`` = 1, ``row_start`` set, ``query_len == max_seq_len``, ``key_offsets`` 0), the
+    fields of :class:`AttentionSegment` (any path may still run it as one) plus:"""
+
+    token_start: int = 0
+    """Its first row of the flat token stream (``query_start_loc[row_start]``): its query,
+    key, value and output rows are ``token_start .. token_start + query_len - 1``."""
 
 
 def bucket_bounds(seq_sorted: np.ndarray, ratio: float = BUCKET_RATIO) -> list[tuple[int, int]]:
@@ -121,8 +171,8 @@ class CpuSdpaMetadata(TorchNativeMetadata):
     request (``torch_native``'s, for a layer the kernel does not take)."""
 
     sdpa_segments: tuple[AttentionSegment, ...] = ()
-    """With ``paged_reqs``: the segments of ``segments`` longer than
-    ``KERNEL_MAX_QUERY_LEN`` query tokens, which run SDPA next to the kernel."""
+    """With ``paged_reqs``: the segments of ``segments`` that :func:`kernel_takes` leaves to
+    SDPA (their :class:`FreshPrefill` ones included), which run next to the kernel."""
 
     paged_all_reqs: torch.Tensor | None = None
     """``[num_reqs]``, ``torch.int64``: every request, for a layer that runs the kernel on
@@ -173,7 +223,26 @@ class CpuSdpaMetadataBuilder(TorchNativeMetadataBuilder):
                 segments += split_decodes(seg, self.block_size)
             else:
                 segments.append(seg)
-        return dataclasses.replace(md, segments=tuple(segments))
+        return dataclasses.replace(md, segments=self._fresh(md, segments))
+
+    def _fresh(self, md: CpuSdpaMetadata, segments) -> tuple[AttentionSegment, ...]:
+        """``segments`` with each prompt that has no earlier context as a
+        :class:`FreshPrefill` (module docstring): full attention, a one-request segment whose
+        keys are its own query tokens, every token row of the step written (no
+        ``PAD_SLOT_ID``: the cache then holds exactly the step's K/V for it)."""
+        if self.sliding_window is not None or md.write_token_indices.shape[0] != md.num_actual_tokens:
+            return tuple(segments)
+        starts = None
+        out = []
+        for seg in segments:
+            if seg.row_start is not None and seg.query_len > 1 and seg.query_len == seg.max_seq_len \
+                    and seg.max_key_offset == 0:
+                if starts is None:
+                    starts = md.query_start_loc.cpu().tolist()
+                seg = FreshPrefill(**{f.name: getattr(seg, f.name) for f in dataclasses.fields(seg)},
+                                   token_start=int(starts[seg.row_start]))
+            out.append(seg)
+        return tuple(out)
 
     def update_block_table(self, metadata: CpuSdpaMetadata, block_table: torch.Tensor,
                            slot_mapping: torch.Tensor) -> CpuSdpaMetadata:
@@ -193,10 +262,13 @@ class CpuSdpaMetadataBuilder(TorchNativeMetadataBuilder):
             raise MetadataError(f"cpu_sdpa build: max_seq_len={md.max_seq_len} needs "
                                 f"{-(-md.max_seq_len // self.block_size)} block-table columns, the table has "
                                 f"{block_table.shape[1]}")
-        short = [seg.req_indices for seg in md.segments if seg.query_len <= KERNEL_MAX_QUERY_LEN]
-        long = tuple(seg for seg in md.segments if seg.query_len > KERNEL_MAX_QUERY_LEN)
-        reqs = torch.cat(short) if short else torch.zeros(0, dtype=torch.int64, device=block_table.device)
-        return dataclasses.replace(md, sdpa_segments=long, paged_reqs=reqs.to(torch.int64).contiguous(),
+        spec = self.kv_cache_spec
+        short, long = [], []
+        for seg in md.segments:  # decodes: one segment, query_len 1; every longer request its own
+            (short if kernel_takes(seg.query_len, seg.max_seq_len, spec.head_size, spec.dtype) else long).append(seg)
+        reqs = torch.cat([seg.req_indices for seg in short]) if short \
+            else torch.zeros(0, dtype=torch.int64, device=block_table.device)
+        return dataclasses.replace(md, sdpa_segments=self._fresh(md, long), paged_reqs=reqs.to(torch.int64).contiguous(),
                                    paged_all_reqs=torch.arange(n, dtype=torch.int64, device=block_table.device),
                                    max_block_id=int(block_table[:n].max()) if n else -1,
                                    write_slot_range=(int(md.write_slots.min()), int(md.write_slots.max()))
@@ -218,5 +290,7 @@ def _kernel_layout(block_table: torch.Tensor, query_start_loc: torch.Tensor, seq
             and query_start_loc.is_contiguous() and seq_lens.is_contiguous())
 
 
-__all__ = ["BUCKET_RATIO", "KERNEL_MAX_QUERY_LEN", "CpuSdpaGatherMetadataBuilder", "CpuSdpaMetadata", "CpuSdpaMetadataBuilder",
-           "DecodeBucket", "bucket_bounds", "split_decodes"]
+__all__ = ["BUCKET_RATIO", "KERNEL_CONTINUATION_MAX_HEAD_SIZE", "KERNEL_MAX_PREFILL_SEQ_LEN", "KERNEL_MAX_QUERY_LEN",
+           "CpuSdpaGatherMetadataBuilder",
+           "CpuSdpaMetadata", "CpuSdpaMetadataBuilder", "DecodeBucket", "FreshPrefill", "bucket_bounds",
+           "kernel_takes", "split_decodes"]

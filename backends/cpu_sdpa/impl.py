@@ -6,11 +6,16 @@ of ``kv_write.py`` where it takes the tensors), then
 * **the paged kernel** (``paged.py``, when it was built and takes the layer: float32 /
   bfloat16 / float16 with the cache in the same dtype, head size a multiple of 8 up to
   256; soft-cap and sliding window included): one call for the query rows of every
-  request with at most ``KERNEL_MAX_QUERY_LEN`` query tokens (the metadata's
-  ``paged_reqs``; a soft-capped layer: every request), reading K/V in place through the
-  block table; the longer prompts then run the SDPA path below, one segment each;
+  request the builder's ``kernel_takes`` gives it (the metadata's ``paged_reqs``: decodes
+  and short chunks, in float32 prompts up to 1,024 keys too; a soft-capped layer: every
+  request), reading K/V in place through the block table; the other prompts then run the
+  SDPA path below, one segment each;
 * **otherwise the SDPA path**, for each segment of the ``torch_native`` metadata (all
-  decodes together, in length buckets; each prefill alone):
+  decodes together, in length buckets; each prefill alone). A prompt with no earlier
+  context (the builder's ``FreshPrefill``: its keys are exactly this step's K/V rows) and
+  a cache in the step's dtype: one SDPA call over slices of ``query`` / ``key`` / ``value``
+  (``is_causal``, ``enable_gqa``; nothing gathered, no mask), the output written as one
+  slice of rows. Every other segment:
 
 1. gather the segment's key blocks once (``index_select`` of whole blocks, K and V), cut
    to the key columns some query sees;
@@ -52,7 +57,7 @@ from attnplug.backends.torch_native.attention import keys_used, visibility_mask,
 from attnplug.backends.torch_native.builder import AttentionSegment, TorchNativeMetadata
 from attnplug.backends.torch_native.impl import TorchNativeAttentionImpl
 from attnplug.backends.cpu_sdpa import kv_write, paged
-from attnplug.backends.cpu_sdpa.builder import DecodeBucket
+from attnplug.backends.cpu_sdpa.builder import DecodeBucket, FreshPrefill
 from attnplug.core.contracts import AttentionType
 from attnplug.core.errors import MetadataError
 from attnplug.core.kv_quant import dequantize_kv, is_quantized
@@ -125,15 +130,39 @@ class CpuSdpaAttentionImpl(TorchNativeAttentionImpl):
         self._check_write_slots(md, kv_cache, "cpu_sdpa forward")
         write_to_paged_cache(key, value, kv_cache, md.write_slots, md.write_token_indices, *scales)
         for seg in md.segments:
-            out = self._attend_segment(query, kv_cache, md, seg, scales)  # [n * query_len, num_heads, head_size]
-            output[seg.query_token_indices.flatten()] = out.to(output.dtype)
+            self._attend_into(output, query, key, value, kv_cache, md, seg, scales)
         return output
+
+    def _attend_into(self, output: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     kv_cache: torch.Tensor, md: TorchNativeMetadata, seg: AttentionSegment,
+                     scales=(None, None)) -> None:
+        """One SDPA-path segment's rows of ``output``: a :class:`FreshPrefill` over slices of
+        the step's K/V when the cache holds them unchanged (not quantised), else gathered from
+        the cache (``_attend_segment``) and written by index."""
+        if isinstance(seg, FreshPrefill) and not is_quantized(kv_cache.dtype):
+            a, b = seg.token_start, seg.token_start + seg.query_len
+            output[a:b] = self._attend_fresh(query[a:b], key[a:b], value[a:b], kv_cache.dtype, md.causal)
+            return
+        out = self._attend_segment(query, kv_cache, md, seg, scales)  # [n * query_len, num_heads, head_size]
+        output[seg.query_token_indices.flatten()] = out.to(output.dtype)
+
+    def _attend_fresh(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_dtype: torch.dtype,
+                      causal: bool) -> torch.Tensor:
+        """``[L, num_heads, head_size]`` in ``q.dtype``: ``q`` ``[L, num_heads, head_size]``
+        attending ``k`` / ``v`` ``[L, num_kv_heads, head_size]`` (one prompt's rows, its only
+        keys) causally (``causal``), K/V rounded through ``cache_dtype`` first so they equal
+        what the cache holds (a no-op when it is theirs)."""
+        k, v = k.to(cache_dtype).to(q.dtype), v.to(cache_dtype).to(q.dtype)
+        out = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
+                                             v.transpose(0, 1).unsqueeze(0), is_causal=causal, scale=self.scale,
+                                             enable_gqa=self.num_heads != self.num_kv_heads)
+        return out[0].transpose(0, 1)
 
     def _forward_paged(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                        md, output: torch.Tensor) -> torch.Tensor:
         """``forward`` on the kernel's metadata (``md.paged_reqs`` set): checks, the K/V
-        write, one kernel call for the short rows (every row on a soft-capped layer), SDPA
-        for each longer prompt."""
+        write, one kernel call for the rows of ``md.paged_reqs`` (every row on a soft-capped
+        layer), SDPA for each of ``md.sdpa_segments``."""
         self._check(query, key, value, kv_cache, md, output)
         if md.max_block_id >= kv_cache.shape[0]:
             raise MetadataError(f"cpu_sdpa forward: the block table names block {md.max_block_id}, the KV cache "
@@ -153,8 +182,8 @@ class CpuSdpaAttentionImpl(TorchNativeAttentionImpl):
             paged.paged_attention(output, query, kv_cache, md.block_table_tensor, md.query_start_loc, md.seq_lens,
                                   reqs, scale=self.scale, sliding_window=self.sliding_window,
                                   logits_soft_cap=self.logits_soft_cap, causal=md.causal)
-        for seg in () if capped else md.sdpa_segments:  # the long prompts: SDPA
-            output[seg.query_token_indices.flatten()] = self._attend_segment(query, kv_cache, md, seg).to(output.dtype)
+        for seg in () if capped else md.sdpa_segments:  # the prompts kernel_takes leaves: SDPA
+            self._attend_into(output, query, key, value, kv_cache, md, seg)
         return output
 
     def _kernel_takes(self, query: torch.Tensor, kv_cache: torch.Tensor, causal: bool) -> bool:

@@ -5,9 +5,9 @@ Hypothesis draws a step (decodes, speculative rows, fresh prompts, chunked-prefi
 continuations), a shuffled block table with NaN-poisoned free blocks and garbage past each
 request's blocks, the head shape (GQA/MQA/MHA, head sizes 8..256), a sliding window and a
 soft-cap; both backends run the step through the attnplug contract (builder + impl) and
-``cpu_sdpa`` must have called the kernel once when a request has at most
-``KERNEL_MAX_QUERY_LEN`` query tokens (or the layer is soft-capped), never the reference
-path; and the kernel alone, on every row (the long prompts included), matches too.
+``cpu_sdpa`` must have called the kernel once when ``builder.kernel_takes`` gives it a request
+(or the layer is soft-capped), never the reference path; and the kernel alone, on every row
+(the prompts the backend gives SDPA included), matches too.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from attnplug.backends.cpu_sdpa import CpuSdpaBackend, paged
-from attnplug.backends.cpu_sdpa.builder import KERNEL_MAX_QUERY_LEN
+from attnplug.backends.cpu_sdpa.builder import kernel_takes
 from attnplug.backends.torch_native import TorchNativeBackend
 from attnplug.backends.torch_native.impl import TorchNativeAttentionImpl
 from attnplug.cache_groups.specs import FullAttentionSpec, SlidingWindowSpec
@@ -100,11 +100,11 @@ def test_kernel_matches_torch_native_on_random_paged_layouts(layout):
         got, md, kv = _forward(CpuSdpaBackend, num_heads, num_kv_heads, head_size, window, cap, *args)
     finally:
         paged.paged_attention, TorchNativeAttentionImpl.forward = real, real_native
-    short = any(s <= KERNEL_MAX_QUERY_LEN for _, s in step)
-    assert calls[0] == (short or cap is not None)
+    on_kernel = any(kernel_takes(s, c + s, head_size, dtype) for c, s in step)
+    assert calls[0] == (on_kernel or cap is not None)
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got.float(), expected.float(), rtol=TOL[dtype], atol=TOL[dtype])
-    # the kernel alone on every row (the long prompts included, which the backend gives SDPA)
+    # the kernel alone on every row (the prompts the backend gives SDPA included)
     alone = paged.paged_attention(torch.full_like(got, float("nan")), args[3][0], kv, md.block_table_tensor,
                                   md.query_start_loc, md.seq_lens, md.paged_all_reqs, scale=head_size ** -0.5,
                                   sliding_window=window, logits_soft_cap=cap)
