@@ -31,6 +31,10 @@ cdef class DraftRows:
             h = self.num_tokens[r]
             if h + L > W or off + L > flat.shape[0]:
                 raise IndexError(f"DraftRows.write: row {r}'s drafts leave the token table")
+            # each row's destination is one cold line of the token table (rows lie
+            # max_model_len * 4 bytes apart): start every load now so that they overlap
+            if L:
+                _prefetch(&self.tokens[r, h])
             off += L
         memset(&self.num_spec[0], 0, M * sizeof(int32_t))
         if n == 0:
@@ -121,7 +125,16 @@ cdef class SpecLayout:
             bonus[k] = L - 1
             cu[k] = D
             k += 1
-        # the kept rows' counts: the differences of cu (a list, read without a sync)
+        # the kept rows' counts: the differences of cu (a list, read without a sync); when
+        # every kept row verifies the same number (a fixed num_speculative_tokens, the usual
+        # case) one repeated int, without an int object per row
+        d = cu[0]
+        if D == d * k:
+            for j in range(1, k):
+                if cu[j] - cu[j - 1] != d:
+                    break
+            else:
+                return k, D, [d] * k
         counts = [None] * k
         d = 0
         for j in range(k):
