@@ -24,7 +24,7 @@ Only this module and ``compiler.py`` import ``runner.step.fast`` (``tests/test_l
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
@@ -82,6 +82,9 @@ class PrepareBuffers:
     """``[M]`` ``int64`` asynchronous patch: token indices of this step (``placeholders.py``)."""
     patch_src: np.ndarray
     """``[M]`` ``int64`` asynchronous patch: indices into the previous step's sampled tensor."""
+    spec_views: dict = field(default_factory=dict)
+    """On a CPU device (the buffers are their own device tensors): ``(kept rows, drafts)`` →
+    the five ``spec_*`` prefix views ``spec_decode_metadata`` hands out (made once per shape)."""
 
     @classmethod
     def allocate(cls, max_num_reqs: int, max_model_len: int, max_num_batched_tokens: int,
