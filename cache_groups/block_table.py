@@ -70,18 +70,14 @@ class BlockTable:
         device: where ``block_table_tensor`` and ``slot_mapping`` live.
         kernel_block_size: the kernel's block size; ``B`` must be a multiple of it.
             ``None`` means ``B``.
-        num_blocks_per_row: optional ``[max_num_reqs]`` ``int32`` zeroed array to use as
-            ``num_blocks_per_row`` (``MultiGroupBlockTable`` passes rows of one 2-D array).
-        block_id_bound: the same for ``block_id_bound``.
+        num_blocks_per_row, block_id_bound: optional ``[max_num_reqs]`` ``int32`` zeroed arrays
+            to use as those (``MultiGroupBlockTable`` passes rows of its 2-D arrays).
 
     Attributes:
         block_table_np: ``[max_num_reqs, max_num_blocks_per_req]`` ``int32``, CPU; manager ids.
         num_blocks_per_row: ``[max_num_reqs]`` ``int32``, CPU; valid manager blocks per row.
-        block_id_bound: ``[max_num_reqs]`` ``int32``, CPU; per row an upper bound of the
-            manager ids it holds (``>=`` the largest; 0 after a clear). Every write below
-            keeps it; stage 1's compiled scan skips reading a row when every id appended to
-            it exceeds the bound (it cannot hold them). Write ids only through this class
-            (or the step kernels, which keep it too).
+        block_id_bound: ``[max_num_reqs]`` ``int32``, CPU; per row ``>=`` its largest id (0 after a clear),
+            kept by every write here and by the step kernels (stage 1's compiled scan trusts it).
         kernel_block_table: ``CpuGpuBuffer`` ``[max_num_reqs, max_num_blocks_per_req * k]``
             ``int32``; kernel ids (host mirror and device tensor).
         slot_mapping: ``CpuGpuBuffer`` ``[max_num_batched_tokens]`` ``int64``.
@@ -120,8 +116,7 @@ class BlockTable:
         self._flat_np = self.block_table_np.reshape(-1)
         self.num_blocks_per_row = (np.zeros(max_num_reqs, dtype=np.int32) if num_blocks_per_row is None
                                    else num_blocks_per_row)
-        self.block_id_bound = (np.zeros(max_num_reqs, dtype=np.int32) if block_id_bound is None
-                               else block_id_bound)
+        self.block_id_bound = np.zeros(max_num_reqs, np.int32) if block_id_bound is None else block_id_bound
         self.slot_mapping = CpuGpuBuffer((max_num_batched_tokens,), torch.int64, self.device,
                                          fill=PAD_SLOT_ID)
         self._kernel_offsets = np.arange(k, dtype=np.int64)
@@ -167,7 +162,7 @@ class BlockTable:
         start = int(self.num_blocks_per_row[row])
         self._check_capacity(row, start + n)
         self.block_table_np[row, start:start + n] = block_ids
-        self.block_id_bound[row] = max(int(self.block_id_bound[row]), int(self.block_table_np[row, start:start + n].max()))
+        self.block_id_bound[row] = max(self.block_id_bound[row], self.block_table_np[row, start:start + n].max())
         k = self.kernel_blocks_per_block
         if k > 1:
             self.kernel_block_table.np[row, start * k:(start + n) * k] = expand_to_kernel_block_ids(block_ids, k)
@@ -229,8 +224,7 @@ class BlockTable:
             self.block_table_np[row, :n] = NULL_BLOCK_ID
             if self.kernel_blocks_per_block > 1:
                 self.kernel_block_table.np[row, :n * self.kernel_blocks_per_block] = NULL_BLOCK_ID
-            self.num_blocks_per_row[row] = 0
-            self.block_id_bound[row] = 0
+            self.num_blocks_per_row[row] = self.block_id_bound[row] = 0
 
     def move_row(self, src: int, tgt: int) -> None:
         """Copy row ``src`` into row ``tgt`` (``src`` is left as it was)."""
@@ -353,8 +347,7 @@ class MultiGroupBlockTable:
                 "give one per group")
         self.num_blocks_per_row = np.zeros((len(block_sizes), max_num_reqs), dtype=np.int32)
         """``[num_groups, max_num_reqs]`` ``int32``: row ``g`` is group ``g``'s ``num_blocks_per_row``."""
-        self.block_id_bound = np.zeros((len(block_sizes), max_num_reqs), dtype=np.int32)
-        """``[num_groups, max_num_reqs]`` ``int32``: row ``g`` is group ``g``'s ``block_id_bound``."""
+        self.block_id_bound = np.zeros((len(block_sizes), max_num_reqs), dtype=np.int32)  # the same
         self.block_tables = [
             BlockTable(bs, max_num_reqs, -(-max_model_len // bs), max_num_batched_tokens, device, kbs,
                        self.num_blocks_per_row[g], self.block_id_bound[g])

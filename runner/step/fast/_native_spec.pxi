@@ -31,10 +31,6 @@ cdef class DraftRows:
             h = self.num_tokens[r]
             if h + L > W or off + L > flat.shape[0]:
                 raise IndexError(f"DraftRows.write: row {r}'s drafts leave the token table")
-            # each row's destination is one cold line of the token table (rows lie
-            # max_model_len * 4 bytes apart): start every load now so that they overlap
-            if L:
-                _prefetch(&self.tokens[r, h])
             off += L
         memset(&self.num_spec[0], 0, M * sizeof(int32_t))
         if n == 0:
