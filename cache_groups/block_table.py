@@ -70,12 +70,14 @@ class BlockTable:
         device: where ``block_table_tensor`` and ``slot_mapping`` live.
         kernel_block_size: the kernel's block size; ``B`` must be a multiple of it.
             ``None`` means ``B``.
-        num_blocks_per_row: optional ``[max_num_reqs]`` ``int32`` zeroed array to use as
-            ``num_blocks_per_row`` (``MultiGroupBlockTable`` passes rows of one 2-D array).
+        num_blocks_per_row, block_id_bound: optional ``[max_num_reqs]`` ``int32`` zeroed arrays
+            to use as those (``MultiGroupBlockTable`` passes rows of its 2-D arrays).
 
     Attributes:
         block_table_np: ``[max_num_reqs, max_num_blocks_per_req]`` ``int32``, CPU; manager ids.
         num_blocks_per_row: ``[max_num_reqs]`` ``int32``, CPU; valid manager blocks per row.
+        block_id_bound: ``[max_num_reqs]`` ``int32``, CPU; per row ``>=`` its largest id (0 after a clear),
+            kept by every write here and by the step kernels (stage 1's compiled scan trusts it).
         kernel_block_table: ``CpuGpuBuffer`` ``[max_num_reqs, max_num_blocks_per_req * k]``
             ``int32``; kernel ids (host mirror and device tensor).
         slot_mapping: ``CpuGpuBuffer`` ``[max_num_batched_tokens]`` ``int64``.
@@ -86,7 +88,8 @@ class BlockTable:
 
     def __init__(self, block_size: int, max_num_reqs: int, max_num_blocks_per_req: int,
                  max_num_batched_tokens: int, device: torch.device | str = "cpu",
-                 kernel_block_size: int | None = None, num_blocks_per_row: np.ndarray | None = None):
+                 kernel_block_size: int | None = None, num_blocks_per_row: np.ndarray | None = None,
+                 block_id_bound: np.ndarray | None = None):
         kbs = block_size if kernel_block_size is None else kernel_block_size
         for name, v in (("block_size", block_size), ("kernel_block_size", kbs),
                         ("max_num_reqs", max_num_reqs), ("max_num_blocks_per_req", max_num_blocks_per_req),
@@ -113,6 +116,7 @@ class BlockTable:
         self._flat_np = self.block_table_np.reshape(-1)
         self.num_blocks_per_row = (np.zeros(max_num_reqs, dtype=np.int32) if num_blocks_per_row is None
                                    else num_blocks_per_row)
+        self.block_id_bound = np.zeros(max_num_reqs, np.int32) if block_id_bound is None else block_id_bound
         self.slot_mapping = CpuGpuBuffer((max_num_batched_tokens,), torch.int64, self.device,
                                          fill=PAD_SLOT_ID)
         self._kernel_offsets = np.arange(k, dtype=np.int64)
@@ -125,6 +129,7 @@ class BlockTable:
     def _write(self, rows: np.ndarray, cols: np.ndarray, ids: np.ndarray) -> None:
         """Write manager ids at ``(rows, cols)`` and their kernel expansion."""
         self.block_table_np[rows, cols] = ids
+        np.maximum.at(self.block_id_bound, rows, np.asarray(ids, dtype=np.int32))
         k = self.kernel_blocks_per_block
         if k > 1:
             kcols = (cols[:, None] * k + self._kernel_offsets).reshape(-1)
@@ -157,6 +162,7 @@ class BlockTable:
         start = int(self.num_blocks_per_row[row])
         self._check_capacity(row, start + n)
         self.block_table_np[row, start:start + n] = block_ids
+        self.block_id_bound[row] = max(self.block_id_bound[row], self.block_table_np[row, start:start + n].max())
         k = self.kernel_blocks_per_block
         if k > 1:
             self.kernel_block_table.np[row, start * k:(start + n) * k] = expand_to_kernel_block_ids(block_ids, k)
@@ -205,6 +211,7 @@ class BlockTable:
         checked ``len(block_ids) <= max_num_blocks_per_req``)."""
         n = block_ids.shape[0]
         self.block_table_np[row, :n] = block_ids
+        self.block_id_bound[row] = block_ids.max() if n else 0
         k = self.kernel_blocks_per_block
         if k > 1:
             self.kernel_block_table.np[row, :n * k] = expand_to_kernel_block_ids(block_ids, k)
@@ -217,7 +224,7 @@ class BlockTable:
             self.block_table_np[row, :n] = NULL_BLOCK_ID
             if self.kernel_blocks_per_block > 1:
                 self.kernel_block_table.np[row, :n * self.kernel_blocks_per_block] = NULL_BLOCK_ID
-            self.num_blocks_per_row[row] = 0
+            self.num_blocks_per_row[row] = self.block_id_bound[row] = 0
 
     def move_row(self, src: int, tgt: int) -> None:
         """Copy row ``src`` into row ``tgt`` (``src`` is left as it was)."""
@@ -235,6 +242,7 @@ class BlockTable:
                 kt = self.kernel_block_table.np
                 kt[tgts, :w * k] = kt[srcs, :w * k]
         self.num_blocks_per_row[tgts] = self.num_blocks_per_row[srcs]
+        self.block_id_bound[tgts] = self.block_id_bound[srcs]
 
     def swap_row(self, a: int, b: int) -> None:
         """Exchange rows ``a`` and ``b``."""
@@ -247,6 +255,7 @@ class BlockTable:
                 kt = self.kernel_block_table.np
                 kt[ab, :w * k] = kt[ba, :w * k]
         self.num_blocks_per_row[ab] = self.num_blocks_per_row[ba]
+        self.block_id_bound[ab] = self.block_id_bound[ba]
 
     # --- reading ------------------------------------------------------------------------
     def row_block_ids(self, row: int) -> list[int]:
@@ -338,9 +347,10 @@ class MultiGroupBlockTable:
                 "give one per group")
         self.num_blocks_per_row = np.zeros((len(block_sizes), max_num_reqs), dtype=np.int32)
         """``[num_groups, max_num_reqs]`` ``int32``: row ``g`` is group ``g``'s ``num_blocks_per_row``."""
+        self.block_id_bound = np.zeros((len(block_sizes), max_num_reqs), dtype=np.int32)  # the same
         self.block_tables = [
             BlockTable(bs, max_num_reqs, -(-max_model_len // bs), max_num_batched_tokens, device, kbs,
-                       self.num_blocks_per_row[g])
+                       self.num_blocks_per_row[g], self.block_id_bound[g])
             for g, (bs, kbs) in enumerate(zip(block_sizes, kernel_block_sizes))]
 
     def __len__(self) -> int:

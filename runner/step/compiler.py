@@ -32,6 +32,7 @@ from __future__ import annotations
 import operator
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from attnplug.cache_groups.grouping import KVCacheConfig
@@ -266,7 +267,7 @@ class StepCompiler:
             inputs.mm_slices = self.mm.slices(self.input_batch.req_id_to_index, inputs.num_reqs,
                                               inputs.query_start_loc_cpu.numpy(), inputs.num_computed_tokens,
                                               inputs.num_scheduled_tokens)
-        if b.drafts_written and b.num_spec_tokens[:inputs.num_reqs].any():
+        if b.drafts_written and np.count_nonzero(b.num_spec_tokens[:inputs.num_reqs]):
             inputs.spec_decode_metadata = spec_decode_metadata(self.kernels, b, self._preparer.buffers,
                                                                inputs.num_reqs)
         if build_metadata or self.validate:

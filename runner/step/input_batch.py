@@ -214,6 +214,7 @@ class InputBatch:
                 if bt.kernel_blocks_per_block == 1:  # fill_vacant_row, inline (the common case)
                     n = ids.shape[0]
                     bt.block_table_np[row, :n] = ids
+                    bt.block_id_bound[row] = ids.max() if n else 0  # (kept with every write)
                     counts[row] = n
                 else:
                     bt.fill_vacant_row(ids, row)  # vacant rows hold no blocks; capacity checked above

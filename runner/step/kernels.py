@@ -24,7 +24,7 @@ Only this module and ``compiler.py`` import ``runner.step.fast`` (``tests/test_l
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
@@ -82,6 +82,9 @@ class PrepareBuffers:
     """``[M]`` ``int64`` asynchronous patch: token indices of this step (``placeholders.py``)."""
     patch_src: np.ndarray
     """``[M]`` ``int64`` asynchronous patch: indices into the previous step's sampled tensor."""
+    spec_views: dict = field(default_factory=dict)
+    """On a CPU device (the buffers are their own device tensors): ``(kept rows, drafts)`` →
+    the five ``spec_*`` prefix views ``spec_decode_metadata`` hands out (made once per shape)."""
 
     @classmethod
     def allocate(cls, max_num_reqs: int, max_model_len: int, max_num_batched_tokens: int,
@@ -205,7 +208,7 @@ class CompiledKernels:
     def _row_ops(self, table):
         if self._rows is None or self._rows[0] is not table:
             tabs = table.block_tables
-            self._rows = (table, NATIVE.BlockRows(table.num_blocks_per_row, [bt.block_table_np for bt in tabs],
+            self._rows = (table, NATIVE.BlockRows(table.num_blocks_per_row, table.block_id_bound, [bt.block_table_np for bt in tabs],
                                                   [bt.kernel_block_table.np for bt in tabs],
                                                   [bt.kernel_blocks_per_block for bt in tabs]))
         return self._rows[1]
@@ -217,7 +220,7 @@ class CompiledKernels:
         tabs = batch.block_table.block_tables
         scan = NATIVE.CachedScan(
             batch.num_tokens, batch.num_computed_tokens_nulled, batch.block_table.num_blocks_per_row,
-            [bt.block_table_np for bt in tabs], layout.capacity_col[:, 0], layout.num_blocks_per_group,
+            batch.block_table.block_id_bound, [bt.block_table_np for bt in tabs], layout.capacity_col[:, 0], layout.num_blocks_per_group,
             layout.null_block_allowed, layout.max_model_len, bufs.rows, bufs.ncts, bufs.counts, bufs.app_sel,
             bufs.app_start, bufs.app_len, bufs.app_ids, bufs.app_total, bufs.app_after, bufs.app_flat,
             bufs.spec_sel, bufs.spec_rows, bufs.spec_lens, bufs.spec_ids)
@@ -231,7 +234,7 @@ class CompiledKernels:
             scan = NATIVE.NewScan(
                 b.token_ids_cpu, b.num_tokens, b.num_prompt_tokens, b.num_computed_tokens_cpu,
                 b.num_scheduled_tokens, b.num_computed_tokens_nulled, b.temperature, b.top_k, b.top_p,
-                b.block_table.num_blocks_per_row, [bt.block_table_np for bt in tabs],
+                b.block_table.num_blocks_per_row, b.block_table.block_id_bound, [bt.block_table_np for bt in tabs],
                 [bt.kernel_block_table.np for bt in tabs], [bt.kernel_blocks_per_block for bt in tabs],
                 layout.capacity_col[:, 0],  # a Mamba group: max_model_len, so it needs one state slot
                 layout.num_blocks_per_group, self._sp_cls)

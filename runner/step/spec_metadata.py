@@ -186,11 +186,14 @@ def spec_decode_metadata(kernels, batch, bufs, R: int) -> SpecDecodeMetadata:
     ``update_states`` (as ``StepInputs``' own). The inputs are the step compiler's own
     (validated in stage 1): no checks here."""
     k, D, counts = kernels.spec_layout(batch, bufs, R)
-    return SpecDecodeMetadata(
-        draft_token_ids=bufs.spec_draft_ids.copy_to_gpu(D),
-        num_draft_tokens=counts,
-        cu_num_draft_tokens=bufs.spec_cu.copy_to_gpu(k),
-        target_logits_indices=bufs.spec_target.copy_to_gpu(D),
-        bonus_logits_indices=bufs.spec_bonus.copy_to_gpu(k),
-        logits_indices=bufs.spec_logits_indices.copy_to_gpu(D + k),
-    )
+    views = bufs.spec_views.get((k, D))  # (only on a CPU device: there a copy is a view)
+    if views is None:
+        views = (bufs.spec_draft_ids.copy_to_gpu(D), bufs.spec_cu.copy_to_gpu(k), bufs.spec_target.copy_to_gpu(D),
+                 bufs.spec_bonus.copy_to_gpu(k), bufs.spec_logits_indices.copy_to_gpu(D + k))
+        if bufs.spec_draft_ids.aliased:
+            if len(bufs.spec_views) >= 64:
+                bufs.spec_views.clear()
+            bufs.spec_views[(k, D)] = views
+    return SpecDecodeMetadata(draft_token_ids=views[0], num_draft_tokens=counts, cu_num_draft_tokens=views[1],
+                              target_logits_indices=views[2], bonus_logits_indices=views[3],
+                              logits_indices=views[4])

@@ -20,6 +20,8 @@ cdef class NewScan:
         num_tokens, num_prompt_tokens, num_computed_tokens, num_scheduled_tokens, nulled,
             top_k: ``[max_num_reqs]`` ``int32`` columns; temperature, top_p: ``float32``.
         num_blocks_per_row: ``[G, max_num_reqs]`` ``int32``.
+        block_id_bound: ``[G, max_num_reqs]`` ``int32`` (``BlockTable.block_id_bound``): a
+            written row's is the largest id written.
         block_tables, kernel_tables, kernel_blocks_per_block: per group, as ``CachedScan``.
         capacity: per group, tokens one block covers (0: any length, a Mamba state group).
         pool: per group, the exclusive upper bound of block ids.
@@ -29,7 +31,7 @@ cdef class NewScan:
     cdef int32_t[:, ::1] tokens
     cdef int32_t[::1] num_tokens, num_prompt, ncc, sched, nulled, top_k
     cdef float[::1] temperature, top_p
-    cdef int32_t[:, ::1] nblocks
+    cdef int32_t[:, ::1] nblocks, idbound
     cdef list tables, ktables
     cdef int64_t[::1] kpb, capacity, pool, maxb
     cdef int G, M
@@ -44,13 +46,14 @@ cdef class NewScan:
     cdef readonly Py_ssize_t num_new
 
     def __init__(self, tokens, num_tokens, num_prompt_tokens, num_computed_tokens, num_scheduled_tokens, nulled,
-                 temperature, top_k, top_p, num_blocks_per_row, list block_tables, list kernel_tables,
+                 temperature, top_k, top_p, num_blocks_per_row, block_id_bound, list block_tables, list kernel_tables,
                  kernel_blocks_per_block, capacity, pool, sampling_params_type):
         self.tokens = tokens
         self.num_tokens, self.num_prompt, self.ncc = num_tokens, num_prompt_tokens, num_computed_tokens
         self.sched, self.nulled = num_scheduled_tokens, nulled
         self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
         self.nblocks = num_blocks_per_row
+        self.idbound = block_id_bound
         self.G, self.M = self.nblocks.shape[0], self.nblocks.shape[1]
         self.tables, self.ktables = block_tables, kernel_tables
         self.kpb = np.asarray(kernel_blocks_per_block, dtype=np.int64)
@@ -159,7 +162,7 @@ cdef class NewScan:
                 written then).
         """
         cdef Py_ssize_t i, r, g, j, t, off, n, q
-        cdef int64_t k, b
+        cdef int64_t k, b, hi
         cdef int32_t[:, ::1] tab, ktab
         if len(rows) != self.num_new:
             raise IndexError(f"{len(rows)} rows for {self.num_new} staged requests")
@@ -187,10 +190,14 @@ cdef class NewScan:
             for i in range(self.num_new):
                 r = rows[i]
                 off, n = self._blk_off[g, i], self._blk_len[g, i]
+                hi = 0
                 for j in range(n):
                     b = self._blk[g, off + j]
                     tab[r, j] = <int32_t>b
+                    if b > hi:
+                        hi = b
                     if k > 1:
                         for q in range(k):
                             ktab[r, j * k + q] = <int32_t>(b * k + q)
                 self.nblocks[g, r] = <int32_t>n
+                self.idbound[g, r] = <int32_t>hi  # (the row was vacant: these are all its ids)

@@ -9,6 +9,9 @@ cdef class CachedScan:
     Args:
         num_tokens, nulled: the batch's ``[max_num_reqs]`` ``int32`` columns.
         num_blocks_per_row: ``[G, max_num_reqs]`` ``int32``.
+        block_id_bound: ``[G, max_num_reqs]`` ``int32``: per row an upper bound of the ids it
+            holds (``BlockTable.block_id_bound``): an append whose ids all exceed it cannot
+            repeat a held id, and its row is not read.
         block_tables: per group, the ``[max_num_reqs, max_blocks_g]`` ``int32`` manager table.
         capacity: per group, tokens one block covers (``max_model_len`` for Mamba).
         pool: per group, the exclusive upper bound of block ids.
@@ -31,7 +34,7 @@ cdef class CachedScan:
     """
 
     cdef int32_t[::1] num_tokens, nulled
-    cdef int32_t[:, ::1] nblocks
+    cdef int32_t[:, ::1] nblocks, idbound
     cdef list tables
     cdef int64_t[::1] capacity, pool, maxb
     cdef list null_ok
@@ -47,13 +50,16 @@ cdef class CachedScan:
     cdef readonly Py_ssize_t num_cached, num_appends, total_tokens, num_spec, spec_total, num_appended
     cdef readonly bint one_each
 
-    def __init__(self, num_tokens, nulled, num_blocks_per_row, list block_tables, capacity, pool, null_ok,
+    def __init__(self, num_tokens, nulled, num_blocks_per_row, block_id_bound, list block_tables, capacity, pool, null_ok,
                  int64_t max_model_len, rows, ncts, counts, app_sel, app_start, app_len, app_ids, app_total,
                  app_after, app_flat, spec_sel, spec_rows, spec_lens, spec_ids):
         self.num_tokens, self.nulled = num_tokens, nulled
         self.nblocks = num_blocks_per_row
+        self.idbound = block_id_bound
         self.G = self.nblocks.shape[0]
         self.max_num_reqs = self.nblocks.shape[1]
+        if self.idbound.shape[0] != self.G or self.idbound.shape[1] != self.max_num_reqs:
+            raise ValueError("CachedScan: block_id_bound must have num_blocks_per_row's shape")
         self.tables = block_tables  # (keeps the arrays alive: _tab_addr points into them)
         for t in block_tables:
             if t.dtype != np.int32 or not t.flags.c_contiguous or t.shape[0] != self.max_num_reqs:
@@ -214,6 +220,9 @@ cdef class CachedScan:
                         return False
                     if L and _pack(bitems, L, &self._ids[g, self._ntot[g]], 1, self.pool[g], &lo, &hi) != L:
                         return False
+                    if L and not self._above_bound(g, r, &self._ids[g, self._ntot[g]], L):
+                        # _appends_distinct reads the row's held ids: start their loads now
+                        self._prefetch_held(g, r, self.nblocks[g, r])
                     self._start[g, m] = self.nblocks[g, r]
                     self._len[g, m] = L
                     self._ntot[g] += L
@@ -252,33 +261,38 @@ cdef class CachedScan:
     cdef bint _appends_distinct(self, Py_ssize_t m) noexcept:
         """Each of the ``m`` appending requests' new ids (``_ids``, per group in ``_sel``
         order) repeats neither another of its ids nor one its row holds (``_distinct_append``).
-        Run after the scan's loop: the rows of the appends ``AHEAD`` places on are
-        prefetched, whole, so their cache misses overlap (the rows are cold by now)."""
-        cdef Py_ssize_t g, j, u, off, L, held, r, w, a
+        A row is read only when some appended id is at or below its ``block_id_bound``
+        (the scan's loop prefetched those rows' held ids)."""
+        cdef Py_ssize_t g, j, off, L, held, r, w
         cdef const int32_t* row
-        cdef const char* line
-        cdef Py_ssize_t AHEAD = 8
         for g in range(self.G):
             off = 0
             w = self._tab_width[g]
-            for a in range(min(AHEAD, m)):
-                self._prefetch_row(g, a, w)
             for j in range(m):
-                if j + AHEAD < m:
-                    self._prefetch_row(g, j + AHEAD, w)
                 L = self._len[g, j]
                 r = self._rows[self._sel[j]]
                 held = min(<Py_ssize_t>self._start[g, j], w)
+                if L and self._above_bound(g, r, &self._ids[g, off], L):
+                    held = 0  # the row holds no id this large
                 row = <const int32_t*><Py_ssize_t>self._tab_addr[g] + r * w
                 if L and not _distinct_append(row, held, &self._ids[g, off], L):
                     return False
                 off += L
         return True
 
-    cdef inline void _prefetch_row(self, Py_ssize_t g, Py_ssize_t j, Py_ssize_t w) noexcept:
-        """Prefetch the held part of the row of append ``j`` in group ``g`` (64-byte lines)."""
-        cdef Py_ssize_t r = self._rows[self._sel[j]], u
-        cdef Py_ssize_t nbytes = min(<Py_ssize_t>self._start[g, j], w) * sizeof(int32_t)
+    cdef inline bint _above_bound(self, Py_ssize_t g, Py_ssize_t r, const int32_t* new, Py_ssize_t L) noexcept:
+        """Whether every one of the ``L`` ids ``new`` exceeds row ``r``'s ``block_id_bound`` in group ``g``."""
+        cdef int32_t bound = self.idbound[g, r]
+        cdef Py_ssize_t t
+        for t in range(L):
+            if new[t] <= bound:
+                return False
+        return True
+
+    cdef inline void _prefetch_held(self, Py_ssize_t g, Py_ssize_t r, Py_ssize_t held) noexcept:
+        """Prefetch ids ``0 .. held - 1`` of row ``r`` in group ``g`` (64-byte lines)."""
+        cdef Py_ssize_t w = self._tab_width[g], u
+        cdef Py_ssize_t nbytes = min(held, w) * sizeof(int32_t)
         cdef const char* base = <const char*><Py_ssize_t>self._tab_addr[g] + r * w * sizeof(int32_t)
         for u in range(0, nbytes, 64):
             _prefetch(base + u)

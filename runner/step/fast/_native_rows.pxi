@@ -5,12 +5,14 @@ cdef class BlockRows:
 
     Args:
         num_blocks_per_row: ``[G, max_num_reqs]`` ``int32``.
+        block_id_bound: ``[G, max_num_reqs]`` ``int32``: per row an upper bound of the ids it
+            holds (``BlockTable.block_id_bound``), kept by every operation here.
         block_tables, kernel_tables: per group, the manager and kernel tables (the same
             array when ``k == 1``).
         kernel_blocks_per_block: per group, ``k``.
     """
 
-    cdef int32_t[:, ::1] nblocks
+    cdef int32_t[:, ::1] nblocks, idbound
     cdef list tables, ktables
     cdef int64_t[::1] kpb
     cdef bint _bound
@@ -18,8 +20,12 @@ cdef class BlockRows:
     cdef int64_t[::1] _rows, _ncts, _counts, _sel, _no64
     cdef int64_t[:, ::1] _start, _len
 
-    def __init__(self, num_blocks_per_row, list block_tables, list kernel_tables, kernel_blocks_per_block):
+    def __init__(self, num_blocks_per_row, block_id_bound, list block_tables, list kernel_tables,
+                 kernel_blocks_per_block):
         self.nblocks = num_blocks_per_row
+        self.idbound = block_id_bound
+        if self.idbound.shape[0] != self.nblocks.shape[0] or self.idbound.shape[1] != self.nblocks.shape[1]:
+            raise ValueError("BlockRows: block_id_bound must have num_blocks_per_row's shape")
         self.tables, self.ktables = block_tables, kernel_tables
         self.kpb = np.asarray(kernel_blocks_per_block, dtype=np.int64)
         self._no32, self._no64 = np.zeros(0, np.int32), np.zeros(0, np.int64)
@@ -52,6 +58,7 @@ cdef class BlockRows:
                     for t in range(n * k):
                         ktab[r, t] = NULL_BLOCK
                 self.nblocks[g, r] = 0
+                self.idbound[g, r] = 0
 
     def move_rows(self, list srcs, list dsts):
         """Move the blocks of rows ``srcs`` into the vacant rows ``dsts`` (Python ints,
@@ -89,6 +96,8 @@ cdef class BlockRows:
                         ktab[d, t] = NULL_BLOCK
                 self.nblocks[g, d] = <int32_t>n
                 self.nblocks[g, s] = 0
+                self.idbound[g, d] = self.idbound[g, s]
+                self.idbound[g, s] = 0
 
     def bind_scan(self, int32_t[::1] ncc, int32_t[::1] sched, rows, ncts, counts, app_sel, app_start, app_len,
                   app_flat):
@@ -140,7 +149,7 @@ cdef class BlockRows:
         ``wide``, else ``f32``)."""
         cdef Py_ssize_t i, j, g, t, off = 0, r, col, q, n, M = self.nblocks.shape[1], m = sel.shape[0]
         cdef Py_ssize_t G = self.nblocks.shape[0]
-        cdef int64_t k, b, L
+        cdef int64_t k, b, L, hi
         cdef int32_t[:, ::1] tab, ktab
         if rows_c.shape[0] != ncts_c.shape[0] or rows_c.shape[0] != counts_c.shape[0]:
             raise IndexError("merge: rows, num_computed_tokens and counts differ in length")
@@ -165,12 +174,16 @@ cdef class BlockRows:
                 L = 1 if one_each else lv[g, j]
                 if col < 0 or col + L > tab.shape[1] or off + L > n:
                     raise IndexError("merge: an append leaves the block table or the ids")
+                hi = self.idbound[g, r]
                 for t in range(L):
                     b = f64[off + t] if wide else f32[off + t]
                     tab[r, col + t] = <int32_t>b
+                    if b > hi:
+                        hi = b
                     if k > 1:
                         for q in range(k):
                             ktab[r, (col + t) * k + q] = <int32_t>(b * k + q)
                 off += L
                 self.nblocks[g, r] = <int32_t>(col + L)
+                self.idbound[g, r] = <int32_t>hi
         return 0

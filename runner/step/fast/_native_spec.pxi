@@ -121,7 +121,16 @@ cdef class SpecLayout:
             bonus[k] = L - 1
             cu[k] = D
             k += 1
-        # the kept rows' counts: the differences of cu (a list, read without a sync)
+        # the kept rows' counts: the differences of cu (a list, read without a sync); when
+        # every kept row verifies the same number (a fixed num_speculative_tokens, the usual
+        # case) one repeated int, without an int object per row
+        d = cu[0]
+        if D == d * k:
+            for j in range(1, k):
+                if cu[j] - cu[j - 1] != d:
+                    break
+            else:
+                return k, D, [d] * k
         counts = [None] * k
         d = 0
         for j in range(k):

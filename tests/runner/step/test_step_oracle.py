@@ -258,6 +258,9 @@ def compare(sc: StepCompiler, oracle: NaiveStepCompiler, inp, ref) -> None:
         assert cms[g].block_table_tensor is inp.block_table_tensor[g]
         assert cms[g].query_start_loc is cms[0].query_start_loc  # one template, replaced copies
     compare_embedding_rows(inp, ref)
+    for bt in sc.input_batch.block_table:  # the compiled scan trusts it to skip rows
+        held = np.where(np.arange(bt.block_table_np.shape[1]) < bt.num_blocks_per_row[:, None], bt.block_table_np, 0)
+        assert (bt.block_id_bound >= held.max(axis=1, initial=0)).all(), "block_id_bound below a held id"
     skip = [k != "full_attention" for k in sc.layout.group_kinds]
     assert step_prefix_lens(sc, cms, skip) == ref.common_prefix_len
     STEP_COUNT["common_prefix"] += any(ref.common_prefix_len)
