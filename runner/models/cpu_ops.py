@@ -115,7 +115,6 @@ def threads_for(op: str, elements: int, num_threads: int | None = None) -> int:
     return n if elements * NS_PER_ELEMENT[op] >= parallel_min_work_us() * 1e3 else 1
 
 
-
 def _check_rows(name: str, x: torch.Tensor, width: int | None = None) -> None:
     if x.dim() != 2 or not _layout_ok(x):
         raise ValueError(f"{name}: expected a 2-D float32 CPU tensor with a contiguous last dimension, got "
