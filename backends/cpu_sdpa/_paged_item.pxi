@@ -100,6 +100,18 @@ cdef extern from *:
                         kp[j] = blk + slot * a->kv_tok;                                       \\
                         if (++slot == B && j + 1 < nc) { slot = 0; blk = kv + (int64_t)bt[++col] * a->kv_blk; }\\
                     }                                                                         \\
+                    if (row0 == 0) {   /* the chunk's K and V rows into L2 ahead of their  \\
+                        reads: the blocks are scattered, so the hardware prefetcher cannot  \\
+                        guess them (the first tile only: later tiles find them in cache) */ \\
+                        const int64_t rb = (int64_t)a->kv_tok * (int64_t)sizeof(TYPE);        \\
+                        for (int j = 0; j < nc; j++) {                                        \\
+                            const char *kr = (const char *)kp[j], *vr = (const char *)(kp[j] + a->kv_half);\\
+                            for (int64_t b = 0; b < rb; b += 64) {                            \\
+                                __builtin_prefetch(kr + b, 0, 2);                             \\
+                                __builtin_prefetch(vr + b, 0, 2);                             \\
+                            }                                                                 \\
+                        }                                                                     \\
+                    }                                                                         \\
                 }                                                                             \\
                 /* the chunk's logits for every row of the tile: W keys per pass, their    \\
                    W-lane partial sums reduced by one transpose-and-add tree */             \\
