@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from typing import Mapping
 
 ENV_VAR = "ATTNPLUG_TORCH_THREADS"
@@ -141,6 +142,33 @@ def machine_is_shared(cpus: int, load_average: float) -> bool:
     return cpus >= 1 and math.floor(max(load_average, 0.0)) >= 1
 
 
+BUSY_SAMPLE_S = 0.1
+"""How long :func:`busy_cpus_now` watches ``/proc/stat`` (seconds)."""
+
+
+def busy_cpus_now(interval: float = BUSY_SAMPLE_S) -> float | None:
+    """CPUs kept busy by all processes over the next ``interval`` seconds (``/proc/stat``'s
+    aggregate ``cpu`` line read twice: non-idle jiffies over all jiffies, times the CPUs
+    counted there), or ``None`` where it cannot be read (not Linux). The caller sleeps
+    through the interval, so its own share is ~0."""
+    def sample() -> tuple[int, int, int]:
+        with open("/proc/stat", encoding="ascii") as f:
+            lines = f.read().splitlines()
+        fields = [int(v) for v in lines[0].split()[1:]]
+        cpus = sum(1 for line in lines[1:] if line.startswith("cpu") and line[3:4].isdigit())
+        idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+        return sum(fields[:8]), idle, cpus
+    try:
+        total0, idle0, cpus = sample()
+        time.sleep(interval)
+        total1, idle1, _ = sample()
+    except (OSError, ValueError, IndexError):
+        return None
+    if total1 <= total0:
+        return None
+    return cpus * (1.0 - (idle1 - idle0) / (total1 - total0))
+
+
 def load_torch_waiting_passively(load_average: float | None = None) -> bool:
     """On a shared machine (:func:`machine_is_shared`), import torch with
     ``OMP_WAIT_POLICY=PASSIVE`` in the environment, then take the variable out again:
@@ -156,7 +184,10 @@ def load_torch_waiting_passively(load_average: float | None = None) -> bool:
     ``GOMP_SPINCOUNT`` (theirs is kept). When it sets the policy it also tells
     ``runner/models/cpu_ops`` (``set_wait_passive``), whose fused ops then split a call over
     the threads only from far more work. ``load_average`` defaults to ``os.getloadavg()[0]``
-    (0 where the OS has none). Returns whether it was set."""
+    (0 where the OS has none). A load average of 1 or more is then checked against the CPUs
+    busy right now (:func:`busy_cpus_now`, 0.1 s): below one busy CPU the machine is taken as
+    quiet (the average still counts a process that ended up to a minute ago, e.g. the
+    previous round of a benchmark). Returns whether it was set."""
     import sys
 
     if "torch" in sys.modules or "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ:
@@ -167,6 +198,9 @@ def load_torch_waiting_passively(load_average: float | None = None) -> bool:
         except OSError:
             load_average = 0.0
     if not machine_is_shared(usable_cpus(), load_average):
+        return False
+    busy = busy_cpus_now()  # the 1-minute average lags: a process that just ended still counts
+    if busy is not None and busy < 1.0:
         return False
     os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
     try:
@@ -212,5 +246,5 @@ def bind(n: int) -> None:
 
 
 __all__ = ["BIND_VAR", "ENV_VAR", "FLAG", "MAX_THREADS", "WAIT_POLICY_COMMANDS", "add_flag", "apply", "bind", "bind_plan",
-           "binding_asked", "load_torch_waiting_passively", "machine_is_shared", "default_threads", "local_ranks", "resolve",
+           "binding_asked", "busy_cpus_now", "load_torch_waiting_passively", "machine_is_shared", "default_threads", "local_ranks", "resolve",
            "usable_cpus"]
