@@ -23,9 +23,9 @@ from attnplug.backends.cpu_sdpa.backend import CpuSdpaGatherBackend
 from attnplug.backends.cpu_sdpa.builder import FreshPrefill, kernel_takes
 from attnplug.backends.cpu_sdpa.impl import CpuSdpaAttentionImpl
 from attnplug.backends.torch_native import TorchNativeBackend
-from attnplug.cache_groups.specs import FullAttentionSpec, SlidingWindowSpec
 from attnplug.core import BuilderConfig, CommonAttentionMetadata
 from attnplug.core.constants import PAD_SLOT_ID
+from tests.backends.cpu_sdpa.test_paged_kernel_matches_reference import _inputs
 
 needs_kernel = pytest.mark.skipif(not paged.available(), reason="the compiled paged kernel is not built")
 
@@ -45,33 +45,15 @@ def test_kernel_takes_short_rows_always_and_float32_prompts_up_to_1024_keys():
 
 
 def _step(step, dtype=torch.float32, window=None, pad_rows=(), seed=0, head_size=HEAD_SIZE):
-    """``(common metadata, spec, kv cache, (q, k, v))`` of ``step`` = [(context, query_len)]:
-    shuffled blocks, NaN in the free ones; ``pad_rows``: token rows given ``PAD_SLOT_ID``."""
-    gen = torch.Generator().manual_seed(seed)
-    need = [-(-(c + s) // BLOCK) for c, s in step]
-    num_blocks = sum(need) + 2
-    ids = (torch.randperm(num_blocks - 1, generator=gen) + 1).int()
-    table = torch.zeros(len(step), max(need), dtype=torch.int32)
-    used = 0
-    for r, n in enumerate(need):
-        table[r, :n] = ids[used:used + n]
-        used += n
-    cm = CommonAttentionMetadata.from_lengths([c for c, _ in step], [s for _, s in step], table, BLOCK)
+    """``(common metadata, spec, kv cache, (q, k, v))`` of ``step`` = [(context, query_len)]
+    (``test_paged_kernel_matches_reference._inputs``: shuffled blocks, NaN in the free ones);
+    ``pad_rows``: token rows given ``PAD_SLOT_ID``."""
+    cm, spec, kv, qkv, _ = _inputs(HEADS, KV_HEADS, head_size, BLOCK, step, window, dtype, seed)
     if pad_rows:
         slots = cm.slot_mapping.clone()
         slots[list(pad_rows)] = PAD_SLOT_ID
         cm = CommonAttentionMetadata(**{**cm.__dict__, "slot_mapping": slots})
-    kv = torch.randn(num_blocks, 2, BLOCK, KV_HEADS, head_size, generator=gen).to(dtype)
-    kv[ids[used:].long()] = float("nan")
-    kv[0] = float("nan")
-    if window is None:
-        spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=KV_HEADS, head_size=head_size, dtype=dtype)
-    else:
-        spec = SlidingWindowSpec(block_size=BLOCK, num_kv_heads=KV_HEADS, head_size=head_size, dtype=dtype,
-                                 sliding_window=window)
-    T = sum(s for _, s in step)
-    qkv = tuple(torch.randn(T, h, head_size, generator=gen).to(dtype) for h in (HEADS, KV_HEADS, KV_HEADS))
-    return cm, spec, kv, qkv
+    return cm, spec, kv, tuple(qkv)
 
 
 def _forward(backend, cm, spec, kv, qkv, window=None):
