@@ -65,13 +65,15 @@ def _vllm_builder(backend: str, num_reqs: int, max_num_batched_tokens: int):
         from vllm.v1.attention.backends.triton_attn import TritonAttentionMetadataBuilder as cls
     else:
         from vllm.v1.attention.backends.flash_attn import FlashAttentionMetadataBuilder as cls
-    d = Path(tempfile.mkdtemp(prefix="attnplug-builders-vllm-"))
-    (d / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": 1,
-        "hidden_size": HEADS * HEAD_SIZE, "head_dim": HEAD_SIZE, "num_attention_heads": HEADS,
-        "num_key_value_heads": KV_HEADS, "intermediate_size": 64, "vocab_size": 64,
-        "max_position_embeddings": MAX_MODEL_LEN}))
-    model = V.ModelConfig(model=str(d), dtype=torch.bfloat16, skip_tokenizer_init=True, max_model_len=MAX_MODEL_LEN)
+    with tempfile.TemporaryDirectory(prefix="attnplug-builders-vllm-") as tmp:
+        d = Path(tmp)  # vLLM reads the HF config at construction; nothing reads it later
+        (d / "config.json").write_text(json.dumps({
+            "architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": 1,
+            "hidden_size": HEADS * HEAD_SIZE, "head_dim": HEAD_SIZE, "num_attention_heads": HEADS,
+            "num_key_value_heads": KV_HEADS, "intermediate_size": 64, "vocab_size": 64,
+            "max_position_embeddings": MAX_MODEL_LEN}))
+        model = V.ModelConfig(model=str(d), dtype=torch.bfloat16, skip_tokenizer_init=True,
+                              max_model_len=MAX_MODEL_LEN)
     config = V.VllmConfig(model_config=model, cache_config=CacheConfig(block_size=BLOCK), scheduler_config=SchedulerConfig(
         max_num_seqs=num_reqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=MAX_MODEL_LEN,
         is_encoder_decoder=False))
