@@ -248,6 +248,10 @@ def _parser() -> OneLineParser:
     parser.add_argument("--spec-steps", type=_int_at_least(0), default=100,
                         help="speculative-decoding table (k=3 drafts per request, and without, at each "
                              "--sizes N >= 256, else N=256): timed steps (0 skips it; default 100)")
+    parser.add_argument("--spec-form", choices=("packed", "vllm"), default="packed",
+                        help="speculative-decoding table: the cached requests' drafts and block appends as "
+                             "arrays (packed_cached, the form attnplug's scheduler sends; default) or as "
+                             "vLLM's dict of lists and new_block_ids lists")
     parser.add_argument("--state-spec-steps", type=_int_at_least(0), default=0,
                         help="hybrid table: a Mamba2 and a GDN group's step with k=3 drafts for N=64 requests beside "
                              "decodes and the same tokens as prefill chunks (bench/spec_state.py): timed steps "
@@ -316,7 +320,7 @@ def _other_tables(args, report: dict, after_rows: bool) -> None:
 
         spec_sizes = [n for n in sizes if n >= 256] or [256]
         report["spec_decode"] = [row for n in spec_sizes for row in run_spec(
-            n, 3, args.spec_steps, args.repeat, kernels_available() and not args.no_numpy)]
+            n, 3, args.spec_steps, args.repeat, kernels_available() and not args.no_numpy, args.spec_form)]
         if not args.json:
             print("\n" + render_spec(report["spec_decode"], args.markdown))
     if args.state_spec_steps > 0:  # runner/commands/bench/spec_state.py: a hybrid model's state group

@@ -197,6 +197,19 @@ cdef inline object _item(object s, Py_ssize_t i):
     return <object>PyTuple_GET_ITEM(s, i)
 
 
+cdef inline bint _copy_in_range(const int32_t* src, Py_ssize_t n, int32_t* dst, int64_t lo, int64_t hi) noexcept:
+    """Copy ``n`` ids; whether every one lies in ``[lo, hi)``."""
+    cdef Py_ssize_t t
+    cdef bint ok = True
+    cdef int32_t x
+    for t in range(n):
+        x = src[t]
+        dst[t] = x
+        if x < lo or x >= hi:
+            ok = False
+    return ok
+
+
 cdef int _cmp_i32(const void* a, const void* b) noexcept nogil:
     cdef int32_t x = (<const int32_t*>a)[0], y = (<const int32_t*>b)[0]
     return (x > y) - (x < y)

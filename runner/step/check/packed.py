@@ -1,0 +1,105 @@
+"""Stage 1, the packed form of drafts and block appends (``PackedCachedDeltas``).
+
+:func:`read_packed` checks the containers when the output is read (``check/snapshot.py``):
+four C-contiguous ``int32`` arrays of the documented shapes. The compiled cached scan reads
+the arrays as they are (``runner/step/fast/_native_cached.pxi``). Every other step goes
+through :func:`unpack_into`: the counts are checked against each other and the arrays
+become vLLM's form in the :class:`~attnplug.runner.step.check.snapshot.Deltas`, so that the
+vectorized checks plan both forms alike; :func:`renamed` then rewords an error they raise
+about a packed value with the packed field's name.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from attnplug.core.errors import InvalidSchedulerOutput
+from attnplug.runner.step.check.types import err, show
+from attnplug.runner.step.packed_deltas import unpack_cached_deltas
+from attnplug.runner.step.scheduler_output import PackedCachedDeltas
+
+FIELD = "packed_cached"
+_ARRAYS = (("num_draft_tokens", 1), ("draft_token_ids", 1), ("num_new_blocks", 2), ("new_block_ids", 1))
+
+
+def read_packed(pk, num_cached: int, spec: dict) -> PackedCachedDeltas | None:
+    """``SchedulerOutput.packed_cached`` read once (a new :class:`PackedCachedDeltas` holding
+    the caller's arrays), its containers checked; ``None`` stays ``None``.
+
+    Raises:
+        InvalidSchedulerOutput: not a ``PackedCachedDeltas``; a field that is not a
+            C-contiguous ``int32`` array of its rank; count arrays whose length is not the
+            number of cached requests; drafts in ``scheduled_spec_decode_tokens`` too.
+    """
+    if pk is None:
+        return None
+    if not isinstance(pk, PackedCachedDeltas):
+        err(None, FIELD, f"expected PackedCachedDeltas or None, got {type(pk).__name__}")
+    vals = []
+    for name, ndim in _ARRAYS:
+        a = getattr(pk, name)
+        if type(a) is not np.ndarray or a.dtype != np.int32 or a.ndim != ndim or not a.flags.c_contiguous:
+            err(None, f"{FIELD}.{name}", f"expected a C-contiguous {ndim}-D int32 array, got "
+                + (f"{a.ndim}-D {a.dtype}" + ("" if a.flags.c_contiguous else " (not contiguous)")
+                   if isinstance(a, np.ndarray) else show(a)))
+        vals.append(a)
+    if vals[0].shape[0] != num_cached:
+        err(None, f"{FIELD}.num_draft_tokens", f"has {vals[0].shape[0]} entries for {num_cached} cached requests")
+    if vals[2].shape[1] != num_cached:
+        err(None, f"{FIELD}.num_new_blocks", f"has {vals[2].shape[1]} columns for {num_cached} cached requests")
+    if spec:
+        err(None, "scheduled_spec_decode_tokens", f"must be empty when {FIELD} carries the drafts, "
+            f"got {len(spec)} entries")
+    return PackedCachedDeltas(*vals)
+
+
+def unpack_into(d, num_groups: int) -> set:
+    """Check the packed counts of ``d`` (a ``Deltas`` with ``packed``) and put its drafts
+    and appends into ``d`` in vLLM's form (new containers: the caller's are not changed).
+
+    Returns:
+        The ids of the requests whose appends came packed (for :func:`renamed`).
+
+    Raises:
+        InvalidSchedulerOutput: ``num_new_blocks`` without ``G`` rows, a negative count,
+            counts that do not sum to the ids' length, appends in ``new_block_ids`` of a
+            request that is not resumed, packed appends of a resumed one.
+    """
+    pk, cached = d.packed, d.scheduled_cached_reqs
+    C = cached.req_ids
+    nd, nb = pk.num_draft_tokens, pk.num_new_blocks
+    if nb.shape[0] != num_groups:
+        err(None, f"{FIELD}.num_new_blocks", f"has {nb.shape[0]} rows for {num_groups} cache groups")
+    for name, counts, ids in (("num_draft_tokens", nd, pk.draft_token_ids), ("num_new_blocks", nb, pk.new_block_ids)):
+        if counts.size and counts.min() < 0:
+            i = int(np.flatnonzero((counts < 0).any(axis=0) if counts.ndim == 2 else counts < 0)[0])
+            err(C[i], f"{FIELD}.{name}", "counts must be >= 0")
+        if int(counts.sum(dtype=np.int64)) != ids.shape[0]:
+            err(None, f"{FIELD}.{name}", f"counts sum to {int(counts.sum(dtype=np.int64))}, but "
+                f"{FIELD}.{'draft_token_ids' if name == 'num_draft_tokens' else 'new_block_ids'} holds {ids.shape[0]}")
+    appending = nb.any(axis=0) if num_groups else np.zeros(len(C), bool)
+    for i, (e, resumed) in enumerate(zip(cached.new_block_ids, cached.resumed_from_preemption)):
+        if resumed is True or (isinstance(resumed, np.bool_) and resumed):
+            if appending[i]:
+                err(C[i], f"{FIELD}.num_new_blocks", "a resumed request's blocks replace its own: send them in "
+                    "scheduled_cached_reqs.new_block_ids, with 0 here")
+        elif e is not None:
+            err(C[i], "new_block_ids", f"must be None when {FIELD} carries the appends, got {show(e)}")
+    spec, new_block_ids = unpack_cached_deltas(C, cached.new_block_ids, pk)
+    d.spec_decode_tokens = spec
+    d.scheduled_cached_reqs = cached.with_block_ids(new_block_ids)
+    d.packed = None
+    return {C[i] for i in np.flatnonzero(appending).tolist()}
+
+
+def renamed(e: InvalidSchedulerOutput, packed_appends: set) -> InvalidSchedulerOutput:
+    """``e`` with the packed field's name when it is about a packed value (drafts, or the
+    appends of a request in ``packed_appends``); else ``e``."""
+    if e.field == "scheduled_spec_decode_tokens":
+        name = "draft_token_ids"
+    elif e.field == "new_block_ids" and e.req_id in packed_appends:
+        name = "new_block_ids"
+    else:
+        return e
+    msg = str(e).split(f"{e.field}: ", 1)[-1]
+    return InvalidSchedulerOutput(e.req_id, f"{FIELD}.{name}", msg)

@@ -1,0 +1,79 @@
+"""The cached requests' drafts and block appends between their two forms.
+
+vLLM's form: ``SchedulerOutput.scheduled_spec_decode_tokens`` (``{req_id: [draft ids]}``)
+and ``CachedRequestData.new_block_ids`` (per request ``None`` or a tuple of per-group id
+lists). The packed form: :class:`~attnplug.runner.step.scheduler_output.PackedCachedDeltas`
+(count arrays aligned with ``req_ids``, flat ``int32`` ids). ``update_states`` takes
+either; these two functions convert (the scheduler, the benches and the tests use
+:func:`pack_cached_deltas`; stage 1's vectorized checks and the readers of the vLLM form
+use :func:`unpack_cached_deltas`).
+"""
+
+from __future__ import annotations
+
+from itertools import chain
+
+import numpy as np
+
+from attnplug.runner.step.scheduler_output import CachedRequestData, PackedCachedDeltas
+
+
+def pack_cached_deltas(cached: CachedRequestData, spec: dict, num_groups: int
+                       ) -> tuple[CachedRequestData, PackedCachedDeltas]:
+    """``(cached', packed)``: ``cached`` with ``new_block_ids`` ``None`` for every request
+    that is not resumed (its lists are copied, ``cached`` is not changed) and the drafts of
+    ``spec`` and those appends as arrays. The caller sends ``cached'``, ``packed`` and an
+    empty ``scheduled_spec_decode_tokens``.
+
+    Args:
+        cached: vLLM's form of the cached requests' deltas (valid: the values are not checked).
+        spec: ``{req_id: [draft token ids]}`` of cached requests.
+        num_groups: ``G``, the cache groups (``new_block_ids`` entries hold ``G`` lists).
+    """
+    C = cached.req_ids
+    nd = np.fromiter((len(spec.get(rid, ())) for rid in C), np.int32, len(C))
+    drafts = np.fromiter(chain.from_iterable(spec.get(rid, ()) for rid in C), np.int32, int(nd.sum()))
+    nb = np.zeros((num_groups, len(C)), np.int32)
+    ids: list[list[int]] = [[] for _ in range(num_groups)]
+    kept = []
+    for i, (e, resumed) in enumerate(zip(cached.new_block_ids, cached.resumed_from_preemption)):
+        if e is None or resumed:
+            kept.append(e)
+            continue
+        kept.append(None)
+        for g in range(num_groups):
+            nb[g, i] = len(e[g])
+            ids[g].extend(e[g])
+    flat = np.fromiter(chain.from_iterable(ids), np.int32, int(nb.sum()))
+    out = CachedRequestData(list(C), list(cached.resumed_from_preemption), list(cached.new_token_ids), kept,
+                            list(cached.num_computed_tokens))
+    return out, PackedCachedDeltas(nd, drafts, nb, flat)
+
+
+def unpack_cached_deltas(req_ids: list, new_block_ids: list, packed: PackedCachedDeltas
+                         ) -> tuple[dict[str, list[int]], list]:
+    """``(spec, new_block_ids')``: the packed drafts as vLLM's dict (requests with 0 drafts
+    left out) and ``new_block_ids`` with each appending request's entry a tuple of per-group
+    lists (requests that append nothing keep their entry). Arrays already checked against
+    each other (``check/packed.py``); the values are not checked here."""
+    nd, nb = packed.num_draft_tokens, packed.num_new_blocks
+    spec: dict[str, list[int]] = {}
+    drafts = packed.draft_token_ids.tolist()
+    off = 0
+    for i in np.flatnonzero(nd).tolist():
+        n = int(nd[i])
+        spec[req_ids[i]] = drafts[off:off + n]
+        off += n
+    out = list(new_block_ids)
+    G = nb.shape[0]
+    flat = packed.new_block_ids.tolist()
+    starts = np.concatenate(([0], np.cumsum(nb.sum(axis=1))))[:-1].tolist() if G else []
+    appending = np.flatnonzero(nb.any(axis=0)).tolist() if G else []
+    per_group = [np.cumsum(nb[g]).tolist() for g in range(G)]
+    for i in appending:
+        lists = []
+        for g in range(G):
+            end = starts[g] + per_group[g][i]
+            lists.append(flat[end - int(nb[g, i]):end])
+        out[i] = tuple(lists)
+    return spec, out
