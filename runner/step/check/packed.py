@@ -1,8 +1,9 @@
 """Stage 1, the packed form of drafts and block appends (``PackedCachedDeltas``).
 
-:func:`read_packed` checks the containers when the output is read (``check/snapshot.py``):
-four C-contiguous ``int32`` arrays of the documented shapes. The compiled cached scan reads
-the arrays as they are (``runner/step/fast/_native_cached.pxi``). Every other step goes
+:func:`read_packed` reads the four arrays once when the output is read
+(``check/snapshot.py``). The compiled cached scan reads them as they are
+(``runner/step/fast/_native_cached.pxi``; it declines anything but C-contiguous ``int32``
+arrays of the documented shapes and consistent counts). Every other step goes
 through :func:`unpack_into`: the counts are checked against each other and the arrays
 become vLLM's form in the :class:`~attnplug.runner.step.check.snapshot.Deltas`, so that the
 vectorized checks plan both forms alike; :func:`renamed` then rewords an error they raise
@@ -22,51 +23,58 @@ FIELD = "packed_cached"
 _ARRAYS = (("num_draft_tokens", 1), ("draft_token_ids", 1), ("num_new_blocks", 2), ("new_block_ids", 1))
 
 
-def read_packed(pk, num_cached: int, spec: dict) -> PackedCachedDeltas | None:
-    """``SchedulerOutput.packed_cached`` read once (a new :class:`PackedCachedDeltas` holding
-    the caller's arrays), its containers checked; ``None`` stays ``None``.
+def read_packed(pk, spec: dict) -> tuple | None:
+    """``SchedulerOutput.packed_cached`` read once: its four fields as a tuple
+    ``(num_draft_tokens, draft_token_ids, num_new_blocks, new_block_ids)`` (the caller's
+    arrays; their containers are checked by the compiled scan, which declines anything
+    else, and in words by :func:`unpack_into`); ``None`` stays ``None``.
 
     Raises:
-        InvalidSchedulerOutput: not a ``PackedCachedDeltas``; a field that is not a
-            C-contiguous ``int32`` array of its rank; count arrays whose length is not the
-            number of cached requests; drafts in ``scheduled_spec_decode_tokens`` too.
+        InvalidSchedulerOutput: not a ``PackedCachedDeltas``; drafts in
+            ``scheduled_spec_decode_tokens`` too.
     """
     if pk is None:
         return None
-    if not isinstance(pk, PackedCachedDeltas):
+    if type(pk) is not PackedCachedDeltas and not isinstance(pk, PackedCachedDeltas):
         err(None, FIELD, f"expected PackedCachedDeltas or None, got {type(pk).__name__}")
-    vals = []
-    for name, ndim in _ARRAYS:
-        a = getattr(pk, name)
+    if spec:
+        err(None, "scheduled_spec_decode_tokens", f"must be empty when {FIELD} carries the drafts, "
+            f"got {len(spec)} entries")
+    return pk.num_draft_tokens, pk.draft_token_ids, pk.num_new_blocks, pk.new_block_ids
+
+
+def _check_arrays(packed: tuple, num_cached: int) -> PackedCachedDeltas:
+    """The containers of :func:`read_packed`'s tuple: C-contiguous ``int32`` arrays of
+    their ranks, count arrays with one entry (column) per cached request."""
+    for (name, ndim), a in zip(_ARRAYS, packed):
         if type(a) is not np.ndarray or a.dtype != np.int32 or a.ndim != ndim or not a.flags.c_contiguous:
             err(None, f"{FIELD}.{name}", f"expected a C-contiguous {ndim}-D int32 array, got "
                 + (f"{a.ndim}-D {a.dtype}" + ("" if a.flags.c_contiguous else " (not contiguous)")
                    if isinstance(a, np.ndarray) else show(a)))
-        vals.append(a)
-    if vals[0].shape[0] != num_cached:
-        err(None, f"{FIELD}.num_draft_tokens", f"has {vals[0].shape[0]} entries for {num_cached} cached requests")
-    if vals[2].shape[1] != num_cached:
-        err(None, f"{FIELD}.num_new_blocks", f"has {vals[2].shape[1]} columns for {num_cached} cached requests")
-    if spec:
-        err(None, "scheduled_spec_decode_tokens", f"must be empty when {FIELD} carries the drafts, "
-            f"got {len(spec)} entries")
-    return PackedCachedDeltas(*vals)
+    if packed[0].shape[0] != num_cached:
+        err(None, f"{FIELD}.num_draft_tokens", f"has {packed[0].shape[0]} entries for {num_cached} cached requests")
+    if packed[2].shape[1] != num_cached:
+        err(None, f"{FIELD}.num_new_blocks", f"has {packed[2].shape[1]} columns for {num_cached} cached requests")
+    return PackedCachedDeltas(*packed)
 
 
 def unpack_into(d, num_groups: int) -> set:
-    """Check the packed counts of ``d`` (a ``Deltas`` with ``packed``) and put its drafts
+    """Check the packed arrays of ``d`` (a ``Deltas`` with ``packed``) and put its drafts
     and appends into ``d`` in vLLM's form (new containers: the caller's are not changed).
 
     Returns:
         The ids of the requests whose appends came packed (for :func:`renamed`).
 
     Raises:
-        InvalidSchedulerOutput: ``num_new_blocks`` without ``G`` rows, a negative count,
+        InvalidSchedulerOutput: a field that is not a C-contiguous ``int32`` array of its
+            rank, count arrays whose length is not the number of cached requests,
+            ``num_new_blocks`` without ``G`` rows, a negative count,
             counts that do not sum to the ids' length, appends in ``new_block_ids`` of a
             request that is not resumed, packed appends of a resumed one.
     """
-    pk, cached = d.packed, d.scheduled_cached_reqs
+    cached = d.scheduled_cached_reqs
     C = cached.req_ids
+    pk = _check_arrays(d.packed, len(C))
     nd, nb = pk.num_draft_tokens, pk.num_new_blocks
     if nb.shape[0] != num_groups:
         err(None, f"{FIELD}.num_new_blocks", f"has {nb.shape[0]} rows for {num_groups} cache groups")

@@ -85,8 +85,8 @@ class Deltas:
         InvalidSchedulerOutput: a field of the wrong container type, a new request that is
             not ``NewRequestData`` or whose ``req_id`` is not a ``str``, token lists that are
             not lists or 1-D integer arrays, lists of ``scheduled_cached_reqs`` of unequal
-            length, unhashable finished ids, a ``packed_cached`` of the wrong containers
-            (``check/packed.py``).
+            length, unhashable finished ids, a ``packed_cached`` that is not a
+            ``PackedCachedDeltas`` (its arrays: ``check/packed.py``).
     """
 
     __slots__ = ("scheduled_new_reqs", "scheduled_cached_reqs", "num_scheduled_tokens",
@@ -109,7 +109,7 @@ class Deltas:
             err(None, "scheduled_spec_decode_tokens", f"expected a dict {{req_id: [draft token ids]}}, "
                 f"got {show(spec)}")
         # the packed drafts and appends (check/packed.py): containers here, counts when unpacked
-        self.packed = read_packed(so.packed_cached, len(self.scheduled_cached_reqs.req_ids), spec)
+        self.packed = read_packed(so.packed_cached, spec)
         fin = so.finished_req_ids
         if not isinstance(fin, ID_SETS):
             err(None, "finished_req_ids", f"expected a set of request ids, got {show(fin)}")

@@ -103,7 +103,7 @@ cdef class CachedScan:
         ints in the group's pool, none already in the row nor twice) that fit the row and,
         with its blocks, cover ``seq_len``.
 
-        ``packed`` (``None``, or a ``PackedCachedDeltas`` whose containers stage 1 checked:
+        ``packed`` (``None``, or a ``PackedCachedDeltas``'s four arrays as a tuple:
         ``runner/step/scheduler_output.py``) carries the drafts and appends as ``int32``
         arrays aligned with ``req_ids``; they are read as arrays (no Python object per
         draft or append). Then ``spec`` must be empty and ``new_block_ids`` all ``None``
@@ -143,10 +143,14 @@ cdef class CachedScan:
         cdef const int32_t[::1] pk_nd, pk_dids, pk_bids
         cdef const int32_t[:, ::1] pk_nb
         cdef Py_ssize_t doff = 0
-        if pk:
-            pk_nd, pk_dids = packed.num_draft_tokens, packed.draft_token_ids
-            pk_nb, pk_bids = packed.num_new_blocks, packed.new_block_ids
-            if has_spec or not self._packed_offsets(n, pk_nd, pk_dids, pk_nb, pk_bids):
+        if pk:  # (num_draft_tokens, draft_token_ids, num_new_blocks, new_block_ids)
+            if has_spec or type(packed) is not tuple or len(<tuple>packed) != 4:
+                return False
+            try:
+                pk_nd, pk_dids, pk_nb, pk_bids = packed
+            except (ValueError, TypeError):  # not C-contiguous int32 arrays of their ranks
+                return False
+            if not self._packed_offsets(n, pk_nd, pk_dids, pk_nb, pk_bids):
                 return False
         if (len(num_computed_tokens) != n or len(new_token_ids) != n or len(new_block_ids) != n
                 or len(resumed_from_preemption) != n or n > self.max_num_reqs
