@@ -38,6 +38,7 @@ from attnplug.runner.serve.kv_cache_manager import make_kv_cache_manager
 from attnplug.runner.serve.kv_loads import RemoteKVLoads
 from attnplug.runner.serve.preemption import maybe_force_preemption, preempt_running
 from attnplug.runner.serve.request import Request, RequestStatus
+from attnplug.runner.step.packed_deltas import draft_tokens, pack_cached_deltas
 from attnplug.runner.serve.sampled_checks import check_sampled_tokens
 from attnplug.runner.serve.scheduler_config import SchedulerConfig
 from attnplug.runner.serve.spec_schedule import SpecScheduler, make_spec_scheduler
@@ -214,7 +215,11 @@ class Scheduler:
         finished, self._finished_since_schedule = self._finished_since_schedule, set()
         out = make_output(self.requests, plan.sched, plan.new_blocks, plan.new_reqs, plan.resumed, finished)
         out.mamba_state_copies = self.kv_cache_manager.plan_state_copies(plan.sched, self.requests)
-        out.scheduled_spec_decode_tokens = plan.spec_tokens
+        if self.config.packed_deltas and self.kv_connector is None:  # PackedCachedDeltas
+            out.scheduled_cached_reqs, out.packed_cached = pack_cached_deltas(
+                out.scheduled_cached_reqs, plan.spec_tokens, self.kv_cache_manager.num_groups)
+        else:
+            out.scheduled_spec_decode_tokens = plan.spec_tokens
         if self.kv_connector is not None:
             out.kv_connector_metadata = self.kv_connector.build_connector_meta(out)
         self.num_steps += 1
@@ -314,8 +319,9 @@ class Scheduler:
         scheduled = scheduler_output.num_scheduled_tokens
         sampling = self._placeholders[id(scheduler_output)] if self.config.async_scheduling else None
         check_sampled_tokens(self.requests, scheduled, sampling, sampled_token_ids)
+        drafts = draft_tokens(scheduler_output) if self.spec is not None else None
         if self.spec is not None:
-            self.spec.check_sampled(scheduler_output, sampled_token_ids)
+            self.spec.check_sampled(drafts, sampled_token_ids)
         self._in_flight.popleft()
         del self._placeholders[id(scheduler_output)]
         if self.kv_loads is not None:
@@ -327,7 +333,7 @@ class Scheduler:
             req.steps_in_flight -= 1
             if sampling is None:  # speculative decoding: minus the rejected drafts
                 req.num_computed_tokens += n if self.spec is None else self.spec.computed_advance(
-                    scheduler_output, req_id, n, sampled_token_ids.get(req_id))
+                    drafts, req_id, n, sampled_token_ids.get(req_id))
             elif req_id in sampling:
                 req.num_output_placeholders -= 1
             if not req.is_finished and not req.free_when_idle:

@@ -4,18 +4,20 @@ vLLM's form: ``SchedulerOutput.scheduled_spec_decode_tokens`` (``{req_id: [draft
 and ``CachedRequestData.new_block_ids`` (per request ``None`` or a tuple of per-group id
 lists). The packed form: :class:`~attnplug.runner.step.scheduler_output.PackedCachedDeltas`
 (count arrays aligned with ``req_ids``, flat ``int32`` ids). ``update_states`` takes
-either; these two functions convert (the scheduler, the benches and the tests use
-:func:`pack_cached_deltas`; stage 1's vectorized checks and the readers of the vLLM form
-use :func:`unpack_cached_deltas`).
+either; these functions convert (the scheduler, the benches and the tests use
+:func:`pack_cached_deltas`; stage 1's vectorized checks :func:`unpack_cached_deltas`;
+readers of a whole output that want vLLM's form :func:`draft_tokens` and
+:func:`as_vllm_form`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from itertools import chain
 
 import numpy as np
 
-from attnplug.runner.step.scheduler_output import CachedRequestData, PackedCachedDeltas
+from attnplug.runner.step.scheduler_output import CachedRequestData, PackedCachedDeltas, SchedulerOutput
 
 
 def pack_cached_deltas(cached: CachedRequestData, spec: dict, num_groups: int
@@ -77,3 +79,31 @@ def unpack_cached_deltas(req_ids: list, new_block_ids: list, packed: PackedCache
             lists.append(flat[end - int(nb[g, i]):end])
         out[i] = tuple(lists)
     return spec, out
+
+
+def draft_tokens(out: SchedulerOutput) -> dict[str, list[int]]:
+    """The drafts of ``out`` as vLLM's ``{req_id: [draft ids]}`` whichever form it carries
+    (requests without drafts left out; for readers of the output other than the step
+    compiler: the scheduler's bookkeeping, tests)."""
+    pk = out.packed_cached
+    if pk is None:
+        return out.scheduled_spec_decode_tokens
+    C, nd = out.scheduled_cached_reqs.req_ids, pk.num_draft_tokens
+    if not nd.any():
+        return {}
+    ids, offs = pk.draft_token_ids.tolist(), np.concatenate(([0], np.cumsum(nd, dtype=np.int64))).tolist()
+    return {C[i]: ids[offs[i]:offs[i + 1]] for i in np.flatnonzero(nd).tolist()}
+
+
+def as_vllm_form(out: SchedulerOutput) -> SchedulerOutput:
+    """``out`` in vLLM's form (a new output sharing the other fields; ``out`` itself when it
+    carries no packed deltas)."""
+    pk = out.packed_cached
+    if pk is None:
+        return out
+    c = out.scheduled_cached_reqs
+    spec, blocks = unpack_cached_deltas(c.req_ids, c.new_block_ids, pk)
+    cached = CachedRequestData(list(c.req_ids), list(c.resumed_from_preemption), list(c.new_token_ids), blocks,
+                               list(c.num_computed_tokens))
+    return dataclasses.replace(out, scheduled_cached_reqs=cached, scheduled_spec_decode_tokens=spec,
+                               packed_cached=None)
