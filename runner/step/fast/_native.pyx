@@ -30,6 +30,7 @@ against the array it addresses before use (memory safety does not depend on the
 caller's validation).
 """
 
+from cpython.buffer cimport PyBUF_C_CONTIGUOUS, PyBUF_FORMAT, PyBuffer_Release, PyObject_GetBuffer
 from cpython.dict cimport PyDict_GetItem, PyDict_Next
 from cpython.list cimport PyList_GET_ITEM
 from cpython.long cimport PyLong_AsSsize_t

@@ -1,5 +1,47 @@
 # CachedScan: scheduled_cached_reqs in one pass — included by _native.pyx (shares its cimports and helpers)
 
+cdef class _PackedBuffers:
+    """The four arrays of a ``PackedCachedDeltas`` as raw ``int32`` pointers: buffers held
+    (plain buffer protocol, no typed memoryview: the arrays are new every step, and a typed
+    view's format validation cost ~2-3 µs each) and released when this object goes."""
+
+    cdef Py_buffer views[4]
+    cdef int held
+    cdef const int32_t* p[4]
+    cdef Py_ssize_t length[4]
+    cdef Py_ssize_t G, cols
+
+    def __dealloc__(self):
+        cdef int k
+        for k in range(self.held):
+            PyBuffer_Release(&self.views[k])
+
+
+cdef _PackedBuffers _packed_buffers(tuple packed):
+    """``(num_draft_tokens, draft_token_ids, num_new_blocks, new_block_ids)`` held, or
+    ``None`` when one is not a C-contiguous ``int32`` buffer of its rank (1, 1, 2, 1)."""
+    cdef _PackedBuffers b = _PackedBuffers.__new__(_PackedBuffers)
+    cdef int k
+    cdef Py_buffer* v
+    cdef const char* f
+    for k in range(4):
+        v = &b.views[k]
+        try:
+            PyObject_GetBuffer(packed[k], v, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT)
+        except (TypeError, ValueError, BufferError):
+            return None
+        b.held += 1
+        f = v.format
+        if v.itemsize != 4 or f == NULL or not (f[0] == c'i' or f[0] == c'l') or f[1] != 0 \
+                or v.ndim != (2 if k == 2 else 1):
+            return None
+        b.p[k] = <const int32_t*>v.buf
+        b.length[k] = v.shape[0]
+    b.G = b.views[2].shape[0]
+    b.cols = b.views[2].shape[1]
+    return b
+
+
 cdef class CachedScan:
     """The compiled check of ``scheduled_cached_reqs`` for one ``InputBatch``: reads only.
 
@@ -140,18 +182,20 @@ cdef class CachedScan:
         cdef int64_t B
         cdef int G = self.G
         cdef bint pk = packed is not None
-        cdef const int32_t[::1] pk_nd, pk_dids, pk_bids
-        cdef const int32_t[:, ::1] pk_nb
-        cdef Py_ssize_t doff = 0
+        cdef _PackedBuffers pb = None
+        cdef const int32_t* pk_nd = NULL
+        cdef const int32_t* pk_dids = NULL
+        cdef const int32_t* pk_nb = NULL
+        cdef const int32_t* pk_bids = NULL
+        cdef Py_ssize_t doff = 0, n_dids = 0
         if pk:  # (num_draft_tokens, draft_token_ids, num_new_blocks, new_block_ids)
             if has_spec or type(packed) is not tuple or len(<tuple>packed) != 4:
                 return False
-            try:
-                pk_nd, pk_dids, pk_nb, pk_bids = packed
-            except (ValueError, TypeError):  # not C-contiguous int32 arrays of their ranks
+            pb = _packed_buffers(<tuple>packed)
+            if pb is None or pb.length[0] != n or pb.G != G or pb.cols != n or not self._packed_offsets(n, pb):
                 return False
-            if not self._packed_offsets(n, pk_nd, pk_dids, pk_nb, pk_bids):
-                return False
+            pk_nd, pk_dids, pk_nb, pk_bids = pb.p[0], pb.p[1], pb.p[2], pb.p[3]
+            n_dids = pb.length[1]
         if (len(num_computed_tokens) != n or len(new_token_ids) != n or len(new_block_ids) != n
                 or len(resumed_from_preemption) != n or n > self.max_num_reqs
                 or type(num_scheduled_tokens) is not dict or type(req_id_to_index) is not dict):
@@ -192,11 +236,11 @@ cdef class CachedScan:
             held = self.num_tokens[r]
             if pk:
                 nd = pk_nd[i]
-                if nd:  # drafts: a decoding row verifying nd >= 1 of them (counts >= 0: checked)
-                    if held - v != 1 or c != 1 + nd or held + nd > self.max_model_len \
-                            or stot + nd > self._spec_ids.shape[0]:
+                if nd:  # drafts: a decoding row verifying nd >= 1 of them
+                    if nd < 0 or held - v != 1 or c != 1 + nd or held + nd > self.max_model_len \
+                            or stot + nd > self._spec_ids.shape[0] or doff + nd > n_dids:
                         return False
-                    if not _copy_in_range(&pk_dids[doff], nd, &self._spec_ids[stot], 0, INT32_MAX + 1):
+                    if not _copy_in_range(pk_dids + doff, nd, &self._spec_ids[stot], 0, INT32_MAX + 1):
                         return False
                     doff += nd
                     self._spec_sel[ns] = i
@@ -245,14 +289,14 @@ cdef class CachedScan:
                     return False  # appends in both forms: the vectorized checks word it
                 L = 0
                 for g in range(G):
-                    L += pk_nb[g, i]
+                    L += pk_nb[g * n + i]
                 if L:  # the packed appends: as the lists below, read from the arrays
                     for g in range(G):
-                        L = pk_nb[g, i]
+                        L = pk_nb[g * n + i]
                         nb = self.nblocks[g, r] + L
                         if nb > self.maxb[g] or nb * self.capacity[g] < seq or self._ntot[g] + L > self._ids.shape[1]:
                             return False
-                        if L and not _copy_in_range(&pk_bids[self._pk_off[g]], L, &self._ids[g, self._ntot[g]],
+                        if L and not _copy_in_range(pk_bids + self._pk_off[g], L, &self._ids[g, self._ntot[g]],
                                                     1, self.pool[g]):
                             return False
                         if L and not self._above_bound(g, r, &self._ids[g, self._ntot[g]], L):
@@ -316,6 +360,8 @@ cdef class CachedScan:
                 r = PyLong_AsSsize_t(<object>p)
                 if 0 <= r < self.max_num_reqs and self.stamp[r] == self.gen:
                     return False
+        if pk and doff != n_dids:  # drafts the counts do not cover
+            return False
         if not pk and ns != len(spec):  # drafts for a request that is not a scheduled cached one
             return False
         self._flatten_appends(m)
@@ -323,30 +369,21 @@ cdef class CachedScan:
         self.num_spec, self.spec_total = ns, stot
         return True
 
-    cdef bint _packed_offsets(self, Py_ssize_t n, const int32_t[::1] nd, const int32_t[::1] dids,
-                              const int32_t[:, ::1] nb, const int32_t[::1] bids):
-        """Check the packed counts against ``n`` requests, ``G`` groups and the arrays (every
-        count ``>= 0``, sums equal to the ids' lengths) and set ``_pk_off`` to each group's
-        first id in ``bids`` (group-major)."""
+    cdef bint _packed_offsets(self, Py_ssize_t n, _PackedBuffers pb) noexcept:
+        """Check the block counts (``[G, n]``, each ``>= 0``, summing to the ids' length) and
+        set ``_pk_off`` to each group's first id (group-major). The draft counts are
+        checked as the scan reads them."""
         cdef Py_ssize_t i, g
         cdef int64_t tot = 0, x
-        if nd.shape[0] != n or nb.shape[0] != self.G or nb.shape[1] != n:
-            return False
-        for i in range(n):
-            if nd[i] < 0:
-                return False
-            tot += nd[i]
-        if tot != dids.shape[0]:
-            return False
-        tot = 0
+        cdef const int32_t* nb = pb.p[2]
         for g in range(self.G):
             self._pk_off[g] = tot
             for i in range(n):
-                x = nb[g, i]
+                x = nb[g * n + i]
                 if x < 0:
                     return False
                 tot += x
-        return tot == bids.shape[0]
+        return tot == pb.length[3]
 
     cdef bint _appends_distinct(self, Py_ssize_t m) noexcept:
         """Each of the ``m`` appending requests' new ids (``_ids``, per group in ``_sel``
