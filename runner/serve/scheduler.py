@@ -217,7 +217,7 @@ class Scheduler:
         out.mamba_state_copies = self.kv_cache_manager.plan_state_copies(plan.sched, self.requests)
         if self.config.packed_deltas and self.kv_connector is None:  # PackedCachedDeltas
             out.scheduled_cached_reqs, out.packed_cached = pack_cached_deltas(
-                out.scheduled_cached_reqs, plan.spec_tokens, self.kv_cache_manager.num_groups)
+                out.scheduled_cached_reqs, plan.spec_tokens, self.kv_cache_manager.num_groups, copy=False)
         else:
             out.scheduled_spec_decode_tokens = plan.spec_tokens
         if self.kv_connector is not None:

@@ -20,17 +20,19 @@ import numpy as np
 from attnplug.runner.step.scheduler_output import CachedRequestData, PackedCachedDeltas, SchedulerOutput
 
 
-def pack_cached_deltas(cached: CachedRequestData, spec: dict, num_groups: int
+def pack_cached_deltas(cached: CachedRequestData, spec: dict, num_groups: int, *, copy: bool = True
                        ) -> tuple[CachedRequestData, PackedCachedDeltas]:
     """``(cached', packed)``: ``cached`` with ``new_block_ids`` ``None`` for every request
-    that is not resumed (its lists are copied, ``cached`` is not changed) and the drafts of
-    ``spec`` and those appends as arrays. The caller sends ``cached'``, ``packed`` and an
-    empty ``scheduled_spec_decode_tokens``.
+    that is not resumed and the drafts of ``spec`` and those appends as arrays. The caller
+    sends ``cached'``, ``packed`` and an empty ``scheduled_spec_decode_tokens``.
 
     Args:
         cached: vLLM's form of the cached requests' deltas (valid: the values are not checked).
         spec: ``{req_id: [draft token ids]}`` of cached requests.
         num_groups: ``G``, the cache groups (``new_block_ids`` entries hold ``G`` lists).
+        copy: ``cached'`` is a new ``CachedRequestData`` (its lists copied; ``cached`` is not
+            changed); ``False``: ``cached`` itself, its ``new_block_ids`` entries replaced
+            in place (the scheduler's own output).
     """
     C = cached.req_ids
     nd = np.fromiter((len(spec.get(rid, ())) for rid in C), np.int32, len(C))
@@ -47,9 +49,12 @@ def pack_cached_deltas(cached: CachedRequestData, spec: dict, num_groups: int
             nb[g, i] = len(e[g])
             ids[g].extend(e[g])
     flat = np.fromiter(chain.from_iterable(ids), np.int32, int(nb.sum()))
-    out = CachedRequestData(list(C), list(cached.resumed_from_preemption), list(cached.new_token_ids), kept,
-                            list(cached.num_computed_tokens))
-    return out, PackedCachedDeltas(nd, drafts, nb, flat)
+    if copy:
+        cached = CachedRequestData(list(C), list(cached.resumed_from_preemption), list(cached.new_token_ids), kept,
+                                   list(cached.num_computed_tokens))
+    else:
+        cached.new_block_ids[:] = kept
+    return cached, PackedCachedDeltas(nd, drafts, nb, flat)
 
 
 def unpack_cached_deltas(req_ids: list, new_block_ids: list, packed: PackedCachedDeltas

@@ -29,8 +29,8 @@ import numpy as np
 from attnplug.runner.commands.bench.timing import render_stage_table, timed_compile
 from attnplug.runner.commands.bench.workloads import PROMPT_LENGTHS
 from attnplug.runner.step.compiler import StepCompiler
-from attnplug.runner.step.packed_deltas import pack_cached_deltas
-from attnplug.runner.step.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+from attnplug.runner.step.scheduler_output import (
+    CachedRequestData, NewRequestData, PackedCachedDeltas, SchedulerOutput)
 
 STAGES = ("update_states", "prepare_inputs", "common metadata")
 """The timed stages (as ``bench/step.py``'s table)."""
@@ -63,15 +63,21 @@ def spec_decode_workload(num_reqs: int, num_steps: int, k: int, block_size: int 
         info[f"req-{i}"] = [len(p) - 1, nb]
     steps = [SchedulerOutput(new, CachedRequestData(), {r.req_id: 1 for r in new})]
     emitted = [{r.req_id: [1] for r in new}]
+    packed = form == "packed"
     for _ in range(num_steps):
         cached, spec, out = CachedRequestData(), {}, {}
-        for rid, st in info.items():
+        if packed:  # built as arrays directly, as attnplug's scheduler would hand them
+            counts, starts = np.zeros((num_groups, num_reqs), np.int32), np.zeros((num_groups, num_reqs), np.int64)
+        for j, (rid, st) in enumerate(info.items()):
             ncc, n = st[0] + len(emitted[-1][rid]), 1 + k
             st[0] = ncc
             need = -(-(ncc + n) // block_size) - st[1]
             blocks = None
             if need > 0:
-                blocks = tuple(list(range(nxt[g], nxt[g] + need)) for g in range(num_groups))
+                if packed:
+                    counts[:, j], starts[:, j] = need, nxt
+                else:
+                    blocks = tuple(list(range(nxt[g], nxt[g] + need)) for g in range(num_groups))
                 nxt = [x + need for x in nxt]
                 st[1] += need
             cached.req_ids.append(rid)
@@ -79,13 +85,16 @@ def spec_decode_workload(num_reqs: int, num_steps: int, k: int, block_size: int 
             cached.new_token_ids.append([])
             cached.new_block_ids.append(blocks)
             cached.num_computed_tokens.append(ncc)
-            if k:
+            if k and not packed:
                 spec[rid] = [7] * k
             out[rid] = [5] * (int(rng.integers(0, k + 1)) + 1)
         nst = dict.fromkeys(cached.req_ids, 1 + k)
-        if form == "packed":
-            cached, packed = pack_cached_deltas(cached, spec, num_groups)
-            steps.append(SchedulerOutput([], cached, nst, packed_cached=packed))
+        if packed:
+            ids = [np.arange(s, s + c, dtype=np.int32) for g in range(num_groups)
+                   for s, c in zip(starts[g].tolist(), counts[g].tolist()) if c]
+            pk = PackedCachedDeltas(np.full(num_reqs, k, np.int32), np.full(num_reqs * k, 7, np.int32), counts,
+                                    np.concatenate(ids) if ids else np.zeros(0, np.int32))
+            steps.append(SchedulerOutput([], cached, nst, packed_cached=pk))
         else:
             steps.append(SchedulerOutput([], cached, nst, scheduled_spec_decode_tokens=spec))
         emitted.append(out)
