@@ -170,3 +170,15 @@ def test_the_dataclass_is_data_only():
     fields = [f.name for f in dataclasses.fields(PackedCachedDeltas)]
     assert fields == ["num_draft_tokens", "draft_token_ids", "num_new_blocks", "new_block_ids"]
     assert [f.name for f in dataclasses.fields(SchedulerOutput)][-1] == "packed_cached"
+
+
+def test_the_bench_hands_the_same_steps_in_both_forms():
+    """``attnplug bench step --spec-form packed`` times the same steps as ``--spec-form vllm``."""
+    from attnplug.runner.commands.bench.spec_decode import spec_decode_workload
+    from attnplug.runner.step.packed_deltas import as_vllm_form
+
+    for k in (3, 0):
+        _, vllm, _ = spec_decode_workload(8, 40, k, form="vllm")
+        _, pk, _ = spec_decode_workload(8, 40, k, form="packed")
+        assert sum(s.packed_cached is not None and bool(s.packed_cached.num_new_blocks.any()) for s in pk) > 5
+        assert [as_vllm_form(s) for s in pk] == vllm
