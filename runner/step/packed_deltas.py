@@ -65,24 +65,28 @@ def unpack_cached_deltas(req_ids: list, new_block_ids: list, packed: PackedCache
     each other (``check/packed.py``); the values are not checked here."""
     nd, nb = packed.num_draft_tokens, packed.num_new_blocks
     spec: dict[str, list[int]] = {}
-    drafts = packed.draft_token_ids.tolist()
-    off = 0
-    for i in np.flatnonzero(nd).tolist():
-        n = int(nd[i])
-        spec[req_ids[i]] = drafts[off:off + n]
-        off += n
+    if nd.shape[0] and nd.any():
+        drafts, counts = packed.draft_token_ids.tolist(), nd.tolist()
+        off = 0
+        for i in np.flatnonzero(nd).tolist():
+            n = counts[i]
+            spec[req_ids[i]] = drafts[off:off + n]
+            off += n
     out = list(new_block_ids)
     G = nb.shape[0]
+    if not G or not nb.any():
+        return spec, out
+    appending = np.flatnonzero(nb.any(axis=0)).tolist()
     flat = packed.new_block_ids.tolist()
-    starts = np.concatenate(([0], np.cumsum(nb.sum(axis=1))))[:-1].tolist() if G else []
-    appending = np.flatnonzero(nb.any(axis=0)).tolist() if G else []
-    per_group = [np.cumsum(nb[g]).tolist() for g in range(G)]
-    for i in appending:
-        lists = []
-        for g in range(G):
-            end = starts[g] + per_group[g][i]
-            lists.append(flat[end - int(nb[g, i]):end])
-        out[i] = tuple(lists)
+    start = 0
+    per_group = []  # per group: the appending requests' (start, end) in flat
+    for g in range(G):
+        ends = (np.cumsum(nb[g], dtype=np.int64) + start)[appending].tolist()
+        lens = nb[g][appending].tolist()
+        per_group.append([(e - L, e) for e, L in zip(ends, lens)])
+        start += int(nb[g].sum(dtype=np.int64))
+    for j, i in enumerate(appending):
+        out[i] = tuple(flat[a:b] for a, b in (per_group[g][j] for g in range(G)))
     return spec, out
 
 

@@ -7,7 +7,8 @@ arrays of the documented shapes and consistent counts). Every other step goes
 through :func:`unpack_into`: the counts are checked against each other and the arrays
 become vLLM's form in the :class:`~attnplug.runner.step.check.snapshot.Deltas`, so that the
 vectorized checks plan both forms alike; :func:`renamed` then rewords an error they raise
-about a packed value with the packed field's name.
+about a packed value with the packed field's name (the drafts stay arrays:
+``check/spec.py``).
 """
 
 from __future__ import annotations
@@ -59,8 +60,10 @@ def _check_arrays(packed: tuple, num_cached: int) -> PackedCachedDeltas:
 
 
 def unpack_into(d, num_groups: int) -> set:
-    """Check the packed arrays of ``d`` (a ``Deltas`` with ``packed``) and put its drafts
-    and appends into ``d`` in vLLM's form (new containers: the caller's are not changed).
+    """Check the packed arrays of ``d`` (a ``Deltas`` with ``packed``) and put its appends
+    into ``d`` in vLLM's form (new containers: the caller's are not changed); its drafts
+    go to ``d.spec_packed`` (``check/spec.py`` checks them as arrays, and turns them into
+    vLLM's dict only to word an error).
 
     Returns:
         The ids of the requests whose appends came packed (for :func:`renamed`).
@@ -86,15 +89,23 @@ def unpack_into(d, num_groups: int) -> set:
             err(None, f"{FIELD}.{name}", f"counts sum to {int(counts.sum(dtype=np.int64))}, but "
                 f"{FIELD}.{'draft_token_ids' if name == 'num_draft_tokens' else 'new_block_ids'} holds {ids.shape[0]}")
     appending = nb.any(axis=0) if num_groups else np.zeros(len(C), bool)
-    for i, (e, resumed) in enumerate(zip(cached.new_block_ids, cached.resumed_from_preemption)):
+    nbl, res = cached.new_block_ids, cached.resumed_from_preemption
+    # every entry None and nobody resumed (list.count / in: no Python loop): nothing to check
+    try:
+        each = nbl.count(None) != len(C) or True in res
+    except (TypeError, ValueError):  # an entry whose == raises (an array): look at each
+        each = True
+    for i, (e, resumed) in enumerate(zip(nbl, res) if each else ()):
         if resumed is True or (isinstance(resumed, np.bool_) and resumed):
             if appending[i]:
                 err(C[i], f"{FIELD}.num_new_blocks", "a resumed request's blocks replace its own: send them in "
                     "scheduled_cached_reqs.new_block_ids, with 0 here")
         elif e is not None:
             err(C[i], "new_block_ids", f"must be None when {FIELD} carries the appends, got {show(e)}")
-    spec, new_block_ids = unpack_cached_deltas(C, cached.new_block_ids, pk)
-    d.spec_decode_tokens = spec
+    no_drafts = PackedCachedDeltas(np.zeros(0, np.int32), pk.draft_token_ids[:0], nb, pk.new_block_ids)
+    _, new_block_ids = unpack_cached_deltas(C, cached.new_block_ids, no_drafts)
+    d.spec_decode_tokens = {}
+    d.spec_packed = (nd, pk.draft_token_ids)  # check/spec.py checks them as arrays
     d.scheduled_cached_reqs = cached.with_block_ids(new_block_ids)
     d.packed = None
     return {C[i] for i in np.flatnonzero(appending).tolist()}

@@ -90,7 +90,7 @@ class Deltas:
     """
 
     __slots__ = ("scheduled_new_reqs", "scheduled_cached_reqs", "num_scheduled_tokens",
-                 "total_num_scheduled_tokens", "finished_req_ids", "spec_decode_tokens", "packed")
+                 "total_num_scheduled_tokens", "finished_req_ids", "spec_decode_tokens", "packed", "spec_packed")
 
     def __init__(self, so: SchedulerOutput):
         if not isinstance(so, SchedulerOutput):
@@ -110,6 +110,7 @@ class Deltas:
                 f"got {show(spec)}")
         # the packed drafts and appends (check/packed.py): containers here, counts when unpacked
         self.packed = read_packed(so.packed_cached, spec)
+        self.spec_packed = None  # (num_draft_tokens, draft_token_ids) once check/packed.py unpacked
         fin = so.finished_req_ids
         if not isinstance(fin, ID_SETS):
             err(None, "finished_req_ids", f"expected a set of request ids, got {show(fin)}")
