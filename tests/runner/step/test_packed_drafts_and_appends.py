@@ -133,6 +133,8 @@ def _bad_cases():
          F + "draft_token_ids", "draft token ids must be ints in [0, 2**31)"),
         ("drafts for a prefilling row", lambda: _prefilling(P()), "c", F + "draft_token_ids",
          "2 drafts need num_scheduled_tokens == 1 + 2, got 1"),
+        ("drafts for a row with two tokens left", _two_left, "c", F + "draft_token_ids",
+         "row still prefilling: 2 real tokens left to compute"),
         ("block past the pool", lambda: _with(P(), new_block_ids=np.array([7, 6, 8, 99, 18], I32)), "a",
          F + "new_block_ids", "99"),
         ("block held twice", lambda: _with(P(), new_block_ids=np.array([7, 6, 6, 17, 18], I32)), "b",
@@ -145,6 +147,15 @@ def _bad_cases():
 def _lists_too(so: SchedulerOutput) -> SchedulerOutput:
     so.scheduled_cached_reqs.new_block_ids[2] = ([9], [19])
     return so
+
+
+def _two_left() -> SchedulerOutput:
+    """c rolled back to 1 of its 3 tokens computed, scheduled 1 + 1 with one draft."""
+    so = packed(draft_step())
+    so.scheduled_cached_reqs.num_computed_tokens[2] = 1
+    so.num_scheduled_tokens["c"] = 2
+    so.total_num_scheduled_tokens += 1
+    return _with(so, num_draft_tokens=np.array([3, 1, 1], I32), draft_token_ids=np.array([21, 22, 23, 24, 30], I32))
 
 
 def _prefilling(so: SchedulerOutput) -> SchedulerOutput:
