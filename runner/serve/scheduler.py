@@ -38,6 +38,7 @@ from attnplug.runner.serve.kv_cache_manager import make_kv_cache_manager
 from attnplug.runner.serve.kv_loads import RemoteKVLoads
 from attnplug.runner.serve.preemption import maybe_force_preemption, preempt_running
 from attnplug.runner.serve.request import Request, RequestStatus
+from attnplug.runner.step.kernels import kernels_available
 from attnplug.runner.step.packed_deltas import draft_tokens, pack_cached_deltas
 from attnplug.runner.serve.sampled_checks import check_sampled_tokens
 from attnplug.runner.serve.scheduler_config import SchedulerConfig
@@ -92,6 +93,7 @@ class Scheduler:
         self._placeholders: dict[int, set[str]] = {}
         """Asynchronous scheduling: per in-flight output (``id``), the requests that sample in it."""
         self.spec: SpecScheduler | None = make_spec_scheduler(config, kv_cache_config)
+        self._packed = kernels_available() if config.packed_deltas is None else config.packed_deltas
         """Speculative decoding (``config.speculative``): drafts and rollback, ``spec_schedule.py``."""
         self.kv_connector = kv_connector
         self.kv_loads: RemoteKVLoads | None = RemoteKVLoads(self, kv_connector) if kv_connector is not None else None
@@ -215,7 +217,7 @@ class Scheduler:
         finished, self._finished_since_schedule = self._finished_since_schedule, set()
         out = make_output(self.requests, plan.sched, plan.new_blocks, plan.new_reqs, plan.resumed, finished)
         out.mamba_state_copies = self.kv_cache_manager.plan_state_copies(plan.sched, self.requests)
-        if self.config.packed_deltas and self.kv_connector is None:  # PackedCachedDeltas
+        if self._packed and self.kv_connector is None:  # PackedCachedDeltas
             out.scheduled_cached_reqs, out.packed_cached = pack_cached_deltas(
                 out.scheduled_cached_reqs, plan.spec_tokens, self.kv_cache_manager.num_groups, copy=False)
         else:

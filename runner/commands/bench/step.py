@@ -29,6 +29,7 @@ max over the ``--repeat`` replays, the torch thread count and the load average a
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import importlib
 import json
@@ -47,6 +48,7 @@ from attnplug.runner.commands import threads
 from attnplug.runner.commands.traces import BUNDLED_ATTRIBUTION
 from attnplug.runner.step.oracle import NaiveStepCompiler
 from attnplug.runner.step.kernels import kernels_available
+from attnplug.runner.step.packed_deltas import as_vllm_form
 from attnplug.runner.step.compiler import StepCompiler
 
 STAGES = ("update_states", "prepare_inputs", "common metadata")
@@ -152,10 +154,13 @@ def render(rows: list[tuple[str, dict, dict | None, dict | None, float | None]],
 
 def _ours_and_numpy(args, w: Workload, steps: int) -> tuple[list[dict], list[dict] | None]:
     """``repeat`` replays of our compiler with and without the compiled paths, the two
-    interleaved so that both see the same machine weather (the table shows the best)."""
+    interleaved so that both see the same machine weather (the table shows the best). The
+    numpy paths get the steps in vLLM's form, as the scheduler sends them to a runner
+    without the compiled kernels (``SchedulerConfig.packed_deltas``)."""
     if not kernels_available() or args.no_numpy:
         return [time_optimized(w, steps) for _ in range(max(1, args.repeat))], None
-    runs = [(time_optimized(w, steps), time_optimized(w, steps, native=False)) for _ in range(max(1, args.repeat))]
+    wv = dataclasses.replace(w, steps=[as_vllm_form(s) for s in w.steps])
+    runs = [(time_optimized(w, steps), time_optimized(wv, steps, native=False)) for _ in range(max(1, args.repeat))]
     return [r[0] for r in runs], [r[1] for r in runs]
 
 

@@ -119,7 +119,7 @@ def run_all(sched: Scheduler, mirror: Mirror | None = None, max_steps=10_000, on
 
 
 def test_chunked_prefill_splits_prompt_under_budget_then_decodes():
-    s = make(max_num_batched_tokens=8)
+    s = make(max_num_batched_tokens=8, packed_deltas=True)  # (the default only with the compiled kernels)
     s.add_request("a", list(range(20)), SamplingParams(max_tokens=3))
     outs = run_all(s)
     assert [o.num_scheduled_tokens["a"] for o in outs] == [8, 8, 4, 1, 1]
@@ -131,6 +131,9 @@ def test_chunked_prefill_splits_prompt_under_budget_then_decodes():
     assert as_vllm_form(outs[3]).scheduled_cached_reqs.new_block_ids == [([6],)]  # token 20 opens block 5
     assert as_vllm_form(outs[4]).scheduled_cached_reqs.new_block_ids == [None]
     assert s.get_request("a").num_output_tokens == 3
+    v = make(max_num_batched_tokens=8, packed_deltas=False)  # vLLM's form asked for
+    v.add_request("a", list(range(20)), SamplingParams(max_tokens=3))
+    assert [o.scheduled_cached_reqs.new_block_ids for o in run_all(v)[1:]] == [[([3, 4],)], [([5],)], [([6],)], [None]]
 
 
 def test_new_request_gets_what_is_left_of_the_budget():
