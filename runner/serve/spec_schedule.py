@@ -9,8 +9,8 @@ vLLM V1's semantics, our code:
   (``d <= remaining_output_tokens - 1``). It is scheduled ``1 + d`` tokens, blocks are
   allocated for that optimistic length, and the drafts go out in
   ``SchedulerOutput.packed_cached`` (``PackedCachedDeltas.num_draft_tokens`` /
-  ``draft_token_ids``; ``scheduled_spec_decode_tokens`` with ``packed_deltas=False`` or a
-  KV connector). ``drafts_by_id`` below: the step's drafts in vLLM's form
+  ``draft_token_ids``; ``scheduled_spec_decode_tokens`` when the scheduler sends vLLM's
+  form: ``SchedulerConfig.packed_deltas``). ``drafts_by_id`` below: the step's drafts in vLLM's form
   (``runner/step/packed_deltas.py``'s ``draft_tokens``).
 * **Rollback** (:meth:`SpecScheduler.computed_advance`): after the step a request that
   verified ``d`` drafts and emitted ``a + 1`` tokens advances ``num_computed_tokens`` by
