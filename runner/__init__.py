@@ -29,6 +29,8 @@ _EXPORTS: dict[str, str] = {
     "NewRequestData": "attnplug.runner.step.scheduler_output",
     "CachedRequestData": "attnplug.runner.step.scheduler_output",
     "SamplingParams": "attnplug.runner.step.scheduler_output",
+    "PackedCachedDeltas": "attnplug.runner.step.scheduler_output",
+    "pack_cached_deltas": "attnplug.runner.step.packed_deltas",
     "PromptEmbedsConfig": "attnplug.runner.step.prompt_embeds",
     "PlaceholderRange": "attnplug.runner.step.mrope",
     "MultiModalConfig": "attnplug.runner.step.multimodal",

@@ -295,7 +295,9 @@ class ModelRunner:
             raise MetadataError("execute_model_async: a KV connector needs synchronous steps (execute_model)")
         if len(self._unread) >= 2:
             raise MetadataError("execute_model_async: at most one step in flight; read the older result first")
-        if scheduler_output.scheduled_spec_decode_tokens:  # docs/speculative-decoding.md
+        pk = scheduler_output.packed_cached
+        if scheduler_output.scheduled_spec_decode_tokens or (  # docs/speculative-decoding.md
+                isinstance(getattr(pk, "num_draft_tokens", None), np.ndarray) and np.count_nonzero(pk.num_draft_tokens)):
             raise MetadataError("execute_model_async: a step with draft tokens needs execute_model "
                                 "(speculative decoding runs with synchronous scheduling)")
         step = self._run(scheduler_output, self._prev_tokens)

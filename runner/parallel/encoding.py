@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from attnplug.core.errors import AttnplugError
+from attnplug.runner.step.packed_deltas import as_vllm_form
 from attnplug.runner.step.scheduler_output import (CachedRequestData, NewRequestData, SamplingParams,
                                                    SchedulerOutput)
 
@@ -93,7 +94,9 @@ class _Writer:
 
 
 def encode(out: SchedulerOutput) -> bytes:
-    """The compact form: ``len(ints)`` and ``len(blob)`` as 16 bytes, the int64 stream, the blob."""
+    """The compact form: ``len(ints)`` and ``len(blob)`` as 16 bytes, the int64 stream, the blob
+    (packed drafts and appends, ``PackedCachedDeltas``, are sent in vLLM's form)."""
+    out = as_vllm_form(out)
     _check_defaults(out)
     _check_defaults(out.scheduled_cached_reqs)
     w = _Writer()

@@ -38,6 +38,8 @@ from attnplug.runner.serve.kv_cache_manager import make_kv_cache_manager
 from attnplug.runner.serve.kv_loads import RemoteKVLoads
 from attnplug.runner.serve.preemption import maybe_force_preemption, preempt_running
 from attnplug.runner.serve.request import Request, RequestStatus
+from attnplug.runner.step.kernels import kernels_available
+from attnplug.runner.step.packed_deltas import draft_tokens, pack_cached_deltas
 from attnplug.runner.serve.sampled_checks import check_sampled_tokens
 from attnplug.runner.serve.scheduler_config import SchedulerConfig
 from attnplug.runner.serve.spec_schedule import SpecScheduler, make_spec_scheduler
@@ -91,6 +93,7 @@ class Scheduler:
         self._placeholders: dict[int, set[str]] = {}
         """Asynchronous scheduling: per in-flight output (``id``), the requests that sample in it."""
         self.spec: SpecScheduler | None = make_spec_scheduler(config, kv_cache_config)
+        self._packed = kernels_available() if config.packed_deltas is None else config.packed_deltas
         """Speculative decoding (``config.speculative``): drafts and rollback, ``spec_schedule.py``."""
         self.kv_connector = kv_connector
         self.kv_loads: RemoteKVLoads | None = RemoteKVLoads(self, kv_connector) if kv_connector is not None else None
@@ -214,7 +217,11 @@ class Scheduler:
         finished, self._finished_since_schedule = self._finished_since_schedule, set()
         out = make_output(self.requests, plan.sched, plan.new_blocks, plan.new_reqs, plan.resumed, finished)
         out.mamba_state_copies = self.kv_cache_manager.plan_state_copies(plan.sched, self.requests)
-        out.scheduled_spec_decode_tokens = plan.spec_tokens
+        if self._packed and self.kv_connector is None:  # PackedCachedDeltas
+            out.scheduled_cached_reqs, out.packed_cached = pack_cached_deltas(
+                out.scheduled_cached_reqs, plan.spec_tokens, self.kv_cache_manager.num_groups, copy=False)
+        else:
+            out.scheduled_spec_decode_tokens = plan.spec_tokens
         if self.kv_connector is not None:
             out.kv_connector_metadata = self.kv_connector.build_connector_meta(out)
         self.num_steps += 1
@@ -314,8 +321,9 @@ class Scheduler:
         scheduled = scheduler_output.num_scheduled_tokens
         sampling = self._placeholders[id(scheduler_output)] if self.config.async_scheduling else None
         check_sampled_tokens(self.requests, scheduled, sampling, sampled_token_ids)
+        drafts = draft_tokens(scheduler_output) if self.spec is not None else None
         if self.spec is not None:
-            self.spec.check_sampled(scheduler_output, sampled_token_ids)
+            self.spec.check_sampled(drafts, sampled_token_ids)
         self._in_flight.popleft()
         del self._placeholders[id(scheduler_output)]
         if self.kv_loads is not None:
@@ -327,7 +335,7 @@ class Scheduler:
             req.steps_in_flight -= 1
             if sampling is None:  # speculative decoding: minus the rejected drafts
                 req.num_computed_tokens += n if self.spec is None else self.spec.computed_advance(
-                    scheduler_output, req_id, n, sampled_token_ids.get(req_id))
+                    drafts, req_id, n, sampled_token_ids.get(req_id))
             elif req_id in sampling:
                 req.num_output_placeholders -= 1
             if not req.is_finished and not req.free_when_idle:

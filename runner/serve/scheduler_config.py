@@ -31,6 +31,14 @@ class SchedulerConfig:
         speculative: speculative decoding (``--speculative ngram:k=3``): decoding requests
             verify up to ``k`` drafts a step (``runner/serve/spec_schedule.py``); ``None``
             disables it. Not with ``async_scheduling`` nor with Mamba groups.
+        packed_deltas: hand the cached requests' drafts and block appends as arrays
+            (``SchedulerOutput.packed_cached``, ``PackedCachedDeltas``: the step compiler's
+            compiled scan reads them without a Python object per draft or append) instead
+            of vLLM's ``scheduled_spec_decode_tokens`` and ``new_block_ids`` lists. ``None``
+            (the default): when the compiled step kernels are available
+            (``runner.step.kernels.kernels_available``; the numpy path converts the packed
+            form back, which costs it ~15-70 µs a step). Never with a KV connector
+            (connectors read ``new_block_ids``).
 
     Raises:
         SchedulingError: a limit that is not a positive int.
@@ -44,6 +52,7 @@ class SchedulerConfig:
     async_scheduling: bool = False
     enable_prefix_caching: bool = False
     speculative: SpeculativeConfig | None = None
+    packed_deltas: bool | None = None
 
     def __post_init__(self):
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):

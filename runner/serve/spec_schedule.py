@@ -8,7 +8,10 @@ vLLM V1's semantics, our code:
   the ``1 + d`` tokens it may emit fit ``max_tokens`` / ``max_model_len``
   (``d <= remaining_output_tokens - 1``). It is scheduled ``1 + d`` tokens, blocks are
   allocated for that optimistic length, and the drafts go out in
-  ``SchedulerOutput.scheduled_spec_decode_tokens``.
+  ``SchedulerOutput.packed_cached`` (``PackedCachedDeltas.num_draft_tokens`` /
+  ``draft_token_ids``; ``scheduled_spec_decode_tokens`` when the scheduler sends vLLM's
+  form: ``SchedulerConfig.packed_deltas``). ``drafts_by_id`` below: the step's drafts in vLLM's form
+  (``runner/step/packed_deltas.py``'s ``draft_tokens``).
 * **Rollback** (:meth:`SpecScheduler.computed_advance`): after the step a request that
   verified ``d`` drafts and emitted ``a + 1`` tokens advances ``num_computed_tokens`` by
   ``1 + d - (d - a) = a + 1`` (scheduled, minus the rejected drafts), so the next step's
@@ -142,23 +145,23 @@ class SpecScheduler:
             return []
         return self.drafter.propose([self._tokens(req)], k, req_ids=[req.req_id])[0]
 
-    def check_sampled(self, out: SchedulerOutput, sampled: dict[str, list[int]]) -> None:
+    def check_sampled(self, drafts_by_id: dict[str, list[int]], sampled: dict[str, list[int]]) -> None:
         """Before ``update_from_output`` changes anything: a request that verified ``d``
         drafts must emit ``1 .. 1 + d`` tokens.
 
         Raises:
             SchedulingError: naming the request.
         """
-        for rid, drafts in out.scheduled_spec_decode_tokens.items():
+        for rid, drafts in drafts_by_id.items():
             toks = sampled.get(rid)
             if toks is not None and len(toks) > 1 + len(drafts):
                 raise SchedulingError(f"{rid!r} verified {len(drafts)} drafts but got {len(toks)} tokens "
                                       f"(at most 1 + drafts)")
 
-    def computed_advance(self, out: SchedulerOutput, req_id: str, n: int, toks: list[int] | None) -> int:
+    def computed_advance(self, drafts_by_id: dict[str, list[int]], req_id: str, n: int, toks: list[int] | None) -> int:
         """How far ``req_id`` advances ``num_computed_tokens``: ``n`` scheduled tokens minus
         its rejected drafts (``d - (len(toks) - 1)``); counts the drafts in :attr:`stats`."""
-        drafts = out.scheduled_spec_decode_tokens.get(req_id)
+        drafts = drafts_by_id.get(req_id)
         if not drafts:
             return n
         accepted = len(toks) - 1 if toks else 0

@@ -116,8 +116,8 @@ class StepKernels(Protocol):
 
     def scan_cached(self, batch: Any, layout: "StepLayout", bufs: ScanBuffers, d: Any,
                     finished: list[str]) -> Any:
-        """Plan the cached requests (and drafts) of the output ``d`` (``check.snapshot.Deltas``)
-        into ``bufs``; return the scan (its counts: ``num_cached``, ``num_appends``,
+        """Plan the cached requests (and drafts) of the output ``d`` (``check.snapshot.Deltas``;
+        its drafts and appends may be packed, ``d.packed``: read as arrays) into ``bufs``; return the scan (its counts: ``num_cached``, ``num_appends``,
         ``total_tokens``, ``num_spec``, ``spec_total``), or ``None`` to decline."""
 
     def scan_new(self, batch: Any, layout: "StepLayout", new_reqs: list, counts: list[int]) -> bool:
@@ -269,7 +269,7 @@ class CompiledKernels:
         try:
             ok = scan.scan(c.req_ids, batch.req_id_to_index, c.num_computed_tokens, d.num_scheduled_tokens,
                            c.new_token_ids, c.new_block_ids, c.resumed_from_preemption, finished,
-                           d.spec_decode_tokens)
+                           d.spec_decode_tokens, d.packed)
         except TypeError:  # a field that is not a list (e.g. a tuple): irregular
             return None
         return scan if ok else None

@@ -22,6 +22,7 @@ from attnplug.core.constants import NULL_BLOCK_ID, PAD_SLOT_ID
 from attnplug.core.devices import resolve_device
 from attnplug.core.errors import InvalidSchedulerOutput
 from attnplug.core.metadata import CommonAttentionMetadata
+from attnplug.runner.step.packed_deltas import as_vllm_form
 from attnplug.runner.step.scheduler_output import SchedulerOutput
 
 
@@ -92,7 +93,9 @@ class NaiveStepCompiler:
         raise InvalidSchedulerOutput(rid, field, msg)
 
     def update_states(self, so: SchedulerOutput) -> None:
-        """Check the output request by request, then apply it."""
+        """Check the output request by request, then apply it (a packed output,
+        ``PackedCachedDeltas``, in vLLM's form: ``packed_deltas.as_vllm_form``)."""
+        so = as_vllm_form(so)
         self._check(so)
         self._apply(so)
 

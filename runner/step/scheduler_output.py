@@ -19,6 +19,12 @@ and changes nothing):
   ``CachedRequestData`` whose five fields are lists of equal length, a ``dict`` for
   ``num_scheduled_tokens``, a ``set`` (or list/tuple) of ids for ``finished_req_ids``.
 
+Drafts and block appends may also come packed (:class:`PackedCachedDeltas`, the field
+``SchedulerOutput.packed_cached``): flat ``int32`` arrays aligned with
+``scheduled_cached_reqs.req_ids`` instead of a dict of lists and a list of tuples of
+lists. Both forms give the same plan and the same errors (an error found in the packed
+arrays names ``packed_cached.<field>``).
+
 Every field is read once per ``update_states`` (``runner/step/check/snapshot.py``), and
 the runner keeps no reference to the caller's lists afterwards: changing them later
 changes nothing.
@@ -32,6 +38,7 @@ from typing import TYPE_CHECKING
 from attnplug.core.errors import InvalidSamplingParams
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
 
     from attnplug.runner.step.mrope import PlaceholderRange
@@ -143,6 +150,41 @@ class CachedRequestData:
 
 
 @dataclass
+class PackedCachedDeltas:
+    """The cached requests' drafts and block appends as arrays (the form
+    ``runner/serve/scheduler.py`` produces), aligned with ``scheduled_cached_reqs.req_ids``:
+    entry ``i`` of a count array belongs to ``req_ids[i]``. Data only; ``update_states``
+    reads each field once and keeps no reference to the arrays.
+
+    It replaces, for the step compiler, ``SchedulerOutput.scheduled_spec_decode_tokens``
+    and the appends of ``CachedRequestData.new_block_ids``: with it, the dict must be empty
+    and ``new_block_ids[i]`` ``None`` for every request that is not resumed (a resumed
+    request's replacement lists stay in ``new_block_ids``; its counts here must be 0).
+    Every array is a C-contiguous numpy array of dtype ``int32`` (anything else:
+    ``InvalidSchedulerOutput`` naming ``packed_cached.<field>``); the values follow the
+    rules of the fields they replace (drafts in ``[0, 2**31)``, block ids in the group's
+    pool, counts ``>= 0``).
+
+    Attributes:
+        num_draft_tokens: ``[num_cached]`` ``int32``: drafts request ``i`` verifies this
+            step (0: none; ``d >= 1``: a decoding request scheduled ``1 + d`` tokens, as
+            ``scheduled_spec_decode_tokens``).
+        draft_token_ids: ``[sum(num_draft_tokens)]`` ``int32``: the drafts, request after
+            request in ``req_ids`` order.
+        num_new_blocks: ``[G, num_cached]`` ``int32`` (``G`` cache groups): blocks request
+            ``i`` appends in group ``g`` (a decode step: mostly 0, 1 where a row crosses a
+            block boundary).
+        new_block_ids: ``[num_new_blocks.sum()]`` ``int32``: the appended manager block ids,
+            group-major (group 0's appends in ``req_ids`` order, then group 1's, ...).
+    """
+
+    num_draft_tokens: "np.ndarray"
+    draft_token_ids: "np.ndarray"
+    num_new_blocks: "np.ndarray"
+    new_block_ids: "np.ndarray"
+
+
+@dataclass
 class SchedulerOutput:
     """One step's plan.
 
@@ -166,6 +208,9 @@ class SchedulerOutput:
         kv_connector_metadata: the step's KV connector work (loads, saves), built by the
             scheduler-side connector for the worker side (``core/kv_connector.py``), or
             ``None``. The step compiler does not read it.
+        packed_cached: ``None``, or the cached requests' drafts and block appends as
+            arrays (:class:`PackedCachedDeltas`), in place of ``scheduled_spec_decode_tokens``
+            and the appends of ``scheduled_cached_reqs.new_block_ids``.
     """
 
     scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
@@ -176,6 +221,7 @@ class SchedulerOutput:
     mamba_state_copies: object | None = None
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
     kv_connector_metadata: object | None = None
+    packed_cached: PackedCachedDeltas | None = None
 
     def __post_init__(self):
         if not self.total_num_scheduled_tokens and self.num_scheduled_tokens:

@@ -86,16 +86,21 @@ def _recorded_outputs() -> list[SchedulerOutput]:
 
 
 def test_compact_encoding_round_trips_real_steps():
+    from attnplug.runner.step.kernels import kernels_available
+    from attnplug.runner.step.packed_deltas import as_vllm_form
+
     outs = _recorded_outputs()
     assert any(any(o.scheduled_cached_reqs.resumed_from_preemption) for o in outs)
     assert any(o.finished_req_ids for o in outs) and any(None in o.scheduled_cached_reqs.new_block_ids for o in outs)
+    # the scheduler packs its appends when the compiled kernels read them (SchedulerConfig.packed_deltas)
+    assert any(o.packed_cached is not None for o in outs) == kernels_available()
     for out in outs:
-        assert decode(encode(out)) == out
+        assert decode(encode(out)) == as_vllm_form(out)  # (sent in vLLM's form)
     # a field the encoding does not carry: fine at its default, refused when set
     bigger = dataclasses.make_dataclass("Out2", [("spec", int, 0)], bases=(SchedulerOutput,))
     KNOWN_FIELDS[bigger] = KNOWN_FIELDS[SchedulerOutput]
     try:
-        o = outs[1]
+        o = as_vllm_form(outs[1])
         same = bigger(o.scheduled_new_reqs, o.scheduled_cached_reqs, o.num_scheduled_tokens,
                       o.total_num_scheduled_tokens, o.finished_req_ids)
         assert decode(encode(same)) == o

@@ -6,7 +6,11 @@ token, lengths cycling through ``workloads.PROMPT_LENGTHS``), two cache groups, 
 ``scheduled_spec_decode_tokens``), blocks allocated for the optimistic length, and then
 emits ``a + 1`` tokens with ``a`` drawn uniformly from ``0 .. k`` (seeded), its
 ``num_computed_tokens`` advancing by ``a + 1`` in the next step's delta (the rollback).
-The same ``N`` without drafts (one token per request and step) runs beside it.
+The same ``N`` without drafts (one token per request and step) runs beside it. Both hand
+the cached requests' drafts and block appends in the form attnplug's scheduler sends
+(``form="packed"``: ``SchedulerOutput.packed_cached``, arrays aligned with ``req_ids``), or in
+vLLM's (``form="vllm"``: ``scheduled_spec_decode_tokens`` and ``new_block_ids`` lists;
+``--spec-form vllm``). Every step's output is built before the first is timed.
 
 Timed per step: ``update_states`` (the drafts of a regular step are checked by the
 kernels' cached scan, ``runner/step/kernels.py``), ``prepare_inputs`` (including
@@ -25,7 +29,8 @@ import numpy as np
 from attnplug.runner.commands.bench.timing import render_stage_table, timed_compile
 from attnplug.runner.commands.bench.workloads import PROMPT_LENGTHS
 from attnplug.runner.step.compiler import StepCompiler
-from attnplug.runner.step.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+from attnplug.runner.step.scheduler_output import (
+    CachedRequestData, NewRequestData, PackedCachedDeltas, SchedulerOutput)
 
 STAGES = ("update_states", "prepare_inputs", "common metadata")
 """The timed stages (as ``bench/step.py``'s table)."""
@@ -37,9 +42,11 @@ def best_run(runs: list[dict]) -> dict:
 
 
 def spec_decode_workload(num_reqs: int, num_steps: int, k: int, block_size: int = 16, num_groups: int = 2,
-                         seed: int = 0) -> tuple[dict, list[SchedulerOutput], list[dict[str, list[int]]]]:
+                         seed: int = 0, form: str = "packed"
+                         ) -> tuple[dict, list[SchedulerOutput], list[dict[str, list[int]]]]:
     """``(compiler config, steps, emitted tokens per step)`` (see the module docstring);
-    ``k = 0`` is the same workload without drafts. Step 0 admits everyone (warm-up)."""
+    ``k = 0`` is the same workload without drafts. Step 0 admits everyone (warm-up).
+    ``form``: ``"packed"`` or ``"vllm"`` (the steady steps' drafts and appends)."""
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(0, 32000, size=L).tolist() for L in PROMPT_LENGTHS]
     nxt = [1] * num_groups
@@ -56,15 +63,21 @@ def spec_decode_workload(num_reqs: int, num_steps: int, k: int, block_size: int 
         info[f"req-{i}"] = [len(p) - 1, nb]
     steps = [SchedulerOutput(new, CachedRequestData(), {r.req_id: 1 for r in new})]
     emitted = [{r.req_id: [1] for r in new}]
+    packed = form == "packed"
     for _ in range(num_steps):
         cached, spec, out = CachedRequestData(), {}, {}
-        for rid, st in info.items():
+        if packed:  # built as arrays directly, as attnplug's scheduler would hand them
+            counts, starts = np.zeros((num_groups, num_reqs), np.int32), np.zeros((num_groups, num_reqs), np.int64)
+        for j, (rid, st) in enumerate(info.items()):
             ncc, n = st[0] + len(emitted[-1][rid]), 1 + k
             st[0] = ncc
             need = -(-(ncc + n) // block_size) - st[1]
             blocks = None
             if need > 0:
-                blocks = tuple(list(range(nxt[g], nxt[g] + need)) for g in range(num_groups))
+                if packed:
+                    counts[:, j], starts[:, j] = need, nxt
+                else:
+                    blocks = tuple(list(range(nxt[g], nxt[g] + need)) for g in range(num_groups))
                 nxt = [x + need for x in nxt]
                 st[1] += need
             cached.req_ids.append(rid)
@@ -72,11 +85,18 @@ def spec_decode_workload(num_reqs: int, num_steps: int, k: int, block_size: int 
             cached.new_token_ids.append([])
             cached.new_block_ids.append(blocks)
             cached.num_computed_tokens.append(ncc)
-            if k:
+            if k and not packed:
                 spec[rid] = [7] * k
             out[rid] = [5] * (int(rng.integers(0, k + 1)) + 1)
-        steps.append(SchedulerOutput([], cached, dict.fromkeys(cached.req_ids, 1 + k),
-                                     scheduled_spec_decode_tokens=spec))
+        nst = dict.fromkeys(cached.req_ids, 1 + k)
+        if packed:
+            ids = [np.arange(s, s + c, dtype=np.int32) for g in range(num_groups)
+                   for s, c in zip(starts[g].tolist(), counts[g].tolist()) if c]
+            pk = PackedCachedDeltas(np.full(num_reqs, k, np.int32), np.full(num_reqs * k, 7, np.int32), counts,
+                                    np.concatenate(ids) if ids else np.zeros(0, np.int32))
+            steps.append(SchedulerOutput([], cached, nst, packed_cached=pk))
+        else:
+            steps.append(SchedulerOutput([], cached, nst, scheduled_spec_decode_tokens=spec))
         emitted.append(out)
     config = dict(block_sizes=[block_size] * num_groups, max_num_reqs=num_reqs, max_model_len=8192,
                   max_num_batched_tokens=max(2048, num_reqs * (1 + k)), num_blocks=1 << 28)
@@ -105,11 +125,13 @@ def time_spec(config: dict, steps: list, emitted: list, native: bool | None) -> 
     return out
 
 
-def run_spec(num_reqs: int, k: int, num_steps: int, repeat: int, numpy_column: bool) -> list[dict]:
-    """Rows ``{"workload", "ours", "numpy_path", "ratio"}`` for ``k`` drafts and for none; the
+def run_spec(num_reqs: int, k: int, num_steps: int, repeat: int, numpy_column: bool,
+             form: str = "packed") -> list[dict]:
+    """Rows ``{"workload", "form", "ours", "numpy_path", "ratio"}`` for ``k`` drafts and for none
+    (both in ``form``, :func:`spec_decode_workload`); the
     replays of the two workloads (and of both columns) interleaved so that they see the
     same machine weather. ``ratio``: ours' update + prepare with drafts over without."""
-    loads = [(kk, spec_decode_workload(num_reqs, num_steps, kk)) for kk in (k, 0)]
+    loads = [(kk, spec_decode_workload(num_reqs, num_steps, kk, form=form)) for kk in (k, 0)]
     runs: dict[int, list] = {kk: [] for kk, _ in loads}
     for _ in range(max(1, repeat)):
         for kk, w in loads:
@@ -117,7 +139,7 @@ def run_spec(num_reqs: int, k: int, num_steps: int, repeat: int, numpy_column: b
     rows = []
     for kk, _ in loads:
         name = f"spec decode N={num_reqs}, k={kk}" if kk else f"same without drafts N={num_reqs}"
-        rows.append({"workload": name, "ours": best_run([r[0] for r in runs[kk]]),
+        rows.append({"workload": name, "form": form, "ours": best_run([r[0] for r in runs[kk]]),
                      "numpy_path": best_run([r[1] for r in runs[kk]]) if numpy_column else None})
     ratio = rows[0]["ours"]["update + prepare"] / rows[1]["ours"]["update + prepare"]
     rows[0]["ratio"], rows[1]["ratio"] = ratio, None
@@ -131,5 +153,7 @@ def render_spec(rows: list[dict], markdown: bool) -> str:
               f"{r['numpy_path'][s]:,.1f}" if r["numpy_path"] else "-",
               f"{r['ratio']:.2f}" if s == "update + prepare" and r.get("ratio") else ""]
              for r in rows for s in (*STAGES, "update + prepare", "total")]
-    return render_stage_table("attnplug bench step — speculative decoding, median µs per step (1 torch thread)",
+    form = rows[0].get("form", "packed") if rows else "packed"
+    return render_stage_table(f"attnplug bench step — speculative decoding ({form} drafts and appends), "
+                              "median µs per step (1 torch thread)",
                               header, lines, markdown)

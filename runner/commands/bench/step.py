@@ -29,6 +29,7 @@ max over the ``--repeat`` replays, the torch thread count and the load average a
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import importlib
 import json
@@ -47,6 +48,7 @@ from attnplug.runner.commands import threads
 from attnplug.runner.commands.traces import BUNDLED_ATTRIBUTION
 from attnplug.runner.step.oracle import NaiveStepCompiler
 from attnplug.runner.step.kernels import kernels_available
+from attnplug.runner.step.packed_deltas import as_vllm_form
 from attnplug.runner.step.compiler import StepCompiler
 
 STAGES = ("update_states", "prepare_inputs", "common metadata")
@@ -152,10 +154,13 @@ def render(rows: list[tuple[str, dict, dict | None, dict | None, float | None]],
 
 def _ours_and_numpy(args, w: Workload, steps: int) -> tuple[list[dict], list[dict] | None]:
     """``repeat`` replays of our compiler with and without the compiled paths, the two
-    interleaved so that both see the same machine weather (the table shows the best)."""
+    interleaved so that both see the same machine weather (the table shows the best). The
+    numpy paths get the steps in vLLM's form, as the scheduler sends them to a runner
+    without the compiled kernels (``SchedulerConfig.packed_deltas``)."""
     if not kernels_available() or args.no_numpy:
         return [time_optimized(w, steps) for _ in range(max(1, args.repeat))], None
-    runs = [(time_optimized(w, steps), time_optimized(w, steps, native=False)) for _ in range(max(1, args.repeat))]
+    wv = dataclasses.replace(w, steps=[as_vllm_form(s) for s in w.steps])
+    runs = [(time_optimized(w, steps), time_optimized(wv, steps, native=False)) for _ in range(max(1, args.repeat))]
     return [r[0] for r in runs], [r[1] for r in runs]
 
 
@@ -248,6 +253,10 @@ def _parser() -> OneLineParser:
     parser.add_argument("--spec-steps", type=_int_at_least(0), default=100,
                         help="speculative-decoding table (k=3 drafts per request, and without, at each "
                              "--sizes N >= 256, else N=256): timed steps (0 skips it; default 100)")
+    parser.add_argument("--spec-form", choices=("packed", "vllm"), default="packed",
+                        help="speculative-decoding table: the cached requests' drafts and block appends as "
+                             "arrays (packed_cached, the form attnplug's scheduler sends; default) or as "
+                             "vLLM's dict of lists and new_block_ids lists")
     parser.add_argument("--state-spec-steps", type=_int_at_least(0), default=0,
                         help="hybrid table: a Mamba2 and a GDN group's step with k=3 drafts for N=64 requests beside "
                              "decodes and the same tokens as prefill chunks (bench/spec_state.py): timed steps "
@@ -316,7 +325,7 @@ def _other_tables(args, report: dict, after_rows: bool) -> None:
 
         spec_sizes = [n for n in sizes if n >= 256] or [256]
         report["spec_decode"] = [row for n in spec_sizes for row in run_spec(
-            n, 3, args.spec_steps, args.repeat, kernels_available() and not args.no_numpy)]
+            n, 3, args.spec_steps, args.repeat, kernels_available() and not args.no_numpy, args.spec_form)]
         if not args.json:
             print("\n" + render_spec(report["spec_decode"], args.markdown))
     if args.state_spec_steps > 0:  # runner/commands/bench/spec_state.py: a hybrid model's state group

@@ -6,7 +6,9 @@ applies; the first problem raises :class:`InvalidSchedulerOutput` naming the req
 field at fault. The checks, in the order they run:
 
 1. containers, read once (``check/snapshot.py``), and ids: ``check_finished_and_new``;
-2. the kernels' scans (``check/fast.py``) for a regular output, else the vectorized checks:
+2. the kernels' scans (``check/fast.py``) for a regular output (the compiled scan reads
+   packed drafts and appends, ``PackedCachedDeltas``, as they are), else the vectorized
+   checks, on vLLM's form (packed arrays converted first, ``check/packed.py``):
 3. cached rows, ``num_scheduled_tokens``, computed tokens and token deltas
    (``check/cached.py``);
 4. block deltas: replacements, appends, windows, capacity (``check/blocks.py``,
@@ -25,9 +27,13 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from attnplug.cache_groups.kinds import GroupKind
+from attnplug.core.errors import InvalidSchedulerOutput
+
 from attnplug.runner.step.check.blocks import block_deltas
 from attnplug.runner.step.check.cached import cached_rows, computed_and_token_deltas, scheduled_counts
 from attnplug.runner.step.check.fast import plan_update_scanned
+from attnplug.runner.step.check.packed import renamed, unpack_into
 from attnplug.runner.step.check.types import err, show
 from attnplug.runner.step.check.new import plan_new_requests
 from attnplug.runner.step.check.snapshot import Deltas, NewReq
@@ -122,6 +128,8 @@ class UpdateChecker:
                                    finished, fin_set)
         self.last_scanned = plan is not None
         if plan is not None:
+            if plan.spec_tokens is not None and d.packed is not None and GroupKind.MAMBA in self.layout.group_kinds:
+                unpack_into(d, self.layout.num_groups)  # (check_state_slots counts new_block_ids)
             if plan.spec_tokens is not None:
                 check_state_slots(self.layout, self.batch, self.requests, d, plan.spec_tokens)
             # the three checks look only at requests that carry the field (in order): pass those
@@ -132,6 +140,16 @@ class UpdateChecker:
                 plan.mm_placeholders = check_placeholders(self.uses_mrope, extras)
                 self._check_images(plan, extras)
             return plan
+        if d.packed is None:
+            return self._plan_checked(d, finished, fin_set, new_ids)
+        packed_appends = unpack_into(d, self.layout.num_groups)  # the packed form as vLLM's
+        try:
+            return self._plan_checked(d, finished, fin_set, new_ids)
+        except InvalidSchedulerOutput as e:
+            raise renamed(e, packed_appends) from None
+
+    def _plan_checked(self, d: Deltas, finished: list[str], fin_set: set[str], new_ids: set[str]) -> UpdatePlan:
+        """The vectorized checks of ``d`` (in vLLM's form): the plan, or the first problem."""
         lay, batch, reqs = self.layout, self.batch, self.requests
         cached = d.scheduled_cached_reqs
         C = cached.req_ids

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from attnplug.runner.step.check.packed import read_packed
 from attnplug.runner.step.check.types import ID_SETS, SEQUENCES, err, is_int_list, show
 from attnplug.runner.step.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 
@@ -68,6 +69,14 @@ class CachedDeltas:
                 err(None, f"scheduled_cached_reqs.{name}", f"has {len(getattr(self, name))} entries for "
                     f"{n} req_ids: every list needs one entry per cached request")
 
+    def with_block_ids(self, new_block_ids: list) -> "CachedDeltas":
+        """A copy whose ``new_block_ids`` is ``new_block_ids`` (the other lists shared)."""
+        out = object.__new__(CachedDeltas)
+        for name in self.__slots__:
+            setattr(out, name, getattr(self, name))
+        out.new_block_ids = new_block_ids
+        return out
+
 
 class Deltas:
     """A ``SchedulerOutput``, each field read once (same attribute names), containers checked.
@@ -76,11 +85,12 @@ class Deltas:
         InvalidSchedulerOutput: a field of the wrong container type, a new request that is
             not ``NewRequestData`` or whose ``req_id`` is not a ``str``, token lists that are
             not lists or 1-D integer arrays, lists of ``scheduled_cached_reqs`` of unequal
-            length, unhashable finished ids.
+            length, unhashable finished ids, a ``packed_cached`` that is not a
+            ``PackedCachedDeltas`` (its arrays: ``check/packed.py``).
     """
 
     __slots__ = ("scheduled_new_reqs", "scheduled_cached_reqs", "num_scheduled_tokens",
-                 "total_num_scheduled_tokens", "finished_req_ids", "spec_decode_tokens")
+                 "total_num_scheduled_tokens", "finished_req_ids", "spec_decode_tokens", "packed", "spec_packed")
 
     def __init__(self, so: SchedulerOutput):
         if not isinstance(so, SchedulerOutput):
@@ -98,6 +108,9 @@ class Deltas:
         if type(spec) is not dict:
             err(None, "scheduled_spec_decode_tokens", f"expected a dict {{req_id: [draft token ids]}}, "
                 f"got {show(spec)}")
+        # the packed drafts and appends (check/packed.py): containers here, counts when unpacked
+        self.packed = read_packed(so.packed_cached, spec)
+        self.spec_packed = None  # (num_draft_tokens, draft_token_ids) once check/packed.py unpacked
         fin = so.finished_req_ids
         if not isinstance(fin, ID_SETS):
             err(None, "finished_req_ids", f"expected a set of request ids, got {show(fin)}")

@@ -60,6 +60,11 @@ def check_spec_tokens(lay: StepLayout, batch: InputBatch, reqs: dict[str, Cached
             a row with more than one real token left (prefilling), ``num_scheduled_tokens``
             other than ``1 + d``, or ``num_tokens + d > max_model_len``.
     """
+    if d.spec_packed is not None:  # the packed form (check/packed.py): arrays, no dict
+        fast = _check_packed(lay, batch, d, rows_c, counts_c)
+        if fast is not None:
+            return fast
+        d.spec_decode_tokens = _packed_as_dict(d)  # the loop below words the problem
     spec_in = d.spec_decode_tokens
     if not spec_in:
         return np.zeros(len(d.scheduled_cached_reqs.req_ids), dtype=np.int64), None
@@ -107,6 +112,44 @@ def _check_fast(lay: StepLayout, batch: InputBatch, d: Deltas, rows_c: np.ndarra
     drafts_c = np.zeros(nC, dtype=np.int64)
     drafts_c[idx] = lens
     return drafts_c, SpecTokens(ids, lens, flat.astype(np.int32))
+
+
+def _check_packed(lay: StepLayout, batch: InputBatch, d: Deltas, rows_c: np.ndarray, counts_c: np.ndarray
+                  ) -> tuple[np.ndarray, SpecTokens | None] | None:
+    """:func:`_check_fast` of packed drafts (``d.spec_packed``, counts already checked
+    against the ids), or ``None`` (then the loop decides)."""
+    nd, flat = d.spec_packed
+    cached = d.scheduled_cached_reqs
+    C, nC = cached.req_ids, len(cached.req_ids)
+    idx = np.flatnonzero(nd)
+    if idx.shape[0] == 0:
+        return np.zeros(nC, dtype=np.int64), None
+    try:
+        if True in cached.resumed_from_preemption or cached.new_token_ids.count([]) != nC:
+            return None
+        ncts = int64s(map(cached.num_computed_tokens.__getitem__, idx.tolist()), idx.shape[0])
+    except (struct.error, TypeError, ValueError):
+        return None
+    lens, rows = nd[idx].astype(np.int64), rows_c[idx]
+    if (rows < 0).any() or flat.min() < 0:
+        return None
+    held = batch.num_tokens[rows].astype(np.int64)
+    if ((held - ncts != 1) | (counts_c[idx] != 1 + lens) | (held + lens > lay.max_model_len)).any():
+        return None
+    drafts_c = np.zeros(nC, dtype=np.int64)
+    drafts_c[idx] = lens
+    ids = C if idx.shape[0] == nC else [C[i] for i in idx.tolist()]
+    return drafts_c, SpecTokens(list(ids), lens, flat.copy())  # (the caller's array is not kept)
+
+
+def _packed_as_dict(d: Deltas) -> dict[str, list[int]]:
+    """``d.spec_packed`` as vLLM's ``{req_id: [drafts]}`` (requests with 0 drafts left out)."""
+    nd, flat = d.spec_packed
+    C, ids, counts, off, out = d.scheduled_cached_reqs.req_ids, flat.tolist(), nd.tolist(), 0, {}
+    for i in np.flatnonzero(nd).tolist():
+        out[C[i]] = ids[off:off + counts[i]]
+        off += counts[i]
+    return out
 
 
 def _check_each(lay: StepLayout, batch: InputBatch, reqs: dict[str, CachedRequestState], d: Deltas,

@@ -30,6 +30,7 @@ against the array it addresses before use (memory safety does not depend on the
 caller's validation).
 """
 
+from cpython.buffer cimport PyBUF_C_CONTIGUOUS, PyBUF_FORMAT, PyBuffer_Release, PyObject_GetBuffer
 from cpython.dict cimport PyDict_GetItem, PyDict_Next
 from cpython.list cimport PyList_GET_ITEM
 from cpython.long cimport PyLong_AsSsize_t
@@ -195,6 +196,19 @@ cdef inline object _item(object s, Py_ssize_t i):
     if PyList_CheckExact(s):
         return <object>PyList_GET_ITEM(s, i)
     return <object>PyTuple_GET_ITEM(s, i)
+
+
+cdef inline bint _copy_in_range(const int32_t* src, Py_ssize_t n, int32_t* dst, int64_t lo, int64_t hi) noexcept:
+    """Copy ``n`` ids; whether every one lies in ``[lo, hi)``."""
+    cdef Py_ssize_t t
+    cdef bint ok = True
+    cdef int32_t x
+    for t in range(n):
+        x = src[t]
+        dst[t] = x
+        if x < lo or x >= hi:
+            ok = False
+    return ok
 
 
 cdef int _cmp_i32(const void* a, const void* b) noexcept nogil:

@@ -1,5 +1,47 @@
 # CachedScan: scheduled_cached_reqs in one pass — included by _native.pyx (shares its cimports and helpers)
 
+cdef class _PackedBuffers:
+    """The four arrays of a ``PackedCachedDeltas`` as raw ``int32`` pointers: buffers held
+    (plain buffer protocol, no typed memoryview: the arrays are new every step, and a typed
+    view's format validation cost ~2-3 µs each) and released when this object goes."""
+
+    cdef Py_buffer views[4]
+    cdef int held
+    cdef const int32_t* p[4]
+    cdef Py_ssize_t length[4]
+    cdef Py_ssize_t G, cols
+
+    def __dealloc__(self):
+        cdef int k
+        for k in range(self.held):
+            PyBuffer_Release(&self.views[k])
+
+
+cdef _PackedBuffers _packed_buffers(tuple packed):
+    """``(num_draft_tokens, draft_token_ids, num_new_blocks, new_block_ids)`` held, or
+    ``None`` when one is not a C-contiguous ``int32`` buffer of its rank (1, 1, 2, 1)."""
+    cdef _PackedBuffers b = _PackedBuffers.__new__(_PackedBuffers)
+    cdef int k
+    cdef Py_buffer* v
+    cdef const char* f
+    for k in range(4):
+        v = &b.views[k]
+        try:
+            PyObject_GetBuffer(packed[k], v, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT)
+        except (TypeError, ValueError, BufferError):
+            return None
+        b.held += 1
+        f = v.format
+        if v.itemsize != 4 or f == NULL or not (f[0] == c'i' or f[0] == c'l') or f[1] != 0 \
+                or v.ndim != (2 if k == 2 else 1):
+            return None
+        b.p[k] = <const int32_t*>v.buf
+        b.length[k] = v.shape[0]
+    b.G = b.views[2].shape[0]
+    b.cols = b.views[2].shape[1]
+    return b
+
+
 cdef class CachedScan:
     """The compiled check of ``scheduled_cached_reqs`` for one ``InputBatch``: reads only.
 
@@ -47,6 +89,7 @@ cdef class CachedScan:
     cdef int32_t[::1] _flat
     cdef int32_t[::1] _spec_ids
     cdef int64_t[::1] _tab_addr, _tab_width
+    cdef int64_t[::1] _pk_off
     cdef readonly Py_ssize_t num_cached, num_appends, total_tokens, num_spec, spec_total, num_appended
     cdef readonly bint one_each
 
@@ -72,6 +115,7 @@ cdef class CachedScan:
         self.null_ok = [bool(x) for x in null_ok]
         self.max_model_len = max_model_len
         self.stamp = np.zeros(self.max_num_reqs, dtype=np.int64)
+        self._pk_off = np.zeros(self.G, dtype=np.int64)
         self.gen = 0
         self._rows, self._ncts, self._counts = rows, ncts, counts
         self._sel, self._start, self._len, self._ids, self._ntot = app_sel, app_start, app_len, app_ids, app_total
@@ -88,7 +132,8 @@ cdef class CachedScan:
             raise ValueError("CachedScan: a plan buffer is smaller than the batch")
 
     def scan(self, list req_ids, dict req_id_to_index, list num_computed_tokens, dict num_scheduled_tokens,
-             list new_token_ids, list new_block_ids, list resumed_from_preemption, finished, dict spec):
+             list new_token_ids, list new_block_ids, list resumed_from_preemption, finished, dict spec,
+             packed=None):
         """Check the cached requests and plan their merge; change nothing in the batch.
 
         Regular means: every id is in the batch once and not finished; every
@@ -99,6 +144,12 @@ cdef class CachedScan:
         real token left) scheduled ``1 + d`` tokens within ``max_model_len``; ``resumed_from_preemption`` exactly ``False``; block appends (lists of
         ints in the group's pool, none already in the row nor twice) that fit the row and,
         with its blocks, cover ``seq_len``.
+
+        ``packed`` (``None``, or a ``PackedCachedDeltas``'s four arrays as a tuple:
+        ``runner/step/scheduler_output.py``) carries the drafts and appends as ``int32``
+        arrays aligned with ``req_ids``; they are read as arrays (no Python object per
+        draft or append). Then ``spec`` must be empty and ``new_block_ids`` all ``None``
+        (else irregular), and the counts must match the arrays.
 
         Returns:
             ``True`` when the whole input is regular (then the plan buffers hold the plan,
@@ -130,6 +181,21 @@ cdef class CachedScan:
         cdef int32_t[:, ::1] tab
         cdef int64_t B
         cdef int G = self.G
+        cdef bint pk = packed is not None
+        cdef _PackedBuffers pb = None
+        cdef const int32_t* pk_nd = NULL
+        cdef const int32_t* pk_dids = NULL
+        cdef const int32_t* pk_nb = NULL
+        cdef const int32_t* pk_bids = NULL
+        cdef Py_ssize_t doff = 0, n_dids = 0
+        if pk:  # (num_draft_tokens, draft_token_ids, num_new_blocks, new_block_ids)
+            if has_spec or type(packed) is not tuple or len(<tuple>packed) != 4:
+                return False
+            pb = _packed_buffers(<tuple>packed)
+            if pb is None or pb.length[0] != n or pb.G != G or pb.cols != n or not self._packed_offsets(n, pb):
+                return False
+            pk_nd, pk_dids, pk_nb, pk_bids = pb.p[0], pb.p[1], pb.p[2], pb.p[3]
+            n_dids = pb.length[1]
         if (len(num_computed_tokens) != n or len(new_token_ids) != n or len(new_block_ids) != n
                 or len(resumed_from_preemption) != n or n > self.max_num_reqs
                 or type(num_scheduled_tokens) is not dict or type(req_id_to_index) is not dict):
@@ -168,7 +234,22 @@ cdef class CachedScan:
                 return False
             seq = v + c
             held = self.num_tokens[r]
-            if has_spec:
+            if pk:
+                nd = pk_nd[i]
+                if nd:  # drafts: a decoding row verifying nd >= 1 of them
+                    if nd < 0 or held - v != 1 or c != 1 + nd or held + nd > self.max_model_len \
+                            or stot + nd > self._spec_ids.shape[0] or doff + nd > n_dids:
+                        return False
+                    if not _copy_in_range(pk_dids + doff, nd, &self._spec_ids[stot], 0, INT32_MAX + 1):
+                        return False
+                    doff += nd
+                    self._spec_sel[ns] = i
+                    self._spec_rows[ns] = r
+                    self._spec_lens[ns] = nd
+                    stot += nd
+                    ns += 1
+                    held += nd
+            elif has_spec:
                 # the drafts' dict usually lists its requests in this order too: take its
                 # next entry when it is this request (no hashing), else look the id up
                 d = NULL
@@ -203,7 +284,35 @@ cdef class CachedScan:
             if _seq_len(<object>PyList_GET_ITEM(new_token_ids, i)) != 0:
                 return False
             e = <object>PyList_GET_ITEM(new_block_ids, i)
-            if e is None:
+            if pk:
+                if e is not None:
+                    return False  # appends in both forms: the vectorized checks word it
+                L = 0
+                for g in range(G):
+                    L += pk_nb[g * n + i]
+                if L:  # the packed appends: as the lists below, read from the arrays
+                    for g in range(G):
+                        L = pk_nb[g * n + i]
+                        nb = self.nblocks[g, r] + L
+                        if nb > self.maxb[g] or nb * self.capacity[g] < seq or self._ntot[g] + L > self._ids.shape[1]:
+                            return False
+                        if L and not _copy_in_range(pk_bids + self._pk_off[g], L, &self._ids[g, self._ntot[g]],
+                                                    1, self.pool[g]):
+                            return False
+                        if L and not self._above_bound(g, r, &self._ids[g, self._ntot[g]], L):
+                            self._prefetch_held(g, r, self.nblocks[g, r])
+                        self._pk_off[g] += L
+                        self._start[g, m] = self.nblocks[g, r]
+                        self._len[g, m] = L
+                        self._ntot[g] += L
+                    self._sel[m] = i
+                    m += 1
+                    e = None
+                else:
+                    for g in range(G):
+                        if <int64_t>self.nblocks[g, r] * self.capacity[g] < seq:
+                            return False
+            elif e is None:
                 for g in range(G):
                     if <int64_t>self.nblocks[g, r] * self.capacity[g] < seq:
                         return False
@@ -251,12 +360,30 @@ cdef class CachedScan:
                 r = PyLong_AsSsize_t(<object>p)
                 if 0 <= r < self.max_num_reqs and self.stamp[r] == self.gen:
                     return False
-        if ns != len(spec):  # drafts for a request that is not a scheduled cached one
+        if pk and doff != n_dids:  # drafts the counts do not cover
+            return False
+        if not pk and ns != len(spec):  # drafts for a request that is not a scheduled cached one
             return False
         self._flatten_appends(m)
         self.num_cached, self.num_appends, self.total_tokens = n, m, total
         self.num_spec, self.spec_total = ns, stot
         return True
+
+    cdef bint _packed_offsets(self, Py_ssize_t n, _PackedBuffers pb) noexcept:
+        """Check the block counts (``[G, n]``, each ``>= 0``, summing to the ids' length) and
+        set ``_pk_off`` to each group's first id (group-major). The draft counts are
+        checked as the scan reads them."""
+        cdef Py_ssize_t i, g
+        cdef int64_t tot = 0, x
+        cdef const int32_t* nb = pb.p[2]
+        for g in range(self.G):
+            self._pk_off[g] = tot
+            for i in range(n):
+                x = nb[g * n + i]
+                if x < 0:
+                    return False
+                tot += x
+        return tot == pb.length[3]
 
     cdef bint _appends_distinct(self, Py_ssize_t m) noexcept:
         """Each of the ``m`` appending requests' new ids (``_ids``, per group in ``_sel``

@@ -25,6 +25,7 @@ from attnplug.runner.commands.parity import run_parity
 from attnplug.runner.step.spec_apply import draft_state_copies
 from attnplug.runner.step.compiler import snapshot_diff
 from attnplug.runner.step.scheduler_output import SamplingParams
+from attnplug.runner.step.packed_deltas import as_vllm_form, draft_tokens
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_parity_hybrid import BAMBA  # noqa: E402
@@ -68,7 +69,8 @@ def test_more_drafts_than_state_slots_is_refused_naming_request_and_field(family
     eng.add_request("a", prompt, SamplingParams(max_tokens=12))
     while True:
         out = sched.schedule()
-        if out.scheduled_spec_decode_tokens.get("a"):
+        if draft_tokens(out).get("a"):
+            out = as_vllm_form(out)  # (the scheduler packs its drafts: widened in vLLM's form below)
             break
         sched.update_from_output(out, runner.execute_model(out).sampled_token_ids)
     drafts = out.scheduled_spec_decode_tokens["a"]

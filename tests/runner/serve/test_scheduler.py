@@ -19,6 +19,7 @@ from attnplug.core.errors import InvalidRequestError, SchedulingError
 from attnplug.runner.serve.request import RequestStatus
 from attnplug.runner.serve.scheduler import Scheduler, SchedulerConfig
 from attnplug.runner.step.scheduler_output import SamplingParams, SchedulerOutput
+from attnplug.runner.step.packed_deltas import as_vllm_form
 
 
 def kv_config(num_blocks, *specs):
@@ -51,7 +52,7 @@ class Mirror:
         for nr in out.scheduled_new_reqs:
             assert nr.req_id not in self.reqs and nr.num_computed_tokens == 0 and not nr.output_token_ids
             self.reqs[nr.req_id] = RunnerState(list(nr.prompt_token_ids), 0, [list(b) for b in nr.block_ids])
-        c = out.scheduled_cached_reqs
+        c = as_vllm_form(out).scheduled_cached_reqs  # (the scheduler packs its appends)
         assert len({len(c.req_ids), len(c.resumed_from_preemption), len(c.new_token_ids),
                     len(c.new_block_ids), len(c.num_computed_tokens)}) == 1
         for i, rid in enumerate(c.req_ids):
@@ -118,16 +119,21 @@ def run_all(sched: Scheduler, mirror: Mirror | None = None, max_steps=10_000, on
 
 
 def test_chunked_prefill_splits_prompt_under_budget_then_decodes():
-    s = make(max_num_batched_tokens=8)
+    s = make(max_num_batched_tokens=8, packed_deltas=True)  # (the default only with the compiled kernels)
     s.add_request("a", list(range(20)), SamplingParams(max_tokens=3))
     outs = run_all(s)
     assert [o.num_scheduled_tokens["a"] for o in outs] == [8, 8, 4, 1, 1]
     assert outs[0].scheduled_new_reqs[0].block_ids == ([1, 2],)
-    assert outs[1].scheduled_cached_reqs.new_block_ids == [([3, 4],)]
-    assert outs[2].scheduled_cached_reqs.new_block_ids == [([5],)]
-    assert outs[3].scheduled_cached_reqs.new_block_ids == [([6],)]  # token 20 opens block 5
-    assert outs[4].scheduled_cached_reqs.new_block_ids == [None]
+    assert outs[1].packed_cached.new_block_ids.tolist() == [3, 4]  # the scheduler packs its appends
+    assert outs[1].packed_cached.num_new_blocks.tolist() == [[2]]
+    assert as_vllm_form(outs[1]).scheduled_cached_reqs.new_block_ids == [([3, 4],)]
+    assert as_vllm_form(outs[2]).scheduled_cached_reqs.new_block_ids == [([5],)]
+    assert as_vllm_form(outs[3]).scheduled_cached_reqs.new_block_ids == [([6],)]  # token 20 opens block 5
+    assert as_vllm_form(outs[4]).scheduled_cached_reqs.new_block_ids == [None]
     assert s.get_request("a").num_output_tokens == 3
+    v = make(max_num_batched_tokens=8, packed_deltas=False)  # vLLM's form asked for
+    v.add_request("a", list(range(20)), SamplingParams(max_tokens=3))
+    assert [o.scheduled_cached_reqs.new_block_ids for o in run_all(v)[1:]] == [[([3, 4],)], [([5],)], [([6],)], [None]]
 
 
 def test_new_request_gets_what_is_left_of_the_budget():
@@ -197,7 +203,7 @@ def test_preemption_when_blocks_run_out_and_resume_with_replacement_blocks():
     resumed = None
     while resumed is None:
         out, _ = step(s, m)
-        c = out.scheduled_cached_reqs
+        c = as_vllm_form(out).scheduled_cached_reqs
         for i, rid in enumerate(c.req_ids):
             if c.resumed_from_preemption[i]:
                 resumed = (rid, c.num_computed_tokens[i], c.new_block_ids[i], out.num_scheduled_tokens[rid])

@@ -25,6 +25,7 @@ from attnplug.runner.commands.model_loading import build_with_backends
 from attnplug.runner.commands.parity import run_parity
 from attnplug.runner.step.compiler import snapshot_diff
 from attnplug.runner.step.scheduler_output import SamplingParams
+from attnplug.runner.step.packed_deltas import draft_tokens
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_async_scheduling import LLAMA  # noqa: E402
@@ -93,7 +94,7 @@ def test_rollback_advances_num_computed_by_the_accepted_tokens_only():
     seen = 0
     while sched.has_unfinished_requests():
         out = sched.schedule()
-        drafts = out.scheduled_spec_decode_tokens.get("a", [])
+        drafts = draft_tokens(out).get("a", [])
         req = sched.get_request("a")
         before = req.num_computed_tokens
         assert out.num_scheduled_tokens.get("a", 0) == (1 + len(drafts) if drafts else out.num_scheduled_tokens["a"])
@@ -119,7 +120,7 @@ def test_the_asynchronous_runner_refuses_a_step_with_drafts():
     eng.add_request("a", [4, 8] * 4, SamplingParams(max_tokens=8))
     sched = eng.scheduler
     out = sched.schedule()
-    while not out.scheduled_spec_decode_tokens:
+    while not draft_tokens(out):
         sched.update_from_output(out, eng.runner.execute_model(out).sampled_token_ids)
         out = sched.schedule()
     before = eng.runner.compiler.snapshot()

@@ -23,6 +23,7 @@ from test_parity_sliding import GEMMA3  # noqa: E402
 from test_spec_decode_engine import LLAMA, engine  # noqa: E402
 
 from attnplug.runner.step.scheduler_output import SamplingParams  # noqa: E402
+from attnplug.runner.step.packed_deltas import draft_tokens
 
 POISON = 1e4
 PROMPTS = [[5, 9, 2, 7, 5, 9, 2, 7, 5, 9], [1, 2, 3, 1, 2, 3, 1, 2], list(range(20, 34)), [7] * 5]
@@ -60,14 +61,14 @@ def greedy_run(eng, poison: bool) -> tuple[dict, int]:
         eng.stats.num_steps += 1
         eng._apply(out, result)
         rows = eng.runner.compiler.requests
-        for rid, drafts in out.scheduled_spec_decode_tokens.items():
+        for rid, drafts in draft_tokens(out).items():
             if rid in rows and not sched.get_request(rid).is_finished:
                 # the runner's history holds exactly the emitted tokens, as the scheduler's does
                 assert rows[rid].all_token_ids == sched.get_request(rid).all_token_ids
         if poison:
             cached = out.scheduled_cached_reqs
             before = dict(zip(cached.req_ids, cached.num_computed_tokens))
-            written = {rid: before[rid] + out.num_scheduled_tokens[rid] for rid in out.scheduled_spec_decode_tokens}
+            written = {rid: before[rid] + out.num_scheduled_tokens[rid] for rid in draft_tokens(out)}
             hits += poison_dead_slots(eng, written)
     eng.run()
     return {rid: r.output_token_ids for rid, r in sorted(eng.results.items())}, hits

@@ -14,6 +14,7 @@ from attnplug.core.errors import SchedulingError
 from attnplug.runner.execute.spec_decode.drafter import parse_speculative
 from attnplug.runner.serve.scheduler import Scheduler, SchedulerConfig
 from attnplug.runner.step.scheduler_output import SamplingParams
+from attnplug.runner.step.packed_deltas import draft_tokens
 
 PERIODIC = [3, 4, 5] * 4  # the n-gram drafter always finds a continuation
 
@@ -32,7 +33,7 @@ def step(s: Scheduler, emit) -> object:
     for rid, n in out.num_scheduled_tokens.items():
         req = s.get_request(rid)
         if req.num_computed_tokens + n >= req.num_tokens:
-            sampled[rid] = emit(req, out.scheduled_spec_decode_tokens.get(rid, []))
+            sampled[rid] = emit(req, draft_tokens(out).get(rid, []))
     s.update_from_output(out, sampled)
     return out
 
@@ -42,11 +43,11 @@ def test_drafts_only_when_decoding_and_capped_by_budget_and_max_tokens():
     s.add_request("a", PERIODIC, SamplingParams(max_tokens=6))
     s.add_request("b", PERIODIC, SamplingParams(max_tokens=20))
     out = step(s, lambda r, d: d + [3])
-    assert out.scheduled_spec_decode_tokens == {}  # prefill: no drafts
+    assert draft_tokens(out) == {}  # prefill: no drafts
     seen = []
     while s.has_unfinished_requests():
         out = step(s, lambda r, d: d + [3])  # every draft accepted
-        for rid, d in out.scheduled_spec_decode_tokens.items():
+        for rid, d in draft_tokens(out).items():
             req = s.get_request(rid)
             assert out.num_scheduled_tokens[rid] == 1 + len(d) and len(d) <= 3
             seen.append(len(d))
@@ -61,7 +62,7 @@ def test_blocks_cover_the_optimistic_length_and_rollback_keeps_them():
     step(s, lambda r, d: [3])
     out = step(s, lambda r, d: [9])  # every draft rejected: one corrected token
     req = s.get_request("a")
-    d = out.scheduled_spec_decode_tokens["a"]
+    d = draft_tokens(out)["a"]
     assert len(d) == 3
     assert len(req.block_ids[0]) * 4 >= 12 + 1 + 3  # blocks for num_computed + 1 + d
     assert req.num_computed_tokens == 13 and req.num_tokens == 14  # rolled back by 3
@@ -75,7 +76,7 @@ def test_too_many_tokens_for_the_drafts_is_refused_and_changes_nothing():
     s.add_request("a", PERIODIC, SamplingParams(max_tokens=30))
     step(s, lambda r, d: [3])
     out = s.schedule()
-    d = out.scheduled_spec_decode_tokens["a"]
+    d = draft_tokens(out)["a"]
     req = s.get_request("a")
     before = (req.num_computed_tokens, list(req.output_token_ids))
     with pytest.raises(SchedulingError, match="at most 1 \\+ drafts"):
@@ -91,9 +92,9 @@ def test_a_preempted_victim_loses_its_drafts():
     s.add_request("b", PERIODIC, SamplingParams(max_tokens=12))
     while s.has_unfinished_requests():
         out = s.schedule()
-        for rid, d in out.scheduled_spec_decode_tokens.items():  # only scheduled, running requests
+        for rid, d in draft_tokens(out).items():  # only scheduled, running requests
             assert out.num_scheduled_tokens[rid] == 1 + len(d) and s.get_request(rid).status.value == "running"
-        sampled = {rid: out.scheduled_spec_decode_tokens.get(rid, []) + [3]
+        sampled = {rid: draft_tokens(out).get(rid, []) + [3]
                    for rid, n in out.num_scheduled_tokens.items()
                    if s.get_request(rid).num_computed_tokens + n >= s.get_request(rid).num_tokens}
         s.update_from_output(out, sampled)

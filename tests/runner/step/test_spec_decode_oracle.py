@@ -2,7 +2,9 @@
 requests verify random drafts, a random number of them is accepted, the scheduler rolls
 ``num_computed_tokens`` back by the rejected count (and the rejected positions are written
 again by later steps), checked against the naive compiler (``runner/step/oracle.py``) on
-the compiled and the numpy paths, >= 2,000 steps per run."""
+the compiled and the numpy paths, >= 2,000 steps per run; in about half the runs the step
+compiler gets the drafts and appends packed (``PackedCachedDeltas``; the oracle always
+reads vLLM's form)."""
 
 from __future__ import annotations
 
@@ -20,10 +22,21 @@ from test_step_oracle import (  # noqa: E402
     LAYOUTS, MAX_MODEL_LEN, MAX_NUM_REQS, MAX_TOKENS, NUM_BLOCKS, RandomScheduler, compare)
 
 from attnplug.runner.step.compiler import StepCompiler  # noqa: E402
+from attnplug.runner.step.fast import NATIVE  # noqa: E402
 from attnplug.runner.step.oracle import NaiveStepCompiler  # noqa: E402
+from attnplug.runner.step.packed_deltas import pack_cached_deltas  # noqa: E402
+from attnplug.runner.step.scheduler_output import SchedulerOutput  # noqa: E402
 
 STEPS_PER_EXAMPLE = 45
-COUNT = {"steps": 0, "draft_steps": 0, "drafts": 0, "accepted": 0, "partial": 0, "native": 0, "numpy": 0}
+COUNT = {"steps": 0, "draft_steps": 0, "drafts": 0, "accepted": 0, "partial": 0, "native": 0, "numpy": 0,
+         "packed": 0, "packed_native": 0}
+
+
+def packed_form(so: SchedulerOutput, num_groups: int) -> SchedulerOutput:
+    """``so`` with its drafts and appends packed (a new output; ``so`` unchanged)."""
+    cached, pk = pack_cached_deltas(so.scheduled_cached_reqs, so.scheduled_spec_decode_tokens, num_groups)
+    return SchedulerOutput(so.scheduled_new_reqs, cached, dict(so.num_scheduled_tokens), so.total_num_scheduled_tokens,
+                           set(so.finished_req_ids), packed_cached=pk)
 
 
 def add_drafts(rng: random.Random, sched: RandomScheduler, so, oracle: NaiveStepCompiler) -> dict[str, list[int]]:
@@ -55,8 +68,8 @@ def add_drafts(rng: random.Random, sched: RandomScheduler, so, oracle: NaiveStep
 
 @settings(max_examples=10 if os.environ.get("ATTNPLUG_MUTATE") else 45, deadline=None, suppress_health_check=list(HealthCheck))
 @given(seed=st.integers(0, 2**32 - 1), layout=st.sampled_from(LAYOUTS),
-       threshold=st.sampled_from([None, 1, 4]), native=st.sampled_from([None, False]))
-def test_random_steps_with_drafts_match_the_oracle(seed, layout, threshold, native):
+       threshold=st.sampled_from([None, 1, 4]), native=st.sampled_from([None, False]), packed=st.booleans())
+def test_random_steps_with_drafts_match_the_oracle(seed, layout, threshold, native, packed):
     """``seed`` drives the steps (a ``random.Random``: 45 steps draw more randomness than
     hypothesis' own buffer holds); ``threshold = 4``: verifying rows among the decodes."""
     rng = random.Random(seed)
@@ -69,9 +82,11 @@ def test_random_steps_with_drafts_match_the_oracle(seed, layout, threshold, nati
     for _ in range(STEPS_PER_EXAMPLE):
         so = sched.step()
         spec = add_drafts(rng, sched, so, oracle)
-        plan = sc.checker.plan(so)
+        plan = sc.checker.plan(packed_form(so, len(block_sizes)) if packed else so)
         sc.apply(plan)
         COUNT["native" if sc.checker.last_scanned else "numpy"] += 1
+        COUNT["packed"] += packed
+        COUNT["packed_native"] += packed and sc.checker.last_scanned
         oracle.update_states(so)
         inp, ref = sc.prepare_inputs(so), oracle.prepare_inputs(so)
         compare(sc, oracle, inp, ref)
@@ -112,3 +127,4 @@ def test_zz_enough_steps_with_drafts_ran():
         pytest.skip("tests/mutate.py runs fewer examples")
     assert COUNT["steps"] >= 2000 and COUNT["draft_steps"] >= 300, COUNT
     assert COUNT["partial"] > 50 and COUNT["accepted"] > 0 and COUNT["numpy"] > 0, COUNT
+    assert COUNT["packed"] >= 300 and (NATIVE is None or COUNT["packed_native"] >= 100), COUNT
