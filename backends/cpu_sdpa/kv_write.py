@@ -81,7 +81,8 @@ def takes(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slots:
     """The module is built and the tensors are in the layouts :func:`write` runs on (its
     docstring)."""
     return (_kv_write is not None and kv_cache.dim() == 5 and kv_cache.device.type == "cpu"
-            and kv_cache.is_contiguous() and kv_cache.shape[1] == 2 and _rows_ok(key, kv_cache) and _rows_ok(value, kv_cache)
+            and kv_cache.is_contiguous() and kv_cache.shape[1] == 2
+            and _rows_ok(key, kv_cache) and _rows_ok(value, kv_cache)
             and key.shape[0] == value.shape[0]
             and slots.dtype == torch.int64 and token_indices.dtype == torch.int64
             and slots.dim() == 1 and slots.shape == token_indices.shape

@@ -80,7 +80,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, own
 
 
 _F_LINEAR = nn.functional.linear
-_LINEAR_POINTWISE = torch.ops.mkldnn._linear_pointwise.default if ENABLED else None
+_LINEAR_POINTWISE = (torch.ops.mkldnn._linear_pointwise.default if hasattr(torch.ops.mkldnn, "_linear_pointwise")
+                     else None)
 _NO_SCALARS: list = []  # the op's empty post-op scalars (read, never written)
 
 
