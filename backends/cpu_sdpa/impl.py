@@ -58,6 +58,7 @@ from attnplug.backends.torch_native.builder import AttentionSegment, TorchNative
 from attnplug.backends.torch_native.impl import TorchNativeAttentionImpl
 from attnplug.backends.cpu_sdpa import kv_write, paged
 from attnplug.backends.cpu_sdpa.builder import DecodeBucket, FreshPrefill
+from attnplug.core import switches
 from attnplug.core.contracts import AttentionType
 from attnplug.core.errors import MetadataError
 from attnplug.core.kv_quant import dequantize_kv, is_quantized
@@ -98,6 +99,9 @@ class CpuSdpaAttentionImpl(TorchNativeAttentionImpl):
         super().__init__(num_heads, head_size, scale, num_kv_heads, sliding_window, logits_soft_cap, attn_type,
                          kv_cache_dtype)
         self._kernel_ok: dict[tuple, bool] = {}
+        self._validate_every_layer = switches.flag("ATTNPLUG_VALIDATE")
+        """``ATTNPLUG_VALIDATE=1``: the kernel path's checks on every layer, not once per step
+        and geometry (:meth:`_checked`)."""
 
     def forward(self, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: TorchNativeMetadata,
@@ -160,9 +164,52 @@ class CpuSdpaAttentionImpl(TorchNativeAttentionImpl):
 
     def _forward_paged(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                        md, output: torch.Tensor) -> torch.Tensor:
-        """``forward`` on the kernel's metadata (``md.paged_reqs`` set): checks, the K/V
-        write, one kernel call for the rows of ``md.paged_reqs`` (every row on a soft-capped
-        layer), SDPA for each of ``md.sdpa_segments``."""
+        """``forward`` on the kernel's metadata (``md.paged_reqs`` set): checks (:meth:`_checked`),
+        the K/V write, one kernel call for the rows of ``md.paged_reqs`` (every row on a
+        soft-capped layer), SDPA for each of ``md.sdpa_segments``."""
+        capped = self.logits_soft_cap is not None  # SDPA has no soft-cap: every row on the kernel
+        reqs = md.paged_all_reqs if capped else md.paged_reqs
+        c_write = self._checked(query, key, value, kv_cache, md, output, reqs)
+        if not c_write:  # the C copy does not take these tensors: the torch write
+            write_to_paged_cache(key, value, kv_cache, md.write_slots, md.write_token_indices)
+        else:  # slots and token indices checked in C before the copy
+            kv_write.write_taken(key, value, kv_cache, md.write_slots, md.write_token_indices)
+        if reqs.shape[0]:  # the metadata's values checked in C before any read
+            paged.paged_attention_checked(output, query, kv_cache, md.block_table_tensor, md.query_start_loc,
+                                          md.seq_lens, reqs, scale=self.scale, sliding_window=self.sliding_window,
+                                          logits_soft_cap=self.logits_soft_cap, causal=md.causal)
+        for seg in () if capped else md.sdpa_segments:  # the prompts kernel_takes leaves: SDPA
+            self._attend_into(output, query, key, value, kv_cache, md, seg)
+        return output
+
+    def _checked(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, md,
+                 output: torch.Tensor, reqs: torch.Tensor) -> bool:
+        """:meth:`_forward_paged`'s checks, before anything is written; returns whether the C
+        K/V copy takes the tensors (``kv_write.takes``).
+
+        The checks — ``torch_native``'s of the tensors against the layer and the metadata,
+        the block table's largest id and the written slots against ``kv_cache``, the
+        kernel's rows (``paged.check_metadata``) and the kernel's tensor layouts
+        (``paged.check_call``) — depend only on the metadata object, the layer's
+        attention parameters and the tensors' dtypes, devices, shapes and strides. They run
+        for the first layer of a step with a given combination of those; the layers after it
+        with the same combination reuse the outcome, remembered on the metadata object
+        (``md.__dict__``: it lives for one step). With ``ATTNPLUG_VALIDATE=1`` (read at
+        construction) every layer runs them. What the C code reads or writes (block ids,
+        lengths, ``query_start_loc``, slots, token indices) is checked in C on every call."""
+        memo = None
+        if not self._validate_every_layer:
+            sig = (self.num_heads, self.num_kv_heads, self.head_size, self.sliding_window, self.logits_soft_cap,
+                   query.dtype, query.device, query.shape, query.stride(), key.dtype, key.device, key.shape,
+                   key.stride(), value.dtype, value.device, value.shape, value.stride(), output.dtype,
+                   output.device, output.shape, output.stride(), kv_cache.dtype, kv_cache.device, kv_cache.shape,
+                   kv_cache.stride())
+            memo = md.__dict__.get("_cpu_sdpa_checked")
+            if memo is None:
+                memo = md.__dict__["_cpu_sdpa_checked"] = {}
+            hit = memo.get(sig)
+            if hit is not None:
+                return hit
         self._check(query, key, value, kv_cache, md, output)
         if md.max_block_id >= kv_cache.shape[0]:
             raise MetadataError(f"cpu_sdpa forward: the block table names block {md.max_block_id}, the KV cache "
@@ -171,20 +218,16 @@ class CpuSdpaAttentionImpl(TorchNativeAttentionImpl):
         if lo < 0 or hi >= kv_cache.shape[0] * kv_cache.shape[2]:
             raise MetadataError(f"cpu_sdpa forward: slot_mapping holds slot {lo if lo < 0 else hi}, outside the KV "
                                 f"cache's {kv_cache.shape[0] * kv_cache.shape[2]} slots; the cache is unchanged")
-        capped = self.logits_soft_cap is not None  # SDPA has no soft-cap: every row on the kernel
-        reqs = md.paged_all_reqs if capped else md.paged_reqs
         if reqs.shape[0]:  # before the write: bad metadata changes nothing
             paged.check_metadata(query.shape[0], kv_cache, md.block_table_tensor, md.query_start_loc, md.seq_lens,
                                  reqs, sliding_window=self.sliding_window, causal=md.causal)
-        if not kv_write.write(key, value, kv_cache, md.write_slots, md.write_token_indices):  # C, else torch
-            write_to_paged_cache(key, value, kv_cache, md.write_slots, md.write_token_indices)
-        if reqs.shape[0]:
-            paged.paged_attention(output, query, kv_cache, md.block_table_tensor, md.query_start_loc, md.seq_lens,
-                                  reqs, scale=self.scale, sliding_window=self.sliding_window,
-                                  logits_soft_cap=self.logits_soft_cap, causal=md.causal)
-        for seg in () if capped else md.sdpa_segments:  # the prompts kernel_takes leaves: SDPA
-            self._attend_into(output, query, key, value, kv_cache, md, seg)
-        return output
+            paged.check_call(output, query, kv_cache, md.block_table_tensor, md.query_start_loc, md.seq_lens, reqs,
+                             sliding_window=self.sliding_window, causal=md.causal,
+                             logits_soft_cap=self.logits_soft_cap)
+        c_write = kv_write.takes(key, value, kv_cache, md.write_slots, md.write_token_indices)
+        if memo is not None:
+            memo[sig] = c_write
+        return c_write
 
     def _kernel_takes(self, query: torch.Tensor, kv_cache: torch.Tensor, causal: bool) -> bool:
         """The paged kernel runs this call (``paged_kernel`` on, ``paged.unsupported`` says

@@ -47,8 +47,18 @@ def write(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slots:
         MetadataError: a slot outside the cache or a token index outside ``key``'s rows
             (checked before anything is written: the cache is unchanged).
     """
-    if _kv_write is None or not _takes(key, value, kv_cache, slots, token_indices):
+    if not takes(key, value, kv_cache, slots, token_indices):
         return False
+    write_taken(key, value, kv_cache, slots, token_indices)
+    return True
+
+
+def write_taken(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor,
+                token_indices: torch.Tensor) -> None:
+    """:func:`write` for tensors :func:`takes` said yes to (or of the same dtypes, devices,
+    shapes and strides: ``cpu_sdpa``'s impl asks once per step and layer geometry); the
+    slots and token indices are still checked in C before anything is written.
+    Raises ``MetadataError`` as :func:`write` does."""
     num_blocks, _, block_size, heads, head_size = kv_cache.shape
     size = key.element_size()
     n = slots.shape[0]
@@ -59,7 +69,6 @@ def write(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slots:
         raise MetadataError(f"cpu_sdpa K/V write: write {bad} has slot {int(slots[bad])} (the cache has "
                             f"{num_blocks * block_size}) and token index {int(token_indices[bad])} (the step has "
                             f"{key.shape[0]} rows); the cache is unchanged")
-    return True
 
 
 def _rows_ok(x: torch.Tensor, kv_cache: torch.Tensor) -> bool:
@@ -67,10 +76,13 @@ def _rows_ok(x: torch.Tensor, kv_cache: torch.Tensor) -> bool:
             and x.shape[1:] == kv_cache.shape[3:] and x.stride(2) == 1 and x.stride(1) == x.shape[2])
 
 
-def _takes(key, value, kv_cache, slots, token_indices) -> bool:
-    """The layouts ``write`` runs on (its docstring)."""
-    return (kv_cache.dim() == 5 and kv_cache.device.type == "cpu" and kv_cache.is_contiguous()
-            and kv_cache.shape[1] == 2 and _rows_ok(key, kv_cache) and _rows_ok(value, kv_cache)
+def takes(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor,
+          token_indices: torch.Tensor) -> bool:
+    """The module is built and the tensors are in the layouts :func:`write` runs on (its
+    docstring)."""
+    return (_kv_write is not None and kv_cache.dim() == 5 and kv_cache.device.type == "cpu"
+            and kv_cache.is_contiguous() and kv_cache.shape[1] == 2
+            and _rows_ok(key, kv_cache) and _rows_ok(value, kv_cache)
             and key.shape[0] == value.shape[0]
             and slots.dtype == torch.int64 and token_indices.dtype == torch.int64
             and slots.dim() == 1 and slots.shape == token_indices.shape
@@ -78,4 +90,4 @@ def _takes(key, value, kv_cache, slots, token_indices) -> bool:
             and slots.device.type == "cpu" and token_indices.device.type == "cpu")
 
 
-__all__ = ["available", "write"]
+__all__ = ["available", "takes", "write", "write_taken"]

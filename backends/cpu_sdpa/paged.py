@@ -107,8 +107,23 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, kv_cache: torch.Tens
     The C code runs without the GIL (other Python threads go on): no other thread may
     resize, free or write these tensors during the call.
     """
-    _check(out, query, kv_cache, block_table, query_start_loc, seq_lens, reqs, sliding_window, causal,
-           logits_soft_cap)
+    check_call(out, query, kv_cache, block_table, query_start_loc, seq_lens, reqs, sliding_window=sliding_window,
+               causal=causal, logits_soft_cap=logits_soft_cap)
+    return paged_attention_checked(out, query, kv_cache, block_table, query_start_loc, seq_lens, reqs, scale=scale,
+                                   sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, causal=causal,
+                                   num_threads=num_threads)
+
+
+def paged_attention_checked(out: torch.Tensor, query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                            query_start_loc: torch.Tensor, seq_lens: torch.Tensor, reqs: torch.Tensor, *,
+                            scale: float, sliding_window: int | None = None, logits_soft_cap: float | None = None,
+                            causal: bool = True, num_threads: int | None = None) -> torch.Tensor:
+    """:func:`paged_attention` without its Python checks of dtypes, devices, ranks and layouts:
+    for a caller that ran :func:`check_call` on tensors of the same dtypes, shapes and
+    strides (``cpu_sdpa``'s impl does once per step and layer geometry: the checks cost
+    ~10 µs a call, docs/performance.md). The metadata's values are still checked in C
+    before anything is read or written (``MetadataError`` as :func:`paged_attention`).
+    Arguments and result: :func:`paged_attention`'s."""
     num_tokens, num_heads, head_size = query.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
     st = kv_cache.stride()
@@ -148,8 +163,13 @@ def _window(sliding_window: int | None) -> int:
     return min(int(sliding_window or 0), 2 ** 31 - 1)
 
 
-def _check(out, query, kv_cache, block_table, query_start_loc, seq_lens, reqs, sliding_window, causal,
-           logits_soft_cap) -> None:
+def check_call(out: torch.Tensor, query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+               query_start_loc: torch.Tensor, seq_lens: torch.Tensor, reqs: torch.Tensor, *,
+               sliding_window: int | None = None, causal: bool = True, logits_soft_cap: float | None = None) -> None:
+    """:func:`paged_attention`'s checks of everything but the metadata's values (those run
+    in C on every call): the kernel takes the dtypes, head size and window
+    (:func:`unsupported`), the tensors' ranks, shapes, devices and layouts, the index
+    tensors' dtypes. Arguments: :func:`paged_attention`'s. Raises ``ValueError`` as it does."""
     reason = unsupported(query.dtype, kv_cache.dtype, query.shape[-1] if query.dim() == 3 else 0, causal,
                          sliding_window)
     if reason is not None:
@@ -176,4 +196,5 @@ def _check(out, query, kv_cache, block_table, query_start_loc, seq_lens, reqs, s
                              + (", contiguous" if dim == 1 else "") + f" (got {t.dtype}, {tuple(t.shape)})")
 
 
-__all__ = ["ENV_SWITCH", "HEAD_SIZE_MULTIPLE", "available", "check_metadata", "paged_attention", "unsupported"]
+__all__ = ["ENV_SWITCH", "HEAD_SIZE_MULTIPLE", "available", "check_call", "check_metadata", "paged_attention",
+           "paged_attention_checked", "unsupported"]

@@ -89,7 +89,10 @@ def takes(x: torch.Tensor) -> bool:
 
 
 def _layout_ok(x: torch.Tensor) -> bool:
-    return x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() > 0 and x.stride(-1) == 1
+    return x.dtype is _F32 and x.is_cpu and x.dim() > 0 and x.stride(-1) == 1  # cheapest tests first
+
+
+_F32 = torch.float32
 
 
 def set_wait_passive(passive: bool) -> None:

@@ -41,8 +41,8 @@ def test_wrong_backend_is_flagged(monkeypatch, capsys):
 def test_wrong_paged_kernel_is_flagged(monkeypatch, capsys):
     if not paged.available():
         pytest.skip("the compiled paged kernel is not built")
-    real = paged.paged_attention
-    monkeypatch.setattr(paged, "paged_attention", lambda *a, **kw: real(*a, **kw).mul_(1.5))
+    real = paged.paged_attention_checked  # what cpu_sdpa's impl calls after its checks
+    monkeypatch.setattr(paged, "paged_attention_checked", lambda *a, **kw: real(*a, **kw).mul_(1.5))
     assert bench_main(TINY) == 1
     assert "error: wrong result" in capsys.readouterr().out
 

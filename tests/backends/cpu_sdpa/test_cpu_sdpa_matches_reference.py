@@ -88,13 +88,13 @@ def _path(monkeypatch, path: str):
         pytest.skip("the compiled paged kernel is not built")
     if path == "no_module":
         monkeypatch.setattr(paged, "_paged", None)
-    calls, real = [0], paged.paged_attention
+    calls, real = [0], paged.paged_attention_checked  # what the impl calls after its checks
 
     def counted(*args, **kwargs):
         calls[0] += 1
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(paged, "paged_attention", counted)
+    monkeypatch.setattr(paged, "paged_attention_checked", counted)
     return (CpuSdpaGatherBackend if path == "gather" else CpuSdpaBackend), calls
 
 

@@ -86,7 +86,7 @@ def test_kernel_matches_torch_native_on_random_paged_layouts(layout):
     num_heads, num_kv_heads, head_size, block_size, step, window, cap, dtype, seed = layout
     args = _inputs(num_heads, num_kv_heads, head_size, block_size, step, window, dtype, seed)
     expected = _forward(TorchNativeBackend, num_heads, num_kv_heads, head_size, window, cap, *args)[0]
-    calls, real, real_native = [0], paged.paged_attention, TorchNativeAttentionImpl.forward
+    calls, real, real_native = [0], paged.paged_attention_checked, TorchNativeAttentionImpl.forward
 
     def counted(*a, **kw):
         calls[0] += 1
@@ -95,11 +95,11 @@ def test_kernel_matches_torch_native_on_random_paged_layouts(layout):
     def no_fallback(*a, **kw):
         raise AssertionError("cpu_sdpa fell back to the torch_native path")
 
-    paged.paged_attention, TorchNativeAttentionImpl.forward = counted, no_fallback
+    paged.paged_attention_checked, TorchNativeAttentionImpl.forward = counted, no_fallback
     try:
         got, md, kv = _forward(CpuSdpaBackend, num_heads, num_kv_heads, head_size, window, cap, *args)
     finally:
-        paged.paged_attention, TorchNativeAttentionImpl.forward = real, real_native
+        paged.paged_attention_checked, TorchNativeAttentionImpl.forward = real, real_native
     on_kernel = any(kernel_takes(s, c + s, head_size, dtype) for c, s in step)
     assert calls[0] == (on_kernel or cap is not None)
     assert torch.isfinite(got).all()
