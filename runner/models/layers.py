@@ -68,7 +68,10 @@ class SwiGLUMLP(FusedProjections, nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``[num_tokens, hidden_size]`` -> the same shape and dtype."""
         gate, up = self.project("gate_up", x)  # torch's silu: vectorised exp (cpu_ops.py's docstring)
-        return self.down_proj(nn.functional.silu(gate) * up)
+        # the product into silu's fresh output: one [num_tokens, intermediate_size] buffer, not two
+        # (the same bytes as ``silu(gate) * up``); under autograd the out-of-place form
+        act = nn.functional.silu(gate)
+        return self.down_proj(act * up if torch.is_grad_enabled() else act.mul_(up))
 
 
 class Attention(FusedProjections, nn.Module):
