@@ -62,6 +62,23 @@ def test_an_appended_block_the_row_already_holds_is_refused(native):
     assert sc.prepare_inputs().slot_mapping[0].tolist()[:1] == [20]
 
 
+@pytest.mark.parametrize("native", PATHS)
+@pytest.mark.parametrize("appended", [([4],), ([5, 4],)])  # one block (the decode case), or two
+def test_an_appended_block_equal_to_the_rows_largest_held_id_is_refused(native, appended):
+    """The held ids are read only for an appended id at or below the row's
+    ``block_id_bound`` (its largest held id here): the id equal to it is read and refused,
+    in the second row of the step (the first appends a fresh id)."""
+    sc = StepCompiler([4], 2, 32, 16, native=native, validate=True)
+    sc.update_states(SchedulerOutput([NewRequestData("q", list(range(8)), ([1, 2],)),
+                                      NewRequestData("r", list(range(8)), ([3, 4],))], CachedRequestData(),
+                                     {"q": 8, "r": 8}))
+    sc.prepare_inputs()
+    sc.append_output_tokens(["q", "r"], [9, 9])
+    so = SchedulerOutput([], CachedRequestData(["q", "r"], [False] * 2, [[], []], [([6],), appended], [8, 8]),
+                         {"q": 1, "r": 1})
+    _refused(sc, so, "r", "new_block_ids", "block id 4 appears twice")
+
+
 def _window_request_at_20(native: bool) -> StepCompiler:
     """One request in a sliding-window group (W 6, blocks of 4, kernel blocks of 2) at
     ``num_computed_tokens`` 20: the runner nulled blocks 0..2 (keys 0..11)."""
