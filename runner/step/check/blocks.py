@@ -115,6 +115,9 @@ def check_appends_distinct(lay: StepLayout, batch: InputBatch, reqs: dict[str, C
     ones (or, with no such row, one compare of the new lists, ``repeated_block``)."""
     m = ap.sel.shape[0]
     rows = rows_c[ap.sel]
+    if ap.one_each and rows.min() >= 0:  # the decode case, every row in the batch
+        if (ap.flat.reshape(lay.num_groups, m) > batch.block_table.block_id_bound.take(rows, axis=1)).all():
+            return  # every new id lies above all ids its row holds (a pool handing out growing ids)
     readd = np.flatnonzero(rows < 0).tolist()
     safe_rows = np.maximum(rows, 0)
     off = 0
