@@ -115,9 +115,12 @@ def check_appends_distinct(lay: StepLayout, batch: InputBatch, reqs: dict[str, C
     ones (or, with no such row, one compare of the new lists, ``repeated_block``)."""
     m = ap.sel.shape[0]
     rows = rows_c[ap.sel]
-    if ap.one_each and rows.min() >= 0:  # the decode case, every row in the batch
-        if (ap.flat.reshape(lay.num_groups, m) > batch.block_table.block_id_bound.take(rows, axis=1)).all():
-            return  # every new id lies above all ids its row holds (a pool handing out growing ids)
+    if rows.min() >= 0 and _above_bounds(lay, batch, rows, ap):  # no row can hold its new ids
+        if not ap.one_each:  # the new lists alone, all groups at once (group-major: lowest group first)
+            dup = repeated_block(ap.flat, ap.lens.ravel())
+            if dup is not None:
+                err(C[int(ap.sel[dup[0] % m])], "new_block_ids", repeated_block_message(dup[0] // m, dup[1]))
+        return
     readd = np.flatnonzero(rows < 0).tolist()
     safe_rows = np.maximum(rows, 0)
     off = 0
@@ -170,6 +173,15 @@ def check_appends_distinct(lay: StepLayout, batch: InputBatch, reqs: dict[str, C
                     found = (j, int(new[j]))
         if found is not None:
             err(C[int(ap.sel[found[0]])], "new_block_ids", repeated_block_message(g, found[1]))
+
+
+def _above_bounds(lay: StepLayout, batch: InputBatch, rows: np.ndarray, ap: BlockAppends) -> bool:
+    """Every appended id lies above its row's ``block_id_bound`` in its group (rows all in
+    the batch): no row holds one of its new ids (a pool handing out growing ids)."""
+    bounds = batch.block_table.block_id_bound.take(rows, axis=1)  # [G, m]
+    if ap.one_each:
+        return bool((ap.flat.reshape(bounds.shape) > bounds).all())
+    return bool((ap.flat > np.repeat(bounds.ravel(), ap.lens.ravel())).all())
 
 
 def block_deltas(lay: StepLayout, batch: InputBatch, reqs: dict[str, CachedRequestState], cached: CachedDeltas,

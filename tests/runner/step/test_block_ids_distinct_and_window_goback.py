@@ -79,6 +79,21 @@ def test_an_appended_block_equal_to_the_rows_largest_held_id_is_refused(native, 
     _refused(sc, so, "r", "new_block_ids", "block id 4 appears twice")
 
 
+@pytest.mark.parametrize("native", PATHS)
+def test_a_block_twice_in_an_appended_list_names_its_request_and_group(native):
+    """Appended ids above every held one (no held id is read): the new lists alone are
+    checked, all groups at once; the error names the third request and group 1."""
+    sc = StepCompiler([4, 4], 3, 32, 32, native=native, validate=True, num_blocks=32)
+    sc.update_states(SchedulerOutput([NewRequestData(r, list(range(8)), ([2 * i + 1, 2 * i + 2],) * 2)
+                                      for i, r in enumerate("pqr")], CachedRequestData(), dict.fromkeys("pqr", 8)))
+    sc.prepare_inputs()
+    sc.append_output_tokens(list("pqr"), [9, 9, 9])
+    appended = [([10, 11], [10, 11]), ([12, 13], [12, 13]), ([14, 15], [16, 16])]
+    so = SchedulerOutput([], CachedRequestData(list("pqr"), [False] * 3, [[]] * 3, appended, [8] * 3),
+                         dict.fromkeys("pqr", 1))
+    _refused(sc, so, "r", "new_block_ids", "group 1: block id 16 appears twice")
+
+
 def _window_request_at_20(native: bool) -> StepCompiler:
     """One request in a sliding-window group (W 6, blocks of 4, kernel blocks of 2) at
     ``num_computed_tokens`` 20: the runner nulled blocks 0..2 (keys 0..11)."""
