@@ -115,7 +115,7 @@ def check_appends_distinct(lay: StepLayout, batch: InputBatch, reqs: dict[str, C
     ones (or, with no such row, one compare of the new lists, ``repeated_block``)."""
     m = ap.sel.shape[0]
     rows = rows_c[ap.sel]
-    if rows.min() >= 0 and _above_bounds(lay, batch, rows, ap):  # no row can hold its new ids
+    if _MIN(rows) >= 0 and _above_bounds(lay, batch, rows, ap):  # no row can hold its new ids
         if not ap.one_each:  # the new lists alone, all groups at once (group-major: lowest group first)
             dup = repeated_block(ap.flat, ap.lens.ravel())
             if dup is not None:
@@ -180,8 +180,12 @@ def _above_bounds(lay: StepLayout, batch: InputBatch, rows: np.ndarray, ap: Bloc
     the batch): no row holds one of its new ids (a pool handing out growing ids)."""
     bounds = batch.block_table.block_id_bound.take(rows, axis=1)  # [G, m]
     if ap.one_each:
-        return bool((ap.flat.reshape(bounds.shape) > bounds).all())
-    return bool((ap.flat > np.repeat(bounds.ravel(), ap.lens.ravel())).all())
+        return bool(_ALL(ap.flat.reshape(bounds.shape) > bounds, axis=None))
+    return bool(_ALL(ap.flat > np.repeat(bounds.ravel(), ap.lens.ravel())))
+
+
+_MIN = np.minimum.reduce
+_ALL = np.logical_and.reduce  # (ndarray.min / .all without their Python wrappers)
 
 
 def block_deltas(lay: StepLayout, batch: InputBatch, reqs: dict[str, CachedRequestState], cached: CachedDeltas,

@@ -194,3 +194,15 @@ def test_repeated_block_agrees_with_a_per_list_search():
         assert (got is None) == (want is None), (lists, got)
         if want is not None:
             assert got[0] == want[0] and lists[got[0]].count(got[1]) > 1, (lists, got)
+
+
+def test_a_repeat_inside_a_list_is_found_behind_an_empty_list():
+    """``repeated_block``'s one-compare case (descents only where lists end) counts each
+    list end once: an empty list (two ends at one index) does not hide a repeat inside
+    the next list."""
+    import numpy as np
+
+    from attnplug.runner.step.check.lists import repeated_block
+    flat = np.array([5, 6, 1, 2, 3, 3], dtype=np.int32)
+    assert repeated_block(flat, [2, 0, 4]) == (2, 3)
+    assert repeated_block(np.array([5, 6, 1, 2, 3, 4], dtype=np.int32), [2, 0, 4]) is None
