@@ -54,7 +54,6 @@ from attnplug.runner.step.placeholders import (
     append_placeholders,
     fill_output_tokens,
     finish_patch,
-    patch_host,
 )
 from attnplug.runner.step.plan import UpdatePlan
 from attnplug.runner.step.prepare import InputPreparer, StepInputs
@@ -177,12 +176,15 @@ class StepCompiler:
         self.mm: MultiModalStore | None = MultiModalStore() if multimodal is not None else None
         """The M-RoPE prompt positions of resident requests with images (``None``: not enabled)."""
         self._preparer = InputPreparer(max_num_reqs, max_model_len, max_num_batched_tokens, self.device, kernels)
-        self._host_device = self._preparer.buffers.input_ids.aliased
-        """The step's device buffers are its host buffers (a CPU device)."""
         self.validate = switches.flag("ATTNPLUG_VALIDATE") if validate is None else bool(validate)
-        self.patch_counts = {"slice": 0, "scatter": 0}
-        """Asynchronous scheduling: steps whose ``input_ids`` took the previous step's device
-        tokens by one slice copy, or by a scatter (rows moved)."""
+
+    @property
+    def patch_counts(self) -> dict[str, int]:
+        """Asynchronous scheduling: how many steps' ``input_ids`` took the previous step's
+        device tokens by one slice copy (``"slice"``), or by a scatter (``"scatter"``: rows
+        moved); counted by the kernels in ``PrepareBuffers.patch_steps``."""
+        slice_steps, scatter_steps = self._preparer.buffers.patch_steps.tolist()
+        return {"slice": slice_steps, "scatter": scatter_steps}
 
     # --- the step -----------------------------------------------------------------------
     def update_states(self, scheduler_output: SchedulerOutput) -> None:
@@ -251,11 +253,12 @@ class StepCompiler:
             self._check_step_size(scheduler_output, inputs.num_actual_tokens, num_tokens_padded)
         else:
             prep = self._preparer
-            inputs = prep.prepare(b, self.group_kinds, num_tokens_padded, (
-                patch_host(prev_token_ids, self._host_device), _expected_tokens(scheduler_output)))
+            inputs = prep.prepare(b, self.group_kinds, num_tokens_padded, prev_token_ids,
+                                  _expected_tokens(scheduler_output))
             self._check_step_size(scheduler_output, inputs.num_actual_tokens, num_tokens_padded)
-            if prep.patch[0]:  # some token of this step is a placeholder
-                self.patch_counts[finish_patch(prep.buffers, prep.patch, prev_token_ids, inputs.input_ids)] += 1
+            patch = prep.patch
+            if patch[0] and not patch[2]:  # placeholders the kernels did not overwrite (not a CPU device)
+                finish_patch(prep.buffers, patch, prev_token_ids, inputs.input_ids)
         if self.prompt_embeds is not None:
             self._fill_embeds(inputs)
         if self.mrope is not None:

@@ -30,6 +30,9 @@ from attnplug.core.errors import MetadataError
 from attnplug.runner.step.kernels import NumpyKernels, StepKernels
 from attnplug.runner.step.request_state import CachedRequestState
 
+_max_of = np.maximum.reduce
+"""``ndarray.max`` without its Python wrapper (a new row's block-id bound)."""
+
 
 class InputBatch:
     """Preallocated columns for up to ``max_num_reqs`` requests.
@@ -214,7 +217,7 @@ class InputBatch:
                 if bt.kernel_blocks_per_block == 1:  # fill_vacant_row, inline (the common case)
                     n = ids.shape[0]
                     bt.block_table_np[row, :n] = ids
-                    bt.block_id_bound[row] = ids.max() if n else 0  # (kept with every write)
+                    bt.block_id_bound[row] = _max_of(ids) if n else 0  # (kept with every write)
                     counts[row] = n
                 else:
                     bt.fill_vacant_row(ids, row)  # vacant rows hold no blocks; capacity checked above

@@ -32,7 +32,7 @@ import torch
 
 from attnplug.cache_groups.buffers import CpuGpuBuffer
 from attnplug.runner.step.fast import NATIVE
-from attnplug.runner.step.numpy_kernels import NumpyKernels, merge_cached_numpy
+from attnplug.runner.step.numpy_kernels import NumpyKernels, merge_cached_numpy, writes_host_tokens
 from attnplug.runner.step.plan import ScanBuffers
 
 if TYPE_CHECKING:
@@ -82,6 +82,10 @@ class PrepareBuffers:
     """``[M]`` ``int64`` asynchronous patch: token indices of this step (``placeholders.py``)."""
     patch_src: np.ndarray
     """``[M]`` ``int64`` asynchronous patch: indices into the previous step's sampled tensor."""
+    patch_steps: np.ndarray
+    """``[2]`` ``int64`` asynchronous patch: how many steps ``prepare_patched`` patched by
+    one slice copy (rows kept their order: ``dest == src == arange(k)``) and by a scatter
+    (``StepCompiler.patch_counts``)."""
     spec_views: dict = field(default_factory=dict)
     """On a CPU device (the buffers are their own device tensors): ``(kept rows, drafts)`` →
     the five ``spec_*`` prefix views ``spec_decode_metadata`` hands out (made once per shape)."""
@@ -96,7 +100,7 @@ class PrepareBuffers:
                    i64(M), np.zeros(T, np.int64), np.zeros(M, bool),
                    np.zeros(M, bool), np.arange(max(T, M) + 1, dtype=np.int64), np.zeros(T, np.int64),
                    np.arange(M, dtype=np.int64) * max_model_len, i64(T), i64(T), i64(M), i64(M), i64(T),
-                   np.zeros(M, np.int64), np.zeros(M, np.int64))
+                   np.zeros(M, np.int64), np.zeros(M, np.int64), np.zeros(2, np.int64))
 
 
 class StepKernels(Protocol):
@@ -158,14 +162,17 @@ class StepKernels(Protocol):
             ``(num_kept_rows, num_drafts, draft count per kept row)``."""
 
     def prepare_patched(self, batch: Any, bufs: PrepareBuffers, writes_slots: tuple[bool, ...], R: int,
-                        num_tokens_padded: int | None, prev_host: torch.Tensor | None, expected: int
+                        num_tokens_padded: int | None, prev_token_ids: torch.Tensor, expected: int
                         ) -> tuple[int, int, int, int, bool, bool]:
         """Asynchronous scheduling: :meth:`prepare` and the patch of this step's
         ``input_ids`` (``runner/step/placeholders.py``): plan it into ``bufs.patch_dest`` /
-        ``bufs.patch_src`` (``dest`` ascending) and consume rows ``0 .. R - 1``'s
-        ``prev_sampled_index`` (-1 afterwards); with ``prev_host`` (the previous step's
-        tokens, ``[n]``, a contiguous ``int64`` CPU tensor: the device is the CPU;
-        ``placeholders.patch_host``), also write them into the host ``input_ids``.
+        ``bufs.patch_src`` (``dest`` ascending; a contiguous plan, ``arange(k)``, need not be
+        written there), consume rows ``0 .. R - 1``'s ``prev_sampled_index`` (-1
+        afterwards) and count the step in ``bufs.patch_steps`` when ``k > 0``. ``prev_token_ids``: the previous step's sampled tokens, ``[n]``
+        integer, on the device; when :func:`~attnplug.runner.step.numpy_kernels.writes_host_tokens`
+        (a CPU device and a contiguous 1-D ``int64`` CPU tensor) the kernels also write
+        them into the host ``input_ids``, else the caller copies them on the device
+        (``placeholders.finish_patch``).
 
         The patch is applied only when the step passes the caller's next check:
         ``num_actual_tokens == expected`` (``-1``: no check) and ``num_tokens_padded`` is
@@ -177,7 +184,7 @@ class StepKernels(Protocol):
             ``written``: the tokens were written.
 
         Raises:
-            IndexError: as :meth:`prepare`, or a source index outside ``prev_host``
+            IndexError: as :meth:`prepare`, or a source index outside ``prev_token_ids``
                 (nothing consumed)."""
 
 
@@ -252,7 +259,8 @@ class CompiledKernels:
             bufs.input_ids.np, bufs.seq_lens.np, bufs.logits_indices.np, bufs.req_indices, bufs.discard,
             bufs.is_prefilling, [bt.block_table_np if w else None for bt, w in zip(tabs, writes_slots)],
             [bt.slot_mapping.np for bt in tabs], [bt.block_size for bt in tabs])
-        prep.bind_patch(batch.prev_sampled_index, batch.prev_sampled_pos, bufs.patch_dest, bufs.patch_src)
+        prep.bind_patch(batch.prev_sampled_index, batch.prev_sampled_pos, bufs.patch_dest, bufs.patch_src,
+                        bufs.patch_steps)
         self._prep = (batch, bufs, writes_slots, prep)
         return prep
 
@@ -332,14 +340,17 @@ class CompiledKernels:
                 bufs.spec_draft_ids.np))
         return op[2].layout(R)
 
-    def prepare_patched(self, batch, bufs, writes_slots, R, num_tokens_padded, prev_host, expected):
+    def prepare_patched(self, batch, bufs, writes_slots, R, num_tokens_padded, prev_token_ids, expected):
         prep = self._prepare_loop(batch, bufs, writes_slots)
         P = -1 if num_tokens_padded is None else num_tokens_padded
-        if prev_host is None:
-            return prep.prepare_patched(R, P, 0, 0, expected)
-        return prep.prepare_patched(R, P, prev_host.data_ptr(), prev_host.numel(), expected)  # (1-D)
+        t = prev_token_ids  # writes_host_tokens(t, bufs), inline (one call less per step)
+        if bufs.input_ids.aliased and t.dtype is _INT64 and t.is_cpu and t.stride() == _UNIT_STRIDE:
+            return prep.prepare_patched(R, P, t.data_ptr(), t.numel(), expected)
+        return prep.prepare_patched(R, P, 0, 0, expected)
 
 
+_INT64 = torch.int64
+_UNIT_STRIDE = (1,)
 _NO_SEL = np.zeros(0, np.int64)
 _NO_STARTS = np.zeros((1, 0), np.int64)
 _NO_IDS = np.zeros(0, np.int32)
@@ -359,4 +370,4 @@ def kernels_available() -> bool:
 
 
 __all__ = ["CompiledKernels", "NumpyKernels", "PrepareBuffers", "StepKernels", "choose_kernels",
-           "kernels_available"]
+           "kernels_available", "writes_host_tokens"]

@@ -10,6 +10,7 @@ import struct
 from typing import Any, Sequence
 
 import numpy as np
+import torch
 
 from attnplug.cache_groups.ragged import cumsum_and_arange, repeat_indices
 from attnplug.core.constants import PAD_SLOT_ID
@@ -136,12 +137,23 @@ class NumpyKernels:
     def spec_layout(self, batch, bufs, R):
         return spec_layout_numpy(batch, bufs, R)
 
-    def prepare_patched(self, batch, bufs, writes_slots, R, num_tokens_padded, prev_host, expected):
+    def prepare_patched(self, batch, bufs, writes_slots, R, num_tokens_padded, prev_token_ids, expected):
         # two passes here (the compiled kernels fuse them): prepare, then the patch's plan
         Q, max_query_len, max_seq_len = self.prepare(batch, bufs, writes_slots, R, num_tokens_padded)
         if (expected >= 0 and Q != expected) or (num_tokens_padded is not None and num_tokens_padded < Q):
             return Q, max_query_len, max_seq_len, 0, True, False  # the caller refuses this step
-        return (Q, max_query_len, max_seq_len) + plan_patch_numpy(batch, bufs, R, prev_host)
+        host = prev_token_ids if writes_host_tokens(prev_token_ids, bufs) else None
+        return (Q, max_query_len, max_seq_len) + plan_patch_numpy(batch, bufs, R, host)
+
+
+def writes_host_tokens(prev_token_ids: torch.Tensor, bufs: Any) -> bool:
+    """Whether the kernels write the previous step's tokens into the host ``input_ids``
+    themselves (``StepKernels.prepare_patched``): the step's device buffers are its host
+    buffers (``bufs.input_ids.aliased``: a CPU device) and ``prev_token_ids`` is a 1-D
+    ``int64`` CPU tensor with unit stride (its elements back to back from ``data_ptr()``).
+    Otherwise the caller copies them on the device (``placeholders.finish_patch``)."""
+    t = prev_token_ids
+    return bool(bufs.input_ids.aliased) and t.dtype is torch.int64 and t.is_cpu and t.stride() == (1,)
 
 
 def merge_cached_numpy(batch: Any, plan: Any, rows_c: np.ndarray) -> None:

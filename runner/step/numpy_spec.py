@@ -94,11 +94,13 @@ def plan_patch_numpy(batch: Any, bufs: Any, R: int, prev_host: torch.Tensor | No
     np.add(bufs.query_start_loc.np[rows], offset[rows], out=dest)
     contiguous = bool(k == 0 or (dest[-1] == k - 1 and src[-1] == k - 1 and (dest == bufs.arange[:k]).all()
                                  and (src == dest).all()))
-    written = prev_host is not None  # (placeholders.patch_host: a contiguous 1-D int64 CPU tensor)
+    written = prev_host is not None  # (numpy_kernels.writes_host_tokens: a 1-D int64 CPU tensor)
     if written and k:
         prev_host = prev_host.numpy()
         if src.max() >= prev_host.shape[0]:
             raise IndexError(f"plan_patch: token {int(src.max())} of {prev_host.shape[0]} sampled")
         bufs.input_ids.np[dest] = prev_host[src]
     src_col[:] = -1  # consumed (after the bounds check: an error changes no column)
+    if k:
+        bufs.patch_steps[0 if contiguous else 1] += 1
     return k, contiguous, written

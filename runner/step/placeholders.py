@@ -98,24 +98,13 @@ def append_placeholders(batch: InputBatch, max_model_len: int, rows: np.ndarray)
     return Placeholders(tuple([ids[r] for r in rows.tolist()]), held)
 
 
-def patch_host(prev_token_ids: torch.Tensor, host_device: bool) -> torch.Tensor | None:
-    """The previous step's tokens as the kernels may write them themselves: ``prev_token_ids``
-    when the step's device buffers are its host buffers (``host_device``: a CPU device,
-    ``bufs.input_ids.aliased``) and it is a contiguous 1-D ``int64`` CPU tensor, else
-    ``None`` (the device copies)."""
-    t = prev_token_ids
-    return t if host_device and t.dtype is _INT64 and t.is_cpu and t.dim() == 1 and t.is_contiguous() else None
-
-
-_INT64 = torch.int64
-
-
 def finish_patch(bufs, patch: tuple[int, bool, bool], prev_token_ids: torch.Tensor,
                  input_ids: torch.Tensor) -> str | None:
     """Complete the patch the step's kernels planned with its ``prepare``
     (``StepKernels.prepare_patched``, into ``bufs.patch_*`` of ``PrepareBuffers``): when
-    they did not write the tokens (``patch[2]``), :func:`patch_input_ids` copies them on the
-    device. The kernels already consumed the rows' ``prev_sampled_index``.
+    they did not write the tokens (``patch[2]``: not a CPU device, or not a contiguous 1-D
+    ``int64`` CPU tensor), :func:`patch_input_ids` copies them on the device. The kernels
+    already consumed the rows' ``prev_sampled_index``.
 
     Args:
         bufs: the step's ``PrepareBuffers``.

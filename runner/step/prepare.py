@@ -120,8 +120,9 @@ class InputPreparer:
         self.buffers = PrepareBuffers.allocate(max_num_reqs, max_model_len, max_num_batched_tokens, device)
         """The host/device buffers the kernels fill (:class:`~attnplug.runner.step.kernels.PrepareBuffers`)."""
         self.patch: tuple[int, bool, bool] = (0, True, False)
-        """The asynchronous patch of the last :meth:`prepare` with ``patch``: ``(k,
-        contiguous, written)``, its plan ``buffers.patch_dest[:k]`` / ``patch_src[:k]``."""
+        """The asynchronous patch of the last :meth:`prepare` with ``prev_token_ids``: ``(k,
+        contiguous, written)``, its plan ``buffers.patch_dest[:k]`` / ``patch_src[:k]``
+        (not written when ``contiguous``: the plan is then ``arange(k)``)."""
         self._writes: tuple = (None, ())
         """``(group_kinds, per group whether it writes slots)`` of the last call."""
         self._cached_views: tuple | None = None
@@ -129,21 +130,20 @@ class InputPreparer:
         ``(batch, R, Q, P)``, reused while those sizes repeat (steady decode)."""
 
     def prepare(self, batch: InputBatch, group_kinds: list[str], num_tokens_padded: int | None = None,
-                patch: tuple[torch.Tensor | None, int] | None = None) -> StepInputs:
+                prev_token_ids: torch.Tensor | None = None, expected: int = -1) -> StepInputs:
         """Compute the step's inputs from ``batch`` (rows ``0 .. num_reqs-1``).
 
         Args:
             batch: the condensed batch, ``num_scheduled_tokens`` set for every row.
             group_kinds: per cache group, ``spec.kind`` (``"mamba"`` groups get no slots).
             num_tokens_padded: pad the token dimension to this length (CUDA graphs).
-            patch: asynchronous scheduling: ``(prev_host, expected)``, the patch of
-                ``StepKernels.prepare_patched`` in the same kernel call (one pass on the
-                compiled kernels; ``runner/step/placeholders.py``): ``prev_host`` the
-                previous step's sampled tokens when the kernels may write them (a
-                contiguous 1-D ``int64`` CPU tensor, ``placeholders.patch_host``) or
-                ``None``; ``expected`` the token count the caller checks next (``-1``:
-                none; a step that fails it is prepared but not patched). Its outcome
-                goes to :attr:`patch`.
+            prev_token_ids: asynchronous scheduling: the previous step's sampled tokens
+                (``[n]`` integer, on the device), patched into this step's ``input_ids``
+                in the same kernel call (``StepKernels.prepare_patched``: one pass on the
+                compiled kernels; ``runner/step/placeholders.py``); the outcome goes to
+                :attr:`patch`. ``None``: a synchronous step.
+            expected: with ``prev_token_ids``, the token count the caller checks next
+                (``-1``: none); a step that fails it is prepared but not patched.
 
         Returns:
             The step's :class:`StepInputs` (``common_attn_metadata`` not yet built).
@@ -162,12 +162,13 @@ class InputPreparer:
         if w[0] != group_kinds:
             w = self._writes = (list(group_kinds), tuple(k != GroupKind.MAMBA for k in group_kinds))
         writes = w[1]
-        if patch is None:
+        if prev_token_ids is None:
             Q, max_query_len, max_seq_len = self.kernels.prepare(batch, self.buffers, writes, R, num_tokens_padded)
         else:
-            Q, max_query_len, max_seq_len, k, contiguous, written = self.kernels.prepare_patched(
-                batch, self.buffers, writes, R, num_tokens_padded, patch[0], patch[1])
-            self.patch = (k, contiguous, written)
+            out = self.kernels.prepare_patched(batch, self.buffers, writes, R, num_tokens_padded, prev_token_ids,
+                                               expected)
+            Q, max_query_len, max_seq_len = out[0], out[1], out[2]
+            self.patch = out[3:]
         P = Q if num_tokens_padded is None else int(num_tokens_padded)
         key = (batch, R, Q, P)
         if self._cached_views is not None and self._cached_views[0] == key:

@@ -106,29 +106,43 @@ def check_appends_distinct(lay: StepLayout, batch: InputBatch, reqs: dict[str, C
     """No appended block id repeats one in its own list or one its row already holds (per
     group); re-added rows (``rows_c`` -1) are read from their state.
 
-    Cost: the decode case (one block per row and group) compares each new id with its
-    row's held ids (one gather); otherwise one sort of the appending rows' ids."""
+    A row's held ids are read only when one of its appended ids is at or below the row's
+    ``block_id_bound`` (``cache_groups/block_table.py``: at least its largest held id), as
+    the compiled scan does: a pool that hands out growing ids never needs the read.
+
+    Cost: the decode case (one block per row and group) compares each such new id with
+    its row's held ids (one gather); otherwise one sort of those rows' ids and the new
+    ones (or, with no such row, one compare of the new lists, ``repeated_block``)."""
     m = ap.sel.shape[0]
     rows = rows_c[ap.sel]
+    if _MIN(rows) >= 0 and _above_bounds(lay, batch, rows, ap):  # no row can hold its new ids
+        if not ap.one_each:  # the new lists alone, all groups at once (group-major: lowest group first)
+            dup = repeated_block(ap.flat, ap.lens.ravel())
+            if dup is not None:
+                err(C[int(ap.sel[dup[0] % m])], "new_block_ids", repeated_block_message(dup[0] // m, dup[1]))
+        return
     readd = np.flatnonzero(rows < 0).tolist()
     safe_rows = np.maximum(rows, 0)
     off = 0
     for g in range(lay.num_groups):
         table = batch.block_table[g].block_table_np
+        bound = batch.block_table.block_id_bound[g].take(safe_rows)
         found = None
         if ap.one_each:
             starts = ap.starts[g]
             new = ap.flat[off:off + m]
             off += m
-            width = int(starts.max()) if m else 0
+            near = new <= bound  # only these rows may hold their new id
+            near[readd] = False  # (read from their state below)
+            cand = np.flatnonzero(near)
+            width = int(starts[cand].max()) if cand.shape[0] else 0
             # a row's columns past its held blocks are NULL_BLOCK_ID, which no appended id
-            # is: mask by the held count (and drop re-added rows) only after a raw hit
-            hit = (table[safe_rows, :width] == new[:, None]) if width else None
+            # is: mask by the held count only after a raw hit
+            hit = (table[safe_rows[cand], :width] == new[cand, None]) if width else None
             if hit is not None and hit.any():
-                hit &= np.arange(width) < starts[:, None]
-                hit[readd] = False
+                hit &= np.arange(width) < starts[cand, None]
                 if hit.any():
-                    j = int(np.argmax(hit.any(axis=1)))
+                    j = int(cand[np.argmax(hit.any(axis=1))])
                     found = (j, int(new[j]))
         else:
             starts = ap.starts[g].astype(np.int64)
@@ -136,23 +150,42 @@ def check_appends_distinct(lay: StepLayout, batch: InputBatch, reqs: dict[str, C
             n = int(lens.sum())
             new = ap.flat[off:off + n]
             off += n
-            held = starts.copy()
-            held[readd] = 0
-            _, cols = cumsum_and_arange(held)
-            owner = np.repeat(np.arange(m, dtype=np.int64), held)
-            parts_o = [owner, np.repeat(np.arange(m, dtype=np.int64), lens)]
-            parts_i = [table[safe_rows[owner], cols].astype(np.int64), new.astype(np.int64)]
-            for j in readd:
-                ids = reqs[C[int(ap.sel[j])]].block_ids_np()[g]
-                parts_o.append(np.full(ids.shape[0], j, dtype=np.int64))
-                parts_i.append(ids.astype(np.int64))
-            found = repeated_pair(np.concatenate(parts_o), np.concatenate(parts_i))
+            new_owner = np.repeat(np.arange(m, dtype=np.int64), lens)
+            near = np.zeros(m, dtype=bool)
+            near[new_owner[new <= bound[new_owner]]] = True
+            near[readd] = False
+            if not readd and not near.any():  # the new lists alone
+                found = repeated_block(new, lens)
+            else:
+                held = np.where(near, starts, 0)
+                _, cols = cumsum_and_arange(held)
+                owner = np.repeat(np.arange(m, dtype=np.int64), held)
+                parts_o = [owner, new_owner]
+                parts_i = [table[safe_rows[owner], cols].astype(np.int64), new.astype(np.int64)]
+                for j in readd:
+                    ids = reqs[C[int(ap.sel[j])]].block_ids_np()[g]
+                    parts_o.append(np.full(ids.shape[0], j, dtype=np.int64))
+                    parts_i.append(ids.astype(np.int64))
+                found = repeated_pair(np.concatenate(parts_o), np.concatenate(parts_i))
         for j in readd:  # the decode case's re-added rows
             if found is None and ap.one_each:
                 if (reqs[C[int(ap.sel[j])]].block_ids_np()[g] == new[j]).any():
                     found = (j, int(new[j]))
         if found is not None:
             err(C[int(ap.sel[found[0]])], "new_block_ids", repeated_block_message(g, found[1]))
+
+
+def _above_bounds(lay: StepLayout, batch: InputBatch, rows: np.ndarray, ap: BlockAppends) -> bool:
+    """Every appended id lies above its row's ``block_id_bound`` in its group (rows all in
+    the batch): no row holds one of its new ids (a pool handing out growing ids)."""
+    bounds = batch.block_table.block_id_bound.take(rows, axis=1)  # [G, m]
+    if ap.one_each:
+        return bool(_ALL(ap.flat.reshape(bounds.shape) > bounds, axis=None))
+    return bool(_ALL(ap.flat > np.repeat(bounds.ravel(), ap.lens.ravel())))
+
+
+_MIN = np.minimum.reduce
+_ALL = np.logical_and.reduce  # (ndarray.min / .all without their Python wrappers)
 
 
 def block_deltas(lay: StepLayout, batch: InputBatch, reqs: dict[str, CachedRequestState], cached: CachedDeltas,

@@ -132,13 +132,7 @@ class UpdateChecker:
                 unpack_into(d, self.layout.num_groups)  # (check_state_slots counts new_block_ids)
             if plan.spec_tokens is not None:
                 check_state_slots(self.layout, self.batch, self.requests, d, plan.spec_tokens)
-            # the three checks look only at requests that carry the field (in order): pass those
-            extras = [nr for nr in d.scheduled_new_reqs if nr.prompt_embeds is not None
-                      or nr.mm_placeholders is not None or nr.mm_features is not None]
-            if extras:
-                plan.prompt_embeds = check_prompt_embeds(self.prompt_embeds_config, extras)
-                plan.mm_placeholders = check_placeholders(self.uses_mrope, extras)
-                self._check_images(plan, extras)
+            self._check_extras(plan, d.scheduled_new_reqs)
             return plan
         if d.packed is None:
             return self._plan_checked(d, finished, fin_set, new_ids)
@@ -161,17 +155,26 @@ class UpdateChecker:
         resumed, appends = block_deltas(lay, batch, reqs, cached, rows.rows_c, rows.readd, ncts_c, seq_c)
         check_state_slots(lay, batch, reqs, d, spec)
         new_states = self.plan_new(d.scheduled_new_reqs, new_counts)
-        embeds = check_prompt_embeds(self.prompt_embeds_config, d.scheduled_new_reqs)
-        images = check_placeholders(self.uses_mrope, d.scheduled_new_reqs)
         unscheduled: list[str] = []
         if batch.num_reqs - rows.fin_in_batch > rows.present.shape[0]:
             mask = rows.sched_mask
             unscheduled = [rid for rid, r in batch.req_id_to_index.items() if not mask[r] and rid not in fin_set]
         plan = UpdatePlan(finished, unscheduled, new_states, new_counts, rows.readd_ids, rows.readd, rows.rows_c,
-                          counts_c, ncts_c, token_deltas, resumed, appends, spec_tokens=spec,
-                          prompt_embeds=embeds, mm_placeholders=images)
-        self._check_images(plan, d.scheduled_new_reqs)
+                          counts_c, ncts_c, token_deltas, resumed, appends, spec_tokens=spec)
+        self._check_extras(plan, d.scheduled_new_reqs)
         return plan
+
+    def _check_extras(self, plan: UpdatePlan, new_reqs) -> None:
+        """The new requests' prompt embeddings, M-RoPE spans and images into ``plan``. The
+        three checks look only at requests that carry their field (in order), so they get
+        only the requests that carry one of them (none, most steps: the plan's empty
+        defaults stay)."""
+        extras = [nr for nr in new_reqs if nr.prompt_embeds is not None or nr.mm_placeholders is not None
+                  or nr.mm_features is not None]
+        if extras:
+            plan.prompt_embeds = check_prompt_embeds(self.prompt_embeds_config, extras)
+            plan.mm_placeholders = check_placeholders(self.uses_mrope, extras)
+            self._check_images(plan, extras)
 
     def _check_images(self, plan: UpdatePlan, new_reqs) -> None:
         """The new requests' ``mm_features`` into ``plan`` (``runner/step/multimodal.py``);

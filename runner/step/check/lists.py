@@ -121,10 +121,13 @@ def repeated_block(flat: np.ndarray, lens: Sequence[int] | np.ndarray) -> tuple[
     if n < 2:
         return None
     # the usual case: ids ascend inside every list, so the only descents are at list ends
-    descents = np.flatnonzero(flat[1:] <= flat[:-1])
-    if descents.shape[0] < len(lens):
-        ends = set(accumulate(int(x) for x in lens))
-        if all(t + 1 in ends for t in descents.tolist()):
+    descent = flat[1:] <= flat[:-1]
+    num = _count(descent)
+    if num == 0:
+        return None
+    if num < len(lens):
+        cuts = list({e - 1 for e in accumulate(lens) if 0 < e < n})  # the last index of each list but the end
+        if cuts and _count(descent[cuts]) == num:
             return None
     ids = flat.astype(np.int64)
     ends = np.cumsum(np.asarray(lens, dtype=np.int64))
@@ -137,6 +140,9 @@ def repeated_block(flat: np.ndarray, lens: Sequence[int] | np.ndarray) -> tuple[
         return None
     owner = np.repeat(np.arange(ends.shape[0], dtype=np.int64), np.diff(ends, prepend=0))
     return repeated_pair(owner, ids)
+
+
+_count = np.count_nonzero
 
 
 def repeated_pair(owner: np.ndarray, ids: np.ndarray) -> tuple[int, int] | None:

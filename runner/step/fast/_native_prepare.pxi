@@ -16,7 +16,7 @@ cdef class Prepare:
     cdef list slot_tables, slot_mappings
     cdef int64_t[::1] block_sizes
     cdef int32_t[::1] prev_index, prev_pos
-    cdef int64_t[::1] pdest, psrc
+    cdef int64_t[::1] pdest, psrc, psteps
     cdef bint patch_bound
 
     def __init__(self, sched, ncc, num_tokens, num_prompt, tokens, qsl, positions, input_ids, seq_lens,
@@ -30,12 +30,16 @@ cdef class Prepare:
         self.slot_tables, self.slot_mappings = slot_tables, slot_mappings
         self.block_sizes = np.asarray(block_sizes, dtype=np.int64)
 
-    def bind_patch(self, prev_index, prev_pos, dest, src):
+    def bind_patch(self, prev_index, prev_pos, dest, src, steps):
         """Bind the asynchronous patch's columns for :meth:`prepare_patched`:
         ``prev_index`` / ``prev_pos`` ``[max_num_reqs]`` ``int32`` (the batch's
         ``prev_sampled_index`` / ``prev_sampled_pos``), ``dest`` / ``src``
-        ``[max_num_reqs]`` ``int64`` (``PrepareBuffers.patch_dest`` / ``patch_src``)."""
+        ``[max_num_reqs]`` ``int64`` (``PrepareBuffers.patch_dest`` / ``patch_src``),
+        ``steps`` ``[2]`` ``int64`` (``PrepareBuffers.patch_steps``: slice, scatter)."""
+        if steps.shape[0] != 2:
+            raise ValueError("Prepare.bind_patch: steps holds 2 counters")
         self.prev_index, self.prev_pos, self.pdest, self.psrc = prev_index, prev_pos, dest, src
+        self.psteps = steps
         self.patch_bound = True
 
     def prepare(self, Py_ssize_t R, Py_ssize_t P):
@@ -66,16 +70,17 @@ cdef class Prepare:
         gather writes those tokens and skips the token table's placeholders. Needs
         :meth:`bind_patch`.
 
-        The patch is applied, and rows ``0 .. R - 1``'s ``prev_sampled_index`` consumed
-        (-1), only when the step is the one the caller checks next: ``num_actual_tokens
+        The patch is applied, rows ``0 .. R - 1``'s ``prev_sampled_index`` consumed (-1)
+        and the step counted in ``steps`` (when ``k > 0``), only when the step is the one the caller checks next: ``num_actual_tokens
         == expected`` (``expected = -1``: no check) and ``P`` is no padding below it
         (``P < 0`` or ``P >= num_actual_tokens``); else nothing is patched (``k = 0``)
         and the columns stay as they were, the buffers as :meth:`prepare` leaves them.
 
         Returns:
             ``(num_actual_tokens, max_query_len, max_seq_len, k, contiguous, written)``:
-            ``dest[:k]`` / ``src[:k]`` hold the patch; ``contiguous`` when ``dest == src
-            == arange(k)``; ``written``: the tokens were written into ``input_ids``.
+            ``dest[:k]`` / ``src[:k]`` hold the patch unless ``contiguous`` (``dest == src
+            == arange(k)``: not written); ``written``: the tokens were written into
+            ``input_ids``.
 
         Raises:
             IndexError: as :meth:`prepare`, or a source index outside the previous
@@ -86,36 +91,34 @@ cdef class Prepare:
         if R > self.prev_index.shape[0] or prev_len < 0:
             raise IndexError(f"Prepare.prepare_patched: {R} rows")
         cdef int64_t maxq = 0, maxs = 0
-        cdef Py_ssize_t Q = self._rows(R, &maxq, &maxs), k, r
+        cdef Py_ssize_t Q = self._rows(R, &maxq, &maxs), k
+        cdef int64_t smax = -1
         cdef bint contiguous = True, written = prev_addr != 0
-        cdef const int64_t* src = &self.psrc[0]
         if (expected >= 0 and Q != expected) or (0 <= P < Q):
             self._gather(Q, P, 0, NULL, False)  # the caller refuses this step: no patch
             self._slots(Q, P)
             return Q, maxq, maxs, 0, True, False
-        k = self._plan_patch(R, &contiguous)
+        k = self._plan_patch(R, &contiguous, &smax)
         if written:
-            if contiguous:  # src == arange(k)
-                if k > prev_len:
-                    raise IndexError(f"Prepare.prepare_patched: token {k - 1} of {prev_len} sampled")
-            else:
-                for r in range(k):
-                    if src[r] >= prev_len:
-                        raise IndexError(f"Prepare.prepare_patched: token {src[r]} of {prev_len} sampled")
+            if smax >= prev_len:  # (contiguous: smax = k - 1)
+                raise IndexError(f"Prepare.prepare_patched: token {smax} of {prev_len} sampled")
             self._gather(Q, P, k, <const int64_t*>prev_addr, contiguous)
         else:
             self._gather(Q, P, 0, NULL, False)
         self._slots(Q, P)
         if R:
             memset(&self.prev_index[0], 0xFF, R * sizeof(int32_t))  # consumed: -1 in every row
+        if k:
+            self.psteps[0 if contiguous else 1] += 1
         return Q, maxq, maxs, k, contiguous, written
 
-    cdef Py_ssize_t _plan_patch(self, Py_ssize_t R, bint* contiguous_out) except -1:
+    cdef Py_ssize_t _plan_patch(self, Py_ssize_t R, bint* contiguous_out, int64_t* smax_out) except -1:
         """The patch's plan after :meth:`_rows` (which wrote ``query_start_loc``): rows whose
         ``prev_sampled_index`` is set and whose placeholder is one of this step's tokens,
         into ``pdest`` / ``psrc`` (``dest`` ascending). Its own loop: the row loop stays the
         one of a synchronous step. Returns ``k``; ``contiguous_out``: ``dest == src ==
-        arange(k)``."""
+        arange(k)``, in which case ``pdest`` / ``psrc`` are not written (a decode step's
+        patch stores nothing); ``smax_out``: the largest source index (-1 when ``k = 0``)."""
         cdef const int32_t* pidx = &self.prev_index[0]
         cdef const int32_t* ppos = &self.prev_pos[0]
         cdef const int32_t* ncc = &self.ncc[0]
@@ -123,8 +126,8 @@ cdef class Prepare:
         cdef const int32_t* qsl = &self.qsl[0]
         cdef int64_t* pdest = &self.pdest[0]
         cdef int64_t* psrc = &self.psrc[0]
-        cdef Py_ssize_t r, k = 0
-        cdef int64_t s, off, d
+        cdef Py_ssize_t r, j, k = 0
+        cdef int64_t s, off, d, smax = -1
         cdef bint contiguous = True
         for r in range(R):
             s = pidx[r]
@@ -132,11 +135,21 @@ cdef class Prepare:
                 off = <int64_t>ppos[r] - ncc[r]
                 if 0 <= off < sched[r]:  # its placeholder is one of this step's tokens
                     d = qsl[r] + off
+                    if contiguous:
+                        if d == k and s == k:  # still arange(k): nothing to store
+                            k += 1
+                            continue
+                        contiguous = False  # the plan so far was arange(k): write it out
+                        for j in range(k):
+                            pdest[j] = j
+                            psrc[j] = j
                     pdest[k] = d
                     psrc[k] = s
-                    contiguous &= (d == k) & (s == k)
+                    if s > smax:
+                        smax = s
                     k += 1
         contiguous_out[0] = contiguous
+        smax_out[0] = k - 1 if contiguous else smax
         return k
 
     cdef Py_ssize_t _rows(self, Py_ssize_t R, int64_t* maxq_out, int64_t* maxs_out) except -1:

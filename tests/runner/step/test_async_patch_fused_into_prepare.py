@@ -99,3 +99,15 @@ def test_rows_in_order_take_each_its_own_token_by_the_slice(native, dtype):
     assert sc.input_batch.req_ids[:4] == ["a", "b", "c", "e"]
     assert inputs.input_ids.tolist() == [11, 22, 33, 5, 6]
     assert sc.patch_counts == {"slice": 1, "scatter": 0}
+
+
+@pytest.mark.parametrize("native", NATIVE)
+def test_a_strided_int64_tensor_is_copied_not_read_by_address(native):
+    """The kernels write the tokens themselves only from a 1-D ``int64`` CPU tensor with
+    unit stride (``numpy_kernels.writes_host_tokens``); a strided view (every other
+    element) takes the device copy and still gives each row its own token."""
+    sc, second = _compiler(native)
+    doubled = torch.tensor([t for t in SAMPLED.values() for t in (t, -5)], dtype=torch.int64)
+    inputs = sc.prepare_inputs(second, prev_token_ids=doubled[::2])
+    assert inputs.input_ids.tolist() == _expected(sc)
+    assert sc.patch_counts == {"slice": 0, "scatter": 1}

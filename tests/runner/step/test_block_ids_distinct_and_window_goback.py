@@ -62,6 +62,38 @@ def test_an_appended_block_the_row_already_holds_is_refused(native):
     assert sc.prepare_inputs().slot_mapping[0].tolist()[:1] == [20]
 
 
+@pytest.mark.parametrize("native", PATHS)
+@pytest.mark.parametrize("appended", [([4],), ([5, 4],)])  # one block (the decode case), or two
+def test_an_appended_block_equal_to_the_rows_largest_held_id_is_refused(native, appended):
+    """The held ids are read only for an appended id at or below the row's
+    ``block_id_bound`` (its largest held id here): the id equal to it is read and refused,
+    in the second row of the step (the first appends a fresh id)."""
+    sc = StepCompiler([4], 2, 32, 16, native=native, validate=True)
+    sc.update_states(SchedulerOutput([NewRequestData("q", list(range(8)), ([1, 2],)),
+                                      NewRequestData("r", list(range(8)), ([3, 4],))], CachedRequestData(),
+                                     {"q": 8, "r": 8}))
+    sc.prepare_inputs()
+    sc.append_output_tokens(["q", "r"], [9, 9])
+    so = SchedulerOutput([], CachedRequestData(["q", "r"], [False] * 2, [[], []], [([6],), appended], [8, 8]),
+                         {"q": 1, "r": 1})
+    _refused(sc, so, "r", "new_block_ids", "block id 4 appears twice")
+
+
+@pytest.mark.parametrize("native", PATHS)
+def test_a_block_twice_in_an_appended_list_names_its_request_and_group(native):
+    """Appended ids above every held one (no held id is read): the new lists alone are
+    checked, all groups at once; the error names the third request and group 1."""
+    sc = StepCompiler([4, 4], 3, 32, 32, native=native, validate=True, num_blocks=32)
+    sc.update_states(SchedulerOutput([NewRequestData(r, list(range(8)), ([2 * i + 1, 2 * i + 2],) * 2)
+                                      for i, r in enumerate("pqr")], CachedRequestData(), dict.fromkeys("pqr", 8)))
+    sc.prepare_inputs()
+    sc.append_output_tokens(list("pqr"), [9, 9, 9])
+    appended = [([10, 11], [10, 11]), ([12, 13], [12, 13]), ([14, 15], [16, 16])]
+    so = SchedulerOutput([], CachedRequestData(list("pqr"), [False] * 3, [[]] * 3, appended, [8] * 3),
+                         dict.fromkeys("pqr", 1))
+    _refused(sc, so, "r", "new_block_ids", "group 1: block id 16 appears twice")
+
+
 def _window_request_at_20(native: bool) -> StepCompiler:
     """One request in a sliding-window group (W 6, blocks of 4, kernel blocks of 2) at
     ``num_computed_tokens`` 20: the runner nulled blocks 0..2 (keys 0..11)."""
@@ -162,3 +194,15 @@ def test_repeated_block_agrees_with_a_per_list_search():
         assert (got is None) == (want is None), (lists, got)
         if want is not None:
             assert got[0] == want[0] and lists[got[0]].count(got[1]) > 1, (lists, got)
+
+
+def test_a_repeat_inside_a_list_is_found_behind_an_empty_list():
+    """``repeated_block``'s one-compare case (descents only where lists end) counts each
+    list end once: an empty list (two ends at one index) does not hide a repeat inside
+    the next list."""
+    import numpy as np
+
+    from attnplug.runner.step.check.lists import repeated_block
+    flat = np.array([5, 6, 1, 2, 3, 3], dtype=np.int32)
+    assert repeated_block(flat, [2, 0, 4]) == (2, 3)
+    assert repeated_block(np.array([5, 6, 1, 2, 3, 4], dtype=np.int32), [2, 0, 4]) is None
