@@ -42,7 +42,10 @@ STEP_TESTS = ["tests/runner/step/test_step_oracle.py", "tests/runner/step/test_i
               "tests/runner/step/test_spec_decode.py", "tests/runner/step/test_spec_decode_bad_input.py",
               "tests/runner/step/test_spec_decode_oracle.py", "tests/runner/serve/test_spec_decode_rollback.py",
               "tests/runner/step/test_placeholders.py", "tests/runner/step/test_stage1_refusals_and_bounds.py", "tests/runner/step/test_stage8_refusals_and_draft_bounds.py",
-              "tests/runner/step/test_error_messages.py", "tests/runner/step/test_async_patch_fused_into_prepare.py"]
+              "tests/runner/step/test_error_messages.py", "tests/runner/step/test_async_patch_fused_into_prepare.py",
+              "tests/runner/step/test_packed_drafts_and_appends.py",
+              "tests/runner/step/test_block_ids_distinct_and_window_goback.py",
+              "tests/runner/step/test_block_id_bound_kept_by_row_writes.py"]
 TARGETS: dict[str, list[str]] = {
     # module glob (repo-relative)      -> the tests that guard it
     "runner/execute/sampler.py": ["tests/runner/execute/test_sampler.py"],
