@@ -38,13 +38,13 @@ from attnplug.runner.serve.kv_cache_manager import make_kv_cache_manager
 from attnplug.runner.serve.kv_loads import RemoteKVLoads
 from attnplug.runner.serve.preemption import maybe_force_preemption, preempt_running
 from attnplug.runner.serve.request import Request, RequestStatus
-from attnplug.runner.step.kernels import kernels_available
-from attnplug.runner.step.packed_deltas import draft_tokens, pack_cached_deltas
 from attnplug.runner.serve.sampled_checks import check_sampled_tokens
 from attnplug.runner.serve.scheduler_config import SchedulerConfig
 from attnplug.runner.serve.spec_schedule import SpecScheduler, make_spec_scheduler
 from attnplug.runner.serve.step_plan import StepPlan
 from attnplug.runner.serve.waiting_admission import admit_waiting
+from attnplug.runner.step.kernels import kernels_available
+from attnplug.runner.step.packed_deltas import draft_tokens, pack_cached_deltas
 from attnplug.runner.step.scheduler_output import SamplingParams, SchedulerOutput
 
 __all__ = ["Scheduler", "SchedulerConfig"]
@@ -93,8 +93,10 @@ class Scheduler:
         self._placeholders: dict[int, set[str]] = {}
         """Asynchronous scheduling: per in-flight output (``id``), the requests that sample in it."""
         self.spec: SpecScheduler | None = make_spec_scheduler(config, kv_cache_config)
-        self._packed = kernels_available() if config.packed_deltas is None else config.packed_deltas
         """Speculative decoding (``config.speculative``): drafts and rollback, ``spec_schedule.py``."""
+        self._packed = kernels_available() if config.packed_deltas is None else config.packed_deltas
+        """Send drafts and block appends as ``PackedCachedDeltas`` (``config.packed_deltas``;
+        ``None``: when the compiled step kernels are built). Never with a KV connector."""
         self.kv_connector = kv_connector
         self.kv_loads: RemoteKVLoads | None = RemoteKVLoads(self, kv_connector) if kv_connector is not None else None
         """Requests whose KV is loading through the connector (``kv_loads.py``)."""
