@@ -14,7 +14,9 @@ Where each is read and what it turns (docs/configuration.md):
 * ``ATTNPLUG_NATIVE`` (on): the step compiler's compiled paths (``runner/step/fast``);
 * ``ATTNPLUG_CPU_PAGED_KERNEL`` (on): ``cpu_sdpa``'s compiled paged kernel;
 * ``ATTNPLUG_CPU_FUSED_OPS`` (on): the fused CPU elementwise ops (``runner/models/cpu_ops.py``);
-* ``ATTNPLUG_CPU_PACKED_LINEAR`` (on, read at import): prepacked oneDNN CPU linears.
+* ``ATTNPLUG_CPU_PACKED_LINEAR`` (on, read at import): prepacked oneDNN CPU linears;
+* ``ATTNPLUG_KEEP_HEAP`` (on): the model-running commands keep freed memory in glibc's heap
+  (``runner/commands/heap.py``).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ SWITCHES: dict[str, bool] = {
     "ATTNPLUG_CPU_PAGED_KERNEL": True,
     "ATTNPLUG_CPU_FUSED_OPS": True,
     "ATTNPLUG_CPU_PACKED_LINEAR": True,
+    "ATTNPLUG_KEEP_HEAP": True,
 }
 """Every switch and its default (unset or empty)."""
 

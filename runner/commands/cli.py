@@ -75,6 +75,10 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"attnplug {cmd}: {e}", file=sys.stderr)
         return 2
+    if cmd in threads.WAIT_POLICY_COMMANDS:
+        from attnplug.runner.commands import heap
+
+        heap.keep_freed_memory()  # prefill temporaries are not faulted in again each step (heap.py)
     module = importlib.import_module(SUBCOMMANDS[cmd][0])
     try:
         status = int(module.main(rest) or 0)
