@@ -205,6 +205,55 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int,
         raise ValueError(f"x: expected a 3-D float32 CPU tensor with a contiguous last dimension, got "
                          f"{tuple(x.shape)} {x.dtype} on {x.device} with strides {x.stride()}")
     n, heads, head_size = x.shape
+    _check_cos_sin(cos, sin, n, rotary_dim, head_size)
+    out = torch.empty((n, heads, head_size), dtype=torch.float32)
+    _cpu_ops.rope(x.data_ptr(), x.stride(0), x.stride(1), out.data_ptr(), heads * head_size, head_size,
+                  cos.data_ptr(), sin.data_ptr(), cos.stride(0), n, heads, head_size, rotary_dim,
+                  bool(interleaved), threads_for("rope", n * heads * head_size))
+    return out
+
+
+def rope_qk(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_size: int, cos: torch.Tensor,
+            sin: torch.Tensor, rotary_dim: int, interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`rope` of the q and of the k columns of a fused q/k/v projection's output, read
+    in place (no split, no views), into two new tensors: one check of the shared arguments
+    and two C calls (the decoder layer's step, where the two :func:`rope` calls' checks cost
+    as much as their work at decode sizes; docs/performance.md, "The q/k RoPE from the fused
+    output").
+
+    Args:
+        qkv: ``[num_tokens, (num_heads + 2 * num_kv_heads) * head_size]`` float32, CPU, last
+            dimension contiguous: q's heads, then k's, then v's (not read).
+        num_heads, num_kv_heads, head_size: q's and k's head counts and the head size.
+        cos, sin, rotary_dim, interleaved: as for :func:`rope`.
+
+    Returns:
+        ``(q, k)``: new contiguous ``[num_tokens, num_heads, head_size]`` and
+        ``[num_tokens, num_kv_heads, head_size]`` float32 tensors.
+
+    Raises:
+        ValueError: a tensor of another shape, dtype, device or layout, a head count below 1
+            or a bad ``rotary_dim`` (nothing written).
+    """
+    _check_rows("qkv", qkv)
+    n, width = qkv.shape
+    if num_heads < 1 or num_kv_heads < 1 or head_size < 1:
+        raise ValueError(f"heads {num_heads}, {num_kv_heads} of size {head_size}: expected positive counts")
+    if width != (num_heads + 2 * num_kv_heads) * head_size:
+        raise ValueError(f"qkv: expected ({num_heads} + 2 * {num_kv_heads}) * {head_size} = "
+                         f"{(num_heads + 2 * num_kv_heads) * head_size} columns, got {width}")
+    _check_cos_sin(cos, sin, n, rotary_dim, head_size)
+    q = torch.empty((n, num_heads, head_size), dtype=torch.float32)
+    k = torch.empty((n, num_kv_heads, head_size), dtype=torch.float32)
+    base, tok, cs, cs_tok = qkv.data_ptr(), qkv.stride(0), (cos.data_ptr(), sin.data_ptr()), cos.stride(0)
+    for out, first, heads in ((q, 0, num_heads), (k, num_heads, num_kv_heads)):
+        _cpu_ops.rope(base + 4 * first * head_size, tok, head_size, out.data_ptr(), heads * head_size, head_size,
+                      *cs, cs_tok, n, heads, head_size, rotary_dim, bool(interleaved),
+                      threads_for("rope", n * heads * head_size))
+    return q, k
+
+
+def _check_cos_sin(cos: torch.Tensor, sin: torch.Tensor, n: int, rotary_dim: int, head_size: int) -> None:
     if rotary_dim <= 0 or rotary_dim % 2 or rotary_dim > head_size:
         raise ValueError(f"rotary_dim {rotary_dim}: expected an even number in [2, {head_size}]")
     for name, t in (("cos", cos), ("sin", sin)):
@@ -213,11 +262,6 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int,
                              f"dimension, got {tuple(t.shape)} {t.dtype} on {t.device}")
     if cos.stride(0) != sin.stride(0):
         raise ValueError(f"cos and sin: different token strides {cos.stride(0)} and {sin.stride(0)}")
-    out = torch.empty((n, heads, head_size), dtype=torch.float32)
-    _cpu_ops.rope(x.data_ptr(), x.stride(0), x.stride(1), out.data_ptr(), heads * head_size, head_size,
-                  cos.data_ptr(), sin.data_ptr(), cos.stride(0), n, heads, head_size, rotary_dim,
-                  bool(interleaved), threads_for("rope", n * heads * head_size))
-    return out
 
 
 def bind_threads(cpu_sets: list[list[int]]) -> None:
@@ -243,5 +287,5 @@ def bind_threads(cpu_sets: list[list[int]]) -> None:
 
 
 __all__ = ["ENV_SWITCH", "NS_PER_ELEMENT", "PARALLEL_MIN_WORK_US", "PARALLEL_MIN_WORK_US_PASSIVE", "available", "bind_threads",
-           "enabled", "fused_add_rms_norm", "parallel_min_work_us", "rms_norm", "rope", "set_wait_passive",
+           "enabled", "fused_add_rms_norm", "parallel_min_work_us", "rms_norm", "rope", "rope_qk", "set_wait_passive",
            "takes", "threads_for"]

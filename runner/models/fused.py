@@ -89,11 +89,16 @@ class FusedProjections:
     def project(self, name: str, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Group ``name`` applied to ``x`` ``[num_tokens, in_features]``: one
         ``[num_tokens, out_features]`` output per part, in :attr:`fused_parts` order (column
-        views of one matmul's result, row stride ``sum(out_features)``; on the CPU through
-        ``cpu_linear.linear``, the fused weight prepacked)."""
+        views of :meth:`project_joined`'s result, row stride ``sum(out_features)``)."""
+        return self.project_joined(name, x).split(self.fused_sizes[name], dim=-1)
+
+    def project_joined(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        """Group ``name``'s one matmul: ``x`` ``[num_tokens, in_features]`` ->
+        ``[num_tokens, sum(out_features)]``, the parts' columns side by side in
+        :attr:`fused_parts` order (on the CPU through ``cpu_linear.linear``, the fused weight
+        prepacked)."""
         buffers = self._buffers
-        y = linear(x, buffers[f"{name}_weight"], buffers[f"{name}_bias"], self, name)  # prepacked on the CPU
-        return y.split(self.fused_sizes[name], dim=-1)
+        return linear(x, buffers[f"{name}_weight"], buffers[f"{name}_bias"], self, name)  # prepacked on the CPU
 
     def _apply(self, fn, recurse=True):
         """``nn.Module._apply`` (``to``, ``half``, ``cuda``...), then re-stack: the conversion

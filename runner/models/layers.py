@@ -119,24 +119,50 @@ class Attention(FusedProjections, nn.Module):
         Writes this step's K/V into ``kv_cache`` (through the impl) and attends.
         """
         n = hidden.shape[0]
-        q, k, v = self.project("qkv", hidden)
-        q = q.view(n, self.num_heads, self.head_size)
-        k = k.view(n, self.num_kv_heads, self.head_size)
-        v = v.view(n, self.num_kv_heads, self.head_size)
-        q, k = self.normalize_qk(q, k)
+        qkv = self.project_joined("qkv", hidden)
         cos, sin = self.cos_sin(positions, hidden.dtype)
-        if cpu_ops.enabled() and cpu_ops.takes(q) and cpu_ops.takes(k):  # one pass each (cpu_ops.py)
-            rope = self.rope
-            q = cpu_ops.rope(q, cos, sin, rope.rotary_dim, rope.interleaved)
-            k = cpu_ops.rope(k, cos, sin, rope.rotary_dim, rope.interleaved)
+        if self.fuses_qk_rope() and cpu_ops.enabled() and cpu_ops.takes(qkv):
+            rope = self.rope  # q and k roped from qkv's columns in place (cpu_ops.rope_qk)
+            q, k = cpu_ops.rope_qk(qkv, self.num_heads, self.num_kv_heads, self.head_size, cos, sin,
+                                   rope.rotary_dim, rope.interleaved)
+            v = qkv[:, (self.num_heads + self.num_kv_heads) * self.head_size:].view(n, self.num_kv_heads,
+                                                                                   self.head_size)
         else:
-            q, k = self.rope.apply(q, cos, sin), self.rope.apply(k, cos, sin)
+            q, k, v = self.qkv_roped(qkv, cos, sin)
         # every real row is written by the impl; padded rows (CUDA graphs) stay zero
         real = getattr(attn_metadata, "num_actual_tokens", None) == n
         out = torch.empty_like(q) if real else torch.zeros_like(q)
         attend(self, q, k, v, kv_cache, attn_metadata, out)
         return self.o_proj(out.view(n, self.num_heads * self.head_size))
 
+
+    def fuses_qk_rope(self) -> bool:
+        """Whether q and k may go straight from the fused projection's output to RoPE
+        (``cpu_ops.rope_qk``): no per-head normalisation comes between (:meth:`normalize_qk` is
+        this class's, not an override such as Qwen3's). Decided once per layer."""
+        ok = self.__dict__.get("_fuses_qk_rope")
+        if ok is None:
+            ok = self.__dict__["_fuses_qk_rope"] = type(self).normalize_qk is Attention.normalize_qk
+        return ok
+
+    def qkv_roped(self, qkv: torch.Tensor, cos: torch.Tensor,
+                  sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``qkv`` ``[n, (H + 2K) * D]`` (the fused projection's output) -> ``q`` ``[n, H, D]``,
+        ``k`` and ``v`` ``[n, K, D]``: q and k normalised (:meth:`normalize_qk`) and roped
+        (``cpu_ops.rope`` where it takes them, else ``RotaryEmbedding.apply``), v a column view."""
+        n = qkv.shape[0]
+        q, k, v = qkv.split(self.fused_sizes["qkv"], dim=-1)
+        q = q.view(n, self.num_heads, self.head_size)
+        k = k.view(n, self.num_kv_heads, self.head_size)
+        v = v.view(n, self.num_kv_heads, self.head_size)
+        q, k = self.normalize_qk(q, k)
+        if cpu_ops.enabled() and cpu_ops.takes(q) and cpu_ops.takes(k):  # one pass each (cpu_ops.py)
+            rope = self.rope
+            q = cpu_ops.rope(q, cos, sin, rope.rotary_dim, rope.interleaved)
+            k = cpu_ops.rope(k, cos, sin, rope.rotary_dim, rope.interleaved)
+        else:
+            q, k = self.rope.apply(q, cos, sin), self.rope.apply(k, cos, sin)
+        return q, k, v
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """``self.rope.cos_sin(positions, dtype)``, computed once per step for all the layers

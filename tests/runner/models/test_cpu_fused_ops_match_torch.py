@@ -109,7 +109,7 @@ def _forward(model, switch: str, monkeypatch) -> tuple[torch.Tensor, dict[str, i
     from tests.runner.models.test_hf_forward_parity import run_schedule
 
     calls: dict[str, int] = {}
-    for name in ("rms_norm", "fused_add_rms_norm", "rope"):
+    for name in ("rms_norm", "fused_add_rms_norm", "rope", "rope_qk"):
         real = getattr(cpu_ops, name)
 
         def counted(*a, _real=real, _name=name, **k):
@@ -132,7 +132,7 @@ def test_the_llama_forward_uses_the_fused_ops_unless_switched_off(monkeypatch):
     fused, calls = _forward(model, "1", monkeypatch)
     steps, norms_per_step = 2, 2 * layers
     assert calls == {"rms_norm": steps, "fused_add_rms_norm": steps * norms_per_step,
-                     "rope": steps * 2 * layers}
+                     "rope_qk": steps * layers}  # q and k from the fused output (test_qk_rope_from_the_fused_output.py)
     plain, calls_off = _forward(model, "0", monkeypatch)
     assert calls_off == {}
     torch.testing.assert_close(fused, plain, rtol=0, atol=1e-5)
