@@ -1,12 +1,15 @@
 # cython: language_level=3, boundscheck=False, wraparound=False
 """Fused float32 elementwise ops of the Llama-family forward on the CPU (C in a Cython module).
 
-Three ops, each one pass over its rows, rows split over OpenMP threads when the module was
+Four ops, each one pass over its rows, rows split over OpenMP threads when the module was
 built with it:
 
 * ``rms_norm``: ``out = w * (x * r)``, ``r = 1 / sqrt(sum(x^2) / d + eps)``;
 * ``fused_add_rms_norm``: ``residual += x``, then ``x = w * (residual * r)`` with ``r`` of the
   new residual (the semantics of vLLM's ``fused_add_rms_norm``: both written in place);
+* ``silu_mul``: ``out = silu(g) * u`` rounded as torch's ``silu`` then ``mul`` on an AVX512
+  CPU (the same Sleef ``exp``, handed in by address; libm's ``expf`` for a row's last
+  ``d % 32`` elements, as ATen's scalar tail);
 * ``rope``: rotate the first ``rotary_dim`` dimensions of every head of ``x`` by per-row
   ``cos`` / ``sin`` (``[rotary_dim / 2]`` per row) into ``out``; pairs ``(i, i + rotary_dim / 2)``
   ("rotate half", neox style) or ``(2i, 2i + 1)`` written de-interleaved (``rope.py``'s
@@ -107,6 +110,47 @@ cdef extern from *:
         }
     }
 
+    /* silu(g) * u over rows, as torch's separate ``silu`` and ``mul`` kernels round it on a
+       CPU whose ATen capability is AVX512: per row, blocks of 32 elements as two 16-lane
+       vectors x / (1 + exp(-x)) with exp = the Sleef_expf16_u10 torch calls (its address is
+       handed in once: co_set_exp16), the rest of the row one element at a time with libm's
+       expf (ATen's scalar tail), then the product with u. */
+    #if defined(__GNUC__) && defined(__x86_64__)
+    #include <immintrin.h>
+    #define CO_HAVE_SILU 1
+    #define CO_AVX512 __attribute__((target("avx512f,avx512dq,avx512bw,avx512vl,fma")))
+    typedef __m512 (*co_exp16_fn)(__m512);
+    static co_exp16_fn co_exp16 = 0;
+    CO_AVX512
+    static void co_silu_mul_rows(const float *g, int64_t gs, const float *u, int64_t us, float *o, int64_t os,
+                                 int64_t r0, int64_t r1, int64_t d) {
+        const __m512 one = _mm512_set1_ps(1.0f), neg_zero = _mm512_set1_ps(-0.0f);
+        const co_exp16_fn ex = co_exp16;
+        for (int64_t i = r0; i < r1; ++i) {
+            const float *gi = g + i * gs, *ui = u + i * us;
+            float *oi = o + i * os;
+            int64_t j = 0;
+            for (; j + 32 <= d; j += 32)
+                for (int h = 0; h < 32; h += 16) {
+                    const __m512 x = _mm512_loadu_ps(gi + j + h);
+                    const __m512 sig = _mm512_div_ps(x, _mm512_add_ps(one, ex(_mm512_xor_ps(neg_zero, x))));
+                    _mm512_storeu_ps(oi + j + h, _mm512_mul_ps(sig, _mm512_loadu_ps(ui + j + h)));
+                }
+            for (; j < d; ++j) {
+                const float x = gi[j];
+                oi[j] = (x / (1.0f + expf(-x))) * ui[j];
+            }
+        }
+    }
+    static int co_set_exp16(uintptr_t fn) { co_exp16 = (co_exp16_fn)fn; return fn != 0; }
+    #else
+    #define CO_HAVE_SILU 0
+    static void co_silu_mul_rows(const float *g, int64_t gs, const float *u, int64_t us, float *o, int64_t os,
+                                 int64_t r0, int64_t r1, int64_t d) { (void)g; (void)gs; (void)u; (void)us;
+                                 (void)o; (void)os; (void)r0; (void)r1; (void)d; }
+    static int co_set_exp16(uintptr_t fn) { (void)fn; return 0; }
+    #endif
+
     /* each thread of one OpenMP team of nt threads (the pool torch's parallel regions reuse)
        sets its own CPU affinity: thread t to the CPUs cpus[offs[t] .. offs[t + 1]); returns the
        number of threads whose sched_setaffinity failed, or -1 if the team was not nt threads */
@@ -159,6 +203,10 @@ cdef extern from *:
                                       int64_t n, int64_t d, float eps, int nt) {
         CO_SPLIT(n, nt, co_add_rms_norm_rows(x, xs, res, rs, w, r0, r1, d, eps));
     }
+    static void co_silu_mul(const float *g, int64_t gs, const float *u, int64_t us, float *o, int64_t os,
+                            int64_t n, int64_t d, int nt) {
+        CO_SPLIT(n, nt, co_silu_mul_rows(g, gs, u, us, o, os, r0, r1, d));
+    }
     static void co_rope(const float *x, int64_t x_tok, int64_t x_head, float *out, int64_t o_tok,
                         int64_t o_head, const float *cs, const float *sn, int64_t c_tok, int64_t n,
                         int heads, int head_size, int rot, int interleaved, int nt) {
@@ -173,6 +221,10 @@ cdef extern from *:
     void co_rope(const float *x, int64_t x_tok, int64_t x_head, float *out, int64_t o_tok,
                  int64_t o_head, const float *cs, const float *sn, int64_t c_tok, int64_t n,
                  int heads, int head_size, int rot, int interleaved, int nt) nogil
+    void co_silu_mul(const float *g, int64_t gs, const float *u, int64_t us, float *o, int64_t os,
+                     int64_t n, int64_t d, int nt) nogil
+    int co_set_exp16(uintptr_t fn)
+    int CO_HAVE_SILU
     int co_openmp()
     int co_bind_threads(const int64_t *cpus, const int64_t *offs, int nt) nogil
 
@@ -203,6 +255,24 @@ def rope(uintptr_t x, int64_t x_tok, int64_t x_head, uintptr_t out, int64_t o_to
     with nogil:
         co_rope(<const float *> x, x_tok, x_head, <float *> out, o_tok, o_head, <const float *> cos,
                 <const float *> sin, c_tok, n, heads, head_size, rotary_dim, interleaved, num_threads)
+
+
+HAVE_SILU_MUL = bool(CO_HAVE_SILU)
+"""Built with the AVX-512 ``silu_mul`` (GCC-compatible compiler, x86-64)."""
+
+
+def set_exp16(uintptr_t fn):
+    """Hand ``silu_mul`` the address of ``Sleef_expf16_u10`` (a 16-lane float32 ``exp``: the one
+    torch's AVX512 kernels call; 0 clears it). Returns whether ``silu_mul`` may now run."""
+    return bool(co_set_exp16(fn)) and HAVE_SILU_MUL
+
+
+def silu_mul(uintptr_t g, int64_t gs, uintptr_t u, int64_t us, uintptr_t out, int64_t os, int64_t n, int64_t d,
+             int num_threads):
+    """``out[i] = silu(g[i]) * u[i]`` over ``n`` rows of ``d`` float32 (row strides ``gs``, ``us``,
+    ``os``); only after :func:`set_exp16` returned ``True``."""
+    with nogil:
+        co_silu_mul(<const float *> g, gs, <const float *> u, us, <float *> out, os, n, d, num_threads)
 
 
 def bind_threads(list cpu_sets):

@@ -12,9 +12,9 @@ otherwise does in several torch kernels:
   both pairings) into a fresh contiguous tensor (the ``split`` views of the fused q/k/v
   output in, ``cat`` of four products out, in one pass).
 
-SiLU-and-mul is not here: torch's ``silu`` (vectorised ``exp``) then ``mul`` over the two
-halves of the fused gate/up output is 4-5x faster than one scalar-``exp`` C pass (measured,
-docs/performance.md, "The forward's small ops, session 13") and bit-identical to HF's.
+SiLU-and-mul has its own wrapper, ``silu_mul.py``: its C pass calls torch's vectorised Sleef
+``exp`` to round exactly as torch's ``silu`` then ``mul`` (a scalar-``exp`` C pass was 4-5x
+slower than torch's two ops: docs/performance.md, "The forward's small ops, session 13").
 
 Numerics: the products and sums are rounded as torch's separate kernels round them; the
 sum of squares of RMSNorm is accumulated in a different order (16 float32 lanes), so a
@@ -44,7 +44,7 @@ ENV_SWITCH = "ATTNPLUG_CPU_FUSED_OPS"
 without the compiled module): for measuring one against the other (docs/performance.md).
 Read when a model's forward starts."""
 
-NS_PER_ELEMENT = {"rms_norm": 0.2, "fused_add_rms_norm": 0.25, "rope": 0.3}
+NS_PER_ELEMENT = {"rms_norm": 0.2, "fused_add_rms_norm": 0.25, "rope": 0.3, "silu_mul": 0.4}
 """One thread's time per element of each op, in ns (float32; the elements counted are the
 input's: ``rows * hidden_size``, ``rows * heads * head_size``), measured on
 this project's 2-core machine (docs/performance.md, "Two threads (issue 38, session 13)"):

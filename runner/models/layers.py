@@ -16,7 +16,7 @@ from torch import nn
 
 from attnplug.core.contracts import AttentionBackend, AttentionType
 from attnplug.core.errors import MetadataError
-from attnplug.runner.models import cpu_ops
+from attnplug.runner.models import cpu_ops, silu_mul
 from attnplug.runner.models.attention_op import attend
 from attnplug.runner.models.cpu_linear import Linear
 from attnplug.runner.models.fused import FusedProjections
@@ -67,7 +67,9 @@ class SwiGLUMLP(FusedProjections, nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``[num_tokens, hidden_size]`` -> the same shape and dtype."""
-        gate, up = self.project("gate_up", x)  # torch's silu: vectorised exp (cpu_ops.py's docstring)
+        gate, up = self.project("gate_up", x)
+        if silu_mul.takes(gate, up):  # one C pass, torch's bits (silu_mul.py)
+            return self.down_proj(silu_mul.silu_mul(gate, up))
         # the product into silu's fresh output: one [num_tokens, intermediate_size] buffer, not two
         # (the same bytes as ``silu(gate) * up``); under autograd the out-of-place form
         act = nn.functional.silu(gate)
