@@ -14,7 +14,9 @@ Where each is read and what it turns (docs/configuration.md):
 * ``ATTNPLUG_NATIVE`` (on): the step compiler's compiled paths (``runner/step/fast``);
 * ``ATTNPLUG_CPU_PAGED_KERNEL`` (on): ``cpu_sdpa``'s compiled paged kernel;
 * ``ATTNPLUG_CPU_FUSED_OPS`` (on): the fused CPU elementwise ops (``runner/models/cpu_ops.py``);
-* ``ATTNPLUG_CPU_PACKED_LINEAR`` (on, read at import): prepacked oneDNN CPU linears.
+* ``ATTNPLUG_CPU_PACKED_LINEAR`` (on, read at import): prepacked oneDNN CPU linears;
+* ``ATTNPLUG_ONEDNN_DIRECT`` (on, read at the first linear call): those linears through
+  oneDNN's C API directly (``runner/models/onednn.py``) rather than torch's op.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ SWITCHES: dict[str, bool] = {
     "ATTNPLUG_CPU_PAGED_KERNEL": True,
     "ATTNPLUG_CPU_FUSED_OPS": True,
     "ATTNPLUG_CPU_PACKED_LINEAR": True,
+    "ATTNPLUG_ONEDNN_DIRECT": True,
 }
 """Every switch and its default (unset or empty)."""
 
