@@ -247,6 +247,14 @@ cdef extern from *:
         return s;
     }
 
+    static int od_matmul_primitives(od_matmul *mm) {
+        int n = 0;
+        for (int i = 0; i < OD_SLOTS; ++i) n += mm->slots[i].prim != NULL;
+        return n;
+    }
+
+    static int od_threads(void) { return od_lib ? od.omp_max_threads() : 0; }
+
     static int od_matmul_run(od_slot *s, void *wmem, const float *x, float *out, const float *b) {
         od.mem_set_handle(s->src, (void *)x);
         od.mem_set_handle(s->dst, (void *)out);
@@ -267,6 +275,8 @@ cdef extern from *:
     void od_matmul_free(od_matmul *mm)
     od_slot *od_matmul_slot(od_matmul *mm, int64_t m, int bias, int *status)
     int od_matmul_run(od_slot *s, void *wmem, const float *x, float *out, const float *b) nogil
+    int od_matmul_primitives(od_matmul *mm)
+    int od_threads()
 
 
 def load(str path):
@@ -289,6 +299,13 @@ def load(str path):
 def version():
     """``(major, minor, patch)`` of the loaded oneDNN, ``None`` before :func:`load`."""
     return (od_major, od_minor, od_patch) if od_major else None
+
+
+def threads():
+    """``omp_get_max_threads()`` of the OpenMP runtime oneDNN was bound to (the calling
+    thread's), ``0`` before :func:`load`: with one runtime shared with torch, what
+    ``torch.set_num_threads`` set."""
+    return od_threads()
 
 
 cdef class Matmul:
@@ -330,6 +347,12 @@ cdef class Matmul:
     @property
     def k(self):
         return self.mm.k
+
+    @property
+    def primitives(self):
+        """How many matmul primitives are cached (one per ``(M, threads, bias)`` seen, at
+        most 8; the oldest is replaced)."""
+        return od_matmul_primitives(&self.mm)
 
     def run(self, uintptr_t x_ptr, int64_t m, uintptr_t out_ptr, uintptr_t bias_ptr=0):
         """``out[m, N] = x[m, K] @ weight.T (+ bias[N])``, row-major float32 at the given
