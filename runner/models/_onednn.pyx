@@ -55,6 +55,7 @@ cdef extern from *:
     #define OD_ARG_SCRATCHPAD 80
     #define OD_ALLOCATE ((void *)(size_t)-1)   /* DNNL_MEMORY_ALLOCATE */
     #define OD_SLOTS 8
+    #define OD_MAX_NDIMS 12   /* DNNL_MAX_NDIMS: dnnl_dims_t is int64_t[12]; the rest zeroed */
 
     typedef struct { int arg; void *memory; } od_exec_arg;
     typedef struct { int major, minor, patch; const char *hash; unsigned cpu_runtime, gpu_runtime; } od_version_t;
@@ -168,11 +169,11 @@ cdef extern from *:
 
     /* descriptors of a row-major [rows, cols] f32 matrix, or of torch's [N, K] weight read as [K, N] */
     static int od_md_rows(void **md, int64_t rows, int64_t cols) {
-        int64_t d[2] = {rows, cols};
+        int64_t d[OD_MAX_NDIMS] = {rows, cols};
         return od.md_with_tag(md, 2, d, OD_F32, OD_TAG_AB);
     }
     static int od_md_weight_user(void **md, int64_t n, int64_t k) {
-        int64_t d[2] = {k, n}, s[2] = {1, k};
+        int64_t d[OD_MAX_NDIMS] = {k, n}, s[OD_MAX_NDIMS] = {1, k};
         return od.md_with_strides(md, 2, d, OD_F32, s);
     }
 
@@ -182,7 +183,7 @@ cdef extern from *:
         int st = od_md_rows(&src, m, k);
         if (st == OD_SUCCESS) st = od_md_rows(&dst, m, n);
         if (st == OD_SUCCESS && !wmd) {
-            int64_t d[2] = {k, n};
+            int64_t d[OD_MAX_NDIMS] = {k, n};
             st = od.md_with_tag(&wany, 2, d, OD_F32, OD_TAG_ANY);
         }
         if (st == OD_SUCCESS && bias) st = od_md_rows(&bmd, 1, n);
