@@ -18,6 +18,9 @@ difference is printed). ``--threads`` sets torch's (and so oneDNN's) thread coun
 records it and the load averages. ``--json`` prints the figures as JSON instead of the table.
 Without the direct path (no ``onednn-cpu-gomp`` wheel, ``ATTNPLUG_ONEDNN_DIRECT=0``) it exits 2
 saying why.
+
+``--engine`` times the whole engine instead, the direct path on and off side by side in one
+process (``bench/linear_engine.py``).
 """
 
 from __future__ import annotations
@@ -87,6 +90,11 @@ def _parser() -> OneLineParser:
     parser.add_argument("--rounds", type=bounded_int(1, 1000), default=5)
     parser.add_argument("--iters", type=bounded_int(1, 10**6), default=200, help="timed calls per path and round")
     parser.add_argument("--warmup", type=bounded_int(0, 10**6), default=20)
+    parser.add_argument("--engine", action="store_true",
+                        help="time the whole engine with the direct path on and off instead (bench/linear_engine.py; "
+                             "--model, --threads, --rounds; --num-requests/--output-len as bench engine's)")
+    parser.add_argument("--num-requests", type=bounded_int(1, 4096), default=64, help="--engine: requests")
+    parser.add_argument("--output-len", type=bounded_int(1, 4096), default=128, help="--engine: tokens per request")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
     return parser
 
@@ -124,6 +132,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"attnplug bench linear: the direct oneDNN path is unavailable: {onednn.load_error()}", file=sys.stderr)
         return 2
     torch.set_num_threads(args.threads)
+    if args.engine:
+        return _engine(args)
     load_start = list(os.getloadavg())
     cases = []
     for model in [m.strip() for m in args.model.split(",") if m.strip()]:
@@ -139,6 +149,19 @@ def main(argv: list[str] | None = None) -> int:
     for c in bad:
         print(f"attnplug bench linear: {c['model']} {c['linear']} rows {c['rows']}: outputs differ "
               f"(max |diff| {c['max_abs_diff']:.3g})", file=sys.stderr)
+    return 1 if bad else 0
+
+
+def _engine(args) -> int:
+    from attnplug.runner.commands.bench import linear_engine
+
+    workload = ["--num-requests", str(args.num_requests), "--output-len", str(args.output_len)]
+    rows = [linear_engine.engine_ab(m.strip(), args.threads, args.rounds, workload)
+            for m in args.model.split(",") if m.strip()]
+    print(json.dumps({"rows": rows}, indent=1) if args.json else linear_engine.render(rows))
+    bad = [r["model"] for r in rows if not linear_engine.same_outputs(r)]
+    for m in bad:
+        print(f"attnplug bench linear --engine: {m}: the two paths produced different outputs", file=sys.stderr)
     return 1 if bad else 0
 
 

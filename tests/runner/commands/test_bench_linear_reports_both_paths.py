@@ -53,3 +53,19 @@ def test_bad_rows_and_a_missing_direct_path_exit_2(capsys, monkeypatch):
     assert linear.main(["--model", "tiny-llama"]) == 2
     assert capsys.readouterr().err.strip() == ("attnplug bench linear: the direct oneDNN path is unavailable: "
                                                "ATTNPLUG_ONEDNN_DIRECT=0")
+
+
+@pytest.mark.skipif(onednn.matmul_module() is None, reason="no direct oneDNN path (no onednn-cpu-gomp wheel)")
+def test_the_engine_with_the_direct_path_on_and_off_makes_the_same_tokens(capsys):
+    before = torch.get_num_threads()
+    try:
+        rc = linear.main(["--engine", "--model", "tiny-llama", "--threads", "1", "--rounds", "2",
+                          "--num-requests", "2", "--output-len", "3", "--json"])
+    finally:
+        torch.set_num_threads(before)
+    assert rc == 0
+    (row,) = json.loads(capsys.readouterr().out)["rows"]
+    assert row["torch_threads"] == 1 and row["num_requests"] == 2 and len(row["round_ratios"]) == 2
+    assert row["digest_direct"] == row["digest_torch_op"] and len(row["digest_direct"]) == 1
+    assert row["forward_ms_direct"] > 0 and row["forward_ms_torch_op"] > 0
+    assert cpu_linear._DIRECT[0] is onednn.matmul_module()
