@@ -7,7 +7,8 @@ attnplug run (a fresh engine over that model, EOS ignored, the same requests and
 once, then ``rounds`` rounds run both, the order swapped every round so a load spike on the
 shared machine hits both alike. Reported per model: the median forward ms/step and generated
 tokens/s of each, the median of the rounds' forward-time ratios torch op ÷ direct (> 1: the
-direct path is faster) with every round's ratio, the outputs digests (the two paths must
+direct path is faster) with every round's ratio, how many linears each path's runs held
+packed for the direct path (``direct_linears``: all of them, then none), the outputs digests (the two paths must
 produce the same tokens: else exit status 1), the torch thread count and the load averages.
 """
 
@@ -44,6 +45,7 @@ def engine_ab(model_name: str, threads: int, rounds: int, engine_argv: list[str]
             for direct in ((True, False) if r % 2 == 0 else (False, True)):
                 cpu_linear.use_direct(direct)
                 got[direct] = bench_engine._attnplug_run(run_args, model, threads)  # noqa: SLF001
+                got[direct]["direct_linears"] = direct_linears(model)
                 runs[direct].append(got[direct])
             ratios.append(_forward_ms(got[False]) / _forward_ms(got[True]))
     finally:
@@ -57,7 +59,15 @@ def engine_ab(model_name: str, threads: int, rounds: int, engine_argv: list[str]
             "ratio_forward_torch_op_to_direct": statistics.median(ratios), "round_ratios": ratios,
             "digest_direct": sorted({o["outputs_digest"] for o in runs[True]}),
             "digest_torch_op": sorted({o["outputs_digest"] for o in runs[False]}),
-            "load_average_1m": [load_start, os.getloadavg()[0]]}
+            "load_average_1m": [load_start, os.getloadavg()[0]],
+            "direct_linears": [max(o["direct_linears"] for o in runs[True]), max(o["direct_linears"] for o in runs[False])]}
+
+
+def direct_linears(model: torch.nn.Module) -> int:
+    """How many of ``model``'s packed linear weights are held by the direct path (a
+    ``_onednn.Matmul``) rather than as torch's packed tensor: which path the last run took."""
+    return sum(type(entry[2]).__name__ == "Matmul" for m in model.modules()
+               for entry in m.__dict__.get("packed_weights", {}).values())
 
 
 def _forward_ms(run: dict) -> float:
@@ -89,4 +99,4 @@ def render(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["engine_ab", "render", "same_outputs"]
+__all__ = ["direct_linears", "engine_ab", "render", "same_outputs"]

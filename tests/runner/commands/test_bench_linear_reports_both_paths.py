@@ -68,4 +68,5 @@ def test_the_engine_with_the_direct_path_on_and_off_makes_the_same_tokens(capsys
     assert row["torch_threads"] == 1 and row["num_requests"] == 2 and len(row["round_ratios"]) == 2
     assert row["digest_direct"] == row["digest_torch_op"] and len(row["digest_direct"]) == 1
     assert row["forward_ms_direct"] > 0 and row["forward_ms_torch_op"] > 0
+    assert row["direct_linears"][0] >= 4 * 4 + 1 and row["direct_linears"][1] == 0  # tiny-llama: 4 layers x 4, LM head
     assert cpu_linear._DIRECT[0] is onednn.matmul_module()
