@@ -11,11 +11,18 @@ library whose ``dnnl_version()`` is not major 3, where they hold.
 :class:`Matmul` owns one weight ``[N, K]`` (torch's ``[out_features, in_features]``, row
 major) reordered once into the blocked layout oneDNN's matmul picks for it, and computes
 ``dst[M, N] = src[M, K] @ weight.T (+ bias[N])`` for row-major float32 ``src`` / ``dst``.
-Matmul primitives depend on ``M`` and on the OpenMP thread count at their creation (oneDNN
-sizes its work split by it), so each :class:`Matmul` keeps a few primitives keyed by
-``(M, threads, bias or not)``, each with its scratchpad allocated once (user scratchpad
-mode) and its memory objects re-pointed at the caller's buffers per call. Every primitive
-runs on one CPU stream of one engine, created by :func:`load`.
+Matmul primitives depend on the row count ``M`` and on the OpenMP thread count at their
+creation (oneDNN sizes its work split by it). A :class:`Matmul` keeps one per ``M`` up to 64
+(decode batches: the sizes a run meets step after step) and one for each of the last 8 larger
+``M`` (prefill chunks). Making a primitive for an ``M`` never seen costs 0.1-0.3 ms (as torch's
+op pays for a new shape); for one seen before and dropped here ~4 µs (oneDNN's own primitive
+cache keeps the compiled kernel; measured, docs/performance.md, "Linears through oneDNN's C
+API (issue 38, session 15)"). A primitive with a run-time ``M`` was measured and not taken: its
+results are not bitwise those of a fixed-``M`` one (nor of torch's op) and it is up to 6 %
+slower at decode sizes. A primitive is remade when the thread count or the bias-or-not of its
+row count changes. Each has its scratchpad allocated once (user
+scratchpad mode) and its memory objects re-pointed at the caller's buffers per call. Every
+primitive runs on one CPU stream of one engine, created by :func:`load`.
 
 oneDNN's OpenMP threads are torch's: the library NEEDs ``libgomp.so.1``, the SONAME of the
 libgomp torch loads first, so the dynamic linker binds both to one runtime and
@@ -54,7 +61,8 @@ cdef extern from *:
     #define OD_ARG_BIAS 41
     #define OD_ARG_SCRATCHPAD 80
     #define OD_ALLOCATE ((void *)(size_t)-1)   /* DNNL_MEMORY_ALLOCATE */
-    #define OD_SLOTS 8
+    #define OD_SMALL_M 64     /* row counts up to this: a primitive each (decode batches) */
+    #define OD_RING 8         /* larger ones: the last 8 row counts */
     #define OD_MAX_NDIMS 12   /* DNNL_MAX_NDIMS: dnnl_dims_t is int64_t[12]; the rest zeroed */
 
     typedef struct { int arg; void *memory; } od_exec_arg;
@@ -147,8 +155,9 @@ cdef extern from *:
         int64_t n, k;
         void *wmd;        /* the packed weight's descriptor (owned) */
         void *wmem;       /* the packed weight (oneDNN-allocated) */
-        od_slot slots[OD_SLOTS];
-        int next;         /* round-robin victim */
+        od_slot small[OD_SMALL_M];   /* small[m - 1]: m rows */
+        od_slot ring[OD_RING];       /* m > OD_SMALL_M */
+        int next;                    /* the ring's round-robin victim */
     } od_matmul;
 
     static void od_slot_free(od_slot *s) {
@@ -161,7 +170,8 @@ cdef extern from *:
     }
 
     static void od_matmul_free(od_matmul *mm) {
-        for (int i = 0; i < OD_SLOTS; ++i) od_slot_free(&mm->slots[i]);
+        for (int i = 0; i < OD_SMALL_M; ++i) od_slot_free(&mm->small[i]);
+        for (int i = 0; i < OD_RING; ++i) od_slot_free(&mm->ring[i]);
         if (mm->wmem) od.mem_destroy(mm->wmem);
         if (mm->wmd) od.md_destroy(mm->wmd);
         memset(mm, 0, sizeof(*mm));
@@ -223,15 +233,8 @@ cdef extern from *:
         return st;
     }
 
-    /* the slot for (m, threads, bias), created (evicting round robin) when missing; NULL + status */
-    static od_slot *od_matmul_slot(od_matmul *mm, int64_t m, int bias, int *status) {
-        int threads = od.omp_max_threads();
-        for (int i = 0; i < OD_SLOTS; ++i) {
-            od_slot *s = &mm->slots[i];
-            if (s->prim && s->m == m && s->threads == threads && s->bias == bias) return s;
-        }
-        od_slot *s = &mm->slots[mm->next];
-        mm->next = (mm->next + 1) % OD_SLOTS;
+    /* (re)make slot s for m rows, the current thread count and bias; status */
+    static int od_slot_make(od_matmul *mm, od_slot *s, int64_t m, int threads, int bias) {
         od_slot_free(s);
         void *pd = NULL;
         int st = od_matmul_pd(&pd, m, mm->n, mm->k, mm->wmd, bias);
@@ -242,16 +245,47 @@ cdef extern from *:
         if (st == OD_SUCCESS) st = od.mem_create(&s->scratch, od.pd_query_md(pd, OD_QUERY_SCRATCHPAD_MD, 0),
                                                  od_engine, OD_ALLOCATE);
         if (pd) od.pd_destroy(pd);
-        if (st != OD_SUCCESS) { od_slot_free(s); *status = st; return NULL; }
+        if (st != OD_SUCCESS) { od_slot_free(s); return st; }
         s->m = m; s->threads = threads; s->bias = bias;
+        return OD_SUCCESS;
+    }
+
+    static inline int od_slot_fits(const od_slot *s, int64_t m, int threads, int bias) {
+        return s->prim && s->m == m && s->threads == threads && s->bias == bias;
+    }
+
+    /* the slot serving m rows at the current thread count, made when missing: up to OD_SMALL_M
+       rows one per row count, above a ring of the last OD_RING row counts; NULL + status when
+       oneDNN refuses */
+    static od_slot *od_matmul_slot(od_matmul *mm, int64_t m, int bias, int *status) {
+        int threads = od.omp_max_threads();
+        od_slot *s;
         *status = OD_SUCCESS;
-        return s;
+        if (m <= OD_SMALL_M) {
+            s = &mm->small[m - 1];
+            if (!od_slot_fits(s, m, threads, bias)) *status = od_slot_make(mm, s, m, threads, bias);
+            return *status == OD_SUCCESS ? s : NULL;
+        }
+        for (int i = 0; i < OD_RING; ++i)
+            if (od_slot_fits(&mm->ring[i], m, threads, bias)) return &mm->ring[i];
+        s = &mm->ring[mm->next];
+        mm->next = (mm->next + 1) % OD_RING;
+        *status = od_slot_make(mm, s, m, threads, bias);
+        return *status == OD_SUCCESS ? s : NULL;
     }
 
     static int od_matmul_primitives(od_matmul *mm) {
         int n = 0;
-        for (int i = 0; i < OD_SLOTS; ++i) n += mm->slots[i].prim != NULL;
+        for (int i = 0; i < OD_SMALL_M; ++i) n += mm->small[i].prim != NULL;
+        for (int i = 0; i < OD_RING; ++i) n += mm->ring[i].prim != NULL;
         return n;
+    }
+
+    /* the thread count of the primitive that serves m rows now (0: none yet) */
+    static int od_matmul_threads_of(od_matmul *mm, int64_t m) {
+        if (m >= 1 && m <= OD_SMALL_M) return mm->small[m - 1].prim ? mm->small[m - 1].threads : 0;
+        for (int i = 0; i < OD_RING; ++i) if (mm->ring[i].prim && mm->ring[i].m == m) return mm->ring[i].threads;
+        return 0;
     }
 
     static int od_threads(void) { return od_lib ? od.omp_max_threads() : 0; }
@@ -277,6 +311,7 @@ cdef extern from *:
     od_slot *od_matmul_slot(od_matmul *mm, int64_t m, int bias, int *status)
     int od_matmul_run(od_slot *s, void *wmem, const float *x, float *out, const float *b) nogil
     int od_matmul_primitives(od_matmul *mm)
+    int od_matmul_threads_of(od_matmul *mm, int64_t m)
     int od_threads()
 
 
@@ -351,9 +386,14 @@ cdef class Matmul:
 
     @property
     def primitives(self):
-        """How many matmul primitives are cached (one per ``(M, threads, bias)`` seen, at
-        most 8; the oldest is replaced)."""
+        """How many matmul primitives are held: one per row count up to 64 seen (for the
+        thread count and bias of its last call) and one for each of the last 8 larger row
+        counts."""
         return od_matmul_primitives(&self.mm)
+
+    def threads_of(self, int64_t m):
+        """The OpenMP thread count the primitive serving ``m`` rows was made for (0: none yet)."""
+        return od_matmul_threads_of(&self.mm, m)
 
     def run(self, uintptr_t x_ptr, int64_t m, uintptr_t out_ptr, uintptr_t bias_ptr=0):
         """``out[m, N] = x[m, K] @ weight.T (+ bias[N])``, row-major float32 at the given

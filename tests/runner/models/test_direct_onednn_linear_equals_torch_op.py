@@ -95,7 +95,7 @@ def test_one_openmp_runtime_for_torch_and_onednn_and_a_primitive_per_thread_coun
     finally:
         torch.set_num_threads(before)
     assert torch.equal(y1, y3)
-    assert _entry(lin).primitives == 2  # (16 rows, 1 thread) and (16 rows, 3 threads)
+    assert _entry(lin).threads_of(16) == 3  # remade for the new thread count
     with open("/proc/self/maps") as f:
         gomp = {line.split()[-1] for line in f if "/libgomp" in line}
     assert len(gomp) == 1, gomp
@@ -169,3 +169,18 @@ def test_bad_input_falls_back_or_gets_f_linears_error():
             mm.run(0, 0, 0)
     with pytest.raises(ValueError, match="must be >= 1"):
         onednn.matmul_module().Matmul(lin.weight.data_ptr(), 0, 16)
+
+
+def test_a_primitive_per_decode_row_count_and_the_last_8_larger_ones():
+    """Up to 64 rows one primitive each (kept), above the last 8 row counts (remade from
+    oneDNN's primitive cache when a count comes back)."""
+    lin = Linear(24, 16, bias=True)
+    with torch.no_grad():
+        for rows in (*range(1, 75), 100, 300, 65, 1, 64):
+            x = torch.randn(rows, 24)
+            torch.testing.assert_close(lin(x), torch.nn.functional.linear(x, lin.weight, lin.bias))
+            assert torch.equal(lin(x), _torch_op(lin, x))
+    mm = _entry(lin)
+    assert mm.primitives == 64 + 8
+    assert mm.threads_of(64) == mm.threads_of(300) == torch.get_num_threads()
+    assert mm.threads_of(66) == 0 and mm.threads_of(0) == 0  # 66 dropped from the ring
