@@ -26,7 +26,7 @@ primitive runs on one CPU stream of one engine, created by :func:`load`.
 
 oneDNN's OpenMP threads are torch's: the library NEEDs ``libgomp.so.1``, the SONAME of the
 libgomp torch loads first, so the dynamic linker binds both to one runtime and
-``torch.set_num_threads`` governs both (tests/runner/models/test_onednn_direct_linear.py
+``torch.set_num_threads`` governs both (tests/runner/models/test_direct_onednn_linear_equals_torch_op.py
 checks one libgomp in ``/proc/self/maps``).
 
 The Python-facing wrapper is ``runner/models/cpu_linear.py`` (dtype, contiguity and shape

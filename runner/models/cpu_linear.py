@@ -20,17 +20,18 @@ or with ``ATTNPLUG_CPU_PACKED_LINEAR=0`` the call is plain ``F.linear``.
 float32 goes one step further: oneDNN's C API directly (``runner/models/onednn.py``, the
 ``onednn-cpu-gomp`` wheel's oneDNN 3.2 loaded at run time). torch's op reaches the same
 brgemm kernel, but ideep builds descriptors, attributes and a primitive-cache key on every
-call, ~11 µs per call more at every size (docs/performance.md, "Linears through oneDNN's C
-API (issue 38, session 15)"); :class:`~attnplug.runner.models._onednn.Matmul` keeps the
+call: the direct path is 9-29 µs a call faster at decode shapes, through this module's
+checks (docs/performance.md, "Linears through oneDNN's C API (issue 38, session 15)"); :class:`~attnplug.runner.models._onednn.Matmul` keeps the
 packed weight and its primitives (per row count and thread count) and only re-points them
 at the call's tensors. The packed weight is a cache as above (same rules, same
 ``packed_weights`` dict, holding the ``Matmul``). A call takes torch's op instead when the
 direct path is unavailable or off (``ATTNPLUG_ONEDNN_DIRECT=0``; no wheel, no compiled
 module), when ``x`` or the weight is not contiguous, the bias not a contiguous float32
-``[out_features]``, or ``x`` has no rows. A ``x`` whose last dimension is not
+``[out_features]``, or ``x`` has no rows; and ``F.linear`` when the weight's ``Matmul`` is
+running in another thread (one call at a time each; the GIL is released during the product). A ``x`` whose last dimension is not
 ``in_features`` gets ``F.linear``'s error (``mat1 and mat2 shapes cannot be multiplied``).
 Results: float32 accumulated in oneDNN's order, bitwise equal to torch's op on this
-project's machine (tests/runner/models/test_onednn_direct_linear.py).
+project's machine (tests/runner/models/test_direct_onednn_linear_equals_torch_op.py).
 """
 
 from __future__ import annotations
