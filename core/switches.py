@@ -16,7 +16,9 @@ Where each is read and what it turns (docs/configuration.md):
 * ``ATTNPLUG_CPU_FUSED_OPS`` (on): the fused CPU elementwise ops (``runner/models/cpu_ops.py``);
 * ``ATTNPLUG_CPU_PACKED_LINEAR`` (on, read at import): prepacked oneDNN CPU linears;
 * ``ATTNPLUG_KEEP_HEAP`` (on): the model-running commands keep freed memory in glibc's heap
-  (``runner/commands/heap.py``).
+  (``runner/commands/heap.py``);
+* ``ATTNPLUG_ONEDNN_DIRECT`` (on, read at the first linear call): those linears through
+  oneDNN's C API directly (``runner/models/onednn.py``) rather than torch's op.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ SWITCHES: dict[str, bool] = {
     "ATTNPLUG_CPU_FUSED_OPS": True,
     "ATTNPLUG_CPU_PACKED_LINEAR": True,
     "ATTNPLUG_KEEP_HEAP": True,
+    "ATTNPLUG_ONEDNN_DIRECT": True,
 }
 """Every switch and its default (unset or empty)."""
 

@@ -25,7 +25,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "run": ("attnplug.runner.commands.run", "replay a trace through the engine (the main job)"),
     "serve": ("attnplug.runner.commands.serve", "an OpenAI-compatible server over the engine (docs/serving.md)"),
     "explain": ("attnplug.runner.commands.explain", "print one step's metadata per JSONL step"),
-    "bench": ("attnplug.runner.commands.bench.step", "benchmarks: `bench step`, `bench attention` (CUDA), `bench moe`, `bench threads`, `bench engine` (attnplug against vLLM's CPU build), `bench paged-kernel` (one paged-attention call against vLLM's CPU op), `bench serve` (a server under load)"),
+    "bench": ("attnplug.runner.commands.bench.step", "benchmarks: `bench step`, `bench attention` (CUDA), `bench moe`, `bench threads`, `bench engine` (attnplug against vLLM's CPU build), `bench paged-kernel` (one paged-attention call against vLLM's CPU op), `bench linear` (a CPU linear: torch's oneDNN op against oneDNN's C API), `bench serve` (a server under load)"),
     "parity": ("attnplug.runner.commands.parity", "compare greedy tokens and logits with HF transformers"),
     "backends": ("attnplug.runner.commands.backends", "list registered backends; --explain --model X: selection"),
     "check": ("attnplug.runner.commands.check", "run the conformance suite against a backend"),

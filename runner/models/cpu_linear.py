@@ -16,6 +16,22 @@ pickled or deep-copied. Off the CPU, for dtypes other than float32 / bfloat16, w
 ``torch.compile`` traces, with autograd recording, for an inference tensor (made under
 ``torch.inference_mode``: it keeps no version counter, so a stale copy could not be told)
 or with ``ATTNPLUG_CPU_PACKED_LINEAR=0`` the call is plain ``F.linear``.
+
+float32 goes one step further: oneDNN's C API directly (``runner/models/onednn.py``, the
+``onednn-cpu-gomp`` wheel's oneDNN 3.2 loaded at run time). torch's op reaches the same
+brgemm kernel, but ideep builds descriptors, attributes and a primitive-cache key on every
+call: the direct path is 9-29 µs a call faster at decode shapes, through this module's
+checks (docs/performance.md, "Linears through oneDNN's C API (issue 38, session 15)"); :class:`~attnplug.runner.models._onednn.Matmul` keeps the
+packed weight and its primitives (per row count and thread count) and only re-points them
+at the call's tensors. The packed weight is a cache as above (same rules, same
+``packed_weights`` dict, holding the ``Matmul``). A call takes torch's op instead when the
+direct path is unavailable or off (``ATTNPLUG_ONEDNN_DIRECT=0``; no wheel, no compiled
+module), when ``x`` or the weight is not contiguous, the bias not a contiguous float32
+``[out_features]``, or ``x`` has no rows; and ``F.linear`` when the weight's ``Matmul`` is
+running in another thread (one call at a time each; the GIL is released during the product). A ``x`` whose last dimension is not
+``in_features`` gets ``F.linear``'s error (``mat1 and mat2 shapes cannot be multiplied``).
+Results: float32 accumulated in oneDNN's order, bitwise equal to torch's op on this
+project's machine (tests/runner/models/test_direct_onednn_linear_equals_torch_op.py).
 """
 
 from __future__ import annotations
@@ -24,6 +40,7 @@ import torch
 from torch import nn
 
 from attnplug.core import switches
+from attnplug.runner.models import onednn
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 """Weight dtypes packed (oneDNN's CPU matmul: float32, and bfloat16 on AVX512-BF16/AMX)."""
@@ -51,7 +68,8 @@ def packed(weight: torch.Tensor, cache: PackedWeights, key: str) -> torch.Tensor
     """The oneDNN-packed copy of ``weight`` (``[out_features, in_features]``), from ``cache[key]``
     while ``weight`` is unchanged, else packed now and cached."""
     hit = cache.get(key)
-    if hit is not None and hit[0] == weight._version and hit[1] == weight.data_ptr():
+    if (hit is not None and hit[0] == weight._version and hit[1] == weight.data_ptr()
+            and hit[2].__class__ is not _MATMUL):
         return hit[2]
     w = weight.detach()
     out = torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS_HINT)
@@ -76,13 +94,79 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, own
     cache = owner.__dict__.get("packed_weights")
     if cache is None:
         cache = owner.__dict__["packed_weights"] = PackedWeights()
+    if dtype is _F32 and (_DIRECT[0] if _DIRECT[0] is not _UNSET else _resolve()) is not None:
+        k = weight.shape[-1]
+        if x.dim() == 0 or x.shape[-1] != k:
+            return _F_LINEAR(x, weight, bias)  # torch's shape error
+        out = _direct(x, weight, bias, cache, key, k)
+        if out is not None:
+            return out
     return _LINEAR_POINTWISE(x, packed(weight, cache, key), bias, "none", _NO_SCALARS, "")
+
+
+def direct(weight: torch.Tensor, cache: PackedWeights, key: str):
+    """The :class:`~attnplug.runner.models._onednn.Matmul` holding ``weight`` (float32,
+    contiguous ``[out_features, in_features]``) packed, from ``cache[key]`` while ``weight`` is
+    unchanged, else packed now and cached (the rules of :func:`packed`).
+
+    Raises:
+        RuntimeError: the direct path is not loaded, or oneDNN refused the weight."""
+    hit = cache.get(key)
+    if (hit is not None and hit[0] == weight._version and hit[1] == weight.data_ptr()
+            and hit[2].__class__ is _MATMUL):
+        return hit[2]
+    module = _DIRECT[0]
+    if module is None or module is _UNSET:
+        raise RuntimeError(f"the direct oneDNN path is not loaded: {onednn.load_error() or 'not tried'}")
+    out_features, in_features = weight.shape
+    mm = module.Matmul(weight.data_ptr(), out_features, in_features, PACK_ROWS_HINT)
+    cache[key] = (weight._version, weight.data_ptr(), mm)
+    return mm
+
+
+def _direct(x, weight, bias, cache, key, k):
+    """``linear`` through :func:`direct`'s ``Matmul``, or ``None`` where it does not take the
+    call (the module docstring's list)."""
+    rows = x.numel() // k if k else 0
+    if (rows == 0 or not x.is_contiguous() or weight.dim() != 2 or not weight.is_contiguous()
+            or (bias is not None and (bias.dtype is not _F32 or not bias.is_contiguous()
+                                      or bias.shape != weight.shape[:1]))):
+        return None
+    mm = direct(weight, cache, key)
+    out = torch.empty(x.shape[:-1] + weight.shape[:1], dtype=_F32)
+    if mm.run(x.data_ptr(), rows, out.data_ptr(), 0 if bias is None else bias.data_ptr()):
+        return out
+    return _F_LINEAR(x, weight, bias)  # the Matmul is running in another thread
+
+
+def use_direct(on: bool | None = None) -> bool:
+    """Whether float32 linears take oneDNN's C API directly. ``None``: decide from
+    :func:`attnplug.runner.models.onednn.matmul_module` (the switch, the wheel, the module),
+    once per process unless called again; ``False``: torch's op (tests, benchmarks); ``True``:
+    the direct path, raising ``RuntimeError`` when it cannot load."""
+    if on is None or on:
+        onednn.reset()
+        _DIRECT[0] = onednn.matmul_module()
+        if on and _DIRECT[0] is None:
+            raise RuntimeError(f"the direct oneDNN path cannot load: {onednn.load_error()}")
+    else:
+        _DIRECT[0] = None
+    return _DIRECT[0] is not None
 
 
 _F_LINEAR = nn.functional.linear
 _LINEAR_POINTWISE = (torch.ops.mkldnn._linear_pointwise.default if hasattr(torch.ops.mkldnn, "_linear_pointwise")
                      else None)
 _NO_SCALARS: list = []  # the op's empty post-op scalars (read, never written)
+_F32 = torch.float32
+_MATMUL = onednn._onednn.Matmul if onednn._onednn is not None else type(None)
+_UNSET = object()
+_DIRECT: list = [_UNSET]  # the loaded _onednn module, None (torch's op) or _UNSET (use_direct)
+
+
+def _resolve():
+    use_direct()
+    return _DIRECT[0]
 
 
 class Linear(nn.Linear):
@@ -92,4 +176,4 @@ class Linear(nn.Linear):
         return linear(x, self.weight, self.bias, self)
 
 
-__all__ = ["ENABLED", "Linear", "PACKED_DTYPES", "PackedWeights", "linear", "packed"]
+__all__ = ["ENABLED", "Linear", "PACKED_DTYPES", "PackedWeights", "direct", "linear", "packed", "use_direct"]

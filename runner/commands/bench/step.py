@@ -201,6 +201,7 @@ _SUBCOMMANDS = {
     "threads": "attnplug.runner.commands.bench.threads",
     "engine": "attnplug.runner.commands.bench.engine",
     "paged-kernel": "attnplug.runner.commands.bench.paged_kernel",
+    "linear": "attnplug.runner.commands.bench.linear",
     "serve": "attnplug.runner.commands.bench.serve_client",
 }
 
@@ -225,9 +226,9 @@ def _parser() -> OneLineParser:
     """The step bench's flags."""
     parser = OneLineParser(prog="attnplug bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("which", nargs="?", default="step",
-                        choices=["step", "attention", "broadcast", "moe", "threads", "engine", "paged-kernel"],
+                        choices=["step", "attention", "broadcast", "moe", "threads", "engine", "paged-kernel", "linear"],
                         help="the benchmark to run (default: step; `attention --help` / `moe --help` / "
-                             "`threads --help` / `engine --help` / `paged-kernel --help` for their options; `broadcast` runs under torchrun)")
+                             "`threads --help` / `engine --help` / `paged-kernel --help` / `linear --help` for their options; `broadcast` runs under torchrun)")
     parser.add_argument("--steps", type=_int_at_least(1), default=300,
                         help="timed steady-decode steps per size (default 300)")
     parser.add_argument("--sizes", type=_sizes, default=[16, 64, 256, 1024],
