@@ -31,8 +31,9 @@ class CpuSdpaBackend(WindowAndSoftCapFeatures, AttentionBackend):
     Capabilities: float32/float16/bfloat16, any head size, any kernel block size, CPU
     only, GQA/MQA, sliding window, logits soft-cap (reference path), decoder attention,
     fp8 KV caches (e4m3 / e5m2, per-tensor or per-KV-head scales: written ``saturate(x /
-    scale)``, the gathered blocks dequantised before SDPA: the SDPA path). No attention
-    sinks.
+    scale)``, the gathered blocks dequantised before SDPA: the SDPA path), attention sinks
+    and ALiBi slopes (those layers run the ``torch_native`` reference path: neither the
+    kernel nor SDPA adds them).
 
     KV cache per layer: ``[num_blocks, 2, block_size, num_kv_heads, head_size]`` (the
     default layout; K at index 0 of dim 1).
@@ -62,6 +63,16 @@ class CpuSdpaBackend(WindowAndSoftCapFeatures, AttentionBackend):
     def get_impl_cls(cls) -> type[AttentionImpl]:
         from attnplug.backends.cpu_sdpa.impl import CpuSdpaAttentionImpl
         return CpuSdpaAttentionImpl
+
+    @classmethod
+    def supports_sink(cls) -> bool:
+        """``sinks`` (``impl.py``: the ``torch_native`` path for such a layer)."""
+        return True
+
+    @classmethod
+    def supports_alibi(cls) -> bool:
+        """``alibi_slopes`` (``impl.py``: the ``torch_native`` path for such a layer)."""
+        return True
 
     @classmethod
     def is_available(cls) -> tuple[bool, str]:

@@ -41,8 +41,9 @@ and ``-inf + NaN`` (a poisoned or recycled block) would still be NaN.
 
 A cascade step runs the ``torch_native`` path
 (:class:`~attnplug.backends.torch_native.impl.TorchNativeAttentionImpl`, which this class
-extends: the cascade merge needs each pass's log-sum-exp), and so does a layer with a
-logits soft-cap off the kernel (SDPA has no soft-cap).
+extends: the cascade merge needs each pass's log-sum-exp), and so do a layer with a
+logits soft-cap off the kernel (SDPA has no soft-cap) and a layer with attention sinks or
+ALiBi slopes (neither the kernel nor SDPA adds them), every step.
 """
 
 from __future__ import annotations
@@ -68,8 +69,9 @@ class CpuSdpaAttentionImpl(TorchNativeAttentionImpl):
     """One layer's attention through the fused SDPA kernel (see the module docstring).
 
     ``CpuSdpaAttentionImpl(num_heads, head_size, scale, num_kv_heads, sliding_window=None,
-    logits_soft_cap=None, attn_type=AttentionType.DECODER, kv_cache_dtype=None)``; the
-    arguments, errors and the KV-cache layout are ``torch_native``'s.
+    logits_soft_cap=None, attn_type=AttentionType.DECODER, kv_cache_dtype=None, sinks=None,
+    alibi_slopes=None)``; the arguments, errors and the KV-cache layout are ``torch_native``'s
+    (a layer with ``sinks`` or ``alibi_slopes`` runs its path).
 
     Examples:
         >>> import torch
@@ -93,11 +95,13 @@ class CpuSdpaAttentionImpl(TorchNativeAttentionImpl):
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
                  sliding_window: int | None = None, logits_soft_cap: float | None = None,
                  attn_type: AttentionType = AttentionType.DECODER,
-                 kv_cache_dtype: torch.dtype | None = None):
+                 kv_cache_dtype: torch.dtype | None = None, sinks: torch.Tensor | None = None,
+                 alibi_slopes: torch.Tensor | None = None):
         # The signature is pinned here, not inherited: a feature the reference impl gains
-        # later (attention sinks, ...) must not reach this fast path unnoticed.
+        # later must not reach this fast path unnoticed. Sinks and ALiBi slopes are taken,
+        # and a layer with either runs the reference path (``forward``).
         super().__init__(num_heads, head_size, scale, num_kv_heads, sliding_window, logits_soft_cap, attn_type,
-                         kv_cache_dtype)
+                         kv_cache_dtype, sinks, alibi_slopes)
         self._kernel_ok: dict[tuple, bool] = {}
         self._validate_every_layer = switches.flag("ATTNPLUG_VALIDATE")
         """``ATTNPLUG_VALIDATE=1``: the kernel path's checks on every layer, not once per step
@@ -124,6 +128,8 @@ class CpuSdpaAttentionImpl(TorchNativeAttentionImpl):
         K/V write: the kernel reads raw memory).
         """
         md = attn_metadata
+        if self.sinks is not None or self.alibi_slopes is not None:  # neither kernel has them: the reference
+            return super().forward(layer, query, key, value, kv_cache, md, output)
         if getattr(md, "cascade", None) is None and getattr(md, "paged_reqs", None) is not None \
                 and self._kernel_takes(query, kv_cache, md.causal):
             return self._forward_paged(query, key, value, kv_cache, md, output)

@@ -32,18 +32,23 @@ def test_an_explicit_choice_is_refused_with_every_missing_feature():
     assert "batch-invariant attention not supported" in reasons
     assert not any("sinks" in r for r in reasons)  # torch_native declares sinks
     assert "chosen explicitly by --backend" in str(exc.value)
-    with pytest.raises(BackendUnsupportedError) as exc:  # cpu_sdpa declares neither sinks nor ALiBi
-        select_backend(NEEDY, "full_attention", cli_choice="cpu_sdpa", env={})
+    with pytest.raises(BackendUnsupportedError) as exc:  # flash_attn declares neither sinks nor ALiBi
+        select_backend(NEEDY, "full_attention", cli_choice="flash_attn", env={})
     assert {"ALiBi position biases not supported", "attention sinks (per-head sink logits) not supported",
             "non-causal attention not supported"} <= set(exc.value.reasons)
 
 
 def test_automatic_selection_skips_backends_without_sinks():
+    from attnplug.backends.cpu_sdpa import CpuSdpaBackend
+    from tests.plugins.conftest import registry_of
+
     layer = AttentionLayerConfig(num_heads=4, num_kv_heads=2, head_size=64, has_sinks=True)
-    no_sinks = type("NoSinks", (TorchNativeBackend,), {"get_name": classmethod(lambda cls: "no_sinks"),
-                                                       "supports_sink": classmethod(lambda cls: False)})
+    no_sinks = type("NoSinks", (CpuSdpaBackend,), {"supports_sink": classmethod(lambda cls: False)})  # named cpu_sdpa
     assert "attention sinks (per-head sink logits) not supported" in no_sinks.validate_configuration(layer)
-    assert select_backend(layer, "full_attention", env={}).name == "torch_native"
+    registry = registry_of(no_sinks, TorchNativeBackend)  # cpu_sdpa first in the CPU priority
+    picked = select_backend(layer, "full_attention", env={}, registry=registry)
+    assert picked.name == "torch_native" and [r.backend for r in picked.rejections] == ["cpu_sdpa"]
+    assert select_backend(layer, "full_attention", env={}).name == "cpu_sdpa"  # the real one takes sinks
 
 
 def test_capabilities_are_the_declarations():

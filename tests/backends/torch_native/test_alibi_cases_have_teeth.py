@@ -53,11 +53,11 @@ def test_a_planted_alibi_bug_fails_the_alibi_case(impl):
 
 
 def test_selection_refuses_alibi_where_undeclared_and_slopes_are_checked():
-    from attnplug.backends.cpu_sdpa import CpuSdpaBackend
+    from attnplug.backends.flashinfer.backend import FlashInferBackend  # declares no ALiBi
     from attnplug.core.errors import BackendUnsupportedError
 
     layer = AttentionLayerConfig(num_heads=4, num_kv_heads=2, head_size=32, use_alibi=True)
     assert TorchNativeBackend.validate_configuration(layer) == []
-    assert any("ALiBi" in r for r in CpuSdpaBackend.validate_configuration(layer))
+    assert any("ALiBi" in r for r in FlashInferBackend.validate_configuration(layer))
     with pytest.raises(BackendUnsupportedError, match="alibi_slopes must be \\[4\\] float32"):
         TorchNativeAttentionImpl(4, 32, 0.1, 2, alibi_slopes=torch.ones(3))
