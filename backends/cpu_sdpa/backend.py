@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from attnplug.backends.common.features import WindowAndSoftCapFeatures
+from attnplug.backends.common.features import SinksAndAlibiFeatures, WindowAndSoftCapFeatures
 from attnplug.core.contracts import AttentionBackend, AttentionImpl, AttentionMetadataBuilder
 
 
-class CpuSdpaBackend(WindowAndSoftCapFeatures, AttentionBackend):
+class CpuSdpaBackend(WindowAndSoftCapFeatures, SinksAndAlibiFeatures, AttentionBackend):
     """Attention on the CPU: a compiled paged kernel, else torch's fused SDPA.
 
     Where the optional compiled module ``_paged`` was built and takes the layer (float32 /
@@ -64,15 +64,6 @@ class CpuSdpaBackend(WindowAndSoftCapFeatures, AttentionBackend):
         from attnplug.backends.cpu_sdpa.impl import CpuSdpaAttentionImpl
         return CpuSdpaAttentionImpl
 
-    @classmethod
-    def supports_sink(cls) -> bool:
-        """``sinks`` (``impl.py``: the ``torch_native`` path for such a layer)."""
-        return True
-
-    @classmethod
-    def supports_alibi(cls) -> bool:
-        """``alibi_slopes`` (``impl.py``: the ``torch_native`` path for such a layer)."""
-        return True
 
     @classmethod
     def is_available(cls) -> tuple[bool, str]:

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from attnplug.backends.common.features import WindowAndSoftCapFeatures
+from attnplug.backends.common.features import SinksAndAlibiFeatures, WindowAndSoftCapFeatures
 from attnplug.core.contracts import AttentionBackend, AttentionImpl, AttentionMetadataBuilder
 
 
-class TorchNativeBackend(WindowAndSoftCapFeatures, AttentionBackend):
+class TorchNativeBackend(WindowAndSoftCapFeatures, SinksAndAlibiFeatures, AttentionBackend):
     """Reference attention in plain torch: every feature, any shape, readable over fast.
 
     Capabilities: float32/float16/bfloat16, any head size, any kernel block size, CPU
@@ -47,14 +47,6 @@ class TorchNativeBackend(WindowAndSoftCapFeatures, AttentionBackend):
         from attnplug.backends.torch_native.impl import TorchNativeAttentionImpl
         return TorchNativeAttentionImpl
 
-    @classmethod
-    def supports_sink(cls) -> bool:
-        return True
-
-    @classmethod
-    def supports_alibi(cls) -> bool:
-        """``alibi_slopes`` (``impl.py``): ``- slope_h * distance`` on the logits."""
-        return True
 
     @classmethod
     def is_available(cls) -> tuple[bool, str]:

@@ -14,7 +14,7 @@ from abc import ABCMeta
 
 import torch
 
-from attnplug.backends.common.features import WindowAndSoftCapFeatures
+from attnplug.backends.common.features import SinksAndAlibiFeatures, WindowAndSoftCapFeatures
 from attnplug.backends.triton.constants import HEAD_SIZES, KERNEL_BLOCK_SIZES
 from attnplug.backends.triton.runtime import interpreting, unavailable_reason
 from attnplug.core.kv_quant import is_quantized
@@ -35,7 +35,7 @@ class _TritonBackendMeta(ABCMeta):
         return (torch.float16, torch.bfloat16, torch.float32)
 
 
-class TritonBackend(WindowAndSoftCapFeatures, AttentionBackend, metaclass=_TritonBackendMeta):
+class TritonBackend(WindowAndSoftCapFeatures, SinksAndAlibiFeatures, AttentionBackend, metaclass=_TritonBackendMeta):
     """Paged varlen attention in Triton: one kernel launch for mixed prefill/decode
     batches, split-KV (segments + reduce) for decode-heavy batches with long contexts.
 
@@ -75,14 +75,6 @@ class TritonBackend(WindowAndSoftCapFeatures, AttentionBackend, metaclass=_Trito
         from attnplug.backends.triton.impl import TritonAttentionImpl
         return TritonAttentionImpl
 
-    @classmethod
-    def supports_sink(cls) -> bool:
-        return True
-
-    @classmethod
-    def supports_alibi(cls) -> bool:
-        """``alibi_slopes``: ``- slope_h * (query position - key position)`` in the kernel."""
-        return True
 
     @classmethod
     def is_available(cls) -> tuple[bool, str]:
