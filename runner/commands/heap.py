@@ -1,17 +1,18 @@
 """The process's heap policy: freed memory stays in glibc's heap for the next step.
 
 A prefill step's forward allocates and frees temporaries of several MB per layer (tiny-llama,
-2,048 rows: the ``[2048, 1024]`` gate/up product is 8 MB; SmolLM2, 1,246 rows: 31 MB). With
+2,048 rows: the ``[2048, 1024]`` gate/up product is 8 MB; SmolLM2, 1,246 rows: 15 MB). With
 glibc's defaults a free chunk above ``M_TRIM_THRESHOLD`` at the top of the heap goes back to
 the kernel (and a request above ``M_MMAP_THRESHOLD`` gets its own mapping, unmapped at free),
 so the next layer's allocation faults every 4 KiB page in again and the kernel zeroes it:
 18,000–36,000 minor page faults in each tiny-llama ``bench engine`` run's prefill steps, none
 in its decode steps (docs/performance.md, "The heap kept between steps"). vLLM's CPU
-documentation recommends preloading tcmalloc for the same reason (a fact about vLLM's
-documentation; this module sets glibc's own options instead, through ``mallopt(3)``):
+installation guide recommends preloading TCMalloc for allocation performance; this module
+sets glibc's own options instead, through ``mallopt(3)``:
 
-* ``M_MMAP_THRESHOLD`` = :data:`MMAP_THRESHOLD` (32 MiB: the largest value glibc accepts on
-  64-bit, ``HEAP_MAX_SIZE / 2``), which also turns off glibc's sliding threshold;
+* ``M_MMAP_THRESHOLD`` = :data:`MMAP_THRESHOLD` (32 MiB: the ceiling glibc's own sliding
+  threshold may rise to on 64-bit, ``DEFAULT_MMAP_THRESHOLD_MAX``), which also turns that
+  sliding off;
 * ``M_TRIM_THRESHOLD`` = :data:`TRIM_THRESHOLD` (512 MiB of free memory at the heap's top
   before any goes back);
 * ``M_TOP_PAD`` = :data:`TOP_PAD` (64 MiB more asked of the kernel each time the heap grows).

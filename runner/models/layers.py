@@ -137,7 +137,6 @@ class Attention(FusedProjections, nn.Module):
         attend(self, q, k, v, kv_cache, attn_metadata, out)
         return self.o_proj(out.view(n, self.num_heads * self.head_size))
 
-
     def fuses_qk_rope(self) -> bool:
         """Whether q and k may go straight from the fused projection's output to RoPE
         (``cpu_ops.rope_qk``): no per-head normalisation comes between (:meth:`normalize_qk` is
