@@ -118,7 +118,10 @@ def test_torch_native_mla_in_vllms_mla_layer_equals_attnplugs_reference(mla_laye
         ref_impl.forward(layer, q, kv_c, k_pe.view(T, R), ref_cache, ref_md, ref)
         n = sum(scheduled)
         torch.testing.assert_close(cache, ref_cache, atol=0, rtol=0)  # the latent rows, written alike
-        torch.testing.assert_close(out[:n].view(n, N, VD), ref[:n], atol=1e-5, rtol=1e-5)
+        # float32 in two orders (vLLM's kv_b_proj through its CPU GEMM, the reference through
+        # torch): ~1e-5 apart, once 5.5e-5 (4.7 % of the elements, one make test of session 15;
+        # not reproduced in five reruns); a wrong row or head is off by O(1)
+        torch.testing.assert_close(out[:n].view(n, N, VD), ref[:n], atol=1e-4, rtol=1e-4)
 
 
 def _ref_spec():
