@@ -116,11 +116,15 @@ def _remember(views: dict, key, value):
 
 
 def _spec_tokens(bufs: ScanBuffers, C: list, n: int, total: int) -> SpecTokens | None:
-    """The scan's drafts as :class:`SpecTokens` (views of ``bufs``)."""
+    """The scan's drafts as :class:`SpecTokens` (views of ``bufs``, made once per shape)."""
     if n == 0:
         return None
     if n == len(C):  # every cached request verifies drafts (in cached order)
         ids = C
     else:
         ids = list(itemgetter(*bufs.spec_sel[:n].tolist())(C)) if n > 1 else [C[int(bufs.spec_sel[0])]]
-    return SpecTokens(ids, bufs.spec_lens[:n], bufs.spec_ids[:total], bufs.spec_rows[:n])
+    key = ("spec", n, total)
+    v = bufs.views.get(key)
+    if v is None:
+        v = _remember(bufs.views, key, (bufs.spec_lens[:n], bufs.spec_ids[:total], bufs.spec_rows[:n]))
+    return SpecTokens(ids, v[0], v[1], v[2])

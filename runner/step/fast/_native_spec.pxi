@@ -67,10 +67,45 @@ cdef class SpecLayout:
     cdef int32_t[::1] num_spec, qsl, input_ids
     cdef uint8_t[::1] discard
     cdef int64_t[::1] logits, target, bonus, cu, draft_ids
+    cdef public bint try_uniform
 
     def __init__(self, num_spec, qsl, discard, input_ids, logits, target, bonus, cu, draft_ids):
         self.num_spec, self.qsl, self.discard, self.input_ids = num_spec, qsl, discard.view(np.uint8), input_ids
         self.logits, self.target, self.bonus, self.cu, self.draft_ids = logits, target, bonus, cu, draft_ids
+        self.try_uniform = True
+
+    cdef bint _uniform(self, Py_ssize_t R, int64_t d, Py_ssize_t T, Py_ssize_t nid) noexcept:
+        """The common steady step: every one of the ``R`` rows kept, verifying ``d >= 1``
+        drafts with a query of exactly ``1 + d`` tokens. Then the layout is a fixed pattern
+        of ``(R, d)`` (row ``i``'s tokens are ``[i (1 + d), (i + 1)(1 + d))``), filled by
+        loops without per-row branches. Returns False (nothing written) otherwise. (On a
+        validated step equal counts imply the rest: a verifying row is scheduled ``1 + d``
+        tokens and never discarded; both are checked anyway, as every index here.)"""
+        cdef const int32_t* nspec = &self.num_spec[0]
+        cdef const int32_t* qsl = &self.qsl[0]
+        cdef const uint8_t* discard = &self.discard[0]
+        cdef Py_ssize_t r, j, t, w = d + 1, n = R * (d + 1)
+        if d < 1 or n > T or n > nid or qsl[0] != 0:
+            return False
+        for r in range(R):
+            if discard[r] | (nspec[r] != d) | (qsl[r + 1] != (r + 1) * w):
+                return False
+        cdef const int32_t* ids = &self.input_ids[0]
+        cdef int64_t* logits = &self.logits[0]
+        cdef int64_t* target = &self.target[0]
+        cdef int64_t* draft_ids = &self.draft_ids[0]
+        cdef int64_t* bonus = &self.bonus[0]
+        cdef int64_t* cu = &self.cu[0]
+        for t in range(n):
+            logits[t] = t
+        for r in range(R):
+            bonus[r] = r * w + d
+            cu[r] = (r + 1) * d
+        for r in range(R):
+            for j in range(d):
+                target[r * d + j] = r * w + j
+                draft_ids[r * d + j] = ids[r * w + 1 + j]
+        return True
 
     def layout(self, Py_ssize_t R):
         """Fill the spec buffers for the kept rows (``~discard``) of rows ``0 .. R - 1``
@@ -104,6 +139,9 @@ cdef class SpecLayout:
         cdef int64_t* draft_ids = &self.draft_ids[0]
         cdef int64_t* bonus = &self.bonus[0]
         cdef int64_t* cu = &self.cu[0]
+        d = nspec[0]
+        if self.try_uniform and self._uniform(R, d, T, nid):
+            return R, R * d, [d] * R
         for r in range(R):
             if discard[r]:
                 continue
