@@ -150,6 +150,17 @@ class BlockTable:
         """
         self._write(rows, cols, block_ids)
 
+    def null_blocks(self, rows: np.ndarray, cols: np.ndarray) -> None:
+        """Write ``NULL_BLOCK_ID`` at ``(rows[i], cols[i])`` (``[n]`` integer arrays) and over
+        their kernel blocks, unchecked: a sliding-window group's blocks that left the
+        window (``runner/step/apply_windows.py``). ``block_id_bound`` stays: the null id is
+        below every id, and the bound is an upper bound."""
+        self.block_table_np[rows, cols] = NULL_BLOCK_ID
+        k = self.kernel_blocks_per_block
+        if k > 1:
+            kcols = (cols[:, None] * k + self._kernel_offsets).reshape(-1)
+            self.kernel_block_table.np[np.repeat(rows, k), kcols] = NULL_BLOCK_ID
+
     def append_row(self, block_ids: Sequence[int], row: int) -> None:
         """Append manager ``block_ids`` after row ``row``'s current blocks.
 

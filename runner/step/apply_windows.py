@@ -25,7 +25,6 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 
 from attnplug.cache_groups.ragged import cumsum_and_arange
-from attnplug.core.constants import NULL_BLOCK_ID
 
 if TYPE_CHECKING:
     from attnplug.runner.step.input_batch import InputBatch
@@ -70,12 +69,11 @@ def null_skipped_blocks(batch: "InputBatch", sliding_windows: Sequence[int | Non
         lo_r = lo[rows]
         counts = hi[rows] - lo_r
         if counts.max() == 1:  # the usual case: each row crossed one block boundary
-            bt.write_blocks(rows, lo_r, np.full(rows.shape[0], NULL_BLOCK_ID, dtype=np.int32))
+            bt.null_blocks(rows, lo_r)
             total += int(rows.shape[0])
             continue
         _, offsets = cumsum_and_arange(counts)
-        bt.write_blocks(np.repeat(rows, counts), np.repeat(lo_r, counts) + offsets,
-                        np.full(offsets.shape[0], NULL_BLOCK_ID, dtype=np.int32))
+        bt.null_blocks(np.repeat(rows, counts), np.repeat(lo_r, counts) + offsets)
         total += int(offsets.shape[0])
     done[:] = ncc
     return total

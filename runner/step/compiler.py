@@ -32,7 +32,6 @@ from __future__ import annotations
 import operator
 from typing import Sequence
 
-import numpy as np
 import torch
 
 from attnplug.cache_groups.grouping import KVCacheConfig
@@ -270,7 +269,7 @@ class StepCompiler:
             inputs.mm_slices = self.mm.slices(self.input_batch.req_id_to_index, inputs.num_reqs,
                                               inputs.query_start_loc_cpu.numpy(), inputs.num_computed_tokens,
                                               inputs.num_scheduled_tokens)
-        if b.drafts_written and np.count_nonzero(b.num_spec_tokens[:inputs.num_reqs]):
+        if b.drafts_written:  # None when no kept row verifies drafts (a verifying row is never discarded)
             inputs.spec_decode_metadata = spec_decode_metadata(self.kernels, b, self._preparer.buffers,
                                                                inputs.num_reqs)
         if build_metadata or self.validate:

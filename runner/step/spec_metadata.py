@@ -177,15 +177,18 @@ def _tensor(a: np.ndarray, device) -> torch.Tensor:
     return t if t.device == torch.device(device) else t.to(device)
 
 
-def spec_decode_metadata(kernels, batch, bufs, R: int) -> SpecDecodeMetadata:
+def spec_decode_metadata(kernels, batch, bufs, R: int) -> SpecDecodeMetadata | None:
     """The step's metadata (``prepare_inputs`` calls it when a row holds drafts), laid out
     by the step's kernels (``StepKernels.spec_layout``) into the persistent buffers
     ``bufs.spec_*`` (``PrepareBuffers``): the kept rows (``~discard``) of rows ``0 .. R - 1``,
     their draft counts ``batch.num_spec_tokens``, the drafts read from the host
     ``input_ids``. The tensors are device views of those buffers, valid until the next
     ``update_states`` (as ``StepInputs``' own). The inputs are the step compiler's own
-    (validated in stage 1): no checks here."""
+    (validated in stage 1): no checks here. ``None`` when no kept row verifies drafts (on a
+    validated step a verifying row is never discarded: none of rows ``0 .. R - 1`` does)."""
     k, D, counts = kernels.spec_layout(batch, bufs, R)
+    if D == 0:
+        return None
     views = bufs.spec_views.get((k, D))  # (only on a CPU device: there a copy is a view)
     if views is None:
         views = (bufs.spec_draft_ids.copy_to_gpu(D), bufs.spec_cu.copy_to_gpu(k), bufs.spec_target.copy_to_gpu(D),
