@@ -42,16 +42,18 @@ def check_sampling(req_id: str, sp: Any) -> None:
     ``seed`` that is ``None`` or an int ``torch.Generator.manual_seed`` accepts."""
     if not isinstance(sp, SamplingParams):
         err(req_id, "sampling_params", f"expected SamplingParams, got {type(sp).__name__}")
-    t, p = _real(sp.temperature), _real(sp.top_p)
-    if t is None or not 0 <= t <= FLOAT32_MAX:
+    t, p, k, seed = sp.temperature, sp.top_p, sp.top_k, sp.seed
+    if (type(t) is float and 0 <= t <= FLOAT32_MAX and type(p) is float and 0 < p <= 1  # (NaN fails these)
+            and type(k) is int and -2**31 <= k < 2**31 and seed is None):
+        return  # the usual parameters, exact types: the checks below would pass them
+    tv, pv = _real(t), _real(p)
+    if tv is None or not 0 <= tv <= FLOAT32_MAX:
         err(req_id, "sampling_params", f"temperature must be a number in [0, {FLOAT32_MAX:.4g}] (0 is greedy; "
-            f"the batch column is float32), got {sp.temperature!r}")
-    if p is None or not 0 < p <= 1:
-        err(req_id, "sampling_params", f"top_p must be a number in (0, 1], got {sp.top_p!r}")
-    k = sp.top_k
+            f"the batch column is float32), got {t!r}")
+    if pv is None or not 0 < pv <= 1:
+        err(req_id, "sampling_params", f"top_p must be a number in (0, 1], got {p!r}")
     if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not -2**31 <= k < 2**31:
         err(req_id, "sampling_params", f"top_k must be an int32 (<= 0 disables it), got {k!r}")
-    seed = sp.seed
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer))
                              or not -2**63 <= seed < 2**64):
         err(req_id, "sampling_params", f"seed must be None or an int in [-2**63, 2**64), got {seed!r}")
