@@ -2,7 +2,7 @@
 
 :func:`read_packed` reads the four arrays once when the output is read
 (``check/snapshot.py``). The compiled cached scan reads them as they are
-(``runner/step/fast/_native_cached.pxi``; it declines anything but C-contiguous ``int32``
+(the ``CachedScan`` of ``runner/step/fast/``; it declines anything but C-contiguous ``int32``
 arrays of the documented shapes and consistent counts). Every other step goes
 through :func:`unpack_into`: the counts are checked against each other and the arrays
 become vLLM's form in the :class:`~attnplug.runner.step.check.snapshot.Deltas`, so that the
