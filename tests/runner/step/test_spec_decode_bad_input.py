@@ -1,7 +1,8 @@
 """Bad ``scheduled_spec_decode_tokens`` raise ``InvalidSchedulerOutput`` naming the request
 and the field, and leave the runner state byte-identical, on the compiled and the numpy
-path (so do more drafts than a state group's slots); a valid step with drafts lays them out after each row's tokens (``spec_token_ids``)
-and ``prepare_inputs`` builds the verification layout."""
+path (so do more drafts than a state group's slots); a valid step with drafts lays them out
+after each row's tokens (``spec_token_ids``) and ``prepare_inputs`` builds the verification
+layout."""
 
 from __future__ import annotations
 
@@ -165,9 +166,10 @@ def test_drafts_need_a_state_slot_per_draft_position_counting_this_steps_appends
         sc.update_states(out([]))
     assert sc.checker.last_scanned is native  # both planning paths run the check
     assert (e.value.req_id, e.value.field) == ("A", "scheduled_spec_decode_tokens"), str(e.value)
-    assert str(e.value).endswith(
-        "1 drafts need 1 + 1 state slots in state group 1 (the request's state and one per draft position), the "
-        "request holds 1: the state pool was sized for fewer drafts (KVCacheConfig.state_slots_per_request)"), str(e.value)
+    msg = str(e.value)
+    assert msg.endswith("1 drafts need 1 + 1 state slots in state group 1 (the request's state and one per draft "
+                        "position), the request holds 1: the state pool was sized for fewer drafts "
+                        "(KVCacheConfig.state_slots_per_request)"), msg
     assert not snapshot_diff(before, sc.snapshot())
     so = out([2])
     sc.update_states(so)

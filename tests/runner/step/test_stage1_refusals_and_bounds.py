@@ -1,8 +1,8 @@
 """Stage 1 at its edges, found by mutation testing (docs/mutation-testing.md): the exact request,
-field and words of each refusal, the bounds themselves (a seed of exactly -2**63, a ``top_k`` at
-the ``int32`` bounds, an empty ``uint64`` block list), drafts for a row whose new tokens arrive in the same output, and
-the views a user prints (``CachedRequestState.__repr__``). Each refusal leaves the state
-unchanged; no ``ATTNPLUG_VALIDATE`` needed."""
+field and words of each refusal, the bounds themselves (a seed of exactly -2**63, a ``top_k``
+at the ``int32`` bounds, an empty ``uint64`` block list), drafts for a row whose new tokens
+arrive in the same output, and the views a user prints (``CachedRequestState.__repr__``).
+Each refusal leaves the state unchanged; no ``ATTNPLUG_VALIDATE`` needed."""
 
 from __future__ import annotations
 
