@@ -139,6 +139,8 @@ def _bad_cases():
          F + "new_block_ids", "99"),
         ("block held twice", lambda: _with(P(), new_block_ids=np.array([7, 6, 6, 17, 18], I32)), "b",
          F + "new_block_ids", ""),
+        ("packed appends of a resumed request", lambda: _resumed(P()), "b", F + "num_new_blocks",
+         "a resumed request's blocks replace its own: send them in scheduled_cached_reqs.new_block_ids, with 0 here"),
         ("not the type", lambda: dataclasses.replace(P(), packed_cached=(1, 2, 3, 4)), None, "packed_cached",
          "expected PackedCachedDeltas or None, got tuple"),
     ]
@@ -146,6 +148,13 @@ def _bad_cases():
 
 def _lists_too(so: SchedulerOutput) -> SchedulerOutput:
     so.scheduled_cached_reqs.new_block_ids[2] = ([9], [19])
+    return so
+
+
+def _resumed(so: SchedulerOutput) -> SchedulerOutput:
+    """b resumed from preemption with its replacement lists, but its appends still packed."""
+    so.scheduled_cached_reqs.resumed_from_preemption[1] = True
+    so.scheduled_cached_reqs.new_block_ids[1] = ([3, 4, 6], [13, 14])
     return so
 
 

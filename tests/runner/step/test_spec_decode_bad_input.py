@@ -1,7 +1,8 @@
 """Bad ``scheduled_spec_decode_tokens`` raise ``InvalidSchedulerOutput`` naming the request
 and the field, and leave the runner state byte-identical, on the compiled and the numpy
-path; a valid step with drafts lays them out after each row's tokens (``spec_token_ids``)
-and ``prepare_inputs`` builds the verification layout."""
+path (so do more drafts than a state group's slots); a valid step with drafts lays them out
+after each row's tokens (``spec_token_ids``) and ``prepare_inputs`` builds the verification
+layout."""
 
 from __future__ import annotations
 
@@ -128,3 +129,50 @@ def test_a_field_that_is_not_a_dict_and_bad_verified_appends(native):
         with pytest.raises(MetadataError, match=msg):
             sc.append_verified_tokens(rows, toks)
         assert not snapshot_diff(mid, sc.snapshot())
+
+
+def state_group_compiler(native: bool) -> StepCompiler:
+    """Full attention (block 4) and a Mamba state group (block 16 of max_model_len 32: a
+    request may hold 2 state slots); A decodes (9 tokens held, 8 computed) with one state
+    slot (id 1)."""
+    from attnplug.cache_groups.grouping import KVCacheConfig, KVCacheGroupSpec
+    from attnplug.cache_groups.specs import FullAttentionSpec, MambaSpec
+
+    cfg = KVCacheConfig(32, (KVCacheGroupSpec(("attn",), FullAttentionSpec(block_size=4)),
+                             KVCacheGroupSpec(("mamba",), MambaSpec(block_size=16))),
+                        num_state_slots=8, state_slots_per_request=2)
+    sc = StepCompiler(cfg, max_num_reqs=4, max_model_len=32, max_num_batched_tokens=16, validate=True, native=native)
+    first = SchedulerOutput([NewRequestData("A", list(range(1, 9)), ([1, 2], [1]))], CachedRequestData(), {"A": 8})
+    sc.update_states(first)
+    sc.prepare_inputs(first)
+    sc.append_output_tokens(["A"], [40])
+    return sc
+
+
+@pytest.mark.parametrize("native", PATHS)
+def test_drafts_need_a_state_slot_per_draft_position_counting_this_steps_appends(native):
+    """One draft needs 1 + 1 slots in the state group: A holds 1, so the step is refused
+    (naming A and the field, state unchanged) on whichever path plans it (the compiled
+    scan plans this regular step); with a second slot appended in the same output it is
+    taken."""
+    sc = state_group_compiler(native)
+    before = sc.snapshot()
+
+    def out(state_ids):
+        cd = CachedRequestData(["A"], [False], [[]], [([3], state_ids)], [8])
+        return SchedulerOutput([], cd, {"A": 2}, scheduled_spec_decode_tokens={"A": [5]})
+
+    with pytest.raises(InvalidSchedulerOutput) as e:
+        sc.update_states(out([]))
+    assert sc.checker.last_scanned is native  # both planning paths run the check
+    assert (e.value.req_id, e.value.field) == ("A", "scheduled_spec_decode_tokens"), str(e.value)
+    msg = str(e.value)
+    assert msg.endswith("1 drafts need 1 + 1 state slots in state group 1 (the request's state and one per draft "
+                        "position), the request holds 1: the state pool was sized for fewer drafts "
+                        "(KVCacheConfig.state_slots_per_request)"), msg
+    assert not snapshot_diff(before, sc.snapshot())
+    so = out([2])
+    sc.update_states(so)
+    r = sc.input_batch.req_id_to_index["A"]
+    assert sc.input_batch.block_table.num_blocks_per_row[1, r] == 2 and sc.input_batch.num_spec_tokens[r] == 1
+    assert sc.prepare_inputs(so).input_ids.tolist() == [40, 5]

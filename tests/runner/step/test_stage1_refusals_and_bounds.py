@@ -1,8 +1,8 @@
 """Stage 1 at its edges, found by mutation testing (docs/mutation-testing.md): the exact request,
-field and words of each refusal, the bounds themselves (a seed of exactly -2**63, an empty
-``uint64`` block list), drafts for a row whose new tokens arrive in the same output, and
-the views a user prints (``CachedRequestState.__repr__``). Each refusal leaves the state
-unchanged; no ``ATTNPLUG_VALIDATE`` needed."""
+field and words of each refusal, the bounds themselves (a seed of exactly -2**63, a ``top_k``
+at the ``int32`` bounds, an empty ``uint64`` block list), drafts for a row whose new tokens
+arrive in the same output, and the views a user prints (``CachedRequestState.__repr__``).
+Each refusal leaves the state unchanged; no ``ATTNPLUG_VALIDATE`` needed."""
 
 from __future__ import annotations
 
@@ -86,6 +86,38 @@ def test_seed_bounds(seed, ok):
     else:
         e = refused(sc, so)
         assert (e.req_id, e.field) == ("S", "sampling_params"), str(e)
+
+
+@pytest.mark.parametrize("native", [False, True])
+@pytest.mark.parametrize("top_k, ok", [(2**31 - 1, True), (100, True), (-2**31, True), (2**31, False),
+                                       (-2**31 - 1, False)])
+def test_top_k_bounds_are_int32s(native, top_k, ok):
+    """Any ``int32`` ``top_k`` is taken (the batch column is ``int32``; ``<= 0`` disables it)."""
+    sc = two_groups(native)
+    so = new("K", ([3], [4]), sampling_params=SamplingParams(top_k=top_k, temperature=1.0))
+    if ok:
+        sc.update_states(so)
+        assert sc.input_batch.top_k[sc.input_batch.req_id_to_index["K"]] == top_k
+    else:
+        e = refused(sc, so)
+        assert (e.req_id, e.field) == ("K", "sampling_params"), str(e)
+        assert str(e).endswith(f"top_k must be an int32 (<= 0 disables it), got {top_k}"), str(e)
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_a_new_request_without_its_state_slot_names_the_state_group(native):
+    """A Mamba group's request needs its one state slot from its first step: an empty list
+    is refused with words of its own (not "the block table is too short")."""
+    from attnplug.cache_groups.grouping import KVCacheConfig, KVCacheGroupSpec
+    from attnplug.cache_groups.specs import FullAttentionSpec, MambaSpec
+
+    cfg = KVCacheConfig(16, (KVCacheGroupSpec(("attn",), FullAttentionSpec(block_size=4)),
+                             KVCacheGroupSpec(("mamba",), MambaSpec(block_size=32))), num_state_slots=4)
+    sc = StepCompiler(cfg, max_num_reqs=4, max_model_len=32, max_num_batched_tokens=16, native=native)
+    e = refused(sc, new("M", ([3], [])))
+    assert (e.req_id, e.field) == ("M", "block_ids"), str(e)
+    assert str(e).endswith("group 1: a Mamba state group's request needs its state slot (one block id) from its "
+                           "first step; got none"), str(e)
 
 
 def test_sampling_params_of_another_type_is_refused_naming_the_field():
@@ -191,6 +223,8 @@ def test_cached_request_refusals_name_the_field_and_words(native):
         (SchedulerOutput([], CachedRequestData(["A"], [True], [[]], [None], [0]), {"A": 1}), ("A", "new_block_ids"),
          "group 0: 0 blocks of 4 tokens cannot hold seq_len 1 (num_computed_tokens + num_scheduled_tokens); "
          "the block table is too short"),
+        (SchedulerOutput([], CachedRequestData(["A"], [False], [[]], [np.array([3, 4])], [6]), {"A": 1}),
+         ("A", "new_block_ids"), "expected one block-id list per cache group (1), got array([3, 4])"),
         (SchedulerOutput([NewRequestData("N", [], ([4],))], cached(["A"], [6]), {"A": 1, "N": 1}),
          ("N", "prompt_token_ids"), "prompt is empty; a request needs at least one token"),
     ]
