@@ -57,7 +57,7 @@ cdef class Prepare:
         cdef int64_t maxq = 0, maxs = 0
         cdef Py_ssize_t Q = self._rows(R, &maxq, &maxs)
         self._gather(Q, P, 0, NULL, False)
-        self._slots(Q, P)
+        self._slots(R, Q, P)
         return Q, maxq, maxs
 
     def prepare_patched(self, Py_ssize_t R, Py_ssize_t P, size_t prev_addr, Py_ssize_t prev_len,
@@ -96,7 +96,7 @@ cdef class Prepare:
         cdef bint contiguous = True, written = prev_addr != 0
         if (expected >= 0 and Q != expected) or (0 <= P < Q):
             self._gather(Q, P, 0, NULL, False)  # the caller refuses this step: no patch
-            self._slots(Q, P)
+            self._slots(R, Q, P)
             return Q, maxq, maxs, 0, True, False
         k = self._plan_patch(R, &contiguous, &smax)
         if written:
@@ -105,7 +105,7 @@ cdef class Prepare:
             self._gather(Q, P, k, <const int64_t*>prev_addr, contiguous)
         else:
             self._gather(Q, P, 0, NULL, False)
-        self._slots(Q, P)
+        self._slots(R, Q, P)
         if R:
             memset(&self.prev_index[0], 0xFF, R * sizeof(int32_t))  # consumed: -1 in every row
         if k:
@@ -235,8 +235,43 @@ cdef class Prepare:
             ids[t] = 0
         return 0
 
-    cdef int _slots(self, Py_ssize_t Q, Py_ssize_t P) except -1:
-        """Every group's slot mapping of the ``Q`` tokens, padded to ``P`` with ``PAD_SLOT``."""
+    cdef int _row_slots(self, Py_ssize_t g, Py_ssize_t R, const int32_t* tb, Py_ssize_t ncols, int64_t sh,
+                        int64_t* slots) except -1:
+        """Group ``g``'s slot mapping row by row (a power-of-two block size ``1 << sh``):
+        a row's tokens are consecutive positions from ``positions[qsl[r]]``, so a row
+        whose positions stay in one block reads one block-table entry and stores an
+        arithmetic sequence; a row that crosses a block reads one entry per token."""
+        cdef Py_ssize_t r, t, s, e
+        cdef const int32_t* qsl = &self.qsl[0]
+        cdef const int64_t* positions = &self.positions[0]
+        cdef int64_t c, col0, col1, base, mask = (<int64_t>1 << sh) - 1, pos
+        cdef const int32_t* rowp
+        for r in range(R):
+            s = qsl[r]
+            e = qsl[r + 1]
+            if s >= e:
+                continue
+            c = positions[s]
+            col1 = (c + e - s - 1) >> sh
+            if col1 >= ncols:
+                raise IndexError(f"group {g}: position {c + e - s - 1} lies past the block table")
+            rowp = tb + r * ncols
+            col0 = c >> sh
+            if col0 == col1:  # (the slot of position c + j is base + s + j)
+                base = ((<int64_t>rowp[col0] - col0) << sh) + c - s
+                for t in range(s, e):
+                    slots[t] = base + t
+            else:
+                for t in range(s, e):
+                    pos = c + t - s
+                    slots[t] = (<int64_t>rowp[pos >> sh] << sh) + (pos & mask)
+        return 0
+
+    cdef int _slots(self, Py_ssize_t R, Py_ssize_t Q, Py_ssize_t P) except -1:
+        """Every group's slot mapping of the ``Q`` tokens of rows ``0 .. R - 1``, padded to
+        ``P`` with ``PAD_SLOT``. Token by token when the rows hold fewer than two tokens
+        each on average (a decode step: the per-token loop is the faster one there), else
+        row by row (:meth:`_row_slots`: drafts, prefill chunks; same bytes)."""
         cdef Py_ssize_t t, g, col, ncols
         cdef int64_t pos, B, shift
         cdef int32_t[:, ::1] tab
@@ -261,6 +296,11 @@ cdef class Prepare:
                 shift = 0
                 while (1 << shift) < B:
                     shift += 1
+            if shift >= 0 and Q >= 2 * R:
+                self._row_slots(g, R, tb, ncols, shift, slots)
+                for t in range(Q, P):
+                    slots[t] = PAD_SLOT
+                continue
             for t in range(Q):
                 pos = positions[t]
                 col = (pos >> shift) if shift >= 0 else pos // B
