@@ -1,8 +1,8 @@
-"""A new request's ``SamplingParams`` at and past the bounds the batch columns hold
-(``temperature`` in ``[0, float32 max]``, ``top_p`` in ``(0, 1]``, ``top_k`` an ``int32``,
-``seed`` ``None`` or an int): accepted at the bound, refused one step past it, with the
-request and the field named and nothing changed, on both kernel paths (the checks' fast
-path for plain floats and ints included)."""
+"""A new request's ``temperature`` and ``top_p`` at and past the bounds the batch columns
+hold (``[0, float32 max]``, ``(0, 1]``), and parameters of the wrong type: accepted at the
+bound, refused one step past it, with the request and the field named and nothing
+changed, on both kernel paths (the checks' fast path for plain floats and ints included).
+``top_k``'s and ``seed``'s integer bounds: ``test_stage1_refusals_and_bounds.py``."""
 
 from __future__ import annotations
 
@@ -30,7 +30,6 @@ def _admit(native: bool, sp: SamplingParams) -> StepCompiler:
 @pytest.mark.parametrize("native", NATIVE)
 @pytest.mark.parametrize("params", [
     dict(temperature=0.0), dict(temperature=F32_MAX), dict(top_p=1.0), dict(top_p=5e-324),
-    dict(top_k=2**31 - 1), dict(top_k=-2**31), dict(seed=2**64 - 1), dict(seed=-2**63),
     dict(temperature=1, top_p=1, top_k=np.int64(5)),  # ints and numpy ints where floats are usual
 ], ids=repr)
 def test_sampling_params_at_their_bounds_are_admitted(native, params):
@@ -42,8 +41,7 @@ def test_sampling_params_at_their_bounds_are_admitted(native, params):
 @pytest.mark.parametrize("params", [
     dict(temperature=-1e-300), dict(temperature=math.inf), dict(temperature=math.nan), dict(temperature=F32_MAX * 1.0001),
     dict(top_p=1.0000001), dict(top_p=0.0), dict(top_p=math.nan), dict(top_p=-0.5),
-    dict(top_k=2**31), dict(top_k=-2**31 - 1), dict(top_k=True), dict(top_k=1.0),
-    dict(seed=2**64), dict(seed=-2**63 - 1), dict(seed=True), dict(temperature=True),
+    dict(top_k=True), dict(top_k=1.0), dict(seed=True), dict(temperature=True), dict(top_p="1"),
 ], ids=repr)
 def test_sampling_params_past_their_bounds_are_refused_naming_the_request(native, params):
     sc = StepCompiler([4], 4, 32, 32, num_blocks=16, native=native)
