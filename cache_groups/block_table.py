@@ -126,10 +126,11 @@ class BlockTable:
         self._scratch_blk = np.zeros(max_num_batched_tokens, dtype=np.int32)
 
     # --- writing rows -------------------------------------------------------------------
-    def _write(self, rows: np.ndarray, cols: np.ndarray, ids: np.ndarray) -> None:
-        """Write manager ids at ``(rows, cols)`` and their kernel expansion."""
+    def _write(self, rows: np.ndarray, cols: np.ndarray, ids: np.ndarray, bound: bool = True) -> None:
+        """Write manager ids at ``(rows, cols)`` and their kernel expansion (``bound``: raise ``block_id_bound``)."""
         self.block_table_np[rows, cols] = ids
-        np.maximum.at(self.block_id_bound, rows, np.asarray(ids, dtype=np.int32))
+        if bound:
+            np.maximum.at(self.block_id_bound, rows, np.asarray(ids, dtype=np.int32))
         k = self.kernel_blocks_per_block
         if k > 1:
             kcols = (cols[:, None] * k + self._kernel_offsets).reshape(-1)
@@ -142,24 +143,12 @@ class BlockTable:
                 f"{self.max_num_blocks_per_req}: a request cannot own more than "
                 "cdiv(max_model_len, block_size) blocks; check the block ids sent for it")
 
-    def write_blocks(self, rows: np.ndarray, cols: np.ndarray, block_ids: np.ndarray) -> None:
-        """Write manager ids at ``(rows[i], cols[i])`` and their kernel expansion, unchecked.
-
-        For callers that validated capacity and update ``num_blocks_per_row`` themselves
-        (the step compiler's batched appends).
-        """
-        self._write(rows, cols, block_ids)
-
-    def null_blocks(self, rows: np.ndarray, cols: np.ndarray) -> None:
-        """Write ``NULL_BLOCK_ID`` at ``(rows[i], cols[i])`` (``[n]`` integer arrays) and over
-        their kernel blocks, unchecked: a sliding-window group's blocks that left the
-        window (``runner/step/apply_windows.py``). ``block_id_bound`` stays: the null id is
-        below every id, and the bound is an upper bound."""
-        self.block_table_np[rows, cols] = NULL_BLOCK_ID
-        k = self.kernel_blocks_per_block
-        if k > 1:
-            kcols = (cols[:, None] * k + self._kernel_offsets).reshape(-1)
-            self.kernel_block_table.np[np.repeat(rows, k), kcols] = NULL_BLOCK_ID
+    def write_blocks(self, rows: np.ndarray, cols: np.ndarray, block_ids: np.ndarray | None = None) -> None:
+        """Write manager ids at ``(rows[i], cols[i])`` and their kernel expansion, unchecked, for
+        callers that validated capacity and update ``num_blocks_per_row`` themselves (the step
+        compiler's appends). ``None``: ``NULL_BLOCK_ID`` (a window's skipped blocks: no bound to raise)."""
+        null = block_ids is None
+        self._write(rows, cols, np.full(rows.shape[0], NULL_BLOCK_ID, np.int32) if null else block_ids, not null)
 
     def append_row(self, block_ids: Sequence[int], row: int) -> None:
         """Append manager ``block_ids`` after row ``row``'s current blocks.

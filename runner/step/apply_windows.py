@@ -69,11 +69,11 @@ def null_skipped_blocks(batch: "InputBatch", sliding_windows: Sequence[int | Non
         lo_r = lo[rows]
         counts = hi[rows] - lo_r
         if counts.max() == 1:  # the usual case: each row crossed one block boundary
-            bt.null_blocks(rows, lo_r)
+            bt.write_blocks(rows, lo_r)  # (None: the null id)
             total += int(rows.shape[0])
             continue
         _, offsets = cumsum_and_arange(counts)
-        bt.null_blocks(np.repeat(rows, counts), np.repeat(lo_r, counts) + offsets)
+        bt.write_blocks(np.repeat(rows, counts), np.repeat(lo_r, counts) + offsets)
         total += int(offsets.shape[0])
     done[:] = ncc
     return total

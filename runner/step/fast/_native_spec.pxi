@@ -67,12 +67,10 @@ cdef class SpecLayout:
     cdef int32_t[::1] num_spec, qsl, input_ids
     cdef uint8_t[::1] discard
     cdef int64_t[::1] logits, target, bonus, cu, draft_ids
-    cdef public bint try_uniform
 
     def __init__(self, num_spec, qsl, discard, input_ids, logits, target, bonus, cu, draft_ids):
         self.num_spec, self.qsl, self.discard, self.input_ids = num_spec, qsl, discard.view(np.uint8), input_ids
         self.logits, self.target, self.bonus, self.cu, self.draft_ids = logits, target, bonus, cu, draft_ids
-        self.try_uniform = True
 
     cdef bint _uniform(self, Py_ssize_t R, int64_t d, Py_ssize_t T, Py_ssize_t nid) noexcept:
         """The common steady step: every one of the ``R`` rows kept, verifying ``d >= 1``
@@ -140,7 +138,7 @@ cdef class SpecLayout:
         cdef int64_t* bonus = &self.bonus[0]
         cdef int64_t* cu = &self.cu[0]
         d = nspec[0]
-        if self.try_uniform and self._uniform(R, d, T, nid):
+        if self._uniform(R, d, T, nid):
             return R, R * d, [d] * R
         for r in range(R):
             if discard[r]:
