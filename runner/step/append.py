@@ -37,15 +37,8 @@ def append_output_tokens(batch: InputBatch, max_model_len: int, req_ids_or_rows,
     ragged = n and isinstance(token_ids[0], (list, tuple, np.ndarray))
     lens = (np.fromiter(map(len, token_ids), np.int64, n) if ragged else np.ones(n, np.int64))
     tokens = [t for ts in token_ids for t in ts] if ragged else token_ids
-    try:  # no dtype given: numpy would parse "5" and truncate 1.5; the kind check refuses both
-        flat = np.asarray(tokens)
-    except (TypeError, ValueError):
-        flat = None
-    if flat is None or flat.size and (flat.dtype.kind not in "iu" or not isinstance(tokens, np.ndarray)
-                                        and bool in set(map(type, tokens))):  # [True, 2] is int64 to numpy
-        raise MetadataError(f"append_output_tokens: token ids must be ints, got {token_ids!r}")
-    flat = flat.astype(np.int64, copy=False) if flat.size else np.zeros(0, np.int64)
-    if flat.shape != (int(lens.sum()),) or (flat.shape[0] and (flat.min() < 0 or flat.max() >= 2**31)):
+    flat = token_id_array(tokens, "append_output_tokens", token_ids)
+    if flat.shape != (int(lens.sum()),):
         raise MetadataError(f"append_output_tokens: token ids must be ints in [0, 2**31), got {token_ids!r}")
     seen = np.zeros(b.max_num_reqs, dtype=bool)
     seen[rows] = True
@@ -72,3 +65,36 @@ def append_output_tokens(batch: InputBatch, max_model_len: int, req_ids_or_rows,
             b.token_ids_cpu[r, h:h + k] = flat[off:off + k]
             off += k
     b.num_tokens[rows] = held + lens
+
+
+def token_id_array(tokens, where: str, shown=None) -> np.ndarray:
+    """Stage 8's typing rule for sampled token ids, on every entry point
+    (``append_output_tokens``, ``append_verified_tokens``, ``fill_output_tokens``): a flat
+    sequence of Python or numpy ints (never ``bool``, a float or a string), or a 1-D integer
+    array or CPU tensor, every value in ``[0, 2**31)``.
+
+    Args:
+        tokens: the flat token ids.
+        where: the entry point, for the message.
+        shown: what the message shows (default ``tokens``).
+
+    Returns:
+        ``[n]`` ``int64``, a new array or ``tokens`` itself when it already is one.
+
+    Raises:
+        MetadataError: anything else (nothing is read twice: no Python object is converted
+            by ``int()``, so ``"5"`` and ``1.5`` are refused, not parsed or truncated).
+    """
+    try:  # no dtype given: numpy would parse "5" and truncate 1.5; the kind check refuses both
+        flat = np.asarray(tokens)
+    except (TypeError, ValueError, RuntimeError):
+        flat = None
+    if flat is None or flat.ndim != 1 or flat.size and (
+            flat.dtype.kind not in "iu" or not isinstance(tokens, np.ndarray)
+            and bool in set(map(type, tokens))):  # [True, 2] is int64 to numpy
+        raise MetadataError(f"{where}: token ids must be ints, got {tokens if shown is None else shown!r}")
+    flat = flat.astype(np.int64, copy=False) if flat.size else np.zeros(0, np.int64)
+    if flat.shape[0] and (flat.min() < 0 or flat.max() >= 2**31):
+        raise MetadataError(f"{where}: token ids must be ints in [0, 2**31), got {tokens if shown is None else shown!r}")
+    return flat
+

@@ -53,6 +53,7 @@ from attnplug.runner.step.placeholders import (
     append_placeholders,
     fill_output_tokens,
     finish_patch,
+    prev_tokens_tensor,
 )
 from attnplug.runner.step.plan import UpdatePlan
 from attnplug.runner.step.prepare import InputPreparer, StepInputs
@@ -241,6 +242,8 @@ class StepCompiler:
                 num_tokens_padded = operator.index(num_tokens_padded)
             except TypeError:
                 raise MetadataError(f"num_tokens_padded must be an int, got {num_tokens_padded!r}") from None
+        if prev_token_ids is not None:
+            prev_token_ids = prev_tokens_tensor(prev_token_ids, self.device)
         if num_tokens_padded is not None and not 0 <= num_tokens_padded <= self.max_num_batched_tokens:
             self._check_step_size(scheduler_output, int(b.num_scheduled_tokens[:b.num_reqs].sum()),
                                   num_tokens_padded)

@@ -86,6 +86,10 @@ class InputBatch:
         self.prev_sampled_pos = np.zeros(max_num_reqs, dtype=np.int32)
         """Per row, the position of that token in the request (valid where
         ``prev_sampled_index >= 0``)."""
+        self.placeholders_appended = False
+        """Whether ``append_placeholders`` ever ran on this batch: only then can the history
+        hold a placeholder (every other token id is checked non-negative), so only then
+        does the numpy ``prepare`` look for one (the compiled one always does, for free)."""
         self.num_spec_tokens = np.zeros(max_num_reqs, dtype=np.int32)
         """Per row, the draft tokens it verifies this step (speculative decoding), held in
         ``token_ids_cpu`` after its ``num_tokens`` tokens (``spec_token_ids``); written at

@@ -33,6 +33,7 @@ import torch
 from attnplug.cache_groups.buffers import CpuGpuBuffer
 from attnplug.runner.step.fast import NATIVE
 from attnplug.runner.step.numpy_kernels import NumpyKernels, merge_cached_numpy, writes_host_tokens
+from attnplug.runner.step.numpy_spec import placeholder_read_error, prev_token_error
 from attnplug.runner.step.plan import ScanBuffers
 
 if TYPE_CHECKING:
@@ -145,7 +146,12 @@ class StepKernels(Protocol):
         """Fill ``bufs`` and every group's host slot mapping for rows ``0 .. R - 1``.
 
         Returns:
-            ``(num_actual_tokens, max_query_len, max_seq_len)``."""
+            ``(num_actual_tokens, max_query_len, max_seq_len)``.
+
+        Raises:
+            MetadataError: a token read from the history is a placeholder (a sampled token
+                neither patched by ``prev_token_ids`` nor filled: ``placeholders.py``); the
+                step's buffers are written, nothing else."""
 
     def write_drafts(self, batch: Any, rows: np.ndarray | None, lens: np.ndarray | None,
                      flat: np.ndarray | None) -> None:
@@ -169,10 +175,11 @@ class StepKernels(Protocol):
         ``bufs.patch_src`` (``dest`` ascending; a contiguous plan, ``arange(k)``, need not be
         written there), consume rows ``0 .. R - 1``'s ``prev_sampled_index`` (-1
         afterwards) and count the step in ``bufs.patch_steps`` when ``k > 0``. ``prev_token_ids``: the previous step's sampled tokens, ``[n]``
-        integer, on the device; when :func:`~attnplug.runner.step.numpy_kernels.writes_host_tokens`
-        (a CPU device and a contiguous 1-D ``int64`` CPU tensor) the kernels also write
-        them into the host ``input_ids``, else the caller copies them on the device
-        (``placeholders.finish_patch``).
+        integer, as ``placeholders.prev_tokens_tensor`` returns it (on the device, or a 1-D
+        ``int64`` CPU tensor with unit stride); when :func:`~attnplug.runner.step.numpy_kernels.writes_host_tokens`
+        (a CPU device and such a CPU tensor) the kernels also write them into the host
+        ``input_ids``, each checked in ``[0, 2**31)``, else the caller copies them on the
+        device (``placeholders.finish_patch``).
 
         The patch is applied only when the step passes the caller's next check:
         ``num_actual_tokens == expected`` (``-1``: no check) and ``num_tokens_padded`` is
@@ -184,8 +191,9 @@ class StepKernels(Protocol):
             ``written``: the tokens were written.
 
         Raises:
-            IndexError: as :meth:`prepare`, or a source index outside ``prev_token_ids``
-                (nothing consumed)."""
+            MetadataError: a source index outside ``prev_token_ids``, a token taken from
+                it outside ``[0, 2**31)``, or, as :meth:`prepare`, a placeholder outside the
+                patch; nothing consumed."""
 
 
 class CompiledKernels:
@@ -320,8 +328,11 @@ class CompiledKernels:
         self._row_ops(table).move_rows(srcs, dsts)
 
     def prepare(self, batch, bufs, writes_slots, R, num_tokens_padded):
-        return self._prepare_loop(batch, bufs, writes_slots).prepare(
-            R, -1 if num_tokens_padded is None else num_tokens_padded)
+        try:
+            return self._prepare_loop(batch, bufs, writes_slots).prepare(
+                R, -1 if num_tokens_padded is None else num_tokens_padded)
+        except NATIVE.PlaceholderRead as e:
+            raise placeholder_read_error(batch, bufs, e.args[0]) from None
 
     def write_drafts(self, batch, rows, lens, flat) -> None:
         if self._drafts is None or self._drafts[0] is not batch:
@@ -343,14 +354,16 @@ class CompiledKernels:
     def prepare_patched(self, batch, bufs, writes_slots, R, num_tokens_padded, prev_token_ids, expected):
         prep = self._prepare_loop(batch, bufs, writes_slots)
         P = -1 if num_tokens_padded is None else num_tokens_padded
-        t = prev_token_ids  # writes_host_tokens(t, bufs), inline (one call less per step)
-        if bufs.input_ids.aliased and t.dtype is _INT64 and t.is_cpu and t.stride() == _UNIT_STRIDE:
-            return prep.prepare_patched(R, P, t.data_ptr(), t.numel(), expected)
-        return prep.prepare_patched(R, P, 0, 0, expected)
+        t = prev_token_ids  # writes_host_tokens(t, bufs), inline: prev_tokens_tensor made a CPU one int64, unit stride
+        try:
+            return prep.prepare_patched(R, P, t.data_ptr() if bufs.input_ids.aliased and t.is_cpu else 0, t.numel(),
+                                        expected)
+        except NATIVE.PlaceholderRead as e:
+            raise placeholder_read_error(batch, bufs, e.args[0]) from None
+        except ValueError as e:
+            raise prev_token_error(str(e)) from None
 
 
-_INT64 = torch.int64
-_UNIT_STRIDE = (1,)
 _NO_SEL = np.zeros(0, np.int64)
 _NO_STARTS = np.zeros((1, 0), np.int64)
 _NO_IDS = np.zeros(0, np.int32)

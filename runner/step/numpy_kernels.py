@@ -14,7 +14,7 @@ import torch
 
 from attnplug.cache_groups.ragged import cumsum_and_arange, repeat_indices
 from attnplug.core.constants import PAD_SLOT_ID
-from attnplug.runner.step.numpy_spec import plan_patch_numpy, spec_layout_numpy, write_drafts_numpy
+from attnplug.runner.step.numpy_spec import check_no_placeholder, plan_patch_numpy, spec_layout_numpy, write_drafts_numpy
 
 INT32_MAX = 2**31 - 1
 
@@ -87,7 +87,7 @@ class NumpyKernels:
             for src in srcs:
                 bt.clear_row(src)
 
-    def prepare(self, batch, bufs, writes_slots, R, num_tokens_padded):
+    def _prepare(self, batch, bufs, writes_slots, R, num_tokens_padded):
         sched = batch.num_scheduled_tokens[:R]
         ncc = batch.num_computed_tokens_cpu[:R]
         qsl = bufs.query_start_loc.np
@@ -131,6 +131,11 @@ class NumpyKernels:
         max_query_len = (1 if Q == R else int(sched.max())) if R else 0
         return Q, max_query_len, max_seq_len
 
+    def prepare(self, batch, bufs, writes_slots, R, num_tokens_padded):
+        out = self._prepare(batch, bufs, writes_slots, R, num_tokens_padded)
+        check_no_placeholder(batch, bufs, out[0])
+        return out
+
     def write_drafts(self, batch, rows, lens, flat) -> None:
         write_drafts_numpy(batch, rows, lens, flat)
 
@@ -139,11 +144,11 @@ class NumpyKernels:
 
     def prepare_patched(self, batch, bufs, writes_slots, R, num_tokens_padded, prev_token_ids, expected):
         # two passes here (the compiled kernels fuse them): prepare, then the patch's plan
-        Q, max_query_len, max_seq_len = self.prepare(batch, bufs, writes_slots, R, num_tokens_padded)
+        Q, max_query_len, max_seq_len = self._prepare(batch, bufs, writes_slots, R, num_tokens_padded)
         if (expected >= 0 and Q != expected) or (num_tokens_padded is not None and num_tokens_padded < Q):
             return Q, max_query_len, max_seq_len, 0, True, False  # the caller refuses this step
-        host = prev_token_ids if writes_host_tokens(prev_token_ids, bufs) else None
-        return (Q, max_query_len, max_seq_len) + plan_patch_numpy(batch, bufs, R, host)
+        return (Q, max_query_len, max_seq_len) + plan_patch_numpy(
+            batch, bufs, R, Q, prev_token_ids, writes_host_tokens(prev_token_ids, bufs))
 
 
 def writes_host_tokens(prev_token_ids: torch.Tensor, bufs: Any) -> bool:

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from attnplug.cache_groups.ragged import cumsum_and_arange
+from attnplug.core.errors import MetadataError
 
 
 def layout_arrays(ends: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, ...]:
@@ -77,11 +78,18 @@ def spec_layout_numpy(batch: Any, bufs: Any, R: int) -> tuple[int, int, list[int
     return k, D, counts.tolist()
 
 
-def plan_patch_numpy(batch: Any, bufs: Any, R: int, prev_host: torch.Tensor | None) -> tuple[int, bool, bool]:
-    """The patch of ``StepKernels.prepare_patched`` in numpy, after ``prepare`` (a second
-    pass; ``prev_host``: a CPU tensor, or ``None``). Returns ``(k, contiguous, written)``."""
+def plan_patch_numpy(batch: Any, bufs: Any, R: int, Q: int, prev_token_ids: torch.Tensor,
+                     written: bool) -> tuple[int, bool, bool]:
+    """The patch of ``StepKernels.prepare_patched`` in numpy, after ``prepare`` gathered
+    the ``Q`` tokens (a second pass; ``written``: write ``prev_token_ids``, a 1-D ``int64``
+    CPU tensor, into the host ``input_ids``). Returns ``(k, contiguous, written)``.
+
+    Raises:
+        MetadataError: as ``StepKernels.prepare_patched``, before any column is consumed."""
     src_col = batch.prev_sampled_index[:R]
+    ids = bufs.input_ids.np[:Q]
     if R == 0 or src_col.max() < 0:
+        _check_no_placeholder(batch, bufs, ids, None)
         return 0, True, False
     # offset of the placeholder within the row's scheduled tokens (e.g. 0 for a decode)
     ncc = batch.num_computed_tokens_cpu[:R]
@@ -94,13 +102,54 @@ def plan_patch_numpy(batch: Any, bufs: Any, R: int, prev_host: torch.Tensor | No
     np.add(bufs.query_start_loc.np[rows], offset[rows], out=dest)
     contiguous = bool(k == 0 or (dest[-1] == k - 1 and src[-1] == k - 1 and (dest == bufs.arange[:k]).all()
                                  and (src == dest).all()))
-    written = prev_host is not None  # (numpy_kernels.writes_host_tokens: a 1-D int64 CPU tensor)
-    if written and k:
-        prev_host = prev_host.numpy()
-        if src.max() >= prev_host.shape[0]:
-            raise IndexError(f"plan_patch: token {int(src.max())} of {prev_host.shape[0]} sampled")
-        bufs.input_ids.np[dest] = prev_host[src]
-    src_col[:] = -1  # consumed (after the bounds check: an error changes no column)
+    n = prev_token_ids.shape[0]
+    if k and src.max() >= n:
+        raise prev_token_error(f"holds {n} tokens but a placeholder takes entry {int(src.max())}")
+    written = written and k > 0
+    if written:
+        vals = prev_token_ids.numpy()[src]
+        bad = np.flatnonzero((vals < 0) | (vals >= 2**31))
+        if bad.shape[0]:
+            j = int(bad[0])
+            raise prev_token_error(f"entry {int(src[j])} is {int(vals[j])}, not a token id in [0, 2**31)")
+        _check_no_placeholder(batch, bufs, ids, dest)
+        ids[dest] = vals
+    else:
+        _check_no_placeholder(batch, bufs, ids, dest if k else None)
+    src_col[:] = -1  # consumed (after every check: an error changes no column)
     if k:
         bufs.patch_steps[0 if contiguous else 1] += 1
     return k, contiguous, written
+
+
+def check_no_placeholder(batch: Any, bufs: Any, Q: int) -> None:
+    """The numpy ``prepare``'s check of its ``Q`` gathered tokens (only once the batch ever
+    held placeholders: ``InputBatch.placeholders_appended``)."""
+    if batch.placeholders_appended:
+        _check_no_placeholder(batch, bufs, bufs.input_ids.np[:Q], None)
+
+
+def _check_no_placeholder(batch: Any, bufs: Any, ids: np.ndarray, patched: np.ndarray | None) -> None:
+    """Raise :func:`placeholder_read_error` for the first of ``ids`` (the step's gathered
+    tokens) that is a placeholder, the ``patched`` indices excepted."""
+    neg = ids < 0
+    if patched is not None:
+        neg[patched] = False
+    if neg.any():
+        raise placeholder_read_error(batch, bufs, int(np.argmax(neg)))
+
+
+def placeholder_read_error(batch: Any, bufs: Any, t: int) -> MetadataError:
+    """The error for the step's token ``t``, read from the history, being a placeholder:
+    both kernels word it here (``bufs.req_indices`` / ``bufs.positions`` hold its row and
+    position)."""
+    row, pos = int(bufs.req_indices[t]), int(bufs.positions.np[t])
+    return MetadataError(
+        f"prepare_inputs: request {batch.req_ids[row]!r}: its token at position {pos} is a placeholder whose "
+        "sampled token was neither given nor filled: pass the previous step's sampled tokens as "
+        "prev_token_ids (one prepare_inputs of the step consumes them), or fill_output_tokens first")
+
+
+def prev_token_error(detail: str) -> MetadataError:
+    """The error for ``prev_token_ids`` that the patch cannot take (both kernels)."""
+    return MetadataError(f"prepare_inputs: prev_token_ids {detail}")

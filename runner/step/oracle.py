@@ -140,7 +140,7 @@ class NaiveStepCompiler:
 
     def _check_drafts(self, so: SchedulerOutput) -> None:
         """Drafts only for a cached, not resumed request with one real token left,
-        scheduled ``1 + d`` tokens, fitting ``max_model_len``."""
+        scheduled ``1 + d`` tokens, the ``1 + d`` tokens it may emit fitting ``max_model_len``."""
         cached = so.scheduled_cached_reqs
         for rid, drafts in so.scheduled_spec_decode_tokens.items():
             if not drafts:
@@ -151,7 +151,7 @@ class NaiveStepCompiler:
             held = len(self.reqs[rid]["tokens"]) + len(cached.new_token_ids[i])
             ncc, n = cached.num_computed_tokens[i], so.num_scheduled_tokens[rid]
             if (cached.resumed_from_preemption[i] or held - ncc != 1 or n != 1 + len(drafts)
-                    or held + len(drafts) > self.max_model_len
+                    or held + len(drafts) + 1 > self.max_model_len
                     or any(type(t) is not int or not 0 <= t < 2**31 for t in drafts)):
                 self._fail(rid, "scheduled_spec_decode_tokens", "bad drafts")
 

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from attnplug.core.errors import MetadataError
+from attnplug.runner.step.append import token_id_array
 from attnplug.runner.step.check.types import row_indices
 from attnplug.runner.step.input_batch import InputBatch
 from attnplug.runner.step.prepare import StepInputs
@@ -89,6 +90,7 @@ def append_placeholders(batch: InputBatch, max_model_len: int, rows: np.ndarray)
         raise MetadataError(f"append_placeholders: request {batch.req_ids[int(rows[i])]!r} samples no token "
                             f"this step (seq_len {int(seq[i])}, num_tokens {int(held[i])}, max_model_len "
                             f"{max_model_len})")
+    batch.placeholders_appended = True
     batch.token_ids_cpu[rows, held] = PLACEHOLDER_TOKEN_ID
     batch.num_tokens[rows] = held + 1
     batch.prev_sampled_index[:R] = -1
@@ -96,6 +98,37 @@ def append_placeholders(batch: InputBatch, max_model_len: int, rows: np.ndarray)
     batch.prev_sampled_pos[rows] = held
     ids = batch.req_ids  # (a property that copies: read once)
     return Placeholders(tuple([ids[r] for r in rows.tolist()]), held)
+
+
+def prev_tokens_tensor(prev_token_ids, device: torch.device) -> torch.Tensor:
+    """``prepare_inputs``' ``prev_token_ids`` checked, before anything is read or consumed:
+    a ``torch.Tensor``, 1-D, of an integer dtype other than ``bool``, on ``device`` (the
+    step's) or on the CPU. A CPU tensor that is not ``int64`` with unit stride comes back
+    converted (one copy), so that on a CPU device the kernels read it on the host and check
+    each value they take (in ``[0, 2**31)``); the values of a tensor on another device are
+    not checked (that would wait for the device).
+
+    Raises:
+        MetadataError: anything else (numpy arrays and lists included).
+    """
+    t = prev_token_ids
+    if type(t) is torch.Tensor and t.dtype is _INT64 and t.is_cpu and t.stride() == _UNIT_STRIDE:
+        return t  # the usual CPU case: taken as it is
+    if not isinstance(t, torch.Tensor):
+        raise MetadataError(f"prepare_inputs: prev_token_ids must be the previous step's sampled token ids as a "
+                            f"1-D integer torch.Tensor, got {type(t).__name__}")
+    if t.dim() != 1 or t.dtype is torch.bool or t.is_floating_point() or t.is_complex():
+        raise MetadataError(f"prepare_inputs: prev_token_ids must be a 1-D integer tensor [n], got {t.dtype} "
+                            f"of shape {tuple(t.shape)}")
+    if t.is_cpu:
+        return t.to(_INT64).contiguous()
+    if t.device != device:
+        raise MetadataError(f"prepare_inputs: prev_token_ids is on {t.device}, the step's tensors on {device}")
+    return t
+
+
+_INT64 = torch.int64
+_UNIT_STRIDE = (1,)
 
 
 def finish_patch(bufs, patch: tuple[int, bool, bool], prev_token_ids: torch.Tensor,
@@ -144,23 +177,29 @@ def fill_output_tokens(batch: InputBatch, requests: dict[str, CachedRequestState
     """Write a step's real tokens over its placeholders, wherever the requests are now
     (a batch row, or detached state); a request that finished since is skipped.
 
+    Args:
+        token_ids: ``[n]``, one per placeholder, in order: ints (stage 8's typing rule,
+            ``append.token_id_array``), a 1-D integer array or a CPU tensor.
+
     Returns:
         How many tokens were written.
 
     Raises:
-        MetadataError: not one token per placeholder, a token id outside ``[0, 2**31)``,
-            or a placeholder that is not there any more (filled twice).
+        MetadataError: not one token per placeholder, a token id that is not an int in
+            ``[0, 2**31)``, or a placeholder that is not there any more (filled twice).
+            Everything is checked before anything is written: a refused call changes nothing.
     """
-    if len(token_ids) != len(placeholders.req_ids):
-        raise MetadataError(f"fill_output_tokens: {len(token_ids)} tokens for {len(placeholders.req_ids)} "
-                            "placeholders")
-    written = _fill_rows(batch, requests, placeholders, token_ids)
+    toks = token_id_array(token_ids, "fill_output_tokens")
+    n = len(placeholders.req_ids)
+    if toks.shape[0] != n:
+        raise MetadataError(f"fill_output_tokens: {toks.shape[0]} tokens for {n} placeholders")
+    if n == 0:
+        return 0
+    written = _fill_rows(batch, requests, placeholders, toks)
     if written is not None:
         return written
-    written = 0
-    for rid, pos, tok in zip(placeholders.req_ids, placeholders.positions.tolist(), token_ids):
-        if not 0 <= tok < 2**31:
-            raise MetadataError(f"fill_output_tokens: token id {tok!r} of {rid!r} is outside [0, 2**31)")
+    targets = []  # (history, position, token), all checked before the first write
+    for rid, pos, tok in zip(placeholders.req_ids, placeholders.positions.tolist(), toks.tolist()):
         st = requests.get(rid)
         if st is None:
             continue  # finished (its state is gone)
@@ -168,28 +207,21 @@ def fill_output_tokens(batch: InputBatch, requests: dict[str, CachedRequestState
         history = batch.token_ids_cpu[row] if row is not None else st.detached_token_ids()
         if pos >= history.shape[0] or history[pos] != PLACEHOLDER_TOKEN_ID:
             raise MetadataError(f"fill_output_tokens: request {rid!r} has no placeholder at position {pos}")
+        targets.append((history, pos, tok))
+    for history, pos, tok in targets:
         history[pos] = tok
-        written += 1
-    return written
+    return len(targets)
 
 
 def _fill_rows(batch: InputBatch, requests: dict[str, CachedRequestState], placeholders: Placeholders,
-               token_ids: Sequence[int]) -> int | None:
-    """:func:`fill_output_tokens` when every request is still in the batch or finished, each
-    placeholder is there and every token is an int in ``[0, 2**31)`` (the usual case): one
-    scatter. ``None`` (nothing written) otherwise: the per-request loop then decides (a
+               toks: np.ndarray) -> int | None:
+    """:func:`fill_output_tokens` when every request is still in the batch or finished and
+    each placeholder is there (the usual case): one scatter of the checked ``[n]`` ``int64``
+    ``toks``. ``None`` (nothing written) otherwise: the per-request loop then decides (a
     request that left the batch but not the runner) and words errors."""
     ids, pos = placeholders.req_ids, placeholders.positions
     n = len(ids)
-    if n == 0:
-        return 0
     rows = np.fromiter(map(batch.req_id_to_index.get, ids, repeat(-1, n)), np.int64, n)
-    try:
-        toks = np.fromiter(token_ids, np.int64, n)
-    except (TypeError, ValueError, OverflowError):
-        return None
-    if toks.min() < 0 or toks.max() >= 2**31:
-        return None
     if rows.min() < 0:  # finished ones are skipped; one that is detached takes the loop
         gone = np.flatnonzero(rows < 0).tolist()
         if any(ids[i] in requests for i in gone):

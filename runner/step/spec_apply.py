@@ -28,6 +28,7 @@ import numpy as np
 
 from attnplug.cache_groups.ragged import cumsum_and_arange
 from attnplug.core.errors import MetadataError
+from attnplug.runner.step.append import token_id_array
 from attnplug.runner.step.plan import SpecTokens
 from attnplug.runner.step.check.types import row_indices
 from attnplug.runner.step.input_batch import InputBatch
@@ -88,12 +89,7 @@ def append_verified_tokens(batch: InputBatch, max_model_len: int, rows: Sequence
             f"append_verified_tokens: request {rid!r}: {int(lens[i])} tokens for a row with {int(d[i])} "
             f"drafts, seq_len {int(seq[i])}, num_tokens {int(held[i])} (need 1 .. 1 + drafts tokens, a row "
             f"whose logits are not discarded, and at most max_model_len={max_model_len} tokens)")
-    try:
-        flat = np.fromiter(chain.from_iterable(token_ids), np.int64, int(lens.sum()))
-    except (TypeError, ValueError, OverflowError):
-        raise MetadataError(f"append_verified_tokens: token ids must be ints, got {token_ids!r}") from None
-    if flat.min() < 0 or flat.max() >= 2**31:
-        raise MetadataError(f"append_verified_tokens: token ids must be in [0, 2**31), got {token_ids!r}")
+    flat = token_id_array(list(chain.from_iterable(token_ids)), "append_verified_tokens", token_ids)
     _, offsets = cumsum_and_arange(lens)
     b.token_ids_cpu[np.repeat(r, lens), np.repeat(held, lens) + offsets] = flat
     b.num_tokens[r] = held + lens

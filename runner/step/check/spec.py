@@ -5,7 +5,9 @@ it is a *decoding* cached request: exactly one real token is left to compute
 (``num_tokens - num_computed_tokens == 1``) and it is scheduled ``1 + d`` tokens (that
 token, then the drafts). Its drafts are written after its last token
 (``InputBatch.num_spec_tokens``, ``runner/step/spec_apply.py``), so the row's
-``seq_lens`` is ``num_tokens + d``, which must fit ``max_model_len``.
+``seq_lens`` is ``num_tokens + d``, which must stay below ``max_model_len``: the row emits up to
+``1 + d`` tokens (the accepted drafts, then the bonus token), and all of them must fit
+(``runner/serve/spec_schedule.py`` proposes no more drafts than that).
 
 Everything is read once and checked before stage 2 changes anything; the first problem
 raises ``InvalidSchedulerOutput`` naming the request and the field. A regular step with
@@ -58,7 +60,8 @@ def check_spec_tokens(lay: StepLayout, batch: InputBatch, reqs: dict[str, Cached
         InvalidSchedulerOutput: a key that is not a scheduled cached request (unknown, not
             scheduled, new, or resumed: still prefilling), drafts that are not token ids,
             a row with more than one real token left (prefilling), ``num_scheduled_tokens``
-            other than ``1 + d``, or ``num_tokens + d > max_model_len``.
+            other than ``1 + d``, or ``num_tokens + d >= max_model_len`` (no room for the
+            ``1 + d`` tokens the row may emit).
     """
     if d.spec_packed is not None:  # the packed form (check/packed.py): arrays, no dict
         fast = _check_packed(lay, batch, d, rows_c, counts_c)
@@ -100,7 +103,7 @@ def _check_fast(lay: StepLayout, batch: InputBatch, d: Deltas, rows_c: np.ndarra
     if not lens.all() or (rows < 0).any():
         return None
     held = batch.num_tokens[rows].astype(np.int64)
-    if ((held - ncts != 1) | (counts_c[idx] != 1 + lens) | (held + lens > lay.max_model_len)).any():
+    if ((held - ncts != 1) | (counts_c[idx] != 1 + lens) | (held + lens >= lay.max_model_len)).any():
         return None
     try:  # struct takes ints only (floats, strings, None raise; a bool packs as 0 or 1)
         flat = int64s(chain.from_iterable(vals), int(lens.sum()))
@@ -134,7 +137,7 @@ def _check_packed(lay: StepLayout, batch: InputBatch, d: Deltas, rows_c: np.ndar
     if (rows < 0).any() or flat.min() < 0:
         return None
     held = batch.num_tokens[rows].astype(np.int64)
-    if ((held - ncts != 1) | (counts_c[idx] != 1 + lens) | (held + lens > lay.max_model_len)).any():
+    if ((held - ncts != 1) | (counts_c[idx] != 1 + lens) | (held + lens >= lay.max_model_len)).any():
         return None
     drafts_c = np.zeros(nC, dtype=np.int64)
     drafts_c[idx] = lens
@@ -163,7 +166,7 @@ def _check_each(lay: StepLayout, batch: InputBatch, reqs: dict[str, CachedReques
     spec: list[tuple[str, np.ndarray]] = []
     where = {rid: i for i, rid in enumerate(C)}
     for rid, toks in spec_in.items():
-        if type(rid) is not str:
+        if not isinstance(rid, str):  # (a str subclass such as numpy.str_ too, as in req_ids)
             err(None, FIELD, f"request ids must be str, got {show(rid)}")
         if not is_int_list(toks):
             err(rid, FIELD, f"expected a list of draft token ids, got {show(toks)}")
@@ -200,8 +203,9 @@ def _check_each(lay: StepLayout, batch: InputBatch, reqs: dict[str, CachedReques
         if n != 1 + nd:
             err(rid, FIELD, f"{nd} drafts need num_scheduled_tokens == 1 + {nd}, got {n}"
                 + (" (more drafts than the step's budget for the request)" if nd > n - 1 else ""))
-        if held + nd > lay.max_model_len:
-            err(rid, FIELD, f"{nd} drafts after {held} tokens exceed max_model_len={lay.max_model_len}")
+        if held + nd >= lay.max_model_len:
+            err(rid, FIELD, f"{nd} drafts after {held} tokens leave no room for the {nd + 1} tokens the row may "
+                f"emit within max_model_len={lay.max_model_len} (at most {lay.max_model_len - held - 1} drafts)")
         drafts_c[i] = nd
         spec.append((rid, arr.astype(np.int32)))
     return drafts_c, spec

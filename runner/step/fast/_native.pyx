@@ -297,6 +297,11 @@ def pack_int32(list seqs, int32_t[::1] out, int64_t lo=0, int64_t hi=INT32_MAX +
     return off, vmin, vmax
 
 
+class PlaceholderRead(Exception):
+    """``Prepare``: ``args[0]``, the index of a token read from the token table that is a
+    placeholder (a sampled token neither patched nor filled: ``runner/step/placeholders.py``)."""
+
+
 include "_native_cached.pxi"
 include "_native_admit.pxi"
 include "_native_rows.pxi"

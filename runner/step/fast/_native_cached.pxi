@@ -59,7 +59,8 @@ cdef class CachedScan:
         pool: per group, the exclusive upper bound of block ids.
         null_ok: per group, whether the row may hold ``NULL_BLOCK_ID`` (a sliding-window
             group's skipped prefix); scheduled positions must not fall in one.
-        max_model_len: tokens a request may hold (drafts included).
+        max_model_len: tokens a request may hold (a verifying row's ``num_tokens + d`` stays
+            below it: its ``1 + d`` emitted tokens must fit).
         rows, ncts, counts: ``[max_num_reqs]`` ``int64`` plan buffers: per cached request
             (in ``req_ids`` order) its row, ``num_computed_tokens``, ``num_scheduled_tokens``.
         app_sel: ``[max_num_reqs]`` ``int64``: the cached indices that append blocks.
@@ -141,7 +142,7 @@ cdef class CachedScan:
         count an ``int >= 1`` with ``num_computed_tokens + count <= num_tokens``; no token
         deltas; drafts (``spec``, ``scheduled_spec_decode_tokens``) only for cached
         requests, each a non-empty list of ints in ``[0, 2**31)`` for a decoding row (one
-        real token left) scheduled ``1 + d`` tokens within ``max_model_len``; ``resumed_from_preemption`` exactly ``False``; block appends (lists of
+        real token left) scheduled ``1 + d`` tokens whose ``1 + d`` emitted tokens fit ``max_model_len``; ``resumed_from_preemption`` exactly ``False``; block appends (lists of
         ints in the group's pool, none already in the row nor twice) that fit the row and,
         with its blocks, cover ``seq_len``.
 
@@ -237,7 +238,7 @@ cdef class CachedScan:
             if pk:
                 nd = pk_nd[i]
                 if nd:  # drafts: a decoding row verifying nd >= 1 of them
-                    if nd < 0 or held - v != 1 or c != 1 + nd or held + nd > self.max_model_len \
+                    if nd < 0 or held - v != 1 or c != 1 + nd or held + nd >= self.max_model_len \
                             or stot + nd > self._spec_ids.shape[0] or doff + nd > n_dids:
                         return False
                     if not _copy_in_range(pk_dids + doff, nd, &self._spec_ids[stot], 0, INT32_MAX + 1):
@@ -266,7 +267,7 @@ cdef class CachedScan:
                         spec_in_order = False
                 if d is not NULL:  # drafts: a decoding row verifying nd >= 1 of them
                     if not _items(<object>d, &bitems, &nd) or nd < 1 or held - v != 1 or c != 1 + nd \
-                            or held + nd > self.max_model_len or stot + nd > self._spec_ids.shape[0]:
+                            or held + nd >= self.max_model_len or stot + nd > self._spec_ids.shape[0]:
                         return False
                     if _pack(bitems, nd, &self._spec_ids[stot], 0, INT32_MAX + 1, &lo, &hi) != nd:
                         return False

@@ -53,11 +53,16 @@ cdef class Prepare:
             IndexError: a row's scheduled positions leave the token table, a token
                 buffer would overflow, or a position's block lies outside its row (the
                 step compiler's validation excludes all three).
+            PlaceholderRead: (``args[0]``: the token's index) a token read from the table
+                is a placeholder (a negative id: a sampled token that was neither patched
+                nor filled); the buffers are written, nothing else.
         """
         cdef int64_t maxq = 0, maxs = 0
         cdef Py_ssize_t Q = self._rows(R, &maxq, &maxs)
-        self._gather(Q, P, 0, NULL, False)
+        cdef Py_ssize_t bad = self._gather(Q, P, 0, NULL, False)
         self._slots(R, Q, P)
+        if bad >= 0:
+            raise PlaceholderRead(bad)
         return Q, maxq, maxs
 
     def prepare_patched(self, Py_ssize_t R, Py_ssize_t P, size_t prev_addr, Py_ssize_t prev_len,
@@ -82,9 +87,15 @@ cdef class Prepare:
             == arange(k)``: not written); ``written``: the tokens were written into
             ``input_ids``.
 
+        ``prev_len`` is checked against the patch's largest source index whether or not
+        ``prev_addr`` is given; with it, each token taken is checked in ``[0, 2**31)``.
+
         Raises:
-            IndexError: as :meth:`prepare`, or a source index outside the previous
-                step's tokens (before any column is consumed).
+            IndexError: as :meth:`prepare`.
+            ValueError: a source index outside the previous step's ``prev_len`` tokens, or
+                a token taken from ``prev_addr`` outside ``[0, 2**31)``.
+            PlaceholderRead: as :meth:`prepare`, for a token outside the patch.
+            All three before any column is consumed.
         """
         if not self.patch_bound:
             raise RuntimeError("Prepare.prepare_patched before bind_patch")
@@ -95,17 +106,16 @@ cdef class Prepare:
         cdef int64_t smax = -1
         cdef bint contiguous = True, written = prev_addr != 0
         if (expected >= 0 and Q != expected) or (0 <= P < Q):
-            self._gather(Q, P, 0, NULL, False)  # the caller refuses this step: no patch
-            self._slots(R, Q, P)
+            self._gather(Q, P, 0, NULL, False)  # the caller refuses this step: no patch (nor
+            self._slots(R, Q, P)                # a placeholder check: the refusal is the error)
             return Q, maxq, maxs, 0, True, False
         k = self._plan_patch(R, &contiguous, &smax)
-        if written:
-            if smax >= prev_len:  # (contiguous: smax = k - 1)
-                raise IndexError(f"Prepare.prepare_patched: token {smax} of {prev_len} sampled")
-            self._gather(Q, P, k, <const int64_t*>prev_addr, contiguous)
-        else:
-            self._gather(Q, P, 0, NULL, False)
+        if smax >= prev_len:  # (contiguous: smax = k - 1)
+            raise ValueError(f"holds {prev_len} tokens but a placeholder takes entry {smax}")
+        cdef Py_ssize_t bad = self._gather(Q, P, k, <const int64_t*>prev_addr if written else NULL, contiguous)
         self._slots(R, Q, P)
+        if bad >= 0:
+            raise PlaceholderRead(bad)
         if R:
             memset(&self.prev_index[0], 0xFF, R * sizeof(int32_t))  # consumed: -1 in every row
         if k:
@@ -196,12 +206,15 @@ cdef class Prepare:
         maxs_out[0] = maxs
         return Q
 
-    cdef int _gather(self, Py_ssize_t Q, Py_ssize_t P, Py_ssize_t k, const int64_t* host,
-                     bint contiguous) except -1:
+    cdef Py_ssize_t _gather(self, Py_ssize_t Q, Py_ssize_t P, Py_ssize_t k, const int64_t* host,
+                            bint contiguous) except -2:
         """``input_ids`` of the ``Q`` tokens from the token table, then the padding to
-        ``P``; with ``host``, the ``k`` patched tokens (``pdest`` ascending) come from
-        ``host[psrc]`` and their table entries (placeholders) are not read
-        (``contiguous``: ``pdest == psrc == arange(k)``, e.g. a decode step: a copy)."""
+        ``P``. The ``k`` patched tokens (``pdest`` ascending; ``contiguous``: ``pdest == psrc
+        == arange(k)``, e.g. a decode step) come from ``host[psrc]``, each checked in ``[0,
+        2**31)`` (their table entries, placeholders, are not read), or, without ``host`` (the
+        caller patches them on the device), from the table. Returns the index of the first
+        other token that is a placeholder (a negative id), or -1; raises ``ValueError`` for
+        a host token out of range."""
         cdef Py_ssize_t t, j, end, cap = self.positions.shape[0], width = self.tokens.shape[1]
         cdef int32_t* ids = &self.input_ids[0]
         cdef const int32_t* tok = &self.tokens[0, 0]
@@ -209,31 +222,66 @@ cdef class Prepare:
         cdef int64_t* positions = &self.positions[0]
         cdef const int64_t* dest
         cdef const int64_t* src
+        cdef int32_t v, neg = 0  # the OR of the unpatched tokens: negative iff one is a placeholder
         if P > cap:
             raise IndexError(f"padding to {P} tokens but the buffers hold {cap}")
         if k == 0:
             for t in range(Q):  # the gather, in its own loop: independent loads overlap
-                ids[t] = tok[req[t] * width + positions[t]]
+                v = tok[req[t] * width + positions[t]]
+                ids[t] = v
+                neg |= v
         elif contiguous:  # the first k tokens are the patched ones
             for t in range(k):
-                ids[t] = <int32_t>host[t]
+                ids[t] = self._patched(host, t, t)
             for t in range(k, Q):
-                ids[t] = tok[req[t] * width + positions[t]]
+                v = tok[req[t] * width + positions[t]]
+                ids[t] = v
+                neg |= v
         else:
             dest, src = &self.pdest[0], &self.psrc[0]
             t = 0
             for j in range(k + 1):  # the runs between patched tokens, then the patched one
                 end = dest[j] if j < k else Q
                 while t < end:
-                    ids[t] = tok[req[t] * width + positions[t]]
+                    v = tok[req[t] * width + positions[t]]
+                    ids[t] = v
+                    neg |= v
                     t += 1
                 if j < k:
-                    ids[t] = <int32_t>host[src[j]]
+                    ids[t] = self._patched(host, src[j], t)
                     t += 1
         for t in range(Q, P):
             positions[t] = 0
             ids[t] = 0
-        return 0
+        if neg >= 0:
+            return -1
+        return self._first_placeholder(Q, k, contiguous)
+
+    cdef inline int32_t _patched(self, const int64_t* host, Py_ssize_t s, Py_ssize_t t) except? -1:
+        """Token ``t``'s patched id: ``host[s]`` checked, or without ``host`` its table entry."""
+        cdef int64_t h
+        if host is NULL:
+            return self.tokens[self.req_indices[t], self.positions[t]]
+        h = host[s]
+        if h < 0 or h > INT32_MAX:
+            raise ValueError(f"entry {s} is {h}, not a token id in [0, 2**31)")
+        return <int32_t>h
+
+    cdef Py_ssize_t _first_placeholder(self, Py_ssize_t Q, Py_ssize_t k, bint contiguous) noexcept:
+        """The first of the ``Q`` tokens outside the ``k`` patched ones (as :meth:`_gather`)
+        whose id is negative, or -1."""
+        cdef const int32_t* ids = &self.input_ids[0]
+        cdef const int64_t* dest = NULL
+        cdef Py_ssize_t t, j = 0
+        if k and not contiguous:
+            dest = &self.pdest[0]
+        for t in range(k if contiguous else 0, Q):
+            if dest is not NULL and j < k and dest[j] == t:
+                j += 1
+                continue
+            if ids[t] < 0:
+                return t
+        return -1
 
     cdef int _row_slots(self, Py_ssize_t g, Py_ssize_t R, const int32_t* tb, Py_ssize_t ncols, int64_t sh,
                         int64_t* slots) except -1:

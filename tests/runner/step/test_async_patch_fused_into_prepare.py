@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attnplug.core.errors import InvalidSchedulerOutput
+from attnplug.core.errors import InvalidSchedulerOutput, MetadataError
 from attnplug.runner.step.compiler import StepCompiler
 from attnplug.runner.step.kernels import kernels_available
 from attnplug.runner.step.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
@@ -68,7 +68,7 @@ def test_a_refused_step_consumes_nothing_and_the_right_call_patches(native):
     with pytest.raises(InvalidSchedulerOutput, match="total_num_scheduled_tokens"):
         sc.prepare_inputs(wrong, prev_token_ids=prev)
     assert sc.input_batch.prev_sampled_index[:4].tolist() == before.tolist()
-    with pytest.raises(IndexError):  # a sampled tensor shorter than the placeholders point into
+    with pytest.raises(MetadataError, match="prev_token_ids holds 1 tokens"):  # shorter than the placeholders point into
         sc.prepare_inputs(second, prev_token_ids=prev[:1])
     assert sc.input_batch.prev_sampled_index[:4].tolist() == before.tolist()
     assert sc.prepare_inputs(second, prev_token_ids=prev).input_ids.tolist() == _expected(sc)
@@ -80,7 +80,7 @@ def test_a_refused_step_consumes_nothing_and_the_right_call_patches(native):
 def test_rows_in_order_take_each_its_own_token_by_the_slice(native, dtype):
     """Rows that kept their order (the steady state: the patch is ``dest == src == arange(k)``)
     get each its own sampled token; a request admitted behind them keeps its prompt, and a
-    ``int64`` sampled tensor one token short refuses the step (the slice's one bound check)."""
+    sampled tensor one token short (any integer dtype) refuses the step (the slice's one bound check)."""
     sc = StepCompiler([4], 8, 32, 32, num_blocks=16, native=native)
     new = [NewRequestData(r, [i + 1, i + 2, i + 3], ([i + 1],), 0) for i, r in enumerate("abc")]
     first = SchedulerOutput(new, CachedRequestData(), dict.fromkeys("abc", 3))
@@ -92,9 +92,8 @@ def test_rows_in_order_take_each_its_own_token_by_the_slice(native, dtype):
                              {"a": 1, "b": 1, "c": 1, "e": 2})
     sc.update_states(second)
     prev = torch.tensor([11, 22, 33], dtype=dtype)
-    if dtype is torch.int64:  # the kernels write the tokens (int32: the device copy does)
-        with pytest.raises(IndexError):
-            sc.prepare_inputs(second, prev_token_ids=prev[:2])
+    with pytest.raises(MetadataError, match="prev_token_ids holds 2 tokens"):  # any dtype: checked before the patch
+        sc.prepare_inputs(second, prev_token_ids=prev[:2])
     inputs = sc.prepare_inputs(second, prev_token_ids=prev)
     assert sc.input_batch.req_ids[:4] == ["a", "b", "c", "e"]
     assert inputs.input_ids.tolist() == [11, 22, 33, 5, 6]

@@ -91,7 +91,7 @@ def test_placeholders_are_patched_after_a_reorder_and_filled_where_the_requests_
         sc.fill_output_tokens(ph, [70, 71])  # filled twice
     with pytest.raises(MetadataError, match="fill_output_tokens: 1 tokens for 2 placeholders"):
         sc.fill_output_tokens(ph, [70])
-    with pytest.raises(MetadataError, match=r"token id -3 of 'A' is outside \[0, 2\*\*31\)"):
+    with pytest.raises(MetadataError, match=r"fill_output_tokens: token ids must be ints in \[0, 2\*\*31\), got \[-3, 71\]"):
         sc.fill_output_tokens(ph, [-3, 71])
 
 

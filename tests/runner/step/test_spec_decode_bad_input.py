@@ -82,8 +82,12 @@ def _bad_cases():
          "2 drafts need num_scheduled_tokens == 1 + 2, got 2 (more drafts than the step's budget for the request)"),
         ("fewer drafts than scheduled", dict(drafts=A, nst={"A": 4, "B": 4}), "A",
          "2 drafts need num_scheduled_tokens == 1 + 2, got 4$"),
-        ("beyond max_model_len", dict(drafts={"A": [1] * 8}, nst={"A": 9, "B": 1},
-                                      blocks=[([7],), None]), "A", "8 drafts after 9 tokens exceed max_model_len=16"),
+        ("beyond max_model_len", dict(drafts={"A": [1] * 8}, nst={"A": 9, "B": 1}, blocks=[([7],), None]), "A",
+         "8 drafts after 9 tokens leave no room for the 9 tokens the row may emit within max_model_len=16 "
+         "(at most 6 drafts)"),
+        # seq_len = 16 would fit, but with every draft accepted the row emits 8 tokens: 17 > 16
+        ("at max_model_len", dict(drafts={"A": [1] * 7}, nst={"A": 8, "B": 1}, blocks=[([7],), None]), "A",
+         "7 drafts after 9 tokens leave no room for the 8 tokens the row may emit"),
         ("negative id", dict(drafts={"A": [5, -1]}), "A", "draft token ids must be ints in [0, 2**31)"),
         ("id past int32", dict(drafts={"A": [5, 2**31]}), "A", "draft token ids must be ints in [0, 2**31)"),
         ("float id", dict(drafts={"A": [5, 1.0]}), "A", "draft token ids must be ints in [0, 2**31), got [5, 1.0]"),

@@ -41,14 +41,15 @@ def packed_form(so: SchedulerOutput, num_groups: int) -> SchedulerOutput:
 
 def add_drafts(rng: random.Random, sched: RandomScheduler, so, oracle: NaiveStepCompiler) -> dict[str, list[int]]:
     """Give some decoding cached requests of ``so`` 1..3 drafts (within the budget and
-    max_model_len), scheduled ``1 + d`` with blocks for the optimistic length."""
+    the room ``max_model_len`` leaves for the ``1 + d`` emitted tokens), scheduled ``1 + d`` with
+    blocks for the optimistic length."""
     cached = so.scheduled_cached_reqs
     total, spec = so.total_num_scheduled_tokens, {}
     for i, rid in enumerate(cached.req_ids):
         held, ncc = len(oracle.reqs[rid]["tokens"]), cached.num_computed_tokens[i]
         if cached.resumed_from_preemption[i] or cached.new_token_ids[i] or held - ncc != 1:
             continue
-        room = min(3, MAX_TOKENS - total, MAX_MODEL_LEN - held)
+        room = min(3, MAX_TOKENS - total, MAX_MODEL_LEN - held - 1)
         if room < 1 or rng.random() < 0.1:
             continue
         d = rng.randint(1, room)

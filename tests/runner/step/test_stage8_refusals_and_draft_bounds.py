@@ -115,7 +115,7 @@ def test_verified_tokens_out_of_range_are_refused():
         sc.update_states(so)
         sc.prepare_inputs(so)
         before = sc.snapshot()
-        with pytest.raises(MetadataError, match=r"token ids must be in \[0, 2\*\*31\)"):
+        with pytest.raises(MetadataError, match=r"token ids must be ints in \[0, 2\*\*31\)"):
             sc.append_verified_tokens([sc.input_batch.req_id_to_index["A"]], [bad])
         assert not snapshot_diff(before, sc.snapshot())
 

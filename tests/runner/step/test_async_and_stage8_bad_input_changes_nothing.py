@@ -1,0 +1,168 @@
+"""Asynchronous steps and stage 8 with bad input: the project's error, nothing changed, both
+kernel paths alike (the rule of docs/architecture.md: validate first, then mutate).
+
+``prepare_inputs(prev_token_ids=...)`` takes a 1-D integer tensor whose entries are token ids;
+a placeholder that neither ``prev_token_ids`` nor ``fill_output_tokens`` replaced never reaches
+``input_ids`` silently (a second patched prepare of one step, a prepare without the tokens);
+``fill_output_tokens`` and ``append_verified_tokens`` take token ids by stage 8's one typing rule
+(``append.token_id_array``) and write nothing when any entry is bad."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from attnplug.core.errors import MetadataError
+from attnplug.runner.step.compiler import StepCompiler, snapshot_diff
+from attnplug.runner.step.kernels import kernels_available
+from attnplug.runner.step.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+
+PATHS = [None, False] if kernels_available() else [False]
+SAMPLED = [70, 71, 72]
+
+
+def _decode(ncc: tuple[int, ...]) -> SchedulerOutput:
+    cached = CachedRequestData(list("abc"), [False] * 3, [[], [], []], [None] * 3, list(ncc))
+    return SchedulerOutput([], cached, dict.fromkeys("abc", 1))
+
+
+def async_step(native) -> tuple[StepCompiler, SchedulerOutput, object]:
+    """a, b, c prefilled (5, 3, 6 tokens) and sampled; one decode step whose tokens stay on
+    the device (placeholders); the next step applied, not yet prepared."""
+    sc = StepCompiler([4], max_num_reqs=8, max_model_len=64, max_num_batched_tokens=64, native=native,
+                      validate=True)
+    first = SchedulerOutput([NewRequestData("a", [1, 2, 3, 4, 5], ([1, 2],)), NewRequestData("b", [6, 7, 8], ([3, 6],)),
+                             NewRequestData("c", [9, 10, 11, 12, 13, 14], ([4, 5],))], CachedRequestData(),
+                            {"a": 5, "b": 3, "c": 6})
+    sc.update_states(first)
+    sc.prepare_inputs(first)
+    sc.append_output_tokens([0, 1, 2], [100, 101, 102])
+    decode = _decode((5, 3, 6))
+    sc.update_states(decode)
+    sc.prepare_inputs(decode)
+    ph = sc.append_placeholders([0, 1, 2])
+    nxt = _decode((6, 4, 7))
+    sc.update_states(nxt)
+    return sc, nxt, ph
+
+
+BAD_PREV = {
+    "2-D": torch.tensor([SAMPLED]),
+    "0-d": torch.tensor(70),
+    "numpy": np.array(SAMPLED),
+    "list": list(SAMPLED),
+    "float": torch.tensor([70.0, 71.0, 72.0]),
+    "bool": torch.tensor([True, False, True]),
+    "short int64": torch.tensor(SAMPLED[:2]),
+    "short int32": torch.tensor(SAMPLED[:2], dtype=torch.int32),
+    "empty": torch.zeros(0, dtype=torch.int64),
+    "negative": torch.tensor([-5, 71, 72]),
+    "past int32": torch.tensor([2**40, 71, 72]),
+    "past int32, strided": torch.tensor([2**40, 0, 71, 0, 72, 0])[::2],
+}
+
+
+@pytest.mark.parametrize("native", PATHS)
+@pytest.mark.parametrize("name", list(BAD_PREV))
+def test_bad_prev_token_ids_are_refused_and_the_retry_patches(native, name):
+    sc, nxt, _ = async_step(native)
+    before = sc.snapshot()
+    with pytest.raises(MetadataError, match="prepare_inputs: prev_token_ids"):
+        sc.prepare_inputs(nxt, prev_token_ids=BAD_PREV[name])
+    assert not snapshot_diff(before, sc.snapshot())  # prev_sampled_index not consumed
+    assert sc.prepare_inputs(nxt, prev_token_ids=torch.tensor(SAMPLED)).input_ids.tolist() == SAMPLED
+
+
+@pytest.mark.parametrize("native", PATHS)
+def test_other_integer_dtypes_and_strides_patch_like_int64(native):
+    sc, nxt, _ = async_step(native)
+    prev = torch.tensor([70, 0, 71, 0, 72, 0], dtype=torch.int16)[::2]
+    assert sc.prepare_inputs(nxt, prev_token_ids=prev).input_ids.tolist() == SAMPLED
+
+
+@pytest.mark.parametrize("native", PATHS)
+def test_a_placeholder_never_reaches_input_ids(native):
+    """A second patched prepare of one step (the first consumed the columns), and a prepare
+    without the tokens, are refused naming the request; once filled, the history serves."""
+    sc, nxt, ph = async_step(native)
+    before = sc.snapshot()
+    with pytest.raises(MetadataError, match="request 'a': its token at position 6 is a placeholder"):
+        sc.prepare_inputs(nxt)
+    assert not snapshot_diff(before, sc.snapshot())
+    assert sc.prepare_inputs(nxt, prev_token_ids=torch.tensor(SAMPLED)).input_ids.tolist() == SAMPLED
+    with pytest.raises(MetadataError, match="is a placeholder whose sampled token was neither given nor filled"):
+        sc.prepare_inputs(nxt, prev_token_ids=torch.tensor(SAMPLED))
+    assert sc.fill_output_tokens(ph, SAMPLED) == 3
+    assert sc.prepare_inputs(nxt).input_ids.tolist() == SAMPLED  # filled: read from the history
+
+
+BAD_TOKENS = {
+    "negative last": [70, 71, -1],
+    "None": [None, 71, 72],
+    "2-D": np.array([[70], [71], [72]]),
+    "float": [70.5, 71, 72],
+    "str": [70, "71", 72],
+    "bool": [70, True, 72],
+    "float array": np.array([70.0, 71.0, 72.0]),
+}
+
+
+@pytest.mark.parametrize("native", PATHS)
+@pytest.mark.parametrize("name", list(BAD_TOKENS))
+def test_fill_output_tokens_refuses_bad_tokens_and_writes_none(native, name):
+    sc, nxt, ph = async_step(native)
+    before = sc.snapshot()
+    with pytest.raises(MetadataError, match="fill_output_tokens: token ids must be ints"):
+        sc.fill_output_tokens(ph, BAD_TOKENS[name])
+    assert not snapshot_diff(before, sc.snapshot())
+    assert sc.fill_output_tokens(ph, SAMPLED) == 3  # every placeholder still there
+
+
+@pytest.mark.parametrize("native", PATHS)
+def test_fill_output_tokens_checks_every_placeholder_before_writing(native):
+    """The per-request loop (a request detached from the batch) finds a placeholder gone
+    only after others: nothing is written."""
+    sc, nxt, ph = async_step(native)
+    b = sc.input_batch
+    b.token_ids_cpu[b.req_id_to_index["c"], 7] = 5  # c's placeholder is gone (as if filled)
+    sc.input_batch.remove_requests(["a"])  # a detached: the loop, not the scatter
+    before = sc.snapshot()
+    with pytest.raises(MetadataError, match="request 'c' has no placeholder at position 7"):
+        sc.fill_output_tokens(ph, SAMPLED)
+    assert not snapshot_diff(before, sc.snapshot())
+
+
+@pytest.mark.parametrize("native", PATHS)
+@pytest.mark.parametrize("bad", [[[7.9, 50], [1], [52]], [[7, "50"], [1], [52]], [[7, 8], [True], [52]]])
+def test_append_verified_tokens_refuses_non_int_tokens(native, bad):
+    sc = StepCompiler([4], max_num_reqs=8, max_model_len=64, max_num_batched_tokens=64, native=native)
+    first = SchedulerOutput([NewRequestData("a", [1, 2, 3, 4, 5], ([1, 2],)), NewRequestData("b", [6, 7, 8], ([3, 6],)),
+                             NewRequestData("c", [9, 10, 11, 12, 13, 14], ([4, 5],))], CachedRequestData(),
+                            {"a": 5, "b": 3, "c": 6})
+    sc.update_states(first)
+    sc.prepare_inputs(first)
+    sc.append_output_tokens([0, 1, 2], [100, 101, 102])
+    cached = CachedRequestData(list("abc"), [False] * 3, [[], [], []], [None] * 3, [5, 3, 6])
+    so = SchedulerOutput([], cached, {"a": 3, "b": 1, "c": 1}, scheduled_spec_decode_tokens={"a": [7, 8]})
+    sc.update_states(so)
+    sc.prepare_inputs(so)
+    before = sc.snapshot()
+    with pytest.raises(MetadataError, match="append_verified_tokens: token ids must be ints"):
+        sc.append_verified_tokens([0, 1, 2], bad)
+    assert not snapshot_diff(before, sc.snapshot())
+
+
+@pytest.mark.parametrize("native", PATHS)
+def test_a_str_subclass_draft_key_is_taken_on_both_paths(native):
+    """``numpy.str_`` ids are taken in ``req_ids``; the drafts' keys follow the same rule."""
+    sc = StepCompiler([4], max_num_reqs=8, max_model_len=64, max_num_batched_tokens=64, native=native)
+    first = SchedulerOutput([NewRequestData("a", [1, 2, 3, 4, 5], ([1, 2],))], CachedRequestData(), {"a": 5})
+    sc.update_states(first)
+    sc.prepare_inputs(first)
+    sc.append_output_tokens([0], [100])
+    so = SchedulerOutput([], CachedRequestData(["a"], [False], [[]], [None], [5]), {"a": 3},
+                         scheduled_spec_decode_tokens={np.str_("a"): [7, 8]})
+    sc.update_states(so)
+    md = sc.prepare_inputs(so).spec_decode_metadata
+    assert md.draft_token_ids.tolist() == [7, 8]
