@@ -177,8 +177,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     to the cache dtype for the ``P @ V`` product. Does not synchronise with the host;
     graph-capturable for a fixed ``(query.shape[0], num_reqs, num_kv_splits)``.
     """
-    num_tokens, num_heads, head_size = query.shape
-    num_kv_heads = key_cache.shape[2]
+    num_tokens, head_size = query.shape[0], query.shape[-1]
     _check(query, key_cache, value_cache, output, query_start_loc, seq_lens, block_table, num_reqs, num_kv_splits,
            sliding_window, logits_soft_cap)
     _check_optional_tensors(query, num_kv_splits, lse, sinks, alibi_slopes)
@@ -187,39 +186,85 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     if check_values and values_checked(query.device):
         check_batch(query_start_loc, seq_lens, block_table, num_reqs=num_reqs, num_tokens=num_tokens,
                     num_blocks=key_cache.shape[0], block_size=key_cache.shape[1], where="paged_attention")
+    lowered = lower_arguments(query, key_cache, value_cache, output, query_start_loc, seq_lens, block_table,
+                              num_reqs=num_reqs, max_query_len=max_query_len, scale=scale, causal=causal,
+                              sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+                              num_kv_splits=num_kv_splits, tiles=tiles, visited_tiles=visited_tiles, lse=lse,
+                              sinks=sinks, k_scale=k_scale, v_scale=v_scale, alibi_slopes=alibi_slopes)
+    kernels = kernel_module("attention_kernels")
+    launch(kernels, "paged_attention_kernel", lowered.grid, *lowered.args, **lowered.constants)
+    if num_kv_splits > 1:
+        _reduce_segments(kernels, output, lowered.partials, query_start_loc, num_reqs, head_size,
+                         lowered.head_size_padded, num_kv_splits)
+    return output
+
+
+@dataclass(frozen=True)
+class KernelLaunch:
+    """``paged_attention_kernel``'s launch, lowered from :func:`paged_attention`'s arguments.
+
+    Attributes:
+        grid: ``(num_query_tiles(num_tokens, num_reqs, block_q), num_kv_heads, num_kv_splits)``.
+        args: the kernel's positional arguments in its signature's order: the 16 tensors
+            (absent optional ones stand in as a tensor the kernel never reads: ``seq_lens``
+            or ``part_max``), ``num_reqs``, ``scale``, the soft-cap (0.0 without), then the
+            strides (query, output, key and value caches, block table, ``lse``; 0 without).
+        constants: the kernel's ``tl.constexpr`` keyword arguments (shapes, tile sizes,
+            feature flags) and the launch options ``num_warps`` / ``num_stages``.
+        partials: the split-KV partials ``(acc [num_tokens, num_heads, num_kv_splits,
+            head_size_padded], max, sum [num_tokens, num_heads, num_kv_splits])`` fp32, or
+            ``output`` three times with one segment (never touched then).
+        head_size_padded: the next power of two ``>= max(head_size, 16)``.
+    """
+
+    grid: tuple[int, int, int]
+    args: tuple
+    constants: dict
+    partials: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    head_size_padded: int
+
+
+def lower_arguments(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, output: torch.Tensor,
+                    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor, *,
+                    num_reqs: int, max_query_len: int, scale: float, causal: bool, sliding_window: int | None,
+                    logits_soft_cap: float | None, num_kv_splits: int, tiles: TileConfig | None,
+                    visited_tiles: torch.Tensor | None, lse: torch.Tensor | None, sinks: torch.Tensor | None,
+                    k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
+                    alibi_slopes: torch.Tensor | None) -> KernelLaunch:
+    """The grid, arguments and constants of ``paged_attention_kernel`` for
+    :func:`paged_attention`'s (already checked) arguments, same names and meanings; allocates
+    the split-KV partials (``num_kv_splits > 1``) and an fp8 cache's per-head descales on
+    ``query``'s device. Launches nothing, checks nothing."""
+    num_tokens, num_heads, head_size = query.shape
+    num_kv_heads = key_cache.shape[2]
     group = num_heads // num_kv_heads
     cfg = tiles or choose_tiles(max_query_len, group, head_size, query.dtype)
     padded = max(16, _next_pow2(head_size))
-    kernels = kernel_module("attention_kernels")
     grid = (num_query_tiles(num_tokens, num_reqs, cfg.block_q), num_kv_heads, num_kv_splits)
-    part_acc, part_max, part_sum = _segment_partials(output, num_kv_splits, padded)
+    partials = _segment_partials(output, num_kv_splits, padded)
+    part_max = partials[1]
     kv_fp8 = is_quantized(key_cache.dtype)
     k_desc, v_desc = _kv_descales(k_scale, v_scale, num_kv_heads, query.device) if kv_fp8 else (seq_lens, seq_lens)
-    launch(kernels, "paged_attention_kernel", grid,
-           query, key_cache, value_cache, output, part_acc, part_max, part_sum,
-           query_start_loc, seq_lens, block_table, visited_tiles if visited_tiles is not None else seq_lens,
-           lse if lse is not None else part_max, sinks if sinks is not None else part_max,
-           alibi_slopes if alibi_slopes is not None else part_max, k_desc, v_desc,
-           num_reqs, float(scale),
-           float(logits_soft_cap) if logits_soft_cap is not None else 0.0,
-           query.stride(0), query.stride(1), output.stride(0), output.stride(1),
-           key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-           value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
-           block_table.stride(0),
-           lse.stride(0) if lse is not None else 0, lse.stride(1) if lse is not None else 0,
-           NUM_QUERIES_PER_KV=group, HEAD_SIZE=head_size, HEAD_SIZE_PADDED=padded,
-           BLOCK_SIZE=key_cache.shape[1], BLOCK_M=cfg.block_m, BLOCK_Q=cfg.block_q, TILE_N=cfg.tile_n,
-           CAUSAL=bool(causal), SLIDING_WINDOW=int(sliding_window or 0),
-           USE_SOFT_CAP=logits_soft_cap is not None, NUM_SEGMENTS=num_kv_splits,
-           DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-           RECORD_VISITED=visited_tiles is not None,
-           KV_SAME_STRIDES=key_cache.stride()[:2] == value_cache.stride()[:2], STORE_LSE=lse is not None,
-           USE_SINKS=sinks is not None, USE_ALIBI=alibi_slopes is not None, KV_FP8=kv_fp8,
-           num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if num_kv_splits > 1:
-        _reduce_segments(kernels, output, (part_acc, part_max, part_sum), query_start_loc, num_reqs, head_size, padded,
-                         num_kv_splits)
-    return output
+    tensors = (query, key_cache, value_cache, output, *partials, query_start_loc, seq_lens, block_table,
+               visited_tiles if visited_tiles is not None else seq_lens, lse if lse is not None else part_max,
+               sinks if sinks is not None else part_max, alibi_slopes if alibi_slopes is not None else part_max,
+               k_desc, v_desc)
+    scalars = (num_reqs, float(scale), float(logits_soft_cap) if logits_soft_cap is not None else 0.0)
+    strides = (query.stride(0), query.stride(1), output.stride(0), output.stride(1),
+               key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+               value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+               block_table.stride(0), *(lse.stride()[:2] if lse is not None else (0, 0)))
+    constants = dict(
+        NUM_QUERIES_PER_KV=group, HEAD_SIZE=head_size, HEAD_SIZE_PADDED=padded,
+        BLOCK_SIZE=key_cache.shape[1], BLOCK_M=cfg.block_m, BLOCK_Q=cfg.block_q, TILE_N=cfg.tile_n,
+        CAUSAL=bool(causal), SLIDING_WINDOW=int(sliding_window or 0),
+        USE_SOFT_CAP=logits_soft_cap is not None, NUM_SEGMENTS=num_kv_splits,
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        RECORD_VISITED=visited_tiles is not None,
+        KV_SAME_STRIDES=key_cache.stride()[:2] == value_cache.stride()[:2], STORE_LSE=lse is not None,
+        USE_SINKS=sinks is not None, USE_ALIBI=alibi_slopes is not None, KV_FP8=kv_fp8,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return KernelLaunch(grid, tensors + scalars + strides, constants, partials, padded)
 
 
 def _check_optional_tensors(query: torch.Tensor, num_kv_splits: int, lse: torch.Tensor | None,

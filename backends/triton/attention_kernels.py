@@ -92,7 +92,7 @@ def paged_attention_kernel(
     segment = tl.program_id(2)
 
     # The request of this tile: the largest i with query_start_loc[i] // BLOCK_Q + i <= tile
-    # (binary search; inline, as the other per-program steps: see the device functions below).
+    # (binary search, inline: its loop-carried scalars; see the device functions below).
     req = tl.program_id(0) * 0  # int32 scalar (loop-carried types must not change)
     hi = req + num_reqs
     while hi - req > 1:
@@ -121,22 +121,8 @@ def paged_attention_kernel(
     q = tl.load(query_ptr + token[:, None] * stride_q_tok + head[:, None] * stride_q_head + dims[None, :],
                 mask=row_valid[:, None] & dim_valid[None, :], other=0.0)
 
-    # Keys any row of the tile may see: [key_lo, key_hi); this segment's share of their tiles.
-    last_q = tl.minimum(first_q + BLOCK_Q, q_len) - 1
-    if CAUSAL:
-        key_hi = ctx_len + last_q + 1
-    else:
-        key_hi = seq_len
-    if SLIDING_WINDOW > 0:
-        key_lo = tl.maximum(ctx_len + first_q - SLIDING_WINDOW + 1, 0)
-    else:
-        key_lo = seq_len * 0
-    tile_lo = key_lo // TILE_N
-    tile_hi = (key_hi + TILE_N - 1) // TILE_N
-    if NUM_SEGMENTS > 1:
-        per_segment = (tile_hi - tile_lo + NUM_SEGMENTS - 1) // NUM_SEGMENTS
-        tile_lo = tile_lo + segment * per_segment
-        tile_hi = tl.minimum(tile_lo + per_segment, tile_hi)
+    key_lo, key_hi, tile_lo, tile_hi = _key_tile_range(first_q, q_len, seq_len, segment, BLOCK_Q, TILE_N, CAUSAL,
+                                                        SLIDING_WINDOW, NUM_SEGMENTS)
 
     if RECORD_VISITED:
         tl.store(visited_tiles_ptr + (tile * tl.num_programs(1) + kv_head) * NUM_SEGMENTS + segment,
@@ -157,6 +143,61 @@ def paged_attention_kernel(
     if KV_FP8:
         acc = acc * tl.load(v_scale_ptr + kv_head)
 
+    _store_rows(m_i, l_i, acc, token, head, row_valid, dim_valid, dims, segment, output_ptr, part_acc_ptr,
+                part_max_ptr, part_sum_ptr, lse_ptr, stride_o_tok, stride_o_head, stride_lse_tok, stride_lse_head,
+                NUM_QUERIES_PER_KV, HEAD_SIZE_PADDED, NUM_SEGMENTS, STORE_LSE)
+
+
+# The device functions below are called at most once per program: a device-function call
+# costs the interpreter about a millisecond (``triton.runtime.interpreter`` patches
+# ``triton.language`` on each), so none is called per key tile (the key-tile loop is one
+# function, not its body): the kernel calls each at most once. A GPU compile inlines them.
+
+
+@triton.jit
+def _sink_start(sinks_ptr, head, row_valid, segment, m_i, l_i):
+    """The online softmax's state ``(m_i, l_i)`` with the sink entered as a key seen before
+    all others (running max = the sink in base 2, sum = exp2(0) = 1, no value); segment 0
+    only, so the reduce counts it once."""
+    sink = tl.load(sinks_ptr + head, mask=row_valid, other=float("-inf")) * 1.4426950408889634
+    has_sink = row_valid & (segment == 0)
+    return tl.where(has_sink, sink, m_i), tl.where(has_sink, 1.0, l_i)
+
+
+@triton.jit
+def _key_tile_range(first_q, q_len, seq_len, segment, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr,
+                    CAUSAL: tl.constexpr, SLIDING_WINDOW: tl.constexpr, NUM_SEGMENTS: tl.constexpr):
+    """``(key_lo, key_hi, tile_lo, tile_hi)``: the keys ``[key_lo, key_hi)`` any query of the
+    tile (queries ``first_q ..`` of a request with ``q_len`` queries and ``seq_len`` keys,
+    bottom-right aligned) may see, and this segment's share ``[tile_lo, tile_hi)`` of their
+    ``TILE_N``-key tiles (empty when ``tile_hi <= tile_lo``); int32 scalars."""
+    ctx_len = seq_len - q_len
+    last_q = tl.minimum(first_q + BLOCK_Q, q_len) - 1
+    if CAUSAL:
+        key_hi = ctx_len + last_q + 1
+    else:
+        key_hi = seq_len
+    if SLIDING_WINDOW > 0:
+        key_lo = tl.maximum(ctx_len + first_q - SLIDING_WINDOW + 1, 0)
+    else:
+        key_lo = seq_len * 0
+    tile_lo = key_lo // TILE_N
+    tile_hi = (key_hi + TILE_N - 1) // TILE_N
+    if NUM_SEGMENTS > 1:
+        per_segment = (tile_hi - tile_lo + NUM_SEGMENTS - 1) // NUM_SEGMENTS
+        tile_lo = tile_lo + segment * per_segment
+        tile_hi = tl.minimum(tile_lo + per_segment, tile_hi)
+    return key_lo, key_hi, tile_lo, tile_hi
+
+
+@triton.jit
+def _store_rows(m_i, l_i, acc, token, head, row_valid, dim_valid, dims, segment, output_ptr, part_acc_ptr,
+                part_max_ptr, part_sum_ptr, lse_ptr, stride_o_tok, stride_o_head, stride_lse_tok, stride_lse_head,
+                NUM_QUERIES_PER_KV: tl.constexpr, HEAD_SIZE_PADDED: tl.constexpr, NUM_SEGMENTS: tl.constexpr,
+                STORE_LSE: tl.constexpr):
+    """The program's result for its valid rows (``token``, ``head`` per row): with one segment
+    ``acc / l_i`` into ``output`` (its dtype) and, with ``STORE_LSE``, the natural-log LSE;
+    else the unnormalised fp32 partials ``(acc, m_i, l_i)`` of ``segment``."""
     if NUM_SEGMENTS == 1:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(output_ptr + token[:, None] * stride_o_tok + head[:, None] * stride_o_head + dims[None, :],
@@ -173,22 +214,6 @@ def paged_attention_kernel(
         tl.store(part_sum_ptr + part, l_i, mask=row_valid)
         tl.store(part_acc_ptr + part[:, None] * HEAD_SIZE_PADDED + dims[None, :], acc,
                  mask=row_valid[:, None])
-
-
-# The device functions below are called at most once per program: a device-function call
-# costs the interpreter about a millisecond (``triton.runtime.interpreter`` patches
-# ``triton.language`` on each), so none is called per key tile and the short per-program
-# steps stay inline. A GPU compile inlines them.
-
-
-@triton.jit
-def _sink_start(sinks_ptr, head, row_valid, segment, m_i, l_i):
-    """The online softmax's state ``(m_i, l_i)`` with the sink entered as a key seen before
-    all others (running max = the sink in base 2, sum = exp2(0) = 1, no value); segment 0
-    only, so the reduce counts it once."""
-    sink = tl.load(sinks_ptr + head, mask=row_valid, other=float("-inf")) * 1.4426950408889634
-    has_sink = row_valid & (segment == 0)
-    return tl.where(has_sink, sink, m_i), tl.where(has_sink, 1.0, l_i)
 
 
 @triton.jit

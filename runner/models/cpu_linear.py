@@ -24,7 +24,8 @@ call: the direct path is 9-29 µs a call faster at decode shapes, through this m
 checks (docs/performance.md, "Linears through oneDNN's C API (issue 38, session 15)"); :class:`~attnplug.runner.models._onednn.Matmul` keeps the
 packed weight and its primitives (per row count and thread count) and only re-points them
 at the call's tensors. The packed weight is a cache as above (same rules, same
-``packed_weights`` dict, holding the ``Matmul``). A call takes torch's op instead when the
+``packed_weights`` dict, holding the ``Matmul`` under its own key, :func:`direct_key`, so a
+weight whose calls alternate between the two paths keeps both). A call takes torch's op instead when the
 direct path is unavailable or off (``ATTNPLUG_ONEDNN_DIRECT=0``; no wheel, no compiled
 module), when ``x`` or the weight is not contiguous, the bias not a contiguous float32
 ``[out_features]``, or ``x`` has no rows; and ``F.linear`` when the weight's ``Matmul`` is
@@ -68,8 +69,7 @@ def packed(weight: torch.Tensor, cache: PackedWeights, key: str) -> torch.Tensor
     """The oneDNN-packed copy of ``weight`` (``[out_features, in_features]``), from ``cache[key]``
     while ``weight`` is unchanged, else packed now and cached."""
     hit = cache.get(key)
-    if (hit is not None and hit[0] == weight._version and hit[1] == weight.data_ptr()
-            and hit[2].__class__ is not _MATMUL):
+    if hit is not None and hit[0] == weight._version and hit[1] == weight.data_ptr():
         return hit[2]
     w = weight.detach()
     out = torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS_HINT)
@@ -106,14 +106,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, own
 
 def direct(weight: torch.Tensor, cache: PackedWeights, key: str):
     """The :class:`~attnplug.runner.models._onednn.Matmul` holding ``weight`` (float32,
-    contiguous ``[out_features, in_features]``) packed, from ``cache[key]`` while ``weight`` is
-    unchanged, else packed now and cached (the rules of :func:`packed`).
+    contiguous ``[out_features, in_features]``) packed, from ``cache[direct_key(key)]`` while
+    ``weight`` is unchanged, else packed now and cached (the rules of :func:`packed`). Its own
+    entry, apart from :func:`packed`'s ``cache[key]``: a weight whose calls alternate between
+    the two paths is packed once for each, not again at every switch.
 
     Raises:
         RuntimeError: the direct path is not loaded, or oneDNN refused the weight."""
+    key = direct_key(key)
     hit = cache.get(key)
-    if (hit is not None and hit[0] == weight._version and hit[1] == weight.data_ptr()
-            and hit[2].__class__ is _MATMUL):
+    if hit is not None and hit[0] == weight._version and hit[1] == weight.data_ptr():
         return hit[2]
     module = _DIRECT[0]
     if module is None or module is _UNSET:
@@ -122,6 +124,11 @@ def direct(weight: torch.Tensor, cache: PackedWeights, key: str):
     mm = module.Matmul(weight.data_ptr(), out_features, in_features, PACK_ROWS_HINT)
     cache[key] = (weight._version, weight.data_ptr(), mm)
     return mm
+
+
+def direct_key(key: str) -> str:
+    """The cache key of :func:`direct`'s ``Matmul`` for the weight :func:`packed` caches under ``key``."""
+    return key + ":direct"
 
 
 def _direct(x, weight, bias, cache, key, k):
@@ -159,7 +166,6 @@ _LINEAR_POINTWISE = (torch.ops.mkldnn._linear_pointwise.default if hasattr(torch
                      else None)
 _NO_SCALARS: list = []  # the op's empty post-op scalars (read, never written)
 _F32 = torch.float32
-_MATMUL = onednn._onednn.Matmul if onednn._onednn is not None else type(None)
 _UNSET = object()
 _DIRECT: list = [_UNSET]  # the loaded _onednn module, None (torch's op) or _UNSET (use_direct)
 
@@ -176,4 +182,5 @@ class Linear(nn.Linear):
         return linear(x, self.weight, self.bias, self)
 
 
-__all__ = ["ENABLED", "Linear", "PACKED_DTYPES", "PackedWeights", "direct", "linear", "packed", "use_direct"]
+__all__ = ["ENABLED", "Linear", "PACKED_DTYPES", "PackedWeights", "direct", "direct_key", "linear", "packed",
+           "use_direct"]

@@ -68,8 +68,9 @@ class SwiGLUMLP(FusedProjections, nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``[num_tokens, hidden_size]`` -> the same shape and dtype."""
         gate, up = self.project("gate_up", x)
-        if silu_mul.takes(gate, up):  # one C pass, torch's bits (silu_mul.py)
-            return self.down_proj(silu_mul.silu_mul(gate, up))
+        fused = silu_mul.maybe_silu_mul(gate, up)  # one C pass, torch's bits, where it takes them (silu_mul.py)
+        if fused is not None:
+            return self.down_proj(fused)
         # the product into silu's fresh output: one [num_tokens, intermediate_size] buffer, not two
         # (the same bytes as ``silu(gate) * up``); under autograd the out-of-place form
         act = nn.functional.silu(gate)

@@ -105,10 +105,30 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     cpu_ops._check_rows("up", up, d)
     if up.shape[0] != n:
         raise ValueError(f"up: expected {n} rows, got {up.shape[0]}")
+    return _pass(gate, up)
+
+
+def maybe_silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
+    """:func:`silu_mul`'s result where :func:`takes` holds, else ``None`` (the caller keeps
+    torch's two ops): the forward's entry (``SwiGLUMLP``), which tests the conditions once per
+    call: :func:`takes` implies every check :func:`silu_mul` makes.
+
+    Args:
+        gate, up: any tensors (``takes`` decides).
+
+    Returns:
+        A new ``[num_tokens, intermediate_size]`` float32 tensor, or ``None`` (nothing written).
+    """
+    return _pass(gate, up) if takes(gate, up) else None
+
+
+def _pass(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """The compiled pass on operands already checked (:func:`silu_mul`'s checks or :func:`takes`)."""
+    n, d = gate.shape
     out = torch.empty((n, d), dtype=torch.float32)
     cpu_ops._cpu_ops.silu_mul(gate.data_ptr(), gate.stride(0), up.data_ptr(), up.stride(0), out.data_ptr(), d, n, d,
                               cpu_ops.threads_for("silu_mul", n * d))
     return out
 
 
-__all__ = ["TORCH_BLOCK", "TORCH_GRAIN", "ready", "rounds_like_torch", "silu_mul", "takes"]
+__all__ = ["TORCH_BLOCK", "TORCH_GRAIN", "maybe_silu_mul", "ready", "rounds_like_torch", "silu_mul", "takes"]

@@ -8,7 +8,9 @@ once, then ``rounds`` rounds run both, the order swapped every round so a load s
 shared machine hits both alike. Reported per model: the median forward ms/step and generated
 tokens/s of each, the median of the rounds' forward-time ratios torch op ÷ direct (> 1: the
 direct path is faster) with every round's ratio, how many linears each path's runs held
-packed for the direct path (``direct_linears``: all of them, then none), the outputs digests (the two paths must
+packed for the direct path (``direct_linears``: all of them, then none; every measured run starts
+with the caches emptied, :func:`clear_packed`, so it counts its own and pays its own packing, as
+each run did while the two paths shared one cache entry per weight), the outputs digests (the two paths must
 produce the same tokens: else exit status 1), the torch thread count and the load averages.
 """
 
@@ -44,6 +46,7 @@ def engine_ab(model_name: str, threads: int, rounds: int, engine_argv: list[str]
             got = {}
             for direct in ((True, False) if r % 2 == 0 else (False, True)):
                 cpu_linear.use_direct(direct)
+                clear_packed(model)  # each run packs for its own path, as when the two paths shared an entry
                 got[direct] = bench_engine._attnplug_run(run_args, model, threads)  # noqa: SLF001
                 got[direct]["direct_linears"] = direct_linears(model)
                 runs[direct].append(got[direct])
@@ -61,6 +64,16 @@ def engine_ab(model_name: str, threads: int, rounds: int, engine_argv: list[str]
             "digest_torch_op": sorted({o["outputs_digest"] for o in runs[False]}),
             "load_average_1m": [load_start, os.getloadavg()[0]],
             "direct_linears": [max(o["direct_linears"] for o in runs[True]), max(o["direct_linears"] for o in runs[False])]}
+
+
+def clear_packed(model: torch.nn.Module) -> None:
+    """Empty every ``packed_weights`` cache of ``model`` (``cpu_linear``: the torch-op and the
+    direct path each keep an entry per weight), so the next run's :func:`direct_linears`
+    counts only what that run packed."""
+    for m in model.modules():
+        cache = m.__dict__.get("packed_weights")
+        if cache is not None:
+            cache.clear()
 
 
 def direct_linears(model: torch.nn.Module) -> int:
@@ -99,4 +112,4 @@ def render(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["direct_linears", "engine_ab", "render", "same_outputs"]
+__all__ = ["clear_packed", "direct_linears", "engine_ab", "render", "same_outputs"]

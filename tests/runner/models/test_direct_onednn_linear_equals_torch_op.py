@@ -184,3 +184,19 @@ def test_a_primitive_per_decode_row_count_and_the_last_8_larger_ones():
     assert mm.primitives == 64 + 8
     assert mm.threads_of(64) == mm.threads_of(300) == torch.get_num_threads()
     assert mm.threads_of(66) == 0 and mm.threads_of(0) == 0  # 66 dropped from the ring
+
+
+def test_a_weight_alternating_between_the_two_paths_is_packed_once_for_each():
+    """A non-contiguous ``x`` takes torch's op, a contiguous one the direct path: each keeps its
+    own cache entry, so switching back and forth packs nothing again."""
+    lin = Linear(16, 8, bias=True)
+    contiguous, strided = torch.randn(6, 16), torch.randn(16, 6).T
+    with torch.no_grad():
+        lin(contiguous), lin(strided)
+        tensor, matmul = lin.packed_weights["weight"][2], lin.packed_weights[cpu_linear.direct_key("weight")][2]
+        assert isinstance(tensor, torch.Tensor) and isinstance(matmul, onednn.matmul_module().Matmul)
+        for x in (contiguous, strided, contiguous, strided):
+            torch.testing.assert_close(lin(x), torch.nn.functional.linear(x, lin.weight, lin.bias))
+        assert lin.packed_weights["weight"][2] is tensor
+        assert lin.packed_weights[cpu_linear.direct_key("weight")][2] is matmul
+    assert len(lin.packed_weights) == 2

@@ -76,12 +76,23 @@ def test_the_mlp_uses_it_and_gives_the_torch_bits(monkeypatch):
                          "max_position_embeddings": 64, "rms_norm_eps": 1e-6})
     mlp = model.model.layers[0].mlp
     x = torch.randn(5, SIZES["hidden_size"], generator=torch.Generator().manual_seed(2))
-    calls = []
-    real = silu_mul.silu_mul
-    monkeypatch.setattr(silu_mul, "silu_mul", lambda g, u: calls.append(g.shape) or real(g, u))
+    calls, checks = [], []
+    real_pass, real_ready = silu_mul._pass, silu_mul.ready
+    monkeypatch.setattr(silu_mul, "_pass", lambda g, u: calls.append(g.shape) or real_pass(g, u))
+    monkeypatch.setattr(silu_mul, "ready", lambda: checks.append(1) or real_ready())
     with torch.no_grad():
         got = mlp(x)
+        assert len(checks) == 1  # the conditions are tested once per call (takes), not again by silu_mul's checks
         monkeypatch.setenv("ATTNPLUG_CPU_FUSED_OPS", "0")
         want = mlp(x)
     assert calls == [torch.Size([5, SIZES["intermediate_size"]])]
     assert _same_bits(got, want)
+
+
+def test_maybe_silu_mul_declines_what_takes_refuses():
+    gate, up = _halves(4, 32, 1.0, seed=3)
+    with torch.no_grad():
+        for bad_gate, bad_up in [(gate.double(), up), (gate, up[:, :16]), (gate, up[:3]), (gate.t(), up.t())]:
+            assert not silu_mul.takes(bad_gate, bad_up) and silu_mul.maybe_silu_mul(bad_gate, bad_up) is None
+        got = silu_mul.maybe_silu_mul(gate, up)
+    assert got is not None and _same_bits(got, silu_mul.silu_mul(gate, up))
