@@ -220,10 +220,15 @@ class StepCompiler:
             num_tokens_padded: pad the token dimension to this many (``>= num_actual_tokens``,
                 ``<= max_num_batched_tokens``).
             build_metadata: also build ``common_attn_metadata`` (one per group).
-            prev_token_ids: asynchronous scheduling: the previous step's sampled tokens,
-                ``[n]`` integer, on the device, in the order its :meth:`append_placeholders`
-                got; the placeholders among this step's ``input_ids`` are overwritten from
-                it on the device (``runner/step/placeholders.py``).
+            prev_token_ids: asynchronous scheduling: the previous step's sampled tokens, a
+                1-D integer ``torch.Tensor`` ``[n]`` (not ``bool``; on the step's device or the
+                CPU), in the order its :meth:`append_placeholders` got; the placeholders
+                among this step's ``input_ids`` are overwritten from it
+                (``runner/step/placeholders.py``). The first successful call of a step
+                consumes the patch: a second one, or one without ``prev_token_ids`` while
+                placeholders are pending, is refused (call :meth:`fill_output_tokens` to
+                prepare from the history). On a CPU device each token taken is checked in
+                ``[0, 2**31)``; a tensor on another device is not read on the host.
 
         Returns:
             :class:`StepInputs`; its tensors are views valid until the next ``update_states``.
@@ -233,7 +238,10 @@ class StepCompiler:
 
         Raises:
             InvalidSchedulerOutput: ``scheduler_output`` is not the one just applied.
-            MetadataError: a bad ``num_tokens_padded``.
+            MetadataError: a bad ``num_tokens_padded``; a ``prev_token_ids`` that is not a
+                1-D integer tensor, is shorter than the placeholders point into, or holds a
+                token outside ``[0, 2**31)``; a placeholder among the step's tokens that
+                nothing patches. Nothing is consumed then.
             MetadataInvariantError: with validation on, a broken invariant.
         """
         b = self.input_batch

@@ -18,8 +18,12 @@ holds a placeholder (:data:`PLACEHOLDER_TOKEN_ID`) where each such token goes:
 3. when step t's outputs are read back, :func:`fill_output_tokens` writes the real
    tokens over the placeholders (the request may have moved, left the batch, or finished).
 
-A placeholder is never read by a kernel: before step t + 2 is prepared, step t's tokens
-are filled (at most one step is in flight).
+A placeholder never reaches ``input_ids``: the patch overwrites it (one ``prepare_inputs``
+of step t + 1 consumes the plan), or ``fill_output_tokens`` replaced it in the history
+before. Any other placeholder among a step's tokens (a second patched prepare of the same
+step, a prepare without ``prev_token_ids``, two steps in flight) is refused by
+``prepare_inputs`` with a ``MetadataError`` naming the request (both kernels check the
+tokens they read from the history), and nothing is consumed.
 """
 
 from __future__ import annotations
@@ -71,8 +75,9 @@ class PatchPlan:
 
 
 def append_placeholders(batch: InputBatch, max_model_len: int, rows: np.ndarray) -> Placeholders:
-    """Append one placeholder to each of ``rows`` (this step's sampling rows, in the order
-    of its sampled tensor) and point their ``prev_sampled_*`` columns at it.
+    """Append one placeholder to each of ``rows`` (this step's sampling rows, batch row
+    indices in the order of its sampled tensor, e.g. ``np.flatnonzero(~inputs.discard)``;
+    ``inputs.req_ids[row]`` names each) and point their ``prev_sampled_*`` columns at it.
 
     Raises:
         MetadataError: a row outside the batch, repeated, discarded this step (its

@@ -166,3 +166,21 @@ def test_a_str_subclass_draft_key_is_taken_on_both_paths(native):
     sc.update_states(so)
     md = sc.prepare_inputs(so).spec_decode_metadata
     assert md.draft_token_ids.tolist() == [7, 8]
+
+
+@pytest.mark.parametrize("native", PATHS)
+def test_drafts_on_rows_whose_last_token_is_a_placeholder_are_patched(native):
+    """The step compiler does not refuse drafts in an asynchronous step (the engine does):
+    the placeholder is patched, the drafts follow it, and stage 8 then fills and verifies."""
+    sc, _, ph = async_step(native)
+    cached = CachedRequestData(list("abc"), [False] * 3, [[], [], []], [([7],), None, ([8],)], [6, 4, 7])
+    so = SchedulerOutput([], cached, {"a": 3, "b": 1, "c": 2}, scheduled_spec_decode_tokens={"a": [9, 9], "c": [8]})
+    sc.update_states(so)
+    inputs = sc.prepare_inputs(so, prev_token_ids=torch.tensor(SAMPLED))
+    assert inputs.input_ids[:inputs.num_actual_tokens].tolist() == [70, 9, 9, 71, 72, 8]
+    assert inputs.spec_decode_metadata.draft_token_ids.tolist() == [9, 9, 8]
+    assert sc.fill_output_tokens(ph, SAMPLED) == 3
+    sc.append_verified_tokens([0, 1, 2], [[9, 9, 5], [6], [7]])
+    b = sc.input_batch
+    assert [b.token_ids_cpu[r, b.num_tokens[r] - 2:b.num_tokens[r]].tolist() for r in range(3)] == \
+        [[9, 5], [71, 6], [72, 7]]
