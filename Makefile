@@ -23,8 +23,12 @@ $(VENV)/.base: pyproject.toml $(wildcard runner/step/fast/_native*.pyx runner/st
 	$(PIP) install -q --no-compile --no-deps --target $(VENV)/attnplug-models $(SMOLLM2_PIN)
 	touch $@
 
+# The test extras only: naming the installed distribution (`attnplug[...]`, not `-e .`) keeps pip
+# from building attnplug and its Cython extensions a second time (.base just did; the .so files
+# sit in the source tree); .base's editable install satisfies `attnplug` and pip keeps it (no --upgrade).
+# No byte-compiling, as for .base: the tests compile what they import, once.
 $(VENV)/.test: $(VENV)/.base
-	$(PIP) install -q -e ".[triton,test]"
+	$(PIP) install -q --no-compile "attnplug[triton,test]"
 	$(PIP) check || { echo "pip check failed: rm -rf $(VENV) (an older make test put vLLM in it) and make again"; exit 1; }
 	touch $@
 

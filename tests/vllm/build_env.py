@@ -2,8 +2,16 @@
 
 ``python tests/vllm/build_env.py 0.32`` (what ``make test`` runs, with the main
 environment's Python) makes a fresh venv, installs ``plugins/vllm/v0_32/requirements-cpu.txt``
-(a lock: ``--no-deps``, no resolution), attnplug itself (editable, ``--no-deps``), and runs
-``pip check``, whose complaints must be exactly ``pip-check-expected.txt`` of that minor.
+(a lock: ``--no-deps``, no resolution, no byte-compiling: Python compiles what the tests
+import, once), attnplug itself (editable, ``--no-deps``), and runs ``pip check``, whose
+complaints must be exactly ``pip-check-expected.txt`` of that minor.
+
+attnplug is not built a second time either: when the running environment holds the editable
+install of this very checkout, its few files (the ``.pth``, the editable finder, the
+dist-info) are hard-linked as torch's are. The Cython extensions are built in place (next to
+their ``.pyx``), so every environment imports the same ``.so`` files anyway; a second
+``pip install -e`` only rebuilt them (about a minute per minor here). Otherwise (another
+checkout, a plain install) ``pip install -e`` runs as before.
 
 torch is not unpacked a second time: when the running (main) environment has the very
 torch the lock pins, its files are hard-linked into the new venv (same wheel, same files,
@@ -18,6 +26,7 @@ Exit status: 0 built; 1 a step failed or ``pip check`` differs (printed).
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import os
 import pathlib
 import re
@@ -41,9 +50,14 @@ def pins(lock: pathlib.Path) -> dict[str, str]:
     return out
 
 
+def installed(name: str) -> importlib.metadata.Distribution | None:
+    """Distribution ``name`` in the running environment's site-packages (not an ``*.egg-info`` of the working directory)."""
+    return next(iter(importlib.metadata.distributions(name=name, path=[sysconfig.get_paths()["purelib"]])), None)
+
+
 def link_distribution(name: str, site: pathlib.Path) -> int:
     """Hard-link every file of installed distribution ``name`` under ``site``; returns the count."""
-    dist = importlib.metadata.distribution(name)
+    dist = installed(name)
     here = pathlib.Path(sysconfig.get_paths()["purelib"])
     count = 0
     for rel in dist.files or ():
@@ -55,6 +69,16 @@ def link_distribution(name: str, site: pathlib.Path) -> int:
             os.link(src, dst)
             count += 1
     return count
+
+
+def editable_here() -> bool:
+    """Whether the running environment's attnplug is the editable install of this checkout (``REPO``)."""
+    dist = installed("attnplug")
+    text = dist.read_text("direct_url.json") if dist else None
+    if not text:
+        return False
+    info = json.loads(text)
+    return bool(info.get("dir_info", {}).get("editable")) and info.get("url") == REPO.as_uri()
 
 
 def run(*cmd: str) -> None:
@@ -91,8 +115,12 @@ def build(minor: str, root: pathlib.Path) -> int:
             continue
         if locked.get(name) == mine:
             print(f"build_env: {name} {mine}: {link_distribution(name, site)} files hard-linked from {sys.prefix}")
-    run(python, "-m", "pip", "install", "-q", "--no-deps", "-r", str(lock))
-    run(python, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "-e", str(REPO))
+    run(python, "-m", "pip", "install", "-q", "--no-deps", "--no-compile", "-r", str(lock))
+    if editable_here():
+        print(f"build_env: attnplug (editable, {REPO}): {link_distribution('attnplug', site)} files hard-linked "
+              f"from {sys.prefix}")
+    else:
+        run(python, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "-e", str(REPO))
     diff = pip_check(python, folder / "pip-check-expected.txt")
     if diff:
         print(f"build_env: pip check in {env} differs from {folder.name}/pip-check-expected.txt:\n  "
