@@ -35,11 +35,12 @@ def append_output_tokens(batch: InputBatch, max_model_len: int, req_ids_or_rows,
     if len(token_ids) != n:
         raise MetadataError(f"append_output_tokens: {len(token_ids)} token entries for {n} requests")
     ragged = n and isinstance(token_ids[0], (list, tuple, np.ndarray))
-    lens = (np.fromiter(map(len, token_ids), np.int64, n) if ragged else np.ones(n, np.int64))
-    tokens = [t for ts in token_ids for t in ts] if ragged else token_ids
-    flat = token_id_array(tokens, "append_output_tokens", token_ids)
-    if flat.shape != (int(lens.sum()),):
-        raise MetadataError(f"append_output_tokens: token ids must be ints in [0, 2**31), got {token_ids!r}")
+    try:
+        lens = (np.fromiter(map(len, token_ids), np.int64, n) if ragged else np.ones(n, np.int64))
+    except TypeError:  # a list next to something without a length
+        raise MetadataError(f"append_output_tokens: token ids must be ints in [0, 2**31), got {token_ids!r}") from None
+    seqs = (token_ids if type(token_ids) is list else list(token_ids)) if ragged else [token_ids]
+    flat = token_id_array(b.kernels, seqs, int(lens.sum()), "append_output_tokens", token_ids)
     seen = np.zeros(b.max_num_reqs, dtype=bool)
     seen[rows] = True
     if np.count_nonzero(seen) != n:
@@ -67,34 +68,32 @@ def append_output_tokens(batch: InputBatch, max_model_len: int, req_ids_or_rows,
     b.num_tokens[rows] = held + lens
 
 
-def token_id_array(tokens, where: str, shown=None) -> np.ndarray:
+def token_id_array(kernels, seqs: list, total: int, where: str, shown) -> np.ndarray:
     """Stage 8's typing rule for sampled token ids, on every entry point
-    (``append_output_tokens``, ``append_verified_tokens``, ``fill_output_tokens``): a flat
-    sequence of Python or numpy ints (never ``bool``, a float or a string), or a 1-D integer
-    array or CPU tensor, every value in ``[0, 2**31)``.
+    (``append_output_tokens``, ``append_verified_tokens``, ``fill_output_tokens``): the rule
+    of every token id the step compiler takes (``IntPacker``): Python or numpy ints, never
+    ``bool``, a float or a string, or 1-D integer arrays; each value in ``[0, 2**31)``.
 
     Args:
-        tokens: the flat token ids.
-        where: the entry point, for the message.
-        shown: what the message shows (default ``tokens``).
+        kernels: the step's kernels (their ``pack_ints``: one compiled pass on the compiled
+            kernels, about 2 ns an int).
+        seqs: a list of sequences of token ids, packed back to back.
+        total: how many ids they must hold.
+        where: the entry point, and ``shown`` what it was given, for the message.
 
     Returns:
-        ``[n]`` ``int64``, a new array or ``tokens`` itself when it already is one.
+        ``[total]`` ``int32``.
 
     Raises:
-        MetadataError: anything else (nothing is read twice: no Python object is converted
-            by ``int()``, so ``"5"`` and ``1.5`` are refused, not parsed or truncated).
+        MetadataError: anything else, a sequence that is not one, or another total.
     """
-    try:  # no dtype given: numpy would parse "5" and truncate 1.5; the kind check refuses both
-        flat = np.asarray(tokens)
-    except (TypeError, ValueError, RuntimeError):
-        flat = None
-    if flat is None or flat.ndim != 1 or flat.size and (
-            flat.dtype.kind not in "iu" or not isinstance(tokens, np.ndarray)
-            and bool in set(map(type, tokens))):  # [True, 2] is int64 to numpy
-        raise MetadataError(f"{where}: token ids must be ints, got {tokens if shown is None else shown!r}")
-    flat = flat.astype(np.int64, copy=False) if flat.size else np.zeros(0, np.int64)
-    if flat.shape[0] and (flat.min() < 0 or flat.max() >= 2**31):
-        raise MetadataError(f"{where}: token ids must be ints in [0, 2**31), got {tokens if shown is None else shown!r}")
-    return flat
-
+    if len(seqs) == 1 and isinstance(seqs[0], np.ndarray):  # one array: the packer's rule for arrays, directly
+        a = seqs[0]
+        if a.ndim == 1 and a.shape[0] == total and a.dtype.kind in "iu" and (
+                total == 0 or int(a.min()) >= 0 and int(a.max()) < 2**31):
+            return a.astype(np.int32)
+        raise MetadataError(f"{where}: token ids must be ints in [0, 2**31), got {shown!r}")
+    out = np.empty(total, np.int32)
+    if kernels.pack_ints(seqs, out)[0] != total:
+        raise MetadataError(f"{where}: token ids must be ints in [0, 2**31), got {shown!r}")
+    return out

@@ -198,14 +198,18 @@ def merge_cached_numpy(batch: Any, plan: Any, rows_c: np.ndarray) -> None:
 def _first_bool(seqs: Sequence, lens: list[int], flat: np.ndarray) -> int | None:
     """The first sequence (of lists/tuples packed into ``flat``) holding a ``bool``: only
     entries that packed as 0 or 1 are looked at."""
+    listed = np.fromiter((not isinstance(s, np.ndarray) for s in seqs), bool, len(seqs))
+    if not listed.any():  # integer arrays hold no bool (a bool array is refused by its kind)
+        return None
     where = np.flatnonzero(flat <= 1)
     if where.shape[0] == 0:
         return None
     ends = np.cumsum(lens)
     owners = np.searchsorted(ends, where, side="right")
+    keep = listed[owners]
+    where, owners = where[keep], owners[keep]
     starts = ends - np.asarray(lens, dtype=ends.dtype)
     for t, i in zip(where.tolist(), owners.tolist()):
-        s = seqs[i]
-        if not isinstance(s, np.ndarray) and type(s[t - int(starts[i])]) is bool:
+        if type(seqs[i][t - int(starts[i])]) is bool:
             return i
     return None

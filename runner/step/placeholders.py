@@ -183,8 +183,8 @@ def fill_output_tokens(batch: InputBatch, requests: dict[str, CachedRequestState
     (a batch row, or detached state); a request that finished since is skipped.
 
     Args:
-        token_ids: ``[n]``, one per placeholder, in order: ints (stage 8's typing rule,
-            ``append.token_id_array``), a 1-D integer array or a CPU tensor.
+        token_ids: ``[n]``, one per placeholder, in order: ints or a 1-D integer array
+            (stage 8's typing rule, ``append.token_id_array``).
 
     Returns:
         How many tokens were written.
@@ -194,12 +194,16 @@ def fill_output_tokens(batch: InputBatch, requests: dict[str, CachedRequestState
             ``[0, 2**31)``, or a placeholder that is not there any more (filled twice).
             Everything is checked before anything is written: a refused call changes nothing.
     """
-    toks = token_id_array(token_ids, "fill_output_tokens")
     n = len(placeholders.req_ids)
-    if toks.shape[0] != n:
-        raise MetadataError(f"fill_output_tokens: {toks.shape[0]} tokens for {n} placeholders")
+    try:
+        m = len(token_ids)
+    except TypeError:
+        m = -1
+    if m != n:
+        raise MetadataError(f"fill_output_tokens: {m if m >= 0 else token_ids!r} tokens for {n} placeholders")
     if n == 0:
         return 0
+    toks = token_id_array(batch.kernels, [token_ids], n, "fill_output_tokens", token_ids)
     written = _fill_rows(batch, requests, placeholders, toks)
     if written is not None:
         return written

@@ -21,7 +21,6 @@ the accepted length (``runner/execute/spec_decode/state_commit.py`` copies them)
 
 from __future__ import annotations
 
-from itertools import chain
 from typing import Sequence
 
 import numpy as np
@@ -89,7 +88,8 @@ def append_verified_tokens(batch: InputBatch, max_model_len: int, rows: Sequence
             f"append_verified_tokens: request {rid!r}: {int(lens[i])} tokens for a row with {int(d[i])} "
             f"drafts, seq_len {int(seq[i])}, num_tokens {int(held[i])} (need 1 .. 1 + drafts tokens, a row "
             f"whose logits are not discarded, and at most max_model_len={max_model_len} tokens)")
-    flat = token_id_array(list(chain.from_iterable(token_ids)), "append_verified_tokens", token_ids)
+    flat = token_id_array(b.kernels, token_ids if type(token_ids) is list else list(token_ids), int(lens.sum()),
+                          "append_verified_tokens", token_ids)
     _, offsets = cumsum_and_arange(lens)
     b.token_ids_cpu[np.repeat(r, lens), np.repeat(held, lens) + offsets] = flat
     b.num_tokens[r] = held + lens

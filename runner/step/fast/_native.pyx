@@ -36,7 +36,7 @@ from cpython.list cimport PyList_GET_ITEM
 from cpython.long cimport PyLong_AsSsize_t
 from cpython.object cimport PyObject
 from cpython.tuple cimport PyTuple_GET_ITEM
-from libc.stdint cimport int32_t, int64_t, uint8_t
+from libc.stdint cimport int32_t, int64_t, uint8_t, uint64_t
 from libc.stdlib cimport qsort
 from libc.string cimport memcpy, memset
 

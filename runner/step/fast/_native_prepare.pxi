@@ -223,6 +223,8 @@ cdef class Prepare:
         cdef const int64_t* dest
         cdef const int64_t* src
         cdef int32_t v, neg = 0  # the OR of the unpatched tokens: negative iff one is a placeholder
+        cdef int64_t h
+        cdef uint64_t bits = 0
         if P > cap:
             raise IndexError(f"padding to {P} tokens but the buffers hold {cap}")
         if k == 0:
@@ -231,8 +233,17 @@ cdef class Prepare:
                 ids[t] = v
                 neg |= v
         elif contiguous:  # the first k tokens are the patched ones
-            for t in range(k):
-                ids[t] = self._patched(host, t, t)
+            if host is not NULL:
+                for t in range(k):  # a copy (vectorised): the range check ORs the values
+                    h = host[t]
+                    ids[t] = <int32_t>h
+                    bits |= <uint64_t>h  # a value outside [0, 2**31) sets a bit from 31 up
+                if bits >> 31:
+                    for t in range(k):
+                        self._patched(host, t, t)  # raises at the first one
+            else:
+                for t in range(k):
+                    ids[t] = tok[req[t] * width + positions[t]]
             for t in range(k, Q):
                 v = tok[req[t] * width + positions[t]]
                 ids[t] = v
