@@ -27,9 +27,8 @@ def _decode(ncc: tuple[int, ...]) -> SchedulerOutput:
     return SchedulerOutput([], cached, dict.fromkeys("abc", 1))
 
 
-def async_step(native) -> tuple[StepCompiler, SchedulerOutput, object]:
-    """a, b, c prefilled (5, 3, 6 tokens) and sampled; one decode step whose tokens stay on
-    the device (placeholders); the next step applied, not yet prepared."""
+def sampled(native) -> StepCompiler:
+    """a, b, c prefilled (5, 3, 6 tokens) and sampled (100, 101, 102)."""
     sc = StepCompiler([4], max_num_reqs=8, max_model_len=64, max_num_batched_tokens=64, native=native,
                       validate=True)
     first = SchedulerOutput([NewRequestData("a", [1, 2, 3, 4, 5], ([1, 2],)), NewRequestData("b", [6, 7, 8], ([3, 6],)),
@@ -38,6 +37,13 @@ def async_step(native) -> tuple[StepCompiler, SchedulerOutput, object]:
     sc.update_states(first)
     sc.prepare_inputs(first)
     sc.append_output_tokens([0, 1, 2], [100, 101, 102])
+    return sc
+
+
+def async_step(native) -> tuple[StepCompiler, SchedulerOutput, object]:
+    """:func:`sampled`, then one decode step whose tokens stay on the device (placeholders);
+    the next step applied, not yet prepared."""
+    sc = sampled(native)
     decode = _decode((5, 3, 6))
     sc.update_states(decode)
     sc.prepare_inputs(decode)
@@ -45,6 +51,14 @@ def async_step(native) -> tuple[StepCompiler, SchedulerOutput, object]:
     nxt = _decode((6, 4, 7))
     sc.update_states(nxt)
     return sc, nxt, ph
+
+
+def refused_unchanged(sc: StepCompiler, match: str, call) -> None:
+    """``call()`` raises ``MetadataError`` matching ``match`` and changes no state."""
+    before = sc.snapshot()
+    with pytest.raises(MetadataError, match=match):
+        call()
+    assert not snapshot_diff(before, sc.snapshot())
 
 
 BAD_PREV = {
@@ -66,11 +80,9 @@ BAD_PREV = {
 @pytest.mark.parametrize("native", PATHS)
 @pytest.mark.parametrize("name", list(BAD_PREV))
 def test_bad_prev_token_ids_are_refused_and_the_retry_patches(native, name):
-    sc, nxt, _ = async_step(native)
-    before = sc.snapshot()
-    with pytest.raises(MetadataError, match="prepare_inputs: prev_token_ids"):
-        sc.prepare_inputs(nxt, prev_token_ids=BAD_PREV[name])
-    assert not snapshot_diff(before, sc.snapshot())  # prev_sampled_index not consumed
+    sc, nxt, _ = async_step(native)  # (unchanged: prev_sampled_index not consumed)
+    refused_unchanged(sc, "prepare_inputs: prev_token_ids",
+                      lambda: sc.prepare_inputs(nxt, prev_token_ids=BAD_PREV[name]))
     assert sc.prepare_inputs(nxt, prev_token_ids=torch.tensor(SAMPLED)).input_ids.tolist() == SAMPLED
 
 
@@ -86,10 +98,7 @@ def test_a_placeholder_never_reaches_input_ids(native):
     """A second patched prepare of one step (the first consumed the columns), and a prepare
     without the tokens, are refused naming the request; once filled, the history serves."""
     sc, nxt, ph = async_step(native)
-    before = sc.snapshot()
-    with pytest.raises(MetadataError, match="request 'a': its token at position 6 is a placeholder"):
-        sc.prepare_inputs(nxt)
-    assert not snapshot_diff(before, sc.snapshot())
+    refused_unchanged(sc, "request 'a': its token at position 6 is a placeholder", lambda: sc.prepare_inputs(nxt))
     assert sc.prepare_inputs(nxt, prev_token_ids=torch.tensor(SAMPLED)).input_ids.tolist() == SAMPLED
     with pytest.raises(MetadataError, match="is a placeholder whose sampled token was neither given nor filled"):
         sc.prepare_inputs(nxt, prev_token_ids=torch.tensor(SAMPLED))
@@ -112,10 +121,8 @@ BAD_TOKENS = {
 @pytest.mark.parametrize("name", list(BAD_TOKENS))
 def test_fill_output_tokens_refuses_bad_tokens_and_writes_none(native, name):
     sc, nxt, ph = async_step(native)
-    before = sc.snapshot()
-    with pytest.raises(MetadataError, match="fill_output_tokens: token ids must be ints"):
-        sc.fill_output_tokens(ph, BAD_TOKENS[name])
-    assert not snapshot_diff(before, sc.snapshot())
+    refused_unchanged(sc, "fill_output_tokens: token ids must be ints",
+                      lambda: sc.fill_output_tokens(ph, BAD_TOKENS[name]))
     assert sc.fill_output_tokens(ph, SAMPLED) == 3  # every placeholder still there
 
 
@@ -127,30 +134,19 @@ def test_fill_output_tokens_checks_every_placeholder_before_writing(native):
     b = sc.input_batch
     b.token_ids_cpu[b.req_id_to_index["c"], 7] = 5  # c's placeholder is gone (as if filled)
     sc.input_batch.remove_requests(["a"])  # a detached: the loop, not the scatter
-    before = sc.snapshot()
-    with pytest.raises(MetadataError, match="request 'c' has no placeholder at position 7"):
-        sc.fill_output_tokens(ph, SAMPLED)
-    assert not snapshot_diff(before, sc.snapshot())
+    refused_unchanged(sc, "request 'c' has no placeholder at position 7", lambda: sc.fill_output_tokens(ph, SAMPLED))
 
 
 @pytest.mark.parametrize("native", PATHS)
 @pytest.mark.parametrize("bad", [[[7.9, 50], [1], [52]], [[7, "50"], [1], [52]], [[7, 8], [True], [52]]])
 def test_append_verified_tokens_refuses_non_int_tokens(native, bad):
-    sc = StepCompiler([4], max_num_reqs=8, max_model_len=64, max_num_batched_tokens=64, native=native)
-    first = SchedulerOutput([NewRequestData("a", [1, 2, 3, 4, 5], ([1, 2],)), NewRequestData("b", [6, 7, 8], ([3, 6],)),
-                             NewRequestData("c", [9, 10, 11, 12, 13, 14], ([4, 5],))], CachedRequestData(),
-                            {"a": 5, "b": 3, "c": 6})
-    sc.update_states(first)
-    sc.prepare_inputs(first)
-    sc.append_output_tokens([0, 1, 2], [100, 101, 102])
+    sc = sampled(native)
     cached = CachedRequestData(list("abc"), [False] * 3, [[], [], []], [None] * 3, [5, 3, 6])
     so = SchedulerOutput([], cached, {"a": 3, "b": 1, "c": 1}, scheduled_spec_decode_tokens={"a": [7, 8]})
     sc.update_states(so)
     sc.prepare_inputs(so)
-    before = sc.snapshot()
-    with pytest.raises(MetadataError, match="append_verified_tokens: token ids must be ints"):
-        sc.append_verified_tokens([0, 1, 2], bad)
-    assert not snapshot_diff(before, sc.snapshot())
+    refused_unchanged(sc, "append_verified_tokens: token ids must be ints",
+                      lambda: sc.append_verified_tokens([0, 1, 2], bad))
 
 
 @pytest.mark.parametrize("native", PATHS)
