@@ -7,6 +7,7 @@ device is the CPU the "device" tensor *is* the host tensor: no copy happens at a
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from attnplug.core.devices import resolve_device
@@ -15,6 +16,30 @@ from attnplug.core.devices import resolve_device
 def pin_memory_available(device: torch.device) -> bool:
     """Whether host buffers feeding ``device`` should be pinned (CUDA present and targeted)."""
     return device.type == "cuda" and torch.cuda.is_available()
+
+
+def upload(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A one-off host array on ``device`` without synchronising the host.
+
+    On CUDA the array is staged through a pinned tensor from torch's caching host
+    allocator and copied non-blocking (the allocator holds that pinned block until the
+    copy has run, so the staging memory is never reused early); a plain ``.to(device)``
+    of pageable memory would be a synchronising ``cudaMemcpy``. On the CPU the result
+    shares ``array``'s memory (no copy).
+
+    Args:
+        array: any shape and numeric dtype, C-contiguous or not (copied when staged).
+        device: the target device.
+
+    Returns:
+        a tensor of ``array``'s shape and dtype on ``device``.
+    """
+    host = torch.from_numpy(array)
+    if device.type == "cpu":
+        return host
+    if pin_memory_available(device):
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
 
 
 class CpuGpuBuffer:

@@ -21,6 +21,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from attnplug.cache_groups.buffers import upload
 from attnplug.cache_groups.ragged import cumsum_and_arange
 from attnplug.cache_groups.sliding_window import num_skipped_blocks
 from attnplug.core.constants import NULL_BLOCK_ID
@@ -55,7 +56,7 @@ def decode_segment(make: Callable, block_table: torch.Tensor, rows: np.ndarray, 
         packed[4] = 0
     else:
         np.multiply(first, B, out=packed[4])
-    rows_t, tokens, seq_t, positions, offsets = torch.from_numpy(packed).to(device).unbind(0)
+    rows_t, tokens, seq_t, positions, offsets = upload(packed, device).unbind(0)
     columns = live = row_start = None
     if first is None and consecutive:
         row_start = lo
@@ -65,8 +66,8 @@ def decode_segment(make: Callable, block_table: torch.Tensor, rows: np.ndarray, 
         base = np.zeros(n, dtype=np.int64) if first is None else first
         cols = base[:, None] + np.arange(num_key_blocks, dtype=np.int64)[None, :]
         live_np = cols < num_blocks[:, None]
-        columns = torch.from_numpy(np.where(live_np, cols, 0)).to(device)
-        live = torch.from_numpy(live_np).to(device)
+        columns = upload(np.where(live_np, cols, 0), device)
+        live = upload(live_np, device)
         block_ids = key_block_ids(block_table, rows_t, columns, live)
         min_off, max_off = int(packed[4].min()), int(packed[4].max())
     return make(
@@ -112,7 +113,7 @@ def all_decode_segment(make: Callable, block_table: torch.Tensor, seq: np.ndarra
     packed = np.empty((2, n), dtype=np.int64)  # seq_lens, positions
     packed[0] = seq
     np.subtract(seq, 1, out=packed[1])
-    seq_t, positions = torch.from_numpy(packed).to(device).unbind(0)
+    seq_t, positions = upload(packed, device).unbind(0)
     return make(
         req_indices=rows_t, query_len=1, max_seq_len=longest, min_seq_len=int(seq.min()),
         query_token_indices=tokens, query_positions=positions.unsqueeze(1), seq_lens=seq_t,
@@ -143,7 +144,7 @@ def prefill_segments(make: Callable, block_table: torch.Tensor, rows: np.ndarray
     np.multiply(first, B, out=packed[2 * P:3 * P])
     np.add(within, np.repeat(qsl[rows], q), out=packed[3 * P:3 * P + T])
     np.add(within, np.repeat(s - q, q), out=packed[3 * P + T:])
-    dev = torch.from_numpy(packed).to(device)
+    dev = upload(packed, device)
     per_row = dev[:3 * P].split(1)
     q_list = q.tolist()
     tokens = dev[3 * P:3 * P + T].view(1, T).split(q_list, dim=1)

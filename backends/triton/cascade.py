@@ -53,8 +53,8 @@ def cascade_fields(md: TritonAttentionMetadata, prefix: int) -> TritonCascadeMet
     """
     dev = md.seq_lens.device
     nb = prefix // md.block_size
-    prefix_qsl = torch.full((2,), md.num_actual_tokens, dtype=torch.int32, device=dev)
-    prefix_qsl[0] = 0
+    prefix_qsl = torch.zeros((2,), dtype=torch.int32, device=dev)
+    prefix_qsl[1:].fill_(md.num_actual_tokens)  # a fill kernel: ``qsl[0] = 0`` would copy a host scalar
     return TritonCascadeMetadata(
         common_prefix_len=prefix,
         prefix_query_start_loc=prefix_qsl,

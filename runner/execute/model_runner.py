@@ -18,6 +18,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from attnplug.cache_groups.buffers import upload
 from attnplug.cache_groups.grouping import KVCacheConfig
 from attnplug.cache_groups.kinds import GroupKind
 from attnplug.core.contracts import AttentionBackend, BuilderConfig
@@ -367,7 +368,7 @@ class ModelRunner:
                                          hidden, req_ids, keep)
             self._num_draft_tokens = inputs.spec_decode_metadata.num_draft_tokens
         elif len(keep):
-            idx = inputs.logits_indices_cpu[torch.from_numpy(keep)].to(hidden.device, non_blocking=True)
+            idx = upload(inputs.logits_indices_cpu.numpy()[keep], hidden.device)  # pinned, no host sync
             logits = self.model.compute_logits(hidden.index_select(0, idx))
             states = [self.compiler.requests[req_ids[r]] for r in keep.tolist()]
             tokens = self.sampler(logits, [st.sampling_params for st in states], [st.generator for st in states])

@@ -170,14 +170,21 @@ class Attention(FusedProjections, nn.Module):
         """``self.rope.cos_sin(positions, dtype)``, computed once per step for all the layers
         sharing this rope: the model hands every layer the same ``positions`` tensor object,
         so the last result is reused while that object (held by the cache, so never
-        recycled) and ``dtype`` are the same. Not cached while ``torch.compile`` traces."""
+        recycled) and ``dtype`` are the same. Not cached while ``torch.compile`` traces.
+
+        A CUDA-graph capture (``runner/execute/cudagraph_capture.py``) runs the forward
+        eagerly first, then again under capture with the same ``positions`` object: the
+        entry is keyed on whether the stream is capturing too, so the capture computes
+        cos/sin inside the graph (a hit on the eager entry would bake the capture step's
+        positions into every replay)."""
         if torch.compiler.is_compiling():
             return self.rope.cos_sin(positions, dtype)
+        capturing = positions.is_cuda and torch.cuda.is_current_stream_capturing()
         cached = self.rope.__dict__.get("_step_cos_sin")
-        if cached is not None and cached[0] is positions and cached[1] == dtype:
-            return cached[2]
+        if cached is not None and cached[0] is positions and cached[1] == dtype and cached[2] == capturing:
+            return cached[3]
         cos_sin = self.rope.cos_sin(positions, dtype)
-        self.rope.__dict__["_step_cos_sin"] = (positions, dtype, cos_sin)
+        self.rope.__dict__["_step_cos_sin"] = (positions, dtype, capturing, cos_sin)
         return cos_sin
 
     def normalize_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -5,6 +5,9 @@
 #     run(command="bash tests/gpu/device_run.sh", timeout_s=560)            # everything
 #     run(command="SECTIONS=bench_attention BUDGET_S=120 bash tests/gpu/device_run.sh",
 #         timeout_s=180)     # rerun a part at once, while the machine is warm (30 s)
+#     run(command="INSTALL=0 SECTIONS=gpu_tests BUDGET_S=90 bash tests/gpu/device_run.sh",
+#         timeout_s=150)     # a fresh machine, a part only: INSTALL=0 skips the install (about
+#                            # 2 minutes: the Cython builds) and runs from the source tree
 #     run(command="SECTIONS=vllm_e2e BUDGET_S=200 bash tests/gpu/device_run.sh",
 #         timeout_s=260)     # vLLM 0.33 LLM.generate through the bridge vs FLASH_ATTN
 #                            # (never run yet; needs vLLM 0.33 in that python, see run_all.sh)
@@ -13,8 +16,9 @@
 #
 # 1. installs this checkout into that python without network or build isolation, so the
 #    `attnplug` entry points (backend plugins, the pytest11 conformance plugin) exist and
-#    the Cython fast path is built; if that install fails it falls back to PYTHONPATH plus
-#    PYTEST_PLUGINS (same code, the install log says why);
+#    the Cython fast path is built; if that install fails, or with INSTALL=0, it runs from
+#    the source tree through PYTHONPATH plus PYTEST_PLUGINS (same code, without the compiled
+#    step-compiler fast path, which no GPU check needs; the install log says why);
 # 2. installs the wheels carried in .whl/ (ignored by git; name it in `carry`), e.g.
 #    flashinfer-python and its missing dependency apache-tvm-ffi (see docs/backends.md:
 #    no flash-attn wheel exists for the machine's torch), when there are any;
@@ -41,11 +45,15 @@ LOG="$WORK/results/install.log"
     echo "== carried wheels: $(ls .whl)"
     "$PY" -m pip install --no-index --no-deps --no-compile --no-cache-dir .whl/*.whl
   fi
-  echo "== installing attnplug (editable, offline, no build isolation)"
-  "$PY" -m pip install --no-index --no-deps --no-build-isolation -e .
+  if [ "${INSTALL:-1}" = 1 ]; then
+    echo "== installing attnplug (editable, offline, no build isolation)"
+    "$PY" -m pip install --no-index --no-deps --no-build-isolation -e .
+  else
+    echo "== INSTALL=0: not installing attnplug"
+  fi
 } > "$LOG" 2>&1
-if ! "$PY" -c "import importlib.metadata as m; m.distribution('attnplug'); import attnplug.runner.commands.cli" >> "$LOG" 2>&1; then
-  echo "== the install failed (above): running from the source tree via PYTHONPATH" >> "$LOG"
+if [ "${INSTALL:-1}" != 1 ] || ! "$PY" -c "import importlib.metadata as m; m.distribution('attnplug'); import attnplug.runner.commands.cli" >> "$LOG" 2>&1; then
+  echo "== not installed (INSTALL=0, or the install above failed): running from the source tree via PYTHONPATH" >> "$LOG"
   mkdir -p "$WORK/site" && ln -sfn "$PWD" "$WORK/site/attnplug"
   export PYTHONPATH="$WORK/site${PYTHONPATH:+:$PYTHONPATH}"
   export PYTEST_PLUGINS=attnplug.plugins.conformance.pytest_plugin

@@ -18,7 +18,7 @@ def _engine(async_scheduling: bool):
     from attnplug.runner.serve.engine import LLMEngine
     from attnplug.runner.serve.scheduler import Scheduler, SchedulerConfig
 
-    backend = get_backend("torch_native")
+    backend = get_backend("triton")  # torch_native's builder synchronises by design (its write rows: nonzero)
     model = make_preset_model(backend_for_layer=lambda name, cfg: backend, block_size=16, dtype=torch.float16,
                               device="cuda")
     groups = group_layers_by_spec(model.kv_cache_specs(16))
