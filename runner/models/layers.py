@@ -179,7 +179,7 @@ class Attention(FusedProjections, nn.Module):
         positions into every replay)."""
         if torch.compiler.is_compiling():
             return self.rope.cos_sin(positions, dtype)
-        capturing = positions.is_cuda and torch.cuda.is_current_stream_capturing()
+        capturing = stream_capturing(positions)
         cached = self.rope.__dict__.get("_step_cos_sin")
         if cached is not None and cached[0] is positions and cached[1] == dtype and cached[2] == capturing:
             return cached[3]
@@ -191,6 +191,12 @@ class Attention(FusedProjections, nn.Module):
         """Per-head q/k normalisation before RoPE: none here (Qwen3 overrides it).
         ``q`` ``[num_tokens, num_heads, head_size]``, ``k`` ``[num_tokens, num_kv_heads, head_size]``."""
         return q, k
+
+
+def stream_capturing(positions: torch.Tensor) -> bool:
+    """Whether a CUDA graph is being captured on the current stream of ``positions``'
+    device (always ``False`` for a CPU tensor; ``torch.cuda`` is not asked then)."""
+    return positions.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def lookup_layer(mapping, layer_name: str, what: str):
