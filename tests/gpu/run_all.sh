@@ -3,10 +3,10 @@
 # Runs every GPU test (marker gpu), the conformance suite of each available GPU backend, and
 # `attnplug bench attention` over all available backends; writes $RESULTS/summary.md (one row
 # per section: status and seconds) and $RESULTS/bench_attention.{md,json}. Each section has
-# its own timeout, designed (not yet measured) to fit 480 s on one H100/H200 with a cold
-# Triton cache: 150 + 100 + 170 + 60 s without the flash extras, in that order (the bench
-# second). With the extras installed their two checks add 2 x 60 s; under a DEADLINE the
-# last sections get what is left.
+# its own timeout, designed to fit 480 s on one H100/H200 with a cold Triton cache:
+# 150 + 100 + 170 + 60 s without the flash extras, in that order (the bench second); the
+# first H200 run (session 18) took 130 + 13 + 39 + 10 s. With the extras installed their
+# two checks add 2 x 60 s; under a DEADLINE the last sections get what is left.
 # Exits non-zero if any section failed, or if $PY sees no CUDA device (nothing ran).
 # Environment: PY (default .venv/bin/python),
 #              WHEELS (a folder of wheels to install first with --no-deps, default .whl;

@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 
+import torch
+
 from attnplug.runner.commands.traces import BUNDLED_ATTRIBUTION, BUNDLED_TRACES
 
 
@@ -64,7 +66,8 @@ def render_header(peaks: DevicePeaks, args) -> list[str]:
     return [f"Device: {peaks.name}; measured copy bandwidth {peaks.copy_gbps:,.0f} GB/s, {args.dtype} matmul "
             f"{peaks.matmul_tflops:,.0f} TFLOP/s. Layer: {args.num_heads} heads / {args.num_kv_heads} KV heads x "
             f"{args.head_size}, {args.dtype}, block {args.block_size}. ms: median GPU time of {args.iters} calls "
-            f"(cold L2, launch overhead excluded: runner/commands/bench/timing.py); launch ms: host time to queue one call.",
+            f"(cold L2, launch overhead excluded: runner/commands/bench/timing.py); launch ms: host time to queue one call "
+            f"(torch {torch.__version__}, torch threads {torch.get_num_threads()}).",
             source_line(args), "",
             "| " + " | ".join(COLUMNS) + " |",
             "|" + "---|" * len(COLUMNS)]
@@ -101,7 +104,8 @@ def write_json(path: str, peaks: DevicePeaks, results: list[Result], args, *, co
     """Device peaks, arguments, trace attribution and results; ``complete`` is False while
     workloads are still to come (the file is rewritten after each)."""
     with open(path, "w", encoding="utf-8") as f:
-        json.dump({"complete": complete, "device": asdict(peaks), "args": dict(vars(args)),
+        json.dump({"complete": complete, "device": asdict(peaks), "torch": torch.__version__,
+                   "torch_threads": torch.get_num_threads(), "args": dict(vars(args)),
                    "source": source_line(args), "results": [asdict(r) for r in results]}, f, indent=1)
 
 
