@@ -1,5 +1,7 @@
 """The ModelRunner with ``cudagraph_mode="full"`` on CUDA over flash_attn / flashinfer /
-triton: graphs are captured and replayed, and greedy tokens equal the eager runner's."""
+triton: graphs are captured and replayed, and greedy tokens equal the eager runner's; with
+asynchronous scheduling too (the previous step's tokens patched into the graph's input
+buffer on the device)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import torch
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="requires CUDA")]
 
 
-def _generate(backend, mode, prompts, block_size, max_tokens=8):
+def _generate(backend, mode, prompts, block_size, max_tokens=8, async_scheduling=False):
     from attnplug.cache_groups.grouping import KVCacheConfig, group_layers_by_spec
     from attnplug.runner.serve.engine import LLMEngine
     from attnplug.runner.execute.model_runner import ModelRunner, RunnerConfig
@@ -23,8 +25,8 @@ def _generate(backend, mode, prompts, block_size, max_tokens=8):
     kv = KVCacheConfig(64, groups)
     runner = ModelRunner(model, kv, [backend] * len(groups), RunnerConfig(8, 1024, 128), device="cuda",
                          cudagraph_mode=mode, record_logits=True)
-    engine = LLMEngine(Scheduler(SchedulerConfig(max_num_batched_tokens=128, max_num_seqs=8, max_model_len=1024),
-                                 kv), runner)
+    engine = LLMEngine(Scheduler(SchedulerConfig(max_num_batched_tokens=128, max_num_seqs=8, max_model_len=1024,
+                                                 async_scheduling=async_scheduling), kv), runner)
     for i, p in enumerate(prompts):
         engine.add_request(f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=max_tokens))
     return runner, {k: (r.output_token_ids, r.logits) for k, r in engine.run().items()}
@@ -62,4 +64,20 @@ def test_runner_with_graphs_generates_the_eager_tokens(name):
     assert runner.cudagraphs.decision.capture, runner.cudagraphs.decision.reason
     assert runner.cudagraphs.graphs.num_captures > 0 and runner.cudagraphs.graphs.num_replays > 0
     _, want = _generate(backend, None, prompts, block_size)
+    assert_same_greedy_run(got, want)
+
+
+def test_async_runner_with_graphs_generates_the_sync_eager_tokens():
+    """Asynchronous scheduling and full CUDA graphs together (triton): each step's
+    ``input_ids`` take the previous step's tokens on the device (``placeholders.
+    patch_input_ids``) in the buffer the graphs read; tokens and logits equal the
+    synchronous eager run's."""
+    from attnplug.plugins import get_backend
+
+    backend = get_backend("triton")
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(1, 2000, (n,), generator=g).tolist() for n in (5, 40, 3, 77, 12, 9)]
+    runner, got = _generate(backend, "full", prompts, 16, max_tokens=10, async_scheduling=True)
+    assert runner.cudagraphs.graphs.num_replays > 0
+    _, want = _generate(backend, None, prompts, 16, max_tokens=10)
     assert_same_greedy_run(got, want)
