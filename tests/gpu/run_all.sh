@@ -14,7 +14,8 @@
 #              RESULTS (default gpu_results; on the project's device machine use
 #              tests/gpu/device_run.sh, which keeps within the tool's 8 files),
 #              SECTIONS (comma-separated subset to rerun: gpu_conformance, bench_attention,
-#              gpu_tests, run_cuda, check_flash_attn, check_flashinfer, vllm_e2e; default all;
+#              gpu_tests, run_cuda, check_other_triton, check_flash_attn, check_flashinfer,
+#              vllm_e2e; default all;
 #              they run in this order whatever the list's order),
 #              PYTEST_ARGS (extra pytest arguments for both pytest sections, e.g. "-x"),
 #              DEADLINE (epoch seconds: no section runs past it; sections left are reported),
@@ -26,7 +27,7 @@ PY=${PY:-.venv/bin/python}
 ATTNPLUG=${ATTNPLUG:-"$PY -m attnplug"}
 WHEELS=${WHEELS-.whl}
 RESULTS=${RESULTS:-gpu_results}
-SECTIONS=${SECTIONS:-gpu_conformance,bench_attention,gpu_tests,run_cuda,check_flash_attn,check_flashinfer,vllm_e2e}
+SECTIONS=${SECTIONS:-gpu_conformance,bench_attention,gpu_tests,run_cuda,check_other_triton,check_flash_attn,check_flashinfer,vllm_e2e}
 PYTEST_ARGS=${PYTEST_ARGS:-}
 mkdir -p "$RESULTS"
 SUMMARY="$RESULTS/summary.md"
@@ -125,6 +126,12 @@ section run_cuda 120 bash -c "set -eo pipefail; $RUN_CUDA --model tiny-hybrid --
   for extra in '' --async-scheduling '--speculative ngram:k=3' '--kv-cache-dtype fp8_e4m3'; do
     echo \"== tiny-llama \$extra\"; $RUN_CUDA --model tiny-llama --invariance-requests 0 --json \$extra | grep -o '\"outputs_digest\": \"[0-9a-f]*\"'
   done"
+
+# The conformance families of the other triton kernels (gated delta net state, MLA decode,
+# sparse MLA and its indexer) on CUDA, at the suite's own sizes.
+# shellcheck disable=SC2086
+section check_other_triton 90 $ATTNPLUG check gdn_triton triton_mla triton_sparse_mla triton_indexer --device cuda \
+  -- -rs "${XDIST[@]}" $PYTEST_ARGS
 
 # The conformance suite of the vendor backends that are installed (triton's runs above).
 for backend in flash_attn flashinfer; do
