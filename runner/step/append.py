@@ -22,8 +22,8 @@ def append_output_tokens(batch: InputBatch, max_model_len: int, req_ids_or_rows,
         try:
             rows = np.fromiter(map(b.req_id_to_index.__getitem__, req_ids_or_rows), np.int64, n)
         except (KeyError, TypeError):
-            bad = next(r for r in req_ids_or_rows if type(r) is not str or r not in b.req_id_to_index)
-            if type(bad) is not str:
+            bad = next(r for r in req_ids_or_rows if not isinstance(r, str) or r not in b.req_id_to_index)
+            if not isinstance(bad, str):  # (a str subclass such as numpy.str_ is looked up by its value)
                 raise MetadataError(f"append_output_tokens: request ids must be str (or pass batch rows, all "
                                     f"ints), got {type(bad).__name__} {bad!r}") from None
             raise MetadataError(f"append_output_tokens: request {bad!r} is not in this step's "

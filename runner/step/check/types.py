@@ -37,6 +37,24 @@ def show(value: Any) -> str:
     return text if len(text) <= MAX_ECHO else text[:MAX_ECHO] + f"... ({len(text)} characters)"
 
 
+def request_id(rid: Any, field_name: str) -> str:
+    """The typing rule of request ids, on every path (new and cached requests, the keys of
+    ``num_scheduled_tokens`` and ``scheduled_spec_decode_tokens``, ``finished_req_ids``,
+    stage 8's ids): a ``str``, or a ``str`` subclass such as ``numpy.str_`` (an id taken from
+    a numpy array), which is looked up by its value (a subclass must keep ``str``'s hash and
+    equality, as ``numpy.str_`` does). An id the runner keeps (a new request's) is this
+    plain ``str``: ``str.__str__`` of a subclass is an exact ``str`` copy.
+
+    Raises:
+        InvalidSchedulerOutput: anything else (``bytes``, an int, ``None``), naming ``field_name``.
+    """
+    if type(rid) is str:
+        return rid
+    if not isinstance(rid, str):
+        err(None, field_name, f"request ids must be str, got {type(rid).__name__} {show(rid)}")
+    return str.__str__(rid)
+
+
 def is_int(x: Any) -> bool:
     """``x`` is an ``int`` or numpy integer scalar, not a ``bool``."""
     return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
