@@ -15,6 +15,8 @@ def append_output_tokens(batch: InputBatch, max_model_len: int, req_ids_or_rows,
     runner's own samples: this is how they enter the token history. Validates everything
     before writing; a bad call changes nothing."""
     b = batch
+    if not isinstance(req_ids_or_rows, (list, tuple, np.ndarray)) or getattr(req_ids_or_rows, "ndim", 1) != 1:
+        row_indices(req_ids_or_rows, "append_output_tokens")  # raises: not a 1-D list of ids or rows
     n = len(req_ids_or_rows)
     if n == 0:
         return
@@ -32,8 +34,9 @@ def append_output_tokens(batch: InputBatch, max_model_len: int, req_ids_or_rows,
         rows = row_indices(req_ids_or_rows, "append_output_tokens")
         if rows.min() < 0 or rows.max() >= b.num_reqs:
             raise MetadataError(f"append_output_tokens: rows must lie in [0, {b.num_reqs}), got {rows.tolist()}")
-    if len(token_ids) != n:
-        raise MetadataError(f"append_output_tokens: {len(token_ids)} token entries for {n} requests")
+    m = len(token_ids) if hasattr(token_ids, "__len__") else token_ids
+    if m != n:
+        raise MetadataError(f"append_output_tokens: {m!r} token entries for {n} requests")
     ragged = n and isinstance(token_ids[0], (list, tuple, np.ndarray))
     try:
         lens = (np.fromiter(map(len, token_ids), np.int64, n) if ragged else np.ones(n, np.int64))

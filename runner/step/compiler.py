@@ -331,7 +331,8 @@ class StepCompiler:
         """Append sampled tokens to requests of this step (stage 8, ``runner/step/append.py``).
 
         Args:
-            req_ids_or_rows: request ids, or batch rows (ints), of this step; distinct.
+            req_ids_or_rows: request ids (``str``, or a subclass such as ``numpy.str_``), or
+                batch rows (a list of ints or a 1-D integer array), of this step; distinct.
             token_ids: one token per request (``[n]`` ints), or per request a list of tokens.
 
         Raises:
@@ -353,13 +354,16 @@ class StepCompiler:
 
     def append_placeholders(self, rows) -> Placeholders:
         """Asynchronous scheduling: this step sampled ``rows`` (batch rows, in the order of
-        its sampled tensor) but the tokens stay on the device; append a placeholder to each
-        (stage 8 without the values, ``runner/step/placeholders.py``). The next
+        its sampled tensor: a list of ints or a 1-D integer array) but the tokens stay on the
+        device; append a placeholder to each (stage 8 without the values,
+        ``runner/step/placeholders.py``). The next
         ``prepare_inputs(prev_token_ids=...)`` reads them from the device; pass the values to
         :meth:`fill_output_tokens` once they are on the host.
 
         Raises:
-            MetadataError: a bad, repeated or discarded row, or a full request.
+            MetadataError: rows that are not a list of ints or a 1-D integer array (a 2-D
+                array is refused, not flattened), a bad, repeated or discarded row, or a full
+                request.
         """
         return append_placeholders(self.input_batch, self.max_model_len, rows)
 

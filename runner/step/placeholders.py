@@ -79,9 +79,14 @@ def append_placeholders(batch: InputBatch, max_model_len: int, rows: np.ndarray)
     indices in the order of its sampled tensor, e.g. ``np.flatnonzero(~inputs.discard)``;
     ``inputs.req_ids[row]`` names each) and point their ``prev_sampled_*`` columns at it.
 
+    ``rows``: a list or tuple of ints, or a 1-D integer numpy array (``check.types.row_indices``,
+    the rule of every stage-8 call).
+
     Raises:
-        MetadataError: a row outside the batch, repeated, discarded this step (its
-            ``seq_len`` does not reach ``num_tokens``), or already at ``max_model_len``.
+        MetadataError: ``rows`` of another type or shape (a 2-D array or a list of lists is
+            not flattened; a scalar or a tensor), a row outside the batch, repeated, discarded
+            this step (its ``seq_len`` does not reach ``num_tokens``), or already at
+            ``max_model_len``.
     """
     R = batch.num_reqs
     rows = row_indices(rows, "append_placeholders")

@@ -89,15 +89,20 @@ def int64_list(values) -> np.ndarray | None:
 
 def row_indices(rows: Any, who: str) -> np.ndarray:
     """Batch rows given to a stage-8 call (``append_output_tokens``, ``append_verified_tokens``,
-    ``append_placeholders``) as ``[n]`` ``int64``: a list of ints or an integer array (a
-    scalar is one row). The range is the caller's to check.
+    ``append_placeholders``) as ``[n]`` ``int64``: a list or tuple of ints (``int`` or numpy
+    integer scalars, never ``bool``), or a 1-D integer numpy array (an empty one of any
+    dtype: no rows). The range is the caller's to check.
 
     Raises:
-        MetadataError: a row that is not an int (a float such as ``1.0``, a bool, a string),
-            which numpy would otherwise truncate or parse.
+        MetadataError: anything else: a row that is not an int (a float such as ``1.0``, a
+            bool, a string), which numpy would otherwise truncate or parse; a 2-D array or a
+            list of lists (numpy would flatten it into rows); a scalar, a tensor, a set.
     """
-    arr = np.asarray(rows)
-    python = [] if isinstance(rows, np.ndarray) else [rows] if arr.ndim == 0 else list(rows)
-    if arr.size and (arr.dtype.kind not in "iu" or bool in set(map(type, python))):  # [True, 1] is int64 to numpy
-        raise MetadataError(f"{who}: rows must be ints, got {show(rows)}")
-    return arr.astype(np.int64, copy=False).reshape(-1)
+    if isinstance(rows, np.ndarray):
+        if rows.ndim == 1 and (rows.dtype.kind in "iu" or rows.shape[0] == 0):
+            return rows.astype(np.int64, copy=False)
+    elif isinstance(rows, SEQUENCES):
+        arr = int64_list(rows)
+        if arr is not None:
+            return arr
+    raise MetadataError(f"{who}: rows must be ints, as a list or a 1-D integer array, got {show(rows)}")

@@ -180,3 +180,33 @@ def test_drafts_on_rows_whose_last_token_is_a_placeholder_are_patched(native):
     b = sc.input_batch
     assert [b.token_ids_cpu[r, b.num_tokens[r] - 2:b.num_tokens[r]].tolist() for r in range(3)] == \
         [[9, 5], [71, 6], [72, 7]]
+
+
+BAD_ROWS = {
+    "2-D": np.array([[0, 1, 2]]),
+    "column": np.array([[0], [1], [2]]),
+    "list of lists": [[0], [1], [2]],
+    "ragged": [[0], [1, 2]],
+    "empty 2-D": np.zeros((0, 3), dtype=np.int64),
+    "scalar": 0,
+    "0-d": np.array(0),
+    "tensor": torch.tensor([0, 1, 2]),
+}
+STAGE8 = {"append_placeholders": (), "append_output_tokens": ([5, 6, 7],),
+          "append_verified_tokens": ([[5], [6], [7]],)}
+
+
+@pytest.mark.parametrize("native", PATHS)
+@pytest.mark.parametrize("call", list(STAGE8))
+@pytest.mark.parametrize("name", list(BAD_ROWS))
+def test_stage8_rows_are_a_list_or_a_1d_integer_array_never_flattened(native, call, name):
+    """numpy would flatten a 2-D ``rows`` (or a list of one-row lists) into rows: refused,
+    like a scalar or a tensor, on every stage-8 call; a 1-D array then appends."""
+    sc = sampled(native)
+    decode = _decode((5, 3, 6))
+    sc.update_states(decode)
+    sc.prepare_inputs(decode)
+    refused_unchanged(sc, f"{call}: rows must be ints, as a list or a 1-D integer array",
+                      lambda: getattr(sc, call)(BAD_ROWS[name], *STAGE8[call]))
+    getattr(sc, call)(np.array([0, 1, 2]), *STAGE8[call])
+    assert sc.input_batch.num_tokens[:3].tolist() == [7, 5, 8]
