@@ -1,7 +1,8 @@
 """Asynchronous steps and stage 8 with bad input: the project's error, nothing changed, both
 kernel paths alike (the rule of docs/architecture.md: validate first, then mutate).
 
-``prepare_inputs(prev_token_ids=...)`` takes a 1-D integer tensor whose entries are token ids;
+``prepare_inputs(prev_token_ids=...)`` takes a 1-D integer tensor whose entries are token ids,
+one per placeholder of the latest ``append_placeholders`` (neither shorter nor longer);
 a placeholder that neither ``prev_token_ids`` nor ``fill_output_tokens`` replaced never reaches
 ``input_ids`` silently (a second patched prepare of one step, a prepare without the tokens);
 ``fill_output_tokens`` and ``append_verified_tokens`` take token ids by stage 8's one typing rule
@@ -74,6 +75,9 @@ BAD_PREV = {
     "negative": torch.tensor([-5, 71, 72]),
     "past int32": torch.tensor([2**40, 71, 72]),
     "past int32, strided": torch.tensor([2**40, 0, 71, 0, 72, 0])[::2],
+    "longer": torch.tensor(SAMPLED + [73]),
+    "longer int32": torch.tensor(SAMPLED + [73], dtype=torch.int32),
+    "one per batch row, padded": torch.tensor(SAMPLED + [0] * 5),
 }
 
 
@@ -84,6 +88,37 @@ def test_bad_prev_token_ids_are_refused_and_the_retry_patches(native, name):
     refused_unchanged(sc, "prepare_inputs: prev_token_ids",
                       lambda: sc.prepare_inputs(nxt, prev_token_ids=BAD_PREV[name]))
     assert sc.prepare_inputs(nxt, prev_token_ids=torch.tensor(SAMPLED)).input_ids.tolist() == SAMPLED
+
+
+@pytest.mark.parametrize("native", PATHS)
+def test_prev_token_ids_hold_one_token_per_placeholder_of_the_latest_append(native):
+    """The count is the sampled tensor's (the latest ``append_placeholders``), not the rows
+    still waiting: b finished meanwhile and a and c still take entries 0 and 2; a tensor
+    with a token per remaining row (2) is refused, as a longer one is."""
+    sc = sampled(native)
+    decode = _decode((5, 3, 6))
+    sc.update_states(decode)
+    sc.prepare_inputs(decode)
+    sc.append_placeholders([0, 1, 2])
+    cached = CachedRequestData(["a", "c"], [False] * 2, [[], []], [None] * 2, [6, 7])
+    nxt = SchedulerOutput([], cached, {"a": 1, "c": 1}, finished_req_ids={"b"})
+    sc.update_states(nxt)
+    refused_unchanged(sc, "prev_token_ids holds 2 tokens but the latest append_placeholders appended 3",
+                      lambda: sc.prepare_inputs(nxt, prev_token_ids=torch.tensor([70, 72])))
+    assert sc.prepare_inputs(nxt, prev_token_ids=torch.tensor(SAMPLED)).input_ids.tolist() == [70, 72]
+
+
+@pytest.mark.parametrize("native", PATHS)
+def test_prev_token_ids_without_placeholders_must_be_empty(native):
+    """No ``append_placeholders`` yet: the count is 0 (a synchronous step's tokens are not
+    a sampled tensor to patch from)."""
+    sc = sampled(native)
+    decode = _decode((5, 3, 6))
+    sc.update_states(decode)
+    refused_unchanged(sc, "prev_token_ids holds 3 tokens but the latest append_placeholders appended 0",
+                      lambda: sc.prepare_inputs(decode, prev_token_ids=torch.tensor(SAMPLED)))
+    assert sc.prepare_inputs(decode, prev_token_ids=torch.zeros(0, dtype=torch.int64)).input_ids.tolist() == \
+        [100, 101, 102]
 
 
 @pytest.mark.parametrize("native", PATHS)
