@@ -203,8 +203,9 @@ def fill_output_tokens(batch: InputBatch, requests: dict[str, CachedRequestState
     (a batch row, or detached state); a request that finished since is skipped.
 
     Args:
-        token_ids: ``[n]``, one per placeholder, in order: ints or a 1-D integer array
-            (stage 8's typing rule, ``append.token_id_array``).
+        token_ids: ``[n]``, one per placeholder, in order: a list of ints or a 1-D integer
+            numpy array (stage 8's typing rule, ``append.token_id_array``: a tensor, e.g. the
+            sampled tensor itself, is refused; pass ``.tolist()``).
 
     Returns:
         How many tokens were written.

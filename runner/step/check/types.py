@@ -11,6 +11,7 @@ import struct
 from typing import Any, NoReturn
 
 import numpy as np
+import torch
 
 from attnplug.core.errors import InvalidSchedulerOutput, MetadataError
 
@@ -60,6 +61,15 @@ def is_int(x: Any) -> bool:
     return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
 
 
+_BOOL_DTYPES = (np.dtype(bool), torch.bool)
+
+
+def is_bool_like(x: Any) -> bool:
+    """``x`` is a bool of any kind that ``struct`` (``operator.index``) would take as 0 or 1:
+    a ``bool``, or a one-element bool tensor or array (``numpy.bool_`` has no ``__index__``)."""
+    return isinstance(x, bool) or getattr(x, "dtype", None) in _BOOL_DTYPES
+
+
 def is_flag(x: Any) -> bool:
     """``x`` is a ``bool`` or ``numpy.bool_``."""
     return isinstance(x, FLAGS)
@@ -73,8 +83,9 @@ def is_int_list(x: Any) -> bool:
 
 
 def int64_list(values) -> np.ndarray | None:
-    """A list/tuple of ints (``int`` or numpy integer scalars, not ``bool``) as ``[n]``
-    ``int64``, or ``None`` when an entry is anything else or does not fit ``int64``."""
+    """A list/tuple of ints (``int`` or numpy integer scalars, not a bool of any kind:
+    :func:`is_bool_like`) as ``[n]`` ``int64``, or ``None`` when an entry is anything else or
+    does not fit ``int64``."""
     n = len(values)
     out = np.empty(n, dtype=np.int64)
     try:  # struct takes exactly the ints (and bools: checked below); floats and strings raise
@@ -82,9 +93,16 @@ def int64_list(values) -> np.ndarray | None:
             struct.pack_into(f"{n}q", out, 0, *values)
     except (struct.error, TypeError, ValueError, OverflowError):
         return None
-    if n and bool in set(map(type, values)):
-        return None
+    if n:
+        types = set(map(type, values))
+        if bool in types:
+            return None
+        if types != _INT_ONLY and any(is_bool_like(v) for v in values if type(v) is not int):
+            return None  # (a one-element bool tensor: struct took it as 0 or 1)
     return out
+
+
+_INT_ONLY = {int}
 
 
 def row_indices(rows: Any, who: str) -> np.ndarray:

@@ -5,8 +5,10 @@ kernel paths alike (the rule of docs/architecture.md: validate first, then mutat
 one per placeholder of the latest ``append_placeholders`` (neither shorter nor longer);
 a placeholder that neither ``prev_token_ids`` nor ``fill_output_tokens`` replaced never reaches
 ``input_ids`` silently (a second patched prepare of one step, a prepare without the tokens);
-``fill_output_tokens`` and ``append_verified_tokens`` take token ids by stage 8's one typing rule
-(``append.token_id_array``) and write nothing when any entry is bad."""
+``fill_output_tokens``, ``append_output_tokens`` and ``append_verified_tokens`` take token ids by
+stage 8's one typing rule (``append.token_id_array``: lists/tuples of ints or 1-D integer numpy
+arrays, never a tensor or a bool of any kind) and write nothing when any entry is bad; their
+rows are a list of ints or a 1-D integer array, never flattened."""
 
 from __future__ import annotations
 
@@ -149,6 +151,13 @@ BAD_TOKENS = {
     "str": [70, "71", 72],
     "bool": [70, True, 72],
     "float array": np.array([70.0, 71.0, 72.0]),
+    "tensor": torch.tensor(SAMPLED),
+    "bool tensor": torch.tensor([True, False, True]),
+    "[n, 1] tensor": torch.tensor([[70], [71], [72]]),
+    "a bool tensor entry": [70, torch.tensor(True), 72],
+    "bytes": bytes(SAMPLED),
+    "range": range(70, 73),
+    "set": set(SAMPLED),
 }
 
 
@@ -159,6 +168,42 @@ def test_fill_output_tokens_refuses_bad_tokens_and_writes_none(native, name):
     refused_unchanged(sc, "fill_output_tokens: token ids must be ints",
                       lambda: sc.fill_output_tokens(ph, BAD_TOKENS[name]))
     assert sc.fill_output_tokens(ph, SAMPLED) == 3  # every placeholder still there
+
+
+@pytest.mark.parametrize("native", PATHS)
+@pytest.mark.parametrize("name", [n for n in BAD_TOKENS if n != "2-D"])  # (2-D: a token list per request there)
+def test_append_output_tokens_refuses_the_same_bad_tokens_and_writes_none(native, name):
+    sc = sampled(native)
+    decode = _decode((5, 3, 6))
+    sc.update_states(decode)
+    sc.prepare_inputs(decode)
+    refused_unchanged(sc, "append_output_tokens: token ids must be ints",
+                      lambda: sc.append_output_tokens([0, 1, 2], BAD_TOKENS[name]))
+    sc.append_output_tokens([0, 1, 2], SAMPLED)
+
+
+GOOD_TOKENS = {
+    "numpy ints": [np.int32(70), np.int64(71), np.uint8(72)],
+    "a 0-d integer array first": [np.array(70), 71, 72],
+    "tuple": tuple(SAMPLED),
+    "int32 array": np.array(SAMPLED, dtype=np.int32),
+}
+
+
+@pytest.mark.parametrize("native", PATHS)
+@pytest.mark.parametrize("name", list(GOOD_TOKENS))
+def test_fill_and_append_take_the_same_integer_forms(native, name):
+    sc, _, ph = async_step(native)
+    assert sc.fill_output_tokens(ph, GOOD_TOKENS[name]) == 3
+    b = sc.input_batch
+    filled = [b.token_ids_cpu[b.req_id_to_index[rid], pos] for rid, pos in zip(ph.req_ids, ph.positions.tolist())]
+    sc = sampled(native)
+    decode = _decode((5, 3, 6))
+    sc.update_states(decode)
+    sc.prepare_inputs(decode)
+    sc.append_output_tokens([0, 1, 2], GOOD_TOKENS[name])
+    b = sc.input_batch
+    assert [b.token_ids_cpu[r, b.num_tokens[r] - 1] for r in range(3)] == filled == SAMPLED
 
 
 @pytest.mark.parametrize("native", PATHS)
