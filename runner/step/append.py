@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from attnplug.core.errors import MetadataError
-from attnplug.runner.step.check.types import row_indices
+from attnplug.runner.step.check.types import row_indices, show
 from attnplug.runner.step.input_batch import InputBatch
 
 
@@ -15,6 +15,8 @@ def append_output_tokens(batch: InputBatch, max_model_len: int, req_ids_or_rows,
     runner's own samples: this is how they enter the token history. Validates everything
     before writing; a bad call changes nothing."""
     b = batch
+    if not isinstance(req_ids_or_rows, (list, tuple, np.ndarray)) or getattr(req_ids_or_rows, "ndim", 1) != 1:
+        row_indices(req_ids_or_rows, "append_output_tokens")  # raises: not a 1-D list of ids or rows
     n = len(req_ids_or_rows)
     if n == 0:
         return
@@ -22,8 +24,8 @@ def append_output_tokens(batch: InputBatch, max_model_len: int, req_ids_or_rows,
         try:
             rows = np.fromiter(map(b.req_id_to_index.__getitem__, req_ids_or_rows), np.int64, n)
         except (KeyError, TypeError):
-            bad = next(r for r in req_ids_or_rows if type(r) is not str or r not in b.req_id_to_index)
-            if type(bad) is not str:
+            bad = next(r for r in req_ids_or_rows if not isinstance(r, str) or r not in b.req_id_to_index)
+            if not isinstance(bad, str):  # (a str subclass such as numpy.str_ is looked up by its value)
                 raise MetadataError(f"append_output_tokens: request ids must be str (or pass batch rows, all "
                                     f"ints), got {type(bad).__name__} {bad!r}") from None
             raise MetadataError(f"append_output_tokens: request {bad!r} is not in this step's "
@@ -32,9 +34,13 @@ def append_output_tokens(batch: InputBatch, max_model_len: int, req_ids_or_rows,
         rows = row_indices(req_ids_or_rows, "append_output_tokens")
         if rows.min() < 0 or rows.max() >= b.num_reqs:
             raise MetadataError(f"append_output_tokens: rows must lie in [0, {b.num_reqs}), got {rows.tolist()}")
+    if not isinstance(token_ids, (list, tuple, np.ndarray)):  # a tensor, a set, a scalar
+        raise MetadataError(f"append_output_tokens: token ids must be ints in [0, 2**31), as a list or a 1-D "
+                            f"integer array, got {show(token_ids)}")
     if len(token_ids) != n:
         raise MetadataError(f"append_output_tokens: {len(token_ids)} token entries for {n} requests")
-    ragged = n and isinstance(token_ids[0], (list, tuple, np.ndarray))
+    first = token_ids[0]  # a list (or 1-D array) per request, or one int each (a 0-d array is one int)
+    ragged = isinstance(first, (list, tuple)) or isinstance(first, np.ndarray) and first.ndim != 0
     try:
         lens = (np.fromiter(map(len, token_ids), np.int64, n) if ragged else np.ones(n, np.int64))
     except TypeError:  # a list next to something without a length
@@ -71,8 +77,12 @@ def append_output_tokens(batch: InputBatch, max_model_len: int, req_ids_or_rows,
 def token_id_array(kernels, seqs: list, total: int, where: str, shown) -> np.ndarray:
     """Stage 8's typing rule for sampled token ids, on every entry point
     (``append_output_tokens``, ``append_verified_tokens``, ``fill_output_tokens``): the rule
-    of every token id the step compiler takes (``IntPacker``): Python or numpy ints, never
-    ``bool``, a float or a string, or 1-D integer arrays; each value in ``[0, 2**31)``.
+    of every token id the step compiler takes (``IntPacker``), the same on both kernels:
+    each sequence is a ``list`` or ``tuple`` of ints, or a 1-D integer numpy array (never a
+    tensor, a 2-D array, ``bytes`` or a ``range``); an int is an ``int`` or a numpy integer
+    scalar (an object ``operator.index`` converts exactly, such as a 0-d integer array, is
+    taken as its value), never a bool of any kind (``bool``, ``numpy.bool_``, a bool array
+    or tensor), a float or a string; each value in ``[0, 2**31)``.
 
     Args:
         kernels: the step's kernels (their ``pack_ints``: one compiled pass on the compiled

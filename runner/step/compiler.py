@@ -222,7 +222,9 @@ class StepCompiler:
             build_metadata: also build ``common_attn_metadata`` (one per group).
             prev_token_ids: asynchronous scheduling: the previous step's sampled tokens, a
                 1-D integer ``torch.Tensor`` ``[n]`` (not ``bool``; on the step's device or the
-                CPU), in the order its :meth:`append_placeholders` got; the placeholders
+                CPU), one per placeholder the latest :meth:`append_placeholders` appended
+                (``n`` exactly: a tensor with an entry per batch row would be read at the
+                wrong entries), in the order it got them; the placeholders
                 among this step's ``input_ids`` are overwritten from it
                 (``runner/step/placeholders.py``). The first successful call of a step
                 consumes the patch: a second one, or one without ``prev_token_ids`` while
@@ -239,8 +241,8 @@ class StepCompiler:
         Raises:
             InvalidSchedulerOutput: ``scheduler_output`` is not the one just applied.
             MetadataError: a bad ``num_tokens_padded``; a ``prev_token_ids`` that is not a
-                1-D integer tensor, is shorter than the placeholders point into, or holds a
-                token outside ``[0, 2**31)``; a placeholder among the step's tokens that
+                1-D integer tensor, whose length is not the latest ``append_placeholders``'
+                count (shorter or longer), or which holds a token outside ``[0, 2**31)``; a placeholder among the step's tokens that
                 nothing patches. Nothing is consumed then.
             MetadataInvariantError: with validation on, a broken invariant.
         """
@@ -251,7 +253,7 @@ class StepCompiler:
             except TypeError:
                 raise MetadataError(f"num_tokens_padded must be an int, got {num_tokens_padded!r}") from None
         if prev_token_ids is not None:
-            prev_token_ids = prev_tokens_tensor(prev_token_ids, self.device)
+            prev_token_ids = prev_tokens_tensor(prev_token_ids, self.device, b.num_prev_sampled)
         if num_tokens_padded is not None and not 0 <= num_tokens_padded <= self.max_num_batched_tokens:
             self._check_step_size(scheduler_output, int(b.num_scheduled_tokens[:b.num_reqs].sum()),
                                   num_tokens_padded)
@@ -331,7 +333,8 @@ class StepCompiler:
         """Append sampled tokens to requests of this step (stage 8, ``runner/step/append.py``).
 
         Args:
-            req_ids_or_rows: request ids, or batch rows (ints), of this step; distinct.
+            req_ids_or_rows: request ids (``str``, or a subclass such as ``numpy.str_``), or
+                batch rows (a list of ints or a 1-D integer array), of this step; distinct.
             token_ids: one token per request (``[n]`` ints), or per request a list of tokens.
 
         Raises:
@@ -353,13 +356,16 @@ class StepCompiler:
 
     def append_placeholders(self, rows) -> Placeholders:
         """Asynchronous scheduling: this step sampled ``rows`` (batch rows, in the order of
-        its sampled tensor) but the tokens stay on the device; append a placeholder to each
-        (stage 8 without the values, ``runner/step/placeholders.py``). The next
+        its sampled tensor: a list of ints or a 1-D integer array) but the tokens stay on the
+        device; append a placeholder to each (stage 8 without the values,
+        ``runner/step/placeholders.py``). The next
         ``prepare_inputs(prev_token_ids=...)`` reads them from the device; pass the values to
         :meth:`fill_output_tokens` once they are on the host.
 
         Raises:
-            MetadataError: a bad, repeated or discarded row, or a full request.
+            MetadataError: rows that are not a list of ints or a 1-D integer array (a 2-D
+                array is refused, not flattened), a bad, repeated or discarded row, or a full
+                request.
         """
         return append_placeholders(self.input_batch, self.max_model_len, rows)
 

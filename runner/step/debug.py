@@ -43,6 +43,7 @@ def snapshot(batch: InputBatch, requests: dict[str, CachedRequestState]) -> dict
         "token_ids": b.token_ids_cpu.copy(),
         "columns": [c.copy() for c in b.row_columns],
         "num_spec_tokens": b.num_spec_tokens.copy(),
+        "num_prev_sampled": b.num_prev_sampled,
         "req_ids": list(b._req_ids),
         "states_by_row": [None if s is None else id(s) for s in b._states],
         "req_id_to_index": dict(b.req_id_to_index),

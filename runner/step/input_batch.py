@@ -86,6 +86,10 @@ class InputBatch:
         self.prev_sampled_pos = np.zeros(max_num_reqs, dtype=np.int32)
         """Per row, the position of that token in the request (valid where
         ``prev_sampled_index >= 0``)."""
+        self.num_prev_sampled = 0
+        """How many placeholders the latest ``append_placeholders`` appended: the length of
+        that step's sampled tensor, which ``prepare_inputs(prev_token_ids=...)`` must have
+        (``runner/step/placeholders.py``)."""
         self.placeholders_appended = False
         """Whether ``append_placeholders`` ever ran on this batch: only then can the history
         hold a placeholder (every other token id is checked non-negative), so only then

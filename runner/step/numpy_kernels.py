@@ -14,6 +14,7 @@ import torch
 
 from attnplug.cache_groups.ragged import cumsum_and_arange, repeat_indices
 from attnplug.core.constants import PAD_SLOT_ID
+from attnplug.runner.step.check.types import is_bool_like
 from attnplug.runner.step.numpy_spec import check_no_placeholder, plan_patch_numpy, spec_layout_numpy, write_drafts_numpy
 
 INT32_MAX = 2**31 - 1
@@ -42,6 +43,8 @@ class NumpyKernels:
                             s.max() > INT32_MAX or (s.dtype.kind == "i" and s.min() < 0)):
                         return -(i + 1), 0, 0
                     out[off:off + n] = s
+                elif not isinstance(s, (list, tuple)):  # a tensor, bytes, a range: not a token list
+                    return -(i + 1), 0, 0
                 else:
                     n = len(s)
                     if off + n > out.shape[0]:
@@ -56,7 +59,7 @@ class NumpyKernels:
             return 0, 0, 0
         flat = out[:off]
         lo, hi = int(flat.min()), int(flat.max())
-        if lo <= 1:  # a bool packs as 0 or 1 (struct takes True as 1): look at those entries
+        if lo <= 1:  # a bool packs as 0 or 1 (struct takes True, and a bool tensor, as 1): look at those entries
             bad = _first_bool(seqs, lens, flat)
             if bad is not None:
                 return -(bad + 1), 0, 0
@@ -196,8 +199,9 @@ def merge_cached_numpy(batch: Any, plan: Any, rows_c: np.ndarray) -> None:
 
 
 def _first_bool(seqs: Sequence, lens: list[int], flat: np.ndarray) -> int | None:
-    """The first sequence (of lists/tuples packed into ``flat``) holding a ``bool``: only
-    entries that packed as 0 or 1 are looked at."""
+    """The first sequence (of lists/tuples packed into ``flat``) holding a bool of any kind
+    (:func:`is_bool_like`): only entries that packed as 0 or 1 are looked at (a bool packs
+    as nothing else)."""
     listed = np.fromiter((not isinstance(s, np.ndarray) for s in seqs), bool, len(seqs))
     if not listed.any():  # integer arrays hold no bool (a bool array is refused by its kind)
         return None
@@ -210,6 +214,7 @@ def _first_bool(seqs: Sequence, lens: list[int], flat: np.ndarray) -> int | None
     where, owners = where[keep], owners[keep]
     starts = ends - np.asarray(lens, dtype=ends.dtype)
     for t, i in zip(where.tolist(), owners.tolist()):
-        if type(seqs[i][t - int(starts[i])]) is bool:
+        x = seqs[i][t - int(starts[i])]
+        if type(x) is not int and is_bool_like(x):
             return i
     return None

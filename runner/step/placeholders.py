@@ -79,9 +79,14 @@ def append_placeholders(batch: InputBatch, max_model_len: int, rows: np.ndarray)
     indices in the order of its sampled tensor, e.g. ``np.flatnonzero(~inputs.discard)``;
     ``inputs.req_ids[row]`` names each) and point their ``prev_sampled_*`` columns at it.
 
+    ``rows``: a list or tuple of ints, or a 1-D integer numpy array (``check.types.row_indices``,
+    the rule of every stage-8 call).
+
     Raises:
-        MetadataError: a row outside the batch, repeated, discarded this step (its
-            ``seq_len`` does not reach ``num_tokens``), or already at ``max_model_len``.
+        MetadataError: ``rows`` of another type or shape (a 2-D array or a list of lists is
+            not flattened; a scalar or a tensor), a row outside the batch, repeated, discarded
+            this step (its ``seq_len`` does not reach ``num_tokens``), or already at
+            ``max_model_len``.
     """
     R = batch.num_reqs
     rows = row_indices(rows, "append_placeholders")
@@ -96,6 +101,7 @@ def append_placeholders(batch: InputBatch, max_model_len: int, rows: np.ndarray)
                             f"this step (seq_len {int(seq[i])}, num_tokens {int(held[i])}, max_model_len "
                             f"{max_model_len})")
     batch.placeholders_appended = True
+    batch.num_prev_sampled = n
     batch.token_ids_cpu[rows, held] = PLACEHOLDER_TOKEN_ID
     batch.num_tokens[rows] = held + 1
     batch.prev_sampled_index[:R] = -1
@@ -105,31 +111,45 @@ def append_placeholders(batch: InputBatch, max_model_len: int, rows: np.ndarray)
     return Placeholders(tuple([ids[r] for r in rows.tolist()]), held)
 
 
-def prev_tokens_tensor(prev_token_ids, device: torch.device) -> torch.Tensor:
+def prev_tokens_tensor(prev_token_ids, device: torch.device, num_placeholders: int) -> torch.Tensor:
     """``prepare_inputs``' ``prev_token_ids`` checked, before anything is read or consumed:
     a ``torch.Tensor``, 1-D, of an integer dtype other than ``bool``, on ``device`` (the
-    step's) or on the CPU. A CPU tensor that is not ``int64`` with unit stride comes back
+    step's) or on the CPU, holding exactly ``num_placeholders`` tokens (the latest
+    :func:`append_placeholders`' count, ``InputBatch.num_prev_sampled``: that step's sampled
+    tensor, one token per sampling row, as :func:`fill_output_tokens` takes it; a longer
+    tensor, e.g. one entry per batch row with the discarded ones, would be read at the
+    wrong entries). A CPU tensor that is not ``int64`` with unit stride comes back
     converted (one copy), so that on a CPU device the kernels read it on the host and check
     each value they take (in ``[0, 2**31)``); the values of a tensor on another device are
     not checked (that would wait for the device).
 
     Raises:
-        MetadataError: anything else (numpy arrays and lists included).
+        MetadataError: anything else (numpy arrays and lists included, another length).
     """
     t = prev_token_ids
     if type(t) is torch.Tensor and t.dtype is _INT64 and t.is_cpu and t.stride() == _UNIT_STRIDE:
-        return t  # the usual CPU case: taken as it is
+        if t.shape[0] != num_placeholders:  # the usual CPU case: taken as it is
+            raise _count_error(t, num_placeholders)
+        return t
     if not isinstance(t, torch.Tensor):
         raise MetadataError(f"prepare_inputs: prev_token_ids must be the previous step's sampled token ids as a "
                             f"1-D integer torch.Tensor, got {type(t).__name__}")
     if t.dim() != 1 or t.dtype is torch.bool or t.is_floating_point() or t.is_complex():
         raise MetadataError(f"prepare_inputs: prev_token_ids must be a 1-D integer tensor [n], got {t.dtype} "
                             f"of shape {tuple(t.shape)}")
+    if t.shape[0] != num_placeholders:
+        raise _count_error(t, num_placeholders)
     if t.is_cpu:
         return t.to(_INT64).contiguous()
     if t.device != device:
         raise MetadataError(f"prepare_inputs: prev_token_ids is on {t.device}, the step's tensors on {device}")
     return t
+
+
+def _count_error(t: torch.Tensor, n: int) -> MetadataError:
+    return MetadataError(f"prepare_inputs: prev_token_ids holds {t.shape[0]} tokens but the latest "
+                         f"append_placeholders appended {n} placeholders: pass that step's sampled tensor, "
+                         "one token per sampling row in the order append_placeholders got")
 
 
 _INT64 = torch.int64
@@ -183,8 +203,9 @@ def fill_output_tokens(batch: InputBatch, requests: dict[str, CachedRequestState
     (a batch row, or detached state); a request that finished since is skipped.
 
     Args:
-        token_ids: ``[n]``, one per placeholder, in order: ints or a 1-D integer array
-            (stage 8's typing rule, ``append.token_id_array``).
+        token_ids: ``[n]``, one per placeholder, in order: a list of ints or a 1-D integer
+            numpy array (stage 8's typing rule, ``append.token_id_array``: a tensor, e.g. the
+            sampled tensor itself, is refused; pass ``.tolist()``).
 
     Returns:
         How many tokens were written.

@@ -8,9 +8,12 @@ The typing rule (``StepCompiler.update_states`` applies it, the same on its comp
 numpy paths; anything else is ``InvalidSchedulerOutput`` naming the request and field,
 and changes nothing):
 
-* request ids are ``str``;
+* request ids are ``str``, or a ``str`` subclass such as ``numpy.str_`` (an id read out of a
+  numpy array), looked up by its value; the runner keeps a new request's id as a plain
+  ``str`` (``check.types.request_id``); ``bytes``, ints and ``None`` are refused;
 * integer fields (counts, ``num_computed_tokens``, token and block ids) are ``int`` or
-  numpy integer scalars — never ``bool``, ``float`` or ``str`` (``True`` is not 1 and
+  numpy integer scalars — never ``bool`` (of any kind: a one-element bool tensor too),
+  ``float`` or ``str`` (``True`` is not 1 and
   ``5.0`` is not 5: earlier versions took both on some paths);
 * integer lists are ``list`` or ``tuple`` of those, or 1-D numpy arrays of an integer
   dtype (not 0-d, not bool/float/str arrays);

@@ -67,12 +67,13 @@ def append_verified_tokens(batch: InputBatch, max_model_len: int, rows: Sequence
             id outside ``[0, 2**31)``, more than ``max_model_len`` tokens. Nothing changes.
     """
     b = batch
-    n = len(rows)
-    if len(token_ids) != n:
-        raise MetadataError(f"append_verified_tokens: {len(token_ids)} token lists for {n} rows")
+    r = row_indices(rows, "append_verified_tokens")
+    n = r.shape[0]
+    m = len(token_ids) if hasattr(token_ids, "__len__") else token_ids
+    if m != n:
+        raise MetadataError(f"append_verified_tokens: {m!r} token lists for {n} rows")
     if n == 0:
         return
-    r = row_indices(rows, "append_verified_tokens")
     if r.min() < 0 or r.max() >= b.num_reqs or np.count_nonzero(np.bincount(r, minlength=1) > 1):
         raise MetadataError(f"append_verified_tokens: rows must be distinct and in [0, {b.num_reqs}), "
                             f"got {r.tolist()}")

@@ -17,7 +17,7 @@ import numpy as np
 
 from attnplug.runner.step.check.types import err
 from attnplug.runner.step.check.snapshot import CachedDeltas, Deltas
-from attnplug.runner.step.check.types import is_int, is_int_list, show
+from attnplug.runner.step.check.types import is_int, is_int_list, request_id, show
 from attnplug.runner.step.groups import StepLayout
 from attnplug.runner.step.input_batch import InputBatch
 from attnplug.runner.step.int_packer import IntPacker
@@ -53,9 +53,15 @@ class CachedRows:
 
 
 def _not_str(C: list) -> NoReturn:
-    """Refuse the first id of ``C`` that is not a ``str``."""
-    bad = next(r for r in C if type(r) is not str)
-    err(None, "scheduled_cached_reqs.req_ids", f"request ids must be str, got {type(bad).__name__} {show(bad)}")
+    """Refuse the first id of ``C`` that is not a ``str`` (or ``str`` subclass:
+    ``check.types.request_id``) or cannot be hashed (called after a lookup raised ``TypeError``)."""
+    for r in C:
+        request_id(r, "scheduled_cached_reqs.req_ids")
+        try:
+            hash(r)
+        except TypeError:
+            break
+    err(None, "scheduled_cached_reqs.req_ids", f"request ids must be hashable str, got {type(r).__name__} {show(r)}")
 
 
 def cached_rows(lay: StepLayout, batch: InputBatch, reqs: dict[str, CachedRequestState], C: list,
@@ -77,9 +83,7 @@ def cached_rows(lay: StepLayout, batch: InputBatch, reqs: dict[str, CachedReques
         _not_str(C)
     readd_ids: list[str] = []
     for i in readd:
-        rid = C[i]
-        if type(rid) is not str:
-            _not_str(C)
+        rid = request_id(C[i], "scheduled_cached_reqs.req_ids")  # (a str subclass: its value)
         if rid not in reqs or rid in readd_ids:
             err(rid, "scheduled_cached_reqs", "request listed twice" if rid in readd_ids else
                 "unknown request: send it in scheduled_new_reqs first")

@@ -34,7 +34,7 @@ from attnplug.runner.step.check.blocks import block_deltas
 from attnplug.runner.step.check.cached import cached_rows, computed_and_token_deltas, scheduled_counts
 from attnplug.runner.step.check.fast import plan_update_scanned
 from attnplug.runner.step.check.packed import renamed, unpack_into
-from attnplug.runner.step.check.types import err, show
+from attnplug.runner.step.check.types import err, request_id, show
 from attnplug.runner.step.check.new import plan_new_requests
 from attnplug.runner.step.check.snapshot import Deltas, NewReq
 from attnplug.runner.step.check.spec import check_spec_tokens, check_state_slots
@@ -63,8 +63,7 @@ def check_finished_and_new(reqs: dict[str, CachedRequestState], d: Deltas
     fin_set = set(finished)
     for rid in finished:
         if rid not in reqs:
-            if type(rid) is not str:
-                err(None, "finished_req_ids", f"request ids must be str, got {type(rid).__name__} {show(rid)}")
+            request_id(rid, "finished_req_ids")  # (a str subclass is looked up by its value)
             err(rid, "finished_req_ids", "unknown request: the runner never held it or already dropped it")
     new_ids: set[str] = set()
     for nr in d.scheduled_new_reqs:

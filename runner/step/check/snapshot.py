@@ -11,7 +11,8 @@ their contents into the runner's own arrays, and nothing keeps a reference to th
 The typing rule (the same on the compiled and the numpy path; see
 ``runner/step/scheduler_output.py``): containers are the documented types — ``list`` or
 ``tuple`` for sequences, ``dict`` for ``num_scheduled_tokens``, a ``set``, ``frozenset``,
-``list`` or ``tuple`` of ids for ``finished_req_ids``; ids are ``str``; integer fields are
+``list`` or ``tuple`` of ids for ``finished_req_ids``; ids are ``str`` or a ``str`` subclass
+such as ``numpy.str_`` (:func:`~attnplug.runner.step.check.types.request_id`); integer fields are
 ``int`` or numpy integer scalars (never ``bool``), integer lists are lists/tuples of those
 or 1-D numpy integer arrays; flags are ``bool`` (or ``numpy.bool_``).
 """
@@ -21,7 +22,7 @@ from __future__ import annotations
 from typing import Any
 
 from attnplug.runner.step.check.packed import read_packed
-from attnplug.runner.step.check.types import ID_SETS, SEQUENCES, err, is_int_list, show
+from attnplug.runner.step.check.types import ID_SETS, SEQUENCES, err, is_int_list, request_id, show
 from attnplug.runner.step.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 
 class NewReq:
@@ -33,9 +34,10 @@ class NewReq:
     def __init__(self, nr: NewRequestData):
         if type(nr) is not NewRequestData and not isinstance(nr, NewRequestData):
             err(None, "scheduled_new_reqs", f"entries must be NewRequestData, got {type(nr).__name__}")
-        rid = self.req_id = nr.req_id
+        rid = nr.req_id
         if type(rid) is not str:
-            err(None, "scheduled_new_reqs", f"req_id must be a str, got {type(rid).__name__} {show(rid)}")
+            rid = request_id(rid, "scheduled_new_reqs")
+        self.req_id = rid
         prompt = self.prompt_token_ids = nr.prompt_token_ids
         if type(prompt) is not list and not is_int_list(prompt):  # lists: the common case, first
             err(rid, "prompt_token_ids", f"expected a list of token ids (or a 1-D integer array), got {show(prompt)}")
@@ -83,7 +85,8 @@ class Deltas:
 
     Raises:
         InvalidSchedulerOutput: a field of the wrong container type, a new request that is
-            not ``NewRequestData`` or whose ``req_id`` is not a ``str``, token lists that are
+            not ``NewRequestData`` or whose ``req_id`` is not a ``str`` (a subclass is kept as
+            the plain ``str`` of the same value), token lists that are
             not lists or 1-D integer arrays, lists of ``scheduled_cached_reqs`` of unequal
             length, unhashable finished ids, a ``packed_cached`` that is not a
             ``PackedCachedDeltas`` (its arrays: ``check/packed.py``).

@@ -11,6 +11,7 @@ import struct
 from typing import Any, NoReturn
 
 import numpy as np
+import torch
 
 from attnplug.core.errors import InvalidSchedulerOutput, MetadataError
 
@@ -37,9 +38,36 @@ def show(value: Any) -> str:
     return text if len(text) <= MAX_ECHO else text[:MAX_ECHO] + f"... ({len(text)} characters)"
 
 
+def request_id(rid: Any, field_name: str) -> str:
+    """The typing rule of request ids, on every path (new and cached requests, the keys of
+    ``num_scheduled_tokens`` and ``scheduled_spec_decode_tokens``, ``finished_req_ids``,
+    stage 8's ids): a ``str``, or a ``str`` subclass such as ``numpy.str_`` (an id taken from
+    a numpy array), which is looked up by its value (a subclass must keep ``str``'s hash and
+    equality, as ``numpy.str_`` does). An id the runner keeps (a new request's) is this
+    plain ``str``: ``str.__str__`` of a subclass is an exact ``str`` copy.
+
+    Raises:
+        InvalidSchedulerOutput: anything else (``bytes``, an int, ``None``), naming ``field_name``.
+    """
+    if type(rid) is str:
+        return rid
+    if not isinstance(rid, str):
+        err(None, field_name, f"request ids must be str, got {type(rid).__name__} {show(rid)}")
+    return str.__str__(rid)
+
+
 def is_int(x: Any) -> bool:
     """``x`` is an ``int`` or numpy integer scalar, not a ``bool``."""
     return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+_BOOL_DTYPES = (np.dtype(bool), torch.bool)
+
+
+def is_bool_like(x: Any) -> bool:
+    """``x`` is a bool of any kind that ``struct`` (``operator.index``) would take as 0 or 1:
+    a ``bool``, or a one-element bool tensor or array (``numpy.bool_`` has no ``__index__``)."""
+    return isinstance(x, bool) or getattr(x, "dtype", None) in _BOOL_DTYPES
 
 
 def is_flag(x: Any) -> bool:
@@ -55,8 +83,9 @@ def is_int_list(x: Any) -> bool:
 
 
 def int64_list(values) -> np.ndarray | None:
-    """A list/tuple of ints (``int`` or numpy integer scalars, not ``bool``) as ``[n]``
-    ``int64``, or ``None`` when an entry is anything else or does not fit ``int64``."""
+    """A list/tuple of ints (``int`` or numpy integer scalars, not a bool of any kind:
+    :func:`is_bool_like`) as ``[n]`` ``int64``, or ``None`` when an entry is anything else or
+    does not fit ``int64``."""
     n = len(values)
     out = np.empty(n, dtype=np.int64)
     try:  # struct takes exactly the ints (and bools: checked below); floats and strings raise
@@ -64,22 +93,34 @@ def int64_list(values) -> np.ndarray | None:
             struct.pack_into(f"{n}q", out, 0, *values)
     except (struct.error, TypeError, ValueError, OverflowError):
         return None
-    if n and bool in set(map(type, values)):
-        return None
+    if n:
+        types = set(map(type, values))
+        if bool in types:
+            return None
+        if types != _INT_ONLY and any(is_bool_like(v) for v in values if type(v) is not int):
+            return None  # (a one-element bool tensor: struct took it as 0 or 1)
     return out
+
+
+_INT_ONLY = {int}
 
 
 def row_indices(rows: Any, who: str) -> np.ndarray:
     """Batch rows given to a stage-8 call (``append_output_tokens``, ``append_verified_tokens``,
-    ``append_placeholders``) as ``[n]`` ``int64``: a list of ints or an integer array (a
-    scalar is one row). The range is the caller's to check.
+    ``append_placeholders``) as ``[n]`` ``int64``: a list or tuple of ints (``int`` or numpy
+    integer scalars, never ``bool``), or a 1-D integer numpy array (an empty one of any
+    dtype: no rows). The range is the caller's to check.
 
     Raises:
-        MetadataError: a row that is not an int (a float such as ``1.0``, a bool, a string),
-            which numpy would otherwise truncate or parse.
+        MetadataError: anything else: a row that is not an int (a float such as ``1.0``, a
+            bool, a string), which numpy would otherwise truncate or parse; a 2-D array or a
+            list of lists (numpy would flatten it into rows); a scalar, a tensor, a set.
     """
-    arr = np.asarray(rows)
-    python = [] if isinstance(rows, np.ndarray) else [rows] if arr.ndim == 0 else list(rows)
-    if arr.size and (arr.dtype.kind not in "iu" or bool in set(map(type, python))):  # [True, 1] is int64 to numpy
-        raise MetadataError(f"{who}: rows must be ints, got {show(rows)}")
-    return arr.astype(np.int64, copy=False).reshape(-1)
+    if isinstance(rows, np.ndarray):
+        if rows.ndim == 1 and (rows.dtype.kind in "iu" or rows.shape[0] == 0):
+            return rows.astype(np.int64, copy=False)
+    elif isinstance(rows, SEQUENCES):
+        arr = int64_list(rows)
+        if arr is not None:
+            return arr
+    raise MetadataError(f"{who}: rows must be ints, as a list or a 1-D integer array, got {show(rows)}")

@@ -1,11 +1,14 @@
 """Asynchronous steps and stage 8 with bad input: the project's error, nothing changed, both
 kernel paths alike (the rule of docs/architecture.md: validate first, then mutate).
 
-``prepare_inputs(prev_token_ids=...)`` takes a 1-D integer tensor whose entries are token ids;
+``prepare_inputs(prev_token_ids=...)`` takes a 1-D integer tensor whose entries are token ids,
+one per placeholder of the latest ``append_placeholders`` (neither shorter nor longer);
 a placeholder that neither ``prev_token_ids`` nor ``fill_output_tokens`` replaced never reaches
 ``input_ids`` silently (a second patched prepare of one step, a prepare without the tokens);
-``fill_output_tokens`` and ``append_verified_tokens`` take token ids by stage 8's one typing rule
-(``append.token_id_array``) and write nothing when any entry is bad."""
+``fill_output_tokens``, ``append_output_tokens`` and ``append_verified_tokens`` take token ids by
+stage 8's one typing rule (``append.token_id_array``: lists/tuples of ints or 1-D integer numpy
+arrays, never a tensor or a bool of any kind) and write nothing when any entry is bad; their
+rows are a list of ints or a 1-D integer array, never flattened."""
 
 from __future__ import annotations
 
@@ -74,6 +77,9 @@ BAD_PREV = {
     "negative": torch.tensor([-5, 71, 72]),
     "past int32": torch.tensor([2**40, 71, 72]),
     "past int32, strided": torch.tensor([2**40, 0, 71, 0, 72, 0])[::2],
+    "longer": torch.tensor(SAMPLED + [73]),
+    "longer int32": torch.tensor(SAMPLED + [73], dtype=torch.int32),
+    "one per batch row, padded": torch.tensor(SAMPLED + [0] * 5),
 }
 
 
@@ -84,6 +90,37 @@ def test_bad_prev_token_ids_are_refused_and_the_retry_patches(native, name):
     refused_unchanged(sc, "prepare_inputs: prev_token_ids",
                       lambda: sc.prepare_inputs(nxt, prev_token_ids=BAD_PREV[name]))
     assert sc.prepare_inputs(nxt, prev_token_ids=torch.tensor(SAMPLED)).input_ids.tolist() == SAMPLED
+
+
+@pytest.mark.parametrize("native", PATHS)
+def test_prev_token_ids_hold_one_token_per_placeholder_of_the_latest_append(native):
+    """The count is the sampled tensor's (the latest ``append_placeholders``), not the rows
+    still waiting: b finished meanwhile and a and c still take entries 0 and 2; a tensor
+    with a token per remaining row (2) is refused, as a longer one is."""
+    sc = sampled(native)
+    decode = _decode((5, 3, 6))
+    sc.update_states(decode)
+    sc.prepare_inputs(decode)
+    sc.append_placeholders([0, 1, 2])
+    cached = CachedRequestData(["a", "c"], [False] * 2, [[], []], [None] * 2, [6, 7])
+    nxt = SchedulerOutput([], cached, {"a": 1, "c": 1}, finished_req_ids={"b"})
+    sc.update_states(nxt)
+    refused_unchanged(sc, "prev_token_ids holds 2 tokens but the latest append_placeholders appended 3",
+                      lambda: sc.prepare_inputs(nxt, prev_token_ids=torch.tensor([70, 72])))
+    assert sc.prepare_inputs(nxt, prev_token_ids=torch.tensor(SAMPLED)).input_ids.tolist() == [70, 72]
+
+
+@pytest.mark.parametrize("native", PATHS)
+def test_prev_token_ids_without_placeholders_must_be_empty(native):
+    """No ``append_placeholders`` yet: the count is 0 (a synchronous step's tokens are not
+    a sampled tensor to patch from)."""
+    sc = sampled(native)
+    decode = _decode((5, 3, 6))
+    sc.update_states(decode)
+    refused_unchanged(sc, "prev_token_ids holds 3 tokens but the latest append_placeholders appended 0",
+                      lambda: sc.prepare_inputs(decode, prev_token_ids=torch.tensor(SAMPLED)))
+    assert sc.prepare_inputs(decode, prev_token_ids=torch.zeros(0, dtype=torch.int64)).input_ids.tolist() == \
+        [100, 101, 102]
 
 
 @pytest.mark.parametrize("native", PATHS)
@@ -114,6 +151,13 @@ BAD_TOKENS = {
     "str": [70, "71", 72],
     "bool": [70, True, 72],
     "float array": np.array([70.0, 71.0, 72.0]),
+    "tensor": torch.tensor(SAMPLED),
+    "bool tensor": torch.tensor([True, False, True]),
+    "[n, 1] tensor": torch.tensor([[70], [71], [72]]),
+    "a bool tensor entry": [70, torch.tensor(True), 72],
+    "bytes": bytes(SAMPLED),
+    "range": range(70, 73),
+    "set": set(SAMPLED),
 }
 
 
@@ -124,6 +168,42 @@ def test_fill_output_tokens_refuses_bad_tokens_and_writes_none(native, name):
     refused_unchanged(sc, "fill_output_tokens: token ids must be ints",
                       lambda: sc.fill_output_tokens(ph, BAD_TOKENS[name]))
     assert sc.fill_output_tokens(ph, SAMPLED) == 3  # every placeholder still there
+
+
+@pytest.mark.parametrize("native", PATHS)
+@pytest.mark.parametrize("name", [n for n in BAD_TOKENS if n != "2-D"])  # (2-D: a token list per request there)
+def test_append_output_tokens_refuses_the_same_bad_tokens_and_writes_none(native, name):
+    sc = sampled(native)
+    decode = _decode((5, 3, 6))
+    sc.update_states(decode)
+    sc.prepare_inputs(decode)
+    refused_unchanged(sc, "append_output_tokens: token ids must be ints",
+                      lambda: sc.append_output_tokens([0, 1, 2], BAD_TOKENS[name]))
+    sc.append_output_tokens([0, 1, 2], SAMPLED)
+
+
+GOOD_TOKENS = {
+    "numpy ints": [np.int32(70), np.int64(71), np.uint8(72)],
+    "a 0-d integer array first": [np.array(70), 71, 72],
+    "tuple": tuple(SAMPLED),
+    "int32 array": np.array(SAMPLED, dtype=np.int32),
+}
+
+
+@pytest.mark.parametrize("native", PATHS)
+@pytest.mark.parametrize("name", list(GOOD_TOKENS))
+def test_fill_and_append_take_the_same_integer_forms(native, name):
+    sc, _, ph = async_step(native)
+    assert sc.fill_output_tokens(ph, GOOD_TOKENS[name]) == 3
+    b = sc.input_batch
+    filled = [b.token_ids_cpu[b.req_id_to_index[rid], pos] for rid, pos in zip(ph.req_ids, ph.positions.tolist())]
+    sc = sampled(native)
+    decode = _decode((5, 3, 6))
+    sc.update_states(decode)
+    sc.prepare_inputs(decode)
+    sc.append_output_tokens([0, 1, 2], GOOD_TOKENS[name])
+    b = sc.input_batch
+    assert [b.token_ids_cpu[r, b.num_tokens[r] - 1] for r in range(3)] == filled == SAMPLED
 
 
 @pytest.mark.parametrize("native", PATHS)
@@ -180,3 +260,33 @@ def test_drafts_on_rows_whose_last_token_is_a_placeholder_are_patched(native):
     b = sc.input_batch
     assert [b.token_ids_cpu[r, b.num_tokens[r] - 2:b.num_tokens[r]].tolist() for r in range(3)] == \
         [[9, 5], [71, 6], [72, 7]]
+
+
+BAD_ROWS = {
+    "2-D": np.array([[0, 1, 2]]),
+    "column": np.array([[0], [1], [2]]),
+    "list of lists": [[0], [1], [2]],
+    "ragged": [[0], [1, 2]],
+    "empty 2-D": np.zeros((0, 3), dtype=np.int64),
+    "scalar": 0,
+    "0-d": np.array(0),
+    "tensor": torch.tensor([0, 1, 2]),
+}
+STAGE8 = {"append_placeholders": (), "append_output_tokens": ([5, 6, 7],),
+          "append_verified_tokens": ([[5], [6], [7]],)}
+
+
+@pytest.mark.parametrize("native", PATHS)
+@pytest.mark.parametrize("call", list(STAGE8))
+@pytest.mark.parametrize("name", list(BAD_ROWS))
+def test_stage8_rows_are_a_list_or_a_1d_integer_array_never_flattened(native, call, name):
+    """numpy would flatten a 2-D ``rows`` (or a list of one-row lists) into rows: refused,
+    like a scalar or a tensor, on every stage-8 call; a 1-D array then appends."""
+    sc = sampled(native)
+    decode = _decode((5, 3, 6))
+    sc.update_states(decode)
+    sc.prepare_inputs(decode)
+    refused_unchanged(sc, f"{call}: rows must be ints, as a list or a 1-D integer array",
+                      lambda: getattr(sc, call)(BAD_ROWS[name], *STAGE8[call]))
+    getattr(sc, call)(np.array([0, 1, 2]), *STAGE8[call])
+    assert sc.input_batch.num_tokens[:3].tolist() == [7, 5, 8]

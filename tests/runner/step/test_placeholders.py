@@ -65,7 +65,7 @@ def test_a_row_at_max_model_len_takes_no_placeholder_one_below_does():
                                             r"\(seq_len 5, num_tokens 5, max_model_len 5\)"):
         sc.append_placeholders(np.array([sc.input_batch.req_id_to_index["B"]]))
     assert not snapshot_diff(before, sc.snapshot())
-    ph = sc.append_placeholders(np.int64(sc.input_batch.req_id_to_index["A"]))  # A: 3 < 5; one row as a scalar
+    ph = sc.append_placeholders([np.int64(sc.input_batch.req_id_to_index["A"])])  # A: 3 < 5 (a scalar is refused: 1-D rows)
     assert ph.req_ids == ("A",) and ph.positions.tolist() == [3]
 
 

@@ -354,3 +354,21 @@ def test_the_largest_float32_temperature_is_accepted():
     sc.update_states(SchedulerOutput([NewRequestData("T", [5], ([4],), sampling_params=sp)], cached(["A"], [6]),
                                      {"A": 1, "T": 1}))
     assert "T" in sc.requests
+
+
+@pytest.mark.parametrize("native", [False, True])
+@pytest.mark.parametrize("where", ["prompt_token_ids", "new_token_ids", "new_block_ids"])
+def test_a_bool_tensor_token_or_block_id_is_refused_like_a_bool(native, where):
+    """``struct`` (``operator.index``) takes a one-element bool tensor as 0 or 1: the packer's
+    and ``int64_list``'s bool search refuse it like ``True`` (their shared rule, stages 1 and 8)."""
+    import torch
+    sc = two_groups(native)
+    t = torch.tensor(True)
+    if where == "prompt_token_ids":
+        so = SchedulerOutput([NewRequestData("B", [5, t, 6], ([3], [3]))], CachedRequestData(), {"B": 3})
+    elif where == "new_token_ids":
+        so = SchedulerOutput([], CachedRequestData(["A"], [False], [[t]], [None], [6]), {"A": 2})
+    else:
+        so = SchedulerOutput([], CachedRequestData(["A"], [False], [[]], [([t], [3])], [6]), {"A": 1})
+    e = refused(sc, so)
+    assert e.field == where and "must be ints" in str(e), str(e)
