@@ -60,11 +60,12 @@ class CompileReport:
 
 def attention_variant(dtype: torch.dtype, head_size: int, group: int, max_query_len: int, *,
                       window: int = 0, soft_cap: bool = False, segments: int = 1, lse: bool = False,
-                      causal: bool = True, sinks: bool = False, kv_dtype: torch.dtype | None = None) -> Variant:
+                      causal: bool = True, sinks: bool = False, kv_dtype: torch.dtype | None = None,
+                      sm: int = 90) -> Variant:
     """The ``paged_attention_kernel`` variant ``paged_attention`` launches for these inputs on a GPU
-    (``lse``: storing the log-sum-exp, as cascade attention's passes do; ``kv_dtype``: an fp8
-    cache, dequantised in the kernel)."""
-    cfg = choose_tiles(max_query_len, group, head_size, dtype, interpreter=False)
+    of compute capability ``sm`` (``lse``: storing the log-sum-exp, as cascade attention's passes
+    do; ``kv_dtype``: an fp8 cache, dequantised in the kernel)."""
+    cfg = choose_tiles(max_query_len, group, head_size, dtype, interpreter=False, sm=sm)
     t = _TL_TYPES[dtype]
     padded = max(16, 1 << (head_size - 1).bit_length())
     kv = _TL_TYPES[kv_dtype] if kv_dtype is not None else t
@@ -112,26 +113,29 @@ def support_variants(dtype: torch.dtype = torch.float16, head_size: int = 128, n
     ]
 
 
-def variants(full: bool = False) -> list[Variant]:
-    """The quick set (one of each path), or every combination of dtype, head size and path."""
+def variants(full: bool = False, sm: int = 90) -> list[Variant]:
+    """The quick set (one of each path), or every combination of dtype, head size and path,
+    with the tiles ``choose_tiles`` picks for compute capability ``sm``."""
+    def att(*args, **kw) -> Variant:
+        return attention_variant(*args, sm=sm, **kw)
     if not full:
-        return [attention_variant(torch.float16, 128, 4, 1), attention_variant(torch.bfloat16, 128, 4, 512),
-                attention_variant(torch.float32, 64, 4, 512), attention_variant(torch.float16, 128, 4, 1, segments=16),
-                attention_variant(torch.bfloat16, 128, 4, 512, lse=True, causal=False),  # cascade prefix pass
-                attention_variant(torch.float16, 128, 4, 1, lse=True),  # a decode step's suffix pass
-                attention_variant(torch.bfloat16, 128, 4, 1, kv_dtype=torch.float8_e4m3fn),  # --kv-cache-dtype fp8
-                attention_variant(torch.float16, 128, 4, 512, kv_dtype=torch.float8_e5m2),
+        return [att(torch.float16, 128, 4, 1), att(torch.bfloat16, 128, 4, 512),
+                att(torch.float32, 64, 4, 512), att(torch.float16, 128, 4, 1, segments=16),
+                att(torch.bfloat16, 128, 4, 512, lse=True, causal=False),  # cascade prefix pass
+                att(torch.float16, 128, 4, 1, lse=True),  # a decode step's suffix pass
+                att(torch.bfloat16, 128, 4, 1, kv_dtype=torch.float8_e4m3fn),  # --kv-cache-dtype fp8
+                att(torch.float16, 128, 4, 512, kv_dtype=torch.float8_e5m2),
                 *support_variants()]
     out = []
     for dtype in (torch.float16, torch.bfloat16, torch.float32):
         for head_size in (64, 128, 256):
             for group in (1, 4, 8):
                 for q in (1, 512):
-                    out.append(attention_variant(dtype, head_size, group, q))
-            out.append(attention_variant(dtype, head_size, 4, 512, window=1024, soft_cap=True))
-            out.append(attention_variant(dtype, head_size, 8, 1, segments=16))
-            out.append(attention_variant(dtype, head_size, 8, 512, lse=True, causal=False))
-            out.append(attention_variant(dtype, head_size, 8, 128, window=128, sinks=True))  # gpt-oss sliding
+                    out.append(att(dtype, head_size, group, q))
+            out.append(att(dtype, head_size, 4, 512, window=1024, soft_cap=True))
+            out.append(att(dtype, head_size, 8, 1, segments=16))
+            out.append(att(dtype, head_size, 8, 512, lse=True, causal=False))
+            out.append(att(dtype, head_size, 8, 128, window=128, sinks=True))  # gpt-oss sliding
             out += support_variants(dtype, head_size)[:3]
     return out + support_variants()[3:]
 
@@ -192,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     if interpreting():
         print("aot_check compiles for GPUs: run it without TRITON_INTERPRET=1", file=sys.stderr)
         return 2
-    reports = [compile_variant(v, int(a)) for a in args.arch.split(",") for v in variants(args.full)]
+    reports = [compile_variant(v, int(a)) for a in args.arch.split(",") for v in variants(args.full, sm=int(a))]
     if args.json:
         print(json.dumps([asdict(r) for r in reports], indent=1))
     else:

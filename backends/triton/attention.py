@@ -53,7 +53,8 @@ class TileConfig:
 
 
 def choose_tiles(max_query_len: int, num_queries_per_kv: int, head_size: int,
-                 dtype: torch.dtype = torch.float16, *, interpreter: bool | None = None) -> TileConfig:
+                 dtype: torch.dtype = torch.float16, *, interpreter: bool | None = None,
+                 sm: int | None = None) -> TileConfig:
     """Tile sizes for a batch whose longest query has ``max_query_len`` tokens.
 
     GPU (``interpreter=False``): decode-like batches (``max_query_len`` no more than the
@@ -62,9 +63,13 @@ def choose_tiles(max_query_len: int, num_queries_per_kv: int, head_size: int,
     (32 for heads over 128 and for float32). Keys per iteration: 64 for 16-bit heads up
     to 128; 32 (16 in decode tiles) beyond; 16 for float32 (an exact, non-tensor-core
     ``tl.dot``). Warps: 8 for float32 heads from 128, 16-bit heads of 256 and tiles of
-    ``block_m * head_size >= 8192``, else 4. These sizes compile without register spills
-    for sm_80 and sm_90 (``python -m attnplug.backends.triton.aot_check --full``; a quick
-    subset runs in ``tests/backends/triton/test_gpu_compile.py``).
+    ``block_m * head_size >= 8192``, else 4; except that on ``sm >= 90`` a tile of exactly
+    8192 (the 64-row 16-bit d=128 prefill tile) takes 4: it ran 1.41x faster than with 8 on
+    a prefill and 1.28x on a mixed step (H200, triton 3.6, ``tests/gpu/tile_sweep.py``,
+    docs/performance.md), and on sm_80 it would spill (40 B of stack). ``sm``: the GPU's
+    compute capability as ``10 * major + minor`` (``None``: 80's choice). These sizes compile
+    without register spills for sm_80 and sm_90 (``python -m attnplug.backends.triton.aot_check
+    --full``; a quick subset runs in ``tests/backends/triton/test_gpu_compile.py``).
 
     Interpreter (``interpreter=True``; default: whatever mode the process runs in): the
     cost is per operation, not per element, so queries longer than a decode tile use
@@ -90,8 +95,24 @@ def choose_tiles(max_query_len: int, num_queries_per_kv: int, head_size: int,
         tile_n = 64
     else:
         tile_n = 32 if block_m >= 32 else 16
-    num_warps = 8 if head_size >= (128 if fp32 else 256) or block_m * head_size >= 8192 else 4
+    wide = block_m * head_size > 8192 or (block_m * head_size == 8192 and (sm is None or sm < 90))
+    num_warps = 8 if head_size >= (128 if fp32 else 256) or wide else 4
     return TileConfig(block_m, block_m // num_queries_per_kv, tile_n, num_warps, num_stages=2)
+
+
+_CAPABILITY: dict[int, int] = {}
+
+
+def compute_capability(device: torch.device) -> int | None:
+    """``10 * major + minor`` of a CUDA ``device`` (cached per device index), ``None`` off CUDA."""
+    if device.type != "cuda":
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    sm = _CAPABILITY.get(index)
+    if sm is None:
+        major, minor = torch.cuda.get_device_capability(index)
+        sm = _CAPABILITY[index] = 10 * major + minor
+    return sm
 
 
 def num_query_tiles(num_tokens: int, num_reqs: int, block_q: int) -> int:
@@ -238,7 +259,8 @@ def lower_arguments(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     num_tokens, num_heads, head_size = query.shape
     num_kv_heads = key_cache.shape[2]
     group = num_heads // num_kv_heads
-    cfg = tiles or choose_tiles(max_query_len, group, head_size, query.dtype)
+    cfg = tiles or choose_tiles(max_query_len, group, head_size, query.dtype,
+                                sm=compute_capability(query.device))
     padded = max(16, _next_pow2(head_size))
     grid = (num_query_tiles(num_tokens, num_reqs, cfg.block_q), num_kv_heads, num_kv_splits)
     partials = _segment_partials(output, num_kv_splits, padded)

@@ -22,7 +22,7 @@ import sys
 
 import torch
 
-from attnplug.backends.triton.attention import TileConfig, choose_tiles, paged_attention
+from attnplug.backends.triton.attention import TileConfig, choose_tiles, compute_capability, paged_attention
 from attnplug.runner.commands.bench.timing import time_gpu
 
 HEADS, KV_HEADS, HEAD, BLOCK = 32, 8, 128, 16
@@ -78,7 +78,7 @@ def sweep(iters: int, json_path: str | None = None) -> list[dict]:
         query, cache, table, qsl, seq = _batch(requests, dtype, device, gen)
         want = _reference(query, cache, table, requests)
         max_q = max(s for _, s in requests)
-        default = choose_tiles(max_q, HEADS // KV_HEADS, HEAD, dtype, interpreter=False)
+        default = choose_tiles(max_q, HEADS // KV_HEADS, HEAD, dtype, interpreter=False, sm=compute_capability(device))
         configs = [default] + [TileConfig(m, m // 4, n, w, st) for m, n, w, st in VARIANTS
                                if (m, n, w, st) != (default.block_m, default.tile_n, default.num_warps,
                                                     default.num_stages)]

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from attnplug.backends.triton import choose_tiles, paged_attention
+from attnplug.backends.triton.attention import compute_capability
 from attnplug.backends.triton.attention import num_query_tiles
 from attnplug.core.errors import MetadataError
 
@@ -155,3 +156,18 @@ def test_tile_choice():
     assert choose_tiles(1, 8, 256, torch.bfloat16, **gpu).tile_n == 16
     interp = choose_tiles(500, 4, 64, torch.float32)  # this process runs the interpreter
     assert (interp.block_m, interp.tile_n) == (128, 128)
+
+
+@pytest.mark.parametrize("sm, warps", [(None, 8), (80, 8), (86, 8), (90, 4), (100, 4)])
+def test_the_16_bit_d128_prefill_tile_takes_4_warps_from_sm90(sm, warps):
+    """The H200 sweep (docs/performance.md, "Tile sweep"): 4 warps 1.41x faster on sm_90;
+    on sm_80 they would spill, so 8 stay. Other tiles keep their warps on every sm."""
+    assert choose_tiles(500, 4, 128, torch.bfloat16, interpreter=False, sm=sm).num_warps == warps
+    assert choose_tiles(500, 8, 128, torch.float16, interpreter=False, sm=sm).num_warps == warps
+    assert choose_tiles(500, 4, 256, torch.bfloat16, interpreter=False, sm=sm).num_warps == 8
+    assert choose_tiles(500, 4, 64, torch.bfloat16, interpreter=False, sm=sm).num_warps == 4
+    assert choose_tiles(1, 4, 128, torch.float16, interpreter=False, sm=sm).num_warps == 4
+
+
+def test_compute_capability_is_none_off_cuda():
+    assert compute_capability(torch.device("cpu")) is None
