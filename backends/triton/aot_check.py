@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from attnplug.backends.triton.attention import REDUCE_ELEMENTS_PER_PROGRAM, choose_tiles
+from attnplug.backends.triton.constants import FP8_E4M3_MIN_SM
 from attnplug.backends.triton.runtime import interpreting, kernel_module
 
 _TL_TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32",
@@ -87,8 +88,9 @@ def attention_variant(dtype: torch.dtype, head_size: int, group: int, max_query_
 
 
 def support_variants(dtype: torch.dtype = torch.float16, head_size: int = 128, num_heads: int = 32,
-                     segments: int = 16) -> list[Variant]:
-    """The reduce, KV-write and slot-mapping kernels as their launchers specialise them."""
+                     segments: int = 16, sm: int = 90) -> list[Variant]:
+    """The reduce, KV-write and slot-mapping kernels as their launchers specialise them (no
+    ``fp8_e4m3`` KV write below :data:`FP8_E4M3_MIN_SM`, where the backend refuses that cache)."""
     t = _TL_TYPES[dtype]
     padded = 1 << (head_size - 1).bit_length()
     heads_per_program = max(1, min(num_heads, REDUCE_ELEMENTS_PER_PROGRAM // (padded * segments)))
@@ -106,7 +108,7 @@ def support_variants(dtype: torch.dtype = torch.float16, head_size: int = 128, n
                        ROWS_PER_PROGRAM=max(1, 2048 // padded), BLOCK_SIZE=16, KV_FP8=c != dtype,
                        FP8_MAX=448.0 if c != dtype else 0.0, FP8_MANTISSA=3, FP8_MIN_EXP=-6,
                        ROUND_ON_GRID=False))
-          for c in (dtype, torch.float8_e4m3fn)),
+          for c in ((dtype, torch.float8_e4m3fn) if sm >= FP8_E4M3_MIN_SM else (dtype,))),
         Variant("slot_mapping", "slot_mapping_kernel",
                 dict(query_start_loc_ptr="i32", positions_ptr="i64", block_table_ptr="i32", slot_mapping_ptr="i64"),
                 dict(BLOCK_SIZE=16, PAD_SLOT=-1, TOKENS_PER_ITER=256)),
@@ -118,14 +120,15 @@ def variants(full: bool = False, sm: int = 90) -> list[Variant]:
     with the tiles ``choose_tiles`` picks for compute capability ``sm``."""
     def att(*args, **kw) -> Variant:
         return attention_variant(*args, sm=sm, **kw)
+    e4m3 = sm >= FP8_E4M3_MIN_SM
     if not full:
         return [att(torch.float16, 128, 4, 1), att(torch.bfloat16, 128, 4, 512),
                 att(torch.float32, 64, 4, 512), att(torch.float16, 128, 4, 1, segments=16),
                 att(torch.bfloat16, 128, 4, 512, lse=True, causal=False),  # cascade prefix pass
                 att(torch.float16, 128, 4, 1, lse=True),  # a decode step's suffix pass
-                att(torch.bfloat16, 128, 4, 1, kv_dtype=torch.float8_e4m3fn),  # --kv-cache-dtype fp8
+                *([att(torch.bfloat16, 128, 4, 1, kv_dtype=torch.float8_e4m3fn)] if e4m3 else []),  # fp8 cache
                 att(torch.float16, 128, 4, 512, kv_dtype=torch.float8_e5m2),
-                *support_variants()]
+                *support_variants(sm=sm)]
     out = []
     for dtype in (torch.float16, torch.bfloat16, torch.float32):
         for head_size in (64, 128, 256):
@@ -136,8 +139,8 @@ def variants(full: bool = False, sm: int = 90) -> list[Variant]:
             out.append(att(dtype, head_size, 8, 1, segments=16))
             out.append(att(dtype, head_size, 8, 512, lse=True, causal=False))
             out.append(att(dtype, head_size, 8, 128, window=128, sinks=True))  # gpt-oss sliding
-            out += support_variants(dtype, head_size)[:3]
-    return out + support_variants()[3:]
+            out += support_variants(dtype, head_size, sm=sm)[:-1]
+    return out + support_variants(sm=sm)[-1:]
 
 
 def _resource_usage(cubin: bytes) -> tuple[int, int, int]:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from attnplug.backends.triton.constants import MAX_HEAD_SIZE
-from attnplug.backends.triton.runtime import interpreting, kernel_module, launch
+from attnplug.backends.triton.runtime import compute_capability, interpreting, kernel_module, launch
 from attnplug.backends.common.value_checks import check_batch, values_checked
 from attnplug.core.errors import MetadataError
 from attnplug.core.kv_quant import is_quantized, per_head_scales
@@ -98,21 +98,6 @@ def choose_tiles(max_query_len: int, num_queries_per_kv: int, head_size: int,
     wide = block_m * head_size > 8192 or (block_m * head_size == 8192 and (sm is None or sm < 90))
     num_warps = 8 if head_size >= (128 if fp32 else 256) or wide else 4
     return TileConfig(block_m, block_m // num_queries_per_kv, tile_n, num_warps, num_stages=2)
-
-
-_CAPABILITY: dict[int, int] = {}
-
-
-def compute_capability(device: torch.device) -> int | None:
-    """``10 * major + minor`` of a CUDA ``device`` (cached per device index), ``None`` off CUDA."""
-    if device.type != "cuda":
-        return None
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    sm = _CAPABILITY.get(index)
-    if sm is None:
-        major, minor = torch.cuda.get_device_capability(index)
-        sm = _CAPABILITY[index] = 10 * major + minor
-    return sm
 
 
 def num_query_tiles(num_tokens: int, num_reqs: int, block_q: int) -> int:

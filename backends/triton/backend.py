@@ -15,8 +15,8 @@ from abc import ABCMeta
 import torch
 
 from attnplug.backends.common.features import SinksAndAlibiFeatures, WindowAndSoftCapFeatures
-from attnplug.backends.triton.constants import HEAD_SIZES, KERNEL_BLOCK_SIZES
-from attnplug.backends.triton.runtime import interpreting, unavailable_reason
+from attnplug.backends.triton.constants import FP8_E4M3_MIN_SM, HEAD_SIZES, KERNEL_BLOCK_SIZES
+from attnplug.backends.triton.runtime import compute_capability, cuda_available, interpreting, unavailable_reason
 from attnplug.core.kv_quant import is_quantized
 from attnplug.core.contracts import AttentionBackend, AttentionImpl, AttentionLayerConfig, AttentionMetadataBuilder
 
@@ -87,7 +87,8 @@ class TritonBackend(WindowAndSoftCapFeatures, SinksAndAlibiFeatures, AttentionBa
     def validate_configuration(cls, layer: AttentionLayerConfig) -> list[str]:
         """The base checks (declared dtypes, head sizes, block sizes, features, device),
         with the reason behind the mode-dependent ones, plus: the KV cache dtype must be
-        the activation dtype."""
+        the activation dtype or an fp8 one, and an ``fp8_e4m3`` cache needs a GPU of compute
+        capability >= 8.9 (:data:`~attnplug.backends.triton.constants.FP8_E4M3_MIN_SM`)."""
         reasons = super().validate_configuration(layer)
         dev = torch.device(layer.device).type
         if dev == "cpu" and not interpreting() and cls.is_available()[0]:  # else the base's reason says it
@@ -99,4 +100,8 @@ class TritonBackend(WindowAndSoftCapFeatures, SinksAndAlibiFeatures, AttentionBa
         if layer.effective_kv_cache_dtype != layer.dtype and not is_quantized(layer.effective_kv_cache_dtype):
             reasons.append(f"kv_cache_dtype {layer.effective_kv_cache_dtype} differs from dtype {layer.dtype}: "
                            "the kernels read the cache in the activation dtype (no quantized caches)")
+        sm = compute_capability(torch.device(layer.device)) if dev == "cuda" and cuda_available() else None
+        if layer.effective_kv_cache_dtype == torch.float8_e4m3fn and sm is not None and sm < FP8_E4M3_MIN_SM:
+            reasons.append(f"an fp8_e4m3 KV cache needs compute capability >= {FP8_E4M3_MIN_SM / 10:.1f} (this GPU: "
+                           f"{sm / 10:.1f}): Triton cannot convert to float8e4nv there; use fp8_e5m2")
         return reasons

@@ -19,4 +19,10 @@ KERNEL_BLOCK_SIZES: tuple[int, ...] = (16, 32, 64)
 """Kernel block (page) sizes, tokens. A manager block size that is a multiple of one of
 these is served by splitting each manager block into kernel blocks (128 -> 64, 48 -> 16)."""
 
-__all__ = ["HEAD_SIZES", "KERNEL_BLOCK_SIZES", "MAX_HEAD_SIZE"]
+FP8_E4M3_MIN_SM = 89
+"""Compute capability (``10 * major + minor``) from which Triton converts to ``float8e4nv``
+(an ``fp8_e4m3`` KV cache's write): compiling the KV write for sm_80 fails with "type
+fp8e4nv not supported in this architecture" (triton 3.9, ``aot_check --full``); sm_80
+takes ``fp8_e5m2``."""
+
+__all__ = ["FP8_E4M3_MIN_SM", "HEAD_SIZES", "KERNEL_BLOCK_SIZES", "MAX_HEAD_SIZE"]

@@ -163,5 +163,27 @@ def launch(module: ModuleType, kernel_name: str, grid: tuple[int, ...], *args, *
         kernel[grid](*args, **kwargs)
 
 
-__all__ = ["cuda_available", "env_requests_interpreter", "interpreter_incompatibility", "interpreting",
+_CAPABILITY: dict[int, int] = {}
+"""Compute capability per CUDA device index, read once (:func:`compute_capability`)."""
+
+
+def compute_capability(device: "torch.device") -> int | None:
+    """``10 * major + minor`` of a CUDA ``device`` (cached per device index), ``None`` off CUDA.
+
+    Raises:
+        RuntimeError: a CUDA device while torch sees no CUDA (from torch).
+    """
+    if device.type != "cuda":
+        return None
+    import torch
+
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    sm = _CAPABILITY.get(index)
+    if sm is None:
+        major, minor = torch.cuda.get_device_capability(index)
+        sm = _CAPABILITY[index] = 10 * major + minor
+    return sm
+
+
+__all__ = ["compute_capability", "cuda_available", "env_requests_interpreter", "interpreter_incompatibility", "interpreting",
            "kernel_module", "launch", "triton_import_error", "unavailable_reason"]

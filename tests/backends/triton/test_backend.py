@@ -103,6 +103,19 @@ def test_validate_configuration_gives_every_reason():
         assert needle in text, text
 
 
+@pytest.mark.parametrize("sm, cache, refused", [(80, torch.float8_e4m3fn, True), (86, torch.float8_e4m3fn, True),
+                                                (89, torch.float8_e4m3fn, False), (90, torch.float8_e4m3fn, False),
+                                                (80, torch.float8_e5m2, False), (80, None, False)])
+def test_an_fp8_e4m3_cache_is_refused_below_sm89(monkeypatch, sm, cache, refused):
+    """Triton cannot convert to float8e4nv below sm_89 (the KV write fails to compile for
+    sm_80: ``aot_check --full``, session 18): the backend says so instead."""
+    monkeypatch.setattr(backend_mod, "cuda_available", lambda: True)
+    monkeypatch.setattr(backend_mod, "compute_capability", lambda device: sm)
+    layer = AttentionLayerConfig(8, 2, 64, dtype=torch.float16, block_size=16, kv_cache_dtype=cache, device="cuda")
+    text = "\n".join(TritonBackend.validate_configuration(layer))
+    assert ("needs compute capability >= 8.9" in text) is refused, text
+
+
 def test_impl_rejects_what_the_kernels_cannot_do():
     with pytest.raises(BackendUnsupportedError) as exc:
         TritonAttentionImpl(6, 72, 1.0, 4, sliding_window=0, logits_soft_cap=-1.0,
