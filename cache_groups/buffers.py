@@ -18,8 +18,8 @@ def pin_memory_available(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_available()
 
 
-def upload(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    """A one-off host array on ``device`` without synchronising the host.
+def upload(array: np.ndarray | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A one-off host array (or CPU tensor) on ``device`` without synchronising the host.
 
     On CUDA the array is staged through a pinned tensor from torch's caching host
     allocator and copied non-blocking (the allocator holds that pinned block until the
@@ -28,13 +28,15 @@ def upload(array: np.ndarray, device: torch.device) -> torch.Tensor:
     shares ``array``'s memory (no copy).
 
     Args:
-        array: any shape and numeric dtype, C-contiguous or not (copied when staged).
+        array: a numpy array or a CPU tensor, any shape and numeric dtype, contiguous or not
+            (copied when staged).
         device: the target device.
 
     Returns:
-        a tensor of ``array``'s shape and dtype on ``device``.
+        a tensor of ``array``'s shape and dtype on ``device`` (``array``'s own memory on the
+        CPU, a tensor given as one).
     """
-    host = torch.from_numpy(array)
+    host = array if isinstance(array, torch.Tensor) else torch.from_numpy(array)
     if device.type == "cpu":
         return host
     if pin_memory_available(device):

@@ -9,9 +9,11 @@ own, then merges the two (``backends/flash_attn/impl.py``). ``P`` is the runner'
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from attnplug.backends.flash_attn.metadata import FlashAttnCascadeMetadata, FlashAttnMetadata
+from attnplug.cache_groups.buffers import upload
 from attnplug.core.metadata import CommonAttentionMetadata
 
 
@@ -38,9 +40,9 @@ def cascade_fields(md: FlashAttnMetadata, prefix: int, device: torch.device) -> 
     torch.cumsum(suffix, 0, dtype=torch.int32, out=cu_suffix[1:])
     return FlashAttnCascadeMetadata(
         common_prefix_len=prefix,
-        cu_prefix_query_lens=torch.tensor([0, md.num_actual_tokens], dtype=torch.int32, device=device),
-        prefix_kv_lens=torch.tensor([prefix], dtype=torch.int32, device=device),
-        cu_prefix_kv_lens=torch.tensor([0, prefix], dtype=torch.int32, device=device),
+        cu_prefix_query_lens=upload(np.array([0, md.num_actual_tokens], dtype=np.int32), device),
+        prefix_kv_lens=upload(np.array([prefix], dtype=np.int32), device),
+        cu_prefix_kv_lens=upload(np.array([0, prefix], dtype=np.int32), device),
         prefix_block_table=md.block_table[:1, :num_prefix_blocks],
         suffix_kv_lens=suffix, cu_suffix_kv_lens=cu_suffix,
         suffix_block_table=md.block_table[:, num_prefix_blocks:],

@@ -18,6 +18,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from attnplug.cache_groups.buffers import upload
+
 
 def page_metadata(seq_lens: np.ndarray, page_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """FlashInfer's per-request page counts as CSR arrays, vectorized.
@@ -60,8 +62,8 @@ def gather_page_indices(block_table: torch.Tensor, indptr: np.ndarray, num_pages
     rows = np.repeat(np.arange(B, dtype=np.int64), num_pages)
     cols = np.arange(total, dtype=np.int64) - indptr[:B].astype(np.int64)[rows]
     dev = block_table.device
-    rows_t = torch.from_numpy(rows).to(dev, non_blocking=True)
-    cols_t = torch.from_numpy(cols).to(dev, non_blocking=True)
+    rows_t = upload(rows, dev)  # pinned: a pageable non_blocking copy is staged synchronously
+    cols_t = upload(cols, dev)
     return block_table[rows_t, cols_t].to(torch.int32)
 
 

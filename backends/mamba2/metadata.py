@@ -22,7 +22,7 @@ import torch
 
 from attnplug.backends.mamba2.layout import PrefillLayout, compute_prefill_layout, max_num_chunks
 from attnplug.backends.mamba2.verify import compute_verify_layout
-from attnplug.cache_groups.buffers import CpuGpuBuffer
+from attnplug.cache_groups.buffers import CpuGpuBuffer, upload
 from attnplug.core import switches
 from attnplug.core.constants import PAD_SLOT_ID
 from attnplug.core.contracts import AttentionCGSupport, AttentionMetadataBuilder, BuilderConfig
@@ -285,7 +285,7 @@ class Mamba2MetadataBuilder(AttentionMetadataBuilder):
         state_indices = self._state_indices_from(bt, R, self._state_indices)
         arrays = [ver.verify_rows, ver.verify_token_index, ver.verify_write_index, ver.verify_write_bt_index,
                   prows, ver.prefill_token_index, layout.query_start_loc]
-        dev = torch.from_numpy(np.concatenate(arrays)).to(self.device)
+        dev = upload(np.concatenate(arrays), self.device)
         v_rows, v_tok, v_write, v_bt, p_rows, p_tok, qsl_p = torch.split(dev, [a.shape[0] for a in arrays])
         slots = bt.reshape(-1).index_select(0, v_bt).long()
         Tp = int(ver.prefill_token_index.shape[0])

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import numpy as np
 import torch
 
+from attnplug.cache_groups.buffers import upload
 from attnplug.runner.step.scheduler_output import SamplingParams
 
 
@@ -72,9 +74,10 @@ class Sampler:
         greedy = logits.max(dim=-1).indices
         if all(p.temperature <= 0 for p in params):  # decided on the host: no device sync
             return greedy
-        temps = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=logits.device)
-        top_k = torch.tensor([p.top_k for p in params], dtype=torch.int64, device=logits.device)
-        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=logits.device)
+        dev = logits.device  # per-row parameters through pinned copies: no host sync (cache_groups/buffers.upload)
+        temps = upload(np.array([p.temperature for p in params], dtype=np.float32), dev)
+        top_k = upload(np.array([p.top_k for p in params], dtype=np.int64), dev)
+        top_p = upload(np.array([p.top_p for p in params], dtype=np.float32), dev)
         scaled = logits.float() / torch.where(temps > 0, temps, torch.ones_like(temps)).unsqueeze(1)
         probs = torch.softmax(apply_top_k_top_p(scaled, top_k, top_p), dim=-1)
         # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p; each row's E comes
@@ -84,9 +87,9 @@ class Sampler:
         if shared_rows:
             draw = torch.empty((len(shared_rows), probs.shape[1]), device="cpu")
             draw.exponential_(generator=self._default_generator)
-            noise[shared_rows] = draw.to(probs.device)
+            noise[shared_rows] = upload(draw, probs.device)
         for i, g in enumerate(generators):
             if g is not None:
-                noise[i] = torch.empty(probs.shape[1], device="cpu").exponential_(generator=g).to(probs.device)
+                noise[i] = upload(torch.empty(probs.shape[1], device="cpu").exponential_(generator=g), probs.device)
         sampled = (probs / noise).argmax(dim=-1)
         return torch.where(temps > 0, sampled, greedy)

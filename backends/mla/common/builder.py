@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from attnplug.cache_groups.buffers import upload
 from attnplug.cache_groups.specs import cdiv
 from attnplug.core.contracts import AttentionCGSupport, AttentionMetadataBuilder, BuilderConfig
 from attnplug.core.errors import MetadataError
@@ -154,8 +155,8 @@ class MLACommonMetadataBuilder(AttentionMetadataBuilder):
         total = int(cu[-1])
         req = np.repeat(np.arange(len(lens)), lens)
         pos = starts[req] + np.arange(total) - cu[:-1][req]
-        req_t = torch.from_numpy(req).to(self.device)
-        pos_t = torch.from_numpy(pos).to(self.device)
+        req_t = upload(req, self.device)
+        pos_t = upload(pos, self.device)
         blocks = block_table[req_t, torch.div(pos_t, bs, rounding_mode="floor")].to(torch.int64)
-        return MLAContextChunk(cu_seq_lens=torch.from_numpy(cu.astype(np.int32)).to(self.device),
+        return MLAContextChunk(cu_seq_lens=upload(cu.astype(np.int32), self.device),
                                slots=blocks * bs + pos_t % bs, max_seq_len=int(lens.max()), total_tokens=total)

@@ -18,6 +18,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from attnplug.cache_groups.buffers import upload
 from attnplug.cache_groups.kinds import GroupKind
 from attnplug.runner.step.spec_apply import draft_state_copies
 
@@ -40,6 +41,6 @@ def commit_draft_states(runner, rows: np.ndarray, tokens: Sequence[Sequence[int]
         for name in runner.kv_cache_config.groups[g].layer_names:
             cache = runner.kv_caches[name]
             for t in tuple(cache):  # every tensor the state spec declares (core/state.py)
-                s, d = torch.from_numpy(src).to(t.device), torch.from_numpy(dst).to(t.device)
+                s, d = upload(src, t.device), upload(dst, t.device)
                 t.index_copy_(0, d, t.index_select(0, s))
     return n
