@@ -38,7 +38,7 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     # top_p >= 1 keeps everything: the cumulative sum may round past 1 before the tail
     p = top_p.to(probs.dtype).unsqueeze(1)
     drop |= (mass_before >= p) & (p < 1)
-    drop[:, 0] = False
+    drop[:, 0].fill_(False)  # (``drop[:, 0] = False`` would copy a host scalar: a CUDA sync)
     masked_sorted = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, masked_sorted)
 
@@ -87,7 +87,8 @@ class Sampler:
         if shared_rows:
             draw = torch.empty((len(shared_rows), probs.shape[1]), device="cpu")
             draw.exponential_(generator=self._default_generator)
-            noise[shared_rows] = upload(draw, probs.device)
+            rows = upload(np.array(shared_rows, dtype=np.int64), probs.device)
+            noise.index_copy_(0, rows, upload(draw, probs.device))
         for i, g in enumerate(generators):
             if g is not None:
                 noise[i] = upload(torch.empty(probs.shape[1], device="cpu").exponential_(generator=g), probs.device)
