@@ -29,15 +29,21 @@ def _engine(async_scheduling: bool):
     return LLMEngine(sched, runner)
 
 
-def test_a_steady_async_step_does_not_synchronise():
+@pytest.mark.parametrize("sampling", ["greedy", "seeded"])
+def test_a_steady_async_step_does_not_synchronise(sampling):
+    """Greedy, and seeded sampling with temperature, top-k and top-p (the sampler's per-row
+    parameters and noise go up through pinned copies: cache_groups/buffers.upload)."""
     from attnplug.runner.step.scheduler_output import SamplingParams
 
     prompts = [[(7 * i + j) % 100 + 1 for j in range(5 + i)] for i in range(4)]
+    params = [SamplingParams(max_tokens=12) if sampling == "greedy" else
+              SamplingParams(temperature=0.8, top_k=20 + i, top_p=0.9, seed=100 + i, max_tokens=12)
+              for i in range(len(prompts))]
     outs = {}
     for mode in (False, True):
         eng = _engine(mode)
         for i, p in enumerate(prompts):
-            eng.add_request(f"r{i}", p, SamplingParams(max_tokens=12))
+            eng.add_request(f"r{i}", p, params[i])
         for _ in range(4):  # prefills done, decoding, one step in flight
             eng.step()
         if mode:
