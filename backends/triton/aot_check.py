@@ -26,12 +26,13 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from attnplug.backends.triton.attention import REDUCE_ELEMENTS_PER_PROGRAM, choose_tiles
+from attnplug.backends.triton.attention import REDUCE_ELEMENTS_PER_PROGRAM, choose_tiles, lower_arguments
 from attnplug.backends.triton.constants import FP8_E4M3_MIN_SM
 from attnplug.backends.triton.runtime import interpreting, kernel_module
 
 _TL_TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32",
              torch.float8_e4m3fn: "fp8e4nv", torch.float8_e5m2: "fp8e5"}
+_INT_TYPES = {torch.int32: "i32", torch.int64: "i64"}
 
 
 @dataclass(frozen=True)
@@ -65,26 +66,34 @@ def attention_variant(dtype: torch.dtype, head_size: int, group: int, max_query_
                       sm: int = 90) -> Variant:
     """The ``paged_attention_kernel`` variant ``paged_attention`` launches for these inputs on a GPU
     of compute capability ``sm`` (``lse``: storing the log-sum-exp, as cascade attention's passes
-    do; ``kv_dtype``: an fp8 cache, dequantised in the kernel)."""
-    cfg = choose_tiles(max_query_len, group, head_size, dtype, interpreter=False, sm=sm)
-    t = _TL_TYPES[dtype]
-    padded = max(16, 1 << (head_size - 1).bit_length())
-    kv = _TL_TYPES[kv_dtype] if kv_dtype is not None else t
-    ptrs = dict(query_ptr=t, key_cache_ptr=kv, value_cache_ptr=kv, output_ptr=t, part_acc_ptr="fp32",
-                part_max_ptr="fp32", part_sum_ptr="fp32", query_start_loc_ptr="i32", seq_lens_ptr="i32",
-                block_table_ptr="i32", visited_tiles_ptr="i32", lse_ptr="fp32", sinks_ptr="fp32",
-                alibi_ptr="fp32", k_scale_ptr="fp32", v_scale_ptr="fp32")
-    ce = dict(NUM_QUERIES_PER_KV=group, HEAD_SIZE=head_size, HEAD_SIZE_PADDED=padded, BLOCK_SIZE=16,
-              BLOCK_M=cfg.block_m, BLOCK_Q=cfg.block_q, TILE_N=cfg.tile_n, CAUSAL=causal, SLIDING_WINDOW=window,
-              USE_SOFT_CAP=soft_cap, NUM_SEGMENTS=segments, DOT_PRECISION="ieee" if t == "fp32" else "tf32",
-              RECORD_VISITED=False, KV_SAME_STRIDES=True, STORE_LSE=lse, USE_SINKS=sinks,
-              USE_ALIBI=False, KV_FP8=kv_dtype is not None)
-    kind = "decode" if max_query_len == 1 else "prefill"
+    do; ``kv_dtype``: an fp8 cache, dequantised in the kernel): the launcher's own
+    :func:`~attnplug.backends.triton.attention.lower_arguments` on ``meta`` tensors gives the
+    constexprs, the launch options and each pointer's element type (with one segment the
+    partials are ``output`` itself, and an absent optional tensor its stand-in), so this
+    compiles exactly the specialisation a launch gets."""
+    meta, kv_heads = torch.device("meta"), 8
+    heads, tokens = group * kv_heads, max(1, max_query_len)
+    query = torch.empty(tokens, heads, head_size, dtype=dtype, device=meta)
+    kv = torch.empty(4, 2, 16, kv_heads, head_size, dtype=kv_dtype or dtype, device=meta)
+    i32 = dict(dtype=torch.int32, device=meta)
+    launch = lower_arguments(
+        query, kv[:, 0], kv[:, 1], torch.empty_like(query), torch.empty(2, **i32), torch.empty(1, **i32),
+        torch.empty(1, 4, **i32), num_reqs=1, max_query_len=max_query_len, scale=1.0, causal=causal,
+        sliding_window=window or None, logits_soft_cap=30.0 if soft_cap else None, num_kv_splits=segments,
+        tiles=choose_tiles(max_query_len, group, head_size, dtype, interpreter=False, sm=sm), visited_tiles=None,
+        lse=torch.empty(tokens, heads, dtype=torch.float32, device=meta) if lse else None,
+        sinks=torch.empty(heads, dtype=torch.float32, device=meta) if sinks else None,
+        k_scale=None, v_scale=None, alibi_slopes=None)
+    names = [n for n in kernel_module("attention_kernels").paged_attention_kernel.arg_names
+             if n not in launch.constants]
+    ptrs = {n: _TL_TYPES.get(a.dtype) or _INT_TYPES[a.dtype] for n, a in zip(names, launch.args) if n.endswith("_ptr")}
+    ce = {k: v for k, v in launch.constants.items() if k not in ("num_warps", "num_stages")}
+    t, kind = _TL_TYPES[dtype], "decode" if max_query_len == 1 else "prefill"
     extra = (f" window={window}" if window else "") + (" softcap" if soft_cap else "") + \
         (f" splits={segments}" if segments > 1 else "") + (" lse" if lse else "") + ("" if causal else " non-causal") \
-        + (" sinks" if sinks else "") + (f" kv={kv}" if kv_dtype is not None else "")
-    return Variant(f"attention {t} d={head_size} group={group} {kind}{extra} (m={cfg.block_m} n={cfg.tile_n})",
-                   "paged_attention_kernel", ptrs, ce, cfg.num_warps, cfg.num_stages)
+        + (" sinks" if sinks else "") + (f" kv={_TL_TYPES[kv_dtype]}" if kv_dtype is not None else "")
+    return Variant(f"attention {t} d={head_size} group={group} {kind}{extra} (m={ce['BLOCK_M']} n={ce['TILE_N']})",
+                   "paged_attention_kernel", ptrs, ce, launch.constants["num_warps"], launch.constants["num_stages"])
 
 
 def support_variants(dtype: torch.dtype = torch.float16, head_size: int = 128, num_heads: int = 32,
