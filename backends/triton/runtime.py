@@ -185,5 +185,5 @@ def compute_capability(device: "torch.device") -> int | None:
     return sm
 
 
-__all__ = ["compute_capability", "cuda_available", "env_requests_interpreter", "interpreter_incompatibility", "interpreting",
-           "kernel_module", "launch", "triton_import_error", "unavailable_reason"]
+__all__ = ["compute_capability", "cuda_available", "env_requests_interpreter", "interpreter_incompatibility",
+           "interpreting", "kernel_module", "launch", "triton_import_error", "unavailable_reason"]

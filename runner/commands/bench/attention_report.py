@@ -66,8 +66,8 @@ def render_header(peaks: DevicePeaks, args) -> list[str]:
     return [f"Device: {peaks.name}; measured copy bandwidth {peaks.copy_gbps:,.0f} GB/s, {args.dtype} matmul "
             f"{peaks.matmul_tflops:,.0f} TFLOP/s. Layer: {args.num_heads} heads / {args.num_kv_heads} KV heads x "
             f"{args.head_size}, {args.dtype}, block {args.block_size}. ms: median GPU time of {args.iters} calls "
-            f"(cold L2, launch overhead excluded: runner/commands/bench/timing.py); launch ms: host time to queue one call "
-            f"(torch {torch.__version__}, torch threads {torch.get_num_threads()}).",
+            f"(cold L2, launch overhead excluded: runner/commands/bench/timing.py); launch ms: host time to queue "
+            f"one call (torch {torch.__version__}, torch threads {torch.get_num_threads()}).",
             source_line(args), "",
             "| " + " | ".join(COLUMNS) + " |",
             "|" + "---|" * len(COLUMNS)]
