@@ -242,9 +242,8 @@ class StepCompiler:
             InvalidSchedulerOutput: ``scheduler_output`` is not the one just applied.
             MetadataError: a bad ``num_tokens_padded``; a ``prev_token_ids`` that is not a
                 1-D integer tensor, whose length is not the latest ``append_placeholders``'
-                count (shorter or longer), or which holds a token outside ``[0, 2**31)``; a
-                placeholder among the step's tokens that nothing patches. Nothing is consumed
-                then.
+                count, or which holds a token outside ``[0, 2**31)``; a placeholder among the
+                step's tokens that nothing patches. Nothing is consumed then.
             MetadataInvariantError: with validation on, a broken invariant.
         """
         b = self.input_batch
