@@ -67,7 +67,10 @@ def add_drafts(rng: random.Random, sched: RandomScheduler, so, oracle: NaiveStep
     return spec
 
 
-@settings(max_examples=10 if os.environ.get("ATTNPLUG_MUTATE") else 45, deadline=None, suppress_health_check=list(HealthCheck))
+# derandomize: the same examples every run, so test_zz's coverage counts are deterministic (with
+# random draws `packed_native` fell below 100 in about one run in ten: 10 runs read 96-268)
+@settings(max_examples=10 if os.environ.get("ATTNPLUG_MUTATE") else 45, deadline=None, derandomize=True,
+          suppress_health_check=list(HealthCheck))
 @given(seed=st.integers(0, 2**32 - 1), layout=st.sampled_from(LAYOUTS),
        threshold=st.sampled_from([None, 1, 4]), native=st.sampled_from([None, False]), packed=st.booleans())
 def test_random_steps_with_drafts_match_the_oracle(seed, layout, threshold, native, packed):
