@@ -188,7 +188,11 @@ cdef class CachedScan:
         cdef const int32_t* pk_dids = NULL
         cdef const int32_t* pk_nb = NULL
         cdef const int32_t* pk_bids = NULL
-        cdef Py_ssize_t doff = 0, n_dids = 0
+        cdef Py_ssize_t n_dids = 0
+        # local pointers: through the memoryview structs every store would reload them
+        cdef int64_t* spec_sel = &self._spec_sel[0]
+        cdef int64_t* spec_rows = &self._spec_rows[0]
+        cdef int64_t* spec_lens = &self._spec_lens[0]
         if pk:  # (num_draft_tokens, draft_token_ids, num_new_blocks, new_block_ids)
             if has_spec or type(packed) is not tuple or len(<tuple>packed) != 4:
                 return False
@@ -237,16 +241,15 @@ cdef class CachedScan:
             held = self.num_tokens[r]
             if pk:
                 nd = pk_nd[i]
-                if nd:  # drafts: a decoding row verifying nd >= 1 of them
+                if nd:  # drafts: a decoding row verifying nd >= 1 of them (their ids are
+                    # copied and range-checked in one pass after the loop: in request order,
+                    # the verifying rows' drafts are the array's first stot ids)
                     if nd < 0 or held - v != 1 or c != 1 + nd or held + nd >= self.max_model_len \
-                            or stot + nd > self._spec_ids.shape[0] or doff + nd > n_dids:
+                            or stot + nd > self._spec_ids.shape[0] or stot + nd > n_dids:
                         return False
-                    if not _copy_in_range(pk_dids + doff, nd, &self._spec_ids[stot], 0, INT32_MAX + 1):
-                        return False
-                    doff += nd
-                    self._spec_sel[ns] = i
-                    self._spec_rows[ns] = r
-                    self._spec_lens[ns] = nd
+                    spec_sel[ns] = i
+                    spec_rows[ns] = r
+                    spec_lens[ns] = nd
                     stot += nd
                     ns += 1
                     held += nd
@@ -271,9 +274,9 @@ cdef class CachedScan:
                         return False
                     if _pack(bitems, nd, &self._spec_ids[stot], 0, INT32_MAX + 1, &lo, &hi) != nd:
                         return False
-                    self._spec_sel[ns] = i
-                    self._spec_rows[ns] = r
-                    self._spec_lens[ns] = nd
+                    spec_sel[ns] = i
+                    spec_rows[ns] = r
+                    spec_lens[ns] = nd
                     stot += nd
                     ns += 1
                     held += nd
@@ -361,7 +364,9 @@ cdef class CachedScan:
                 r = PyLong_AsSsize_t(<object>p)
                 if 0 <= r < self.max_num_reqs and self.stamp[r] == self.gen:
                     return False
-        if pk and doff != n_dids:  # drafts the counts do not cover
+        if pk and stot != n_dids:  # drafts the counts do not cover
+            return False
+        if pk and stot and not _copy_in_range(pk_dids, stot, &self._spec_ids[0], 0, INT32_MAX + 1):
             return False
         if not pk and ns != len(spec):  # drafts for a request that is not a scheduled cached one
             return False

@@ -60,7 +60,7 @@ cdef class Prepare:
         cdef int64_t maxq = 0, maxs = 0
         cdef Py_ssize_t Q = self._rows(R, &maxq, &maxs)
         cdef Py_ssize_t bad = self._gather(Q, P, 0, NULL, False)
-        self._slots(R, Q, P)
+        self._slots(R, Q, P, maxq)
         if bad >= 0:
             raise PlaceholderRead(bad)
         return Q, maxq, maxs
@@ -107,13 +107,13 @@ cdef class Prepare:
         cdef bint contiguous = True, written = prev_addr != 0
         if (expected >= 0 and Q != expected) or (0 <= P < Q):
             self._gather(Q, P, 0, NULL, False)  # the caller refuses this step: no patch (nor
-            self._slots(R, Q, P)                # a placeholder check: the refusal is the error)
+            self._slots(R, Q, P, maxq)                # a placeholder check: the refusal is the error)
             return Q, maxq, maxs, 0, True, False
         k = self._plan_patch(R, &contiguous, &smax)
         if smax >= prev_len:  # (contiguous: smax = k - 1)
             raise ValueError(f"holds {prev_len} tokens but a placeholder takes entry {smax}")
         cdef Py_ssize_t bad = self._gather(Q, P, k, <const int64_t*>prev_addr if written else NULL, contiguous)
-        self._slots(R, Q, P)
+        self._slots(R, Q, P, maxq)
         if bad >= 0:
             raise PlaceholderRead(bad)
         if R:
@@ -295,42 +295,31 @@ cdef class Prepare:
         return -1
 
     cdef int _row_slots(self, Py_ssize_t g, Py_ssize_t R, const int32_t* tb, Py_ssize_t ncols, int64_t sh,
-                        int64_t* slots) except -1:
+                        Py_ssize_t w, int64_t* slots) except -1:
         """Group ``g``'s slot mapping row by row (a power-of-two block size ``1 << sh``):
         a row's tokens are consecutive positions from ``positions[qsl[r]]``, so a row
         whose positions stay in one block reads one block-table entry and stores an
-        arithmetic sequence; a row that crosses a block reads one entry per token."""
-        cdef Py_ssize_t r, t, s, e
+        arithmetic sequence; a row that crosses a block reads one entry per token. ``w >
+        0``: every row holds ``w`` tokens (``Q == R * max_query_len``; the usual widths are
+        compiled as constants, so the per-row stores unroll), else ``0``."""
         cdef const int32_t* qsl = &self.qsl[0]
         cdef const int64_t* positions = &self.positions[0]
-        cdef int64_t c, col0, col1, base, mask = (<int64_t>1 << sh) - 1, pos
-        cdef const int32_t* rowp
-        for r in range(R):
-            s = qsl[r]
-            e = qsl[r + 1]
-            if s >= e:
-                continue
-            c = positions[s]
-            col1 = (c + e - s - 1) >> sh
-            if col1 >= ncols:
-                raise IndexError(f"group {g}: position {c + e - s - 1} lies past the block table")
-            rowp = tb + r * ncols
-            col0 = c >> sh
-            if col0 == col1:  # (the slot of position c + j is base + s + j)
-                base = ((<int64_t>rowp[col0] - col0) << sh) + c - s
-                for t in range(s, e):
-                    slots[t] = base + t
-            else:
-                for t in range(s, e):
-                    pos = c + t - s
-                    slots[t] = (<int64_t>rowp[pos >> sh] << sh) + (pos & mask)
-        return 0
+        if w == 2:
+            return _slot_rows(g, R, 2, qsl, positions, tb, ncols, sh, slots)
+        if w == 3:
+            return _slot_rows(g, R, 3, qsl, positions, tb, ncols, sh, slots)
+        if w == 4:
+            return _slot_rows(g, R, 4, qsl, positions, tb, ncols, sh, slots)
+        if w == 5:
+            return _slot_rows(g, R, 5, qsl, positions, tb, ncols, sh, slots)
+        return _slot_rows(g, R, 0, qsl, positions, tb, ncols, sh, slots)
 
-    cdef int _slots(self, Py_ssize_t R, Py_ssize_t Q, Py_ssize_t P) except -1:
-        """Every group's slot mapping of the ``Q`` tokens of rows ``0 .. R - 1``, padded to
-        ``P`` with ``PAD_SLOT``. Token by token when the rows hold fewer than two tokens
-        each on average (a decode step: the per-token loop is the faster one there), else
-        row by row (:meth:`_row_slots`: drafts, prefill chunks; same bytes)."""
+    cdef int _slots(self, Py_ssize_t R, Py_ssize_t Q, Py_ssize_t P, int64_t maxq) except -1:
+        """Every group's slot mapping of the ``Q`` tokens of rows ``0 .. R - 1`` (the longest
+        query ``maxq``), padded to ``P`` with ``PAD_SLOT``. Token by token when the rows hold
+        fewer than two tokens each on average (a decode step: the per-token loop is the
+        faster one there), else row by row (:meth:`_row_slots`: drafts, prefill chunks;
+        same bytes)."""
         cdef Py_ssize_t t, g, col, ncols
         cdef int64_t pos, B, shift
         cdef int32_t[:, ::1] tab
@@ -356,7 +345,7 @@ cdef class Prepare:
                 while (1 << shift) < B:
                     shift += 1
             if shift >= 0 and Q >= 2 * R:
-                self._row_slots(g, R, tb, ncols, shift, slots)
+                self._row_slots(g, R, tb, ncols, shift, maxq if Q == R * maxq else 0, slots)
                 for t in range(Q, P):
                     slots[t] = PAD_SLOT
                 continue
@@ -369,3 +358,36 @@ cdef class Prepare:
             for t in range(Q, P):
                 slots[t] = PAD_SLOT
         return 0
+
+
+cdef inline int _slot_rows(Py_ssize_t g, Py_ssize_t R, Py_ssize_t w, const int32_t* qsl, const int64_t* positions,
+                           const int32_t* tb, Py_ssize_t ncols, int64_t sh, int64_t* slots) except -1:
+    """``Prepare._row_slots``' loop; ``w > 0``: every row holds ``w`` tokens (row ``r``'s are
+    ``[r w, (r + 1) w)``, ``qsl`` unread), a constant at each call; ``0``: from ``qsl``."""
+    cdef Py_ssize_t r, t, s, e
+    cdef int64_t c, col0, col1, base, mask = (<int64_t>1 << sh) - 1, pos
+    cdef const int32_t* rowp
+    for r in range(R):
+        if w > 0:
+            s = r * w
+            e = s + w
+        else:
+            s = qsl[r]
+            e = qsl[r + 1]
+            if s >= e:
+                continue
+        c = positions[s]
+        col1 = (c + e - s - 1) >> sh
+        if col1 >= ncols:
+            raise IndexError(f"group {g}: position {c + e - s - 1} lies past the block table")
+        rowp = tb + r * ncols
+        col0 = c >> sh
+        if col0 == col1:  # (the slot of position c + j is base + s + j)
+            base = ((<int64_t>rowp[col0] - col0) << sh) + c - s
+            for t in range(s, e):
+                slots[t] = base + t
+        else:
+            for t in range(s, e):
+                pos = c + t - s
+                slots[t] = (<int64_t>rowp[pos >> sh] << sh) + (pos & mask)
+    return 0

@@ -21,7 +21,8 @@ cdef class DraftRows:
                 (checked before anything is written).
         """
         cdef Py_ssize_t i, n = rows.shape[0], M = self.num_spec.shape[0], W = self.tokens.shape[1], off = 0
-        cdef int64_t r, L, h
+        cdef int64_t r, L, h, L0 = lens[0] if n else 0
+        cdef bint same = True  # every row verifies L0 drafts (a fixed num_speculative_tokens)
         if lens.shape[0] != n:
             raise IndexError("DraftRows.write: rows and lens differ in length")
         for i in range(n):
@@ -32,6 +33,7 @@ cdef class DraftRows:
             if h + L > W or off + L > flat.shape[0]:
                 raise IndexError(f"DraftRows.write: row {r}'s drafts leave the token table")
             off += L
+            same &= L == L0
         memset(&self.num_spec[0], 0, M * sizeof(int32_t))
         if n == 0:
             return
@@ -39,17 +41,57 @@ cdef class DraftRows:
         cdef const int32_t* ntok = &self.num_tokens[0]
         cdef int32_t* nspec = &self.num_spec[0]
         cdef const int32_t* src = &flat[0] if flat.shape[0] else NULL
-        cdef int32_t* dst
-        cdef Py_ssize_t j
-        off = 0
-        for i in range(n):
-            r, L = rows[i], lens[i]
-            dst = tok + r * W + ntok[r]
-            for j in range(L):  # a few ids: stores, not a memcpy call
-                dst[j] = src[off + j]
-            nspec[r] = <int32_t>L
-            off += L
+        cdef const int64_t* rp = &rows[0]
+        cdef const int64_t* lp = &lens[0]
+        # the usual draft counts as constants: the compiler unrolls the per-row copy
+        if same and L0 == 1:
+            _draft_rows(n, rp, lp, 1, src, tok, W, ntok, nspec)
+        elif same and L0 == 2:
+            _draft_rows(n, rp, lp, 2, src, tok, W, ntok, nspec)
+        elif same and L0 == 3:
+            _draft_rows(n, rp, lp, 3, src, tok, W, ntok, nspec)
+        elif same and L0 == 4:
+            _draft_rows(n, rp, lp, 4, src, tok, W, ntok, nspec)
+        else:
+            _draft_rows(n, rp, lp, -1, src, tok, W, ntok, nspec)
 
+
+cdef inline void _draft_rows(Py_ssize_t n, const int64_t* rows, const int64_t* lens, int64_t L0, const int32_t* src,
+                             int32_t* tok, Py_ssize_t W, const int32_t* ntok, int32_t* nspec) noexcept:
+    """``DraftRows.write``'s stores (checked before): row ``rows[i]`` gets ``lens[i]`` drafts
+    from ``src`` (request after request) after its ``ntok`` tokens, and that count in
+    ``nspec``. ``L0 >= 0``: every row has ``L0`` (a constant at each call: the copy unrolls)."""
+    cdef Py_ssize_t i, j, off = 0
+    cdef int64_t r, L
+    cdef int32_t* dst
+    for i in range(n):
+        r = rows[i]
+        L = L0 if L0 >= 0 else lens[i]
+        dst = tok + r * W + ntok[r]
+        for j in range(L):
+            dst[j] = src[off + j]
+        nspec[r] = <int32_t>L
+        off += L
+
+
+
+cdef inline void _uniform_rows(Py_ssize_t R, Py_ssize_t d, const int32_t* ids, int64_t* logits, int64_t* target,
+                               int64_t* draft_ids, int64_t* bonus, int64_t* cu) noexcept:
+    """``SpecLayout._uniform``'s stores: row ``r`` owns tokens ``[r (1 + d), (r + 1)(1 + d))``,
+    its logits ``r (1 + d) + 0 .. d``, its drafts' targets ``r (1 + d) + 0 .. d - 1`` and ids
+    (the tokens after its first), its bonus ``r (1 + d) + d``. Inline: each call with a
+    constant ``d`` is compiled with its inner loops unrolled."""
+    cdef Py_ssize_t r, j, q, o = 0
+    for r in range(R):
+        q = r * (d + 1)
+        for j in range(d + 1):
+            logits[q + j] = q + j
+        for j in range(d):
+            target[o + j] = q + j
+            draft_ids[o + j] = ids[q + 1 + j]
+        o += d
+        bonus[r] = q + d
+        cu[r] = o
 
 
 cdef class SpecLayout:
@@ -82,7 +124,7 @@ cdef class SpecLayout:
         cdef const int32_t* nspec = &self.num_spec[0]
         cdef const int32_t* qsl = &self.qsl[0]
         cdef const uint8_t* discard = &self.discard[0]
-        cdef Py_ssize_t r, j, t, w = d + 1, n = R * (d + 1)
+        cdef Py_ssize_t r, w = d + 1, n = R * (d + 1)
         if d < 1 or n > T or n > nid or qsl[0] != 0:
             return False
         for r in range(R):
@@ -94,15 +136,17 @@ cdef class SpecLayout:
         cdef int64_t* draft_ids = &self.draft_ids[0]
         cdef int64_t* bonus = &self.bonus[0]
         cdef int64_t* cu = &self.cu[0]
-        for t in range(n):
-            logits[t] = t
-        for r in range(R):
-            bonus[r] = r * w + d
-            cu[r] = (r + 1) * d
-        for r in range(R):
-            for j in range(d):
-                target[r * d + j] = r * w + j
-                draft_ids[r * d + j] = ids[r * w + 1 + j]
+        # the usual draft counts as constants: the compiler unrolls the per-row stores
+        if d == 1:
+            _uniform_rows(R, 1, ids, logits, target, draft_ids, bonus, cu)
+        elif d == 2:
+            _uniform_rows(R, 2, ids, logits, target, draft_ids, bonus, cu)
+        elif d == 3:
+            _uniform_rows(R, 3, ids, logits, target, draft_ids, bonus, cu)
+        elif d == 4:
+            _uniform_rows(R, 4, ids, logits, target, draft_ids, bonus, cu)
+        else:
+            _uniform_rows(R, d, ids, logits, target, draft_ids, bonus, cu)
         return True
 
     def layout(self, Py_ssize_t R):
