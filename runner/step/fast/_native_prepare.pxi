@@ -304,15 +304,21 @@ cdef class Prepare:
         compiled as constants, so the per-row stores unroll), else ``0``."""
         cdef const int32_t* qsl = &self.qsl[0]
         cdef const int64_t* positions = &self.positions[0]
+        cdef Py_ssize_t bad
         if w == 2:
-            return _slot_rows(g, R, 2, qsl, positions, tb, ncols, sh, slots)
-        if w == 3:
-            return _slot_rows(g, R, 3, qsl, positions, tb, ncols, sh, slots)
-        if w == 4:
-            return _slot_rows(g, R, 4, qsl, positions, tb, ncols, sh, slots)
-        if w == 5:
-            return _slot_rows(g, R, 5, qsl, positions, tb, ncols, sh, slots)
-        return _slot_rows(g, R, 0, qsl, positions, tb, ncols, sh, slots)
+            bad = _slot_rows(R, 2, qsl, positions, tb, ncols, sh, slots)
+        elif w == 3:
+            bad = _slot_rows(R, 3, qsl, positions, tb, ncols, sh, slots)
+        elif w == 4:
+            bad = _slot_rows(R, 4, qsl, positions, tb, ncols, sh, slots)
+        elif w == 5:
+            bad = _slot_rows(R, 5, qsl, positions, tb, ncols, sh, slots)
+        else:
+            bad = _slot_rows(R, 0, qsl, positions, tb, ncols, sh, slots)
+        if bad >= 0:
+            raise IndexError(f"group {g}: position {positions[qsl[bad]] + qsl[bad + 1] - qsl[bad] - 1} "
+                             "lies past the block table")
+        return 0
 
     cdef int _slots(self, Py_ssize_t R, Py_ssize_t Q, Py_ssize_t P, int64_t maxq) except -1:
         """Every group's slot mapping of the ``Q`` tokens of rows ``0 .. R - 1`` (the longest
@@ -360,10 +366,12 @@ cdef class Prepare:
         return 0
 
 
-cdef inline int _slot_rows(Py_ssize_t g, Py_ssize_t R, Py_ssize_t w, const int32_t* qsl, const int64_t* positions,
-                           const int32_t* tb, Py_ssize_t ncols, int64_t sh, int64_t* slots) except -1:
+cdef inline Py_ssize_t _slot_rows(Py_ssize_t R, Py_ssize_t w, const int32_t* qsl, const int64_t* positions,
+                                  const int32_t* tb, Py_ssize_t ncols, int64_t sh, int64_t* slots) noexcept:
     """``Prepare._row_slots``' loop; ``w > 0``: every row holds ``w`` tokens (row ``r``'s are
-    ``[r w, (r + 1) w)``, ``qsl`` unread), a constant at each call; ``0``: from ``qsl``."""
+    ``[r w, (r + 1) w)``, ``qsl`` unread), a constant at each call; ``0``: from ``qsl``.
+    Returns -1, or the first row whose last position lies past the block table (the rows
+    before it written). No raise here: the function stays small enough to be inlined."""
     cdef Py_ssize_t r, t, s, e
     cdef int64_t c, col0, col1, base, mask = (<int64_t>1 << sh) - 1, pos
     cdef const int32_t* rowp
@@ -379,7 +387,7 @@ cdef inline int _slot_rows(Py_ssize_t g, Py_ssize_t R, Py_ssize_t w, const int32
         c = positions[s]
         col1 = (c + e - s - 1) >> sh
         if col1 >= ncols:
-            raise IndexError(f"group {g}: position {c + e - s - 1} lies past the block table")
+            return r
         rowp = tb + r * ncols
         col0 = c >> sh
         if col0 == col1:  # (the slot of position c + j is base + s + j)
@@ -390,4 +398,4 @@ cdef inline int _slot_rows(Py_ssize_t g, Py_ssize_t R, Py_ssize_t w, const int32
             for t in range(s, e):
                 pos = c + t - s
                 slots[t] = (<int64_t>rowp[pos >> sh] << sh) + (pos & mask)
-    return 0
+    return -1
