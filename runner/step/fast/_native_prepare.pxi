@@ -59,7 +59,7 @@ cdef class Prepare:
         """
         cdef int64_t maxq = 0, maxs = 0
         cdef Py_ssize_t Q = self._rows(R, &maxq, &maxs)
-        cdef Py_ssize_t bad = self._gather(Q, P, 0, NULL, False)
+        cdef Py_ssize_t bad = self._gather(Q, P, 0, NULL, False, R, maxq)
         self._slots(R, Q, P, maxq)
         if bad >= 0:
             raise PlaceholderRead(bad)
@@ -106,13 +106,13 @@ cdef class Prepare:
         cdef int64_t smax = -1
         cdef bint contiguous = True, written = prev_addr != 0
         if (expected >= 0 and Q != expected) or (0 <= P < Q):
-            self._gather(Q, P, 0, NULL, False)  # the caller refuses this step: no patch (nor
+            self._gather(Q, P, 0, NULL, False, R, maxq)  # the caller refuses this step: no patch (nor
             self._slots(R, Q, P, maxq)                # a placeholder check: the refusal is the error)
             return Q, maxq, maxs, 0, True, False
         k = self._plan_patch(R, &contiguous, &smax)
         if smax >= prev_len:  # (contiguous: smax = k - 1)
             raise ValueError(f"holds {prev_len} tokens but a placeholder takes entry {smax}")
-        cdef Py_ssize_t bad = self._gather(Q, P, k, <const int64_t*>prev_addr if written else NULL, contiguous)
+        cdef Py_ssize_t bad = self._gather(Q, P, k, <const int64_t*>prev_addr if written else NULL, contiguous, R, maxq)
         self._slots(R, Q, P, maxq)
         if bad >= 0:
             raise PlaceholderRead(bad)
@@ -207,9 +207,12 @@ cdef class Prepare:
         return Q
 
     cdef Py_ssize_t _gather(self, Py_ssize_t Q, Py_ssize_t P, Py_ssize_t k, const int64_t* host,
-                            bint contiguous) except -2:
-        """``input_ids`` of the ``Q`` tokens from the token table, then the padding to
-        ``P``. The ``k`` patched tokens (``pdest`` ascending; ``contiguous``: ``pdest == psrc
+                            bint contiguous, Py_ssize_t R, int64_t maxq) except -2:
+        """``input_ids`` of the ``Q`` tokens of rows ``0 .. R - 1`` (the longest query
+        ``maxq``) from the token table, then the padding to ``P``. Without a patch, rows
+        averaging two tokens or more (drafts, prefill chunks) are copied row by row (a row's
+        tokens are consecutive in its table row; equal widths 2-5 compiled as constants),
+        others token by token. The ``k`` patched tokens (``pdest`` ascending; ``contiguous``: ``pdest == psrc
         == arange(k)``, e.g. a decode step) come from ``host[psrc]``, each checked in ``[0,
         2**31)`` (their table entries, placeholders, are not read), or, without ``host`` (the
         caller patches them on the device), from the table. Returns the index of the first
@@ -227,7 +230,9 @@ cdef class Prepare:
         cdef uint64_t bits = 0
         if P > cap:
             raise IndexError(f"padding to {P} tokens but the buffers hold {cap}")
-        if k == 0:
+        if k == 0 and Q >= 2 * R:
+            neg = self._gather_rows(R, maxq if Q == R * maxq else 0, ids)
+        elif k == 0:
             for t in range(Q):  # the gather, in its own loop: independent loads overlap
                 v = tok[req[t] * width + positions[t]]
                 ids[t] = v
@@ -267,6 +272,23 @@ cdef class Prepare:
         if neg >= 0:
             return -1
         return self._first_placeholder(Q, k, contiguous)
+
+    cdef int32_t _gather_rows(self, Py_ssize_t R, Py_ssize_t w, int32_t* ids) noexcept:
+        """:meth:`_gather` row by row (``w > 0``: every row holds ``w`` tokens); returns the
+        OR of the tokens (negative iff one is a placeholder)."""
+        cdef const int32_t* qsl = &self.qsl[0]
+        cdef const int32_t* ncc = &self.ncc[0]
+        cdef const int32_t* tok = &self.tokens[0, 0]
+        cdef Py_ssize_t width = self.tokens.shape[1]
+        if w == 2:
+            return _copy_rows(R, 2, qsl, ncc, tok, width, ids)
+        if w == 3:
+            return _copy_rows(R, 3, qsl, ncc, tok, width, ids)
+        if w == 4:
+            return _copy_rows(R, 4, qsl, ncc, tok, width, ids)
+        if w == 5:
+            return _copy_rows(R, 5, qsl, ncc, tok, width, ids)
+        return _copy_rows(R, 0, qsl, ncc, tok, width, ids)
 
     cdef inline int32_t _patched(self, const int64_t* host, Py_ssize_t s, Py_ssize_t t) except? -1:
         """Token ``t``'s patched id: ``host[s]`` checked, or without ``host`` its table entry."""
@@ -364,38 +386,3 @@ cdef class Prepare:
             for t in range(Q, P):
                 slots[t] = PAD_SLOT
         return 0
-
-
-cdef inline Py_ssize_t _slot_rows(Py_ssize_t R, Py_ssize_t w, const int32_t* qsl, const int64_t* positions,
-                                  const int32_t* tb, Py_ssize_t ncols, int64_t sh, int64_t* slots) noexcept:
-    """``Prepare._row_slots``' loop; ``w > 0``: every row holds ``w`` tokens (row ``r``'s are
-    ``[r w, (r + 1) w)``, ``qsl`` unread), a constant at each call; ``0``: from ``qsl``.
-    Returns -1, or the first row whose last position lies past the block table (the rows
-    before it written). No raise here: the function stays small enough to be inlined."""
-    cdef Py_ssize_t r, t, s, e
-    cdef int64_t c, col0, col1, base, mask = (<int64_t>1 << sh) - 1, pos
-    cdef const int32_t* rowp
-    for r in range(R):
-        if w > 0:
-            s = r * w
-            e = s + w
-        else:
-            s = qsl[r]
-            e = qsl[r + 1]
-            if s >= e:
-                continue
-        c = positions[s]
-        col1 = (c + e - s - 1) >> sh
-        if col1 >= ncols:
-            return r
-        rowp = tb + r * ncols
-        col0 = c >> sh
-        if col0 == col1:  # (the slot of position c + j is base + s + j)
-            base = ((<int64_t>rowp[col0] - col0) << sh) + c - s
-            for t in range(s, e):
-                slots[t] = base + t
-        else:
-            for t in range(s, e):
-                pos = c + t - s
-                slots[t] = (<int64_t>rowp[pos >> sh] << sh) + (pos & mask)
-    return -1
