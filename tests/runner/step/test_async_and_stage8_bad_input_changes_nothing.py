@@ -143,6 +143,29 @@ def test_a_placeholder_never_reaches_input_ids(native):
     assert sc.prepare_inputs(nxt).input_ids.tolist() == SAMPLED  # filled: read from the history
 
 
+@pytest.mark.parametrize("native", PATHS)
+@pytest.mark.parametrize("drafts", [{"a": [7, 8], "b": [7, 8], "c": [7, 8]}, {"a": [7, 8], "b": [7]}],
+                         ids=["equal widths", "mixed widths"])
+def test_a_placeholder_never_reaches_input_ids_on_a_step_with_drafts(native, drafts):
+    """The same on a step whose rows verify drafts (rows of several tokens: the compiled
+    gather copies them row by row, equal widths compiled apart); patched, the drafts follow
+    the sampled tokens."""
+    sc = sampled(native)
+    decode = _decode((5, 3, 6))
+    sc.update_states(decode)
+    sc.prepare_inputs(decode)
+    sc.append_placeholders([0, 1, 2])
+    counts = {r: 1 + len(drafts.get(r, [])) for r in "abc"}
+    ncc = [6, 4, 7]  # each row holds two blocks of 4: a third where the drafts need one
+    blocks = [([20 + i],) if c + counts[r] > 8 else None for i, (r, c) in enumerate(zip("abc", ncc))]
+    nxt = SchedulerOutput([], CachedRequestData(list("abc"), [False] * 3, [[], [], []], blocks, ncc), counts,
+                          scheduled_spec_decode_tokens=drafts)
+    sc.update_states(nxt)
+    refused_unchanged(sc, "request 'a': its token at position 6 is a placeholder", lambda: sc.prepare_inputs(nxt))
+    expect = [t for r, s in zip("abc", SAMPLED) for t in [s] + drafts.get(r, [])]
+    assert sc.prepare_inputs(nxt, prev_token_ids=torch.tensor(SAMPLED)).input_ids.tolist() == expect
+
+
 BAD_TOKENS = {
     "negative last": [70, 71, -1],
     "None": [None, 71, 72],
