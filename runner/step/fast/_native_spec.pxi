@@ -21,10 +21,12 @@ cdef class DraftRows:
                 (checked before anything is written).
         """
         cdef Py_ssize_t i, n = rows.shape[0], M = self.num_spec.shape[0], W = self.tokens.shape[1], off = 0
-        cdef int64_t r, L, h, L0 = lens[0] if n else 0
+        cdef int64_t r, L, h, L0 = 0
         cdef bint same = True  # every row verifies L0 drafts (a fixed num_speculative_tokens)
         if lens.shape[0] != n:
             raise IndexError("DraftRows.write: rows and lens differ in length")
+        if n:
+            L0 = lens[0]
         for i in range(n):
             r, L = rows[i], lens[i]
             if r < 0 or r >= M or L < 0:
