@@ -6,7 +6,8 @@ returning requests (lowest free rows first), merge the cached deltas (the kernel
 ``merge_cached``: counts, token deltas, block appends;
 ``resumed_from_preemption`` replaces block ids), ``condense()``, then the optional
 decodes-first reorder. Nothing changes rows after that; last, sliding-window groups get
-``NULL_BLOCK_ID`` over the blocks the pool freed (``runner/step/apply_windows.py``), and
+``NULL_BLOCK_ID`` over the blocks the pool freed (the kernels' ``null_skipped``:
+``runner/step/apply_windows.py``), and
 the step's draft tokens go after their rows' tokens (``runner/step/spec_apply.py``).
 Every row move ends here, before stage 3 (``runner/step/prepare.py``) reads the rows.
 """
@@ -15,7 +16,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from attnplug.runner.step.apply_windows import null_skipped_blocks
 from attnplug.runner.step.groups import StepLayout
 from attnplug.runner.step.input_batch import InputBatch
 from attnplug.runner.step.plan import UpdatePlan
@@ -57,7 +57,7 @@ def apply_update(lay: StepLayout, batch: InputBatch, reqs: dict[str, CachedReque
     if reorder_batch_threshold is not None:
         moved += reorder_decodes_first(batch, reorder_batch_threshold)
     if lay.has_sliding_windows:
-        null_skipped_blocks(batch, lay.sliding_windows)
+        batch.kernels.null_skipped(batch, lay.sliding_windows)
     if plan.spec_tokens is not None or batch.drafts_written:
         write_spec_tokens(batch, plan.spec_tokens, rows_moved=bool(moved))
 

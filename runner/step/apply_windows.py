@@ -15,26 +15,25 @@ the scheduler's.
 Cost: the column ``InputBatch.num_computed_tokens_nulled`` remembers, per row, up to
 which ``num_computed_tokens`` the row is already nulled (it moves with its row and is 0
 for a row just filled), so a step writes only the newly skipped blocks: a handful of
-numpy calls per sliding-window group and no Python loop over rows or tokens.
+numpy calls per sliding-window group and no Python loop over rows or tokens. This is the
+numpy kernels' ``null_skipped``; the compiled kernels do the same in one pass per group
+(``BlockRows.null_skipped``, ``runner/step/fast/_native_rows.pxi``).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
 from attnplug.cache_groups.ragged import cumsum_and_arange
 
-if TYPE_CHECKING:
-    from attnplug.runner.step.input_batch import InputBatch
 
-
-def null_skipped_blocks(batch: "InputBatch", sliding_windows: Sequence[int | None]) -> int:
+def null_skipped_blocks(batch: Any, sliding_windows: Sequence[int | None]) -> int:
     """Write ``NULL_BLOCK_ID`` over the newly skipped blocks of rows ``0 .. num_reqs - 1``.
 
     Args:
-        batch: the condensed batch after ``update_states`` merged this step's deltas
+        batch: the condensed ``InputBatch`` after ``update_states`` merged this step's deltas
             (``num_computed_tokens_cpu`` holds each row's context length this step).
         sliding_windows: per cache group, ``W`` tokens for a sliding-window group, ``None``
             for any other group (left untouched).

@@ -11,7 +11,7 @@ step's cost. Two implementations, chosen once per ``StepCompiler`` (:func:`choos
 The operations: ``pack_ints`` (Python int lists → one ``int32`` buffer), ``scan_cached``
 and ``scan_new`` (stage 1's fast plans), ``merge_cached`` (stage 2's merge of a plan's
 cached deltas), ``clear_rows`` and ``move_rows`` (every group's block table),
-``write_new_rows`` (rows of the requests ``scan_new`` staged), ``prepare`` (stage 3's
+``null_skipped`` (stage 2's sliding-window nulling), ``write_new_rows`` (rows of the requests ``scan_new`` staged), ``prepare`` (stage 3's
 per-token arithmetic) and ``prepare_patched`` (``prepare`` with the asynchronous patch:
 one pass on the compiled kernels). A scan either plans its whole input or
 declines and changes nothing; on a decline the vectorized checks (``runner/step/check*.py``)
@@ -140,6 +140,11 @@ class StepKernels(Protocol):
 
     def move_rows(self, table: "MultiGroupBlockTable", srcs: list[int], dsts: list[int]) -> None:
         """Every group: rows ``srcs`` into the vacant rows ``dsts`` (disjoint), sources cleared."""
+
+    def null_skipped(self, batch: Any, windows: list[int | None]) -> int:
+        """Stage 2: ``NULL_BLOCK_ID`` over the sliding-window blocks newly skipped in rows
+        ``0 .. num_reqs - 1`` (``runner/step/apply_windows.py``; ``windows``: per group ``W``
+        tokens or ``None``); returns the manager entries written."""
 
     def prepare(self, batch: Any, bufs: PrepareBuffers, writes_slots: tuple[bool, ...], R: int,
                 num_tokens_padded: int | None) -> tuple[int, int, int]:
@@ -326,6 +331,11 @@ class CompiledKernels:
 
     def move_rows(self, table, srcs, dsts) -> None:
         self._row_ops(table).move_rows(srcs, dsts)
+
+    def null_skipped(self, batch, windows) -> int:
+        t = batch.block_table
+        return self._row_ops(t).null_skipped(batch.num_computed_tokens_cpu, batch.num_computed_tokens_nulled,
+                                             batch.num_reqs, windows, [bt.block_size for bt in t])
 
     def prepare(self, batch, bufs, writes_slots, R, num_tokens_padded):
         try:

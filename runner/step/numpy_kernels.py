@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from attnplug.cache_groups.ragged import cumsum_and_arange, repeat_indices
+from attnplug.runner.step.apply_windows import null_skipped_blocks
 from attnplug.core.constants import PAD_SLOT_ID
 from attnplug.runner.step.check.types import is_bool_like
 from attnplug.runner.step.numpy_spec import check_no_placeholder, plan_patch_numpy, spec_layout_numpy, write_drafts_numpy
@@ -83,6 +84,9 @@ class NumpyKernels:
 
     def clear_rows(self, table, rows) -> None:
         table.clear_rows(rows)
+
+    def null_skipped(self, batch, windows) -> int:
+        return null_skipped_blocks(batch, windows)
 
     def move_rows(self, table, srcs, dsts) -> None:
         table.move_rows(np.asarray(srcs, dtype=np.int64), np.asarray(dsts, dtype=np.int64))

@@ -12,7 +12,7 @@ from types import ModuleType
 
 from attnplug.core import switches
 
-_EXPECTED_API = 8
+_EXPECTED_API = 9
 
 
 def load_native() -> ModuleType | None:

@@ -65,7 +65,7 @@ cdef Py_ssize_t PREFETCH = 8  # objects this many requests ahead are prefetched
 cdef int64_t PAD_SLOT = -1  # core.constants.PAD_SLOT_ID
 cdef int32_t NULL_BLOCK = 0  # core.constants.NULL_BLOCK_ID
 
-NATIVE_API = 8
+NATIVE_API = 9
 """Bumped whenever a signature here changes (``runner.step.fast`` checks it)."""
 
 

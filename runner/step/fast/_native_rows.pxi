@@ -99,6 +99,61 @@ cdef class BlockRows:
                 self.idbound[g, d] = self.idbound[g, s]
                 self.idbound[g, s] = 0
 
+    def null_skipped(self, int32_t[::1] ncc, int32_t[::1] done, Py_ssize_t R, list windows, list block_sizes):
+        """Stage 2's sliding-window nulling (``runner/step/apply_windows.py``) in one pass per
+        window group: in group ``g`` (``windows[g]`` ``W`` tokens, ``None`` for any other
+        group; manager block size ``block_sizes[g]`` ``B``), row ``r < R`` gets
+        ``NULL_BLOCK_ID`` over its logical blocks ``skipped(done[r]) .. skipped(ncc[r]) - 1``
+        (``skipped(n) = max(0, n - W + 1) // B``) in the manager table and their kernel
+        expansion; ``block_id_bound`` is left (a null id raises no bound). Then
+        ``done[:R] = ncc[:R]``.
+
+        Returns:
+            The number of manager entries written (all groups).
+
+        Raises:
+            IndexError: ``R`` past the columns or a block past a row of the table (checked
+                before anything is written).
+        """
+        cdef Py_ssize_t g, r, col, q, G = self.nblocks.shape[0]
+        cdef int64_t W, B, k, lo, hi, total = 0
+        cdef int32_t[:, ::1] tab, ktab
+        if R < 0 or R > ncc.shape[0] or R > done.shape[0] or R > self.nblocks.shape[1] \
+                or len(windows) != G or len(block_sizes) != G:
+            raise IndexError(f"BlockRows.null_skipped: {R} rows, {len(windows)} windows")
+        for g in range(G):  # check every group before writing any
+            if windows[g] is None:
+                continue
+            W, B = windows[g], block_sizes[g]
+            if W < 1 or B < 1:
+                raise IndexError(f"BlockRows.null_skipped: group {g}: window {W}, block size {B}")
+            tab = self.tables[g]
+            for r in range(R):
+                if max(<int64_t>0, <int64_t>ncc[r] - (W - 1)) // B > tab.shape[1]:
+                    raise IndexError(f"BlockRows.null_skipped: group {g}: row {r}'s skipped blocks "
+                                     "leave the block table")
+        for g in range(G):
+            if windows[g] is None:
+                continue
+            W, B = windows[g], block_sizes[g]
+            tab = self.tables[g]
+            ktab = self.ktables[g]
+            k = self.kpb[g]
+            for r in range(R):
+                hi = max(<int64_t>0, <int64_t>ncc[r] - (W - 1)) // B
+                lo = max(<int64_t>0, <int64_t>done[r] - (W - 1)) // B
+                if hi <= lo:
+                    continue
+                total += hi - lo
+                for col in range(lo, hi):
+                    tab[r, col] = NULL_BLOCK
+                if k > 1:
+                    for q in range(lo * k, hi * k):
+                        ktab[r, q] = NULL_BLOCK
+        for r in range(R):
+            done[r] = ncc[r]
+        return total
+
     def bind_scan(self, int32_t[::1] ncc, int32_t[::1] sched, rows, ncts, counts, app_sel, app_start, app_len,
                   app_flat):
         """Bind :meth:`merge_scan` to the batch's ``num_computed_tokens`` / ``num_scheduled_tokens``

@@ -1,4 +1,6 @@
-"""``null_skipped_blocks`` against a from-scratch reference, without ATTNPLUG_VALIDATE.
+"""The sliding-window nulling of stage 2 on both kernels (``null_skipped_blocks``, the numpy
+kernels' ``null_skipped``; the compiled ``BlockRows.null_skipped``) against a from-scratch
+reference, without ATTNPLUG_VALIDATE.
 
 Random batches, 1–2 sliding-window groups (all groups windowed, or mixed with a full
 group), windows and block sizes down to 1, rows whose context grows by random amounts
@@ -10,13 +12,20 @@ count is the number of entries newly nulled, and a second call writes nothing.
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from attnplug.core.constants import NULL_BLOCK_ID
 from attnplug.runner.step.apply_windows import null_skipped_blocks
 from attnplug.runner.step.input_batch import InputBatch
+from attnplug.runner.step.kernels import CompiledKernels, kernels_available
 from attnplug.runner.step.request_state import CachedRequestState
+from attnplug.runner.step.scheduler_output import SamplingParams
+
+NULLERS = {"numpy": null_skipped_blocks}
+if kernels_available():
+    NULLERS["compiled"] = CompiledKernels(SamplingParams).null_skipped
 
 MAX_LEN = 40
 
@@ -25,12 +34,14 @@ def skipped(n: int, window: int, block: int) -> int:
     return max(0, n - window + 1) // block
 
 
+@pytest.mark.parametrize("kernel_name", list(NULLERS))
 @settings(max_examples=120, deadline=None)
 @given(data=st.data(), layout=st.sampled_from([
     ([1], [3], [1]), ([4], [6], [2]), ([2, 4], [3, 9], [1, 4]), ([4, 1], [None, 2], [2, 1]),
     ([3, 2], [5, None], [3, 2]), ([1, 1], [1, 4], [1, 1]), ([4, 2], [9, 3], [2, 1]),
 ]), rows=st.integers(1, 4))
-def test_nulls_exactly_the_skipped_blocks(data, layout, rows):
+def test_nulls_exactly_the_skipped_blocks(kernel_name, data, layout, rows):
+    null = NULLERS[kernel_name]
     sizes, windows, kernel = layout
     batch = InputBatch(4, MAX_LEN, 64, sizes, kernel_block_sizes=kernel)
     ids = {}
@@ -44,7 +55,7 @@ def test_nulls_exactly_the_skipped_blocks(data, layout, rows):
                        MAX_LEN - 1)
         before = [bt.block_table_np.copy() for bt in batch.block_table]
         batch.num_computed_tokens_cpu[:rows] = n
-        written = null_skipped_blocks(batch, windows)
+        written = null(batch, windows)
         expect_written = 0
         for g, (bt, W, B, k) in enumerate(zip(batch.block_table, windows, sizes, kernel)):
             for r in range(rows):
@@ -61,13 +72,30 @@ def test_nulls_exactly_the_skipped_blocks(data, layout, rows):
                 assert got.tolist() == kernel_want.tolist(), (g, r, "kernel")
         assert written == expect_written
         assert (batch.num_computed_tokens_nulled[:rows] == n).all()
-        assert null_skipped_blocks(batch, windows) == 0  # idempotent within the step
+        assert null(batch, windows) == 0  # idempotent within the step
 
 
-def test_no_window_and_no_rows_write_nothing():
+@pytest.mark.parametrize("kernel_name", list(NULLERS))
+def test_no_window_and_no_rows_write_nothing(kernel_name):
+    null = NULLERS[kernel_name]
     batch = InputBatch(2, 16, 16, [4])
-    assert null_skipped_blocks(batch, [8]) == 0  # no rows
+    assert null(batch, [8]) == 0  # no rows
     batch.add_request(CachedRequestState("a", [1] * 16, (np.array([1, 2, 3, 4], np.int32),)))
     batch.num_computed_tokens_cpu[0] = 15
-    assert null_skipped_blocks(batch, [None]) == 0
+    assert null(batch, [None]) == 0
     assert batch.block_table[0].block_table_np[0, :4].tolist() == [1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("kernel_name", list(NULLERS))
+def test_skipped_blocks_past_the_table_are_refused(kernel_name):
+    """A context whose skipped blocks would leave the row's table (the step's checks exclude
+    it) raises ``IndexError``; the compiled kernel checks every row before writing."""
+    batch = InputBatch(2, 16, 16, [4])
+    batch.add_request(CachedRequestState("a", [1] * 16, (np.array([1, 2, 3, 4], np.int32),)))
+    batch.add_request(CachedRequestState("b", [1] * 16, (np.array([5, 6, 7, 8], np.int32),)))
+    batch.num_computed_tokens_cpu[:2] = [8, 40]  # b: 40 tokens past a window of 1 skip 10 blocks of 4
+    with pytest.raises(IndexError):
+        NULLERS[kernel_name](batch, [1])
+    if kernel_name == "compiled":
+        assert batch.block_table[0].block_table_np[:2, :4].tolist() == [[1, 2, 3, 4], [5, 6, 7, 8]]
+        assert batch.num_computed_tokens_nulled[:2].tolist() == [0, 0]
