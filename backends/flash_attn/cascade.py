@@ -31,18 +31,20 @@ def cascade_for(md: FlashAttnMetadata, cm: CommonAttentionMetadata, common_prefi
 
 def cascade_fields(md: FlashAttnMetadata, prefix: int, device: torch.device) -> FlashAttnCascadeMetadata:
     """The cascade fields for a prefix of ``prefix`` tokens (a positive multiple of
-    ``md.block_size``), on ``device``: three small host-made tensors, the suffix lengths
-    and their prefix sum (two device ops), views of ``md.block_table``."""
+    ``md.block_size``), on ``device``: three views of one small host-made tensor (one
+    copy), the suffix lengths and their prefix sum (two device ops), views of
+    ``md.block_table``."""
     B = md.batch_size
     num_prefix_blocks = prefix // md.block_size
     suffix = (md.seq_lens - prefix).clamp_(min=0)
     cu_suffix = torch.zeros(B + 1, dtype=torch.int32, device=device)
     torch.cumsum(suffix, 0, dtype=torch.int32, out=cu_suffix[1:])
+    small = upload(np.array([0, md.num_actual_tokens, prefix, 0, prefix], dtype=np.int32), device)  # one copy
     return FlashAttnCascadeMetadata(
         common_prefix_len=prefix,
-        cu_prefix_query_lens=upload(np.array([0, md.num_actual_tokens], dtype=np.int32), device),
-        prefix_kv_lens=upload(np.array([prefix], dtype=np.int32), device),
-        cu_prefix_kv_lens=upload(np.array([0, prefix], dtype=np.int32), device),
+        cu_prefix_query_lens=small[0:2],
+        prefix_kv_lens=small[2:3],
+        cu_prefix_kv_lens=small[3:5],
         prefix_block_table=md.block_table[:1, :num_prefix_blocks],
         suffix_kv_lens=suffix, cu_suffix_kv_lens=cu_suffix,
         suffix_block_table=md.block_table[:, num_prefix_blocks:],

@@ -38,9 +38,12 @@ def commit_draft_states(runner, rows: np.ndarray, tokens: Sequence[Sequence[int]
         if not src.shape[0]:
             continue
         n = src.shape[0]
+        on_device: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}  # one upload per device, not per layer
         for name in runner.kv_cache_config.groups[g].layer_names:
             cache = runner.kv_caches[name]
             for t in tuple(cache):  # every tensor the state spec declares (core/state.py)
-                s, d = upload(src, t.device), upload(dst, t.device)
+                if t.device not in on_device:
+                    on_device[t.device] = upload(src, t.device), upload(dst, t.device)
+                s, d = on_device[t.device]
                 t.index_copy_(0, d, t.index_select(0, s))
     return n
