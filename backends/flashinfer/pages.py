@@ -62,8 +62,7 @@ def gather_page_indices(block_table: torch.Tensor, indptr: np.ndarray, num_pages
     rows = np.repeat(np.arange(B, dtype=np.int64), num_pages)
     cols = np.arange(total, dtype=np.int64) - indptr[:B].astype(np.int64)[rows]
     dev = block_table.device
-    rows_t = upload(rows, dev)  # pinned: a pageable non_blocking copy is staged synchronously
-    cols_t = upload(cols, dev)
+    rows_t, cols_t = upload(np.stack([rows, cols]), dev)  # one pinned copy (a pageable one would sync)
     return block_table[rows_t, cols_t].to(torch.int32)
 
 

@@ -155,8 +155,7 @@ class MLACommonMetadataBuilder(AttentionMetadataBuilder):
         total = int(cu[-1])
         req = np.repeat(np.arange(len(lens)), lens)
         pos = starts[req] + np.arange(total) - cu[:-1][req]
-        req_t = upload(req, self.device)
-        pos_t = upload(pos, self.device)
+        req_t, pos_t = upload(np.stack([req, pos]).astype(np.int64, copy=False), self.device)  # one copy
         blocks = block_table[req_t, torch.div(pos_t, bs, rounding_mode="floor")].to(torch.int64)
         return MLAContextChunk(cu_seq_lens=upload(cu.astype(np.int32), self.device),
                                slots=blocks * bs + pos_t % bs, max_seq_len=int(lens.max()), total_tokens=total)
