@@ -215,7 +215,7 @@ class CompiledKernels:
             raise RuntimeError("the compiled step kernels are not built (pip install -e . builds them)")
         self._numpy = NumpyKernels()
         self._sp_cls = sampling_params_cls
-        self._rows: tuple[Any, Any] | None = None
+        self._rows: tuple[Any, Any, list[int]] | None = None
         self._cached: tuple[Any, Any, Any] | None = None
         self._new: tuple[Any, Any] | None = None
         self._prep: tuple[Any, Any, Any, Any] | None = None
@@ -230,7 +230,8 @@ class CompiledKernels:
             tabs = table.block_tables
             self._rows = (table, NATIVE.BlockRows(table.num_blocks_per_row, table.block_id_bound, [bt.block_table_np for bt in tabs],
                                                   [bt.kernel_block_table.np for bt in tabs],
-                                                  [bt.kernel_blocks_per_block for bt in tabs]))
+                                                  [bt.kernel_blocks_per_block for bt in tabs]),
+                          [bt.block_size for bt in tabs])
         return self._rows[1]
 
     def _cached_scan(self, batch, layout, bufs: ScanBuffers):
@@ -333,9 +334,9 @@ class CompiledKernels:
         self._row_ops(table).move_rows(srcs, dsts)
 
     def null_skipped(self, batch, windows) -> int:
-        t = batch.block_table
-        return self._row_ops(t).null_skipped(batch.num_computed_tokens_cpu, batch.num_computed_tokens_nulled,
-                                             batch.num_reqs, windows, [bt.block_size for bt in t])
+        ops = self._row_ops(batch.block_table)  # (binds self._rows: its third entry, the block sizes)
+        return ops.null_skipped(batch.num_computed_tokens_cpu, batch.num_computed_tokens_nulled, batch.num_reqs,
+                                windows, self._rows[2])
 
     def prepare(self, batch, bufs, writes_slots, R, num_tokens_padded):
         try:
