@@ -102,12 +102,23 @@ class CommonAttentionMetadata:
     def replace(self, **changes) -> "CommonAttentionMetadata":
         """Return a shallow copy with ``changes`` applied (per-group block table / slot mapping).
 
-        Tensors that are not replaced are shared, not copied.
+        Tensors that are not replaced are shared, not copied. The class has no
+        ``__post_init__``, so the copy is the instance's fields with ``changes`` written over
+        them (a subclass goes through ``dataclasses.replace``, which runs its own).
 
         Raises:
             TypeError: a name that is not a field.
         """
-        return dataclasses.replace(self, **changes)
+        if type(self) is not CommonAttentionMetadata:
+            return dataclasses.replace(self, **changes)
+        if not _FIELD_NAMES.issuperset(changes):
+            unknown = sorted(changes.keys() - _FIELD_NAMES)
+            raise TypeError(f"CommonAttentionMetadata.replace: no field named {unknown[0]!r}")
+        new = object.__new__(CommonAttentionMetadata)
+        fields = new.__dict__
+        fields.update(self.__dict__)
+        fields.update(changes)
+        return new
 
     @property
     def query_lens_cpu(self) -> torch.Tensor:
@@ -187,3 +198,7 @@ class CommonAttentionMetadata:
             positions=positions.to(dev),
             is_prefilling=is_prefilling,
         )
+
+
+_FIELD_NAMES = frozenset(f.name for f in dataclasses.fields(CommonAttentionMetadata))
+"""The field names ``CommonAttentionMetadata.replace`` accepts."""

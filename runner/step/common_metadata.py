@@ -42,7 +42,7 @@ def build_common_attn_metadata(inputs: StepInputs, num_computed_tokens_cpu: torc
         slot_mapping=inputs.slot_mapping[0],
         causal=True,
         positions=inputs.positions,
-        is_prefilling=torch.from_numpy(inputs.is_prefilling),
+        is_prefilling=inputs.is_prefilling_cpu,
         num_draft_tokens_cpu=num_draft_tokens_cpu,
     )
     out = [cm]

@@ -75,6 +75,9 @@ class StepInputs:
     (a partial prefill or a recompute: the step does not reach the request's last token)."""
     is_prefilling: np.ndarray
     """``[R]`` ``bool``, CPU; ``num_computed_tokens < num_prompt_tokens``."""
+    is_prefilling_cpu: torch.Tensor
+    """``[R]`` ``torch.bool``, CPU: :attr:`is_prefilling` as a tensor (the same memory;
+    ``CommonAttentionMetadata.is_prefilling``)."""
     slot_mapping: list[torch.Tensor]
     """Per group: ``[P]`` ``int64``, device; ``PAD_SLOT_ID`` for padding (and for every
     token of a Mamba state group, which writes no paged K/V)."""
@@ -180,8 +183,9 @@ class InputPreparer:
                 block_tables.append(bt.get_device_tensor(R))
                 slot_mappings.append(bt.slot_mapping.copy_to_gpu(P))
             bufs = self.buffers
-            views = (bufs.req_indices[:Q], bufs.discard[:R], bufs.is_prefilling[:R], slot_mappings, block_tables,
-                     self._buffer_views(R, P))
+            prefilling = bufs.is_prefilling[:R]
+            views = (bufs.req_indices[:Q], bufs.discard[:R], (prefilling, torch.from_numpy(prefilling)),
+                     slot_mappings, block_tables, self._buffer_views(R, P))
             self._cached_views = (key, views) if bufs.query_start_loc.aliased else None
         return self._step_inputs(batch, R, Q, P, max_query_len, max_seq_len, sched, ncc, *views)
 
@@ -195,7 +199,8 @@ class InputPreparer:
 
     def _step_inputs(self, batch, R, Q, P, max_query_len, max_seq_len, sched, ncc, req_indices, discard,
                      is_prefilling, slot_mappings, block_tables, buffer_views=None) -> StepInputs:
-        """Wrap the filled buffers (``buffer_views``: :meth:`_buffer_views`, made here when ``None``)."""
+        """Wrap the filled buffers (``is_prefilling``: the mask's array and tensor views;
+        ``buffer_views``: :meth:`_buffer_views`, made here when ``None``)."""
         qsl, qsl_cpu, pos, pos_cpu, ids, sl, sl_cpu, li, li_cpu = buffer_views or self._buffer_views(R, P)
         return StepInputs(
             req_ids=batch.req_ids,
@@ -218,7 +223,8 @@ class InputPreparer:
             logits_indices=li,
             logits_indices_cpu=li_cpu,
             discard=discard,
-            is_prefilling=is_prefilling,
+            is_prefilling=is_prefilling[0],
+            is_prefilling_cpu=is_prefilling[1],
             slot_mapping=list(slot_mappings),  # own lists: the tensors may be shared with
             block_table_tensor=list(block_tables),  # the previous step's (cached views)
         )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import doctest
 
 import pytest
@@ -56,8 +57,28 @@ def test_replace_makes_a_per_group_copy_sharing_the_rest():
     assert g1.block_table_tensor is bt2 and g1.slot_mapping is sm2
     assert g1.query_start_loc is m.query_start_loc and g1.positions is m.positions
     assert m.slot_mapping.tolist() == [9, 20, 21, 22, 16, 17]  # the template is untouched
-    with pytest.raises(TypeError):
-        m.replace(not_a_field=1)
+    for f in dataclasses.fields(m):  # every other field is the template's own object
+        if f.name not in ("block_table_tensor", "slot_mapping"):
+            assert getattr(g1, f.name) is getattr(m, f.name), f.name
+    g1.num_reqs = 99  # a copy, not a view of the template's fields
+    assert m.num_reqs == 3 and g1 == dataclasses.replace(g1)
+    with pytest.raises(TypeError, match="not_a_field"):
+        m.replace(block_table_tensor=bt2, not_a_field=1)
+    assert m.block_table_tensor is not bt2
+
+
+def test_replace_of_a_subclass_keeps_the_subclass_and_runs_its_post_init():
+    @dataclasses.dataclass
+    class Tagged(CommonAttentionMetadata):
+        tag: str = "a"
+
+        def __post_init__(self):
+            self.tag = self.tag.upper()
+
+    base = seed_metadata()
+    t = Tagged(**{f.name: getattr(base, f.name) for f in dataclasses.fields(base)}, tag="x")
+    t2 = t.replace(tag="y", num_reqs=2)
+    assert type(t2) is Tagged and t2.tag == "Y" and t2.num_reqs == 2 and t.tag == "X"
 
 
 def test_from_lengths_rejects_mismatched_inputs():

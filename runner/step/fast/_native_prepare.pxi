@@ -139,6 +139,10 @@ cdef class Prepare:
         cdef Py_ssize_t r, j, k = 0
         cdef int64_t s, off, d, smax = -1
         cdef bint contiguous = True
+        if R and _rows_in_order(R, pidx, ppos, ncc, qsl):
+            contiguous_out[0] = True  # the general loop below would find the same
+            smax_out[0] = R - 1
+            return R
         for r in range(R):
             s = pidx[r]
             if s >= 0:

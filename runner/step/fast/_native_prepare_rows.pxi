@@ -1,6 +1,7 @@
 # Prepare's per-row loops over equal or mixed row widths, as inline functions: each caller
-# passes the usual widths (2-5) as literals, so the compiler unrolls them; none raises (a
-# function that raises is not inlined) — included by _native.pyx (shares its cimports)
+# passes the usual widths (2-5) as literals, so the compiler unrolls them; and the test for
+# the usual asynchronous patch. None raises (a function that raises is not inlined) —
+# included by _native.pyx (shares its cimports)
 
 cdef inline Py_ssize_t _slot_rows(Py_ssize_t R, Py_ssize_t w, const int32_t* qsl, const int64_t* positions,
                                   const int32_t* tb, Py_ssize_t ncols, int64_t sh, int64_t* slots) noexcept:
@@ -59,3 +60,19 @@ cdef inline int32_t _copy_rows(Py_ssize_t R, Py_ssize_t w, const int32_t* qsl, c
             ids[s + j] = v
             neg |= v
     return neg
+
+
+cdef inline bint _rows_in_order(Py_ssize_t R, const int32_t* pidx, const int32_t* ppos, const int32_t* ncc,
+                                const int32_t* qsl) noexcept:
+    """The asynchronous patch of the usual step (``R >= 1`` rows, each sampled last step in
+    batch order, its placeholder the first of its tokens this step: a decode step whose
+    rows kept their order): row ``r``'s ``prev_sampled_index`` is ``r``, its placeholder's
+    position its ``num_computed_tokens`` and its first token ``r`` (``query_start_loc[r]
+    == r``), and the last row holds a token (``query_start_loc[R] >= R``; the others hold
+    one each). The patch is then ``arange(R)``, as ``Prepare._plan_patch``'s row loop
+    would find it. One branch-free pass (vectorised): the OR of the differences."""
+    cdef Py_ssize_t r
+    cdef int32_t acc = 0
+    for r in range(R):
+        acc |= (pidx[r] ^ <int32_t>r) | (ppos[r] - ncc[r]) | (qsl[r] ^ <int32_t>r)
+    return acc == 0 and qsl[R] >= R
