@@ -91,7 +91,7 @@ def append_placeholders(batch: InputBatch, max_model_len: int, rows: np.ndarray)
     R = batch.num_reqs
     rows = row_indices(rows, "append_placeholders")
     n = rows.shape[0]
-    if n and (rows.min() < 0 or rows.max() >= R or np.unique(rows).shape[0] != n):
+    if n and (rows.min() < 0 or rows.max() >= R or _count_distinct(rows, R) != n):
         raise MetadataError(f"append_placeholders: rows must be distinct and in [0, {R}), got {rows.tolist()}")
     held = batch.num_tokens[rows].astype(np.int64)
     seq = batch.num_computed_tokens_cpu[rows].astype(np.int64) + batch.num_scheduled_tokens[rows]
@@ -109,6 +109,14 @@ def append_placeholders(batch: InputBatch, max_model_len: int, rows: np.ndarray)
     batch.prev_sampled_pos[rows] = held
     ids = batch.req_ids  # (a property that copies: read once)
     return Placeholders(tuple([ids[r] for r in rows.tolist()]), held)
+
+
+def _count_distinct(rows: np.ndarray, R: int) -> int:
+    """How many distinct values ``rows`` (``[n]`` ``int64``, each in ``[0, R)``) holds: a
+    mask over the rows (no sort)."""
+    seen = np.zeros(R, dtype=bool)
+    seen[rows] = True
+    return int(np.count_nonzero(seen))
 
 
 def prev_tokens_tensor(prev_token_ids, device: torch.device, num_placeholders: int) -> torch.Tensor:
@@ -264,4 +272,4 @@ def _fill_rows(batch: InputBatch, requests: dict[str, CachedRequestState], place
     if pos.max() >= table.shape[1] or (table[rows, pos] != PLACEHOLDER_TOKEN_ID).any():
         return None
     table[rows, pos] = toks
-    return int(rows.shape[0])
+    return int(np.count_nonzero(seen))
