@@ -272,4 +272,4 @@ def _fill_rows(batch: InputBatch, requests: dict[str, CachedRequestState], place
     if pos.max() >= table.shape[1] or (table[rows, pos] != PLACEHOLDER_TOKEN_ID).any():
         return None
     table[rows, pos] = toks
-    return int(np.count_nonzero(seen))
+    return int(rows.shape[0])

@@ -1,5 +1,6 @@
 """`attnplug bench step`'s async table runs, and takes the slice copy exactly when rows
-kept their order (no arrivals) and the scatter when condense moved them."""
+kept their order (no arrivals) and the scatter when condense moved them; it times stage 8
+of both protocols."""
 
 from __future__ import annotations
 
@@ -17,4 +18,5 @@ def test_async_table_in_json(capsys):
     assert still["slice_steps"] == 6 and still["scatter_steps"] == 0
     assert moving["scatter_steps"] >= 5 and moving["slice_steps"] + moving["scatter_steps"] == 6
     assert all(r["sync_us"] > 0 and r["async_us"] > 0 for r in rows.values())
+    assert all(r["stage8_sync_us"] > 0 and r["stage8_async_us"] > 0 for r in rows.values())
     assert report["torch_threads"] == 1
