@@ -99,3 +99,20 @@ def test_skipped_blocks_past_the_table_are_refused(kernel_name):
     if kernel_name == "compiled":
         assert batch.block_table[0].block_table_np[:2, :4].tolist() == [[1, 2, 3, 4], [5, 6, 7, 8]]
         assert batch.num_computed_tokens_nulled[:2].tolist() == [0, 0]
+
+
+@pytest.mark.parametrize("kernel_name", list(NULLERS))
+def test_rows_past_num_reqs_are_neither_read_nor_written(kernel_name):
+    """Only rows ``0 .. num_reqs - 1`` count: a free row whose columns and table still hold a
+    long context (stale values) is left as it is, and nothing of it is counted."""
+    null = NULLERS[kernel_name]
+    batch = InputBatch(4, MAX_LEN, 64, [2], kernel_block_sizes=[2])
+    batch.add_request(CachedRequestState("r0", [1] * MAX_LEN, (np.arange(1, 21, dtype=np.int32),)))
+    bt = batch.block_table[0]
+    stale = np.arange(101, 121, dtype=np.int32)
+    bt.block_table_np[2, :20] = stale  # row 2 is free (num_reqs is 1)
+    batch.num_computed_tokens_cpu[:3] = [5, 0, 30]
+    batch.num_computed_tokens_nulled[:3] = 0
+    assert null(batch, [4]) == skipped(5, 4, 2)
+    assert bt.block_table_np[2, :20].tolist() == stale.tolist()
+    assert batch.num_computed_tokens_nulled[2] == 0
