@@ -122,6 +122,10 @@ class InputBatch:
         """Rows ``0 .. _num_rows-1`` may be occupied; holes among them are in ``_holes``."""
         self._holes: list[int] = []
         """Min-heap of free rows below ``_num_rows``."""
+        self.layout = object()
+        """Replaced whenever a request leaves its row (removed, moved, swapped); while it is
+        the same object every request in the batch holds the row it held (``placeholders.py``'s
+        ``fill_output_tokens`` trusts the rows ``append_placeholders`` recorded)."""
 
     # --- membership ---------------------------------------------------------------------
     @property
@@ -305,12 +309,14 @@ class InputBatch:
             heapq.heappush(self._holes, row)
             rows.append(row)
         if rows:
+            self.layout = object()
             self.kernels.clear_rows(self.block_table, rows)
         return rows
 
     # --- moving rows --------------------------------------------------------------------
     def _move_rows(self, srcs: list[int], dsts: list[int]) -> None:
         """Move occupied rows ``srcs`` into free rows ``dsts`` (disjoint); every column moves."""
+        self.layout = object()
         s, d = np.asarray(srcs, dtype=np.int64), np.asarray(dsts, dtype=np.int64)
         toks, n_tok = self.token_ids_cpu, self.num_tokens
         for src, dst in zip(srcs, dsts):
@@ -349,6 +355,7 @@ class InputBatch:
         """Exchange rows ``i`` and ``j`` (both occupied); every column moves."""
         if i == j:
             return
+        self.layout = object()
         toks = self.token_ids_cpu
         w = int(max(self.num_tokens[i], self.num_tokens[j]))
         toks[[i, j], :w] = toks[[j, i], :w]

@@ -53,10 +53,17 @@ class Placeholders:
     Attributes:
         req_ids: the sampling requests, in the order of the step's sampled tensor.
         positions: ``[n]`` ``int64``, each placeholder's position in its request.
+        rows: ``[n]`` ``int64``, each request's batch row when the placeholders were
+            appended (``None``: unknown).
+        layout: the batch's ``InputBatch.layout`` then: while the batch still holds that
+            object no request has left its row, and ``fill_output_tokens`` writes into
+            ``rows`` without looking the ids up.
     """
 
     req_ids: tuple[str, ...]
     positions: np.ndarray
+    rows: np.ndarray | None = None
+    layout: object = None
 
 
 @dataclass(frozen=True)
@@ -108,7 +115,7 @@ def append_placeholders(batch: InputBatch, max_model_len: int, rows: np.ndarray)
     batch.prev_sampled_index[rows] = np.arange(n, dtype=np.int32)
     batch.prev_sampled_pos[rows] = held
     ids = batch.req_ids  # (a property that copies: read once)
-    return Placeholders(tuple([ids[r] for r in rows.tolist()]), held)
+    return Placeholders(tuple([ids[r] for r in rows.tolist()]), held, rows.copy(), batch.layout)
 
 
 def _count_distinct(rows: np.ndarray, R: int) -> int:
@@ -255,11 +262,16 @@ def _fill_rows(batch: InputBatch, requests: dict[str, CachedRequestState], place
                toks: np.ndarray) -> int | None:
     """:func:`fill_output_tokens` when every request is still in the batch or finished and
     each placeholder is there (the usual case): one scatter of the checked ``[n]`` ``int64``
-    ``toks``. ``None`` (nothing written) otherwise: the per-request loop then decides (a
-    request that left the batch but not the runner) and words errors."""
+    ``toks``, into the rows ``append_placeholders`` recorded while no request has left its
+    row since (``InputBatch.layout``), else into the rows the ids are found in. ``None``
+    (nothing written) otherwise: the per-request loop then decides (a request that left the
+    batch but not the runner) and words errors."""
     ids, pos = placeholders.req_ids, placeholders.positions
     n = len(ids)
-    rows = np.fromiter(map(batch.req_id_to_index.get, ids, repeat(-1, n)), np.int64, n)
+    if placeholders.layout is batch.layout and placeholders.rows is not None:
+        rows = placeholders.rows
+    else:
+        rows = np.fromiter(map(batch.req_id_to_index.get, ids, repeat(-1, n)), np.int64, n)
     if rows.min() < 0:  # finished ones are skipped; one that is detached takes the loop
         gone = np.flatnonzero(rows < 0).tolist()
         if any(ids[i] in requests for i in gone):
