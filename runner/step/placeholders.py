@@ -111,10 +111,13 @@ def append_placeholders(batch: InputBatch, max_model_len: int, rows: np.ndarray)
     batch.num_prev_sampled = n
     batch.token_ids_cpu[rows, held] = PLACEHOLDER_TOKEN_ID
     batch.num_tokens[rows] = held + 1
+    order = np.arange(n, dtype=np.int32)
     batch.prev_sampled_index[:R] = -1
-    batch.prev_sampled_index[rows] = np.arange(n, dtype=np.int32)
+    batch.prev_sampled_index[rows] = order
     batch.prev_sampled_pos[rows] = held
     ids = batch.req_ids  # (a property that copies: read once)
+    if n == R and (rows == order).all():  # every row, in order (a steady decode step)
+        return Placeholders(tuple(ids), held, rows.copy(), batch.layout)
     return Placeholders(tuple([ids[r] for r in rows.tolist()]), held, rows.copy(), batch.layout)
 
 

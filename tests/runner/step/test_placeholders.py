@@ -42,6 +42,21 @@ def test_each_sampling_row_points_at_its_entry_and_the_others_at_none():
     assert b.token_ids_cpu[rC, :4].tolist() == [9, 9, 9, 9]  # untouched
 
 
+@pytest.mark.parametrize("order", [[0, 1], [1, 0]])
+def test_the_placeholders_name_each_request_of_every_row_in_the_given_order(order):
+    sc = StepCompiler([4], max_num_reqs=4, max_model_len=16, max_num_batched_tokens=16, num_blocks=32,
+                      native=False)
+    so = SchedulerOutput([NewRequestData("A", [1, 2, 3], ([1],)), NewRequestData("B", [4, 5], ([2],))],
+                         CachedRequestData(), {"A": 3, "B": 2})
+    sc.update_states(so)
+    sc.prepare_inputs(so)
+    b = sc.input_batch
+    names = [b.req_ids[r] for r in order]
+    ph = sc.append_placeholders(np.array(order))  # every row samples: in order, or not
+    assert ph.req_ids == tuple(names) and ph.positions.tolist() == [3 if n == "A" else 2 for n in names]
+    assert ph.rows.tolist() == order
+
+
 @pytest.mark.parametrize("rows, words", [
     ([2], "request 'C' samples no token this step (seq_len 2, num_tokens 4, max_model_len 16)"),
     ([0, 1, 2], "request 'C' samples no token this step (seq_len 2, num_tokens 4"),  # the row that fails is named
