@@ -104,7 +104,8 @@ class CommonAttentionMetadata:
 
         Tensors that are not replaced are shared, not copied. The class has no
         ``__post_init__``, so the copy is the instance's fields with ``changes`` written over
-        them (a subclass goes through ``dataclasses.replace``, which runs its own).
+        them; a subclass (which may run its own) and an instance given attributes besides its
+        fields (which the copy must not carry) go through ``dataclasses.replace``.
 
         Raises:
             TypeError: a name that is not a field.
@@ -114,9 +115,12 @@ class CommonAttentionMetadata:
         if not _FIELD_NAMES.issuperset(changes):
             unknown = sorted(changes.keys() - _FIELD_NAMES)
             raise TypeError(f"CommonAttentionMetadata.replace: no field named {unknown[0]!r}")
+        own = self.__dict__
+        if len(own) != len(_FIELD_NAMES):  # an attribute set on the instance besides the fields
+            return dataclasses.replace(self, **changes)  # (which leaves it behind)
         new = object.__new__(CommonAttentionMetadata)
         fields = new.__dict__
-        fields.update(self.__dict__)
+        fields.update(own)
         fields.update(changes)
         return new
 

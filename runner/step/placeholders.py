@@ -91,7 +91,8 @@ def append_placeholders(batch: InputBatch, max_model_len: int, rows: np.ndarray)
 
     Raises:
         MetadataError: ``rows`` of another type or shape (a 2-D array or a list of lists is
-            not flattened; a scalar or a tensor), a row outside the batch, repeated, discarded
+            not flattened; a scalar or a tensor), a row outside the batch or without a request
+            (a hole before ``condense``), repeated, discarded
             this step (its ``seq_len`` does not reach ``num_tokens``), or already at
             ``max_model_len``.
     """
@@ -100,25 +101,26 @@ def append_placeholders(batch: InputBatch, max_model_len: int, rows: np.ndarray)
     n = rows.shape[0]
     if n and (rows.min() < 0 or rows.max() >= R or _count_distinct(rows, R) != n):
         raise MetadataError(f"append_placeholders: rows must be distinct and in [0, {R}), got {rows.tolist()}")
+    order = np.arange(n, dtype=np.int32)
+    ids = batch.req_ids  # (a property that copies: read once)
+    names = tuple(ids) if n == R and (rows == order).all() else tuple([ids[r] for r in rows.tolist()])
+    if None in names:  # a hole left by remove_request before condense (update_states condenses)
+        raise MetadataError(f"append_placeholders: row {int(rows[names.index(None)])} holds no request")
     held = batch.num_tokens[rows].astype(np.int64)
     seq = batch.num_computed_tokens_cpu[rows].astype(np.int64) + batch.num_scheduled_tokens[rows]
     if (seq != held).any() or (held >= max_model_len).any():
         i = int(np.argmax((seq != held) | (held >= max_model_len)))
-        raise MetadataError(f"append_placeholders: request {batch.req_ids[int(rows[i])]!r} samples no token "
+        raise MetadataError(f"append_placeholders: request {names[i]!r} samples no token "
                             f"this step (seq_len {int(seq[i])}, num_tokens {int(held[i])}, max_model_len "
                             f"{max_model_len})")
     batch.placeholders_appended = True
     batch.num_prev_sampled = n
     batch.token_ids_cpu[rows, held] = PLACEHOLDER_TOKEN_ID
     batch.num_tokens[rows] = held + 1
-    order = np.arange(n, dtype=np.int32)
     batch.prev_sampled_index[:R] = -1
     batch.prev_sampled_index[rows] = order
     batch.prev_sampled_pos[rows] = held
-    ids = batch.req_ids  # (a property that copies: read once)
-    if n == R and (rows == order).all():  # every row, in order (a steady decode step)
-        return Placeholders(tuple(ids), held, rows.copy(), batch.layout)
-    return Placeholders(tuple([ids[r] for r in rows.tolist()]), held, rows.copy(), batch.layout)
+    return Placeholders(names, held, rows.copy(), batch.layout)
 
 
 def _count_distinct(rows: np.ndarray, R: int) -> int:

@@ -65,6 +65,9 @@ def test_replace_makes_a_per_group_copy_sharing_the_rest():
     with pytest.raises(TypeError, match="not_a_field"):
         m.replace(block_table_tensor=bt2, not_a_field=1)
     assert m.block_table_tensor is not bt2
+    m.note = "a memo"  # an attribute besides the fields: not carried, as dataclasses.replace
+    g2 = m.replace(num_reqs=2)
+    assert not hasattr(g2, "note") and g2.num_reqs == 2 and g2.positions is m.positions
 
 
 def test_replace_of_a_subclass_keeps_the_subclass_and_runs_its_post_init():

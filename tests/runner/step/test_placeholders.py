@@ -57,6 +57,18 @@ def test_the_placeholders_name_each_request_of_every_row_in_the_given_order(orde
     assert ph.rows.tolist() == order
 
 
+def test_a_row_without_a_request_is_refused_and_changes_nothing():
+    sc = compiler()
+    b = sc.input_batch
+    b.remove_request("A")  # a hole at A's row until condense (update_states condenses)
+    hole = next(r for r in range(3) if b.state_at(r) is None)
+    rows = sorted({hole, b.req_id_to_index["B"]})
+    before = sc.snapshot()
+    with pytest.raises(MetadataError, match=f"append_placeholders: row {hole} holds no request"):
+        sc.append_placeholders(np.array(rows))
+    assert not snapshot_diff(before, sc.snapshot())
+
+
 @pytest.mark.parametrize("rows, words", [
     ([2], "request 'C' samples no token this step (seq_len 2, num_tokens 4, max_model_len 16)"),
     ([0, 1, 2], "request 'C' samples no token this step (seq_len 2, num_tokens 4"),  # the row that fails is named
