@@ -37,7 +37,7 @@ import torch
 
 from attnplug.core.errors import MetadataError
 from attnplug.runner.step.append import token_id_array
-from attnplug.runner.step.check.types import row_indices
+from attnplug.runner.step.check.types import row_indices, show
 from attnplug.runner.step.input_batch import InputBatch
 from attnplug.runner.step.prepare import StepInputs
 from attnplug.runner.step.request_state import CachedRequestState
@@ -238,10 +238,11 @@ def fill_output_tokens(batch: InputBatch, requests: dict[str, CachedRequestState
     n = len(placeholders.req_ids)
     try:
         m = len(token_ids)
-    except TypeError:
-        m = -1
+    except TypeError:  # a scalar, a generator: no tokens to count
+        raise MetadataError("fill_output_tokens: token ids must be ints in [0, 2**31), as a list or a 1-D "
+                            f"integer array, got {show(token_ids)}") from None
     if m != n:
-        raise MetadataError(f"fill_output_tokens: {m if m >= 0 else token_ids!r} tokens for {n} placeholders")
+        raise MetadataError(f"fill_output_tokens: {m} tokens for {n} placeholders")
     if n == 0:
         return 0
     toks = token_id_array(batch.kernels, [token_ids], n, "fill_output_tokens", token_ids)

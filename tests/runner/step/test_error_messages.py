@@ -74,6 +74,7 @@ def _stage8_messages() -> dict[str, str]:
         "placeholders discarded": lambda sc: sc.append_placeholders([1, 0]),
         "verified discarded": lambda sc: sc.append_verified_tokens([0], [[5]]),
         "verified rows": lambda sc: sc.append_verified_tokens([1, 1], [[5], [6]]),
+        "verified row at num_reqs": lambda sc: sc.append_verified_tokens([2], [[5]]),
         "verified lists": lambda sc: sc.append_verified_tokens([1], [[5], [6]]),
     }
     out = {}

@@ -118,6 +118,10 @@ def test_placeholders_are_patched_after_a_reorder_and_filled_where_the_requests_
         sc.fill_output_tokens(ph, [70, 71])  # filled twice
     with pytest.raises(MetadataError, match="fill_output_tokens: 1 tokens for 2 placeholders"):
         sc.fill_output_tokens(ph, [70])
+    for unsized in (70, (t for t in [70, 71])):  # no length: named as the value, not a count
+        with pytest.raises(MetadataError, match=r"fill_output_tokens: token ids must be ints in \[0, 2\*\*31\), "
+                                                r"as a list or a 1-D integer array, got (70|<generator)"):
+            sc.fill_output_tokens(ph, unsized)
     with pytest.raises(MetadataError, match=r"fill_output_tokens: token ids must be ints in \[0, 2\*\*31\), got \[-3, 71\]"):
         sc.fill_output_tokens(ph, [-3, 71])
 
