@@ -152,3 +152,18 @@ def test_steps_that_finish_condense_and_reorder_keep_sampling_with_the_request(n
     check(sc.input_batch, sc.requests)
     assert np.count_nonzero(sc.input_batch.top_k[:4]) == 4
     assert all(isinstance(sc.requests[r].generator, torch.Generator) for r in ("r0", "r4"))
+
+
+def test_a_given_generator_is_kept_seeded_or_not_and_a_seed_alone_makes_one():
+    """``CachedRequestState(generator=...)``: a request that brings its generator (one that
+    has drawn already) keeps it, seeded or not; without one, a seed makes a fresh one and no
+    seed makes none."""
+    g = torch.Generator()
+    g.manual_seed(3)
+    torch.rand(4, generator=g)  # advanced: a fresh generator of the same seed would differ
+    seeded = CachedRequestState("s", [1], ([1],), sampling_params=SamplingParams(seed=3), generator=g)
+    unseeded = CachedRequestState("u", [1], ([1],), generator=g)
+    assert seeded.generator is g and unseeded.generator is g
+    fresh = CachedRequestState("f", [1], ([1],), sampling_params=SamplingParams(seed=3)).generator
+    assert fresh is not None and fresh is not g and fresh.initial_seed() == 3
+    assert CachedRequestState("n", [1], ([1],)).generator is None
