@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from attnplug.core.errors import MetadataError
-from attnplug.runner.step.check.types import row_indices, show
+from attnplug.runner.step.check.types import row_indices, rows_distinct, show
 from attnplug.runner.step.input_batch import InputBatch
 
 
@@ -47,9 +47,7 @@ def append_output_tokens(batch: InputBatch, max_model_len: int, req_ids_or_rows,
         raise MetadataError(f"append_output_tokens: token ids must be ints in [0, 2**31), got {token_ids!r}") from None
     seqs = (token_ids if type(token_ids) is list else list(token_ids)) if ragged else [token_ids]
     flat = token_id_array(b.kernels, seqs, int(lens.sum()), "append_output_tokens", token_ids)
-    seen = np.zeros(b.max_num_reqs, dtype=bool)
-    seen[rows] = True
-    if np.count_nonzero(seen) != n:
+    if not rows_distinct(rows, b.max_num_reqs):
         raise MetadataError("append_output_tokens: a request appears twice; pass each request once "
                             "with all its tokens")
     held = b.num_tokens[rows].astype(np.int64)

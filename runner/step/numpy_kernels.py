@@ -13,8 +13,8 @@ import numpy as np
 import torch
 
 from attnplug.cache_groups.ragged import cumsum_and_arange, repeat_indices
-from attnplug.runner.step.apply_windows import null_skipped_blocks
 from attnplug.core.constants import PAD_SLOT_ID
+from attnplug.runner.step.apply_windows import null_skipped_blocks
 from attnplug.runner.step.check.types import is_bool_like
 from attnplug.runner.step.numpy_spec import check_no_placeholder, plan_patch_numpy, spec_layout_numpy, write_drafts_numpy
 

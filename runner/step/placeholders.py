@@ -37,7 +37,7 @@ import torch
 
 from attnplug.core.errors import MetadataError
 from attnplug.runner.step.append import token_id_array
-from attnplug.runner.step.check.types import row_indices, show
+from attnplug.runner.step.check.types import row_indices, rows_distinct, show
 from attnplug.runner.step.input_batch import InputBatch
 from attnplug.runner.step.prepare import StepInputs
 from attnplug.runner.step.request_state import CachedRequestState
@@ -99,11 +99,11 @@ def append_placeholders(batch: InputBatch, max_model_len: int, rows: np.ndarray)
     R = batch.num_reqs
     rows = row_indices(rows, "append_placeholders")
     n = rows.shape[0]
-    if n and (rows.min() < 0 or rows.max() >= R or _count_distinct(rows, R) != n):
+    if n and (rows.min() < 0 or rows.max() >= R or not rows_distinct(rows, R)):
         raise MetadataError(f"append_placeholders: rows must be distinct and in [0, {R}), got {rows.tolist()}")
     order = np.arange(n, dtype=np.int32)
-    ids = batch.req_ids  # (a property that copies: read once)
-    names = tuple(ids) if n == R and (rows == order).all() else tuple([ids[r] for r in rows.tolist()])
+    ids = batch._req_ids  # row -> id (None in a hole); rows < R are checked above
+    names = tuple(ids[:R]) if n == R and (rows == order).all() else tuple([ids[r] for r in rows.tolist()])
     if None in names:  # a hole left by remove_request before condense (update_states condenses)
         raise MetadataError(f"append_placeholders: row {int(rows[names.index(None)])} holds no request")
     held = batch.num_tokens[rows].astype(np.int64)
@@ -121,14 +121,6 @@ def append_placeholders(batch: InputBatch, max_model_len: int, rows: np.ndarray)
     batch.prev_sampled_index[rows] = order
     batch.prev_sampled_pos[rows] = held
     return Placeholders(names, held, rows.copy(), batch.layout)
-
-
-def _count_distinct(rows: np.ndarray, R: int) -> int:
-    """How many distinct values ``rows`` (``[n]`` ``int64``, each in ``[0, R)``) holds: a
-    mask over the rows (no sort)."""
-    seen = np.zeros(R, dtype=bool)
-    seen[rows] = True
-    return int(np.count_nonzero(seen))
 
 
 def prev_tokens_tensor(prev_token_ids, device: torch.device, num_placeholders: int) -> torch.Tensor:

@@ -29,7 +29,7 @@ from attnplug.cache_groups.ragged import cumsum_and_arange
 from attnplug.core.errors import MetadataError
 from attnplug.runner.step.append import token_id_array
 from attnplug.runner.step.plan import SpecTokens
-from attnplug.runner.step.check.types import row_indices
+from attnplug.runner.step.check.types import row_indices, rows_distinct
 from attnplug.runner.step.input_batch import InputBatch
 
 
@@ -74,7 +74,7 @@ def append_verified_tokens(batch: InputBatch, max_model_len: int, rows: Sequence
         raise MetadataError(f"append_verified_tokens: {m!r} token lists for {n} rows")
     if n == 0:
         return
-    if r.min() < 0 or r.max() >= b.num_reqs or np.count_nonzero(np.bincount(r, minlength=1) > 1):
+    if r.min() < 0 or r.max() >= b.num_reqs or not rows_distinct(r, b.num_reqs):
         raise MetadataError(f"append_verified_tokens: rows must be distinct and in [0, {b.num_reqs}), "
                             f"got {r.tolist()}")
     lens = np.fromiter(map(len, token_ids), np.int64, n)

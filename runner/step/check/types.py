@@ -124,3 +124,11 @@ def row_indices(rows: Any, who: str) -> np.ndarray:
         if arr is not None:
             return arr
     raise MetadataError(f"{who}: rows must be ints, as a list or a 1-D integer array, got {show(rows)}")
+
+
+def rows_distinct(rows: np.ndarray, bound: int) -> bool:
+    """Whether ``rows`` (``[n]`` integer, each already checked in ``[0, bound)``) holds no
+    row twice: a mask over ``[0, bound)``, no sort (stage 8's calls)."""
+    seen = np.zeros(bound, dtype=bool)
+    seen[rows] = True
+    return int(np.count_nonzero(seen)) == rows.shape[0]
