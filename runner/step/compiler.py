@@ -48,13 +48,8 @@ from attnplug.runner.step.debug import batch_view, snapshot, snapshot_diff
 from attnplug.runner.step.kernels import choose_kernels
 from attnplug.runner.step.groups import StepLayout, StepLimits
 from attnplug.runner.step.input_batch import InputBatch
-from attnplug.runner.step.placeholders import (
-    Placeholders,
-    append_placeholders,
-    fill_output_tokens,
-    finish_patch,
-    prev_tokens_tensor,
-)
+from attnplug.runner.step.placeholders import (Placeholders, append_placeholders, fill_output_tokens, finish_patch,
+                                               prev_tokens_tensor)
 from attnplug.runner.step.plan import UpdatePlan
 from attnplug.runner.step.prepare import InputPreparer, StepInputs
 from attnplug.runner.step.mrope import MRopeStore
@@ -252,7 +247,8 @@ class StepCompiler:
                 num_tokens_padded = operator.index(num_tokens_padded)
             except TypeError:
                 raise MetadataError(f"num_tokens_padded must be an int, got {num_tokens_padded!r}") from None
-        if prev_token_ids is not None:
+        prev_host = -1 if prev_token_ids is None else self.kernels.host_tokens(prev_token_ids, b.num_prev_sampled)
+        if prev_host < 0 and prev_token_ids is not None:  # (the usual CPU tensor passed in one call)
             prev_token_ids = prev_tokens_tensor(prev_token_ids, self.device, b.num_prev_sampled)
         if num_tokens_padded is not None and not 0 <= num_tokens_padded <= self.max_num_batched_tokens:
             self._check_step_size(scheduler_output, int(b.num_scheduled_tokens[:b.num_reqs].sum()),
@@ -266,22 +262,13 @@ class StepCompiler:
         else:
             prep = self._preparer
             inputs = prep.prepare(b, self.group_kinds, num_tokens_padded, prev_token_ids,
-                                  _expected_tokens(scheduler_output))
+                                  _expected_tokens(scheduler_output), prev_host)
             self._check_step_size(scheduler_output, inputs.num_actual_tokens, num_tokens_padded)
             patch = prep.patch
             if patch[0] and not patch[2]:  # placeholders the kernels did not overwrite (not a CPU device)
                 finish_patch(prep.buffers, patch, prev_token_ids, inputs.input_ids)
-        if self.prompt_embeds is not None:
-            self._fill_embeds(inputs)
-        if self.mrope is not None:
-            inputs.mrope_positions = self.mrope.fill(
-                self.input_batch.req_id_to_index, inputs.num_reqs, inputs.num_padded_tokens,
-                inputs.positions_cpu.numpy(), inputs.query_start_loc_cpu.numpy(), inputs.num_computed_tokens,
-                inputs.num_scheduled_tokens)
-        if self.mm is not None and self.mm.features:
-            inputs.mm_slices = self.mm.slices(self.input_batch.req_id_to_index, inputs.num_reqs,
-                                              inputs.query_start_loc_cpu.numpy(), inputs.num_computed_tokens,
-                                              inputs.num_scheduled_tokens)
+        if self.prompt_embeds is not None or self.mrope is not None or self.mm is not None:
+            self._fill_model_inputs(inputs)
         if b.drafts_written:  # None when no kept row verifies drafts (a verifying row is never discarded)
             inputs.spec_decode_metadata = spec_decode_metadata(self.kernels, b, self._preparer.buffers,
                                                                inputs.num_reqs)
@@ -291,13 +278,22 @@ class StepCompiler:
             self.check(inputs)
         return inputs
 
-    def _fill_embeds(self, inputs: StepInputs) -> None:
-        """Set ``inputs.inputs_embeds`` / ``is_embed`` when the step has embedding rows."""
-        filled = self.prompt_embeds.fill(self.input_batch.req_id_to_index, inputs.num_reqs, inputs.num_padded_tokens,
-                                         inputs.query_start_loc_cpu.numpy(), inputs.num_computed_tokens,
-                                         inputs.num_scheduled_tokens)
-        if filled is not None:
-            inputs.inputs_embeds, inputs.is_embed = filled
+    def _fill_model_inputs(self, inputs: StepInputs) -> None:
+        """The inputs only some models take: prompt embeddings, M-RoPE positions, the
+        multimodal features' token slices."""
+        idx, qsl = self.input_batch.req_id_to_index, inputs.query_start_loc_cpu.numpy()
+        if self.prompt_embeds is not None:
+            filled = self.prompt_embeds.fill(idx, inputs.num_reqs, inputs.num_padded_tokens, qsl,
+                                             inputs.num_computed_tokens, inputs.num_scheduled_tokens)
+            if filled is not None:  # the step has embedding rows
+                inputs.inputs_embeds, inputs.is_embed = filled
+        if self.mrope is not None:
+            inputs.mrope_positions = self.mrope.fill(idx, inputs.num_reqs, inputs.num_padded_tokens,
+                                                     inputs.positions_cpu.numpy(), qsl, inputs.num_computed_tokens,
+                                                     inputs.num_scheduled_tokens)
+        if self.mm is not None and self.mm.features:
+            inputs.mm_slices = self.mm.slices(idx, inputs.num_reqs, qsl, inputs.num_computed_tokens,
+                                              inputs.num_scheduled_tokens)
 
     def _check_step_size(self, scheduler_output: SchedulerOutput | None, Q: int, num_tokens_padded: int | None):
         if scheduler_output is not None and scheduler_output.total_num_scheduled_tokens != Q:

@@ -13,7 +13,8 @@ and ``scan_new`` (stage 1's fast plans), ``merge_cached`` (stage 2's merge of a 
 cached deltas), ``clear_rows`` and ``move_rows`` (every group's block table),
 ``null_skipped`` (stage 2's sliding-window nulling), ``write_new_rows`` (rows of the requests ``scan_new`` staged), ``prepare`` (stage 3's
 per-token arithmetic) and ``prepare_patched`` (``prepare`` with the asynchronous patch:
-one pass on the compiled kernels). A scan either plans its whole input or
+one pass on the compiled kernels), with ``host_tokens`` (may it read the patch's tokens in
+place?). A scan either plans its whole input or
 declines and changes nothing; on a decline the vectorized checks (``runner/step/check*.py``)
 plan the step, and they word every error, so the numpy kernels' scans always decline.
 Everything else gives the same bytes on both implementations (``tests/runner/
@@ -24,84 +25,20 @@ Only this module and ``compiler.py`` import ``runner.step.fast`` (``tests/test_l
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
 
-from attnplug.cache_groups.buffers import CpuGpuBuffer
 from attnplug.runner.step.fast import NATIVE
 from attnplug.runner.step.numpy_kernels import NumpyKernels, merge_cached_numpy, writes_host_tokens
 from attnplug.runner.step.numpy_spec import placeholder_read_error, prev_token_error
 from attnplug.runner.step.plan import ScanBuffers
+from attnplug.runner.step.prepare_buffers import PrepareBuffers
 
 if TYPE_CHECKING:
     from attnplug.cache_groups.block_table import MultiGroupBlockTable
     from attnplug.runner.step.groups import StepLayout
-
-
-
-@dataclass
-class PrepareBuffers:
-    """The persistent buffers stage 3 fills each step (``M`` = ``max_num_reqs``, ``T`` =
-    ``max_num_batched_tokens``); ``InputPreparer`` owns them, the kernels write them."""
-
-    query_start_loc: CpuGpuBuffer
-    """``[M + 1]`` ``int32``."""
-    positions: CpuGpuBuffer
-    """``[T]`` ``int64``."""
-    input_ids: CpuGpuBuffer
-    """``[T]`` ``int32``."""
-    seq_lens: CpuGpuBuffer
-    """``[M]`` ``int32``."""
-    logits_indices: CpuGpuBuffer
-    """``[M]`` ``int64``."""
-    req_indices: np.ndarray
-    """``[T]`` ``int64`` the row of each token."""
-    discard: np.ndarray
-    """``[M]`` ``bool`` the row's logits are discarded (``seq_lens < num_tokens``)."""
-    is_prefilling: np.ndarray
-    """``[M]`` ``bool`` ``num_computed_tokens < num_prompt_tokens``."""
-    arange: np.ndarray
-    """``[max(T, M) + 1]`` ``int64`` ``0, 1, 2, ...`` (scratch of the numpy kernels)."""
-    flat_idx: np.ndarray
-    """``[T]`` ``int64`` scratch: flat indices into the token table."""
-    row_starts: np.ndarray
-    """``[M]`` ``int64`` ``row * max_model_len``."""
-    spec_logits_indices: CpuGpuBuffer
-    """``[T]`` ``int64`` ``SpecDecodeMetadata.logits_indices`` (``runner/step/spec_metadata.py``)."""
-    spec_target: CpuGpuBuffer
-    """``[T]`` ``int64`` ``target_logits_indices``."""
-    spec_bonus: CpuGpuBuffer
-    """``[M]`` ``int64`` ``bonus_logits_indices``."""
-    spec_cu: CpuGpuBuffer
-    """``[M]`` ``int64`` ``cu_num_draft_tokens``."""
-    spec_draft_ids: CpuGpuBuffer
-    """``[T]`` ``int64`` ``draft_token_ids``."""
-    patch_dest: np.ndarray
-    """``[M]`` ``int64`` asynchronous patch: token indices of this step (``placeholders.py``)."""
-    patch_src: np.ndarray
-    """``[M]`` ``int64`` asynchronous patch: indices into the previous step's sampled tensor."""
-    patch_steps: np.ndarray
-    """``[2]`` ``int64`` asynchronous patch: how many steps ``prepare_patched`` patched by
-    one slice copy (rows kept their order: ``dest == src == arange(k)``) and by a scatter
-    (``StepCompiler.patch_counts``)."""
-    spec_views: dict = field(default_factory=dict)
-    """On a CPU device (the buffers are their own device tensors): ``(kept rows, drafts)`` →
-    the five ``spec_*`` prefix views ``spec_decode_metadata`` hands out (made once per shape)."""
-
-    @classmethod
-    def allocate(cls, max_num_reqs: int, max_model_len: int, max_num_batched_tokens: int,
-                 device: torch.device | str) -> "PrepareBuffers":
-        M, T = max_num_reqs, max_num_batched_tokens
-        i64 = lambda n: CpuGpuBuffer((n,), torch.int64, device)  # noqa: E731
-        return cls(CpuGpuBuffer((M + 1,), torch.int32, device), i64(T),
-                   CpuGpuBuffer((T,), torch.int32, device), CpuGpuBuffer((M,), torch.int32, device),
-                   i64(M), np.zeros(T, np.int64), np.zeros(M, bool),
-                   np.zeros(M, bool), np.arange(max(T, M) + 1, dtype=np.int64), np.zeros(T, np.int64),
-                   np.arange(M, dtype=np.int64) * max_model_len, i64(T), i64(T), i64(M), i64(M), i64(T),
-                   np.zeros(M, np.int64), np.zeros(M, np.int64), np.zeros(2, np.int64))
 
 
 class StepKernels(Protocol):
@@ -172,9 +109,18 @@ class StepKernels(Protocol):
         Returns:
             ``(num_kept_rows, num_drafts, draft count per kept row)``."""
 
+    def host_tokens(self, prev_token_ids: object, n: int) -> int:
+        """The host address of ``prev_token_ids``' first element when :meth:`prepare_patched`
+        may read its ``n`` tokens in place as they are: exactly a ``torch.Tensor`` (no
+        subclass), on the CPU, ``int64``, 1-D with ``n`` elements at unit stride. Else -1
+        (always, on the numpy kernels): the caller checks or converts it with
+        ``placeholders.prev_tokens_tensor``, which words every refusal. Never raises. The
+        compiled kernels read those five facts in one call (DLPack's C exchange API,
+        ``runner/step/fast/_native_dlpack.pxi``) where torch's attributes take one each."""
+
     def prepare_patched(self, batch: Any, bufs: PrepareBuffers, writes_slots: tuple[bool, ...], R: int,
-                        num_tokens_padded: int | None, prev_token_ids: torch.Tensor, expected: int
-                        ) -> tuple[int, int, int, int, bool, bool]:
+                        num_tokens_padded: int | None, prev_token_ids: torch.Tensor, expected: int,
+                        prev_host: int = -1) -> tuple[int, int, int, int, bool, bool]:
         """Asynchronous scheduling: :meth:`prepare` and the patch of this step's
         ``input_ids`` (``runner/step/placeholders.py``): plan it into ``bufs.patch_dest`` /
         ``bufs.patch_src`` (``dest`` ascending; a contiguous plan, ``arange(k)``, need not be
@@ -184,7 +130,9 @@ class StepKernels(Protocol):
         ``int64`` CPU tensor with unit stride); when :func:`~attnplug.runner.step.numpy_kernels.writes_host_tokens`
         (a CPU device and such a CPU tensor) the kernels also write them into the host
         ``input_ids``, each checked in ``[0, 2**31)``, else the caller copies them on the
-        device (``placeholders.finish_patch``).
+        device (``placeholders.finish_patch``). ``prev_host``: :meth:`host_tokens`' address
+        of it (its ``n`` is ``batch.num_prev_sampled``), or -1 when it came through
+        ``prev_tokens_tensor`` instead.
 
         The patch is applied only when the step passes the caller's next check:
         ``num_actual_tokens == expected`` (``-1``: no check) and ``num_tokens_padded`` is
@@ -215,6 +163,8 @@ class CompiledKernels:
             raise RuntimeError("the compiled step kernels are not built (pip install -e . builds them)")
         self._numpy = NumpyKernels()
         self._sp_cls = sampling_params_cls
+        NATIVE.bind_tensor_type(torch.Tensor)  # (else host_tokens answers -1: the general checks)
+        self.host_tokens = NATIVE.host_int64_vector  # a C function: no Python frame per call
         self._rows: tuple[Any, Any, list[int]] | None = None
         self._cached: tuple[Any, Any, Any] | None = None
         self._new: tuple[Any, Any] | None = None
@@ -362,13 +312,17 @@ class CompiledKernels:
                 bufs.spec_draft_ids.np))
         return op[2].layout(R)
 
-    def prepare_patched(self, batch, bufs, writes_slots, R, num_tokens_padded, prev_token_ids, expected):
+    def prepare_patched(self, batch, bufs, writes_slots, R, num_tokens_padded, prev_token_ids, expected,
+                        prev_host=-1):
         prep = self._prepare_loop(batch, bufs, writes_slots)
         P = -1 if num_tokens_padded is None else num_tokens_padded
-        t = prev_token_ids  # writes_host_tokens(t, bufs), inline: prev_tokens_tensor made a CPU one int64, unit stride
+        if prev_host >= 0:  # host_tokens' address of n int64 tokens
+            n = batch.num_prev_sampled
+        else:  # writes_host_tokens, inline: prev_tokens_tensor made a CPU tensor int64 with unit stride
+            t = prev_token_ids
+            prev_host, n = t.data_ptr() if t.is_cpu else 0, t.numel()
         try:
-            return prep.prepare_patched(R, P, t.data_ptr() if bufs.input_ids.aliased and t.is_cpu else 0, t.numel(),
-                                        expected)
+            return prep.prepare_patched(R, P, prev_host if bufs.input_ids.aliased else 0, n, expected)
         except NATIVE.PlaceholderRead as e:
             raise placeholder_read_error(batch, bufs, e.args[0]) from None
         except ValueError as e:

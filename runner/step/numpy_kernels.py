@@ -149,7 +149,11 @@ class NumpyKernels:
     def spec_layout(self, batch, bufs, R):
         return spec_layout_numpy(batch, bufs, R)
 
-    def prepare_patched(self, batch, bufs, writes_slots, R, num_tokens_padded, prev_token_ids, expected):
+    def host_tokens(self, prev_token_ids, n: int) -> int:
+        return -1  # numpy reads the tensor through prev_tokens_tensor's checks
+
+    def prepare_patched(self, batch, bufs, writes_slots, R, num_tokens_padded, prev_token_ids, expected,
+                        prev_host=-1):
         # two passes here (the compiled kernels fuse them): prepare, then the patch's plan
         Q, max_query_len, max_seq_len = self._prepare(batch, bufs, writes_slots, R, num_tokens_padded)
         if (expected >= 0 and Q != expected) or (num_tokens_padded is not None and num_tokens_padded < Q):

@@ -24,7 +24,8 @@ import torch
 from attnplug.cache_groups.kinds import GroupKind
 from attnplug.core.metadata import CommonAttentionMetadata
 from attnplug.runner.step.input_batch import InputBatch
-from attnplug.runner.step.kernels import NumpyKernels, PrepareBuffers, StepKernels
+from attnplug.runner.step.kernels import NumpyKernels, StepKernels
+from attnplug.runner.step.prepare_buffers import PrepareBuffers
 from attnplug.runner.step.spec_metadata import SpecDecodeMetadata
 
 
@@ -133,7 +134,7 @@ class InputPreparer:
         ``(batch, R, Q, P)``, reused while those sizes repeat (steady decode)."""
 
     def prepare(self, batch: InputBatch, group_kinds: list[str], num_tokens_padded: int | None = None,
-                prev_token_ids: torch.Tensor | None = None, expected: int = -1) -> StepInputs:
+                prev_token_ids: torch.Tensor | None = None, expected: int = -1, prev_host: int = -1) -> StepInputs:
         """Compute the step's inputs from ``batch`` (rows ``0 .. num_reqs-1``).
 
         Args:
@@ -147,6 +148,8 @@ class InputPreparer:
                 :attr:`patch`. ``None``: a synchronous step.
             expected: with ``prev_token_ids``, the token count the caller checks next
                 (``-1``: none); a step that fails it is prepared but not patched.
+            prev_host: ``StepKernels.host_tokens``' address of ``prev_token_ids``, or -1
+                (it came through ``placeholders.prev_tokens_tensor``).
 
         Returns:
             The step's :class:`StepInputs` (``common_attn_metadata`` not yet built).
@@ -169,7 +172,7 @@ class InputPreparer:
             Q, max_query_len, max_seq_len = self.kernels.prepare(batch, self.buffers, writes, R, num_tokens_padded)
         else:
             out = self.kernels.prepare_patched(batch, self.buffers, writes, R, num_tokens_padded, prev_token_ids,
-                                               expected)
+                                               expected, prev_host)
             Q, max_query_len, max_seq_len = out[0], out[1], out[2]
             self.patch = out[3:]
         P = Q if num_tokens_padded is None else int(num_tokens_padded)

@@ -20,6 +20,9 @@ The loops that numpy cannot vectorize without many small calls, each a single pa
   step's tokens in place of the placeholders, which it does not read.
 * :class:`DraftRows` and :class:`SpecLayout` (``_native_spec.pxi``) — speculative decoding's drafts
   written into their rows and laid out for verification.
+* :func:`host_int64_vector` (``_native_dlpack.pxi``) — whether the asynchronous patch's
+  tensor of sampled tokens can be read in place on the host, and where: its dtype, device,
+  shape and strides in one call (DLPack's C exchange API).
 
 The contract that keeps them simple: a fast path either handles its input completely or
 reports it *irregular* and changes nothing; the caller then runs the vectorized numpy
@@ -308,3 +311,4 @@ include "_native_rows.pxi"
 include "_native_prepare.pxi"
 include "_native_prepare_rows.pxi"
 include "_native_spec.pxi"
+include "_native_dlpack.pxi"
