@@ -60,6 +60,7 @@ from attnplug.runner.step.scheduler_output import SamplingParams, SchedulerOutpu
 from attnplug.runner.step.spec_apply import append_verified_tokens
 from attnplug.runner.step.spec_metadata import spec_decode_metadata
 
+
 def _expected_tokens(scheduler_output: SchedulerOutput | None) -> int:
     """The token count ``_check_step_size`` will demand of the step: ``-1`` (no output: no
     check), the output's ``total_num_scheduled_tokens``, or ``-2`` (never a count) when that
