@@ -14,7 +14,9 @@ cached deltas), ``clear_rows`` and ``move_rows`` (every group's block table),
 ``null_skipped`` (stage 2's sliding-window nulling), ``write_new_rows`` (rows of the requests ``scan_new`` staged), ``prepare`` (stage 3's
 per-token arithmetic) and ``prepare_patched`` (``prepare`` with the asynchronous patch:
 one pass on the compiled kernels), with ``host_tokens`` (may it read the patch's tokens in
-place?). A scan either plans its whole input or
+place?), and ``append_placeholders`` / ``fill_placeholders`` (stage 8 of an asynchronous
+step: one checking and one writing pass each on the compiled kernels; the numpy ones
+decline, and ``placeholders.py``'s numpy code runs). A scan either plans its whole input or
 declines and changes nothing; on a decline the vectorized checks (``runner/step/check*.py``)
 plan the step, and they word every error, so the numpy kernels' scans always decline.
 Everything else gives the same bytes on both implementations (``tests/runner/
@@ -109,6 +111,24 @@ class StepKernels(Protocol):
         Returns:
             ``(num_kept_rows, num_drafts, draft count per kept row)``."""
 
+    def append_placeholders(self, batch: Any, rows: np.ndarray, max_model_len: int,
+                            held: np.ndarray) -> tuple[str, ...] | None:
+        """Stage 8, asynchronous (``placeholders.append_placeholders``): when every one of
+        ``rows`` (``[n]`` ``int64``, in the order of the step's sampled tensor) is a distinct
+        row of ``0 .. num_reqs - 1`` holding a request that samples this step below
+        ``max_model_len``, append a placeholder to each (its position into ``held``,
+        ``[n]`` ``int64``), point ``prev_sampled_index`` / ``prev_sampled_pos`` at them and
+        return the rows' request ids. Else ``None`` and nothing written (always, on the
+        numpy kernels): the numpy code checks, words the error, and writes."""
+
+    def fill_placeholders(self, batch: Any, requests: dict, placeholders: Any, toks: np.ndarray) -> int:
+        """Stage 8, asynchronous (``placeholders.fill_output_tokens``): write ``toks`` (``[n]``
+        ``int32``, checked) over ``placeholders``' entries wherever their requests' rows are
+        now (the recorded rows while ``batch.layout`` is the one recorded), skipping requests
+        that finished. Returns how many were written, or -1 with nothing written (always,
+        on the numpy kernels): a request that left the batch but not ``requests``, or a
+        placeholder not where it should be; the numpy code then decides and words errors."""
+
     def host_tokens(self, prev_token_ids: object, n: int) -> int:
         """The host address of ``prev_token_ids``' first element when :meth:`prepare_patched`
         may read its ``n`` tokens in place as they are: exactly a ``torch.Tensor`` (no
@@ -170,6 +190,7 @@ class CompiledKernels:
         self._new: tuple[Any, Any] | None = None
         self._prep: tuple[Any, Any, Any, Any] | None = None
         self._drafts: tuple[Any, Any] | None = None
+        self._stage8: tuple[Any, Any] | None = None
         self._spec: tuple[Any, Any, Any] | None = None
         self._scan_bufs: ScanBuffers | None = None
         self._merge_bound: tuple | None = None
@@ -311,6 +332,26 @@ class CompiledKernels:
                 bufs.spec_logits_indices.np, bufs.spec_target.np, bufs.spec_bonus.np, bufs.spec_cu.np,
                 bufs.spec_draft_ids.np))
         return op[2].layout(R)
+
+    def _placeholder_rows(self, batch):
+        op = self._stage8
+        if op is None or op[0] is not batch:
+            op = self._stage8 = (batch, NATIVE.PlaceholderRows(
+                batch.token_ids_cpu, batch.num_tokens, batch.num_computed_tokens_cpu, batch.num_scheduled_tokens,
+                batch.prev_sampled_index, batch.prev_sampled_pos, batch._req_ids))
+        return op[1]
+
+    def append_placeholders(self, batch, rows, max_model_len, held):
+        return self._placeholder_rows(batch).append(rows, batch.num_reqs, max_model_len, held)
+
+    def fill_placeholders(self, batch, requests, placeholders, toks):
+        p = placeholders
+        trusted = p.rows if p.layout is batch.layout else None
+        try:
+            return self._placeholder_rows(batch).fill(p.req_ids, p.positions, trusted, batch.req_id_to_index,
+                                                      requests, toks)
+        except (TypeError, ValueError):  # a Placeholders made by hand, with other types: numpy decides
+            return -1
 
     def prepare_patched(self, batch, bufs, writes_slots, R, num_tokens_padded, prev_token_ids, expected,
                         prev_host=-1):

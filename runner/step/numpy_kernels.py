@@ -149,6 +149,12 @@ class NumpyKernels:
     def spec_layout(self, batch, bufs, R):
         return spec_layout_numpy(batch, bufs, R)
 
+    def append_placeholders(self, batch, rows, max_model_len, held):
+        return None  # placeholders.py's numpy code does it (and words every refusal)
+
+    def fill_placeholders(self, batch, requests, placeholders, toks) -> int:
+        return -1  # as append_placeholders
+
     def host_tokens(self, prev_token_ids, n: int) -> int:
         return -1  # numpy reads the tensor through prev_tokens_tensor's checks
 

@@ -18,6 +18,10 @@ holds a placeholder (:data:`PLACEHOLDER_TOKEN_ID`) where each such token goes:
 3. when step t's outputs are read back, :func:`fill_output_tokens` writes the real
    tokens over the placeholders (the request may have moved, left the batch, or finished).
 
+On the compiled kernels steps 1 and 3 are one checking pass and one writing pass each
+(``StepKernels.append_placeholders`` / ``fill_placeholders``); when a check fails they
+write nothing and decline, and the numpy code below runs and words the error.
+
 A placeholder never reaches ``input_ids``: the patch overwrites it (one ``prepare_inputs``
 of step t + 1 consumes the plan), or ``fill_output_tokens`` replaced it in the history
 before. Any other placeholder among a step's tokens (a second patched prepare of the same
@@ -99,6 +103,12 @@ def append_placeholders(batch: InputBatch, max_model_len: int, rows: np.ndarray)
     R = batch.num_reqs
     rows = row_indices(rows, "append_placeholders")
     n = rows.shape[0]
+    held = np.empty(n, np.int64)
+    names = batch.kernels.append_placeholders(batch, rows, max_model_len, held)  # checks and writes, or declines
+    if names is not None:
+        batch.placeholders_appended = True
+        batch.num_prev_sampled = n
+        return Placeholders(names, held, rows.copy(), batch.layout)
     if n and (rows.min() < 0 or rows.max() >= R or not rows_distinct(rows, R)):
         raise MetadataError(f"append_placeholders: rows must be distinct and in [0, {R}), got {rows.tolist()}")
     order = np.arange(n, dtype=np.int32)
@@ -238,6 +248,9 @@ def fill_output_tokens(batch: InputBatch, requests: dict[str, CachedRequestState
     if n == 0:
         return 0
     toks = token_id_array(batch.kernels, [token_ids], n, "fill_output_tokens", token_ids)
+    written = batch.kernels.fill_placeholders(batch, requests, placeholders, toks)  # -1: declined
+    if written >= 0:
+        return written
     written = _fill_rows(batch, requests, placeholders, toks)
     if written is not None:
         return written

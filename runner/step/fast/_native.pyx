@@ -20,6 +20,8 @@ The loops that numpy cannot vectorize without many small calls, each a single pa
   step's tokens in place of the placeholders, which it does not read.
 * :class:`DraftRows` and :class:`SpecLayout` (``_native_spec.pxi``) — speculative decoding's drafts
   written into their rows and laid out for verification.
+* :class:`PlaceholderRows` (``_native_stage8.pxi``) — stage 8 of an asynchronous step:
+  ``append_placeholders``' and ``fill_output_tokens``' checks and writes, a pass each.
 * :func:`host_int64_vector` (``_native_dlpack.pxi``) — whether the asynchronous patch's
   tensor of sampled tokens can be read in place on the host, and where: its dtype, device,
   shape and strides in one call (DLPack's C exchange API).
@@ -312,3 +314,4 @@ include "_native_prepare.pxi"
 include "_native_prepare_rows.pxi"
 include "_native_spec.pxi"
 include "_native_dlpack.pxi"
+include "_native_stage8.pxi"

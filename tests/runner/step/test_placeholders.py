@@ -13,14 +13,22 @@ import torch
 
 from attnplug.core.errors import MetadataError
 from attnplug.runner.step.compiler import StepCompiler, snapshot_diff
+from attnplug.runner.step.kernels import kernels_available
 from attnplug.runner.step.placeholders import PLACEHOLDER_TOKEN_ID, PatchPlan, patch_input_ids
 from attnplug.runner.step.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 
 
-def compiler(max_model_len: int = 16) -> StepCompiler:
+@pytest.fixture(params=[False] + ([True] if kernels_available() else []), ids=lambda n: "compiled" if n else "numpy")
+def native(request) -> bool:
+    """Each test on both kernels: stage 8's compiled pass (``PlaceholderRows``) must check,
+    write and decline exactly where the numpy code does."""
+    return request.param
+
+
+def compiler(native: bool, max_model_len: int = 16) -> StepCompiler:
     """A (3 tokens), B (5) and C (2 of 4 computed: still prefilling) after one step."""
     sc = StepCompiler([4], max_num_reqs=4, max_model_len=max_model_len, max_num_batched_tokens=16,
-                      num_blocks=32, native=False)
+                      num_blocks=32, native=native)
     so = SchedulerOutput([NewRequestData("A", [1, 2, 3], ([1],)), NewRequestData("B", [4, 5, 6, 7, 8], ([2, 3],)),
                           NewRequestData("C", [9, 9, 9, 9], ([4],))], CachedRequestData(), {"A": 3, "B": 5, "C": 2})
     sc.update_states(so)
@@ -28,8 +36,8 @@ def compiler(max_model_len: int = 16) -> StepCompiler:
     return sc
 
 
-def test_each_sampling_row_points_at_its_entry_and_the_others_at_none():
-    sc = compiler()
+def test_each_sampling_row_points_at_its_entry_and_the_others_at_none(native):
+    sc = compiler(native)
     b = sc.input_batch
     rA, rB, rC = (b.req_id_to_index[r] for r in "ABC")
     b.prev_sampled_index[rC] = 5  # stale: from an older step
@@ -43,9 +51,9 @@ def test_each_sampling_row_points_at_its_entry_and_the_others_at_none():
 
 
 @pytest.mark.parametrize("order", [[0, 1], [1, 0]])
-def test_the_placeholders_name_each_request_of_every_row_in_the_given_order(order):
+def test_the_placeholders_name_each_request_of_every_row_in_the_given_order(order, native):
     sc = StepCompiler([4], max_num_reqs=4, max_model_len=16, max_num_batched_tokens=16, num_blocks=32,
-                      native=False)
+                      native=native)
     so = SchedulerOutput([NewRequestData("A", [1, 2, 3], ([1],)), NewRequestData("B", [4, 5], ([2],))],
                          CachedRequestData(), {"A": 3, "B": 2})
     sc.update_states(so)
@@ -57,8 +65,8 @@ def test_the_placeholders_name_each_request_of_every_row_in_the_given_order(orde
     assert ph.rows.tolist() == order
 
 
-def test_a_row_without_a_request_is_refused_and_changes_nothing():
-    sc = compiler()
+def test_a_row_without_a_request_is_refused_and_changes_nothing(native):
+    sc = compiler(native)
     b = sc.input_batch
     b.remove_request("A")  # a hole at A's row until condense (update_states condenses)
     hole = next(r for r in range(3) if b.state_at(r) is None)
@@ -76,8 +84,8 @@ def test_a_row_without_a_request_is_refused_and_changes_nothing():
     ([3], "rows must be distinct and in [0, 3), got [3]"),
     ([-1], "rows must be distinct and in [0, 3), got [-1]"),
 ])
-def test_rows_that_sample_nothing_are_refused_and_change_nothing(rows, words):
-    sc = compiler()
+def test_rows_that_sample_nothing_are_refused_and_change_nothing(rows, words, native):
+    sc = compiler(native)
     before = sc.snapshot()
     with pytest.raises(MetadataError) as e:
         sc.append_placeholders(np.array(rows))
@@ -85,8 +93,8 @@ def test_rows_that_sample_nothing_are_refused_and_change_nothing(rows, words):
     assert not snapshot_diff(before, sc.snapshot())
 
 
-def test_a_row_at_max_model_len_takes_no_placeholder_one_below_does():
-    sc = compiler(max_model_len=5)  # B holds 5 tokens: its next token would be the 6th
+def test_a_row_at_max_model_len_takes_no_placeholder_one_below_does(native):
+    sc = compiler(native, max_model_len=5)  # B holds 5 tokens: its next token would be the 6th
     before = sc.snapshot()
     with pytest.raises(MetadataError, match="request 'B' samples no token this step "
                                             r"\(seq_len 5, num_tokens 5, max_model_len 5\)"):
@@ -96,8 +104,8 @@ def test_a_row_at_max_model_len_takes_no_placeholder_one_below_does():
     assert ph.req_ids == ("A",) and ph.positions.tolist() == [3]
 
 
-def test_placeholders_are_patched_after_a_reorder_and_filled_where_the_requests_went():
-    sc = compiler()
+def test_placeholders_are_patched_after_a_reorder_and_filled_where_the_requests_went(native):
+    sc = compiler(native)
     b = sc.input_batch
     rA, rB = b.req_id_to_index["A"], b.req_id_to_index["B"]
     ph = sc.append_placeholders(np.array([rA, rB]))
@@ -126,8 +134,8 @@ def test_placeholders_are_patched_after_a_reorder_and_filled_where_the_requests_
         sc.fill_output_tokens(ph, [-3, 71])
 
 
-def test_the_steady_state_patches_by_one_slice():
-    sc = compiler()
+def test_the_steady_state_patches_by_one_slice(native):
+    sc = compiler(native)
     b = sc.input_batch
     rA, rB = b.req_id_to_index["A"], b.req_id_to_index["B"]
     sc.append_placeholders(np.array([rA, rB]))  # entry i is row i's token
@@ -138,8 +146,8 @@ def test_the_steady_state_patches_by_one_slice():
     assert inputs.input_ids[:2].tolist() == ([70, 71] if rA == 0 else [71, 70])
 
 
-def test_a_finished_request_is_skipped_and_a_detached_one_filled():
-    sc = compiler()
+def test_a_finished_request_is_skipped_and_a_detached_one_filled(native):
+    sc = compiler(native)
     b = sc.input_batch
     ph = sc.append_placeholders(np.array([b.req_id_to_index["A"], b.req_id_to_index["B"]]))
     sc.update_states(SchedulerOutput([], CachedRequestData(), {}, finished_req_ids={"A"}))

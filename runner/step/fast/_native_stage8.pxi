@@ -1,0 +1,121 @@
+# PlaceholderRows: stage 8 of an asynchronous step (runner/step/placeholders.py), each call
+# one checking pass then one writing pass: append_placeholders' rows, fill_output_tokens'
+# requests. A call either does all of its work or declines and writes nothing; the numpy
+# code then runs and words the error — included by _native.pyx (shares its cimports)
+
+from cpython.dict cimport PyDict_GetItem
+from libc.stdlib cimport malloc, free
+
+
+cdef class PlaceholderRows:
+    """Bound to the batch's ``[M, W]`` ``int32`` token table, its ``[M]`` ``int32`` columns
+    ``num_tokens``, ``num_computed_tokens``, ``num_scheduled_tokens``,
+    ``prev_sampled_index`` and ``prev_sampled_pos``, and its row → request id list
+    (``InputBatch._req_ids``, ``None`` in an empty row)."""
+
+    cdef int32_t[:, ::1] tokens
+    cdef int32_t[::1] num_tokens, ncc, sched, prev_index, prev_pos
+    cdef list req_ids
+    cdef uint8_t[::1] seen  # scratch, all 0 between calls
+
+    def __init__(self, tokens, num_tokens, ncc, sched, prev_index, prev_pos, list req_ids):
+        self.tokens, self.num_tokens, self.ncc, self.sched = tokens, num_tokens, ncc, sched
+        self.prev_index, self.prev_pos, self.req_ids = prev_index, prev_pos, req_ids
+        cdef Py_ssize_t M = self.num_tokens.shape[0]
+        if (self.ncc.shape[0] != M or self.sched.shape[0] != M or self.prev_index.shape[0] != M
+                or self.prev_pos.shape[0] != M or self.tokens.shape[0] != M or len(req_ids) != M):
+            raise ValueError("PlaceholderRows: the columns differ in length")
+        self.seen = np.zeros(M, np.uint8)
+
+    def append(self, const int64_t[:] rows, Py_ssize_t R, int64_t max_model_len, int64_t[::1] held):
+        """``append_placeholders``: row ``rows[i]`` (of ``0 .. R - 1``) samples entry ``i`` of
+        this step's tensor. Checks that every row is in ``[0, R)``, distinct, holds a
+        request, and samples this step (``num_computed_tokens + num_scheduled_tokens ==
+        num_tokens``) below ``max_model_len`` and the table's width; then writes a
+        placeholder (-1) at each row's ``num_tokens`` (into ``held[i]``), counts it, and
+        points ``prev_sampled_index`` (-1 in the other rows of ``0 .. R - 1``) and
+        ``prev_sampled_pos`` at it.
+
+        Returns:
+            The rows' request ids in order (a ``tuple``), or ``None``: a check failed and
+            nothing was written (``held`` aside)."""
+        cdef Py_ssize_t i, j, n = rows.shape[0], W = self.tokens.shape[1]
+        cdef int64_t r, h
+        cdef bint ok = 0 <= R <= self.seen.shape[0] and held.shape[0] == n and n <= R
+        cdef uint8_t* seen = &self.seen[0]
+        i = 0
+        while ok and i < n:  # the checks; a row is marked seen only once it passed them all
+            r = rows[i]
+            if r < 0 or r >= R or seen[r] or self.req_ids[r] is None:
+                break
+            h = self.num_tokens[r]
+            if <int64_t>self.ncc[r] + self.sched[r] != h or h >= max_model_len or h >= W:
+                break
+            seen[r] = 1
+            held[i] = h
+            i += 1
+        for j in range(i):  # the scratch back to 0
+            seen[rows[j]] = 0
+        if not ok or i < n:
+            return None
+        names = tuple([self.req_ids[rows[j]] for j in range(n)])
+        if R:
+            memset(&self.prev_index[0], 0xFF, R * sizeof(int32_t))
+        for i in range(n):
+            r, h = rows[i], held[i]
+            self.tokens[r, h] = -1
+            self.num_tokens[r] = <int32_t>(h + 1)
+            self.prev_index[r] = <int32_t>i
+            self.prev_pos[r] = <int32_t>h
+        return names
+
+    def fill(self, tuple ids, const int64_t[::1] positions, object trusted_rows, dict index, dict requests,
+             const int32_t[::1] toks):
+        """``fill_output_tokens``: request ``ids[i]``'s placeholder at ``positions[i]`` takes
+        ``toks[i]``. Its row is ``trusted_rows[i]`` (``[n]`` ``int64``, rows no request has
+        left since), else ``index[ids[i]]``; a request in neither ``index`` nor
+        ``requests`` finished and is skipped. Checks first that every other one is in a row
+        holding a placeholder (-1) at its position.
+
+        Returns:
+            How many tokens were written, or -1: a request that left the batch but not the
+            runner (``requests``), a row or position outside the table, or no placeholder
+            there; nothing was written."""
+        cdef Py_ssize_t i, n = len(ids), M = self.tokens.shape[0], W = self.tokens.shape[1], written = 0
+        cdef int64_t r, p
+        cdef const int64_t[::1] given
+        cdef bint trusted = trusted_rows is not None
+        cdef PyObject* o
+        if positions.shape[0] != n or toks.shape[0] != n:
+            return -1
+        if trusted:
+            given = trusted_rows
+            if given.shape[0] != n:
+                return -1
+        cdef int64_t* found = <int64_t*>malloc(max(n, 1) * sizeof(int64_t))
+        if found == NULL:
+            raise MemoryError()
+        try:
+            for i in range(n):
+                if trusted:
+                    r = given[i]
+                else:
+                    o = PyDict_GetItem(index, ids[i])
+                    if o == NULL:
+                        if PyDict_GetItem(requests, ids[i]) != NULL:
+                            return -1  # detached: the per-request loop writes its own history
+                        found[i] = -1  # finished: skipped
+                        continue
+                    r = PyLong_AsSsize_t(<object>o)
+                p = positions[i]
+                if r < 0 or r >= M or p < 0 or p >= W or self.tokens[r, p] != -1:
+                    return -1
+                found[i] = r
+            for i in range(n):
+                r = found[i]
+                if r >= 0:
+                    self.tokens[r, positions[i]] = toks[i]
+                    written += 1
+            return written
+        finally:
+            free(found)
