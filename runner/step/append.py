@@ -47,6 +47,8 @@ def append_output_tokens(batch: InputBatch, max_model_len: int, req_ids_or_rows,
         raise MetadataError(f"append_output_tokens: token ids must be ints in [0, 2**31), got {token_ids!r}") from None
     seqs = (token_ids if type(token_ids) is list else list(token_ids)) if ragged else [token_ids]
     flat = token_id_array(b.kernels, seqs, int(lens.sum()), "append_output_tokens", token_ids)
+    if not ragged and b.kernels.append_tokens(b, rows, max_model_len, np.empty(n, np.int64), flat):
+        return  # the compiled kernels checked and wrote in one call (else they wrote nothing)
     if not rows_distinct(rows, b.max_num_reqs):
         raise MetadataError("append_output_tokens: a request appears twice; pass each request once "
                             "with all its tokens")

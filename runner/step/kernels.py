@@ -14,9 +14,9 @@ cached deltas), ``clear_rows`` and ``move_rows`` (every group's block table),
 ``null_skipped`` (stage 2's sliding-window nulling), ``write_new_rows`` (rows of the requests ``scan_new`` staged), ``prepare`` (stage 3's
 per-token arithmetic) and ``prepare_patched`` (``prepare`` with the asynchronous patch:
 one pass on the compiled kernels), with ``host_tokens`` (may it read the patch's tokens in
-place?), and ``append_placeholders`` / ``fill_placeholders`` (stage 8 of an asynchronous
-step: one checking and one writing pass each on the compiled kernels; the numpy ones
-decline, and ``placeholders.py``'s numpy code runs). A scan either plans its whole input or
+place?), and ``append_tokens`` / ``append_placeholders`` / ``fill_placeholders`` (stage 8: one
+checking and one writing pass each on the compiled kernels; the numpy ones decline, and
+the numpy code of ``append.py`` / ``placeholders.py`` runs). A scan either plans its whole input or
 declines and changes nothing; on a decline the vectorized checks (``runner/step/check*.py``)
 plan the step, and they word every error, so the numpy kernels' scans always decline.
 Everything else gives the same bytes on both implementations (``tests/runner/
@@ -111,6 +111,13 @@ class StepKernels(Protocol):
         Returns:
             ``(num_kept_rows, num_drafts, draft count per kept row)``."""
 
+    def append_tokens(self, batch: Any, rows: np.ndarray, max_model_len: int, held: np.ndarray,
+                      tokens: np.ndarray) -> bool:
+        """Stage 8, one token a row (``append.append_output_tokens``): when ``rows`` pass
+        :meth:`append_placeholders`' checks, append ``tokens`` (``[n]`` ``int32``, checked
+        ids) after them (their positions into ``held``) and return ``True``. Else ``False``
+        and nothing written (always, on the numpy kernels): the numpy code words the error."""
+
     def append_placeholders(self, batch: Any, rows: np.ndarray, max_model_len: int,
                             held: np.ndarray) -> tuple[str, ...] | None:
         """Stage 8, asynchronous (``placeholders.append_placeholders``): when every one of
@@ -131,12 +138,11 @@ class StepKernels(Protocol):
 
     def host_tokens(self, prev_token_ids: object, n: int) -> int:
         """The host address of ``prev_token_ids``' first element when :meth:`prepare_patched`
-        may read its ``n`` tokens in place as they are: exactly a ``torch.Tensor`` (no
-        subclass), on the CPU, ``int64``, 1-D with ``n`` elements at unit stride. Else -1
-        (always, on the numpy kernels): the caller checks or converts it with
-        ``placeholders.prev_tokens_tensor``, which words every refusal. Never raises. The
-        compiled kernels read those five facts in one call (DLPack's C exchange API,
-        ``runner/step/fast/_native_dlpack.pxi``) where torch's attributes take one each."""
+        may read its ``n`` tokens in place: exactly a ``torch.Tensor``, on the CPU, ``int64``,
+        1-D, ``n`` elements at unit stride. Else -1 (always, on the numpy kernels): the caller
+        checks or converts it with ``placeholders.prev_tokens_tensor``, which words every
+        refusal. Never raises. The compiled kernels read those facts in one call (DLPack's C
+        exchange API, ``fast/_native_dlpack.pxi``), not one torch attribute each."""
 
     def prepare_patched(self, batch: Any, bufs: PrepareBuffers, writes_slots: tuple[bool, ...], R: int,
                         num_tokens_padded: int | None, prev_token_ids: torch.Tensor, expected: int,
@@ -333,23 +339,25 @@ class CompiledKernels:
                 bufs.spec_draft_ids.np))
         return op[2].layout(R)
 
-    def _placeholder_rows(self, batch):
+    def _sampled_rows(self, batch):
         op = self._stage8
         if op is None or op[0] is not batch:
-            op = self._stage8 = (batch, NATIVE.PlaceholderRows(
+            op = self._stage8 = (batch, NATIVE.SampledRows(
                 batch.token_ids_cpu, batch.num_tokens, batch.num_computed_tokens_cpu, batch.num_scheduled_tokens,
                 batch.prev_sampled_index, batch.prev_sampled_pos, batch._req_ids))
         return op[1]
 
+    def append_tokens(self, batch, rows, max_model_len, held, tokens):
+        return self._sampled_rows(batch).append_tokens(rows, batch.num_reqs, max_model_len, held, tokens)
+
     def append_placeholders(self, batch, rows, max_model_len, held):
-        return self._placeholder_rows(batch).append(rows, batch.num_reqs, max_model_len, held)
+        return self._sampled_rows(batch).append_placeholders(rows, batch.num_reqs, max_model_len, held)
 
     def fill_placeholders(self, batch, requests, placeholders, toks):
-        p = placeholders
-        trusted = p.rows if p.layout is batch.layout else None
-        try:
-            return self._placeholder_rows(batch).fill(p.req_ids, p.positions, trusted, batch.req_id_to_index,
-                                                      requests, toks)
+        p, op = placeholders, self._sampled_rows(batch)
+        try:  # (the recorded rows while no request has left its row)
+            return op.fill(p.req_ids, p.positions, p.rows if p.layout is batch.layout else None,
+                           batch.req_id_to_index, requests, toks)
         except (TypeError, ValueError):  # a Placeholders made by hand, with other types: numpy decides
             return -1
 

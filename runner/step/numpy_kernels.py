@@ -149,6 +149,9 @@ class NumpyKernels:
     def spec_layout(self, batch, bufs, R):
         return spec_layout_numpy(batch, bufs, R)
 
+    def append_tokens(self, batch, rows, max_model_len, held, tokens) -> bool:
+        return False  # append.py's numpy code does it (and words every refusal)
+
     def append_placeholders(self, batch, rows, max_model_len, held):
         return None  # placeholders.py's numpy code does it (and words every refusal)
 

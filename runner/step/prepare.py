@@ -201,10 +201,10 @@ class InputPreparer:
                 b.input_ids.copy_to_gpu(P), sl.copy_to_gpu(R), sl.cpu_view(R), li.copy_to_gpu(R), li.cpu_view(R))
 
     def _step_inputs(self, batch, R, Q, P, max_query_len, max_seq_len, sched, ncc, req_indices, discard,
-                     is_prefilling, slot_mappings, block_tables, buffer_views=None) -> StepInputs:
+                     is_prefilling, slot_mappings, block_tables, buffer_views) -> StepInputs:
         """Wrap the filled buffers (``is_prefilling``: the mask's array and tensor views;
-        ``buffer_views``: :meth:`_buffer_views`, made here when ``None``)."""
-        qsl, qsl_cpu, pos, pos_cpu, ids, sl, sl_cpu, li, li_cpu = buffer_views or self._buffer_views(R, P)
+        ``buffer_views``: :meth:`_buffer_views`)."""
+        qsl, qsl_cpu, pos, pos_cpu, ids, sl, sl_cpu, li, li_cpu = buffer_views
         return StepInputs(
             req_ids=batch.req_ids,
             num_reqs=R,

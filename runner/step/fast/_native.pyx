@@ -20,8 +20,9 @@ The loops that numpy cannot vectorize without many small calls, each a single pa
   step's tokens in place of the placeholders, which it does not read.
 * :class:`DraftRows` and :class:`SpecLayout` (``_native_spec.pxi``) — speculative decoding's drafts
   written into their rows and laid out for verification.
-* :class:`PlaceholderRows` (``_native_stage8.pxi``) — stage 8 of an asynchronous step:
-  ``append_placeholders``' and ``fill_output_tokens``' checks and writes, a pass each.
+* :class:`SampledRows` (``_native_stage8.pxi``) — stage 8: ``append_output_tokens``' (one
+  token a row), ``append_placeholders``' and ``fill_output_tokens``' checks and writes, a
+  pass each.
 * :func:`host_int64_vector` (``_native_dlpack.pxi``) — whether the asynchronous patch's
   tensor of sampled tokens can be read in place on the host, and where: its dtype, device,
   shape and strides in one call (DLPack's C exchange API).

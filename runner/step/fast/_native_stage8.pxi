@@ -1,14 +1,15 @@
-# PlaceholderRows: stage 8 of an asynchronous step (runner/step/placeholders.py), each call
-# one checking pass then one writing pass: append_placeholders' rows, fill_output_tokens'
-# requests. A call either does all of its work or declines and writes nothing; the numpy
-# code then runs and words the error — included by _native.pyx (shares its cimports)
+# SampledRows: stage 8 (runner/step/append.py, runner/step/placeholders.py), each call one
+# checking pass then one writing pass: append_output_tokens' rows (one token each),
+# append_placeholders' rows, fill_output_tokens' requests. A call either does all of its
+# work or declines and writes nothing; the numpy code then runs and words the error —
+# included by _native.pyx (shares its cimports)
 
 from cpython.dict cimport PyDict_GetItem
 from libc.stdlib cimport malloc, free
 
 
-cdef class PlaceholderRows:
-    """Bound to the batch's ``[M, W]`` ``int32`` token table, its ``[M]`` ``int32`` columns
+cdef class SampledRows:
+    """The rows that sampled this step. Bound to the batch's ``[M, W]`` ``int32`` token table, its ``[M]`` ``int32`` columns
     ``num_tokens``, ``num_computed_tokens``, ``num_scheduled_tokens``,
     ``prev_sampled_index`` and ``prev_sampled_pos``, and its row → request id list
     (``InputBatch._req_ids``, ``None`` in an empty row)."""
@@ -24,27 +25,20 @@ cdef class PlaceholderRows:
         cdef Py_ssize_t M = self.num_tokens.shape[0]
         if (self.ncc.shape[0] != M or self.sched.shape[0] != M or self.prev_index.shape[0] != M
                 or self.prev_pos.shape[0] != M or self.tokens.shape[0] != M or len(req_ids) != M):
-            raise ValueError("PlaceholderRows: the columns differ in length")
+            raise ValueError("SampledRows: the columns differ in length")
         self.seen = np.zeros(M, np.uint8)
 
-    def append(self, const int64_t[:] rows, Py_ssize_t R, int64_t max_model_len, int64_t[::1] held):
-        """``append_placeholders``: row ``rows[i]`` (of ``0 .. R - 1``) samples entry ``i`` of
-        this step's tensor. Checks that every row is in ``[0, R)``, distinct, holds a
-        request, and samples this step (``num_computed_tokens + num_scheduled_tokens ==
-        num_tokens``) below ``max_model_len`` and the table's width; then writes a
-        placeholder (-1) at each row's ``num_tokens`` (into ``held[i]``), counts it, and
-        points ``prev_sampled_index`` (-1 in the other rows of ``0 .. R - 1``) and
-        ``prev_sampled_pos`` at it.
-
-        Returns:
-            The rows' request ids in order (a ``tuple``), or ``None``: a check failed and
-            nothing was written (``held`` aside)."""
-        cdef Py_ssize_t i, j, n = rows.shape[0], W = self.tokens.shape[1]
+    cdef bint _check(self, const int64_t[:] rows, Py_ssize_t R, int64_t max_model_len, int64_t[::1] held):
+        """Whether every one of ``rows`` is in ``[0, R)``, distinct, holds a request, and
+        samples this step (``num_computed_tokens + num_scheduled_tokens == num_tokens``)
+        below ``max_model_len`` and the table's width; each row's ``num_tokens`` into
+        ``held`` (as far as the checks got)."""
+        cdef Py_ssize_t i = 0, j, n = rows.shape[0], W = self.tokens.shape[1]
         cdef int64_t r, h
-        cdef bint ok = 0 <= R <= self.seen.shape[0] and held.shape[0] == n and n <= R
         cdef uint8_t* seen = &self.seen[0]
-        i = 0
-        while ok and i < n:  # the checks; a row is marked seen only once it passed them all
+        if not (0 <= R <= self.seen.shape[0] and held.shape[0] == n and n <= R):
+            return False
+        while i < n:  # a row is marked seen only once it passed every check
             r = rows[i]
             if r < 0 or r >= R or seen[r] or self.req_ids[r] is None:
                 break
@@ -56,9 +50,41 @@ cdef class PlaceholderRows:
             i += 1
         for j in range(i):  # the scratch back to 0
             seen[rows[j]] = 0
-        if not ok or i < n:
+        return i == n
+
+    def append_tokens(self, const int64_t[:] rows, Py_ssize_t R, int64_t max_model_len, int64_t[::1] held,
+                      const int32_t[::1] tokens):
+        """``append_output_tokens`` with one token a row: ``tokens[i]`` (checked ids) after
+        row ``rows[i]``'s ``num_tokens`` tokens (``held[i]``), when the rows pass the
+        checks of :meth:`append_placeholders`. Returns ``False``, nothing written, when
+        one does not (or ``tokens`` is not ``[n]``)."""
+        cdef Py_ssize_t i, n = rows.shape[0]
+        cdef int64_t r, h
+        if tokens.shape[0] != n or not self._check(rows, R, max_model_len, held):
+            return False
+        for i in range(n):
+            r, h = rows[i], held[i]
+            self.tokens[r, h] = tokens[i]
+            self.num_tokens[r] = <int32_t>(h + 1)
+        return True
+
+    def append_placeholders(self, const int64_t[:] rows, Py_ssize_t R, int64_t max_model_len, int64_t[::1] held):
+        """``append_placeholders``: row ``rows[i]`` (of ``0 .. R - 1``) samples entry ``i`` of
+        this step's tensor. Checks that every row is in ``[0, R)``, distinct, holds a
+        request, and samples this step (``num_computed_tokens + num_scheduled_tokens ==
+        num_tokens``) below ``max_model_len`` and the table's width; then writes a
+        placeholder (-1) at each row's ``num_tokens`` (into ``held[i]``), counts it, and
+        points ``prev_sampled_index`` (-1 in the other rows of ``0 .. R - 1``) and
+        ``prev_sampled_pos`` at it.
+
+        Returns:
+            The rows' request ids in order (a ``tuple``), or ``None``: a check failed and
+            nothing was written (``held`` aside)."""
+        cdef Py_ssize_t i, n = rows.shape[0]
+        cdef int64_t r, h
+        if not self._check(rows, R, max_model_len, held):
             return None
-        names = tuple([self.req_ids[rows[j]] for j in range(n)])
+        names = tuple([self.req_ids[rows[i]] for i in range(n)])
         if R:
             memset(&self.prev_index[0], 0xFF, R * sizeof(int32_t))
         for i in range(n):

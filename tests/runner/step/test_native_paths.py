@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from attnplug.core.errors import InvalidSchedulerOutput
 from attnplug.runner.step.int_packer import IntPacker
@@ -68,6 +69,10 @@ def test_a_regular_step_takes_the_compiled_path_and_matches_numpy():
     for name in ("query_start_loc", "positions", "input_ids", "seq_lens", "logits_indices"):
         assert getattr(a, name).tolist() == getattr(b, name).tolist(), name
     assert (a.discard == b.discard).all() and (a.is_prefilling == b.is_prefilling).all()
+    for inputs in (a, b):  # the mask as documented: an array, and the same memory as a tensor
+        assert type(inputs.is_prefilling) is np.ndarray and type(inputs.is_prefilling_cpu) is torch.Tensor
+        assert inputs.is_prefilling_cpu.tolist() == inputs.is_prefilling.tolist()
+    assert fast._preparer.kernels is fast.kernels and fast.kernels.name == "compiled"  # stage 3 on the compiled kernels
     for g in range(2):
         assert a.slot_mapping[g].tolist() == b.slot_mapping[g].tolist()
         assert a.block_table_tensor[g].tolist() == b.block_table_tensor[g].tolist()

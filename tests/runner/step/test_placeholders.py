@@ -20,7 +20,7 @@ from attnplug.runner.step.scheduler_output import CachedRequestData, NewRequestD
 
 @pytest.fixture(params=[False] + ([True] if kernels_available() else []), ids=lambda n: "compiled" if n else "numpy")
 def native(request) -> bool:
-    """Each test on both kernels: stage 8's compiled pass (``PlaceholderRows``) must check,
+    """Each test on both kernels: stage 8's compiled pass (``SampledRows``) must check,
     write and decline exactly where the numpy code does."""
     return request.param
 
