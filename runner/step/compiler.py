@@ -21,7 +21,7 @@ This class is a façade over the stages, one module each, in the order a step ru
 ``check`` (stage 1: validate, change nothing) → ``apply`` (stage 2) → ``prepare``
 (stage 3) → ``common_metadata`` (stage 4) → … → ``append`` (stage 8); the layout of the
 cache groups is ``groups.StepLayout``; the loops run on the step's kernels
-(``kernels.py``: numpy, or compiled from ``fast/``), chosen once here.
+(``step_kernels.py``: numpy, or compiled from ``fast/``), chosen once here.
 
 With ``ATTNPLUG_VALIDATE=1`` (read at construction) ``prepare_inputs`` checks the eight
 invariants (``attnplug.core.validate``) for every cache group each step.
@@ -154,7 +154,7 @@ class StepCompiler:
         self.reorder_batch_threshold = reorder_batch_threshold
         self.device = resolve_device(device)
         kernels = self.kernels = choose_kernels(native, SamplingParams)
-        """The step's loops (``runner/step/kernels.py``): compiled when built and not refused."""
+        """The step's loops (``runner/step/step_kernels.py``): compiled when built and not refused."""
         self.native = kernels.name == "compiled"
         """Whether the compiled kernels run (``runner/step/fast/``)."""
         self.input_batch = InputBatch(max_num_reqs, max_model_len, max_num_batched_tokens, self.block_sizes,

@@ -27,8 +27,9 @@ import torch
 
 from attnplug.cache_groups.block_table import MultiGroupBlockTable
 from attnplug.core.errors import MetadataError
-from attnplug.runner.step.kernels import NumpyKernels, StepKernels
+from attnplug.runner.step.numpy_kernels import NumpyKernels
 from attnplug.runner.step.request_state import CachedRequestState
+from attnplug.runner.step.step_kernels import StepKernels
 
 _max_of = np.maximum.reduce
 """``ndarray.max`` without its Python wrapper (a new row's block-id bound)."""
@@ -44,7 +45,7 @@ class InputBatch:
         block_sizes: manager block size per cache group.
         device: where block tables and slot mappings go.
         kernel_block_sizes: kernel block size per group (``None``: same as manager).
-        kernels: the step's kernels (``runner/step/kernels.py``): row clears and moves of the
+        kernels: the step's kernels (``runner/step/step_kernels.py``): row clears and moves of the
             block tables, rows of staged new requests. Default: the numpy kernels.
 
     Attributes (all CPU, row-indexed, valid for occupied rows):
@@ -114,7 +115,7 @@ class InputBatch:
         self.block_table = MultiGroupBlockTable(block_sizes, max_num_reqs, max_model_len,
                                                 max_num_batched_tokens, device, kernel_block_sizes)
         self.kernels: StepKernels = NumpyKernels() if kernels is None else kernels
-        """The step's kernels (``runner/step/kernels.py``)."""
+        """The step's kernels (``runner/step/step_kernels.py``)."""
         self._req_ids: list[str | None] = [None] * max_num_reqs
         self._states: list[CachedRequestState | None] = [None] * max_num_reqs
         self.req_id_to_index: dict[str, int] = {}

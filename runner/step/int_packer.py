@@ -1,7 +1,7 @@
 """``IntPacker``: many Python int lists → ``int32`` numpy views, fast, range-checked.
 
 All sequences of one call land back to back in one reusable buffer; the packing loop is
-the kernels' ``pack_ints`` (``runner/step/kernels.py``: ``struct.pack_into`` at ~10 ns per
+the kernels' ``pack_ints`` (``runner/step/step_kernels.py``: ``struct.pack_into`` at ~10 ns per
 int on the numpy kernels, one compiled pass at ~2 ns per int on the compiled ones, which
 hands numpy arrays and bad values to the numpy loop so that one place words the fault).
 """
@@ -12,7 +12,7 @@ from typing import Sequence
 
 import numpy as np
 
-from attnplug.runner.step.kernels import StepKernels
+from attnplug.runner.step.step_kernels import StepKernels
 
 
 class IntPacker:

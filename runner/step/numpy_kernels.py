@@ -1,4 +1,4 @@
-"""The numpy implementation of the step kernels (``runner/step/kernels.py``'s ``StepKernels``).
+"""The numpy implementation of the step kernels (``runner/step/step_kernels.py``'s ``StepKernels``).
 
 Vectorized numpy throughout, ``struct.pack_into`` for Python int lists; its scans always
 decline (the vectorized checks of ``runner/step/check*.py`` plan every step).

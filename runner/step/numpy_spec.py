@@ -1,5 +1,5 @@
 """The numpy kernels of speculative decoding's drafts and of the asynchronous patch
-(``StepKernels.write_drafts`` / ``spec_layout`` / ``prepare_patched``'s patch, ``runner/step/kernels.py``).
+(``StepKernels.write_drafts`` / ``spec_layout`` / ``prepare_patched``'s patch, ``runner/step/step_kernels.py``).
 
 The layout of a step with drafts (``runner/step/spec_metadata.py`` has a worked example): a
 kept row ending (exclusive) at token ``e`` with ``d`` drafts owns ``1 + d`` logits rows,

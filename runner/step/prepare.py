@@ -24,9 +24,10 @@ import torch
 from attnplug.cache_groups.kinds import GroupKind
 from attnplug.core.metadata import CommonAttentionMetadata
 from attnplug.runner.step.input_batch import InputBatch
-from attnplug.runner.step.kernels import NumpyKernels, StepKernels
+from attnplug.runner.step.numpy_kernels import NumpyKernels
 from attnplug.runner.step.prepare_buffers import PrepareBuffers
 from attnplug.runner.step.spec_metadata import SpecDecodeMetadata
+from attnplug.runner.step.step_kernels import StepKernels
 
 
 @dataclass

@@ -41,7 +41,7 @@ from attnplug.runner.step.check.spec import check_spec_tokens, check_state_slots
 from attnplug.runner.step.groups import StepLayout
 from attnplug.runner.step.input_batch import InputBatch
 from attnplug.runner.step.int_packer import IntPacker
-from attnplug.runner.step.kernels import StepKernels
+from attnplug.runner.step.step_kernels import StepKernels
 from attnplug.runner.step.plan import ScanBuffers, UpdatePlan
 from attnplug.runner.step.mrope import check_placeholders
 from attnplug.runner.step.multimodal import MultiModalConfig, check_mm_features

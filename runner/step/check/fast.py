@@ -25,7 +25,7 @@ from attnplug.runner.step.check.snapshot import Deltas, NewReq
 from attnplug.runner.step.plan import SpecTokens
 from attnplug.runner.step.groups import StepLayout
 from attnplug.runner.step.input_batch import InputBatch
-from attnplug.runner.step.kernels import StepKernels
+from attnplug.runner.step.step_kernels import StepKernels
 from attnplug.runner.step.plan import BlockAppends, ScanBuffers, UpdatePlan
 from attnplug.runner.step.request_state import CachedRequestState
 
