@@ -190,11 +190,14 @@ class CompiledKernels:
         if op is None or op[0] is not batch:
             op = self._stage8 = (batch, NATIVE.SampledRows(
                 batch.token_ids_cpu, batch.num_tokens, batch.num_computed_tokens_cpu, batch.num_scheduled_tokens,
-                batch.prev_sampled_index, batch.prev_sampled_pos, batch._req_ids))
+                batch.num_spec_tokens, batch.prev_sampled_index, batch.prev_sampled_pos, batch._req_ids))
         return op[1]
 
     def append_tokens(self, batch, rows, max_model_len, held, tokens):
         return self._sampled_rows(batch).append_tokens(rows, batch.num_reqs, max_model_len, held, tokens)
+
+    def append_verified(self, batch, rows, max_model_len, held, lens, tokens):
+        return self._sampled_rows(batch).append_verified(rows, batch.num_reqs, max_model_len, held, lens, tokens)
 
     def append_placeholders(self, batch, rows, max_model_len, held):
         return self._sampled_rows(batch).append_placeholders(rows, batch.num_reqs, max_model_len, held)

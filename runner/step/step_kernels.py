@@ -14,9 +14,10 @@ cached deltas), ``clear_rows`` and ``move_rows`` (every group's block table),
 ``null_skipped`` (stage 2's sliding-window nulling), ``write_new_rows`` (rows of the requests ``scan_new`` staged), ``prepare`` (stage 3's
 per-token arithmetic) and ``prepare_patched`` (``prepare`` with the asynchronous patch:
 one pass on the compiled kernels), with ``host_tokens`` (may it read the patch's tokens in
-place?), and ``append_tokens`` / ``append_placeholders`` / ``fill_placeholders`` (stage 8: one
-checking and one writing pass each on the compiled kernels; the numpy ones decline, and
-the numpy code of ``append.py`` / ``placeholders.py`` runs). A scan either plans its whole input or
+place?), and ``append_tokens`` / ``append_verified`` / ``append_placeholders`` /
+``fill_placeholders`` (stage 8: one checking and one writing pass each on the compiled
+kernels; the numpy ones decline, and the numpy code of ``append.py`` / ``spec_apply.py`` /
+``placeholders.py`` runs). A scan either plans its whole input or
 declines and changes nothing; on a decline the vectorized checks (``runner/step/check*.py``)
 plan the step, and they word every error, so the numpy kernels' scans always decline.
 Everything else gives the same bytes on both implementations (``tests/runner/
@@ -114,6 +115,15 @@ class StepKernels(Protocol):
         :meth:`append_placeholders`' checks, append ``tokens`` (``[n]`` ``int32``, checked
         ids) after them (their positions into ``held``) and return ``True``. Else ``False``
         and nothing written (always, on the numpy kernels): the numpy code words the error."""
+
+    def append_verified(self, batch: Any, rows: np.ndarray, max_model_len: int, held: np.ndarray,
+                        lens: np.ndarray, tokens: np.ndarray) -> bool:
+        """Stage 8 of a step with drafts (``spec_apply.append_verified_tokens``): when ``rows``
+        pass :meth:`append_placeholders`' checks (each row's drafts counted in its
+        ``seq_len``) and row ``i`` emitted ``1 .. 1 + drafts`` tokens (``lens``, ``[n]``
+        ``int64``) within ``max_model_len``, write them (``tokens``, ``int32``, checked ids,
+        row after row) from each row's ``num_tokens`` (into ``held``) on, clear its drafts and
+        return ``True``. Else ``False``, nothing written (always, on the numpy kernels)."""
 
     def append_placeholders(self, batch: Any, rows: np.ndarray, max_model_len: int,
                             held: np.ndarray) -> tuple[str, ...] | None:

@@ -1,6 +1,6 @@
-# SampledRows: stage 8 (runner/step/append.py, runner/step/placeholders.py), each call one
-# checking pass then one writing pass: append_output_tokens' rows (one token each),
-# append_placeholders' rows, fill_output_tokens' requests. A call either does all of its
+# SampledRows: stage 8 (runner/step/append.py, spec_apply.py, placeholders.py), each call
+# one checking pass then one writing pass: append_output_tokens' rows (one token each),
+# append_verified_tokens' rows, append_placeholders' rows, fill_output_tokens' requests. A call either does all of its
 # work or declines and writes nothing; the numpy code then runs and words the error —
 # included by _native.pyx (shares its cimports)
 
@@ -9,30 +9,34 @@ from libc.stdlib cimport malloc, free
 
 
 cdef class SampledRows:
-    """The rows that sampled this step. Bound to the batch's ``[M, W]`` ``int32`` token table, its ``[M]`` ``int32`` columns
-    ``num_tokens``, ``num_computed_tokens``, ``num_scheduled_tokens``,
-    ``prev_sampled_index`` and ``prev_sampled_pos``, and its row → request id list
-    (``InputBatch._req_ids``, ``None`` in an empty row)."""
+    """The rows that sampled this step. Bound to the batch's ``[M, W]`` ``int32`` token
+    table, its ``[M]`` ``int32`` columns ``num_tokens``, ``num_computed_tokens``,
+    ``num_scheduled_tokens``, ``num_spec_tokens``, ``prev_sampled_index`` and
+    ``prev_sampled_pos``, and its row → request id list (``InputBatch._req_ids``, ``None``
+    in an empty row)."""
 
     cdef int32_t[:, ::1] tokens
-    cdef int32_t[::1] num_tokens, ncc, sched, prev_index, prev_pos
+    cdef int32_t[::1] num_tokens, ncc, sched, num_spec, prev_index, prev_pos
     cdef list req_ids
     cdef uint8_t[::1] seen  # scratch, all 0 between calls
 
-    def __init__(self, tokens, num_tokens, ncc, sched, prev_index, prev_pos, list req_ids):
+    def __init__(self, tokens, num_tokens, ncc, sched, num_spec, prev_index, prev_pos, list req_ids):
         self.tokens, self.num_tokens, self.ncc, self.sched = tokens, num_tokens, ncc, sched
-        self.prev_index, self.prev_pos, self.req_ids = prev_index, prev_pos, req_ids
+        self.num_spec, self.prev_index, self.prev_pos, self.req_ids = num_spec, prev_index, prev_pos, req_ids
         cdef Py_ssize_t M = self.num_tokens.shape[0]
         if (self.ncc.shape[0] != M or self.sched.shape[0] != M or self.prev_index.shape[0] != M
-                or self.prev_pos.shape[0] != M or self.tokens.shape[0] != M or len(req_ids) != M):
+                or self.num_spec.shape[0] != M or self.prev_pos.shape[0] != M or self.tokens.shape[0] != M
+                or len(req_ids) != M):
             raise ValueError("SampledRows: the columns differ in length")
         self.seen = np.zeros(M, np.uint8)
 
-    cdef bint _check(self, const int64_t[:] rows, Py_ssize_t R, int64_t max_model_len, int64_t[::1] held):
+    cdef bint _check(self, const int64_t[:] rows, Py_ssize_t R, int64_t max_model_len, int64_t[::1] held,
+                     bint drafts=False):
         """Whether every one of ``rows`` is in ``[0, R)``, distinct, holds a request, and
-        samples this step (``num_computed_tokens + num_scheduled_tokens == num_tokens``)
-        below ``max_model_len`` and the table's width; each row's ``num_tokens`` into
-        ``held`` (as far as the checks got)."""
+        samples this step (``num_computed_tokens + num_scheduled_tokens == num_tokens``,
+        plus the row's ``num_spec_tokens`` with ``drafts``) below ``max_model_len`` and
+        the table's width; each row's ``num_tokens`` into ``held`` (as far as the checks
+        got)."""
         cdef Py_ssize_t i = 0, j, n = rows.shape[0], W = self.tokens.shape[1]
         cdef int64_t r, h
         cdef uint8_t* seen = &self.seen[0]
@@ -43,7 +47,8 @@ cdef class SampledRows:
             if r < 0 or r >= R or seen[r] or self.req_ids[r] is None:
                 break
             h = self.num_tokens[r]
-            if <int64_t>self.ncc[r] + self.sched[r] != h or h >= max_model_len or h >= W:
+            if (<int64_t>self.ncc[r] + self.sched[r] != h + (self.num_spec[r] if drafts else 0)
+                    or h >= max_model_len or h >= W):
                 break
             seen[r] = 1
             held[i] = h
@@ -66,6 +71,38 @@ cdef class SampledRows:
             r, h = rows[i], held[i]
             self.tokens[r, h] = tokens[i]
             self.num_tokens[r] = <int32_t>(h + 1)
+        return True
+
+    def append_verified(self, const int64_t[:] rows, Py_ssize_t R, int64_t max_model_len, int64_t[::1] held,
+                        const int64_t[::1] lens, const int32_t[::1] flat):
+        """``append_verified_tokens``: row ``rows[i]`` (which verified its
+        ``num_spec_tokens`` drafts this step) emitted ``lens[i]`` tokens (``1 .. 1 +
+        drafts``: the accepted drafts, then the corrected or bonus token), ``flat`` row
+        after row (checked ids). With :meth:`append_placeholders`' checks (the drafts
+        counted in the row's ``seq_len``) and at most ``max_model_len`` tokens a row, they
+        go after the row's ``num_tokens`` tokens (over its drafts), which grows by
+        ``lens[i]``, and its draft count goes to 0. Returns ``False``, nothing written,
+        when a check fails."""
+        cdef Py_ssize_t i, j, n = rows.shape[0], W = self.tokens.shape[1], off = 0
+        cdef int64_t r, h, L, d
+        cdef int64_t cap = max_model_len if max_model_len < W else W
+        if lens.shape[0] != n or not self._check(rows, R, max_model_len, held, True):
+            return False
+        for i in range(n):
+            L, d = lens[i], self.num_spec[rows[i]]
+            if L < 1 or L > d + 1 or held[i] + L > cap:
+                return False
+            off += L
+        if off != flat.shape[0]:
+            return False
+        off = 0
+        for i in range(n):
+            r, h, L = rows[i], held[i], lens[i]
+            for j in range(L):
+                self.tokens[r, h + j] = flat[off + j]
+            off += L
+            self.num_tokens[r] = <int32_t>(h + L)
+            self.num_spec[r] = 0
         return True
 
     def append_placeholders(self, const int64_t[:] rows, Py_ssize_t R, int64_t max_model_len, int64_t[::1] held):
