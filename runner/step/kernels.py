@@ -216,9 +216,12 @@ class CompiledKernels:
         P = -1 if num_tokens_padded is None else num_tokens_padded
         if prev_host >= 0:  # host_tokens' address of n int64 tokens
             n = batch.num_prev_sampled
-        else:  # writes_host_tokens, inline: prev_tokens_tensor made a CPU tensor int64 with unit stride
+        else:  # prev_tokens_tensor made a CPU tensor int64 with unit stride, or it is on the device
             t = prev_token_ids
-            prev_host, n = t.data_ptr() if t.is_cpu else 0, t.numel()
+            prev_host, n = 0, t.numel()
+            if t.is_cpu:
+                t.numpy()  # raises where numpy cannot read it (a zero tensor, the negative bit), as the numpy kernels
+                prev_host = t.data_ptr()
         try:
             return prep.prepare_patched(R, P, prev_host if bufs.input_ids.aliased else 0, n, expected)
         except NATIVE.PlaceholderRead as e:

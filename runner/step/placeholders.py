@@ -146,13 +146,15 @@ def prev_tokens_tensor(prev_token_ids, device: torch.device, num_placeholders: i
     not checked (that would wait for the device).
 
     Raises:
-        MetadataError: anything else (numpy arrays and lists included, another length).
+        MetadataError: anything else (numpy arrays and lists included, another length, a
+            CPU tensor with elements but no memory: a zero tensor, a storage freed or
+            resized to nothing).
     """
     t = prev_token_ids
     if type(t) is torch.Tensor and t.dtype is _INT64 and t.is_cpu and t.stride() == _UNIT_STRIDE:
         if t.shape[0] != num_placeholders:  # the usual CPU case: taken as it is
             raise _count_error(t, num_placeholders)
-        return t
+        return _with_memory(t)
     if not isinstance(t, torch.Tensor):
         raise MetadataError(f"prepare_inputs: prev_token_ids must be the previous step's sampled token ids as a "
                             f"1-D integer torch.Tensor, got {type(t).__name__}")
@@ -162,9 +164,18 @@ def prev_tokens_tensor(prev_token_ids, device: torch.device, num_placeholders: i
     if t.shape[0] != num_placeholders:
         raise _count_error(t, num_placeholders)
     if t.is_cpu:
-        return t.to(_INT64).contiguous()
+        return _with_memory(t.to(_INT64).contiguous())
     if t.device != device:
         raise MetadataError(f"prepare_inputs: prev_token_ids is on {t.device}, the step's tensors on {device}")
+    return t
+
+
+def _with_memory(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (a CPU tensor), unless it has elements but no memory to read them from (its
+    storage freed or resized to nothing), which is refused."""
+    if t.shape[0] and not t.data_ptr():
+        raise MetadataError("prepare_inputs: prev_token_ids holds no memory to read (a zero tensor, or its "
+                            "storage freed or resized to nothing)")
     return t
 
 

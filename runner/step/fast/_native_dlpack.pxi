@@ -84,9 +84,12 @@ def bind_tensor_type(tensor_type):
 def host_int64_vector(object t, Py_ssize_t n):
     """The host address of ``t``'s first element when ``t`` is exactly the bound tensor
     type (no subclass), on the CPU, ``int64``, 1-D with ``n >= 0`` elements at unit stride
-    (any stride when ``n <= 1``): ``n`` int64 values back to back that a kernel may read in
-    place while ``t`` lives. -1 for anything else, including every object the exchange API
-    refuses (its error is cleared: the caller's general check words it)."""
+    (any stride when ``n <= 1``) and, unless ``n = 0``, a data pointer (torch's zero tensors
+    have none): ``n`` int64 values back to back that a kernel may read in place while ``t``
+    lives. -1 for anything else, including every object the exchange API refuses (its error
+    is cleared: the caller's general check words it). Not seen through DLPack: torch's
+    negative bit (``torch._neg_view``, a private function, is the only maker of an integer
+    one); such a tensor is read as stored."""
     cdef attnplug_dl_tensor d
     if _dl_view == NULL or type(t) is not _dl_type or n < 0:
         return -1
@@ -94,6 +97,6 @@ def host_int64_vector(object t, Py_ssize_t n):
         PyErr_Clear()
         return -1
     if (d.device.device_type != _DL_CPU or d.dtype.code != _DL_INT or d.dtype.bits != 64 or d.dtype.lanes != 1
-            or d.ndim != 1 or d.shape[0] != n or (n > 1 and d.strides[0] != 1)):
+            or d.ndim != 1 or d.shape[0] != n or (n > 1 and d.strides[0] != 1) or (n and d.data == NULL)):
         return -1
     return <size_t>(<char*>d.data + d.byte_offset)

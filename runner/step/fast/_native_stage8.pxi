@@ -141,9 +141,9 @@ cdef class SampledRows:
         holding a placeholder (-1) at its position.
 
         Returns:
-            How many tokens were written, or -1: a request that left the batch but not the
-            runner (``requests``), a row or position outside the table, or no placeholder
-            there; nothing was written."""
+            How many tokens were written, or -1: an id looked up that is not a ``str``, a
+            request that left the batch but not the runner (``requests``), a row or position
+            outside the table, or no placeholder there; nothing was written."""
         cdef Py_ssize_t i, n = len(ids), M = self.tokens.shape[0], W = self.tokens.shape[1], written = 0
         cdef int64_t r, p
         cdef const int64_t[::1] given
@@ -163,6 +163,8 @@ cdef class SampledRows:
                 if trusted:
                     r = given[i]
                 else:
+                    if type(ids[i]) is not str:  # (a lookup that may fail to hash: the numpy code's)
+                        return -1
                     o = PyDict_GetItem(index, ids[i])
                     if o == NULL:
                         if PyDict_GetItem(requests, ids[i]) != NULL:

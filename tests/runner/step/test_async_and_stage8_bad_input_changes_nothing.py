@@ -80,7 +80,17 @@ BAD_PREV = {
     "longer": torch.tensor(SAMPLED + [73]),
     "longer int32": torch.tensor(SAMPLED + [73], dtype=torch.int32),
     "one per batch row, padded": torch.tensor(SAMPLED + [0] * 5),
+    "no memory (a zero tensor)": torch._efficientzerotensor(len(SAMPLED), dtype=torch.int64),
 }
+
+
+def _freed() -> torch.Tensor:
+    t = torch.tensor(SAMPLED)
+    t.untyped_storage().resize_(0)  # elements but no memory: read as garbage before
+    return t
+
+
+BAD_PREV["no memory (storage resized to nothing)"] = _freed()
 
 
 @pytest.mark.parametrize("native", PATHS)

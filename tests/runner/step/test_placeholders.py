@@ -14,7 +14,7 @@ import torch
 from attnplug.core.errors import MetadataError
 from attnplug.runner.step.compiler import StepCompiler, snapshot_diff
 from attnplug.runner.step.kernels import kernels_available
-from attnplug.runner.step.placeholders import PLACEHOLDER_TOKEN_ID, PatchPlan, patch_input_ids
+from attnplug.runner.step.placeholders import PLACEHOLDER_TOKEN_ID, PatchPlan, Placeholders, patch_input_ids
 from attnplug.runner.step.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 
 
@@ -154,6 +154,19 @@ def test_a_finished_request_is_skipped_and_a_detached_one_filled(native):
     assert "B" not in b.req_id_to_index  # unscheduled: B's history is detached from the batch
     assert sc.fill_output_tokens(ph, [70, 71]) == 1
     assert sc.requests["B"].all_token_ids[5] == 71 and "A" not in sc.requests
+
+
+def test_an_id_that_cannot_be_looked_up_changes_nothing(native):
+    """A hand-made ``Placeholders`` whose ids are looked up (no layout recorded): an
+    unhashable one fails the lookup on both kernels before any write (the compiled pass
+    looks up only ``str`` ids and leaves the rest to the numpy code)."""
+    sc = compiler(native)
+    b = sc.input_batch
+    ph = sc.append_placeholders(np.array([b.req_id_to_index["A"], b.req_id_to_index["B"]]))
+    before = sc.snapshot()
+    with pytest.raises(TypeError, match="unhashable"):
+        sc.fill_output_tokens(Placeholders(("A", ["B"]), ph.positions, ph.rows, None), [70, 71])
+    assert not snapshot_diff(before, sc.snapshot())
 
 
 @pytest.mark.parametrize("contiguous", [True, False])
