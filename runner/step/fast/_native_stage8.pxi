@@ -1,8 +1,8 @@
 # SampledRows: stage 8 (runner/step/append.py, spec_apply.py, placeholders.py), each call
 # one checking pass then one writing pass: append_output_tokens' rows (one token each),
-# append_verified_tokens' rows, append_placeholders' rows, fill_output_tokens' requests. A call either does all of its
-# work or declines and writes nothing; the numpy code then runs and words the error —
-# included by _native.pyx (shares its cimports)
+# append_verified_tokens' rows, append_placeholders' rows, fill_output_tokens' requests.
+# A call either does all of its work or declines and writes nothing; the numpy code then
+# runs and words the error — included by _native.pyx (shares its cimports)
 
 from cpython.dict cimport PyDict_GetItem
 from libc.stdlib cimport malloc, free
