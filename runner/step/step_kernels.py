@@ -1,27 +1,27 @@
 """The step compiler's kernels: the loops of stages 1-3 and 8 behind one small interface.
 
 :class:`StepKernels` is the seam between the step modules and the loops that carry the
-step's cost. Two implementations, chosen once per ``StepCompiler`` (:func:`choose_kernels`):
+step's cost. Two implementations, chosen once per ``StepCompiler`` (``kernels.choose_kernels``):
 
-* :class:`NumpyKernels` (``numpy_kernels.py``) — vectorized numpy (plus ``struct`` for
-  Python int lists).
-* :class:`CompiledKernels` (``kernels.py``, with :func:`choose_kernels`) — the Cython loops of ``runner/step/fast/_native.pyx``, bound to
+* ``NumpyKernels`` (``numpy_kernels.py``) — vectorized numpy (plus ``struct`` for Python
+  int lists).
+* ``CompiledKernels`` (``kernels.py``) — the Cython loops of ``runner/step/fast/``, bound to
   the batch's columns and the checker's and preparer's buffers on first use.
 
 The operations: ``pack_ints`` (Python int lists → one ``int32`` buffer), ``scan_cached``
 and ``scan_new`` (stage 1's fast plans), ``merge_cached`` (stage 2's merge of a plan's
 cached deltas), ``clear_rows`` and ``move_rows`` (every group's block table),
-``null_skipped`` (stage 2's sliding-window nulling), ``write_new_rows`` (rows of the requests ``scan_new`` staged), ``prepare`` (stage 3's
-per-token arithmetic) and ``prepare_patched`` (``prepare`` with the asynchronous patch:
-one pass on the compiled kernels), with ``host_tokens`` (may it read the patch's tokens in
-place?), and ``append_tokens`` / ``append_verified`` / ``append_placeholders`` /
-``fill_placeholders`` (stage 8: one checking and one writing pass each on the compiled
-kernels; the numpy ones decline, and the numpy code of ``append.py`` / ``spec_apply.py`` /
-``placeholders.py`` runs). A scan either plans its whole input or
-declines and changes nothing; on a decline the vectorized checks (``runner/step/check*.py``)
-plan the step, and they word every error, so the numpy kernels' scans always decline.
-Everything else gives the same bytes on both implementations (``tests/runner/
-test_native_paths.py``, the step-oracle tests).
+``null_skipped`` (stage 2's sliding-window nulling), ``write_new_rows`` (rows of the
+requests ``scan_new`` staged), ``prepare`` (stage 3's per-token arithmetic) and
+``prepare_patched`` (``prepare`` with the asynchronous patch: one pass on the compiled
+kernels), with ``host_tokens`` (may it read the patch's tokens in place?), and
+``append_tokens`` / ``append_verified`` / ``append_placeholders`` / ``fill_placeholders``
+(stage 8: one checking and one writing pass each on the compiled kernels; the numpy ones
+decline, and the numpy code of ``append.py`` / ``spec_apply.py`` / ``placeholders.py``
+runs). A scan either plans its whole input or declines and changes nothing; on a decline
+the vectorized checks (``runner/step/check/``) plan the step, and they word every error,
+so the numpy kernels' scans always decline. Everything else gives the same bytes on both
+implementations (``tests/runner/step/test_native_paths.py``, the step-oracle tests).
 
 Only ``kernels.py`` and ``compiler.py`` import ``runner.step.fast`` (``tests/test_layers.py``).
 """

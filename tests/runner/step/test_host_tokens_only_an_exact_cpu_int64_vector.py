@@ -30,12 +30,12 @@ class _Sub(torch.Tensor):
 
 def _reference(t, n: int) -> int:
     """The rule by torch's attributes: exactly ``torch.Tensor``, CPU, ``int64``, 1-D,
-    ``n`` elements, unit stride unless ``n <= 1``."""
+    ``n`` elements, unit stride unless ``n <= 1``, memory unless ``n = 0``."""
     if type(t) is not torch.Tensor or n < 0 or t.device.type != "cpu" or t.layout != torch.strided:
         return -1
     if t.dtype != torch.int64 or t.dim() != 1 or t.shape[0] != n or (n > 1 and t.stride(0) != 1):
         return -1
-    return t.data_ptr()
+    return -1 if n and not t.data_ptr() else t.data_ptr()  # (elements but no memory: refused)
 
 
 def _candidates():
@@ -54,6 +54,7 @@ def _candidates():
         out.append((f"dtype {dtype}", torch.zeros(4, dtype=dtype), 4))
     sparse = torch.tensor([1, 0, 3], dtype=torch.int64).to_sparse()
     out.append(("sparse", sparse, 3))
+    out.append(("zero tensor (no memory)", torch._efficientzerotensor(4, dtype=torch.int64), 4))
     return out
 
 
