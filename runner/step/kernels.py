@@ -196,8 +196,17 @@ class CompiledKernels:
     def append_tokens(self, batch, rows, max_model_len, held, tokens):
         return self._sampled_rows(batch).append_tokens(rows, batch.num_reqs, max_model_len, held, tokens)
 
-    def append_verified(self, batch, rows, max_model_len, held, lens, tokens):
-        return self._sampled_rows(batch).append_verified(rows, batch.num_reqs, max_model_len, held, lens, tokens)
+    def append_verified(self, batch, rows, max_model_len, token_ids):
+        n = rows.shape[0]
+        try:  # per row a token list (the numpy code words anything else)
+            lens = np.fromiter(map(len, token_ids), np.int64, n)
+        except (TypeError, ValueError):
+            return False
+        flat = np.empty(int(lens.sum()), np.int32)
+        if self.pack_ints(token_ids if type(token_ids) is list else list(token_ids), flat)[0] != flat.shape[0]:
+            return False  # (stage 8's typing rule is the packer's: append.token_id_array)
+        return self._sampled_rows(batch).append_verified(rows, batch.num_reqs, max_model_len, np.empty(n, np.int64),
+                                                         lens, flat)
 
     def append_placeholders(self, batch, rows, max_model_len, held):
         return self._sampled_rows(batch).append_placeholders(rows, batch.num_reqs, max_model_len, held)

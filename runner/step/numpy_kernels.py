@@ -152,7 +152,7 @@ class NumpyKernels:
     def append_tokens(self, batch, rows, max_model_len, held, tokens) -> bool:
         return False  # append.py's numpy code does it (and words every refusal)
 
-    def append_verified(self, batch, rows, max_model_len, held, lens, tokens) -> bool:
+    def append_verified(self, batch, rows, max_model_len, token_ids) -> bool:
         return False  # spec_apply.py's numpy code does it (and words every refusal)
 
     def append_placeholders(self, batch, rows, max_model_len, held):

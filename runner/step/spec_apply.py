@@ -74,7 +74,7 @@ def append_verified_tokens(batch: InputBatch, max_model_len: int, rows: Sequence
         raise MetadataError(f"append_verified_tokens: {m!r} token lists for {n} rows")
     if n == 0:
         return
-    if _append_verified_compiled(b, max_model_len, r, token_ids):
+    if b.kernels.append_verified(b, r, max_model_len, token_ids):  # checks and writes, or declines
         return
     if r.min() < 0 or r.max() >= b.num_reqs or not rows_distinct(r, b.num_reqs):
         raise MetadataError(f"append_verified_tokens: rows must be distinct and in [0, {b.num_reqs}), "
@@ -97,21 +97,6 @@ def append_verified_tokens(batch: InputBatch, max_model_len: int, rows: Sequence
     b.token_ids_cpu[np.repeat(r, lens), np.repeat(held, lens) + offsets] = flat
     b.num_tokens[r] = held + lens
     b.num_spec_tokens[r] = 0
-
-
-def _append_verified_compiled(b: InputBatch, max_model_len: int, rows: np.ndarray, token_ids) -> bool:
-    """:func:`append_verified_tokens` in one compiled pass (the kernels' ``append_verified``);
-    ``False`` (nothing written) when the kernels decline or the tokens are not well-formed:
-    the numpy code then checks everything in its order and words the first error."""
-    if b.kernels.name != "compiled":  # (the numpy kernels always decline: skip the packing)
-        return False
-    try:
-        lens = np.fromiter(map(len, token_ids), np.int64, rows.shape[0])
-        flat = token_id_array(b.kernels, token_ids if type(token_ids) is list else list(token_ids),
-                              int(lens.sum()), "append_verified_tokens", token_ids)
-    except (MetadataError, TypeError, ValueError):
-        return False
-    return b.kernels.append_verified(b, rows, max_model_len, np.empty(rows.shape[0], np.int64), lens, flat)
 
 
 def draft_state_copies(tables: Sequence[np.ndarray], rows: Sequence[int], tokens: Sequence[Sequence[int]]

@@ -116,14 +116,13 @@ class StepKernels(Protocol):
         ids) after them (their positions into ``held``) and return ``True``. Else ``False``
         and nothing written (always, on the numpy kernels): the numpy code words the error."""
 
-    def append_verified(self, batch: Any, rows: np.ndarray, max_model_len: int, held: np.ndarray,
-                        lens: np.ndarray, tokens: np.ndarray) -> bool:
+    def append_verified(self, batch: Any, rows: np.ndarray, max_model_len: int, token_ids: Any) -> bool:
         """Stage 8 of a step with drafts (``spec_apply.append_verified_tokens``): when ``rows``
-        pass :meth:`append_placeholders`' checks (each row's drafts counted in its
-        ``seq_len``) and row ``i`` emitted ``1 .. 1 + drafts`` tokens (``lens``, ``[n]``
-        ``int64``) within ``max_model_len``, write them (``tokens``, ``int32``, checked ids,
-        row after row) from each row's ``num_tokens`` (into ``held``) on, clear its drafts and
-        return ``True``. Else ``False``, nothing written (always, on the numpy kernels)."""
+        (``[n]`` ``int64``) pass :meth:`append_placeholders`' checks (each row's drafts
+        counted in its ``seq_len``) and row ``i`` emitted ``1 .. 1 + drafts`` tokens
+        (``token_ids[i]``, ids under stage 8's typing rule) within ``max_model_len``, write
+        them from each row's ``num_tokens`` on, clear its drafts and return ``True``. Else
+        ``False``, nothing written (always, on the numpy kernels, which pack nothing)."""
 
     def append_placeholders(self, batch: Any, rows: np.ndarray, max_model_len: int,
                             held: np.ndarray) -> tuple[str, ...] | None:
