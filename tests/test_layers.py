@@ -241,3 +241,15 @@ def test_docstrings_cite_documents_that_exist():
              for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1)
              if "design notes" in line.lower()]
     assert cites == []
+
+
+def test_the_compiled_path_is_named_only_behind_its_seam():
+    """``grep -rn native runner/step`` finds the word only in ``kernels.py``, ``compiler.py``
+    and ``fast/`` (issue 30): no step module takes a ``native=`` flag or names the compiled
+    files; the others see the kernels through ``StepKernels``."""
+    step = ROOT / "runner" / "step"
+    seam = {step / "kernels.py", step / "compiler.py"}
+    named = [f"{p.relative_to(ROOT)}:{i}" for p in sorted(step.rglob("*.py"))
+             if p not in seam and (step / "fast") not in p.parents
+             for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1) if "native" in line]
+    assert named == []

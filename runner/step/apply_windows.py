@@ -17,7 +17,7 @@ which ``num_computed_tokens`` the row is already nulled (it moves with its row a
 for a row just filled), so a step writes only the newly skipped blocks: a handful of
 numpy calls per sliding-window group and no Python loop over rows or tokens. This is the
 numpy kernels' ``null_skipped``; the compiled kernels do the same in one pass per group
-(``BlockRows.null_skipped``, ``runner/step/fast/_native_rows.pxi``).
+(``BlockRows.null_skipped``, its rows include under ``runner/step/fast/``).
 """
 
 from __future__ import annotations

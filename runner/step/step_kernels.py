@@ -21,7 +21,7 @@ decline, and the numpy code of ``append.py`` / ``spec_apply.py`` / ``placeholder
 runs). A scan either plans its whole input or declines and changes nothing; on a decline
 the vectorized checks (``runner/step/check/``) plan the step, and they word every error,
 so the numpy kernels' scans always decline. Everything else gives the same bytes on both
-implementations (``tests/runner/step/test_native_paths.py``, the step-oracle tests).
+implementations (the two-kernel tests of ``tests/runner/step/``, the step-oracle tests).
 
 Only ``kernels.py`` and ``compiler.py`` import ``runner.step.fast`` (``tests/test_layers.py``).
 """
@@ -148,7 +148,7 @@ class StepKernels(Protocol):
         1-D, ``n`` elements at unit stride. Else -1 (always, on the numpy kernels): the caller
         checks or converts it with ``placeholders.prev_tokens_tensor``, which words every
         refusal. Never raises. The compiled kernels read those facts in one call (DLPack's C
-        exchange API, ``fast/_native_dlpack.pxi``), not one torch attribute each."""
+        exchange API, its DLPack include under ``runner/step/fast/``), not one torch attribute each."""
 
     def prepare_patched(self, batch: Any, bufs: PrepareBuffers, writes_slots: tuple[bool, ...], R: int,
                         num_tokens_padded: int | None, prev_token_ids: torch.Tensor, expected: int,
