@@ -6,7 +6,8 @@ Random batches, 1–2 sliding-window groups (all groups windowed, or mixed with 
 group), windows and block sizes down to 1, rows whose context grows by random amounts
 over several calls: after each call exactly the blocks wholly before ``max(0, n - W + 1)``
 are ``NULL_BLOCK_ID`` (manager and kernel tables), the others keep their ids, the returned
-count is the number of entries newly nulled, and a second call writes nothing.
+count is the number of entries newly nulled, and a second call writes nothing. A request
+resumed from preemption starts with nothing nulled: its fresh blocks are nulled from block 0.
 """
 
 from __future__ import annotations
@@ -116,3 +117,30 @@ def test_rows_past_num_reqs_are_neither_read_nor_written(kernel_name):
     assert null(batch, [4]) == skipped(5, 4, 2)
     assert bt.block_table_np[2, :20].tolist() == stale.tolist()
     assert batch.num_computed_tokens_nulled[2] == 0
+
+
+@pytest.mark.parametrize("native", [False] + ([True] if kernels_available() else []))
+def test_a_resumed_rows_fresh_blocks_are_nulled_from_block_0(native):
+    """A request resumed from preemption gets fresh blocks, none nulled yet: with a window
+    of 1 token in blocks of 1 (the only layout where one computed token skips a block) the
+    step nulls every block before its context, block 0 included, on either kernel."""
+    from attnplug.runner.step.compiler import StepCompiler
+    from attnplug.runner.step.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+
+    sc = StepCompiler([1], 2, 16, 16, num_blocks=32, group_kinds=["sliding_window"], sliding_windows=[1],
+                      native=native, validate=True)
+    first = SchedulerOutput([NewRequestData("r", [1, 2, 3, 4], ([1, 2, 3, 4],)), NewRequestData("s", [5, 6], ([9, 10],))],
+                            CachedRequestData(), {"r": 4, "s": 2})
+    sc.update_states(first)
+    sc.prepare_inputs(first)
+    sc.append_output_tokens(["r", "s"], [7, 8])
+    only_s = SchedulerOutput([], CachedRequestData(["s"], [False], [[]], [([11],)], [2]), {"s": 1})  # r preempted
+    sc.update_states(only_s)
+    sc.prepare_inputs(only_s)
+    resumed = SchedulerOutput([], CachedRequestData(["r"], [True], [[]], [([5, 6, 12, 13, 14],)], [3]), {"r": 2})
+    sc.update_states(resumed)
+    b = sc.input_batch
+    r = b.req_id_to_index["r"]
+    assert b.block_table[0].block_table_np[r, :6].tolist() == [NULL_BLOCK_ID] * 3 + [13, 14, 0]
+    assert b.num_computed_tokens_nulled[r] == 3
+    assert sc.prepare_inputs(resumed).slot_mapping[0].tolist() == [13, 14]

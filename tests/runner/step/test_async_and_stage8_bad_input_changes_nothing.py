@@ -115,7 +115,9 @@ def test_prev_token_ids_hold_one_token_per_placeholder_of_the_latest_append(nati
     cached = CachedRequestData(["a", "c"], [False] * 2, [[], []], [None] * 2, [6, 7])
     nxt = SchedulerOutput([], cached, {"a": 1, "c": 1}, finished_req_ids={"b"})
     sc.update_states(nxt)
-    refused_unchanged(sc, "prev_token_ids holds 2 tokens but the latest append_placeholders appended 3",
+    refused_unchanged(sc, "prev_token_ids holds 2 tokens but the latest append_placeholders appended 3 "
+                          "placeholders: pass that step's sampled tensor, one token per sampling row in the "
+                          "order append_placeholders got$",
                       lambda: sc.prepare_inputs(nxt, prev_token_ids=torch.tensor([70, 72])))
     assert sc.prepare_inputs(nxt, prev_token_ids=torch.tensor(SAMPLED)).input_ids.tolist() == [70, 72]
 
@@ -249,6 +251,24 @@ def test_fill_output_tokens_checks_every_placeholder_before_writing(native):
     sc.input_batch.remove_requests(["a"])  # a detached: the loop, not the scatter
     refused_unchanged(sc, "request 'c' has no placeholder at position 7", lambda: sc.fill_output_tokens(ph, SAMPLED))
 
+
+@pytest.mark.parametrize("native", PATHS)
+def test_fill_output_tokens_refuses_a_placeholder_past_a_detached_history(native):
+    """a finished after its placeholder (position 6) and came back under the same id with a
+    6-token prompt, now resident but unscheduled: its history ends before position 6, so
+    the placeholder is not there (refused, nothing written; b's is not filled either)."""
+    sc = sampled(native)
+    decode = _decode((5, 3, 6))
+    sc.update_states(decode)
+    sc.prepare_inputs(decode)
+    ph = sc.append_placeholders([0, 1, 2])
+    cached = CachedRequestData(["b", "c"], [False] * 2, [[], []], [None] * 2, [4, 7])
+    sc.update_states(SchedulerOutput([NewRequestData("a", [1, 2, 3, 4, 5, 6], ([7, 8],))], cached,
+                                     {"a": 6, "b": 1, "c": 1}, finished_req_ids={"a"}))
+    sc.update_states(SchedulerOutput([], cached, {"b": 1, "c": 1}))  # a: resident, out of the batch
+    assert sc.requests["a"].row is None and ph.positions.tolist()[0] == 6
+    refused_unchanged(sc, "fill_output_tokens: request 'a' has no placeholder at position 6$",
+                      lambda: sc.fill_output_tokens(ph, SAMPLED))
 
 @pytest.mark.parametrize("native", PATHS)
 @pytest.mark.parametrize("bad", [[[7.9, 50], [1], [52]], [[7, "50"], [1], [52]], [[7, 8], [True], [52]]])

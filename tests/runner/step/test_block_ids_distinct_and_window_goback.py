@@ -111,9 +111,12 @@ def _window_request_at_20(native: bool) -> StepCompiler:
 @pytest.mark.parametrize("native", PATHS)
 @pytest.mark.parametrize("back_to", [2, 11, 13, 14, 16])
 def test_a_goback_whose_window_sees_a_nulled_block_is_refused(native, back_to):
+    """The refusal names the first key the queries see: ``max(0, back_to - W + 1)``."""
     sc = _window_request_at_20(native)
     so = SchedulerOutput([], CachedRequestData(["r"], [False], [[]], [None], [back_to]), {"r": 1})
-    _refused(sc, so, "r", "num_computed_tokens", "behind the sliding window")
+    _refused(sc, so, "r", "num_computed_tokens", f"group 0: {back_to} is behind the sliding window the runner "
+             f"already applied (20 tokens computed, window 6): its queries see keys from position "
+             f"{max(0, back_to - 5)} on, but blocks [0, 3) of 4 tokens were freed and nulled")
 
 
 @pytest.mark.parametrize("native", PATHS)
@@ -146,7 +149,8 @@ def test_a_non_str_request_id_is_named_as_such(native):
     so = SchedulerOutput([], CachedRequestData(["r", 7], [False, False], [[], []], [None, None], [2, 0]),
                          {"r": 1, 7: 1})
     _refused(sc, so, None, "scheduled_cached_reqs.req_ids", "request ids must be str, got int 7")
-    with pytest.raises(MetadataError, match="request ids must be str"):
+    with pytest.raises(MetadataError, match=r"append_output_tokens: request ids must be str \(or pass batch rows, all "
+                                            r"ints\), got int 7$"):
         sc.append_output_tokens(["r", 7], [1, 2])
 
 

@@ -5,7 +5,8 @@ in ``tests/runner/step/data/stage1_messages.json`` (reviewed like code): a messa
 its numbers, its field or its advice fails here, and the compiled path must word each
 refusal as the numpy path does. After a deliberate wording change, regenerate the file
 with ``ATTNPLUG_UPDATE_MESSAGES=1 pytest tests/runner/step/test_error_messages.py`` and review
-the diff.
+the diff. Two refusals ``CASES`` cannot express are pinned here directly: a re-added request
+listed twice, and a value whose ``repr`` raises (shown by its type).
 """
 
 from __future__ import annotations
@@ -93,3 +94,35 @@ def test_stage_8_refusals_are_worded_as_pinned():
         path.write_text(json.dumps(got, indent=1, sort_keys=True) + "\n")
     want = json.loads(path.read_text())
     assert got == want
+
+
+PATHS = [False] + ([True] if NATIVE is not None else [])
+
+
+@pytest.mark.parametrize("native", PATHS)
+def test_a_readded_request_listed_twice_is_worded_as_such(native):
+    """C (resident, out of the batch) twice among the cached requests: not "unknown"."""
+    from attnplug.runner.step.compiler import snapshot_diff
+    from attnplug.runner.step.scheduler_output import CachedRequestData, SchedulerOutput
+
+    sc = bad.make_compiler(native=native)
+    before = sc.snapshot()
+    cd = CachedRequestData(["A", "B", "C", "C"], [False] * 4, [[61], [71], [], []], [None, ([5], []), None, None],
+                           [7, 4, 2, 2])
+    with pytest.raises(InvalidSchedulerOutput) as info:
+        sc.update_states(SchedulerOutput([], cd, {"A": 1, "B": 1, "C": 1}))
+    assert str(info.value) == "request 'C': scheduled_cached_reqs: request listed twice"
+    assert not snapshot_diff(before, sc.snapshot())
+
+
+class _Opaque:
+    def __repr__(self):
+        raise RuntimeError("no repr")
+
+
+@pytest.mark.parametrize("native", PATHS)
+def test_a_value_whose_repr_raises_is_shown_by_its_type(native):
+    def mutate(cached, nst, new, finished):
+        cached["B"]["blocks"] = ([5], _Opaque())
+    assert _message(mutate, native) == ("request 'B': new_block_ids: group 1: expected a list of block ids (or a "
+                                        "1-D integer array), got <_Opaque whose repr raised RuntimeError>")

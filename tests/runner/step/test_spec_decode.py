@@ -123,6 +123,21 @@ def test_metadata_with_prefill_rows_and_explicit_drafts():
     plain = build_spec_decode_metadata([0, 5, 6, 9], [0, 0, 0], input_ids=torch.zeros(9, dtype=torch.int64))
     assert plain.logits_indices.tolist() == [4, 5, 8] and plain.bonus_logits_indices.tolist() == [0, 1, 2]
     assert plain.target_logits_indices.numel() == 0 and plain.draft_token_ids.numel() == 0
+    none = build_spec_decode_metadata([0, 5, 6], [0, 0], draft_token_ids=[[], []])  # no drafts to list: still int64
+    assert none.draft_token_ids.dtype == torch.int64 and none.draft_token_ids.numel() == 0
+
+
+def test_metadata_of_some_rows_describes_those_rows_only():
+    """``rows``: the worked example's rows 0 and 2 (explicit drafts), then rows 1 and 2 (drafts read
+    from ``input_ids``); the indices still point into the whole step's token stream."""
+    m = build_spec_decode_metadata([0, 3, 4, 8], [2, 0, 3], draft_token_ids=[[1, 2], [], [3, 4, 5]], rows=[0, 2])
+    assert m.num_draft_tokens == [2, 3] and m.cu_num_draft_tokens.tolist() == [2, 5]
+    assert m.logits_indices.tolist() == [0, 1, 2, 4, 5, 6, 7] and m.bonus_logits_indices.tolist() == [2, 6]
+    assert m.target_logits_indices.tolist() == [0, 1, 3, 4, 5] and m.draft_token_ids.tolist() == [1, 2, 3, 4, 5]
+    m = build_spec_decode_metadata([0, 3, 4, 8], [2, 0, 3], input_ids=torch.arange(100, 108), rows=[1, 2])
+    assert m.num_draft_tokens == [0, 3] and m.logits_indices.tolist() == [3, 4, 5, 6, 7]
+    assert m.target_logits_indices.tolist() == [1, 2, 3] and m.bonus_logits_indices.tolist() == [0, 4]
+    assert m.draft_token_ids.tolist() == [105, 106, 107]
 
 
 @pytest.mark.parametrize("qsl, counts, kwargs, msg", [

@@ -93,7 +93,8 @@ def _bad_cases():
         ("float id", dict(drafts={"A": [5, 1.0]}), "A", "draft token ids must be ints in [0, 2**31), got [5, 1.0]"),
         ("not a list", dict(drafts={"A": 5}, nst={"A": 2, "B": 4}), "A", "expected a list of draft token ids, got 5"),
         ("nothing real left", dict(drafts=A, ncc=(9, 2)), "A",
-         "num_computed_tokens=9 leaves no real token of 9 to compute"),
+         "num_computed_tokens=9 leaves no real token of 9 to compute: a verifying row computes its last token, "
+         "then the drafts$"),
         ("request id not str", dict(drafts={7: [1]}), None, "request ids must be str, got 7"),
     ]
 
@@ -179,4 +180,22 @@ def test_drafts_need_a_state_slot_per_draft_position_counting_this_steps_appends
     sc.update_states(so)
     r = sc.input_batch.req_id_to_index["A"]
     assert sc.input_batch.block_table.num_blocks_per_row[1, r] == 2 and sc.input_batch.num_spec_tokens[r] == 1
+    assert sc.prepare_inputs(so).input_ids.tolist() == [40, 5]
+
+
+@pytest.mark.parametrize("native", PATHS)
+def test_packed_drafts_count_the_state_slots_appended_in_the_packed_arrays(native):
+    """The same step handed packed (``packed_cached``): the second state slot comes in the
+    packed appends, which the state-slot check counts on whichever path plans the step
+    (the compiled scan plans it itself)."""
+    from test_packed_drafts_and_appends import packed
+
+    sc = state_group_compiler(native)
+    cd = CachedRequestData(["A"], [False], [[]], [([3], [2])], [8])
+    so = packed(SchedulerOutput([], cd, {"A": 2}, scheduled_spec_decode_tokens={"A": [5]}))
+    sc.update_states(so)
+    assert sc.checker.last_scanned is native
+    r = sc.input_batch.req_id_to_index["A"]
+    assert sc.input_batch.block_table.num_blocks_per_row[:, r].tolist() == [3, 2]
+    assert sc.input_batch.num_spec_tokens[r] == 1
     assert sc.prepare_inputs(so).input_ids.tolist() == [40, 5]

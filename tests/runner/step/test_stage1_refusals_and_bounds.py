@@ -372,3 +372,17 @@ def test_a_bool_tensor_token_or_block_id_is_refused_like_a_bool(native, where):
         so = SchedulerOutput([], CachedRequestData(["A"], [False], [[]], [([t], [3])], [6]), {"A": 1})
     e = refused(sc, so)
     assert e.field == where and "must be ints" in str(e), str(e)
+
+
+@pytest.mark.parametrize("native", [False, True])
+@pytest.mark.parametrize("ncts", [np.int64(2), np.uint8(2), 1.5, "2", True])
+def test_a_new_requests_num_computed_tokens_is_an_int_of_any_kind(native, ncts):
+    """A numpy integer is taken as its value; a float, a str, a bool are refused by name."""
+    sc = StepCompiler([4], 2, 32, 16, native=native)
+    so = SchedulerOutput([NewRequestData("n", list(range(6)), ([1, 2],), ncts)], CachedRequestData(), {"n": 4})
+    if isinstance(ncts, np.integer):
+        sc.update_states(so)
+        assert sc.prepare_inputs(so).positions.tolist() == [2, 3, 4, 5]
+        return
+    e = refused(sc, so)
+    assert str(e) == f"request 'n': num_computed_tokens: must be an int >= 0, got {ncts!r}"

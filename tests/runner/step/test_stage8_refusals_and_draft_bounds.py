@@ -40,6 +40,24 @@ def test_append_output_tokens_ragged_and_bounds():
     assert b.token_ids_cpu[rB, 3:6].tolist() == [20, 21, 22] and b.num_tokens[rB] == 6
 
 
+
+@pytest.mark.parametrize("native", [False, True])
+@pytest.mark.parametrize("tokens", [([30, 31], [20, 21]), [(30, 31), (20, 21)], (np.array([30, 31]), [20, 21]),
+                                    np.array([[30, 31], [20, 21]])],
+                         ids=["tuple of lists", "list of tuples", "tuple with an array", "2-D array"])
+def test_append_output_tokens_takes_a_row_of_tokens_in_any_container(native, tokens):
+    """Several tokens a row, in any container the typing rule takes (a tuple, tuples, a 2-D
+    array: one row each), append on both kernels as a list of lists does."""
+    sc = one_group(native)
+    so = SchedulerOutput([], cached(["A", "B"], [6, 2]), {"A": 1, "B": 1})
+    sc.update_states(so)
+    sc.prepare_inputs(so)
+    b = sc.input_batch
+    sc.append_output_tokens([b.req_id_to_index["A"], b.req_id_to_index["B"]], tokens)
+    rA, rB = b.req_id_to_index["A"], b.req_id_to_index["B"]
+    assert b.token_ids_cpu[rA, 6:10].tolist() == [9, 30, 31, 0] and b.num_tokens[rA] == 9
+    assert b.token_ids_cpu[rB, 2:6].tolist() == [10, 20, 21, 0] and b.num_tokens[rB] == 5
+
 def test_patch_counts_count_every_patched_step():
     import torch
     sc, ph = one_group(False), None

@@ -1,7 +1,7 @@
 """``StepCompiler``'s layout arguments (``runner/step/groups.py``, ``StepLayout.from_args``):
 a ``num_blocks`` list of the wrong length or a pool under 2 blocks, and a sliding window
-that is not a positive ``int`` (a ``bool`` or a float), are refused with ``KVCacheSpecError``
-before anything is built."""
+that is not a positive ``int`` (a ``bool`` or a float), and a kernel block size that is not a
+positive ``int`` (0 included), are refused with ``KVCacheSpecError`` before anything is built."""
 
 from __future__ import annotations
 
@@ -30,3 +30,11 @@ def test_a_window_that_is_not_a_positive_int_is_refused(window):
 def test_a_positive_int_window_and_a_right_sized_pool_list_are_taken():
     sc = _compiler(num_blocks=[8], group_kinds=["sliding_window"], sliding_windows=[3])
     assert sc.sliding_windows == [3]
+
+
+@pytest.mark.parametrize("kernel", [0, -4, 4.0])
+def test_a_kernel_block_size_that_is_not_a_positive_int_is_refused(kernel):
+    """Without ``num_blocks`` the default pool divides by the kernel expansion: a kernel
+    block size of 0 still reaches the block tables' refusal, not a division by zero."""
+    with pytest.raises(KVCacheSpecError, match=rf"kernel_block_size must be a positive int, got {kernel}$"):
+        _compiler(kernel_block_sizes=[kernel])
