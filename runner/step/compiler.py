@@ -38,7 +38,7 @@ from attnplug.cache_groups.grouping import KVCacheConfig
 from attnplug.cache_groups.kinds import PAGED_FULL_KINDS, GroupKind
 from attnplug.core import switches
 from attnplug.core.devices import resolve_device
-from attnplug.core.errors import InvalidSchedulerOutput, MetadataError
+from attnplug.core.errors import MetadataError
 from attnplug.core.validation import BatchView, validate
 from attnplug.runner.step.append import append_output_tokens
 from attnplug.runner.step.apply import apply_update
@@ -59,16 +59,7 @@ from attnplug.runner.step.request_state import CachedRequestState
 from attnplug.runner.step.scheduler_output import SamplingParams, SchedulerOutput
 from attnplug.runner.step.spec_apply import append_verified_tokens
 from attnplug.runner.step.spec_metadata import spec_decode_metadata
-
-
-def _expected_tokens(scheduler_output: SchedulerOutput | None) -> int:
-    """The token count ``_check_step_size`` will demand of the step: ``-1`` (no output: no
-    check), the output's ``total_num_scheduled_tokens``, or ``-2`` (never a count) when that
-    is not an ``int`` in ``[0, 2**62)`` (the check then refuses the step)."""
-    if scheduler_output is None:
-        return -1
-    t = scheduler_output.total_num_scheduled_tokens
-    return t if type(t) is int and 0 <= t < 2**62 else -2
+from attnplug.runner.step.step_size import check_step_size, expected_tokens
 
 
 __all__ = ["StepCompiler", "snapshot_diff"]
@@ -235,7 +226,8 @@ class StepCompiler:
             its next ``update_states`` (``ModelRunner`` waits on a ``HostBufferFence``).
 
         Raises:
-            InvalidSchedulerOutput: ``scheduler_output`` is not the one just applied.
+            InvalidSchedulerOutput: ``scheduler_output`` is not the one just applied (its
+                ``total_num_scheduled_tokens`` is not the step's count, or not an int).
             MetadataError: a bad ``num_tokens_padded``; a ``prev_token_ids`` that is not a
                 1-D integer tensor, whose length is not the latest ``append_placeholders``'
                 count, or which holds a token outside ``[0, 2**31)``; a placeholder among the
@@ -248,23 +240,22 @@ class StepCompiler:
                 num_tokens_padded = operator.index(num_tokens_padded)
             except TypeError:
                 raise MetadataError(f"num_tokens_padded must be an int, got {num_tokens_padded!r}") from None
+        expected, cap = expected_tokens(scheduler_output), self.max_num_batched_tokens
         prev_host = -1 if prev_token_ids is None else self.kernels.host_tokens(prev_token_ids, b.num_prev_sampled)
         if prev_host < 0 and prev_token_ids is not None:  # (the usual CPU tensor passed in one call)
             prev_token_ids = prev_tokens_tensor(prev_token_ids, self.device, b.num_prev_sampled)
         if num_tokens_padded is not None and not 0 <= num_tokens_padded <= self.max_num_batched_tokens:
-            self._check_step_size(scheduler_output, int(b.num_scheduled_tokens[:b.num_reqs].sum()),
-                                  num_tokens_padded)
+            check_step_size(expected, int(b.num_scheduled_tokens[:b.num_reqs].sum()), num_tokens_padded, cap)
         # the kernels count the tokens as they go: check the count afterwards (they write
         # only the step's output buffers; the async patch consumes its columns only for a
         # step that passes the check)
         if prev_token_ids is None:
             inputs = self._preparer.prepare(b, self.group_kinds, num_tokens_padded)
-            self._check_step_size(scheduler_output, inputs.num_actual_tokens, num_tokens_padded)
+            check_step_size(expected, inputs.num_actual_tokens, num_tokens_padded, cap)
         else:
             prep = self._preparer
-            inputs = prep.prepare(b, self.group_kinds, num_tokens_padded, prev_token_ids,
-                                  _expected_tokens(scheduler_output), prev_host)
-            self._check_step_size(scheduler_output, inputs.num_actual_tokens, num_tokens_padded)
+            inputs = prep.prepare(b, self.group_kinds, num_tokens_padded, prev_token_ids, expected, prev_host)
+            check_step_size(expected, inputs.num_actual_tokens, num_tokens_padded, cap)
             patch = prep.patch
             if patch[0] and not patch[2]:  # placeholders the kernels did not overwrite (not a CPU device)
                 finish_patch(prep.buffers, patch, prev_token_ids, inputs.input_ids)
@@ -295,15 +286,6 @@ class StepCompiler:
         if self.mm is not None and self.mm.features:
             inputs.mm_slices = self.mm.slices(idx, inputs.num_reqs, qsl, inputs.num_computed_tokens,
                                               inputs.num_scheduled_tokens)
-
-    def _check_step_size(self, scheduler_output: SchedulerOutput | None, Q: int, num_tokens_padded: int | None):
-        if scheduler_output is not None and scheduler_output.total_num_scheduled_tokens != Q:
-            raise InvalidSchedulerOutput(None, "total_num_scheduled_tokens", (
-                f"is {scheduler_output.total_num_scheduled_tokens} but the batch holds {Q} scheduled "
-                "tokens: call update_states with this output first"))
-        if num_tokens_padded is not None and not Q <= num_tokens_padded <= self.max_num_batched_tokens:
-            raise MetadataError(f"num_tokens_padded={num_tokens_padded} must lie in [{Q}, "
-                                f"{self.max_num_batched_tokens}] (num_actual_tokens .. max_num_batched_tokens)")
 
     def build_common_attn_metadata(self, inputs: StepInputs):
         """Build (and store in ``inputs``) the per-group :class:`CommonAttentionMetadata`."""

@@ -127,10 +127,8 @@ class UpdateChecker:
                                    finished, fin_set)
         self.last_scanned = plan is not None
         if plan is not None:
-            if plan.spec_tokens is not None and d.packed is not None and GroupKind.MAMBA in self.layout.group_kinds:
-                unpack_into(d, self.layout.num_groups)  # (check_state_slots counts new_block_ids)
             if plan.spec_tokens is not None:
-                check_state_slots(self.layout, self.batch, self.requests, d, plan.spec_tokens)
+                self._check_scanned_state_slots(d, plan)
             self._check_extras(plan, d.scheduled_new_reqs)
             return plan
         if d.packed is None:
@@ -138,6 +136,21 @@ class UpdateChecker:
         packed_appends = unpack_into(d, self.layout.num_groups)  # the packed form as vLLM's
         try:
             return self._plan_checked(d, finished, fin_set, new_ids)
+        except InvalidSchedulerOutput as e:
+            raise renamed(e, packed_appends) from None
+
+    def _check_scanned_state_slots(self, d: Deltas, plan: UpdatePlan) -> None:
+        """The state slots of a scanned plan's verifying requests (``check_state_slots``),
+        refused under the packed field's name when the drafts came packed, as on the
+        vectorized path."""
+        if d.packed is None:
+            check_state_slots(self.layout, self.batch, self.requests, d, plan.spec_tokens)
+            return
+        packed_appends = set()
+        if GroupKind.MAMBA in self.layout.group_kinds:  # (check_state_slots counts new_block_ids)
+            packed_appends = unpack_into(d, self.layout.num_groups)
+        try:
+            check_state_slots(self.layout, self.batch, self.requests, d, plan.spec_tokens)
         except InvalidSchedulerOutput as e:
             raise renamed(e, packed_appends) from None
 

@@ -199,3 +199,23 @@ def test_packed_drafts_count_the_state_slots_appended_in_the_packed_arrays(nativ
     assert sc.input_batch.block_table.num_blocks_per_row[:, r].tolist() == [3, 2]
     assert sc.input_batch.num_spec_tokens[r] == 1
     assert sc.prepare_inputs(so).input_ids.tolist() == [40, 5]
+
+
+@pytest.mark.parametrize("native", PATHS)
+def test_packed_drafts_short_of_state_slots_are_refused_under_the_packed_field(native):
+    """The refusal above with the step handed packed: both paths name the field the caller
+    sent, ``packed_cached.draft_token_ids`` (the compiled scan plans the step and checks the
+    slots after it; the vectorized checks rename it), with the same words, nothing changed."""
+    from test_packed_drafts_and_appends import packed
+
+    sc = state_group_compiler(native)
+    before = sc.snapshot()
+    cd = CachedRequestData(["A"], [False], [[]], [([3], [])], [8])
+    with pytest.raises(InvalidSchedulerOutput) as e:
+        sc.update_states(packed(SchedulerOutput([], cd, {"A": 2}, scheduled_spec_decode_tokens={"A": [5]})))
+    assert sc.checker.last_scanned is native
+    assert (e.value.req_id, e.value.field) == ("A", "packed_cached.draft_token_ids"), str(e.value)
+    assert str(e.value).endswith("1 drafts need 1 + 1 state slots in state group 1 (the request's state and one per "
+                                 "draft position), the request holds 1: the state pool was sized for fewer drafts "
+                                 "(KVCacheConfig.state_slots_per_request)"), str(e.value)
+    assert not snapshot_diff(before, sc.snapshot())
