@@ -56,7 +56,7 @@ STEP_TESTS = ["tests/runner/step/test_step_oracle.py", "tests/runner/step/test_i
               "tests/runner/step/test_stage8_takes_the_compiled_pass.py",
               "tests/runner/step/test_image_and_embedding_refusals_name_field_and_words.py",
               "tests/runner/step/test_image_slices_complete_at_the_spans_last_token.py",
-              "tests/runner/step/test_a_bad_step_total_is_refused_before_the_patch.py"]
+              "tests/runner/step/test_prepare_inputs_refuses_bad_arguments_before_the_patch.py"]
 TARGETS: dict[str, list[str]] = {
     # module glob (repo-relative)      -> the tests that guard it
     "runner/execute/sampler.py": ["tests/runner/execute/test_sampler.py"],

@@ -43,6 +43,7 @@ from attnplug.core.validation import BatchView, validate
 from attnplug.runner.step.append import append_output_tokens
 from attnplug.runner.step.apply import apply_update
 from attnplug.runner.step.check.checker import UpdateChecker
+from attnplug.runner.step.check.types import is_bool_like
 from attnplug.runner.step.common_metadata import build_common_attn_metadata
 from attnplug.runner.step.debug import batch_view, snapshot, snapshot_diff
 from attnplug.runner.step.kernels import choose_kernels
@@ -204,8 +205,8 @@ class StepCompiler:
 
         Args:
             scheduler_output: the output just applied (checked for the token count only).
-            num_tokens_padded: pad the token dimension to this many (``>= num_actual_tokens``,
-                ``<= max_num_batched_tokens``).
+            num_tokens_padded: pad the token dimension to this many (an int, never a ``bool``;
+                ``>= num_actual_tokens``, ``<= max_num_batched_tokens``).
             build_metadata: also build ``common_attn_metadata`` (one per group).
             prev_token_ids: asynchronous scheduling: the previous step's sampled tokens, a
                 1-D integer ``torch.Tensor`` ``[n]`` (not ``bool``; on the step's device or the
@@ -237,6 +238,8 @@ class StepCompiler:
         b = self.input_batch
         if num_tokens_padded is not None:
             try:
+                if is_bool_like(num_tokens_padded):  # (operator.index takes True, and a bool tensor, as 1)
+                    raise TypeError
                 num_tokens_padded = operator.index(num_tokens_padded)
             except TypeError:
                 raise MetadataError(f"num_tokens_padded must be an int, got {num_tokens_padded!r}") from None

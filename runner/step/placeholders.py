@@ -163,8 +163,9 @@ def prev_tokens_tensor(prev_token_ids, device: torch.device, num_placeholders: i
                             f"of shape {tuple(t.shape)}")
     if t.shape[0] != num_placeholders:
         raise _count_error(t, num_placeholders)
-    if t.is_cpu:
-        return _with_memory(t.to(_INT64).contiguous())
+    if t.is_cpu:  # one copy into a unit-stride int64 vector (``.contiguous()`` keeps the
+        # stride of a one-element tensor, which the kernels would then not read on the host)
+        return torch.empty(t.shape[0], dtype=_INT64).copy_(_with_memory(t))
     if t.device != device:
         raise MetadataError(f"prepare_inputs: prev_token_ids is on {t.device}, the step's tensors on {device}")
     return t

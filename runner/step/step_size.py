@@ -21,18 +21,21 @@ def expected_tokens(scheduler_output: SchedulerOutput | None) -> int:
     never a ``bool``: stage 1's rule).
 
     Raises:
-        InvalidSchedulerOutput: a total that is not such an int in ``[0, 2**62)``.
+        InvalidSchedulerOutput: ``scheduler_output`` is not a ``SchedulerOutput``, or its total
+            is not such an int in ``[0, 2**62)`` (stage 1 refuses both).
     """
     if scheduler_output is None:
         return -1
+    if not isinstance(scheduler_output, SchedulerOutput):
+        raise InvalidSchedulerOutput(None, "scheduler_output", f"expected the SchedulerOutput update_states just "
+                                     f"applied, got {type(scheduler_output).__name__}")
     t = scheduler_output.total_num_scheduled_tokens
     if type(t) is int and 0 <= t < 2**62:
         return t
     if is_int(t) and 0 <= t < 2**62:
         return int(t)
     raise InvalidSchedulerOutput(None, "total_num_scheduled_tokens",
-                                 f"must be an int in [0, 2**62), got {show(t)}: call update_states with this "
-                                 "output first")
+                                 f"must be an int in [0, 2**62), got {show(t)}: not an output update_states took")
 
 
 def check_step_size(expected: int, Q: int, num_tokens_padded: int | None, max_num_batched_tokens: int) -> None:
