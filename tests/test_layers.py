@@ -219,13 +219,16 @@ def test_the_checks_can_fail(tmp_path):
 
 
 def test_small_modules():
-    """No ``.py`` file over 400 lines; no function over 80 lines in runner/step/."""
+    """No ``.py`` file over 400 lines; no function over 80 lines (numbered sections inside a
+    long function are named functions waiting to be born)."""
     big = [f"{p.relative_to(ROOT)} ({n} lines)" for p in ROOT.rglob("*.py")
            if not any(part in SKIP_DIRS for part in p.relative_to(ROOT).parts)
            for n in [len(p.read_text(encoding="utf-8").splitlines())] if n > 400]
     assert big == []
     long_fns = []
-    for p in (ROOT / "runner" / "step").rglob("*.py"):
+    for p in ROOT.rglob("*.py"):
+        if any(part in SKIP_DIRS for part in p.relative_to(ROOT).parts):
+            continue
         for node in ast.walk(ast.parse(p.read_text(encoding="utf-8"))):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 n = node.end_lineno - node.lineno + 1

@@ -11,6 +11,28 @@ Chooses the tile sizes (:func:`choose_tiles`), then launches
 
 See ``attention_kernels.py`` for the work decomposition. Nothing here synchronises with
 the host: the grid depends only on ``query.shape[0]``, ``num_reqs`` and the heads.
+
+Optional inputs of :func:`paged_attention` (each ``None`` by default, then not used), on
+``query``'s device:
+
+* ``visited_tiles``, a test aid: ``[num_query_tiles(...), num_kv_heads, num_kv_splits]``
+  ``torch.int32``; each program stores how many key tiles (of ``choose_tiles(...).tile_n``
+  keys) it visited. Programs without queries leave their entry unchanged.
+* ``lse``: ``[num_tokens, num_heads]`` ``torch.float32`` (any strides): each real (token,
+  head) row's log-sum-exp of its scaled, capped logits is stored there, in natural log
+  (``-inf`` for a query that saw no key), as ``backends/common/merge.merge_attn_states``
+  takes it (transposed). Needs ``num_kv_splits == 1``. Cascade attention's passes use it.
+* ``sinks``: ``[num_heads]`` ``torch.float32``, per-head sink logits
+  (``core/contracts.AttentionImpl``): one more logit in each row's softmax denominator, no
+  value; counted once with ``num_kv_splits > 1`` (the first segment starts its online
+  softmax at the sink), and included in ``lse``.
+* ``alibi_slopes``: ``[num_heads]`` ``torch.float32``, ALiBi: each logit gets
+  ``- slope_h * (query position - key position)`` after scale and soft-cap (vLLM's
+  ``alibi_slopes``).
+* ``k_scale``, ``v_scale``: an fp8 cache's descales, float32 ``[]`` or ``[num_kv_heads]``
+  (``None``: 1.0); real = stored * scale (``core/kv_quant.py``). The kernel casts fp8 K/V
+  tiles to the query's dtype, folds ``k_scale`` into the softmax scale and ``v_scale`` into
+  the accumulator (one KV head per program).
 """
 
 from __future__ import annotations
@@ -143,29 +165,12 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
             splits each request's visible keys into that many segments plus a reduce.
         tiles: tile sizes to use instead of :func:`choose_tiles`'s (tests run the GPU
             sizes in the interpreter with it).
-        visited_tiles: a test aid: ``[num_query_tiles(...), num_kv_heads, num_kv_splits]``,
-            ``torch.int32``, same device; each program stores how many key tiles (of
-            ``choose_tiles(...).tile_n`` keys) it visited. Programs without queries leave
-            their entry unchanged.
         check_values: check the index values where they are checked (below); ``False``
             when the caller already did (``TritonAttentionImpl`` checks before its K/V
             write).
-        lse: ``None``, or ``[num_tokens, num_heads]`` ``torch.float32`` on the same device
-            (any strides): each real (token, head) row's log-sum-exp of its scaled, capped
-            logits is stored there, in natural log (``-inf`` for a query that saw no key),
-            as ``backends/common/merge.merge_attn_states`` takes it (transposed). Needs
-            ``num_kv_splits == 1``. Cascade attention's passes use it.
-        sinks: ``None``, or ``[num_heads]`` ``torch.float32`` on the same device: per-head
-            sink logits (``core/contracts.AttentionImpl``), one more logit in each row's
-            softmax denominator, no value; counted once with ``num_kv_splits > 1`` (the
-            first segment starts its online softmax at the sink), and included in ``lse``.
-        alibi_slopes: ``None``, or ``[num_heads]`` ``torch.float32`` on the same device: ALiBi,
-            each logit gets ``- slope_h * (query position - key position)`` after scale and
-            soft-cap (vLLM's ``alibi_slopes``).
-        k_scale, v_scale: an fp8 cache's descales, float32 ``[]`` or ``[num_kv_heads]``
-            (``None``: 1.0); real = stored * scale (``core/kv_quant.py``). The kernel casts
-            fp8 K/V tiles to the query's dtype, folds ``k_scale`` into the softmax scale and
-            ``v_scale`` into the accumulator (one KV head per program).
+        visited_tiles, lse, sinks, alibi_slopes, k_scale, v_scale: the optional inputs, each
+            ``None`` (the default: not used) or a tensor on ``query``'s device as the module
+            docstring's "Optional inputs" gives its shape, dtype and meaning.
 
     Returns:
         ``output``.

@@ -44,40 +44,30 @@ INTERPRETED: bool = interpreting()
 @triton.jit(do_not_specialize=["num_reqs"])  # one compile for every batch size (1 and multiples of 16 too)
 def paged_attention_kernel(
     query_ptr,            # [num_tokens, num_heads, HEAD_SIZE], fp32/fp16/bf16, last dim contiguous
-    key_cache_ptr,        # [num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_SIZE] (strided view), query's dtype
-    value_cache_ptr,      # [num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_SIZE] (strided view), query's dtype
+    key_cache_ptr, value_cache_ptr,  # each [num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_SIZE] (strided), q's dtype
     output_ptr,           # [num_tokens, num_heads, HEAD_SIZE], written when NUM_SEGMENTS == 1
-    part_acc_ptr,         # [num_tokens, num_heads, NUM_SEGMENTS, HEAD_SIZE_PADDED] fp32 (NUM_SEGMENTS > 1)
-    part_max_ptr,         # [num_tokens, num_heads, NUM_SEGMENTS] fp32, base-2 running max
-    part_sum_ptr,         # [num_tokens, num_heads, NUM_SEGMENTS] fp32, running sum of exp2
-    query_start_loc_ptr,  # [num_reqs + 1] int32, tokens
-    seq_lens_ptr,         # [num_reqs] int32, tokens
+    # split-KV partials (NUM_SEGMENTS > 1): acc [num_tokens, num_heads, NUM_SEGMENTS, HEAD_SIZE_PADDED],
+    # base-2 running max and running sum of exp2 [num_tokens, num_heads, NUM_SEGMENTS]; fp32
+    part_acc_ptr, part_max_ptr, part_sum_ptr,
+    query_start_loc_ptr, seq_lens_ptr,  # [num_reqs + 1] and [num_reqs] int32, tokens
     block_table_ptr,      # [num_reqs, >= cdiv(max_seq_len, BLOCK_SIZE)] int32, kernel block ids
     visited_tiles_ptr,    # [num_q_tiles, num_kv_heads, NUM_SEGMENTS] int32 (RECORD_VISITED only; a test aid)
     lse_ptr,              # [num_tokens, num_heads] fp32 (strided), natural-log LSE (STORE_LSE only)
-    sinks_ptr,            # [num_heads] fp32 sink logits, natural-log domain (USE_SINKS only)
-    alibi_ptr,            # [num_heads] fp32 ALiBi slopes, natural-log domain (USE_ALIBI only)
-    k_scale_ptr,          # [num_kv_heads] fp32, K descale: real = stored * k_scale (KV_FP8 only)
-    v_scale_ptr,          # [num_kv_heads] fp32, V descale (KV_FP8 only)
+    sinks_ptr, alibi_ptr,  # [num_heads] fp32 sink logits / ALiBi slopes, natural-log domain (USE_SINKS / USE_ALIBI)
+    k_scale_ptr, v_scale_ptr,  # [num_kv_heads] fp32 K / V descales: real = stored * scale (KV_FP8 only)
     num_reqs,             # int32
-    scale,                # fp32, softmax scale (natural-log domain)
-    soft_cap,             # fp32, logits soft-cap (read only when USE_SOFT_CAP)
-    stride_q_tok, stride_q_head,
-    stride_o_tok, stride_o_head,
-    stride_k_blk, stride_k_tok, stride_k_head,
-    stride_v_blk, stride_v_tok, stride_v_head,
-    stride_bt_req,
-    stride_lse_tok, stride_lse_head,
+    scale, soft_cap,      # fp32: softmax scale (natural-log domain), logits soft-cap (read only when USE_SOFT_CAP)
+    stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
+    stride_k_blk, stride_k_tok, stride_k_head, stride_v_blk, stride_v_tok, stride_v_head,
+    stride_bt_req, stride_lse_tok, stride_lse_head,
     NUM_QUERIES_PER_KV: tl.constexpr,  # num_heads // num_kv_heads
-    HEAD_SIZE: tl.constexpr,
-    HEAD_SIZE_PADDED: tl.constexpr,    # next power of two >= max(HEAD_SIZE, 16)
+    HEAD_SIZE: tl.constexpr, HEAD_SIZE_PADDED: tl.constexpr,  # padded: next power of two >= max(HEAD_SIZE, 16)
     BLOCK_SIZE: tl.constexpr,          # tokens per kernel block (page)
     BLOCK_M: tl.constexpr,             # query rows per program (power of two >= 16)
     BLOCK_Q: tl.constexpr,             # query tokens per program: BLOCK_M // NUM_QUERIES_PER_KV
     TILE_N: tl.constexpr,              # keys per inner iteration (power of two >= 16)
-    CAUSAL: tl.constexpr,
+    CAUSAL: tl.constexpr, USE_SOFT_CAP: tl.constexpr,
     SLIDING_WINDOW: tl.constexpr,      # W tokens (current included); 0 = full attention
-    USE_SOFT_CAP: tl.constexpr,
     NUM_SEGMENTS: tl.constexpr,        # 1: unified single pass; > 1: split-KV partials
     DOT_PRECISION: tl.constexpr,       # "ieee" for fp32 inputs (no TF32), "tf32" otherwise (ignored)
     RECORD_VISITED: tl.constexpr,      # store how many key tiles each program visited
@@ -90,25 +80,12 @@ def paged_attention_kernel(
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     segment = tl.program_id(2)
-
-    # The request of this tile: the largest i with query_start_loc[i] // BLOCK_Q + i <= tile
-    # (binary search, inline: its loop-carried scalars; see the device functions below).
-    req = tl.program_id(0) * 0  # int32 scalar (loop-carried types must not change)
-    hi = req + num_reqs
-    while hi - req > 1:
-        mid = (req + hi) // 2
-        if tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid <= tile:
-            req = mid
-        else:
-            hi = mid
-    q_begin = tl.load(query_start_loc_ptr + req)
-    q_len = tl.load(query_start_loc_ptr + req + 1) - q_begin
-    first_q = (tile - (q_begin // BLOCK_Q + req)) * BLOCK_Q  # first query index of this tile
+    req, q_begin, q_len, first_q, seq_len, key_lo, key_hi, tile_lo, tile_hi = _tile_request_and_keys(
+        query_start_loc_ptr, seq_lens_ptr, tile, num_reqs, segment, BLOCK_Q, TILE_N, CAUSAL, SLIDING_WINDOW,
+        NUM_SEGMENTS)
     if first_q >= q_len:
         return
-    seq_len = tl.load(seq_lens_ptr + req)
     ctx_len = seq_len - q_len  # position of query 0 (bottom-right alignment)
-
     rows = tl.arange(0, BLOCK_M)
     q_idx = first_q + rows // NUM_QUERIES_PER_KV
     head = kv_head * NUM_QUERIES_PER_KV + rows % NUM_QUERIES_PER_KV
@@ -117,12 +94,8 @@ def paged_attention_kernel(
     token = (q_begin + q_idx).to(tl.int64)
     dims = tl.arange(0, HEAD_SIZE_PADDED)
     dim_valid = dims < HEAD_SIZE
-
     q = tl.load(query_ptr + token[:, None] * stride_q_tok + head[:, None] * stride_q_head + dims[None, :],
                 mask=row_valid[:, None] & dim_valid[None, :], other=0.0)
-
-    key_lo, key_hi, tile_lo, tile_hi = _key_tile_range(first_q, q_len, seq_len, segment, BLOCK_Q, TILE_N, CAUSAL,
-                                                        SLIDING_WINDOW, NUM_SEGMENTS)
 
     if RECORD_VISITED:
         tl.store(visited_tiles_ptr + (tile * tl.num_programs(1) + kv_head) * NUM_SEGMENTS + segment,
@@ -165,12 +138,28 @@ def _sink_start(sinks_ptr, head, row_valid, segment, m_i, l_i):
 
 
 @triton.jit
-def _key_tile_range(first_q, q_len, seq_len, segment, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr,
-                    CAUSAL: tl.constexpr, SLIDING_WINDOW: tl.constexpr, NUM_SEGMENTS: tl.constexpr):
-    """``(key_lo, key_hi, tile_lo, tile_hi)``: the keys ``[key_lo, key_hi)`` any query of the
-    tile (queries ``first_q ..`` of a request with ``q_len`` queries and ``seq_len`` keys,
-    bottom-right aligned) may see, and this segment's share ``[tile_lo, tile_hi)`` of their
-    ``TILE_N``-key tiles (empty when ``tile_hi <= tile_lo``); int32 scalars."""
+def _tile_request_and_keys(query_start_loc_ptr, seq_lens_ptr, tile, num_reqs, segment, BLOCK_Q: tl.constexpr,
+                           TILE_N: tl.constexpr, CAUSAL: tl.constexpr, SLIDING_WINDOW: tl.constexpr,
+                           NUM_SEGMENTS: tl.constexpr):
+    """``(req, q_begin, q_len, first_q, seq_len, key_lo, key_hi, tile_lo, tile_hi)``, int32
+    scalars: the request of query tile ``tile`` (the largest ``i`` with
+    ``query_start_loc[i] // BLOCK_Q + i <= tile``, by binary search), its first token and
+    query count, the tile's first query index (``>= q_len``: a surplus tile, nothing to do)
+    and the request's key count; then the keys ``[key_lo, key_hi)`` any query of the tile
+    may see (bottom-right aligned) and this segment's share ``[tile_lo, tile_hi)`` of their
+    ``TILE_N``-key tiles (empty when ``tile_hi <= tile_lo``)."""
+    req = tile * 0  # int32 scalar (loop-carried types must not change)
+    hi = req + num_reqs
+    while hi - req > 1:
+        mid = (req + hi) // 2
+        if tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid <= tile:
+            req = mid
+        else:
+            hi = mid
+    q_begin = tl.load(query_start_loc_ptr + req)
+    q_len = tl.load(query_start_loc_ptr + req + 1) - q_begin
+    first_q = (tile - (q_begin // BLOCK_Q + req)) * BLOCK_Q
+    seq_len = tl.load(seq_lens_ptr + req)
     ctx_len = seq_len - q_len
     last_q = tl.minimum(first_q + BLOCK_Q, q_len) - 1
     if CAUSAL:
@@ -187,7 +176,7 @@ def _key_tile_range(first_q, q_len, seq_len, segment, BLOCK_Q: tl.constexpr, TIL
         per_segment = (tile_hi - tile_lo + NUM_SEGMENTS - 1) // NUM_SEGMENTS
         tile_lo = tile_lo + segment * per_segment
         tile_hi = tl.minimum(tile_lo + per_segment, tile_hi)
-    return key_lo, key_hi, tile_lo, tile_hi
+    return req, q_begin, q_len, first_q, seq_len, key_lo, key_hi, tile_lo, tile_hi
 
 
 @triton.jit
