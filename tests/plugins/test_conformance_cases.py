@@ -58,7 +58,8 @@ def test_scale_is_a_case_field_that_json_and_property_mode_set():
 
     drawn = set()
 
-    @settings(max_examples=25, database=None, deadline=None, suppress_health_check=list(HealthCheck))
+    @settings(max_examples=25, database=None, deadline=None, derandomize=True,  # (one fixed draw: never flaky)
+              suppress_health_check=list(HealthCheck))
     @given(case_strategy(TorchNativeBackend))
     def collect(c):
         drawn.add(c.scale)
